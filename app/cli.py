@@ -1,0 +1,178 @@
+"""The `s2moe` command line. Decoding logic lives in s2moe.engine; this module parses, runs, prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..engine.errors import ConfigError, S2MoEError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text}")
+    return v
+
+
+def default_model() -> str:
+    try:
+        from ..engine.zoo import default_model_path
+    except ImportError:
+        default_model_path = None
+    path = default_model_path() if default_model_path else None
+    if path is None or not path.is_file():
+        raise ConfigError("no shipped default model in this install: pass --model PATH to a GGUF MoE model")
+    return str(path)
+
+
+def add_generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
+    p.add_argument("--mode", default="s2moe", choices=["ar", "s2moe", "conf"], help="decoding mode (default s2moe)")
+    p.add_argument("-n", "--n-predict", type=_positive_int, default=128, help="tokens to generate")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+    p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", help="device profile name or YAML path (cost constants); measured at start-up if absent")
+    p.add_argument("--draft-topk", type=_positive_int, default=2, help="experts per token in draft passes (k_d)")
+    p.add_argument("--draft-max", type=_positive_int, default=8, help="cap on draft length")
+    p.add_argument("--no-utility", action="store_true", help="fixed draft length instead of utility expansion")
+    p.add_argument("--threshold", type=_non_negative_float, default=1.0, help="utility threshold")
+    p.add_argument("--reuse-strength", type=_non_negative_float, default=0.5,
+                   help="reuse-aware gating strength α (0 = off, lossless)")
+    p.add_argument("--reuse-cap", type=_positive_int, default=None, help="preferred experts |E*| (default 2·k)")
+    p.add_argument("--ctx", type=_positive_int, default=2048, help="context window in tokens")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="s2moe", description="S²-MoE self-speculative decoding for MoE models on llama.cpp")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate text from a prompt and report speculation statistics")
+    add_generation_options(g)
+    g.add_argument("--prompt", "-p", required=True, help="prompt text")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text and summary")
+    g.add_argument("--events", action="store_true", help="print one line per iteration to stderr")
+    return parser
+
+
+def generation_config(args, decoder):
+    from ..engine.decoder import GenerationConfig
+    from ..engine.profiles import cost_for_model, load_profile
+
+    if args.greedy and args.temp > 0:
+        raise ConfigError("--greedy and --temp > 0 contradict each other")
+    cost = None
+    if args.profile:
+        cost = cost_for_model(load_profile(args.profile), decoder.info.fingerprint, decoder.info.path.name)
+    cfg = GenerationConfig(
+        mode=args.mode,
+        n_predict=args.n_predict,
+        temperature=args.temp,
+        seed=args.seed,
+        draft_topk=args.draft_topk,
+        draft_max=args.draft_max,
+        utility=not args.no_utility,
+        threshold=args.threshold,
+        reuse_strength=args.reuse_strength,
+        reuse_cap=args.reuse_cap,
+        stop_at_eos=not args.ignore_eos,
+        cost=cost,
+    )
+    cfg.validate(decoder.info)
+    return cfg
+
+
+def cmd_generate(args) -> int:
+    from ..engine.decoder import Decoder, GenerationConfig
+    from ..engine.events import Finished, Iteration, Started, Summary
+
+    model = args.model or default_model()
+    # Validate flags that need no model before loading one.
+    GenerationConfig(mode=args.mode, n_predict=args.n_predict, temperature=args.temp,
+                     draft_topk=args.draft_topk, draft_max=args.draft_max).validate()
+    decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max))
+    if not decoder.info.is_moe:
+        print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
+              file=sys.stderr)
+    cfg = generation_config(args, decoder)
+    summary = Summary()
+    streaming = not args.json and sys.stdout.isatty()
+    for event in decoder.generate(args.prompt, cfg):
+        summary.add(event)
+        if isinstance(event, Started) and event.cost is not None and not args.json:
+            c = event.cost
+            fit = f", fit R² {c.r2:.2f}" if c.r2 is not None else ""
+            print(f"cost constants ({c.source}): T_AR {c.t_ar * 1e3:.2f} ms, C_draft {c.c_draft * 1e3:.2f} ms, "
+                  f"T_exp {c.t_exp * 1e3:.4f} ms, T_tok {c.t_tok * 1e3:.3f} ms{fit}", file=sys.stderr)
+        elif isinstance(event, Iteration):
+            if args.events:
+                print(f"[{event.index}] drafted {len(event.drafted)} accepted {len(event.accepted)} "
+                      f"({event.draft_stop}) rollback {event.rollback} verify {event.verify_tokens} tok "
+                      f"{int(event.verify_experts.sum())} experts", file=sys.stderr)
+            if streaming:
+                sys.stdout.write(event.committed_text)
+                sys.stdout.flush()
+        elif isinstance(event, Finished) and event.stop_reason == "context":
+            print(f"\nnote: the context window ({decoder.n_ctx} tokens) filled up after {event.n_tokens} tokens",
+                  file=sys.stderr)
+    if args.json:
+        out = summary.as_dict()
+        out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path))
+        if summary.cost is not None:
+            out["cost"] = {k: v for k, v in summary.cost.__dict__.items()}
+        print(json.dumps(out))
+        return 0
+    if not streaming:
+        sys.stdout.write(summary.text)
+    reuse = f"{summary.reuse_ratio:.3f}" if summary.reuse_ratio is not None else "n/a"
+    print(f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({summary.tok_per_s:.1f} tok/s) · mode {summary.mode}"
+          f" · accept length {summary.accept_len:.2f} · reuse ratio {reuse} · rollbacks {summary.rollbacks}"
+          f" · stop: {summary.stop_reason}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        parser = build_parser()
+        if not argv:
+            parser.print_help()
+            return 0
+        args = parser.parse_args(argv)
+        if args.command == "generate":
+            return cmd_generate(args)
+        parser.print_help()
+        return 2
+    except S2MoEError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

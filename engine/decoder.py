@@ -1,0 +1,323 @@
+"""The decoder: one llama.cpp context, one KV cache shared by draft and target, one loop for every mode.
+
+Invariant between iterations: the KV cache holds target-computed entries for every committed token
+except the newest one (the "pending" token, whose logits come from the next target pass). Draft passes
+append temporary entries after it; they are removed before verification, and after verification only
+the entries of accepted tokens remain.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .costmodel import measure_cost_constants
+from .errors import ConfigError, ContextError, ModelError
+from .events import CostConstants, Finished, Iteration, Prefilled, Started
+from .model_info import ModelInfo, read_model_info
+from .policies import ConfidenceStop, Drafter, FixedLength, SelfDrafter, UtilityStop, softmax
+from .runtime import LlamaRuntime
+
+MODES = ("ar", "s2moe", "conf")
+MOE_MODES = ("s2moe", "conf")
+
+
+@dataclass
+class GenerationConfig:
+    mode: str = "s2moe"
+    n_predict: int = 128
+    temperature: float = 0.0          # 0: greedy
+    seed: int = 0
+    draft_topk: int = 2               # k_d
+    draft_max: int = 8                # cap on draft length
+    utility: bool = True              # routing-aware expansion; False: fixed draft length
+    threshold: float = 1.0            # utility threshold
+    reuse_strength: float = 0.5       # α of reuse-aware gating; 0 turns gating off (lossless)
+    reuse_cap: int | None = None      # |E*|; default 2·k
+    conf_p_min: float = 0.5           # `conf` mode's stop probability
+    stop_at_eos: bool = True
+    cost: CostConstants | None = None  # from a device profile; measured at start-up when None
+
+    def validate(self, info: ModelInfo | None = None) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
+        if self.n_predict < 1:
+            raise ConfigError("-n must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError("--temp must be ≥ 0")
+        if self.draft_max < 1 or self.draft_max > 64:
+            raise ConfigError("--draft-max must be between 1 and 64")
+        if self.draft_topk < 1:
+            raise ConfigError("--draft-topk must be ≥ 1")
+        if self.reuse_strength < 0:
+            raise ConfigError("--reuse-strength must be ≥ 0")
+        if self.threshold < 0:
+            raise ConfigError("--threshold must be ≥ 0")
+        if self.reuse_cap is not None and self.reuse_cap < 1:
+            raise ConfigError("--reuse-cap must be ≥ 1")
+        if info is None:
+            return
+        if self.mode in MOE_MODES and not info.is_moe:
+            raise ConfigError(f"mode {self.mode!r} needs a Mixture-of-Experts model; {info.path.name} is dense (use --mode ar)")
+        if info.is_moe and self.mode in MOE_MODES:
+            if self.draft_topk >= info.n_expert_used:
+                raise ConfigError(
+                    f"--draft-topk {self.draft_topk} must be below the model's experts per token ({info.n_expert_used})"
+                )
+            if self.reuse_cap is not None and self.reuse_cap < info.n_expert_used:
+                raise ConfigError(f"--reuse-cap must be ≥ the model's experts per token ({info.n_expert_used})")
+
+
+@dataclass
+class _State:
+    committed: list[int] = field(default_factory=list)
+    n_prompt: int = 0
+
+    @property
+    def pending(self) -> int:
+        return self.committed[-1]
+
+
+class Decoder:
+    """Loads a model once; runs generations in any mode over the same context."""
+
+    def __init__(self, model: str, *, n_ctx: int = 2048, n_threads: int | None = None, max_draft: int = 16,
+                 use_extra_bufts: bool = True):
+        self.info = read_model_info(model)
+        if self.info.is_moe and self.info.n_expert_used > self.info.n_expert:
+            raise ModelError(f"{self.info.path.name}: expert_used_count exceeds expert_count")
+        self.max_draft = max_draft
+        self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_threads=n_threads, max_verify_rows=max_draft + 1,
+                               use_extra_bufts=use_extra_bufts)
+        self._measured: dict[tuple, CostConstants] = {}
+        self._pieces: dict[int, str] = {}
+        self._routing_checked = not self.info.is_moe
+
+    # -- helpers ----------------------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self.rt.n_ctx
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.rt.tokenize(text)
+
+    def piece_text(self, token: int) -> str:
+        text = self._pieces.get(token)
+        if text is None:
+            text = self.rt.piece(token).decode("utf-8", "replace")
+            self._pieces[token] = text
+        return text
+
+    def detokenize(self, tokens) -> str:
+        return self.rt.detokenize(tokens)
+
+    def check_routing_hook(self) -> None:
+        """Fail clearly if llama.cpp's graph for this architecture has no routing tensors we know."""
+        if self._routing_checked:
+            return
+        before = self.rt.hook.hooked()
+        self.rt.kv_clear()
+        self.rt.hook.observe()
+        self.rt.decode([self.rt.bos if self.rt.bos >= 0 else 0], 0, "last")
+        self.rt.kv_clear()
+        if self.rt.hook.hooked() == before:
+            raise ModelError(
+                f"{self.info.arch}: llama.cpp's graph has no 'ffn_moe_weights-N' routing tensors the hook understands; "
+                "only --mode ar works for this model"
+            )
+        self._routing_checked = True
+
+    def cost_constants(self, cfg: GenerationConfig) -> CostConstants:
+        if cfg.cost is not None:
+            return cfg.cost
+        key = (cfg.draft_topk, cfg.draft_max)
+        if key not in self._measured:
+            self._measured[key], _ = measure_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed)
+        return self._measured[key]
+
+    def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None) -> Drafter:
+        if cfg.mode == "ar":
+            return Drafter()
+        if cfg.mode == "conf":
+            return SelfDrafter(cfg.draft_topk, ConfidenceStop(cfg.conf_p_min))
+        rule = UtilityStop(cost, cfg.threshold) if cfg.utility else FixedLength()
+        return SelfDrafter(cfg.draft_topk, rule)
+
+    # -- generation -------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[int],
+        cfg: GenerationConfig | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[object]:
+        cfg = cfg or GenerationConfig()
+        cfg.validate(self.info)
+        if cfg.draft_max > self.max_draft:
+            raise ConfigError(f"--draft-max {cfg.draft_max} exceeds this decoder's limit {self.max_draft}")
+        prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_tokens:
+            raise ConfigError("the prompt is empty")
+        if len(prompt_tokens) >= self.n_ctx:
+            raise ContextError(
+                f"prompt has {len(prompt_tokens)} tokens but the context holds {self.n_ctx}; shorten it or raise --ctx"
+            )
+        if cfg.mode != "ar":
+            self.check_routing_hook()
+        needs_cost = cfg.mode == "s2moe" and cfg.utility
+        cost = self.cost_constants(cfg) if needs_cost else cfg.cost
+        drafter = self._drafter(cfg, cost)
+        gating = cfg.mode == "s2moe" and cfg.reuse_strength > 0 and self.info.is_moe
+        reuse_cap = cfg.reuse_cap or 2 * self.info.n_expert_used
+        k = max(self.info.n_expert_used, 1)
+        rng = np.random.default_rng(cfg.seed)
+        greedy = cfg.temperature == 0
+
+        def sample(logits):
+            q = softmax(logits, cfg.temperature if not greedy else 1.0)
+            token = int(np.argmax(logits)) if greedy else int(rng.choice(len(q), p=q))
+            return token, q
+
+        yield Started(cfg.mode, self.info.name, tuple(prompt_tokens), self.info.n_layer, self.info.n_expert, k,
+                      _config_dict(cfg, reuse_cap), cost)
+
+        rt = self.rt
+        hook = rt.hook
+        t_start = time.perf_counter()
+        rt.kv_clear()
+        if hook is not None:
+            hook.off()
+        head = prompt_tokens[:-1]
+        for i in range(0, len(head), rt.n_batch):
+            rt.decode(head[i : i + rt.n_batch], i, "none")
+        yield Prefilled(len(prompt_tokens), time.perf_counter() - t_start)
+
+        state = _State(list(prompt_tokens), len(prompt_tokens))
+        generated: list[int] = []
+        stop_reason = "length"
+        iteration = 0
+        n_layer = self.info.n_layer
+        while len(generated) < cfg.n_predict:
+            if should_stop is not None and should_stop():
+                stop_reason = "interrupted"
+                break
+            m = len(state.committed)  # pending token sits at position m-1
+            if m > self.n_ctx:
+                stop_reason = "context"
+                break
+            room = self.n_ctx - m  # positions left after the pending token
+            max_len = min(cfg.draft_max, room, cfg.n_predict - len(generated) - 1)
+            proposal = drafter.propose(self, state.pending, m - 1, max_len, sample)
+            drafted = proposal.tokens
+            if room < len(drafted):  # cannot happen with max_len ≤ room; keeps the invariant explicit
+                drafted = drafted[:room]
+            rt.kv_remove_from(m - 1)
+
+            batch = [state.pending] + drafted
+            if hook is not None:
+                if gating and drafted:
+                    hook.gate(cfg.reuse_strength, reuse_cap, [1.0] + proposal.chain)
+                else:
+                    hook.observe()
+            t0 = time.perf_counter()
+            logits = rt.decode(batch, m - 1, "all")
+            t_verify = time.perf_counter() - t0
+            if hook is not None:
+                routing = hook.snapshot(len(batch))
+                verify_experts = routing.distinct_used(self.info.n_expert)
+                rows = np.maximum(routing.rows, 1)
+                reuse = np.where(routing.rows > 0, verify_experts / (rows * k), 0.0)
+                moves = _moves(routing) if hook.mode == "gate" else 0
+            else:
+                verify_experts = np.zeros(n_layer, int)
+                reuse = np.zeros(n_layer)
+                moves = 0
+
+            accepted = 0
+            if greedy:
+                target = np.argmax(logits, axis=1)
+                while accepted < len(drafted) and drafted[accepted] == int(target[accepted]):
+                    accepted += 1
+                target_token = int(target[accepted])
+            else:
+                target_token = None
+                for j, d in enumerate(drafted):
+                    p = softmax(logits[j], cfg.temperature)
+                    q = proposal.dists[j]
+                    if rng.random() < min(1.0, p[d] / max(q[d], 1e-300)):
+                        accepted += 1
+                        continue
+                    residual = np.maximum(p - q, 0.0)
+                    total = residual.sum()
+                    residual = residual / total if total > 0 else p
+                    target_token = int(rng.choice(len(residual), p=residual))
+                    break
+                if target_token is None:
+                    p = softmax(logits[len(drafted)], cfg.temperature)
+                    target_token = int(rng.choice(len(p), p=p))
+
+            committed = drafted[:accepted] + [target_token]
+            finished_eos = False
+            if cfg.stop_at_eos:
+                for idx, t in enumerate(committed):
+                    if rt.is_eog(t):
+                        committed = committed[:idx]
+                        finished_eos = True
+                        break
+            rollback = len(drafted) - accepted
+            rt.kv_remove_from(m + accepted)
+            state.committed.extend(committed)
+            generated.extend(committed)
+            iteration += 1
+            yield Iteration(
+                index=iteration,
+                candidates=tuple(proposal.candidates),
+                drafted=tuple(drafted),
+                accepted=tuple(drafted[:accepted]),
+                rejected=tuple(drafted[accepted:]),
+                target_token=target_token,
+                committed=tuple(committed),
+                committed_text=self.detokenize(committed),
+                draft_stop=proposal.stop,
+                rollback=rollback,
+                kv_end=rt.kv_end(),
+                n_committed=len(state.committed),
+                verify_tokens=len(batch),
+                verify_experts=verify_experts,
+                reuse_ratio=reuse,
+                gated_moves=moves,
+                t_draft=proposal.seconds,
+                t_verify=t_verify,
+                draft_experts=proposal.experts_read,
+            )
+            if finished_eos:
+                stop_reason = "eos"
+                break
+            if len(state.committed) > self.n_ctx and len(generated) < cfg.n_predict:
+                stop_reason = "context"
+                break
+        seconds = time.perf_counter() - t_start
+        yield Finished(tuple(generated), self.detokenize(generated), len(generated), seconds, stop_reason, iteration)
+
+    def close(self) -> None:
+        self.rt.close()
+
+
+def _moves(routing) -> int:
+    """Expert selections that gating moved away from the router's own choice."""
+    used, orig = routing.used, routing.orig
+    same = (used[..., :, None] == orig[..., None, :]).any(axis=-1)
+    return int((~same & (used >= 0)).sum())
+
+
+def _config_dict(cfg: GenerationConfig, reuse_cap: int) -> dict:
+    d = {k: v for k, v in cfg.__dict__.items() if k != "cost"}
+    d["reuse_cap"] = reuse_cap
+    return d
+
+
+def run(decoder: Decoder, prompt, cfg: GenerationConfig, **kw):
+    """Run a generation to the end and return its events (a convenience for tests and scripts)."""
+    return list(decoder.generate(prompt, replace(cfg), **kw))

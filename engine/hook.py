@@ -1,0 +1,144 @@
+"""Python side of the native routing hook: numpy buffers the C callback fills in place."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import native
+from .model_info import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelInfo
+
+SCORE_RAW, SCORE_LOG, SCORE_LOGIT = 0, 1, 2
+
+
+def _ptr(array: np.ndarray, ctype):
+    return array.ctypes.data_as(ctypes.POINTER(ctype))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Routing recorded by one decode. Arrays are copies, safe to keep.
+
+    orig/used: [n_layer, rows, k] expert ids (router's choice / what the matmuls read); -1 where a
+    layer was not seen. weight: mixing weights of `used` before any norm.
+    """
+
+    orig: np.ndarray
+    used: np.ndarray
+    weight: np.ndarray
+    rows: np.ndarray  # [n_layer] rows per layer (last layer: output rows only)
+    preferred: list[np.ndarray]  # per layer E* of a gated decode (empty otherwise)
+
+    def distinct_used(self, n_expert: int) -> np.ndarray:
+        """Distinct experts read per layer."""
+        return distinct_per_layer(self.used, self.rows, n_expert)
+
+
+def distinct_per_layer(ids: np.ndarray, rows: np.ndarray, n_expert: int) -> np.ndarray:
+    n_layer, max_rows, k = ids.shape
+    mask = np.zeros((n_layer, n_expert + 1), dtype=bool)
+    valid = np.arange(max_rows)[None, :] < rows[:, None]  # [n_layer, rows]
+    safe = np.where(valid[:, :, None], ids, n_expert)  # invalid rows hit a spare column
+    layer_idx = np.broadcast_to(np.arange(n_layer)[:, None, None], safe.shape)
+    mask[layer_idx.ravel(), safe.ravel()] = True
+    return mask[:, :n_expert].sum(axis=1)
+
+
+class RoutingHook:
+    """Owns the C hook state and its output buffers for one llama_context."""
+
+    def __init__(self, info: ModelInfo, max_rows: int, cap_max: int):
+        self.lib = native.library()
+        self.n_layer, self.n_expert, self.k = info.n_layer, info.n_expert, info.n_expert_used
+        self.max_rows = max_rows
+        self.cap_max = max(cap_max, self.k)
+        shape = (self.n_layer, max_rows, self.k)
+        self.orig = np.zeros(shape, np.int32)
+        self.used = np.zeros(shape, np.int32)
+        self.weight = np.zeros(shape, np.float32)
+        self.rows = np.zeros(self.n_layer, np.int32)
+        self.preferred = np.zeros((self.n_layer, self.cap_max), np.int32)
+        self.n_preferred = np.zeros(self.n_layer, np.int32)
+        self.row_weight = np.ones(max_rows, np.float32)
+        self.handle = self.lib.s2_hook_new(self.n_layer, self.n_expert, self.k, max_rows, self.cap_max)
+        if not self.handle:
+            raise MemoryError("native routing hook: allocation failed")
+        self.lib.s2_hook_bind(
+            self.handle,
+            _ptr(self.orig, ctypes.c_int32),
+            _ptr(self.used, ctypes.c_int32),
+            _ptr(self.weight, ctypes.c_float),
+            _ptr(self.rows, ctypes.c_int32),
+            _ptr(self.preferred, ctypes.c_int32),
+            _ptr(self.n_preferred, ctypes.c_int32),
+        )
+        if info.biased_selection:
+            space = SCORE_RAW
+        else:
+            space = {GATING_SOFTMAX: SCORE_LOG, GATING_SIGMOID: SCORE_LOGIT, GATING_SOFTMAX_WEIGHT: SCORE_RAW}.get(
+                info.gating, SCORE_RAW
+            )
+        # Where a softmax over the kept weights follows (gpt-oss), a dropped slot needs -inf, not 0.
+        drop = float("-inf") if info.gating == GATING_SOFTMAX_WEIGHT else 0.0
+        self.lib.s2_hook_configure(self.handle, drop, space, int(info.biased_selection))
+        self.mode = "off"
+
+    @property
+    def callback(self) -> int:
+        return native.eval_callback_address()
+
+    @property
+    def user_data(self) -> int:
+        return ctypes.cast(self.handle, ctypes.c_void_p).value
+
+    def begin(self) -> None:
+        self.rows[:] = 0
+        self.n_preferred[:] = 0
+
+    def off(self) -> None:
+        self.lib.s2_hook_off(self.handle)
+        self.mode = "off"
+
+    def observe(self) -> None:
+        self.lib.s2_hook_observe(self.handle)
+        self.mode = "observe"
+
+    def draft(self, k_draft: int) -> None:
+        self.lib.s2_hook_draft(self.handle, int(k_draft))
+        self.mode = "draft"
+
+    def gate(self, alpha: float, cap: int, row_weights) -> None:
+        n = len(row_weights)
+        self.row_weight[:n] = row_weights
+        self.row_weight[n:] = 0.0
+        self.lib.s2_hook_gate(self.handle, float(alpha), int(cap), _ptr(self.row_weight, ctypes.c_float))
+        self.mode = "gate"
+
+    def hooked(self) -> int:
+        return int(self.lib.s2_hook_hooked(self.handle))
+
+    def skipped(self) -> int:
+        return int(self.lib.s2_hook_skipped(self.handle))
+
+    def snapshot(self, n_rows: int) -> Routing:
+        rows = np.minimum(self.rows, n_rows).astype(np.int32)
+        orig = self.orig[:, :n_rows].copy()
+        used = self.used[:, :n_rows].copy()
+        invalid = np.arange(n_rows)[None, :] >= rows[:, None]
+        orig[invalid] = -1
+        used[invalid] = -1
+        preferred = [self.preferred[layer, : self.n_preferred[layer]].copy() for layer in range(self.n_layer)]
+        return Routing(orig, used, self.weight[:, :n_rows].copy(), rows, preferred)
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.s2_hook_free(self.handle)
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,197 @@
+"""A thin, typed layer over llama-cpp-python's low-level API: one model, one context, one sequence.
+
+The routing hook is installed as the context's cb_eval, so every decode passes through it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import deque
+
+import llama_cpp
+import numpy as np
+
+from .errors import ContextError, ModelError
+from .hook import RoutingHook
+from .model_info import ModelInfo
+
+_log_tail: deque[str] = deque(maxlen=20)
+_log_quiet = True
+
+
+@llama_cpp.llama_log_callback
+def _log_sink(level, text, user_data):
+    # llama.cpp talks a lot on load; keep the tail so a failure can say why, print nothing otherwise.
+    if text:
+        msg = text.decode("utf-8", "replace").rstrip()
+        if msg:
+            _log_tail.append(msg)
+            if not _log_quiet:
+                print(msg)
+
+
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        llama_cpp.llama_log_set(_log_sink, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+def last_llama_error() -> str:
+    for line in reversed(_log_tail):
+        low = line.lower()
+        if "error" in low or "failed" in low or "invalid" in low:
+            return line
+    return _log_tail[-1] if _log_tail else "no details"
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+class LlamaRuntime:
+    def __init__(
+        self,
+        info: ModelInfo,
+        *,
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        max_verify_rows: int = 16,
+        cap_max: int = 64,
+        n_gpu_layers: int = 0,
+        use_extra_bufts: bool = True,
+    ):
+        _init_backend()
+        self.info = info
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        mparams.use_mmap = True
+        mparams.use_extra_bufts = use_extra_bufts
+        self.model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), mparams)
+        if not self.model:
+            raise ModelError(f"llama.cpp could not load {info.path}: {last_llama_error()}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+
+        self.hook = RoutingHook(info, max_rows=max(max_verify_rows, 1), cap_max=cap_max) if info.is_moe else None
+        n_threads = n_threads or default_threads()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = max(n_batch, max_verify_rows)
+        cparams.n_ubatch = max(n_batch, max_verify_rows)
+        cparams.n_seq_max = 1
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.no_perf = True
+        if self.hook is not None:
+            cparams.cb_eval = ctypes.cast(ctypes.c_void_p(self.hook.callback), llama_cpp.ggml_backend_sched_eval_callback)
+            cparams.cb_eval_user_data = ctypes.c_void_p(self.hook.user_data)
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+            raise ModelError(f"llama.cpp could not create a context for {info.path}: {last_llama_error()}")
+        self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
+        self.n_batch = cparams.n_batch
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        b = self._batch
+        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
+        self._logits_flag = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(self.n_batch,))
+        for i in range(self.n_batch):
+            b.seq_id[i][0] = 0
+        self._nseq[:] = 1
+        self.bos = llama_cpp.llama_vocab_bos(self.vocab)
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+
+    # -- text ------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        data = text.encode("utf-8")
+        add = self.add_bos if add_bos is None else add_bos
+        cap = len(data) + 8
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, False)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, False)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    # -- decoding --------------------------------------------------------------------------------
+    def decode(self, tokens, pos0: int, outputs: str = "last") -> np.ndarray | None:
+        """Decode `tokens` at positions pos0.. of sequence 0; return logits rows ('last', 'all' or 'none')."""
+        n = len(tokens)
+        if n == 0:
+            return None
+        if n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens exceeds n_batch {self.n_batch}")
+        if pos0 + n > self.n_ctx:
+            raise ContextError(f"context window full: {pos0 + n} > {self.n_ctx} tokens")
+        self._tok[:n] = tokens
+        self._pos[:n] = np.arange(pos0, pos0 + n)
+        self._logits_flag[:n] = 1 if outputs == "all" else 0
+        if outputs == "last":
+            self._logits_flag[n - 1] = 1
+        self._batch.n_tokens = n
+        if self.hook is not None:
+            self.hook.begin()
+        rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}: {last_llama_error()}")
+        if outputs == "none":
+            return None
+        rows = n if outputs == "all" else 1
+        ptr = llama_cpp.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
+
+    def kv_remove_from(self, p0: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self.mem, 0, p0, -1)
+
+    def kv_clear(self) -> None:
+        llama_cpp.llama_memory_clear(self.mem, True)
+
+    def kv_end(self) -> int:
+        """Number of positions held for sequence 0 (pos_max + 1)."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self.mem, 0)) + 1
+
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "ctx", None):
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+        if getattr(self, "hook", None) is not None:
+            self.hook.close()
+            self.hook = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,129 @@
+"""Native helpers compiled on first use against the llama.cpp that llama-cpp-python installed.
+
+The routing hook runs for every node of every decode, so it is C. It is built once per source/llama
+build into the user's cache directory (or S2MOE_NATIVE_DIR) with the system C compiler and loaded
+with ctypes. Nothing here patches or vendors llama.cpp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+SOURCES = ("s2moe_hook.c",)
+
+
+class NativeBuildError(RuntimeError):
+    """The native helper library could not be built or loaded."""
+
+
+def _llama_cpp_dirs() -> tuple[Path, Path]:
+    """(include dir with ggml.h, lib dir with libggml-base) of the installed llama-cpp-python."""
+    import llama_cpp  # noqa: F401  (loads libllama/libggml so our library resolves against them)
+
+    pkg = Path(llama_cpp.__file__).resolve().parent
+    lib = pkg / "lib"
+    for inc in (pkg / "include", pkg.parent / "include", pkg / "vendor" / "llama.cpp" / "ggml" / "include"):
+        if (inc / "ggml.h").is_file() and (inc / "ggml-backend.h").is_file():
+            return inc, lib
+    raise NativeBuildError("llama-cpp-python is installed without its ggml headers (ggml.h, ggml-backend.h)")
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("S2MOE_NATIVE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "s2moe" / "native"
+
+
+def _fingerprint(inc: Path, lib: Path) -> str:
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in SOURCES:
+        h.update((here / name).read_bytes())
+    for header in ("ggml.h", "ggml-backend.h"):
+        h.update((inc / header).read_bytes())
+    for so in sorted(lib.glob("libggml-base*")):
+        st = so.stat()
+        h.update(f"{so.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    h.update(sys.platform.encode())
+    return h.hexdigest()[:16]
+
+
+def _compiler() -> str:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    raise NativeBuildError(
+        "no C compiler found (tried $CC, cc, gcc, clang): install one, e.g. `apt-get install gcc`"
+    )
+
+
+def build(force: bool = False) -> Path:
+    """Compile the helper library if needed and return its path. Safe against concurrent builds."""
+    inc, lib = _llama_cpp_dirs()
+    target = _cache_dir() / f"libs2moe-{_fingerprint(inc, lib)}.so"
+    if target.is_file() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    here = Path(__file__).parent
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [
+        _compiler(), "-O2", "-std=c11", "-fPIC", "-shared", "-Wall",
+        f"-I{inc}", *[str(here / s) for s in SOURCES],
+        f"-L{lib}", "-lggml-base", f"-Wl,-rpath,{lib}", "-lm", "-o", tmp,
+    ]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NativeBuildError("building the native routing hook failed:\n" + done.stderr.strip())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class _Hook(ctypes.Structure):
+    """Opaque: only pointers to it cross the boundary."""
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The loaded helper library with typed entry points."""
+    path = build()
+    lib = ctypes.CDLL(str(path))
+    hp = ctypes.POINTER(_Hook)
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    f32p = ctypes.POINTER(ctypes.c_float)
+    sigs = {
+        "s2_hook_new": (hp, [ctypes.c_int] * 5),
+        "s2_hook_free": (None, [hp]),
+        "s2_hook_bind": (None, [hp, i32p, i32p, f32p, i32p, i32p, i32p]),
+        "s2_hook_configure": (None, [hp, ctypes.c_float, ctypes.c_int, ctypes.c_int]),
+        "s2_hook_off": (None, [hp]),
+        "s2_hook_observe": (None, [hp]),
+        "s2_hook_draft": (None, [hp, ctypes.c_int]),
+        "s2_hook_gate": (None, [hp, ctypes.c_float, ctypes.c_int, f32p]),
+        "s2_hook_hooked": (ctypes.c_int64, [hp]),
+        "s2_hook_skipped": (ctypes.c_int64, [hp]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    return lib
+
+
+def eval_callback_address() -> int:
+    """Address of the C cb_eval, to be placed in llama_context_params."""
+    return ctypes.cast(library().s2_hook_eval, ctypes.c_void_p).value

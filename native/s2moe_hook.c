@@ -1,0 +1,338 @@
+// s2moe routing hook: the ggml scheduler eval callback (cb_eval) of an s2moe llama_context.
+//
+// llama.cpp names the routing tensors of every MoE layer L. We ask the scheduler to stop after
+// "ffn_moe_weights-L" (get_rows(probs, topk)): at that point the router's argsort/top-k ids, the
+// probabilities and the mixing weights are computed, and the expert matmuls that read the ids and
+// the weights have not run yet. Rewriting ids and weights there changes which experts are used
+// without patching llama.cpp. One decode runs in one of three modes:
+//   observe: record the ids the router chose (and their probabilities);
+//   draft:   record the router's full top-k (the predicted target routing), then keep only the
+//            top-k_d experts: slots >= k_d repeat kept ids with a dropped weight, so the dropped
+//            experts' weights are never read;
+//   gate:    reuse-aware gating of a verification batch: bias each token's selection scores
+//            toward the batch's preferred experts E*, mix with the unbiased probabilities.
+// Buffers are owned by the caller (numpy) and filled in place.
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggml-backend.h"
+#include "ggml.h"
+
+enum { S2_OFF = 0, S2_OBSERVE = 1, S2_DRAFT = 2, S2_GATE = 3 };
+// How the selection scores relate to the logits, so that gating margins are measured in logit space.
+enum { S2_SCORE_RAW = 0, S2_SCORE_LOG = 1, S2_SCORE_LOGIT = 2 };
+
+typedef struct s2_hook {
+    int mode;
+    int n_layer, n_expert, k, max_rows, cap_max;
+
+    int k_draft;
+    float drop_weight;   // 0, or -INFINITY where a softmax over the selected weights follows
+    int score_space;
+    int hook_argsort;    // selection scores are not the probabilities (bias/mask): copy them at argsort
+
+    float alpha;
+    int cap;
+    const float *row_weight;  // [max_rows] confidence weight of each verification row
+
+    // caller-owned outputs
+    int32_t *orig;       // [n_layer][max_rows][k] the router's own top-k
+    int32_t *used;       // [n_layer][max_rows][k] ids the expert matmuls read
+    float *weight;       // [n_layer][max_rows][k] mixing weight of each used slot, before any norm
+    int32_t *rows;       // [n_layer] rows seen in the last decode (0: layer not seen)
+    int32_t *preferred;  // [n_layer][cap_max] E* of the last gated decode
+    int32_t *n_preferred;// [n_layer]
+
+    // counters for diagnostics
+    int64_t n_hooked;    // weight nodes handled since creation
+    int64_t n_skipped;   // weight nodes with unexpected shapes (left untouched)
+
+    // scratch
+    float *scores;       // [max_rows][n_expert] selection scores copied at the argsort node
+    int scores_layer, scores_rows;
+    float *probs;        // [max_rows][n_expert]
+    int32_t *ranks;      // [max_rows][n_expert] full argsort rows
+    float *w;            // [max_rows][k]
+    float *importance;   // [n_expert]
+    unsigned char *in_pref; // [n_expert]
+} s2_hook;
+
+s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max) {
+    s2_hook *h = calloc(1, sizeof(*h));
+    if (!h) return NULL;
+    h->n_layer = n_layer;
+    h->n_expert = n_expert;
+    h->k = k;
+    h->max_rows = max_rows;
+    h->cap_max = cap_max;
+    h->scores_layer = -1;
+    size_t re = (size_t)max_rows * n_expert;
+    h->scores = malloc(re * sizeof(float));
+    h->probs = malloc(re * sizeof(float));
+    h->ranks = malloc(re * sizeof(int32_t));
+    h->w = malloc((size_t)max_rows * k * sizeof(float));
+    h->importance = malloc(n_expert * sizeof(float));
+    h->in_pref = malloc(n_expert);
+    if (!h->scores || !h->probs || !h->ranks || !h->w || !h->importance || !h->in_pref) {
+        free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
+        free(h);
+        return NULL;
+    }
+    return h;
+}
+
+void s2_hook_free(s2_hook *h) {
+    if (!h) return;
+    free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
+    free(h);
+}
+
+void s2_hook_bind(s2_hook *h, int32_t *orig, int32_t *used, float *weight, int32_t *rows,
+                  int32_t *preferred, int32_t *n_preferred) {
+    h->orig = orig;
+    h->used = used;
+    h->weight = weight;
+    h->rows = rows;
+    h->preferred = preferred;
+    h->n_preferred = n_preferred;
+}
+
+void s2_hook_configure(s2_hook *h, float drop_weight, int score_space, int hook_argsort) {
+    h->drop_weight = drop_weight;
+    h->score_space = score_space;
+    h->hook_argsort = hook_argsort;
+}
+
+void s2_hook_off(s2_hook *h) { h->mode = S2_OFF; }
+void s2_hook_observe(s2_hook *h) { h->mode = S2_OBSERVE; }
+
+void s2_hook_draft(s2_hook *h, int k_draft) {
+    h->mode = S2_DRAFT;
+    h->k_draft = k_draft;
+}
+
+void s2_hook_gate(s2_hook *h, float alpha, int cap, const float *row_weight) {
+    h->mode = S2_GATE;
+    h->alpha = alpha;
+    h->cap = cap < h->cap_max ? cap : h->cap_max;
+    h->row_weight = row_weight;
+}
+
+int64_t s2_hook_hooked(const s2_hook *h) { return h->n_hooked; }
+int64_t s2_hook_skipped(const s2_hook *h) { return h->n_skipped; }
+
+// Returns the layer index if name is exactly prefix followed by a decimal number, else -1.
+static int layer_of(const char *name, const char *prefix, size_t prefix_len) {
+    if (strncmp(name, prefix, prefix_len) != 0) return -1;
+    const char *p = name + prefix_len;
+    if (*p < '0' || *p > '9') return -1;
+    int layer = 0;
+    for (; *p; ++p) {
+        if (*p < '0' || *p > '9') return -1;
+        layer = layer * 10 + (*p - '0');
+    }
+    return layer;
+}
+
+static const char WEIGHTS[] = "ffn_moe_weights-";
+static const char ARGSORT[] = "ffn_moe_argsort-";
+
+static struct ggml_backend_buffer *buffer_of(const struct ggml_tensor *t) {
+    return t->view_src ? t->view_src->buffer : t->buffer;
+}
+
+static bool on_host(const struct ggml_tensor *t) {
+    struct ggml_backend_buffer *b = buffer_of(t);
+    return b == NULL || ggml_backend_buffer_is_host(b);
+}
+
+// Copies a [n_cols, n_rows] f32 tensor (any row stride, contiguous rows) into dst.
+static void read_f32_rows(const struct ggml_tensor *t, int n_cols, int n_rows, size_t row_stride, float *dst) {
+    if (on_host(t)) {
+        for (int r = 0; r < n_rows; ++r)
+            memcpy(dst + (size_t)r * n_cols, (const char *)t->data + r * row_stride, n_cols * sizeof(float));
+    } else {
+        for (int r = 0; r < n_rows; ++r)
+            ggml_backend_tensor_get(t, dst + (size_t)r * n_cols, r * row_stride, n_cols * sizeof(float));
+    }
+}
+
+static void on_argsort(s2_hook *h, struct ggml_tensor *t, int layer) {
+    const struct ggml_tensor *src = t->src[0];
+    if (!src || src->type != GGML_TYPE_F32 || src->ne[0] != h->n_expert || src->ne[1] > h->max_rows) return;
+    read_f32_rows(src, h->n_expert, (int)src->ne[1], src->nb[1], h->scores);
+    h->scores_layer = layer;
+    h->scores_rows = (int)src->ne[1];
+}
+
+static float to_logit_space(const s2_hook *h, float s) {
+    switch (h->score_space) {
+        case S2_SCORE_LOG: return logf(s > 1e-30f ? s : 1e-30f);
+        case S2_SCORE_LOGIT: {
+            float p = s < 1e-7f ? 1e-7f : (s > 1.0f - 1e-7f ? 1.0f - 1e-7f : s);
+            return logf(p / (1.0f - p));
+        }
+        default: return s;
+    }
+}
+
+// Reuse-aware gating of one layer of a verification batch (rows = tokens).
+static void gate_layer(s2_hook *h, int layer, int n_rows, int32_t *ids /* [n_rows][k] in/out */) {
+    const int ne = h->n_expert, k = h->k;
+    const bool own_scores = h->hook_argsort && h->scores_layer == layer && h->scores_rows == n_rows;
+
+    // Importance of each expert to the batch: confidence-weighted, per-token-normalised probabilities.
+    memset(h->importance, 0, ne * sizeof(float));
+    for (int r = 0; r < n_rows; ++r) {
+        const float *p = h->probs + (size_t)r * ne;
+        float total = 0.0f;
+        for (int e = 0; e < ne; ++e) total += p[e] > 0.0f ? p[e] : 0.0f;
+        if (!(total > 0.0f)) continue;
+        const float wr = h->row_weight ? h->row_weight[r] : 1.0f;
+        for (int e = 0; e < ne; ++e) h->importance[e] += wr * (p[e] > 0.0f ? p[e] : 0.0f) / total;
+    }
+
+    // E* = the cap most important experts.
+    memset(h->in_pref, 0, ne);
+    int n_pref = 0;
+    int32_t *pref = h->preferred + (size_t)layer * h->cap_max;
+    for (; n_pref < h->cap; ++n_pref) {
+        int best = -1;
+        for (int e = 0; e < ne; ++e)
+            if (!h->in_pref[e] && (best < 0 || h->importance[e] > h->importance[best])) best = e;
+        if (best < 0) break;
+        h->in_pref[best] = 1;
+        pref[n_pref] = best;
+    }
+    h->n_preferred[layer] = n_pref;
+
+    for (int r = 0; r < n_rows; ++r) {
+        const int32_t *rank = h->ranks + (size_t)r * ne;
+        float *ell = h->scores + (size_t)r * ne;  // logit-space selection scores of this row
+        if (!own_scores)
+            for (int e = 0; e < ne; ++e) ell[e] = to_logit_space(h, h->probs[(size_t)r * ne + e]);
+        if (k >= ne) continue;
+        const float margin = ell[rank[0]] - ell[rank[k]];
+        const float lambda = h->alpha * margin;
+        if (!isfinite(lambda) || lambda <= 0.0f) continue;
+
+        // top-k of the biased scores, ties resolved by the router's own order
+        int32_t chosen[64];
+        int n_chosen = 0;
+        bool changed = false;
+        unsigned char taken_local[1024];
+        unsigned char *taken = ne <= 1024 ? taken_local : NULL;
+        if (!taken || k > 64) continue;
+        memset(taken, 0, ne);
+        for (int j = 0; j < k; ++j) {
+            int best = -1;
+            float best_score = -INFINITY;
+            for (int q = 0; q < ne; ++q) {
+                const int e = rank[q];
+                if (taken[e] || !isfinite(ell[e])) continue;
+                const float s = ell[e] + (h->in_pref[e] ? lambda : 0.0f);
+                if (best < 0 || s > best_score) { best = e; best_score = s; }
+            }
+            if (best < 0) break;
+            taken[best] = 1;
+            chosen[n_chosen++] = best;
+        }
+        if (n_chosen < k) continue;
+        for (int j = 0; j < k; ++j) changed |= !taken[ids[(size_t)r * k + j]];
+        if (!changed) continue;  // same set: keep the router's slot order (bit-identical mixing)
+        for (int j = 0; j < k; ++j) ids[(size_t)r * k + j] = chosen[j];
+    }
+}
+
+static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
+    struct ggml_tensor *probs = t->src[0];  // [1, n_expert, T] view of the probabilities
+    struct ggml_tensor *topk = t->src[1];   // [k, T] i32, a view of the full argsort
+    const int k = h->k, ne = h->n_expert;
+    if (!probs || !topk || layer >= h->n_layer || topk->type != GGML_TYPE_I32 || t->type != GGML_TYPE_F32 ||
+        topk->ne[0] != k || probs->ne[1] != ne || probs->type != GGML_TYPE_F32 || topk->ne[1] > h->max_rows ||
+        t->ne[1] != k) {
+        h->n_skipped++;
+        return;
+    }
+    const int n_rows = (int)topk->ne[1];
+    const size_t id_stride = topk->nb[1];
+    const bool need_ranks = h->mode == S2_GATE;
+    // Full argsort rows when gating (the (k+1)-th choice sets the margin), else only the top-k slots.
+    const int id_cols = need_ranks && id_stride >= (size_t)ne * sizeof(int32_t) ? ne : k;
+    if (need_ranks && id_cols != ne) { h->n_skipped++; return; }
+
+    const bool host_ids = on_host(topk);
+    for (int r = 0; r < n_rows; ++r) {
+        int32_t *dst = h->ranks + (size_t)r * ne;
+        if (host_ids) memcpy(dst, (const char *)topk->data + r * id_stride, id_cols * sizeof(int32_t));
+        else ggml_backend_tensor_get(topk, dst, r * id_stride, id_cols * sizeof(int32_t));
+    }
+    const size_t w_stride = t->nb[2];
+    read_f32_rows(t, k, n_rows, w_stride, h->w);
+
+    int32_t *orig = h->orig + (size_t)layer * h->max_rows * k;
+    int32_t *used = h->used + (size_t)layer * h->max_rows * k;
+    float *weight = h->weight + (size_t)layer * h->max_rows * k;
+    for (int r = 0; r < n_rows; ++r)
+        memcpy(orig + (size_t)r * k, h->ranks + (size_t)r * ne, k * sizeof(int32_t));
+    memcpy(used, orig, (size_t)n_rows * k * sizeof(int32_t));
+
+    bool rewrite = false;
+    if (h->mode == S2_DRAFT && h->k_draft > 0 && h->k_draft < k) {
+        for (int r = 0; r < n_rows; ++r)
+            for (int j = h->k_draft; j < k; ++j) {
+                used[(size_t)r * k + j] = used[(size_t)r * k + j % h->k_draft];
+                h->w[(size_t)r * k + j] = h->drop_weight;
+            }
+        rewrite = true;
+    } else if (h->mode == S2_GATE && h->alpha > 0.0f && n_rows > 1) {
+        read_f32_rows(probs, ne, n_rows, probs->nb[2], h->probs);
+        gate_layer(h, layer, n_rows, used);
+        for (int r = 0; r < n_rows; ++r)
+            for (int j = 0; j < k; ++j) {
+                const int32_t e = used[(size_t)r * k + j];
+                if (e != orig[(size_t)r * k + j]) {
+                    h->w[(size_t)r * k + j] = h->probs[(size_t)r * ne + e];
+                    rewrite = true;
+                }
+            }
+    }
+
+    if (rewrite) {
+        for (int r = 0; r < n_rows; ++r) {
+            if (host_ids) memcpy((char *)topk->data + r * id_stride, used + (size_t)r * k, k * sizeof(int32_t));
+            else ggml_backend_tensor_set(topk, used + (size_t)r * k, r * id_stride, k * sizeof(int32_t));
+            if (on_host(t)) memcpy((char *)t->data + r * w_stride, h->w + (size_t)r * k, k * sizeof(float));
+            else ggml_backend_tensor_set(t, h->w + (size_t)r * k, r * w_stride, k * sizeof(float));
+        }
+    }
+    memcpy(weight, h->w, (size_t)n_rows * k * sizeof(float));
+    h->rows[layer] = n_rows;
+    h->n_hooked++;
+}
+
+// The cb_eval. ask=true: do we want this node's data? ask=false: the node is computed.
+bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
+    s2_hook *h = user_data;
+    if (h->mode == S2_OFF) return ask ? false : true;
+    const char *name = t->name;
+    if (name[0] != 'f' || name[1] != 'f' || name[4] != 'm') return ask ? false : true;
+    int layer = layer_of(name, WEIGHTS, sizeof(WEIGHTS) - 1);
+    if (layer >= 0) {
+        if (!ask) on_weights(h, t, layer);
+        return true;
+    }
+    if (h->mode == S2_GATE && h->hook_argsort) {
+        layer = layer_of(name, ARGSORT, sizeof(ARGSORT) - 1);
+        if (layer >= 0) {
+            if (!ask && layer < h->n_layer) on_argsort(h, t, layer);
+            return true;
+        }
+    }
+    // Never return false from ask=false: the scheduler would silently stop the graph.
+    return ask ? false : true;
+}
