@@ -112,7 +112,7 @@ def cmd_generate(args) -> int:
     GenerationConfig(mode=args.mode, n_predict=args.n_predict, temperature=args.temp,
                      draft_topk=args.draft_topk, draft_max=args.draft_max).validate()
     decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max))
-    if not decoder.info.is_moe:
+    if not decoder.info.is_moe and args.mode == "ar":
         print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
               file=sys.stderr)
     cfg = generation_config(args, decoder)

@@ -89,8 +89,8 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
 
     try:
         reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on damaged headers
-        raise ModelError(f"damaged or truncated GGUF header in {path}: {e}") from None
+    except Exception:  # gguf-py raises ValueError/IndexError/struct errors on damaged files
+        raise ModelError(f"damaged or truncated GGUF: {path} ({size} bytes)") from None
 
     end = 0
     expert_bytes = 0

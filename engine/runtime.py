@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections import deque
+from dataclasses import replace
 
 import llama_cpp
 import numpy as np
@@ -66,6 +67,8 @@ class LlamaRuntime:
         cap_max: int = 64,
         n_gpu_layers: int = 0,
         use_extra_bufts: bool = True,
+        int_overrides: dict[str, int] | None = None,
+        install_hook: bool = True,
     ):
         _init_backend()
         self.info = info
@@ -73,13 +76,25 @@ class LlamaRuntime:
         mparams.n_gpu_layers = n_gpu_layers
         mparams.use_mmap = True
         mparams.use_extra_bufts = use_extra_bufts
+        if int_overrides:
+            # e.g. {"olmoe.expert_used_count": 2}: a model that really uses fewer experts (load time only)
+            self._overrides = (llama_cpp.llama_model_kv_override * (len(int_overrides) + 1))()
+            for slot, (key, value) in zip(self._overrides, int_overrides.items()):
+                slot.key = key.encode()
+                slot.tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT
+                slot.value.val_i64 = int(value)
+            mparams.kv_overrides = self._overrides
+            used_key = f"{info.arch}.expert_used_count"
+            if used_key in int_overrides:
+                self.info = info = replace(info, n_expert_used=int(int_overrides[used_key]))
         self.model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), mparams)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {info.path}: {last_llama_error()}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
 
-        self.hook = RoutingHook(info, max_rows=max(max_verify_rows, 1), cap_max=cap_max) if info.is_moe else None
+        wants_hook = install_hook and info.is_moe
+        self.hook = RoutingHook(info, max_rows=max(max_verify_rows, 1), cap_max=cap_max) if wants_hook else None
         n_threads = n_threads or default_threads()
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -98,7 +113,9 @@ class LlamaRuntime:
             self.model = None
             raise ModelError(f"llama.cpp could not create a context for {info.path}: {last_llama_error()}")
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
-        self.n_batch = cparams.n_batch
+        self.n_batch = llama_cpp.llama_n_batch(self.ctx)  # llama.cpp caps n_batch at n_ctx
+        if self.n_batch < max_verify_rows:
+            raise ModelError(f"context of {self.n_ctx} tokens is too small for verification batches of {max_verify_rows}")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         b = self._batch

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tinygguf import TinySpec, write_tiny  # noqa: E402
+
+ARCHS = ("olmoe", "qwen3moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Tiny random MoE models, one per architecture (olmoe: no weight norm; qwen3moe: weight norm)."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for arch in ARCHS:
+        out[arch] = write_tiny(root / f"{arch}.gguf", TinySpec(arch=arch, n_layer=3, n_expert=8, k=4, seed=7))
+    out["llama"] = write_tiny(root / "dense.gguf", TinySpec(arch="llama", n_layer=2, seed=3))
+    return out
+
+
+@pytest.fixture(scope="session")
+def decoders(tiny_models):
+    from s2moe.engine.decoder import Decoder
+
+    made = {arch: Decoder(str(tiny_models[arch]), n_ctx=512, n_threads=1) for arch in ARCHS}
+    yield made
+    for d in made.values():
+        d.close()
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request):
+    return request.param

@@ -1,0 +1,113 @@
+"""`s2moe generate` end to end, and every kind of bad input: one line, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def s2moe(*args, timeout=120):
+    env = dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "s2moe.app.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def assert_clean_error(done, *needles):
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_generate_json_has_the_documented_fields(tiny_models):
+    done = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hello there", "-n", "24", "--json",
+                 "--threads", "1", "--no-utility", "--ignore-eos")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    for key in ("mode", "tokens", "text", "n_tokens", "tok_per_s", "accept_len", "reuse_ratio", "rollbacks",
+                "iterations"):
+        assert key in out
+    assert out["mode"] == "s2moe" and out["n_tokens"] == 24 == len(out["tokens"])
+    assert out["accept_len"] >= 1.0 and out["tok_per_s"] > 0 and 0 < out["reuse_ratio"] <= 1
+
+
+def test_generate_prints_text_then_summary(tiny_models):
+    done = s2moe("generate", "--model", str(tiny_models["qwen3moe"]), "-p", "hello", "-n", "8", "--threads", "1",
+                 "--ignore-eos")
+    assert done.returncode == 0, done.stderr
+    assert "tok/s" in done.stdout and "accept length" in done.stdout and "rollbacks" in done.stdout
+    assert "cost constants (measured at start-up)" in done.stderr
+
+
+def test_missing_model(tmp_path):
+    assert_clean_error(s2moe("generate", "--model", str(tmp_path / "nope.gguf"), "-p", "x"), "not found")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("definitely not a model\n")
+    assert_clean_error(s2moe("generate", "--model", str(bad), "-p", "x"), "not a GGUF")
+
+
+@pytest.mark.parametrize("keep", [0.001, 0.6])
+def test_truncated_gguf(tiny_models, tmp_path, keep):
+    data = tiny_models["olmoe"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    assert_clean_error(s2moe("generate", "--model", str(cut), "-p", "x"), "truncated")
+
+
+def test_dense_model_runs_ar_with_a_notice_and_refuses_moe_modes(tiny_models):
+    ok = s2moe("generate", "--model", str(tiny_models["llama"]), "-p", "hello", "-n", "4", "--mode", "ar",
+               "--threads", "1")
+    assert ok.returncode == 0, ok.stderr
+    assert "dense model" in ok.stderr and len(ok.stderr.strip().splitlines()) == 1
+    assert_clean_error(s2moe("generate", "--model", str(tiny_models["llama"]), "-p", "hello"), "dense")
+
+
+def test_draft_topk_must_be_below_k(tiny_models):
+    assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "x", "--draft-topk", "4"),
+                       "--draft-topk")
+
+
+def test_prompt_longer_than_context(tiny_models):
+    assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "word " * 300, "--ctx", "32"),
+                       "context")
+
+
+def test_context_filling_up_mid_generation_stops_cleanly(tiny_models):
+    done = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "--ctx", "32", "-n", "400",
+                 "--json", "--threads", "1", "--ignore-eos", "--no-utility")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["stop_reason"] == "context"
+    assert 0 < out["n_tokens"] < 400
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["-n", "0"], "-n"),
+    (["-n", "many"], "-n"),
+    (["--temp", "-1"], "--temp"),
+    (["--temp", "nan"], "--temp"),
+    (["--draft-max", "0"], "--draft-max"),
+    (["--reuse-strength", "x"], "--reuse-strength"),
+    (["--mode", "fast"], "--mode"),
+    (["--bogus"], "--bogus"),
+    (["--greedy", "--temp", "0.7"], "--greedy"),
+    (["--profile", "no-such-profile"], "no-such-profile"),
+])
+def test_invalid_flags(tiny_models, flags, needle):
+    assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "x", *flags), needle)
+
+
+def test_bad_profile_yaml(tiny_models, tmp_path):
+    prof = tmp_path / "broken.yaml"
+    prof.write_text("models: [unclosed\n")
+    assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "x", "--profile", str(prof)),
+                       "invalid YAML")

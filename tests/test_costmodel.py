@@ -1,0 +1,65 @@
+"""Cost model fit and device-profile constants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from s2moe.engine.costmodel import fit_verify_cost, measure_cost_constants
+from s2moe.engine.errors import ConfigError
+from s2moe.engine.profiles import cost_for_model, load_profile
+
+
+def test_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    experts = rng.integers(8, 200, size=60)
+    tokens = rng.integers(1, 10, size=60)
+    seconds = 0.002 + 1.5e-4 * experts + 3e-3 * tokens + rng.normal(0, 1e-5, size=60)
+    fit = fit_verify_cost(experts, tokens, seconds)
+    assert fit.intercept == pytest.approx(0.002, abs=2e-4)
+    assert fit.t_exp == pytest.approx(1.5e-4, rel=0.02)
+    assert fit.t_tok == pytest.approx(3e-3, rel=0.02)
+    assert fit.r2 > 0.99 and fit.mape < 0.01
+
+
+def test_fit_never_returns_negative_slopes():
+    experts = np.array([10, 20, 30, 40, 50])
+    tokens = np.array([1, 2, 3, 4, 5])
+    seconds = np.array([5.0, 4.0, 3.0, 2.0, 1.0])  # faster with more work: noise, not physics
+    fit = fit_verify_cost(experts, tokens, seconds)
+    assert fit.t_exp >= 0 and fit.t_tok >= 0
+
+
+def test_start_up_measurement_leaves_the_cache_empty(decoders):
+    rt = decoders["olmoe"].rt
+    cost, samples = measure_cost_constants(rt, k_draft=2, cap=4, repeats=1)
+    assert rt.kv_end() == 0
+    assert cost.t_ar > 0 and cost.c_draft > 0 and cost.source == "measured at start-up"
+    assert len(samples) >= 9 and all(s[0] > 0 for s in samples)
+    sizes = {s[1] for s in samples}
+    assert min(sizes) == 1 and max(sizes) == 5
+
+
+def test_profile_constants_are_keyed_by_model_fingerprint(tmp_path):
+    p = tmp_path / "dev.yaml"
+    p.write_text(
+        "name: dev\nmodels:\n  abc123:\n    t_ar_ms: 10\n    c_draft_ms: 7.5\n    t_exp_ms: 0.2\n    t_tok_ms: 1\n"
+    )
+    prof = load_profile(str(p))
+    c = cost_for_model(prof, "abc123")
+    assert c.t_ar == pytest.approx(0.010) and c.t_exp == pytest.approx(2e-4) and c.source == "profile:dev"
+    with pytest.raises(ConfigError, match="not calibrated for this model"):
+        cost_for_model(prof, "other")
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("models:\n  fp:\n    c_draft_ms: 1\n    t_exp_ms: 1\n", "missing field t_ar_ms"),
+    ("models:\n  fp:\n    t_ar_ms: fast\n    c_draft_ms: 1\n    t_exp_ms: 1\n", "t_ar_ms"),
+    ("models:\n  fp:\n    t_ar_ms: 1\n    c_draft_ms: -1\n    t_exp_ms: 1\n", "c_draft_ms"),
+    ("- just\n- a list\n", "mapping"),
+])
+def test_bad_profiles_name_the_failing_field(tmp_path, body, needle):
+    p = tmp_path / "bad.yaml"
+    p.write_text(body)
+    with pytest.raises(ConfigError, match=needle):
+        cost_for_model(load_profile(str(p)), "fp")

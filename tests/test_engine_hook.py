@@ -1,0 +1,182 @@
+"""The native routing hook: observe, draft restriction and reuse-aware gating, on both architectures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from s2moe.engine.model_info import read_model_info
+from s2moe.engine.runtime import LlamaRuntime
+from tinygguf import TinySpec, write_tiny
+
+TOKENS = [262, 258, 108, 108, 111, 256, 258, 260, 256, 258, 32, 119, 111, 114, 108, 100]
+
+
+def _fresh(rt):
+    rt.kv_clear()
+
+
+def test_observe_records_routing_without_changing_logits(decoders, arch):
+    rt = decoders[arch].rt
+    _fresh(rt)
+    rt.hook.off()
+    plain = rt.decode(TOKENS, 0, "all")
+    _fresh(rt)
+    rt.hook.observe()
+    observed = rt.decode(TOKENS, 0, "all")
+    routing = rt.hook.snapshot(len(TOKENS))
+    _fresh(rt)
+    np.testing.assert_array_equal(plain, observed)
+    k = rt.info.n_expert_used
+    assert (routing.rows == len(TOKENS)).all()
+    assert ((routing.used >= 0) & (routing.used < rt.info.n_expert)).all()
+    assert (routing.used == routing.orig).all()
+    # each token's k experts are distinct, with decreasing router probability
+    assert all(len(set(row)) == k for row in routing.used.reshape(-1, k))
+    assert (np.diff(routing.weight, axis=-1) <= 1e-7).all()
+
+
+def test_draft_pass_reads_at_most_kd_experts_per_token(decoders, arch):
+    rt = decoders[arch].rt
+    k_d = 2
+    _fresh(rt)
+    rt.hook.draft(k_d)
+    rt.decode(TOKENS, 0, "all")
+    r = rt.hook.snapshot(len(TOKENS))
+    _fresh(rt)
+    for layer in range(rt.info.n_layer):
+        for row in range(len(TOKENS)):
+            used, orig, w = r.used[layer, row], r.orig[layer, row], r.weight[layer, row]
+            assert len(set(used.tolist())) <= k_d
+            assert set(used.tolist()) == set(orig[:k_d].tolist())  # the router's own top-k_d
+            assert (w[k_d:] == 0).all() and (w[:k_d] > 0).all()
+            assert len(set(orig.tolist())) == rt.info.n_expert_used  # the predicted target set
+
+
+@pytest.mark.parametrize("k_d", [1, 2])
+def test_draft_pass_equals_a_model_loaded_with_fewer_experts(tiny_models, decoders, arch, k_d):
+    """Slot rewriting in the full model computes what a real top-k_d model computes (weight norm or not)."""
+    rt = decoders[arch].rt
+    _fresh(rt)
+    rt.hook.draft(k_d)
+    drafted = rt.decode(TOKENS, 0, "all")
+    _fresh(rt)
+    info = read_model_info(tiny_models[arch])
+    small = LlamaRuntime(info, n_ctx=128, n_threads=1, install_hook=False,
+                         int_overrides={f"{arch}.expert_used_count": k_d})
+    try:
+        reference = small.decode(TOKENS, 0, "all")
+    finally:
+        small.close()
+    np.testing.assert_allclose(drafted, reference, atol=2e-4, rtol=1e-4)
+
+
+def test_dropped_experts_are_never_read(tmp_path, arch):
+    """NaN-poison, per layer, an expert that only the dropped slots select: draft logits stay finite."""
+    spec = TinySpec(arch=arch, n_layer=3, n_expert=16, k=6, seed=11)
+    clean = write_tiny(tmp_path / "clean.gguf", spec)
+    rt = LlamaRuntime(read_model_info(clean), n_ctx=128, n_threads=1)
+    tokens = TOKENS[:4]
+    k_d = 1
+    rt.hook.draft(k_d)
+    rt.decode(tokens, 0, "all")
+    r = rt.hook.snapshot(len(tokens))
+    rt.close()
+    poison = []
+    for layer in range(spec.n_layer):
+        kept = set(r.orig[layer, :, :k_d].ravel().tolist())
+        dropped = set(r.orig[layer, :, k_d:].ravel().tolist()) - kept
+        assert dropped, "fixture should route some tokens to experts only dropped slots select"
+        poison.append((layer, min(dropped)))
+    spec.poison = poison
+    poisoned = write_tiny(tmp_path / "poisoned.gguf", spec)
+    rt = LlamaRuntime(read_model_info(poisoned), n_ctx=128, n_threads=1)
+    try:
+        rt.hook.draft(k_d)
+        draft_logits = rt.decode(tokens, 0, "all")
+        r2 = rt.hook.snapshot(len(tokens))
+        rt.kv_clear()
+        rt.hook.observe()
+        target_logits = rt.decode(tokens, 0, "all")
+    finally:
+        rt.close()
+    np.testing.assert_array_equal(r2.orig, r.orig)  # same routing as the clean model's draft
+    assert np.isfinite(draft_logits).all()
+    assert not np.isfinite(target_logits).all()  # the poison is real: the full model reads it
+
+
+def test_gating_moves_selection_only_toward_preferred_experts(decoders, arch):
+    rt = decoders[arch].rt
+    k, n_expert = rt.info.n_expert_used, rt.info.n_expert
+    cap = k + k // 2  # below n_expert, or every expert would be preferred and nothing could move
+    rng = np.random.default_rng(5)
+    total_plain = total_gated = moved = 0
+    for trial in range(6):
+        batch = rng.integers(0, 256, size=9).tolist()
+        _fresh(rt)
+        rt.hook.observe()
+        rt.decode(batch, 0, "all")
+        plain = rt.hook.snapshot(len(batch))
+        _fresh(rt)
+        rt.hook.gate(1.0, cap, np.linspace(1.0, 0.3, len(batch)))
+        gated_logits = rt.decode(batch, 0, "all")
+        gated = rt.hook.snapshot(len(batch))
+        _fresh(rt)
+        assert np.isfinite(gated_logits).all()
+        np.testing.assert_array_equal(gated.orig[0], plain.orig[0])  # layer 0 routes identical inputs
+        for layer in range(rt.info.n_layer):
+            preferred = set(gated.preferred[layer].tolist())
+            assert len(preferred) == cap
+            for row in range(len(batch)):
+                before, after = set(gated.orig[layer, row].tolist()), set(gated.used[layer, row].tolist())
+                assert len(after) == k
+                assert after - before <= preferred  # new choices come only from E*
+                assert before - after <= (before - preferred)  # only experts outside E* are given up
+                moved += len(after - before)
+        total_plain += plain.distinct_used(n_expert).sum()
+        total_gated += gated.distinct_used(n_expert).sum()
+    assert moved > 0
+    assert total_gated < total_plain
+
+
+def test_gating_off_is_bit_identical_to_observe(decoders, arch):
+    rt = decoders[arch].rt
+    batch = TOKENS[:9]
+    _fresh(rt)
+    rt.hook.observe()
+    a = rt.decode(batch, 0, "all")
+    _fresh(rt)
+    rt.hook.gate(0.0, 8, np.ones(len(batch)))
+    b = rt.decode(batch, 0, "all")
+    _fresh(rt)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_gated_weights_are_the_unbiased_probabilities(decoders, arch):
+    """Moved slots mix with the router's own probability of the new expert (selection-only bias)."""
+    rt = decoders[arch].rt
+    k = rt.info.n_expert_used
+    batch = np.random.default_rng(9).integers(0, 256, size=9).tolist()
+    _fresh(rt)
+    rt.hook.gate(1.0, k + 1, np.ones(len(batch)))
+    rt.decode(batch, 0, "all")
+    gated = rt.hook.snapshot(len(batch))
+    assert (gated.used != gated.orig).any()
+    _fresh(rt)
+    # A model whose k covers every expert records every probability.
+    info = rt.info
+    full = LlamaRuntime(info, n_ctx=128, n_threads=1, int_overrides={f"{info.arch}.expert_used_count": info.n_expert})
+    try:
+        full.hook.observe()
+        full.decode(batch, 0, "all")
+        ref = full.hook.snapshot(len(batch))
+    finally:
+        full.close()
+    checked = 0
+    for layer in range(1):  # layer 0 sees identical inputs in both models
+        for row in range(len(batch)):
+            probs = dict(zip(ref.used[layer, row].tolist(), ref.weight[layer, row].tolist()))
+            for e, w in zip(gated.used[layer, row].tolist(), gated.weight[layer, row].tolist()):
+                assert w == pytest.approx(probs[e], rel=1e-5, abs=1e-7)
+                checked += 1
+    assert checked == len(batch) * k
