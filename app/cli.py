@@ -65,6 +65,23 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
+# Other subcommands live in their own modules (s2moe.app.cmd_*), each with add_parser(sub) and
+# run(args) -> int, registered here in the order `s2moe --help` lists them. Modules import heavy
+# dependencies inside run(), so building the parser stays fast.
+SUBCOMMAND_MODULES = ("cmd_app", "cmd_models", "cmd_profiles", "cmd_calibrate", "cmd_bench")
+
+
+def _subcommand_modules():
+    import importlib
+
+    for name in SUBCOMMAND_MODULES:
+        try:
+            yield importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.{name}":
+                raise
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="s2moe", description="S²-MoE self-speculative decoding for MoE models on llama.cpp")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -73,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", "-p", required=True, help="prompt text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and summary")
     g.add_argument("--events", action="store_true", help="print one line per iteration to stderr")
+    g.set_defaults(run=cmd_generate)
+    for module in _subcommand_modules():
+        module.add_parser(sub)
     return parser
 
 
@@ -157,13 +177,17 @@ def main(argv=None) -> int:
     try:
         parser = build_parser()
         if not argv:
-            parser.print_help()
-            return 0
+            # The main job is the app; without it installed, say how to use the rest.
+            if "app" in parser._subparsers._group_actions[0].choices:
+                argv = ["app"]
+            else:
+                parser.print_help()
+                return 0
         args = parser.parse_args(argv)
-        if args.command == "generate":
-            return cmd_generate(args)
-        parser.print_help()
-        return 2
+        if getattr(args, "run", None) is None:
+            parser.print_help()
+            return 2
+        return args.run(args)
     except S2MoEError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

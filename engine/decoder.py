@@ -95,6 +95,9 @@ class Decoder:
         self._measured: dict[tuple, CostConstants] = {}
         self._pieces: dict[int, str] = {}
         self._routing_checked = not self.info.is_moe
+        # Called with the predicted expert set [n_layer, n_expert] (bool) before each verification that
+        # follows a draft, e.g. to prefetch offloaded experts while Python prepares the batch.
+        self.before_verify: Callable[[np.ndarray], None] | None = None
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
@@ -216,6 +219,8 @@ class Decoder:
             rt.kv_remove_from(m - 1)
 
             batch = [state.pending] + drafted
+            if self.before_verify is not None and proposal.predicted is not None:
+                self.before_verify(proposal.predicted)
             if hook is not None:
                 if gating and drafted:
                     hook.gate(cfg.reuse_strength, reuse_cap, [1.0] + proposal.chain)

@@ -31,6 +31,7 @@ class Proposal:
     stop: str = "no-draft"
     seconds: float = 0.0
     experts_read: np.ndarray | None = None  # [n_layer] distinct experts the draft passes read
+    predicted: np.ndarray | None = None     # [n_layer, n_expert] bool: target experts of the verify batch
 
 
 class StopRule:
@@ -162,4 +163,5 @@ class SelfDrafter(Drafter):
             out.chain.append(chain)
         out.seconds = time.perf_counter() - t0
         out.experts_read = read[:, :n_expert].sum(axis=1)
+        out.predicted = in_batch[:, :n_expert]
         return out
