@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..engine.errors import ConfigError, S2MoEError
+from ..engine.modes import MODES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,7 +48,7 @@ def default_model() -> str:
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
-    p.add_argument("--mode", default="s2moe", choices=["ar", "s2moe", "conf"], help="decoding mode (default s2moe)")
+    p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
     p.add_argument("-n", "--n-predict", type=_positive_int, default=128, help="tokens to generate")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")

@@ -17,12 +17,13 @@ import numpy as np
 from .costmodel import measure_cost_constants
 from .errors import ConfigError, ContextError, ModelError
 from .events import CostConstants, Finished, Iteration, Prefilled, Started
+from .hook import distinct_per_layer
 from .model_info import ModelInfo, read_model_info
-from .policies import ConfidenceStop, Drafter, FixedLength, SelfDrafter, UtilityStop, softmax
+from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LookupDrafter,
+                       SelfDrafter, UtilityStop, softmax)
 from .runtime import LlamaRuntime
 
-MODES = ("ar", "s2moe", "conf")
-MOE_MODES = ("s2moe", "conf")
+from .modes import MODES, MOE_MODES
 
 
 @dataclass
@@ -95,6 +96,8 @@ class Decoder:
         self._measured: dict[tuple, CostConstants] = {}
         self._pieces: dict[int, str] = {}
         self._routing_checked = not self.info.is_moe
+        self.n_threads = n_threads
+        self._aux: dict[tuple, Drafter] = {}  # drafters with their own context, kept across generations
         # Called with the predicted expert set [n_layer, n_expert] (bool) before each verification that
         # follows a draft, e.g. to prefetch offloaded experts while Python prepares the batch.
         self.before_verify: Callable[[np.ndarray], None] | None = None
@@ -146,6 +149,15 @@ class Decoder:
             return Drafter()
         if cfg.mode == "conf":
             return SelfDrafter(cfg.draft_topk, ConfidenceStop(cfg.conf_p_min))
+        if cfg.mode == "naive":
+            key = ("naive", cfg.draft_topk)
+            if key not in self._aux:
+                self._aux[key] = IndependentDrafter(self, cfg.draft_topk, self.n_threads)
+            return self._aux[key]
+        if cfg.mode == "cascade":
+            return CascadeDrafter(cfg.draft_topk, cfg.draft_max)
+        if cfg.mode == "lookup":
+            return LookupDrafter()
         rule = UtilityStop(cost, cfg.threshold) if cfg.utility else FixedLength()
         return SelfDrafter(cfg.draft_topk, rule)
 
@@ -169,7 +181,7 @@ class Decoder:
             )
         if cfg.mode != "ar":
             self.check_routing_hook()
-        needs_cost = cfg.mode == "s2moe" and cfg.utility
+        needs_cost = cfg.mode == "s2moe" and cfg.utility and cfg.cost is None
         cost = self.cost_constants(cfg) if needs_cost else cfg.cost
         drafter = self._drafter(cfg, cost)
         gating = cfg.mode == "s2moe" and cfg.reuse_strength > 0 and self.info.is_moe
@@ -212,7 +224,7 @@ class Decoder:
                 break
             room = self.n_ctx - m  # positions left after the pending token
             max_len = min(cfg.draft_max, room, cfg.n_predict - len(generated) - 1)
-            proposal = drafter.propose(self, state.pending, m - 1, max_len, sample)
+            proposal = drafter.propose(self, state.committed, max_len, sample)
             drafted = proposal.tokens
             if room < len(drafted):  # cannot happen with max_len ≤ room; keeps the invariant explicit
                 drafted = drafted[:room]
@@ -236,6 +248,7 @@ class Decoder:
                 reuse = np.where(routing.rows > 0, verify_experts / (rows * k), 0.0)
                 moves = _moves(routing) if hook.mode == "gate" else 0
             else:
+                routing = None
                 verify_experts = np.zeros(n_layer, int)
                 reuse = np.zeros(n_layer)
                 moves = 0
@@ -272,11 +285,14 @@ class Decoder:
                         finished_eos = True
                         break
             rollback = len(drafted) - accepted
+            # experts the rows of committed tokens needed (pending + accepted drafts)
+            useful = (distinct_per_layer(routing.used[:, : accepted + 1], np.minimum(routing.rows, accepted + 1),
+                                         self.info.n_expert) if routing is not None else np.zeros(n_layer, int))
             rt.kv_remove_from(m + accepted)
             state.committed.extend(committed)
             generated.extend(committed)
             iteration += 1
-            yield Iteration(
+            event = Iteration(
                 index=iteration,
                 candidates=tuple(proposal.candidates),
                 drafted=tuple(drafted),
@@ -296,7 +312,10 @@ class Decoder:
                 t_draft=proposal.seconds,
                 t_verify=t_verify,
                 draft_experts=proposal.experts_read,
+                useful_experts=useful,
             )
+            drafter.feedback(event)
+            yield event
             if finished_eos:
                 stop_reason = "eos"
                 break
@@ -307,6 +326,9 @@ class Decoder:
         yield Finished(tuple(generated), self.detokenize(generated), len(generated), seconds, stop_reason, iteration)
 
     def close(self) -> None:
+        for aux in self._aux.values():
+            aux.close()
+        self._aux.clear()
         self.rt.close()
 
 

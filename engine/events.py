@@ -79,6 +79,7 @@ class Iteration:
     t_draft: float
     t_verify: float
     draft_experts: np.ndarray | None = None  # [n_layer] distinct experts read by the draft passes
+    useful_experts: np.ndarray | None = None  # [n_layer] distinct experts of the committed rows only
 
 
 @dataclass(frozen=True)

@@ -94,10 +94,18 @@ class UtilityStop(StopRule):
 
 
 class Drafter:
+    """Proposes draft tokens for the pending token committed[-1] (at position len(committed) - 1)."""
+
     name = "none"
 
-    def propose(self, dec, pending: int, pos: int, max_len: int, sample) -> Proposal:
+    def propose(self, dec, committed: list[int], max_len: int, sample) -> Proposal:
         return Proposal()
+
+    def feedback(self, iteration) -> None:
+        """Sees each finished Iteration event (adaptive policies learn from it)."""
+
+    def close(self) -> None:
+        """Releases resources of its own (e.g. a second context)."""
 
 
 class SelfDrafter(Drafter):
@@ -109,7 +117,8 @@ class SelfDrafter(Drafter):
         self.k_draft = k_draft
         self.rule = rule
 
-    def propose(self, dec, pending, pos, max_len, sample) -> Proposal:
+    def propose(self, dec, committed, max_len, sample) -> Proposal:
+        pending, pos = committed[-1], len(committed) - 1
         out = Proposal()
         if max_len <= 0:
             out.stop = "limit"
@@ -164,4 +173,155 @@ class SelfDrafter(Drafter):
         out.seconds = time.perf_counter() - t0
         out.experts_read = read[:, :n_expert].sum(axis=1)
         out.predicted = in_batch[:, :n_expert]
+        return out
+
+
+class IndependentDrafter(Drafter):
+    """The paper's naive ES baseline: the same weights loaded a second time with expert_used_count = k_d,
+    drafting a fixed length in its own KV cache. Draft-computed KV of accepted tokens is kept, so draft
+    error accumulates across iterations (what context alignment removes)."""
+
+    name = "naive"
+
+    def __init__(self, dec, k_draft: int, n_threads: int | None = None):
+        from .runtime import LlamaRuntime
+
+        info = dec.info
+        self.rt = LlamaRuntime(info, n_ctx=dec.n_ctx, n_threads=n_threads, install_hook=False,
+                               max_verify_rows=dec.max_draft + 1,
+                               int_overrides={f"{info.arch}.expert_used_count": k_draft})
+        self.tokens: list[int] = []  # what this context's KV holds
+
+    def _sync(self, committed: list[int]) -> None:
+        """Make the draft KV hold committed[:-1]: drop what diverged, decode what is missing."""
+        want = committed[:-1]
+        same = 0
+        for a, b in zip(self.tokens, want):
+            if a != b:
+                break
+            same += 1
+        if same < len(self.tokens):
+            self.rt.kv_remove_from(same)
+            del self.tokens[same:]
+        missing = want[same:]
+        for i in range(0, len(missing), self.rt.n_batch):
+            chunk = missing[i : i + self.rt.n_batch]
+            self.rt.decode(chunk, len(self.tokens), "none")
+            self.tokens.extend(chunk)
+
+    def propose(self, dec, committed, max_len, sample) -> Proposal:
+        out = Proposal()
+        if max_len <= 0:
+            out.stop = "limit"
+            return out
+        t0 = time.perf_counter()
+        if not committed[:-1] or (self.tokens and self.tokens[0] != committed[0]):
+            self.rt.kv_clear()
+            self.tokens = []
+        self._sync(committed)
+        token = committed[-1]
+        chain = 1.0
+        n_layer = dec.info.n_layer
+        for i in range(max_len):
+            logits = self.rt.decode([token], len(self.tokens), "last")[0]
+            self.tokens.append(token)
+            token, q = sample(logits)
+            prob = float(q[token])
+            chain *= prob
+            out.candidates.append(DraftCandidate(token, dec.piece_text(token), prob, chain, None,
+                                                 np.zeros(n_layer, int), True))
+            out.tokens.append(token)
+            out.dists.append(q)
+            out.chain.append(chain)
+        out.stop = "cap"
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        self.rt.close()
+
+
+class CascadeDrafter(Drafter):
+    """Cascade-style per-request adaptation: a test phase tries each draft length K in {0, 1, cap/2, cap}
+    for a few iterations and measures utility (committed tokens per second of draft + verify); the set
+    phase then uses the best K until the next test phase."""
+
+    name = "cascade"
+
+    def __init__(self, k_draft: int, cap: int, trials_per_k: int = 2, set_iterations: int = 16):
+        self.choices = sorted({0, 1, max(1, cap // 2), cap})
+        self.inner = SelfDrafter(k_draft, FixedLength())
+        self.trials_per_k = trials_per_k
+        self.set_iterations = set_iterations
+        self._schedule: list[int] = []
+        self._scores: dict[int, list[float]] = {}
+        self._current = 0
+        self._phase = "test"
+        self._start_test()
+
+    def _start_test(self):
+        self._phase = "test"
+        self._scores = {k: [] for k in self.choices}
+        self._schedule = [k for k in self.choices for _ in range(self.trials_per_k)]
+
+    def propose(self, dec, committed, max_len, sample) -> Proposal:
+        if self._schedule:
+            self._current = self._schedule.pop(0)
+        out = self.inner.propose(dec, committed, min(max_len, self._current), sample) if self._current else Proposal()
+        if not self._current:
+            out.stop = "no-draft"
+        out.stop = f"{self._phase}:K={self._current}" if out.stop in ("cap", "no-draft") else out.stop
+        return out
+
+    def feedback(self, it) -> None:
+        seconds = it.t_draft + it.t_verify
+        if self._phase == "test":
+            self._scores[self._current].append(len(it.committed) / max(seconds, 1e-9))
+            if not self._schedule:
+                best = max(self.choices, key=lambda k: np.mean(self._scores[k]) if self._scores[k] else -1)
+                self._current = best
+                self._phase = "set"
+                self._schedule = [best] * self.set_iterations
+        elif not self._schedule:
+            self._start_test()
+
+
+class LookupDrafter(Drafter):
+    """Prompt-lookup drafting: find the longest recent n-gram (n ≤ max_ngram) earlier in the context and
+    propose the tokens that followed it. Costs no model pass; deterministic (one-hot) drafts."""
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, dec, committed, max_len, sample) -> Proposal:
+        out = Proposal()
+        if max_len <= 0:
+            out.stop = "limit"
+            return out
+        t0 = time.perf_counter()
+        seq = committed
+        n_vocab = dec.rt.n_vocab
+        found: list[int] = []
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            tail = seq[-n:]
+            for start in range(len(seq) - n - 1, -1, -1):  # most recent earlier occurrence first
+                if seq[start : start + n] == tail:
+                    found = seq[start + n : start + n + max_len]
+                    break
+            if found:
+                break
+        n_layer = dec.info.n_layer
+        for token in found:
+            q = np.zeros(n_vocab)
+            q[token] = 1.0
+            out.tokens.append(token)
+            out.dists.append(q)
+            out.chain.append(1.0)
+            out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, None,
+                                                 np.zeros(n_layer, int), True))
+        out.stop = "lookup" if found else "no-match"
+        out.seconds = time.perf_counter() - t0
         return out

@@ -188,3 +188,30 @@ def test_speculative_sampling_matches_plain_sampling(decoders):
     stat2, df2 = _chi2(second, p2, n2)
     if df2 >= 1:
         assert stat2 < _chi2_critical(df2), f"second-token distribution differs: chi2 {stat2:.1f} df {df2}"
+
+
+@pytest.mark.parametrize("mode", ["naive", "conf", "cascade", "lookup"])
+def test_every_baseline_is_lossless_in_greedy_mode(decoders, arch, mode):
+    d = decoders[arch]
+    drafted = 0
+    for prompt in PROMPTS[:2]:
+        ar = summarize(run(d, prompt, GenerationConfig(mode="ar", n_predict=48, stop_at_eos=False)))
+        events = run(d, prompt, GenerationConfig(mode=mode, n_predict=48, stop_at_eos=False))
+        spec = summarize(events)
+        drafted += spec.drafted
+        for e in events:
+            if isinstance(e, Iteration):
+                assert e.kv_end == e.n_committed - 1
+        if spec.tokens != ar.tokens:
+            i = next(j for j, (a, b) in enumerate(zip(ar.tokens, spec.tokens)) if a != b)
+            gap = ar_logits_gap(d, d.tokenize(prompt) + list(ar.tokens[:i]))
+            assert gap < 1e-3, f"{mode} diverged from ar at token {i} (ar top-2 gap {gap:.3g})"
+    assert drafted > 0
+
+
+def test_cascade_tests_every_draft_length_then_settles(decoders):
+    d = decoders["olmoe"]
+    events = run(d, PROMPTS[0], GenerationConfig(mode="cascade", n_predict=60, stop_at_eos=False))
+    stops = [e.draft_stop for e in events if isinstance(e, Iteration)]
+    assert {s for s in stops if s.startswith("test:")} >= {"test:K=0", "test:K=1", "test:K=4", "test:K=8"}
+    assert any(s.startswith("set:") for s in stops)
