@@ -185,7 +185,7 @@ class Decoder:
         cost = self.cost_constants(cfg) if needs_cost else cfg.cost
         drafter = self._drafter(cfg, cost)
         gating = cfg.mode == "s2moe" and cfg.reuse_strength > 0 and self.info.is_moe
-        reuse_cap = cfg.reuse_cap or 2 * self.info.n_expert_used
+        reuse_cap = cfg.reuse_cap or default_reuse_cap(self.info)
         k = max(self.info.n_expert_used, 1)
         rng = np.random.default_rng(cfg.seed)
         greedy = cfg.temperature == 0
@@ -330,6 +330,11 @@ class Decoder:
             aux.close()
         self._aux.clear()
         self.rt.close()
+
+
+def default_reuse_cap(info: ModelInfo) -> int:
+    """|E*| = 2·k (inside the paper's 1.5–2.5·k sweet spot), below n_expert so that gating can act."""
+    return max(info.n_expert_used, min(2 * info.n_expert_used, info.n_expert - 1))
 
 
 def _moves(routing) -> int:

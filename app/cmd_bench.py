@@ -1,0 +1,176 @@
+"""`s2moe bench`: compare modes on a prompt set; print a table, write JSON/markdown reports."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..engine.errors import ConfigError
+from ..engine.modes import MODES
+
+DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
+    p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
+    p.add_argument("--prompts", default="humaneval", help="humaneval | natural | a JSONL file with a \"prompt\" field")
+    p.add_argument("--n-prompts", type=int, default=8, help="prompts to use from the set (default 8)")
+    p.add_argument("-n", "--n-tokens", type=int, default=64, help="tokens generated per prompt and mode")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
+    p.add_argument("--ablation", action="store_true",
+                   help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating")
+    p.add_argument("--budget", default="none", help="memory budget(s): none (default), auto or SIZE[,SIZE…]")
+    p.add_argument("--profile", help="device profile for the cost constants (else measured at start-up)")
+    p.add_argument("--draft-topk", type=int, default=2)
+    p.add_argument("--draft-max", type=int, default=8)
+    p.add_argument("--reuse-strength", type=float, default=0.5)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-quality", action="store_true", help="skip the teacher-forced gating quality check")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON")
+    p.add_argument("--md", dest="md_out", metavar="OUT", help="write a markdown report with plots")
+    p.add_argument("--overhead", action="store_true",
+                   help="instead: measure the routing hook's overhead against llama-cpp-python's own decoding")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --overhead")
+    p.set_defaults(run=run)
+
+
+def _modes(args) -> list[str]:
+    if args.ablation:
+        return ["ar", "base", "+shared-kv", "+utility", "+gating"]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ConfigError(f"--modes: unknown mode {bad[0]!r} (choose from {', '.join(MODES)})")
+    if not modes:
+        raise ConfigError("--modes: give at least one mode")
+    return modes
+
+
+def _fmt(v, spec=".2f", none="–"):
+    return none if v is None else format(v, spec)
+
+
+def table(done):
+    from rich.table import Table
+
+    t = Table(title=f"s2moe bench · {done.config.get('prompt_set')} × {done.config.get('n_prompts')} prompts · "
+                    f"{done.config.get('n_tokens')} tokens each")
+    for col in ("mode", "budget", "tok/s", "× ar", "accept len", "draft len", "reuse", "verify experts",
+                "eff. verify", "rollbacks", "draft/verify s", "= ar"):
+        t.add_column(col, justify="left" if col in ("mode", "budget") else "right")
+    for r in done.rows:
+        same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}" + ("" if r.identical_expected else "*")
+        t.add_row(r.mode, r.budget, f"{r.tok_per_s:.1f}", _fmt(r.speedup_vs_ar), f"{r.accept_len:.2f}",
+                  f"{r.draft_len:.2f}", _fmt(r.reuse_ratio, ".3f"), _fmt(r.verify_experts, ".1f"),
+                  _fmt(r.effective_verify_cost, ".2f"), str(r.rollbacks), f"{r.t_draft:.2f}/{r.t_verify:.2f}", same)
+    return t
+
+
+def markdown(done) -> str:
+    import plotext as plt
+
+    lines = [f"# s2moe bench — {done.config.get('prompt_set')}", "",
+             f"Model `{done.config.get('model')}`, {done.config.get('n_prompts')} prompts × "
+             f"{done.config.get('n_tokens')} tokens, modes interleaved per prompt, greedy={done.config.get('greedy')}.",
+             f"Machine: {done.machine.get('cpu')} ({done.machine.get('cores')} cores, threads {done.machine.get('threads')}).",
+             "", "| mode | budget | tok/s | × ar | accept len | draft len | reuse | verify experts | eff. verify | rollbacks | = ar |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in done.rows:
+        same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}"
+        lines.append(f"| {r.mode} | {r.budget} | {r.tok_per_s:.1f} | {_fmt(r.speedup_vs_ar)} | {r.accept_len:.2f} | "
+                     f"{r.draft_len:.2f} | {_fmt(r.reuse_ratio, '.3f')} | {_fmt(r.verify_experts, '.1f')} | "
+                     f"{_fmt(r.effective_verify_cost)} | {r.rollbacks} | {same} |")
+    plt.clear_figure()
+    plt.bar([r.mode for r in done.rows], [r.tok_per_s for r in done.rows])
+    plt.title("tok/s by mode")
+    plt.plotsize(80, 20)
+    plt.theme("clear")
+    lines += ["", "```", plt.build(), "```"]
+    if done.quality.get("tokens"):
+        q = done.quality
+        lines += ["", "## Reuse gating quality (teacher-forced)", "",
+                  f"α={q['alpha']}, |E*|={q['cap']}, {q['tokens']} tokens: perplexity ratio {q['ppl_ratio']:.4f}, "
+                  f"top-1 agreement {q['top1_agreement']:.3f}, mean KL {q['mean_kl']:.4f}, reuse ratio "
+                  f"{q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f} ({q['reuse_reduction']:.0%} lower)."]
+    if done.cost_model:
+        c = done.cost_model
+        lines += ["", "## Verification cost model", "",
+                  f"latency ≈ {c['intercept_s'] * 1e3:.3f} ms + {c['t_exp_s'] * 1e3:.4f} ms·experts + "
+                  f"{c['t_tok_s'] * 1e3:.3f} ms·tokens over {c['n']} verifications: R² {c['r2']:.3f}, "
+                  f"MAPE {c['mape']:.1%}."]
+        plt.clear_figure()
+        plt.scatter([x * 1e3 for x in c["measured_s"]], [x * 1e3 for x in c["predicted_s"]])
+        plt.title("verification latency: measured (x) vs predicted (y), ms")
+        plt.plotsize(80, 20)
+        plt.theme("clear")
+        lines += ["", "```", plt.build(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..engine.bench import BenchDone, BenchProgress, load_prompts, measure_hook_overhead, run_bench, write_atomic
+    from ..engine.decoder import GenerationConfig
+    from .cli import default_model
+
+    model = args.model or default_model()
+    console = Console(stderr=True)
+    if args.n_tokens < 1 or args.n_prompts < 1:
+        raise ConfigError("-n and --n-prompts must be at least 1")
+    if args.overhead:
+        set_name, prompts = load_prompts(args.prompts, 1)
+        result = measure_hook_overhead(model, prompts[0], args.n_tokens, args.rounds, args.threads)
+        print(json.dumps(result, indent=2))
+        if args.json_out:
+            write_atomic(args.json_out, json.dumps(result, indent=2) + "\n")
+        return 0
+    modes = _modes(args)
+    budgets = [b.strip() for b in args.budget.split(",") if b.strip()]
+    set_name, prompts = load_prompts(args.prompts, args.n_prompts)
+    cost = None
+    base = GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max, reuse_strength=args.reuse_strength)
+    base.validate()
+    if args.profile:
+        from ..engine.model_info import read_model_info
+        from ..engine.profiles import cost_for_model, load_profile
+
+        info = read_model_info(model)
+        cost = cost_for_model(load_profile(args.profile), info.fingerprint, info.path.name)
+        base.cost = cost
+    quality_texts = None if args.no_quality else prompts
+    done = None
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("bench", total=None)
+        for ev in run_bench(model, prompts=prompts, modes=modes, n_tokens=args.n_tokens, budgets=budgets,
+                            prompt_set=set_name, base=base, n_threads=args.threads, quality_texts=quality_texts):
+            if isinstance(ev, BenchProgress):
+                progress.update(task, total=ev.total, completed=ev.done,
+                                description=f"{ev.mode} · prompt {ev.prompt_index + 1} · budget {ev.budget}")
+            elif isinstance(ev, BenchDone):
+                done = ev
+    if done is None:
+        return 1
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=160)
+    out.print(table(done))
+    q = done.quality
+    if q.get("tokens"):
+        print(f"gating quality: perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement {q['top1_agreement']:.3f}, "
+              f"mean KL {q['mean_kl']:.4f}, reuse ratio {q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f}")
+    if done.cost_model:
+        c = done.cost_model
+        print(f"cost model: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
+    broken = [r.mode for r in done.rows if r.identical_expected and r.identical_to_ar is not None and r.identical_to_ar < 1]
+    if args.json_out:
+        write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n")
+    if args.md_out:
+        write_atomic(args.md_out, markdown(done))
+    if broken:
+        print(f"warning: lossless modes differ from ar on some prompts: {', '.join(broken)}", file=sys.stderr)
+        return 1
+    return 0

