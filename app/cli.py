@@ -38,9 +38,10 @@ def _non_negative_float(text: str) -> float:
 def default_model() -> str:
     try:
         from ..engine.zoo import default_model_path
-    except ImportError:
-        default_model_path = None
-    path = default_model_path() if default_model_path else None
+
+        path = default_model_path()
+    except (ImportError, OSError):
+        path = None
     if path is None or not path.is_file():
         raise ConfigError("no shipped default model in this install: pass --model PATH to a GGUF MoE model")
     return str(path)
@@ -64,6 +65,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=_positive_int, default=2048, help="context window in tokens")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all available)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    # -- memory budget (issue 4) --
+    p.add_argument("--budget", help="memory budget, e.g. 800M or 2G: decode in a memory cgroup of that size with "
+                                    "experts offloaded to storage (pinned weights, hot experts, prefetch)")
 
 
 # Other subcommands live in their own modules (s2moe.app.cmd_*), each with add_parser(sub) and
@@ -105,7 +109,8 @@ def generation_config(args, decoder):
         raise ConfigError("--greedy and --temp > 0 contradict each other")
     cost = None
     if args.profile:
-        cost = cost_for_model(load_profile(args.profile), decoder.info.fingerprint, decoder.info.path.name)
+        cost = cost_for_model(load_profile(args.profile), decoder.info.fingerprint, decoder.info.path.name,
+                              offloaded=bool(getattr(args, "budget", None)))  # budget: cold expert cost
     cfg = GenerationConfig(
         mode=args.mode,
         n_predict=args.n_predict,
@@ -132,7 +137,29 @@ def cmd_generate(args) -> int:
     # Validate flags that need no model before loading one.
     GenerationConfig(mode=args.mode, n_predict=args.n_predict, temperature=args.temp,
                      draft_topk=args.draft_topk, draft_max=args.draft_max).validate()
-    decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max))
+    # -- memory budget (issue 4): rerun this command inside a memory cgroup; inside it, offload --
+    budget_cg = None
+    if args.budget:
+        from ..engine import offload
+
+        budget = offload.parse_size(args.budget)
+        budget_cg = offload.current_budget_cgroup()
+        if budget_cg is None:
+            try:
+                return offload.run_under_budget([sys.executable, "-m", "s2moe.app.cli", *args._argv], budget, model)
+            except offload.BudgetUnavailable as e:
+                raise ConfigError(str(e)) from None
+    decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max),
+                      use_extra_bufts=budget_cg is None)
+    offloader = None
+    if budget_cg is not None:
+        from ..engine.profiles import hot_experts_for_model, load_profile
+
+        hot = hot_experts_for_model(load_profile(args.profile), decoder.info.fingerprint) if args.profile else []
+        offloader, plan = offload.attach_offloading(decoder, budget, hot)
+        if plan is not None and not args.json:
+            print(plan.describe(), file=sys.stderr)
+    # -- end memory budget --
     if not decoder.info.is_moe and args.mode == "ar":
         print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
               file=sys.stderr)
@@ -157,6 +184,8 @@ def cmd_generate(args) -> int:
         elif isinstance(event, Finished) and event.stop_reason == "context":
             print(f"\nnote: the context window ({decoder.n_ctx} tokens) filled up after {event.n_tokens} tokens",
                   file=sys.stderr)
+    if offloader is not None:  # memory budget (issue 4)
+        print(offload.split_line(budget_cg, offloader), file=sys.stderr)
     if args.json:
         out = summary.as_dict()
         out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path))
@@ -185,6 +214,7 @@ def main(argv=None) -> int:
                 parser.print_help()
                 return 0
         args = parser.parse_args(argv)
+        args._argv = list(argv)  # `generate --budget` reruns the command inside a memory cgroup
         if getattr(args, "run", None) is None:
             parser.print_help()
             return 2

@@ -49,6 +49,9 @@ class StopRule:
     def keep(self, chain: float, prob: float, new_experts: int) -> tuple[bool, float | None]:
         return True, None
 
+    def observe_first(self, prob: float) -> None:
+        """Sees the draft probability of each first draft token."""
+
 
 class FixedLength(StopRule):
     """Draft up to the cap, whatever it costs (`--no-utility`)."""
@@ -72,9 +75,15 @@ class UtilityStop(StopRule):
 
     needs_routing = True
 
-    def __init__(self, cost: CostConstants, threshold: float = 1.0):
+    def __init__(self, cost: CostConstants, threshold: float = 1.0, probe_every: int = 16, smoothing: float = 0.3):
         self.cost = cost
         self.threshold = threshold
+        # Before drafting, the first token's probability is unknown; a running estimate of it decides
+        # whether even one draft pass is likely to pay. Skipped iterations probe again now and then.
+        self.expected_first = 1.0
+        self.smoothing = smoothing
+        self.probe_every = probe_every
+        self._skipped = 0
 
     def utility(self, chain: float, new_experts: float) -> float:
         c = self.cost
@@ -82,7 +91,18 @@ class UtilityStop(StopRule):
 
     def worth_drafting(self) -> bool:
         # Even a certain token that adds no expert must pay for its draft pass and its verify row.
-        return self.utility(1.0, 0.0) >= self.threshold
+        if self.utility(1.0, 0.0) < self.threshold:
+            return False
+        if self.utility(self.expected_first, 0.0) >= self.threshold:
+            return True
+        self._skipped += 1
+        if self._skipped >= self.probe_every:
+            self._skipped = 0
+            return True
+        return False
+
+    def observe_first(self, prob: float) -> None:
+        self.expected_first += self.smoothing * (prob - self.expected_first)
 
     def pre_reject(self, chain, prob):
         bound = self.utility(chain, 0.0)
@@ -143,6 +163,8 @@ class SelfDrafter(Drafter):
             token, q = sample(logits)
             prob = float(q[token])
             chain *= prob
+            if i == 0:
+                self.rule.observe_first(prob)
             text = dec.piece_text(token)
             reject, bound = self.rule.pre_reject(chain, prob)
             if reject:

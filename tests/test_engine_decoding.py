@@ -215,3 +215,18 @@ def test_cascade_tests_every_draft_length_then_settles(decoders):
     stops = [e.draft_stop for e in events if isinstance(e, Iteration)]
     assert {s for s in stops if s.startswith("test:")} >= {"test:K=0", "test:K=1", "test:K=4", "test:K=8"}
     assert any(s.startswith("set:") for s in stops)
+
+
+def test_utility_rule_learns_to_skip_drafts_that_rarely_pay():
+    from s2moe.engine.policies import UtilityStop
+
+    c = CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test")
+    rule = UtilityStop(c, probe_every=8)
+    assert rule.worth_drafting()  # optimistic until it has seen a draft
+    for _ in range(6):
+        rule.observe_first(0.1)  # first drafts are unlikely: 0.1·1.0/0.5 < 1
+    decisions = [rule.worth_drafting() for _ in range(32)]
+    assert sum(decisions) == 4  # one probe every 8 iterations
+    for _ in range(10):
+        rule.observe_first(0.95)
+    assert rule.worth_drafting()
