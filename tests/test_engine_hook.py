@@ -180,3 +180,18 @@ def test_gated_weights_are_the_unbiased_probabilities(decoders, arch):
                 assert w == pytest.approx(probs[e], rel=1e-5, abs=1e-7)
                 checked += 1
     assert checked == len(batch) * k
+
+
+def test_missing_routing_tensors_are_reported_not_ignored(tiny_models, monkeypatch):
+    """An architecture whose graph has no ffn_moe_weights-N nodes: MoE modes refuse with a clear error."""
+    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.errors import ModelError
+
+    d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1)
+    try:
+        monkeypatch.setattr(d.rt.hook, "hooked", lambda: 0)  # as if the callback never met a routing node
+        with pytest.raises(ModelError, match="routing tensors"):
+            run(d, "hello", GenerationConfig(mode="s2moe", n_predict=4))
+        assert run(d, "hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False))[-1].n_tokens == 4
+    finally:
+        d.close()
