@@ -9,7 +9,7 @@ the entries of accepted tokens remain.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -70,16 +70,6 @@ class GenerationConfig:
                 )
             if self.reuse_cap is not None and self.reuse_cap < info.n_expert_used:
                 raise ConfigError(f"--reuse-cap must be ≥ the model's experts per token ({info.n_expert_used})")
-
-
-@dataclass
-class _State:
-    committed: list[int] = field(default_factory=list)
-    n_prompt: int = 0
-
-    @property
-    def pending(self) -> int:
-        return self.committed[-1]
 
 
 class Decoder:
@@ -209,7 +199,7 @@ class Decoder:
             rt.decode(head[i : i + rt.n_batch], i, "none")
         yield Prefilled(len(prompt_tokens), time.perf_counter() - t_start)
 
-        state = _State(list(prompt_tokens), len(prompt_tokens))
+        committed_all = list(prompt_tokens)  # prompt + generated; the last one is pending
         generated: list[int] = []
         stop_reason = "length"
         iteration = 0
@@ -218,19 +208,17 @@ class Decoder:
             if should_stop is not None and should_stop():
                 stop_reason = "interrupted"
                 break
-            m = len(state.committed)  # pending token sits at position m-1
+            m = len(committed_all)  # pending token sits at position m-1
             if m > self.n_ctx:
                 stop_reason = "context"
                 break
             room = self.n_ctx - m  # positions left after the pending token
             max_len = min(cfg.draft_max, room, cfg.n_predict - len(generated) - 1)
-            proposal = drafter.propose(self, state.committed, max_len, sample)
+            proposal = drafter.propose(self, committed_all, max_len, sample)
             drafted = proposal.tokens
-            if room < len(drafted):  # cannot happen with max_len ≤ room; keeps the invariant explicit
-                drafted = drafted[:room]
             rt.kv_remove_from(m - 1)
 
-            batch = [state.pending] + drafted
+            batch = [committed_all[-1]] + drafted
             if self.before_verify is not None and proposal.predicted is not None:
                 self.before_verify(proposal.predicted)
             if hook is not None:
@@ -289,7 +277,7 @@ class Decoder:
             useful = (distinct_per_layer(routing.used[:, : accepted + 1], np.minimum(routing.rows, accepted + 1),
                                          self.info.n_expert) if routing is not None else np.zeros(n_layer, int))
             rt.kv_remove_from(m + accepted)
-            state.committed.extend(committed)
+            committed_all.extend(committed)
             generated.extend(committed)
             iteration += 1
             event = Iteration(
@@ -304,7 +292,7 @@ class Decoder:
                 draft_stop=proposal.stop,
                 rollback=rollback,
                 kv_end=rt.kv_end(),
-                n_committed=len(state.committed),
+                n_committed=len(committed_all),
                 verify_tokens=len(batch),
                 verify_experts=verify_experts,
                 reuse_ratio=reuse,
@@ -319,7 +307,7 @@ class Decoder:
             if finished_eos:
                 stop_reason = "eos"
                 break
-            if len(state.committed) > self.n_ctx and len(generated) < cfg.n_predict:
+            if len(committed_all) > self.n_ctx and len(generated) < cfg.n_predict:
                 stop_reason = "context"
                 break
         seconds = time.perf_counter() - t_start
