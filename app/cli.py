@@ -64,6 +64,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-cap", type=_positive_int, default=None, help="preferred experts |E*| (default 2·k)")
     p.add_argument("--ctx", type=_positive_int, default=2048, help="context window in tokens")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--gpu-layers", type=int, default=0,
+                   help="layers to offload to the GPU in a CUDA/Metal/Vulkan build of llama.cpp (-1: all)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     # -- memory budget (issue 4) --
     p.add_argument("--budget", help="memory budget, e.g. 800M or 2G: decode in a memory cgroup of that size with "

@@ -76,13 +76,14 @@ class Decoder:
     """Loads a model once; runs generations in any mode over the same context."""
 
     def __init__(self, model: str, *, n_ctx: int = 2048, n_threads: int | None = None, max_draft: int = 16,
-                 use_extra_bufts: bool = True):
+                 use_extra_bufts: bool = True, n_gpu_layers: int = 0):
         self.info = read_model_info(model)
         if self.info.is_moe and self.info.n_expert_used > self.info.n_expert:
             raise ModelError(f"{self.info.path.name}: expert_used_count exceeds expert_count")
         self.max_draft = max_draft
         self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_threads=n_threads, max_verify_rows=max_draft + 1,
-                               use_extra_bufts=use_extra_bufts)
+                               use_extra_bufts=use_extra_bufts, n_gpu_layers=n_gpu_layers)
+        self.n_gpu_layers = n_gpu_layers
         self._measured: dict[tuple, CostConstants] = {}
         self._pieces: dict[int, str] = {}
         self._routing_checked = not self.info.is_moe
