@@ -1,0 +1,58 @@
+"""`s2moe app`: the terminal UI (chat with live speculation plots, calibration, profiles, bench)."""
+
+from __future__ import annotations
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("app", help="open the terminal app (the default when s2moe has no arguments)")
+    p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
+    p.add_argument("--profile", help="device profile name or YAML path (cost constants); measured at start-up if absent")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the engine (default: all cores but one, which the UI needs)")
+    p.add_argument("--ctx", type=_positive_int, default=2048, help="context window in tokens")
+    p.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def build_app(args):
+    """The app for these arguments (no model and none shipped: it opens and asks for a path)."""
+    from pathlib import Path
+
+    from ..engine.errors import ConfigError
+    from .tui.app import S2MoEApp
+    from .tui.session import shipped_default_model
+
+    model, message = args.model, None
+    if model is not None:
+        if not Path(model).expanduser().is_file():
+            message = f"No model file at {model!r}. Type the path of a GGUF Mixture-of-Experts model."
+            model = None
+        else:
+            model = str(Path(model).expanduser())
+    else:
+        default = shipped_default_model()
+        model = str(default) if default is not None else None
+    if args.profile:
+        from ..engine.profiles import load_profile
+
+        load_profile(args.profile)  # a missing or invalid profile is a one-line error before the UI opens
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise ConfigError("--threads must be at least 1")
+    return S2MoEApp(model, profile=args.profile, n_threads=args.threads, n_ctx=getattr(args, "ctx", 2048),
+                    model_message=message)
+
+
+def run(args) -> int:
+    app = build_app(args)
+    app.run()
+    return app.return_code or 0

@@ -1,0 +1,197 @@
+"""The S²-MoE terminal app: chat with live speculation plots, calibration, profiles, bench."""
+
+from __future__ import annotations
+
+import asyncio
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+
+from ...engine.errors import S2MoEError
+from .bench import BenchScreen
+from .calibrate import CalibrateScreen
+from .chat import ChatScreen
+from .commands import S2MoECommands
+from .dialogs import HelpScreen, ModelPathDialog, binding_sections
+from .messages import ModelFailed, ModelReady, post
+from .profiles_screen import ProfilesScreen
+from .session import EngineSession, optional_module
+from .widgets import NavBar
+
+NO_MODEL_MESSAGE = ("No model was given and this install ships no default model. "
+                    "Type the path of a GGUF Mixture-of-Experts model (or start with --model PATH).")
+
+
+class S2MoEApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "S²-MoE"
+    ENABLE_COMMAND_PALETTE = True
+    COMMANDS = App.COMMANDS | {S2MoECommands}
+    MODES = {"chat": ChatScreen, "calibrate": CalibrateScreen, "profiles": ProfilesScreen, "bench": BenchScreen}
+    DEFAULT_MODE = "chat"
+
+    BINDINGS = [
+        Binding("ctrl+c,ctrl+q", "quit", "Quit", priority=True, show=False,
+                tooltip="Quit from anywhere (stops a running job first)"),
+        Binding("q", "quit", "Quit", show=False, tooltip="Quit (when not typing)"),
+        Binding("f1,question_mark", "help", "Help"),
+        Binding("f2", "switch_mode('chat')", "Chat", show=False, tooltip="Chat screen"),
+        Binding("f3", "switch_mode('calibrate')", "Calibrate", show=False, tooltip="Calibration wizard"),
+        Binding("f4", "switch_mode('profiles')", "Profiles", show=False, tooltip="Device profiles"),
+        Binding("f5", "switch_mode('bench')", "Bench", show=False, tooltip="Compare modes"),
+        Binding("ctrl+t", "toggle_theme", "Theme", show=False, tooltip="Light / dark theme"),
+        Binding("ctrl+p", "command_palette", "Palette", show=False, tooltip="Command palette: every action by name"),
+    ]
+
+    def __init__(self, model_path: str | None = None, *, profile: str | None = None, n_threads: int | None = None,
+                 n_ctx: int = 2048, model_message: str | None = None, modules: dict | None = None,
+                 load_on_start: bool = True, decoder_factory=None):
+        super().__init__()
+        self.session = EngineSession(model_path, n_threads=n_threads, n_ctx=n_ctx, profile=profile,
+                                     decoder_factory=decoder_factory)
+        self.model_message = model_message
+        self.load_on_start = load_on_start
+        self._modules = modules or {}
+        self._views: list = []
+        self.model_loading = False
+        self.quitting = False
+
+    # -- engine modules that may be missing in this install ---------------------------------------------------
+    def engine_module(self, name: str):
+        if name in self._modules:
+            return self._modules[name]
+        return optional_module(name)
+
+    # -- start-up ------------------------------------------------------------------------------------------------
+    def on_mount(self) -> None:
+        self.theme = "textual-dark"
+        if self.session.model_path is None:
+            self.push_screen(ModelPathDialog(self.model_message or NO_MODEL_MESSAGE), self._model_chosen)
+        elif self.load_on_start:
+            self.load_model()
+
+    def _model_chosen(self, path: str | None) -> None:
+        if path is None:
+            if self.session.model_path is None:
+                self.notify("no model loaded: Ctrl+P → “Open model…” when you have one", severity="warning",
+                            timeout=8)
+            return
+        if self.session.busy:
+            self.notify("the engine is busy; stop the running job first", severity="warning")
+            return
+        self.session.set_model(path)
+        self.model_changed()
+        self.load_model()
+
+    def action_open_model(self) -> None:
+        self.push_screen(ModelPathDialog(current=self.session.model_path), self._model_chosen)
+
+    @work(thread=True, group="load", exit_on_error=False)
+    def load_model(self) -> None:
+        session = self.session
+        self.model_loading = True
+        self.call_from_thread(self.model_changed)
+        try:
+            if not session.lock.acquire(timeout=30):
+                return
+            try:
+                model = session.load()
+            finally:
+                session.lock.release()
+            post(self, ModelReady(model))
+        except S2MoEError as e:
+            post(self, ModelFailed(str(e)))
+        except Exception as e:  # noqa: BLE001 - a model llama.cpp cannot load is a message, not a crash
+            post(self, ModelFailed(f"{type(e).__name__}: {e}"))
+        finally:
+            self.model_loading = False
+
+    def on_model_ready(self, message: ModelReady) -> None:
+        self.model_changed()
+
+    def on_model_failed(self, message: ModelFailed) -> None:
+        self.model_loading = False
+        self.notify(message.text, title="Could not load the model", severity="error", timeout=12)
+        self.session.model_path = None
+        self.model_changed()
+        self.push_screen(ModelPathDialog(f"Could not load the model: {message.text}"), self._model_chosen)
+
+    @property
+    def model_label(self) -> str:
+        s = self.session
+        if s.model is not None:
+            label = s.model.describe()
+        elif s.model_path is None:
+            label = "no model (Ctrl+P → Open model…)"
+        else:
+            from pathlib import Path
+
+            label = f"{Path(s.model_path).name} · loading…" if self.model_loading else Path(s.model_path).name
+        label += f" · profile {s.profile_name}" if s.profile_name else ""
+        return label
+
+    @property
+    def model_short_label(self) -> str:
+        s = self.session
+        if s.model is None:
+            return self.model_label
+        return s.model.short() + (f" · profile {s.profile_name}" if s.profile_name else "")
+
+    def register_view(self, screen) -> None:
+        if screen not in self._views:
+            self._views.append(screen)
+
+    def model_changed(self) -> None:
+        """Tell every screen that the model, the active profile or the loading state changed."""
+        for screen in self.query_all_screens():
+            for bar in screen.query(NavBar):
+                bar.refresh_bar()
+            hook = getattr(screen, "adapt_to_model", None)
+            if hook is not None:
+                hook()
+
+    def query_all_screens(self):
+        seen = []
+        for screen in list(self._views) + list(self.screen_stack):
+            if screen not in seen and screen.is_mounted:
+                seen.append(screen)
+        return seen
+
+    def set_profile(self, name: str | None) -> None:
+        self.session.profile_name = name
+        self.model_changed()
+        self.notify(f"active profile: {name}" if name else "no profile: cost constants are measured at start-up",
+                    timeout=4)
+
+    # -- actions -----------------------------------------------------------------------------------------------
+    def chat_action(self, action: str, *args) -> None:
+        """Run a chat-screen action from anywhere (the command palette)."""
+        screen = self.chat_screen
+        if screen is None:
+            return
+        getattr(screen, f"action_{action}")(*args)
+
+    @property
+    def chat_screen(self) -> ChatScreen | None:
+        for screen in self.query_all_screens():
+            if isinstance(screen, ChatScreen):
+                return screen
+        return None
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            return
+        self.push_screen(HelpScreen(binding_sections(self.screen, self)))
+
+    def action_toggle_theme(self) -> None:
+        self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
+
+    async def action_quit(self) -> None:
+        """Quit cleanly from anywhere: ask the running job to stop, give it a moment, leave."""
+        if self.quitting:
+            return
+        self.quitting = True
+        self.session.stop.set()
+        await asyncio.to_thread(self.session.close, 3.0)
+        self.exit()

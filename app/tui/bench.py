@@ -1,0 +1,304 @@
+"""The bench screen: run decoding modes on a prompt set, show the table and plots."""
+
+from __future__ import annotations
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import (Button, DataTable, Footer, Input, Label, ProgressBar, Select, SelectionList, Static,
+                             TextArea)
+from textual_plotext import PlotextPlot
+
+from ...engine.errors import ConfigError, S2MoEError
+from .messages import EngineFailed, JobEnded, JobEvent, post
+from .session import engine_modes
+from .widgets import NavBar
+
+DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):"
+UNAVAILABLE = ("The benchmark is not available in this install (the module s2moe.engine.bench is missing). "
+               "Chat (F2) shows each generation's speed live.")
+DEFAULT_MODES = ("ar", "s2moe")
+
+
+def _fmt(v, spec=".2f", none="—"):
+    return none if v is None else format(v, spec)
+
+
+def _label(r) -> str:
+    return r.mode if getattr(r, "budget", "none") in ("none", None) else f"{r.mode}@{r.budget}"
+
+
+class BenchPlot(PlotextPlot):
+    """tokens/s by mode, with the speed-up over ar in the labels."""
+
+    DEFAULT_CSS = "BenchPlot { height: 1fr; min-height: 8; }"
+    TITLE = "tokens/s by mode (× ar)"
+
+    def show_rows(self, rows) -> None:
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title(self.TITLE)
+        if rows:
+            self.plot_rows(rows)
+        self.refresh()
+
+    def plot_rows(self, rows) -> None:
+        labels = []
+        for r in rows:
+            sp = getattr(r, "speedup_vs_ar", None)
+            labels.append(f"{_label(r)} ×{sp:.2f}" if sp is not None else _label(r))
+        self.plt.bar(labels, [float(r.tok_per_s) for r in rows])
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.plt.title(self.TITLE)
+
+
+class BenchAcceptPlot(BenchPlot):
+    """What each mode's speculation did: tokens per target pass and reuse ratio."""
+
+    TITLE = "accept length and reuse ratio by mode"
+
+    def plot_rows(self, rows) -> None:
+        labels = [_label(r) for r in rows]
+        accept = [float(r.accept_len) for r in rows]
+        reuse = [float(r.reuse_ratio) if getattr(r, "reuse_ratio", None) is not None else 0.0 for r in rows]
+        self.plt.multiple_bar(labels, [accept, reuse], labels=["accept len", "reuse ratio"])
+
+
+class BenchScreen(Screen):
+    HELP_TITLE = "Bench"
+    AUTO_FOCUS = "#bench-prompts"
+    BINDINGS = [
+        Binding("ctrl+r", "start", "Run", tooltip="Run the selected modes on the prompts"),
+        Binding("escape", "stop", "Stop", tooltip="Stop after the current generation"),
+    ]
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.running = False
+        self.rows: list = []
+        self.done = None
+
+    @property
+    def module(self):
+        return self.app.engine_module("bench")
+
+    @property
+    def available(self) -> bool:
+        return getattr(self.module, "run_bench", None) is not None
+
+    def mode_choices(self) -> list[str]:
+        modes = list(engine_modes())
+        module = self.module
+        for name in getattr(module, "ABLATION", {}) or {}:
+            if name not in modes:
+                modes.append(name)
+        return modes
+
+    def compose(self) -> ComposeResult:
+        yield NavBar("bench", id="navbar")
+        with Horizontal(id="bench-body"):
+            with VerticalScroll(id="bench-form"):
+                yield Static("", id="bench-intro")
+                yield Label("Prompt set")
+                yield Select([("typed below", "custom")] + [(s, s) for s in self.prompt_sets()], value="custom",
+                             allow_blank=False, id="bench-set")
+                with Horizontal(classes="form-row"):
+                    yield Label("Max prompts", classes="form-label")
+                    yield Input("4", id="bench-max", type="integer")
+                yield Label("Prompts (one per line)")
+                yield TextArea(DEFAULT_PROMPTS, id="bench-prompts", soft_wrap=True, show_line_numbers=False)
+                yield Label("Modes (Space toggles)")
+                yield SelectionList[str](id="bench-modes")
+                with Horizontal(classes="form-row"):
+                    yield Label("Tokens", classes="form-label")
+                    yield Input("32", id="bench-n", type="integer")
+                with Horizontal(classes="button-row"):
+                    yield Button("Run", variant="primary", id="bench-run")
+                    yield Button("Stop", id="bench-stop")
+            with Vertical(id="bench-out"):
+                yield ProgressBar(total=1, show_eta=False, id="bench-progress")
+                yield Static("", id="bench-status")
+                yield DataTable(id="bench-table", zebra_stripes=True, cursor_type="row")
+                yield BenchPlot(id="bench-plot")
+                yield BenchAcceptPlot(id="bench-accept-plot")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.app.register_view(self)
+        modes = self.query_one("#bench-modes", SelectionList)
+        for m in self.mode_choices():
+            modes.add_option((m, m, m in DEFAULT_MODES))
+        table = self.query_one(DataTable)
+        # fixed widths: the table looks the same however rows arrive
+        for label, width in (("mode", 10), ("tok/s", 7), ("× ar", 5), ("accept", 6), ("draft", 5), ("reuse", 5),
+                             ("rollb.", 6), ("= ar", 4)):
+            table.add_column(label, width=width)
+        self.update_state()
+
+    def adapt_to_model(self) -> None:
+        self.update_state()
+
+    def update_state(self) -> None:
+        intro = self.query_one("#bench-intro", Static)
+        intro.update(UNAVAILABLE if not self.available else
+                     "Runs every selected mode on each prompt in turn (ar is always included as the reference).")
+        self.query_one("#bench-run", Button).disabled = not self.available or self.running
+        self.query_one("#bench-stop", Button).disabled = not self.running
+        self.refresh_bindings()
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action == "start":
+            return None if (not self.available or self.running) else True
+        if action == "stop":
+            return True if self.running else None
+        return True
+
+    def prompt_sets(self) -> list[str]:
+        """Named prompt sets the engine can load (engine.bench.load_prompts)."""
+        return ["natural", "humaneval"] if getattr(self.module, "load_prompts", None) is not None else []
+
+    def request(self) -> tuple[list[str], list[str], int, str]:
+        raw_max = self.query_one("#bench-max", Input).value.strip() or "0"
+        try:
+            max_prompts = int(raw_max)
+        except ValueError:
+            raise ConfigError(f"max prompts: {raw_max!r} is not a whole number") from None
+        spec = self.query_one("#bench-set", Select).value
+        if spec == "custom":
+            name = "custom"
+            prompts = [p for p in self.query_one("#bench-prompts", TextArea).text.splitlines() if p.strip()]
+            prompts = prompts[:max_prompts] if max_prompts > 0 else prompts
+        else:
+            name, prompts = self.module.load_prompts(spec, max_prompts if max_prompts > 0 else None)
+        modes = list(self.query_one("#bench-modes", SelectionList).selected)
+        raw = self.query_one("#bench-n", Input).value.strip()
+        if not prompts:
+            raise ConfigError("type at least one prompt")
+        if not modes:
+            raise ConfigError("select at least one mode")
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ConfigError(f"tokens: {raw!r} is not a whole number") from None
+        if not 1 <= n <= 4096:
+            raise ConfigError("tokens must be between 1 and 4096")
+        return prompts, modes, n, name
+
+    def action_start(self) -> None:
+        if not self.available:
+            self.notify("the benchmark is not available in this install", severity="warning")
+            return
+        session = self.app.session
+        if session.model_path is None:
+            self.app.action_open_model()
+            return
+        if self.running or session.busy:
+            self.notify("the engine is busy with another job", severity="warning")
+            return
+        try:
+            prompts, modes, n, prompt_set = self.request()
+        except S2MoEError as e:
+            self.notify(str(e), severity="error")
+            return
+        self.rows = []
+        self.done = None
+        self.query_one(DataTable).clear()
+        for plot in self.query(BenchPlot):
+            plot.show_rows([])
+        self.query_one("#bench-progress", ProgressBar).update(total=1, progress=0)
+        self.query_one("#bench-status", Static).update("starting…")
+        self.running = True
+        self.update_state()
+        self.bench(prompts, modes, n, prompt_set)
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def bench(self, prompts: list[str], modes: list[str], n: int, prompt_set: str = "custom") -> None:
+        import inspect
+
+        session = self.app.session
+        run_bench = self.module.run_bench
+
+        def job():
+            session.load()
+            # the loaded model is reused (the session lock is held, nothing else uses it)
+            kw = dict(prompts=prompts, modes=modes, n_tokens=n, n_threads=session.n_threads,
+                      should_stop=session.stop.is_set, decoder=session.decoder, prompt_set=prompt_set)
+            params = inspect.signature(run_bench).parameters
+            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                kw = {k: v for k, v in kw.items() if k in params}
+            for event in run_bench(session.model_path, **kw):
+                post(self, JobEvent(event))
+
+        try:
+            session.run_job(job)
+        except S2MoEError as e:
+            post(self, EngineFailed(str(e)))
+        except Exception as e:  # noqa: BLE001
+            post(self, EngineFailed(f"{type(e).__name__}: {e}"))
+        finally:
+            post(self, JobEnded("bench"))
+
+    def action_stop(self) -> None:
+        if self.running:
+            self.app.session.stop.set()
+            self.query_one("#bench-status", Static).update("stopping…")
+
+    def on_job_event(self, message: JobEvent) -> None:
+        ev = message.event
+        kind = type(ev).__name__
+        if kind == "BenchProgress":
+            self.query_one("#bench-progress", ProgressBar).update(total=max(1, ev.total), progress=ev.done)
+            self.query_one("#bench-status", Static).update(
+                f"{ev.done}/{ev.total}: {ev.mode} on prompt {ev.prompt_index + 1}")
+        elif kind == "BenchRow":
+            self.rows.append(ev)
+            self.show_rows()
+        elif kind == "BenchDone":
+            self.done = ev
+            self.rows = list(ev.rows)
+            self.show_rows()
+            status = "done"
+            fit = (ev.cost_model or {}).get("r2")
+            if fit is not None:
+                status += f" · verification cost fit R² {fit:.3f}"
+            self.query_one("#bench-status", Static).update(status)
+
+    def show_rows(self) -> None:
+        table = self.query_one(DataTable)
+        table.clear()
+        for r in self.rows:
+            identical = getattr(r, "identical_to_ar", None)
+            table.add_row(
+                r.mode if getattr(r, "budget", "none") in ("none", None) else f"{r.mode}@{r.budget}",
+                _fmt(r.tok_per_s, ".1f"),
+                _fmt(r.speedup_vs_ar),
+                _fmt(r.accept_len),
+                _fmt(r.draft_len),
+                _fmt(r.reuse_ratio),
+                str(r.rollbacks),
+                _fmt(identical, ".0%"),
+            )
+        for plot in self.query(BenchPlot):
+            plot.show_rows(self.rows)
+
+    def on_engine_failed(self, message: EngineFailed) -> None:
+        self.notify(message.text, title="Bench failed", severity="error", timeout=10)
+
+    def on_job_ended(self, message: JobEnded) -> None:
+        self.running = False
+        if self.done is None:
+            self.query_one("#bench-status", Static).update("stopped" if self.rows == [] else "stopped early")
+        self.update_state()
+
+    @on(Button.Pressed, "#bench-run")
+    def _run_pressed(self) -> None:
+        self.action_start()
+
+    @on(Button.Pressed, "#bench-stop")
+    def _stop_pressed(self) -> None:
+        self.action_stop()

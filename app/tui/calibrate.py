@@ -1,0 +1,328 @@
+"""The calibration wizard: the steps of `s2moe calibrate`, what each measures and why, the cost-model fit,
+then save the result as a named profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
+from textual_plotext import PlotextPlot
+
+from ...engine.errors import S2MoEError
+from .messages import EngineFailed, JobEnded, JobEvent, post
+from .session import parse_bytes
+from .widgets import NavBar
+
+INTRO = (
+    "Calibration measures this device's cost constants for the loaded model: the time of a plain "
+    "decoding step (T_AR), of a draft step (C_draft), and how verification time grows with distinct "
+    "experts (T_exp) and tokens (T_tok). Routing-aware expansion uses them to decide how far to draft. "
+    "The fit of the verification cost model is plotted when the regression step ends."
+)
+UNAVAILABLE = ("Calibration is not available in this install (the module s2moe.engine.calibrate is missing). "
+               "Profiles can still be selected on the Profiles screen (F4); without one, cost constants are "
+               "measured briefly at the start of the first s2moe generation.")
+
+
+@dataclass
+class StepState:
+    index: int
+    name: str
+    description: str = ""
+    state: str = "running"  # running | done
+    done: int = 0
+    total: int = 0
+    summary: str = ""
+
+
+class FitPlot(PlotextPlot):
+    """Measured vs predicted verification time, with the identity line."""
+
+    DEFAULT_CSS = "FitPlot { height: 1fr; min-height: 10; }"
+
+    def show_fit(self, measured, predicted, r2=None, mape=None, unit: str = "ms") -> None:
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        m = [float(x) for x in measured]
+        p = [float(x) for x in predicted]
+        title = "Verification cost model fit"
+        if r2 is not None:
+            title += f": R² {r2:.3f}"
+        if mape is not None:
+            title += f", MAPE {mape:.1%}"
+        plt.title(title)
+        if m:
+            plt.scatter(m, p, label="batches")
+            lo, hi = min(m + p), max(m + p)
+            plt.plot([lo, hi], [lo, hi], label="ideal")
+        plt.xlabel(f"measured {unit}".strip())
+        plt.ylabel(f"predicted {unit}".strip())
+        self.refresh()
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.plt.title("Verification cost model fit (after the regression step)")
+
+
+class CalibrateScreen(Screen):
+    HELP_TITLE = "Calibrate"
+    AUTO_FOCUS = "#cal-name"
+    BINDINGS = [
+        Binding("ctrl+r", "start", "Run", tooltip="Start the calibration"),
+        Binding("escape", "stop", "Stop", tooltip="Stop the calibration after the current measurement"),
+        Binding("ctrl+s", "save", "Save", tooltip="Save the result as a named profile and make it active"),
+    ]
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.steps: dict[int, StepState] = {}
+        self.running = False
+        self.result: dict | None = None
+        self.saved_path = None
+        self.fit: dict | None = None
+        self.n_steps = 0
+
+    @property
+    def module(self):
+        return self.app.engine_module("calibrate")
+
+    @property
+    def available(self) -> bool:
+        return getattr(self.module, "run_calibration", None) is not None
+
+    def compose(self) -> ComposeResult:
+        yield NavBar("calibrate", id="navbar")
+        with Horizontal(id="cal-body"):
+            with VerticalScroll(id="cal-left"):
+                yield Static(INTRO, id="cal-intro")
+                with Horizontal(classes="form-row"):
+                    yield Label("Profile name", classes="form-label")
+                    yield Input(placeholder="e.g. my-laptop", id="cal-name")
+                with Horizontal(classes="form-row"):
+                    yield Label("Memory budget", classes="form-label")
+                    yield Input(placeholder="none, or e.g. 800M (offloaded run)", id="cal-budget")
+                with Horizontal(classes="button-row"):
+                    yield Button("Run", variant="primary", id="cal-run")
+                    yield Button("Stop", id="cal-stop")
+                    yield Button("Save profile", variant="success", id="cal-save")
+                yield ProgressBar(total=1, show_eta=False, id="cal-progress")
+                yield Static("", id="cal-steps")
+            with Vertical(id="cal-right"):
+                yield FitPlot(id="cal-fit")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.app.register_view(self)
+        self.update_state()
+
+    def adapt_to_model(self) -> None:
+        self.update_state()
+
+    def update_state(self) -> None:
+        intro = self.query_one("#cal-intro", Static)
+        if not self.available:
+            intro.update(Text(UNAVAILABLE, style="bold"))
+        else:
+            intro.update(INTRO)
+            # once the steps run, they (with their own descriptions) take the intro's place
+            intro.display = not self.steps
+        self.query_one("#cal-run", Button).disabled = not self.available or self.running
+        self.query_one("#cal-stop", Button).disabled = not self.running
+        self.query_one("#cal-save", Button).disabled = self.result is None or self.running
+        self.query_one("#cal-steps", Static).update(self.steps_text())
+        self.refresh_bindings()
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action == "start":
+            return None if (not self.available or self.running) else True
+        if action == "stop":
+            return True if self.running else None
+        if action == "save":
+            return True if (self.result is not None and not self.running) else None
+        return True
+
+    def steps_text(self) -> Text:
+        text = Text()
+        for step in sorted(self.steps.values(), key=lambda s: s.index):
+            mark = "✔" if step.state == "done" else "▶"
+            text.append(f"{mark} {step.index}/{self.n_steps or len(self.steps)} {step.name}\n", style="bold" if step.state != "done" else "")
+            if step.description:
+                text.append(f"   {step.description}\n", style="dim")
+            if step.state != "done" and step.total:
+                text.append(f"   {step.done}/{step.total}\n", style="dim")
+            if step.summary:
+                text.append(f"   {step.summary}\n")
+        if self.result is not None:
+            if self.saved_path:
+                text.append(f"\nSaved as profile “{self.result_name()}” and made active.", style="bold")
+            else:
+                text.append("\nDone. Press Ctrl+S (or Save profile) to save it as a named profile.", style="bold")
+        return text
+
+    # -- running ---------------------------------------------------------------------------------
+    def action_start(self) -> None:
+        if not self.available:
+            self.notify("calibration is not available in this install", severity="warning")
+            return
+        session = self.app.session
+        if session.model_path is None:
+            self.app.action_open_model()
+            return
+        if self.running or session.busy:
+            self.notify("the engine is busy with another job", severity="warning")
+            return
+        try:
+            budget = parse_bytes(self.query_one("#cal-budget", Input).value)
+        except S2MoEError as e:
+            self.notify(str(e), severity="error")
+            return
+        name = self.query_one("#cal-name", Input).value.strip() or None
+        self.steps.clear()
+        self.result = None
+        self.saved_path = None
+        self.running = True
+        self.query_one("#cal-progress", ProgressBar).update(total=1, progress=0)
+        self.update_state()
+        self.calibrate(session.model_path, budget, name)
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def calibrate(self, model_path: str, budget, name) -> None:
+        session = self.app.session
+        run_calibration = self.module.run_calibration
+
+        def job():
+            for event in run_calibration(model_path, budget_bytes=budget, name=name, save=False,
+                                         n_threads=session.n_threads, should_stop=session.stop.is_set):
+                post(self, JobEvent(event))
+
+        try:
+            session.run_job(job)
+        except S2MoEError as e:
+            post(self, EngineFailed(str(e)))
+        except Exception as e:  # noqa: BLE001
+            post(self, EngineFailed(f"{type(e).__name__}: {e}"))
+        finally:
+            post(self, JobEnded("calibrate"))
+
+    def action_stop(self) -> None:
+        if self.running:
+            self.app.session.stop.set()
+            self.notify("stopping after the current measurement…", timeout=3)
+
+    def on_job_event(self, message: JobEvent) -> None:
+        ev = message.event
+        kind = type(ev).__name__
+        if kind == "StepStarted":
+            first = not self.steps
+            self.steps[ev.index] = StepState(ev.index, ev.name, getattr(ev, "description", ""), total=0)
+            if first:
+                self.update_state()
+            self.n_steps = max(1, ev.total)
+            bar = self.query_one("#cal-progress", ProgressBar)
+            bar.update(total=self.n_steps, progress=max(0, ev.index - 1))  # steps count from 1
+        elif kind == "StepProgress":
+            step = self.steps.get(ev.index)
+            if step is not None:
+                step.done, step.total = ev.done, ev.total
+        elif kind == "StepResult":
+            step = self.steps.setdefault(ev.index, StepState(ev.index, ev.name))
+            step.total = 0
+            step.state = "done"
+            step.summary = str(getattr(ev, "summary", "") or "")
+            data = getattr(ev, "data", None) or {}
+            if "measured" in data and "predicted" in data:
+                self.fit = data
+                self.query_one(FitPlot).show_fit(list(data["measured"]), list(data["predicted"]),
+                                                 data.get("r2"), data.get("mape"), unit="ms")
+            bar = self.query_one("#cal-progress", ProgressBar)
+            bar.update(progress=ev.index)
+        elif kind == "CalibrationDone":
+            self.result = ev.profile
+            self.saved_path = getattr(ev, "path", None)
+            bar = self.query_one("#cal-progress", ProgressBar)
+            bar.update(progress=bar.total)
+            name_box = self.query_one("#cal-name", Input)
+            if not name_box.value.strip() and isinstance(ev.profile, dict) and ev.profile.get("name"):
+                name_box.value = str(ev.profile["name"])
+        self.query_one("#cal-steps", Static).update(self.steps_text())
+        left = self.query_one("#cal-left")
+        self.call_after_refresh(left.scroll_end, animate=False)  # keep the newest step in view
+
+    def on_engine_failed(self, message: EngineFailed) -> None:
+        self.notify(message.text, title="Calibration failed", severity="error", timeout=10)
+
+    def on_job_ended(self, message: JobEnded) -> None:
+        self.running = False
+        if self.result is None and self.steps:
+            self.notify("calibration stopped before the end; nothing to save", severity="warning")
+        self.update_state()
+
+    # -- saving ------------------------------------------------------------------------------------------
+    def result_name(self) -> str:
+        name = self.query_one("#cal-name", Input).value.strip()
+        if not name and isinstance(self.result, dict):
+            name = str(self.result.get("name") or "")
+        return name
+
+    def action_save(self) -> None:
+        if self.result is None:
+            self.notify("run the calibration first", severity="warning")
+            return
+        name = self.result_name()
+        if not name:
+            self.notify("type a profile name first", severity="warning")
+            self.query_one("#cal-name", Input).focus()
+            return
+        try:
+            self.saved_path = save_profile(self.result, name)
+        except S2MoEError as e:
+            self.notify(str(e), title="Not saved", severity="error")
+            return
+        except OSError as e:
+            self.notify(f"cannot write the profile: {e.strerror}", title="Not saved", severity="error")
+            return
+        self.app.set_profile(name)
+        self.notify(f"saved profile {name}", timeout=4)
+        self.update_state()
+
+    @on(Button.Pressed, "#cal-run")
+    def _run_pressed(self) -> None:
+        self.action_start()
+
+    @on(Button.Pressed, "#cal-stop")
+    def _stop_pressed(self) -> None:
+        self.action_stop()
+
+    @on(Button.Pressed, "#cal-save")
+    def _save_pressed(self) -> None:
+        self.action_save()
+
+    @on(Input.Submitted, "#cal-name")
+    def _name_submitted(self) -> None:
+        if self.result is not None:
+            self.action_save()
+
+
+def save_profile(profile: dict, name: str):
+    """Write the profile through the engine (which validates it)."""
+    from ...engine import profiles
+
+    saver = getattr(profiles, "save_profile", None)
+    if saver is not None:
+        return saver(profile, name)
+    import yaml
+
+    folder = profiles.user_profile_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    data = {k: v for k, v in profile.items() if not str(k).startswith("_")}
+    data["name"] = name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

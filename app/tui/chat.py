@@ -1,0 +1,348 @@
+"""The chat screen: prompt in, answer streamed token by token with how each token was produced."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from ...engine.errors import S2MoEError
+from .live import LivePanel
+from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, post
+from .session import MODE_HELP, ChatSettings, engine_modes, mode_help, moe_modes
+from .widgets import NavBar, PromptInput, Transcript, TurnView, legend
+
+
+class ChatScreen(Screen):
+    """Chat with the model; the live panel beside it shows what each iteration did."""
+
+    AUTO_FOCUS = "#prompt"
+
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", tooltip="Stop the generation after the current iteration"),
+        Binding("ctrl+r", "toggle_rejected", "Drafts", tooltip="Show or hide rejected draft tokens"),
+        Binding("f6", "cycle_mode", "Mode", tooltip="Next decoding mode (s2moe, ar, baselines)"),
+        Binding("f7", "toggle_utility", "Utility", tooltip="Routing-aware expansion on/off (off: fixed draft length)"),
+        Binding("f8", "toggle_gating", "Gating", tooltip="Reuse-aware gating on/off (off: lossless)"),
+        Binding("f9", "cycle_topk", "k_d", tooltip="Next number of experts per token in draft passes"),
+        Binding("ctrl+o", "settings", "Settings", tooltip="All generation settings in one form"),
+        Binding("ctrl+l", "toggle_live", "Live panel", show=False, tooltip="Show or hide the live panel"),
+        Binding("ctrl+n", "new_chat", "New chat", show=False, tooltip="Clear the chat history"),
+        Binding("ctrl+y", "focus_live", "Focus live panel", show=False,
+                tooltip="Focus the live panel (arrows/PgUp/PgDn scroll it; Tab returns)"),
+        Binding("i", "focus_prompt", "Prompt", show=False, tooltip="Focus the prompt (when not typing)"),
+    ]
+
+    HELP_EXTRA = [
+        ("Prompt", [("Enter", "generate (each prompt is a fresh completion; the transcript keeps them all)"),
+                    ("Up / Down", "earlier prompts of this session"),
+                    ("Tab / Shift+Tab", "move focus: prompt, transcript, live panel (q and ? work off the prompt)")]),
+        ("Modes (F6)", list(MODE_HELP.items())),
+        ("Answer colours", [("accepted", "draft token the target accepted"),
+                            ("correction", "the target's token replacing the first rejected draft"),
+                            ("bonus", "the target's extra token after every draft was accepted"),
+                            ("rejected", "draft token the target rejected (struck through; Ctrl+R hides)"),
+                            ("plain", "a plain decoding step (no draft)")]),
+        ("Live panel", [("accept len", "tokens committed per target pass (1.0 = plain decoding)"),
+                        ("accepted", "share of draft tokens the target accepted"),
+                        ("rollbacks", "KV entries of rejected drafts removed after verification"),
+                        ("reuse", "distinct experts / (tokens × k) per layer; 1/tokens is perfect reuse"),
+                        ("useful", "share of the verification's experts that committed tokens needed"),
+                        ("moved", "expert selections reuse-aware gating moved onto shared experts")]),
+    ]
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.settings = ChatSettings()
+        self.generating = False
+        self.show_rejected = True
+        self._turn: TurnView | None = None
+        self._turn_index = 0
+        self._status = ""
+
+    # -- layout ------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield NavBar("chat", id="navbar")
+        with Horizontal(id="chat-body"):
+            with Vertical(id="chat-main"):
+                yield Static(id="legend")
+                yield Transcript(id="transcript")
+                yield Static(id="settings-bar")
+                yield PromptInput(placeholder="Type a prompt, Enter to generate (Esc stops)", id="prompt")
+            yield LivePanel(id="live")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.app.register_view(self)
+        self.query_one("#legend", Static).update(legend(self.app))
+        self.adapt_to_model()
+        self.set_interval(0.1, self.flush_text)
+        self.set_interval(0.3, self.flush_live)  # plots cost more to draw than text
+        self.query_one("#prompt").focus()
+        self.app.theme_changed_signal.subscribe(self, lambda _theme: self._restyle())
+
+    def _restyle(self) -> None:
+        self.query_one("#legend", Static).update(legend(self.app))
+        for turn in self.query(TurnView):
+            turn.redraw()
+
+    @property
+    def live(self) -> LivePanel:
+        return self.query_one(LivePanel)
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.query_one(Transcript)
+
+    # -- settings ------------------------------------------------------------------------------------
+    def available_modes(self) -> tuple[str, ...]:
+        modes = engine_modes()
+        model = self.app.session.model
+        if model is not None and not model.is_moe:
+            moe = set(moe_modes())
+            modes = tuple(m for m in modes if m not in moe) or ("ar",)
+        return modes
+
+    def adapt_to_model(self) -> None:
+        """Keep the settings valid for the loaded model (dense → ar; k_d below k)."""
+        model = self.app.session.model
+        s = self.settings
+        modes = self.available_modes()
+        if s.mode not in modes:
+            s = replace(s, mode=modes[0] if "s2moe" not in modes else "s2moe")
+        if model is not None and model.is_moe and s.draft_topk >= model.k:
+            s = replace(s, draft_topk=max(1, model.k // 4 or 1))
+        self.settings = s
+        self.update_settings_bar()
+
+    def update_settings_bar(self) -> None:
+        text = self.settings.describe()
+        if self.app.session.profile_name:
+            text += f" · profile {self.app.session.profile_name}"
+        if self._status:
+            text += f"   {self._status}"
+        self.query_one("#settings-bar", Static).update(text)
+
+    def set_status(self, text: str) -> None:
+        self._status = text
+        self.update_settings_bar()
+
+    def apply_settings(self, settings: ChatSettings) -> None:
+        self.settings = settings
+        self.adapt_to_model()
+
+    def action_cycle_mode(self) -> None:
+        modes = self.available_modes()
+        i = modes.index(self.settings.mode) if self.settings.mode in modes else -1
+        self.apply_settings(replace(self.settings, mode=modes[(i + 1) % len(modes)]))
+        self.notify(f"{self.settings.mode}: {mode_help(self.settings.mode)}".rstrip(": "), timeout=3)
+
+    def action_set_mode(self, mode: str) -> None:
+        if mode not in self.available_modes():
+            self.notify(f"mode {mode} does not apply to this model", severity="warning")
+            return
+        self.apply_settings(replace(self.settings, mode=mode))
+
+    def action_toggle_utility(self) -> None:
+        self.apply_settings(replace(self.settings, utility=not self.settings.utility))
+        self.notify("utility expansion " + ("on" if self.settings.utility else "off (fixed draft length)"), timeout=2)
+
+    def action_toggle_gating(self) -> None:
+        self.apply_settings(replace(self.settings, gating=not self.settings.gating))
+        self.notify("reuse-aware gating " + ("on" if self.settings.gating else "off (lossless)"), timeout=2)
+
+    def action_cycle_topk(self) -> None:
+        model = self.app.session.model
+        k = model.k if model is not None and model.is_moe else 8
+        choices = list(range(1, max(2, k)))
+        i = choices.index(self.settings.draft_topk) if self.settings.draft_topk in choices else -1
+        self.apply_settings(replace(self.settings, draft_topk=choices[(i + 1) % len(choices)]))
+        self.notify(f"draft experts per token k_d = {self.settings.draft_topk}", timeout=2)
+
+    def action_settings(self) -> None:
+        from .dialogs import SettingsDialog
+
+        def done(result):
+            if result is not None:
+                self.apply_settings(result)
+
+        self.app.push_screen(SettingsDialog(self.settings, self.available_modes(), self.app.session.model), done)
+
+    # -- view actions ----------------------------------------------------------------------------------
+    def action_toggle_rejected(self) -> None:
+        self.show_rejected = not self.show_rejected
+        for turn in self.query(TurnView):
+            turn.show_rejected = self.show_rejected
+            turn.redraw()
+        self.notify("rejected drafts " + ("shown" if self.show_rejected else "hidden"), timeout=2)
+
+    def action_toggle_live(self) -> None:
+        live = self.live
+        live.display = not live.display
+
+    def action_focus_live(self) -> None:
+        self.live.display = True
+        self.live.focus()
+
+    def action_focus_prompt(self) -> None:
+        self.query_one("#prompt").focus()
+
+    def action_new_chat(self) -> None:
+        if self.generating:
+            self.notify("stop the generation first (Esc)", severity="warning")
+            return
+        self.transcript.remove_children()
+        self._turn = None
+
+    def action_stop(self) -> None:
+        if self.generating:
+            self.app.session.stop.set()
+            self.set_status("stopping…")
+        else:
+            self.query_one("#prompt").focus()
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action == "stop":
+            return True if self.generating else None
+        return True
+
+    # -- generation --------------------------------------------------------------------------------------
+    @on(PromptInput.Submitted, "#prompt")
+    def submit(self, event: PromptInput.Submitted) -> None:
+        prompt = event.value.strip()
+        if not prompt:
+            return
+        if getattr(self.app, "model_loading", False):
+            self.notify("the model is still loading; try again in a moment", severity="warning")
+            return
+        if self.generating or self.app.session.busy:
+            self.notify("the engine is busy: wait, or press Esc to stop the generation", severity="warning")
+            return
+        if self.app.session.model_path is None:
+            self.app.action_open_model()
+            return
+        box = self.query_one("#prompt", PromptInput)
+        box.remember(prompt)
+        box.value = ""
+        self.start_generation(prompt)
+
+    def start_generation(self, prompt: str) -> TurnView:
+        turn = self.begin_turn(prompt)
+        self.generate(self._turn_index, prompt, replace(self.settings))
+        return turn
+
+    def begin_turn(self, prompt: str) -> TurnView:
+        """A new turn in the transcript, waiting for engine events."""
+        self._turn_index += 1
+        turn = TurnView(self._turn_index, prompt, self.settings.describe())
+        turn.show_rejected = self.show_rejected
+        turn.status = "starting…"
+        self._turn = turn
+        self.transcript.mount(turn)
+        turn.redraw()
+        self.transcript.scroll_end(animate=False)
+        self.generating = True
+        self.refresh_bindings()
+        status = "loading model…" if self.app.session.decoder is None else "preparing…"
+        if self.settings.mode == "s2moe" and self.settings.utility and not self.app.session.profile_name:
+            status += " (first s2moe run measures cost constants)"
+        self.set_status(status)
+        return turn
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def generate(self, turn: int, prompt: str, settings: ChatSettings) -> None:
+        session = self.app.session
+
+        def emit(event, view):
+            post(self, EngineEvent(turn, event, view, time.perf_counter()))
+
+        def warn(text):
+            post(self, EngineNotice(text))
+
+        try:
+            session.generate(prompt, settings, emit, warn)
+        except S2MoEError as e:
+            post(self, EngineFailed(str(e)))
+        except Exception as e:  # noqa: BLE001 - shown to the user, never a crash
+            post(self, EngineFailed(f"{type(e).__name__}: {e}"))
+        finally:
+            post(self, JobEnded("generate"))
+
+    def on_engine_event(self, message: EngineEvent) -> None:
+        from ...engine.events import Finished, Iteration, Prefilled, Started
+
+        event = message.event
+        turn = self._turn
+        live = self.live.state
+        session = self.app.session
+        if isinstance(event, Started):
+            live.start(event, message.t, session.stats)
+            self.app.model_changed()
+            self.adapt_to_model()
+            self.set_status("prefilling…")
+        elif isinstance(event, Prefilled):
+            live.prefilled(message.t)
+            self.set_status("generating… (Esc stops)")
+        elif isinstance(event, Iteration):
+            live.add(event, message.view, message.t)
+            if turn is not None and message.view is not None:
+                turn.add(message.view.segments)
+                turn.status = f"{live.tokens} tokens…"
+        elif isinstance(event, Finished):
+            live.finish(event)
+            tps = event.n_tokens / event.seconds if event.seconds > 0 else 0.0
+            if turn is not None:
+                turn.summary = (f"{event.n_tokens} tokens · {tps:.1f} tok/s · accept len {live.accept_len:.2f} · "
+                                f"rollbacks {live.rollback_total} · stop: {event.stop_reason}")
+                turn.dirty = True
+            if live.mode == "ar" and event.n_tokens >= 4 and event.stop_reason != "interrupted":
+                session.stats.ar_tok_per_s = tps
+            mean = live.reuse_mean
+            if mean is not None and live.mode == "s2moe":
+                session.stats.reuse_by_gating[live.gating] = mean
+
+    def on_engine_status(self, message: EngineStatus) -> None:
+        self.set_status(message.text)
+
+    def on_engine_notice(self, message: EngineNotice) -> None:
+        self.notify(message.text, severity=message.severity, timeout=8)
+
+    def on_engine_failed(self, message: EngineFailed) -> None:
+        self.notify(message.text, title="Generation failed", severity="error", timeout=10)
+        if self._turn is not None and not self._turn.summary:
+            self._turn.summary = f"failed: {message.text}"
+            self._turn.dirty = True
+
+    def on_job_ended(self, message: JobEnded) -> None:
+        self.generating = False
+        self.refresh_bindings()
+        self.set_status("")
+        if self._turn is not None and not self._turn.summary:
+            self._turn.summary = "stopped"
+            self._turn.dirty = True
+        self.flush()
+        self.app.model_changed()
+
+    def flush(self) -> None:
+        """Redraw what changed since the last redraw (a few times a second, whatever the token rate)."""
+        self.flush_text()
+        self.flush_live()
+
+    def flush_live(self) -> None:
+        if self.live.display:
+            self.live.flush()
+
+    def flush_text(self) -> None:
+        scrolled = False
+        for turn in self.query(TurnView):
+            if turn.dirty:
+                turn.redraw()
+                scrolled = True
+        if scrolled:
+            self.transcript.scroll_end(animate=False)

@@ -1,0 +1,50 @@
+"""The command palette (Ctrl+P): every action of the app by name."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+from .session import engine_modes, mode_help
+
+
+class S2MoECommands(Provider):
+    def _commands(self) -> list[tuple[str, object, str]]:
+        app = self.app
+        cmds: list[tuple[str, object, str]] = [
+            ("Go to Chat", partial(app.action_switch_mode, "chat"), "Chat with the model (F2)"),
+            ("Go to Calibrate", partial(app.action_switch_mode, "calibrate"), "Measure this device's cost constants (F3)"),
+            ("Go to Profiles", partial(app.action_switch_mode, "profiles"), "List and select device profiles (F4)"),
+            ("Go to Bench", partial(app.action_switch_mode, "bench"), "Compare decoding modes on a prompt set (F5)"),
+            ("Open model…", app.action_open_model, "Load another GGUF model"),
+            ("Toggle light/dark theme", app.action_toggle_theme, "Ctrl+T"),
+            ("Show keys", app.action_help, "Every key binding (F1 or ?)"),
+            ("Quit", app.action_quit, "Stop any job and leave (q, Ctrl+C)"),
+        ]
+        chat = partial(app.chat_action)
+        for mode in engine_modes():
+            cmds.append((f"Mode: {mode}", partial(chat, "set_mode", mode), mode_help(mode) or f"Decode with {mode}"))
+        cmds += [
+            ("Toggle utility expansion", partial(chat, "toggle_utility"), "Routing-aware draft length on/off (F7)"),
+            ("Toggle reuse-aware gating", partial(chat, "toggle_gating"), "Gating on/off; off is lossless (F8)"),
+            ("Next draft top-k", partial(chat, "cycle_topk"), "Experts per token in draft passes (F9)"),
+            ("Show/hide rejected drafts", partial(chat, "toggle_rejected"), "Ctrl+R in the chat"),
+            ("Toggle live panel", partial(chat, "toggle_live"), "Ctrl+L in the chat"),
+            ("Generation settings…", partial(chat, "settings"), "All settings in one form (Ctrl+O)"),
+            ("Stop generation", partial(chat, "stop"), "Esc in the chat"),
+            ("New chat", partial(chat, "new_chat"), "Clear the chat history (Ctrl+N)"),
+            ("No profile (measure at start-up)", partial(app.set_profile, None), "Clear the active profile"),
+        ]
+        return cmds
+
+    async def discover(self) -> Hits:
+        for name, callback, help_text in self._commands():
+            yield DiscoveryHit(name, callback, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for name, callback, help_text in self._commands():
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), callback, help=help_text)

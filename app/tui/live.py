@@ -1,0 +1,300 @@
+"""The live panel beside the chat: what the last iterations did, as numbers and textual-plotext plots.
+
+LiveState collects data from engine events (cheap, per event); the panel redraws from it at most a few
+times a second, so a fast engine never floods the UI with plot renders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+from textual_plotext import PlotextPlot
+
+MAX_POINTS = 120  # iterations kept for the per-iteration plots
+
+
+@dataclass
+class LiveState:
+    mode: str = ""
+    n_layer: int = 0
+    k: int = 0
+    threshold: float = 1.0
+    gating: bool = False
+    utility: bool = False
+    cost_source: str = ""
+    t_ar: float | None = None          # cost model's plain-step time (s)
+    ar_reference: float | None = None  # tok/s of a plain run in this session
+    reuse_last: list[float] = field(default_factory=list)
+    reuse_other: list[float] | None = None  # session mean with the other gating setting
+    reuse_other_label: str = ""
+    reuse_sum: list[float] | None = None
+    reuse_n: int = 0
+    utilities: list[tuple[float | None, bool, float]] = field(default_factory=list)
+    draft_stop: str = ""
+    rollbacks: list[int] = field(default_factory=list)
+    accept: list[int] = field(default_factory=list)
+    speed: list[tuple[float, float]] = field(default_factory=list)  # (seconds since prefill, tok/s)
+    iterations: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rollback_total: int = 0
+    gated_moves: int = 0
+    experts_loaded: float = 0.0   # distinct experts of multi-token verifications (summed over layers)
+    experts_useful: float = 0.0   # ... of which the committed rows needed (the rest was loaded for rejects)
+    t0: float | None = None
+    finished: str = ""
+    final_tok_per_s: float | None = None
+    version: int = 0  # bumped on every change; the panel redraws when it moved
+
+    def start(self, started, t: float, session_stats=None) -> None:
+        cfg = started.config or {}
+        ar_ref, version = self.ar_reference, self.version
+        self.__init__()  # type: ignore[misc]
+        self.ar_reference, self.version = ar_ref, version  # the version only ever grows
+        self.mode = started.mode
+        self.n_layer = started.n_layer
+        self.k = started.k
+        self.threshold = float(cfg.get("threshold", 1.0))
+        self.gating = started.mode == "s2moe" and float(cfg.get("reuse_strength", 0) or 0) > 0
+        self.utility = started.mode == "s2moe" and bool(cfg.get("utility", False))
+        if started.cost is not None:
+            self.cost_source = started.cost.source
+            self.t_ar = started.cost.t_ar
+        if session_stats is not None:
+            if session_stats.ar_tok_per_s:
+                self.ar_reference = session_stats.ar_tok_per_s
+            other = session_stats.reuse_by_gating.get(not self.gating)
+            if other is not None and len(other) == self.n_layer:
+                self.reuse_other = list(other)
+                self.reuse_other_label = "gating on (mean)" if not self.gating else "gating off (mean)"
+        self.t0 = t
+        self.version += 1
+
+    def prefilled(self, t: float) -> None:
+        self.t0 = t
+        self.version += 1
+
+    def add(self, it, view, t: float) -> None:
+        self.iterations += 1
+        n = len(it.committed)
+        self.tokens += n
+        self.drafted += len(it.drafted)
+        self.accepted += len(it.accepted)
+        self.rollback_total += it.rollback
+        self.gated_moves += it.gated_moves
+        self.draft_stop = it.draft_stop
+        if it.verify_tokens >= 2:
+            self.reuse_last = [float(x) for x in it.reuse_ratio]
+            if self.reuse_sum is None:
+                self.reuse_sum = list(self.reuse_last)
+            else:
+                self.reuse_sum = [a + b for a, b in zip(self.reuse_sum, self.reuse_last)]
+            self.reuse_n += 1
+            useful = getattr(it, "useful_experts", None)
+            if useful is not None:
+                self.experts_loaded += float(it.verify_experts.sum())
+                self.experts_useful += float(useful.sum())
+        if view is not None and it.candidates:
+            self.utilities = list(view.utilities)
+        self.rollbacks.append(it.rollback)
+        self.accept.append(n)
+        if self.t0 is not None and t > self.t0:
+            self.speed.append((t - self.t0, self.tokens / (t - self.t0)))
+        del self.rollbacks[:-MAX_POINTS], self.accept[:-MAX_POINTS], self.speed[:-MAX_POINTS]
+        self.version += 1
+
+    def finish(self, finished) -> None:
+        self.finished = finished.stop_reason
+        self.final_tok_per_s = finished.n_tokens / finished.seconds if finished.seconds > 0 else None
+        self.version += 1
+
+    @property
+    def reuse_mean(self) -> list[float] | None:
+        return None if self.reuse_sum is None else [x / self.reuse_n for x in self.reuse_sum]
+
+    @property
+    def accept_len(self) -> float:
+        return self.tokens / self.iterations if self.iterations else 0.0
+
+    def stats_text(self) -> str:
+        if not self.mode:
+            return "No generation yet. Type a prompt and press Enter."
+        tps = self.final_tok_per_s if self.final_tok_per_s is not None else (self.speed[-1][1] if self.speed else 0.0)
+        reuse = self.reuse_mean
+        reuse_txt = f"{sum(reuse) / len(reuse):.2f}" if reuse else "n/a"
+        rate = f"{self.accepted / self.drafted:.0%}" if self.drafted else "n/a"
+        useful = f"  useful {self.experts_useful / self.experts_loaded:.0%}" if self.experts_loaded else ""
+        lines = [
+            f"{self.mode}  it {self.iterations}  tok {self.tokens}  {tps:.1f} tok/s",
+            f"accept len {self.accept_len:.2f}  accepted {rate}  rollbacks {self.rollback_total}",
+            f"reuse {reuse_txt}{useful}  moved {self.gated_moves}  stop: {self.finished or self.draft_stop or '…'}",
+        ]
+        if self.cost_source:
+            lines.append(f"cost: {self.cost_source}")
+        return "\n".join(lines)
+
+
+class LivePlot(PlotextPlot):
+    """A plot that redraws itself from a LiveState."""
+
+    DEFAULT_CSS = """
+    LivePlot { height: 11; width: 1fr; }
+    """
+    TITLE = ""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.draws = 0       # how many times data was plotted (tests read it)
+        self.points = 0      # data points in the last draw
+
+    def draw(self, s: LiveState) -> None:
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title(self.TITLE)
+        self.points = self.plot_data(s)
+        self.draws += 1
+        self.refresh()
+
+    def plot_data(self, s: LiveState) -> int:  # pragma: no cover - overridden
+        return 0
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.plt.title(self.TITLE)
+
+
+class ReusePlot(LivePlot):
+    TITLE = "Reuse ratio per layer"
+
+    def plot_data(self, s):
+        plt = self.plt
+        if not s.reuse_last:
+            return 0
+        labels = [str(i) for i in range(len(s.reuse_last))]
+        if s.reuse_other:
+            plt.multiple_bar(labels, [s.reuse_last, s.reuse_other], labels=["last", s.reuse_other_label])
+        else:
+            plt.bar(labels, s.reuse_last)
+        plt.ylim(0, 1)
+        plt.xlabel("layer (lower = more reuse)")
+        return len(s.reuse_last)
+
+
+class UtilityPlot(LivePlot):
+    TITLE = "Draft utility vs threshold"
+
+    def plot_data(self, s):
+        plt = self.plt
+        values = [(i + 1, u, kept) for i, (u, kept, _p) in enumerate(s.utilities) if u is not None]
+        if not values:
+            if not s.utilities:
+                return 0
+            # No utility rule in this mode: show each candidate's chain probability p_i instead.
+            plt.title("Draft chain probability p_i")
+            values = [(i + 1, p, kept) for i, (_u, kept, p) in enumerate(s.utilities)]
+            kept = [(i, v) for i, v, k in values if k]
+            dropped = [(i, v) for i, v, k in values if not k]
+            if kept:
+                plt.bar([i for i, _ in kept], [v for _, v in kept], label="kept")
+            if dropped:
+                plt.bar([i for i, _ in dropped], [v for _, v in dropped], label="dropped")
+            plt.ylim(0, 1)
+            plt.xlabel(f"candidate · no utility rule")
+            return len(values)
+        kept = [(i, u) for i, u, k in values if k]
+        dropped = [(i, u) for i, u, k in values if not k]
+        if kept:
+            plt.bar([i for i, _ in kept], [u for _, u in kept], label="kept")
+        if dropped:
+            plt.bar([i for i, _ in dropped], [u for _, u in dropped], label="dropped")
+        plt.hline(s.threshold)
+        plt.xlabel(f"candidate · threshold {s.threshold:g}")
+        return len(values)
+
+
+class SpeedPlot(LivePlot):
+    TITLE = "Tokens/s"
+
+    def plot_data(self, s):
+        plt = self.plt
+        if not s.speed:
+            return 0
+        xs = [x for x, _ in s.speed]
+        plt.plot(xs, [y for _, y in s.speed], label=s.mode)
+        # The AR reference is a plain run of this session (the cost model's T_AR is the bare decode step,
+        # without the per-token overhead every mode pays, so it would flatter plain decoding).
+        ref = s.ar_reference
+        if ref is not None and s.mode != "ar":
+            plt.plot([xs[0], xs[-1]] if len(xs) > 1 else [xs[0], xs[0] + 1e-3], [ref, ref], label="ar")
+            plt.xlabel("seconds")
+        else:
+            plt.xlabel("seconds" if s.mode == "ar" else "seconds · run ar once for a reference")
+        plt.ylim(0, None)
+        return len(xs)
+
+
+class AcceptPlot(LivePlot):
+    TITLE = "Tokens per target pass"
+
+    def plot_data(self, s):
+        plt = self.plt
+        if not s.accept:
+            return 0
+        xs = list(range(1, len(s.accept) + 1))
+        plt.plot(xs, s.accept, label="per iteration")
+        running, total = [], 0
+        for i, a in enumerate(s.accept):
+            total += a
+            running.append(total / (i + 1))
+        plt.plot(xs, running, label="mean")
+        plt.ylim(0, None)
+        return len(xs)
+
+
+class RollbackPlot(LivePlot):
+    TITLE = "KV rollbacks"
+
+    def plot_data(self, s):
+        plt = self.plt
+        if not s.rollbacks:
+            return 0
+        plt.bar(list(range(1, len(s.rollbacks) + 1)), s.rollbacks)
+        plt.ylim(0, None)
+        return len(s.rollbacks)
+
+
+class LivePanel(VerticalScroll):
+    """Stats and plots of the current generation. Focusable so the keyboard can scroll it."""
+
+    can_focus = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.state = LiveState()
+        self._drawn = -1
+
+    def compose(self) -> ComposeResult:
+        yield Static(self.state.stats_text(), id="live-stats")
+        yield ReusePlot(id="plot-reuse")
+        yield UtilityPlot(id="plot-utility")
+        yield SpeedPlot(id="plot-speed")
+        yield AcceptPlot(id="plot-accept")
+        yield RollbackPlot(id="plot-rollback")
+
+    @property
+    def plots(self) -> list[LivePlot]:
+        return list(self.query(LivePlot))
+
+    def flush(self, force: bool = False) -> None:
+        """Redraw if the state changed since the last redraw."""
+        if not force and self._drawn == self.state.version:
+            return
+        self._drawn = self.state.version
+        self.query_one("#live-stats", Static).update(self.state.stats_text())
+        for plot in self.plots:
+            plot.draw(self.state)

@@ -1,0 +1,75 @@
+"""Messages that workers post to screens (Textual's post_message is thread-safe)."""
+
+from __future__ import annotations
+
+from textual.message import Message
+
+
+class EngineEvent(Message, bubble=False):
+    """One event of a generation, with its view data and the wall time it reached the worker."""
+
+    def __init__(self, turn: int, event: object, view: object, t: float) -> None:
+        super().__init__()
+        self.turn = turn
+        self.event = event
+        self.view = view
+        self.t = t
+
+
+class EngineStatus(Message, bubble=False):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class EngineNotice(Message, bubble=False):
+    """Something the user should read (a notification), e.g. a profile that does not fit the model."""
+
+    def __init__(self, text: str, severity: str = "warning") -> None:
+        super().__init__()
+        self.text = text
+        self.severity = severity
+
+
+class EngineFailed(Message, bubble=False):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class JobEnded(Message, bubble=False):
+    """A worker's engine job is over (normally, stopped or failed)."""
+
+    def __init__(self, job: str) -> None:
+        super().__init__()
+        self.job = job
+
+
+class ModelFailed(Message, bubble=False):
+    """The model could not be loaded."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class ModelReady(Message, bubble=False):
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+
+class JobEvent(Message, bubble=False):
+    """An event of a calibration or bench run."""
+
+    def __init__(self, event: object) -> None:
+        super().__init__()
+        self.event = event
+
+
+def post(target, message: Message) -> bool:
+    """post_message that tolerates an app that has already shut down (workers outlive it briefly)."""
+    try:
+        return target.post_message(message)
+    except RuntimeError:  # event loop closed
+        return False

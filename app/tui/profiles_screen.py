@@ -1,0 +1,165 @@
+"""Device profiles: list, inspect (measured for this model vs reference), select the active one."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Static
+
+from .session import ProfileEntry, constants_table, list_profile_entries
+from .widgets import NavBar
+
+
+class ProfilesScreen(Screen):
+    HELP_TITLE = "Profiles"
+    AUTO_FOCUS = "#prof-table"
+    BINDINGS = [
+        Binding("space,u", "activate", "Use", tooltip="Make the highlighted profile the active one (or Enter)"),
+        Binding("delete,backspace,n", "clear", "No profile", tooltip="No profile: measure cost constants at start-up"),
+        Binding("ctrl+r,r", "reload", "Reload", tooltip="Read the profile folders again"),
+        Binding("c", "calibrate", "Calibrate", show=False, tooltip="Calibrate a new profile (F3)"),
+    ]
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.entries: list[ProfileEntry] = []
+        self.model_note = ""
+
+    def compose(self) -> ComposeResult:
+        yield NavBar("profiles", id="navbar")
+        yield Static(id="prof-active")
+        with Horizontal(id="prof-body"):
+            yield DataTable(id="prof-table", cursor_type="row", zebra_stripes=True)
+            with VerticalScroll(id="prof-detail-box"):
+                yield Static(id="prof-detail")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.app.register_view(self)
+        table = self.query_one(DataTable)
+        for label, width in (("", 1), ("name", 16), ("kind", 9), ("from", 7), ("this model", 10), ("models", 6),
+                             ("device", 20)):
+            table.add_column(label, width=width)
+        self.action_reload()
+        table.focus()
+
+    def adapt_to_model(self) -> None:
+        self.fill()
+
+    def fingerprint(self) -> str | None:
+        model = self.app.session.model
+        return model.fingerprint if model is not None else None
+
+    def action_reload(self) -> None:
+        try:
+            self.entries = list_profile_entries()
+        except Exception as e:  # noqa: BLE001 - a broken folder must not stop the app
+            self.entries = []
+            self.notify(f"cannot list profiles: {e}", severity="error")
+        self.fill()
+
+    def fill(self) -> None:
+        table = self.query_one(DataTable)
+        row = table.cursor_row
+        table.clear()
+        active = self.app.session.profile_name
+        fp = self.fingerprint()
+        for e in self.entries:
+            covers = e.covers(fp) if fp else "?"
+            mark = "●" if e.name == active else ""
+            kind = e.kind if e.error is None else "invalid"
+            table.add_row(mark, e.name, kind, e.where, covers or "—", str(e.n_models), e.device, key=e.name)
+        if self.entries:
+            table.move_cursor(row=min(max(row, 0), len(self.entries) - 1))
+        self.show_active()
+        self.show_detail()
+
+    def show_active(self) -> None:
+        name = self.app.session.profile_name
+        text = Text()
+        text.append("Active profile: ", style="bold")
+        if name:
+            text.append(name)
+        else:
+            text.append("none (cost constants measured at start-up)")
+        if not self.entries:
+            text.append("\nNo profiles found. Calibrate one (F3) or copy a YAML profile into the user profile folder.",
+                        style="dim")
+        self.query_one("#prof-active", Static).update(text)
+
+    def highlighted(self) -> ProfileEntry | None:
+        table = self.query_one(DataTable)
+        if not self.entries or table.cursor_row < 0 or table.cursor_row >= len(self.entries):
+            return None
+        return self.entries[table.cursor_row]
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self.show_detail()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_activate()
+
+    def show_detail(self) -> None:
+        entry = self.highlighted()
+        box = self.query_one("#prof-detail", Static)
+        if entry is None:
+            box.update("")
+            return
+        fp = self.fingerprint()
+        data = entry.data or {}
+        out = Table.grid(padding=(0, 1))
+        out.add_column(style="bold")
+        out.add_column()
+        out.add_row("profile", entry.name)
+        out.add_row("kind", entry.kind)
+        out.add_row("from", f"{entry.where} ({entry.path.name})")
+        if entry.device != "—":
+            out.add_row("device", entry.device)
+        if data.get("description"):
+            out.add_row("about", str(data["description"]))
+        if entry.error:
+            out.add_row("status", Text(entry.error, style="red"))
+        covers = entry.covers(fp) if fp else ""
+        if fp is None:
+            self.model_note = "no model loaded"
+        elif covers == "measured":
+            self.model_note = "calibrated for it"
+        elif covers == "reference":
+            self.model_note = "not calibrated: reference values would apply"
+        else:
+            self.model_note = "not calibrated for it (selecting it falls back to measuring)"
+        out.add_row("this model", Text(self.model_note, style="" if covers else "yellow"))
+        consts = Table(title="constants (ms)", box=None, padding=(0, 1), title_justify="left")
+        consts.add_column("constant")
+        consts.add_column("measured", justify="right")
+        consts.add_column("reference", justify="right")
+        for name, measured, reference in constants_table(entry, fp):
+            consts.add_row(name, measured, reference)
+        from rich.console import Group
+
+        box.update(Group(out, Text(""), consts))
+
+    def action_activate(self) -> None:
+        entry = self.highlighted()
+        if entry is None:
+            return
+        if entry.error:
+            self.notify(entry.error, title="Invalid profile", severity="error")
+            return
+        fp = self.fingerprint()
+        if fp is not None and not entry.covers(fp):
+            self.notify(f"{entry.name} was not calibrated for this model; generations will measure cost "
+                        "constants instead", severity="warning", timeout=8)
+        self.app.set_profile(entry.name)
+        self.fill()
+
+    def action_clear(self) -> None:
+        self.app.set_profile(None)
+        self.fill()
+
+    def action_calibrate(self) -> None:
+        self.app.switch_mode("calibrate")

@@ -1,0 +1,436 @@
+"""The app's hold on the engine: one model, one decoder, one job at a time, and the view data of events.
+
+Nothing here touches Textual. Workers call into an EngineSession from their threads; the screens get
+plain data (segments of coloured text, per-iteration numbers) and never call the decoder themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ...engine.errors import ConfigError, ModelError, S2MoEError
+
+# How a piece of the answer was produced. The chat colours each kind differently.
+DRAFT = "draft"            # a draft token the target accepted
+BONUS = "bonus"            # the target's token after every draft was accepted
+CORRECTION = "correction"  # the target's token replacing the first rejected draft
+TARGET = "target"          # a plain decoding step (no draft)
+REJECTED = "rejected"      # a draft token the target rejected (shown struck through, or hidden)
+
+
+MODE_HELP = {
+    "ar": "plain decoding, one token per pass (the reference)",
+    "s2moe": "S²-MoE: shared KV + routing-aware expansion (utility) + reuse-aware gating",
+    "naive": "draft in an independent context with k_d experts (no shared KV; the paper's baseline)",
+    "conf": "shared-KV self-draft that stops when the draft's confidence drops",
+    "cascade": "shared-KV self-draft whose length adapts per request",
+    "lookup": "prompt-lookup drafting: copy n-grams from the context, no draft model",
+}
+
+
+def mode_help(mode: str) -> str:
+    return MODE_HELP.get(mode, "")
+
+
+def engine_modes() -> tuple[str, ...]:
+    """The decoding modes the installed engine accepts (the UI's mode selector is built from these)."""
+    from ...engine import decoder
+
+    return tuple(decoder.MODES)
+
+
+def moe_modes() -> tuple[str, ...]:
+    from ...engine import decoder
+
+    return tuple(getattr(decoder, "MOE_MODES", tuple(m for m in decoder.MODES if m != "ar")))
+
+
+def optional_module(name: str):
+    """An engine module that may not exist yet in this install (calibration, bench, zoo) or None."""
+    try:
+        return importlib.import_module(f"s2moe.engine.{name}")
+    except ImportError:  # the module, or one of its own dependencies, is not installed
+        return None
+
+
+def shipped_default_model() -> Path | None:
+    zoo = optional_module("zoo")
+    fn = getattr(zoo, "default_model_path", None) if zoo is not None else None
+    if fn is None:
+        return None
+    try:
+        path = fn()
+    except Exception:  # noqa: BLE001 - a missing packaged model must not stop the app
+        return None
+    if path is None:
+        return None
+    path = Path(path)
+    return path if path.is_file() else None
+
+
+def ui_default_threads() -> int:
+    """All cores but one: llama.cpp's threads spin-wait at barriers, and a UI thread competing with them
+    for the last core slows decoding several times over (measured on 2 cores: 1 thread ≈ 3× faster)."""
+    import os
+
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, n - 1)
+
+
+@dataclass
+class ChatSettings:
+    """What the user switches from the chat: the mode and the method's components."""
+
+    mode: str = "s2moe"
+    utility: bool = True
+    gating: bool = True
+    reuse_strength: float = 0.5   # α used when gating is on
+    draft_topk: int = 2
+    draft_max: int = 8
+    threshold: float = 1.0
+    n_predict: int = 128
+    temperature: float = 0.0
+
+    def describe(self) -> str:
+        parts = [self.mode]
+        if self.mode != "ar":
+            parts.append(f"k_d={self.draft_topk}")
+        if self.mode == "s2moe":
+            parts.append("utility " + ("on" if self.utility else "off"))
+            parts.append(f"gating {self.reuse_strength:g}" if self.gating else "gating off")
+        parts.append(f"n={self.n_predict}")
+        if self.temperature > 0:
+            parts.append(f"T={self.temperature:g}")
+        return " · ".join(parts)
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    name: str
+    arch: str
+    n_layer: int
+    n_expert: int
+    k: int
+    is_moe: bool
+    fingerprint: str
+    file_bytes: int
+
+    def short(self) -> str:
+        if self.is_moe:
+            return f"{self.name} · {self.n_layer}L {self.n_expert}E top-{self.k}"
+        return f"{self.name} · dense"
+
+    def describe(self) -> str:
+        if self.is_moe:
+            return f"{self.name} · {self.arch} · {self.n_layer} layers · {self.n_expert} experts top-{self.k}"
+        return f"{self.name} · {self.arch} · {self.n_layer} layers · dense (only ar applies)"
+
+
+@dataclass
+class SessionStats:
+    """What the session has learnt across generations: the AR speed, reuse with gating off/on."""
+
+    ar_tok_per_s: float | None = None
+    reuse_by_gating: dict = field(default_factory=dict)  # {True/False: per-layer mean reuse (list)}
+
+
+class EngineSession:
+    """Owns the decoder. One engine job (load, generation, calibration, bench) at a time."""
+
+    def __init__(self, model_path: str | None, *, n_threads: int | None = None, n_ctx: int = 2048,
+                 profile: str | None = None, decoder_factory: Callable | None = None):
+        self.model_path = str(model_path) if model_path else None
+        self.n_threads = n_threads or ui_default_threads()
+        self.n_ctx = n_ctx
+        self.profile_name = profile
+        self.decoder = None
+        self.model: ModelSummary | None = None
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.stats = SessionStats()
+        self._factory = decoder_factory
+
+    # -- model -------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.lock.locked()
+
+    def set_model(self, path: str) -> None:
+        """Point at another model; it loads on the next job. Called with the lock free."""
+        if self.decoder is not None:
+            self.decoder.close()
+        self.decoder = None
+        self.model = None
+        self.model_path = str(path)
+        self.stats = SessionStats()
+
+    def load(self) -> ModelSummary:
+        """Load the model if needed (call from a worker thread holding the lock)."""
+        if self.model_path is None:
+            raise ModelError("no model: open one with Ctrl+P → “Open model…” (or start with --model PATH)")
+        if self.decoder is None:
+            if self._factory is not None:
+                self.decoder = self._factory(self.model_path)
+            else:
+                from ...engine.decoder import Decoder
+
+                self.decoder = Decoder(self.model_path, n_ctx=self.n_ctx, n_threads=self.n_threads,
+                                       max_draft=16)
+            info = self.decoder.info
+            self.model = ModelSummary(info.name if getattr(info, "name", "") else Path(self.model_path).name,
+                                      info.arch, info.n_layer, info.n_expert, info.n_expert_used, info.is_moe,
+                                      info.fingerprint, info.file_bytes)
+        return self.model
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop any job and free the decoder (waits for the job to reach its next stop check)."""
+        self.stop.set()
+        if self.lock.acquire(timeout=timeout):
+            try:
+                if self.decoder is not None:
+                    self.decoder.close()
+                    self.decoder = None
+            finally:
+                self.lock.release()
+
+    # -- generation --------------------------------------------------------------------------------
+    def cost(self):
+        """Cost constants of the active profile for this model; None means measure at start-up.
+
+        Raises ConfigError when the profile is missing or was calibrated for another model."""
+        if not self.profile_name or self.decoder is None:
+            return None
+        from ...engine.profiles import cost_for_model, load_profile
+
+        info = self.decoder.info
+        return cost_for_model(load_profile(self.profile_name), info.fingerprint, info.path.name)
+
+    def config(self, settings: ChatSettings, cost=None):
+        from ...engine.decoder import GenerationConfig
+
+        cfg = GenerationConfig(
+            mode=settings.mode,
+            n_predict=settings.n_predict,
+            temperature=settings.temperature,
+            draft_topk=settings.draft_topk,
+            draft_max=settings.draft_max,
+            utility=settings.utility,
+            threshold=settings.threshold,
+            reuse_strength=settings.reuse_strength if settings.gating else 0.0,
+            cost=cost,
+        )
+        if self.decoder is not None:
+            cfg.validate(self.decoder.info)
+        return cfg
+
+    def generate(self, prompt: str, settings: ChatSettings, emit: Callable[[object, object], None],
+                 warn: Callable[[str], None] | None = None) -> None:
+        """Run one generation (worker thread): emit(event, view) for every engine event."""
+        if not self.lock.acquire(blocking=False):
+            raise ConfigError("the engine is busy with another job; wait for it or stop it (Esc)")
+        try:
+            self.stop.clear()
+            self.load()
+            cost = None
+            try:
+                cost = self.cost()
+            except S2MoEError as e:
+                if warn is not None:
+                    warn(f"{e} — measuring cost constants at start-up instead")
+            cfg = self.config(settings, cost)
+            decoder = self.decoder
+            for event in decoder.generate(prompt, cfg, should_stop=self.stop.is_set):
+                emit(event, view_of(event, decoder))
+        finally:
+            self.lock.release()
+
+    def run_job(self, fn: Callable[[], None]) -> None:
+        """Run another engine job (calibration, bench) under the session lock."""
+        if not self.lock.acquire(blocking=False):
+            raise ConfigError("the engine is busy with another job; wait for it or stop it")
+        try:
+            self.stop.clear()
+            fn()
+        finally:
+            self.lock.release()
+
+
+# -- view data of events ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class IterationView:
+    segments: tuple[Segment, ...]
+    utilities: tuple[tuple[float | None, bool, float], ...]  # (utility, kept, chain prob) of the candidates
+
+
+def _pieces(tokens, text: str, piece: Callable[[int], str]) -> list[str]:
+    """Per-token text when it adds up to the span's text (multi-byte characters may not), else one piece."""
+    if not tokens:
+        return []
+    pieces = [piece(t) for t in tokens]
+    return pieces if "".join(pieces) == text else [text]
+
+
+def segments_of(event, detokenize: Callable[[list[int]], str], piece: Callable[[int], str]) -> list[Segment]:
+    """How each part of an iteration's committed text was produced, with the rejected drafts in place."""
+    accepted = list(event.accepted)
+    rejected = list(event.rejected)
+    committed = list(event.committed)
+    has_target = len(committed) == len(accepted) + 1
+    accepted = accepted[: len(committed)]
+    accepted_text = detokenize(accepted) if accepted else ""
+    text = event.committed_text
+    if not text.startswith(accepted_text):
+        # Byte-level pieces that only make characters together: colour the whole step by its last token.
+        accepted_text = ""
+        accepted = []
+    target_text = text[len(accepted_text):] if has_target else ""
+    out = [Segment(p, DRAFT) for p in _pieces(accepted, accepted_text, piece)]
+    if rejected:
+        out.append(Segment(detokenize(rejected), REJECTED))
+    if has_target and target_text:
+        if not event.drafted:
+            kind = TARGET
+        elif rejected:
+            kind = CORRECTION
+        else:
+            kind = BONUS
+        out.append(Segment(target_text, kind))
+    elif not has_target and not accepted and text:
+        out.append(Segment(text, DRAFT))
+    return out
+
+
+def view_of(event, decoder) -> IterationView | None:
+    from ...engine.events import Iteration
+
+    if not isinstance(event, Iteration):
+        return None
+    segs = segments_of(event, decoder.detokenize, decoder.piece_text)
+    utils = tuple((c.utility, bool(c.kept), float(c.chain_prob)) for c in event.candidates)
+    return IterationView(tuple(segs), utils)
+
+
+# -- profiles ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProfileEntry:
+    name: str
+    path: Path
+    where: str       # "user" or "shipped"
+    data: dict | None
+    error: str | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.data is None:
+            return "invalid"
+        kind = self.data.get("kind")
+        if kind:
+            return str(kind)
+        return "reference" if self.data.get("reference") is not None and not self.data.get("models") else "measured"
+
+    @property
+    def device(self) -> str:
+        dev = (self.data or {}).get("device") or {}
+        if isinstance(dev, dict):
+            return str(dev.get("name") or dev.get("kind") or "—")
+        return str(dev)
+
+    @property
+    def n_models(self) -> int:
+        models = (self.data or {}).get("models") or {}
+        return len(models) if isinstance(models, dict) else 0
+
+    def covers(self, fingerprint: str | None) -> str:
+        """"measured" if calibrated for this model, "reference" if only reference values apply, else ""."""
+        if self.data is None:
+            return ""
+        models = self.data.get("models") or {}
+        if fingerprint and isinstance(models, dict) and fingerprint in models:
+            return "measured"
+        if self.data.get("reference") is not None:
+            return "reference"
+        return ""
+
+
+def list_profile_entries() -> list[ProfileEntry]:
+    """Every profile the engine can load by name: the user's first, then the shipped ones."""
+    import yaml
+
+    from ...engine import profiles
+
+    seen: set[str] = set()
+    out: list[ProfileEntry] = []
+    folders = [(profiles.user_profile_dir(), "user"), (profiles.shipped_profile_dir(), "shipped")]
+    for folder, where in folders:
+        if not folder.is_dir():
+            continue
+        for path in sorted(list(folder.glob("*.yaml")) + list(folder.glob("*.yml"))):
+            if path.stem in seen:
+                continue
+            seen.add(path.stem)
+            try:
+                data = yaml.safe_load(path.read_text())
+                if not isinstance(data, dict):
+                    raise ValueError("not a mapping")
+                error = None
+                try:  # the engine's own validation, so the list says what `--profile NAME` would say
+                    profiles.load_profile(str(path))
+                except S2MoEError as e:
+                    error = str(e)
+                out.append(ProfileEntry(path.stem, path, where, data, error))
+            except Exception as e:  # noqa: BLE001 - listed as invalid, not fatal
+                out.append(ProfileEntry(path.stem, path, where, None, f"{type(e).__name__}: {e}"))
+    return out
+
+
+def constants_table(entry: ProfileEntry, fingerprint: str | None) -> list[tuple[str, str, str]]:
+    """Rows (constant, measured for this model, reference) in milliseconds, for the profile inspector."""
+    keys = ("t_ar_ms", "c_draft_ms", "t_exp_ms", "t_tok_ms", "intercept_ms")
+    data = entry.data or {}
+    models = data.get("models") or {}
+    measured = models.get(fingerprint) if isinstance(models, dict) and fingerprint else None
+    reference = data.get("reference")
+    rows = []
+
+    def fmt(block, key):
+        if not isinstance(block, dict) or key not in block:
+            return "—"
+        v = block[key]
+        return f"{v:.4g}" if isinstance(v, (int, float)) else str(v)
+
+    for key in keys:
+        rows.append((key, fmt(measured, key), fmt(reference, key)))
+    for key in ("r2", "mape"):
+        mfit = (measured or {}).get("fit") if isinstance(measured, dict) else None
+        rfit = (reference or {}).get("fit") if isinstance(reference, dict) else None
+        rows.append((f"fit {key}", fmt(mfit, key), fmt(rfit, key)))
+    return rows
+
+
+def parse_bytes(text: str) -> int | None:
+    """"800M", "1.5G", "123456" → bytes; "" → None. Raises ConfigError on anything else."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if not text:
+        return None
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    mult = 1
+    if text[-1] in scale:
+        mult = scale[text[-1]]
+        text = text[:-1]
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"memory budget {text!r}: expected a size like 800M or 1.5G") from None
+    if value <= 0:
+        raise ConfigError("memory budget must be positive")
+    return int(value * mult)

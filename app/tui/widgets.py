@@ -1,0 +1,149 @@
+"""Widgets shared by the screens: the navigation bar, chat turns, the prompt input with history."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.widgets import Input, Static
+
+from .session import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, Segment
+
+SCREENS = (("chat", "Chat", "f2"), ("calibrate", "Calibrate", "f3"), ("profiles", "Profiles", "f4"),
+           ("bench", "Bench", "f5"))
+
+
+class NavBar(Static):
+    """One line at the top: the screens with their keys, the current one highlighted, and the model."""
+
+    DEFAULT_CSS = """
+    NavBar { height: 1; background: $panel; color: $text; padding: 0 1; }
+    """
+
+    def __init__(self, current: str, **kw):
+        super().__init__(**kw)
+        self.current = current
+
+    def on_mount(self) -> None:
+        self.refresh_bar()
+
+    def on_resize(self) -> None:
+        self.refresh_bar()
+
+    def refresh_bar(self) -> None:
+        app = self.app
+        text = Text(no_wrap=True, overflow="ellipsis")
+        if self.size.width >= 100:
+            text.append("S²-MoE ", style="bold")
+        for mode, label, key in SCREENS:
+            style = "reverse bold" if mode == self.current else ""
+            text.append(f" {key.upper()} {label} ", style=style)
+        model = getattr(app, "model_short_label", "") or getattr(app, "model_label", "")
+        if model:
+            text.append("  │ ", style="dim")
+            text.append(model, style="italic")
+        self.update(text)
+
+
+def segment_styles(app) -> dict[str, str]:
+    """Rich styles of the token kinds, from the current theme's colours (readable in light and dark)."""
+    v = app.theme_variables
+    return {
+        DRAFT: v.get("success", "green"),
+        BONUS: f"bold {v.get('primary', 'blue')}",
+        CORRECTION: f"bold underline {v.get('warning', 'yellow')}",
+        TARGET: "",
+        REJECTED: f"dim strike {v.get('error', 'red')}",
+    }
+
+
+def legend(app) -> Text:
+    styles = segment_styles(app)
+    text = Text()
+    for label, kind in (("accepted", DRAFT), ("correction", CORRECTION), ("bonus", BONUS),
+                        ("rejected", REJECTED), ("plain", TARGET)):
+        text.append(label, style=styles[kind] or "")
+        text.append(" ")
+    return text
+
+
+class TurnView(Static):
+    """One prompt and its answer, each piece coloured by how it was produced."""
+
+    DEFAULT_CSS = """
+    TurnView { height: auto; margin: 0 0 1 0; }
+    """
+
+    def __init__(self, index: int, prompt: str, settings_text: str, **kw):
+        super().__init__(**kw)
+        self.index = index
+        self.prompt = prompt
+        self.settings_text = settings_text
+        self.segments: list[Segment] = []
+        self.status = ""
+        self.summary = ""
+        self.show_rejected = True
+        self.dirty = True
+
+    def add(self, segments) -> None:
+        self.segments.extend(segments)
+        self.dirty = True
+
+    @property
+    def answer_text(self) -> str:
+        return "".join(s.text for s in self.segments if s.kind != REJECTED)
+
+    def render_text(self) -> Text:
+        styles = segment_styles(self.app)
+        text = Text()
+        text.append("› ", style="bold")
+        text.append(self.prompt, style="bold")
+        text.append(f"   [{self.settings_text}]\n", style="dim")
+        for seg in self.segments:
+            if seg.kind == REJECTED and not self.show_rejected:
+                continue
+            text.append(seg.text, style=styles.get(seg.kind, ""))
+        footer = self.summary or self.status
+        if footer:
+            text.append(f"\n  {footer}", style="dim italic")
+        return text
+
+    def redraw(self) -> None:
+        self.dirty = False
+        self.update(self.render_text())
+
+
+class Transcript(VerticalScroll):
+    """The chat history of this session."""
+
+    can_focus = True
+
+    @property
+    def turns(self) -> list[TurnView]:
+        return list(self.query(TurnView))
+
+
+class PromptInput(Input):
+    """The prompt line; Up/Down recall earlier prompts of this session."""
+
+    BINDINGS = [
+        Binding("up", "history(-1)", "Previous prompt", show=False),
+        Binding("down", "history(1)", "Next prompt", show=False),
+    ]
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.history: list[str] = []
+        self._pos = 0
+
+    def remember(self, prompt: str) -> None:
+        if not self.history or self.history[-1] != prompt:
+            self.history.append(prompt)
+        self._pos = len(self.history)
+
+    def action_history(self, step: int) -> None:
+        if not self.history:
+            return
+        self._pos = max(0, min(len(self.history), self._pos + step))
+        self.value = self.history[self._pos] if self._pos < len(self.history) else ""
+        self.cursor_position = len(self.value)

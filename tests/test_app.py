@@ -1,0 +1,509 @@
+"""Pilot-driven tests of the app's flows: chat with live plots, switching modes, stopping and quitting
+mid-generation, dialogs, profiles, the calibration wizard and the bench screen."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from test_app_support import (SCRIPT, VOCAB, FakeDecoder, fake_bench_module, fake_calibration_module,
+                              scripted_events, write_profiles)
+
+from s2moe.app.tui.app import S2MoEApp
+from s2moe.app.tui.chat import ChatScreen
+from s2moe.app.tui.dialogs import HelpScreen, ModelPathDialog
+from s2moe.app.tui.session import (BONUS, CORRECTION, DRAFT, REJECTED, TARGET, ChatSettings, parse_bytes,
+                                   segments_of)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def wait_for(pilot, cond, timeout=30.0, what="condition"):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+def fake_app(delay: float = 0.0, endless: bool = False, **kw):
+    """The app on a scripted decoder (deterministic events, no model file)."""
+    decoders = []
+
+    def factory(path):
+        decoder = FakeDecoder(path, delay=delay, endless=endless)
+        decoders.append(decoder)
+        return decoder
+
+    app = S2MoEApp("fake-moe.gguf", decoder_factory=factory, **kw)
+    app.fake_decoders = decoders
+    return app
+
+
+async def type_prompt(pilot, text):
+    await pilot.press(*text)
+    await pilot.press("enter")
+
+
+# -- view data (no UI) --------------------------------------------------------------------------------------------
+def test_segments_mark_how_each_token_was_produced():
+    its = list(scripted_events())[2:-1]
+    dec = FakeDecoder()
+    kinds = [[s.kind for s in segments_of(it, dec.detokenize, dec.piece_text)] for it in its]
+    assert kinds[0] == [DRAFT, DRAFT, BONUS]           # every draft accepted: the target's token is a bonus
+    assert kinds[1] == [DRAFT, REJECTED, CORRECTION]   # rejected drafts sit before the correction
+    assert kinds[3] == [REJECTED, CORRECTION]
+    texts = segments_of(its[1], dec.detokenize, dec.piece_text)
+    assert [s.text for s in texts] == [VOCAB[3], VOCAB[12] + VOCAB[13], VOCAB[4]]
+    plain = list(scripted_events("ar"))[2]
+    assert [s.kind for s in segments_of(plain, dec.detokenize, dec.piece_text)] == [TARGET]
+
+
+def test_parse_bytes():
+    assert parse_bytes("") is None
+    assert parse_bytes("800M") == 800 << 20
+    assert parse_bytes("1.5G") == int(1.5 * (1 << 30))
+    assert parse_bytes("1000") == 1000
+
+
+# -- chat ----------------------------------------------------------------------------------------------------
+def test_prompt_streams_tokens_and_feeds_the_plots():
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            assert isinstance(chat, ChatScreen)
+            await type_prompt(pilot, "hello")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, what="generation")
+            chat.flush()
+            turn = chat.transcript.turns[-1]
+            assert turn.prompt == "hello"
+            expected = "".join(VOCAB[tok] for acc, _rej, target in SCRIPT for tok in acc + (target,))
+            assert turn.answer_text == expected
+            kinds = {s.kind for s in turn.segments}
+            assert {DRAFT, BONUS, CORRECTION, REJECTED} <= kinds
+            state = chat.live.state
+            assert state.iterations == len(SCRIPT) and state.rollback_total == 3
+            assert state.utilities and state.reuse_last and state.accept
+            points = {p.id: p.points for p in chat.live.plots}
+            assert points["plot-reuse"] == 4 and points["plot-accept"] == len(SCRIPT)
+            assert points["plot-rollback"] == len(SCRIPT) and points["plot-utility"] > 0
+            assert "stop: length" in turn.summary
+            # rejected drafts: shown struck through, hidden with Ctrl+R
+            shown = turn.render_text().plain
+            await pilot.press("ctrl+r")
+            hidden = turn.render_text().plain
+            assert VOCAB[12] + VOCAB[13] in shown and VOCAB[12] + VOCAB[13] not in hidden
+            # Up recalls the prompt (chat history of the session)
+            await pilot.press("up")
+            assert chat.query_one("#prompt").value == "hello"
+
+    run(go())
+
+
+def test_switching_mode_and_components_reaches_the_engine():
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            assert chat.settings.mode == "s2moe"
+            await pilot.press("f7", "f8", "f9")  # utility off, gating off, next k_d
+            assert not chat.settings.utility and not chat.settings.gating
+            modes = chat.available_modes()
+            while chat.settings.mode != "ar":
+                await pilot.press("f6")
+                assert chat.settings.mode in modes
+            await type_prompt(pilot, "x")
+            await wait_for(pilot, lambda: not chat.generating and app.fake_decoders, what="generation")
+            cfg = app.fake_decoders[0].configs[-1]
+            assert cfg.mode == "ar"
+            assert cfg.utility is False and cfg.reuse_strength == 0.0
+            turn = chat.transcript.turns[-1]
+            assert {s.kind for s in turn.segments} == {TARGET}
+            # a plain run in this session becomes the AR reference of the speed plot
+            assert app.session.stats.ar_tok_per_s is not None
+
+    run(go())
+
+
+def test_stop_key_interrupts_between_iterations():
+    async def go():
+        app = fake_app(delay=0.01, endless=True)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            await type_prompt(pilot, "go on")
+            await wait_for(pilot, lambda: chat.live.state.iterations >= 3, what="iterations")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not chat.generating, what="stop")
+            assert app.fake_decoders[0].last_stop_reason == "interrupted"
+            assert "interrupted" in chat.transcript.turns[-1].summary
+
+    run(go())
+
+
+@pytest.mark.parametrize("key", ["ctrl+c", "q"])
+def test_quit_mid_generation_is_clean(key):
+    async def go():
+        app = fake_app(delay=0.01, endless=True)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            await type_prompt(pilot, "go on")
+            await wait_for(pilot, lambda: chat.live.state.iterations >= 3, what="iterations")
+            if key == "q":
+                chat.query_one("#transcript").focus()  # q types into the prompt; elsewhere it quits
+            t0 = time.monotonic()
+            await pilot.press(key)
+            await wait_for(pilot, lambda: app._exit, timeout=10, what="exit")
+            assert time.monotonic() - t0 < 5
+        decoder = app.fake_decoders[0]
+        assert decoder.last_stop_reason == "interrupted" and decoder.closed
+
+    run(go())
+
+
+def test_an_engine_error_is_a_notification_not_a_crash():
+    from s2moe.engine.errors import ContextError
+
+    class Failing(FakeDecoder):
+        def generate(self, prompt, cfg, should_stop=None):
+            raise ContextError("prompt has 9999 tokens but the context holds 2048")
+
+    async def go():
+        app = S2MoEApp("fake-moe.gguf", decoder_factory=Failing)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            await type_prompt(pilot, "too long")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, what="failure")
+            await pilot.pause(0.1)
+            assert "failed: prompt has 9999 tokens" in chat.transcript.turns[-1].summary
+            assert any("context holds" in n.message for n in app._notifications)
+            assert app.is_running and isinstance(app.screen, ChatScreen)
+            # the live panel can be hidden for a full-width chat, and shown again
+            await pilot.press("ctrl+l")
+            assert not chat.live.display
+            await pilot.press("ctrl+l")
+            assert chat.live.display
+
+    run(go())
+
+
+def test_q_in_the_prompt_types_q():
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("q", "?")
+            assert app.screen.query_one("#prompt").value == "q?"
+            assert app.is_running
+
+    run(go())
+
+
+def test_tiny_model_generation_end_to_end(tiny_models):
+    """The real engine on a tiny random MoE: tokens appear, the live panel gets data, nothing blocks."""
+
+    async def go():
+        app = S2MoEApp(str(tiny_models["olmoe"]), n_threads=1, n_ctx=256)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, timeout=60, what="model")
+            chat = app.screen
+            chat.apply_settings(ChatSettings(mode="s2moe", utility=False, n_predict=24))
+            await type_prompt(pilot, "hello there")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, timeout=120,
+                           what="generation")
+            chat.flush()
+            turn = chat.transcript.turns[-1]
+            assert turn.segments and "failed" not in turn.summary
+            state = chat.live.state
+            assert state.iterations >= 1 and state.tokens >= 1 and state.mode == "s2moe"
+            assert {p.id: p.draws for p in chat.live.plots}["plot-accept"] >= 1
+            await pilot.press("ctrl+c")
+            await wait_for(pilot, lambda: app._exit, timeout=10, what="exit")
+
+    run(go())
+
+
+# -- dialogs, palette, theme ---------------------------------------------------------------------------------
+def test_help_lists_bindings_and_palette_runs_commands():
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f1")
+            assert isinstance(app.screen, HelpScreen)
+            rows = [k for _title, section in app.screen.sections for k, _d in section]
+            assert "F6" in rows and "Ctrl+R" in rows and "Ctrl+C / Ctrl+Q" in rows
+            await pilot.press("escape")
+            assert isinstance(app.screen, ChatScreen)
+            await pilot.press("ctrl+p")
+            await pilot.pause(0.1)
+            await pilot.press(*"Mode: ar")
+            await pilot.pause(0.3)
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.chat_screen.settings.mode == "ar", timeout=5, what="mode")
+            # chat commands work from another screen too
+            await pilot.press("f4", "ctrl+p")
+            await pilot.pause(0.1)
+            await pilot.press(*"Toggle reuse-aware gating")
+            await pilot.pause(0.3)
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: not app.chat_screen.settings.gating, timeout=5, what="gating off")
+            dark = app.current_theme.dark
+            await pilot.press("ctrl+t")
+            assert app.current_theme.dark != dark
+
+    run(go())
+
+
+def test_without_a_model_the_app_asks_for_one(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setattr("s2moe.app.tui.dialogs.packaged_models", lambda: [])
+
+    async def go():
+        app = S2MoEApp(None, n_threads=1, n_ctx=256)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, ModelPathDialog)
+            await pilot.press(*str(tmp_path / "missing.gguf"))
+            await pilot.press("enter")
+            assert isinstance(app.screen, ModelPathDialog)  # no such file: it stays open
+            app.screen.query_one("#model-path").value = str(tiny_models["olmoe"])
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.session.model is not None, timeout=60, what="model")
+            assert isinstance(app.screen, ChatScreen)
+            assert "tiny" in app.model_label
+
+    run(go())
+
+
+def test_the_model_dialog_offers_packaged_models(tiny_models, monkeypatch):
+    packaged = [{"name": "tiny-qwen", "path": tiny_models["qwen3moe"], "arch": "qwen3moe", "n_expert": 8, "k": 4,
+                 "size_bytes": 1 << 20}]
+    monkeypatch.setattr("s2moe.app.tui.dialogs.packaged_models", lambda: packaged)
+
+    async def go():
+        app = S2MoEApp(None, n_threads=1, n_ctx=256)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, ModelPathDialog)
+            await pilot.press("down", "enter")
+            await wait_for(pilot, lambda: app.session.model is not None, timeout=60, what="model")
+            assert app.session.model.arch == "qwen3moe"
+
+    run(go())
+
+
+def test_a_file_that_is_not_a_model_is_a_dialog_not_a_crash(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+
+    async def go():
+        app = S2MoEApp(str(bad), n_threads=1)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, ModelPathDialog), timeout=30, what="dialog")
+            assert app.session.model is None and app.is_running
+
+    run(go())
+
+
+def test_cmd_app_arguments(tmp_path, monkeypatch):
+    import argparse
+
+    from s2moe.app import cmd_app
+    from s2moe.app.cli import main
+
+    parser = argparse.ArgumentParser()
+    cmd_app.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["app", "--model", str(tmp_path / "nope.gguf"), "--threads", "1"])
+    app = cmd_app.build_app(args)
+    assert app.session.model_path is None and "No model file" in app.model_message
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert main(["app", "--profile", "no-such-profile"]) == 2
+
+
+# -- profiles ------------------------------------------------------------------------------------------------
+def test_profiles_list_inspect_and_select(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    write_profiles(tmp_path)
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f4")
+            screen = app.screen
+            names = [e.name for e in screen.entries]
+            assert "test-cpu" in names and "orin-paper" in names
+            table = screen.query_one("#prof-table")
+            table.move_cursor(row=names.index("test-cpu"))
+            await pilot.pause(0.05)
+            assert screen.model_note == "calibrated for it"
+            table.move_cursor(row=names.index("orin-paper"))
+            await pilot.pause(0.05)
+            assert screen.model_note.startswith("not calibrated: reference")
+            table.move_cursor(row=names.index("test-cpu"))
+            await pilot.pause(0.05)
+            await pilot.press("enter")
+            assert app.session.profile_name == "test-cpu"
+            assert "profile test-cpu" in app.model_label
+            # the chat's next generation uses the profile's constants
+            await pilot.press("f2")
+            await type_prompt(pilot, "hi")
+            await wait_for(pilot, lambda: not app.screen.generating and app.fake_decoders[0].configs, what="gen")
+            cost = app.fake_decoders[0].configs[-1].cost
+            assert cost is not None and cost.source.startswith("profile:test-cpu")
+            await pilot.press("f4", "n")
+            assert app.session.profile_name is None
+
+    run(go())
+
+
+def test_a_profile_for_another_model_warns_and_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    folder = write_profiles(tmp_path)
+    (folder / "other-box.yaml").write_text(
+        "schema: 1\nname: other-box\nkind: measured\nmodels:\n"
+        "  ffffffffffffffff: {t_ar_ms: 5.0, c_draft_ms: 2.0, t_exp_ms: 0.1}\n")
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f4")
+            screen = app.screen
+            names = [e.name for e in screen.entries]
+            screen.query_one("#prof-table").move_cursor(row=names.index("other-box"))
+            await pilot.pause(0.05)
+            assert screen.model_note.startswith("not calibrated for it")
+            await pilot.press("enter")
+            messages = [n.message for n in app._notifications]
+            assert any("not calibrated for this model" in m for m in messages)
+            await pilot.press("f2")
+            await type_prompt(pilot, "hi")
+            await wait_for(pilot, lambda: not app.screen.generating and app.fake_decoders[0].configs, what="gen")
+            assert app.fake_decoders[0].configs[-1].cost is None  # measured at start-up instead
+            await pilot.pause(0.1)
+            messages = [n.message for n in app._notifications]
+            assert any("measuring cost constants at start-up instead" in m for m in messages)
+
+    run(go())
+
+
+# -- calibrate -------------------------------------------------------------------------------------------------
+def test_calibration_unavailable_is_said_clearly():
+    async def go():
+        app = fake_app(modules={"calibrate": None, "bench": None})
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("f3")
+            screen = app.screen
+            assert not screen.available
+            assert "not available" in str(screen.query_one("#cal-intro").render())
+            assert screen.query_one("#cal-run").disabled
+            await pilot.press("f5")
+            assert "not available" in str(app.screen.query_one("#bench-intro").render())
+
+    run(go())
+
+
+def test_calibration_wizard_shows_steps_fit_and_saves(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    calls = []
+
+    async def go():
+        app = fake_app(modules={"calibrate": fake_calibration_module(calls)})
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f3")
+            screen = app.screen
+            screen.query_one("#cal-name").value = "my-box"
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: screen.result is not None and not screen.running, what="calibration")
+            assert calls and calls[0]["name"] == "my-box" and calls[0]["save"] is False
+            assert len(screen.steps) == 3 and all(s.state == "done" for s in screen.steps.values())
+            assert screen.fit["r2"] == pytest.approx(0.987)
+            await pilot.press("ctrl+s")
+            assert (tmp_path / "s2moe" / "profiles" / "my-box.yaml").is_file()
+            assert app.session.profile_name == "my-box"
+
+    run(go())
+
+
+def test_calibration_wizard_on_a_tiny_model(tiny_models, tmp_path, monkeypatch):
+    from s2moe.app.tui.session import optional_module
+
+    if getattr(optional_module("calibrate"), "run_calibration", None) is None:
+        pytest.skip("s2moe.engine.calibrate is not in this install")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+
+    async def go():
+        app = S2MoEApp(str(tiny_models["olmoe"]), n_threads=1, n_ctx=256)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, timeout=60, what="model")
+            await pilot.press("f3")
+            screen = app.screen
+            screen.query_one("#cal-name").value = "tiny-test"
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: not screen.running and (screen.result is not None or screen.steps),
+                           timeout=180, what="calibration")
+            await wait_for(pilot, lambda: not screen.running, timeout=180, what="end")
+            assert screen.result is not None, screen.steps_text().plain
+            assert screen.fit is not None and len(screen.fit["measured"]) >= 3
+            await pilot.press("ctrl+s")
+            assert (tmp_path / "s2moe" / "profiles" / "tiny-test.yaml").is_file()
+            assert app.session.profile_name == "tiny-test"
+            # the new profile applies to this model in the chat
+            assert app.session.cost() is not None
+
+    run(go())
+
+
+# -- bench ------------------------------------------------------------------------------------------------------
+def test_bench_screen_runs_and_tabulates():
+    async def go():
+        app = fake_app(modules={"bench": fake_bench_module()})
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f5")
+            screen = app.screen
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: screen.done is not None and not screen.running, what="bench")
+            table = screen.query_one("#bench-table")
+            assert table.row_count == 2
+            assert "R² 0.950" in str(screen.query_one("#bench-status").render())
+
+    run(go())
+
+
+def test_bench_on_a_tiny_model(tiny_models):
+    from s2moe.app.tui.session import optional_module
+
+    if getattr(optional_module("bench"), "run_bench", None) is None:
+        pytest.skip("s2moe.engine.bench is not in this install")
+
+    async def go():
+        app = S2MoEApp(str(tiny_models["olmoe"]), n_threads=1, n_ctx=256)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, timeout=60, what="model")
+            await pilot.press("f5")
+            screen = app.screen
+            screen.query_one("#bench-set").value = "natural"
+            screen.query_one("#bench-max").value = "2"
+            prompts, _modes, _n, name = screen.request()
+            assert name == "natural" and len(prompts) == 2
+            screen.query_one("#bench-set").value = "custom"
+            screen.query_one("#bench-prompts").text = "hello there"
+            screen.query_one("#bench-n").value = "8"
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: not screen.running and (screen.done is not None or screen.rows == []),
+                           timeout=180, what="bench")
+            await wait_for(pilot, lambda: not screen.running, timeout=180, what="bench end")
+            assert screen.done is not None
+            assert {r.mode for r in screen.rows} >= {"ar", "s2moe"}
+
+    run(go())

@@ -1,0 +1,178 @@
+"""SVG snapshots of every screen at 80×24 and 120×40 (pytest-textual-snapshot).
+
+Deterministic by construction: a scripted decoder instead of a model, engine events injected with fixed
+timestamps, scripted calibration/bench modules, a profile folder written by the test. Update after an
+intended UI change with `pytest tests/test_app_snapshots.py --snapshot-update` and review the SVGs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_app_support import (FakeDecoder, fake_bench_module, fake_calibration_module, scripted_events,
+                              write_profiles)
+
+from s2moe.app.tui.app import S2MoEApp
+from s2moe.app.tui.messages import EngineEvent, JobEnded
+from s2moe.app.tui.session import view_of
+
+SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((120, 40), id="120x40")]
+
+
+@pytest.fixture(autouse=True)
+def fixed_profile_folders(tmp_path, monkeypatch):
+    """Profiles come only from a folder this test writes (no user or shipped profiles leak in)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    write_profiles(tmp_path / "config")
+    empty = tmp_path / "shipped"
+    empty.mkdir()
+    monkeypatch.setattr("s2moe.engine.profiles.shipped_profile_dir", lambda: empty)
+    packaged = [{"name": "olmoe-64x8", "path": "olmoe-64x8.gguf", "arch": "olmoe", "n_expert": 64, "k": 8,
+                 "size_bytes": 21_900_000}]
+    monkeypatch.setattr("s2moe.app.tui.dialogs.packaged_models", lambda: packaged)
+    # the engine will grow more modes; the snapshots keep a fixed list
+    for where in ("s2moe.app.tui.bench.engine_modes", "s2moe.app.tui.chat.engine_modes"):
+        monkeypatch.setattr(where, lambda: ("ar", "s2moe", "conf"))
+
+
+def make_app(**kw) -> S2MoEApp:
+    return S2MoEApp("fake-moe.gguf", decoder_factory=lambda path: FakeDecoder(path), **kw)
+
+
+async def ready(pilot) -> None:
+    app = pilot.app
+    for _ in range(500):
+        if app.session.model is not None:
+            break
+        await pilot.pause(0.01)
+    await pilot.pause()
+
+
+async def settle(pilot) -> None:
+    """No toasts, no blinking cursors, no animation in flight: the same picture every time."""
+    from textual.widgets import Input, TextArea
+
+    app = pilot.app
+    for screen in app.screen_stack:
+        for widget in list(screen.query(Input)) + list(screen.query(TextArea)):
+            widget.cursor_blink = False
+    app.clear_notifications()
+    await pilot.pause()
+    await pilot.wait_for_scheduled_animations()
+    await pilot.pause()
+
+
+def feed_generation(chat, prompt: str, mode: str = "s2moe") -> None:
+    """Play a scripted generation into the chat with fixed timestamps (no worker, no clock)."""
+    decoder = FakeDecoder()
+    chat.begin_turn(prompt)
+    for i, event in enumerate(scripted_events(mode)):
+        chat.on_engine_event(EngineEvent(chat._turn_index, event, view_of(event, decoder), 1.0 + 0.05 * i))
+    chat.on_job_ended(JobEnded("generate"))
+    chat.flush()
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_chat_before_generation(snap_compare, size):
+    async def run_before(pilot):
+        await ready(pilot)
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_chat_after_generation(snap_compare, size):
+    async def run_before(pilot):
+        await ready(pilot)
+        chat = pilot.app.screen
+        feed_generation(chat, "The cat")
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
+def test_chat_light_theme(snap_compare):
+    async def run_before(pilot):
+        await ready(pilot)
+        await pilot.press("ctrl+t")
+        feed_generation(pilot.app.screen, "The cat")
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=(100, 30), run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_calibrate_wizard_done(snap_compare, size):
+    async def run_before(pilot):
+        await ready(pilot)
+        await pilot.press("f3")
+        screen = pilot.app.screen
+        screen.query_one("#cal-name").value = "my-box"
+        await pilot.press("ctrl+r")
+        for _ in range(500):
+            if screen.result is not None and not screen.running:
+                break
+            await pilot.pause(0.01)
+        await settle(pilot)
+
+    app = make_app(modules={"calibrate": fake_calibration_module()})
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_calibrate_unavailable(snap_compare, size):
+    async def run_before(pilot):
+        await ready(pilot)
+        await pilot.press("f3")
+        await settle(pilot)
+
+    assert snap_compare(make_app(modules={"calibrate": None}), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_profiles(snap_compare, size):
+    async def run_before(pilot):
+        await ready(pilot)
+        await pilot.press("f4")
+        screen = pilot.app.screen
+        names = [e.name for e in screen.entries]
+        screen.query_one("#prof-table").move_cursor(row=names.index("test-cpu"))
+        await pilot.press("enter")
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_bench_done(snap_compare, size):
+    async def run_before(pilot):
+        await ready(pilot)
+        await pilot.press("f5")
+        screen = pilot.app.screen
+        await pilot.press("ctrl+r")
+        for _ in range(500):
+            if screen.done is not None and not screen.running:
+                break
+            await pilot.pause(0.01)
+        await settle(pilot)
+
+    app = make_app(modules={"bench": fake_bench_module()})
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_help(snap_compare, size):
+    async def run_before(pilot):
+        await ready(pilot)
+        await pilot.press("f1")
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_no_model_dialog(snap_compare, size):
+    async def run_before(pilot):
+        await settle(pilot)
+
+    assert snap_compare(S2MoEApp(None), terminal_size=size, run_before=run_before)

@@ -1,0 +1,262 @@
+"""Fakes for the app tests: a scripted decoder (deterministic events, optional delay per iteration) and
+scripted calibration/bench modules. No tests here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from s2moe.engine.events import CostConstants, DraftCandidate, Finished, Iteration, Prefilled, Started
+
+VOCAB = {i: w for i, w in enumerate(
+    [" The", " cat", " sat", " on", " the", " mat", ".", " It", " was", " warm", " and", " soft", " dog",
+     " ran", " away", " home"])}
+
+
+@dataclass(frozen=True)
+class FakeInfo:
+    path: Path = Path("fake-moe.gguf")
+    name: str = "fake-moe"
+    arch: str = "olmoe"
+    n_layer: int = 4
+    n_expert: int = 8
+    n_expert_used: int = 4
+    fingerprint: str = "0123456789abcdef"
+    file_bytes: int = 1 << 20
+
+    @property
+    def is_moe(self) -> bool:
+        return True
+
+
+# (accepted drafts, rejected drafts, target token): a bonus, two corrections, a plain step, ...
+SCRIPT = [
+    ((0, 1), (), 2),
+    ((3,), (12, 13), 4),
+    ((5, 6), (), 7),
+    ((), (14,), 8),
+    ((9, 10, 11), (), 6),
+]
+
+
+def scripted_iterations(mode: str = "s2moe", n_layer: int = 4, repeat: int = 1):
+    """Deterministic Iteration events (plain steps in ar mode)."""
+    index = 0
+    for _ in range(repeat):
+        for accepted, rejected, target in SCRIPT:
+            index += 1
+            if mode == "ar":
+                accepted, rejected = (), ()
+            drafted = accepted + rejected
+            committed = accepted + (target,)
+            cands = tuple(
+                DraftCandidate(t, VOCAB[t], 0.9 - 0.1 * j, 0.9 ** (j + 1), 3.0 - 0.6 * j,
+                               np.ones(n_layer, int), True)
+                for j, t in enumerate(drafted))
+            if mode != "ar":
+                cands += (DraftCandidate(15, VOCAB[15], 0.2, 0.05, 0.4, np.ones(n_layer, int), False),)
+            reuse = np.array([0.4 + 0.1 * (l % 3) for l in range(n_layer)]) if drafted else np.zeros(n_layer)
+            yield Iteration(
+                index=index, candidates=cands, drafted=drafted, accepted=accepted, rejected=rejected,
+                target_token=target, committed=committed, committed_text="".join(VOCAB[t] for t in committed),
+                draft_stop="utility" if drafted else "no-draft", rollback=len(rejected), kv_end=10 + index,
+                n_committed=10 + index, verify_tokens=len(drafted) + 1,
+                verify_experts=np.full(n_layer, 4 + len(drafted)), reuse_ratio=reuse,
+                gated_moves=1 if rejected else 0, t_draft=0.001, t_verify=0.002,
+            )
+
+
+COST = CostConstants(t_ar=0.01, c_draft=0.004, t_exp=0.0001, t_tok=0.001, intercept=0.002,
+                     source="profile:test")
+
+
+def scripted_events(mode: str = "s2moe", repeat: int = 1, utility: bool = True, reuse_strength: float = 0.5):
+    """A whole generation: Started, Prefilled, iterations, Finished, with fixed numbers."""
+    its = list(scripted_iterations(mode, repeat=repeat))
+    config = {"mode": mode, "threshold": 1.0, "utility": utility, "reuse_strength": reuse_strength}
+    events = [Started(mode, "fake-moe", (1, 2, 3), 4, 8, 4, config, COST if mode == "s2moe" else None),
+              Prefilled(3, 0.01)]
+    events += its
+    tokens = tuple(t for it in its for t in it.committed)
+    events.append(Finished(tokens, "".join(VOCAB[t] for t in tokens), len(tokens), 0.5, "length", len(its)))
+    return events
+
+
+class FakeDecoder:
+    """Stands in for engine.decoder.Decoder: the scripted iterations, forever if `endless`."""
+
+    def __init__(self, path: str = "fake-moe.gguf", *, delay: float = 0.0, endless: bool = False):
+        self.info = FakeInfo()
+        self.delay = delay
+        self.endless = endless
+        self.closed = False
+        self.last_stop_reason = None
+        self.configs = []
+
+    def detokenize(self, tokens) -> str:
+        return "".join(VOCAB[t] for t in tokens)
+
+    def piece_text(self, token: int) -> str:
+        return VOCAB[token]
+
+    def generate(self, prompt, cfg, should_stop=None):
+        self.configs.append(cfg)
+        cfg.validate(self.info)
+        t0 = time.perf_counter()
+        yield Started(cfg.mode, "fake-moe", (1, 2, 3), 4, 8, 4,
+                      {"mode": cfg.mode, "threshold": cfg.threshold, "utility": cfg.utility,
+                       "reuse_strength": cfg.reuse_strength}, COST)
+        yield Prefilled(3, 0.001)
+        tokens, n, reason = [], 0, "length"
+        while True:
+            for it in scripted_iterations(cfg.mode):
+                if should_stop is not None and should_stop():
+                    reason = "interrupted"
+                    break
+                if self.delay:
+                    time.sleep(self.delay)
+                tokens.extend(it.committed)
+                n += 1
+                yield it
+            else:
+                if self.endless:
+                    continue
+            break
+        self.last_stop_reason = reason
+        yield Finished(tuple(tokens), self.detokenize(tokens), len(tokens), time.perf_counter() - t0, reason, n)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def fake_calibration_module(calls: list | None = None):
+    """A module with run_calibration yielding the contract's events with fixed numbers."""
+    calls = [] if calls is None else calls
+
+    @dataclass(frozen=True)
+    class StepStarted:
+        index: int
+        total: int
+        name: str
+        description: str
+
+    @dataclass(frozen=True)
+    class StepProgress:
+        index: int
+        done: int
+        total: int
+
+    @dataclass(frozen=True)
+    class StepResult:
+        index: int
+        name: str
+        summary: str
+        data: dict
+
+    @dataclass(frozen=True)
+    class CalibrationDone:
+        profile: dict
+        path: object
+
+    steps = [("bandwidth", "memory and storage bandwidth"), ("steps", "T_AR and draft step cost"),
+             ("cost model", "regression of verification latency on experts and tokens")]
+
+    def run_calibration(model_path, *, budget_bytes=None, prompts=None, name=None, save=True, n_threads=None,
+                        should_stop=None):
+        calls.append(dict(model_path=model_path, budget_bytes=budget_bytes, name=name, save=save))
+        for i, (step, desc) in enumerate(steps, 1):
+            yield StepStarted(i, len(steps), step, desc)
+            for d in range(1, 4):
+                yield StepProgress(i, d, 3)
+            data = {}
+            if step == "cost model":
+                measured = [1.0, 1.5, 2.0, 2.6, 3.1, 3.4]
+                data = {"measured": measured, "predicted": [m * 1.02 for m in measured], "r2": 0.987,
+                        "mape": 0.021}
+            yield StepResult(i, step, f"{step} measured", data)
+        profile = {"schema": 1, "name": name or "local", "kind": "measured",
+                   "device": {"name": "test cpu", "kind": "cpu"},
+                   "models": {"0123456789abcdef": {"model": "fake-moe.gguf", "t_ar_ms": 10.0, "c_draft_ms": 4.0,
+                                                   "t_exp_ms": 0.1, "t_tok_ms": 1.0, "intercept_ms": 2.0}}}
+        yield CalibrationDone(profile, None)
+
+    return SimpleNamespace(run_calibration=run_calibration, StepStarted=StepStarted)
+
+
+def fake_bench_module():
+    @dataclass(frozen=True)
+    class BenchProgress:
+        done: int
+        total: int
+        mode: str
+        prompt_index: int
+
+    @dataclass
+    class BenchRow:
+        mode: str
+        budget: str
+        prompt_set: str
+        tok_per_s: float
+        speedup_vs_ar: float | None
+        accept_len: float
+        draft_len: float
+        reuse_ratio: float | None
+        rollbacks: int
+        identical_to_ar: float | None = None
+
+    @dataclass
+    class BenchDone:
+        rows: list
+        quality: dict
+        cost_model: dict
+        machine: dict
+
+    def run_bench(model, *, prompts, modes, n_tokens, budgets=("none",), n_threads=None, should_stop=None,
+                  decoder=None):
+        modes = ["ar"] + [m for m in modes if m != "ar"]
+        total = len(prompts) * len(modes)
+        done = 0
+        for pi, _ in enumerate(prompts):
+            for m in modes:
+                done += 1
+                yield BenchProgress(done, total, m, pi)
+        rows = [BenchRow(m, "none", "custom", 100.0 + 20 * i, 1.0 + 0.2 * i, 1.0 + i, float(i),
+                         None if m == "ar" else 0.5, 3 * i, None if m == "ar" else 1.0)
+                for i, m in enumerate(modes)]
+        yield BenchDone(rows, {}, {"r2": 0.95}, {})
+
+    return SimpleNamespace(run_bench=run_bench, ABLATION={})
+
+
+VALID_PROFILE = """\
+schema: 1
+name: test-cpu
+kind: measured
+description: a test profile
+device: {name: test cpu, kind: cpu}
+models:
+  0123456789abcdef: {model: fake-moe.gguf, t_ar_ms: 10.0, c_draft_ms: 4.0, t_exp_ms: 0.1, t_tok_ms: 1.0,
+                     intercept_ms: 2.0, fit: {r2: 0.98, mape: 0.03}}
+reference: {t_ar_ms: 100, c_draft_ms: 7.5, t_exp_ms: 0.156}
+"""
+
+REFERENCE_PROFILE = """\
+schema: 1
+name: orin-paper
+kind: reference
+device: {name: Jetson Orin (published), kind: jetson}
+reference: {t_ar_ms: 100, c_draft_ms: 7.5, t_exp_ms: 0.156}
+"""
+
+
+def write_profiles(folder: Path) -> Path:
+    """A user profile folder with one measured (for the fake model) and one reference profile."""
+    d = folder / "s2moe" / "profiles"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "test-cpu.yaml").write_text(VALID_PROFILE)
+    (d / "orin-paper.yaml").write_text(REFERENCE_PROFILE)
+    return d
