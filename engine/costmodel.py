@@ -63,10 +63,197 @@ def fit_verify_cost(experts, tokens, seconds) -> Fit:
     return Fit(float(a), float(te), float(tt), r2, mape, len(y))
 
 
+@dataclass(frozen=True)
+class MissFit:
+    """Verification cost under a memory budget: a + t_hit·(resident experts) + t_miss·(experts fetched
+    from storage) + t_tok·tokens. t_hit is T_exp warm, t_miss is T_exp cold."""
+
+    intercept: float
+    t_hit: float
+    t_miss: float
+    t_tok: float
+    r2: float
+    mape: float
+    n: int
+
+    def predict(self, experts, misses, tokens):
+        e, m = np.asarray(experts, float), np.asarray(misses, float)
+        return self.intercept + self.t_hit * (e - m) + self.t_miss * m + self.t_tok * np.asarray(tokens, float)
+
+
+def _nonneg_lstsq(cols: list[np.ndarray], y: np.ndarray) -> np.ndarray:
+    """Least squares of y on (1, cols...) with non-negative slopes: a column whose slope comes out negative
+    (noise or collinearity) is dropped and the rest refitted. Returns [intercept, slopes...]."""
+    active = list(range(len(cols)))
+    while True:
+        X = np.column_stack([np.ones_like(y)] + [cols[i] for i in active])
+        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        neg = [active[j] for j, c in enumerate(coef[1:]) if c < 0]
+        if not neg:
+            out = np.zeros(len(cols) + 1)
+            out[0] = coef[0]
+            for j, i in enumerate(active):
+                out[i + 1] = coef[j + 1]
+            return out
+        worst = min(neg, key=lambda i: coef[1 + active.index(i)])
+        active.remove(worst)
+
+
+def _quality(y: np.ndarray, pred: np.ndarray) -> tuple[float, float]:
+    ss_res = float(np.sum((y - pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    mape = float(np.mean(np.abs(y - pred) / np.maximum(np.abs(y), 1e-12)))
+    return r2, mape
+
+
+def fit_miss_cost(experts, misses, tokens, seconds) -> MissFit:
+    """Least squares of seconds on (1, resident experts, missed experts, tokens), slopes ≥ 0."""
+    e, m, s, y = (np.asarray(v, float) for v in (experts, misses, tokens, seconds))
+    if len(y) < 4:
+        raise ValueError("need at least four measurements to fit the cost under a budget")
+    a, t_hit, t_miss, t_tok = _nonneg_lstsq([e - m, m, s], y)
+    fit = MissFit(float(a), float(t_hit), float(t_miss), float(t_tok), 0.0, 0.0, len(y))
+    r2, mape = _quality(y, fit.predict(e, m, s))
+    return MissFit(fit.intercept, fit.t_hit, fit.t_miss, fit.t_tok, r2, mape, len(y))
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+class Stopped(Exception):
+    """should_stop() asked a measurement to stop; the runtime's KV cache is left empty."""
+
+
+def _prepare(rt, seed: int, context: int, cap: int):
+    rng = np.random.default_rng(seed)
+    rt.kv_clear()
+    context = max(1, min(context, rt.n_ctx - cap - 4))
+    prefix = rng.integers(0, rt.n_vocab, size=context).tolist()
+    if rt.hook is not None:
+        rt.hook.off()
+    rt.decode(prefix, 0, "none")
+    return rng, context
+
+
+def _step(rt, base: int, tokens, mode: str, k_draft: int, resident=None):
+    """Decode `tokens` after `base` positions as a plain/draft/verify step; time it; roll it back.
+
+    Returns (seconds, distinct experts over layers), plus, when `resident` (a callable giving the
+    [n_layer, n_expert] experts in memory) is given, the distinct experts that were not resident."""
+    hook = rt.hook
+    if mode == "draft":
+        hook.draft(k_draft)
+    else:
+        hook.observe()
+    before = resident() if resident is not None else None
+    dt = _timed(lambda: rt.decode(tokens, base, "all" if mode == "verify" else "last"))
+    routing = hook.snapshot(len(tokens))
+    experts = float(routing.distinct_used(rt.info.n_expert).sum())
+    rt.kv_remove_from(base)
+    if before is None:
+        return dt, experts
+    n_layer, n_expert = before.shape
+    used = np.zeros((n_layer, n_expert + 1), bool)
+    ids = np.where(routing.used >= 0, routing.used, n_expert).reshape(n_layer, -1)
+    used[np.arange(n_layer)[:, None], ids] = True
+    return dt, experts, float((used[:, :n_expert] & ~before).sum())
+
+
+def _batch(rng, n_vocab: int, s: int, variant: str) -> list[int]:
+    """A verification batch of s tokens with little (random), full (repeat) or partial (mixed) reuse."""
+    if variant == "random":
+        return rng.integers(0, n_vocab, size=s).tolist()
+    if variant == "repeat":
+        return [int(rng.integers(n_vocab))] * s
+    pool = rng.integers(0, n_vocab, size=max(1, s // 2)).tolist()
+    return [pool[i % len(pool)] for i in range(s)]
+
+
+VARIANTS = ("random", "repeat", "mixed")
+
+
+def batch_sizes(cap: int) -> list[int]:
+    return sorted(set([1, 2, 3] + list(range(2, cap + 2, max(1, cap // 4))) + [cap + 1]))
+
+
+def iter_time_steps(rt, k_draft: int, n: int, *, seed: int = 0, context: int = 32):
+    """Generator: yields (done, n) after each pair of steps; returns (plain seconds, draft seconds) of n
+    plain steps and n draft steps (k_draft experts), after warm-up. Leaves the KV cache empty."""
+    rng, base = _prepare(rt, seed, context, 2)
+    try:
+        for _ in range(2):
+            _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)
+            _step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft)
+        ar, draft = [], []
+        for i in range(n):
+            ar.append(_step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)[0])
+            draft.append(_step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft)[0])
+            yield i + 1, n
+        return ar, draft
+    finally:
+        rt.kv_clear()
+
+
+def iter_verify_samples(rt, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32, sizes=None,
+                        variants=VARIANTS, resident=None):
+    """Generator: yields (done, total) per batch configuration; returns [(distinct experts over layers,
+    tokens, median seconds)] of verification batches of varied size and reuse. Leaves the KV cache empty.
+
+    With `resident` (callable → [n_layer, n_expert] bool of experts in memory, e.g. from mincore) each
+    sample also carries the number of its distinct experts that were NOT resident (misses), and every
+    run is returned on its own (the misses of repeats differ) instead of the median per configuration."""
+    rng, base = _prepare(rt, seed, context, cap)
+    sizes = list(sizes or batch_sizes(cap))
+    try:
+        for _ in range(2):  # first decodes of a shape allocate graphs and fault pages in
+            _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", 1)
+            _step(rt, base, rng.integers(0, rt.n_vocab, size=max(sizes)).tolist(), "verify", 1)
+        configs = [(s, _batch(rng, rt.n_vocab, s, v)) for s in sizes for v in variants]
+        times: list[list[float]] = [[] for _ in configs]
+        misses: list[list[float]] = [[] for _ in configs]
+        experts = [0.0] * len(configs)
+        total, done = len(configs) * repeats, 0
+        # Round-robin over the configurations, so that a burst of load from other processes on a busy
+        # machine spreads over all of them instead of skewing one configuration's median.
+        for _ in range(repeats):
+            for i, (s, toks) in enumerate(configs):
+                dt, experts[i], *miss = _step(rt, base, toks, "verify", 1, resident)
+                times[i].append(dt)
+                misses[i].extend(miss)
+                done += 1
+                yield done, total
+        if resident is not None:  # every run on its own: its misses depend on what the cache held then
+            return [(experts[i], s, t, m) for i, (s, _) in enumerate(configs) for t, m in zip(times[i], misses[i])]
+        samples = [(experts[i], s, float(np.median(times[i]))) for i, (s, _) in enumerate(configs)]
+        return samples
+    finally:
+        rt.kv_clear()
+
+
+def drive(gen, progress=None, should_stop=None):
+    """Run a measurement generator to its end; report progress; raise Stopped when asked to stop."""
+    while True:
+        try:
+            done, total = next(gen)
+        except StopIteration as e:
+            return e.value
+        if progress:
+            progress(done, total)
+        if should_stop is not None and should_stop():
+            gen.close()
+            raise Stopped()
+
+
+def time_steps(rt, k_draft: int, n: int, *, progress=None, should_stop=None, **kw):
+    return drive(iter_time_steps(rt, k_draft, n, **kw), progress, should_stop)
+
+
+def verify_samples(rt, cap: int, *, progress=None, should_stop=None, **kw):
+    return drive(iter_verify_samples(rt, cap, **kw), progress, should_stop)
 
 
 def measure_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32):
@@ -74,51 +261,8 @@ def measure_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats
 
     Leaves the KV cache empty. Returns (CostConstants, samples) where samples are (experts, tokens, s).
     """
-    hook = rt.hook
-    rng = np.random.default_rng(seed)
-    n_vocab = rt.n_vocab
-    rt.kv_clear()
-    context = max(1, min(context, rt.n_ctx - cap - 4))
-    prefix = rng.integers(0, n_vocab, size=context).tolist()
-    hook.off()
-    rt.decode(prefix, 0, "none")
-    base = context
-
-    def step(tokens, mode: str) -> tuple[float, float]:
-        if mode == "draft":
-            hook.draft(k_draft)
-        else:
-            hook.observe()
-        dt = _timed(lambda: rt.decode(tokens, base, "all" if mode == "verify" else "last"))
-        experts = float(hook.snapshot(len(tokens)).distinct_used(rt.info.n_expert).sum())
-        rt.kv_remove_from(base)
-        return dt, experts
-
-    for _ in range(2):  # first decodes of a shape allocate graphs and fault pages in
-        step([int(rng.integers(n_vocab))], "verify")
-        step([int(rng.integers(n_vocab))], "draft")
-        step(rng.integers(0, n_vocab, size=cap + 1).tolist(), "verify")
-
-    ar = [step([int(rng.integers(n_vocab))], "verify")[0] for _ in range(4 * repeats)]
-    draft = [step([int(rng.integers(n_vocab))], "draft")[0] for _ in range(4 * repeats)]
-
-    samples = []
-    sizes = sorted(set([1, 2, 3] + list(range(2, cap + 2, max(1, cap // 4))) + [cap + 1]))
-    for s in sizes:
-        for variant in ("random", "repeat", "mixed"):
-            if variant == "random":
-                toks = rng.integers(0, n_vocab, size=s).tolist()
-            elif variant == "repeat":
-                toks = [int(rng.integers(n_vocab))] * s
-            else:
-                pool = rng.integers(0, n_vocab, size=max(1, s // 2)).tolist()
-                toks = [pool[i % len(pool)] for i in range(s)]
-            times, experts = [], 0.0
-            for _ in range(repeats):
-                dt, experts = step(toks, "verify")
-                times.append(dt)
-            samples.append((experts, s, float(np.median(times))))
-    rt.kv_clear()
+    ar, draft = time_steps(rt, k_draft, 4 * repeats, seed=seed, context=context)
+    samples = verify_samples(rt, cap, seed=seed + 1, repeats=repeats, context=context)
     fit = fit_verify_cost([x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
     cost = CostConstants(
         t_ar=float(np.median(ar)),

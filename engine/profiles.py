@@ -1,26 +1,57 @@
 """Device profiles: measured (or published reference) cost constants per device and model.
 
-A profile is YAML. Constants for a model are keyed by the model's fingerprint so that a profile
-calibrated for one model is never silently applied to another; a profile may also carry `reference`
-constants (published figures) that apply to any model, reported as such.
+A profile is a YAML file, validated on load; an invalid one fails with the file and the failing field
+named. Constants for a model are keyed by the model's fingerprint (model_info.fingerprint) so that a
+profile calibrated for one model is never silently applied to another. A `kind: reference` profile
+carries published figures and may hold `reference` constants that apply to any model, reported as such.
 
-    name: cpu-2core
-    kind: measured            # or: reference
-    device: {name: ..., kind: cpu|gpu|jetson, memory_bytes: ...}
+    schema: 1
+    name: cpu-generic
+    kind: measured                 # measured | reference
+    description: free text
+    device:
+      name: x86-64 CPU, 2 threads
+      kind: cpu                    # cpu | gpu | jetson | other
+      memory_bytes: 25283485696    # physical memory
+      budget_bytes: null           # memory budget the profile was measured under (null: none)
+      memory_bandwidth_gb_s: 26.1  # GB = 1e9 bytes
+      storage_bandwidth_gb_s: 0.75 # cold reads of expert slices
     models:
-      <fingerprint>:
-        model: olmoe-tiny.gguf
-        t_ar_ms: 10.0
-        c_draft_ms: 7.7
-        t_exp_ms: 0.05
-        t_tok_ms: 4.0
+      <fingerprint>:               # 16 hex digits
+        model: olmoe-64x8.gguf     # file name when measured (informative)
+        arch: olmoe
+        n_layer: 6
+        n_expert: 64
+        n_expert_used: 8
+        expert_bytes: 52224        # one expert of one layer: gate + up + down slices
+        t_ar_ms: 10.0              # median plain decoding step
+        c_draft_ms: 7.7            # median draft step (k_d experts)
+        t_exp_ms: 0.05             # one more distinct expert in a verification batch, resident
+        t_exp_cold_ms: 0.9         # ... fetched from storage (measured under a budget, or derived)
+        t_ar_cold_ms: 120.0        # optional: plain and draft steps measured under the budget
+        c_draft_cold_ms: 60.0
+        t_tok_ms: 4.0              # one more token in a verification batch
         intercept_ms: 1.0
-    reference: {t_ar_ms: 100, c_draft_ms: 7.5, t_exp_ms: 0.156, t_tok_ms: 0, intercept_ms: 0}
+        fit: {intercept_ms: 1.0, t_exp_ms: 0.05, t_tok_ms: 4.0, r2: 0.97, mape: 0.04, n: 60}
+        fit_cold: {...}            # optional, same fields, under the budget (per distinct expert)
+        fit_cold_misses: {intercept_ms, t_exp_warm_ms, t_exp_cold_ms, t_tok_ms, r2, mape, n}
+                                   # optional: the same batches by resident vs fetched experts
+        hot_experts: [[0, 12], [0, 3], ...]   # [layer, expert], most routed first (up to half the
+                                   # expert bytes); a run under a budget pins the prefix that fits
+        measured: {at: 2026-01-01T00:00:00+00:00, by: s2moe calibrate, threads: 2, ...}
+    reference:                     # optional: constants for any model (reference profiles)
+      t_ar_ms: 100
+      c_draft_ms: 7.5
+      t_exp_ms: 0.15625
+      expert_bytes: 599654
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -28,8 +59,14 @@ import yaml
 from .errors import ConfigError
 from .events import CostConstants
 
+SCHEMA_VERSION = 1
+PROFILE_KINDS = ("measured", "reference")
+DEVICE_KINDS = ("cpu", "gpu", "jetson", "other")
 _CONST_KEYS = ("t_ar_ms", "c_draft_ms", "t_exp_ms")
-_OPTIONAL_KEYS = ("t_tok_ms", "intercept_ms")
+_OPTIONAL_KEYS = ("t_tok_ms", "intercept_ms", "t_exp_cold_ms", "t_ar_cold_ms", "c_draft_cold_ms")
+_FIT_KEYS = ("intercept_ms", "t_exp_ms", "t_tok_ms", "r2", "mape", "n")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_FP_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
 def user_profile_dir() -> Path:
@@ -41,6 +78,14 @@ def shipped_profile_dir() -> Path:
     from .. import profiles
 
     return Path(profiles.__file__).parent
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ConfigError(
+            f"invalid profile name {name!r}: use letters, digits, '.', '_' or '-' (at most 64, no '/')"
+        )
+    return name
 
 
 def find_profile(name: str) -> Path:
@@ -55,6 +100,125 @@ def find_profile(name: str) -> Path:
     raise ConfigError(f"no profile named {name!r} (looked in {user_profile_dir()} and the shipped profiles)")
 
 
+# -- validation -------------------------------------------------------------------------------------
+def _number(block: dict, key: str, where: str, *, required: bool = False, positive: bool = False,
+            allow_none: bool = True, integer: bool = False, signed: bool = False):
+    if key not in block or (block[key] is None and allow_none and not required):
+        if required:
+            raise ConfigError(f"{where}: missing field {key}")
+        return None
+    v = block[key]
+    kind = "whole number" if integer else "number"
+    if signed:  # a regression intercept may come out below zero
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{where}: field {key} must be a number, got {v!r}")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)) \
+            or (isinstance(v, float) and not math.isfinite(v)):
+        raise ConfigError(f"{where}: field {key} must be a {'positive' if positive else 'non-negative'} {kind}, got {v!r}")
+    if v < 0 or (positive and v == 0):
+        raise ConfigError(f"{where}: field {key} must be a {'positive' if positive else 'non-negative'} {kind}, got {v!r}")
+    return v
+
+
+def _mapping(value, where: str, field: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: field {field} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _validate_fit(block, where: str) -> None:
+    block = _mapping(block, where, "fit")
+    for key in _FIT_KEYS:
+        if key == "r2":
+            v = block.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v > 1):
+                raise ConfigError(f"{where}: field r2 must be a number ≤ 1, got {v!r}")
+        else:
+            _number(block, key, where, integer=(key == "n"), signed=(key == "intercept_ms"))
+
+
+def _validate_constants(block, where: str, n_layer: int | None = None, n_expert: int | None = None) -> None:
+    if not isinstance(block, dict):
+        raise ConfigError(f"{where}: expected a mapping of constants")
+    for key in _CONST_KEYS:
+        _number(block, key, where, required=True, positive=(key == "t_ar_ms"))
+    for key in _OPTIONAL_KEYS:
+        _number(block, key, where, signed=(key == "intercept_ms"))
+    for key in ("expert_bytes", "n_layer", "n_expert", "n_expert_used"):
+        _number(block, key, where, integer=True)
+    for key in ("fit", "fit_cold"):
+        if block.get(key) is not None:
+            _validate_fit(block[key], f"{where}.{key}")
+    misses = block.get("fit_cold_misses")
+    if misses is not None:
+        misses = _mapping(misses, where, "fit_cold_misses")
+        mw = f"{where}.fit_cold_misses"
+        for key in ("t_exp_warm_ms", "t_exp_cold_ms", "t_tok_ms", "mape"):
+            _number(misses, key, mw)
+        _number(misses, "intercept_ms", mw, signed=True)
+        _number(misses, "n", mw, integer=True)
+    hot = block.get("hot_experts")
+    if hot is not None:
+        if not isinstance(hot, list):
+            raise ConfigError(f"{where}: field hot_experts must be a list of [layer, expert] pairs")
+        n_layer = block.get("n_layer", n_layer)
+        n_expert = block.get("n_expert", n_expert)
+        seen = set()
+        for i, pair in enumerate(hot):
+            ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)
+            if not ok:
+                raise ConfigError(f"{where}: field hot_experts[{i}] must be a [layer, expert] pair of whole numbers, got {pair!r}")
+            if (n_layer is not None and pair[0] >= n_layer) or (n_expert is not None and pair[1] >= n_expert):
+                raise ConfigError(f"{where}: field hot_experts[{i}] = {list(pair)} is outside the model "
+                                  f"({n_layer} layers × {n_expert} experts)")
+            if tuple(pair) in seen:
+                raise ConfigError(f"{where}: field hot_experts[{i}] = {list(pair)} is listed twice")
+            seen.add(tuple(pair))
+    measured = block.get("measured")
+    if measured is not None and not isinstance(measured, dict):
+        raise ConfigError(f"{where}: field measured must be a mapping (when, how)")
+
+
+def validate_profile(data, where: str = "profile") -> dict:
+    """Check a profile's structure; raise ConfigError naming the failing field. Returns data."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping at top level")
+    schema = data.get("schema", SCHEMA_VERSION)
+    if schema != SCHEMA_VERSION:
+        raise ConfigError(f"{where}: field schema must be {SCHEMA_VERSION}, got {schema!r}")
+    if "name" in data and not isinstance(data["name"], str):
+        raise ConfigError(f"{where}: field name must be text")
+    kind = data.get("kind", "measured")
+    if kind not in PROFILE_KINDS:
+        raise ConfigError(f"{where}: field kind must be one of {', '.join(PROFILE_KINDS)}, got {kind!r}")
+    device = data.get("device")
+    if device is not None:
+        device = _mapping(device, where, "device")
+        dw = f"{where}, device"
+        if "name" in device and not isinstance(device["name"], str):
+            raise ConfigError(f"{dw}: field name must be text")
+        dkind = device.get("kind", "other")
+        if dkind not in DEVICE_KINDS:
+            raise ConfigError(f"{dw}: field kind must be one of {', '.join(DEVICE_KINDS)}, got {dkind!r}")
+        for key in ("memory_bytes", "budget_bytes"):
+            _number(device, key, dw, positive=True, integer=True)
+        for key in ("memory_bandwidth_gb_s", "storage_bandwidth_gb_s"):
+            _number(device, key, dw, positive=True)
+    models = data.get("models")
+    if models is not None:
+        if not isinstance(models, dict):
+            raise ConfigError(f"{where}: field models must be a mapping of fingerprint → constants")
+        for fp, block in models.items():
+            _validate_constants(block, f"{where}, model {fp}")
+    if data.get("reference") is not None:
+        _validate_constants(data["reference"], f"{where}, reference")
+    if models is None and data.get("reference") is None:
+        raise ConfigError(f"{where}: needs a field models (per model constants) or reference")
+    return data
+
+
 def load_profile(name: str) -> dict:
     path = find_profile(name)
     try:
@@ -63,53 +227,147 @@ def load_profile(name: str) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"profile {path.name}: invalid YAML{where}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"profile {path.name}: expected a mapping at top level")
+    except OSError as e:
+        raise ConfigError(f"profile {path}: cannot read it ({e.strerror})") from None
+    validate_profile(data, f"profile {path.name}")
     data.setdefault("name", path.stem)
+    data.setdefault("kind", "measured")
     data["_path"] = str(path)
     return data
 
 
-def _constants(block: dict, where: str, source: str) -> CostConstants:
-    if not isinstance(block, dict):
-        raise ConfigError(f"{where}: expected a mapping of constants")
-    values = {}
-    for key in _CONST_KEYS + _OPTIONAL_KEYS:
-        if key not in block:
-            if key in _CONST_KEYS:
-                raise ConfigError(f"{where}: missing field {key}")
-            values[key] = 0.0
+def list_profiles() -> list[dict]:
+    """Every profile found (user profiles shadow shipped ones of the same name), with a `status`:
+    'ok' or the validation error. Entries: name, path, origin ('user'|'shipped'), kind, device, models, status."""
+    out, seen = [], set()
+    for origin, folder in (("user", user_profile_dir()), ("shipped", shipped_profile_dir())):
+        if not folder.is_dir():
             continue
-        v = block[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ConfigError(f"{where}: field {key} must be a non-negative number, got {v!r}")
-        values[key] = float(v)
-    if values["t_ar_ms"] <= 0:
-        raise ConfigError(f"{where}: field t_ar_ms must be positive")
+        for p in sorted(list(folder.glob("*.yaml")) + list(folder.glob("*.yml"))):
+            if p.stem in seen:
+                continue
+            seen.add(p.stem)
+            entry = {"name": p.stem, "path": p, "origin": origin, "kind": "?", "device": "", "models": 0,
+                     "status": "ok"}
+            try:
+                data = load_profile(str(p))
+                entry.update(kind=data.get("kind", "measured"),
+                             device=(data.get("device") or {}).get("name", ""),
+                             models=len(data.get("models") or {}))
+            except ConfigError as e:
+                entry["status"] = str(e)
+            out.append(entry)
+    return out
+
+
+class _Dumper(yaml.SafeDumper):
+    """Lists of short scalar lists (hot_experts pairs) in flow style: one line per few pairs."""
+
+
+def _represent_list(dumper, data):
+    pairs = bool(data) and all(isinstance(x, list) and len(x) <= 3 and
+                               all(isinstance(v, (int, float)) for v in x) for x in data)
+    flat = all(not isinstance(x, (list, dict)) for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True if (pairs or flat) else None)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
+    """Validate and write `profile` as <folder or user dir>/<name>.yaml atomically (tmp + os.replace):
+    an interruption leaves either the old file or the new one, never a partial one."""
+    check_name(name)
+    data = {k: v for k, v in profile.items() if not k.startswith("_")}
+    data["name"] = name
+    validate_profile(data, f"profile {name}")
+    folder = Path(folder) if folder is not None else user_profile_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{name}.yaml"
+    text = "# s2moe device profile (written by s2moe calibrate; schema in engine/profiles.py)\n"
+    text += yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return target
+
+
+# -- constants for the engine -------------------------------------------------------------------------
+def _constants(block: dict, where: str, source: str, offloaded: bool = False) -> CostConstants:
+    _validate_constants(block, where)
+
+    def ms(key, default=0.0):
+        v = block.get(key)
+        return default if v is None else float(v)
+
     fit = block.get("fit") or {}
+    t_exp, t_tok, intercept = ms("t_exp_ms"), ms("t_tok_ms"), ms("intercept_ms")
+    t_ar, c_draft = ms("t_ar_ms"), ms("c_draft_ms")
+    if offloaded:
+        # under a budget a plain step (what an accepted token saves) and a draft step cost what they
+        # cost there: use the steps measured under the budget where the profile has them
+        if block.get("t_ar_cold_ms"):
+            t_ar = ms("t_ar_cold_ms")
+        if block.get("c_draft_cold_ms") is not None:
+            c_draft = ms("c_draft_cold_ms")
+        cold = block.get("fit_cold") or {}
+        if cold:
+            fit = cold
+            t_exp = float(cold.get("t_exp_ms") or 0.0)
+            t_tok = float(cold.get("t_tok_ms") or 0.0)
+            intercept = float(cold.get("intercept_ms") or 0.0)
+            source += " (cold, under a budget)"
+        elif block.get("t_exp_cold_ms") is not None:
+            t_exp = ms("t_exp_cold_ms")
+            source += " (cold T_exp)"
     return CostConstants(
-        t_ar=values["t_ar_ms"] / 1e3,
-        c_draft=values["c_draft_ms"] / 1e3,
-        t_exp=values["t_exp_ms"] / 1e3,
-        t_tok=values["t_tok_ms"] / 1e3,
-        intercept=values["intercept_ms"] / 1e3,
+        t_ar=t_ar / 1e3,
+        c_draft=c_draft / 1e3,
+        t_exp=t_exp / 1e3,
+        t_tok=t_tok / 1e3,
+        intercept=intercept / 1e3,
         source=source,
         r2=fit.get("r2") if isinstance(fit, dict) else None,
         mape=fit.get("mape") if isinstance(fit, dict) else None,
+        n_samples=int(fit.get("n") or 0) if isinstance(fit, dict) else 0,
     )
 
 
-def cost_for_model(profile: dict, fingerprint: str, model_name: str = "") -> CostConstants:
-    """The profile's constants for this model, or its reference constants, or a clear error."""
+def model_block(profile: dict, fingerprint: str) -> dict | None:
+    models = profile.get("models") or {}
+    return models.get(fingerprint) if isinstance(models, dict) else None
+
+
+def cost_for_model(profile: dict, fingerprint: str, model_name: str = "", *, offloaded: bool = False) -> CostConstants:
+    """The profile's constants for this model, or its reference constants, or a clear error.
+
+    offloaded: the model runs under a memory budget, so an extra expert costs a fetch: use the cold
+    fit (or cold T_exp) where the profile has one."""
     name = profile.get("name", "?")
     models = profile.get("models") or {}
     if not isinstance(models, dict):
         raise ConfigError(f"profile {name}: field models must be a mapping of fingerprint → constants")
     if fingerprint in models:
-        return _constants(models[fingerprint], f"profile {name}, model {fingerprint}", f"profile:{name}")
+        return _constants(models[fingerprint], f"profile {name}, model {fingerprint}", f"profile:{name}", offloaded)
     if profile.get("reference") is not None:
-        return _constants(profile["reference"], f"profile {name}, reference", f"profile:{name} (reference values)")
+        return _constants(profile["reference"], f"profile {name}, reference",
+                          f"profile:{name} (reference values)", offloaded)
     raise ConfigError(
         f"profile {name} was not calibrated for this model ({model_name or 'fingerprint'} {fingerprint}); "
         f"run `s2moe calibrate --model ... --name {name}`"
     )
+
+
+def hot_experts_for_model(profile: dict, fingerprint: str) -> list[tuple[int, int]]:
+    block = model_block(profile, fingerprint) or {}
+    return [tuple(p) for p in block.get("hot_experts") or []]

@@ -17,7 +17,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-SOURCES = ("s2moe_hook.c",)
+SOURCES = ("s2moe_hook.c", "s2moe_offload.c")
 
 
 class NativeBuildError(RuntimeError):

@@ -1,0 +1,82 @@
+"""`s2moe calibrate`: measure this device's cost constants for a model and write a device profile."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(sub) -> None:
+    from .cli import _positive_int
+
+    p = sub.add_parser("calibrate", help="measure cost constants and hot experts; write a device profile")
+    p.add_argument("--model", "-m", help="GGUF MoE model (default: the shipped model)")
+    p.add_argument("--budget", help="memory budget, e.g. 800M or 2G: hot experts are chosen to fit it and the "
+                                    "verification cost is also measured under it (needs a memory cgroup)")
+    p.add_argument("--prompts", help="calibration prompts file (prompts separated by blank lines)")
+    p.add_argument("--name", help="profile name (default: local); an existing user profile keeps its other models")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="timings per measurement (default 3)")
+    p.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
+    p.add_argument("--no-plot", action="store_true", help="no predicted-vs-measured plot")
+    p.set_defaults(run=run)
+
+
+def _plot(data: dict, title: str) -> str:
+    import plotext as plt
+
+    measured, predicted = data["measured"], data["predicted"]
+    plt.clear_figure()
+    plt.plotsize(72, 18)
+    plt.theme("clear")
+    plt.scatter(measured, predicted, marker="dot", label="batches")
+    lo, hi = min(measured + predicted), max(measured + predicted)
+    plt.plot([lo, hi], [lo, hi], label="predicted = measured")
+    plt.xlabel("measured verification latency (ms)")
+    plt.ylabel("predicted (ms)")
+    plt.title(title)
+    return plt.build()
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
+
+    from ..engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted, run_calibration
+    from ..engine.offload import parse_size
+    from .cli import default_model
+
+    budget = parse_size(args.budget) if args.budget else None
+    model = args.model or default_model()
+    console = Console(stderr=True, highlight=False)
+    out = Console(highlight=False)
+    console.print(f"calibrating [bold]{model}[/bold]" + (f" under a budget of {args.budget}" if budget else ""))
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True)
+    task = None
+    done_event = None
+    with progress:
+        for ev in run_calibration(model, budget_bytes=budget, prompts=args.prompts, name=args.name,
+                                  save=not args.no_save, n_threads=args.threads, repeats=args.repeats):
+            if isinstance(ev, StepStarted):
+                task = progress.add_task(f"[{ev.index}/{ev.total}] {ev.name}", total=None)
+            elif isinstance(ev, StepProgress) and task is not None:
+                progress.update(task, completed=ev.done, total=ev.total)
+            elif isinstance(ev, StepResult):
+                if task is not None:
+                    progress.remove_task(task)
+                    task = None
+                progress.console.print(f"[bold][{ev.index}] {ev.name}[/bold]: {ev.summary}")
+                if "measured" in ev.data and not args.no_plot and len(ev.data["measured"]) >= 3:
+                    label = "under the budget" if ev.name == "budget" else "resident"
+                    plot = _plot(ev.data, f"verification cost model ({label}): R² {ev.data['r2']:.3f}, "
+                                          f"MAPE {ev.data['mape']:.1%}")
+                    progress.console.print(Text.from_ansi(plot))
+            elif isinstance(ev, CalibrationDone):
+                done_event = ev
+    if done_event is None:
+        print("calibration stopped: no profile written", file=sys.stderr)
+        return 1
+    if done_event.path is not None:
+        out.print(f"profile written: {done_event.path}  (use it with --profile {done_event.profile['name']})")
+    return 0

@@ -1,0 +1,178 @@
+"""Offloading benchmark: decoding speed under a memory budget, interleaved A/B runs.
+
+    python -m s2moe.engine.offload_bench --model M.gguf [--profile NAME] [--budget SIZE] [--rounds 3]
+        [--tokens 32] [--threads 1] [--out results.json]
+
+Each run is a fresh process in a fresh memory cgroup, started after the model file was dropped from the
+page cache, so every arm starts cold. Arms (run in rotating order each round, so slow drifts of a loaded
+machine hit every arm alike):
+    ar/none       plain decoding, nothing pinned
+    ar/base       plain decoding, non-expert weights + llama/ggml code pinned
+    ar/hot        ... + hot experts (from the profile) pinned
+    ar/wts, ar/hot-code   (not run by default) as ar/base, ar/hot without pinning library code
+    spec/hot      self-speculation (fixed draft length, gating off: lossless), base + hot pinned, no prefetch
+    spec/hot+pf   ... + prefetch of the draft's predicted experts (madvise WILLNEED)
+The default budget is what the process holds anyway (anonymous memory, measured in a probe run) + the
+pinned non-expert weights and library code + the plan's slack + one third of the expert bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+ARMS = {
+    "ar/none": dict(mode="ar", pin_base=False, pin_hot=False, prefetch=False),
+    "ar/base": dict(mode="ar", pin_base=True, pin_hot=False, prefetch=False),
+    "ar/hot": dict(mode="ar", pin_base=True, pin_hot=True, prefetch=False),
+    "ar/wts": dict(mode="ar", pin_base=True, pin_hot=False, prefetch=False, pin_code=False),
+    "ar/hot-code": dict(mode="ar", pin_base=True, pin_hot=True, prefetch=False, pin_code=False),
+    "spec/hot": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False),
+    "spec/hot+pf": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=True),
+}
+PROMPT = "The history of the printing press begins in the fifteenth century, when"
+
+
+def _worker(cfg: dict) -> int:
+    import numpy as np
+
+    from .decoder import Decoder, GenerationConfig
+    from .events import Summary
+    from .offload import attach_offloading, current_budget_cgroup, process_anon_bytes
+
+    t0 = time.perf_counter()
+    dec = Decoder(cfg["model"], n_ctx=256, n_threads=cfg["threads"], max_draft=8, use_extra_bufts=False)
+    off, plan = attach_offloading(dec, cfg.get("budget"), [tuple(p) for p in cfg.get("hot", [])],
+                                  prefetch=cfg["prefetch"], pin_hot=cfg["pin_hot"], pin_base=cfg["pin_base"],
+                                  pin_code=cfg.get("pin_code", True))
+    load_s = time.perf_counter() - t0
+    gc = GenerationConfig(mode=cfg["mode"], n_predict=cfg["tokens"], utility=False, draft_max=cfg["draft_max"],
+                          reuse_strength=0.0, stop_at_eos=False)
+    s = Summary()
+    for ev in dec.generate(PROMPT, gc):
+        s.add(ev)
+    cg = current_budget_cgroup()
+    hr = off.stats.hit_rate()
+    out = {"tok_s": s.tok_per_s, "seconds": s.seconds, "n_tokens": s.n_tokens, "load_s": load_s,
+           "accept_len": s.accept_len, "pinned": off.pinned_split, "anon": process_anon_bytes(),
+           "hit_rate": None if not np.isfinite(hr).any() else float(np.nanmean(hr)),
+           "fault_readahead": off.fault_readahead,
+           "prefetched_bytes": off.stats.prefetched_bytes,
+           "peak": cg.peak() if cg else None, "split": cg.split() if cg else None,
+           "plan": plan.__dict__ if plan else None, "tokens": list(s.tokens)}
+    print(json.dumps(out))
+    off.close()
+    dec.close()
+    return 0
+
+
+def _run_arm(model, budget, cfg) -> dict:
+    import subprocess
+
+    from .offload import MemoryCgroup, drop_file_cache
+
+    cg = MemoryCgroup.create(budget, "bench")
+    try:
+        drop_file_cache(model)
+        p = cg.popen([sys.executable, "-m", "s2moe.engine.offload_bench", "--worker", json.dumps(cfg)],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = p.communicate()
+        except KeyboardInterrupt:
+            p.terminate()
+            p.wait()
+            raise
+        if p.returncode != 0:
+            return {"error": (err.strip().splitlines() or [f"exit {p.returncode}"])[-1], "oom": cg.oom_kills()}
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        cg.remove()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker")
+    ap.add_argument("--model")
+    ap.add_argument("--profile")
+    ap.add_argument("--budget")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-max", type=int, default=4)
+    ap.add_argument("--arms", default="ar/none,ar/base,ar/hot,spec/hot,spec/hot+pf")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    if a.worker:
+        return _worker(json.loads(a.worker))
+
+    from .model_info import read_model_info
+    from .offload import expert_map, fmt_bytes, parse_size
+    from .profiles import hot_experts_for_model, load_profile
+
+    info = read_model_info(a.model)
+    emap = expert_map(a.model)
+    hot = hot_experts_for_model(load_profile(a.profile), info.fingerprint) if a.profile else []
+    base = dict(model=a.model, threads=a.threads, tokens=a.tokens, draft_max=a.draft_max, hot=[list(p) for p in hot])
+    if a.budget:
+        budget = parse_size(a.budget)
+    else:  # probe what the process holds with everything resident, then add a third of the expert bytes
+        probe = _run_arm(a.model, 64 << 30, dict(base, **ARMS["ar/base"], tokens=4, budget=None))
+        if "error" in probe:
+            print(f"probe failed: {probe['error']}", file=sys.stderr)
+            return 1
+        held = probe["anon"] + probe["pinned"]["non_expert"] + probe["pinned"]["code"]
+        third = emap.total_expert_bytes / 3
+        budget = int(held + third)
+        budget += min(32 << 20, max(4 << 20, budget // 20))  # the plan's slack (offload.plan_budget)
+    print(f"model {info.path.name}: experts {fmt_bytes(emap.total_expert_bytes)}, other weights "
+          f"{fmt_bytes(emap.non_expert_bytes)}; budget {fmt_bytes(budget)}; hot experts in profile {len(hot)}",
+          file=sys.stderr)
+    from .offload import _sigterm_as_interrupt
+
+    _sigterm_as_interrupt()  # a terminated benchmark still removes its cgroup
+    arms = a.arms.split(",")
+    results: dict[str, list] = {k: [] for k in arms}
+    for r in range(a.rounds):
+        order = arms[r % len(arms):] + arms[: r % len(arms)]
+        for arm in order:
+            cfg = dict(base, **ARMS[arm], budget=budget)
+            res = _run_arm(a.model, budget, cfg)
+            results[arm].append(res)
+            if "error" in res:
+                print(f"round {r + 1} {arm:12s} failed: {res['error']} (oom kills {res.get('oom')})", file=sys.stderr)
+            else:
+                hr = f"{res['hit_rate']:.0%}" if res["hit_rate"] is not None else "-"
+                print(f"round {r + 1} {arm:12s} {res['tok_s']:7.2f} tok/s  accept {res['accept_len']:.2f}  hit {hr}  "
+                      f"peak {fmt_bytes(res['peak'] or 0)}  load {res['load_s']:.1f}s", file=sys.stderr)
+    summary = {}
+    for arm, runs in results.items():
+        ok = [x["tok_s"] for x in runs if "error" not in x]
+        summary[arm] = {"median_tok_s": statistics.median(ok) if ok else None, "runs": ok}
+
+    def ratio(x, y):
+        """Median over rounds of per-round ratios (each pair ran back to back)."""
+        rs = [p["tok_s"] / q["tok_s"] for p, q in zip(results.get(x, []), results.get(y, []))
+              if "error" not in p and "error" not in q and q["tok_s"] > 0]
+        return (statistics.median(rs), rs) if rs else (None, [])
+
+    ratios = {f"{x} vs {y}": ratio(x, y) for x, y in
+              (("ar/hot", "ar/base"), ("ar/base", "ar/none"), ("ar/hot", "ar/none"),
+               ("spec/hot+pf", "spec/hot"), ("spec/hot", "ar/hot"), ("spec/hot+pf", "ar/hot"))}
+    for k, (m, rs) in ratios.items():
+        if m is not None:
+            print(f"{k:28s} {m:.2f}×  (rounds: {', '.join(f'{x:.2f}' for x in rs)})")
+    for arm, s in summary.items():
+        if s["median_tok_s"] is not None:
+            print(f"{arm:12s} median {s['median_tok_s']:.2f} tok/s")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"budget": budget, "results": results, "summary": summary,
+                       "ratios": {k: v[0] for k, v in ratios.items()}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

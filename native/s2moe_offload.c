@@ -1,0 +1,102 @@
+// s2moe expert prefetch: ask the OS to read exactly the byte ranges of chosen experts (madvise WILLNEED)
+// in a read-only shared mapping of the model file.
+//
+// Why: when llama.cpp's mmap'd expert pages are not resident, each page fault makes the kernel read a
+// whole read-around window (read_ahead_kb, often 128 KiB but up to MiBs) centred on the fault, which
+// overfetches neighbouring experts and fills a tight memory budget with pages nobody asked for.
+// madvise(WILLNEED) on the exact ranges starts the reads of what will be used, and only that.
+// Called from Python before a verification (the draft's predicted experts), and small enough to be
+// called from the routing hook the moment a layer's top-k ids are known.
+
+#define _DEFAULT_SOURCE  // madvise and MADV_WILLNEED under -std=c11
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef struct s2_prefetch {
+    uint8_t *base;        // start of our mapping of the model file
+    size_t size;          // its length
+    int n_layer, n_expert, n_parts;
+    int64_t *ranges;      // [n_layer][n_expert][n_parts][2] (file offset, length); a copy
+    uint8_t *mark;        // [n_expert] scratch: ids already advised in this call
+    size_t page;
+    int64_t n_calls, n_advised, bytes_advised;
+} s2_prefetch;
+
+s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert, int n_parts, const int64_t *ranges) {
+    if (!base || n_layer <= 0 || n_expert <= 0 || n_parts <= 0 || !ranges) return NULL;
+    s2_prefetch *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    const size_t n = (size_t)n_layer * n_expert * n_parts * 2;
+    p->ranges = malloc(n * sizeof(int64_t));
+    p->mark = calloc((size_t)n_expert, 1);
+    if (!p->ranges || !p->mark) {
+        free(p->ranges);
+        free(p->mark);
+        free(p);
+        return NULL;
+    }
+    memcpy(p->ranges, ranges, n * sizeof(int64_t));
+    p->base = base;
+    p->size = size;
+    p->n_layer = n_layer;
+    p->n_expert = n_expert;
+    p->n_parts = n_parts;
+    long pg = sysconf(_SC_PAGESIZE);
+    p->page = pg > 0 ? (size_t)pg : 4096;
+    return p;
+}
+
+void s2_prefetch_free(s2_prefetch *p) {
+    if (!p) return;
+    free(p->ranges);
+    free(p->mark);
+    free(p);
+}
+
+// madvise(WILLNEED) the ranges of the distinct experts among ids[0..n) of one layer (ids < 0 or out of
+// range are ignored). Returns the number of distinct experts advised.
+int s2_prefetch_layer(s2_prefetch *p, int layer, const int32_t *ids, int n) {
+    if (!p || layer < 0 || layer >= p->n_layer || !ids || n <= 0) return 0;
+    memset(p->mark, 0, (size_t)p->n_expert);
+    int advised = 0;
+    for (int i = 0; i < n; ++i) {
+        const int32_t e = ids[i];
+        if (e < 0 || e >= p->n_expert || p->mark[e]) continue;
+        p->mark[e] = 1;
+        const int64_t *r = p->ranges + ((size_t)layer * p->n_expert + e) * p->n_parts * 2;
+        for (int j = 0; j < p->n_parts; ++j) {
+            const int64_t off = r[2 * j], len = r[2 * j + 1];
+            if (len <= 0 || off < 0 || (size_t)(off + len) > p->size) continue;
+            const size_t a = (size_t)off / p->page * p->page;
+            const size_t b = ((size_t)(off + len) + p->page - 1) / p->page * p->page;
+            const size_t end = b > p->size ? p->size : b;
+            if (madvise(p->base + a, end - a, MADV_WILLNEED) == 0) p->bytes_advised += (int64_t)(end - a);
+        }
+        ++advised;
+    }
+    p->n_calls++;
+    p->n_advised += advised;
+    return advised;
+}
+
+// The same for a [n_layer][n_expert] mask (nonzero = advise), e.g. a draft's predicted experts.
+int s2_prefetch_mask(s2_prefetch *p, const uint8_t *mask) {
+    if (!p || !mask) return 0;
+    int total = 0;
+    int32_t *ids = malloc((size_t)p->n_expert * sizeof(int32_t));
+    if (!ids) return 0;
+    for (int l = 0; l < p->n_layer; ++l) {
+        int n = 0;
+        for (int e = 0; e < p->n_expert; ++e)
+            if (mask[(size_t)l * p->n_expert + e]) ids[n++] = e;
+        if (n) total += s2_prefetch_layer(p, l, ids, n);
+    }
+    free(ids);
+    return total;
+}
+
+int64_t s2_prefetch_bytes(const s2_prefetch *p) { return p ? p->bytes_advised : 0; }
+int64_t s2_prefetch_calls(const s2_prefetch *p) { return p ? p->n_calls : 0; }

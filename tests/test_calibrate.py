@@ -1,0 +1,136 @@
+"""Calibration end to end on a tiny model: the event contract, stopping, the profile it writes, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from s2moe.engine.calibrate import (CalibrationDone, StepProgress, StepResult, StepStarted, read_prompts,
+                                    run_calibration, save_profile)
+from s2moe.engine.errors import ConfigError, ModelError
+from s2moe.engine.profiles import cost_for_model, load_profile
+from s2moe.engine.model_info import read_model_info
+
+PROMPTS = ["hello there, how are you", "the cat sat on the mat"]
+
+
+@pytest.fixture
+def xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    return tmp_path / "cfg" / "s2moe" / "profiles"
+
+
+def _run(model, **kw):
+    kw.setdefault("prompts", PROMPTS)
+    kw.setdefault("n_threads", 1)
+    kw.setdefault("repeats", 1)
+    return list(run_calibration(str(model), **kw))
+
+
+def test_calibrate_end_to_end_without_cgroups(tiny_models, xdg, monkeypatch):
+    monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(xdg / "no-cgroups-here"))
+    events = _run(tiny_models["olmoe"], budget_bytes=4 << 30, name="tiny")
+    started = [e for e in events if isinstance(e, StepStarted)]
+    results = [e for e in events if isinstance(e, StepResult)]
+    assert [e.index for e in started] == [1, 2, 3, 4, 5, 6] and all(e.total == 6 for e in started)
+    assert [e.index for e in results] == [1, 2, 3, 4, 5, 6]
+    # events come in order: a step's progress and result between its start and the next start
+    current = 0
+    for e in events:
+        if isinstance(e, StepStarted):
+            current = e.index
+        elif isinstance(e, (StepProgress, StepResult)):
+            assert e.index == current
+    assert any(isinstance(e, StepProgress) for e in events)
+    reg = results[2].data
+    assert len(reg["measured"]) == len(reg["predicted"]) >= 9 and "r2" in reg and "mape" in reg
+    budget = results[4]
+    assert budget.data.get("skipped") and "no memory cgroup" in budget.summary and "systemd-run" in budget.summary
+    done = events[-1]
+    assert isinstance(done, CalibrationDone) and done.path == xdg / "tiny.yaml" and done.path.is_file()
+    prof = load_profile("tiny")
+    fp = read_model_info(tiny_models["olmoe"]).fingerprint
+    block = prof["models"][fp]
+    assert block["t_ar_ms"] > 0 and block["fit"]["n"] == len(reg["measured"])
+    assert block["measured"]["budget_bytes"] == 4 << 30 and block["measured"]["at"]
+    hot = block["hot_experts"]
+    assert hot and all(0 <= l < 3 and 0 <= e < 8 for l, e in hot)
+    c = cost_for_model(prof, fp)
+    assert c.t_ar == pytest.approx(block["t_ar_ms"] / 1e3) and c.source == "profile:tiny"
+
+
+def test_stop_between_measurements_writes_nothing(tiny_models, xdg):
+    seen = []
+
+    def should_stop():
+        return any(isinstance(e, StepResult) and e.index == 2 for e in seen)
+
+    for e in run_calibration(str(tiny_models["olmoe"]), prompts=PROMPTS, n_threads=1, repeats=1, name="stopped",
+                             should_stop=should_stop):
+        seen.append(e)
+    assert not any(isinstance(e, CalibrationDone) for e in seen)
+    assert max(e.index for e in seen if isinstance(e, StepStarted)) == 2
+    assert not (xdg / "stopped.yaml").exists()
+    assert not xdg.exists() or not any(xdg.iterdir())
+
+
+def test_interrupt_leaves_no_file(tiny_models, xdg):
+    gen = run_calibration(str(tiny_models["olmoe"]), prompts=PROMPTS, n_threads=1, repeats=1, name="ctrlc")
+    for e in gen:
+        if isinstance(e, StepStarted) and e.index == 3:
+            with pytest.raises(KeyboardInterrupt):
+                gen.throw(KeyboardInterrupt)
+            break
+    assert not (xdg / "ctrlc.yaml").exists()
+
+
+def test_recalibrating_keeps_other_models(tiny_models, xdg):
+    _run(tiny_models["olmoe"], name="both", save=True)
+    _run(tiny_models["qwen3moe"], name="both", save=True)
+    prof = load_profile("both")
+    fps = {read_model_info(tiny_models[a]).fingerprint for a in ("olmoe", "qwen3moe")}
+    assert set(prof["models"]) == fps
+
+
+def test_no_save_and_bad_inputs(tiny_models, xdg, tmp_path):
+    events = _run(tiny_models["qwen3moe"], save=False, name="x")
+    assert isinstance(events[-1], CalibrationDone) and events[-1].path is None and not (xdg / "x.yaml").exists()
+    with pytest.raises(ModelError, match="dense"):
+        _run(tiny_models["llama"])
+    with pytest.raises(ConfigError, match="invalid profile name"):
+        _run(tiny_models["olmoe"], name="a/b")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ConfigError, match="no prompts"):
+        read_prompts(empty)
+    two = tmp_path / "two.txt"
+    two.write_text("first prompt\nstill first\n\nsecond prompt\n")
+    assert read_prompts(two) == ["first prompt\nstill first", "second prompt"]
+    p = save_profile(events[-1].profile, "saved")
+    assert p == xdg / "saved.yaml" and load_profile("saved")["models"]
+
+
+@pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
+                    reason="no memory cgroup here")
+def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
+    events = _run(tiny_models["olmoe"], budget_bytes=400 << 20, name="cold")
+    budget = [e for e in events if isinstance(e, StepResult) and e.index == 5][0]
+    assert "skipped" not in budget.data, budget.summary
+    assert len(budget.data["measured"]) >= 9 and budget.data["peak"] > 0
+    block = load_profile("cold")["models"][read_model_info(tiny_models["olmoe"]).fingerprint]
+    assert block["fit_cold"]["n"] >= 9 and block["measured"]["t_exp_cold"] == "measured under the budget"
+
+
+def test_cli_calibrate(tiny_models, xdg, capsys, monkeypatch, tmp_path):
+    from s2moe.app.cli import main
+
+    monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(tmp_path / "none"))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(PROMPTS))
+    rc = main(["calibrate", "--model", str(tiny_models["olmoe"]), "--name", "cli", "--threads", "1",
+               "--repeats", "1", "--prompts", str(prompts)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "[3] cost model" in out.err and "R²" in out.err and "[5] budget: skipped" in out.err
+    assert "profile written" in out.out and (xdg / "cli.yaml").is_file()
+    assert main(["calibrate", "--model", str(tiny_models["olmoe"]), "--budget", "lots"]) == 2
+    assert "invalid size" in capsys.readouterr().err

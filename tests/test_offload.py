@@ -1,0 +1,248 @@
+"""Offloading: expert byte ranges, residency (mincore), pinning, hot-expert selection, budgets."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+
+from s2moe.engine.errors import ConfigError, ModelError
+from s2moe.engine.offload import (MemoryCgroup, ModelMapping, Offloader, code_ranges, drop_file_cache,
+                                  expert_map, parse_size, plan_budget, select_hot_experts)
+from tinygguf import TinySpec, write_tiny
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """Experts of several pages each, so that residency per expert is meaningful."""
+    path = tmp_path_factory.mktemp("wide") / "wide.gguf"
+    return write_tiny(path, TinySpec(arch="qwen3moe", n_layer=2, n_expert=8, k=2, n_embd=128, n_ff=96, seed=1))
+
+
+def test_expert_ranges_match_the_gguf_tensor_table(tiny_models):
+    path = tiny_models["olmoe"]
+    em = expert_map(path)
+    reader = gguf.GGUFReader(str(path))
+    exps = {t.name: t for t in reader.tensors if "_exps." in t.name}
+    assert em.n_layer == 3 and em.n_expert == 8
+    covered = 0
+    for layer in range(em.n_layer):
+        assert set(em.parts[layer]) == {f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")}
+        for part, name in enumerate(em.parts[layer]):
+            t = exps[name]
+            slab = int(t.n_bytes) // 8
+            for e in range(8):
+                off, n = em.ranges[layer, e, part]
+                assert off == int(t.data_offset) + e * slab and n == slab
+                covered += n
+            # the slab really is expert e's weights
+            data = np.asarray(t.data)  # [n_expert, rows, cols]
+            with open(path, "rb") as f:
+                f.seek(int(em.ranges[layer, 3, part, 0]))
+                raw = np.frombuffer(f.read(slab), dtype=np.float32).reshape(data[3].shape)
+            assert np.array_equal(raw, data[3])
+    assert covered == em.total_expert_bytes == sum(int(t.n_bytes) for t in exps.values())
+    others = sum(int(t.n_bytes) for t in reader.tensors if "_exps." not in t.name)
+    assert em.non_expert_bytes == others
+    assert (em.expert_bytes == 3 * 48 * 64 * 4).all()
+
+
+def test_dense_model_has_no_expert_map(tiny_models):
+    with pytest.raises(ModelError, match="not a Mixture-of-Experts"):
+        expert_map(tiny_models["llama"])
+
+
+def test_mincore_residency_flips_after_dontneed_and_after_a_read(wide_model):
+    em = expert_map(wide_model)
+    m = ModelMapping(em)
+    try:
+        drop_file_cache(wide_model)
+        res = m.expert_residency()
+        if res.max() > 0:
+            pytest.skip("the page cache keeps this file (mapped elsewhere); DONTNEED had no effect")
+        assert res.shape == (2, 8) and (res == 0).all()
+        # read one expert's slices with plain reads (no read-ahead): that expert becomes resident
+        fd = os.open(str(wide_model), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for off, n in em.expert_ranges(1, 5):
+                os.pread(fd, n, off)
+        finally:
+            os.close(fd)
+        res = m.expert_residency()
+        assert res[1, 5] == pytest.approx(1.0)
+        assert res[0].max() < 1.0  # not everything came in
+        drop_file_cache(wide_model)
+        assert m.expert_residency()[1, 5] == 0.0
+        # WILLNEED through our mapping brings an expert in
+        m.willneed(0, 2)
+        for _ in range(100):
+            if m.expert_residency()[0, 2] == 1.0:
+                break
+            import time
+
+            time.sleep(0.01)
+        assert m.expert_residency()[0, 2] == pytest.approx(1.0)
+    finally:
+        m.close()
+
+
+def test_pinned_pages_survive_dontneed(wide_model):
+    off = Offloader(wide_model, prefetch=True)
+    try:
+        drop_file_cache(wide_model)
+        split = off.pin(non_expert=True, code=False, hot=[(0, 4)])
+        assert split["non_expert"] >= sum(n for _, n in off.emap.pinnable()) and split["hot_experts"] >= off.emap.expert_bytes[0]
+        drop_file_cache(wide_model)
+        res = off.map.expert_residency()
+        assert res[0, 4] == 1.0 and off.map.pinned[0, 4] and off.map.pinned.sum() == 1
+        o, n = off.emap.pinnable()[0]
+        assert off.map.range_resident(o, n) == 1.0
+        # prefetch: predicted experts that are not resident are counted as misses and fetched
+        predicted = np.zeros((2, 8), bool)
+        predicted[0, [4, 6]] = True
+        off.before_verify(predicted)
+        assert off.stats.lookups[0] == 2 and off.stats.hits[0] == 1 and off.stats.prefetched_bytes > 0
+        r = off.residency()
+        assert r.hit_rate[0] == 0.5 and np.isnan(r.hit_rate[1]) and r.locked_bytes > 0
+    finally:
+        off.close()
+
+
+def test_library_code_ranges_are_found(decoders):
+    names = {os.path.basename(p) for _, _, p in code_ranges()}
+    assert any(n.startswith("libllama") for n in names) and any(n.startswith("libggml") for n in names)
+
+
+def test_hot_expert_selection_obeys_the_budget():
+    counts = np.array([[9, 0, 5, 1], [7, 8, 0, 2]])
+    sizes = np.array([100, 150])
+    assert select_hot_experts(counts, sizes, 0) == []
+    assert select_hot_experts(counts, sizes, 100) == [(0, 0)]
+    hot = select_hot_experts(counts, sizes, 400)
+    assert hot == [(0, 0), (1, 1), (1, 0)]  # 100 + 150 + 150 = 400; next (0, 2) would exceed it
+    hot = select_hot_experts(counts, sizes, 10_000)
+    assert (0, 1) not in hot and (1, 2) not in hot and len(hot) == 6  # never-routed experts are skipped
+    for budget in range(0, 1000, 37):
+        chosen = select_hot_experts(counts, sizes, budget)
+        assert sum(sizes[l] for l, _ in chosen) <= budget
+
+
+def test_budget_plan_leaves_room_for_cold_experts(tiny_models):
+    em = expert_map(tiny_models["olmoe"])
+    per_token = 4 * int(em.expert_bytes.sum())
+    plan = plan_budget(10 << 20, anon_bytes=2 << 20, base_bytes=1 << 20, emap=em, k=4)
+    assert plan.hot_bytes + plan.cache_bytes + plan.slack_bytes == (10 << 20) - (3 << 20)
+    assert plan.cache_bytes >= per_token // 2 and plan.hot_bytes > 0 and "hot experts" in plan.describe()
+    tight = plan_budget(5 << 20, anon_bytes=4 << 20, base_bytes=1 << 20, emap=em, k=4)
+    assert tight.hot_bytes == 0 and tight.cache_bytes == 0
+
+
+@pytest.mark.parametrize("text,value", [("800M", 800 << 20), ("1.5G", 3 << 29), ("300MiB", 300 << 20),
+                                        ("2GB", 2_000_000_000), ("123456", 123456)])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "ten", "5x", "-1G", "10"])
+def test_bad_sizes(text):
+    with pytest.raises(ConfigError):
+        parse_size(text)
+
+
+def test_no_cgroup_gives_a_one_line_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(tmp_path / "missing"))
+    reason = MemoryCgroup.unavailable_reason()
+    assert reason and "systemd-run" in reason and "\n" not in reason
+
+
+def test_generate_budget_without_cgroups_is_a_clear_error(tiny_models, monkeypatch, capsys):
+    from s2moe.app.cli import main
+
+    monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(tiny_models["olmoe"].parent / "missing"))
+    rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hi", "-n", "2", "--budget", "200M"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: no memory cgroup") and "systemd-run" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_generate_under_a_real_budget(tiny_models, capfd):
+    from s2moe.app.cli import main
+
+    rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "4", "--threads", "1",
+               "--budget", "400M", "--mode", "s2moe", "--ignore-eos"])
+    out = capfd.readouterr()
+    assert rc == 0
+    assert "memory budget 400.0 MiB: peak" in out.err and "pinned: weights" in out.err
+
+
+def test_miss_aware_fit_recovers_known_costs():
+    from s2moe.engine.costmodel import fit_miss_cost
+
+    rng = np.random.default_rng(1)
+    experts = rng.integers(16, 64, size=80)
+    misses = (experts * rng.uniform(0, 1, size=80)).round()
+    tokens = rng.integers(1, 10, size=80)
+    seconds = 0.05 + 1e-4 * (experts - misses) + 8e-3 * misses + 2e-3 * tokens + rng.normal(0, 1e-4, size=80)
+    fit = fit_miss_cost(experts, misses, tokens, seconds)
+    assert fit.t_miss == pytest.approx(8e-3, rel=0.02) and fit.t_tok == pytest.approx(2e-3, rel=0.05)
+    assert fit.intercept == pytest.approx(0.05, abs=2e-3) and fit.r2 > 0.99
+    assert fit.t_hit >= 0
+
+
+def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
+    from s2moe.engine.offload import NativePrefetch
+
+    em = expert_map(wide_model)
+    m = ModelMapping(em)
+    pf = NativePrefetch(m)
+    try:
+        drop_file_cache(wide_model)
+        if m.expert_residency().max() > 0:
+            pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+        assert pf.layer(1, [3, 3, -1, 99, 6]) == 2  # duplicates and bad ids are ignored
+        mask = np.zeros((2, 8), bool)
+        mask[0, 1] = True
+        assert pf.mask(mask) == 1
+        import time
+
+        want = {(1, 3), (1, 6), (0, 1)}
+        for _ in range(200):
+            res = m.expert_residency()
+            if all(res[p] == 1.0 for p in want):
+                break
+            time.sleep(0.01)
+        assert all(res[p] == 1.0 for p in want)
+        assert pf.bytes_advised >= 3 * int(em.expert_bytes[0]) and pf.layer_fn_address
+    finally:
+        pf.close()
+        m.close()
+
+
+def test_pinning_skips_the_embedding_table_when_the_output_matrix_is_separate(tiny_models):
+    em = expert_map(tiny_models["olmoe"])
+    names = dict(zip(em.non_expert_names, em.non_expert))
+    pinnable = em.pinnable()
+    assert names["output.weight"] in pinnable and names["token_embd.weight"] not in pinnable
+    assert len(pinnable) == len(em.non_expert) - 1
+
+
+def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_models):
+    from s2moe.engine.offload import model_mappings, read_ahead_bytes
+
+    assert read_ahead_bytes(tiny_models["olmoe"]) >= 4096
+    off = Offloader(tiny_models["olmoe"])
+    try:
+        assert model_mappings(tiny_models["olmoe"], exclude=off.map.addr)  # llama.cpp's own mapping
+        assert off.advise_fault_readahead(random=True) > 0 and off.fault_readahead == "off"
+        assert off.advise_fault_readahead(random=False) > 0 and off.fault_readahead == "default"
+    finally:
+        off.close()
+    assert decoders["olmoe"].generate is not None  # the decoder still works after the advice
+    from s2moe.engine.decoder import GenerationConfig, run
+
+    events = run(decoders["olmoe"], "hello", GenerationConfig(mode="ar", n_predict=3, stop_at_eos=False))
+    assert events[-1].n_tokens == 3
