@@ -84,6 +84,7 @@ class RoutingHook:
         drop = float("-inf") if info.gating == GATING_SOFTMAX_WEIGHT else 0.0
         self.lib.s2_hook_configure(self.handle, drop, space, int(info.biased_selection))
         self.mode = "off"
+        self._route = None
 
     @property
     def callback(self) -> int:
@@ -116,6 +117,16 @@ class RoutingHook:
         self.lib.s2_hook_gate(self.handle, float(alpha), int(cap), _ptr(self.row_weight, ctypes.c_float))
         self.mode = "gate"
 
+    def set_route(self, prefetcher) -> None:
+        """Have the C hook call prefetcher's native layer function with each layer's final expert ids.
+        The hook keeps the prefetcher alive for as long as it may call it."""
+        self._route = prefetcher
+        self.lib.s2_hook_set_route(self.handle, prefetcher.layer_fn_address, prefetcher.handle)
+
+    def clear_route(self) -> None:
+        self.lib.s2_hook_set_route(self.handle, None, None)
+        self._route = None
+
     def hooked(self) -> int:
         return int(self.lib.s2_hook_hooked(self.handle))
 
@@ -136,6 +147,7 @@ class RoutingHook:
         if self.handle:
             self.lib.s2_hook_free(self.handle)
             self.handle = None
+        self._route = None
 
     def __del__(self):
         try:

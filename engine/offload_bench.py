@@ -32,6 +32,9 @@ ARMS = {
     "ar/hot-code": dict(mode="ar", pin_base=True, pin_hot=True, prefetch=False, pin_code=False),
     "spec/hot": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False),
     "spec/hot+pf": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=True),
+    # just-in-time prefetch from the routing hook (the default of attach_offloading)
+    "ar/hot+jit": dict(mode="ar", pin_base=True, pin_hot=True, prefetch=False, jit=True),
+    "spec/hot+jit": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True),
 }
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
@@ -46,7 +49,8 @@ def _worker(cfg: dict) -> int:
     t0 = time.perf_counter()
     dec = Decoder(cfg["model"], n_ctx=256, n_threads=cfg["threads"], max_draft=8, use_extra_bufts=False)
     off, plan = attach_offloading(dec, cfg.get("budget"), [tuple(p) for p in cfg.get("hot", [])],
-                                  prefetch=cfg["prefetch"], pin_hot=cfg["pin_hot"], pin_base=cfg["pin_base"],
+                                  prefetch=cfg["prefetch"], jit_prefetch=cfg.get("jit", False),
+                                  pin_hot=cfg["pin_hot"], pin_base=cfg["pin_base"],
                                   pin_code=cfg.get("pin_code", True))
     load_s = time.perf_counter() - t0
     gc = GenerationConfig(mode=cfg["mode"], n_predict=cfg["tokens"], utility=False, draft_max=cfg["draft_max"],

@@ -47,6 +47,11 @@ typedef struct s2_hook {
     int32_t *preferred;  // [n_layer][cap_max] E* of the last gated decode
     int32_t *n_preferred;// [n_layer]
 
+    // Called once a layer's final expert ids are known, before its expert matmuls run: lets an
+    // offloading helper ask the OS for exactly those experts' pages just in time.
+    int (*on_route)(void *ctx, int layer, const int32_t *ids, int n);
+    void *route_ctx;
+
     // counters for diagnostics
     int64_t n_hooked;    // weight nodes handled since creation
     int64_t n_skipped;   // weight nodes with unexpected shapes (left untouched)
@@ -120,6 +125,11 @@ void s2_hook_gate(s2_hook *h, float alpha, int cap, const float *row_weight) {
     h->alpha = alpha;
     h->cap = cap < h->cap_max ? cap : h->cap_max;
     h->row_weight = row_weight;
+}
+
+void s2_hook_set_route(s2_hook *h, int (*fn)(void *, int, const int32_t *, int), void *ctx) {
+    h->on_route = fn;
+    h->route_ctx = ctx;
 }
 
 int64_t s2_hook_hooked(const s2_hook *h) { return h->n_hooked; }
@@ -311,6 +321,7 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
         }
     }
     memcpy(weight, h->w, (size_t)n_rows * k * sizeof(float));
+    if (h->on_route) h->on_route(h->route_ctx, layer, used, n_rows * k);
     h->rows[layer] = n_rows;
     h->n_hooked++;
 }

@@ -246,3 +246,22 @@ def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_mo
 
     events = run(decoders["olmoe"], "hello", GenerationConfig(mode="ar", n_predict=3, stop_at_eos=False))
     assert events[-1].n_tokens == 3
+
+
+def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
+    """With jit prefetch attached, every decode asks the OS for the experts the routing chose."""
+    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.offload import attach_offloading
+
+    d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
+    try:
+        off, _ = attach_offloading(d, None, pin_base=False, pin_hot=False)
+        route = d.rt.hook._route
+        assert route is not None and route.bytes_advised == 0
+        run(d, "hello", GenerationConfig(mode="ar", n_predict=3, stop_at_eos=False))
+        assert route.bytes_advised > 0
+        calls = int(route.lib.s2_prefetch_calls(route.handle))
+        assert calls >= 3 * d.info.n_layer  # one per layer per decode
+        off.close()
+    finally:
+        d.close()
