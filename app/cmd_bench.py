@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -21,6 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ablation", action="store_true",
                    help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating")
     p.add_argument("--budget", default="none", help="memory budget(s): none (default), auto or SIZE[,SIZE…]")
+    p.add_argument("--budget-label", help=argparse.SUPPRESS)  # set by the parent for a budgeted child run
     p.add_argument("--profile", help="device profile for the cost constants (else measured at start-up)")
     p.add_argument("--draft-topk", type=int, default=2)
     p.add_argument("--draft-max", type=int, default=8)
@@ -108,12 +110,61 @@ def markdown(done) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _resolve_budget(text: str, model: str, threads) -> int:
+    """Bytes for a --budget entry; "auto" = what the process holds resident + a third of the expert bytes."""
+    from ..engine import offload
+
+    return offload.parse_size(text)
+
+
+def _auto_budget_here(decoder, offload) -> int:
+    """This process's own resident memory (anonymous + the weights and library code it pins) plus one
+    third of the model's expert bytes, plus a little slack for the page cache's bookkeeping."""
+    emap = offload.expert_map(decoder.info.path)
+    code = sum(length for _, length, _ in offload.code_ranges())
+    held = offload.process_anon_bytes() + emap.non_expert_bytes + code
+    budget = int(held + emap.total_expert_bytes / 3)
+    return budget + min(32 << 20, max(4 << 20, budget // 20))
+
+
+def _budget_rows(args, model: str, budget_text: str) -> list:
+    """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows."""
+    import tempfile
+    from pathlib import Path
+
+    from ..engine import offload
+    from ..engine.bench import BenchRow
+
+    # "auto" is sized inside the child, from what that very process holds once loaded (see run()).
+    budget = 64 << 30 if budget_text == "auto" else _resolve_budget(budget_text, model, args.threads)
+    with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
+        out = Path(tmp) / "rows.json"
+        argv = [sys.executable, "-m", "s2moe.app.cli", "bench", "--model", model, "--prompts", args.prompts,
+                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--budget", str(budget),
+                "--budget-label", budget_text, "--draft-topk", str(args.draft_topk), "--draft-max",
+                str(args.draft_max), "--reuse-strength", str(args.reuse_strength), "--no-quality",
+                "--json", str(out)]
+        argv += ["--modes", ",".join(_modes(args))] if not args.ablation else ["--ablation"]
+        if args.threads:
+            argv += ["--threads", str(args.threads)]
+        if args.profile:
+            argv += ["--profile", args.profile]
+        try:
+            rc = offload.run_under_budget(argv, budget, model, tag="bench")
+        except offload.BudgetUnavailable as e:
+            raise ConfigError(str(e)) from None
+        if rc != 0 or not out.exists():
+            raise ConfigError(f"the benchmark under budget {budget_text} failed (exit {rc})")
+        data = json.loads(out.read_text())
+    return [BenchRow(**r) for r in data["results"]]
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine.bench import BenchDone, BenchProgress, load_prompts, measure_hook_overhead, run_bench, write_atomic
-    from ..engine.decoder import GenerationConfig
+    from ..engine.decoder import Decoder, GenerationConfig
     from .cli import default_model
 
     model = args.model or default_model()
@@ -128,32 +179,76 @@ def run(args) -> int:
             write_atomic(args.json_out, json.dumps(result, indent=2) + "\n")
         return 0
     modes = _modes(args)
-    budgets = [b.strip() for b in args.budget.split(",") if b.strip()]
+    budgets = [b.strip() for b in args.budget.split(",") if b.strip()] or ["none"]
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
-    cost = None
     base = GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max, reuse_strength=args.reuse_strength)
     base.validate()
-    if args.profile:
-        from ..engine.model_info import read_model_info
-        from ..engine.profiles import cost_for_model, load_profile
+    from ..engine.model_info import read_model_info
 
-        info = read_model_info(model)
-        cost = cost_for_model(load_profile(args.profile), info.fingerprint, info.path.name)
-        base.cost = cost
-    quality_texts = None if args.no_quality else prompts
+    info = read_model_info(model)
+    hot = []
+    if args.profile:
+        from ..engine.profiles import cost_for_model, hot_experts_for_model, load_profile
+
+        profile = load_profile(args.profile)
+        base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"])
+        hot = hot_experts_for_model(profile, info.fingerprint)
+
+    inside = None
+    if budgets != ["none"]:
+        from ..engine import offload
+
+        inside = offload.current_budget_cgroup()
+        if inside is None:  # the parent: run each budget in its own cgroup, resident in this process
+            extra_rows = [row for b in budgets if b != "none" for row in _budget_rows(args, model, b)]
+            budgets_here = ["none"] if "none" in budgets else []
+        else:
+            budgets_here = [args.budget_label or budgets[0]]
+    else:
+        extra_rows, budgets_here = [], ["none"]
+
     done = None
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as progress:
-        task = progress.add_task("bench", total=None)
-        for ev in run_bench(model, prompts=prompts, modes=modes, n_tokens=args.n_tokens, budgets=budgets,
-                            prompt_set=set_name, base=base, n_threads=args.threads, quality_texts=quality_texts):
-            if isinstance(ev, BenchProgress):
-                progress.update(task, total=ev.total, completed=ev.done,
-                                description=f"{ev.mode} · prompt {ev.prompt_index + 1} · budget {ev.budget}")
-            elif isinstance(ev, BenchDone):
-                done = ev
-    if done is None:
-        return 1
+    if budgets_here:
+        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, args.draft_max),
+                          use_extra_bufts=inside is None)
+        if inside is not None:
+            from ..engine import offload
+
+            if args.budget_label == "auto":
+                budget = _auto_budget_here(decoder, offload)
+                budgets_here = [f"auto ({offload.fmt_bytes(budget)})"]
+            else:
+                budget = offload.parse_size(budgets[0])
+            offload.attach_offloading(decoder, budget, hot)
+            if args.budget_label == "auto":
+                inside.set_limit(budget)  # reclaims cached expert pages down to the budget
+        quality_texts = None if args.no_quality else prompts
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True, disable=not console.is_terminal) as progress:
+            task = progress.add_task("bench", total=None)
+            for ev in run_bench(model, prompts=prompts, modes=modes, n_tokens=args.n_tokens, budgets=budgets_here,
+                                prompt_set=set_name, base=base, n_threads=args.threads, quality_texts=quality_texts,
+                                decoder=decoder):
+                if isinstance(ev, BenchProgress):
+                    progress.update(task, total=ev.total, completed=ev.done,
+                                    description=f"{ev.mode} · prompt {ev.prompt_index + 1} · budget {ev.budget}")
+                elif isinstance(ev, BenchDone):
+                    done = ev
+        decoder.close()
+        if done is None:
+            return 1
+    else:
+        from ..engine.bench import machine_info
+
+        done = BenchDone([], {}, {}, machine_info(args.threads), config={"prompt_set": set_name,
+                                                                         "n_prompts": len(prompts),
+                                                                         "n_tokens": args.n_tokens})
+    if inside is None:
+        done.rows.extend(extra_rows)
+    if args.json_out:
+        write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n")
+    if inside is not None:
+        return 0  # the parent prints
     out = Console()
     if not out.is_terminal:
         out = Console(width=160)
@@ -166,8 +261,6 @@ def run(args) -> int:
         c = done.cost_model
         print(f"cost model: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
     broken = [r.mode for r in done.rows if r.identical_expected and r.identical_to_ar is not None and r.identical_to_ar < 1]
-    if args.json_out:
-        write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n")
     if args.md_out:
         write_atomic(args.md_out, markdown(done))
     if broken:

@@ -96,6 +96,22 @@ def _run_arm(model, budget, cfg) -> dict:
         cg.remove()
 
 
+def auto_budget(model, threads=None) -> int:
+    """The offloaded regime's budget: what a decoding process holds with everything resident (probed in
+    a child process: anonymous memory, pinned non-expert weights and library code) plus one third of
+    the model's expert bytes, plus the plan's slack."""
+    from .offload import expert_map
+
+    emap = expert_map(model)
+    base = dict(model=str(model), threads=threads, tokens=4, draft_max=4, hot=[])
+    probe = _run_arm(str(model), 64 << 30, dict(base, **ARMS["ar/base"], budget=None))
+    if "error" in probe:
+        raise RuntimeError(f"budget probe failed: {probe['error']}")
+    held = probe["anon"] + probe["pinned"]["non_expert"] + probe["pinned"]["code"]
+    budget = int(held + emap.total_expert_bytes / 3)
+    return budget + min(32 << 20, max(4 << 20, budget // 20))  # the plan's slack (offload.plan_budget)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker")
@@ -122,15 +138,12 @@ def main(argv=None) -> int:
     base = dict(model=a.model, threads=a.threads, tokens=a.tokens, draft_max=a.draft_max, hot=[list(p) for p in hot])
     if a.budget:
         budget = parse_size(a.budget)
-    else:  # probe what the process holds with everything resident, then add a third of the expert bytes
-        probe = _run_arm(a.model, 64 << 30, dict(base, **ARMS["ar/base"], tokens=4, budget=None))
-        if "error" in probe:
-            print(f"probe failed: {probe['error']}", file=sys.stderr)
+    else:
+        try:
+            budget = auto_budget(a.model, a.threads)
+        except RuntimeError as e:
+            print(str(e), file=sys.stderr)
             return 1
-        held = probe["anon"] + probe["pinned"]["non_expert"] + probe["pinned"]["code"]
-        third = emap.total_expert_bytes / 3
-        budget = int(held + third)
-        budget += min(32 << 20, max(4 << 20, budget // 20))  # the plan's slack (offload.plan_budget)
     print(f"model {info.path.name}: experts {fmt_bytes(emap.total_expert_bytes)}, other weights "
           f"{fmt_bytes(emap.non_expert_bytes)}; budget {fmt_bytes(budget)}; hot experts in profile {len(hot)}",
           file=sys.stderr)

@@ -123,3 +123,24 @@ def test_bench_cli_writes_json_and_markdown(tiny_models, tmp_path):
         assert key in data["results"][0]
     assert set(data) >= {"results", "quality", "cost_model", "machine"}
     assert "| lookup |" in out_md.read_text()
+
+
+def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_path):
+    import subprocess
+    import sys
+
+    from s2moe.engine.offload import MemoryCgroup
+
+    reason = MemoryCgroup.unavailable_reason()
+    if reason:
+        pytest.skip(f"no memory cgroup here: {reason}")
+    out_json = tmp_path / "b.json"
+    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(tiny_models["olmoe"]),
+                           "--prompts", "natural", "--n-prompts", "1", "-n", "8", "--threads", "1",
+                           "--modes", "ar,s2moe", "--budget", "none,auto", "--no-quality", "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out_json.read_text())["results"]
+    budgets = [r["budget"] for r in rows]
+    assert budgets[:2] == ["none", "none"] and all(b.startswith("auto (") for b in budgets[2:]) and len(rows) == 4
+    assert all(r["n_tokens"] == 8 for r in rows)
