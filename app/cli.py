@@ -15,7 +15,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message}")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -50,20 +50,20 @@ def default_model() -> str:
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
-    p.add_argument("-n", "--n-predict", type=_positive_int, default=128, help="tokens to generate")
+    p.add_argument("-n", "--n-predict", type=positive_int, default=128, help="tokens to generate")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", help="device profile name or YAML path (cost constants); measured at start-up if absent")
-    p.add_argument("--draft-topk", type=_positive_int, default=2, help="experts per token in draft passes (k_d)")
-    p.add_argument("--draft-max", type=_positive_int, default=8, help="cap on draft length")
+    p.add_argument("--draft-topk", type=positive_int, default=2, help="experts per token in draft passes (k_d)")
+    p.add_argument("--draft-max", type=positive_int, default=8, help="cap on draft length")
     p.add_argument("--no-utility", action="store_true", help="fixed draft length instead of utility expansion")
     p.add_argument("--threshold", type=_non_negative_float, default=1.0, help="utility threshold")
     p.add_argument("--reuse-strength", type=_non_negative_float, default=0.5,
                    help="reuse-aware gating strength α (0 = off, lossless)")
-    p.add_argument("--reuse-cap", type=_positive_int, default=None, help="preferred experts |E*| (default 2·k)")
-    p.add_argument("--ctx", type=_positive_int, default=2048, help="context window in tokens")
-    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--reuse-cap", type=positive_int, default=None, help="preferred experts |E*| (default 2·k)")
+    p.add_argument("--ctx", type=positive_int, default=2048, help="context window in tokens")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
     p.add_argument("--gpu-layers", type=int, default=0,
                    help="layers to offload to the GPU in a CUDA/Metal/Vulkan build of llama.cpp (-1: all)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")

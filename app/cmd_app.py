@@ -4,24 +4,16 @@ from __future__ import annotations
 
 
 def add_parser(subparsers) -> None:
+    from .cli import positive_int
+
     p = subparsers.add_parser("app", help="open the terminal app (the default when s2moe has no arguments)")
     p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
     p.add_argument("--profile", help="device profile name or YAML path (cost constants); measured at start-up if absent")
-    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the engine (default: all cores but one, which the UI needs)")
-    p.add_argument("--ctx", type=_positive_int, default=2048, help="context window in tokens")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for the engine (default: all cores but one, which the UI needs)")
+    p.add_argument("--ctx", type=positive_int, default=2048, help="context window in tokens")
     p.set_defaults(run=run)
 
 
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
 
 
 def build_app(args):
