@@ -6,7 +6,7 @@ import sys
 
 
 def add_parser(sub) -> None:
-    from .cli import _positive_int
+    from .cli import positive_int
 
     p = sub.add_parser("calibrate", help="measure cost constants and hot experts; write a device profile")
     p.add_argument("--model", "-m", help="GGUF MoE model (default: the shipped model)")
@@ -14,8 +14,8 @@ def add_parser(sub) -> None:
                                     "verification cost is also measured under it (needs a memory cgroup)")
     p.add_argument("--prompts", help="calibration prompts file (prompts separated by blank lines)")
     p.add_argument("--name", help="profile name (default: local); an existing user profile keeps its other models")
-    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all available)")
-    p.add_argument("--repeats", type=_positive_int, default=3, help="timings per measurement (default 3)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timings per measurement (default 3)")
     p.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
     p.add_argument("--no-plot", action="store_true", help="no predicted-vs-measured plot")
     p.set_defaults(run=run)
