@@ -119,14 +119,33 @@ def _resolve_budget(text: str, model: str, threads) -> int:
     return offload.parse_size(text)
 
 
-def _auto_budget_here(decoder, offload) -> int:
-    """This process's own resident memory (anonymous + the weights and library code it pins) plus one
-    third of the model's expert bytes, plus a little slack for the page cache's bookkeeping."""
+def _auto_budget_here(decoder, offload, base, prompt: str) -> int:
+    """This process's own resident memory plus one third of the model's expert bytes.
+
+    Resident memory = anonymous pages + file pages other than the model's (Python's, numpy's and
+    llama.cpp's code: evicting those thrashes) + the non-expert weights it pins. Measured after a
+    warm-up (start-up cost measurement and a short generation allocate every graph and buffer)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    for _ in decoder.generate(prompt, replace(base, mode="s2moe", n_predict=8)):
+        pass
+    model = str(Path(decoder.info.path).resolve())
+    anon = other_files = 0
+    current = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if not head:
+            continue
+        if not head[0].endswith(":"):  # a mapping's header line: "start-end perms offset dev inode [path]"
+            current = head[5] if len(head) > 5 else None
+        elif head[0] == "Anonymous:":
+            anon += int(head[1]) * 1024
+        elif head[0] == "Rss:" and current and current.startswith("/") and current != model:
+            other_files += int(head[1]) * 1024
     emap = offload.expert_map(decoder.info.path)
-    code = sum(length for _, length, _ in offload.code_ranges())
-    held = offload.process_anon_bytes() + emap.non_expert_bytes + code
-    budget = int(held + emap.total_expert_bytes / 3)
-    return budget + min(32 << 20, max(4 << 20, budget // 20))
+    held = anon + other_files + emap.non_expert_bytes
+    return int(held + (4 << 20) + held // 50 + emap.total_expert_bytes / 3)
 
 
 def _budget_rows(args, model: str, budget_text: str) -> list:
@@ -152,7 +171,8 @@ def _budget_rows(args, model: str, budget_text: str) -> list:
         if args.profile:
             argv += ["--profile", args.profile]
         try:
-            rc = offload.run_under_budget(argv, budget, model, tag="bench")
+            rc = offload.run_under_budget(argv, budget, model, tag="bench",
+                                          described=None if budget_text == "auto" else budget_text)
         except offload.BudgetUnavailable as e:
             raise ConfigError(str(e)) from None
         if rc != 0 or not out.exists():
@@ -217,7 +237,7 @@ def run(args) -> int:
             from ..engine import offload
 
             if args.budget_label == "auto":
-                budget = _auto_budget_here(decoder, offload)
+                budget = _auto_budget_here(decoder, offload, base, prompts[0])
                 budgets_here = [f"auto ({offload.fmt_bytes(budget)})"]
             else:
                 budget = offload.parse_size(budgets[0])

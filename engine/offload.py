@@ -827,7 +827,8 @@ def _restore_sigterm(previous) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_under_budget(argv: list[str], budget_bytes: int, model_path, *, tag: str = "run") -> int:
+def run_under_budget(argv: list[str], budget_bytes: int, model_path, *, tag: str = "run",
+                     described: str | None = "") -> int:
     """Run argv (a python command line) in a fresh memory cgroup limited to budget_bytes, after dropping
     the model file from the page cache. Returns its exit status. Raises BudgetUnavailable."""
     cg = MemoryCgroup.create(budget_bytes, tag)
@@ -844,7 +845,9 @@ def run_under_budget(argv: list[str], budget_bytes: int, model_path, *, tag: str
         finally:
             _restore_sigterm(previous)
         if rc < 0 and cg.oom_kills() > 0:
-            print(f"error: the budget of {fmt_bytes(budget_bytes)} is too small: the decoding process was killed "
+            # described=None: the child sized its own limit (bench --budget auto)
+            what = fmt_bytes(budget_bytes) if described == "" else (described or "set by the run itself")
+            print(f"error: the budget ({what}) is too small: the decoding process was killed "
                   f"when out of memory (peak {fmt_bytes(cg.peak())}); raise --budget", file=sys.stderr)
             return 2
         return rc
