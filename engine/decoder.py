@@ -92,6 +92,10 @@ class Decoder:
         # Called with the predicted expert set [n_layer, n_expert] (bool) before each verification that
         # follows a draft, e.g. to prefetch offloaded experts while Python prepares the batch.
         self.before_verify: Callable[[np.ndarray], None] | None = None
+        # Record routing on plain (single-token, undrafted) steps too; off by default because it costs a
+        # graph stop per layer and a plain step's routing only matters to residency/prefetch consumers.
+        self.observe_plain = False
+        self._moe_layers: np.ndarray | None = None  # [n_layer] 1 where the hook saw routing
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
@@ -222,16 +226,29 @@ class Decoder:
             batch = [committed_all[-1]] + drafted
             if self.before_verify is not None and proposal.predicted is not None:
                 self.before_verify(proposal.predicted)
+            # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping
+            # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
+            plain_unobserved = (hook is not None and not drafted and self._moe_layers is not None
+                                and not self.observe_plain and hook._route is None)
             if hook is not None:
                 if gating and drafted:
                     hook.gate(cfg.reuse_strength, reuse_cap, [1.0] + proposal.chain)
+                elif plain_unobserved:
+                    hook.off()
                 else:
                     hook.observe()
             t0 = time.perf_counter()
             logits = rt.decode(batch, m - 1, "all")
             t_verify = time.perf_counter() - t0
-            if hook is not None:
+            if plain_unobserved:
+                routing = None
+                verify_experts = self._moe_layers * k
+                reuse = self._moe_layers.astype(float)
+                moves = 0
+            elif hook is not None:
                 routing = hook.snapshot(len(batch))
+                if self._moe_layers is None:
+                    self._moe_layers = (routing.rows > 0).astype(int)
                 verify_experts = routing.distinct_used(self.info.n_expert)
                 rows = np.maximum(routing.rows, 1)
                 reuse = np.where(routing.rows > 0, verify_experts / (rows * k), 0.0)
@@ -275,8 +292,11 @@ class Decoder:
                         break
             rollback = len(drafted) - accepted
             # experts the rows of committed tokens needed (pending + accepted drafts)
-            useful = (distinct_per_layer(routing.used[:, : accepted + 1], np.minimum(routing.rows, accepted + 1),
-                                         self.info.n_expert) if routing is not None else np.zeros(n_layer, int))
+            if routing is not None:
+                useful = distinct_per_layer(routing.used[:, : accepted + 1], np.minimum(routing.rows, accepted + 1),
+                                            self.info.n_expert)
+            else:
+                useful = verify_experts.copy()
             rt.kv_remove_from(m + accepted)
             committed_all.extend(committed)
             generated.extend(committed)

@@ -230,3 +230,18 @@ def test_utility_rule_learns_to_skip_drafts_that_rarely_pay():
     for _ in range(10):
         rule.observe_first(0.95)
     assert rule.worth_drafting()
+
+
+def test_plain_steps_report_k_experts_per_layer_with_or_without_recording(decoders, arch):
+    d = decoders[arch]
+    k, n_layer = d.info.n_expert_used, d.info.n_layer
+    for observe in (False, True):
+        d.observe_plain = observe
+        try:
+            events = run(d, PROMPTS[0], GenerationConfig(mode="ar", n_predict=6, stop_at_eos=False))
+        finally:
+            d.observe_plain = False
+        for e in events:
+            if isinstance(e, Iteration):
+                assert list(e.verify_experts) == [k] * n_layer
+                assert list(e.reuse_ratio) == [1.0] * n_layer
