@@ -216,7 +216,7 @@ def fake_bench_module():
         machine: dict
 
     def run_bench(model, *, prompts, modes, n_tokens, budgets=("none",), n_threads=None, should_stop=None,
-                  decoder=None):
+                  decoder=None, prompt_set="custom"):
         modes = ["ar"] + [m for m in modes if m != "ar"]
         total = len(prompts) * len(modes)
         done = 0

@@ -12,7 +12,7 @@ from textual.widgets import (Button, DataTable, Footer, Input, Label, ProgressBa
 from textual_plotext import PlotextPlot
 
 from ...engine.errors import ConfigError, S2MoEError
-from .messages import EngineFailed, JobEnded, JobEvent, post
+from .messages import EngineFailed, JobEnded, JobEvent, run_engine_job
 from .session import engine_modes
 from .widgets import NavBar
 
@@ -218,30 +218,16 @@ class BenchScreen(Screen):
 
     @work(thread=True, group="engine", exit_on_error=False)
     def bench(self, prompts: list[str], modes: list[str], n: int, prompt_set: str = "custom") -> None:
-        import inspect
-
         session = self.app.session
         run_bench = self.module.run_bench
 
-        def job():
-            session.load()
-            # the loaded model is reused (the session lock is held, nothing else uses it)
-            kw = dict(prompts=prompts, modes=modes, n_tokens=n, n_threads=session.n_threads,
-                      should_stop=session.stop.is_set, decoder=session.decoder, prompt_set=prompt_set)
-            params = inspect.signature(run_bench).parameters
-            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-                kw = {k: v for k, v in kw.items() if k in params}
-            for event in run_bench(session.model_path, **kw):
-                post(self, JobEvent(event))
+        def events():
+            session.load()  # the loaded model is reused: the session lock is held, nothing else uses it
+            return run_bench(session.model_path, prompts=prompts, modes=modes, n_tokens=n,
+                             n_threads=session.n_threads, should_stop=session.stop.is_set,
+                             decoder=session.decoder, prompt_set=prompt_set)
 
-        try:
-            session.run_job(job)
-        except S2MoEError as e:
-            post(self, EngineFailed(str(e)))
-        except Exception as e:  # noqa: BLE001
-            post(self, EngineFailed(f"{type(e).__name__}: {e}"))
-        finally:
-            post(self, JobEnded("bench"))
+        run_engine_job(self, session, "bench", events)
 
     def action_stop(self) -> None:
         if self.running:

@@ -15,7 +15,7 @@ from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
 from textual_plotext import PlotextPlot
 
 from ...engine.errors import S2MoEError
-from .messages import EngineFailed, JobEnded, JobEvent, post
+from .messages import EngineFailed, JobEnded, JobEvent, run_engine_job
 from .session import parse_bytes
 from .widgets import NavBar
 
@@ -196,20 +196,9 @@ class CalibrateScreen(Screen):
     def calibrate(self, model_path: str, budget, name) -> None:
         session = self.app.session
         run_calibration = self.module.run_calibration
-
-        def job():
-            for event in run_calibration(model_path, budget_bytes=budget, name=name, save=False,
-                                         n_threads=session.n_threads, should_stop=session.stop.is_set):
-                post(self, JobEvent(event))
-
-        try:
-            session.run_job(job)
-        except S2MoEError as e:
-            post(self, EngineFailed(str(e)))
-        except Exception as e:  # noqa: BLE001
-            post(self, EngineFailed(f"{type(e).__name__}: {e}"))
-        finally:
-            post(self, JobEnded("calibrate"))
+        run_engine_job(self, session, "calibrate", lambda: run_calibration(
+            model_path, budget_bytes=budget, name=name, save=False, n_threads=session.n_threads,
+            should_stop=session.stop.is_set))
 
     def action_stop(self) -> None:
         if self.running:

@@ -73,3 +73,22 @@ def post(target, message: Message) -> bool:
         return target.post_message(message)
     except RuntimeError:  # event loop closed
         return False
+
+
+def run_engine_job(screen, session, name: str, events) -> None:
+    """From a worker thread: run `events()` (a generator of engine events) as a session job, posting
+    each event to `screen` as JobEvent; a failure becomes EngineFailed, and JobEnded(name) always ends it."""
+    from ...engine.errors import S2MoEError
+
+    def job():
+        for event in events():
+            post(screen, JobEvent(event))
+
+    try:
+        session.run_job(job)
+    except S2MoEError as e:
+        post(screen, EngineFailed(str(e)))
+    except Exception as e:  # noqa: BLE001 (a worker reports every failure to its screen instead of dying)
+        post(screen, EngineFailed(f"{type(e).__name__}: {e}"))
+    finally:
+        post(screen, JobEnded(name))
