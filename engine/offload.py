@@ -893,7 +893,7 @@ def attach_offloading(decoder, budget_bytes: int | None, hot_ranked=(), *, prefe
         choice = os.environ.get("S2MOE_FAULT_READAHEAD", "auto")  # auto | off | default (experiments)
         if choice == "off" or (choice == "auto" and slab * 4 <= window):
             off.advise_fault_readahead(random=True)
-    decoder.before_verify = off.before_verify if prefetch else None
+    decoder.before_verify = off.before_verify  # counts predicted-expert hits; madvises only if prefetch
     hook = getattr(getattr(decoder, "rt", None), "hook", None)
     if jit_prefetch and hook is not None:
         hook.set_route(NativePrefetch(off.map))
