@@ -133,7 +133,9 @@ def generation_config(args, decoder):
 
 def cmd_generate(args) -> int:
     from ..engine.decoder import Decoder, GenerationConfig
-    from ..engine.events import Finished, Iteration, Started, Summary
+    import numpy as np
+
+    from ..engine.events import Finished, Iteration, ResidencySnapshot, Started, Summary
 
     model = args.model or default_model()
     # Validate flags that need no model before loading one.
@@ -183,6 +185,10 @@ def cmd_generate(args) -> int:
             if streaming:
                 sys.stdout.write(event.committed_text)
                 sys.stdout.flush()
+        elif isinstance(event, ResidencySnapshot) and args.events:
+            hit = ", ".join("–" if np.isnan(h) else f"{h:.2f}" for h in event.hit_rate)
+            print(f"[{event.iteration}] experts resident per layer "
+                  f"{', '.join(f'{x:.2f}' for x in event.resident.mean(axis=1))}; hit rate {hit}", file=sys.stderr)
         elif isinstance(event, Finished) and event.stop_reason == "context":
             print(f"\nnote: the context window ({decoder.n_ctx} tokens) filled up after {event.n_tokens} tokens",
                   file=sys.stderr)

@@ -16,7 +16,7 @@ import numpy as np
 
 from .costmodel import measure_cost_constants
 from .errors import ConfigError, ContextError, ModelError
-from .events import CostConstants, Finished, Iteration, Prefilled, Started
+from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnapshot, Started
 from .hook import distinct_per_layer
 from .model_info import ModelInfo, read_model_info
 from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LookupDrafter,
@@ -96,6 +96,10 @@ class Decoder:
         # graph stop per layer and a plain step's routing only matters to residency/prefetch consumers.
         self.observe_plain = False
         self._moe_layers: np.ndarray | None = None  # [n_layer] 1 where the hook saw routing
+        # Set by offloading (s2moe.engine.offload.attach_offloading): returns a residency snapshot with
+        # resident/pinned/hit_rate; sampled every `residency_every` iterations (mincore over the file).
+        self.residency_probe: Callable[[], object] | None = None
+        self.residency_every = 8
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
@@ -325,6 +329,9 @@ class Decoder:
             )
             drafter.feedback(event)
             yield event
+            if self.residency_probe is not None and iteration % self.residency_every == 1:
+                r = self.residency_probe()
+                yield ResidencySnapshot(iteration, r.resident, r.pinned, r.hit_rate)
             if finished_eos:
                 stop_reason = "eos"
                 break

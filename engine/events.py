@@ -83,6 +83,16 @@ class Iteration:
 
 
 @dataclass(frozen=True)
+class ResidencySnapshot:
+    """Expert residency while offloading (emitted every few iterations when a probe is attached)."""
+
+    iteration: int
+    resident: np.ndarray  # [n_layer, n_expert] fraction of each expert's pages in memory
+    pinned: np.ndarray    # [n_layer, n_expert] bool
+    hit_rate: np.ndarray  # [n_layer] predicted experts already resident at verification (nan: no lookups)
+
+
+@dataclass(frozen=True)
 class Finished:
     tokens: tuple[int, ...]
     text: str

@@ -894,6 +894,8 @@ def attach_offloading(decoder, budget_bytes: int | None, hot_ranked=(), *, prefe
         if choice == "off" or (choice == "auto" and slab * 4 <= window):
             off.advise_fault_readahead(random=True)
     decoder.before_verify = off.before_verify  # counts predicted-expert hits; madvises only if prefetch
+    if hasattr(decoder, "residency_probe"):
+        decoder.residency_probe = off.residency
     hook = getattr(getattr(decoder, "rt", None), "hook", None)
     if jit_prefetch and hook is not None:
         hook.set_route(NativePrefetch(off.map))

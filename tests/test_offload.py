@@ -265,3 +265,24 @@ def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
         off.close()
     finally:
         d.close()
+
+
+def test_offloading_adds_residency_snapshots_to_the_event_stream(tiny_models):
+    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.events import ResidencySnapshot
+    from s2moe.engine.offload import attach_offloading
+
+    d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
+    try:
+        off, _ = attach_offloading(d, None, pin_base=False, pin_hot=False)
+        d.residency_every = 2
+        events = run(d, "hello", GenerationConfig(mode="ar", n_predict=5, stop_at_eos=False))
+        snaps = [e for e in events if isinstance(e, ResidencySnapshot)]
+        assert [s.iteration for s in snaps] == [1, 3, 5]
+        shape = (d.info.n_layer, d.info.n_expert)
+        assert snaps[-1].resident.shape == shape and snaps[-1].pinned.shape == shape
+        assert ((snaps[-1].resident >= 0) & (snaps[-1].resident <= 1)).all()
+        assert snaps[-1].resident.max() > 0  # the experts just used are in memory
+        off.close()
+    finally:
+        d.close()
