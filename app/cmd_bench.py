@@ -119,32 +119,22 @@ def _resolve_budget(text: str, model: str, threads) -> int:
     return offload.parse_size(text)
 
 
-def _auto_budget_here(decoder, offload, base, prompt: str) -> int:
+def _auto_budget_here(decoder, offload, base, prompt: str, modes) -> int:
     """This process's own resident memory plus one third of the model's expert bytes.
 
-    Resident memory = anonymous pages + file pages other than the model's (Python's, numpy's and
-    llama.cpp's code: evicting those thrashes) + the non-expert weights it pins. Measured after a
-    warm-up (start-up cost measurement and a short generation allocate every graph and buffer)."""
+    Resident memory = the anonymous pages this process charges to its cgroup + the non-expert weights
+    it pins (library code was paged in by the parent and is charged there). Measured after a warm-up in
+    every mode (start-up cost measurement, the naive drafter's second context, every graph shape)."""
     from dataclasses import replace
-    from pathlib import Path
 
-    for _ in decoder.generate(prompt, replace(base, mode="s2moe", n_predict=8)):
-        pass
-    model = str(Path(decoder.info.path).resolve())
-    anon = other_files = 0
-    current = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if not head:
-            continue
-        if not head[0].endswith(":"):  # a mapping's header line: "start-end perms offset dev inode [path]"
-            current = head[5] if len(head) > 5 else None
-        elif head[0] == "Anonymous:":
-            anon += int(head[1]) * 1024
-        elif head[0] == "Rss:" and current and current.startswith("/") and current != model:
-            other_files += int(head[1]) * 1024
+    from ..engine.bench import mode_config
+
+    for mode in modes:
+        for _ in decoder.generate(prompt, replace(mode_config(mode, base), n_predict=8, stop_at_eos=False)):
+            pass
+    anon = offload.process_anon_bytes()
     emap = offload.expert_map(decoder.info.path)
-    held = anon + other_files + emap.non_expert_bytes
+    held = anon + emap.non_expert_bytes
     return int(held + (4 << 20) + held // 50 + emap.total_expert_bytes / 3)
 
 
@@ -237,13 +227,14 @@ def run(args) -> int:
             from ..engine import offload
 
             if args.budget_label == "auto":
-                budget = _auto_budget_here(decoder, offload, base, prompts[0])
+                budget = _auto_budget_here(decoder, offload, base, prompts[0], modes)
                 budgets_here = [f"auto ({offload.fmt_bytes(budget)})"]
             else:
                 budget = offload.parse_size(budgets[0])
             offload.attach_offloading(decoder, budget, hot)
             if args.budget_label == "auto":
                 inside.set_limit(budget)  # reclaims cached expert pages down to the budget
+                decoder._measured.clear()  # the warm-up measured resident costs; measure again under the budget
         quality_texts = None if args.no_quality else prompts
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=not console.is_terminal) as progress:
