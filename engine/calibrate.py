@@ -359,7 +359,6 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
                 raise Stopped()
 
     rt = None
-    result: dict = {}
     try:
         # 1 -- bandwidth --------------------------------------------------------------------------------
         yield StepStarted(1, total, *STEPS[0])
@@ -468,7 +467,7 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
                                  f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
                                  f"(R² {cfit.r2:.3f}) · peak {fmt_bytes(res['peak'] or 0)}", data)
         if cold is None:
-            derived = f"; cold T_exp derived from storage bandwidth" if sto_bw else ""
+            derived = "; cold T_exp derived from storage bandwidth" if sto_bw else ""
             yield StepResult(5, STEPS[4][0], f"{skip}{derived}", {"skipped": skip})
         if stop():
             return

@@ -53,7 +53,7 @@ def test_moe_matches_naive_loop(arch):
 
 @pytest.mark.parametrize("arch", ["olmoe", "qwen3moe"])
 def test_export_parity_with_llama_cpp(tmp_path, arch):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("llama_cpp")
     import numpy as np
     from s2moe.engine.zoo import evaluate, export, synthetic, tokenizer

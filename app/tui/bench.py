@@ -12,7 +12,7 @@ from textual.widgets import (Button, DataTable, Footer, Input, Label, ProgressBa
 from textual_plotext import PlotextPlot
 
 from ...engine.errors import ConfigError, S2MoEError
-from .messages import EngineFailed, JobEnded, JobEvent, run_engine_job
+from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import engine_modes
 from .widgets import NavBar
 
@@ -190,15 +190,7 @@ class BenchScreen(Screen):
         return prompts, modes, n, name
 
     def action_start(self) -> None:
-        if not self.available:
-            self.notify("the benchmark is not available in this install", severity="warning")
-            return
-        session = self.app.session
-        if session.model_path is None:
-            self.app.action_open_model()
-            return
-        if self.running or session.busy:
-            self.notify("the engine is busy with another job", severity="warning")
+        if not engine_ready(self, "the benchmark"):
             return
         try:
             prompts, modes, n, prompt_set = self.request()

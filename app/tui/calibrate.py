@@ -15,7 +15,7 @@ from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
 from textual_plotext import PlotextPlot
 
 from ...engine.errors import S2MoEError
-from .messages import EngineFailed, JobEnded, JobEvent, run_engine_job
+from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import parse_bytes
 from .widgets import NavBar
 
@@ -168,16 +168,9 @@ class CalibrateScreen(Screen):
 
     # -- running ---------------------------------------------------------------------------------
     def action_start(self) -> None:
-        if not self.available:
-            self.notify("calibration is not available in this install", severity="warning")
+        if not engine_ready(self, "calibration"):
             return
         session = self.app.session
-        if session.model_path is None:
-            self.app.action_open_model()
-            return
-        if self.running or session.busy:
-            self.notify("the engine is busy with another job", severity="warning")
-            return
         try:
             budget = parse_bytes(self.query_one("#cal-budget", Input).value)
         except S2MoEError as e:

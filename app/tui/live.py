@@ -204,7 +204,7 @@ class UtilityPlot(LivePlot):
             if dropped:
                 plt.bar([i for i, _ in dropped], [v for _, v in dropped], label="dropped")
             plt.ylim(0, 1)
-            plt.xlabel(f"candidate · no utility rule")
+            plt.xlabel("candidate · no utility rule")
             return len(values)
         kept = [(i, u) for i, u, k in values if k]
         dropped = [(i, u) for i, u, k in values if not k]

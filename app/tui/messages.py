@@ -92,3 +92,19 @@ def run_engine_job(screen, session, name: str, events) -> None:
         post(screen, EngineFailed(f"{type(e).__name__}: {e}"))
     finally:
         post(screen, JobEnded(name))
+
+
+def engine_ready(screen, what: str) -> bool:
+    """The checks a screen makes before starting an engine job; tells the user and returns False if it
+    cannot start (`what` names the job: "calibration", "the benchmark")."""
+    if not screen.available:
+        screen.notify(f"{what} is not available in this install", severity="warning")
+        return False
+    session = screen.app.session
+    if session.model_path is None:
+        screen.app.action_open_model()
+        return False
+    if screen.running or session.busy:
+        screen.notify("the engine is busy with another job", severity="warning")
+        return False
+    return True
