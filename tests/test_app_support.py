@@ -137,30 +137,8 @@ def fake_calibration_module(calls: list | None = None):
     """A module with run_calibration yielding the contract's events with fixed numbers."""
     calls = [] if calls is None else calls
 
-    @dataclass(frozen=True)
-    class StepStarted:
-        index: int
-        total: int
-        name: str
-        description: str
-
-    @dataclass(frozen=True)
-    class StepProgress:
-        index: int
-        done: int
-        total: int
-
-    @dataclass(frozen=True)
-    class StepResult:
-        index: int
-        name: str
-        summary: str
-        data: dict
-
-    @dataclass(frozen=True)
-    class CalibrationDone:
-        profile: dict
-        path: object
+    # the real event types of the calibration contract; only the measurements are scripted
+    from s2moe.engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 
     steps = [("bandwidth", "memory and storage bandwidth"), ("steps", "T_AR and draft step cost"),
              ("cost model", "regression of verification latency on experts and tokens")]
