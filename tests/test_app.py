@@ -306,8 +306,10 @@ def test_a_file_that_is_not_a_model_is_a_dialog_not_a_crash(tmp_path):
     async def go():
         app = S2MoEApp(str(bad), n_threads=1)
         async with app.run_test(size=(80, 24)) as pilot:
-            await wait_for(pilot, lambda: isinstance(app.screen, ModelPathDialog), timeout=30, what="dialog")
+            await wait_for(pilot, lambda: isinstance(app.screen, ModelPathDialog) and app.screen.focused is not None,
+                           timeout=30, what="dialog")
             assert app.session.model is None and app.is_running
+            assert "Could not load the model" in str(app.screen.query_one("#model-message").render())
 
     run(go())
 

@@ -110,6 +110,9 @@ class ModelPathDialog(ModalScreen[str | None]):
         self.message = message
         self.current = current or ""
         self.models = packaged_models() if models is None else models
+        # Screen applies AUTO_FOCUS once its children are mounted; focusing from on_mount instead races with an
+        # app that is shutting down while the dialog is still being composed.
+        self.AUTO_FOCUS = "#model-list" if self.models and not self.current else "#model-path"
 
     def compose(self) -> ComposeResult:
         with Vertical(id="model-box", classes="dialog"):
@@ -129,12 +132,6 @@ class ModelPathDialog(ModalScreen[str | None]):
                 yield Label("…or the path of a GGUF file:")
             yield Input(value=self.current, placeholder="path to a GGUF Mixture-of-Experts model", id="model-path")
             yield Static("Enter opens it · Tab switches · Esc cancels", classes="dialog-hint")
-
-    def on_mount(self) -> None:
-        if self.models and not self.current:
-            self.query_one("#model-list").focus()
-        else:
-            self.query_one("#model-path").focus()
 
     @on(OptionList.OptionSelected, "#model-list")
     def picked(self, event: OptionList.OptionSelected) -> None:
