@@ -119,12 +119,10 @@ def _resolve_budget(text: str, model: str, threads) -> int:
     return offload.parse_size(text)
 
 
-def _auto_budget_here(decoder, offload, base, prompt: str, modes) -> int:
-    """This process's own resident memory plus one third of the model's expert bytes.
-
-    Resident memory = the anonymous pages this process charges to its cgroup + the non-expert weights
-    it pins (library code was paged in by the parent and is charged there). Measured after a warm-up in
-    every mode (start-up cost measurement, the naive drafter's second context, every graph shape)."""
+def _auto_budget_here(decoder, offload, cg, base, prompt: str, modes) -> int:
+    """What this process holds once warmed up in every mode (start-up cost measurement, the naive
+    drafter's second context, every graph shape), without the expert pages, plus a third of the
+    expert bytes (engine.offload.auto_budget_bytes)."""
     from dataclasses import replace
 
     from ..engine.bench import mode_config
@@ -132,10 +130,7 @@ def _auto_budget_here(decoder, offload, base, prompt: str, modes) -> int:
     for mode in modes:
         for _ in decoder.generate(prompt, replace(mode_config(mode, base), n_predict=8, stop_at_eos=False)):
             pass
-    anon = offload.process_anon_bytes()
-    emap = offload.expert_map(decoder.info.path)
-    held = anon + emap.non_expert_bytes
-    return int(held + (4 << 20) + held // 50 + emap.total_expert_bytes / 3)
+    return offload.auto_budget_bytes(cg, offload.expert_map(decoder.info.path))
 
 
 def _budget_rows(args, model: str, budget_text: str) -> list:
@@ -227,7 +222,7 @@ def run(args) -> int:
             from ..engine import offload
 
             if args.budget_label == "auto":
-                budget = _auto_budget_here(decoder, offload, base, prompts[0], modes)
+                budget = _auto_budget_here(decoder, offload, inside, base, prompts[0], modes)
                 budgets_here = [f"auto ({offload.fmt_bytes(budget)})"]
             else:
                 budget = offload.parse_size(budgets[0])

@@ -246,6 +246,26 @@ def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: Ex
     return BudgetPlan(budget_bytes, anon_bytes, base_bytes, room - reserve, reserve, slack)
 
 
+AUTO_EXPERT_SHARE = 1 / 3
+
+
+def auto_budget_bytes(cg: "MemoryCgroup", emap: ExpertMap, share: float = AUTO_EXPERT_SHARE) -> int:
+    """`--budget auto` for a process already running inside `cg`, loaded and warmed up: everything the
+    cgroup holds now except the model's expert pages (anonymous memory, pinned weights, library and
+    Python file pages), plus `share` of the expert bytes as the expert cache, plus a little slack.
+
+    Counting what the cgroup really holds matters: a budget built from the anonymous memory alone left
+    the expert cache near zero (every expert missed on every token, measured) because the interpreter's
+    and libraries' file pages are charged to the same cgroup."""
+    mapping = ModelMapping(emap)
+    try:
+        resident = float((mapping.expert_residency() * emap.expert_bytes[:, None]).sum())
+    finally:
+        mapping.close()
+    held = max(0, cg.usage() - int(resident))
+    return int(held + share * emap.total_expert_bytes + max(1 << 20, held // 100))
+
+
 def process_anon_bytes(pid: int | str = "self") -> int:
     """Anonymous resident memory of a process (RssAnon)."""
     try:
@@ -544,24 +564,35 @@ class Offloader:
             self.pinned_split["hot_experts"] += self.map.pin_experts(hot)
         return dict(self.pinned_split)
 
+    def unpinned_non_expert(self) -> list[tuple[int, int]]:
+        """File ranges of non-expert tensors that pinning leaves to the page cache (the token embedding
+        table when a separate output matrix exists): read one row per token, at random."""
+        pinned = set(self.emap.pinnable())
+        return [r for r in self.emap.non_expert if r not in pinned and r[1] > 0]
+
     def advise_fault_readahead(self, random: bool) -> int:
-        """madvise(MADV_RANDOM or MADV_NORMAL) on llama.cpp's mapping of the expert tensors: with RANDOM a
-        fault reads only the faulting page instead of a whole read-around window. Returns bytes advised."""
+        """madvise llama.cpp's mapping of the model so that a page fault reads only the faulting page
+        (MADV_RANDOM) instead of a read-around window (read_ahead_kb, up to MiBs): on the unpinned
+        embedding table always — one token's row is a few hundred bytes, and a window around it reads
+        (and makes room for) MiBs of neighbouring experts every step; on the expert tensors when
+        `random`, else they get MADV_NORMAL back. Returns the bytes advised RANDOM."""
         lo = int(self.emap.ranges[..., 0][self.emap.ranges[..., 1] > 0].min())
         hi = int((self.emap.ranges[..., 0] + self.emap.ranges[..., 1]).max())
+        spans = [(o, o + n, MADV_RANDOM) for o, n in self.unpinned_non_expert()]
+        spans.append((lo, hi, MADV_RANDOM if random else MADV_NORMAL))
         total = 0
         for addr, length, foff in model_mappings(self.emap.path, exclude=self.map.addr):
-            a = max(lo, foff)
-            b = min(hi, foff + length)
-            if b <= a:
-                continue
-            start = addr + (a - foff)
-            start_al = (start + PAGE - 1) // PAGE * PAGE
-            end_al = (addr + (b - foff)) // PAGE * PAGE
-            if end_al > start_al and self.map.c.lib.madvise(start_al, end_al - start_al,
-                                                          MADV_RANDOM if random else MADV_NORMAL) == 0:
-                total += end_al - start_al
-        self.fault_readahead = "off" if random and total else "default"
+            for s_lo, s_hi, advice in spans:
+                a, b = max(s_lo, foff), min(s_hi, foff + length)
+                if b <= a:
+                    continue
+                # whole pages only, and only inside the span: a page shared with a pinned tensor is resident
+                start_al = (addr + (a - foff) + PAGE - 1) // PAGE * PAGE
+                end_al = (addr + (b - foff)) // PAGE * PAGE
+                if end_al > start_al and self.map.c.lib.madvise(start_al, end_al - start_al, advice) == 0 \
+                        and advice == MADV_RANDOM:
+                    total += end_al - start_al
+        self.fault_readahead = "off" if random else ("embeddings-off" if total else "default")
         return total
 
     def before_verify(self, predicted: np.ndarray) -> None:
@@ -891,8 +922,8 @@ def attach_offloading(decoder, budget_bytes: int | None, hot_ranked=(), *, prefe
         slab = int(off.emap.ranges[..., 1].max())
         window = read_ahead_bytes(off.emap.path)
         choice = os.environ.get("S2MOE_FAULT_READAHEAD", "auto")  # auto | off | default (experiments)
-        if choice == "off" or (choice == "auto" and slab * 4 <= window):
-            off.advise_fault_readahead(random=True)
+        if choice != "default":
+            off.advise_fault_readahead(random=choice == "off" or slab * 4 <= window)
     decoder.before_verify = off.before_verify  # counts predicted-expert hits; madvises only if prefetch
     if hasattr(decoder, "residency_probe"):
         decoder.residency_probe = off.residency

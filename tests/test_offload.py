@@ -238,7 +238,7 @@ def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_mo
     try:
         assert model_mappings(tiny_models["olmoe"], exclude=off.map.addr)  # llama.cpp's own mapping
         assert off.advise_fault_readahead(random=True) > 0 and off.fault_readahead == "off"
-        assert off.advise_fault_readahead(random=False) > 0 and off.fault_readahead == "default"
+        assert off.advise_fault_readahead(random=False) > 0 and off.fault_readahead == "embeddings-off"
     finally:
         off.close()
     assert decoders["olmoe"].generate is not None  # the decoder still works after the advice
@@ -286,3 +286,77 @@ def test_offloading_adds_residency_snapshots_to_the_event_stream(tiny_models):
         off.close()
     finally:
         d.close()
+
+
+def _random_read_flags(path, offsets):
+    """For each file offset: does llama.cpp's mapping of `path` carry MADV_RANDOM ("rr") there?"""
+    import os
+    from pathlib import Path
+
+    target, vmas, cur = os.path.realpath(path), [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+            a, b = (int(x, 16) for x in head[0].split("-"))
+            cur = [a, b, int(head[2], 16), head[-1] == target, ""]
+            vmas.append(cur)
+        elif line.startswith("VmFlags:") and cur is not None:
+            cur[4] = line
+    mine = [v for v in vmas if v[3]]
+    out = []
+    for off in offsets:
+        hits = [" rr" in v[4] for v in mine if v[2] <= off < v[2] + (v[1] - v[0])]
+        out.append(any(hits))
+    return out
+
+
+def test_a_fault_in_the_embedding_table_reads_one_page_not_a_window(decoders, tiny_models):
+    """A token's embedding row is a few hundred bytes; the kernel's read-around window (up to MiBs)
+    around a fault there read neighbouring experts every step and thrashed the expert cache (measured:
+    4× slower plain decoding under a budget). The unpinned table is advised MADV_RANDOM; the experts
+    only when asked."""
+    path = tiny_models["olmoe"]
+    off = Offloader(path)
+    try:
+        names = dict(zip(off.emap.non_expert_names, off.emap.non_expert))
+        assert off.unpinned_non_expert() == [names["token_embd.weight"]]
+        o, n = names["token_embd.weight"]
+        embd_page = (o + 4095) // 4096 * 4096
+        assert embd_page + 4096 <= o + n
+        e_off, e_len = (int(x) for x in off.emap.ranges[0, 0, 0])
+        expert_page = (e_off + 4095) // 4096 * 4096
+        assert expert_page + 4096 <= e_off + e_len
+
+        assert off.advise_fault_readahead(random=False) >= 4096
+        assert _random_read_flags(path, [embd_page, expert_page]) == [True, False]
+        assert off.fault_readahead == "embeddings-off"
+        off.advise_fault_readahead(random=True)
+        assert _random_read_flags(path, [embd_page, expert_page]) == [True, True]
+    finally:
+        off.advise_fault_readahead(random=False)
+        off.close()
+
+
+def test_auto_budget_counts_what_the_cgroup_holds_except_expert_pages(tiny_models):
+    class FakeCgroup:  # only usage() is read
+        def __init__(self, usage):
+            self._usage = usage
+
+        def usage(self):
+            return self._usage
+
+    from s2moe.engine.offload import ModelMapping, auto_budget_bytes
+
+    em = expert_map(tiny_models["olmoe"])
+    with open(tiny_models["olmoe"], "rb") as f:  # every expert page resident
+        f.read()
+    mapping = ModelMapping(em)
+    try:
+        resident = float((mapping.expert_residency() * em.expert_bytes[:, None]).sum())
+    finally:
+        mapping.close()
+    assert resident == pytest.approx(em.total_expert_bytes, rel=0.05)
+    usage = 50 << 20
+    budget = auto_budget_bytes(FakeCgroup(usage), em, share=1 / 3)
+    held = usage - resident
+    assert held + em.total_expert_bytes / 3 < budget <= held + em.total_expert_bytes / 3 + max(1 << 20, held / 100) + 4096
