@@ -11,6 +11,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--profile", help="device profile name or YAML path (cost constants); measured at start-up if absent")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for the engine (default: all cores but one, which the UI needs)")
     p.add_argument("--ctx", type=positive_int, default=2048, help="context window in tokens")
+    p.add_argument("--budget", help="memory budget (SIZE such as 80M, or auto = what the app holds + a third of "
+                                    "the expert bytes): run inside a memory cgroup of that size, experts offloaded")
     p.set_defaults(run=run)
 
 
@@ -41,10 +43,37 @@ def build_app(args):
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise ConfigError("--threads must be at least 1")
     return S2MoEApp(model, profile=args.profile, n_threads=args.threads, n_ctx=getattr(args, "ctx", 2048),
-                    model_message=message)
+                    model_message=message, budget=getattr(args, "budget", None))
+
+
+def _budget_bytes(text: str) -> int | None:
+    """None for auto (sized by the app itself once the model is loaded), else the size in bytes."""
+    from ..engine.offload import parse_size
+
+    return None if text == "auto" else parse_size(text)
 
 
 def run(args) -> int:
+    budget = getattr(args, "budget", None)
+    if budget is not None:
+        import sys
+
+        from ..engine import offload
+        from ..engine.errors import ConfigError
+
+        size = _budget_bytes(budget)  # a bad size is a one-line error before anything starts
+        if offload.current_budget_cgroup() is None:
+            app = build_app(args)  # validates the model path and profile in this process
+            model = app.session.model_path
+            if model is None:
+                raise ConfigError("--budget needs a model file (--model PATH, or the shipped model)")
+            try:
+                # auto: a generous limit until the app, loaded and warmed up, sets its own
+                return offload.run_under_budget([sys.executable, "-m", "s2moe.app.cli", *args._argv],
+                                                size if size is not None else 64 << 30, model, tag="app",
+                                                described=None if size is None else budget)
+            except offload.BudgetUnavailable as e:
+                raise ConfigError(str(e)) from None
     app = build_app(args)
     app.run()
     return app.return_code or 0

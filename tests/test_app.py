@@ -15,6 +15,8 @@ from s2moe.app.tui.chat import ChatScreen
 from s2moe.app.tui.dialogs import HelpScreen, ModelPathDialog
 from s2moe.app.tui.session import (BONUS, CORRECTION, DRAFT, REJECTED, TARGET, ChatSettings, parse_bytes,
                                    segments_of)
+from s2moe.engine.errors import ConfigError
+from s2moe.engine.offload import MemoryCgroup
 
 
 def run(coro):
@@ -29,12 +31,12 @@ async def wait_for(pilot, cond, timeout=30.0, what="condition"):
         await pilot.pause(0.02)
 
 
-def fake_app(delay: float = 0.0, endless: bool = False, **kw):
+def fake_app(delay: float = 0.0, endless: bool = False, residency: bool = False, **kw):
     """The app on a scripted decoder (deterministic events, no model file)."""
     decoders = []
 
     def factory(path):
-        decoder = FakeDecoder(path, delay=delay, endless=endless)
+        decoder = FakeDecoder(path, delay=delay, endless=endless, residency=residency)
         decoders.append(decoder)
         return decoder
 
@@ -60,6 +62,80 @@ def test_segments_mark_how_each_token_was_produced():
     assert [s.text for s in texts] == [VOCAB[3], VOCAB[12] + VOCAB[13], VOCAB[4]]
     plain = list(scripted_events("ar"))[2]
     assert [s.kind for s in segments_of(plain, dec.detokenize, dec.piece_text)] == [TARGET]
+
+
+def test_residency_snapshots_feed_the_residency_plot():
+    async def go():
+        app = fake_app(residency=True)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            assert {p.id: p.points for p in chat.live.plots}["plot-residency"] == 0  # nothing before offloading
+            await type_prompt(pilot, "hello")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, what="generation")
+            chat.flush()
+            state = chat.live.state
+            assert state.resident == [pytest.approx(1 / 8 + 7 / 8 * 0.25)] * 4
+            assert state.pinned == [pytest.approx(1 / 8)] * 4
+            assert state.hit_rate == [0.5, 0.75, None, 1.0]
+            assert {p.id: p.points for p in chat.live.plots}["plot-residency"] == 4
+
+    run(go())
+
+
+def test_app_budget_flag_errors_are_one_line(tiny_models, monkeypatch, capsys):
+    from s2moe.app.cli import main
+
+    rc = main(["app", "--model", str(tiny_models["olmoe"]), "--budget", "12Q"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "12Q" in err and err.count("\n") == 1
+    monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(tiny_models["olmoe"].parent / "missing"))
+    rc = main(["app", "--model", str(tiny_models["olmoe"]), "--budget", "auto"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: no memory cgroup") and "systemd-run" in err and err.count("\n") == 1
+
+
+def test_a_session_outside_its_cgroup_refuses_to_offload(tiny_models):
+    from s2moe.app.tui.session import EngineSession
+
+    session = EngineSession(str(tiny_models["olmoe"]), n_threads=1, n_ctx=128, budget="auto")
+    with pytest.raises(ConfigError, match="not running inside its memory cgroup"):
+        session.load()
+    assert session.decoder is None  # nothing half-loaded stays behind
+
+
+SESSION_UNDER_BUDGET = """
+import sys
+from s2moe.app.tui.session import ChatSettings, EngineSession
+from s2moe.engine.events import ResidencySnapshot
+session = EngineSession(sys.argv[1], n_threads=1, n_ctx=128, budget=sys.argv[2])
+events = []
+session.generate("hello", ChatSettings(mode="s2moe", n_predict=20), lambda ev, view: events.append(ev))
+snaps = [e for e in events if isinstance(e, ResidencySnapshot)]
+print(session.budget_label(), len(snaps), session.decoder.rt.hook is not None, session.offloader is not None)
+session.close()
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+@pytest.mark.parametrize("budget", ["auto", "300M"])
+def test_the_apps_engine_session_offloads_inside_a_real_cgroup(tiny_models, tmp_path, budget):
+    import subprocess
+    import sys
+
+    script = tmp_path / "session.py"
+    script.write_text(SESSION_UNDER_BUDGET)
+    cg = MemoryCgroup.create(1 << 30, "test-app")
+    try:
+        proc = cg.popen([sys.executable, str(script), str(tiny_models["olmoe"]), budget],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        cg.remove()
+    assert proc.returncode == 0, stderr[-2000:]
+    label, n_snaps, hooked, offloaded = stdout.split()[-4:]
+    assert stdout.startswith("budget ") and (("(auto)" in stdout) == (budget == "auto"))
+    assert int(n_snaps) >= 1 and offloaded == "True"
 
 
 def test_parse_bytes():

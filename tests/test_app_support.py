@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from s2moe.engine.events import CostConstants, DraftCandidate, Finished, Iteration, Prefilled, Started
+from s2moe.engine.events import (CostConstants, DraftCandidate, Finished, Iteration, Prefilled, ResidencySnapshot,
+                                 Started)
 
 VOCAB = {i: w for i, w in enumerate(
     [" The", " cat", " sat", " on", " the", " mat", ".", " It", " was", " warm", " and", " soft", " dog",
@@ -89,8 +90,10 @@ def scripted_events(mode: str = "s2moe", repeat: int = 1, utility: bool = True, 
 class FakeDecoder:
     """Stands in for engine.decoder.Decoder: the scripted iterations, forever if `endless`."""
 
-    def __init__(self, path: str = "fake-moe.gguf", *, delay: float = 0.0, endless: bool = False):
+    def __init__(self, path: str = "fake-moe.gguf", *, delay: float = 0.0, endless: bool = False,
+                 residency: bool = False):
         self.info = FakeInfo()
+        self.residency = residency  # emit ResidencySnapshot events, as an offloading decoder does
         self.delay = delay
         self.endless = endless
         self.closed = False
@@ -122,6 +125,14 @@ class FakeDecoder:
                 tokens.extend(it.committed)
                 n += 1
                 yield it
+                if self.residency and n % 2 == 1:
+                    shape = (self.info.n_layer, self.info.n_expert)
+                    resident = np.full(shape, 0.25)
+                    resident[:, 0] = 1.0
+                    pinned = np.zeros(shape, bool)
+                    pinned[:, 0] = True
+                    hit = np.array([0.5, 0.75, float("nan"), 1.0])
+                    yield ResidencySnapshot(n, resident, pinned, hit)
             else:
                 if self.endless:
                     continue

@@ -46,10 +46,10 @@ class S2MoEApp(App):
 
     def __init__(self, model_path: str | None = None, *, profile: str | None = None, n_threads: int | None = None,
                  n_ctx: int = 2048, model_message: str | None = None, modules: dict | None = None,
-                 load_on_start: bool = True, decoder_factory=None):
+                 load_on_start: bool = True, decoder_factory=None, budget: str | None = None):
         super().__init__()
         self.session = EngineSession(model_path, n_threads=n_threads, n_ctx=n_ctx, profile=profile,
-                                     decoder_factory=decoder_factory)
+                                     decoder_factory=decoder_factory, budget=budget)
         self.model_message = model_message
         self.load_on_start = load_on_start
         self._modules = modules or {}
@@ -129,6 +129,7 @@ class S2MoEApp(App):
 
             label = f"{Path(s.model_path).name} · loading…" if self.model_loading else Path(s.model_path).name
         label += f" · profile {s.profile_name}" if s.profile_name else ""
+        label += f" · {s.budget_label()}" if s.budget else ""
         return label
 
     @property
@@ -136,7 +137,8 @@ class S2MoEApp(App):
         s = self.session
         if s.model is None:
             return self.model_label
-        return s.model.short() + (f" · profile {s.profile_name}" if s.profile_name else "")
+        return (s.model.short() + (f" · profile {s.profile_name}" if s.profile_name else "")
+                + (f" · {s.budget_label()}" if s.budget else ""))
 
     def register_view(self, screen) -> None:
         if screen not in self._views:

@@ -275,7 +275,7 @@ class ChatScreen(Screen):
             post(self, JobEnded("generate"))
 
     def on_engine_event(self, message: EngineEvent) -> None:
-        from ...engine.events import Finished, Iteration, Prefilled, Started
+        from ...engine.events import Finished, Iteration, Prefilled, ResidencySnapshot, Started
 
         event = message.event
         turn = self._turn
@@ -294,6 +294,8 @@ class ChatScreen(Screen):
             if turn is not None and message.view is not None:
                 turn.add(message.view.segments)
                 turn.status = f"{live.tokens} tokens…"
+        elif isinstance(event, ResidencySnapshot):
+            live.residency(event)
         elif isinstance(event, Finished):
             live.finish(event)
             tps = event.n_tokens / event.seconds if event.seconds > 0 else 0.0

@@ -45,6 +45,11 @@ class LiveState:
     gated_moves: int = 0
     experts_loaded: float = 0.0   # distinct experts of multi-token verifications (summed over layers)
     experts_useful: float = 0.0   # ... of which the committed rows needed (the rest was loaded for rejects)
+    # expert offloading (s2moe app --budget): per layer, share of expert bytes in memory, share pinned,
+    # and the hit rate of the draft-predicted experts at verification (None: no lookups yet)
+    resident: list[float] | None = None
+    pinned: list[float] | None = None
+    hit_rate: list[float | None] | None = None
     t0: float | None = None
     finished: str = ""
     final_tok_per_s: float | None = None
@@ -53,8 +58,10 @@ class LiveState:
     def start(self, started, t: float, session_stats=None) -> None:
         cfg = started.config or {}
         ar_ref, version = self.ar_reference, self.version
+        residency = self.resident, self.pinned, self.hit_rate
         self.__init__()  # type: ignore[misc]
         self.ar_reference, self.version = ar_ref, version  # the version only ever grows
+        self.resident, self.pinned, self.hit_rate = residency  # memory outlives one generation
         self.mode = started.mode
         self.n_layer = started.n_layer
         self.k = started.k
@@ -105,6 +112,14 @@ class LiveState:
         if self.t0 is not None and t > self.t0:
             self.speed.append((t - self.t0, self.tokens / (t - self.t0)))
         del self.rollbacks[:-MAX_POINTS], self.accept[:-MAX_POINTS], self.speed[:-MAX_POINTS]
+        self.version += 1
+
+    def residency(self, snap) -> None:
+        import math
+
+        self.resident = [float(x) for x in snap.resident.mean(axis=1)]
+        self.pinned = [float(x) for x in snap.pinned.mean(axis=1)]
+        self.hit_rate = [None if math.isnan(h) else float(h) for h in snap.hit_rate]
         self.version += 1
 
     def finish(self, finished) -> None:
@@ -268,6 +283,25 @@ class RollbackPlot(LivePlot):
         return len(s.rollbacks)
 
 
+class ResidencyPlot(LivePlot):
+    TITLE = "Experts in memory per layer"
+
+    def plot_data(self, s):
+        plt = self.plt
+        if s.resident is None:
+            plt.title(f"{self.TITLE} (with --budget)")
+            return 0
+        labels = [str(i) for i in range(len(s.resident))]
+        hits = [h for h in (s.hit_rate or []) if h is not None]
+        if hits and len(hits) == len(s.resident):
+            plt.multiple_bar(labels, [s.resident, hits], labels=["resident", "draft-predicted hit"])
+        else:
+            plt.multiple_bar(labels, [s.resident, s.pinned or [0.0] * len(labels)], labels=["resident", "pinned"])
+        plt.ylim(0, 1)
+        plt.xlabel("layer · share of experts")
+        return len(labels)
+
+
 class LivePanel(VerticalScroll):
     """Stats and plots of the current generation. Focusable so the keyboard can scroll it."""
 
@@ -285,6 +319,7 @@ class LivePanel(VerticalScroll):
         yield SpeedPlot(id="plot-speed")
         yield AcceptPlot(id="plot-accept")
         yield RollbackPlot(id="plot-rollback")
+        yield ResidencyPlot(id="plot-residency")
 
     @property
     def plots(self) -> list[LivePlot]:

@@ -142,8 +142,12 @@ class EngineSession:
     """Owns the decoder. One engine job (load, generation, calibration, bench) at a time."""
 
     def __init__(self, model_path: str | None, *, n_threads: int | None = None, n_ctx: int = 2048,
-                 profile: str | None = None, decoder_factory: Callable | None = None):
+                 profile: str | None = None, decoder_factory: Callable | None = None, budget: str | None = None):
         self.model_path = str(model_path) if model_path else None
+        # "auto" or a size: the app runs inside a memory cgroup (s2moe app --budget) and offloads experts
+        self.budget = budget
+        self.budget_bytes: int | None = None
+        self.offloader = None
         self.n_threads = n_threads or ui_default_threads()
         self.n_ctx = n_ctx
         self.profile_name = profile
@@ -161,9 +165,7 @@ class EngineSession:
 
     def set_model(self, path: str) -> None:
         """Point at another model; it loads on the next job. Called with the lock free."""
-        if self.decoder is not None:
-            self.decoder.close()
-        self.decoder = None
+        self._close_decoder()
         self.model = None
         self.model_path = str(path)
         self.stats = SessionStats()
@@ -179,21 +181,70 @@ class EngineSession:
                 from ...engine.decoder import Decoder
 
                 self.decoder = Decoder(self.model_path, n_ctx=self.n_ctx, n_threads=self.n_threads,
-                                       max_draft=16)
+                                       max_draft=16, use_extra_bufts=self.budget is None)
+                if self.budget is not None:
+                    try:
+                        self._offload()
+                    except BaseException:
+                        self._close_decoder()
+                        raise
             info = self.decoder.info
             self.model = ModelSummary(info.name if getattr(info, "name", "") else Path(self.model_path).name,
                                       info.arch, info.n_layer, info.n_expert, info.n_expert_used, info.is_moe,
                                       info.fingerprint, info.file_bytes)
         return self.model
 
+    def _offload(self) -> None:
+        """Inside the app's memory cgroup: pin, prefetch, and size the budget (auto: after a warm-up)."""
+        from ...engine import offload
+        from ...engine.decoder import GenerationConfig
+
+        cg = offload.current_budget_cgroup()
+        if cg is None:
+            raise ConfigError("--budget: this app is not running inside its memory cgroup (start it with "
+                              "s2moe app --budget SIZE)")
+        decoder = self.decoder
+        hot = []
+        if self.profile_name:
+            from ...engine.profiles import hot_experts_for_model, load_profile
+
+            hot = hot_experts_for_model(load_profile(self.profile_name), decoder.info.fingerprint)
+        if self.budget == "auto":
+            warm = "def add(a, b):\n    return"
+            for mode in ("ar", "s2moe"):
+                for _ in decoder.generate(warm, GenerationConfig(mode=mode, n_predict=8, stop_at_eos=False)):
+                    pass
+            budget = offload.auto_budget_bytes(cg, offload.expert_map(decoder.info.path))
+        else:
+            budget = offload.parse_size(self.budget)
+        self.offloader, _ = offload.attach_offloading(decoder, budget, hot)
+        if self.budget == "auto":
+            cg.set_limit(budget)  # reclaims the warm-up's expert pages down to the budget
+            decoder._measured.clear()  # the warm-up measured resident costs
+        self.budget_bytes = budget
+
+    def budget_label(self) -> str:
+        if self.budget is None:
+            return ""
+        from ...engine.offload import fmt_bytes
+
+        size = fmt_bytes(self.budget_bytes) if self.budget_bytes else self.budget
+        return f"budget {size}" + (" (auto)" if self.budget == "auto" else "")
+
+    def _close_decoder(self) -> None:
+        if self.offloader is not None:
+            self.offloader.close()
+            self.offloader = None
+        if self.decoder is not None:
+            self.decoder.close()
+            self.decoder = None
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop any job and free the decoder (waits for the job to reach its next stop check)."""
         self.stop.set()
         if self.lock.acquire(timeout=timeout):
             try:
-                if self.decoder is not None:
-                    self.decoder.close()
-                    self.decoder = None
+                self._close_decoder()
             finally:
                 self.lock.release()
 
@@ -207,7 +258,8 @@ class EngineSession:
         from ...engine.profiles import cost_for_model, load_profile
 
         info = self.decoder.info
-        return cost_for_model(load_profile(self.profile_name), info.fingerprint, info.path.name)
+        return cost_for_model(load_profile(self.profile_name), info.fingerprint, info.path.name,
+                             offloaded=self.budget is not None)
 
     def config(self, settings: ChatSettings, cost=None):
         from ...engine.decoder import GenerationConfig
