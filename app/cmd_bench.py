@@ -97,15 +97,17 @@ def markdown(done) -> str:
                   f"α={q['alpha']}, |E*|={q['cap']}, {q['tokens']} tokens: perplexity ratio {q['ppl_ratio']:.4f}, "
                   f"top-1 agreement {q['top1_agreement']:.3f}, mean KL {q['mean_kl']:.4f}, reuse ratio "
                   f"{q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f} ({q['reuse_reduction']:.0%} lower)."]
-    if done.cost_model:
-        c = done.cost_model
-        lines += ["", "## Verification cost model", "",
-                  f"latency ≈ {c['intercept_s'] * 1e3:.3f} ms + {c['t_exp_s'] * 1e3:.4f} ms·experts + "
-                  f"{c['t_tok_s'] * 1e3:.3f} ms·tokens over {c['n']} verifications: R² {c['r2']:.3f}, "
-                  f"MAPE {c['mape']:.1%}."]
+    fits = ([("resident", done.cost_model)] if done.cost_model else []) + list(done.cost_model_by_budget.items())
+    if fits:
+        lines += ["", "## Verification cost model"]
+    for label, c in fits:
+        where = "fully resident" if label == "resident" else f"under budget {label}"
+        lines += ["", f"{where}: latency ≈ {c['intercept_s'] * 1e3:.3f} ms + {c['t_exp_s'] * 1e3:.4f} ms·experts + "
+                      f"{c['t_tok_s'] * 1e3:.3f} ms·tokens over {c['n']} verifications: R² {c['r2']:.3f}, "
+                      f"MAPE {c['mape']:.1%}."]
         plt.clear_figure()
         plt.scatter([x * 1e3 for x in c["measured_s"]], [x * 1e3 for x in c["predicted_s"]])
-        plt.title("verification latency: measured (x) vs predicted (y), ms")
+        plt.title(f"verification latency {where}: measured (x) vs predicted (y), ms")
         plt.plotsize(80, 20)
         plt.theme("clear")
         lines += ["", "```", plt.build(), "```"]
@@ -133,8 +135,9 @@ def _auto_budget_here(decoder, offload, cg, base, prompt: str, modes) -> int:
     return offload.auto_budget_bytes(cg, offload.expert_map(decoder.info.path))
 
 
-def _budget_rows(args, model: str, budget_text: str) -> list:
-    """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows."""
+def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict]:
+    """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
+    the budget's label and its verification cost-model fit."""
     import tempfile
     from pathlib import Path
 
@@ -163,7 +166,8 @@ def _budget_rows(args, model: str, budget_text: str) -> list:
         if rc != 0 or not out.exists():
             raise ConfigError(f"the benchmark under budget {budget_text} failed (exit {rc})")
         data = json.loads(out.read_text())
-    return [BenchRow(**r) for r in data["results"]]
+    rows = [BenchRow(**r) for r in data["results"]]
+    return rows, (rows[0].budget if rows else budget_text), data.get("cost_model") or {}
 
 
 def run(args) -> int:
@@ -207,12 +211,18 @@ def run(args) -> int:
 
         inside = offload.current_budget_cgroup()
         if inside is None:  # the parent: run each budget in its own cgroup, resident in this process
-            extra_rows = [row for b in budgets if b != "none" for row in _budget_rows(args, model, b)]
+            extra_rows, budget_fits = [], {}
+            for b in budgets:
+                if b != "none":
+                    rows, label, fit = _budget_rows(args, model, b)
+                    extra_rows += rows
+                    if fit:
+                        budget_fits[label] = fit
             budgets_here = ["none"] if "none" in budgets else []
         else:
             budgets_here = [args.budget_label or budgets[0]]
     else:
-        extra_rows, budgets_here = [], ["none"]
+        extra_rows, budgets_here, budget_fits = [], ["none"], {}
 
     done = None
     if budgets_here:
@@ -253,6 +263,7 @@ def run(args) -> int:
                                                                          "n_tokens": args.n_tokens})
     if inside is None:
         done.rows.extend(extra_rows)
+        done.cost_model_by_budget.update(budget_fits)
     if args.json_out:
         write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n")
     if inside is not None:
@@ -268,6 +279,8 @@ def run(args) -> int:
     if done.cost_model:
         c = done.cost_model
         print(f"cost model: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
+    for label, c in done.cost_model_by_budget.items():
+        print(f"cost model under budget {label}: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
     broken = [r.mode for r in done.rows if r.identical_expected and not r.lossless_ok]
     ties = sum(r.near_tie_divergences for r in done.rows if r.identical_expected)
     if ties:

@@ -83,10 +83,12 @@ class BenchDone:
     cost_model: dict
     machine: dict
     config: dict = field(default_factory=dict)
+    # the verification cost model fitted in each budgeted child run, by budget label
+    cost_model_by_budget: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"results": [asdict(r) for r in self.rows], "quality": self.quality, "cost_model": self.cost_model,
-                "machine": self.machine, "config": self.config}
+                "cost_model_by_budget": self.cost_model_by_budget, "machine": self.machine, "config": self.config}
 
 
 # -- prompt sets ------------------------------------------------------------------------------------

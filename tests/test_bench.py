@@ -140,7 +140,13 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
                            "--modes", "ar,s2moe", "--budget", "none,auto", "--no-quality", "--json", str(out_json)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    rows = json.loads(out_json.read_text())["results"]
+    data = json.loads(out_json.read_text())
+    rows = data["results"]
     budgets = [r["budget"] for r in rows]
     assert budgets[:2] == ["none", "none"] and all(b.startswith("auto (") for b in budgets[2:]) and len(rows) == 4
     assert all(r["n_tokens"] == 8 for r in rows)
+    # the child's own cost-model fit comes back, keyed by its budget label
+    assert list(data["cost_model_by_budget"]) == [budgets[2]]
+    fit = data["cost_model_by_budget"][budgets[2]]
+    assert fit["n"] >= 3 and math.isfinite(fit["r2"]) and fit["r2"] <= 1.0
+    assert f"cost model under budget {budgets[2]}: R²" in done.stdout
