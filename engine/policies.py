@@ -52,6 +52,9 @@ class StopRule:
     def observe_first(self, prob: float) -> None:
         """Sees the draft probability of each first draft token."""
 
+    def observe_first_experts(self, new_experts: int) -> None:
+        """Sees how many experts each first draft token adds to the verification (when routed)."""
+
 
 class FixedLength(StopRule):
     """Draft up to the cap, whatever it costs (`--no-utility`)."""
@@ -78,9 +81,12 @@ class UtilityStop(StopRule):
     def __init__(self, cost: CostConstants, threshold: float = 1.0, probe_every: int = 16, smoothing: float = 0.3):
         self.cost = cost
         self.threshold = threshold
-        # Before drafting, the first token's probability is unknown; a running estimate of it decides
-        # whether even one draft pass is likely to pay. Skipped iterations probe again now and then.
+        # Before drafting, the first token's probability and the experts it adds are unknown; running
+        # estimates of both decide whether even one draft pass is likely to pay (judging by the
+        # probability alone, an offloaded run drafted and discarded a first token on every iteration:
+        # each new expert is a fetch there). Skipped iterations probe again now and then.
         self.expected_first = 1.0
+        self.expected_first_experts = 0.0
         self.smoothing = smoothing
         self.probe_every = probe_every
         self._skipped = 0
@@ -93,7 +99,7 @@ class UtilityStop(StopRule):
         # Even a certain token that adds no expert must pay for its draft pass and its verify row.
         if self.utility(1.0, 0.0) < self.threshold:
             return False
-        if self.utility(self.expected_first, 0.0) >= self.threshold:
+        if self.utility(self.expected_first, self.expected_first_experts) >= self.threshold:
             return True
         self._skipped += 1
         if self._skipped >= self.probe_every:
@@ -103,6 +109,9 @@ class UtilityStop(StopRule):
 
     def observe_first(self, prob: float) -> None:
         self.expected_first += self.smoothing * (prob - self.expected_first)
+
+    def observe_first_experts(self, new_experts: int) -> None:
+        self.expected_first_experts += self.smoothing * (new_experts - self.expected_first_experts)
 
     def pre_reject(self, chain, prob):
         bound = self.utility(chain, 0.0)
@@ -180,6 +189,8 @@ class SelfDrafter(Drafter):
                 predicted[layers, r.orig[:, 0, :]] = True
                 new = (predicted & ~in_batch)[:, :n_expert].sum(axis=1)
                 read[layers, r.used[:, 0, :]] = True
+                if i == 0:
+                    self.rule.observe_first_experts(int(new.sum()))
             else:
                 predicted = None
             keep, utility = self.rule.keep(chain, prob, int(new.sum()))

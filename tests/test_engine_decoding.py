@@ -232,6 +232,24 @@ def test_utility_rule_learns_to_skip_drafts_that_rarely_pay():
     assert rule.worth_drafting()
 
 
+def test_utility_rule_also_learns_what_the_first_token_costs_in_experts():
+    """Offloaded, each new expert is a fetch: a likely first token that adds many experts does not pay,
+    and drafting it only to discard it costs a draft pass every iteration."""
+    from s2moe.engine.policies import UtilityStop
+
+    c = CostConstants(t_ar=1.0, c_draft=0.2, t_exp=0.05, t_tok=0.1, intercept=0.0, source="test")
+    rule = UtilityStop(c, probe_every=8)
+    for _ in range(10):
+        rule.observe_first(0.9)  # 0.9 / 0.3 ≥ 1 by probability alone
+    assert rule.worth_drafting()
+    for _ in range(10):
+        rule.observe_first_experts(20)  # 0.9 / (0.3 + 20·0.05) < 1
+    assert sum(rule.worth_drafting() for _ in range(32)) == 4
+    for _ in range(10):
+        rule.observe_first_experts(1)
+    assert rule.worth_drafting()
+
+
 def test_plain_steps_report_k_experts_per_layer_with_or_without_recording(decoders, arch):
     d = decoders[arch]
     k, n_layer = d.info.n_expert_used, d.info.n_layer
