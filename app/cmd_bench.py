@@ -115,7 +115,7 @@ def markdown(done) -> str:
 
 
 def _resolve_budget(text: str, model: str, threads) -> int:
-    """Bytes for a --budget entry; "auto" = what the process holds resident + a third of the expert bytes."""
+    """Bytes for a SIZE --budget entry ("auto" is sized by the budgeted child itself, see run())."""
     from ..engine import offload
 
     return offload.parse_size(text)
