@@ -121,10 +121,9 @@ def _resolve_budget(text: str, model: str, threads) -> int:
     return offload.parse_size(text)
 
 
-def _auto_budget_here(decoder, offload, cg, base, prompt: str, modes) -> int:
-    """What this process holds once warmed up in every mode (start-up cost measurement, the naive
-    drafter's second context, every graph shape), without the expert pages, plus a third of the
-    expert bytes (engine.offload.auto_budget_bytes)."""
+def _warm_up(decoder, base, prompt: str, modes) -> None:
+    """Run every mode briefly so that what `--budget auto` measures includes all of it (start-up cost
+    measurement, the naive drafter's second context, every graph shape)."""
     from dataclasses import replace
 
     from ..engine.bench import mode_config
@@ -132,7 +131,6 @@ def _auto_budget_here(decoder, offload, cg, base, prompt: str, modes) -> int:
     for mode in modes:
         for _ in decoder.generate(prompt, replace(mode_config(mode, base), n_predict=8, stop_at_eos=False)):
             pass
-    return offload.auto_budget_bytes(cg, offload.expert_map(decoder.info.path))
 
 
 def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict]:
@@ -231,15 +229,12 @@ def run(args) -> int:
         if inside is not None:
             from ..engine import offload
 
-            if args.budget_label == "auto":
-                budget = _auto_budget_here(decoder, offload, inside, base, prompts[0], modes)
+            auto = args.budget_label == "auto"
+            _, budget = offload.offload_in_cgroup(
+                decoder, inside, None if auto else offload.parse_size(budgets[0]), hot,
+                warm_up=lambda: _warm_up(decoder, base, prompts[0], modes))
+            if auto:
                 budgets_here = [f"auto ({offload.fmt_bytes(budget)})"]
-            else:
-                budget = offload.parse_size(budgets[0])
-            offload.attach_offloading(decoder, budget, hot)
-            if args.budget_label == "auto":
-                inside.set_limit(budget)  # reclaims cached expert pages down to the budget
-                decoder._measured.clear()  # the warm-up measured resident costs; measure again under the budget
         quality_texts = None if args.no_quality else prompts
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=not console.is_terminal) as progress:

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -931,6 +932,24 @@ def attach_offloading(decoder, budget_bytes: int | None, hot_ranked=(), *, prefe
     if jit_prefetch and hook is not None:
         hook.set_route(NativePrefetch(off.map))
     return off, plan
+
+
+def offload_in_cgroup(decoder, cg: "MemoryCgroup", budget: int | None, hot_ranked=(),
+                      warm_up: Callable[[], None] | None = None) -> tuple[Offloader, int]:
+    """Offload a decoder running inside its memory cgroup `cg`. budget None means auto: run `warm_up`
+    (every graph shape and buffer the run will need), size the budget from what the cgroup then holds
+    (auto_budget_bytes), and lower the limit to it once pinning is in place. Returns the offloader and
+    the budget in bytes."""
+    auto = budget is None
+    if auto:
+        if warm_up is not None:
+            warm_up()
+        budget = auto_budget_bytes(cg, expert_map(decoder.info.path))
+    off, _ = attach_offloading(decoder, budget, hot_ranked)
+    if auto:
+        cg.set_limit(budget)  # reclaims the warm-up's expert pages down to the budget
+        decoder._measured.clear()  # the warm-up measured resident costs; measure again under the budget
+    return off, budget
 
 
 def _rank_counts(ranked, emap: ExpertMap) -> np.ndarray:

@@ -209,18 +209,15 @@ class EngineSession:
             from ...engine.profiles import hot_experts_for_model, load_profile
 
             hot = hot_experts_for_model(load_profile(self.profile_name), decoder.info.fingerprint)
-        if self.budget == "auto":
-            warm = "def add(a, b):\n    return"
+
+        def warm_up():
             for mode in ("ar", "s2moe"):
-                for _ in decoder.generate(warm, GenerationConfig(mode=mode, n_predict=8, stop_at_eos=False)):
+                for _ in decoder.generate("def add(a, b):\n    return",
+                                          GenerationConfig(mode=mode, n_predict=8, stop_at_eos=False)):
                     pass
-            budget = offload.auto_budget_bytes(cg, offload.expert_map(decoder.info.path))
-        else:
-            budget = offload.parse_size(self.budget)
-        self.offloader, _ = offload.attach_offloading(decoder, budget, hot)
-        if self.budget == "auto":
-            cg.set_limit(budget)  # reclaims the warm-up's expert pages down to the budget
-            decoder._measured.clear()  # the warm-up measured resident costs
+
+        budget = None if self.budget == "auto" else offload.parse_size(self.budget)
+        self.offloader, budget = offload.offload_in_cgroup(decoder, cg, budget, hot, warm_up=warm_up)
         self.budget_bytes = budget
 
     def budget_label(self) -> str:
