@@ -114,13 +114,6 @@ def markdown(done) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _resolve_budget(text: str, model: str, threads) -> int:
-    """Bytes for a SIZE --budget entry ("auto" is sized by the budgeted child itself, see run())."""
-    from ..engine import offload
-
-    return offload.parse_size(text)
-
-
 def _warm_up(decoder, base, prompt: str, modes) -> None:
     """Run every mode briefly so that what `--budget auto` measures includes all of it (start-up cost
     measurement, the naive drafter's second context, every graph shape)."""
@@ -143,7 +136,7 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict]:
     from ..engine.bench import BenchRow
 
     # "auto" is sized inside the child, from what that very process holds once loaded (see run()).
-    budget = 64 << 30 if budget_text == "auto" else _resolve_budget(budget_text, model, args.threads)
+    budget = 64 << 30 if budget_text == "auto" else offload.parse_size(budget_text)
     with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, "-m", "s2moe.app.cli", "bench", "--model", model, "--prompts", args.prompts,
