@@ -442,6 +442,44 @@ def test_profiles_list_inspect_and_select(tmp_path, monkeypatch):
     run(go())
 
 
+def test_tables_drop_their_least_important_columns_when_narrow():
+    from s2moe.app.tui.widgets import Column, columns_that_fit
+
+    cols = (Column("a", "a", 10, 0), Column("b", "b", 10, 2), Column("c", "c", 10, 1),
+            Column("d", "d", 20, 3, min_width=6))
+    everything = columns_that_fit(cols, 100)
+    assert [(c.key, w) for c, w in everything] == [("a", 10), ("b", 10), ("c", 10), ("d", 20)]
+    # 12 per 10-wide column with padding: c outranks b; d shrinks into what is left instead of vanishing
+    assert [(c.key, w) for c, w in columns_that_fit(cols, 44)] == [("a", 10), ("b", 10), ("c", 10), ("d", 6)]
+    assert [(c.key, w) for c, w in columns_that_fit(cols, 30)] == [("a", 10), ("c", 10)]
+    assert [(c.key, w) for c, w in columns_that_fit(cols, 3)] == [("a", 10)]
+
+
+def test_profile_table_fits_its_width_and_regains_columns_when_wider(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    write_profiles(tmp_path)
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f4")
+            table = app.screen.query_one("#prof-table")
+            await wait_for(pilot, lambda: table.row_count > 0, what="rows")
+            narrow = [str(c.label) for c in table.columns.values()]
+            assert "name" in narrow and "this model" in narrow and "device" not in narrow
+            assert table.virtual_size.width <= table.scrollable_content_region.width
+            await pilot.resize_terminal(160, 40)
+            await wait_for(pilot, lambda: "device" in [str(c.label) for c in table.columns.values()],
+                           what="wide layout")
+            assert table.virtual_size.width <= table.scrollable_content_region.width
+            # the rows are rebuilt with the new columns, and the cursor stays on the same profile
+            names = [e.name for e in app.screen.entries]
+            assert table.get_row_at(table.cursor_row)[1] == names[table.cursor_row]
+
+    run(go())
+
+
 def test_a_profile_for_another_model_warns_and_falls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     folder = write_profiles(tmp_path)

@@ -7,19 +7,22 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import (Button, DataTable, Footer, Input, Label, ProgressBar, Select, SelectionList, Static,
-                             TextArea)
+from textual.widgets import Button, Footer, Input, Label, ProgressBar, Select, SelectionList, Static, TextArea
 from textual_plotext import PlotextPlot
 
 from ...engine.errors import ConfigError, S2MoEError
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import engine_modes
-from .widgets import NavBar
+from .widgets import Column, FittedTable, NavBar
 
 DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):"
 UNAVAILABLE = ("The benchmark is not available in this install (the module s2moe.engine.bench is missing). "
                "Chat (F2) shows each generation's speed live.")
 DEFAULT_MODES = ("ar", "s2moe")
+# fixed widths, so the table looks the same however rows arrive; at 80 columns the last ones give way
+TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2), Column("x_ar", "× ar", 5, 1),
+                 Column("accept", "accept", 6, 3), Column("draft", "draft", 5, 4), Column("reuse", "reuse", 5, 5),
+                 Column("rollbacks", "rollb.", 6, 7), Column("same", "= ar", 4, 6))
 
 
 def _fmt(v, spec=".2f", none="—"):
@@ -123,7 +126,7 @@ class BenchScreen(Screen):
             with Vertical(id="bench-out"):
                 yield ProgressBar(total=1, show_eta=False, id="bench-progress")
                 yield Static("", id="bench-status")
-                yield DataTable(id="bench-table", zebra_stripes=True, cursor_type="row")
+                yield FittedTable(TABLE_COLUMNS, id="bench-table", zebra_stripes=True, cursor_type="row")
                 yield BenchPlot(id="bench-plot")
                 yield BenchAcceptPlot(id="bench-accept-plot")
         yield Footer()
@@ -133,11 +136,6 @@ class BenchScreen(Screen):
         modes = self.query_one("#bench-modes", SelectionList)
         for m in self.mode_choices():
             modes.add_option((m, m, m in DEFAULT_MODES))
-        table = self.query_one(DataTable)
-        # fixed widths: the table looks the same however rows arrive
-        for label, width in (("mode", 10), ("tok/s", 7), ("× ar", 5), ("accept", 6), ("draft", 5), ("reuse", 5),
-                             ("rollb.", 6), ("= ar", 4)):
-            table.add_column(label, width=width)
         self.update_state()
 
     def adapt_to_model(self) -> None:
@@ -199,7 +197,7 @@ class BenchScreen(Screen):
             return
         self.rows = []
         self.done = None
-        self.query_one(DataTable).clear()
+        self.query_one(FittedTable).set_rows([])
         for plot in self.query(BenchPlot):
             plot.show_rows([])
         self.query_one("#bench-progress", ProgressBar).update(total=1, progress=0)
@@ -247,20 +245,16 @@ class BenchScreen(Screen):
             self.query_one("#bench-status", Static).update(status)
 
     def show_rows(self) -> None:
-        table = self.query_one(DataTable)
-        table.clear()
-        for r in self.rows:
-            identical = getattr(r, "identical_to_ar", None)
-            table.add_row(
-                r.mode if getattr(r, "budget", "none") in ("none", None) else f"{r.mode}@{r.budget}",
-                _fmt(r.tok_per_s, ".1f"),
-                _fmt(r.speedup_vs_ar),
-                _fmt(r.accept_len),
-                _fmt(r.draft_len),
-                _fmt(r.reuse_ratio),
-                str(r.rollbacks),
-                _fmt(identical, ".0%"),
-            )
+        self.query_one(FittedTable).set_rows([(None, {
+            "mode": _label(r),
+            "tok_s": _fmt(r.tok_per_s, ".1f"),
+            "x_ar": _fmt(r.speedup_vs_ar),
+            "accept": _fmt(r.accept_len),
+            "draft": _fmt(r.draft_len),
+            "reuse": _fmt(r.reuse_ratio),
+            "rollbacks": str(r.rollbacks),
+            "same": _fmt(getattr(r, "identical_to_ar", None), ".0%"),
+        }) for r in self.rows])
         for plot in self.query(BenchPlot):
             plot.show_rows(self.rows)
 

@@ -11,7 +11,11 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from .session import ProfileEntry, constants_table, list_profile_entries
-from .widgets import NavBar
+from .widgets import Column, FittedTable, NavBar
+
+TABLE_COLUMNS = (Column("active", "", 1, 0), Column("name", "name", 16, 1), Column("kind", "kind", 9, 3),
+                 Column("from", "from", 7, 4), Column("covers", "this model", 10, 2), Column("models", "models", 6, 6),
+                 Column("device", "device", 20, 5, min_width=10))
 
 
 class ProfilesScreen(Screen):
@@ -33,19 +37,15 @@ class ProfilesScreen(Screen):
         yield NavBar("profiles", id="navbar")
         yield Static(id="prof-active")
         with Horizontal(id="prof-body"):
-            yield DataTable(id="prof-table", cursor_type="row", zebra_stripes=True)
+            yield FittedTable(TABLE_COLUMNS, id="prof-table", cursor_type="row", zebra_stripes=True)
             with VerticalScroll(id="prof-detail-box"):
                 yield Static(id="prof-detail")
         yield Footer()
 
     def on_mount(self) -> None:
         self.app.register_view(self)
-        table = self.query_one(DataTable)
-        for label, width in (("", 1), ("name", 16), ("kind", 9), ("from", 7), ("this model", 10), ("models", 6),
-                             ("device", 20)):
-            table.add_column(label, width=width)
         self.action_reload()
-        table.focus()
+        self.query_one(FittedTable).focus()
 
     def adapt_to_model(self) -> None:
         self.fill()
@@ -63,18 +63,17 @@ class ProfilesScreen(Screen):
         self.fill()
 
     def fill(self) -> None:
-        table = self.query_one(DataTable)
-        row = table.cursor_row
-        table.clear()
         active = self.app.session.profile_name
         fp = self.fingerprint()
-        for e in self.entries:
-            covers = e.covers(fp) if fp else "?"
-            mark = "●" if e.name == active else ""
-            kind = e.kind if e.error is None else "invalid"
-            table.add_row(mark, e.name, kind, e.where, covers or "—", str(e.n_models), e.device, key=e.name)
-        if self.entries:
-            table.move_cursor(row=min(max(row, 0), len(self.entries) - 1))
+        self.query_one(FittedTable).set_rows([(e.name, {
+            "active": "●" if e.name == active else "",
+            "name": e.name,
+            "kind": e.kind if e.error is None else "invalid",
+            "from": e.where,
+            "covers": (e.covers(fp) if fp else "?") or "—",
+            "models": str(e.n_models),
+            "device": e.device,
+        }) for e in self.entries])
         self.show_active()
         self.show_detail()
 

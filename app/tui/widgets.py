@@ -1,11 +1,15 @@
-"""Widgets shared by the screens: the navigation bar, chat turns, the prompt input with history."""
+"""Widgets shared by the screens: the navigation bar, chat turns, the prompt input with history, tables that
+fit their width."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich.text import Text
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.widgets import Input, Static
+from textual.widgets import DataTable, Input, Static
 
 from .session import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, Segment
 
@@ -147,3 +151,77 @@ class PromptInput(Input):
         self._pos = max(0, min(len(self.history), self._pos + step))
         self.value = self.history[self._pos] if self._pos < len(self.history) else ""
         self.cursor_position = len(self.value)
+
+
+@dataclass(frozen=True)
+class Column:
+    """A FittedTable column. Lower `priority` is kept longer as the table narrows; a column with `min_width`
+    shrinks to the room left (down to that width) instead of being dropped."""
+
+    key: str
+    label: str
+    width: int
+    priority: int
+    min_width: int | None = None
+
+
+def columns_that_fit(columns: Sequence[Column], room: int, padding: int = 1) -> list[tuple[Column, int]]:
+    """The columns to show in `room` cells, in their display order, each with the width it gets.
+
+    Columns are admitted by priority; each costs its width plus the cell padding on both sides. The first
+    column (by priority) is always shown, so a very narrow table still says what its rows are."""
+    chosen: dict[str, int] = {}
+    left = room
+    for col in sorted(columns, key=lambda c: c.priority):
+        cost = col.width + 2 * padding
+        if cost <= left or not chosen:
+            chosen[col.key] = col.width
+        elif col.min_width is not None and col.min_width + 2 * padding <= left:
+            chosen[col.key] = left - 2 * padding
+        else:
+            continue
+        left -= chosen[col.key] + 2 * padding
+    return [(c, chosen[c.key]) for c in columns if c.key in chosen]
+
+
+class FittedTable(DataTable):
+    """A DataTable that shows the columns its width allows, most important first, instead of clipping the
+    right-hand ones off at 80 columns. Rows are given as dicts keyed by column key, so a re-layout can rebuild
+    them with whichever columns are shown."""
+
+    def __init__(self, columns: Sequence[Column], **kw):
+        super().__init__(**kw)
+        self.all_columns = tuple(columns)
+        self.shown: tuple[tuple[str, int], ...] = ()
+        self.row_data: list[tuple[str | None, dict]] = []
+
+    def set_rows(self, rows: Sequence[tuple[str | None, dict]]) -> None:
+        self.row_data = list(rows)
+        self._rebuild(force=True)
+
+    def on_resize(self) -> None:
+        self._rebuild(force=False)
+
+    def room(self) -> int:
+        scrollbar = self.styles.scrollbar_size_vertical if self.show_vertical_scrollbar else 0
+        return max(0, self.size.width - scrollbar)
+
+    def _rebuild(self, force: bool) -> None:
+        if self.size.width == 0:
+            return  # not laid out yet: the first resize fills the table
+        fitted = columns_that_fit(self.all_columns, self.room(), self.cell_padding)
+        shown = tuple((c.key, w) for c, w in fitted)
+        if shown == self.shown and not force:
+            return
+        row = self.cursor_row
+        self.clear(columns=shown != self.shown)
+        if shown != self.shown:
+            for col, width in fitted:
+                self.add_column(col.label, width=width, key=col.key)
+            self.shown = shown
+        for key, values in self.row_data:
+            self.add_row(*(values.get(k, "") for k, _ in shown), key=key)
+        if self.row_data:
+            self.move_cursor(row=min(max(row, 0), len(self.row_data) - 1))
+        # a vertical scrollbar appears only once the rows are laid out, and it takes room from the columns
+        self.call_after_refresh(self._rebuild, False)
