@@ -10,8 +10,10 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("calibrate", help="measure cost constants and hot experts; write a device profile")
     p.add_argument("--model", "-m", help="GGUF MoE model (default: the shipped model)")
-    p.add_argument("--budget", help="memory budget, e.g. 800M or 2G: hot experts are chosen to fit it and the "
-                                    "verification cost is also measured under it (needs a memory cgroup)")
+    p.add_argument("--budget", help="memory budget, e.g. 800M or 2G, or auto (what the process holds plus a third "
+                                    "of the expert bytes, as bench and app --budget auto): hot experts are chosen "
+                                    "to fit it and the verification cost is also measured under it (needs a "
+                                    "memory cgroup)")
     p.add_argument("--prompts", help="calibration prompts file (prompts separated by blank lines)")
     p.add_argument("--name", help="profile name (default: local); an existing user profile keeps its other models")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
@@ -46,7 +48,12 @@ def run(args) -> int:
     from ..engine.offload import parse_size
     from .cli import default_model
 
-    budget = parse_size(args.budget) if args.budget else None
+    from ..engine.calibrate import AUTO
+
+    if args.budget == AUTO:
+        budget = AUTO
+    else:
+        budget = parse_size(args.budget) if args.budget else None
     model = args.model or default_model()
     console = Console(stderr=True, highlight=False)
     out = Console(highlight=False)

@@ -44,6 +44,10 @@ from .profiles import SCHEMA_VERSION, check_name, find_profile, load_profile, sa
 DEFAULT_NAME = "local"
 DRAFT_TOPK = 2
 DRAFT_CAP = 8
+# budget_bytes="auto": the cold worker sizes the budget the way bench and the app do
+# (offload.offload_in_cgroup), starting under a limit that only guards against runaways
+AUTO = "auto"
+AUTO_START_LIMIT = 64 << 30
 DEFAULT_PROMPTS = (
     "The history of the printing press begins in the fifteenth century, when",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -249,7 +253,7 @@ def _cold_worker(cfg: dict) -> int:
     mmap-backed, pins non-expert weights, code and hot experts, and times verification batches."""
     from types import SimpleNamespace
 
-    from .offload import attach_offloading, current_budget_cgroup
+    from .offload import attach_offloading, current_budget_cgroup, offload_in_cgroup
     from .runtime import LlamaRuntime
 
     def emit(obj):
@@ -259,9 +263,19 @@ def _cold_worker(cfg: dict) -> int:
     info = read_model_info(cfg["model"])
     rt = LlamaRuntime(info, n_ctx=256, n_threads=cfg.get("threads"), max_verify_rows=cfg["cap"] + 1,
                       use_extra_bufts=False)
-    holder = SimpleNamespace(info=info, before_verify=None)  # what attach_offloading needs of a decoder
-    off, plan = attach_offloading(holder, cfg.get("budget"), [tuple(p) for p in cfg.get("hot", [])],
-                                  prefetch=False)
+    holder = SimpleNamespace(info=info, before_verify=None, _measured={})  # what offloading needs of a decoder
+    hot = [tuple(p) for p in cfg.get("hot", [])]
+    plan = None
+    if cfg.get("budget") is None:
+        # --budget auto: sized from what this process holds once every graph shape it will time has run
+        def warm_up():
+            time_steps(rt, cfg["k_draft"], 1, seed=4)
+            verify_samples(rt, cfg["cap"], seed=4, repeats=1, sizes=[cfg["cap"] + 1])
+
+        off, budget = offload_in_cgroup(holder, current_budget_cgroup(), None, hot, warm_up)
+        emit({"budget": budget})
+    else:
+        off, plan = attach_offloading(holder, cfg["budget"], hot, prefetch=False)
     pinned = dict(off.pinned_split)
     emit({"pinned": pinned})
     ar, draft = time_steps(rt, cfg["k_draft"], cfg["n_steps"], seed=5,
@@ -281,14 +295,16 @@ def _cold_worker(cfg: dict) -> int:
 
 
 def _run_cold(model_path, budget: int, cfg: dict):
-    """Generator (yields (done, total)): the cold worker in a fresh memory cgroup; returns its result."""
+    """Generator (yields (done, total)): the cold worker in a fresh memory cgroup; returns its result,
+    with the budget it ran under (cfg budget None: the worker sized it, and `budget` is only the start
+    limit)."""
     cg = MemoryCgroup.create(budget, "calibrate")
     proc = None
     try:
         drop_file_cache(model_path)
         argv = [sys.executable, "-m", "s2moe.engine.calibrate", "--cold-worker", json.dumps(cfg)]
         proc = cg.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        result, pinned = None, None
+        result, pinned, sized = None, None, None
         for line in proc.stdout:
             try:
                 msg = json.loads(line)
@@ -300,6 +316,8 @@ def _run_cold(model_path, budget: int, cfg: dict):
                 result = msg["result"]
             elif "pinned" in msg:
                 pinned = msg["pinned"]
+            elif "budget" in msg:
+                sized = budget = int(msg["budget"])
         rc = proc.wait()
         if result is None:
             err = (proc.stderr.read() or "").strip().splitlines()
@@ -308,6 +326,7 @@ def _run_cold(model_path, budget: int, cfg: dict):
                 why = (f"out of memory at the budget of {fmt_bytes(budget)} (pinned {fmt_bytes(sum((pinned or {}).values()))}); "
                        "raise --budget")
             raise RuntimeError(why)
+        result["budget"] = sized if sized is not None else budget
         return result
     finally:
         if proc is not None and proc.poll() is None:
@@ -333,8 +352,9 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
     from .runtime import LlamaRuntime, default_threads
 
     name = check_name(name or DEFAULT_NAME)
-    if budget_bytes is not None and budget_bytes <= 0:
-        raise ConfigError("--budget must be positive")
+    auto = budget_bytes == AUTO
+    if budget_bytes is not None and not auto and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
+        raise ConfigError("--budget must be a positive size or auto")
     info = read_model_info(model_path)
     if not info.is_moe:
         raise ModelError(f"{info.path.name} is a dense model: calibration measures Mixture-of-Experts costs")
@@ -406,7 +426,9 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
         hot = select_hot_experts(counts, eb, emap.total_expert_bytes // 2)
         plan = None
         fit_text = ""
-        if budget_bytes is not None:
+        if auto:
+            fit_text = " · how many fit is decided in step 5, once the budget is sized"
+        elif budget_bytes is not None:
             code = ModelMapping.resident_code_bytes()
             plan = plan_budget(budget_bytes, anon_bytes=process_anon_bytes(),
                                base_bytes=sum(n for _, n in emap.pinnable()) + code, emap=emap, k=info.n_expert_used)
@@ -434,14 +456,15 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
             rt = None
             cfg = {"model": str(info.path), "threads": threads, "k_draft": draft_topk, "cap": draft_cap,
                    "repeats": repeats, "n_steps": 4 * repeats, "n_samples": 0,
-                   "hot": [list(p) for p in hot], "budget": budget_bytes}
+                   "hot": [list(p) for p in hot], "budget": None if auto else budget_bytes}
             cfg["n_samples"] = len(_sizes(draft_cap)) * 3 * repeats
             try:
-                res = yield from live(_run_cold(info.path, budget_bytes, cfg), 5)
+                res = yield from live(_run_cold(info.path, AUTO_START_LIMIT if auto else budget_bytes, cfg), 5)
             except (BudgetUnavailable, RuntimeError) as e:
                 skip = f"failed: {e}"
                 res = None
             if res is not None:
+                budget_bytes = res["budget"]
                 cs = [tuple(s) for s in res["samples"]]
                 cfit = fit_verify_cost([s[0] for s in cs], [s[1] for s in cs], [s[2] for s in cs])
                 mfit = fit_miss_cost([s[0] for s in cs], [s[3] for s in cs], [s[1] for s in cs], [s[2] for s in cs])
@@ -460,7 +483,7 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
                         "pinned": res["pinned"]}
                 miss_rate = sum(s[3] for s in cs) / max(1.0, sum(s[0] for s in cs))
                 yield StepResult(5, STEPS[4][0],
-                                 f"under {fmt_bytes(budget_bytes)}: T_AR {res['t_ar'] * 1e3:.1f} ms · draft step "
+                                 f"under {fmt_bytes(budget_bytes)}{' (auto)' if auto else ''}: T_AR {res['t_ar'] * 1e3:.1f} ms · draft step "
                                  f"{res['c_draft'] * 1e3:.1f} ms · T_exp cold "
                                  f"{mfit.t_miss * 1e3:.3f} ms, warm {mfit.t_hit * 1e3:.3f} ms · T_tok "
                                  f"{mfit.t_tok * 1e3:.2f} ms · R² {mfit.r2:.3f} · MAPE {mfit.mape:.1%} · "
@@ -512,7 +535,8 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
             "at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
             "by": "s2moe calibrate",
             "threads": threads,
-            "budget_bytes": budget_bytes,
+            "budget_bytes": None if budget_bytes == AUTO else budget_bytes,
+            "budget_rule": "auto" if auto else ("given" if budget_bytes is not None else None),
             "load": "mmap, no CPU repacking" if budget_bytes is not None else "mmap, default buffers",
             "prompts": len(prompt_list),
             "t_exp_cold": cold_how,
@@ -527,7 +551,7 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
                 "name": device_name(threads),
                 "kind": "cpu",
                 "memory_bytes": memory_bytes(),
-                "budget_bytes": budget_bytes,
+                "budget_bytes": None if budget_bytes == AUTO else budget_bytes,
                 "memory_bandwidth_gb_s": round(mem_bw / 1e9, 3),
                 "storage_bandwidth_gb_s": round(sto_bw / 1e9, 3) if sto_bw else None,
             },

@@ -12,8 +12,10 @@ machine hit every arm alike):
     ar/wts, ar/hot-code   (not run by default) as ar/base, ar/hot without pinning library code
     spec/hot      self-speculation (fixed draft length, gating off: lossless), base + hot pinned, no prefetch
     spec/hot+pf   ... + prefetch of the draft's predicted experts (madvise WILLNEED)
-The default budget is what the process holds anyway (anonymous memory, measured in a probe run) + the
-pinned non-expert weights and library code + the plan's slack + one third of the expert bytes.
+The default budget is `--budget auto` of bench and the app (offload.auto_budget_bytes), measured once in a
+probe run with the non-expert weights and code pinned: everything its cgroup holds after decoding a few
+tokens (anonymous memory, pinned weights, library and interpreter file pages) except expert pages, plus one
+third of the expert bytes. Every arm then runs under that same budget.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _worker(cfg: dict) -> int:
 
     from .decoder import Decoder, GenerationConfig
     from .events import Summary
-    from .offload import attach_offloading, current_budget_cgroup, process_anon_bytes
+    from .offload import attach_offloading, auto_budget_bytes, current_budget_cgroup, expert_map, process_anon_bytes
 
     t0 = time.perf_counter()
     dec = Decoder(cfg["model"], n_ctx=256, n_threads=cfg["threads"], max_draft=8, use_extra_bufts=False)
@@ -66,7 +68,8 @@ def _worker(cfg: dict) -> int:
            "fault_readahead": off.fault_readahead,
            "prefetched_bytes": off.stats.prefetched_bytes,
            "peak": cg.peak() if cg else None, "split": cg.split() if cg else None,
-           "plan": plan.__dict__ if plan else None, "tokens": list(s.tokens)}
+           "plan": plan.__dict__ if plan else None, "tokens": list(s.tokens),
+           "auto_budget": auto_budget_bytes(cg, expert_map(cfg["model"])) if cg else None}
     print(json.dumps(out))
     off.close()
     dec.close()
@@ -97,19 +100,13 @@ def _run_arm(model, budget, cfg) -> dict:
 
 
 def auto_budget(model, threads=None) -> int:
-    """The offloaded regime's budget: what a decoding process holds with everything resident (probed in
-    a child process: anonymous memory, pinned non-expert weights and library code) plus one third of
-    the model's expert bytes, plus the plan's slack."""
-    from .offload import expert_map
-
-    emap = expert_map(model)
+    """The offloaded regime's budget (offload.auto_budget_bytes), measured in a child that decoded a few
+    tokens with the non-expert weights and library code pinned and no limit."""
     base = dict(model=str(model), threads=threads, tokens=4, draft_max=4, hot=[])
     probe = _run_arm(str(model), 64 << 30, dict(base, **ARMS["ar/base"], budget=None))
     if "error" in probe:
         raise RuntimeError(f"budget probe failed: {probe['error']}")
-    held = probe["anon"] + probe["pinned"]["non_expert"] + probe["pinned"]["code"]
-    budget = int(held + emap.total_expert_bytes / 3)
-    return budget + min(32 << 20, max(4 << 20, budget // 20))  # the plan's slack (offload.plan_budget)
+    return int(probe["auto_budget"])
 
 
 def main(argv=None) -> int:

@@ -120,6 +120,24 @@ def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
     assert block["fit_cold"]["n"] >= 9 and block["measured"]["t_exp_cold"] == "measured under the budget"
 
 
+@pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
+                    reason="no memory cgroup here")
+def test_auto_budget_is_sized_by_the_cold_worker(tiny_models, xdg):
+    from s2moe.engine.offload import expert_map
+
+    model = tiny_models["qwen3moe"]
+    events = _run(model, budget_bytes="auto", name="auto")
+    step = [e for e in events if isinstance(e, StepResult) and e.index == 5][0]
+    assert "skipped" not in step.data and "failed" not in step.summary, step.summary
+    block = load_profile("auto")["models"][read_model_info(model).fingerprint]
+    budget = load_profile("auto")["device"]["budget_bytes"]
+    assert block["measured"]["budget_rule"] == "auto" and block["measured"]["budget_bytes"] == budget
+    # what the worker held (far more than the tiny model's experts) plus a third of the expert bytes,
+    # and the run stayed under it
+    assert budget > expert_map(model).total_expert_bytes and step.data["peak"] <= budget
+    assert "(auto)" in step.summary
+
+
 def test_cli_calibrate(tiny_models, xdg, capsys, monkeypatch, tmp_path):
     from s2moe.app.cli import main
 
@@ -134,3 +152,8 @@ def test_cli_calibrate(tiny_models, xdg, capsys, monkeypatch, tmp_path):
     assert "profile written" in out.out and (xdg / "cli.yaml").is_file()
     assert main(["calibrate", "--model", str(tiny_models["olmoe"]), "--budget", "lots"]) == 2
     assert "invalid size" in capsys.readouterr().err
+    # auto without a cgroup: the budget step says why it was skipped, the rest is still measured
+    rc = main(["calibrate", "--model", str(tiny_models["olmoe"]), "--budget", "auto", "--no-save", "--threads", "1",
+               "--repeats", "1", "--prompts", str(prompts), "--no-plot"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "[5] budget: " in err and "[5] budget: skipped: no --budget" not in err

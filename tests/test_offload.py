@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import gguf
@@ -360,3 +361,27 @@ def test_auto_budget_counts_what_the_cgroup_holds_except_expert_pages(tiny_model
     budget = auto_budget_bytes(FakeCgroup(usage), em, share=1 / 3)
     held = usage - resident
     assert held + em.total_expert_bytes / 3 < budget <= held + em.total_expert_bytes / 3 + max(1 << 20, held / 100) + 4096
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_offload_bench_runs_every_arm_under_the_probed_auto_budget(tiny_models, tmp_path, capfd):
+    from s2moe.engine import offload_bench
+    from s2moe.engine.offload import expert_map
+
+    model = str(tiny_models["olmoe"])
+    budget = offload_bench.auto_budget(model, threads=1)
+    emap = expert_map(model)
+    # the expert cache share is inside it, on top of what the probe's process held
+    assert budget > emap.total_expert_bytes / 3
+    out = tmp_path / "ab.json"
+    rc = offload_bench.main(["--model", model, "--rounds", "1", "--tokens", "6", "--arms", "ar/base,spec/hot",
+                             "--budget", str(budget), "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["budget"] == budget
+    for arm in ("ar/base", "spec/hot"):
+        (run,) = res["results"][arm]
+        assert "error" not in run, run
+        assert run["tok_s"] > 0 and run["peak"] <= budget
+    # lossless speculation (gating off): the same tokens as plain decoding
+    assert res["results"]["spec/hot"][0]["tokens"] == res["results"]["ar/base"][0]["tokens"]

@@ -107,7 +107,7 @@ class CalibrateScreen(Screen):
                     yield Input(placeholder="e.g. my-laptop", id="cal-name")
                 with Horizontal(classes="form-row"):
                     yield Label("Memory budget", classes="form-label")
-                    yield Input(placeholder="none, or e.g. 800M (offloaded run)", id="cal-budget")
+                    yield Input(placeholder="e.g. auto, 800M", id="cal-budget")
                 with Horizontal(classes="button-row"):
                     yield Button("Run", variant="primary", id="cal-run")
                     yield Button("Stop", id="cal-stop")
@@ -172,7 +172,9 @@ class CalibrateScreen(Screen):
             return
         session = self.app.session
         try:
-            budget = parse_bytes(self.query_one("#cal-budget", Input).value)
+            raw = self.query_one("#cal-budget", Input).value
+            # auto: the engine sizes it inside the cgroup, as bench and the app do
+            budget = "auto" if raw.strip().lower() == "auto" else parse_bytes(raw)
         except S2MoEError as e:
             self.notify(str(e), severity="error")
             return
