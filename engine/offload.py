@@ -264,7 +264,9 @@ def auto_budget_bytes(cg: "MemoryCgroup", emap: ExpertMap, share: float = AUTO_E
     finally:
         mapping.close()
     held = max(0, cg.usage() - int(resident))
-    return int(held + share * emap.total_expert_bytes + max(1 << 20, held // 100))
+    # the slack absorbs what the heap still grows by in the first real generations (measured: ~1 MiB on
+    # the shipped model after a warm-up), so that the expert cache keeps its share
+    return int(held + share * emap.total_expert_bytes + max(2 << 20, held // 50))
 
 
 def process_anon_bytes(pid: int | str = "self") -> int:
@@ -944,10 +946,20 @@ def offload_in_cgroup(decoder, cg: "MemoryCgroup", budget: int | None, hot_ranke
     if auto:
         if warm_up is not None:
             warm_up()
-        budget = auto_budget_bytes(cg, expert_map(decoder.info.path))
+        emap = expert_map(decoder.info.path)
+        budget = auto_budget_bytes(cg, emap)  # provisional: sizes the hot-expert plan
     off, _ = attach_offloading(decoder, budget, hot_ranked)
     if auto:
-        cg.set_limit(budget)  # reclaims the warm-up's expert pages down to the budget
+        # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
+        # buffers: about 5 MiB on the shipped model) would otherwise come out of the expert cache.
+        budget = auto_budget_bytes(cg, emap)
+        try:
+            cg.set_limit(budget)  # reclaims the warm-up's expert pages down to the budget
+        except OSError as e:  # EBUSY: the kernel could not reclaim down to it
+            off.close()
+            raise ConfigError(f"cannot lower the memory limit to the auto budget {fmt_bytes(budget)}: the process "
+                              f"holds {fmt_bytes(cg.usage())} it cannot give back ({e.strerror}); give --budget "
+                              "a size instead") from None
         decoder._measured.clear()  # the warm-up measured resident costs; measure again under the budget
     return off, budget
 
