@@ -68,8 +68,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="layers to offload to the GPU in a CUDA/Metal/Vulkan build of llama.cpp (-1: all)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     # -- memory budget (issue 4) --
-    p.add_argument("--budget", help="memory budget, e.g. 800M or 2G: decode in a memory cgroup of that size with "
-                                    "experts offloaded to storage (pinned weights, hot experts, prefetch)")
+    p.add_argument("--budget", help="memory budget, e.g. 800M or 2G, or auto (what the process holds + a third of the "
+                                    "expert bytes): decode in a memory cgroup of that size with experts offloaded "
+                                    "to storage (pinned weights, hot experts, prefetch)")
 
 
 # Other subcommands live in their own modules (s2moe.app.cmd_*), each with add_parser(sub) and
@@ -146,11 +147,13 @@ def cmd_generate(args) -> int:
     if args.budget:
         from ..engine import offload
 
-        budget = offload.parse_size(args.budget)
+        budget = offload.parse_budget(args.budget)  # None: auto, sized inside the cgroup
         budget_cg = offload.current_budget_cgroup()
         if budget_cg is None:
             try:
-                return offload.run_under_budget([sys.executable, "-m", "s2moe.app.cli", *args._argv], budget, model)
+                return offload.run_under_budget([sys.executable, "-m", "s2moe.app.cli", *args._argv],
+                                                offload.AUTO_START_LIMIT if budget is None else budget, model,
+                                                described=None if budget is None else "")
             except offload.BudgetUnavailable as e:
                 raise ConfigError(str(e)) from None
     decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max),
@@ -160,9 +163,21 @@ def cmd_generate(args) -> int:
         from ..engine.profiles import hot_experts_for_model, load_profile
 
         hot = hot_experts_for_model(load_profile(args.profile), decoder.info.fingerprint) if args.profile else []
-        offloader, plan = offload.attach_offloading(decoder, budget, hot)
-        if plan is not None and not args.json:
-            print(plan.describe(), file=sys.stderr)
+        if budget is None:
+            from dataclasses import replace
+
+            def warm_up():  # every graph shape of this run, so that the budget counts them
+                short = replace(generation_config(args, decoder), n_predict=8, stop_at_eos=False)
+                for _ in decoder.generate(args.prompt, short):
+                    pass
+
+            offloader, budget = offload.offload_in_cgroup(decoder, budget_cg, None, hot, warm_up)
+            if not args.json:
+                print(f"budget auto: {offload.fmt_bytes(budget)}", file=sys.stderr)
+        else:
+            offloader, plan = offload.attach_offloading(decoder, budget, hot)
+            if plan is not None and not args.json:
+                print(plan.describe(), file=sys.stderr)
     # -- end memory budget --
     if not decoder.info.is_moe and args.mode == "ar":
         print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",

@@ -46,13 +46,6 @@ def build_app(args):
                     model_message=message, budget=getattr(args, "budget", None))
 
 
-def _budget_bytes(text: str) -> int | None:
-    """None for auto (sized by the app itself once the model is loaded), else the size in bytes."""
-    from ..engine.offload import parse_size
-
-    return None if text == "auto" else parse_size(text)
-
-
 def run(args) -> int:
     budget = getattr(args, "budget", None)
     if budget is not None:
@@ -61,7 +54,7 @@ def run(args) -> int:
         from ..engine import offload
         from ..engine.errors import ConfigError
 
-        size = _budget_bytes(budget)  # a bad size is a one-line error before anything starts
+        size = offload.parse_budget(budget)  # a bad size is a one-line error before anything starts
         if offload.current_budget_cgroup() is None:
             app = build_app(args)  # validates the model path and profile in this process
             model = app.session.model_path
@@ -70,7 +63,7 @@ def run(args) -> int:
             try:
                 # auto: a generous limit until the app, loaded and warmed up, sets its own
                 return offload.run_under_budget([sys.executable, "-m", "s2moe.app.cli", *args._argv],
-                                                size if size is not None else 64 << 30, model, tag="app",
+                                                size if size is not None else offload.AUTO_START_LIMIT, model, tag="app",
                                                 described=None if size is None else budget)
             except offload.BudgetUnavailable as e:
                 raise ConfigError(str(e)) from None

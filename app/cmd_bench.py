@@ -136,7 +136,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict]:
     from ..engine.bench import BenchRow
 
     # "auto" is sized inside the child, from what that very process holds once loaded (see run()).
-    budget = 64 << 30 if budget_text == "auto" else offload.parse_size(budget_text)
+    budget = offload.parse_budget(budget_text)
+    budget = offload.AUTO_START_LIMIT if budget is None else budget
     with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, "-m", "s2moe.app.cli", "bench", "--model", model, "--prompts", args.prompts,

@@ -37,17 +37,16 @@ from .costmodel import (Stopped, fit_miss_cost, fit_verify_cost, iter_time_steps
                         verify_samples)
 from .errors import ConfigError, ModelError
 from .model_info import read_model_info
-from .offload import (BudgetUnavailable, MemoryCgroup, ModelMapping, _rank_counts, drop_file_cache, expert_map,
-                      fmt_bytes, plan_budget, process_anon_bytes, select_hot_experts)
+from .offload import (AUTO_START_LIMIT, BudgetUnavailable, MemoryCgroup, ModelMapping, _rank_counts,
+                      drop_file_cache, expert_map, fmt_bytes, plan_budget, process_anon_bytes, select_hot_experts)
 from .profiles import SCHEMA_VERSION, check_name, find_profile, load_profile, save_profile as _save
 
 DEFAULT_NAME = "local"
 DRAFT_TOPK = 2
 DRAFT_CAP = 8
 # budget_bytes="auto": the cold worker sizes the budget the way bench and the app do
-# (offload.offload_in_cgroup), starting under a limit that only guards against runaways
+# (offload.offload_in_cgroup)
 AUTO = "auto"
-AUTO_START_LIMIT = 64 << 30
 DEFAULT_PROMPTS = (
     "The history of the printing press begins in the fifteenth century, when",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

@@ -46,6 +46,16 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40}
 
 
+# --budget auto: the process starts under this limit (a guard against runaways only), then sizes its own
+# budget once loaded and warmed up (offload_in_cgroup) and lowers the limit to it
+AUTO_START_LIMIT = 64 << 30
+
+
+def parse_budget(text: str) -> int | None:
+    """--budget: 'auto' → None (sized by the decoding process itself), else parse_size."""
+    return None if text.strip().lower() == "auto" else parse_size(text)
+
+
 def parse_size(text: str | int) -> int:
     """'800M', '1.5G', '300MiB', '2GB', '123456' → bytes (K/M/G alone are binary, as in `free`)."""
     if isinstance(text, int) and not isinstance(text, bool):

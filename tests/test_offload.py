@@ -178,6 +178,20 @@ def test_generate_under_a_real_budget(tiny_models, capfd):
     out = capfd.readouterr()
     assert rc == 0
     assert "memory budget 400.0 MiB: peak" in out.err and "pinned: weights" in out.err
+    # auto: the child sizes its own limit after a warm-up and reports it; same tokens as a resident run
+    rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "6", "--threads", "1",
+               "--budget", "auto", "--mode", "s2moe", "--ignore-eos", "--reuse-strength", "0", "--json"])
+    out = capfd.readouterr()
+    assert rc == 0, out.err
+    offloaded = json.loads(out.out.strip().splitlines()[-1])
+    assert main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "6", "--threads", "1",
+                 "--mode", "ar", "--ignore-eos", "--json"]) == 0
+    resident = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert offloaded["tokens"] == resident["tokens"]
+    rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "2", "--budget", "auto",
+               "--threads", "1"])
+    err = capfd.readouterr().err
+    assert rc == 0 and "budget auto: " in err and "memory budget " in err
 
 
 def test_miss_aware_fit_recovers_known_costs():
