@@ -269,7 +269,13 @@ def run(args) -> int:
         c = done.cost_model
         print(f"cost model: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
     for label, c in done.cost_model_by_budget.items():
-        print(f"cost model under budget {label}: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
+        line = f"cost model under budget {label}: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications"
+        m = c.get("miss_aware")
+        if m:
+            line += (f"; counting fetched experts ({m['miss_share']:.0%} of those read): R² {m['r2']:.3f}, "
+                     f"MAPE {m['mape']:.1%}, T_exp cold {m['t_exp_cold_s'] * 1e3:.3f} ms, "
+                     f"warm {m['t_exp_warm_s'] * 1e3:.3f} ms")
+        print(line)
     broken = [r.mode for r in done.rows if r.identical_expected and not r.lossless_ok]
     ties = sum(r.near_tie_divergences for r in done.rows if r.identical_expected)
     if ties:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .costmodel import fit_verify_cost
+from .costmodel import fit_miss_cost, fit_verify_cost
 from .decoder import Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
 from .events import Iteration, Summary
@@ -308,7 +308,9 @@ def run_bench(
                             if ev.verify_tokens >= 2:
                                 loaded += float(ev.verify_experts.sum())
                                 useful += float(ev.useful_experts.sum()) if ev.useful_experts is not None else 0.0
-                            cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify))
+                            misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
+                            cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
+                                                 misses))
                     decode_s = summary.seconds - summary.prefill_seconds
                     tokens_of[(name, pi)] = summary.tokens
                     acc = per.setdefault((name, budget), dict(
@@ -375,7 +377,7 @@ def run_bench(
                                      window=base.draft_max + 1)
         cost_model = {}
         if len(cost_samples) >= 3:
-            fit = fit_verify_cost(*zip(*cost_samples))
+            fit = fit_verify_cost(*list(zip(*cost_samples))[:3])
             measured = [s[2] for s in cost_samples]
             predicted = [float(x) for x in fit.predict([s[0] for s in cost_samples], [s[1] for s in cost_samples])]
             cost_model = {"intercept_s": fit.intercept, "t_exp_s": fit.t_exp, "t_tok_s": fit.t_tok, "r2": fit.r2,
@@ -385,6 +387,14 @@ def run_bench(
                 pred0 = np.array([startup.verify_cost(s[0], s[1]) for s in cost_samples])
                 y = np.array(measured)
                 cost_model["startup_constants_mape"] = float(np.mean(np.abs(y - pred0) / np.maximum(y, 1e-12)))
+            if all(smp[3] is not None for smp in cost_samples) and len(cost_samples) >= 4:
+                # offloaded: what a verification costs depends on how many of its experts had to be fetched
+                e, t, y, m = (np.array(v, float) for v in zip(*cost_samples))
+                mfit = fit_miss_cost(e, m, t, y)
+                cost_model["miss_aware"] = {"intercept_s": mfit.intercept, "t_exp_warm_s": mfit.t_hit,
+                                            "t_exp_cold_s": mfit.t_miss, "t_tok_s": mfit.t_tok, "r2": mfit.r2,
+                                            "mape": mfit.mape, "n": mfit.n, "miss_share": float(m.sum() / max(1.0, e.sum())),
+                                            "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000]}
         yield BenchDone(rows, quality, cost_model, machine_info(n_threads),
                         config={"model": str(dec.info.path), "n_tokens": n_tokens, "modes": list(modes),
                                 "budgets": budgets, "prompt_set": prompt_set, "n_prompts": len(prompts),

@@ -99,6 +99,9 @@ class Decoder:
         # Set by offloading (s2moe.engine.offload.attach_offloading): returns a residency snapshot with
         # resident/pinned/hit_rate; sampled every `residency_every` iterations (mincore over the file).
         self.residency_probe: Callable[[], object] | None = None
+        # Set by offloading: [n_layer, n_expert] bool of experts in memory, read just before each
+        # verification so that its event can say how many of the experts it read were fetched.
+        self.resident_experts: Callable[[], np.ndarray] | None = None
         self.residency_every = 8
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -241,9 +244,12 @@ class Decoder:
                     hook.off()
                 else:
                     hook.observe()
+            resident_before = (self.resident_experts() if self.resident_experts is not None and hook is not None
+                               and not plain_unobserved else None)
             t0 = time.perf_counter()
             logits = rt.decode(batch, m - 1, "all")
             t_verify = time.perf_counter() - t0
+            misses = None
             if plain_unobserved:
                 routing = None
                 verify_experts = self._moe_layers * k
@@ -253,7 +259,10 @@ class Decoder:
                 routing = hook.snapshot(len(batch))
                 if self._moe_layers is None:
                     self._moe_layers = (routing.rows > 0).astype(int)
-                verify_experts = routing.distinct_used(self.info.n_expert)
+                used = routing.used_mask(self.info.n_expert)
+                verify_experts = used.sum(axis=1)
+                if resident_before is not None:
+                    misses = (used & ~resident_before).sum(axis=1)
                 rows = np.maximum(routing.rows, 1)
                 reuse = np.where(routing.rows > 0, verify_experts / (rows * k), 0.0)
                 moves = _moves(routing) if hook.mode == "gate" else 0
@@ -326,6 +335,7 @@ class Decoder:
                 t_verify=t_verify,
                 draft_experts=proposal.experts_read,
                 useful_experts=useful,
+                verify_misses=misses,
             )
             drafter.feedback(event)
             yield event

@@ -80,6 +80,7 @@ class Iteration:
     t_verify: float
     draft_experts: np.ndarray | None = None  # [n_layer] distinct experts read by the draft passes
     useful_experts: np.ndarray | None = None  # [n_layer] distinct experts of the committed rows only
+    verify_misses: np.ndarray | None = None   # [n_layer] of verify_experts, those not in memory before it (offloading)
 
 
 @dataclass(frozen=True)

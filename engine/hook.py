@@ -35,15 +35,23 @@ class Routing:
         """Distinct experts read per layer."""
         return distinct_per_layer(self.used, self.rows, n_expert)
 
+    def used_mask(self, n_expert: int) -> np.ndarray:
+        """[n_layer, n_expert] bool: the experts read in each layer."""
+        return used_mask(self.used, self.rows, n_expert)
 
-def distinct_per_layer(ids: np.ndarray, rows: np.ndarray, n_expert: int) -> np.ndarray:
+
+def used_mask(ids: np.ndarray, rows: np.ndarray, n_expert: int) -> np.ndarray:
     n_layer, max_rows, k = ids.shape
     mask = np.zeros((n_layer, n_expert + 1), dtype=bool)
     valid = np.arange(max_rows)[None, :] < rows[:, None]  # [n_layer, rows]
     safe = np.where(valid[:, :, None], ids, n_expert)  # invalid rows hit a spare column
     layer_idx = np.broadcast_to(np.arange(n_layer)[:, None, None], safe.shape)
     mask[layer_idx.ravel(), safe.ravel()] = True
-    return mask[:, :n_expert].sum(axis=1)
+    return mask[:, :n_expert]
+
+
+def distinct_per_layer(ids: np.ndarray, rows: np.ndarray, n_expert: int) -> np.ndarray:
+    return used_mask(ids, rows, n_expert).sum(axis=1)
 
 
 class RoutingHook:

@@ -627,6 +627,10 @@ class Offloader:
             self.stats.prefetch_calls += 1
         self.stats.prefetch_seconds += time.perf_counter() - t0
 
+    def resident_experts(self) -> np.ndarray:
+        """[n_layer, n_expert] bool: every page of the expert is in memory."""
+        return self.map.expert_residency() >= 0.999
+
     def residency(self) -> Residency:
         return Residency(self.map.expert_residency(), self.map.pinned, self.stats.hit_rate(),
                          int(self.stats.lookups.sum()), self.stats.prefetched_bytes, self.map.locked_bytes)
@@ -940,6 +944,7 @@ def attach_offloading(decoder, budget_bytes: int | None, hot_ranked=(), *, prefe
     decoder.before_verify = off.before_verify  # counts predicted-expert hits; madvises only if prefetch
     if hasattr(decoder, "residency_probe"):
         decoder.residency_probe = off.residency
+        decoder.resident_experts = off.resident_experts
     hook = getattr(getattr(decoder, "rt", None), "hook", None)
     if jit_prefetch and hook is not None:
         hook.set_route(NativePrefetch(off.map))

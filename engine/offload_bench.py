@@ -174,7 +174,8 @@ def main(argv=None) -> int:
 
     ratios = {f"{x} vs {y}": ratio(x, y) for x, y in
               (("ar/hot", "ar/base"), ("ar/base", "ar/none"), ("ar/hot", "ar/none"),
-               ("spec/hot+pf", "spec/hot"), ("spec/hot", "ar/hot"), ("spec/hot+pf", "ar/hot"))}
+               ("spec/hot+pf", "spec/hot"), ("spec/hot", "ar/hot"), ("spec/hot+pf", "ar/hot"),
+               ("ar/hot+jit", "ar/hot"), ("spec/hot+jit", "spec/hot+pf"), ("spec/hot+jit", "ar/hot+jit"))}
     for k, (m, rs) in ratios.items():
         if m is not None:
             print(f"{k:28s} {m:.2f}×  (rounds: {', '.join(f'{x:.2f}' for x in rs)})")

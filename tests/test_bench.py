@@ -150,3 +150,8 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     fit = data["cost_model_by_budget"][budgets[2]]
     assert fit["n"] >= 3 and math.isfinite(fit["r2"]) and fit["r2"] <= 1.0
     assert f"cost model under budget {budgets[2]}: R²" in done.stdout
+    # offloaded, each verification also says how many of its experts were fetched: the miss-aware fit
+    miss = fit["miss_aware"]
+    assert miss["n"] == fit["n"] and 0.0 <= miss["miss_share"] <= 1.0 and math.isfinite(miss["r2"])
+    assert "counting fetched experts" in done.stdout
+    assert "miss_aware" not in data["cost_model"]  # resident: nothing is fetched

@@ -263,3 +263,30 @@ def test_plain_steps_report_k_experts_per_layer_with_or_without_recording(decode
             if isinstance(e, Iteration):
                 assert list(e.verify_experts) == [k] * n_layer
                 assert list(e.reuse_ratio) == [1.0] * n_layer
+
+
+def test_verifications_count_the_experts_that_were_not_in_memory(decoders, arch):
+    d = decoders[arch]
+    n_layer, n_expert = d.info.n_layer, d.info.n_expert
+    cfg = GenerationConfig(mode="s2moe", n_predict=10, utility=False, draft_max=3, reuse_strength=0.0,
+                           stop_at_eos=False)
+    assert all(e.verify_misses is None for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration))
+    none, every, half = (np.zeros((n_layer, n_expert), bool), np.ones((n_layer, n_expert), bool),
+                         np.zeros((n_layer, n_expert), bool))
+    half[:, ::2] = True
+    d.observe_plain = True  # the misses need the routing record (offloading's prefetcher asks for it too)
+    try:
+        totals = {}
+        for name, resident in (("none", none), ("every", every), ("half", half)):
+            d.resident_experts = lambda resident=resident: resident
+            events = [e for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration)]
+            assert events and all(e.verify_misses is not None for e in events)
+            totals[name] = (sum(int(e.verify_misses.sum()) for e in events),
+                            sum(int(e.verify_experts.sum()) for e in events))
+            if name == "none":
+                assert all((e.verify_misses == e.verify_experts).all() for e in events)
+    finally:
+        d.resident_experts = None
+        d.observe_plain = False
+    assert totals["every"][0] == 0
+    assert 0 < totals["half"][0] < totals["half"][1]
