@@ -376,7 +376,9 @@ def run_bench(
             quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
                                      window=base.draft_max + 1)
         cost_model = {}
-        if len(cost_samples) >= 3:
+        # a fit needs verifications of different sizes: with plain steps only (nothing drafted) the
+        # token count never varies and the regression would report a meaningless R² of 0
+        if len(cost_samples) >= 3 and len({smp[1] for smp in cost_samples}) >= 2:
             fit = fit_verify_cost(*list(zip(*cost_samples))[:3])
             measured = [s[2] for s in cost_samples]
             predicted = [float(x) for x in fit.predict([s[0] for s in cost_samples], [s[1] for s in cost_samples])]

@@ -50,6 +50,11 @@ def test_every_figure_is_present_and_finite(decoders):
     json.dumps(done.as_dict())  # serialisable
 
 
+def test_no_cost_model_without_verifications_of_different_sizes(decoders):
+    done = [e for e in _bench(decoders["olmoe"], ["ar"]) if isinstance(e, BenchDone)][0]
+    assert done.cost_model == {}  # plain steps only: one token each, nothing to regress on
+
+
 def test_modes_are_interleaved_per_prompt(decoders):
     events = _bench(decoders["olmoe"], ["ar", "conf", "lookup"])
     progress = [(e.prompt_index, e.mode) for e in events if isinstance(e, BenchProgress)]
@@ -137,19 +142,21 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     out_json = tmp_path / "b.json"
     done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(tiny_models["olmoe"]),
                            "--prompts", "natural", "--n-prompts", "1", "-n", "8", "--threads", "1",
-                           "--modes", "ar,s2moe", "--budget", "none,auto", "--no-quality", "--json", str(out_json)],
+                           "--modes", "ar,naive,s2moe", "--budget", "none,auto", "--no-quality", "--json",
+                           str(out_json)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     data = json.loads(out_json.read_text())
     rows = data["results"]
     budgets = [r["budget"] for r in rows]
-    assert budgets[:2] == ["none", "none"] and all(b.startswith("auto (") for b in budgets[2:]) and len(rows) == 4
+    assert budgets[:3] == ["none"] * 3 and all(b.startswith("auto (") for b in budgets[3:]) and len(rows) == 6
     assert all(r["n_tokens"] == 8 for r in rows)
-    # the child's own cost-model fit comes back, keyed by its budget label
-    assert list(data["cost_model_by_budget"]) == [budgets[2]]
-    fit = data["cost_model_by_budget"][budgets[2]]
+    # the child's own cost-model fit comes back, keyed by its budget label (naive always drafts, so the
+    # verifications vary in size)
+    assert list(data["cost_model_by_budget"]) == [budgets[3]]
+    fit = data["cost_model_by_budget"][budgets[3]]
     assert fit["n"] >= 3 and math.isfinite(fit["r2"]) and fit["r2"] <= 1.0
-    assert f"cost model under budget {budgets[2]}: R²" in done.stdout
+    assert f"cost model under budget {budgets[3]}: R²" in done.stdout
     # offloaded, each verification also says how many of its experts were fetched: the miss-aware fit
     miss = fit["miss_aware"]
     assert miss["n"] == fit["n"] and 0.0 <= miss["miss_share"] <= 1.0 and math.isfinite(miss["r2"])
