@@ -9,16 +9,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tinygguf import TinySpec, write_tiny  # noqa: E402
 
-ARCHS = ("olmoe", "qwen3moe")
+# The routing variants the hook must handle, each a tiny model: softmax without / with weight norm, and
+# sigmoid gating with weight norm with / without a per-expert selection bias (DeepSeek-V3-style routing).
+VARIANTS = {"olmoe": {}, "qwen3moe": {}, "dots1": {}, "dots1-nobias": {"arch": "dots1", "selection_bias": False}}
+ARCHS = tuple(VARIANTS)
+
+
+def variant_spec(name: str, **kw) -> TinySpec:
+    return TinySpec(**{"arch": name, **VARIANTS[name], **kw})
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """Tiny random MoE models, one per architecture (olmoe: no weight norm; qwen3moe: weight norm)."""
+    """Tiny random MoE models, one per routing variant (VARIANTS), and a dense one."""
     root = tmp_path_factory.mktemp("models")
     out = {}
     for arch in ARCHS:
-        out[arch] = write_tiny(root / f"{arch}.gguf", TinySpec(arch=arch, n_layer=3, n_expert=8, k=4, seed=7))
+        out[arch] = write_tiny(root / f"{arch}.gguf", variant_spec(arch, n_layer=3, n_expert=8, k=4, seed=7))
     out["llama"] = write_tiny(root / "dense.gguf", TinySpec(arch="llama", n_layer=2, seed=3))
     return out
 

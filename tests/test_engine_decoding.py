@@ -72,20 +72,37 @@ def test_kv_cache_holds_exactly_the_committed_tokens(decoders, arch, mode, temp)
 
 
 def test_kv_entries_are_target_computed(decoders, arch):
-    """Continuing from the cache left by speculation gives the same logits as a fresh plain prefill."""
+    """Continuing from the cache left by speculation gives the logits of a fresh plain prefill, as closely
+    as continuing from plain decoding's own cache does: llama.cpp's results depend slightly on the batch
+    size (up to ~4e-3 on the sigmoid-gated variant, for plain decoding too), so the bound is plain
+    decoding's own deviation. A cache holding draft-computed entries misses it by far (checked below)."""
     d = decoders[arch]
-    cfg = GenerationConfig(mode="s2moe", n_predict=20, utility=False, reuse_strength=0.0, stop_at_eos=False)
-    events = run(d, PROMPTS[1], cfg)
-    fin = events[-1]
-    assert isinstance(fin, Finished)
-    seq = d.tokenize(PROMPTS[1]) + list(fin.tokens)
     rt = d.rt
-    rt.hook.off()
-    kept = rt.decode([seq[-1]], len(seq) - 1, "last")[0]
-    rt.kv_clear()
-    fresh = rt.decode(seq, 0, "last")[0]
-    rt.kv_clear()
-    np.testing.assert_allclose(kept, fresh, atol=1e-3, rtol=1e-3)
+
+    def deviation(seq, draft_prefix=False):
+        rt.hook.off()
+        if draft_prefix:  # the bug this test exists for: KV computed by the k_d-expert draft
+            rt.kv_clear()
+            rt.hook.draft(2)
+            for pos, tok in enumerate(seq[:-1]):  # one row at a time, as drafts are decoded
+                rt.decode([tok], pos, "none")
+            rt.hook.off()
+        kept = rt.decode([seq[-1]], len(seq) - 1, "last")[0]
+        rt.kv_clear()
+        fresh = rt.decode(seq, 0, "last")[0]
+        rt.kv_clear()
+        return float(np.abs(kept - fresh).max())
+
+    devs = {}
+    for mode in ("ar", "s2moe"):
+        cfg = GenerationConfig(mode=mode, n_predict=20, utility=False, reuse_strength=0.0, stop_at_eos=False)
+        fin = run(d, PROMPTS[1], cfg)[-1]
+        assert isinstance(fin, Finished)
+        seq = d.tokenize(PROMPTS[1]) + list(fin.tokens)
+        devs[mode] = deviation(seq)
+    bound = max(1e-3, 2 * devs["ar"])
+    assert devs["ar"] < 1e-2 and devs["s2moe"] <= bound, devs
+    assert deviation(seq, draft_prefix=True) > 5 * bound
 
 
 def test_utility_rule_stops_drafting_when_it_cannot_pay(decoders, arch):

@@ -1,4 +1,5 @@
-"""The native routing hook: observe, draft restriction and reuse-aware gating, on both architectures."""
+"""The native routing hook: observe, draft restriction and reuse-aware gating, on every routing variant
+(softmax with and without weight norm, sigmoid gating with and without a selection bias)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.runtime import LlamaRuntime
-from tinygguf import TinySpec, write_tiny
+from conftest import variant_spec
+from tinygguf import write_tiny
 
 TOKENS = [262, 258, 108, 108, 111, 256, 258, 260, 256, 258, 32, 119, 111, 114, 108, 100]
 
@@ -16,7 +18,18 @@ def _fresh(rt):
     rt.kv_clear()
 
 
-def test_observe_records_routing_without_changing_logits(decoders, arch):
+def selection_bias(path, n_layer: int, n_expert: int) -> np.ndarray:
+    """[n_layer, n_expert] per-expert bias the router adds to its scores to select (zero if none)."""
+    import gguf
+
+    bias = np.zeros((n_layer, n_expert), np.float32)
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name.endswith(".exp_probs_b.bias"):
+            bias[int(t.name.split(".")[1])] = np.asarray(t.data, np.float32)
+    return bias
+
+
+def test_observe_records_routing_without_changing_logits(tiny_models, decoders, arch):
     rt = decoders[arch].rt
     _fresh(rt)
     rt.hook.off()
@@ -31,9 +44,13 @@ def test_observe_records_routing_without_changing_logits(decoders, arch):
     assert (routing.rows == len(TOKENS)).all()
     assert ((routing.used >= 0) & (routing.used < rt.info.n_expert)).all()
     assert (routing.used == routing.orig).all()
-    # each token's k experts are distinct, with decreasing router probability
+    # each token's k experts are distinct, in decreasing selection score: the router probability, plus
+    # the per-expert bias where the model selects with one (the weights stay the unbiased probabilities)
     assert all(len(set(row)) == k for row in routing.used.reshape(-1, k))
-    assert (np.diff(routing.weight, axis=-1) <= 1e-7).all()
+    bias = selection_bias(tiny_models[arch], rt.info.n_layer, rt.info.n_expert)
+    score = routing.weight + np.take_along_axis(bias[:, None, :], routing.used, axis=-1)
+    assert (np.diff(score, axis=-1) <= 1e-6).all()
+    assert rt.info.biased_selection == bool(bias.any())
 
 
 def test_draft_pass_reads_at_most_kd_experts_per_token(decoders, arch):
@@ -63,7 +80,7 @@ def test_draft_pass_equals_a_model_loaded_with_fewer_experts(tiny_models, decode
     _fresh(rt)
     info = read_model_info(tiny_models[arch])
     small = LlamaRuntime(info, n_ctx=128, n_threads=1, install_hook=False,
-                         int_overrides={f"{arch}.expert_used_count": k_d})
+                         int_overrides={f"{info.arch}.expert_used_count": k_d})
     try:
         reference = small.decode(TOKENS, 0, "all")
     finally:
@@ -73,7 +90,7 @@ def test_draft_pass_equals_a_model_loaded_with_fewer_experts(tiny_models, decode
 
 def test_dropped_experts_are_never_read(tmp_path, arch):
     """NaN-poison, per layer, an expert that only the dropped slots select: draft logits stay finite."""
-    spec = TinySpec(arch=arch, n_layer=3, n_expert=16, k=6, seed=11)
+    spec = variant_spec(arch, n_layer=3, n_expert=16, k=6, seed=11)
     clean = write_tiny(tmp_path / "clean.gguf", spec)
     rt = LlamaRuntime(read_model_info(clean), n_ctx=128, n_threads=1)
     tokens = TOKENS[:4]

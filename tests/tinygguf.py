@@ -23,7 +23,9 @@ def byte_symbols() -> list[str]:
 
 @dataclass
 class TinySpec:
-    arch: str = "olmoe"           # "olmoe" (no weight norm) | "qwen3moe" (weight norm) | "llama" (dense)
+    # "olmoe" (softmax, no weight norm) | "qwen3moe" (softmax, weight norm) | "dots1" (sigmoid gating, a
+    # per-expert selection bias, weight norm, one shared expert: the DeepSeek-V3 routing) | "llama" (dense)
+    arch: str = "olmoe"
     n_layer: int = 2
     n_expert: int = 8
     k: int = 4
@@ -34,6 +36,7 @@ class TinySpec:
     seed: int = 0
     router_scale: float = 1.0
     output_scale: float = 2.0
+    selection_bias: bool = True   # dots1: write the per-expert selection bias (exp_probs_b)
     # (layer, expert) pairs whose expert weights are filled with NaN
     poison: list[tuple[int, int]] = field(default_factory=list)
 
@@ -79,10 +82,16 @@ def write_tiny(path: str | Path, spec: TinySpec | None = None, **overrides) -> P
     if moe:
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.k)
-    if spec.arch == "qwen3moe":
+    if spec.arch in ("qwen3moe", "dots1"):
         w.add_expert_feed_forward_length(spec.n_ff)
         w.add_key_length(hd)
         w.add_value_length(hd)
+    if spec.arch == "dots1":
+        w.add_expert_shared_count(1)
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(1.0)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_leading_dense_block_count(0)
 
     def rand(*shape, scale=1.0):
         return (rng.standard_normal(shape) * scale / np.sqrt(shape[-1])).astype(np.float32)
@@ -96,7 +105,7 @@ def write_tiny(path: str | Path, spec: TinySpec | None = None, **overrides) -> P
         w.add_tensor(p + "attn_norm.weight", np.ones(d, np.float32))
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
             w.add_tensor(p + name + ".weight", rand(d, d))
-        if spec.arch in ("olmoe", "qwen3moe"):
+        if spec.arch in ("olmoe", "qwen3moe", "dots1"):
             w.add_tensor(p + "attn_q_norm.weight", np.ones(qk_norm, np.float32))
             w.add_tensor(p + "attn_k_norm.weight", np.ones(qk_norm, np.float32))
         w.add_tensor(p + "ffn_norm.weight", np.ones(d, np.float32))
@@ -117,6 +126,13 @@ def write_tiny(path: str | Path, spec: TinySpec | None = None, **overrides) -> P
         w.add_tensor(p + "ffn_gate_exps.weight", gate)
         w.add_tensor(p + "ffn_up_exps.weight", up)
         w.add_tensor(p + "ffn_down_exps.weight", down)
+        if spec.arch == "dots1" and spec.selection_bias:
+            # a bias large enough to reorder the selection, so that paths that ignore it show
+            w.add_tensor(p + "exp_probs_b.bias", (rng.standard_normal(spec.n_expert) * 0.5).astype(np.float32))
+        if spec.arch == "dots1":
+            w.add_tensor(p + "ffn_gate_shexp.weight", rand(spec.n_ff, d))
+            w.add_tensor(p + "ffn_up_shexp.weight", rand(spec.n_ff, d))
+            w.add_tensor(p + "ffn_down_shexp.weight", rand(d, spec.n_ff))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
