@@ -243,10 +243,35 @@ def test_utility_rule_learns_to_skip_drafts_that_rarely_pay():
     for _ in range(6):
         rule.observe_first(0.1)  # first drafts are unlikely: 0.1·1.0/0.5 < 1
     decisions = [rule.worth_drafting() for _ in range(32)]
-    assert sum(decisions) == 4  # one probe every 8 iterations
+    assert sum(decisions) == 4  # one probe every 8 iterations while nothing says whether probes pay
     for _ in range(10):
         rule.observe_first(0.95)
     assert rule.worth_drafting()
+
+
+def test_probes_that_do_not_pay_back_off_and_one_that_pays_resets_them():
+    from s2moe.engine.policies import UtilityStop
+
+    c = CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test")
+    rule = UtilityStop(c, probe_every=4)
+    for _ in range(10):
+        rule.observe_first(0.1)
+
+    def gaps(n_probes, first_prob):
+        out, since = [], 0
+        while len(out) < n_probes:
+            since += 1
+            if rule.worth_drafting():
+                out.append(since)
+                since = 0
+                rejected, _ = rule.pre_reject(first_prob, first_prob)
+                if not rejected:
+                    rule.keep(first_prob, first_prob, 0)
+        return out
+
+    assert gaps(6, 0.1) == [4, 8, 16, 32, 64, 64]  # doubling up to 16x probe_every
+    assert gaps(1, 0.99) == [64]  # this probe's first token pays ...
+    assert gaps(1, 0.1) == [4]  # ... so the next one comes after probe_every again
 
 
 def test_utility_rule_also_learns_what_the_first_token_costs_in_experts():
