@@ -68,3 +68,37 @@ def test_export_parity_with_llama_cpp(tmp_path, arch):
     got = evaluate.llama_logits(out, seqs)
     assert (ref.argmax(-1) == got.argmax(-1)).mean() == 1.0
     assert np.abs(ref - got).max() < 1e-2
+
+
+def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, monkeypatch):
+    """What makes the shipped files reproducible: batches are drawn per step from (seed, step), and the
+    checkpoint holds the model and optimiser state, so stopping and resuming changes nothing."""
+    torch = pytest.importorskip("torch")
+    from s2moe.engine.zoo import train
+
+    monkeypatch.setitem(train.CONFIGS, "smoke", dict(train.CONFIGS["smoke"], max_steps=6, warmup=2))
+    monkeypatch.setitem(train.COMMON, "eval_every", 3)
+    monkeypatch.setitem(train.COMMON, "eval_batches", 1)
+    monkeypatch.setattr(train, "prepare_data", lambda: _tiny_data(tmp_path / "data"))
+    weights = {}
+    for name, stops in (("straight", [None]), ("resumed", [2, 4, None])):
+        monkeypatch.setattr(train, "RUN_ROOT", tmp_path / name)
+        for stop in stops:
+            train.train("smoke", resume=True, stop_at=stop)
+        st = torch.load(tmp_path / name / "smoke" / "ckpt.pt", map_location="cpu", weights_only=False)
+        assert st["step"] == 6
+        weights[name] = st["model"]
+    for key, value in weights["straight"].items():
+        assert torch.equal(value, weights["resumed"][key]), key
+
+
+def _tiny_data(d):
+    """Token streams of the shape prepare_data writes, from random ids (no tokenizer training)."""
+    import numpy as np
+
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 20_000), ("heldout", 4_000)):
+        np.save(d / f"{split}.npy", rng.integers(0, 4096, size=n).astype(np.uint16))
+    (d / "tokenizer.json").write_text("{}")
+    return d

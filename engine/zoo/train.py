@@ -2,6 +2,7 @@
 
     python -m s2moe.engine.zoo.train --config olmoe-64x8            # fresh run (or continue with --resume)
     python -m s2moe.engine.zoo.train --config olmoe-64x8 --resume
+    python -m s2moe.engine.zoo.train --config olmoe-64x8 --resume --stop-at 1000   # a time-boxed piece
 
 Steps: (1) train the BPE tokenizer on the train split and tokenise both splits once (cached in the run
 root); (2) AdamW on random 512-token windows of the train stream with a cosine schedule, loss = next-token
@@ -113,7 +114,10 @@ def evaluate_loss(model, stream, cfg, n_batches):
     return tot / n_batches
 
 
-def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 1):
+def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 1, stop_at: int | None = None):
+    """Train (or resume) run `name`. stop_at: checkpoint and return at that step without touching the
+    schedule (the learning rate follows max_steps), so a run can be done in time-boxed pieces and still
+    end bit-identical to an uninterrupted one."""
     import torch
     from .model import MoEConfig, MoELM
 
@@ -154,7 +158,7 @@ def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 
     t_ckpt = t_log = time.time()
     tok_since = 0
     model.train()
-    while step < cfg["max_steps"]:
+    while step < min(cfg["max_steps"], stop_at or cfg["max_steps"]):
         rng = np.random.default_rng([cfg["seed"], step])
         x, y = get_batch(train_stream, cfg["batch"], mcfg.ctx, rng)
         for g in opt.param_groups:
@@ -184,7 +188,7 @@ def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 
             checkpoint()
             t_ckpt = time.time()
     checkpoint()
-    print("done", flush=True)
+    print("done" if step >= cfg["max_steps"] else f"stopped at step {step} (--stop-at)", flush=True)
 
 
 def main(argv=None):
@@ -193,12 +197,14 @@ def main(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from the run's checkpoint if present")
     ap.add_argument("--max-steps", type=int, default=None, help="override the config's step count")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="checkpoint and stop at this step, schedule unchanged (resume later with --resume)")
     ap.add_argument("--prepare-only", action="store_true", help="only build tokenizer + token cache")
     a = ap.parse_args(argv)
     if a.prepare_only:
         print(prepare_data())
         return
-    train(a.config, a.resume, a.max_steps, a.threads)
+    train(a.config, a.resume, a.max_steps, a.threads, a.stop_at)
 
 
 if __name__ == "__main__":
