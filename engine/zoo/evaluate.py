@@ -187,7 +187,8 @@ def speculation(gguf_path: Path, n_prompts: int = 8, n_tokens: int = 64) -> dict
             "prompts": len(prompts), "tokens": n_tokens, "prompt_set": "humaneval"}
 
 
-def evaluate(run: Path, gguf_path: Path, default: bool = False, do_export: bool = False) -> dict:
+def evaluate(run: Path, gguf_path: Path, default: bool = False, do_export: bool = False,
+             note: str | None = None) -> dict:
     import tempfile
 
     from .export import export_state
@@ -236,7 +237,7 @@ def evaluate(run: Path, gguf_path: Path, default: bool = False, do_export: bool 
         "training": {"config": st["cfg"], "steps": st["step"], "tokens": st["tokens"],
                      "data": {k: meta[k] for k in ("train_files", "heldout_files", "train_tokens",
                                                    "heldout_tokens")},
-                     "history": hist[-5:]},
+                     "history": hist[-5:], **({"note": note} if note else {})},
         "metrics": metrics,
     }
     print(f"evaluated in {time.time() - t0:.0f}s")
@@ -315,14 +316,11 @@ def model_card(man: dict) -> str:
           "python -m s2moe.engine.zoo.evaluate --run .zoo-runs/qwen3moe-32x4 "
           "--gguf engine/zoo/models/qwen3moe-32x4.gguf --export",
           "```", "",
-          "Training is seeded (weights, batch order) and runs on 1 CPU thread per model. The shipped runs were "
-          "resumed from checkpoints several times (a resumed run sees the same batches as an uninterrupted one) "
-          "and their step budget was lowered while they ran, to fit the time available (olmoe-64x8: "
-          "3000→2200→1900→1400 at steps 117/293/489; qwen3moe-32x4: 3200→2300→2200→1700 at steps 145/361/614), "
-          "then, once finished, extended by resuming (olmoe-64x8 to 1750, qwen3moe-32x4 to 2000 steps: a mild warm "
-          "restart of the cosine from 2e-4 to 3–4e-4), so a fresh run of the final config differs slightly in "
-          "its learning-rate schedule.",
-          ""]
+          "Training is seeded (weights, batch order drawn per step) and runs on 1 CPU thread per model; a run "
+          "may be done in pieces (`--stop-at STEP`, then `--resume`) and ends bit-identical to an "
+          "uninterrupted one as long as max_steps, which shapes the learning-rate schedule, stays the same.", ""]
+    L += [f"- {m['name']}: {m['training']['note']}" for m in man["models"] if m["training"].get("note")]
+    L += [""]
     return "\n".join(L)
 
 
@@ -335,8 +333,9 @@ def main(argv=None):
     ap.add_argument("--default", action="store_true", help="mark as the package's default model")
     ap.add_argument("--export", action="store_true", help="first export the run's checkpoint to --gguf (Q8_0)")
     ap.add_argument("--no-manifest", action="store_true", help="print only")
+    ap.add_argument("--note", help="how the run was trained, for the model card (e.g. its schedule history)")
     a = ap.parse_args(argv)
-    entry = evaluate(Path(a.run), Path(a.gguf), a.default, a.export)
+    entry = evaluate(Path(a.run), Path(a.gguf), a.default, a.export, a.note)
     print(json.dumps(entry["metrics"], indent=1))
     if not a.no_manifest:
         update_manifest(entry)
