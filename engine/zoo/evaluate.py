@@ -232,7 +232,7 @@ def evaluate(run: Path, gguf_path: Path, default: bool = False, do_export: bool 
         "n_expert": cfg.n_expert, "k": cfg.k, "expert_ff": cfg.expert_ff, "vocab_size": cfg.vocab_size,
         "ctx": cfg.ctx, "params": total, "params_active": active, "tied_embeddings": True,
         "size_bytes": Path(gguf_path).stat().st_size,
-        "dtype": "experts q8_0, embeddings/attention f16, norms/router f32",
+        "dtype": "experts q8_0, everything else f32",
         "default": default,
         "training": {"config": st["cfg"], "steps": st["step"], "tokens": st["tokens"],
                      "data": {k: meta[k] for k in ("train_files", "heldout_files", "train_tokens",
