@@ -100,8 +100,9 @@ class Decoder:
         # resident/pinned/hit_rate; sampled every `residency_every` iterations (mincore over the file).
         self.residency_probe: Callable[[], object] | None = None
         # Set by offloading: [n_layer, n_expert] bool of experts in memory, read just before each
-        # verification so that its event can say how many of the experts it read were fetched.
-        self.resident_experts: Callable[[], np.ndarray] | None = None
+        # verification so that its event can say how many of the experts it read were fetched. Its
+        # argument says whether before_verify ran just now (whose residency snapshot it may reuse).
+        self.resident_experts: Callable[[bool], np.ndarray] | None = None
         self.residency_every = 8
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -231,7 +232,8 @@ class Decoder:
             rt.kv_remove_from(m - 1)
 
             batch = [committed_all[-1]] + drafted
-            if self.before_verify is not None and proposal.predicted is not None:
+            prepared = self.before_verify is not None and proposal.predicted is not None
+            if prepared:
                 self.before_verify(proposal.predicted)
             # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping
             # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
@@ -244,8 +246,8 @@ class Decoder:
                     hook.off()
                 else:
                     hook.observe()
-            resident_before = (self.resident_experts() if self.resident_experts is not None and hook is not None
-                               and not plain_unobserved else None)
+            resident_before = (self.resident_experts(prepared) if self.resident_experts is not None
+                               and hook is not None and not plain_unobserved else None)
             t0 = time.perf_counter()
             logits = rt.decode(batch, m - 1, "all")
             t_verify = time.perf_counter() - t0

@@ -566,6 +566,7 @@ class Offloader:
         self.stats = OffloadStats(np.zeros(n), np.zeros(n))
         self.pinned_split = {"non_expert": 0, "code": 0, "hot_experts": 0}
         self.fault_readahead = "default"
+        self._resident_now: np.ndarray | None = None
 
     def pin(self, *, non_expert: bool = True, code: bool = True, hot=()) -> dict:
         raise_memlock_limit()
@@ -614,6 +615,7 @@ class Offloader:
         predicted = np.asarray(predicted, bool)
         res = self.map.expert_residency()
         hit = res >= 0.999
+        self._resident_now = hit  # the verification that follows reads the same snapshot (resident_experts)
         self.stats.lookups += predicted.sum(axis=1)
         self.stats.hits += (predicted & hit).sum(axis=1)
         if self.prefetch:
@@ -627,8 +629,12 @@ class Offloader:
             self.stats.prefetch_calls += 1
         self.stats.prefetch_seconds += time.perf_counter() - t0
 
-    def resident_experts(self) -> np.ndarray:
-        """[n_layer, n_expert] bool: every page of the expert is in memory."""
+    def resident_experts(self, after_before_verify: bool = False) -> np.ndarray:
+        """[n_layer, n_expert] bool: every page of the expert is in memory. Called right after before_verify
+        (the decoder says so), it returns that call's snapshot instead of walking the whole mapping with
+        mincore a second time: on a model of many GiB that walk is a noticeable part of an offloaded step."""
+        if after_before_verify and self._resident_now is not None:
+            return self._resident_now
         return self.map.expert_residency() >= 0.999
 
     def residency(self) -> Residency:

@@ -320,7 +320,7 @@ def test_verifications_count_the_experts_that_were_not_in_memory(decoders, arch)
     try:
         totals = {}
         for name, resident in (("none", none), ("every", every), ("half", half)):
-            d.resident_experts = lambda resident=resident: resident
+            d.resident_experts = lambda after_before_verify, resident=resident: resident
             events = [e for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration)]
             assert events and all(e.verify_misses is not None for e in events)
             totals[name] = (sum(int(e.verify_misses.sum()) for e in events),

@@ -437,3 +437,24 @@ def test_auto_budget_leaves_the_expert_cache_its_share_after_offloading(tiny_mod
     assert r["limit"] == r["budget"]
     held_now = r["usage"] - r["resident"]  # everything but expert pages, after a real generation
     assert r["budget"] - held_now >= r["experts"] / 3
+
+
+def test_residency_before_a_verification_is_read_once(tiny_models, monkeypatch):
+    """The misses of a verification reuse the residency snapshot that before_verify took moments earlier
+    (one mincore walk of the mapping per step, not two); without a before_verify it is read afresh."""
+    from s2moe.engine.offload import Offloader
+
+    off = Offloader(tiny_models["olmoe"], prefetch=False)
+    try:
+        walks = []
+        real = off.map.expert_residency
+        monkeypatch.setattr(off.map, "expert_residency", lambda *a: walks.append(1) or real(*a))
+        predicted = np.zeros((off.emap.n_layer, off.emap.n_expert), bool)
+        predicted[:, 0] = True
+        off.before_verify(predicted)
+        snapshot = off.resident_experts(True)
+        assert len(walks) == 1 and snapshot.shape == predicted.shape
+        fresh = off.resident_experts(False)
+        assert len(walks) == 2 and (fresh == snapshot).all()
+    finally:
+        off.close()
