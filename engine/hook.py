@@ -135,6 +135,11 @@ class RoutingHook:
         self.lib.s2_hook_set_route(self.handle, None, None)
         self._route = None
 
+    def force_backend_copy(self, on: bool = True) -> None:
+        """Move routing data with ggml_backend_tensor_get/set even where the buffers are host memory: the
+        code path of GPU-resident activations, exercised on machines without a GPU."""
+        self.lib.s2_hook_set_backend_copy(self.handle, int(on))
+
     def hooked(self) -> int:
         return int(self.lib.s2_hook_hooked(self.handle))
 

@@ -34,6 +34,8 @@ typedef struct s2_hook {
     float drop_weight;   // 0, or -INFINITY where a softmax over the selected weights follows
     int score_space;
     int hook_argsort;    // selection scores are not the probabilities (bias/mask): copy them at argsort
+    int backend_copy;    // copy through ggml_backend_tensor_get/set even for host buffers (tests the
+                         // path device buffers take on a machine that has none)
 
     float alpha;
     int cap;
@@ -132,6 +134,8 @@ void s2_hook_set_route(s2_hook *h, int (*fn)(void *, int, const int32_t *, int),
     h->route_ctx = ctx;
 }
 
+void s2_hook_set_backend_copy(s2_hook *h, int on) { h->backend_copy = on; }
+
 int64_t s2_hook_hooked(const s2_hook *h) { return h->n_hooked; }
 int64_t s2_hook_skipped(const s2_hook *h) { return h->n_skipped; }
 
@@ -155,14 +159,16 @@ static struct ggml_backend_buffer *buffer_of(const struct ggml_tensor *t) {
     return t->view_src ? t->view_src->buffer : t->buffer;
 }
 
-static bool on_host(const struct ggml_tensor *t) {
+static bool on_host(const s2_hook *h, const struct ggml_tensor *t) {
+    if (h->backend_copy) return false;
     struct ggml_backend_buffer *b = buffer_of(t);
     return b == NULL || ggml_backend_buffer_is_host(b);
 }
 
 // Copies a [n_cols, n_rows] f32 tensor (any row stride, contiguous rows) into dst.
-static void read_f32_rows(const struct ggml_tensor *t, int n_cols, int n_rows, size_t row_stride, float *dst) {
-    if (on_host(t)) {
+static void read_f32_rows(const s2_hook *h, const struct ggml_tensor *t, int n_cols, int n_rows, size_t row_stride,
+                          float *dst) {
+    if (on_host(h, t)) {
         for (int r = 0; r < n_rows; ++r)
             memcpy(dst + (size_t)r * n_cols, (const char *)t->data + r * row_stride, n_cols * sizeof(float));
     } else {
@@ -174,7 +180,7 @@ static void read_f32_rows(const struct ggml_tensor *t, int n_cols, int n_rows, s
 static void on_argsort(s2_hook *h, struct ggml_tensor *t, int layer) {
     const struct ggml_tensor *src = t->src[0];
     if (!src || src->type != GGML_TYPE_F32 || src->ne[0] != h->n_expert || src->ne[1] > h->max_rows) return;
-    read_f32_rows(src, h->n_expert, (int)src->ne[1], src->nb[1], h->scores);
+    read_f32_rows(h, src, h->n_expert, (int)src->ne[1], src->nb[1], h->scores);
     h->scores_layer = layer;
     h->scores_rows = (int)src->ne[1];
 }
@@ -275,14 +281,18 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
     const int id_cols = need_ranks && id_stride >= (size_t)ne * sizeof(int32_t) ? ne : k;
     if (need_ranks && id_cols != ne) { h->n_skipped++; return; }
 
-    const bool host_ids = on_host(topk);
+    const bool host_ids = on_host(h, topk);
+    // A full argsort row reaches past the end of the [k, T] view on its last row, and the backend copy
+    // checks bounds against the tensor it is given: read device rows from the argsort itself.
+    const struct ggml_tensor *rank_src = topk->view_src ? topk->view_src : topk;
+    const size_t rank_offs = topk->view_src ? topk->view_offs : 0;
     for (int r = 0; r < n_rows; ++r) {
         int32_t *dst = h->ranks + (size_t)r * ne;
         if (host_ids) memcpy(dst, (const char *)topk->data + r * id_stride, id_cols * sizeof(int32_t));
-        else ggml_backend_tensor_get(topk, dst, r * id_stride, id_cols * sizeof(int32_t));
+        else ggml_backend_tensor_get(rank_src, dst, rank_offs + r * id_stride, id_cols * sizeof(int32_t));
     }
     const size_t w_stride = t->nb[2];
-    read_f32_rows(t, k, n_rows, w_stride, h->w);
+    read_f32_rows(h, t, k, n_rows, w_stride, h->w);
 
     int32_t *orig = h->orig + (size_t)layer * h->max_rows * k;
     int32_t *used = h->used + (size_t)layer * h->max_rows * k;
@@ -300,7 +310,7 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
             }
         rewrite = true;
     } else if (h->mode == S2_GATE && h->alpha > 0.0f && n_rows > 1) {
-        read_f32_rows(probs, ne, n_rows, probs->nb[2], h->probs);
+        read_f32_rows(h, probs, ne, n_rows, probs->nb[2], h->probs);
         gate_layer(h, layer, n_rows, used);
         for (int r = 0; r < n_rows; ++r)
             for (int j = 0; j < k; ++j) {
@@ -316,7 +326,7 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
         for (int r = 0; r < n_rows; ++r) {
             if (host_ids) memcpy((char *)topk->data + r * id_stride, used + (size_t)r * k, k * sizeof(int32_t));
             else ggml_backend_tensor_set(topk, used + (size_t)r * k, r * id_stride, k * sizeof(int32_t));
-            if (on_host(t)) memcpy((char *)t->data + r * w_stride, h->w + (size_t)r * k, k * sizeof(float));
+            if (on_host(h, t)) memcpy((char *)t->data + r * w_stride, h->w + (size_t)r * k, k * sizeof(float));
             else ggml_backend_tensor_set(t, h->w + (size_t)r * k, r * w_stride, k * sizeof(float));
         }
     }

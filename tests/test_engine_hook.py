@@ -212,3 +212,39 @@ def test_missing_routing_tensors_are_reported_not_ignored(tiny_models, monkeypat
         assert run(d, "hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False))[-1].n_tokens == 4
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("mode", ["observe", "draft", "gate"])
+def test_backend_copies_match_host_copies(decoders, arch, mode):
+    """Device buffers (a GPU offload) are read and written through ggml_backend_tensor_get/set. No GPU
+    here, so the hook is told to take that path on host buffers: it must compute exactly what direct
+    memory access computes. Gating reads full argsort rows, one past the end of the top-k view."""
+    rt = decoders[arch].rt
+    k = rt.info.n_expert_used
+    batch = np.random.default_rng(11).integers(0, 256, size=9).tolist()
+
+    def run(backend_copy: bool):
+        rt.hook.force_backend_copy(backend_copy)
+        try:
+            _fresh(rt)
+            if mode == "observe":
+                rt.hook.observe()
+            elif mode == "draft":
+                rt.hook.draft(2)
+            else:
+                rt.hook.gate(1.0, k + 1, np.linspace(1.0, 0.3, len(batch)))
+            logits = rt.decode(batch, 0, "all")
+            return logits, rt.hook.snapshot(len(batch))
+        finally:
+            rt.hook.force_backend_copy(False)
+            _fresh(rt)
+
+    host_logits, host = run(False)
+    dev_logits, dev = run(True)
+    if mode != "observe":
+        assert (host.used != host.orig).any()  # the rewrite path really ran
+    np.testing.assert_array_equal(host_logits, dev_logits)
+    for field in ("orig", "used", "weight", "rows"):
+        np.testing.assert_array_equal(getattr(host, field), getattr(dev, field))
+    for a, b in zip(host.preferred, dev.preferred):
+        np.testing.assert_array_equal(a, b)
