@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .costmodel import fit_miss_cost, fit_verify_cost
+from .costmodel import fault_explained_fit, fit_miss_cost, fit_verify_cost
 from .decoder import Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
 from .events import Iteration, Summary
@@ -310,7 +310,7 @@ def run_bench(
                                 useful += float(ev.useful_experts.sum()) if ev.useful_experts is not None else 0.0
                             misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
                             cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
-                                                 misses))
+                                                 misses, ev.verify_major_faults))
                     decode_s = summary.seconds - summary.prefill_seconds
                     tokens_of[(name, pi)] = summary.tokens
                     acc = per.setdefault((name, budget), dict(
@@ -391,12 +391,15 @@ def run_bench(
                 cost_model["startup_constants_mape"] = float(np.mean(np.abs(y - pred0) / np.maximum(y, 1e-12)))
             if all(smp[3] is not None for smp in cost_samples) and len(cost_samples) >= 4:
                 # offloaded: what a verification costs depends on how many of its experts had to be fetched
-                e, t, y, m = (np.array(v, float) for v in zip(*cost_samples))
+                e, t, y, m = (np.array(v, float) for v in list(zip(*cost_samples))[:4])
                 mfit = fit_miss_cost(e, m, t, y)
                 cost_model["miss_aware"] = {"intercept_s": mfit.intercept, "t_exp_warm_s": mfit.t_hit,
                                             "t_exp_cold_s": mfit.t_miss, "t_tok_s": mfit.t_tok, "r2": mfit.r2,
                                             "mape": mfit.mape, "n": mfit.n, "miss_share": float(m.sum() / max(1.0, e.sum())),
                                             "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000]}
+                if all(smp[4] is not None for smp in cost_samples):
+                    faults = np.array([smp[4] for smp in cost_samples], float)
+                    cost_model["miss_aware"]["given_faults"] = fault_explained_fit(e, faults, t, y)
         yield BenchDone(rows, quality, cost_model, machine_info(n_threads),
                         config={"model": str(dec.info.path), "n_tokens": n_tokens, "modes": list(modes),
                                 "budgets": budgets, "prompt_set": prompt_set, "n_prompts": len(prompts),

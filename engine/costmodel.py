@@ -7,6 +7,7 @@ costs compute even when it brings no new expert, and the fit says so.
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 
@@ -118,6 +119,20 @@ def fit_miss_cost(experts, misses, tokens, seconds) -> MissFit:
     return MissFit(fit.intercept, fit.t_hit, fit.t_miss, fit.t_tok, r2, mape, len(y))
 
 
+def fault_explained_fit(experts, faults, tokens, seconds) -> dict:
+    """Diagnostic, not a predictor: seconds on (1, experts, storage page faults actually taken, tokens).
+    The faults are known only after a verification ran; how far this fit's R² rises above the miss-aware
+    one shows how much of the latency depends on which pages the kernel let go and had to read again,
+    something a residency snapshot taken beforehand cannot see."""
+    e, f, s, y = (np.asarray(v, float) for v in (experts, faults, tokens, seconds))
+    if len(y) < 4:
+        raise ValueError("need at least four measurements")
+    a, t_exp, t_fault, t_tok = _nonneg_lstsq([e, f, s], y)
+    r2, mape = _quality(y, a + t_exp * e + t_fault * f + t_tok * s)
+    return {"intercept_s": float(a), "t_exp_s": float(t_exp), "t_fault_s": float(t_fault), "t_tok_s": float(t_tok),
+            "r2": r2, "mape": mape, "faults_per_verification": float(f.mean())}
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -143,14 +158,17 @@ def _step(rt, base: int, tokens, mode: str, k_draft: int, resident=None):
     """Decode `tokens` after `base` positions as a plain/draft/verify step; time it; roll it back.
 
     Returns (seconds, distinct experts over layers), plus, when `resident` (a callable giving the
-    [n_layer, n_expert] experts in memory) is given, the distinct experts that were not resident."""
+    [n_layer, n_expert] experts in memory) is given, the distinct experts that were not resident and the
+    page faults that read storage during the step."""
     hook = rt.hook
     if mode == "draft":
         hook.draft(k_draft)
     else:
         hook.observe()
     before = resident() if resident is not None else None
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     dt = _timed(lambda: rt.decode(tokens, base, "all" if mode == "verify" else "last"))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0
     routing = hook.snapshot(len(tokens))
     experts = float(routing.distinct_used(rt.info.n_expert).sum())
     rt.kv_remove_from(base)
@@ -160,7 +178,7 @@ def _step(rt, base: int, tokens, mode: str, k_draft: int, resident=None):
     used = np.zeros((n_layer, n_expert + 1), bool)
     ids = np.where(routing.used >= 0, routing.used, n_expert).reshape(n_layer, -1)
     used[np.arange(n_layer)[:, None], ids] = True
-    return dt, experts, float((used[:, :n_expert] & ~before).sum())
+    return dt, experts, float((used[:, :n_expert] & ~before).sum()), float(faults)
 
 
 def _batch(rng, n_vocab: int, s: int, variant: str) -> list[int]:
@@ -204,7 +222,8 @@ def iter_verify_samples(rt, cap: int, *, seed: int = 0, repeats: int = 3, contex
     tokens, median seconds)] of verification batches of varied size and reuse. Leaves the KV cache empty.
 
     With `resident` (callable → [n_layer, n_expert] bool of experts in memory, e.g. from mincore) each
-    sample also carries the number of its distinct experts that were NOT resident (misses), and every
+    sample also carries the number of its distinct experts that were NOT resident (misses) and the storage
+    page faults the batch took (a diagnostic known only afterwards), and every
     run is returned on its own (the misses of repeats differ) instead of the median per configuration."""
     rng, base = _prepare(rt, seed, context, cap)
     sizes = list(sizes or batch_sizes(cap))
@@ -223,11 +242,12 @@ def iter_verify_samples(rt, cap: int, *, seed: int = 0, repeats: int = 3, contex
             for i, (s, toks) in enumerate(configs):
                 dt, experts[i], *miss = _step(rt, base, toks, "verify", 1, resident)
                 times[i].append(dt)
-                misses[i].extend(miss)
+                if miss:
+                    misses[i].append(tuple(miss))
                 done += 1
                 yield done, total
         if resident is not None:  # every run on its own: its misses depend on what the cache held then
-            return [(experts[i], s, t, m) for i, (s, _) in enumerate(configs) for t, m in zip(times[i], misses[i])]
+            return [(experts[i], s, t, *m) for i, (s, _) in enumerate(configs) for t, m in zip(times[i], misses[i])]
         samples = [(experts[i], s, float(np.median(times[i]))) for i, (s, _) in enumerate(configs)]
         return samples
     finally:

@@ -8,6 +8,7 @@ the entries of accepted tokens remain.
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
@@ -248,9 +249,14 @@ class Decoder:
                     hook.observe()
             resident_before = (self.resident_experts(prepared) if self.resident_experts is not None
                                and hook is not None and not plain_unobserved else None)
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if resident_before is not None else 0
             t0 = time.perf_counter()
             logits = rt.decode(batch, m - 1, "all")
             t_verify = time.perf_counter() - t0
+            # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
+            # the fact) but it tells how much of the latency the residency snapshot could not foresee.
+            major_faults = (resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0
+                            if resident_before is not None else None)
             misses = None
             if plain_unobserved:
                 routing = None
@@ -338,6 +344,7 @@ class Decoder:
                 draft_experts=proposal.experts_read,
                 useful_experts=useful,
                 verify_misses=misses,
+                verify_major_faults=major_faults,
             )
             drafter.feedback(event)
             yield event

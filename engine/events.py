@@ -81,6 +81,7 @@ class Iteration:
     draft_experts: np.ndarray | None = None  # [n_layer] distinct experts read by the draft passes
     useful_experts: np.ndarray | None = None  # [n_layer] distinct experts of the committed rows only
     verify_misses: np.ndarray | None = None   # [n_layer] of verify_experts, those not in memory before it (offloading)
+    verify_major_faults: int | None = None    # page faults of the verification that read storage (offloading)
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ carries published figures and may hold `reference` constants that apply to any m
         intercept_ms: 1.0
         fit: {intercept_ms: 1.0, t_exp_ms: 0.05, t_tok_ms: 4.0, r2: 0.97, mape: 0.04, n: 60}
         fit_cold: {...}            # optional, same fields, under the budget (per distinct expert)
-        fit_cold_misses: {intercept_ms, t_exp_warm_ms, t_exp_cold_ms, t_tok_ms, r2, mape, n}
-                                   # optional: the same batches by resident vs fetched experts
+        fit_cold_misses: {intercept_ms, t_exp_warm_ms, t_exp_cold_ms, t_tok_ms, r2, mape, n, r2_given_faults}
+                                   # optional: the same batches by resident vs fetched experts;
+                                   # r2_given_faults: refitted on the storage faults they took
         hot_experts: [[0, 12], [0, 3], ...]   # [layer, expert], most routed first (up to half the
                                    # expert bytes); a run under a budget pins the prefix that fits
         measured: {at: 2026-01-01T00:00:00+00:00, by: s2moe calibrate, threads: 2, ...}
@@ -158,6 +159,10 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
             _number(misses, key, mw)
         _number(misses, "intercept_ms", mw, signed=True)
         _number(misses, "n", mw, integer=True)
+        for key in ("r2", "r2_given_faults"):
+            v = misses.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v > 1):
+                raise ConfigError(f"{mw}: field {key} must be a number ≤ 1, got {v!r}")
     hot = block.get("hot_experts")
     if hot is not None:
         if not isinstance(hot, list):

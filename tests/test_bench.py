@@ -161,4 +161,7 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     miss = fit["miss_aware"]
     assert miss["n"] == fit["n"] and 0.0 <= miss["miss_share"] <= 1.0 and math.isfinite(miss["r2"])
     assert "counting fetched experts" in done.stdout
+    given = miss["given_faults"]  # the diagnostic fit on the storage faults the verifications really took
+    assert math.isfinite(given["r2"]) and given["faults_per_verification"] >= 0
+    assert "given the storage faults taken" in done.stdout
     assert "miss_aware" not in data["cost_model"]  # resident: nothing is fetched

@@ -118,6 +118,10 @@ def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
     assert len(budget.data["measured"]) >= 9 and budget.data["peak"] > 0
     block = load_profile("cold")["models"][read_model_info(tiny_models["olmoe"]).fingerprint]
     assert block["fit_cold"]["n"] >= 9 and block["measured"]["t_exp_cold"] == "measured under the budget"
+    # the storage faults each batch took come back with it, and the diagnostic refit on them is recorded
+    faults = budget.data["faults"]
+    assert len(faults) == len(budget.data["measured"]) and all(f >= 0 and f == int(f) for f in faults)
+    assert block["fit_cold_misses"]["r2_given_faults"] <= 1.0 and "given the storage faults taken" in budget.summary
 
 
 @pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,

@@ -312,7 +312,8 @@ def test_verifications_count_the_experts_that_were_not_in_memory(decoders, arch)
     n_layer, n_expert = d.info.n_layer, d.info.n_expert
     cfg = GenerationConfig(mode="s2moe", n_predict=10, utility=False, draft_max=3, reuse_strength=0.0,
                            stop_at_eos=False)
-    assert all(e.verify_misses is None for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration))
+    assert all(e.verify_misses is None and e.verify_major_faults is None
+               for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration))
     none, every, half = (np.zeros((n_layer, n_expert), bool), np.ones((n_layer, n_expert), bool),
                          np.zeros((n_layer, n_expert), bool))
     half[:, ::2] = True
@@ -323,6 +324,7 @@ def test_verifications_count_the_experts_that_were_not_in_memory(decoders, arch)
             d.resident_experts = lambda after_before_verify, resident=resident: resident
             events = [e for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration)]
             assert events and all(e.verify_misses is not None for e in events)
+            assert all(isinstance(e.verify_major_faults, int) and e.verify_major_faults >= 0 for e in events)
             totals[name] = (sum(int(e.verify_misses.sum()) for e in events),
                             sum(int(e.verify_experts.sum()) for e in events))
             if name == "none":

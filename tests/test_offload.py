@@ -208,6 +208,19 @@ def test_miss_aware_fit_recovers_known_costs():
     assert fit.t_hit >= 0
 
 
+def test_fault_explained_fit_recovers_what_a_fault_costs():
+    from s2moe.engine.costmodel import fault_explained_fit
+
+    rng = np.random.default_rng(2)
+    experts = rng.integers(16, 64, size=80)
+    faults = rng.poisson(5, size=80)
+    tokens = rng.integers(1, 10, size=80)
+    seconds = 0.01 + 2e-4 * experts + 1e-3 * faults + 2e-3 * tokens + rng.normal(0, 1e-5, size=80)
+    g = fault_explained_fit(experts, faults, tokens, seconds)
+    assert g["t_fault_s"] == pytest.approx(1e-3, rel=0.02) and g["t_tok_s"] == pytest.approx(2e-3, rel=0.02)
+    assert g["r2"] > 0.99 and g["faults_per_verification"] == pytest.approx(faults.mean())
+
+
 def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
     from s2moe.engine.offload import NativePrefetch
 
