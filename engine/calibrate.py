@@ -262,7 +262,9 @@ def _cold_worker(cfg: dict) -> int:
     info = read_model_info(cfg["model"])
     rt = LlamaRuntime(info, n_ctx=256, n_threads=cfg.get("threads"), max_verify_rows=cfg["cap"] + 1,
                       use_extra_bufts=False)
-    holder = SimpleNamespace(info=info, before_verify=None, _measured={})  # what offloading needs of a decoder
+    # what offloading needs of a decoder; with rt its routing hook prefetches just in time and counts
+    # misses, as it does when decoding
+    holder = SimpleNamespace(info=info, rt=rt, before_verify=None, _measured={})
     hot = [tuple(p) for p in cfg.get("hot", [])]
     plan = None
     if cfg.get("budget") is None:
@@ -280,7 +282,7 @@ def _cold_worker(cfg: dict) -> int:
     ar, draft = time_steps(rt, cfg["k_draft"], cfg["n_steps"], seed=5,
                        progress=lambda d, t: emit({"progress": [d, t + cfg["n_samples"]]}))
     samples = verify_samples(rt, cfg["cap"], seed=6, repeats=cfg["repeats"], sizes=_sizes(cfg["cap"]),
-                             resident=lambda: off.map.expert_residency() >= 0.999,
+                             counter=off.native,
                              progress=lambda d, t: emit({"progress": [cfg["n_steps"] + d, cfg["n_steps"] + t]}))
     cg = current_budget_cgroup()
     emit({"result": {"samples": samples, "t_ar": float(np.median(ar)), "c_draft": float(np.median(draft)),

@@ -154,31 +154,28 @@ def _prepare(rt, seed: int, context: int, cap: int):
     return rng, context
 
 
-def _step(rt, base: int, tokens, mode: str, k_draft: int, resident=None):
+def _step(rt, base: int, tokens, mode: str, k_draft: int, counter=None):
     """Decode `tokens` after `base` positions as a plain/draft/verify step; time it; roll it back.
 
-    Returns (seconds, distinct experts over layers), plus, when `resident` (a callable giving the
-    [n_layer, n_expert] experts in memory) is given, the distinct experts that were not resident and the
-    page faults that read storage during the step."""
+    Returns (seconds, distinct experts over layers), plus, when a miss `counter` (begin() / counted(), see
+    Decoder.miss_counter) is given, the distinct experts that were not in memory as their layer routed
+    and the page faults that read storage during the step."""
     hook = rt.hook
     if mode == "draft":
         hook.draft(k_draft)
     else:
         hook.observe()
-    before = resident() if resident is not None else None
+    if counter is not None:
+        counter.begin()
     faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     dt = _timed(lambda: rt.decode(tokens, base, "all" if mode == "verify" else "last"))
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0
     routing = hook.snapshot(len(tokens))
     experts = float(routing.distinct_used(rt.info.n_expert).sum())
     rt.kv_remove_from(base)
-    if before is None:
+    if counter is None:
         return dt, experts
-    n_layer, n_expert = before.shape
-    used = np.zeros((n_layer, n_expert + 1), bool)
-    ids = np.where(routing.used >= 0, routing.used, n_expert).reshape(n_layer, -1)
-    used[np.arange(n_layer)[:, None], ids] = True
-    return dt, experts, float((used[:, :n_expert] & ~before).sum()), float(faults)
+    return dt, experts, float(counter.counted().sum()), float(faults)
 
 
 def _batch(rng, n_vocab: int, s: int, variant: str) -> list[int]:
@@ -217,14 +214,14 @@ def iter_time_steps(rt, k_draft: int, n: int, *, seed: int = 0, context: int = 3
 
 
 def iter_verify_samples(rt, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32, sizes=None,
-                        variants=VARIANTS, resident=None):
+                        variants=VARIANTS, counter=None):
     """Generator: yields (done, total) per batch configuration; returns [(distinct experts over layers,
     tokens, median seconds)] of verification batches of varied size and reuse. Leaves the KV cache empty.
 
-    With `resident` (callable → [n_layer, n_expert] bool of experts in memory, e.g. from mincore) each
-    sample also carries the number of its distinct experts that were NOT resident (misses) and the storage
-    page faults the batch took (a diagnostic known only afterwards), and every
-    run is returned on its own (the misses of repeats differ) instead of the median per configuration."""
+    With a miss `counter` (offloading's native prefetcher, see _step) each sample also carries the number
+    of its distinct experts that were not in memory (misses) and the storage page faults the batch took
+    (a diagnostic known only afterwards), and every run is returned on its own (the misses of repeats
+    differ) instead of the median per configuration."""
     rng, base = _prepare(rt, seed, context, cap)
     sizes = list(sizes or batch_sizes(cap))
     try:
@@ -240,13 +237,13 @@ def iter_verify_samples(rt, cap: int, *, seed: int = 0, repeats: int = 3, contex
         # machine spreads over all of them instead of skewing one configuration's median.
         for _ in range(repeats):
             for i, (s, toks) in enumerate(configs):
-                dt, experts[i], *miss = _step(rt, base, toks, "verify", 1, resident)
+                dt, experts[i], *miss = _step(rt, base, toks, "verify", 1, counter)
                 times[i].append(dt)
                 if miss:
                     misses[i].append(tuple(miss))
                 done += 1
                 yield done, total
-        if resident is not None:  # every run on its own: its misses depend on what the cache held then
+        if counter is not None:  # every run on its own: its misses depend on what the cache held then
             return [(experts[i], s, t, *m) for i, (s, _) in enumerate(configs) for t, m in zip(times[i], misses[i])]
         samples = [(experts[i], s, float(np.median(times[i]))) for i, (s, _) in enumerate(configs)]
         return samples

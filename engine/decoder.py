@@ -11,7 +11,7 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -23,8 +23,15 @@ from .model_info import ModelInfo, read_model_info
 from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LookupDrafter,
                        SelfDrafter, UtilityStop, softmax)
 from .runtime import LlamaRuntime
-
 from .modes import MODES, MOE_MODES
+
+
+class MissCounter(Protocol):
+    """Counts the experts a decode reads that are not in memory (offloading's native prefetcher)."""
+
+    def begin(self) -> None: ...
+
+    def counted(self) -> np.ndarray: ...
 
 
 @dataclass
@@ -100,10 +107,10 @@ class Decoder:
         # Set by offloading (s2moe.engine.offload.attach_offloading): returns a residency snapshot with
         # resident/pinned/hit_rate; sampled every `residency_every` iterations (mincore over the file).
         self.residency_probe: Callable[[], object] | None = None
-        # Set by offloading: [n_layer, n_expert] bool of experts in memory, read just before each
-        # verification so that its event can say how many of the experts it read were fetched. Its
-        # argument says whether before_verify ran just now (whose residency snapshot it may reuse).
-        self.resident_experts: Callable[[bool], np.ndarray] | None = None
+        # Set by offloading: counts, per layer, the experts a decode read that were not in memory as the
+        # layer routed (begin() before the verification, counted() → [n_layer] after), so that its event
+        # can say how many of the experts it read had to be fetched.
+        self.miss_counter: MissCounter | None = None
         self.residency_every = 8
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -233,8 +240,7 @@ class Decoder:
             rt.kv_remove_from(m - 1)
 
             batch = [committed_all[-1]] + drafted
-            prepared = self.before_verify is not None and proposal.predicted is not None
-            if prepared:
+            if self.before_verify is not None and proposal.predicted is not None:
                 self.before_verify(proposal.predicted)
             # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping
             # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
@@ -247,16 +253,16 @@ class Decoder:
                     hook.off()
                 else:
                     hook.observe()
-            resident_before = (self.resident_experts(prepared) if self.resident_experts is not None
-                               and hook is not None and not plain_unobserved else None)
-            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if resident_before is not None else 0
+            counting = self.miss_counter is not None and hook is not None and not plain_unobserved
+            if counting:
+                self.miss_counter.begin()
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if counting else 0
             t0 = time.perf_counter()
             logits = rt.decode(batch, m - 1, "all")
             t_verify = time.perf_counter() - t0
             # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
             # the fact) but it tells how much of the latency the residency snapshot could not foresee.
-            major_faults = (resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0
-                            if resident_before is not None else None)
+            major_faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0 if counting else None
             misses = None
             if plain_unobserved:
                 routing = None
@@ -269,8 +275,8 @@ class Decoder:
                     self._moe_layers = (routing.rows > 0).astype(int)
                 used = routing.used_mask(self.info.n_expert)
                 verify_experts = used.sum(axis=1)
-                if resident_before is not None:
-                    misses = (used & ~resident_before).sum(axis=1)
+                if counting:
+                    misses = self.miss_counter.counted()
                 rows = np.maximum(routing.rows, 1)
                 reuse = np.where(routing.rows > 0, verify_experts / (rows * k), 0.0)
                 moves = _moves(routing) if hook.mode == "gate" else 0

@@ -566,7 +566,9 @@ class Offloader:
         self.stats = OffloadStats(np.zeros(n), np.zeros(n))
         self.pinned_split = {"non_expert": 0, "code": 0, "hot_experts": 0}
         self.fault_readahead = "default"
-        self._resident_now: np.ndarray | None = None
+        # counts misses for the routing hook (and prefetches just in time when attach_offloading says so)
+        self.native = NativePrefetch(self.map, advise=False)
+        self._hook = None  # the routing hook that calls self.native, if attach_offloading set one
 
     def pin(self, *, non_expert: bool = True, code: bool = True, hot=()) -> dict:
         raise_memlock_limit()
@@ -613,9 +615,7 @@ class Offloader:
         """Decoder.before_verify: count predicted experts already resident; WILLNEED the others."""
         t0 = time.perf_counter()
         predicted = np.asarray(predicted, bool)
-        res = self.map.expert_residency()
-        hit = res >= 0.999
-        self._resident_now = hit  # the verification that follows reads the same snapshot (resident_experts)
+        hit = self.native.resident(predicted)  # looks at the predicted experts' pages only
         self.stats.lookups += predicted.sum(axis=1)
         self.stats.hits += (predicted & hit).sum(axis=1)
         if self.prefetch:
@@ -629,19 +629,15 @@ class Offloader:
             self.stats.prefetch_calls += 1
         self.stats.prefetch_seconds += time.perf_counter() - t0
 
-    def resident_experts(self, after_before_verify: bool = False) -> np.ndarray:
-        """[n_layer, n_expert] bool: every page of the expert is in memory. Called right after before_verify
-        (the decoder says so), it returns that call's snapshot instead of walking the whole mapping with
-        mincore a second time: on a model of many GiB that walk is a noticeable part of an offloaded step."""
-        if after_before_verify and self._resident_now is not None:
-            return self._resident_now
-        return self.map.expert_residency() >= 0.999
-
     def residency(self) -> Residency:
         return Residency(self.map.expert_residency(), self.map.pinned, self.stats.hit_rate(),
                          int(self.stats.lookups.sum()), self.stats.prefetched_bytes, self.map.locked_bytes)
 
     def close(self) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None and hook._route is self.native:
+            hook.clear_route()  # the C hook must not call into a freed prefetcher
+        self.native.close()
         self.map.close()
 
 
@@ -950,10 +946,15 @@ def attach_offloading(decoder, budget_bytes: int | None, hot_ranked=(), *, prefe
     decoder.before_verify = off.before_verify  # counts predicted-expert hits; madvises only if prefetch
     if hasattr(decoder, "residency_probe"):
         decoder.residency_probe = off.residency
-        decoder.resident_experts = off.resident_experts
+    # The hook hands every layer's final ids to the native prefetcher, which counts the experts not in
+    # memory at that moment (a verification's misses) and, with jit_prefetch, asks the OS for them.
     hook = getattr(getattr(decoder, "rt", None), "hook", None)
-    if jit_prefetch and hook is not None:
-        hook.set_route(NativePrefetch(off.map))
+    if hook is not None:
+        off.native.advise = jit_prefetch
+        hook.set_route(off.native)
+        off._hook = hook
+        if hasattr(decoder, "miss_counter"):
+            decoder.miss_counter = off.native
     return off, plan
 
 
@@ -998,16 +999,23 @@ def _rank_counts(ranked, emap: ExpertMap) -> np.ndarray:
 class NativePrefetch:
     """The C prefetcher (native/s2moe_offload.c) over a ModelMapping: madvise(WILLNEED) of exact expert
     ranges without Python in the loop. `handle` and `layer_fn_address` let native code (the routing hook)
-    call s2_prefetch_layer(handle, layer, ids, n) the moment a layer's top-k ids are known."""
+    call s2_prefetch_layer(handle, layer, ids, n) the moment a layer's top-k ids are known.
 
-    def __init__(self, mapping: ModelMapping):
+    The same call counts, per layer, the experts that are not wholly in memory at that moment (mincore on
+    their own ranges): begin() / counted() bracket a decode. With advise=False it only counts. Every
+    residency question here costs in proportion to the experts asked about, never to the file's size."""
+
+    def __init__(self, mapping: ModelMapping, *, advise: bool = True):
         from .. import native
 
         lib = native.library()
         vp, i64p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
+        u8p = ctypes.POINTER(ctypes.c_uint8)
         sigs = {
             "s2_prefetch_new": (vp, [vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p]),
             "s2_prefetch_free": (None, [vp]),
+            "s2_prefetch_configure": (None, [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int32)]),
+            "s2_prefetch_resident": (ctypes.c_int, [vp, u8p, u8p]),
             "s2_prefetch_layer": (ctypes.c_int, [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int32), ctypes.c_int]),
             "s2_prefetch_mask": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_uint8)]),
             "s2_prefetch_bytes": (ctypes.c_int64, [vp]),
@@ -1023,6 +1031,34 @@ class NativePrefetch:
                                           self._ranges.shape[2], self._ranges.ctypes.data_as(i64p))
         if not self.handle:
             raise MemoryError("native prefetcher: allocation failed")
+        self.misses = np.zeros(em.n_layer, np.int32)
+        self._shape = (em.n_layer, em.n_expert)
+        self.advise = advise
+
+    @property
+    def advise(self) -> bool:
+        return self._advise
+
+    @advise.setter
+    def advise(self, on: bool) -> None:
+        self._advise = bool(on)
+        self.lib.s2_prefetch_configure(self.handle, int(on), self.misses.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+
+    def begin(self) -> None:
+        """Start counting misses for the next decode (Decoder.miss_counter)."""
+        self.misses[:] = 0
+
+    def counted(self) -> np.ndarray:
+        """[n_layer] experts the decode since begin() read that were not wholly in memory as it routed."""
+        return self.misses.copy()
+
+    def resident(self, mask: np.ndarray) -> np.ndarray:
+        """[n_layer, n_expert] bool: of the experts set in mask, those whose every page is in memory."""
+        m = np.ascontiguousarray(mask, dtype=np.uint8)
+        out = np.zeros(self._shape, np.uint8)
+        u8p = ctypes.POINTER(ctypes.c_uint8)
+        self.lib.s2_prefetch_resident(self.handle, m.ctypes.data_as(u8p), out.ctypes.data_as(u8p))
+        return out.astype(bool)
 
     @property
     def layer_fn_address(self) -> int:

@@ -7,6 +7,10 @@
 // madvise(WILLNEED) on the exact ranges starts the reads of what will be used, and only that.
 // Called from Python before a verification (the draft's predicted experts), and small enough to be
 // called from the routing hook the moment a layer's top-k ids are known.
+//
+// The same callback counts the experts that are not wholly in memory at that moment (mincore of their
+// own ranges), so an offloaded verification knows how many of its experts had to be fetched without a
+// walk over the whole mapping: on a model of tens of GiB that walk costs milliseconds per token.
 
 #define _DEFAULT_SOURCE  // madvise and MADV_WILLNEED under -std=c11
 #include <stdint.h>
@@ -23,6 +27,10 @@ typedef struct s2_prefetch {
     uint8_t *mark;        // [n_expert] scratch: ids already advised in this call
     size_t page;
     int64_t n_calls, n_advised, bytes_advised;
+    int advise;           // madvise(WILLNEED) the experts; 0: only count misses
+    int32_t *misses;      // [n_layer] caller-owned: per layer, the distinct experts that were not wholly in
+                          // memory when the layer's ids became final (NULL: not counted)
+    unsigned char *vec;   // mincore scratch, one byte per page of the longest expert range
 } s2_prefetch;
 
 s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert, int n_parts, const int64_t *ranges) {
@@ -44,21 +52,72 @@ s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert,
     p->n_layer = n_layer;
     p->n_expert = n_expert;
     p->n_parts = n_parts;
+    p->advise = 1;
     long pg = sysconf(_SC_PAGESIZE);
     p->page = pg > 0 ? (size_t)pg : 4096;
+    int64_t longest = 0;
+    for (size_t i = 1; i < n; i += 2)
+        if (ranges[i] > longest) longest = ranges[i];
+    p->vec = malloc((size_t)longest / p->page + 2);
+    if (!p->vec) {
+        free(p->ranges);
+        free(p->mark);
+        free(p);
+        return NULL;
+    }
     return p;
+}
+
+void s2_prefetch_configure(s2_prefetch *p, int advise, int32_t *misses) {
+    if (!p) return;
+    p->advise = advise;
+    p->misses = misses;
+}
+
+// Whether every page of one expert of one layer is in the page cache. mincore on the expert's own
+// ranges only: the cost follows the experts asked about, not the size of the model file.
+static int expert_resident(s2_prefetch *p, int layer, int e) {
+    const int64_t *r = p->ranges + ((size_t)layer * p->n_expert + e) * p->n_parts * 2;
+    for (int j = 0; j < p->n_parts; ++j) {
+        const int64_t off = r[2 * j], len = r[2 * j + 1];
+        if (len <= 0 || off < 0 || (size_t)(off + len) > p->size) continue;
+        const size_t a = (size_t)off / p->page * p->page;
+        const size_t b = ((size_t)(off + len) + p->page - 1) / p->page * p->page;
+        const size_t end = b > p->size ? p->size : b;
+        if (mincore(p->base + a, end - a, p->vec) != 0) return 0;
+        const size_t pages = (end - a + p->page - 1) / p->page;
+        for (size_t i = 0; i < pages; ++i)
+            if (!(p->vec[i] & 1)) return 0;
+    }
+    return 1;
+}
+
+// For each expert set in mask ([n_layer][n_expert], nonzero = ask), out = 1 if it is wholly resident.
+// Returns how many of them are.
+int s2_prefetch_resident(s2_prefetch *p, const uint8_t *mask, uint8_t *out) {
+    if (!p || !mask || !out) return 0;
+    int total = 0;
+    for (int l = 0; l < p->n_layer; ++l)
+        for (int e = 0; e < p->n_expert; ++e) {
+            const size_t i = (size_t)l * p->n_expert + e;
+            out[i] = mask[i] ? (uint8_t)expert_resident(p, l, e) : 0;
+            total += out[i];
+        }
+    return total;
 }
 
 void s2_prefetch_free(s2_prefetch *p) {
     if (!p) return;
     free(p->ranges);
     free(p->mark);
+    free(p->vec);
     free(p);
 }
 
 // madvise(WILLNEED) the ranges of the distinct experts among ids[0..n) of one layer (ids < 0 or out of
-// range are ignored). Returns the number of distinct experts advised.
-int s2_prefetch_layer(s2_prefetch *p, int layer, const int32_t *ids, int n) {
+// range are ignored), first counting those not wholly in memory if misses are bound. Returns the number
+// of distinct experts seen.
+static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, int count, int advise) {
     if (!p || layer < 0 || layer >= p->n_layer || !ids || n <= 0) return 0;
     memset(p->mark, 0, (size_t)p->n_expert);
     int advised = 0;
@@ -66,6 +125,9 @@ int s2_prefetch_layer(s2_prefetch *p, int layer, const int32_t *ids, int n) {
         const int32_t e = ids[i];
         if (e < 0 || e >= p->n_expert || p->mark[e]) continue;
         p->mark[e] = 1;
+        ++advised;
+        if (count && !expert_resident(p, layer, e)) p->misses[layer]++;
+        if (!advise) continue;
         const int64_t *r = p->ranges + ((size_t)layer * p->n_expert + e) * p->n_parts * 2;
         for (int j = 0; j < p->n_parts; ++j) {
             const int64_t off = r[2 * j], len = r[2 * j + 1];
@@ -75,11 +137,15 @@ int s2_prefetch_layer(s2_prefetch *p, int layer, const int32_t *ids, int n) {
             const size_t end = b > p->size ? p->size : b;
             if (madvise(p->base + a, end - a, MADV_WILLNEED) == 0) p->bytes_advised += (int64_t)(end - a);
         }
-        ++advised;
     }
     p->n_calls++;
     p->n_advised += advised;
     return advised;
+}
+
+// The routing hook's callback: a layer's final ids, the moment before its expert matmuls read them.
+int s2_prefetch_layer(s2_prefetch *p, int layer, const int32_t *ids, int n) {
+    return advise_layer(p, layer, ids, n, p && p->misses != NULL, p && p->advise);
 }
 
 // The same for a [n_layer][n_expert] mask (nonzero = advise), e.g. a draft's predicted experts.
@@ -92,7 +158,7 @@ int s2_prefetch_mask(s2_prefetch *p, const uint8_t *mask) {
         int n = 0;
         for (int e = 0; e < p->n_expert; ++e)
             if (mask[(size_t)l * p->n_expert + e]) ids[n++] = e;
-        if (n) total += s2_prefetch_layer(p, l, ids, n);
+        if (n) total += advise_layer(p, l, ids, n, 0, 1);
     }
     free(ids);
     return total;

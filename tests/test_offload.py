@@ -250,6 +250,69 @@ def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
         m.close()
 
 
+def test_native_counter_counts_the_routed_experts_not_in_memory(wide_model):
+    """The routing hook's callback counts, per layer, the distinct experts that are not wholly resident
+    as the layer routes; counting alone reads nothing, and resident() answers for the asked experts."""
+    import time
+
+    from s2moe.engine.offload import NativePrefetch
+
+    em = expert_map(wide_model)
+    m = ModelMapping(em)
+    pf = NativePrefetch(m, advise=False)
+    try:
+        drop_file_cache(wide_model)
+        if m.expert_residency().max() > 0:
+            pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+        pf.begin()
+        assert pf.layer(1, [3, 3, 6, -1]) == 2
+        assert pf.counted().tolist() == [0, 2]
+        time.sleep(0.05)
+        assert m.expert_residency().max() == 0  # counting only: nothing was asked for
+        m.willneed(1, 3)
+        for _ in range(1000):  # WILLNEED reads asynchronously
+            if m.expert_residency()[1, 3] == 1.0:
+                break
+            time.sleep(0.01)
+        pf.begin()
+        pf.layer(1, [3, 6])
+        pf.layer(0, [3])
+        assert pf.counted().tolist() == [1, 1]
+        ask = np.zeros((2, 8), bool)
+        ask[1, [3, 6]] = True
+        ask[0, 3] = True
+        got = pf.resident(ask)
+        assert got.tolist() == (m.expert_residency() >= 1.0).__and__(ask).tolist() and got[1, 3] and got.sum() == 1
+        pf.mask(ask)  # an explicit prefetch is not a routed decode: it counts nothing
+        assert pf.counted().tolist() == [1, 1]
+    finally:
+        pf.close()
+        m.close()
+
+
+def test_before_verify_looks_only_at_the_predicted_experts(tiny_models, monkeypatch):
+    """A verification's bookkeeping must not cost in proportion to the model file: before_verify asks
+    the native prefetcher about the predicted experts and never walks the whole mapping."""
+    from s2moe.engine.offload import Offloader
+
+    off = Offloader(tiny_models["olmoe"], prefetch=False)
+    try:
+        expected = off.map.expert_residency() >= 0.999
+
+        def whole_walk(*a):
+            raise AssertionError("before_verify walked the whole mapping")
+
+        monkeypatch.setattr(off.map, "expert_residency", whole_walk)
+        monkeypatch.setattr(off.map, "pages", whole_walk)
+        predicted = np.zeros((off.emap.n_layer, off.emap.n_expert), bool)
+        predicted[:, :3] = True
+        off.before_verify(predicted)
+        assert off.stats.lookups.tolist() == [3] * off.emap.n_layer
+        assert off.stats.hits.tolist() == (expected & predicted).sum(axis=1).tolist()
+    finally:
+        off.close()
+
+
 def test_pinning_skips_the_embedding_table_when_the_output_matrix_is_separate(tiny_models):
     em = expert_map(tiny_models["olmoe"])
     names = dict(zip(em.non_expert_names, em.non_expert))
@@ -450,24 +513,3 @@ def test_auto_budget_leaves_the_expert_cache_its_share_after_offloading(tiny_mod
     assert r["limit"] == r["budget"]
     held_now = r["usage"] - r["resident"]  # everything but expert pages, after a real generation
     assert r["budget"] - held_now >= r["experts"] / 3
-
-
-def test_residency_before_a_verification_is_read_once(tiny_models, monkeypatch):
-    """The misses of a verification reuse the residency snapshot that before_verify took moments earlier
-    (one mincore walk of the mapping per step, not two); without a before_verify it is read afresh."""
-    from s2moe.engine.offload import Offloader
-
-    off = Offloader(tiny_models["olmoe"], prefetch=False)
-    try:
-        walks = []
-        real = off.map.expert_residency
-        monkeypatch.setattr(off.map, "expert_residency", lambda *a: walks.append(1) or real(*a))
-        predicted = np.zeros((off.emap.n_layer, off.emap.n_expert), bool)
-        predicted[:, 0] = True
-        off.before_verify(predicted)
-        snapshot = off.resident_experts(True)
-        assert len(walks) == 1 and snapshot.shape == predicted.shape
-        fresh = off.resident_experts(False)
-        assert len(walks) == 2 and (fresh == snapshot).all()
-    finally:
-        off.close()
