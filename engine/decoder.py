@@ -105,8 +105,11 @@ class Decoder:
         self.observe_plain = False
         self._moe_layers: np.ndarray | None = None  # [n_layer] 1 where the hook saw routing
         # Set by offloading (s2moe.engine.offload.attach_offloading): returns a residency snapshot with
-        # resident/pinned/hit_rate; sampled every `residency_every` iterations (mincore over the file).
+        # resident/pinned/hit_rate; sampled every `residency_every` iterations (mincore over the file),
+        # and less often where that walk would take more than `residency_share` of the generation's
+        # time (on a model of tens of GiB one walk takes most of a second).
         self.residency_probe: Callable[[], object] | None = None
+        self.residency_share = 0.05
         # Set by offloading: counts, per layer, the experts a decode read that were not in memory as the
         # layer routed (begin() before the verification, counted() → [n_layer] after), so that its event
         # can say how many of the experts it read had to be fetched.
@@ -224,6 +227,7 @@ class Decoder:
         generated: list[int] = []
         stop_reason = "length"
         iteration = 0
+        probe_seconds = 0.0  # spent in residency_probe
         n_layer = self.info.n_layer
         while len(generated) < cfg.n_predict:
             if should_stop is not None and should_stop():
@@ -354,8 +358,11 @@ class Decoder:
             )
             drafter.feedback(event)
             yield event
-            if self.residency_probe is not None and iteration % self.residency_every == 1:
+            if (self.residency_probe is not None and iteration % self.residency_every == 1
+                    and probe_seconds <= self.residency_share * (time.perf_counter() - t_start)):
+                t_probe = time.perf_counter()
                 r = self.residency_probe()
+                probe_seconds += time.perf_counter() - t_probe
                 yield ResidencySnapshot(iteration, r.resident, r.pinned, r.hit_rate)
             if finished_eos:
                 stop_reason = "eos"

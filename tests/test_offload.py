@@ -250,6 +250,41 @@ def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
         m.close()
 
 
+def test_residency_snapshots_thin_out_when_the_walk_is_slow(tiny_models):
+    """A residency snapshot walks the whole mapping; where that is slow next to decoding (a big model)
+    snapshots come less often, so that they never take more than residency_share of the time."""
+    import time
+
+    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.events import ResidencySnapshot
+    from s2moe.engine.offload import attach_offloading
+
+    d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
+    try:
+        off, _ = attach_offloading(d, None, pin_base=False, pin_hot=False)
+        calls = []
+
+        def slow_probe():
+            t0 = time.perf_counter()
+            r = off.residency()
+            while time.perf_counter() - t0 < 0.05:  # a 50 ms walk, much longer than a tiny decode
+                pass
+            calls.append(1)
+            return r
+
+        d.residency_probe, d.residency_every = slow_probe, 2
+        t0 = time.perf_counter()
+        events = run(d, "hello", GenerationConfig(mode="ar", n_predict=40, stop_at_eos=False))
+        elapsed = time.perf_counter() - t0
+        snaps = [e for e in events if isinstance(e, ResidencySnapshot)]
+        assert snaps and snaps[0].iteration == 1 and len(snaps) == len(calls)
+        assert len(snaps) < 20 / 2  # every second iteration would give 20
+        assert len(calls) * 0.05 <= d.residency_share * elapsed + 0.05  # the first walk is always taken
+        off.close()
+    finally:
+        d.close()
+
+
 def test_native_counter_counts_the_routed_experts_not_in_memory(wide_model):
     """The routing hook's callback counts, per layer, the distinct experts that are not wholly resident
     as the layer routes; counting alone reads nothing, and resident() answers for the asked experts."""
@@ -367,6 +402,7 @@ def test_offloading_adds_residency_snapshots_to_the_event_stream(tiny_models):
     try:
         off, _ = attach_offloading(d, None, pin_base=False, pin_hot=False)
         d.residency_every = 2
+        d.residency_share = 1.0  # every second iteration, however long the walk takes next to decoding
         events = run(d, "hello", GenerationConfig(mode="ar", n_predict=5, stop_at_eos=False))
         snaps = [e for e in events if isinstance(e, ResidencySnapshot)]
         assert [s.iteration for s in snaps] == [1, 3, 5]
