@@ -551,6 +551,10 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
             "t_exp_cold": cold_how,
             "verify_batches": fit.n,
         }
+        if cold is not None:
+            # what decoding under a budget does too (attach_offloading's default): a fetched expert costs
+            # far less with it than with a synchronous fault per page
+            block["measured"]["prefetch"] = "just in time (routing hook)"
         profile = _merge_into_existing(name, {
             "schema": SCHEMA_VERSION,
             "name": name,

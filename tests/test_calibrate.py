@@ -122,6 +122,7 @@ def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
     faults = budget.data["faults"]
     assert len(faults) == len(budget.data["measured"]) and all(f >= 0 and f == int(f) for f in faults)
     assert block["fit_cold_misses"]["r2_given_faults"] <= 1.0 and "given the storage faults taken" in budget.summary
+    assert block["measured"]["prefetch"] == "just in time (routing hook)"
 
 
 @pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
