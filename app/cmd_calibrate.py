@@ -14,7 +14,9 @@ def add_parser(sub) -> None:
                                     "of the expert bytes, as bench and app --budget auto): hot experts are chosen "
                                     "to fit it and the verification cost is also measured under it (needs a "
                                     "memory cgroup)")
-    p.add_argument("--prompts", help="calibration prompts file (prompts separated by blank lines)")
+    p.add_argument("--prompts", help="calibration prompts for the hot experts: humaneval or natural (the sets "
+                   "bench uses; humaneval suits code models), or a file of prompts separated by blank lines "
+                   "(default: a built-in mix of prose and code)")
     p.add_argument("--name", help="profile name (default: local); an existing user profile keeps its other models")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timings per measurement (default 3)")

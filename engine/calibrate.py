@@ -103,10 +103,21 @@ def save_profile(profile: dict, name: str) -> Path:
     return _save(profile, name)
 
 
+NAMED_PROMPT_SETS = ("humaneval", "natural")
+NAMED_SET_PROMPTS = 32  # enough to rank the experts a workload uses; a few seconds on small models
+
+
 def read_prompts(path: str | os.PathLike | None) -> list[str]:
-    """Calibration prompts: a text file with prompts separated by blank lines (or one per line)."""
+    """Calibration prompts: the built-in mix (None), a named set bench also uses ('humaneval' for code
+    models: measured on the shipped model, hot experts chosen from code cover 68% of a HumanEval
+    workload's routings against 65% from the built-in prompts), or a text file with prompts separated by
+    blank lines (or one per line)."""
     if path is None:
         return list(DEFAULT_PROMPTS)
+    if str(path) in NAMED_PROMPT_SETS and not Path(path).exists():
+        from .bench import load_prompts
+
+        return list(load_prompts(str(path), NAMED_SET_PROMPTS)[1])
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

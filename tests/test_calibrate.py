@@ -105,6 +105,12 @@ def test_no_save_and_bad_inputs(tiny_models, xdg, tmp_path):
     two = tmp_path / "two.txt"
     two.write_text("first prompt\nstill first\n\nsecond prompt\n")
     assert read_prompts(two) == ["first prompt\nstill first", "second prompt"]
+    # the named sets bench uses: HumanEval's code prompts for code models
+    code = read_prompts("humaneval")
+    assert len(code) == 32 and all("def " in c for c in code)
+    assert len(read_prompts("natural")) >= 8 and read_prompts(None)
+    with pytest.raises(ConfigError, match="cannot read prompts file"):
+        read_prompts("humaneva1")
     p = save_profile(events[-1].profile, "saved")
     assert p == xdg / "saved.yaml" and load_profile("saved")["models"]
 
