@@ -569,6 +569,7 @@ class Offloader:
         # counts misses for the routing hook (and prefetches just in time when attach_offloading says so)
         self.native = NativePrefetch(self.map, advise=False)
         self._hook = None  # the routing hook that calls self.native, if attach_offloading set one
+        self._decoder = None  # the decoder attach_offloading wired us into
 
     def pin(self, *, non_expert: bool = True, code: bool = True, hot=()) -> dict:
         raise_memlock_limit()
@@ -634,9 +635,17 @@ class Offloader:
                          int(self.stats.lookups.sum()), self.stats.prefetched_bytes, self.map.locked_bytes)
 
     def close(self) -> None:
+        """Release the mapping and pins, and detach from the decoder attach_offloading wired us into: the
+        C hook must not call into a freed prefetcher, nor the decoder into a closed offloader."""
         hook, self._hook = self._hook, None
         if hook is not None and hook._route is self.native:
-            hook.clear_route()  # the C hook must not call into a freed prefetcher
+            hook.clear_route()
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            for attr, ours in (("before_verify", self.before_verify), ("residency_probe", self.residency),
+                               ("miss_counter", self.native)):
+                if getattr(decoder, attr, None) == ours:
+                    setattr(decoder, attr, None)
         self.native.close()
         self.map.close()
 
@@ -944,6 +953,7 @@ def attach_offloading(decoder, budget_bytes: int | None, hot_ranked=(), *, prefe
         if choice != "default":
             off.advise_fault_readahead(random=choice == "off" or slab * 4 <= window)
     decoder.before_verify = off.before_verify  # counts predicted-expert hits; madvises only if prefetch
+    off._decoder = decoder
     if hasattr(decoder, "residency_probe"):
         decoder.residency_probe = off.residency
     # The hook hands every layer's final ids to the native prefetcher, which counts the experts not in

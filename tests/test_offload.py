@@ -285,6 +285,28 @@ def test_residency_snapshots_thin_out_when_the_walk_is_slow(tiny_models):
         d.close()
 
 
+def test_closing_the_offloader_detaches_it_from_the_routing_hook(tiny_models):
+    """The C hook calls the offloader's native prefetcher on every decode; once the offloader is closed
+    (its prefetcher freed) the decoder must keep working without calling into freed memory."""
+    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.offload import attach_offloading
+
+    d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
+    try:
+        off, _ = attach_offloading(d, None, pin_base=False, pin_hot=False)
+        assert d.rt.hook._route is off.native and d.miss_counter is off.native
+        cfg = GenerationConfig(mode="s2moe", n_predict=6, utility=False, draft_max=3, stop_at_eos=False)
+        before = run(d, "hello", cfg)
+        off.close()
+        assert d.rt.hook._route is None and off.native.handle is None
+        assert d.miss_counter is None and d.before_verify is None and d.residency_probe is None
+        after = run(d, "hello", cfg)
+        assert [e.committed for e in before if hasattr(e, "committed")] == \
+               [e.committed for e in after if hasattr(e, "committed")]
+    finally:
+        d.close()
+
+
 def test_native_counter_counts_the_routed_experts_not_in_memory(wide_model):
     """The routing hook's callback counts, per layer, the distinct experts that are not wholly resident
     as the layer routes; counting alone reads nothing, and resident() answers for the asked experts."""
