@@ -74,19 +74,27 @@ void s2_prefetch_configure(s2_prefetch *p, int advise, int32_t *misses) {
     p->misses = misses;
 }
 
+// The whole pages of part j (gate/up/down slice) of one expert: start offset and length in the mapping.
+// Returns 0 for an empty or out-of-file range.
+static int part_pages(const s2_prefetch *p, int layer, int e, int j, size_t *start, size_t *length) {
+    const int64_t *r = p->ranges + (((size_t)layer * p->n_expert + e) * p->n_parts + j) * 2;
+    const int64_t off = r[0], len = r[1];
+    if (len <= 0 || off < 0 || (size_t)(off + len) > p->size) return 0;
+    const size_t a = (size_t)off / p->page * p->page;
+    const size_t b = ((size_t)(off + len) + p->page - 1) / p->page * p->page;
+    *start = a;
+    *length = (b > p->size ? p->size : b) - a;
+    return 1;
+}
+
 // Whether every page of one expert of one layer is in the page cache. mincore on the expert's own
 // ranges only: the cost follows the experts asked about, not the size of the model file.
 static int expert_resident(s2_prefetch *p, int layer, int e) {
-    const int64_t *r = p->ranges + ((size_t)layer * p->n_expert + e) * p->n_parts * 2;
     for (int j = 0; j < p->n_parts; ++j) {
-        const int64_t off = r[2 * j], len = r[2 * j + 1];
-        if (len <= 0 || off < 0 || (size_t)(off + len) > p->size) continue;
-        const size_t a = (size_t)off / p->page * p->page;
-        const size_t b = ((size_t)(off + len) + p->page - 1) / p->page * p->page;
-        const size_t end = b > p->size ? p->size : b;
-        if (mincore(p->base + a, end - a, p->vec) != 0) return 0;
-        const size_t pages = (end - a + p->page - 1) / p->page;
-        for (size_t i = 0; i < pages; ++i)
+        size_t a, n;
+        if (!part_pages(p, layer, e, j, &a, &n)) continue;
+        if (mincore(p->base + a, n, p->vec) != 0) return 0;
+        for (size_t i = 0; i < (n + p->page - 1) / p->page; ++i)
             if (!(p->vec[i] & 1)) return 0;
     }
     return 1;
@@ -128,14 +136,10 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
         ++advised;
         if (count && !expert_resident(p, layer, e)) p->misses[layer]++;
         if (!advise) continue;
-        const int64_t *r = p->ranges + ((size_t)layer * p->n_expert + e) * p->n_parts * 2;
         for (int j = 0; j < p->n_parts; ++j) {
-            const int64_t off = r[2 * j], len = r[2 * j + 1];
-            if (len <= 0 || off < 0 || (size_t)(off + len) > p->size) continue;
-            const size_t a = (size_t)off / p->page * p->page;
-            const size_t b = ((size_t)(off + len) + p->page - 1) / p->page * p->page;
-            const size_t end = b > p->size ? p->size : b;
-            if (madvise(p->base + a, end - a, MADV_WILLNEED) == 0) p->bytes_advised += (int64_t)(end - a);
+            size_t a, n;
+            if (part_pages(p, layer, e, j, &a, &n) && madvise(p->base + a, n, MADV_WILLNEED) == 0)
+                p->bytes_advised += (int64_t)n;
         }
     }
     p->n_calls++;
