@@ -194,9 +194,11 @@ def cmd_generate(args) -> int:
                   f"T_exp {c.t_exp * 1e3:.4f} ms, T_tok {c.t_tok * 1e3:.3f} ms{fit}", file=sys.stderr)
         elif isinstance(event, Iteration):
             if args.events:
+                fetched = ("" if event.verify_misses is None else
+                           f" ({int(event.verify_misses.sum())} fetched, {event.verify_major_faults} storage faults)")
                 print(f"[{event.index}] drafted {len(event.drafted)} accepted {len(event.accepted)} "
                       f"({event.draft_stop}) rollback {event.rollback} verify {event.verify_tokens} tok "
-                      f"{int(event.verify_experts.sum())} experts", file=sys.stderr)
+                      f"{int(event.verify_experts.sum())} experts{fetched}", file=sys.stderr)
             if streaming:
                 sys.stdout.write(event.committed_text)
                 sys.stdout.flush()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import gguf
 import numpy as np
@@ -189,9 +190,10 @@ def test_generate_under_a_real_budget(tiny_models, capfd):
     resident = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert offloaded["tokens"] == resident["tokens"]
     rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "2", "--budget", "auto",
-               "--threads", "1"])
+               "--threads", "1", "--events"])
     err = capfd.readouterr().err
     assert rc == 0 and "budget auto: " in err and "memory budget " in err
+    assert re.search(r"experts \(\d+ fetched, \d+ storage faults\)", err)  # each offloaded verification says so
 
 
 def test_miss_aware_fit_recovers_known_costs():
