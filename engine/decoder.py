@@ -97,6 +97,7 @@ class Decoder:
         self._routing_checked = not self.info.is_moe
         self.n_threads = n_threads
         self._aux: dict[tuple, Drafter] = {}  # drafters with their own context, kept across generations
+        self._rules: dict[tuple, UtilityStop] = {}  # utility rules and what they learned, ditto
         # Called with the predicted expert set [n_layer, n_expert] (bool) before each verification that
         # follows a draft, e.g. to prefetch offloaded experts while Python prepares the batch.
         self.before_verify: Callable[[np.ndarray], None] | None = None
@@ -172,7 +173,16 @@ class Decoder:
             return CascadeDrafter(cfg.draft_topk, cfg.draft_max)
         if cfg.mode == "lookup":
             return LookupDrafter()
-        rule = UtilityStop(cost, cfg.threshold) if cfg.utility else FixedLength()
+        if not cfg.utility:
+            return SelfDrafter(cfg.draft_topk, FixedLength())
+        # What the rule learns (the first draft token's usual probability and expert cost, how often a
+        # probe pays) holds for this model and device, not for one request: kept across generations with
+        # the same constants, so that each prompt does not pay to learn it again.
+        key = ("utility", cfg.draft_topk, cfg.threshold, cost)
+        rule = self._rules.get(key)
+        if rule is None:
+            rule = self._rules[key] = UtilityStop(cost, cfg.threshold)
+        rule.start()
         return SelfDrafter(cfg.draft_topk, rule)
 
     # -- generation -------------------------------------------------------------------------------

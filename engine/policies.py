@@ -96,6 +96,10 @@ class UtilityStop(StopRule):
         self._skipped = 0
         self._probing = False
 
+    def start(self) -> None:
+        """A new generation: keep the learned estimates and probe interval, drop a probe in flight."""
+        self._probing = False
+
     def utility(self, chain: float, new_experts: float) -> float:
         c = self.cost
         return chain * c.t_ar / max(c.t_exp * new_experts + c.t_tok + c.c_draft, 1e-12)

@@ -292,6 +292,28 @@ def test_utility_rule_also_learns_what_the_first_token_costs_in_experts():
     assert rule.worth_drafting()
 
 
+def test_what_the_utility_rule_learned_carries_over_to_the_next_generation(decoders):
+    """A fresh rule is optimistic and drafts until its estimates say drafting does not pay. That is a
+    property of the model and device, so the next prompt starts from what the last one learned, while
+    other constants (or another threshold) get a rule of their own."""
+    d = decoders["olmoe"]
+    # every new expert is dear: a first token rarely pays for what it adds to the verification
+    dear = CostConstants(t_ar=1.0, c_draft=0.2, t_exp=0.5, t_tok=0.1, intercept=0.0, source="test")
+
+    def drafted_iterations(cost, threshold=1.0):
+        """Iterations that ran a draft pass (its candidate kept or not)."""
+        events = run(d, PROMPTS[1], GenerationConfig(mode="s2moe", n_predict=24, cost=cost, threshold=threshold,
+                                                     stop_at_eos=False))
+        return sum(1 for e in events if isinstance(e, Iteration) and e.draft_stop not in ("no-draft", "limit"))
+
+    first = drafted_iterations(dear)
+    second = drafted_iterations(dear)
+    assert first >= 1 and second < first  # the first prompt paid to learn; the second does not
+    other = CostConstants(t_ar=1.0, c_draft=0.2, t_exp=0.5, t_tok=0.1, intercept=0.0, source="test-2")
+    assert drafted_iterations(other) == first  # other constants: learned afresh
+    assert drafted_iterations(dear, threshold=1.01) == first
+
+
 def test_plain_steps_report_k_experts_per_layer_with_or_without_recording(decoders, arch):
     d = decoders[arch]
     k, n_layer = d.info.n_expert_used, d.info.n_layer
