@@ -55,10 +55,10 @@ def test_no_cost_model_without_verifications_of_different_sizes(decoders):
     assert done.cost_model == {}  # plain steps only: one token each, nothing to regress on
 
 
-def test_modes_are_interleaved_per_prompt(decoders):
+def test_modes_are_interleaved_per_prompt_in_a_rotating_order(decoders):
     events = _bench(decoders["olmoe"], ["ar", "conf", "lookup"])
     progress = [(e.prompt_index, e.mode) for e in events if isinstance(e, BenchProgress)]
-    assert progress == [(0, "ar"), (0, "conf"), (0, "lookup"), (1, "ar"), (1, "conf"), (1, "lookup")]
+    assert progress == [(0, "ar"), (0, "conf"), (0, "lookup"), (1, "conf"), (1, "lookup"), (1, "ar")]
 
 
 def test_identical_output_check_catches_a_broken_mode(decoders, monkeypatch):
