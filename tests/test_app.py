@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 from test_app_support import (SCRIPT, VOCAB, FakeDecoder, fake_bench_module, fake_calibration_module,
                               scripted_events, write_profiles)
@@ -62,6 +63,29 @@ def test_segments_mark_how_each_token_was_produced():
     assert [s.text for s in texts] == [VOCAB[3], VOCAB[12] + VOCAB[13], VOCAB[4]]
     plain = list(scripted_events("ar"))[2]
     assert [s.kind for s in segments_of(plain, dec.detokenize, dec.piece_text)] == [TARGET]
+
+
+def test_live_stats_say_how_many_experts_offloaded_steps_fetched():
+    from dataclasses import replace
+
+    from s2moe.app.tui.live import LiveState
+
+    events = list(scripted_events())
+    state = LiveState()
+    state.start(events[0], 0.0)
+    its = events[2:-1]
+    for it in its:
+        state.add(it, None, 1.0)
+    assert "fetched" not in state.stats_text()  # resident: nothing is fetched
+    state = LiveState()
+    state.start(events[0], 0.0)
+    for i, it in enumerate(its):
+        misses = np.full(len(it.verify_experts), i, dtype=np.int32)
+        state.add(replace(it, verify_misses=misses, verify_major_faults=2 * i), None, 1.0)
+    n = len(its)
+    read = sum(float(it.verify_experts.sum()) for it in its) / n
+    fetched = sum(i * len(it.verify_experts) for i, it in enumerate(its)) / n
+    assert f"fetched {fetched:.1f}/{read:.0f} experts  faults {(n - 1):.1f}" in state.stats_text()
 
 
 def test_residency_snapshots_feed_the_residency_plot():

@@ -54,7 +54,9 @@ class ChatScreen(Screen):
                         ("rollbacks", "KV entries of rejected drafts removed after verification"),
                         ("reuse", "distinct experts / (tokens × k) per layer; 1/tokens is perfect reuse"),
                         ("useful", "share of the verification's experts that committed tokens needed"),
-                        ("moved", "expert selections reuse-aware gating moved onto shared experts")]),
+                        ("moved", "expert selections reuse-aware gating moved onto shared experts"),
+                        ("fetched", "under --budget: experts per step not in memory as their layer routed / read"),
+                        ("faults", "under --budget: page faults per step that waited for storage")]),
     ]
 
     def __init__(self, **kw):

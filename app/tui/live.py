@@ -47,6 +47,10 @@ class LiveState:
     experts_useful: float = 0.0   # ... of which the committed rows needed (the rest was loaded for rejects)
     # expert offloading (s2moe app --budget): per layer, share of expert bytes in memory, share pinned,
     # and the hit rate of the draft-predicted experts at verification (None: no lookups yet)
+    offloaded_steps: int = 0       # verifications that said how many of their experts were fetched
+    experts_read: float = 0.0      # ... distinct experts they read (summed over layers)
+    experts_fetched: float = 0.0   # ... of which not in memory as their layer routed
+    storage_faults: int = 0        # ... page faults that waited for storage
     resident: list[float] | None = None
     pinned: list[float] | None = None
     hit_rate: list[float | None] | None = None
@@ -105,6 +109,12 @@ class LiveState:
             if useful is not None:
                 self.experts_loaded += float(it.verify_experts.sum())
                 self.experts_useful += float(useful.sum())
+        misses = getattr(it, "verify_misses", None)
+        if misses is not None:
+            self.offloaded_steps += 1
+            self.experts_read += float(it.verify_experts.sum())
+            self.experts_fetched += float(misses.sum())
+            self.storage_faults += int(getattr(it, "verify_major_faults", 0) or 0)
         if view is not None and it.candidates:
             self.utilities = list(view.utilities)
         self.rollbacks.append(it.rollback)
@@ -148,6 +158,11 @@ class LiveState:
             f"accept len {self.accept_len:.2f}  accepted {rate}  rollbacks {self.rollback_total}",
             f"reuse {reuse_txt}{useful}  moved {self.gated_moves}  stop: {self.finished or self.draft_stop or '…'}",
         ]
+        if self.offloaded_steps:
+            n = self.offloaded_steps
+            # per verification: experts fetched / experts read, and page faults that waited for storage
+            lines.append(f"fetched {self.experts_fetched / n:.1f}/{self.experts_read / n:.0f} experts  "
+                         f"faults {self.storage_faults / n:.1f}")
         if self.cost_source:
             lines.append(f"cost: {self.cost_source}")
         return "\n".join(lines)
