@@ -71,6 +71,20 @@ def table(done):
     return t
 
 
+def offloaded_fit_clauses(c: dict) -> list[str]:
+    """What a budgeted run's fit adds: the miss-aware form and the storage-fault diagnostic, if present."""
+    m = c.get("miss_aware")
+    if not m:
+        return []
+    out = [f"counting fetched experts ({m['miss_share']:.0%} of those read): R² {m['r2']:.3f}, MAPE {m['mape']:.1%}, "
+           f"T_exp cold {m['t_exp_cold_s'] * 1e3:.3f} ms, warm {m['t_exp_warm_s'] * 1e3:.3f} ms"]
+    g = m.get("given_faults")
+    if g:
+        out.append(f"given the storage faults taken ({g['faults_per_verification']:.1f} per verification, known only "
+                   f"afterwards, so a diagnostic rather than a predictor): R² {g['r2']:.3f}")
+    return out
+
+
 def markdown(done) -> str:
     import plotext as plt
 
@@ -105,17 +119,8 @@ def markdown(done) -> str:
         lines += ["", f"{where}: latency ≈ {c['intercept_s'] * 1e3:.3f} ms + {c['t_exp_s'] * 1e3:.4f} ms·experts + "
                       f"{c['t_tok_s'] * 1e3:.3f} ms·tokens over {c['n']} verifications: R² {c['r2']:.3f}, "
                       f"MAPE {c['mape']:.1%}."]
-        m = c.get("miss_aware")
-        if m:
-            lines += ["", f"Counting the experts fetched from storage ({m['miss_share']:.0%} of those read): latency ≈ "
-                          f"{m['intercept_s'] * 1e3:.3f} ms + {m['t_exp_warm_s'] * 1e3:.4f} ms·resident + "
-                          f"{m['t_exp_cold_s'] * 1e3:.4f} ms·fetched + {m['t_tok_s'] * 1e3:.3f} ms·tokens: "
-                          f"R² {m['r2']:.3f}, MAPE {m['mape']:.1%}."]
-            g = m.get("given_faults")
-            if g:
-                lines += ["", f"Given the storage page faults each verification actually took "
-                              f"({g['faults_per_verification']:.1f} on average, known only afterwards, so a diagnostic "
-                              f"rather than a predictor): R² {g['r2']:.3f}, MAPE {g['mape']:.1%}."]
+        for clause in offloaded_fit_clauses(c):
+            lines += ["", clause[0].upper() + clause[1:] + "."]
         plt.clear_figure()
         plt.scatter([x * 1e3 for x in c["measured_s"]], [x * 1e3 for x in c["predicted_s"]])
         plt.title(f"verification latency {where}: measured (x) vs predicted (y), ms")
@@ -281,16 +286,7 @@ def run(args) -> int:
         print(f"cost model: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
     for label, c in done.cost_model_by_budget.items():
         line = f"cost model under budget {label}: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications"
-        m = c.get("miss_aware")
-        if m:
-            line += (f"; counting fetched experts ({m['miss_share']:.0%} of those read): R² {m['r2']:.3f}, "
-                     f"MAPE {m['mape']:.1%}, T_exp cold {m['t_exp_cold_s'] * 1e3:.3f} ms, "
-                     f"warm {m['t_exp_warm_s'] * 1e3:.3f} ms")
-            g = m.get("given_faults")
-            if g:
-                line += (f"; given the storage faults taken ({g['faults_per_verification']:.1f} per verification, "
-                         f"known only afterwards): R² {g['r2']:.3f}")
-        print(line)
+        print("; ".join([line] + offloaded_fit_clauses(c)))
     broken = [r.mode for r in done.rows if r.identical_expected and not r.lossless_ok]
     ties = sum(r.near_tie_divergences for r in done.rows if r.identical_expected)
     if ties:
