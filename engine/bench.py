@@ -20,7 +20,7 @@ import numpy as np
 from .costmodel import fault_explained_fit, fit_miss_cost, fit_verify_cost
 from .decoder import Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
-from .events import Iteration, Summary
+from .events import Iteration, Summary, Totals
 from .modes import LOSSLESS_MODES, MODES
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -89,6 +89,27 @@ class BenchDone:
     def as_dict(self) -> dict:
         return {"results": [asdict(r) for r in self.rows], "quality": self.quality, "cost_model": self.cost_model,
                 "cost_model_by_budget": self.cost_model_by_budget, "machine": self.machine, "config": self.config}
+
+
+@dataclass
+class _ModeRuns:
+    """One mode's generations under one budget: their iterations' totals, tokens and decoding time (without
+    prefill), and how each prompt's tokens compared with ar's."""
+
+    totals: Totals = field(default_factory=Totals)
+    n_tokens: int = 0
+    seconds: float = 0.0
+    identical: list[bool] = field(default_factory=list)
+    near_ties: int = 0  # divergences from ar where ar's top-2 logits were within NEAR_TIE
+
+    def add(self, summary: Summary) -> None:
+        self.totals.merge(summary)
+        self.n_tokens += summary.n_tokens
+        self.seconds += summary.decode_seconds
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 # -- prompt sets ------------------------------------------------------------------------------------
@@ -236,19 +257,13 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
 
 
 def machine_info(n_threads: int | None) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import llama_cpp
+
+    from .device import cpu_name
 
     return {
         "platform": platform.platform(),
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "threads": n_threads,
         "python": platform.python_version(),
@@ -289,7 +304,7 @@ def run_bench(
         raise ConfigError("run_bench measures one budget per process; run one budget at a time")
     total = len(budgets) * len(prompts) * len(modes)
     done = 0
-    per: dict[tuple[str, str], dict] = {}
+    per: dict[tuple[str, str], _ModeRuns] = {}
     cost_samples = []
     try:
         for budget in budgets:
@@ -304,79 +319,55 @@ def run_bench(
                         return
                     cfg = configs[name]
                     summary = Summary()
-                    useful = loaded = 0.0
-                    decode_s = 0.0
                     for ev in dec.generate(prompt, cfg):
                         summary.add(ev)
                         if isinstance(ev, Iteration):
-                            if ev.verify_tokens >= 2:
-                                loaded += float(ev.verify_experts.sum())
-                                useful += float(ev.useful_experts.sum()) if ev.useful_experts is not None else 0.0
                             misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
                             cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
                                                  misses, ev.verify_major_faults))
-                    decode_s = summary.seconds - summary.prefill_seconds
                     tokens_of[(name, pi)] = summary.tokens
-                    acc = per.setdefault((name, budget), dict(
-                        n_tokens=0, seconds=0.0, iters=[], drafted=0, accepted=0, rollbacks=0, t_draft=0.0,
-                        t_verify=0.0, reuse=[], reuse_n=0, useful=0.0, loaded=0.0, verifs=0, identical=[],
-                        near_ties=0,
-                    ))
-                    acc["n_tokens"] += summary.n_tokens
-                    acc["seconds"] += decode_s
-                    acc["iters"].extend(summary.committed_per_iter)
-                    acc["drafted"] += summary.drafted
-                    acc["accepted"] += summary.accepted
-                    acc["rollbacks"] += summary.rollbacks
-                    acc["t_draft"] += summary.t_draft
-                    acc["t_verify"] += summary.t_verify
-                    if summary.reuse_per_layer is not None:
-                        acc["reuse"].append(summary.reuse_per_layer * summary.reuse_n)
-                        acc["reuse_n"] += summary.reuse_n
-                        acc["verifs"] += summary.reuse_n
-                    acc["useful"] += useful
-                    acc["loaded"] += loaded
+                    per.setdefault((name, budget), _ModeRuns()).add(summary)
                     done += 1
                     yield BenchProgress(done, total, name, pi, budget)
                 reference = tokens_of[("ar", pi)]
                 for name in modes:
                     if name == "ar":
                         continue
-                    acc = per[(name, budget)]
+                    runs = per[(name, budget)]
                     same = tokens_of[(name, pi)] == reference
-                    acc["identical"].append(same)
+                    runs.identical.append(same)
                     if not same:
                         gap = divergence_gap(dec, prompt, reference, tokens_of[(name, pi)])
-                        acc["near_ties"] += gap is not None and gap < NEAR_TIE
+                        runs.near_ties += gap is not None and gap < NEAR_TIE
         rows = []
         for budget in budgets:
-            ar_acc = per.get(("ar", budget))
-            ar_tps = ar_acc["n_tokens"] / ar_acc["seconds"] if ar_acc and ar_acc["seconds"] > 0 else None
+            ar_runs = per.get(("ar", budget))
+            ar_tps = ar_runs.tok_per_s if ar_runs and ar_runs.seconds > 0 else None
             for name in modes:
-                acc = per[(name, budget)]
-                tps = acc["n_tokens"] / acc["seconds"] if acc["seconds"] > 0 else 0.0
-                reuse_layers = (np.sum(acc["reuse"], axis=0) / acc["reuse_n"]) if acc["reuse_n"] else None
+                runs = per[(name, budget)]
+                totals = runs.totals
+                reuse_layers = totals.reuse_per_layer
                 rows.append(BenchRow(
                     mode=name,
                     budget=budget,
                     prompt_set=prompt_set,
                     n_prompts=len(prompts),
-                    n_tokens=acc["n_tokens"],
-                    seconds=acc["seconds"],
-                    tok_per_s=tps,
-                    speedup_vs_ar=(tps / ar_tps) if ar_tps else None,
-                    accept_len=float(np.mean(acc["iters"])) if acc["iters"] else 0.0,
-                    draft_len=acc["drafted"] / len(acc["iters"]) if acc["iters"] else 0.0,
-                    acceptance_rate=acc["accepted"] / acc["drafted"] if acc["drafted"] else 0.0,
-                    reuse_ratio=float(reuse_layers.mean()) if reuse_layers is not None else None,
+                    n_tokens=runs.n_tokens,
+                    seconds=runs.seconds,
+                    tok_per_s=runs.tok_per_s,
+                    speedup_vs_ar=(runs.tok_per_s / ar_tps) if ar_tps else None,
+                    accept_len=totals.accept_len,
+                    draft_len=totals.mean_draft_len,
+                    acceptance_rate=totals.acceptance_rate,
+                    reuse_ratio=totals.reuse_ratio,
                     reuse_ratio_per_layer=[float(x) for x in reuse_layers] if reuse_layers is not None else None,
-                    verify_experts=acc["loaded"] / acc["verifs"] if acc["verifs"] else None,
-                    effective_verify_cost=acc["useful"] / acc["loaded"] if acc["loaded"] else None,
-                    rollbacks=acc["rollbacks"],
-                    t_draft=acc["t_draft"],
-                    t_verify=acc["t_verify"],
-                    identical_to_ar=float(np.mean(acc["identical"])) if acc["identical"] else None,
-                    near_tie_divergences=acc["near_ties"],
+                    verify_experts=totals.mean_verify_experts,
+                    effective_verify_cost=totals.useful_share,
+                    rollbacks=totals.rollbacks,
+                    t_draft=totals.t_draft,
+                    t_verify=totals.t_verify,
+                    identical_to_ar=float(np.mean(runs.identical)) if runs.identical else None,
+                    near_tie_divergences=runs.near_ties,
                     identical_expected=expected_lossless(name, configs[name]) and name != "ar",
                 ))
         quality = {}

@@ -105,64 +105,90 @@ class Finished:
 
 
 @dataclass
-class Summary:
-    """Running totals over an event stream."""
+class Totals:
+    """What a run of iterations did, summed: one generation's, or several merged (the benchmark's per mode).
 
-    mode: str = ""
-    n_tokens: int = 0
-    seconds: float = 0.0
+    The CLI summary, the benchmark table and the app's live panel all read these numbers; each iteration is
+    counted here and nowhere else.
+    """
+
     iterations: int = 0
-    verifications: int = 0
+    verifications: int = 0       # iterations that verified drafts
+    committed: int = 0           # tokens committed
+    committed_per_iter: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
     rollbacks: int = 0
+    gated_moves: int = 0
     t_draft: float = 0.0
     t_verify: float = 0.0
-    reuse_sum: np.ndarray | None = None
+    # multi-token verifications (reuse is undefined for one token): how many, their reuse ratio per layer
+    # summed, and the distinct experts they read (summed over layers)
     reuse_n: int = 0
+    reuse_sum: np.ndarray | None = None
     verify_experts_sum: float = 0.0
-    committed_per_iter: list[int] = field(default_factory=list)
-    cost: CostConstants | None = None
-    stop_reason: str = ""
-    text: str = ""
-    tokens: tuple[int, ...] = ()
-    prefill_seconds: float = 0.0
+    # of those that said which experts the committed tokens' rows needed: that many, out of this many read
+    useful_experts_sum: float = 0.0
+    useful_of_sum: float = 0.0
+    # offloading: verifications that said how many of their experts were not in memory as their layer routed,
+    # the distinct experts they read, how many of those were fetched, and page faults that waited for storage
+    offloaded_steps: int = 0
+    experts_read: float = 0.0
+    experts_fetched: float = 0.0
+    storage_faults: int = 0
 
-    def add(self, event) -> None:
-        if isinstance(event, Started):
-            self.mode = event.mode
-            self.cost = event.cost
-        elif isinstance(event, Prefilled):
-            self.prefill_seconds = event.seconds
-        elif isinstance(event, Iteration):
-            self.iterations += 1
-            self.drafted += len(event.drafted)
-            self.accepted += len(event.accepted)
-            self.rollbacks += event.rollback
-            self.t_draft += event.t_draft
-            self.t_verify += event.t_verify
-            self.committed_per_iter.append(len(event.committed))
-            if event.drafted:
-                self.verifications += 1
-            if event.verify_tokens >= 2:
-                self.reuse_sum = event.reuse_ratio.copy() if self.reuse_sum is None else self.reuse_sum + event.reuse_ratio
-                self.reuse_n += 1
-                self.verify_experts_sum += float(event.verify_experts.sum())
-        elif isinstance(event, Finished):
-            self.n_tokens = event.n_tokens
-            self.seconds = event.seconds
-            self.stop_reason = event.stop_reason
-            self.text = event.text
-            self.tokens = event.tokens
+    def add_iteration(self, it: Iteration) -> None:
+        self.iterations += 1
+        self.committed += len(it.committed)
+        self.committed_per_iter.append(len(it.committed))
+        self.drafted += len(it.drafted)
+        self.accepted += len(it.accepted)
+        self.rollbacks += it.rollback
+        self.gated_moves += it.gated_moves
+        self.t_draft += it.t_draft
+        self.t_verify += it.t_verify
+        if it.drafted:
+            self.verifications += 1
+        if it.verify_tokens >= 2:
+            self.reuse_sum = it.reuse_ratio.copy() if self.reuse_sum is None else self.reuse_sum + it.reuse_ratio
+            self.reuse_n += 1
+            self.verify_experts_sum += float(it.verify_experts.sum())
+            if it.useful_experts is not None:
+                self.useful_experts_sum += float(it.useful_experts.sum())
+                self.useful_of_sum += float(it.verify_experts.sum())
+        if it.verify_misses is not None:
+            self.offloaded_steps += 1
+            self.experts_read += float(it.verify_experts.sum())
+            self.experts_fetched += float(it.verify_misses.sum())
+            self.storage_faults += it.verify_major_faults or 0
 
-    @property
-    def tok_per_s(self) -> float:
-        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+    def merge(self, other: Totals) -> None:
+        """Add another run's totals to these (the benchmark sums one mode's generations over its prompts)."""
+        self.iterations += other.iterations
+        self.verifications += other.verifications
+        self.committed += other.committed
+        self.committed_per_iter.extend(other.committed_per_iter)
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.rollbacks += other.rollbacks
+        self.gated_moves += other.gated_moves
+        self.t_draft += other.t_draft
+        self.t_verify += other.t_verify
+        if other.reuse_sum is not None:
+            self.reuse_sum = other.reuse_sum.copy() if self.reuse_sum is None else self.reuse_sum + other.reuse_sum
+        self.reuse_n += other.reuse_n
+        self.verify_experts_sum += other.verify_experts_sum
+        self.useful_experts_sum += other.useful_experts_sum
+        self.useful_of_sum += other.useful_of_sum
+        self.offloaded_steps += other.offloaded_steps
+        self.experts_read += other.experts_read
+        self.experts_fetched += other.experts_fetched
+        self.storage_faults += other.storage_faults
 
     @property
     def accept_len(self) -> float:
         """Mean tokens committed per target pass (1.0 for plain decoding)."""
-        return float(np.mean(self.committed_per_iter)) if self.committed_per_iter else 0.0
+        return self.committed / self.iterations if self.iterations else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -181,6 +207,54 @@ class Summary:
         """Mean over layers and multi-token verifications; None if no verification had ≥ 2 tokens."""
         per_layer = self.reuse_per_layer
         return None if per_layer is None else float(per_layer.mean())
+
+    @property
+    def mean_verify_experts(self) -> float | None:
+        """Distinct experts (summed over layers) per multi-token verification."""
+        return self.verify_experts_sum / self.reuse_n if self.reuse_n else None
+
+    @property
+    def useful_share(self) -> float | None:
+        """Share of the experts multi-token verifications read that the committed tokens needed."""
+        return self.useful_experts_sum / self.useful_of_sum if self.useful_of_sum else None
+
+
+@dataclass
+class Summary(Totals):
+    """One generation: its iterations' totals, and what its start and end events said."""
+
+    mode: str = ""
+    n_tokens: int = 0
+    seconds: float = 0.0
+    cost: CostConstants | None = None
+    stop_reason: str = ""
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    prefill_seconds: float = 0.0
+
+    def add(self, event) -> None:
+        if isinstance(event, Started):
+            self.mode = event.mode
+            self.cost = event.cost
+        elif isinstance(event, Prefilled):
+            self.prefill_seconds = event.seconds
+        elif isinstance(event, Iteration):
+            self.add_iteration(event)
+        elif isinstance(event, Finished):
+            self.n_tokens = event.n_tokens
+            self.seconds = event.seconds
+            self.stop_reason = event.stop_reason
+            self.text = event.text
+            self.tokens = event.tokens
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_seconds(self) -> float:
+        """The generation's time without its prefill."""
+        return self.seconds - self.prefill_seconds
 
     def as_dict(self) -> dict:
         return {

@@ -187,7 +187,7 @@ def test_prompt_streams_tokens_and_feeds_the_plots():
             kinds = {s.kind for s in turn.segments}
             assert {DRAFT, BONUS, CORRECTION, REJECTED} <= kinds
             state = chat.live.state
-            assert state.iterations == len(SCRIPT) and state.rollback_total == 3
+            assert state.summary.iterations == len(SCRIPT) and state.summary.rollbacks == 3
             assert state.utilities and state.reuse_last and state.accept
             points = {p.id: p.points for p in chat.live.plots}
             assert points["plot-reuse"] == 4 and points["plot-accept"] == len(SCRIPT)
@@ -238,7 +238,7 @@ def test_stop_key_interrupts_between_iterations():
             await wait_for(pilot, lambda: app.session.model is not None, what="model")
             chat = app.screen
             await type_prompt(pilot, "go on")
-            await wait_for(pilot, lambda: chat.live.state.iterations >= 3, what="iterations")
+            await wait_for(pilot, lambda: chat.live.state.summary.iterations >= 3, what="iterations")
             await pilot.press("escape")
             await wait_for(pilot, lambda: not chat.generating, what="stop")
             assert app.fake_decoders[0].last_stop_reason == "interrupted"
@@ -255,7 +255,7 @@ def test_quit_mid_generation_is_clean(key):
             await wait_for(pilot, lambda: app.session.model is not None, what="model")
             chat = app.screen
             await type_prompt(pilot, "go on")
-            await wait_for(pilot, lambda: chat.live.state.iterations >= 3, what="iterations")
+            await wait_for(pilot, lambda: chat.live.state.summary.iterations >= 3, what="iterations")
             if key == "q":
                 chat.query_one("#transcript").focus()  # q types into the prompt; elsewhere it quits
             t0 = time.monotonic()
@@ -322,7 +322,8 @@ def test_tiny_model_generation_end_to_end(tiny_models):
             turn = chat.transcript.turns[-1]
             assert turn.segments and "failed" not in turn.summary
             state = chat.live.state
-            assert state.iterations >= 1 and state.tokens >= 1 and state.mode == "s2moe"
+            summary = state.summary
+            assert summary.iterations >= 1 and summary.committed >= 1 and summary.mode == "s2moe"
             assert {p.id: p.draws for p in chat.live.plots}["plot-accept"] >= 1
             await pilot.press("ctrl+c")
             await wait_for(pilot, lambda: app._exit, timeout=10, what="exit")

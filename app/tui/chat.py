@@ -295,21 +295,22 @@ class ChatScreen(Screen):
             live.add(event, message.view, message.t)
             if turn is not None and message.view is not None:
                 turn.add(message.view.segments)
-                turn.status = f"{live.tokens} tokens…"
+                turn.status = f"{live.summary.committed} tokens…"
         elif isinstance(event, ResidencySnapshot):
             live.residency(event)
         elif isinstance(event, Finished):
             live.finish(event)
-            tps = event.n_tokens / event.seconds if event.seconds > 0 else 0.0
+            summary = live.summary
             if turn is not None:
-                turn.summary = (f"{event.n_tokens} tokens · {tps:.1f} tok/s · accept len {live.accept_len:.2f} · "
-                                f"rollbacks {live.rollback_total} · stop: {event.stop_reason}")
+                turn.summary = (f"{summary.n_tokens} tokens · {summary.tok_per_s:.1f} tok/s · "
+                                f"accept len {summary.accept_len:.2f} · rollbacks {summary.rollbacks} · "
+                                f"stop: {summary.stop_reason}")
                 turn.dirty = True
-            if live.mode == "ar" and event.n_tokens >= 4 and event.stop_reason != "interrupted":
-                session.stats.ar_tok_per_s = tps
-            mean = live.reuse_mean
-            if mean is not None and live.mode == "s2moe":
-                session.stats.reuse_by_gating[live.gating] = mean
+            if summary.mode == "ar" and summary.n_tokens >= 4 and summary.stop_reason != "interrupted":
+                session.stats.ar_tok_per_s = summary.tok_per_s
+            mean = summary.reuse_per_layer
+            if mean is not None and summary.mode == "s2moe":
+                session.stats.reuse_by_gating[live.gating] = [float(x) for x in mean]
 
     def on_engine_status(self, message: EngineStatus) -> None:
         self.set_status(message.text)

@@ -13,50 +13,34 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
+from ...engine.events import Finished, Iteration, Summary
+
 MAX_POINTS = 120  # iterations kept for the per-iteration plots
 
 
 @dataclass
 class LiveState:
-    mode: str = ""
+    summary: Summary = field(default_factory=Summary)  # the generation so far: its totals, mode and cost
     n_layer: int = 0
     k: int = 0
     threshold: float = 1.0
     gating: bool = False
     utility: bool = False
-    cost_source: str = ""
-    t_ar: float | None = None          # cost model's plain-step time (s)
     ar_reference: float | None = None  # tok/s of a plain run in this session
     reuse_last: list[float] = field(default_factory=list)
     reuse_other: list[float] | None = None  # session mean with the other gating setting
     reuse_other_label: str = ""
-    reuse_sum: list[float] | None = None
-    reuse_n: int = 0
     utilities: list[tuple[float | None, bool, float]] = field(default_factory=list)
     draft_stop: str = ""
     rollbacks: list[int] = field(default_factory=list)
     accept: list[int] = field(default_factory=list)
     speed: list[tuple[float, float]] = field(default_factory=list)  # (seconds since prefill, tok/s)
-    iterations: int = 0
-    tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rollback_total: int = 0
-    gated_moves: int = 0
-    experts_loaded: float = 0.0   # distinct experts of multi-token verifications (summed over layers)
-    experts_useful: float = 0.0   # ... of which the committed rows needed (the rest was loaded for rejects)
     # expert offloading (s2moe app --budget): per layer, share of expert bytes in memory, share pinned,
     # and the hit rate of the draft-predicted experts at verification (None: no lookups yet)
-    offloaded_steps: int = 0       # verifications that said how many of their experts were fetched
-    experts_read: float = 0.0      # ... distinct experts they read (summed over layers)
-    experts_fetched: float = 0.0   # ... of which not in memory as their layer routed
-    storage_faults: int = 0        # ... page faults that waited for storage
     resident: list[float] | None = None
     pinned: list[float] | None = None
     hit_rate: list[float | None] | None = None
     t0: float | None = None
-    finished: str = ""
-    final_tok_per_s: float | None = None
     version: int = 0  # bumped on every change; the panel redraws when it moved
 
     def start(self, started, t: float, session_stats=None) -> None:
@@ -66,15 +50,12 @@ class LiveState:
         self.__init__()  # type: ignore[misc]
         self.ar_reference, self.version = ar_ref, version  # the version only ever grows
         self.resident, self.pinned, self.hit_rate = residency  # memory outlives one generation
-        self.mode = started.mode
+        self.summary.add(started)
         self.n_layer = started.n_layer
         self.k = started.k
         self.threshold = float(cfg.get("threshold", 1.0))
         self.gating = started.mode == "s2moe" and float(cfg.get("reuse_strength", 0) or 0) > 0
         self.utility = started.mode == "s2moe" and bool(cfg.get("utility", False))
-        if started.cost is not None:
-            self.cost_source = started.cost.source
-            self.t_ar = started.cost.t_ar
         if session_stats is not None:
             if session_stats.ar_tok_per_s:
                 self.ar_reference = session_stats.ar_tok_per_s
@@ -89,38 +70,18 @@ class LiveState:
         self.t0 = t
         self.version += 1
 
-    def add(self, it, view, t: float) -> None:
-        self.iterations += 1
-        n = len(it.committed)
-        self.tokens += n
-        self.drafted += len(it.drafted)
-        self.accepted += len(it.accepted)
-        self.rollback_total += it.rollback
-        self.gated_moves += it.gated_moves
+    def add(self, it: Iteration, view, t: float) -> None:
+        s = self.summary
+        s.add(it)
         self.draft_stop = it.draft_stop
         if it.verify_tokens >= 2:
             self.reuse_last = [float(x) for x in it.reuse_ratio]
-            if self.reuse_sum is None:
-                self.reuse_sum = list(self.reuse_last)
-            else:
-                self.reuse_sum = [a + b for a, b in zip(self.reuse_sum, self.reuse_last)]
-            self.reuse_n += 1
-            useful = getattr(it, "useful_experts", None)
-            if useful is not None:
-                self.experts_loaded += float(it.verify_experts.sum())
-                self.experts_useful += float(useful.sum())
-        misses = getattr(it, "verify_misses", None)
-        if misses is not None:
-            self.offloaded_steps += 1
-            self.experts_read += float(it.verify_experts.sum())
-            self.experts_fetched += float(misses.sum())
-            self.storage_faults += int(getattr(it, "verify_major_faults", 0) or 0)
         if view is not None and it.candidates:
             self.utilities = list(view.utilities)
         self.rollbacks.append(it.rollback)
-        self.accept.append(n)
+        self.accept.append(len(it.committed))
         if self.t0 is not None and t > self.t0:
-            self.speed.append((t - self.t0, self.tokens / (t - self.t0)))
+            self.speed.append((t - self.t0, s.committed / (t - self.t0)))
         del self.rollbacks[:-MAX_POINTS], self.accept[:-MAX_POINTS], self.speed[:-MAX_POINTS]
         self.version += 1
 
@@ -132,39 +93,36 @@ class LiveState:
         self.hit_rate = [None if math.isnan(h) else float(h) for h in snap.hit_rate]
         self.version += 1
 
-    def finish(self, finished) -> None:
-        self.finished = finished.stop_reason
-        self.final_tok_per_s = finished.n_tokens / finished.seconds if finished.seconds > 0 else None
+    def finish(self, finished: Finished) -> None:
+        self.summary.add(finished)
         self.version += 1
 
     @property
-    def reuse_mean(self) -> list[float] | None:
-        return None if self.reuse_sum is None else [x / self.reuse_n for x in self.reuse_sum]
-
-    @property
-    def accept_len(self) -> float:
-        return self.tokens / self.iterations if self.iterations else 0.0
+    def tok_per_s(self) -> float:
+        """The finished generation's speed, or the latest measured while it runs."""
+        if self.summary.seconds > 0:
+            return self.summary.tok_per_s
+        return self.speed[-1][1] if self.speed else 0.0
 
     def stats_text(self) -> str:
-        if not self.mode:
+        s = self.summary
+        if not s.mode:
             return "No generation yet. Type a prompt and press Enter."
-        tps = self.final_tok_per_s if self.final_tok_per_s is not None else (self.speed[-1][1] if self.speed else 0.0)
-        reuse = self.reuse_mean
-        reuse_txt = f"{sum(reuse) / len(reuse):.2f}" if reuse else "n/a"
-        rate = f"{self.accepted / self.drafted:.0%}" if self.drafted else "n/a"
-        useful = f"  useful {self.experts_useful / self.experts_loaded:.0%}" if self.experts_loaded else ""
+        reuse_txt = f"{s.reuse_ratio:.2f}" if s.reuse_ratio is not None else "n/a"
+        rate = f"{s.acceptance_rate:.0%}" if s.drafted else "n/a"
+        useful = f"  useful {s.useful_share:.0%}" if s.useful_share is not None else ""
         lines = [
-            f"{self.mode}  it {self.iterations}  tok {self.tokens}  {tps:.1f} tok/s",
-            f"accept len {self.accept_len:.2f}  accepted {rate}  rollbacks {self.rollback_total}",
-            f"reuse {reuse_txt}{useful}  moved {self.gated_moves}  stop: {self.finished or self.draft_stop or '…'}",
+            f"{s.mode}  it {s.iterations}  tok {s.committed}  {self.tok_per_s:.1f} tok/s",
+            f"accept len {s.accept_len:.2f}  accepted {rate}  rollbacks {s.rollbacks}",
+            f"reuse {reuse_txt}{useful}  moved {s.gated_moves}  stop: {s.stop_reason or self.draft_stop or '…'}",
         ]
-        if self.offloaded_steps:
-            n = self.offloaded_steps
+        if s.offloaded_steps:
+            n = s.offloaded_steps
             # per verification: experts fetched / experts read, and page faults that waited for storage
-            lines.append(f"fetched {self.experts_fetched / n:.1f}/{self.experts_read / n:.0f} experts  "
-                         f"faults {self.storage_faults / n:.1f}")
-        if self.cost_source:
-            lines.append(f"cost: {self.cost_source}")
+            lines.append(f"fetched {s.experts_fetched / n:.1f}/{s.experts_read / n:.0f} experts  "
+                         f"faults {s.storage_faults / n:.1f}")
+        if s.cost is not None and s.cost.source:
+            lines.append(f"cost: {s.cost.source}")
         return "\n".join(lines)
 
 
@@ -255,15 +213,16 @@ class SpeedPlot(LivePlot):
         if not s.speed:
             return 0
         xs = [x for x, _ in s.speed]
-        plt.plot(xs, [y for _, y in s.speed], label=s.mode)
+        mode = s.summary.mode
+        plt.plot(xs, [y for _, y in s.speed], label=mode)
         # The AR reference is a plain run of this session (the cost model's T_AR is the bare decode step,
         # without the per-token overhead every mode pays, so it would flatter plain decoding).
         ref = s.ar_reference
-        if ref is not None and s.mode != "ar":
+        if ref is not None and mode != "ar":
             plt.plot([xs[0], xs[-1]] if len(xs) > 1 else [xs[0], xs[0] + 1e-3], [ref, ref], label="ar")
             plt.xlabel("seconds")
         else:
-            plt.xlabel("seconds" if s.mode == "ar" else "seconds · run ar once for a reference")
+            plt.xlabel("seconds" if mode == "ar" else "seconds · run ar once for a reference")
         plt.ylim(0, None)
         return len(xs)
 
