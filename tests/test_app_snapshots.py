@@ -1,15 +1,14 @@
 """SVG snapshots of every screen at 80×24 and 120×40 (pytest-textual-snapshot).
 
 Deterministic by construction: a scripted decoder instead of a model, engine events injected with fixed
-timestamps, scripted calibration/bench modules, a profile folder written by the test. Update after an
+timestamps, scripted calibration and bench runs, a profile folder written by the test. Update after an
 intended UI change with `pytest tests/test_app_snapshots.py --snapshot-update` and review the SVGs.
 """
 
 from __future__ import annotations
 
 import pytest
-from test_app_support import (FakeDecoder, fake_bench_module, fake_calibration_module, scripted_events,
-                              write_profiles)
+from test_app_support import FakeDecoder, fake_run_bench, fake_run_calibration, scripted_events, write_profiles
 
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.messages import EngineEvent, JobEnded
@@ -32,6 +31,14 @@ def fixed_profile_folders(tmp_path, monkeypatch):
     # the engine will grow more modes; the snapshots keep a fixed list
     for where in ("s2moe.app.tui.bench.engine_modes", "s2moe.app.tui.chat.engine_modes"):
         monkeypatch.setattr(where, lambda: ("ar", "s2moe", "conf"))
+    monkeypatch.setattr("s2moe.engine.bench.ABLATION", {})
+
+
+@pytest.fixture(autouse=True)
+def scripted_engine_runs(monkeypatch):
+    """Calibration and bench yield fixed numbers instead of measuring this machine."""
+    monkeypatch.setattr("s2moe.engine.bench.run_bench", fake_run_bench)
+    monkeypatch.setattr("s2moe.engine.calibrate.run_calibration", fake_run_calibration())
 
 
 def make_app(**kw) -> S2MoEApp:
@@ -115,18 +122,7 @@ def test_calibrate_wizard_done(snap_compare, size):
             await pilot.pause(0.01)
         await settle(pilot)
 
-    app = make_app(modules={"calibrate": fake_calibration_module()})
-    assert snap_compare(app, terminal_size=size, run_before=run_before)
-
-
-@pytest.mark.parametrize("size", SIZES)
-def test_calibrate_unavailable(snap_compare, size):
-    async def run_before(pilot):
-        await ready(pilot)
-        await pilot.press("f3")
-        await settle(pilot)
-
-    assert snap_compare(make_app(modules={"calibrate": None}), terminal_size=size, run_before=run_before)
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -156,8 +152,7 @@ def test_bench_done(snap_compare, size):
             await pilot.pause(0.01)
         await settle(pilot)
 
-    app = make_app(modules={"bench": fake_bench_module()})
-    assert snap_compare(app, terminal_size=size, run_before=run_before)
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -1,15 +1,16 @@
 """Fakes for the app tests: a scripted decoder (deterministic events, optional delay per iteration) and
-scripted calibration/bench modules. No tests here."""
+scripted calibration and bench runs that yield the engine's own event types. No tests here."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
+from s2moe.engine.bench import BenchDone, BenchProgress, BenchRow
+from s2moe.engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.events import (CostConstants, DraftCandidate, Finished, Iteration, Prefilled, ResidencySnapshot,
                                  Started)
 
@@ -144,13 +145,9 @@ class FakeDecoder:
         self.closed = True
 
 
-def fake_calibration_module(calls: list | None = None):
-    """A module with run_calibration yielding the contract's events with fixed numbers."""
+def fake_run_calibration(calls: list | None = None):
+    """Stands in for engine.calibrate.run_calibration: its events with fixed numbers."""
     calls = [] if calls is None else calls
-
-    # the real event types of the calibration contract; only the measurements are scripted
-    from s2moe.engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
-
     steps = [("bandwidth", "memory and storage bandwidth"), ("steps", "T_AR and draft step cost"),
              ("cost model", "regression of verification latency on experts and tokens")]
 
@@ -173,52 +170,27 @@ def fake_calibration_module(calls: list | None = None):
                                                    "t_exp_ms": 0.1, "t_tok_ms": 1.0, "intercept_ms": 2.0}}}
         yield CalibrationDone(profile, None)
 
-    return SimpleNamespace(run_calibration=run_calibration, StepStarted=StepStarted)
+    return run_calibration
 
 
-def fake_bench_module():
-    @dataclass(frozen=True)
-    class BenchProgress:
-        done: int
-        total: int
-        mode: str
-        prompt_index: int
-
-    @dataclass
-    class BenchRow:
-        mode: str
-        budget: str
-        prompt_set: str
-        tok_per_s: float
-        speedup_vs_ar: float | None
-        accept_len: float
-        draft_len: float
-        reuse_ratio: float | None
-        rollbacks: int
-        identical_to_ar: float | None = None
-
-    @dataclass
-    class BenchDone:
-        rows: list
-        quality: dict
-        cost_model: dict
-        machine: dict
-
-    def run_bench(model, *, prompts, modes, n_tokens, budgets=("none",), n_threads=None, should_stop=None,
-                  decoder=None, prompt_set="custom"):
-        modes = ["ar"] + [m for m in modes if m != "ar"]
-        total = len(prompts) * len(modes)
-        done = 0
-        for pi, _ in enumerate(prompts):
-            for m in modes:
-                done += 1
-                yield BenchProgress(done, total, m, pi)
-        rows = [BenchRow(m, "none", "custom", 100.0 + 20 * i, 1.0 + 0.2 * i, 1.0 + i, float(i),
-                         None if m == "ar" else 0.5, 3 * i, None if m == "ar" else 1.0)
-                for i, m in enumerate(modes)]
-        yield BenchDone(rows, {}, {"r2": 0.95}, {})
-
-    return SimpleNamespace(run_bench=run_bench, ABLATION={})
+def fake_run_bench(model, *, prompts, modes, n_tokens, budgets=("none",), n_threads=None, should_stop=None,
+                   decoder=None, prompt_set="custom"):
+    """Stands in for engine.bench.run_bench: its events with fixed numbers."""
+    modes = ["ar"] + [m for m in modes if m != "ar"]
+    total = len(prompts) * len(modes)
+    done = 0
+    for pi, _ in enumerate(prompts):
+        for m in modes:
+            done += 1
+            yield BenchProgress(done, total, m, pi)
+    rows = [BenchRow(mode=m, budget="none", prompt_set=prompt_set, n_prompts=len(prompts), n_tokens=n_tokens,
+                     seconds=n_tokens / (100.0 + 20 * i), tok_per_s=100.0 + 20 * i, speedup_vs_ar=1.0 + 0.2 * i,
+                     accept_len=1.0 + i, draft_len=float(i), acceptance_rate=0.0 if m == "ar" else 0.8,
+                     reuse_ratio=None if m == "ar" else 0.5, reuse_ratio_per_layer=None, verify_experts=None,
+                     effective_verify_cost=None, rollbacks=3 * i, t_draft=0.0, t_verify=0.0,
+                     identical_to_ar=None if m == "ar" else 1.0)
+            for i, m in enumerate(modes)]
+    yield BenchDone(rows, {}, {"r2": 0.95}, {})
 
 
 VALID_PROFILE = """\

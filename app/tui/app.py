@@ -16,7 +16,7 @@ from .commands import S2MoECommands
 from .dialogs import HelpScreen, ModelPathDialog, binding_sections
 from .messages import ModelFailed, ModelReady, post
 from .profiles_screen import ProfilesScreen
-from .session import EngineSession, optional_module
+from .session import EngineSession
 from .widgets import NavBar
 
 NO_MODEL_MESSAGE = ("No model was given and this install ships no default model. "
@@ -45,23 +45,16 @@ class S2MoEApp(App):
     ]
 
     def __init__(self, model_path: str | None = None, *, profile: str | None = None, n_threads: int | None = None,
-                 n_ctx: int = 2048, model_message: str | None = None, modules: dict | None = None,
-                 load_on_start: bool = True, decoder_factory=None, budget: str | None = None):
+                 n_ctx: int = 2048, model_message: str | None = None, load_on_start: bool = True,
+                 decoder_factory=None, budget: str | None = None):
         super().__init__()
         self.session = EngineSession(model_path, n_threads=n_threads, n_ctx=n_ctx, profile=profile,
                                      decoder_factory=decoder_factory, budget=budget)
         self.model_message = model_message
         self.load_on_start = load_on_start
-        self._modules = modules or {}
         self._views: list = []
         self.model_loading = False
         self.quitting = False
-
-    # -- engine modules that may be missing in this install ---------------------------------------------------
-    def engine_module(self, name: str):
-        if name in self._modules:
-            return self._modules[name]
-        return optional_module(name)
 
     # -- start-up ------------------------------------------------------------------------------------------------
     def on_mount(self) -> None:

@@ -10,15 +10,16 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Select, SelectionList, Static, TextArea
 from textual_plotext import PlotextPlot
 
+from ...engine import bench as engine_bench
+from ...engine.bench import BenchDone, BenchProgress, BenchRow
 from ...engine.errors import ConfigError, S2MoEError
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import engine_modes
 from .widgets import Column, FittedTable, NavBar
 
 DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):"
-UNAVAILABLE = ("The benchmark is not available in this install (the module s2moe.engine.bench is missing). "
-               "Chat (F2) shows each generation's speed live.")
 DEFAULT_MODES = ("ar", "s2moe")
+PROMPT_SETS = ("natural", "humaneval")  # the named sets engine.bench.load_prompts knows
 # fixed widths, so the table looks the same however rows arrive; at 80 columns the last ones give way
 TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2), Column("x_ar", "× ar", 5, 1),
                  Column("accept", "accept", 6, 3), Column("draft", "draft", 5, 4), Column("reuse", "reuse", 5, 5),
@@ -29,8 +30,8 @@ def _fmt(v, spec=".2f", none="—"):
     return none if v is None else format(v, spec)
 
 
-def _label(r) -> str:
-    return r.mode if getattr(r, "budget", "none") in ("none", None) else f"{r.mode}@{r.budget}"
+def _label(r: BenchRow) -> str:
+    return r.mode if r.budget in ("none", None) else f"{r.mode}@{r.budget}"
 
 
 class BenchPlot(PlotextPlot):
@@ -39,7 +40,7 @@ class BenchPlot(PlotextPlot):
     DEFAULT_CSS = "BenchPlot { height: 1fr; min-height: 8; }"
     TITLE = "tokens/s by mode (× ar)"
 
-    def show_rows(self, rows) -> None:
+    def show_rows(self, rows: list[BenchRow]) -> None:
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
@@ -48,11 +49,8 @@ class BenchPlot(PlotextPlot):
             self.plot_rows(rows)
         self.refresh()
 
-    def plot_rows(self, rows) -> None:
-        labels = []
-        for r in rows:
-            sp = getattr(r, "speedup_vs_ar", None)
-            labels.append(f"{_label(r)} ×{sp:.2f}" if sp is not None else _label(r))
+    def plot_rows(self, rows: list[BenchRow]) -> None:
+        labels = [f"{_label(r)} ×{r.speedup_vs_ar:.2f}" if r.speedup_vs_ar is not None else _label(r) for r in rows]
         self.plt.bar(labels, [float(r.tok_per_s) for r in rows])
 
     def on_mount(self) -> None:
@@ -65,10 +63,10 @@ class BenchAcceptPlot(BenchPlot):
 
     TITLE = "accept length and reuse ratio by mode"
 
-    def plot_rows(self, rows) -> None:
+    def plot_rows(self, rows: list[BenchRow]) -> None:
         labels = [_label(r) for r in rows]
         accept = [float(r.accept_len) for r in rows]
-        reuse = [float(r.reuse_ratio) if getattr(r, "reuse_ratio", None) is not None else 0.0 for r in rows]
+        reuse = [float(r.reuse_ratio) if r.reuse_ratio is not None else 0.0 for r in rows]
         self.plt.multiple_bar(labels, [accept, reuse], labels=["accept len", "reuse ratio"])
 
 
@@ -83,21 +81,12 @@ class BenchScreen(Screen):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.running = False
-        self.rows: list = []
-        self.done = None
-
-    @property
-    def module(self):
-        return self.app.engine_module("bench")
-
-    @property
-    def available(self) -> bool:
-        return getattr(self.module, "run_bench", None) is not None
+        self.rows: list[BenchRow] = []
+        self.done: BenchDone | None = None
 
     def mode_choices(self) -> list[str]:
         modes = list(engine_modes())
-        module = self.module
-        for name in getattr(module, "ABLATION", {}) or {}:
+        for name in engine_bench.ABLATION:
             if name not in modes:
                 modes.append(name)
         return modes
@@ -108,7 +97,7 @@ class BenchScreen(Screen):
             with VerticalScroll(id="bench-form"):
                 yield Static("", id="bench-intro")
                 yield Label("Prompt set")
-                yield Select([("typed below", "custom")] + [(s, s) for s in self.prompt_sets()], value="custom",
+                yield Select([("typed below", "custom")] + [(s, s) for s in PROMPT_SETS], value="custom",
                              allow_blank=False, id="bench-set")
                 with Horizontal(classes="form-row"):
                     yield Label("Max prompts", classes="form-label")
@@ -142,23 +131,18 @@ class BenchScreen(Screen):
         self.update_state()
 
     def update_state(self) -> None:
-        intro = self.query_one("#bench-intro", Static)
-        intro.update(UNAVAILABLE if not self.available else
-                     "Runs every selected mode on each prompt in turn (ar is always included as the reference).")
-        self.query_one("#bench-run", Button).disabled = not self.available or self.running
+        self.query_one("#bench-intro", Static).update(
+            "Runs every selected mode on each prompt in turn (ar is always included as the reference).")
+        self.query_one("#bench-run", Button).disabled = self.running
         self.query_one("#bench-stop", Button).disabled = not self.running
         self.refresh_bindings()
 
     def check_action(self, action: str, parameters) -> bool | None:
         if action == "start":
-            return None if (not self.available or self.running) else True
+            return None if self.running else True
         if action == "stop":
             return True if self.running else None
         return True
-
-    def prompt_sets(self) -> list[str]:
-        """Named prompt sets the engine can load (engine.bench.load_prompts)."""
-        return ["natural", "humaneval"] if getattr(self.module, "load_prompts", None) is not None else []
 
     def request(self) -> tuple[list[str], list[str], int, str]:
         raw_max = self.query_one("#bench-max", Input).value.strip() or "0"
@@ -172,7 +156,7 @@ class BenchScreen(Screen):
             prompts = [p for p in self.query_one("#bench-prompts", TextArea).text.splitlines() if p.strip()]
             prompts = prompts[:max_prompts] if max_prompts > 0 else prompts
         else:
-            name, prompts = self.module.load_prompts(spec, max_prompts if max_prompts > 0 else None)
+            name, prompts = engine_bench.load_prompts(spec, max_prompts if max_prompts > 0 else None)
         modes = list(self.query_one("#bench-modes", SelectionList).selected)
         raw = self.query_one("#bench-n", Input).value.strip()
         if not prompts:
@@ -188,7 +172,7 @@ class BenchScreen(Screen):
         return prompts, modes, n, name
 
     def action_start(self) -> None:
-        if not engine_ready(self, "the benchmark"):
+        if not engine_ready(self):
             return
         try:
             prompts, modes, n, prompt_set = self.request()
@@ -209,7 +193,7 @@ class BenchScreen(Screen):
     @work(thread=True, group="engine", exit_on_error=False)
     def bench(self, prompts: list[str], modes: list[str], n: int, prompt_set: str = "custom") -> None:
         session = self.app.session
-        run_bench = self.module.run_bench
+        run_bench = engine_bench.run_bench
 
         def events():
             session.load()  # the loaded model is reused: the session lock is held, nothing else uses it
@@ -226,20 +210,16 @@ class BenchScreen(Screen):
 
     def on_job_event(self, message: JobEvent) -> None:
         ev = message.event
-        kind = type(ev).__name__
-        if kind == "BenchProgress":
+        if isinstance(ev, BenchProgress):
             self.query_one("#bench-progress", ProgressBar).update(total=max(1, ev.total), progress=ev.done)
             self.query_one("#bench-status", Static).update(
                 f"{ev.done}/{ev.total}: {ev.mode} on prompt {ev.prompt_index + 1}")
-        elif kind == "BenchRow":
-            self.rows.append(ev)
-            self.show_rows()
-        elif kind == "BenchDone":
+        elif isinstance(ev, BenchDone):
             self.done = ev
             self.rows = list(ev.rows)
             self.show_rows()
             status = "done"
-            fit = (ev.cost_model or {}).get("r2")
+            fit = ev.cost_model.get("r2")
             if fit is not None:
                 status += f" · verification cost fit R² {fit:.3f}"
             self.query_one("#bench-status", Static).update(status)
@@ -253,7 +233,7 @@ class BenchScreen(Screen):
             "draft": _fmt(r.draft_len),
             "reuse": _fmt(r.reuse_ratio),
             "rollbacks": str(r.rollbacks),
-            "same": _fmt(getattr(r, "identical_to_ar", None), ".0%"),
+            "same": _fmt(r.identical_to_ar, ".0%"),
         }) for r in self.rows])
         for plot in self.query(BenchPlot):
             plot.show_rows(self.rows)

@@ -14,6 +14,8 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
 from textual_plotext import PlotextPlot
 
+from ...engine import calibrate as engine_calibrate
+from ...engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from ...engine.errors import S2MoEError
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import parse_bytes
@@ -25,9 +27,6 @@ INTRO = (
     "experts (T_exp) and tokens (T_tok). Routing-aware expansion uses them to decide how far to draft. "
     "The fit of the verification cost model is plotted when the regression step ends."
 )
-UNAVAILABLE = ("Calibration is not available in this install (the module s2moe.engine.calibrate is missing). "
-               "Profiles can still be selected on the Profiles screen (F4); without one, cost constants are "
-               "measured briefly at the start of the first s2moe generation.")
 
 
 @dataclass
@@ -89,14 +88,6 @@ class CalibrateScreen(Screen):
         self.fit: dict | None = None
         self.n_steps = 0
 
-    @property
-    def module(self):
-        return self.app.engine_module("calibrate")
-
-    @property
-    def available(self) -> bool:
-        return getattr(self.module, "run_calibration", None) is not None
-
     def compose(self) -> ComposeResult:
         yield NavBar("calibrate", id="navbar")
         with Horizontal(id="cal-body"):
@@ -126,14 +117,9 @@ class CalibrateScreen(Screen):
         self.update_state()
 
     def update_state(self) -> None:
-        intro = self.query_one("#cal-intro", Static)
-        if not self.available:
-            intro.update(Text(UNAVAILABLE, style="bold"))
-        else:
-            intro.update(INTRO)
-            # once the steps run, they (with their own descriptions) take the intro's place
-            intro.display = not self.steps
-        self.query_one("#cal-run", Button).disabled = not self.available or self.running
+        # once the steps run, they (with their own descriptions) take the intro's place
+        self.query_one("#cal-intro", Static).display = not self.steps
+        self.query_one("#cal-run", Button).disabled = self.running
         self.query_one("#cal-stop", Button).disabled = not self.running
         self.query_one("#cal-save", Button).disabled = self.result is None or self.running
         self.query_one("#cal-steps", Static).update(self.steps_text())
@@ -141,7 +127,7 @@ class CalibrateScreen(Screen):
 
     def check_action(self, action: str, parameters) -> bool | None:
         if action == "start":
-            return None if (not self.available or self.running) else True
+            return None if self.running else True
         if action == "stop":
             return True if self.running else None
         if action == "save":
@@ -168,7 +154,7 @@ class CalibrateScreen(Screen):
 
     # -- running ---------------------------------------------------------------------------------
     def action_start(self) -> None:
-        if not engine_ready(self, "calibration"):
+        if not engine_ready(self):
             return
         session = self.app.session
         try:
@@ -190,7 +176,7 @@ class CalibrateScreen(Screen):
     @work(thread=True, group="engine", exit_on_error=False)
     def calibrate(self, model_path: str, budget, name) -> None:
         session = self.app.session
-        run_calibration = self.module.run_calibration
+        run_calibration = engine_calibrate.run_calibration
         run_engine_job(self, session, "calibrate", lambda: run_calibration(
             model_path, budget_bytes=budget, name=name, save=False, n_threads=session.n_threads,
             should_stop=session.stop.is_set))
@@ -202,34 +188,33 @@ class CalibrateScreen(Screen):
 
     def on_job_event(self, message: JobEvent) -> None:
         ev = message.event
-        kind = type(ev).__name__
-        if kind == "StepStarted":
+        if isinstance(ev, StepStarted):
             first = not self.steps
-            self.steps[ev.index] = StepState(ev.index, ev.name, getattr(ev, "description", ""), total=0)
+            self.steps[ev.index] = StepState(ev.index, ev.name, ev.description, total=0)
             if first:
                 self.update_state()
             self.n_steps = max(1, ev.total)
             bar = self.query_one("#cal-progress", ProgressBar)
             bar.update(total=self.n_steps, progress=max(0, ev.index - 1))  # steps count from 1
-        elif kind == "StepProgress":
+        elif isinstance(ev, StepProgress):
             step = self.steps.get(ev.index)
             if step is not None:
                 step.done, step.total = ev.done, ev.total
-        elif kind == "StepResult":
+        elif isinstance(ev, StepResult):
             step = self.steps.setdefault(ev.index, StepState(ev.index, ev.name))
             step.total = 0
             step.state = "done"
-            step.summary = str(getattr(ev, "summary", "") or "")
-            data = getattr(ev, "data", None) or {}
+            step.summary = ev.summary
+            data = ev.data
             if "measured" in data and "predicted" in data:
                 self.fit = data
                 self.query_one(FitPlot).show_fit(list(data["measured"]), list(data["predicted"]),
                                                  data.get("r2"), data.get("mape"), unit="ms")
             bar = self.query_one("#cal-progress", ProgressBar)
             bar.update(progress=ev.index)
-        elif kind == "CalibrationDone":
+        elif isinstance(ev, CalibrationDone):
             self.result = ev.profile
-            self.saved_path = getattr(ev, "path", None)
+            self.saved_path = ev.path
             bar = self.query_one("#cal-progress", ProgressBar)
             bar.update(progress=bar.total)
             name_box = self.query_one("#cal-name", Input)

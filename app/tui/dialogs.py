@@ -88,14 +88,10 @@ def binding_sections(screen, app) -> list[tuple[str, list[tuple[str, str]]]]:
 
 def packaged_models() -> list[dict]:
     """The models this install ships (engine.zoo), or [] when there are none."""
-    from .session import optional_module
+    from ...engine import zoo
 
-    zoo = optional_module("zoo")
-    lister = getattr(zoo, "list_models", None) if zoo is not None else None
-    if lister is None:
-        return []
     try:
-        return [m for m in lister() if m.get("path") is not None]
+        return zoo.list_models()
     except Exception:  # noqa: BLE001 - a broken manifest must not stop the dialog
         return []
 

@@ -94,12 +94,9 @@ def run_engine_job(screen, session, name: str, events) -> None:
         post(screen, JobEnded(name))
 
 
-def engine_ready(screen, what: str) -> bool:
+def engine_ready(screen) -> bool:
     """The checks a screen makes before starting an engine job; tells the user and returns False if it
-    cannot start (`what` names the job: "calibration", "the benchmark")."""
-    if not screen.available:
-        screen.notify(f"{what} is not available in this install", severity="warning")
-        return False
+    cannot start."""
     session = screen.app.session
     if session.model_path is None:
         screen.app.action_open_model()

@@ -6,7 +6,6 @@ plain data (segments of coloured text, per-iteration numbers) and never call the
 
 from __future__ import annotations
 
-import importlib
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,26 +48,13 @@ def moe_modes() -> tuple[str, ...]:
     return tuple(getattr(decoder, "MOE_MODES", tuple(m for m in decoder.MODES if m != "ar")))
 
 
-def optional_module(name: str):
-    """An engine module that may not exist yet in this install (calibration, bench, zoo) or None."""
-    try:
-        return importlib.import_module(f"s2moe.engine.{name}")
-    except ImportError:  # the module, or one of its own dependencies, is not installed
-        return None
-
-
 def shipped_default_model() -> Path | None:
-    zoo = optional_module("zoo")
-    fn = getattr(zoo, "default_model_path", None) if zoo is not None else None
-    if fn is None:
-        return None
+    from ...engine import zoo
+
     try:
-        path = fn()
+        path = zoo.default_model_path()
     except Exception:  # noqa: BLE001 - a missing packaged model must not stop the app
         return None
-    if path is None:
-        return None
-    path = Path(path)
     return path if path.is_file() else None
 
 
