@@ -1,0 +1,106 @@
+"""A memory budget: `auto` or a size, how it splits between the process, pins and the expert cache, and
+how `auto` is sized from what a loaded, warmed-up process holds."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .cgroup import ENV_BUDGET, MemoryCgroup, current_budget_cgroup
+from .experts import ExpertMap
+from .mapping import ModelMapping
+from .sizes import fmt_bytes, parse_size
+
+# An `auto` run starts under this limit (a guard against runaways only), then sizes its own budget once
+# loaded and warmed up, and lowers the limit to it.
+AUTO_START_LIMIT = 64 << 30
+AUTO_EXPERT_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget for one decoding process: `size` bytes, or None for auto (what the process holds
+    once loaded and warmed up, plus a share of the expert bytes as the expert cache)."""
+
+    size: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | int) -> "Budget":
+        if isinstance(text, str) and text.strip().lower() == "auto":
+            return cls(None)
+        return cls(parse_size(text))
+
+    @property
+    def auto(self) -> bool:
+        return self.size is None
+
+    @property
+    def start_limit(self) -> int:
+        """The limit the process starts under."""
+        return AUTO_START_LIMIT if self.size is None else self.size
+
+    def __str__(self) -> str:
+        """The form `parse` reads back (handed to the process started inside the budget)."""
+        return "auto" if self.size is None else str(self.size)
+
+    def describe(self, sized: int | None = None) -> str:
+        """'auto (83.3 MiB)' once an auto budget is sized, else the size."""
+        if self.size is not None:
+            return fmt_bytes(self.size)
+        return "auto" if sized is None else f"auto ({fmt_bytes(sized)})"
+
+
+def current_budget() -> tuple[MemoryCgroup, Budget] | None:
+    """(the cgroup, the budget) this process was started inside by run_in_budget, or None."""
+    cg = current_budget_cgroup()
+    if cg is None:
+        return None
+    return cg, Budget.parse(os.environ.get(ENV_BUDGET) or str(cg.limit()))
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """How a memory budget splits: what the process holds anyway, what is pinned, what caches experts."""
+
+    budget_bytes: int
+    anon_bytes: int          # the process's own memory (interpreter, llama.cpp buffers, KV cache)
+    base_bytes: int          # pinned non-expert weights + library code
+    hot_bytes: int           # room for pinned hot experts
+    cache_bytes: int         # left for cold experts in the page cache
+    slack_bytes: int = 0     # kept free for the process's memory to grow (buffers, Python objects)
+
+    def describe(self) -> str:
+        return (f"budget {fmt_bytes(self.budget_bytes)} = process {fmt_bytes(self.anon_bytes)} + slack "
+                f"{fmt_bytes(self.slack_bytes)} + pinned weights {fmt_bytes(self.base_bytes)} + hot experts "
+                f"{fmt_bytes(self.hot_bytes)} + expert cache {fmt_bytes(self.cache_bytes)}")
+
+
+def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: ExpertMap, k: int,
+                hot_share: float = 0.5) -> BudgetPlan:
+    """Split a budget: hot experts get `hot_share` of the room left for experts, but the cache for cold
+    experts keeps at least half of one token's experts (k/2 per layer; the other half is likely hot)."""
+    slack = min(32 << 20, max(4 << 20, budget_bytes // 20))
+    room = max(0, budget_bytes - anon_bytes - base_bytes - slack)
+    per_token = int(k * emap.expert_bytes.sum())
+    reserve = min(room, max(int(room * (1 - hot_share)), per_token // 2))
+    return BudgetPlan(budget_bytes, anon_bytes, base_bytes, room - reserve, reserve, slack)
+
+
+
+def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXPERT_SHARE) -> int:
+    """`--budget auto` for a process already running inside `cg`, loaded and warmed up: everything the
+    cgroup holds now except the model's expert pages (anonymous memory, pinned weights, library and
+    Python file pages), plus `share` of the expert bytes as the expert cache, plus a little slack.
+
+    Counting what the cgroup really holds matters: a budget built from the anonymous memory alone left
+    the expert cache near zero (every expert missed on every token, measured) because the interpreter's
+    and libraries' file pages are charged to the same cgroup."""
+    mapping = ModelMapping(emap)
+    try:
+        resident = float((mapping.expert_residency() * emap.expert_bytes[:, None]).sum())
+    finally:
+        mapping.close()
+    held = max(0, cg.usage() - int(resident))
+    # the slack absorbs what the heap still grows by in the first real generations (measured: ~1 MiB on
+    # the shipped model after a warm-up), so that the expert cache keeps its share
+    return int(held + share * emap.total_expert_bytes + max(2 << 20, held // 50))

@@ -1,0 +1,73 @@
+"""ctypes bindings to the libc calls offloading steers the page cache with: mmap, mlock, madvise, mincore."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+PROT_READ, MAP_SHARED = 0x1, 0x01
+MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED = 0, 1, 3
+
+
+class _Libc:
+    def __init__(self):
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        lib.mmap.restype = vp
+        lib.mmap.argtypes = [vp, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        lib.munmap.restype = ctypes.c_int
+        lib.munmap.argtypes = [vp, sz]
+        for name in ("mlock", "munlock"):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [vp, sz]
+        lib.madvise.restype = ctypes.c_int
+        lib.madvise.argtypes = [vp, sz, ctypes.c_int]
+        lib.mincore.restype = ctypes.c_int
+        lib.mincore.argtypes = [vp, sz, ctypes.POINTER(ctypes.c_ubyte)]
+        self.lib = lib
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+_libc: _Libc | None = None
+
+
+def libc() -> _Libc:
+    global _libc
+    if _libc is None:
+        _libc = _Libc()
+    return _libc
+
+
+def drop_file_cache(path: str | os.PathLike) -> None:
+    """posix_fadvise(DONTNEED) on the whole file: drops its pages that no process has mapped."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        try:
+            os.fsync(fd)  # dirty pages (a file just written) cannot be dropped before write-back
+        except OSError:
+            pass
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+
+def raise_memlock_limit() -> None:
+    """Lift RLIMIT_MEMLOCK's soft limit to the hard one (root's hard limit can be raised further)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        except (ValueError, OSError):
+            if soft != hard:
+                resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+    except Exception:
+        pass

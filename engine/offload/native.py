@@ -1,0 +1,102 @@
+"""The C prefetcher and miss counter (native/s2moe_offload.c), driven by the routing hook."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from .mapping import ModelMapping
+
+
+class NativePrefetch:
+    """The C prefetcher (native/s2moe_offload.c) over a ModelMapping: madvise(WILLNEED) of exact expert
+    ranges without Python in the loop. `handle` and `layer_fn_address` let native code (the routing hook)
+    call s2_prefetch_layer(handle, layer, ids, n) the moment a layer's top-k ids are known.
+
+    The same call counts, per layer, the experts that are not wholly in memory at that moment (mincore on
+    their own ranges): begin() / counted() bracket a decode. With advise=False it only counts. Every
+    residency question here costs in proportion to the experts asked about, never to the file's size."""
+
+    def __init__(self, mapping: ModelMapping, *, advise: bool = True):
+        from ... import native
+
+        lib = native.library()
+        vp, i64p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
+        u8p = ctypes.POINTER(ctypes.c_uint8)
+        sigs = {
+            "s2_prefetch_new": (vp, [vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p]),
+            "s2_prefetch_free": (None, [vp]),
+            "s2_prefetch_configure": (None, [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int32)]),
+            "s2_prefetch_resident": (ctypes.c_int, [vp, u8p, u8p]),
+            "s2_prefetch_layer": (ctypes.c_int, [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int32), ctypes.c_int]),
+            "s2_prefetch_mask": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_uint8)]),
+            "s2_prefetch_bytes": (ctypes.c_int64, [vp]),
+            "s2_prefetch_calls": (ctypes.c_int64, [vp]),
+        }
+        for name, (res, args) in sigs.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        self.lib, self.mapping = lib, mapping
+        em = mapping.emap
+        self._ranges = np.ascontiguousarray(em.ranges, dtype=np.int64)
+        self.handle = lib.s2_prefetch_new(mapping.addr, mapping.size, em.n_layer, em.n_expert,
+                                          self._ranges.shape[2], self._ranges.ctypes.data_as(i64p))
+        if not self.handle:
+            raise MemoryError("native prefetcher: allocation failed")
+        self.misses = np.zeros(em.n_layer, np.int32)
+        self._shape = (em.n_layer, em.n_expert)
+        self.advise = advise
+
+    @property
+    def advise(self) -> bool:
+        return self._advise
+
+    @advise.setter
+    def advise(self, on: bool) -> None:
+        self._advise = bool(on)
+        self.lib.s2_prefetch_configure(self.handle, int(on), self.misses.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+
+    def begin(self) -> None:
+        """Start counting misses for the next decode (Decoder.miss_counter)."""
+        self.misses[:] = 0
+
+    def counted(self) -> np.ndarray:
+        """[n_layer] experts the decode since begin() read that were not wholly in memory as it routed."""
+        return self.misses.copy()
+
+    def resident(self, mask: np.ndarray) -> np.ndarray:
+        """[n_layer, n_expert] bool: of the experts set in mask, those whose every page is in memory."""
+        m = np.ascontiguousarray(mask, dtype=np.uint8)
+        out = np.zeros(self._shape, np.uint8)
+        u8p = ctypes.POINTER(ctypes.c_uint8)
+        self.lib.s2_prefetch_resident(self.handle, m.ctypes.data_as(u8p), out.ctypes.data_as(u8p))
+        return out.astype(bool)
+
+    @property
+    def layer_fn_address(self) -> int:
+        return ctypes.cast(self.lib.s2_prefetch_layer, ctypes.c_void_p).value
+
+    def layer(self, layer: int, ids) -> int:
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        return int(self.lib.s2_prefetch_layer(self.handle, int(layer), ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                              len(ids)))
+
+    def mask(self, mask: np.ndarray) -> int:
+        m = np.ascontiguousarray(mask, dtype=np.uint8)
+        return int(self.lib.s2_prefetch_mask(self.handle, m.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))))
+
+    @property
+    def bytes_advised(self) -> int:
+        return int(self.lib.s2_prefetch_bytes(self.handle))
+
+    def close(self) -> None:
+        if getattr(self, "handle", None):
+            self.lib.s2_prefetch_free(self.handle)
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

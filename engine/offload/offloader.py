@@ -1,0 +1,162 @@
+"""The Offloader: pinning, routing-driven prefetch, miss counting and residency for one decoder.
+
+It is what a Decoder is given (Decoder.attach) to see each verification: it counts which predicted
+experts were already resident, prefetches where asked, and reports the experts a verification read that
+were not in memory (through the native prefetcher the routing hook calls as each layer routes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .experts import ExpertMap, expert_map
+from .libc import MADV_NORMAL, MADV_RANDOM, raise_memlock_limit
+from .mapping import ModelMapping
+from .native import NativePrefetch
+from .procfs import model_mappings
+from .sizes import PAGE
+
+
+@dataclass(frozen=True)
+class Residency:
+    """A residency snapshot, e.g. for the app's heatmap."""
+
+    resident: np.ndarray     # [n_layer, n_expert] fraction of each expert's pages in memory
+    pinned: np.ndarray       # [n_layer, n_expert] bool
+    hit_rate: np.ndarray     # [n_layer] predicted experts already resident when a verification started (nan: none)
+    lookups: int
+    prefetched_bytes: int
+    locked_bytes: int
+
+
+@dataclass
+class OffloadStats:
+    hits: np.ndarray
+    lookups: np.ndarray
+    prefetch_calls: int = 0
+    prefetched_bytes: int = 0
+    prefetch_seconds: float = 0.0
+
+    def hit_rate(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.lookups > 0, self.hits / np.maximum(self.lookups, 1), np.nan)
+
+
+
+class Offloader:
+    """Pinning, routing-driven prefetch and residency metrics for one decoder. Made by offload_decoder,
+    which pins, plans the budget and attaches it to the decoder (it implements the decoder's
+    VerifyObserver: before_verify, begin_verify, verify_misses, residency)."""
+
+    def __init__(self, model_path, *, prefetch: bool = True, emap: ExpertMap | None = None,
+                 prefetch_bytes: int | None = None):
+        self.emap = emap or expert_map(model_path)
+        self.map = ModelMapping(self.emap)
+        self.prefetch = prefetch
+        # At most this many bytes are asked for per verification (None: no limit). Prefetching more than
+        # the expert cache holds evicts what was fetched before it is used.
+        self.prefetch_bytes = prefetch_bytes
+        n = self.emap.n_layer
+        self.stats = OffloadStats(np.zeros(n), np.zeros(n))
+        self.pinned_split = {"non_expert": 0, "code": 0, "hot_experts": 0}
+        self.fault_readahead = "default"
+        # counts misses for the routing hook (and prefetches just in time when offload_decoder says so)
+        self.native = NativePrefetch(self.map, advise=False)
+        self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
+        self.plan = None                      # BudgetPlan, when a budget was given
+        self._decoder = None                  # the decoder it is attached to
+
+    def attach(self, decoder, *, jit_prefetch: bool) -> None:
+        """Observe decoder's verifications; the routing hook hands every layer's final ids to the native
+        prefetcher, which counts the experts not in memory at that moment and, with jit_prefetch, asks
+        the OS for them before the layer's expert matmuls run."""
+        self.native.advise = jit_prefetch
+        if decoder.rt.hook is not None:
+            decoder.rt.hook.set_route(self.native)
+        decoder.attach(self)
+        self._decoder = decoder
+
+    def pin(self, *, non_expert: bool = True, code: bool = True, hot=()) -> dict:
+        raise_memlock_limit()
+        if non_expert:
+            self.pinned_split["non_expert"] += self.map.pin_non_expert()
+        if code:
+            self.pinned_split["code"] += self.map.pin_code()
+        if hot:
+            self.pinned_split["hot_experts"] += self.map.pin_experts(hot)
+        return dict(self.pinned_split)
+
+    def unpinned_non_expert(self) -> list[tuple[int, int]]:
+        """File ranges of non-expert tensors that pinning leaves to the page cache (the token embedding
+        table when a separate output matrix exists): read one row per token, at random."""
+        pinned = set(self.emap.pinnable())
+        return [r for r in self.emap.non_expert if r not in pinned and r[1] > 0]
+
+    def advise_fault_readahead(self, random: bool) -> int:
+        """madvise llama.cpp's mapping of the model so that a page fault reads only the faulting page
+        (MADV_RANDOM) instead of a read-around window (read_ahead_kb, up to MiBs): on the unpinned
+        embedding table always — one token's row is a few hundred bytes, and a window around it reads
+        (and makes room for) MiBs of neighbouring experts every step; on the expert tensors when
+        `random`, else they get MADV_NORMAL back. Returns the bytes advised RANDOM."""
+        lo = int(self.emap.ranges[..., 0][self.emap.ranges[..., 1] > 0].min())
+        hi = int((self.emap.ranges[..., 0] + self.emap.ranges[..., 1]).max())
+        spans = [(o, o + n, MADV_RANDOM) for o, n in self.unpinned_non_expert()]
+        spans.append((lo, hi, MADV_RANDOM if random else MADV_NORMAL))
+        total = 0
+        for addr, length, foff in model_mappings(self.emap.path, exclude=self.map.addr):
+            for s_lo, s_hi, advice in spans:
+                a, b = max(s_lo, foff), min(s_hi, foff + length)
+                if b <= a:
+                    continue
+                # whole pages only, and only inside the span: a page shared with a pinned tensor is resident
+                start_al = (addr + (a - foff) + PAGE - 1) // PAGE * PAGE
+                end_al = (addr + (b - foff)) // PAGE * PAGE
+                if end_al > start_al and self.map.c.lib.madvise(start_al, end_al - start_al, advice) == 0 \
+                        and advice == MADV_RANDOM:
+                    total += end_al - start_al
+        self.fault_readahead = "off" if random else ("embeddings-off" if total else "default")
+        return total
+
+    # -- VerifyObserver ------------------------------------------------------------------------------
+    def before_verify(self, predicted: np.ndarray) -> None:
+        """The draft-predicted experts of the next verification: count those already resident; with
+        `prefetch`, WILLNEED the others."""
+        t0 = time.perf_counter()
+        predicted = np.asarray(predicted, bool)
+        hit = self.native.resident(predicted)  # looks at the predicted experts' pages only
+        self.stats.lookups += predicted.sum(axis=1)
+        self.stats.hits += (predicted & hit).sum(axis=1)
+        if self.prefetch:
+            room = self.prefetch_bytes if self.prefetch_bytes is not None else 1 << 62
+            eb = self.emap.expert_bytes
+            for layer, expert in zip(*np.nonzero(predicted & ~hit)):  # layer order: earliest needed first
+                if eb[layer] > room:
+                    break
+                room -= int(eb[layer])
+                self.stats.prefetched_bytes += self.map.willneed(int(layer), int(expert))
+            self.stats.prefetch_calls += 1
+        self.stats.prefetch_seconds += time.perf_counter() - t0
+
+    def begin_verify(self) -> None:
+        self.native.begin()
+
+    def verify_misses(self) -> np.ndarray:
+        return self.native.counted()
+
+    def residency(self) -> Residency:
+        return Residency(self.map.expert_residency(), self.map.pinned, self.stats.hit_rate(),
+                         int(self.stats.lookups.sum()), self.stats.prefetched_bytes, self.map.locked_bytes)
+
+    def close(self) -> None:
+        """Release the mapping and pins, and detach from the decoder: the C hook must not call into a
+        freed prefetcher, nor the decoder into a closed offloader."""
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            if decoder.rt.hook is not None:
+                decoder.rt.hook.clear_route(self.native)
+            decoder.detach(self)
+        self.native.close()
+        self.map.close()

@@ -1,0 +1,190 @@
+"""The two ways into a memory budget that every command uses.
+
+- run_in_budget: start a command in a fresh memory cgroup limited to the budget, after dropping the
+  model file from the page cache, so that its experts page in from storage;
+- offload_decoder: inside that process, pin, plan and attach offloading to a decoder (and for `auto`,
+  size the budget from what the warmed-up process holds, then lower the limit to it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..errors import ConfigError
+from .budget import Budget, auto_budget_bytes, current_budget, plan_budget
+from .cgroup import MemoryCgroup
+from .experts import expert_map, rank_counts, select_hot_experts
+from .libc import drop_file_cache
+from .offloader import Offloader
+from .procfs import process_anon_bytes, read_ahead_bytes
+from .sizes import fmt_bytes
+
+
+@dataclass
+class BudgetRun:
+    """A command running inside its budget cgroup."""
+
+    proc: subprocess.Popen
+    cgroup: MemoryCgroup
+    budget: Budget
+
+    def out_of_memory(self) -> bool:
+        return self.cgroup.oom_kills() > 0
+
+    def wait(self) -> int:
+        """Its exit status; a run the kernel killed for want of memory is an error that says so."""
+        rc = self.proc.wait()
+        if rc < 0 and self.out_of_memory():
+            raise ConfigError(f"the memory budget ({self.budget.describe()}) is too small: the decoding process was "
+                              f"killed when out of memory (peak {fmt_bytes(self.cgroup.peak())}); raise the budget")
+        return rc
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM → KeyboardInterrupt in the main thread, so that clean-up (the child, the cgroup) runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def run_in_budget(argv: list[str], budget: Budget, model_path, *, tag: str = "run",
+                  **popen_kw) -> Iterator[BudgetRun]:
+    """Run argv in a fresh memory cgroup limited to the budget (an auto budget starts under a generous
+    limit and lowers it itself, see offload_decoder), with the model file dropped from the page cache.
+    On leaving, a child still running is terminated and the cgroup removed, also on Ctrl-C or SIGTERM.
+    Raises BudgetUnavailable (a ConfigError) when no cgroup can be made here."""
+    cg = MemoryCgroup.create(budget.start_limit, tag)
+    proc = None
+    try:
+        with _sigterm_as_interrupt():
+            drop_file_cache(model_path)
+            proc = cg.popen(argv, str(budget), **popen_kw)
+            yield BudgetRun(proc, cg, budget)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        cg.remove()
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """What offload_decoder pins and prefetches. The defaults are what decoding uses; offload_bench
+    compares the others."""
+
+    base: bool = True           # non-expert weights
+    code: bool = True           # llama/ggml library code pages
+    hot: bool = True            # the ranked hot experts that fit the budget's plan
+    jit_prefetch: bool = True   # the routing hook asks for each layer's experts as soon as its ids are final
+    predicted_prefetch: bool = False  # WILLNEED the draft-predicted experts before a verification (too late
+                                      # to overlap in practice: OFFLOAD_RESULTS.md)
+
+
+def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
+                    pinning: Pinning = Pinning()) -> Offloader:
+    """Set a decoder up for offloading under `budget` (None: pin and observe without a budget plan).
+
+    An auto budget needs the process to run inside its budget cgroup (run_in_budget): `warm_up` runs
+    every graph shape and buffer the run will need, the budget is sized from what the cgroup then holds
+    (auto_budget_bytes), and the limit lowered to it once pinning is in place. The offloader's
+    budget_bytes says what the budget came to."""
+    cg = None
+    emap = expert_map(decoder.info.path)
+    size = None if budget is None else budget.size
+    if budget is not None and budget.auto:
+        inside = current_budget()
+        if inside is None:
+            raise ConfigError("an auto memory budget is sized inside its own memory cgroup, and this process "
+                              "runs in none")
+        cg = inside[0]
+        if warm_up is not None:
+            warm_up()
+        size = auto_budget_bytes(cg, emap)  # provisional: sizes the hot-expert plan
+    off = _attach(decoder, emap, size, hot_ranked, pinning)
+    if cg is not None:
+        # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
+        # buffers) would otherwise come out of the expert cache.
+        size = auto_budget_bytes(cg, emap)
+        try:
+            cg.set_limit(size)  # reclaims the warm-up's expert pages down to the budget
+        except OSError as e:  # EBUSY: the kernel could not reclaim down to it
+            off.close()
+            raise ConfigError(f"cannot lower the memory limit to the auto budget {fmt_bytes(size)}: the process "
+                              f"holds {fmt_bytes(cg.usage())} it cannot give back ({e.strerror}); give the budget "
+                              "a size instead") from None
+        decoder.forget_cost_constants()  # the warm-up measured resident costs; measure again under the budget
+    off.budget_bytes = size
+    return off
+
+
+def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinning) -> Offloader:
+    """Pin non-expert weights + library code, then the longest prefix of the ranked hot experts that the
+    budget's plan allows (the plan counts the process's anonymous memory and everything pinned)."""
+    off = Offloader(decoder.info.path, prefetch=pinning.predicted_prefetch, emap=emap)
+    if pinning.base:
+        off.pin(code=pinning.code, hot=())
+    plan = None
+    k = decoder.info.n_expert_used
+    if pinning.hot and hot_ranked:
+        if budget_bytes is not None:
+            plan = plan_budget(budget_bytes, anon_bytes=process_anon_bytes(), base_bytes=off.map.locked_bytes,
+                               emap=emap, k=k)
+            room = plan.hot_bytes
+        else:
+            room = emap.total_expert_bytes
+        hot = select_hot_experts(rank_counts(hot_ranked, emap), emap.expert_bytes, room)
+        off.pin(non_expert=False, code=False, hot=hot)
+    elif budget_bytes is not None:
+        plan = plan_budget(budget_bytes, anon_bytes=process_anon_bytes(), base_bytes=off.map.locked_bytes,
+                           emap=emap, k=k, hot_share=0.0)
+    off.plan = plan
+    if plan is not None:
+        off.prefetch_bytes = plan.cache_bytes
+        # A fault reads a whole read-around window. Where that window dwarfs an expert's slices, each
+        # fault drags in many unrelated experts and, in a small cache, evicts the ones in use: fault
+        # page by page there instead (prefetch still reads exact ranges ahead).
+        slab = int(emap.ranges[..., 1].max())
+        window = read_ahead_bytes(emap.path)
+        choice = os.environ.get("S2MOE_FAULT_READAHEAD", "auto")  # auto | off | default (experiments)
+        if choice != "default":
+            off.advise_fault_readahead(random=choice == "off" or slab * 4 <= window)
+    off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
+    return off
+
+
+def split_line(cg: MemoryCgroup, offloader: Offloader | None = None) -> str:
+    """One line on what the budget cgroup holds and what is pinned."""
+    s = cg.split()
+    parts = [f"memory budget {fmt_bytes(cg.limit())}: peak {fmt_bytes(cg.peak())}, now anonymous "
+             f"{fmt_bytes(s['anon'])} · file pages {fmt_bytes(s['file'])} (locked {fmt_bytes(s['locked'])})"]
+    if offloader is not None:
+        p = offloader.pinned_split
+        parts.append(f"pinned: weights {fmt_bytes(p['non_expert'])}, code {fmt_bytes(p['code'])}, "
+                     f"hot experts {fmt_bytes(p['hot_experts'])}")
+        hr = offloader.stats.hit_rate()
+        if np.isfinite(hr).any():
+            parts.append(f"predicted-expert hit rate {np.nanmean(hr):.0%}")
+    return " · ".join(parts)

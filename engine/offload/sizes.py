@@ -1,0 +1,37 @@
+"""Sizes in bytes: one parser for every size a user types (budgets, the wizard's fields), one formatter."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ..errors import ConfigError
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """'800M', '1.5G', '300MiB', '2GB', '123456' → bytes (K/M/G alone are binary, as in `free`)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"invalid size {text!r}: use a number with an optional unit, e.g. 800M, 1.5G, 300MiB")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < PAGE:
+        raise ConfigError(f"size {text!r} is too small (at least one page, {PAGE} bytes)")
+    return value
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
