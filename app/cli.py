@@ -36,12 +36,9 @@ def _non_negative_float(text: str) -> float:
 
 
 def default_model() -> str:
-    try:
-        from ..engine.zoo import default_model_path
+    from ..engine.zoo import default_model_path
 
-        path = default_model_path()
-    except (ImportError, OSError):
-        path = None
+    path = default_model_path()
     if path is None or not path.is_file():
         raise ConfigError("no shipped default model in this install: pass --model PATH to a GGUF MoE model")
     return str(path)
@@ -67,7 +64,6 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-layers", type=int, default=0,
                    help="layers to offload to the GPU in a CUDA/Metal/Vulkan build of llama.cpp (-1: all)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    # -- memory budget (issue 4) --
     p.add_argument("--budget", help="memory budget, e.g. 800M or 2G, or auto (what the process holds + a third of the "
                                     "expert bytes): decode in a memory cgroup of that size with experts offloaded "
                                     "to storage (pinned weights, hot experts, prefetch)")
@@ -83,11 +79,16 @@ def _subcommand_modules():
     import importlib
 
     for name in SUBCOMMAND_MODULES:
-        try:
-            yield importlib.import_module(f"{__package__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{name}":
-                raise
+        yield importlib.import_module(f"{__package__}.{name}")
+
+
+def run_cli_in_budget(cli_argv: list[str], budget, model: str, *, tag: str) -> int:
+    """Run `s2moe CLI_ARGV…` again inside a memory cgroup of the budget (offload.run_in_budget); the
+    command, finding itself inside, offloads its decoder there (offload.offload_decoder)."""
+    from ..engine import offload
+
+    with offload.run_in_budget([sys.executable, "-m", "s2moe.app.cli", *cli_argv], budget, model, tag=tag) as run:
+        return run.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,49 +137,36 @@ def cmd_generate(args) -> int:
     from ..engine.decoder import Decoder, GenerationConfig
     import numpy as np
 
+    from ..engine import offload
     from ..engine.events import Finished, Iteration, ResidencySnapshot, Started, Summary
 
     model = args.model or default_model()
     # Validate flags that need no model before loading one.
     GenerationConfig(mode=args.mode, n_predict=args.n_predict, temperature=args.temp,
                      draft_topk=args.draft_topk, draft_max=args.draft_max).validate()
-    # -- memory budget (issue 4): rerun this command inside a memory cgroup; inside it, offload --
-    budget_cg = None
-    if args.budget:
-        from ..engine import offload
-
-        budget = offload.parse_budget(args.budget)  # None: auto, sized inside the cgroup
-        budget_cg = offload.current_budget_cgroup()
-        if budget_cg is None:
-            try:
-                return offload.run_under_budget([sys.executable, "-m", "s2moe.app.cli", *args._argv],
-                                                offload.AUTO_START_LIMIT if budget is None else budget, model,
-                                                described=None if budget is None else "")
-            except offload.BudgetUnavailable as e:
-                raise ConfigError(str(e)) from None
+    budget = offload.Budget.parse(args.budget) if args.budget else None
+    if budget is not None and offload.current_budget() is None:
+        return run_cli_in_budget(args._argv, budget, model, tag="run")
     decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max),
-                      use_extra_bufts=budget_cg is None)
+                      use_extra_bufts=budget is None)
     offloader = None
-    if budget_cg is not None:
+    if budget is not None:
+        from dataclasses import replace
+
         from ..engine.profiles import hot_experts_for_model, load_profile
 
         hot = hot_experts_for_model(load_profile(args.profile), decoder.info.fingerprint) if args.profile else []
-        if budget is None:
-            from dataclasses import replace
 
-            def warm_up():  # every graph shape of this run, so that the budget counts them
-                short = replace(generation_config(args, decoder), n_predict=8, stop_at_eos=False)
-                for _ in decoder.generate(args.prompt, short):
-                    pass
+        def warm_up():  # every graph shape of this run, so that an auto budget counts them
+            short = replace(generation_config(args, decoder), n_predict=8, stop_at_eos=False)
+            for _ in decoder.generate(args.prompt, short):
+                pass
 
-            offloader, budget = offload.offload_in_cgroup(decoder, budget_cg, None, hot, warm_up)
-            if not args.json:
-                print(f"budget auto: {offload.fmt_bytes(budget)}", file=sys.stderr)
-        else:
-            offloader, plan = offload.attach_offloading(decoder, budget, hot)
-            if plan is not None and not args.json:
-                print(plan.describe(), file=sys.stderr)
-    # -- end memory budget --
+        offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up)
+        if not args.json:
+            plan = offloader.plan
+            print(plan.describe() if plan is not None and not budget.auto else
+                  f"budget {budget.describe(offloader.budget_bytes)}", file=sys.stderr)
     if not decoder.info.is_moe and args.mode == "ar":
         print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
               file=sys.stderr)
@@ -209,8 +197,8 @@ def cmd_generate(args) -> int:
         elif isinstance(event, Finished) and event.stop_reason == "context":
             print(f"\nnote: the context window ({decoder.n_ctx} tokens) filled up after {event.n_tokens} tokens",
                   file=sys.stderr)
-    if offloader is not None:  # memory budget (issue 4)
-        print(offload.split_line(budget_cg, offloader), file=sys.stderr)
+    if offloader is not None:
+        print(offload.split_line(offload.current_budget_cgroup(), offloader), file=sys.stderr)
     if args.json:
         out = summary.as_dict()
         out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path))
@@ -232,12 +220,7 @@ def main(argv=None) -> int:
     try:
         parser = build_parser()
         if not argv:
-            # The main job is the app; without it installed, say how to use the rest.
-            if "app" in parser._subparsers._group_actions[0].choices:
-                argv = ["app"]
-            else:
-                parser.print_help()
-                return 0
+            argv = ["app"]  # the main job
         args = parser.parse_args(argv)
         args._argv = list(argv)  # `generate --budget` reruns the command inside a memory cgroup
         if getattr(args, "run", None) is None:

@@ -16,8 +16,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-
-
 def build_app(args):
     """The app for these arguments (no model and none shipped: it opens and asks for a path)."""
     from pathlib import Path
@@ -49,24 +47,17 @@ def build_app(args):
 def run(args) -> int:
     budget = getattr(args, "budget", None)
     if budget is not None:
-        import sys
-
         from ..engine import offload
         from ..engine.errors import ConfigError
+        from .cli import run_cli_in_budget
 
-        size = offload.parse_budget(budget)  # a bad size is a one-line error before anything starts
-        if offload.current_budget_cgroup() is None:
+        parsed = offload.Budget.parse(budget)  # a bad size is a one-line error before anything starts
+        if offload.current_budget() is None:
             app = build_app(args)  # validates the model path and profile in this process
             model = app.session.model_path
             if model is None:
-                raise ConfigError("--budget needs a model file (--model PATH, or the shipped model)")
-            try:
-                # auto: a generous limit until the app, loaded and warmed up, sets its own
-                return offload.run_under_budget([sys.executable, "-m", "s2moe.app.cli", *args._argv],
-                                                size if size is not None else offload.AUTO_START_LIMIT, model, tag="app",
-                                                described=None if size is None else budget)
-            except offload.BudgetUnavailable as e:
-                raise ConfigError(str(e)) from None
+                raise ConfigError("a memory budget needs a model file (--model PATH, or the shipped model)")
+            return run_cli_in_budget(args._argv, parsed, model, tag="app")
     app = build_app(args)
     app.run()
     return app.return_code or 0

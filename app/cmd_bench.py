@@ -22,7 +22,6 @@ def add_parser(sub) -> None:
     p.add_argument("--ablation", action="store_true",
                    help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating")
     p.add_argument("--budget", default="none", help="memory budget(s): none (default), auto or SIZE[,SIZE…]")
-    p.add_argument("--budget-label", help=argparse.SUPPRESS)  # set by the parent for a budgeted child run
     p.add_argument("--profile", help="device profile for the cost constants (else measured at start-up)")
     p.add_argument("--draft-topk", type=int, default=2)
     p.add_argument("--draft-max", type=int, default=8)
@@ -151,26 +150,19 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict]:
     from ..engine import offload
     from ..engine.bench import BenchRow
 
-    # "auto" is sized inside the child, from what that very process holds once loaded (see run()).
-    budget = offload.parse_budget(budget_text)
-    budget = offload.AUTO_START_LIMIT if budget is None else budget
     with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, "-m", "s2moe.app.cli", "bench", "--model", model, "--prompts", args.prompts,
-                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--budget", str(budget),
-                "--budget-label", budget_text, "--draft-topk", str(args.draft_topk), "--draft-max",
-                str(args.draft_max), "--reuse-strength", str(args.reuse_strength), "--no-quality",
-                "--json", str(out)]
+                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--budget", budget_text,
+                "--draft-topk", str(args.draft_topk), "--draft-max", str(args.draft_max),
+                "--reuse-strength", str(args.reuse_strength), "--no-quality", "--json", str(out)]
         argv += ["--modes", ",".join(_modes(args))] if not args.ablation else ["--ablation"]
         if args.threads:
             argv += ["--threads", str(args.threads)]
         if args.profile:
             argv += ["--profile", args.profile]
-        try:
-            rc = offload.run_under_budget(argv, budget, model, tag="bench",
-                                          described=None if budget_text == "auto" else budget_text)
-        except offload.BudgetUnavailable as e:
-            raise ConfigError(str(e)) from None
+        with offload.run_in_budget(argv, offload.Budget.parse(budget_text), model, tag="bench") as run:
+            rc = run.wait()
         if rc != 0 or not out.exists():
             raise ConfigError(f"the benchmark under budget {budget_text} failed (exit {rc})")
         data = json.loads(out.read_text())
@@ -213,38 +205,38 @@ def run(args) -> int:
         base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"])
         hot = hot_experts_for_model(profile, info.fingerprint)
 
-    inside = None
-    if budgets != ["none"]:
-        from ..engine import offload
+    from ..engine import offload
 
-        inside = offload.current_budget_cgroup()
-        if inside is None:  # the parent: run each budget in its own cgroup, resident in this process
-            extra_rows, budget_fits = [], {}
-            for b in budgets:
-                if b != "none":
-                    rows, label, fit = _budget_rows(args, model, b)
-                    extra_rows += rows
-                    if fit:
-                        budget_fits[label] = fit
-            budgets_here = ["none"] if "none" in budgets else []
-        else:
-            budgets_here = [args.budget_label or budgets[0]]
+    for b in budgets:
+        if b != "none":
+            offload.Budget.parse(b)  # a bad size is a one-line error before anything runs
+    inside = offload.current_budget()
+    extra_rows, budget_fits = [], {}
+    if inside is None:
+        # the parent: each budget runs in its own cgroup, "none" resident in this process
+        for b in budgets:
+            if b != "none":
+                rows, label, fit = _budget_rows(args, model, b)
+                extra_rows += rows
+                if fit:
+                    budget_fits[label] = fit
+        budgets_here = ["none"] if "none" in budgets else []
     else:
-        extra_rows, budgets_here, budget_fits = [], ["none"], {}
+        if len(budgets) != 1:
+            raise ConfigError("a benchmark inside a memory budget measures that one budget")
+        budgets_here = [budgets[0]]
 
     done = None
     if budgets_here:
         decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, args.draft_max),
                           use_extra_bufts=inside is None)
         if inside is not None:
-            from ..engine import offload
-
-            auto = args.budget_label == "auto"
-            _, budget = offload.offload_in_cgroup(
-                decoder, inside, None if auto else offload.parse_size(budgets[0]), hot,
-                warm_up=lambda: _warm_up(decoder, base, prompts[0], modes))
-            if auto:
-                budgets_here = [f"auto ({offload.fmt_bytes(budget)})"]
+            budget = inside[1]
+            off = offload.offload_decoder(decoder, budget, hot,
+                                          warm_up=lambda: _warm_up(decoder, base, prompts[0], modes))
+            budgets_here = [budget.describe(off.budget_bytes)]
+        else:
+            off = None
         quality_texts = None if args.no_quality else prompts
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=not console.is_terminal) as progress:
@@ -257,6 +249,8 @@ def run(args) -> int:
                                     description=f"{ev.mode} · prompt {ev.prompt_index + 1} · budget {ev.budget}")
                 elif isinstance(ev, BenchDone):
                     done = ev
+        if off is not None:
+            off.close()
         decoder.close()
         if done is None:
             return 1

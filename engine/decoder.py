@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from .acceptance import accept
 from .costmodel import measure_cost_constants
 from .errors import ConfigError, ContextError, ModelError
 from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnapshot, Started
@@ -26,12 +27,27 @@ from .runtime import LlamaRuntime
 from .modes import MODES, MOE_MODES
 
 
-class MissCounter(Protocol):
-    """Counts the experts a decode reads that are not in memory (offloading's native prefetcher)."""
+class VerifyObserver(Protocol):
+    """What the decode loop tells an observer of its verifications (offloading), and asks of it.
+    Given with Decoder.attach."""
 
-    def begin(self) -> None: ...
+    def before_verify(self, predicted: np.ndarray) -> None:
+        """The experts [n_layer, n_expert] (bool) the draft predicted for the coming verification."""
 
-    def counted(self) -> np.ndarray: ...
+    def begin_verify(self) -> None:
+        """A verification that routes through the hook starts."""
+
+    def verify_misses(self) -> np.ndarray:
+        """[n_layer] experts the verification since begin_verify read that were not in memory."""
+
+    def residency(self) -> Residency:
+        """A residency snapshot (a walk over the model's pages: sampled, see Decoder.residency_share)."""
+
+
+class Residency(Protocol):
+    resident: np.ndarray   # [n_layer, n_expert] fraction of each expert's pages in memory
+    pinned: np.ndarray     # [n_layer, n_expert] bool
+    hit_rate: np.ndarray   # [n_layer]
 
 
 @dataclass
@@ -98,24 +114,30 @@ class Decoder:
         self.n_threads = n_threads
         self._aux: dict[tuple, Drafter] = {}  # drafters with their own context, kept across generations
         self._rules: dict[tuple, UtilityStop] = {}  # utility rules and what they learned, ditto
-        # Called with the predicted expert set [n_layer, n_expert] (bool) before each verification that
-        # follows a draft, e.g. to prefetch offloaded experts while Python prepares the batch.
-        self.before_verify: Callable[[np.ndarray], None] | None = None
+        self._observer: VerifyObserver | None = None
         # Record routing on plain (single-token, undrafted) steps too; off by default because it costs a
         # graph stop per layer and a plain step's routing only matters to residency/prefetch consumers.
         self.observe_plain = False
         self._moe_layers: np.ndarray | None = None  # [n_layer] 1 where the hook saw routing
-        # Set by offloading (s2moe.engine.offload.attach_offloading): returns a residency snapshot with
-        # resident/pinned/hit_rate; sampled every `residency_every` iterations (mincore over the file),
-        # and less often where that walk would take more than `residency_share` of the generation's
-        # time (on a model of tens of GiB one walk takes most of a second).
-        self.residency_probe: Callable[[], object] | None = None
-        self.residency_share = 0.05
-        # Set by offloading: counts, per layer, the experts a decode read that were not in memory as the
-        # layer routed (begin() before the verification, counted() → [n_layer] after), so that its event
-        # can say how many of the experts it read had to be fetched.
-        self.miss_counter: MissCounter | None = None
+        # An observer's residency snapshot walks the whole mapping: sampled every `residency_every`
+        # iterations, and less often where that walk would take more than `residency_share` of the
+        # generation's time (on a model of tens of GiB one walk takes most of a second).
         self.residency_every = 8
+        self.residency_share = 0.05
+
+    def attach(self, observer: VerifyObserver) -> None:
+        """Let observer see every verification (one at a time: offloading)."""
+        if self._observer is not None and self._observer is not observer:
+            raise RuntimeError("this decoder already has an observer")
+        self._observer = observer
+
+    def detach(self, observer: VerifyObserver) -> None:
+        if self._observer is observer:
+            self._observer = None
+
+    @property
+    def observer(self) -> VerifyObserver | None:
+        return self._observer
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
@@ -158,6 +180,14 @@ class Decoder:
         if key not in self._measured:
             self._measured[key], _ = measure_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed)
         return self._measured[key]
+
+    def measured_cost_constants(self, draft_topk: int, draft_max: int) -> CostConstants | None:
+        """The constants this decoder measured at start-up for (k_d, draft cap), if it did."""
+        return self._measured.get((draft_topk, draft_max))
+
+    def forget_cost_constants(self) -> None:
+        """Measure again at the next generation (e.g. once the memory budget changed what a step costs)."""
+        self._measured.clear()
 
     def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None) -> Drafter:
         if cfg.mode == "ar":
@@ -237,8 +267,7 @@ class Decoder:
         generated: list[int] = []
         stop_reason = "length"
         iteration = 0
-        probe_seconds = 0.0  # spent in residency_probe
-        n_layer = self.info.n_layer
+        residency = _ResidencySampler(self, t_start)
         while len(generated) < cfg.n_predict:
             if should_stop is not None and should_stop():
                 stop_reason = "interrupted"
@@ -253,91 +282,19 @@ class Decoder:
             drafted = proposal.tokens
             rt.kv_remove_from(m - 1)
 
-            batch = [committed_all[-1]] + drafted
-            if self.before_verify is not None and proposal.predicted is not None:
-                self.before_verify(proposal.predicted)
-            # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping
-            # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
-            plain_unobserved = (hook is not None and not drafted and self._moe_layers is not None
-                                and not self.observe_plain and hook._route is None)
-            if hook is not None:
-                if gating and drafted:
-                    hook.gate(cfg.reuse_strength, reuse_cap, [1.0] + proposal.chain)
-                elif plain_unobserved:
-                    hook.off()
-                else:
-                    hook.observe()
-            counting = self.miss_counter is not None and hook is not None and not plain_unobserved
-            if counting:
-                self.miss_counter.begin()
-            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if counting else 0
-            t0 = time.perf_counter()
-            logits = rt.decode(batch, m - 1, "all")
-            t_verify = time.perf_counter() - t0
-            # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
-            # the fact) but it tells how much of the latency the residency snapshot could not foresee.
-            major_faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0 if counting else None
-            misses = None
-            if plain_unobserved:
-                routing = None
-                verify_experts = self._moe_layers * k
-                reuse = self._moe_layers.astype(float)
-                moves = 0
-            elif hook is not None:
-                routing = hook.snapshot(len(batch))
-                if self._moe_layers is None:
-                    self._moe_layers = (routing.rows > 0).astype(int)
-                used = routing.used_mask(self.info.n_expert)
-                verify_experts = used.sum(axis=1)
-                if counting:
-                    misses = self.miss_counter.counted()
-                rows = np.maximum(routing.rows, 1)
-                reuse = np.where(routing.rows > 0, verify_experts / (rows * k), 0.0)
-                moves = _moves(routing) if hook.mode == "gate" else 0
-            else:
-                routing = None
-                verify_experts = np.zeros(n_layer, int)
-                reuse = np.zeros(n_layer)
-                moves = 0
-
-            accepted = 0
-            if greedy:
-                target = np.argmax(logits, axis=1)
-                while accepted < len(drafted) and drafted[accepted] == int(target[accepted]):
-                    accepted += 1
-                target_token = int(target[accepted])
-            else:
-                target_token = None
-                for j, d in enumerate(drafted):
-                    p = softmax(logits[j], cfg.temperature)
-                    q = proposal.dists[j]
-                    if rng.random() < min(1.0, p[d] / max(q[d], 1e-300)):
-                        accepted += 1
-                        continue
-                    residual = np.maximum(p - q, 0.0)
-                    total = residual.sum()
-                    residual = residual / total if total > 0 else p
-                    target_token = int(rng.choice(len(residual), p=residual))
-                    break
-                if target_token is None:
-                    p = softmax(logits[len(drafted)], cfg.temperature)
-                    target_token = int(rng.choice(len(p), p=p))
-
+            v = self._verify([committed_all[-1]] + drafted, m - 1, proposal,
+                             gate=(cfg.reuse_strength, reuse_cap) if gating and drafted else None)
+            accepted, target_token = accept(drafted, v.logits, proposal.dists, cfg.temperature, rng)
             committed = drafted[:accepted] + [target_token]
             finished_eos = False
             if cfg.stop_at_eos:
-                for idx, t in enumerate(committed):
-                    if rt.is_eog(t):
-                        committed = committed[:idx]
-                        finished_eos = True
-                        break
-            rollback = len(drafted) - accepted
+                committed, finished_eos = _cut_at_end_of_generation(committed, rt.is_eog)
             # experts the rows of committed tokens needed (pending + accepted drafts)
-            if routing is not None:
-                useful = distinct_per_layer(routing.used[:, : accepted + 1], np.minimum(routing.rows, accepted + 1),
+            if v.routing is not None:
+                useful = distinct_per_layer(v.routing.used[:, : accepted + 1], np.minimum(v.routing.rows, accepted + 1),
                                             self.info.n_expert)
             else:
-                useful = verify_experts.copy()
+                useful = v.experts.copy()
             rt.kv_remove_from(m + accepted)
             committed_all.extend(committed)
             generated.extend(committed)
@@ -352,28 +309,25 @@ class Decoder:
                 committed=tuple(committed),
                 committed_text=self.detokenize(committed),
                 draft_stop=proposal.stop,
-                rollback=rollback,
+                rollback=len(drafted) - accepted,
                 kv_end=rt.kv_end(),
                 n_committed=len(committed_all),
-                verify_tokens=len(batch),
-                verify_experts=verify_experts,
-                reuse_ratio=reuse,
-                gated_moves=moves,
+                verify_tokens=len(drafted) + 1,
+                verify_experts=v.experts,
+                reuse_ratio=v.reuse,
+                gated_moves=v.moves,
                 t_draft=proposal.seconds,
-                t_verify=t_verify,
+                t_verify=v.seconds,
                 draft_experts=proposal.experts_read,
                 useful_experts=useful,
-                verify_misses=misses,
-                verify_major_faults=major_faults,
+                verify_misses=v.misses,
+                verify_major_faults=v.major_faults,
             )
             drafter.feedback(event)
             yield event
-            if (self.residency_probe is not None and iteration % self.residency_every == 1
-                    and probe_seconds <= self.residency_share * (time.perf_counter() - t_start)):
-                t_probe = time.perf_counter()
-                r = self.residency_probe()
-                probe_seconds += time.perf_counter() - t_probe
-                yield ResidencySnapshot(iteration, r.resident, r.pinned, r.hit_rate)
+            snapshot = residency.sample(iteration)
+            if snapshot is not None:
+                yield snapshot
             if finished_eos:
                 stop_reason = "eos"
                 break
@@ -383,11 +337,93 @@ class Decoder:
         seconds = time.perf_counter() - t_start
         yield Finished(tuple(generated), self.detokenize(generated), len(generated), seconds, stop_reason, iteration)
 
+    def _verify(self, batch: list[int], pos: int, proposal, gate: tuple[float, int] | None) -> "_Verified":
+        """One target pass over the pending token and the drafted ones, with what its routing read."""
+        rt, hook, observer = self.rt, self.rt.hook, self._observer
+        k = max(self.info.n_expert_used, 1)
+        if observer is not None and proposal.predicted is not None:
+            observer.before_verify(proposal.predicted)
+        # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping
+        # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
+        plain_unobserved = (hook is not None and len(batch) == 1 and self._moe_layers is not None
+                            and not self.observe_plain and hook.route is None)
+        if hook is not None:
+            if gate is not None:
+                hook.gate(gate[0], gate[1], [1.0] + proposal.chain)
+            elif plain_unobserved:
+                hook.off()
+            else:
+                hook.observe()
+        counting = observer is not None and hook is not None and not plain_unobserved
+        if counting:
+            observer.begin_verify()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if counting else 0
+        t0 = time.perf_counter()
+        logits = rt.decode(batch, pos, "all")
+        seconds = time.perf_counter() - t0
+        # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
+        # the fact) but it tells how much of the latency the residency snapshot could not foresee.
+        major_faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0 if counting else None
+        if hook is None:
+            n_layer = self.info.n_layer
+            return _Verified(logits, seconds, None, np.zeros(n_layer, int), np.zeros(n_layer), 0, None, major_faults)
+        if plain_unobserved:
+            return _Verified(logits, seconds, None, self._moe_layers * k, self._moe_layers.astype(float), 0, None,
+                             major_faults)
+        routing = hook.snapshot(len(batch))
+        if self._moe_layers is None:
+            self._moe_layers = (routing.rows > 0).astype(int)
+        experts = routing.used_mask(self.info.n_expert).sum(axis=1)
+        rows = np.maximum(routing.rows, 1)
+        reuse = np.where(routing.rows > 0, experts / (rows * k), 0.0)
+        moves = _moves(routing) if hook.mode == "gate" else 0
+        misses = observer.verify_misses() if counting else None
+        return _Verified(logits, seconds, routing, experts, reuse, moves, misses, major_faults)
+
     def close(self) -> None:
         for aux in self._aux.values():
             aux.close()
         self._aux.clear()
         self.rt.close()
+
+
+@dataclass
+class _Verified:
+    logits: np.ndarray
+    seconds: float
+    routing: object | None       # hook.Routing, when the hook recorded this pass
+    experts: np.ndarray          # [n_layer] distinct experts read
+    reuse: np.ndarray            # [n_layer] reuse ratio
+    moves: int                   # selections gating moved
+    misses: np.ndarray | None    # [n_layer] experts read that were not in memory (offloaded)
+    major_faults: int | None     # page faults that waited for storage (offloaded)
+
+
+class _ResidencySampler:
+    """Takes the observer's residency snapshots every `residency_every` iterations, and less often where
+    they would cost more than `residency_share` of the generation's time so far."""
+
+    def __init__(self, decoder: "Decoder", t_start: float):
+        self.decoder, self.t_start, self.seconds = decoder, t_start, 0.0
+
+    def sample(self, iteration: int) -> ResidencySnapshot | None:
+        d = self.decoder
+        if d.observer is None or iteration % d.residency_every != 1:
+            return None
+        if self.seconds > d.residency_share * (time.perf_counter() - self.t_start):
+            return None
+        t0 = time.perf_counter()
+        r = d.observer.residency()
+        self.seconds += time.perf_counter() - t0
+        return ResidencySnapshot(iteration, r.resident, r.pinned, r.hit_rate)
+
+
+def _cut_at_end_of_generation(tokens: list[int], is_eog: Callable[[int], bool]) -> tuple[list[int], bool]:
+    """The tokens before the first end-of-generation token, and whether there was one."""
+    for i, t in enumerate(tokens):
+        if is_eog(t):
+            return tokens[:i], True
+    return tokens, False
 
 
 def default_reuse_cap(info: ModelInfo) -> int:

@@ -131,9 +131,18 @@ class RoutingHook:
         self._route = prefetcher
         self.lib.s2_hook_set_route(self.handle, prefetcher.layer_fn_address, prefetcher.handle)
 
-    def clear_route(self) -> None:
-        self.lib.s2_hook_set_route(self.handle, None, None)
+    def clear_route(self, prefetcher=None) -> None:
+        """Stop calling the prefetcher (only `prefetcher`'s route, when one is named)."""
+        if prefetcher is not None and self._route is not prefetcher:
+            return
+        if self.handle:
+            self.lib.s2_hook_set_route(self.handle, None, None)
         self._route = None
+
+    @property
+    def route(self):
+        """The prefetcher the hook hands each layer's ids to, or None."""
+        return self._route
 
     def force_backend_copy(self, on: bool = True) -> None:
         """Move routing data with ggml_backend_tensor_get/set even where the buffers are host memory: the

@@ -34,7 +34,7 @@ ARMS = {
     "ar/hot-code": dict(mode="ar", pin_base=True, pin_hot=True, prefetch=False, pin_code=False),
     "spec/hot": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False),
     "spec/hot+pf": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=True),
-    # just-in-time prefetch from the routing hook (the default of attach_offloading)
+    # just-in-time prefetch from the routing hook (the default of offload_decoder)
     "ar/hot+jit": dict(mode="ar", pin_base=True, pin_hot=True, prefetch=False, jit=True),
     "spec/hot+jit": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True),
 }
@@ -46,14 +46,15 @@ def _worker(cfg: dict) -> int:
 
     from .decoder import Decoder, GenerationConfig
     from .events import Summary
-    from .offload import attach_offloading, auto_budget_bytes, current_budget_cgroup, expert_map, process_anon_bytes
+    from .offload import (Budget, Pinning, auto_budget_bytes, current_budget_cgroup, expert_map, offload_decoder,
+                          process_anon_bytes)
 
     t0 = time.perf_counter()
     dec = Decoder(cfg["model"], n_ctx=256, n_threads=cfg["threads"], max_draft=8, use_extra_bufts=False)
-    off, plan = attach_offloading(dec, cfg.get("budget"), [tuple(p) for p in cfg.get("hot", [])],
-                                  prefetch=cfg["prefetch"], jit_prefetch=cfg.get("jit", False),
-                                  pin_hot=cfg["pin_hot"], pin_base=cfg["pin_base"],
-                                  pin_code=cfg.get("pin_code", True))
+    pinning = Pinning(base=cfg["pin_base"], code=cfg.get("pin_code", True), hot=cfg["pin_hot"],
+                      jit_prefetch=cfg.get("jit", False), predicted_prefetch=cfg["prefetch"])
+    budget = None if cfg.get("budget") is None else Budget(cfg["budget"])
+    off = offload_decoder(dec, budget, [tuple(p) for p in cfg.get("hot", [])], pinning=pinning)
     load_s = time.perf_counter() - t0
     gc = GenerationConfig(mode=cfg["mode"], n_predict=cfg["tokens"], utility=False, draft_max=cfg["draft_max"],
                           reuse_strength=0.0, stop_at_eos=False)
@@ -68,7 +69,7 @@ def _worker(cfg: dict) -> int:
            "fault_readahead": off.fault_readahead,
            "prefetched_bytes": off.stats.prefetched_bytes,
            "peak": cg.peak() if cg else None, "split": cg.split() if cg else None,
-           "plan": plan.__dict__ if plan else None, "tokens": list(s.tokens),
+           "plan": off.plan.__dict__ if off.plan else None, "tokens": list(s.tokens),
            "auto_budget": auto_budget_bytes(cg, expert_map(cfg["model"])) if cg else None}
     print(json.dumps(out))
     off.close()
@@ -76,27 +77,19 @@ def _worker(cfg: dict) -> int:
     return 0
 
 
-def _run_arm(model, budget, cfg) -> dict:
+def _run_arm(model, budget: int, cfg) -> dict:
     import subprocess
 
-    from .offload import MemoryCgroup, drop_file_cache
+    from .offload import Budget, run_in_budget
 
-    cg = MemoryCgroup.create(budget, "bench")
-    try:
-        drop_file_cache(model)
-        p = cg.popen([sys.executable, "-m", "s2moe.engine.offload_bench", "--worker", json.dumps(cfg)],
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            out, err = p.communicate()
-        except KeyboardInterrupt:
-            p.terminate()
-            p.wait()
-            raise
-        if p.returncode != 0:
-            return {"error": (err.strip().splitlines() or [f"exit {p.returncode}"])[-1], "oom": cg.oom_kills()}
-        return json.loads(out.strip().splitlines()[-1])
-    finally:
-        cg.remove()
+    argv = [sys.executable, "-m", "s2moe.engine.offload_bench", "--worker", json.dumps(cfg)]
+    with run_in_budget(argv, Budget(budget), model, tag="bench", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True) as run:
+        out, err = run.proc.communicate()
+        if run.proc.returncode != 0:
+            return {"error": (err.strip().splitlines() or [f"exit {run.proc.returncode}"])[-1],
+                    "oom": run.cgroup.oom_kills()}
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def auto_budget(model, threads=None) -> int:
@@ -144,9 +137,6 @@ def main(argv=None) -> int:
     print(f"model {info.path.name}: experts {fmt_bytes(emap.total_expert_bytes)}, other weights "
           f"{fmt_bytes(emap.non_expert_bytes)}; budget {fmt_bytes(budget)}; hot experts in profile {len(hot)}",
           file=sys.stderr)
-    from .offload import _sigterm_as_interrupt
-
-    _sigterm_as_interrupt()  # a terminated benchmark still removes its cgroup
     arms = a.arms.split(",")
     results: dict[str, list] = {k: [] for k in arms}
     for r in range(a.rounds):

@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from s2moe.engine.decoder import GenerationConfig, run
+from s2moe.engine.decoder import GenerationConfig, VerifyObserver, run
 from s2moe.engine.events import CostConstants, Finished, Iteration, Summary
+from s2moe.engine.offload import Residency
 
 PROMPTS = ["hello there the world", "in the beginning", "once upon a time re"]
 
@@ -340,26 +341,34 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
     assert all(e.verify_misses is None and e.verify_major_faults is None
                for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration))
 
-    class Counter:
+    class Counter(VerifyObserver):
         def __init__(self):
             self.log, self.n = [], 0
 
-        def begin(self):
+        def before_verify(self, predicted):
+            self.log.append("predicted")
+
+        def begin_verify(self):
             self.log.append("begin")
 
-        def counted(self):
+        def verify_misses(self):
             self.n += 1
             self.log.append("counted")
             return np.full(n_layer, self.n)
 
+        def residency(self):
+            shape = (n_layer, d.info.n_expert)
+            return Residency(np.zeros(shape), np.zeros(shape, bool), np.full(n_layer, np.nan), 0, 0, 0)
+
     counter = Counter()
-    d.miss_counter = counter
+    d.attach(counter)
     d.observe_plain = True  # the offloader's routing callback keeps the hook on for plain steps too
     try:
         events = [e for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration)]
     finally:
-        d.miss_counter = None
+        d.detach(counter)
         d.observe_plain = False
-    assert events and counter.log == ["begin", "counted"] * len(events)
+    expected = [["predicted", "begin", "counted"] if e.drafted else ["begin", "counted"] for e in events]
+    assert events and counter.log == [x for step in expected for x in step]
     assert [int(e.verify_misses[0]) for e in events] == list(range(1, len(events) + 1))
     assert all(isinstance(e.verify_major_faults, int) and e.verify_major_faults >= 0 for e in events)

@@ -13,6 +13,7 @@ import pytest
 from s2moe.engine.errors import ConfigError, ModelError
 from s2moe.engine.offload import (MemoryCgroup, ModelMapping, Offloader, code_ranges, drop_file_cache,
                                   expert_map, parse_size, plan_budget, select_hot_experts)
+from s2moe.engine.offload import (AUTO_START_LIMIT, Budget, current_budget, current_budget_cgroup, fmt_bytes)
 from tinygguf import TinySpec, write_tiny
 
 
@@ -154,6 +155,32 @@ def test_bad_sizes(text):
         parse_size(text)
 
 
+@pytest.mark.parametrize("text,size", [("auto", None), (" AUTO ", None), ("2G", 2 << 30), ("2GB", 2_000_000_000)])
+def test_a_budget_is_auto_or_a_size_and_reads_back_its_own_form(text, size):
+    budget = Budget.parse(text)
+    assert budget.size == size and budget.auto == (size is None)
+    assert Budget.parse(str(budget)) == budget  # what a process started inside the budget is handed
+    assert budget.start_limit == (AUTO_START_LIMIT if size is None else size)
+    assert budget.describe(80 << 20) == ("auto (80.0 MiB)" if size is None else fmt_bytes(size))
+
+
+@pytest.mark.parametrize("text", ["", "100", "automatic", "-1G"])
+def test_a_budget_that_is_neither_is_a_config_error(text):
+    with pytest.raises(ConfigError):
+        Budget.parse(text)
+
+
+def test_a_cgroup_named_in_the_environment_must_be_this_process_own(tmp_path, monkeypatch):
+    """A plain folder passed as the budget cgroup would take limits into plain files while the run went
+    unlimited: only the cgroup /proc/self/cgroup names is trusted."""
+    monkeypatch.setenv("S2MOE_BUDGET_CGROUP", str(tmp_path))
+    (tmp_path / "memory.max").write_text("max\n")
+    with pytest.raises(ConfigError, match="not the memory cgroup this process runs in"):
+        current_budget_cgroup()
+    monkeypatch.delenv("S2MOE_BUDGET_CGROUP")
+    assert current_budget_cgroup() is None and current_budget() is None
+
+
 def test_no_cgroup_gives_a_one_line_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(tmp_path / "missing"))
     reason = MemoryCgroup.unavailable_reason()
@@ -192,7 +219,7 @@ def test_generate_under_a_real_budget(tiny_models, capfd):
     rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "2", "--budget", "auto",
                "--threads", "1", "--events"])
     err = capfd.readouterr().err
-    assert rc == 0 and "budget auto: " in err and "memory budget " in err
+    assert rc == 0 and "budget auto (" in err and "memory budget " in err
     assert re.search(r"experts \(\d+ fetched, \d+ storage faults\)", err)  # each offloaded verification says so
 
 
@@ -259,22 +286,24 @@ def test_residency_snapshots_thin_out_when_the_walk_is_slow(tiny_models):
 
     from s2moe.engine.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.events import ResidencySnapshot
-    from s2moe.engine.offload import attach_offloading
+    from s2moe.engine.offload import Pinning, offload_decoder
 
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
     try:
-        off, _ = attach_offloading(d, None, pin_base=False, pin_hot=False)
+        off = offload_decoder(d, None, pinning=Pinning(base=False, hot=False))
         calls = []
 
-        def slow_probe():
+        residency = off.residency
+
+        def slow_residency():
             t0 = time.perf_counter()
-            r = off.residency()
+            r = residency()
             while time.perf_counter() - t0 < 0.05:  # a 50 ms walk, much longer than a tiny decode
                 pass
             calls.append(1)
             return r
 
-        d.residency_probe, d.residency_every = slow_probe, 2
+        off.residency, d.residency_every = slow_residency, 2
         t0 = time.perf_counter()
         events = run(d, "hello", GenerationConfig(mode="ar", n_predict=40, stop_at_eos=False))
         elapsed = time.perf_counter() - t0
@@ -291,17 +320,16 @@ def test_closing_the_offloader_detaches_it_from_the_routing_hook(tiny_models):
     """The C hook calls the offloader's native prefetcher on every decode; once the offloader is closed
     (its prefetcher freed) the decoder must keep working without calling into freed memory."""
     from s2moe.engine.decoder import Decoder, GenerationConfig, run
-    from s2moe.engine.offload import attach_offloading
+    from s2moe.engine.offload import Pinning, offload_decoder
 
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
     try:
-        off, _ = attach_offloading(d, None, pin_base=False, pin_hot=False)
-        assert d.rt.hook._route is off.native and d.miss_counter is off.native
+        off = offload_decoder(d, None, pinning=Pinning(base=False, hot=False))
+        assert d.rt.hook.route is off.native and d.observer is off
         cfg = GenerationConfig(mode="s2moe", n_predict=6, utility=False, draft_max=3, stop_at_eos=False)
         before = run(d, "hello", cfg)
         off.close()
-        assert d.rt.hook._route is None and off.native.handle is None
-        assert d.miss_counter is None and d.before_verify is None and d.residency_probe is None
+        assert d.rt.hook.route is None and off.native.handle is None and d.observer is None
         after = run(d, "hello", cfg)
         assert [e.committed for e in before if hasattr(e, "committed")] == \
                [e.committed for e in after if hasattr(e, "committed")]
@@ -401,12 +429,12 @@ def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_mo
 def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
     """With jit prefetch attached, every decode asks the OS for the experts the routing chose."""
     from s2moe.engine.decoder import Decoder, GenerationConfig, run
-    from s2moe.engine.offload import attach_offloading
+    from s2moe.engine.offload import Pinning, offload_decoder
 
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
     try:
-        off, _ = attach_offloading(d, None, pin_base=False, pin_hot=False)
-        route = d.rt.hook._route
+        off = offload_decoder(d, None, pinning=Pinning(base=False, hot=False))
+        route = d.rt.hook.route
         assert route is not None and route.bytes_advised == 0
         run(d, "hello", GenerationConfig(mode="ar", n_predict=3, stop_at_eos=False))
         assert route.bytes_advised > 0
@@ -420,11 +448,11 @@ def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
 def test_offloading_adds_residency_snapshots_to_the_event_stream(tiny_models):
     from s2moe.engine.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.events import ResidencySnapshot
-    from s2moe.engine.offload import attach_offloading
+    from s2moe.engine.offload import Pinning, offload_decoder
 
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
     try:
-        off, _ = attach_offloading(d, None, pin_base=False, pin_hot=False)
+        off = offload_decoder(d, None, pinning=Pinning(base=False, hot=False))
         d.residency_every = 2
         d.residency_share = 1.0  # every second iteration, however long the walk takes next to decoding
         events = run(d, "hello", GenerationConfig(mode="ar", n_predict=5, stop_at_eos=False))
@@ -544,7 +572,8 @@ from s2moe.engine.decoder import Decoder, GenerationConfig
 cg = offload.current_budget_cgroup()
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
-off, budget = offload.offload_in_cgroup(dec, cg, None, [], warm)
+off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
+budget = off.budget_bytes
 list(dec.generate("hello there", GenerationConfig(mode="ar", n_predict=8, stop_at_eos=False)))
 resident = float((off.map.expert_residency() * off.emap.expert_bytes[:, None]).sum())
 print(json.dumps({"budget": budget, "limit": cg.limit(), "usage": cg.usage(), "resident": resident,
@@ -563,7 +592,7 @@ def test_auto_budget_leaves_the_expert_cache_its_share_after_offloading(tiny_mod
     script.write_text(AUTO_HEADROOM)
     cg = MemoryCgroup.create(1 << 30, "test-auto")
     try:
-        proc = cg.popen([sys.executable, str(script), str(tiny_models["olmoe"])],
+        proc = cg.popen([sys.executable, str(script), str(tiny_models["olmoe"])], "auto",
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
