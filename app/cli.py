@@ -10,6 +10,12 @@ from ..engine.errors import ConfigError, S2MoEError
 from ..engine.modes import MODES
 
 
+# The engine's names for the settings its errors are about → the flags that set them.
+FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk", "draft_max": "--draft-max",
+         "reuse_strength": "--reuse-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
+         "n_ctx": "--ctx"}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, no usage dump
         raise ConfigError(f"{self.prog}: {message}")
@@ -228,7 +234,7 @@ def main(argv=None) -> int:
             return 2
         return args.run(args)
     except S2MoEError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.worded(FLAGS)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

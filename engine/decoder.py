@@ -17,7 +17,7 @@ import numpy as np
 
 from .acceptance import accept
 from .costmodel import measure_cost_constants
-from .errors import ConfigError, ContextError, ModelError
+from .errors import OPTION, ConfigError, ContextError, ModelError
 from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnapshot, Started
 from .hook import distinct_per_layer
 from .model_info import ModelInfo, read_model_info
@@ -70,30 +70,31 @@ class GenerationConfig:
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if self.n_predict < 1:
-            raise ConfigError("-n must be at least 1")
+            raise ConfigError(f"{OPTION} must be at least 1", option="n_predict")
         if self.temperature < 0:
-            raise ConfigError("--temp must be ≥ 0")
+            raise ConfigError(f"{OPTION} must be ≥ 0", option="temperature")
         if self.draft_max < 1 or self.draft_max > 64:
-            raise ConfigError("--draft-max must be between 1 and 64")
+            raise ConfigError(f"{OPTION} must be between 1 and 64", option="draft_max")
         if self.draft_topk < 1:
-            raise ConfigError("--draft-topk must be ≥ 1")
+            raise ConfigError(f"{OPTION} must be ≥ 1", option="draft_topk")
         if self.reuse_strength < 0:
-            raise ConfigError("--reuse-strength must be ≥ 0")
+            raise ConfigError(f"{OPTION} must be ≥ 0", option="reuse_strength")
         if self.threshold < 0:
-            raise ConfigError("--threshold must be ≥ 0")
+            raise ConfigError(f"{OPTION} must be ≥ 0", option="threshold")
         if self.reuse_cap is not None and self.reuse_cap < 1:
-            raise ConfigError("--reuse-cap must be ≥ 1")
+            raise ConfigError(f"{OPTION} must be ≥ 1", option="reuse_cap")
         if info is None:
             return
         if self.mode in MOE_MODES and not info.is_moe:
-            raise ConfigError(f"mode {self.mode!r} needs a Mixture-of-Experts model; {info.path.name} is dense (use --mode ar)")
+            raise ConfigError(f"mode {self.mode!r} needs a Mixture-of-Experts model; {info.path.name} is dense "
+                              "(only plain decoding, mode ar, applies)")
         if info.is_moe and self.mode in MOE_MODES:
             if self.draft_topk >= info.n_expert_used:
-                raise ConfigError(
-                    f"--draft-topk {self.draft_topk} must be below the model's experts per token ({info.n_expert_used})"
-                )
+                raise ConfigError(f"{OPTION} {self.draft_topk} must be below the model's experts per token "
+                                  f"({info.n_expert_used})", option="draft_topk")
             if self.reuse_cap is not None and self.reuse_cap < info.n_expert_used:
-                raise ConfigError(f"--reuse-cap must be ≥ the model's experts per token ({info.n_expert_used})")
+                raise ConfigError(f"{OPTION} must be ≥ the model's experts per token ({info.n_expert_used})",
+                                  option="reuse_cap")
 
 
 class Decoder:
@@ -225,14 +226,15 @@ class Decoder:
         cfg = cfg or GenerationConfig()
         cfg.validate(self.info)
         if cfg.draft_max > self.max_draft:
-            raise ConfigError(f"--draft-max {cfg.draft_max} exceeds this decoder's limit {self.max_draft}")
+            raise ConfigError(f"{OPTION} {cfg.draft_max} exceeds this decoder's limit {self.max_draft}",
+                              option="draft_max")
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_tokens:
             raise ConfigError("the prompt is empty")
         if len(prompt_tokens) >= self.n_ctx:
             raise ContextError(
-                f"prompt has {len(prompt_tokens)} tokens but the context holds {self.n_ctx}; shorten it or raise --ctx"
-            )
+                f"prompt has {len(prompt_tokens)} tokens but the context holds {self.n_ctx}; shorten it or raise {OPTION}",
+                option="n_ctx")
         if cfg.mode != "ar":
             self.check_routing_hook()
         needs_cost = cfg.mode == "s2moe" and cfg.utility and cfg.cost is None

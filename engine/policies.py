@@ -89,7 +89,7 @@ class UtilityStop(StopRule):
         self.expected_first_experts = 0.0
         self.smoothing = smoothing
         # A probe that does not pay doubles the wait before the next one (up to 16×): where drafting never
-        # pays, as offloaded on a CPU, fixed probes cost ~3% of plain decoding speed (a draft pass each).
+        # pays, fixed probes would cost a draft pass each, forever.
         self.probe_every = probe_every
         self.probe_interval = probe_every
         self.max_probe_interval = 16 * probe_every

@@ -372,3 +372,16 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
     assert events and counter.log == [x for step in expected for x in step]
     assert [int(e.verify_misses[0]) for e in events] == list(range(1, len(events) + 1))
     assert all(isinstance(e.verify_major_faults, int) and e.verify_major_faults >= 0 for e in events)
+
+
+def test_engine_errors_name_the_setting_and_let_each_front_end_word_it():
+    """The engine names a setting as it knows it; the CLI says its flag, the app its own field name."""
+    from s2moe.app.cli import FLAGS
+    from s2moe.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        GenerationConfig(draft_max=0).validate()
+    e = caught.value
+    assert e.option == "draft_max" and str(e) == "draft_max must be between 1 and 64"
+    assert e.worded(FLAGS) == "--draft-max must be between 1 and 64"
+    assert e.worded({"draft_max": "draft cap"}) == "draft cap must be between 1 and 64"

@@ -101,6 +101,6 @@ def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXP
     finally:
         mapping.close()
     held = max(0, cg.usage() - int(resident))
-    # the slack absorbs what the heap still grows by in the first real generations (measured: ~1 MiB on
-    # the shipped model after a warm-up), so that the expert cache keeps its share
+    # the slack absorbs what the heap still grows by in the first real generations after a warm-up, so
+    # that the expert cache keeps its share
     return int(held + share * emap.total_expert_bytes + max(2 << 20, held // 50))

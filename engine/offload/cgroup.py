@@ -19,7 +19,7 @@ class BudgetUnavailable(ConfigError):
 
 def _how(limit_hint: str = "SIZE") -> str:
     return (f"run as root, or under a delegated cgroup, e.g. `systemd-run --user --scope -p MemoryMax={limit_hint} "
-            f"-p MemorySwapMax=0 s2moe ...` (then leave out --budget)")
+            f"-p MemorySwapMax=0 s2moe ...` (then run without a budget)")
 
 
 def _mounts() -> list[tuple[str, str, str]]:
