@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from inspect import signature
 from pathlib import Path
 
 import numpy as np
 
 from s2moe.engine.bench import BenchDone, BenchProgress, BenchRow
+from s2moe.engine.bench import run_bench as REAL_RUN_BENCH
 from s2moe.engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
+from s2moe.engine.calibrate import run_calibration as REAL_RUN_CALIBRATION
 from s2moe.engine.events import (CostConstants, DraftCandidate, Finished, Iteration, Prefilled, ResidencySnapshot,
                                  Started)
 
@@ -146,14 +149,16 @@ class FakeDecoder:
 
 
 def fake_run_calibration(calls: list | None = None):
-    """Stands in for engine.calibrate.run_calibration: its events with fixed numbers."""
+    """Stands in for engine.calibrate.run_calibration (called as the real one would be): its events with fixed
+    numbers. `calls` collects the arguments of each call."""
     calls = [] if calls is None else calls
     steps = [("bandwidth", "memory and storage bandwidth"), ("steps", "T_AR and draft step cost"),
              ("cost model", "regression of verification latency on experts and tokens")]
 
-    def run_calibration(model_path, *, budget_bytes=None, prompts=None, name=None, save=True, n_threads=None,
-                        should_stop=None):
-        calls.append(dict(model_path=model_path, budget_bytes=budget_bytes, name=name, save=save))
+    def run_calibration(model_path, **kw):
+        call = signature(REAL_RUN_CALIBRATION).bind(model_path, **kw)
+        calls.append(call.arguments)
+        name = call.arguments.get("name")
         for i, (step, desc) in enumerate(steps, 1):
             yield StepStarted(i, len(steps), step, desc)
             for d in range(1, 4):
@@ -173,9 +178,12 @@ def fake_run_calibration(calls: list | None = None):
     return run_calibration
 
 
-def fake_run_bench(model, *, prompts, modes, n_tokens, budgets=("none",), n_threads=None, should_stop=None,
-                   decoder=None, prompt_set="custom"):
-    """Stands in for engine.bench.run_bench: its events with fixed numbers."""
+def fake_run_bench(model, **kw):
+    """Stands in for engine.bench.run_bench (called as the real one would be): its events with fixed numbers."""
+    call = signature(REAL_RUN_BENCH).bind(model, **kw)
+    call.apply_defaults()
+    args = call.arguments
+    prompts, modes, n_tokens, prompt_set = args["prompts"], args["modes"], args["n_tokens"], args["prompt_set"]
     modes = ["ar"] + [m for m in modes if m != "ar"]
     total = len(prompts) * len(modes)
     done = 0
