@@ -35,6 +35,7 @@ import numpy as np
 
 from .costmodel import (Stopped, fault_explained_fit, fit_miss_cost, fit_verify_cost, iter_time_steps, iter_verify_samples, time_steps,
                         verify_samples)
+from .device import cpu_name, memory_bytes
 from .errors import ConfigError, ModelError
 from .model_info import read_model_info
 from .offload import (AUTO_START_LIMIT, BudgetUnavailable, MemoryCgroup, ModelMapping, _rank_counts,
@@ -134,23 +135,7 @@ def read_prompts(path: str | os.PathLike | None) -> list[str]:
 
 
 def device_name(n_threads: int) -> str:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    model = model or platform.processor() or platform.machine()
-    return f"{model} ({n_threads} threads)"
-
-
-def memory_bytes() -> int | None:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
+    return f"{cpu_name()} ({n_threads} threads)"
 
 
 # -- measurements -------------------------------------------------------------------------------------------

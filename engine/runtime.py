@@ -6,13 +6,13 @@ The routing hook is installed as the context's cb_eval, so every decode passes t
 from __future__ import annotations
 
 import ctypes
-import os
 from collections import deque
 from dataclasses import replace
 
 import llama_cpp
 import numpy as np
 
+from .device import default_threads
 from .errors import ContextError, ModelError
 from .hook import RoutingHook
 from .model_info import ModelInfo
@@ -49,10 +49,6 @@ def last_llama_error() -> str:
         if "error" in low or "failed" in low or "invalid" in low:
             return line
     return _log_tail[-1] if _log_tail else "no details"
-
-
-def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
 class LlamaRuntime:

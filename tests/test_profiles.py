@@ -157,3 +157,32 @@ def test_user_profile_shadows_and_cli_lists_and_shows(xdg, capsys):
     assert "kind: reference" in capsys.readouterr().out
     assert main(["profiles", "show", "nope"]) == 2
     assert "no profile named 'nope'" in capsys.readouterr().err
+
+
+# -- the device a profile describes ----------------------------------------------------------------------
+def test_cpu_name_reads_cpuinfo_and_falls_back(monkeypatch):
+    import io
+    import platform
+
+    from s2moe.engine import device
+
+    assert device.cpu_name().strip()
+    cpuinfo = "processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu\n"
+    monkeypatch.setattr(device, "open", lambda *a, **k: io.StringIO(cpuinfo), raising=False)
+    assert device.cpu_name() == "Test CPU 9000"
+    # an ARM board's cpuinfo has no model name
+    monkeypatch.setattr(device, "open", lambda *a, **k: io.StringIO("processor\t: 0\nCPU part\t: 0xd42\n"),
+                        raising=False)
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert device.cpu_name() == "aarch64"
+
+
+def test_default_threads_follow_the_affinity_and_leave_spares(monkeypatch):
+    from s2moe.engine import device
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert device.default_threads() == 3
+    assert device.default_threads(spare=1) == 2
+    assert device.default_threads(spare=5) == 1

@@ -61,10 +61,9 @@ def shipped_default_model() -> Path | None:
 def ui_default_threads() -> int:
     """All cores but one: llama.cpp's threads spin-wait at barriers, and a UI thread competing with them
     for the last core slows decoding several times over (measured on 2 cores: 1 thread ≈ 3× faster)."""
-    import os
+    from ...engine.device import default_threads
 
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, n - 1)
+    return default_threads(spare=1)
 
 
 @dataclass
