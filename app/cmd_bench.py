@@ -220,28 +220,28 @@ def run(args) -> int:
                 extra_rows += rows
                 if fit:
                     budget_fits[label] = fit
-        budgets_here = ["none"] if "none" in budgets else []
+        here = "none" if "none" in budgets else None
     else:
         if len(budgets) != 1:
             raise ConfigError("a benchmark inside a memory budget measures that one budget")
-        budgets_here = [budgets[0]]
+        here = budgets[0]
 
     done = None
-    if budgets_here:
+    if here is not None:
         decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, args.draft_max),
                           use_extra_bufts=inside is None)
         if inside is not None:
             budget = inside[1]
             off = offload.offload_decoder(decoder, budget, hot,
                                           warm_up=lambda: _warm_up(decoder, base, prompts[0], modes))
-            budgets_here = [budget.describe(off.budget_bytes)]
+            here = budget.describe(off.budget_bytes)
         else:
             off = None
         quality_texts = None if args.no_quality else prompts
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=not console.is_terminal) as progress:
             task = progress.add_task("bench", total=None)
-            for ev in run_bench(model, prompts=prompts, modes=modes, n_tokens=args.n_tokens, budgets=budgets_here,
+            for ev in run_bench(model, prompts=prompts, modes=modes, n_tokens=args.n_tokens, budget=here,
                                 prompt_set=set_name, base=base, n_threads=args.threads, quality_texts=quality_texts,
                                 decoder=decoder):
                 if isinstance(ev, BenchProgress):

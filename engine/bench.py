@@ -278,7 +278,7 @@ def run_bench(
     prompts: list[str],
     modes: list[str],
     n_tokens: int = 64,
-    budgets=("none",),
+    budget: str = "none",
     prompt_set: str = "custom",
     base: GenerationConfig | None = None,
     n_threads: int | None = None,
@@ -287,7 +287,9 @@ def run_bench(
     should_stop: Callable[[], bool] | None = None,
     decoder: Decoder | None = None,
 ) -> Iterator[object]:
-    """Yields BenchProgress events, then one BenchDone."""
+    """Yields BenchProgress events, then one BenchDone. One process measures one budget: `budget` only
+    labels the rows. A budgeted run happens inside its memory cgroup (see s2moe.app.cmd_bench), with the
+    decoder already set up for offloading by the caller."""
     if "ar" not in modes:
         modes = ["ar"] + list(modes)
     base = base or GenerationConfig()
@@ -297,79 +299,72 @@ def run_bench(
     dec = decoder or Decoder(model, n_ctx=n_ctx, n_threads=n_threads, max_draft=max(16, base.draft_max))
     for name, cfg in configs.items():
         cfg.validate(dec.info)
-    # One process measures one budget: a budgeted run happens inside its memory cgroup (see
-    # s2moe.app.cmd_bench), with the decoder already set up for offloading by the caller.
-    budgets = list(budgets) or ["none"]
-    if len(budgets) != 1:
-        raise ConfigError("run_bench measures one budget per process; run one budget at a time")
-    total = len(budgets) * len(prompts) * len(modes)
+    total = len(prompts) * len(modes)
     done = 0
-    per: dict[tuple[str, str], _ModeRuns] = {}
+    per: dict[str, _ModeRuns] = {}
     cost_samples = []
     try:
-        for budget in budgets:
-            tokens_of: dict[tuple[str, int], tuple[int, ...]] = {}
-            for pi, prompt in enumerate(prompts):
-                # The order rotates from prompt to prompt: a mode that always ran first (or always right
-                # after the independent draft's second context had churned the expert cache) would be
-                # measured under conditions of its own.
-                shift = pi % len(modes)
-                for name in list(modes[shift:]) + list(modes[:shift]):
-                    if should_stop is not None and should_stop():
-                        return
-                    cfg = configs[name]
-                    summary = Summary()
-                    for ev in dec.generate(prompt, cfg):
-                        summary.add(ev)
-                        if isinstance(ev, Iteration):
-                            misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
-                            cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
-                                                 misses, ev.verify_major_faults))
-                    tokens_of[(name, pi)] = summary.tokens
-                    per.setdefault((name, budget), _ModeRuns()).add(summary)
-                    done += 1
-                    yield BenchProgress(done, total, name, pi, budget)
-                reference = tokens_of[("ar", pi)]
-                for name in modes:
-                    if name == "ar":
-                        continue
-                    runs = per[(name, budget)]
-                    same = tokens_of[(name, pi)] == reference
-                    runs.identical.append(same)
-                    if not same:
-                        gap = divergence_gap(dec, prompt, reference, tokens_of[(name, pi)])
-                        runs.near_ties += gap is not None and gap < NEAR_TIE
-        rows = []
-        for budget in budgets:
-            ar_runs = per.get(("ar", budget))
-            ar_tps = ar_runs.tok_per_s if ar_runs and ar_runs.seconds > 0 else None
+        tokens_of: dict[tuple[str, int], tuple[int, ...]] = {}
+        for pi, prompt in enumerate(prompts):
+            # The order rotates from prompt to prompt: a mode that always ran first (or always right
+            # after the independent draft's second context had churned the expert cache) would be
+            # measured under conditions of its own.
+            shift = pi % len(modes)
+            for name in list(modes[shift:]) + list(modes[:shift]):
+                if should_stop is not None and should_stop():
+                    return
+                cfg = configs[name]
+                summary = Summary()
+                for ev in dec.generate(prompt, cfg):
+                    summary.add(ev)
+                    if isinstance(ev, Iteration):
+                        misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
+                        cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
+                                             misses, ev.verify_major_faults))
+                tokens_of[(name, pi)] = summary.tokens
+                per.setdefault(name, _ModeRuns()).add(summary)
+                done += 1
+                yield BenchProgress(done, total, name, pi, budget)
+            reference = tokens_of[("ar", pi)]
             for name in modes:
-                runs = per[(name, budget)]
-                totals = runs.totals
-                reuse_layers = totals.reuse_per_layer
-                rows.append(BenchRow(
-                    mode=name,
-                    budget=budget,
-                    prompt_set=prompt_set,
-                    n_prompts=len(prompts),
-                    n_tokens=runs.n_tokens,
-                    seconds=runs.seconds,
-                    tok_per_s=runs.tok_per_s,
-                    speedup_vs_ar=(runs.tok_per_s / ar_tps) if ar_tps else None,
-                    accept_len=totals.accept_len,
-                    draft_len=totals.mean_draft_len,
-                    acceptance_rate=totals.acceptance_rate,
-                    reuse_ratio=totals.reuse_ratio,
-                    reuse_ratio_per_layer=[float(x) for x in reuse_layers] if reuse_layers is not None else None,
-                    verify_experts=totals.mean_verify_experts,
-                    effective_verify_cost=totals.useful_share,
-                    rollbacks=totals.rollbacks,
-                    t_draft=totals.t_draft,
-                    t_verify=totals.t_verify,
-                    identical_to_ar=float(np.mean(runs.identical)) if runs.identical else None,
-                    near_tie_divergences=runs.near_ties,
-                    identical_expected=expected_lossless(name, configs[name]) and name != "ar",
-                ))
+                if name == "ar":
+                    continue
+                runs = per[name]
+                same = tokens_of[(name, pi)] == reference
+                runs.identical.append(same)
+                if not same:
+                    gap = divergence_gap(dec, prompt, reference, tokens_of[(name, pi)])
+                    runs.near_ties += gap is not None and gap < NEAR_TIE
+        rows = []
+        ar_runs = per.get("ar")
+        ar_tps = ar_runs.tok_per_s if ar_runs and ar_runs.seconds > 0 else None
+        for name in modes:
+            runs = per[name]
+            totals = runs.totals
+            reuse_layers = totals.reuse_per_layer
+            rows.append(BenchRow(
+                mode=name,
+                budget=budget,
+                prompt_set=prompt_set,
+                n_prompts=len(prompts),
+                n_tokens=runs.n_tokens,
+                seconds=runs.seconds,
+                tok_per_s=runs.tok_per_s,
+                speedup_vs_ar=(runs.tok_per_s / ar_tps) if ar_tps else None,
+                accept_len=totals.accept_len,
+                draft_len=totals.mean_draft_len,
+                acceptance_rate=totals.acceptance_rate,
+                reuse_ratio=totals.reuse_ratio,
+                reuse_ratio_per_layer=[float(x) for x in reuse_layers] if reuse_layers is not None else None,
+                verify_experts=totals.mean_verify_experts,
+                effective_verify_cost=totals.useful_share,
+                rollbacks=totals.rollbacks,
+                t_draft=totals.t_draft,
+                t_verify=totals.t_verify,
+                identical_to_ar=float(np.mean(runs.identical)) if runs.identical else None,
+                near_tie_divergences=runs.near_ties,
+                identical_expected=expected_lossless(name, configs[name]) and name != "ar",
+            ))
         quality = {}
         if dec.info.is_moe and quality_texts:
             quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
@@ -383,7 +378,7 @@ def run_bench(
             predicted = [float(x) for x in fit.predict([s[0] for s in cost_samples], [s[1] for s in cost_samples])]
             cost_model = {"intercept_s": fit.intercept, "t_exp_s": fit.t_exp, "t_tok_s": fit.t_tok, "r2": fit.r2,
                           "mape": fit.mape, "n": fit.n, "measured_s": measured[:2000], "predicted_s": predicted[:2000]}
-            startup = dec._measured.get((base.draft_topk, base.draft_max))
+            startup = dec.measured_cost_constants(base.draft_topk, base.draft_max)
             if startup is not None:
                 pred0 = np.array([startup.verify_cost(s[0], s[1]) for s in cost_samples])
                 y = np.array(measured)
@@ -401,7 +396,7 @@ def run_bench(
                     cost_model["miss_aware"]["given_faults"] = fault_explained_fit(e, faults, t, y)
         yield BenchDone(rows, quality, cost_model, machine_info(n_threads),
                         config={"model": str(dec.info.path), "n_tokens": n_tokens, "modes": list(modes),
-                                "budgets": budgets, "prompt_set": prompt_set, "n_prompts": len(prompts),
+                                "budget": budget, "prompt_set": prompt_set, "n_prompts": len(prompts),
                                 "greedy": base.temperature == 0, "draft_topk": base.draft_topk,
                                 "draft_max": base.draft_max, "reuse_strength": base.reuse_strength,
                                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")})
