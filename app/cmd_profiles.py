@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profiles", help="list device profiles or show one")
@@ -15,9 +17,10 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from ..engine.errors import ConfigError
-    from ..engine.profiles import list_profiles, load_profile, shipped_profile_dir, user_profile_dir
+    from ..engine.profiles import list_profiles, load_profile, profile_text, shipped_profile_dir, user_profile_dir
 
     console = Console(highlight=False)
     command = getattr(args, "profiles_command", None) or "list"
@@ -26,19 +29,14 @@ def run(args) -> int:
         for col in ("name", "kind", "device", "models", "origin", "status"):
             table.add_column(col)
         for e in list_profiles():
-            table.add_row(e["name"], e["kind"], e["device"], str(e["models"]), e["origin"],
-                          "ok" if e["status"] == "ok" else f"[red]{e['status']}[/red]")
+            table.add_row(e.name, e.kind, e.device, str(e.n_models), e.where,
+                          "ok" if e.error is None else Text(e.error, style="red"))
         console.print(table)
         console.print(f"user profiles: {user_profile_dir()}\nshipped profiles: {shipped_profile_dir()}")
         return 0
     if command == "show":
-        data = load_profile(args.name)
-        path = data.pop("_path", None)
-        try:
-            text = open(path, encoding="utf-8").read() if path else ""
-        except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+        path = Path(load_profile(args.name)["_path"])
         print(f"# {path}")
-        print(text.rstrip())
+        print(profile_text(path).rstrip())
         return 0
     raise ConfigError(f"unknown profiles command {command!r} (list, show NAME)")

@@ -40,7 +40,7 @@ from .errors import ConfigError, ModelError
 from .model_info import read_model_info
 from .offload import (AUTO_START_LIMIT, BudgetUnavailable, MemoryCgroup, ModelMapping, _rank_counts,
                       drop_file_cache, expert_map, fmt_bytes, plan_budget, process_anon_bytes, select_hot_experts)
-from .profiles import SCHEMA_VERSION, check_name, find_profile, load_profile, save_profile as _save
+from .profiles import SCHEMA_VERSION, check_name, find_profile, load_profile, save_profile
 
 DEFAULT_NAME = "local"
 DRAFT_TOPK = 2
@@ -97,11 +97,6 @@ STEPS = (
     ("budget", "verification cost under the memory budget (experts paged from storage), in a memory cgroup"),
     ("profile", "write the profile atomically"),
 )
-
-
-def save_profile(profile: dict, name: str) -> Path:
-    """Write profile as <user profile dir>/<name>.yaml atomically; returns the path."""
-    return _save(profile, name)
 
 
 NAMED_PROMPT_SETS = ("humaneval", "natural")

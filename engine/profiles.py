@@ -53,6 +53,7 @@ import math
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -224,16 +225,36 @@ def validate_profile(data, where: str = "profile") -> dict:
     return data
 
 
-def load_profile(name: str) -> dict:
-    path = find_profile(name)
+# A profile is a few kilobytes (hot_experts of a 100-layer, 256-expert model stays under 1 MiB); the bound
+# keeps a large file dropped into a profile folder from being read into memory whole.
+MAX_PROFILE_BYTES = 8 << 20
+
+
+def profile_text(path: Path) -> str:
+    """A profile file's text, read with a bound; ConfigError when unreadable, too large or not UTF-8."""
     try:
-        data = yaml.safe_load(path.read_text())
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"profile {path}: cannot read it ({e.strerror})") from None
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ConfigError(f"profile {path.name}: larger than {MAX_PROFILE_BYTES >> 20} MiB, not a profile")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"profile {path.name}: not UTF-8 text") from None
+
+
+def _parse(path: Path):
+    try:
+        return yaml.safe_load(profile_text(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"profile {path.name}: invalid YAML{where}") from None
-    except OSError as e:
-        raise ConfigError(f"profile {path}: cannot read it ({e.strerror})") from None
+
+
+def _checked(data, path: Path) -> dict:
     validate_profile(data, f"profile {path.name}")
     data.setdefault("name", path.stem)
     data.setdefault("kind", "measured")
@@ -241,27 +262,69 @@ def load_profile(name: str) -> dict:
     return data
 
 
-def list_profiles() -> list[dict]:
-    """Every profile found (user profiles shadow shipped ones of the same name), with a `status`:
-    'ok' or the validation error. Entries: name, path, origin ('user'|'shipped'), kind, device, models, status."""
+def load_profile(name: str) -> dict:
+    path = find_profile(name)
+    return _checked(_parse(path), path)
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """A profile file as `--profile NAME` would find it: its data, or why it would not load."""
+
+    name: str
+    path: Path
+    where: str                  # "user" or "shipped"
+    data: dict | None           # as loaded; as written when invalid; None when not a YAML mapping
+    error: str | None = None    # what loading it by name would say
+
+    @property
+    def kind(self) -> str:
+        """The profile's `kind` as loading it gives (measured when it has none, which is what calibrate's
+        merge into an existing profile acts on), or "invalid"."""
+        return "invalid" if self.error is not None else self.data["kind"]
+
+    @property
+    def device(self) -> str:
+        dev = (self.data or {}).get("device")
+        if not isinstance(dev, dict):
+            return ""
+        return str(dev.get("name") or dev.get("kind") or "")
+
+    @property
+    def n_models(self) -> int:
+        models = (self.data or {}).get("models")
+        return len(models) if isinstance(models, dict) else 0
+
+    def covers(self, fingerprint: str | None) -> str:
+        """What cost_for_model would use for this model: "measured" constants, "reference" ones, or ""."""
+        if self.data is None or self.error is not None:
+            return ""
+        models = self.data.get("models") or {}
+        if fingerprint and isinstance(models, dict) and fingerprint in models:
+            return "measured"
+        if self.data.get("reference") is not None:
+            return "reference"
+        return ""
+
+
+def list_profiles() -> list[ProfileEntry]:
+    """Every profile loadable by name, the user's first, then the shipped ones not shadowed by a user
+    profile of the same name; each folder in file name order. An invalid one is listed with its error."""
     out, seen = [], set()
-    for origin, folder in (("user", user_profile_dir()), ("shipped", shipped_profile_dir())):
+    for where, folder in (("user", user_profile_dir()), ("shipped", shipped_profile_dir())):
         if not folder.is_dir():
             continue
-        for p in sorted(list(folder.glob("*.yaml")) + list(folder.glob("*.yml"))):
-            if p.stem in seen:
+        for path in sorted(list(folder.glob("*.yaml")) + list(folder.glob("*.yml"))):
+            if path.stem in seen:
                 continue
-            seen.add(p.stem)
-            entry = {"name": p.stem, "path": p, "origin": origin, "kind": "?", "device": "", "models": 0,
-                     "status": "ok"}
+            seen.add(path.stem)
+            data, error = None, None
             try:
-                data = load_profile(str(p))
-                entry.update(kind=data.get("kind", "measured"),
-                             device=(data.get("device") or {}).get("name", ""),
-                             models=len(data.get("models") or {}))
+                data = _parse(path)
+                data = _checked(data, path)
             except ConfigError as e:
-                entry["status"] = str(e)
-            out.append(entry)
+                error = str(e)
+            out.append(ProfileEntry(path.stem, path, where, data if isinstance(data, dict) else None, error))
     return out
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from s2moe.engine.calibrate import (CalibrationDone, StepProgress, StepResult, StepStarted, read_prompts,
-                                    run_calibration, save_profile)
+                                    run_calibration)
 from s2moe.engine.errors import ConfigError, ModelError
-from s2moe.engine.profiles import cost_for_model, load_profile
+from s2moe.engine.profiles import cost_for_model, load_profile, save_profile
 from s2moe.engine.model_info import read_model_info
 
 PROMPTS = ["hello there, how are you", "the cat sat on the mat"]

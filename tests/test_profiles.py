@@ -124,16 +124,25 @@ def test_save_is_atomic_and_round_trips(xdg, monkeypatch):
     # an invalid profile is refused before anything is written
     with pytest.raises(ConfigError):
         save_profile(_bad(("models", FP, "t_ar_ms"), -1), "broken")
-    assert not (xdg / "broken.yaml").exists()
+    assert sorted(p.name for p in xdg.iterdir()) == ["mine.yaml"]
     with pytest.raises(ConfigError, match="invalid profile name"):
         save_profile(GOOD, "../escape")
 
 
+def test_save_refuses_an_invalid_profile_before_touching_the_disk(xdg):
+    with pytest.raises(ConfigError, match="field kind"):
+        save_profile(_bad(("kind",), "guess"), "fresh")
+    assert not xdg.exists()  # not even the profile folder
+    with pytest.raises(ConfigError, match="needs a field models"):
+        save_profile({"schema": 1, "kind": "measured"}, "fresh")
+    assert not xdg.exists()
+
+
 def test_shipped_profiles_are_valid_and_marked(xdg):
-    names = {e["name"]: e for e in list_profiles()}
+    names = {e.name: e for e in list_profiles()}
     for n in ("jetson-orin-16gb", "jetson-orin-32gb", "jetson-orin-64gb", "rtx-4090"):
-        assert names[n]["status"] == "ok" and names[n]["kind"] == "reference" and names[n]["origin"] == "shipped"
-    assert any(e["kind"] == "measured" and e["origin"] == "shipped" for e in names.values())
+        assert names[n].error is None and names[n].kind == "reference" and names[n].where == "shipped"
+    assert any(e.kind == "measured" and e.where == "shipped" for e in names.values())
     orin = load_profile("jetson-orin-16gb")
     c = cost_for_model(orin, "any-model-fingerprint")
     assert c.t_ar == pytest.approx(0.100) and c.c_draft == pytest.approx(0.0075)
@@ -148,8 +157,8 @@ def test_user_profile_shadows_and_cli_lists_and_shows(xdg, capsys):
     from s2moe.app.cli import main
 
     save_profile(GOOD, "jetson-orin-16gb")
-    listed = {e["name"]: e for e in list_profiles()}
-    assert listed["jetson-orin-16gb"]["origin"] == "user"
+    listed = {e.name: e for e in list_profiles()}
+    assert listed["jetson-orin-16gb"].where == "user"
     assert main(["profiles", "list"]) == 0
     out = capsys.readouterr().out
     assert "jetson-orin-16gb" in out and "rtx-4090" in out
@@ -157,6 +166,60 @@ def test_user_profile_shadows_and_cli_lists_and_shows(xdg, capsys):
     assert "kind: reference" in capsys.readouterr().out
     assert main(["profiles", "show", "nope"]) == 2
     assert "no profile named 'nope'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def only_user_profiles(xdg, tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr("s2moe.engine.profiles.shipped_profile_dir", lambda: shipped)
+    xdg.mkdir(parents=True)
+    return xdg, shipped
+
+
+def test_the_list_kind_is_what_loading_gives(only_user_profiles):
+    user, shipped = only_user_profiles
+    # no `kind` and only reference constants: loading makes it a measured profile, and so does the list
+    (user / "no-kind.yaml").write_text("schema: 1\nreference: {t_ar_ms: 100, c_draft_ms: 7.5, t_exp_ms: 0.15}\n")
+    (user / "bad-kind.yaml").write_text(yaml.safe_dump(dict(_bad(("kind",), "guess"), description="typo")))
+    (user / "a-list.yaml").write_text("- 1\n- 2\n")
+    (user / "broken.yml").write_text("schema: [1\n")
+    _write(user, GOOD, "good.yaml")
+    _write(shipped, dict(GOOD, kind="reference"), "good.yaml")  # shadowed by the user's
+    _write(shipped, dict(GOOD, kind="reference"), "ref.yaml")
+    entries = list_profiles()
+    assert [(e.name, e.where) for e in entries] == [
+        ("a-list", "user"), ("bad-kind", "user"), ("broken", "user"), ("good", "user"), ("no-kind", "user"),
+        ("ref", "shipped")]
+    by = {e.name: e for e in entries}
+    assert load_profile("no-kind")["kind"] == "measured" and by["no-kind"].kind == "measured"
+    assert by["no-kind"].error is None and by["no-kind"].covers(FP) == "reference"
+    assert by["good"].kind == "measured" and by["ref"].kind == "reference"
+    assert by["good"].covers(FP) == "measured" and by["good"].covers("fedcba9876543210") == ""
+    assert by["good"].device == "test cpu" and by["good"].n_models == 1
+    # an invalid profile says what `--profile NAME` would say, and keeps what it holds for the inspector
+    for name in ("bad-kind", "a-list", "broken"):
+        with pytest.raises(ConfigError) as e:
+            load_profile(name)
+        assert by[name].error == str(e.value) and by[name].kind == "invalid" and by[name].covers(FP) == ""
+    assert "field kind" in by["bad-kind"].error and by["bad-kind"].data["description"] == "typo"
+    assert "expected a mapping" in by["a-list"].error and by["a-list"].data is None
+    assert "invalid YAML line" in by["broken"].error and by["broken"].data is None
+
+
+def test_a_profile_file_is_read_with_a_bound(only_user_profiles, monkeypatch):
+    from s2moe.engine import profiles
+
+    user, _ = only_user_profiles
+    _write(user, dict(GOOD, description="x" * 4000), "big.yaml")
+    assert load_profile("big")["kind"] == "measured"
+    monkeypatch.setattr(profiles, "MAX_PROFILE_BYTES", 1024)
+    with pytest.raises(ConfigError, match="big.yaml: larger than"):
+        load_profile("big")
+    assert "larger than" in list_profiles()[0].error
+    (user / "latin1.yaml").write_bytes("schema: 1\ndescription: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_profile("latin1")
 
 
 # -- the device a profile describes ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from textual_plotext import PlotextPlot
 from ...engine import calibrate as engine_calibrate
 from ...engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from ...engine.errors import S2MoEError
+from ...engine.profiles import save_profile
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import parse_bytes
 from .widgets import NavBar
@@ -277,21 +278,3 @@ class CalibrateScreen(Screen):
     def _name_submitted(self) -> None:
         if self.result is not None:
             self.action_save()
-
-
-def save_profile(profile: dict, name: str):
-    """Write the profile through the engine (which validates it)."""
-    from ...engine import profiles
-
-    saver = getattr(profiles, "save_profile", None)
-    if saver is not None:
-        return saver(profile, name)
-    import yaml
-
-    folder = profiles.user_profile_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.yaml"
-    data = {k: v for k, v in profile.items() if not str(k).startswith("_")}
-    data["name"] = name
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path

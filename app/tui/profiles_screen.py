@@ -10,7 +10,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from .session import ProfileEntry, constants_table, list_profile_entries
+from ...engine.profiles import ProfileEntry, list_profiles
 from .widgets import Column, FittedTable, NavBar
 
 TABLE_COLUMNS = (Column("active", "", 1, 0), Column("name", "name", 16, 1), Column("kind", "kind", 9, 3),
@@ -56,7 +56,7 @@ class ProfilesScreen(Screen):
 
     def action_reload(self) -> None:
         try:
-            self.entries = list_profile_entries()
+            self.entries = list_profiles()
         except Exception as e:  # noqa: BLE001 - a broken folder must not stop the app
             self.entries = []
             self.notify(f"cannot list profiles: {e}", severity="error")
@@ -68,11 +68,11 @@ class ProfilesScreen(Screen):
         self.query_one(FittedTable).set_rows([(e.name, {
             "active": "●" if e.name == active else "",
             "name": e.name,
-            "kind": e.kind if e.error is None else "invalid",
+            "kind": e.kind,
             "from": e.where,
             "covers": (e.covers(fp) if fp else "?") or "—",
             "models": str(e.n_models),
-            "device": e.device,
+            "device": e.device or "—",
         }) for e in self.entries])
         self.show_active()
         self.show_detail()
@@ -116,7 +116,7 @@ class ProfilesScreen(Screen):
         out.add_row("profile", entry.name)
         out.add_row("kind", entry.kind)
         out.add_row("from", f"{entry.where} ({entry.path.name})")
-        if entry.device != "—":
+        if entry.device:
             out.add_row("device", entry.device)
         if data.get("description"):
             out.add_row("about", str(data["description"]))
@@ -162,3 +162,27 @@ class ProfilesScreen(Screen):
 
     def action_calibrate(self) -> None:
         self.app.switch_mode("calibrate")
+
+
+def constants_table(entry: ProfileEntry, fingerprint: str | None) -> list[tuple[str, str, str]]:
+    """Rows (constant, measured for this model, reference) in milliseconds, for the profile inspector."""
+    keys = ("t_ar_ms", "c_draft_ms", "t_exp_ms", "t_tok_ms", "intercept_ms")
+    data = entry.data or {}
+    models = data.get("models") or {}
+    measured = models.get(fingerprint) if isinstance(models, dict) and fingerprint else None
+    reference = data.get("reference")
+    rows = []
+
+    def fmt(block, key):
+        if not isinstance(block, dict) or key not in block:
+            return "—"
+        v = block[key]
+        return f"{v:.4g}" if isinstance(v, (int, float)) else str(v)
+
+    for key in keys:
+        rows.append((key, fmt(measured, key), fmt(reference, key)))
+    for key in ("r2", "mape"):
+        mfit = (measured or {}).get("fit") if isinstance(measured, dict) else None
+        rfit = (reference or {}).get("fit") if isinstance(reference, dict) else None
+        rows.append((f"fit {key}", fmt(mfit, key), fmt(rfit, key)))
+    return rows
