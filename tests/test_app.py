@@ -620,3 +620,13 @@ def test_bench_on_a_tiny_model(tiny_models):
             assert {r.mode for r in screen.rows} >= {"ar", "s2moe"}
 
     run(go())
+
+
+def test_engine_errors_reach_the_user_in_the_apps_own_words():
+    from s2moe.app.tui.messages import failure_text
+    from s2moe.engine.decoder import GenerationConfig
+
+    with pytest.raises(ConfigError) as caught:
+        GenerationConfig(draft_max=0).validate()
+    assert failure_text(caught.value) == "the draft cap must be between 1 and 64"
+    assert failure_text(ValueError("boom")) == "ValueError: boom"

@@ -8,13 +8,12 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
-from ...engine.errors import S2MoEError
 from .bench import BenchScreen
 from .calibrate import CalibrateScreen
 from .chat import ChatScreen
 from .commands import S2MoECommands
 from .dialogs import HelpScreen, ModelPathDialog, binding_sections
-from .messages import ModelFailed, ModelReady, post
+from .messages import ModelFailed, ModelReady, failure_text, post
 from .profiles_screen import ProfilesScreen
 from .session import EngineSession
 from .widgets import NavBar
@@ -93,10 +92,8 @@ class S2MoEApp(App):
             finally:
                 session.lock.release()
             post(self, ModelReady(model))
-        except S2MoEError as e:
-            post(self, ModelFailed(str(e)))
         except Exception as e:  # noqa: BLE001 - a model llama.cpp cannot load is a message, not a crash
-            post(self, ModelFailed(f"{type(e).__name__}: {e}"))
+            post(self, ModelFailed(failure_text(e)))
         finally:
             self.model_loading = False
 

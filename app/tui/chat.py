@@ -12,9 +12,8 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from ...engine.errors import S2MoEError
 from .live import LivePanel
-from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, post
+from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
 from .session import MODE_HELP, ChatSettings, engine_modes, mode_help, moe_modes
 from .widgets import NavBar, PromptInput, Transcript, TurnView, legend
 
@@ -269,10 +268,8 @@ class ChatScreen(Screen):
 
         try:
             session.generate(prompt, settings, emit, warn)
-        except S2MoEError as e:
-            post(self, EngineFailed(str(e)))
         except Exception as e:  # noqa: BLE001 - shown to the user, never a crash
-            post(self, EngineFailed(f"{type(e).__name__}: {e}"))
+            post(self, EngineFailed(failure_text(e)))
         finally:
             post(self, JobEnded("generate"))
 

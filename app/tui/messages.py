@@ -4,6 +4,20 @@ from __future__ import annotations
 
 from textual.message import Message
 
+from ...engine.errors import S2MoEError
+
+# The engine's names for the settings its errors are about → what the app calls them (the settings bar).
+SETTING_NAMES = {"draft_topk": "k_d", "draft_max": "the draft cap", "reuse_strength": "gating α",
+                 "threshold": "the utility threshold", "n_predict": "n (tokens per reply)", "temperature": "T",
+                 "reuse_cap": "|E*|", "n_ctx": "the context (s2moe app --ctx)"}
+
+
+def failure_text(e: BaseException) -> str:
+    """What a failed job tells the user: an engine error in the app's words, anything else with its type."""
+    if isinstance(e, S2MoEError):
+        return e.worded(SETTING_NAMES)
+    return f"{type(e).__name__}: {e}"
+
 
 class EngineEvent(Message, bubble=False):
     """One event of a generation, with its view data and the wall time it reached the worker."""
@@ -78,18 +92,14 @@ def post(target, message: Message) -> bool:
 def run_engine_job(screen, session, name: str, events) -> None:
     """From a worker thread: run `events()` (a generator of engine events) as a session job, posting
     each event to `screen` as JobEvent; a failure becomes EngineFailed, and JobEnded(name) always ends it."""
-    from ...engine.errors import S2MoEError
-
     def job():
         for event in events():
             post(screen, JobEvent(event))
 
     try:
         session.run_job(job)
-    except S2MoEError as e:
-        post(screen, EngineFailed(str(e)))
     except Exception as e:  # noqa: BLE001 (a worker reports every failure to its screen instead of dying)
-        post(screen, EngineFailed(f"{type(e).__name__}: {e}"))
+        post(screen, EngineFailed(failure_text(e)))
     finally:
         post(screen, JobEnded(name))
 
