@@ -47,15 +47,10 @@ def run(args) -> int:
     from rich.text import Text
 
     from ..engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted, run_calibration
-    from ..engine.offload import parse_size
+    from ..engine.offload import Budget
     from .cli import default_model
 
-    from ..engine.calibrate import AUTO
-
-    if args.budget == AUTO:
-        budget = AUTO
-    else:
-        budget = parse_size(args.budget) if args.budget else None
+    budget = Budget.parse(args.budget) if args.budget else None
     model = args.model or default_model()
     console = Console(stderr=True, highlight=False)
     out = Console(highlight=False)
@@ -65,7 +60,7 @@ def run(args) -> int:
     task = None
     done_event = None
     with progress:
-        for ev in run_calibration(model, budget_bytes=budget, prompts=args.prompts, name=args.name,
+        for ev in run_calibration(model, budget=budget, prompts=args.prompts, name=args.name,
                                   save=not args.no_save, n_threads=args.threads, repeats=args.repeats):
             if isinstance(ev, StepStarted):
                 task = progress.add_task(f"[{ev.index}/{ev.total}] {ev.name}", total=None)

@@ -11,7 +11,7 @@ run_calibration() is a generator of typed events; `s2moe calibrate` and the app'
 Steps: (1) memory and storage bandwidth, (2) plain and draft step cost, (3) verification cost model
 (T_exp, T_tok by regression; data has measured/predicted/r2/mape), (4) hot experts from routing
 frequencies over calibration prompts, (5) cost under the memory budget (in a memory cgroup; skipped with
-the reason when there is no --budget or no cgroup can be made), (6) the profile, written atomically.
+the reason when there is no budget or no cgroup can be made), (6) the profile, written atomically.
 
 Stopping: when should_stop() returns True the generator stops between two measurements and simply
 returns: it yields nothing more (no CalibrationDone) and writes nothing. Ctrl-C (KeyboardInterrupt)
@@ -38,16 +38,13 @@ from .costmodel import (Stopped, fault_explained_fit, fit_miss_cost, fit_verify_
 from .device import cpu_name, memory_bytes
 from .errors import ConfigError, ModelError
 from .model_info import read_model_info
-from .offload import (AUTO_START_LIMIT, BudgetUnavailable, MemoryCgroup, ModelMapping, _rank_counts,
-                      drop_file_cache, expert_map, fmt_bytes, plan_budget, process_anon_bytes, select_hot_experts)
+from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
+                      plan_budget, process_anon_bytes, rank_counts, run_in_budget, select_hot_experts)
 from .profiles import SCHEMA_VERSION, check_name, find_profile, load_profile, save_profile
 
 DEFAULT_NAME = "local"
 DRAFT_TOPK = 2
 DRAFT_CAP = 8
-# budget_bytes="auto": the cold worker sizes the budget the way bench and the app do
-# (offload.offload_in_cgroup)
-AUTO = "auto"
 DEFAULT_PROMPTS = (
     "The history of the printing press begins in the fifteenth century, when",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -90,7 +87,7 @@ class CalibrationDone:
 
 
 STEPS = (
-    ("bandwidth", "memory bandwidth and storage bandwidth (cold reads of expert slices)"),
+    ("bandwidth", "memory bandwidth and storage bandwidth (cold reads of whole experts at queue depth 1 and 8)"),
     ("steps", "T_AR (median plain decoding step) and draft step cost"),
     ("cost model", "T_exp and T_tok: regression of verification latency on distinct experts and tokens"),
     ("hot experts", "routing frequencies over calibration prompts; the most routed experts that fit the budget"),
@@ -105,9 +102,8 @@ NAMED_SET_PROMPTS = 32  # enough to rank the experts a workload uses; a few seco
 
 def read_prompts(path: str | os.PathLike | None) -> list[str]:
     """Calibration prompts: the built-in mix (None), a named set bench also uses ('humaneval' for code
-    models: measured on the shipped model, hot experts chosen from code cover 68% of a HumanEval
-    workload's routings against 65% from the built-in prompts), or a text file with prompts separated by
-    blank lines (or one per line)."""
+    models: hot experts ranked from the workload's own kind of text cover more of its routings, see
+    README), or a text file with prompts separated by blank lines (or one per line)."""
     if path is None:
         return list(DEFAULT_PROMPTS)
     if str(path) in NAMED_PROMPT_SETS and not Path(path).exists():
@@ -148,9 +144,16 @@ def memory_bandwidth(size: int = 64 << 20, repeats: int = 5):
     return 2 * size / float(np.median(times))
 
 
-def storage_bandwidth(emap, *, max_bytes: int = 256 << 20, seed: int = 0):
-    """Generator (yields (done, total)); returns (bytes per second or None, bytes read, note) of cold
-    reads of expert slices, the file dropped from the page cache first."""
+STORAGE_DEPTHS = (1, 8)  # plain decoding reads about one expert at a time; a verification batch can ask for all
+
+
+def storage_bandwidth(emap, *, max_bytes: int = 256 << 20, seed: int = 0, depths=STORAGE_DEPTHS):
+    """Generator (yields (done, total)); returns ({queue depth: bytes per second}, bytes read, note) of cold
+    reads of whole experts at random, the file dropped from the page cache first. Each depth reads its own
+    experts (none is read twice); at depth d, d threads each read one expert at a time, so that d reads
+    are in flight as when a verification's predicted experts are fetched together."""
+    from concurrent.futures import ThreadPoolExecutor
+
     drop_file_cache(emap.path)
     mapping = ModelMapping(emap)
     try:
@@ -159,28 +162,38 @@ def storage_bandwidth(emap, *, max_bytes: int = 256 << 20, seed: int = 0):
         mapping.close()
     rng = np.random.default_rng(seed)
     pairs = [(l, e) for l in emap.moe_layers for e in range(emap.n_expert) if resident[l, e] < 0.01]
-    if not pairs:
-        return None, 0, "the model file stays in the page cache (mapped by another process?)"
+    if len(pairs) < len(depths):
+        return {}, 0, "the model file stays in the page cache (mapped by another process?)"
     rng.shuffle(pairs)
     per_expert = int(emap.expert_bytes.max())
-    pairs = pairs[: max(1, min(len(pairs), max_bytes // max(per_expert, 1)))]
+    n_each = max(1, min(len(pairs) // len(depths), max_bytes // len(depths) // max(per_expert, 1)))
     fd = os.open(str(emap.path), os.O_RDONLY)
-    total, elapsed = 0, 0.0
+
+    def read_expert(pair) -> int:
+        return sum(len(os.pread(fd, n, off)) for off, n in emap.expert_ranges(*pair))
+
+    rates, total, done = {}, 0, 0
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: count what we ask for
-        for i, (layer, expert) in enumerate(pairs):
-            for off, n in emap.expert_ranges(layer, expert):
+        for d, depth in enumerate(depths):
+            batch = pairs[d * n_each:(d + 1) * n_each]
+            got = 0
+            with ThreadPoolExecutor(max_workers=depth) as pool:
                 t0 = time.perf_counter()
-                got = len(os.pread(fd, n, off))
-                elapsed += time.perf_counter() - t0
-                total += got
-            yield i + 1, len(pairs)
+                for n in pool.map(read_expert, batch):  # os.pread lets go of the GIL while it waits
+                    got += n
+                    done += 1
+                    yield done, n_each * len(depths)
+                elapsed = time.perf_counter() - t0
+            total += got
+            if elapsed > 0:
+                rates[depth] = got / elapsed
     finally:
         os.close(fd)
     drop_file_cache(emap.path)
-    if elapsed <= 0:
-        return None, total, "reads took no measurable time"
-    return total / elapsed, total, f"{len(pairs)} experts"
+    if not rates:
+        return {}, total, "reads took no measurable time"
+    return rates, total, f"{n_each} experts at each depth"
 
 
 def routing_counts(rt, prompts: list[str], *, gen_tokens: int = 16):
@@ -240,64 +253,50 @@ def _fit_data(samples, fit) -> dict:
 # -- the cold (budget) worker ----------------------------------------------------------------------------------
 def _cold_worker(cfg: dict) -> int:
     """Runs inside the budget cgroup (python -m s2moe.engine.calibrate --cold-worker JSON): loads the model
-    mmap-backed, pins non-expert weights, code and hot experts, and times verification batches."""
-    from types import SimpleNamespace
-
-    from .offload import attach_offloading, current_budget_cgroup, offload_in_cgroup
-    from .runtime import LlamaRuntime
+    mmap-backed, offloads it as decoding does (pinned weights, code and hot experts, the routing hook's
+    just-in-time prefetch and miss count) and times plain and draft steps and verification batches."""
+    from .decoder import Decoder
+    from .offload import Budget, current_budget_cgroup, offload_decoder
 
     def emit(obj):
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    info = read_model_info(cfg["model"])
-    rt = LlamaRuntime(info, n_ctx=256, n_threads=cfg.get("threads"), max_verify_rows=cfg["cap"] + 1,
+    decoder = Decoder(cfg["model"], n_ctx=256, n_threads=cfg.get("threads"), max_draft=cfg["cap"],
                       use_extra_bufts=False)
-    # what offloading needs of a decoder; with rt its routing hook prefetches just in time and counts
-    # misses, as it does when decoding
-    holder = SimpleNamespace(info=info, rt=rt, before_verify=None, _measured={})
-    hot = [tuple(p) for p in cfg.get("hot", [])]
-    plan = None
-    if cfg.get("budget") is None:
-        # --budget auto: sized from what this process holds once every graph shape it will time has run
-        def warm_up():
-            time_steps(rt, cfg["k_draft"], 1, seed=4)
-            verify_samples(rt, cfg["cap"], seed=4, repeats=1, sizes=[cfg["cap"] + 1])
+    rt = decoder.rt
 
-        off, budget = offload_in_cgroup(holder, current_budget_cgroup(), None, hot, warm_up)
-        emit({"budget": budget})
-    else:
-        off, plan = attach_offloading(holder, cfg["budget"], hot, prefetch=False)
+    def warm_up():  # every graph shape this worker times, so that an auto budget counts them
+        time_steps(rt, cfg["k_draft"], 1, seed=4)
+        verify_samples(rt, cfg["cap"], seed=4, repeats=1, sizes=[cfg["cap"] + 1])
+
+    off = offload_decoder(decoder, Budget.parse(cfg["budget"]), [tuple(p) for p in cfg.get("hot", [])],
+                          warm_up=warm_up)
+    emit({"budget": off.budget_bytes})
     pinned = dict(off.pinned_split)
     emit({"pinned": pinned})
     ar, draft = time_steps(rt, cfg["k_draft"], cfg["n_steps"], seed=5,
-                       progress=lambda d, t: emit({"progress": [d, t + cfg["n_samples"]]}))
+                           progress=lambda d, t: emit({"progress": [d, t + cfg["n_samples"]]}))
     samples = verify_samples(rt, cfg["cap"], seed=6, repeats=cfg["repeats"], sizes=_sizes(cfg["cap"]),
                              counter=off.native,
                              progress=lambda d, t: emit({"progress": [cfg["n_steps"] + d, cfg["n_steps"] + t]}))
     cg = current_budget_cgroup()
     emit({"result": {"samples": samples, "t_ar": float(np.median(ar)), "c_draft": float(np.median(draft)),
-                     "pinned": pinned,
-                     "plan": plan.__dict__ if plan else None,
-                     "split": cg.split() if cg else None, "peak": cg.peak() if cg else None,
-                     "anon": process_anon_bytes()}})
+                     "pinned": pinned, "plan": off.plan.__dict__ if off.plan else None,
+                     "split": cg.split(), "peak": cg.peak(), "anon": process_anon_bytes()}})
     off.close()
-    rt.close()
+    decoder.close()
     return 0
 
 
-def _run_cold(model_path, budget: int, cfg: dict):
+def _run_cold(model_path, budget: Budget, cfg: dict):
     """Generator (yields (done, total)): the cold worker in a fresh memory cgroup; returns its result,
-    with the budget it ran under (cfg budget None: the worker sized it, and `budget` is only the start
-    limit)."""
-    cg = MemoryCgroup.create(budget, "calibrate")
-    proc = None
-    try:
-        drop_file_cache(model_path)
-        argv = [sys.executable, "-m", "s2moe.engine.calibrate", "--cold-worker", json.dumps(cfg)]
-        proc = cg.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        result, pinned, sized = None, None, None
-        for line in proc.stdout:
+    with the budget it ran under (for auto, as the worker sized it)."""
+    argv = [sys.executable, "-m", "s2moe.engine.calibrate", "--cold-worker", json.dumps(cfg)]
+    with run_in_budget(argv, budget, model_path, tag="calibrate", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True) as run:
+        result, pinned, sized = None, None, budget.size
+        for line in run.proc.stdout:
             try:
                 msg = json.loads(line)
             except json.JSONDecodeError:
@@ -309,56 +308,31 @@ def _run_cold(model_path, budget: int, cfg: dict):
             elif "pinned" in msg:
                 pinned = msg["pinned"]
             elif "budget" in msg:
-                sized = budget = int(msg["budget"])
-        rc = proc.wait()
+                sized = int(msg["budget"])
+        rc = run.proc.wait()
         if result is None:
-            err = (proc.stderr.read() or "").strip().splitlines()
+            err = (run.proc.stderr.read() or "").strip().splitlines()
             why = err[-1] if err else f"exit status {rc}"
-            if cg.oom_kills() > 0 or rc in (-9, 137):
-                why = (f"out of memory at the budget of {fmt_bytes(budget)} (pinned {fmt_bytes(sum((pinned or {}).values()))}); "
-                       "raise --budget")
+            if run.out_of_memory() or rc in (-9, 137):
+                why = (f"out of memory at the budget of {budget.describe(sized)} (pinned "
+                       f"{fmt_bytes(sum((pinned or {}).values()))}); raise the budget")
             raise RuntimeError(why)
-        result["budget"] = sized if sized is not None else budget
-        return result
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        cg.remove()
+    result["budget"] = sized
+    return result
 
 
-# -- the generator ---------------------------------------------------------------------------------------------
-def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None, name: str | None = None,
-                    save: bool = True, n_threads: int | None = None,
-                    should_stop: Callable[[], bool] | None = None, repeats: int = 3,
-                    draft_topk: int = DRAFT_TOPK, draft_cap: int = DRAFT_CAP) -> Iterator[object]:
-    """Calibrate model_path on this device; yield StepStarted/StepProgress/StepResult…, CalibrationDone.
+# -- the steps -------------------------------------------------------------------------------------------------
+class _Calibration:
+    """What the steps share: the model, the settings, the runtime, and each step's results."""
 
-    prompts: list of strings, a path to a prompts file, or None for the built-in prompts.
-    should_stop: polled between measurements; when it returns True the generator returns without
-    yielding anything more and without writing a profile (see the module docstring)."""
-    from .runtime import LlamaRuntime, default_threads
+    def __init__(self, info, emap, *, budget, prompts, threads, repeats, draft_topk, draft_cap, stop):
+        self.info, self.emap, self.budget, self.prompts = info, emap, budget, prompts
+        self.threads, self.repeats, self.draft_topk, self.draft_cap = threads, repeats, draft_topk, draft_cap
+        self.stop = stop
+        self.rt = None
+        self.budget_bytes = None if budget is None else budget.size  # auto: as the cold worker sized it
 
-    name = check_name(name or DEFAULT_NAME)
-    auto = budget_bytes == AUTO
-    if budget_bytes is not None and not auto and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
-        raise ConfigError("--budget must be a positive size or auto")
-    info = read_model_info(model_path)
-    if not info.is_moe:
-        raise ModelError(f"{info.path.name} is a dense model: calibration measures Mixture-of-Experts costs")
-    if draft_topk >= info.n_expert_used:
-        draft_topk = max(1, info.n_expert_used // 2)
-    prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts)
-    threads = n_threads or default_threads()
-    emap = expert_map(info.path)
-    total = len(STEPS)
-    stop = should_stop or (lambda: False)
-
-    def live(gen, index):
+    def live(self, gen, index: int):
         """Pass a measurement's progress on as events; stop between measurements when asked."""
         while True:
             try:
@@ -366,209 +340,259 @@ def run_calibration(model_path, *, budget_bytes: int | None = None, prompts=None
             except StopIteration as e:
                 return e.value
             yield StepProgress(index, int(done), int(of))
-            if stop():
+            if self.stop():
                 gen.close()
                 raise Stopped()
 
-    rt = None
+    def close(self) -> None:
+        if self.rt is not None:
+            self.rt.close()
+            self.rt = None
+
+
+def _step_bandwidth(cal: _Calibration, index: int):
+    cal.mem_bw = yield from cal.live(memory_bandwidth(), index)
+    rates, sto_bytes, note = yield from cal.live(storage_bandwidth(cal.emap), index)
+    cal.sto_bw, cal.sto_bw_deep = rates.get(1), rates.get(STORAGE_DEPTHS[-1])
+    if rates:
+        sto_text = (" · ".join(f"{bw / 1e9:.2f} GB/s at queue depth {d}" for d, bw in sorted(rates.items()))
+                    + f" over {fmt_bytes(sto_bytes)} ({note})")
+    else:
+        sto_text = f"not measured: {note}"
+    yield StepResult(index, STEPS[index - 1][0], f"memory {cal.mem_bw / 1e9:.1f} GB/s · storage {sto_text}",
+                     {"memory_bandwidth_gb_s": cal.mem_bw / 1e9,
+                      "storage_bandwidth_gb_s": _gb(cal.sto_bw), "storage_bandwidth_qd8_gb_s": _gb(cal.sto_bw_deep),
+                      "storage_bytes_read": sto_bytes})
+
+
+def _gb(bytes_per_s: float | None, digits: int | None = None) -> float | None:
+    if not bytes_per_s:
+        return None
+    return bytes_per_s / 1e9 if digits is None else round(bytes_per_s / 1e9, digits)
+
+
+def _step_plain_and_draft(cal: _Calibration, index: int):
+    from .runtime import LlamaRuntime
+
+    cal.rt = LlamaRuntime(cal.info, n_ctx=512, n_threads=cal.threads, max_verify_rows=max(16, cal.draft_cap + 1),
+                          use_extra_bufts=cal.budget is None)
+    ar, draft = yield from cal.live(iter_time_steps(cal.rt, cal.draft_topk, 8 * cal.repeats), index)
+    cal.t_ar, cal.c_draft = t_ar, c_draft = float(np.median(ar)), float(np.median(draft))
+    yield StepResult(index, STEPS[index - 1][0],
+                     f"T_AR {t_ar * 1e3:.2f} ms · draft step (k_d={cal.draft_topk}) {c_draft * 1e3:.2f} ms "
+                     f"({c_draft / t_ar:.2f}× T_AR)",
+                     {"t_ar_ms": t_ar * 1e3, "c_draft_ms": c_draft * 1e3, "draft_topk": cal.draft_topk,
+                      "plain_ms": [x * 1e3 for x in ar], "draft_ms": [x * 1e3 for x in draft]})
+
+
+def _step_cost_model(cal: _Calibration, index: int):
+    samples = yield from cal.live(iter_verify_samples(cal.rt, cal.draft_cap, seed=1, repeats=cal.repeats,
+                                                      sizes=_sizes(cal.draft_cap)), index)
+    cal.fit = fit = fit_verify_cost([s[0] for s in samples], [s[1] for s in samples], [s[2] for s in samples])
+    yield StepResult(index, STEPS[index - 1][0],
+                     f"T_exp {fit.t_exp * 1e3:.4f} ms · T_tok {fit.t_tok * 1e3:.3f} ms · intercept "
+                     f"{fit.intercept * 1e3:.2f} ms · R² {fit.r2:.3f} · MAPE {fit.mape:.1%} ({fit.n} batches)",
+                     _fit_data(samples, fit))
+
+
+def _step_hot_experts(cal: _Calibration, index: int):
+    emap, info = cal.emap, cal.info
+    counts, n_tok = yield from cal.live(routing_counts(cal.rt, cal.prompts), index)
+    eb = emap.expert_bytes
+    # The ranking: most routed first, up to half of the expert bytes. A decoding process under a budget
+    # pins the longest prefix that fits its own plan (offload.offload_decoder).
+    cal.hot = hot = select_hot_experts(counts, eb, emap.total_expert_bytes // 2)
+    plan = None
+    fit_text = ""
+    if cal.budget is not None and cal.budget.auto:
+        fit_text = " · how many fit is decided in the next step, once the budget is sized"
+    elif cal.budget is not None:
+        code = ModelMapping.resident_code_bytes()
+        plan = plan_budget(cal.budget.size, anon_bytes=process_anon_bytes(),
+                           base_bytes=sum(n for _, n in emap.pinnable()) + code, emap=emap, k=info.n_expert_used)
+        n_fit = len(select_hot_experts(rank_counts(hot, emap), eb, plan.hot_bytes))
+        fit_text = f" · {n_fit} of them fit {plan.describe()} (this process)"
+    routed = counts.sum()
+    share = float(sum(counts[l, e] for l, e in hot) / routed) if routed else 0.0
+    yield StepResult(index, STEPS[index - 1][0],
+                     f"{len(hot)} most routed experts ({fmt_bytes(sum(int(eb[l]) for l, _ in hot))}, half of the "
+                     f"expert bytes) take {share:.0%} of {int(routed)} routings over {n_tok} tokens{fit_text}",
+                     {"hot_experts": [list(p) for p in hot], "counts": counts.tolist(), "routed_share": share,
+                      "plan": plan.__dict__ if plan else None, "tokens": n_tok})
+
+
+def _step_under_budget(cal: _Calibration, index: int):
+    cal.cold = None
+    if cal.budget is None:
+        skip = "skipped: no memory budget given"
+    else:
+        skip = MemoryCgroup.unavailable_reason()
+    if skip is None:
+        cal.close()  # the cold worker needs the memory
+        n_steps = 4 * cal.repeats
+        cfg = {"model": str(cal.info.path), "threads": cal.threads, "k_draft": cal.draft_topk, "cap": cal.draft_cap,
+               "repeats": cal.repeats, "n_steps": n_steps, "n_samples": len(_sizes(cal.draft_cap)) * 3 * cal.repeats,
+               "hot": [list(p) for p in cal.hot], "budget": str(cal.budget)}
+        try:
+            res = yield from cal.live(_run_cold(cal.info.path, cal.budget, cfg), index)
+        except (BudgetUnavailable, RuntimeError) as e:
+            skip = f"failed: {e}"
+            res = None
+        if res is not None:
+            yield _cold_result(cal, index, res)
+    if cal.cold is None:
+        derived = "; cold T_exp derived from storage bandwidth" if cal.sto_bw else ""
+        yield StepResult(index, STEPS[index - 1][0], f"{skip}{derived}", {"skipped": skip})
+
+
+def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
+    """Fit what the cold worker measured; keep it on cal.cold."""
+    cal.budget_bytes = res["budget"]
+    cs = [tuple(s) for s in res["samples"]]
+    experts, tokens, seconds, misses, faults = ([s[i] for s in cs] for i in range(5))
+    cfit = fit_verify_cost(experts, tokens, seconds)
+    mfit = fit_miss_cost(experts, misses, tokens, seconds)
+    given = fault_explained_fit(experts, faults, tokens, seconds)
+    cal.cold = {"fit": cfit, "miss_fit": mfit, "given_faults": given, "t_ar": res["t_ar"],
+                "c_draft": res["c_draft"], "split": res["split"], "peak": res["peak"], "pinned": res["pinned"],
+                "samples": cs}
+    # the plot and headline use the miss-aware model: under a budget what costs is a fetch
+    data = {"measured": [x * 1e3 for x in seconds],
+            "predicted": [float(mfit.predict(e, m, t)) * 1e3 for e, m, t in zip(experts, misses, tokens)],
+            "experts": experts, "misses": misses, "tokens": tokens,
+            "r2": mfit.r2, "mape": mfit.mape, "t_exp_warm_ms": mfit.t_hit * 1e3,
+            "t_exp_cold_ms": mfit.t_miss * 1e3, "t_tok_ms": mfit.t_tok * 1e3,
+            "intercept_ms": mfit.intercept * 1e3, "paper_form": _fit_data(cs, cfit),
+            "t_ar_ms": res["t_ar"] * 1e3, "c_draft_ms": res["c_draft"] * 1e3,
+            "split": res["split"], "peak": res["peak"],
+            "pinned": res["pinned"], "r2_given_faults": given["r2"], "faults": faults}
+    miss_rate = sum(misses) / max(1.0, sum(experts))
+    return StepResult(index, STEPS[index - 1][0],
+                      f"under {cal.budget.describe(cal.budget_bytes)}: T_AR {res['t_ar'] * 1e3:.1f} ms · draft step "
+                      f"{res['c_draft'] * 1e3:.1f} ms · T_exp cold "
+                      f"{mfit.t_miss * 1e3:.3f} ms, warm {mfit.t_hit * 1e3:.3f} ms · T_tok "
+                      f"{mfit.t_tok * 1e3:.2f} ms · R² {mfit.r2:.3f} · MAPE {mfit.mape:.1%} · "
+                      f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
+                      f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
+                      f"peak {fmt_bytes(res['peak'] or 0)}", data)
+
+
+def _model_block(cal: _Calibration) -> dict:
+    """This model's block of the profile: the constants decoding uses, the fits, how they were measured."""
+    info, emap, fit, cold = cal.info, cal.emap, cal.fit, cal.cold
+    mean_eb = float(emap.expert_bytes[list(emap.moe_layers)].mean())
+    if cold is not None:
+        t_exp_cold, cold_how = cold["miss_fit"].t_miss * 1e3, "measured under the budget"
+    elif cal.sto_bw:
+        t_exp_cold, cold_how = mean_eb / cal.sto_bw * 1e3, "derived: expert bytes / storage bandwidth"
+    else:
+        t_exp_cold, cold_how = None, "unknown"
+    block = {
+        "model": info.path.name,
+        "arch": info.arch,
+        "n_layer": info.n_layer,
+        "n_expert": info.n_expert,
+        "n_expert_used": info.n_expert_used,
+        "expert_bytes": int(round(mean_eb)),
+        "draft_topk": cal.draft_topk,
+        "t_ar_ms": round(cal.t_ar * 1e3, 6),
+        "c_draft_ms": round(cal.c_draft * 1e3, 6),
+        "t_exp_ms": round(fit.t_exp * 1e3, 6),
+        "t_exp_cold_ms": None if t_exp_cold is None else round(t_exp_cold, 6),
+        "t_tok_ms": round(fit.t_tok * 1e3, 6),
+        "intercept_ms": round(fit.intercept * 1e3, 6),
+        "fit": _fit_dict(fit),
+    }
+    if cold is not None:
+        block["fit_cold"] = _fit_dict(cold["fit"])  # per distinct expert, at this budget's hit rate
+        m = cold["miss_fit"]
+        block["fit_cold_misses"] = {"intercept_ms": round(m.intercept * 1e3, 6),
+                                    "t_exp_warm_ms": round(m.t_hit * 1e3, 6),
+                                    "t_exp_cold_ms": round(m.t_miss * 1e3, 6),
+                                    "t_tok_ms": round(m.t_tok * 1e3, 6), "r2": round(m.r2, 6),
+                                    "mape": round(m.mape, 6), "n": m.n,
+                                    # what the same batches fit given the storage faults they actually
+                                    # took (known only afterwards): the ceiling a residency snapshot faces
+                                    "r2_given_faults": round(cold["given_faults"]["r2"], 6)}
+        block["t_ar_cold_ms"] = round(cold["t_ar"] * 1e3, 6)
+        block["c_draft_cold_ms"] = round(cold["c_draft"] * 1e3, 6)
+    block["hot_experts"] = [list(p) for p in cal.hot]
+    block["measured"] = {
+        "at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "by": "s2moe calibrate",
+        "threads": cal.threads,
+        "budget_bytes": cal.budget_bytes,
+        "budget_rule": None if cal.budget is None else ("auto" if cal.budget.auto else "given"),
+        "load": "mmap, no CPU repacking" if cal.budget is not None else "mmap, default buffers",
+        "prompts": len(cal.prompts),
+        "t_exp_cold": cold_how,
+        "verify_batches": fit.n,
+    }
+    if cold is not None:
+        # what decoding under a budget does too (offload_decoder's default): a fetched expert costs far
+        # less with it than with a synchronous fault per page
+        block["measured"]["prefetch"] = "just in time (routing hook)"
+    return block
+
+
+def _step_profile(cal: _Calibration, index: int, name: str, save: bool):
+    profile = _merge_into_existing(name, {
+        "schema": SCHEMA_VERSION,
+        "name": name,
+        "kind": "measured",
+        "description": f"measured by s2moe calibrate on {platform.node() or 'this machine'}",
+        "device": {
+            "name": device_name(cal.threads),
+            "kind": "cpu",
+            "memory_bytes": memory_bytes(),
+            "budget_bytes": cal.budget_bytes,
+            "memory_bandwidth_gb_s": round(cal.mem_bw / 1e9, 3),
+            "storage_bandwidth_gb_s": _gb(cal.sto_bw, 3),          # queue depth 1
+            "storage_bandwidth_qd8_gb_s": _gb(cal.sto_bw_deep, 3),  # queue depth 8
+        },
+    }, cal.info.fingerprint, _model_block(cal))
+    path = save_profile(profile, name) if save else None
+    where = f"wrote {path}" if path else "not saved (save=False)"
+    yield StepResult(index, STEPS[index - 1][0], f"{where} · model {cal.info.fingerprint}",
+                     {"path": str(path) if path else None})
+    yield CalibrationDone(profile, path)
+
+
+# -- the generator ---------------------------------------------------------------------------------------------
+def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, name: str | None = None,
+                    save: bool = True, n_threads: int | None = None,
+                    should_stop: Callable[[], bool] | None = None, repeats: int = 3,
+                    draft_topk: int = DRAFT_TOPK, draft_cap: int = DRAFT_CAP) -> Iterator[object]:
+    """Calibrate model_path on this device; yield StepStarted/StepProgress/StepResult…, CalibrationDone.
+
+    budget: where to measure the cost of fetching experts (None: skip that step).
+    prompts: list of strings, a path to a prompts file, or None for the built-in prompts.
+    should_stop: polled between measurements; when it returns True the generator returns without
+    yielding anything more and without writing a profile (see the module docstring)."""
+    from .runtime import default_threads
+
+    name = check_name(name or DEFAULT_NAME)
+    info = read_model_info(model_path)
+    if not info.is_moe:
+        raise ModelError(f"{info.path.name} is a dense model: calibration measures Mixture-of-Experts costs")
+    if draft_topk >= info.n_expert_used:
+        draft_topk = max(1, info.n_expert_used // 2)
+    cal = _Calibration(info, expert_map(info.path), budget=budget,
+                       prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
+                       threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,
+                       draft_cap=draft_cap, stop=should_stop or (lambda: False))
+    steps = (_step_bandwidth, _step_plain_and_draft, _step_cost_model, _step_hot_experts, _step_under_budget,
+             lambda cal, index: _step_profile(cal, index, name, save))
     try:
-        # 1 -- bandwidth --------------------------------------------------------------------------------
-        yield StepStarted(1, total, *STEPS[0])
-        mem_bw = yield from live(memory_bandwidth(), 1)
-        sto_bw, sto_bytes, note = yield from live(storage_bandwidth(emap), 1)
-        sto_text = f"{sto_bw / 1e9:.2f} GB/s over {fmt_bytes(sto_bytes)} ({note})" if sto_bw else f"not measured: {note}"
-        yield StepResult(1, STEPS[0][0], f"memory {mem_bw / 1e9:.1f} GB/s · storage {sto_text}",
-                         {"memory_bandwidth_gb_s": mem_bw / 1e9, "storage_bandwidth_gb_s": sto_bw / 1e9 if sto_bw else None,
-                          "storage_bytes_read": sto_bytes})
-        if stop():
-            return
-
-        # 2 -- plain and draft steps ----------------------------------------------------------------------
-        yield StepStarted(2, total, *STEPS[1])
-        rt = LlamaRuntime(info, n_ctx=512, n_threads=threads, max_verify_rows=max(16, draft_cap + 1),
-                          use_extra_bufts=budget_bytes is None)
-        n_steps = 8 * repeats
-        ar, draft = yield from live(iter_time_steps(rt, draft_topk, n_steps), 2)
-        t_ar, c_draft = float(np.median(ar)), float(np.median(draft))
-        yield StepResult(2, STEPS[1][0], f"T_AR {t_ar * 1e3:.2f} ms · draft step (k_d={draft_topk}) {c_draft * 1e3:.2f} ms "
-                         f"({c_draft / t_ar:.2f}× T_AR)",
-                         {"t_ar_ms": t_ar * 1e3, "c_draft_ms": c_draft * 1e3, "draft_topk": draft_topk,
-                          "plain_ms": [x * 1e3 for x in ar], "draft_ms": [x * 1e3 for x in draft]})
-        if stop():
-            return
-
-        # 3 -- verification cost model -------------------------------------------------------------------
-        yield StepStarted(3, total, *STEPS[2])
-        samples = yield from live(iter_verify_samples(rt, draft_cap, seed=1, repeats=repeats,
-                                                      sizes=_sizes(draft_cap)), 3)
-        fit = fit_verify_cost([s[0] for s in samples], [s[1] for s in samples], [s[2] for s in samples])
-        yield StepResult(3, STEPS[2][0],
-                         f"T_exp {fit.t_exp * 1e3:.4f} ms · T_tok {fit.t_tok * 1e3:.3f} ms · intercept "
-                         f"{fit.intercept * 1e3:.2f} ms · R² {fit.r2:.3f} · MAPE {fit.mape:.1%} ({fit.n} batches)",
-                         _fit_data(samples, fit))
-        if stop():
-            return
-
-        # 4 -- hot experts -------------------------------------------------------------------------------
-        yield StepStarted(4, total, *STEPS[3])
-        counts, n_tok = yield from live(routing_counts(rt, prompt_list), 4)
-        eb = emap.expert_bytes
-        # The ranking: most routed first, up to half of the expert bytes. A decoding process under a budget
-        # pins the longest prefix that fits its own plan (offload.attach_offloading).
-        hot = select_hot_experts(counts, eb, emap.total_expert_bytes // 2)
-        plan = None
-        fit_text = ""
-        if auto:
-            fit_text = " · how many fit is decided in step 5, once the budget is sized"
-        elif budget_bytes is not None:
-            code = ModelMapping.resident_code_bytes()
-            plan = plan_budget(budget_bytes, anon_bytes=process_anon_bytes(),
-                               base_bytes=sum(n for _, n in emap.pinnable()) + code, emap=emap, k=info.n_expert_used)
-            n_fit = len(select_hot_experts(_rank_counts(hot, emap), eb, plan.hot_bytes))
-            fit_text = f" · {n_fit} of them fit {plan.describe()} (this process)"
-        routed = counts.sum()
-        share = float(sum(counts[l, e] for l, e in hot) / routed) if routed else 0.0
-        yield StepResult(4, STEPS[3][0],
-                         f"{len(hot)} most routed experts ({fmt_bytes(sum(int(eb[l]) for l, _ in hot))}, half of the "
-                         f"expert bytes) take {share:.0%} of {int(routed)} routings over {n_tok} tokens{fit_text}",
-                         {"hot_experts": [list(p) for p in hot], "counts": counts.tolist(), "routed_share": share,
-                          "plan": plan.__dict__ if plan else None, "tokens": n_tok})
-        if stop():
-            return
-
-        # 5 -- under the budget ------------------------------------------------------------------------
-        yield StepStarted(5, total, *STEPS[4])
-        cold = None
-        if budget_bytes is None:
-            skip = "skipped: no --budget given"
-        else:
-            skip = MemoryCgroup.unavailable_reason()
-        if skip is None:
-            rt.close()
-            rt = None
-            cfg = {"model": str(info.path), "threads": threads, "k_draft": draft_topk, "cap": draft_cap,
-                   "repeats": repeats, "n_steps": 4 * repeats, "n_samples": 0,
-                   "hot": [list(p) for p in hot], "budget": None if auto else budget_bytes}
-            cfg["n_samples"] = len(_sizes(draft_cap)) * 3 * repeats
-            try:
-                res = yield from live(_run_cold(info.path, AUTO_START_LIMIT if auto else budget_bytes, cfg), 5)
-            except (BudgetUnavailable, RuntimeError) as e:
-                skip = f"failed: {e}"
-                res = None
-            if res is not None:
-                budget_bytes = res["budget"]
-                cs = [tuple(s) for s in res["samples"]]
-                cfit = fit_verify_cost([s[0] for s in cs], [s[1] for s in cs], [s[2] for s in cs])
-                mfit = fit_miss_cost([s[0] for s in cs], [s[3] for s in cs], [s[1] for s in cs], [s[2] for s in cs])
-                given = fault_explained_fit([s[0] for s in cs], [s[4] for s in cs], [s[1] for s in cs],
-                                            [s[2] for s in cs])
-                cold = {"fit": cfit, "miss_fit": mfit, "given_faults": given, "t_ar": res["t_ar"],
-                        "c_draft": res["c_draft"],
-                        "split": res["split"],
-                        "peak": res["peak"], "pinned": res["pinned"], "samples": cs}
-                # the plot and headline use the miss-aware model: under a budget what costs is a fetch
-                data = {"measured": [s[2] * 1e3 for s in cs],
-                        "predicted": [float(mfit.predict(s[0], s[3], s[1])) * 1e3 for s in cs],
-                        "experts": [s[0] for s in cs], "misses": [s[3] for s in cs], "tokens": [s[1] for s in cs],
-                        "r2": mfit.r2, "mape": mfit.mape, "t_exp_warm_ms": mfit.t_hit * 1e3,
-                        "t_exp_cold_ms": mfit.t_miss * 1e3, "t_tok_ms": mfit.t_tok * 1e3,
-                        "intercept_ms": mfit.intercept * 1e3, "paper_form": _fit_data(cs, cfit),
-                        "t_ar_ms": res["t_ar"] * 1e3, "c_draft_ms": res["c_draft"] * 1e3,
-                        "split": res["split"], "peak": res["peak"],
-                        "pinned": res["pinned"], "r2_given_faults": given["r2"],
-                        "faults": [s[4] for s in cs]}
-                miss_rate = sum(s[3] for s in cs) / max(1.0, sum(s[0] for s in cs))
-                yield StepResult(5, STEPS[4][0],
-                                 f"under {fmt_bytes(budget_bytes)}{' (auto)' if auto else ''}: T_AR {res['t_ar'] * 1e3:.1f} ms · draft step "
-                                 f"{res['c_draft'] * 1e3:.1f} ms · T_exp cold "
-                                 f"{mfit.t_miss * 1e3:.3f} ms, warm {mfit.t_hit * 1e3:.3f} ms · T_tok "
-                                 f"{mfit.t_tok * 1e3:.2f} ms · R² {mfit.r2:.3f} · MAPE {mfit.mape:.1%} · "
-                                 f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
-                                 f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
-                                 f"peak {fmt_bytes(res['peak'] or 0)}", data)
-        if cold is None:
-            derived = "; cold T_exp derived from storage bandwidth" if sto_bw else ""
-            yield StepResult(5, STEPS[4][0], f"{skip}{derived}", {"skipped": skip})
-        if stop():
-            return
-
-        # 6 -- the profile -------------------------------------------------------------------------
-        yield StepStarted(6, total, *STEPS[5])
-        mean_eb = float(eb[list(emap.moe_layers)].mean())
-        if cold is not None:
-            t_exp_cold, cold_how = cold["miss_fit"].t_miss * 1e3, "measured under the budget"
-        elif sto_bw:
-            t_exp_cold, cold_how = mean_eb / sto_bw * 1e3, "derived: expert bytes / storage bandwidth"
-        else:
-            t_exp_cold, cold_how = None, "unknown"
-        block = {
-            "model": info.path.name,
-            "arch": info.arch,
-            "n_layer": info.n_layer,
-            "n_expert": info.n_expert,
-            "n_expert_used": info.n_expert_used,
-            "expert_bytes": int(round(mean_eb)),
-            "draft_topk": draft_topk,
-            "t_ar_ms": round(t_ar * 1e3, 6),
-            "c_draft_ms": round(c_draft * 1e3, 6),
-            "t_exp_ms": round(fit.t_exp * 1e3, 6),
-            "t_exp_cold_ms": None if t_exp_cold is None else round(t_exp_cold, 6),
-            "t_tok_ms": round(fit.t_tok * 1e3, 6),
-            "intercept_ms": round(fit.intercept * 1e3, 6),
-            "fit": _fit_dict(fit),
-        }
-        if cold is not None:
-            block["fit_cold"] = _fit_dict(cold["fit"])  # per distinct expert, at this budget's hit rate
-            m = cold["miss_fit"]
-            block["fit_cold_misses"] = {"intercept_ms": round(m.intercept * 1e3, 6),
-                                        "t_exp_warm_ms": round(m.t_hit * 1e3, 6),
-                                        "t_exp_cold_ms": round(m.t_miss * 1e3, 6),
-                                        "t_tok_ms": round(m.t_tok * 1e3, 6), "r2": round(m.r2, 6),
-                                        "mape": round(m.mape, 6), "n": m.n,
-                                        # what the same batches fit given the storage faults they actually
-                                        # took (known only afterwards): the ceiling a residency snapshot faces
-                                        "r2_given_faults": round(cold["given_faults"]["r2"], 6)}
-            block["t_ar_cold_ms"] = round(cold["t_ar"] * 1e3, 6)
-            block["c_draft_cold_ms"] = round(cold["c_draft"] * 1e3, 6)
-        block["hot_experts"] = [list(p) for p in hot]
-        block["measured"] = {
-            "at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-            "by": "s2moe calibrate",
-            "threads": threads,
-            "budget_bytes": None if budget_bytes == AUTO else budget_bytes,
-            "budget_rule": "auto" if auto else ("given" if budget_bytes is not None else None),
-            "load": "mmap, no CPU repacking" if budget_bytes is not None else "mmap, default buffers",
-            "prompts": len(prompt_list),
-            "t_exp_cold": cold_how,
-            "verify_batches": fit.n,
-        }
-        if cold is not None:
-            # what decoding under a budget does too (attach_offloading's default): a fetched expert costs
-            # far less with it than with a synchronous fault per page
-            block["measured"]["prefetch"] = "just in time (routing hook)"
-        profile = _merge_into_existing(name, {
-            "schema": SCHEMA_VERSION,
-            "name": name,
-            "kind": "measured",
-            "description": f"measured by s2moe calibrate on {platform.node() or 'this machine'}",
-            "device": {
-                "name": device_name(threads),
-                "kind": "cpu",
-                "memory_bytes": memory_bytes(),
-                "budget_bytes": None if budget_bytes == AUTO else budget_bytes,
-                "memory_bandwidth_gb_s": round(mem_bw / 1e9, 3),
-                "storage_bandwidth_gb_s": round(sto_bw / 1e9, 3) if sto_bw else None,
-            },
-        }, info.fingerprint, block)
-        path = save_profile(profile, name) if save else None
-        where = f"wrote {path}" if path else "not saved (save=False)"
-        yield StepResult(6, STEPS[5][0], f"{where} · model {info.fingerprint}", {"path": str(path) if path else None})
-        yield CalibrationDone(profile, path)
+        for index, step in enumerate(steps, 1):
+            yield StepStarted(index, len(STEPS), *STEPS[index - 1])
+            yield from step(cal, index)
+            if index < len(steps) and cal.stop():
+                return
     except Stopped:
         return
     finally:
-        if rt is not None:
-            rt.close()
+        cal.close()
 
 
 def _sizes(cap: int) -> list[int]:

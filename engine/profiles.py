@@ -15,7 +15,8 @@ carries published figures and may hold `reference` constants that apply to any m
       memory_bytes: 25283485696    # physical memory
       budget_bytes: null           # memory budget the profile was measured under (null: none)
       memory_bandwidth_gb_s: 26.1  # GB = 1e9 bytes
-      storage_bandwidth_gb_s: 0.75 # cold reads of expert slices
+      storage_bandwidth_gb_s: 0.75 # cold reads of whole experts, one at a time
+      storage_bandwidth_qd8_gb_s: 1.0  # ... eight in flight
     models:
       <fingerprint>:               # 16 hex digits
         model: olmoe-64x8.gguf     # file name when measured (informative)
@@ -210,7 +211,7 @@ def validate_profile(data, where: str = "profile") -> dict:
             raise ConfigError(f"{dw}: field kind must be one of {', '.join(DEVICE_KINDS)}, got {dkind!r}")
         for key in ("memory_bytes", "budget_bytes"):
             _number(device, key, dw, positive=True, integer=True)
-        for key in ("memory_bandwidth_gb_s", "storage_bandwidth_gb_s"):
+        for key in ("memory_bandwidth_gb_s", "storage_bandwidth_gb_s", "storage_bandwidth_qd8_gb_s"):
             _number(device, key, dw, positive=True)
     models = data.get("models")
     if models is not None:

@@ -6,6 +6,7 @@ The routing hook is installed as the context's cb_eval, so every decode passes t
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections import deque
 from dataclasses import replace
 
@@ -18,18 +19,18 @@ from .hook import RoutingHook
 from .model_info import ModelInfo
 
 _log_tail: deque[str] = deque(maxlen=20)
-_log_quiet = True
+_log = logging.getLogger("s2moe.llama")
 
 
 @llama_cpp.llama_log_callback
 def _log_sink(level, text, user_data):
-    # llama.cpp talks a lot on load; keep the tail so a failure can say why, print nothing otherwise.
+    # llama.cpp talks a lot on load: its lines go to the debug log, and the tail is kept so that a
+    # failure can say why.
     if text:
         msg = text.decode("utf-8", "replace").rstrip()
         if msg:
             _log_tail.append(msg)
-            if not _log_quiet:
-                print(msg)
+            _log.debug(msg)
 
 
 _backend_ready = False

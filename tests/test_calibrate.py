@@ -7,6 +7,7 @@ import pytest
 from s2moe.engine.calibrate import (CalibrationDone, StepProgress, StepResult, StepStarted, read_prompts,
                                     run_calibration)
 from s2moe.engine.errors import ConfigError, ModelError
+from s2moe.engine.offload import Budget
 from s2moe.engine.profiles import cost_for_model, load_profile, save_profile
 from s2moe.engine.model_info import read_model_info
 
@@ -28,7 +29,7 @@ def _run(model, **kw):
 
 def test_calibrate_end_to_end_without_cgroups(tiny_models, xdg, monkeypatch):
     monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(xdg / "no-cgroups-here"))
-    events = _run(tiny_models["olmoe"], budget_bytes=4 << 30, name="tiny")
+    events = _run(tiny_models["olmoe"], budget=Budget(4 << 30), name="tiny")
     started = [e for e in events if isinstance(e, StepStarted)]
     results = [e for e in events if isinstance(e, StepResult)]
     assert [e.index for e in started] == [1, 2, 3, 4, 5, 6] and all(e.total == 6 for e in started)
@@ -118,7 +119,7 @@ def test_no_save_and_bad_inputs(tiny_models, xdg, tmp_path):
 @pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
                     reason="no memory cgroup here")
 def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
-    events = _run(tiny_models["olmoe"], budget_bytes=400 << 20, name="cold")
+    events = _run(tiny_models["olmoe"], budget=Budget(400 << 20), name="cold")
     budget = [e for e in events if isinstance(e, StepResult) and e.index == 5][0]
     assert "skipped" not in budget.data, budget.summary
     assert len(budget.data["measured"]) >= 9 and budget.data["peak"] > 0
@@ -137,7 +138,7 @@ def test_auto_budget_is_sized_by_the_cold_worker(tiny_models, xdg):
     from s2moe.engine.offload import expert_map
 
     model = tiny_models["qwen3moe"]
-    events = _run(model, budget_bytes="auto", name="auto")
+    events = _run(model, budget=Budget.parse("auto"), name="auto")
     step = [e for e in events if isinstance(e, StepResult) and e.index == 5][0]
     assert "skipped" not in step.data and "failed" not in step.summary, step.summary
     block = load_profile("auto")["models"][read_model_info(model).fingerprint]
@@ -146,7 +147,7 @@ def test_auto_budget_is_sized_by_the_cold_worker(tiny_models, xdg):
     # what the worker held (far more than the tiny model's experts) plus a third of the expert bytes,
     # and the run stayed under it
     assert budget > expert_map(model).total_expert_bytes and step.data["peak"] <= budget
-    assert "(auto)" in step.summary
+    assert "under auto (" in step.summary
 
 
 def test_cli_calibrate(tiny_models, xdg, capsys, monkeypatch, tmp_path):
@@ -167,4 +168,25 @@ def test_cli_calibrate(tiny_models, xdg, capsys, monkeypatch, tmp_path):
     rc = main(["calibrate", "--model", str(tiny_models["olmoe"]), "--budget", "auto", "--no-save", "--threads", "1",
                "--repeats", "1", "--prompts", str(prompts), "--no-plot"])
     err = capsys.readouterr().err
-    assert rc == 0 and "[5] budget: " in err and "[5] budget: skipped: no --budget" not in err
+    assert rc == 0 and "[5] budget: " in err and "[5] budget: skipped: no memory budget" not in err
+
+
+def test_storage_is_read_cold_at_each_queue_depth_once_per_expert(tiny_models):
+    """Storage bandwidth is measured at queue depth 1 and 8 on disjoint sets of whole experts."""
+    from s2moe.engine.calibrate import STORAGE_DEPTHS, storage_bandwidth
+    from s2moe.engine.offload import expert_map
+
+    emap = expert_map(tiny_models["olmoe"])
+    gen = storage_bandwidth(emap)
+    progress = []
+    while True:
+        try:
+            progress.append(next(gen))
+        except StopIteration as stop:
+            rates, total, note = stop.value
+            break
+    n_each = progress[-1][1] // len(STORAGE_DEPTHS)
+    assert progress[-1][0] == progress[-1][1] == n_each * len(STORAGE_DEPTHS)
+    if rates:  # the page cache could not be dropped where another process maps the file
+        assert sorted(rates) == list(STORAGE_DEPTHS) and all(r > 0 for r in rates.values())
+        assert total == n_each * len(STORAGE_DEPTHS) * int(emap.expert_bytes.max())

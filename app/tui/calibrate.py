@@ -17,9 +17,9 @@ from textual_plotext import PlotextPlot
 from ...engine import calibrate as engine_calibrate
 from ...engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from ...engine.errors import S2MoEError
+from ...engine.offload import Budget
 from ...engine.profiles import save_profile
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
-from .session import parse_bytes
 from .widgets import NavBar
 
 INTRO = (
@@ -161,7 +161,7 @@ class CalibrateScreen(Screen):
         try:
             raw = self.query_one("#cal-budget", Input).value
             # auto: the engine sizes it inside the cgroup, as bench and the app do
-            budget = "auto" if raw.strip().lower() == "auto" else parse_bytes(raw)
+            budget = Budget.parse(raw) if raw.strip() else None
         except S2MoEError as e:
             self.notify(str(e), severity="error")
             return
@@ -179,7 +179,7 @@ class CalibrateScreen(Screen):
         session = self.app.session
         run_calibration = engine_calibrate.run_calibration
         run_engine_job(self, session, "calibrate", lambda: run_calibration(
-            model_path, budget_bytes=budget, name=name, save=False, n_threads=session.n_threads,
+            model_path, budget=budget, name=name, save=False, n_threads=session.n_threads,
             should_stop=session.stop.is_set))
 
     def action_stop(self) -> None:

@@ -184,9 +184,8 @@ class EngineSession:
         from ...engine import offload
         from ...engine.decoder import GenerationConfig
 
-        cg = offload.current_budget_cgroup()
-        if cg is None:
-            raise ConfigError("--budget: this app is not running inside its memory cgroup (start it with "
+        if offload.current_budget() is None:
+            raise ConfigError("this app is not running inside its memory cgroup (start it with "
                               "s2moe app --budget SIZE)")
         decoder = self.decoder
         hot = []
@@ -201,17 +200,15 @@ class EngineSession:
                                           GenerationConfig(mode=mode, n_predict=8, stop_at_eos=False)):
                     pass
 
-        budget = None if self.budget == "auto" else offload.parse_size(self.budget)
-        self.offloader, budget = offload.offload_in_cgroup(decoder, cg, budget, hot, warm_up=warm_up)
-        self.budget_bytes = budget
+        self.offloader = offload.offload_decoder(decoder, offload.Budget.parse(self.budget), hot, warm_up=warm_up)
+        self.budget_bytes = self.offloader.budget_bytes
 
     def budget_label(self) -> str:
         if self.budget is None:
             return ""
-        from ...engine.offload import fmt_bytes
+        from ...engine.offload import Budget
 
-        size = fmt_bytes(self.budget_bytes) if self.budget_bytes else self.budget
-        return f"budget {size}" + (" (auto)" if self.budget == "auto" else "")
+        return "budget " + Budget.parse(self.budget).describe(self.budget_bytes)
 
     def _close_decoder(self) -> None:
         if self.offloader is not None:
@@ -352,22 +349,3 @@ def view_of(event, decoder) -> IterationView | None:
     segs = segments_of(event, decoder.detokenize, decoder.piece_text)
     utils = tuple((c.utility, bool(c.kept), float(c.chain_prob)) for c in event.candidates)
     return IterationView(tuple(segs), utils)
-
-
-def parse_bytes(text: str) -> int | None:
-    """"800M", "1.5G", "123456" → bytes; "" → None. Raises ConfigError on anything else."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    if not text:
-        return None
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    mult = 1
-    if text[-1] in scale:
-        mult = scale[text[-1]]
-        text = text[:-1]
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"memory budget {text!r}: expected a size like 800M or 1.5G") from None
-    if value <= 0:
-        raise ConfigError("memory budget must be positive")
-    return int(value * mult)
