@@ -35,7 +35,7 @@ import numpy as np
 
 from .costmodel import (Stopped, fault_explained_fit, fit_miss_cost, fit_verify_cost, iter_time_steps, iter_verify_samples, time_steps,
                         verify_samples)
-from .device import cpu_name, memory_bytes
+from .device import cpu_name, default_threads, memory_bytes
 from .errors import ConfigError, ModelError
 from .model_info import read_model_info
 from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
@@ -569,8 +569,6 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
     prompts: list of strings, a path to a prompts file, or None for the built-in prompts.
     should_stop: polled between measurements; when it returns True the generator returns without
     yielding anything more and without writing a profile (see the module docstring)."""
-    from .runtime import default_threads
-
     name = check_name(name or DEFAULT_NAME)
     info = read_model_info(model_path)
     if not info.is_moe:

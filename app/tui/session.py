@@ -60,7 +60,7 @@ def shipped_default_model() -> Path | None:
 
 def ui_default_threads() -> int:
     """All cores but one: llama.cpp's threads spin-wait at barriers, and a UI thread competing with them
-    for the last core slows decoding several times over (measured on 2 cores: 1 thread ≈ 3× faster)."""
+    for the last core slows decoding several times over."""
     from ...engine.device import default_threads
 
     return default_threads(spare=1)
