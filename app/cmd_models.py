@@ -1,7 +1,9 @@
-"""`s2moe models` (the shipped models) and `s2moe make-synthetic` (random weights, real dimensions)."""
+"""`s2moe models` (the shipped models) and `s2moe make-synthetic` (random weights with real dimensions, or a
+model widened N times with inert expert neurons)."""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 from ..engine.errors import ConfigError
@@ -10,16 +12,30 @@ from ..engine.errors import ConfigError
 def add_parser(sub) -> None:
     p = sub.add_parser("models", help="list the models shipped with s2moe")
     p.set_defaults(run=run_models)
-    s = sub.add_parser("make-synthetic", help="write a random-weight GGUF with a real model's dimensions")
-    s.add_argument("--arch", choices=["olmoe", "qwen3moe"], default=None, help="architecture (default: the preset's)")
-    s.add_argument("--preset", required=True, help="olmoe-1b-7b | qwen3-30b-a3b | tiny")
+    s = sub.add_parser("make-synthetic", help="write a random-weight GGUF with a real model's dimensions (--preset), "
+                                              "or a model with N times wider experts (--from … --widen N)")
+    s.add_argument("--preset", help="olmoe-1b-7b | qwen3-30b-a3b | tiny: random weights, real dimensions")
+    s.add_argument("--from", dest="source", metavar="NAME|PATH",
+                   help="a shipped model's name or a GGUF MoE file to widen (with --widen)")
+    s.add_argument("--widen", type=_whole_number, default=None, metavar="N",
+                   help="with --from: every expert FFN N times as wide, the new neurons inert (same output, N× the "
+                        "bytes and FLOPs per expert)")
     s.add_argument("--out", required=True, help="output GGUF path (written atomically)")
-    s.add_argument("--n-layer", type=int, default=None, help="keep only this many layers")
-    s.add_argument("--n-expert", type=int, default=None)
-    s.add_argument("--k", type=int, default=None, help="experts per token")
-    s.add_argument("--dtype", default="f16", help="f16 (default), f32 or q8_0")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--arch", choices=["olmoe", "qwen3moe"], default=None,
+                   help="--preset only: architecture (default: the preset's)")
+    s.add_argument("--n-layer", type=int, default=None, help="--preset only: keep only this many layers")
+    s.add_argument("--n-expert", type=int, default=None, help="--preset only")
+    s.add_argument("--k", type=int, default=None, help="--preset only: experts per token")
+    s.add_argument("--dtype", default=None, help="--preset only: f16 (default), f32 or q8_0")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random weights (or of the new neurons)")
     s.set_defaults(run=run_make_synthetic)
+
+
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
 def _size(n: int) -> str:
@@ -52,12 +68,20 @@ def run_models(args) -> int:
 
 
 def run_make_synthetic(args) -> int:
+    if (args.source is None) == (args.preset is None):
+        raise ConfigError("make-synthetic needs exactly one of --preset NAME and --from NAME|PATH")
+    if args.source is not None:
+        return _run_widen(args)
+    if args.widen is not None:
+        raise ConfigError("--widen applies to --from NAME|PATH, not to --preset")
+
     from pathlib import Path
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     from ..engine.zoo.synthetic import PRESETS, estimate_bytes, preset_hparams, write_synthetic
 
+    args.dtype = args.dtype or "f16"
     if args.preset not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {args.preset!r} (choose from {', '.join(sorted(PRESETS))})")
     for name in ("n_layer", "n_expert", "k"):
@@ -80,4 +104,40 @@ def run_make_synthetic(args) -> int:
                         progress=lambda done, _total: progress.update(task, completed=done))
     print(f"wrote {out} ({_size(out.stat().st_size)}; {hp['arch']}, {hp['n_layer']} layers, "
           f"{hp['n_expert']} experts top-{hp['k']})")
+    return 0
+
+
+def _run_widen(args) -> int:
+    from pathlib import Path
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    from ..engine.model_info import read_model_info
+    from ..engine.zoo import list_models, model_path
+    from ..engine.zoo.widen import widen
+
+    preset_only = [flag for flag, value in (("--arch", args.arch), ("--n-layer", args.n_layer),
+                                            ("--n-expert", args.n_expert), ("--k", args.k), ("--dtype", args.dtype))
+                   if value is not None]
+    if preset_only:
+        raise ConfigError(f"{', '.join(preset_only)} apply to --preset only; --from keeps the source's dimensions")
+    if args.widen is None:
+        raise ConfigError("--from needs --widen N (N ≥ 2): how many times wider each expert becomes")
+    if args.widen < 2:
+        raise ConfigError(f"--widen must be at least 2, got {args.widen}")
+    source = Path(args.source)
+    shipped = [m["name"] for m in list_models()]
+    if not source.exists() and args.source in shipped:
+        source = model_path(args.source)
+    elif not source.exists() and source.suffix != ".gguf" and len(source.parts) == 1:
+        raise ConfigError(f"--from: no file {args.source!r} and no shipped model of that name "
+                          f"(shipped: {', '.join(shipped) or 'none'})")
+    out = Path(args.out)
+    with Progress(TextColumn("widening into {task.fields[name]}"), BarColumn(), DownloadColumn()) as progress:
+        task = progress.add_task("widen", total=None, name=out.name)
+        widen(source, out, args.widen, seed=args.seed,
+              progress=lambda done, total: progress.update(task, completed=done, total=total))
+    before, after = read_model_info(source), read_model_info(out)
+    print(f"wrote {out} ({_size(after.file_bytes)}; {after.arch}, {after.n_layer} layers, {after.n_expert} experts "
+          f"top-{after.n_expert_used}; one expert {_size(before.expert_bytes)} → {_size(after.expert_bytes)})")
     return 0
