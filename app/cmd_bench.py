@@ -23,11 +23,14 @@ def add_parser(sub) -> None:
                    help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating")
     p.add_argument("--budget", default="none", help="memory budget(s): none (default), auto or SIZE[,SIZE…]")
     p.add_argument("--profile", help="device profile for the cost constants (else measured at start-up)")
-    p.add_argument("--draft-topk", type=int, default=2)
+    p.add_argument("--draft-topk", type=int, default=None,
+                   help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--reuse-strength", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-quality", action="store_true", help="skip the teacher-forced gating quality check")
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="skip the reference row: llama.cpp's own plain decoding of the same prompts and budget")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON")
     p.add_argument("--md", dest="md_out", metavar="OUT", help="write a markdown report with plots")
     p.add_argument("--overhead", action="store_true",
@@ -57,17 +60,54 @@ def table(done):
 
     t = Table(title=f"s2moe bench · {done.config.get('prompt_set')} × {done.config.get('n_prompts')} prompts · "
                     f"{done.config.get('n_tokens')} tokens each")
-    for col in ("mode", "budget", "tok/s", "× ar", "accept len", "draft len", "reuse", "verify experts",
-                "eff. verify", "rollbacks", "draft/verify s", "= ar"):
+    offloaded = any(r.fetched_per_token is not None for r in done.rows)
+    cols = ["mode", "budget", "tok/s", "× ar", "accept len", "draft len", "reuse", "verify experts", "eff. verify",
+            "rollbacks", "draft/verify s", "= ar"] + (["fetched/tok", "bound tok/s"] if offloaded else [])
+    for col in cols:
         t.add_column(col, justify="left" if col in ("mode", "budget") else "right")
     for r in done.rows:
         same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}" + ("" if r.identical_expected else "*")
         if r.near_tie_divergences:
             same += f" ({r.near_tie_divergences} tie)"
-        t.add_row(r.mode, r.budget, f"{r.tok_per_s:.1f}", _fmt(r.speedup_vs_ar), f"{r.accept_len:.2f}",
-                  f"{r.draft_len:.2f}", _fmt(r.reuse_ratio, ".3f"), _fmt(r.verify_experts, ".1f"),
-                  _fmt(r.effective_verify_cost, ".2f"), str(r.rollbacks), f"{r.t_draft:.2f}/{r.t_verify:.2f}", same)
+        cells = [r.mode, r.budget, f"{r.tok_per_s:.1f}", _fmt(r.speedup_vs_ar), f"{r.accept_len:.2f}",
+                 f"{r.draft_len:.2f}", _fmt(r.reuse_ratio, ".3f"), _fmt(r.verify_experts, ".1f"),
+                 _fmt(r.effective_verify_cost, ".2f"), str(r.rollbacks), f"{r.t_draft:.2f}/{r.t_verify:.2f}", same]
+        if offloaded:
+            cells += [_fmt(r.fetched_per_token, ".1f"), _fmt(r.bound_tok_per_s, ".1f")]
+        t.add_row(*cells)
     return t
+
+
+def storage_line(storage: dict) -> str:
+    """How the bound column was computed, from the storage figures the run measured."""
+    return (f"storage, cold reads of whole experts: {storage['qd1_gb_s']:.2f} GB/s at queue depth 1, "
+            f"{storage['qd8_gb_s']:.2f} GB/s at depth 8 ({storage['source']}); bound = experts fetched per token × "
+            f"{storage['expert_bytes'] / 2**20:.2f} MiB ÷ the depth-8 rate, plus the mode's resident compute "
+            "where this run measured it")
+
+
+def measure_storage(model: str, profile: dict | None) -> dict | None:
+    """Storage bandwidth at queue depth 1 and 8 for the bound column: the profile's, else read now."""
+    from ..engine.calibrate import storage_bandwidth
+    from ..engine.offload import expert_map
+
+    emap = expert_map(model)
+    expert_bytes = float(emap.expert_bytes[list(emap.moe_layers)].mean())
+    device = (profile or {}).get("device") or {}
+    if device.get("storage_bandwidth_gb_s") and device.get("storage_bandwidth_qd8_gb_s"):
+        return {"qd1_gb_s": device["storage_bandwidth_gb_s"], "qd8_gb_s": device["storage_bandwidth_qd8_gb_s"],
+                "expert_bytes": expert_bytes, "source": f"profile {profile.get('name')}"}
+    gen = storage_bandwidth(emap, max_bytes=128 << 20)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            rates = stop.value[0]
+            break
+    if 1 not in rates or 8 not in rates:
+        return None
+    return {"qd1_gb_s": rates[1] / 1e9, "qd8_gb_s": rates[8] / 1e9, "expert_bytes": expert_bytes,
+            "source": "measured by this run"}
 
 
 def offloaded_fit_clauses(c: dict) -> list[str]:
@@ -91,13 +131,17 @@ def markdown(done) -> str:
              f"Model `{done.config.get('model')}`, {done.config.get('n_prompts')} prompts × "
              f"{done.config.get('n_tokens')} tokens, modes interleaved per prompt, greedy={done.config.get('greedy')}.",
              f"Machine: {done.machine.get('cpu')} ({done.machine.get('cores')} cores, threads {done.machine.get('threads')}).",
-             "", "| mode | budget | tok/s | × ar | accept len | draft len | reuse | verify experts | eff. verify | rollbacks | = ar |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| mode | budget | tok/s | × ar | accept len | draft len | reuse | verify experts | eff. verify | rollbacks | "
+                 "= ar | fetched/tok | bound tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in done.rows:
         same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}"
         lines.append(f"| {r.mode} | {r.budget} | {r.tok_per_s:.1f} | {_fmt(r.speedup_vs_ar)} | {r.accept_len:.2f} | "
                      f"{r.draft_len:.2f} | {_fmt(r.reuse_ratio, '.3f')} | {_fmt(r.verify_experts, '.1f')} | "
-                     f"{_fmt(r.effective_verify_cost)} | {r.rollbacks} | {same} |")
+                     f"{_fmt(r.effective_verify_cost)} | {r.rollbacks} | {same} | {_fmt(r.fetched_per_token, '.1f')} | "
+                     f"{_fmt(r.bound_tok_per_s, '.1f')} |")
+    if done.config.get("storage"):
+        lines += ["", storage_line(done.config["storage"]) + "."]
     plt.clear_figure()
     plt.bar([r.mode for r in done.rows], [r.tok_per_s for r in done.rows])
     plt.title("tok/s by mode")
@@ -141,9 +185,9 @@ def _warm_up(decoder, base, prompt: str, modes) -> None:
             pass
 
 
-def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict]:
+def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int]:
     """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
-    the budget's label and its verification cost-model fit."""
+    the budget's label, its verification cost-model fit and the budget in bytes (auto: as sized)."""
     import tempfile
     from pathlib import Path
 
@@ -167,14 +211,44 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict]:
             raise ConfigError(f"the benchmark under budget {budget_text} failed (exit {rc})")
         data = json.loads(out.read_text())
     rows = [BenchRow(**r) for r in data["results"]]
-    return rows, (rows[0].budget if rows else budget_text), data.get("cost_model") or {}
+    return rows, (rows[0].budget if rows else budget_text), data.get("cost_model") or {}, data["config"]["budget_bytes"]
+
+
+def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: int | None, rows):
+    """llama.cpp's own plain decoding of the same prompts (s2moe.engine.reference) in a process of its own:
+    under the same budget in bytes, in a fresh cgroup with nothing pinned or prefetched; resident
+    otherwise."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from ..engine import offload
+    from ..engine.bench import reference_row
+
+    with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
+        out = Path(tmp) / "ref.json"
+        argv = [sys.executable, "-m", "s2moe.engine.reference", "--model", model, "--prompts", args.prompts,
+                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out)]
+        if args.threads:
+            argv += ["--threads", str(args.threads)]
+        if budget_bytes is None:
+            rc = subprocess.run(argv).returncode
+        else:
+            with offload.run_in_budget(argv + ["--no-repack"], offload.Budget(budget_bytes), model, tag="ref") as run:
+                rc = run.wait()
+        if rc != 0 or not out.exists():
+            raise ConfigError(f"llama.cpp's plain decoding under budget {label} failed (exit {rc})")
+        result = json.loads(out.read_text())
+    ar = next((r for r in rows if r.mode == "ar" and r.budget == label), None)
+    return reference_row(result, label, ar, set_name, args.n_prompts)
 
 
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..engine.bench import BenchDone, BenchProgress, load_prompts, measure_hook_overhead, run_bench, write_atomic
+    from ..engine.bench import (BenchDone, BenchProgress, load_prompts, measure_hook_overhead, run_bench, storage_bound,
+                                write_atomic)
     from ..engine.decoder import Decoder, GenerationConfig
     from .cli import default_model
 
@@ -197,6 +271,9 @@ def run(args) -> int:
     from ..engine.model_info import read_model_info
 
     info = read_model_info(model)
+    base = base.resolved(info)
+    # a budget's child process measures these same settings
+    args.draft_topk, args.draft_max = base.draft_topk, base.draft_max
     hot = []
     if args.profile:
         from ..engine.profiles import cost_for_model, hot_experts_for_model, load_profile
@@ -211,13 +288,17 @@ def run(args) -> int:
         if b != "none":
             offload.Budget.parse(b)  # a bad size is a one-line error before anything runs
     inside = offload.current_budget()
-    extra_rows, budget_fits = [], {}
+    extra_rows, budget_fits, storage = [], {}, None
+    if inside is None and budgets != ["none"]:
+        storage = measure_storage(model, profile if args.profile else None)
     if inside is None:
         # the parent: each budget runs in its own cgroup, "none" resident in this process
         for b in budgets:
             if b != "none":
-                rows, label, fit = _budget_rows(args, model, b)
+                rows, label, fit, size = _budget_rows(args, model, b)
                 extra_rows += rows
+                if args.reference:
+                    extra_rows.append(_reference_row(args, model, set_name, label, size, rows))
                 if fit:
                     budget_fits[label] = fit
         here = "none" if "none" in budgets else None
@@ -254,6 +335,8 @@ def run(args) -> int:
         decoder.close()
         if done is None:
             return 1
+        if off is not None:
+            done.config["budget_bytes"] = off.budget_bytes
     else:
         from ..engine.bench import machine_info
 
@@ -261,7 +344,12 @@ def run(args) -> int:
                                                                          "n_prompts": len(prompts),
                                                                          "n_tokens": args.n_tokens})
     if inside is None:
+        if here == "none" and args.reference:
+            done.rows.append(_reference_row(args, model, set_name, "none", None, done.rows))
         done.rows.extend(extra_rows)
+        if storage is not None:
+            storage_bound(done.rows, storage["expert_bytes"], storage["qd8_gb_s"] * 1e9)
+            done.config["storage"] = storage
         done.cost_model_by_budget.update(budget_fits)
     if args.json_out:
         write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n")
@@ -271,6 +359,8 @@ def run(args) -> int:
     if not out.is_terminal:
         out = Console(width=160)
     out.print(table(done))
+    if done.config.get("storage"):
+        print(storage_line(done.config["storage"]))
     q = done.quality
     if q.get("tokens"):
         print(f"gating quality: perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement {q['top1_agreement']:.3f}, "

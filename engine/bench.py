@@ -20,6 +20,7 @@ import numpy as np
 from .costmodel import fault_explained_fit, fit_miss_cost, fit_verify_cost
 from .decoder import Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
+from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .events import Iteration, Summary, Totals
 from .modes import LOSSLESS_MODES, MODES
 
@@ -67,6 +68,10 @@ class BenchRow:
     identical_to_ar: float | None        # share of prompts whose greedy tokens equal ar's (lossless modes)
     identical_expected: bool = False
     near_tie_divergences: int = 0        # prompts that diverged where ar's top-2 logits were within NEAR_TIE
+    # offloaded: experts fetched from storage per generated token (draft passes and verifications), and the
+    # storage-bound speed that implies (storage_bound)
+    fetched_per_token: float | None = None
+    bound_tok_per_s: float | None = None
 
     @property
     def lossless_ok(self) -> bool:
@@ -132,8 +137,12 @@ def load_prompts(spec: str, n: int | None = None) -> tuple[str, list[str]]:
         path = Path(spec)
         if not path.is_file():
             raise ConfigError(f"prompt set {spec!r}: not 'humaneval', 'natural' or an existing JSONL file")
+        try:
+            text = read_bounded(path, "prompt set", MAX_PROMPT_FILE_BYTES).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"prompt set {path.name} is not UTF-8 text") from None
         prompts = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -271,6 +280,29 @@ def machine_info(n_threads: int | None) -> dict:
     }
 
 
+def reference_row(result: dict, budget: str, ar: BenchRow | None, prompt_set: str, n_prompts: int) -> BenchRow:
+    """The bench row of llama.cpp's own plain decoding (s2moe.engine.reference.plain_decoding's result)."""
+    tps = result["tok_per_s"]
+    return BenchRow(mode="llama.cpp", budget=budget, prompt_set=prompt_set, n_prompts=n_prompts,
+                    n_tokens=result["n_tokens"], seconds=result["seconds"], tok_per_s=tps,
+                    speedup_vs_ar=tps / ar.tok_per_s if ar is not None and ar.tok_per_s > 0 else None,
+                    accept_len=1.0, draft_len=0.0, acceptance_rate=0.0, reuse_ratio=None, reuse_ratio_per_layer=None,
+                    verify_experts=None, effective_verify_cost=None, rollbacks=0, t_draft=0.0,
+                    t_verify=result["seconds"], identical_to_ar=None)
+
+
+def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: float) -> None:
+    """Fill each offloaded row's physical bound: the speed at which storage at `bandwidth` (bytes/s) delivers
+    the experts the mode fetched per token, plus the compute the same mode spends per token fully resident
+    where this run measured it (a row with budget "none")."""
+    resident = {r.mode: r.seconds / r.n_tokens for r in rows if r.budget == "none" and r.n_tokens}
+    for r in rows:
+        if r.fetched_per_token is None or bandwidth <= 0:
+            continue
+        per_token = r.fetched_per_token * expert_bytes / bandwidth + resident.get(r.mode, 0.0)
+        r.bound_tok_per_s = 1.0 / per_token if per_token > 0 else None
+
+
 # -- the harness ------------------------------------------------------------------------------------
 def run_bench(
     model: str,
@@ -363,6 +395,8 @@ def run_bench(
                 t_verify=totals.t_verify,
                 identical_to_ar=float(np.mean(runs.identical)) if runs.identical else None,
                 near_tie_divergences=runs.near_ties,
+                fetched_per_token=((totals.experts_fetched + totals.draft_fetched) / runs.n_tokens
+                                   if totals.offloaded_steps and runs.n_tokens else None),
                 identical_expected=expected_lossless(name, configs[name]) and name != "ar",
             ))
         quality = {}

@@ -31,14 +31,15 @@ class VerifyObserver(Protocol):
     """What the decode loop tells an observer of its verifications (offloading), and asks of it.
     Given with Decoder.attach."""
 
-    def before_verify(self, predicted: np.ndarray) -> None:
-        """The experts [n_layer, n_expert] (bool) the draft predicted for the coming verification."""
+    def predicted(self, experts: np.ndarray) -> None:
+        """Experts [n_layer, n_expert] (bool) the coming verification will read as a draft pass just predicted
+        them (each told once, as soon as it is known, while the draft goes on)."""
 
-    def begin_verify(self) -> None:
-        """A verification that routes through the hook starts."""
+    def start_counting(self) -> None:
+        """Decodes that route through the hook start (the draft passes, then the verification)."""
 
-    def verify_misses(self) -> np.ndarray:
-        """[n_layer] experts the verification since begin_verify read that were not in memory."""
+    def misses(self) -> np.ndarray:
+        """[n_layer] experts the decodes since start_counting read that were not in memory as they routed."""
 
     def residency(self) -> Residency:
         """A residency snapshot (a walk over the model's pages: sampled, see Decoder.residency_share)."""
@@ -50,32 +51,67 @@ class Residency(Protocol):
     hit_rate: np.ndarray   # [n_layer]
 
 
+DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
+
+
+@dataclass(frozen=True)
+class RoutingDefaults:
+    """The settings a model's routing decides when neither a flag nor a profile gives them."""
+
+    draft_topk: int  # k_d
+    draft_max: int   # draft cap
+    reuse_cap: int   # |E*|
+
+
+def routing_defaults(n_expert: int, k: int) -> RoutingDefaults:
+    """k_d = max(1, k/4): a draft pass reads a quarter of the target's experts (2 of 8, 1 of 4, 1 of 2).
+    |E*| = 2·k (inside the paper's 1.5–2.5·k sweet spot), below n_expert so that gating can act.
+    A top-1 model gets k_d = 1 = k: nothing can draft with fewer experts (validate says so)."""
+    k = max(k, 1)
+    return RoutingDefaults(draft_topk=max(1, k // 4), draft_max=DRAFT_CAP,
+                           reuse_cap=max(k, min(2 * k, n_expert - 1)))
+
+
+def defaults_for(info: ModelInfo) -> RoutingDefaults:
+    return routing_defaults(info.n_expert, info.n_expert_used)
+
+
 @dataclass
 class GenerationConfig:
     mode: str = "s2moe"
     n_predict: int = 128
     temperature: float = 0.0          # 0: greedy
     seed: int = 0
-    draft_topk: int = 2               # k_d
-    draft_max: int = 8                # cap on draft length
+    # None: not given, the model's routing decides (resolved(info), defaults_for)
+    draft_topk: int | None = None     # k_d
+    # not None by default: callers size a decoder's verification batch from it before reading a model
+    draft_max: int | None = DRAFT_CAP  # cap on draft length
     utility: bool = True              # routing-aware expansion; False: fixed draft length
     threshold: float = 1.0            # utility threshold
     reuse_strength: float = 0.5       # α of reuse-aware gating; 0 turns gating off (lossless)
-    reuse_cap: int | None = None      # |E*|; default 2·k
+    reuse_cap: int | None = None      # |E*|
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     stop_at_eos: bool = True
     cost: CostConstants | None = None  # from a device profile; measured at start-up when None
 
+    def resolved(self, info: ModelInfo) -> "GenerationConfig":
+        """This config with every setting it leaves to the model filled in from the model's routing."""
+        d = defaults_for(info)
+        return replace(self, draft_topk=d.draft_topk if self.draft_topk is None else self.draft_topk,
+                       draft_max=d.draft_max if self.draft_max is None else self.draft_max,
+                       reuse_cap=d.reuse_cap if self.reuse_cap is None else self.reuse_cap)
+
     def validate(self, info: ModelInfo | None = None) -> None:
+        """Check the values given; with info, check them against that model once resolved."""
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if self.n_predict < 1:
             raise ConfigError(f"{OPTION} must be at least 1", option="n_predict")
         if self.temperature < 0:
             raise ConfigError(f"{OPTION} must be ≥ 0", option="temperature")
-        if self.draft_max < 1 or self.draft_max > 64:
+        if self.draft_max is not None and (self.draft_max < 1 or self.draft_max > 64):
             raise ConfigError(f"{OPTION} must be between 1 and 64", option="draft_max")
-        if self.draft_topk < 1:
+        if self.draft_topk is not None and self.draft_topk < 1:
             raise ConfigError(f"{OPTION} must be ≥ 1", option="draft_topk")
         if self.reuse_strength < 0:
             raise ConfigError(f"{OPTION} must be ≥ 0", option="reuse_strength")
@@ -89,10 +125,15 @@ class GenerationConfig:
             raise ConfigError(f"mode {self.mode!r} needs a Mixture-of-Experts model; {info.path.name} is dense "
                               "(only plain decoding, mode ar, applies)")
         if info.is_moe and self.mode in MOE_MODES:
-            if self.draft_topk >= info.n_expert_used:
-                raise ConfigError(f"{OPTION} {self.draft_topk} must be below the model's experts per token "
+            if info.n_expert_used < 2:
+                raise ConfigError(f"mode {self.mode!r} drafts with fewer experts per token than the model uses, and "
+                                  f"{info.path.name} routes each token to a single expert: self-speculation is "
+                                  "impossible on it (modes ar and lookup apply)")
+            cfg = self.resolved(info)
+            if cfg.draft_topk >= info.n_expert_used:
+                raise ConfigError(f"{OPTION} {cfg.draft_topk} must be below the model's experts per token "
                                   f"({info.n_expert_used})", option="draft_topk")
-            if self.reuse_cap is not None and self.reuse_cap < info.n_expert_used:
+            if cfg.reuse_cap < info.n_expert_used:
                 raise ConfigError(f"{OPTION} must be ≥ the model's experts per token ({info.n_expert_used})",
                                   option="reuse_cap")
 
@@ -182,9 +223,12 @@ class Decoder:
             self._measured[key], _ = measure_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed)
         return self._measured[key]
 
-    def measured_cost_constants(self, draft_topk: int, draft_max: int) -> CostConstants | None:
-        """The constants this decoder measured at start-up for (k_d, draft cap), if it did."""
-        return self._measured.get((draft_topk, draft_max))
+    def measured_cost_constants(self, draft_topk: int | None, draft_max: int | None) -> CostConstants | None:
+        """The constants this decoder measured at start-up for (k_d, draft cap), if it did (None: the
+        model's default, as a generation resolves it)."""
+        d = defaults_for(self.info)
+        return self._measured.get((d.draft_topk if draft_topk is None else draft_topk,
+                                   d.draft_max if draft_max is None else draft_max))
 
     def forget_cost_constants(self) -> None:
         """Measure again at the next generation (e.g. once the memory budget changed what a step costs)."""
@@ -223,7 +267,7 @@ class Decoder:
         cfg: GenerationConfig | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[object]:
-        cfg = cfg or GenerationConfig()
+        cfg = (cfg or GenerationConfig()).resolved(self.info)
         cfg.validate(self.info)
         if cfg.draft_max > self.max_draft:
             raise ConfigError(f"{OPTION} {cfg.draft_max} exceeds this decoder's limit {self.max_draft}",
@@ -241,7 +285,7 @@ class Decoder:
         cost = self.cost_constants(cfg) if needs_cost else cfg.cost
         drafter = self._drafter(cfg, cost)
         gating = cfg.mode == "s2moe" and cfg.reuse_strength > 0 and self.info.is_moe
-        reuse_cap = cfg.reuse_cap or default_reuse_cap(self.info)
+        reuse_cap = cfg.reuse_cap
         k = max(self.info.n_expert_used, 1)
         rng = np.random.default_rng(cfg.seed)
         greedy = cfg.temperature == 0
@@ -280,7 +324,11 @@ class Decoder:
                 break
             room = self.n_ctx - m  # positions left after the pending token
             max_len = min(cfg.draft_max, room, cfg.n_predict - len(generated) - 1)
+            counting_drafts = self._observer is not None and drafter.drafts_in_context
+            if counting_drafts:
+                self._observer.start_counting()
             proposal = drafter.propose(self, committed_all, max_len, sample)
+            draft_misses = self._observer.misses() if counting_drafts else None
             drafted = proposal.tokens
             rt.kv_remove_from(m - 1)
 
@@ -324,6 +372,8 @@ class Decoder:
                 useful_experts=useful,
                 verify_misses=v.misses,
                 verify_major_faults=v.major_faults,
+                draft_misses=draft_misses,
+                draft_decision=proposal.decision,
             )
             drafter.feedback(event)
             yield event
@@ -343,8 +393,6 @@ class Decoder:
         """One target pass over the pending token and the drafted ones, with what its routing read."""
         rt, hook, observer = self.rt, self.rt.hook, self._observer
         k = max(self.info.n_expert_used, 1)
-        if observer is not None and proposal.predicted is not None:
-            observer.before_verify(proposal.predicted)
         # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping
         # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
         plain_unobserved = (hook is not None and len(batch) == 1 and self._moe_layers is not None
@@ -358,7 +406,7 @@ class Decoder:
                 hook.observe()
         counting = observer is not None and hook is not None and not plain_unobserved
         if counting:
-            observer.begin_verify()
+            observer.start_counting()
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if counting else 0
         t0 = time.perf_counter()
         logits = rt.decode(batch, pos, "all")
@@ -379,7 +427,7 @@ class Decoder:
         rows = np.maximum(routing.rows, 1)
         reuse = np.where(routing.rows > 0, experts / (rows * k), 0.0)
         moves = _moves(routing) if hook.mode == "gate" else 0
-        misses = observer.verify_misses() if counting else None
+        misses = observer.misses() if counting else None
         return _Verified(logits, seconds, routing, experts, reuse, moves, misses, major_faults)
 
     def close(self) -> None:
@@ -429,8 +477,7 @@ def _cut_at_end_of_generation(tokens: list[int], is_eog: Callable[[int], bool]) 
 
 
 def default_reuse_cap(info: ModelInfo) -> int:
-    """|E*| = 2·k (inside the paper's 1.5–2.5·k sweet spot), below n_expert so that gating can act."""
-    return max(info.n_expert_used, min(2 * info.n_expert_used, info.n_expert - 1))
+    return defaults_for(info).reuse_cap
 
 
 def _moves(routing) -> int:

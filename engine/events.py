@@ -57,6 +57,63 @@ class DraftCandidate:
 
 
 @dataclass(frozen=True)
+class DraftDecision:
+    """The utility rule's decision before an iteration's first draft pass, with the numbers it rests on.
+
+    A first token with draft probability p that adds E experts to the verification has utility
+    p·T_AR / (C_draft + T_tok + T_exp·E). When even a certain token adding no expert stays below the
+    threshold, drafting cannot pay under these constants (can_pay False) and only turning the rule off
+    drafts. Otherwise the rule drafts when the first token's expected utility (running estimates of p and
+    E) reaches the threshold, and probes now and then when it does not. Times in seconds.
+    """
+
+    drafting: bool
+    can_pay: bool
+    probing: bool                # a draft pass only to learn whether drafting pays again
+    threshold: float
+    utility: float               # the first token's expected utility (can_pay False: a certain token's)
+    p_first: float               # expected draft probability of the first token (can_pay False: 1)
+    new_experts: float           # experts it is expected to add to the verification, over layers
+    t_ar: float                  # what a committed draft token saves
+    cost: float                  # what it costs: C_draft + T_tok + T_exp·new_experts
+    c_draft: float
+    t_tok: float
+    next_probe: int | None = None  # iterations until the next probe, when not drafting but drafting may pay
+
+    @property
+    def text(self) -> str:
+        """The decision in one sentence with its numbers (milliseconds)."""
+        thr = f"threshold {self.threshold:g}"
+        if not self.can_pay:
+            out = (f"not drafting: a certain token saves T_AR {self.t_ar * 1e3:.2f} ms but costs "
+                   f"C_draft {self.c_draft * 1e3:.2f} + T_tok {self.t_tok * 1e3:.2f} ms")
+            return out if self.threshold == 1 else f"{out} (utility {self.utility:.2f} < {thr})"
+        numbers = (f"(p {self.p_first:.2f} × T_AR {self.t_ar * 1e3:.2f} ms / cost {self.cost * 1e3:.2f} ms "
+                   f"with {self.new_experts:.1f} new experts)")
+        if self.drafting and not self.probing:
+            return f"drafting: the first token's expected utility {self.utility:.2f} ≥ {thr} {numbers}"
+        head = f"the first token's expected utility {self.utility:.2f} < {thr} {numbers}"
+        if self.probing:
+            return f"probing: {head}; one draft pass to see whether drafting pays"
+        return f"not drafting: {head}; next probe in {self.next_probe} iterations"
+
+    @property
+    def wordings(self) -> tuple[str, ...]:
+        """The decision from the full sentence down to a few words, for narrower places."""
+        thr = f"{self.threshold:g}"
+        if not self.can_pay and self.threshold == 1:
+            t_ar, c_draft, t_tok = self.t_ar * 1e3, self.c_draft * 1e3, self.t_tok * 1e3
+            return (self.text, f"no draft: T_AR {t_ar:.2f} < C_draft {c_draft:.2f} + T_tok {t_tok:.2f} ms",
+                    f"no draft: {t_ar:.2f}<{c_draft:.2f}+{t_tok:.2f} ms")
+        if not self.can_pay:
+            return (self.text, f"no draft: even a certain token's utility {self.utility:.2f} < {thr}",
+                    f"no draft: utility {self.utility:.2f} < {thr}")
+        verb = "probing" if self.probing else "drafting" if self.drafting else "no draft"
+        head = f"{verb}: utility {self.utility:.2f} {'≥' if self.utility >= self.threshold else '<'} {thr}"
+        return self.text, f"{head} (p {self.p_first:.2f}, cost {self.cost * 1e3:.2f} ms)", head
+
+
+@dataclass(frozen=True)
 class Iteration:
     """One draft → verify → commit step (a plain step in `ar` mode has no drafts)."""
 
@@ -82,6 +139,8 @@ class Iteration:
     useful_experts: np.ndarray | None = None  # [n_layer] distinct experts of the committed rows only
     verify_misses: np.ndarray | None = None   # [n_layer] of verify_experts, those not in memory before it (offloading)
     verify_major_faults: int | None = None    # page faults of the verification that read storage (offloading)
+    draft_misses: np.ndarray | None = None    # [n_layer] experts the draft passes read that were not in memory (offloading)
+    draft_decision: DraftDecision | None = None  # the utility rule's decision this iteration (s2moe with the rule)
 
 
 @dataclass(frozen=True)
@@ -136,6 +195,7 @@ class Totals:
     experts_read: float = 0.0
     experts_fetched: float = 0.0
     storage_faults: int = 0
+    draft_fetched: float = 0.0  # experts the draft passes fetched (offloading, self-drafting)
 
     def add_iteration(self, it: Iteration) -> None:
         self.iterations += 1
@@ -161,6 +221,8 @@ class Totals:
             self.experts_read += float(it.verify_experts.sum())
             self.experts_fetched += float(it.verify_misses.sum())
             self.storage_faults += it.verify_major_faults or 0
+        if it.draft_misses is not None:
+            self.draft_fetched += float(it.draft_misses.sum())
 
     def merge(self, other: Totals) -> None:
         """Add another run's totals to these (the benchmark sums one mode's generations over its prompts)."""
@@ -184,6 +246,7 @@ class Totals:
         self.experts_read += other.experts_read
         self.experts_fetched += other.experts_fetched
         self.storage_faults += other.storage_faults
+        self.draft_fetched += other.draft_fetched
 
     @property
     def accept_len(self) -> float:

@@ -11,7 +11,8 @@ machine hit every arm alike):
     ar/hot        ... + hot experts (from the profile) pinned
     ar/wts, ar/hot-code   (not run by default) as ar/base, ar/hot without pinning library code
     spec/hot      self-speculation (fixed draft length, gating off: lossless), base + hot pinned, no prefetch
-    spec/hot+pf   ... + prefetch of the draft's predicted experts (madvise WILLNEED)
+    spec/hot+pf   ... + prefetch of the draft's predicted experts (madvise WILLNEED, pass by pass)
+    ar/hot+jit, spec/hot+jit, spec/hot+jit+pf   the same with the routing hook's just-in-time prefetch
 The default budget is `--budget auto` of bench and the app (offload.auto_budget_bytes), measured once in a
 probe run with the non-expert weights and code pinned: everything its cgroup holds after decoding a few
 tokens (anonymous memory, pinned weights, library and interpreter file pages) except expert pages, plus one
@@ -37,6 +38,8 @@ ARMS = {
     # just-in-time prefetch from the routing hook (the default of offload_decoder)
     "ar/hot+jit": dict(mode="ar", pin_base=True, pin_hot=True, prefetch=False, jit=True),
     "spec/hot+jit": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True),
+    # ... + each draft pass's newly predicted experts asked for while the draft goes on
+    "spec/hot+jit+pf": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=True, jit=True),
 }
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
@@ -165,7 +168,8 @@ def main(argv=None) -> int:
     ratios = {f"{x} vs {y}": ratio(x, y) for x, y in
               (("ar/hot", "ar/base"), ("ar/base", "ar/none"), ("ar/hot", "ar/none"),
                ("spec/hot+pf", "spec/hot"), ("spec/hot", "ar/hot"), ("spec/hot+pf", "ar/hot"),
-               ("ar/hot+jit", "ar/hot"), ("spec/hot+jit", "spec/hot+pf"), ("spec/hot+jit", "ar/hot+jit"))}
+               ("ar/hot+jit", "ar/hot"), ("spec/hot+jit", "spec/hot+pf"), ("spec/hot+jit", "ar/hot+jit"),
+               ("spec/hot+jit+pf", "spec/hot+jit"), ("spec/hot+jit+pf", "ar/hot+jit"))}
     for k, (m, rs) in ratios.items():
         if m is not None:
             print(f"{k:28s} {m:.2f}×  (rounds: {', '.join(f'{x:.2f}' for x in rs)})")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .events import CostConstants, DraftCandidate
+from .events import CostConstants, DraftCandidate, DraftDecision
 
 
 def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
@@ -32,12 +32,14 @@ class Proposal:
     seconds: float = 0.0
     experts_read: np.ndarray | None = None  # [n_layer] distinct experts the draft passes read
     predicted: np.ndarray | None = None     # [n_layer, n_expert] bool: target experts of the verify batch
+    decision: DraftDecision | None = None   # the utility rule's decision, with its numbers
 
 
 class StopRule:
     """Decides whether the self-drafter keeps a candidate token."""
 
     needs_routing = False
+    decision: DraftDecision | None = None  # why the last worth_drafting said what it said (utility rule only)
 
     def worth_drafting(self) -> bool:
         return True
@@ -106,16 +108,32 @@ class UtilityStop(StopRule):
 
     def worth_drafting(self) -> bool:
         # Even a certain token that adds no expert must pay for its draft pass and its verify row.
-        if self.utility(1.0, 0.0) < self.threshold:
+        certain = self.utility(1.0, 0.0)
+        if certain < self.threshold:
+            self.decision = self._decision(False, False, certain, 1.0, 0.0)
             return False
-        if self.utility(self.expected_first, self.expected_first_experts) >= self.threshold:
+        p, experts = self.expected_first, self.expected_first_experts
+        expected = self.utility(p, experts)
+        if expected >= self.threshold:
+            self.decision = self._decision(True, True, expected, p, experts)
             return True
         self._skipped += 1
         if self._skipped >= self.probe_interval:
             self._skipped = 0
             self._probing = True
+            self.decision = self._decision(True, True, expected, p, experts, probing=True)
             return True
+        self.decision = self._decision(False, True, expected, p, experts,
+                                       next_probe=self.probe_interval - self._skipped)
         return False
+
+    def _decision(self, drafting: bool, can_pay: bool, utility: float, p: float, experts: float, *,
+                  probing: bool = False, next_probe: int | None = None) -> DraftDecision:
+        c = self.cost
+        return DraftDecision(drafting=drafting, can_pay=can_pay, probing=probing, threshold=self.threshold,
+                             utility=utility, p_first=p, new_experts=experts, t_ar=c.t_ar,
+                             cost=c.t_exp * experts + c.t_tok + c.c_draft, c_draft=c.c_draft, t_tok=c.t_tok,
+                             next_probe=next_probe)
 
     def _probe_outcome(self, paid: bool) -> None:
         if self._probing:
@@ -145,6 +163,7 @@ class Drafter:
     """Proposes draft tokens for the pending token committed[-1] (at position len(committed) - 1)."""
 
     name = "none"
+    drafts_in_context = False  # its draft passes run in the decoder's own context, through the routing hook
 
     def propose(self, dec, committed: list[int], max_len: int, sample) -> Proposal:
         return Proposal()
@@ -160,6 +179,7 @@ class SelfDrafter(Drafter):
     """The target model with top-k_d experts, drafting in the target's own KV cache."""
 
     name = "self"
+    drafts_in_context = True
 
     def __init__(self, k_draft: int, rule: StopRule):
         self.k_draft = k_draft
@@ -171,7 +191,9 @@ class SelfDrafter(Drafter):
         if max_len <= 0:
             out.stop = "limit"
             return out
-        if not self.rule.worth_drafting():
+        drafting = self.rule.worth_drafting()
+        out.decision = self.rule.decision
+        if not drafting:
             out.stop = "no-draft"
             return out
         rt, hook = dec.rt, dec.rt.hook
@@ -185,6 +207,9 @@ class SelfDrafter(Drafter):
         layers = np.arange(n_layer)[:, None]
         in_batch[layers, routing.orig[:, 0, :]] = True
         read[layers, routing.used[:, 0, :]] = True
+        observer = dec.observer  # told each newly predicted expert as soon as it is known (prefetch)
+        if observer is not None:
+            observer.predicted(in_batch[:, :n_expert])
         chain = 1.0
         out.stop = "cap"
         for i in range(max_len):
@@ -218,6 +243,8 @@ class SelfDrafter(Drafter):
                 out.stop = "utility"
                 break
             if predicted is not None:
+                if observer is not None:
+                    observer.predicted((predicted & ~in_batch)[:, :n_expert])
                 in_batch |= predicted
             out.tokens.append(token)
             out.dists.append(q)
@@ -299,6 +326,7 @@ class CascadeDrafter(Drafter):
     phase then uses the best K until the next test phase."""
 
     name = "cascade"
+    drafts_in_context = True
 
     def __init__(self, k_draft: int, cap: int, trials_per_k: int = 2, set_iterations: int = 16):
         self.choices = sorted({0, 1, max(1, cap // 2), cap})

@@ -122,7 +122,11 @@ def test_bench_cli_writes_json_and_markdown(tiny_models, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     data = json.loads(out_json.read_text())
-    assert {r["mode"] for r in data["results"]} == {"ar", "lookup", "s2moe"}
+    assert [r["mode"] for r in data["results"]] == ["ar", "lookup", "s2moe", "llama.cpp"]
+    # the reference row: llama.cpp's own plain decoding of the same prompts, beside our ar
+    ref = data["results"][-1]
+    assert ref["n_tokens"] == 2 * 16 and ref["tok_per_s"] > 0 and ref["speedup_vs_ar"] > 0
+    assert "| llama.cpp |" in out_md.read_text()
     for key in ("mode", "budget", "prompt_set", "tok_per_s", "speedup_vs_ar", "accept_len", "draft_len",
                 "reuse_ratio", "verify_experts", "effective_verify_cost", "rollbacks"):
         assert key in data["results"][0]
@@ -139,8 +143,12 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     reason = MemoryCgroup.unavailable_reason()
     if reason:
         pytest.skip(f"no memory cgroup here: {reason}")
+    import shutil
+
     out_json = tmp_path / "b.json"
-    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(tiny_models["olmoe"]),
+    # a copy that no decoder of this test session maps, so that its pages can be dropped for the storage reads
+    model = shutil.copy(tiny_models["olmoe"], tmp_path / "model.gguf")
+    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(model),
                            "--prompts", "natural", "--n-prompts", "1", "-n", "8", "--threads", "1",
                            "--modes", "ar,naive,s2moe", "--budget", "none,auto", "--no-quality", "--json",
                            str(out_json)],
@@ -149,14 +157,16 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     data = json.loads(out_json.read_text())
     rows = data["results"]
     budgets = [r["budget"] for r in rows]
-    assert budgets[:3] == ["none"] * 3 and all(b.startswith("auto (") for b in budgets[3:]) and len(rows) == 6
+    # ar, naive, s2moe and llama.cpp's own plain decoding resident, then the same under the auto budget
+    assert [r["mode"] for r in rows] == ["ar", "naive", "s2moe", "llama.cpp"] * 2
+    assert budgets[:4] == ["none"] * 4 and all(b.startswith("auto (") for b in budgets[4:])
     assert all(r["n_tokens"] == 8 for r in rows)
     # the child's own cost-model fit comes back, keyed by its budget label (naive always drafts, so the
     # verifications vary in size)
-    assert list(data["cost_model_by_budget"]) == [budgets[3]]
-    fit = data["cost_model_by_budget"][budgets[3]]
+    assert list(data["cost_model_by_budget"]) == [budgets[4]]
+    fit = data["cost_model_by_budget"][budgets[4]]
     assert fit["n"] >= 3 and math.isfinite(fit["r2"]) and fit["r2"] <= 1.0
-    assert f"cost model under budget {budgets[3]}: R²" in done.stdout
+    assert f"cost model under budget {budgets[4]}: R²" in done.stdout
     # offloaded, each verification also says how many of its experts were fetched: the miss-aware fit
     miss = fit["miss_aware"]
     assert miss["n"] == fit["n"] and 0.0 <= miss["miss_share"] <= 1.0 and math.isfinite(miss["r2"])
@@ -165,3 +175,23 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     assert math.isfinite(given["r2"]) and given["faults_per_verification"] >= 0
     assert "given the storage faults taken" in done.stdout
     assert "miss_aware" not in data["cost_model"]  # resident: nothing is fetched
+    # the physical bound: storage read at queue depth 1 and 8, and each offloaded mode's fetches per token
+    storage = data["config"]["storage"]
+    assert storage["qd1_gb_s"] > 0 and storage["qd8_gb_s"] > 0 and storage["expert_bytes"] > 0
+    assert all(r["fetched_per_token"] is None and r["bound_tok_per_s"] is None for r in rows[:4])
+    assert all(r["fetched_per_token"] >= 0 and r["bound_tok_per_s"] > 0 for r in rows[4:7])
+    assert "storage, cold reads of whole experts" in done.stdout
+
+
+def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
+    from s2moe.engine.bench import BenchRow, storage_bound
+
+    def row(mode, budget, seconds, fetched):
+        return BenchRow(mode, budget, "natural", 1, 100, seconds, 100 / seconds, None, 1.0, 0.0, 0.0, None, None,
+                        None, None, 0, 0.0, 0.0, None, fetched_per_token=fetched)
+
+    rows = [row("ar", "none", 1.0, None), row("ar", "auto", 5.0, 10.0), row("s2moe", "auto", 4.0, 20.0)]
+    storage_bound(rows, expert_bytes=1e6, bandwidth=1e9)  # 1 ms per expert
+    assert rows[0].bound_tok_per_s is None
+    assert rows[1].bound_tok_per_s == pytest.approx(1 / (10e-3 + 10e-3))  # fetches + ar's resident 10 ms
+    assert rows[2].bound_tok_per_s == pytest.approx(1 / 20e-3)  # no resident s2moe row: fetches only

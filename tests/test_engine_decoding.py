@@ -331,9 +331,8 @@ def test_plain_steps_report_k_experts_per_layer_with_or_without_recording(decode
 
 
 def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
-    """Offloading counts misses natively as each layer routes; the decoder brackets every verification
-    with the counter and reports what it counted for that verification only (drafts in between are not
-    part of it)."""
+    """Offloading counts misses natively as each layer routes; the decoder brackets the draft passes and
+    then the verification with the counter and reports each count apart."""
     d = decoders[arch]
     n_layer = d.info.n_layer
     cfg = GenerationConfig(mode="s2moe", n_predict=10, utility=False, draft_max=3, reuse_strength=0.0,
@@ -345,13 +344,14 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
         def __init__(self):
             self.log, self.n = [], 0
 
-        def before_verify(self, predicted):
+        def predicted(self, experts):
+            assert experts.shape == (n_layer, d.info.n_expert) and experts.dtype == bool
             self.log.append("predicted")
 
-        def begin_verify(self):
+        def start_counting(self):
             self.log.append("begin")
 
-        def verify_misses(self):
+        def misses(self):
             self.n += 1
             self.log.append("counted")
             return np.full(n_layer, self.n)
@@ -368,9 +368,16 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
     finally:
         d.detach(counter)
         d.observe_plain = False
-    expected = [["predicted", "begin", "counted"] if e.drafted else ["begin", "counted"] for e in events]
-    assert events and counter.log == [x for step in expected for x in step]
-    assert [int(e.verify_misses[0]) for e in events] == list(range(1, len(events) + 1))
+    # drafts are counted apart from the verification that follows them, and tell what they predict as
+    # they go (at least the pending token's experts, from the first pass)
+    counting = [x for x in counter.log if x != "predicted"]
+    assert events and counting == ["begin", "counted", "begin", "counted"] * len(events)
+    segments = " ".join(counter.log).split("begin ")[1:]  # per iteration: the draft's, then the verification's
+    drafts, verifications = segments[0::2], segments[1::2]
+    assert all(v.strip() == "counted" for v in verifications)
+    assert [("predicted" in seg) for seg in drafts] == [bool(e.drafted) for e in events]
+    assert [int(e.draft_misses[0]) for e in events] == list(range(1, 2 * len(events), 2))
+    assert [int(e.verify_misses[0]) for e in events] == list(range(2, 2 * len(events) + 1, 2))
     assert all(isinstance(e.verify_major_faults, int) and e.verify_major_faults >= 0 for e in events)
 
 

@@ -106,7 +106,7 @@ def test_pinned_pages_survive_dontneed(wide_model):
         # prefetch: predicted experts that are not resident are counted as misses and fetched
         predicted = np.zeros((2, 8), bool)
         predicted[0, [4, 6]] = True
-        off.before_verify(predicted)
+        off.predicted(predicted)
         assert off.stats.lookups[0] == 2 and off.stats.hits[0] == 1 and off.stats.prefetched_bytes > 0
         r = off.residency()
         assert r.hit_rate[0] == 0.5 and np.isnan(r.hit_rate[1]) and r.locked_bytes > 0
@@ -377,8 +377,8 @@ def test_native_counter_counts_the_routed_experts_not_in_memory(wide_model):
         m.close()
 
 
-def test_before_verify_looks_only_at_the_predicted_experts(tiny_models, monkeypatch):
-    """A verification's bookkeeping must not cost in proportion to the model file: before_verify asks
+def test_predictions_look_only_at_the_predicted_experts(tiny_models, monkeypatch):
+    """A verification's bookkeeping must not cost in proportion to the model file: `predicted` asks
     the native prefetcher about the predicted experts and never walks the whole mapping."""
     from s2moe.engine.offload import Offloader
 
@@ -387,13 +387,13 @@ def test_before_verify_looks_only_at_the_predicted_experts(tiny_models, monkeypa
         expected = off.map.expert_residency() >= 0.999
 
         def whole_walk(*a):
-            raise AssertionError("before_verify walked the whole mapping")
+            raise AssertionError("predicted walked the whole mapping")
 
         monkeypatch.setattr(off.map, "expert_residency", whole_walk)
         monkeypatch.setattr(off.map, "pages", whole_walk)
         predicted = np.zeros((off.emap.n_layer, off.emap.n_expert), bool)
         predicted[:, :3] = True
-        off.before_verify(predicted)
+        off.predicted(predicted)
         assert off.stats.lookups.tolist() == [3] * off.emap.n_layer
         assert off.stats.hits.tolist() == (expected & predicted).sum(axis=1).tolist()
     finally:
@@ -602,3 +602,28 @@ def test_auto_budget_leaves_the_expert_cache_its_share_after_offloading(tiny_mod
     assert r["limit"] == r["budget"]
     held_now = r["usage"] - r["resident"]  # everything but expert pages, after a real generation
     assert r["budget"] - held_now >= r["experts"] / 3
+
+
+def test_a_drafts_prefetch_is_capped_at_the_expert_cache_for_each_verification(wide_model):
+    """Predictions arrive pass by pass while the draft goes on; together they may ask for no more than the
+    expert cache holds, and the allowance starts again with the next iteration's counting."""
+    off = Offloader(wide_model, prefetch=True, prefetch_bytes=0)
+    try:
+        eb = int(off.emap.expert_bytes[0])
+        off.prefetch_bytes = 2 * eb
+        drop_file_cache(wide_model)
+        off.start_counting()
+        asked = []
+        for expert in range(4):  # one newly predicted expert per draft pass
+            mask = np.zeros((2, 8), bool)
+            mask[0, expert] = True
+            off.predicted(mask)
+            asked.append(off.stats.prefetched_bytes)
+        assert 0 < asked[0] < asked[1] == asked[2] == asked[3]  # two experts' worth, then nothing more
+        off.start_counting()
+        mask = np.zeros((2, 8), bool)
+        mask[0, 5] = True
+        off.predicted(mask)
+        assert off.stats.prefetched_bytes > asked[-1]
+    finally:
+        off.close()

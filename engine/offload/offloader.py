@@ -49,7 +49,7 @@ class OffloadStats:
 class Offloader:
     """Pinning, routing-driven prefetch and residency metrics for one decoder. Made by offload_decoder,
     which pins, plans the budget and attaches it to the decoder (it implements the decoder's
-    VerifyObserver: before_verify, begin_verify, verify_misses, residency)."""
+    VerifyObserver: predicted, start_counting, misses, residency)."""
 
     def __init__(self, model_path, *, prefetch: bool = True, emap: ExpertMap | None = None,
                  prefetch_bytes: int | None = None):
@@ -65,6 +65,7 @@ class Offloader:
         self.fault_readahead = "default"
         # counts misses for the routing hook (and prefetches just in time when offload_decoder says so)
         self.native = NativePrefetch(self.map, advise=False)
+        self._room = prefetch_bytes if prefetch_bytes is not None else 1 << 62
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
         self.plan = None                      # BudgetPlan, when a budget was given
         self._decoder = None                  # the decoder it is attached to
@@ -121,29 +122,31 @@ class Offloader:
         return total
 
     # -- VerifyObserver ------------------------------------------------------------------------------
-    def before_verify(self, predicted: np.ndarray) -> None:
-        """The draft-predicted experts of the next verification: count those already resident; with
-        `prefetch`, WILLNEED the others."""
+    def predicted(self, predicted: np.ndarray) -> None:
+        """Experts the next verification will read, as the draft predicts them: count those already
+        resident; with `prefetch`, WILLNEED the others while the draft goes on."""
         t0 = time.perf_counter()
         predicted = np.asarray(predicted, bool)
         hit = self.native.resident(predicted)  # looks at the predicted experts' pages only
         self.stats.lookups += predicted.sum(axis=1)
         self.stats.hits += (predicted & hit).sum(axis=1)
         if self.prefetch:
-            room = self.prefetch_bytes if self.prefetch_bytes is not None else 1 << 62
             eb = self.emap.expert_bytes
             for layer, expert in zip(*np.nonzero(predicted & ~hit)):  # layer order: earliest needed first
-                if eb[layer] > room:
+                if eb[layer] > self._room:
                     break
-                room -= int(eb[layer])
+                self._room -= int(eb[layer])
                 self.stats.prefetched_bytes += self.map.willneed(int(layer), int(expert))
             self.stats.prefetch_calls += 1
         self.stats.prefetch_seconds += time.perf_counter() - t0
 
-    def begin_verify(self) -> None:
+    def start_counting(self) -> None:
         self.native.begin()
+        # what one draft may prefetch for its verification: more than the expert cache holds evicts what
+        # was fetched before it is used
+        self._room = self.prefetch_bytes if self.prefetch_bytes is not None else 1 << 62
 
-    def verify_misses(self) -> np.ndarray:
+    def misses(self) -> np.ndarray:
         return self.native.counted()
 
     def residency(self) -> Residency:
