@@ -37,6 +37,7 @@ from .costmodel import (Stopped, fault_explained_fit, fit_miss_cost, fit_verify_
                         verify_samples)
 from .device import cpu_name, default_threads, memory_bytes
 from .errors import ConfigError, ModelError
+from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .model_info import read_model_info
 from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
                       plan_budget, process_anon_bytes, rank_counts, run_in_budget, select_hot_experts)
@@ -112,9 +113,7 @@ def read_prompts(path: str | os.PathLike | None) -> list[str]:
         return list(load_prompts(str(path), NAMED_SET_PROMPTS)[1])
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"cannot read prompts file {p}: {e.strerror}") from None
+        text = read_bounded(p, "prompts file", MAX_PROMPT_FILE_BYTES).decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"prompts file {p} is not UTF-8 text") from None
     blocks = [b.strip() for b in text.split("\n\n") if b.strip()]

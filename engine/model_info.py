@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelError
+from .files import open_regular
 
 GGUF_MAGIC = b"GGUF"
 
@@ -62,6 +63,9 @@ def fingerprint(path: Path, header: bytes, size: int) -> str:
     return h.hexdigest()[:16]
 
 
+_MAX_HEADER_BYTES = 1 << 20
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -72,16 +76,12 @@ def _field(reader, key, default=None):
 
 def read_model_info(path: str | os.PathLike) -> ModelInfo:
     path = Path(path)
-    if not path.exists():
-        raise ModelError(f"model file not found: {path}")
-    if path.is_dir():
-        raise ModelError(f"model path is a directory, not a GGUF file: {path}")
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 20)
-    except OSError as e:
-        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
+    with open_regular(path, "model file", ModelError) as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            head = f.read(_MAX_HEADER_BYTES)
+        except OSError as e:
+            raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
     if head[:4] != GGUF_MAGIC:
         raise ModelError(f"not a GGUF file (bad magic): {path}")
 

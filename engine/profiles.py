@@ -61,6 +61,7 @@ import yaml
 
 from .errors import ConfigError
 from .events import CostConstants
+from .files import read_bounded
 
 SCHEMA_VERSION = 1
 PROFILE_KINDS = ("measured", "reference")
@@ -232,14 +233,9 @@ MAX_PROFILE_BYTES = 8 << 20
 
 
 def profile_text(path: Path) -> str:
-    """A profile file's text, read with a bound; ConfigError when unreadable, too large or not UTF-8."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PROFILE_BYTES + 1)
-    except OSError as e:
-        raise ConfigError(f"profile {path}: cannot read it ({e.strerror})") from None
-    if len(raw) > MAX_PROFILE_BYTES:
-        raise ConfigError(f"profile {path.name}: larger than {MAX_PROFILE_BYTES >> 20} MiB, not a profile")
+    """A profile file's text, read with a bound; ConfigError when unreadable, not a regular file, too large
+    or not UTF-8."""
+    raw = read_bounded(path, "profile", MAX_PROFILE_BYTES)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
