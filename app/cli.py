@@ -58,13 +58,15 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", help="device profile name or YAML path (cost constants); measured at start-up if absent")
-    p.add_argument("--draft-topk", type=positive_int, default=2, help="experts per token in draft passes (k_d)")
+    p.add_argument("--draft-topk", type=positive_int, default=None,
+                   help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
     p.add_argument("--draft-max", type=positive_int, default=8, help="cap on draft length")
     p.add_argument("--no-utility", action="store_true", help="fixed draft length instead of utility expansion")
     p.add_argument("--threshold", type=_non_negative_float, default=1.0, help="utility threshold")
     p.add_argument("--reuse-strength", type=_non_negative_float, default=0.5,
                    help="reuse-aware gating strength α (0 = off, lossless)")
-    p.add_argument("--reuse-cap", type=positive_int, default=None, help="preferred experts |E*| (default 2·k)")
+    p.add_argument("--reuse-cap", type=positive_int, default=None,
+                   help="preferred experts |E*| (default: twice the model's experts per token, below its expert count)")
     p.add_argument("--ctx", type=positive_int, default=2048, help="context window in tokens")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
     p.add_argument("--gpu-layers", type=int, default=0,

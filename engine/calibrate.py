@@ -35,6 +35,7 @@ import numpy as np
 
 from .costmodel import (Stopped, fault_explained_fit, fit_miss_cost, fit_verify_cost, iter_time_steps, iter_verify_samples, time_steps,
                         verify_samples)
+from .decoder import defaults_for
 from .device import cpu_name, default_threads, memory_bytes
 from .errors import ConfigError, ModelError
 from .files import MAX_PROMPT_FILE_BYTES, read_bounded
@@ -44,7 +45,6 @@ from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, dro
 from .profiles import SCHEMA_VERSION, check_name, find_profile, load_profile, save_profile
 
 DEFAULT_NAME = "local"
-DRAFT_TOPK = 2
 DRAFT_CAP = 8
 DEFAULT_PROMPTS = (
     "The history of the printing press begins in the fifteenth century, when",
@@ -561,7 +561,7 @@ def _step_profile(cal: _Calibration, index: int, name: str, save: bool):
 def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, name: str | None = None,
                     save: bool = True, n_threads: int | None = None,
                     should_stop: Callable[[], bool] | None = None, repeats: int = 3,
-                    draft_topk: int = DRAFT_TOPK, draft_cap: int = DRAFT_CAP) -> Iterator[object]:
+                    draft_topk: int | None = None, draft_cap: int = DRAFT_CAP) -> Iterator[object]:
     """Calibrate model_path on this device; yield StepStarted/StepProgress/StepResult…, CalibrationDone.
 
     budget: where to measure the cost of fetching experts (None: skip that step).
@@ -572,8 +572,8 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
     info = read_model_info(model_path)
     if not info.is_moe:
         raise ModelError(f"{info.path.name} is a dense model: calibration measures Mixture-of-Experts costs")
-    if draft_topk >= info.n_expert_used:
-        draft_topk = max(1, info.n_expert_used // 2)
+    if draft_topk is None or draft_topk >= info.n_expert_used:
+        draft_topk = defaults_for(info).draft_topk  # what a generation with no flag drafts with
     cal = _Calibration(info, expert_map(info.path), budget=budget,
                        prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
                        threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,

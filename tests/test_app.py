@@ -224,6 +224,31 @@ def test_switching_mode_and_components_reaches_the_engine():
     run(go())
 
 
+def test_k_d_follows_the_model_until_the_user_picks_one():
+    from s2moe.app.tui.dialogs import SettingsDialog
+
+    async def go():
+        app = fake_app()  # top-4: the model's default k_d is 1
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            assert chat.settings.draft_topk is None
+            assert "k_d=1 " in str(chat.query_one("#settings-bar").render())
+            await pilot.press("ctrl+o")  # the form shows the default; applying it unchanged keeps it a default
+            await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
+            assert app.screen.settings.draft_topk == 1
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: app.screen is chat, what="dialog closed")
+            assert chat.settings.draft_topk is None
+            await pilot.press("f9")
+            assert chat.settings.draft_topk == 2
+            await type_prompt(pilot, "x")
+            await wait_for(pilot, lambda: not chat.generating and app.fake_decoders, what="generation")
+            assert app.fake_decoders[0].configs[-1].draft_topk == 2
+
+    run(go())
+
+
 def test_stop_key_interrupts_between_iterations():
     async def go():
         app = fake_app(delay=0.01, endless=True)

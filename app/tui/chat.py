@@ -105,25 +105,26 @@ class ChatScreen(Screen):
     def available_modes(self) -> tuple[str, ...]:
         modes = engine_modes()
         model = self.app.session.model
-        if model is not None and not model.is_moe:
+        if model is not None and not model.can_self_draft:
             moe = set(moe_modes())
             modes = tuple(m for m in modes if m not in moe) or ("ar",)
         return modes
 
     def adapt_to_model(self) -> None:
-        """Keep the settings valid for the loaded model (dense → ar; k_d below k)."""
+        """Keep the settings valid for the loaded model (dense or top-1 → no self-drafting modes; a k_d
+        chosen for another model and not below this one's k → this model's default)."""
         model = self.app.session.model
         s = self.settings
         modes = self.available_modes()
         if s.mode not in modes:
             s = replace(s, mode=modes[0] if "s2moe" not in modes else "s2moe")
-        if model is not None and model.is_moe and s.draft_topk >= model.k:
-            s = replace(s, draft_topk=max(1, model.k // 4 or 1))
+        if model is not None and model.is_moe and s.draft_topk is not None and s.draft_topk >= model.k:
+            s = replace(s, draft_topk=None)
         self.settings = s
         self.update_settings_bar()
 
     def update_settings_bar(self) -> None:
-        text = self.settings.describe()
+        text = self.settings.describe(self.app.session.model)
         if self.app.session.profile_name:
             text += f" · profile {self.app.session.profile_name}"
         if self._status:
@@ -137,6 +138,16 @@ class ChatScreen(Screen):
     def apply_settings(self, settings: ChatSettings) -> None:
         self.settings = settings
         self.adapt_to_model()
+
+    def shown_settings(self) -> ChatSettings:
+        """The settings with k_d filled in: the model's default, or with no model loaded that of the top-8
+        model the k_d choices assume then."""
+        s = self.settings.resolved(self.app.session.model)
+        if s.draft_topk is None:
+            from ...engine.decoder import routing_defaults
+
+            s = replace(s, draft_topk=routing_defaults(64, 8).draft_topk)
+        return s
 
     def action_cycle_mode(self) -> None:
         modes = self.available_modes()
@@ -162,18 +173,24 @@ class ChatScreen(Screen):
         model = self.app.session.model
         k = model.k if model is not None and model.is_moe else 8
         choices = list(range(1, max(2, k)))
-        i = choices.index(self.settings.draft_topk) if self.settings.draft_topk in choices else -1
+        current = self.shown_settings().draft_topk
+        i = choices.index(current) if current in choices else -1
         self.apply_settings(replace(self.settings, draft_topk=choices[(i + 1) % len(choices)]))
         self.notify(f"draft experts per token k_d = {self.settings.draft_topk}", timeout=2)
 
     def action_settings(self) -> None:
         from .dialogs import SettingsDialog
 
+        model = self.app.session.model
+        shown = self.shown_settings()
+
         def done(result):
             if result is not None:
+                if self.settings.draft_topk is None and result.draft_topk == shown.draft_topk:
+                    result = replace(result, draft_topk=None)  # still the model's default, for the next model too
                 self.apply_settings(result)
 
-        self.app.push_screen(SettingsDialog(self.settings, self.available_modes(), self.app.session.model), done)
+        self.app.push_screen(SettingsDialog(shown, self.available_modes(), model), done)
 
     # -- view actions ----------------------------------------------------------------------------------
     def action_toggle_rejected(self) -> None:
@@ -241,7 +258,7 @@ class ChatScreen(Screen):
     def begin_turn(self, prompt: str) -> TurnView:
         """A new turn in the transcript, waiting for engine events."""
         self._turn_index += 1
-        turn = TurnView(self._turn_index, prompt, self.settings.describe())
+        turn = TurnView(self._turn_index, prompt, self.settings.describe(self.app.session.model))
         turn.show_rejected = self.show_rejected
         turn.status = "starting…"
         self._turn = turn

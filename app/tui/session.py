@@ -7,7 +7,7 @@ plain data (segments of coloured text, per-iteration numbers) and never call the
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -74,16 +74,25 @@ class ChatSettings:
     utility: bool = True
     gating: bool = True
     reuse_strength: float = 0.5   # α used when gating is on
-    draft_topk: int = 2
+    draft_topk: int | None = None  # None: the model's default (see engine.decoder.routing_defaults)
     draft_max: int = 8
     threshold: float = 1.0
     n_predict: int = 128
     temperature: float = 0.0
 
-    def describe(self) -> str:
+    def resolved(self, model: ModelSummary | None) -> ChatSettings:
+        """These settings with what they leave to the model filled in (unchanged while no model is loaded)."""
+        if model is None or self.draft_topk is not None:
+            return self
+        from ...engine.decoder import routing_defaults
+
+        return replace(self, draft_topk=routing_defaults(model.n_expert, model.k).draft_topk)
+
+    def describe(self, model: ModelSummary | None = None) -> str:
         parts = [self.mode]
         if self.mode != "ar":
-            parts.append(f"k_d={self.draft_topk}")
+            k_d = self.resolved(model).draft_topk
+            parts.append(f"k_d={'auto' if k_d is None else k_d}")
         if self.mode == "s2moe":
             parts.append("utility " + ("on" if self.utility else "off"))
             parts.append(f"gating {self.reuse_strength:g}" if self.gating else "gating off")
@@ -104,12 +113,20 @@ class ModelSummary:
     fingerprint: str
     file_bytes: int
 
+    @property
+    def can_self_draft(self) -> bool:
+        """Drafting with fewer experts per token than the model needs a model that routes to two or more."""
+        return self.is_moe and self.k >= 2
+
     def short(self) -> str:
         if self.is_moe:
             return f"{self.name} · {self.n_layer}L {self.n_expert}E top-{self.k}"
         return f"{self.name} · dense"
 
     def describe(self) -> str:
+        if self.is_moe and not self.can_self_draft:
+            return (f"{self.name} · {self.arch} · {self.n_layer} layers · {self.n_expert} experts top-{self.k} "
+                    "(nothing drafts with fewer experts: ar and lookup apply)")
         if self.is_moe:
             return f"{self.name} · {self.arch} · {self.n_layer} layers · {self.n_expert} experts top-{self.k}"
         return f"{self.name} · {self.arch} · {self.n_layer} layers · dense (only ar applies)"
@@ -195,7 +212,7 @@ class EngineSession:
             hot = hot_experts_for_model(load_profile(self.profile_name), decoder.info.fingerprint)
 
         def warm_up():
-            for mode in ("ar", "s2moe"):
+            for mode in ("ar", "s2moe" if decoder.info.n_expert_used >= 2 else "lookup"):
                 for _ in decoder.generate("def add(a, b):\n    return",
                                           GenerationConfig(mode=mode, n_predict=8, stop_at_eos=False)):
                     pass
