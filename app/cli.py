@@ -141,6 +141,23 @@ def generation_config(args, decoder):
     return cfg
 
 
+def draft_stop_text(event) -> str:
+    """Why drafting stopped; when the utility rule did not draft, its reason with the numbers."""
+    d = event.draft_decision
+    if event.draft_stop != "no-draft" or d is None:
+        return event.draft_stop
+    return d.text if d.can_pay else f"{d.text}; --no-utility drafts anyway"
+
+
+def event_line(event) -> str:
+    """One iteration, as `generate --events` prints it."""
+    fetched = ("" if event.verify_misses is None else
+               f" ({int(event.verify_misses.sum())} fetched, {event.verify_major_faults} storage faults)")
+    return (f"[{event.index}] drafted {len(event.drafted)} accepted {len(event.accepted)} "
+            f"({draft_stop_text(event)}) rollback {event.rollback} verify {event.verify_tokens} tok "
+            f"{int(event.verify_experts.sum())} experts{fetched}")
+
+
 def cmd_generate(args) -> int:
     from ..engine.decoder import Decoder, GenerationConfig
     import numpy as np
@@ -190,11 +207,7 @@ def cmd_generate(args) -> int:
                   f"T_exp {c.t_exp * 1e3:.4f} ms, T_tok {c.t_tok * 1e3:.3f} ms{fit}", file=sys.stderr)
         elif isinstance(event, Iteration):
             if args.events:
-                fetched = ("" if event.verify_misses is None else
-                           f" ({int(event.verify_misses.sum())} fetched, {event.verify_major_faults} storage faults)")
-                print(f"[{event.index}] drafted {len(event.drafted)} accepted {len(event.accepted)} "
-                      f"({event.draft_stop}) rollback {event.rollback} verify {event.verify_tokens} tok "
-                      f"{int(event.verify_experts.sum())} experts{fetched}", file=sys.stderr)
+                print(event_line(event), file=sys.stderr)
             if streaming:
                 sys.stdout.write(event.committed_text)
                 sys.stdout.flush()

@@ -54,6 +54,8 @@ class ChatScreen(Screen):
                         ("reuse", "distinct experts / (tokens × k) per layer; 1/tokens is perfect reuse"),
                         ("useful", "share of the verification's experts that committed tokens needed"),
                         ("moved", "expert selections reuse-aware gating moved onto shared experts"),
+                        ("no draft", "the utility rule's decision (or drafting, probing) with its numbers; "
+                                     "F7 turns the rule off"),
                         ("fetched", "under --budget: experts per step not in memory as their layer routed / read"),
                         ("faults", "under --budget: page faults per step that waited for storage")]),
     ]

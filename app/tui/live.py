@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rich.cells import cell_len
+from rich.console import Group
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from ...engine.events import Finished, Iteration, Summary
+from ...engine.events import DraftDecision, Finished, Iteration, Summary
 
 MAX_POINTS = 120  # iterations kept for the per-iteration plots
 
@@ -32,6 +35,7 @@ class LiveState:
     reuse_other_label: str = ""
     utilities: list[tuple[float | None, bool, float]] = field(default_factory=list)
     draft_stop: str = ""
+    decision: DraftDecision | None = None  # the utility rule's latest decision
     rollbacks: list[int] = field(default_factory=list)
     accept: list[int] = field(default_factory=list)
     speed: list[tuple[float, float]] = field(default_factory=list)  # (seconds since prefill, tok/s)
@@ -74,6 +78,8 @@ class LiveState:
         s = self.summary
         s.add(it)
         self.draft_stop = it.draft_stop
+        if it.draft_decision is not None:
+            self.decision = it.draft_decision
         if it.verify_tokens >= 2:
             self.reuse_last = [float(x) for x in it.reuse_ratio]
         if view is not None and it.candidates:
@@ -124,6 +130,27 @@ class LiveState:
         if s.cost is not None and s.cost.source:
             lines.append(f"cost: {s.cost.source}")
         return "\n".join(lines)
+
+    def why(self) -> list[str]:
+        """The utility rule's current decision in one line, most detailed wording first: the panel shows the
+        first that fits its width. Where drafting cannot pay, it says how to draft anyway."""
+        d = self.decision
+        if d is None:
+            return []
+        if d.can_pay:
+            return list(d.wordings)
+        hints = (" · F7 turns the rule off and drafts anyway", " · F7 forces it")
+        return [w + hint for w in d.wordings for hint in hints] + [f"{d.wordings[-1]} (F7)"]
+
+
+class FirstFit:
+    """The first of several wordings that fits the width it is drawn at (the last one wraps if none does)."""
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+
+    def __rich_console__(self, console, options):
+        yield Text(next((t for t in self.texts if cell_len(t) <= options.max_width), self.texts[-1]))
 
 
 class LivePlot(PlotextPlot):
@@ -304,6 +331,7 @@ class LivePanel(VerticalScroll):
         if not force and self._drawn == self.state.version:
             return
         self._drawn = self.state.version
-        self.query_one("#live-stats", Static).update(self.state.stats_text())
+        stats, why = self.state.stats_text(), self.state.why()
+        self.query_one("#live-stats", Static).update(Group(Text(stats), FirstFit(why)) if why else stats)
         for plot in self.plots:
             plot.draw(self.state)
