@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..engine.errors import ConfigError, S2MoEError
@@ -13,7 +14,7 @@ from ..engine.modes import MODES
 # The engine's names for the settings its errors are about → the flags that set them.
 FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk", "draft_max": "--draft-max",
          "reuse_strength": "--reuse-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
-         "n_ctx": "--ctx"}
+         "n_ctx": "--ctx", "n_threads": "--threads"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -236,6 +237,19 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# The commands that run llama.cpp: a failed check inside it ends them with one line (_abort_line).
+LLAMA_COMMANDS = ("generate", "calibrate", "bench", "app")
+
+
+def _abort_line(message: str) -> None:
+    """llama.cpp stopped on a failed internal check: the process cannot go on, but it can say so in one line
+    (ggml would print a debugger backtrace, on stdout) and exit as for bad input."""
+    sys.stderr.write(f"error: llama.cpp stopped on a failed check ({message}): the model file or a setting is "
+                     "not one it supports\n")
+    sys.stderr.flush()
+    os._exit(2)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -247,6 +261,10 @@ def main(argv=None) -> int:
         if getattr(args, "run", None) is None:
             parser.print_help()
             return 2
+        if args.command in LLAMA_COMMANDS:
+            from ..engine.runtime import on_llama_abort
+
+            on_llama_abort(_abort_line)
         return args.run(args)
     except S2MoEError as e:
         print(f"error: {e.worded(FLAGS)}", file=sys.stderr)

@@ -48,10 +48,12 @@ def run(args) -> int:
 
     from ..engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted, run_calibration
     from ..engine.offload import Budget
+    from ..engine.runtime import check_threads
     from .cli import default_model
 
     budget = Budget.parse(args.budget) if args.budget else None
     model = args.model or default_model()
+    check_threads(args.threads)
     console = Console(stderr=True, highlight=False)
     out = Console(highlight=False)
     console.print(f"calibrating [bold]{model}[/bold]" + (f" under a budget of {args.budget}" if budget else ""))

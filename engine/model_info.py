@@ -7,6 +7,7 @@ instead of a llama.cpp log dump, and tells the native hook how this architecture
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,12 @@ def fingerprint(path: Path, header: bytes, size: int) -> str:
     return h.hexdigest()[:16]
 
 
+# llama.cpp's own limits (llama-hparams.h, as built by llama-cpp-python 0.3.36): a file beyond them stops
+# the process in an assertion.
+LLAMA_MAX_LAYERS = 512
+LLAMA_MAX_EXPERTS = 1024
+# Architectures whose llama.cpp graph asserts that keys, values and rotary dimensions share one head size.
+_ONE_HEAD_SIZE = ("llama", "olmoe", "qwen3moe", "dots1")
 _MAX_HEADER_BYTES = 1 << 20
 
 
@@ -70,8 +77,66 @@ def _field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:
         return default
-    value = f.contents()
-    return value
+    try:
+        return f.contents()
+    except (ValueError, UnicodeDecodeError, IndexError):  # a string field that is not UTF-8, a bad array
+        raise ModelError(f"GGUF field {key} cannot be read") from None
+
+
+def _typed(reader, key: str, kind: str, name: str):
+    """A scalar of the GGUF type llama.cpp reads `key` as (u32, f32, bool), or None when absent. llama.cpp
+    accepts no other type for these keys."""
+    import gguf
+
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    want = {"u32": gguf.GGUFValueType.UINT32, "f32": gguf.GGUFValueType.FLOAT32,
+            "bool": gguf.GGUFValueType.BOOL}[kind]
+    if list(f.types) != [want]:
+        got = "an array" if f.types and f.types[0] == gguf.GGUFValueType.ARRAY else \
+            (f.types[0].name if f.types else "nothing")
+        raise ModelError(f"{name}: {key} must be a GGUF {want.name}, got {got}")
+    return _field(reader, key)
+
+
+def _validate(reader, arch: str, name: str) -> None:
+    """Reject the values that stop llama.cpp in an assertion (an abort, not an error it can return) and
+    those that can only give non-finite results, whatever the file's kind."""
+
+    def u32(key):
+        return _typed(reader, f"{arch}.{key}", "u32", name)
+
+    n_layer = u32("block_count")  # required: llama.cpp says so itself when it is missing
+    if n_layer is not None and not 1 <= n_layer <= LLAMA_MAX_LAYERS:
+        raise ModelError(f"{name}: block_count {n_layer} is outside llama.cpp's 1–{LLAMA_MAX_LAYERS} layers")
+    n_expert, n_used = u32("expert_count") or 0, u32("expert_used_count") or 0
+    if n_expert > LLAMA_MAX_EXPERTS:
+        raise ModelError(f"{name}: expert_count {n_expert} is above llama.cpp's limit of {LLAMA_MAX_EXPERTS}")
+    if n_expert == 0 and n_used:
+        raise ModelError(f"{name}: expert_used_count is {n_used} but the model has no experts (expert_count 0)")
+    if n_expert and not 1 <= n_used <= n_expert:
+        raise ModelError(f"{name}: expert_used_count {n_used} must be between 1 and expert_count ({n_expert})")
+    for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base"):
+        v = _typed(reader, f"{arch}.{key}", "f32", name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ModelError(f"{name}: {key} must be a finite number above 0, got {v}")
+    if arch in _ONE_HEAD_SIZE:
+        n_embd = u32("embedding_length")
+        n_head = None if _is_array(reader, f"{arch}.attention.head_count") else u32("attention.head_count")
+        default = n_embd // n_head if n_embd and n_head else None  # llama.cpp's default head size
+        k, v = u32("attention.key_length") or default, u32("attention.value_length") or default
+        rot = u32("rope.dimension_count") or k
+        if k is not None and not k == v == rot:
+            raise ModelError(f"{name}: the key, value and rotary head sizes must be equal for {arch} "
+                             f"(attention.key_length {k}, attention.value_length {v}, rope.dimension_count {rot})")
+
+
+def _is_array(reader, key: str) -> bool:
+    import gguf
+
+    f = reader.fields.get(key)
+    return f is not None and bool(f.types) and f.types[0] == gguf.GGUFValueType.ARRAY
 
 
 def read_model_info(path: str | os.PathLike) -> ModelInfo:
@@ -104,32 +169,33 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
     if end > size:
         raise ModelError(f"truncated GGUF: tensor data needs {end} bytes but {path} has {size}")
 
-    arch = str(_field(reader, "general.architecture", "") or "")
-    if not arch:
+    arch = _field(reader, "general.architecture", "")
+    if not arch or not isinstance(arch, str):
         raise ModelError(f"GGUF without general.architecture: {path}")
+    _validate(reader, arch, path.name)
 
-    def hp(key, default=0):
-        value = _field(reader, f"{arch}.{key}", default)
+    def u32(key, default=0):
+        value = _typed(reader, f"{arch}.{key}", "u32", path.name)
         return default if value is None else value
 
-    n_layer = int(hp("block_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_vocab = len(tokens.data) if tokens is not None else 0
-    gating = int(hp("expert_gating_func", 0) or _GATING_BY_ARCH.get(arch, GATING_SOFTMAX))
-    norm_default = _WEIGHT_NORM_BY_ARCH.get(arch, False)
-    weight_norm = bool(hp("expert_weights_norm", norm_default)) if arch not in ("qwen3moe",) else True
+    gating = u32("expert_gating_func") or _GATING_BY_ARCH.get(arch, GATING_SOFTMAX)
+    norm = _typed(reader, f"{arch}.expert_weights_norm", "bool", path.name)
+    weight_norm = True if arch == "qwen3moe" else (_WEIGHT_NORM_BY_ARCH.get(arch, False) if norm is None else norm)
+    name = _field(reader, "general.name", path.stem)
     return ModelInfo(
         path=path,
         arch=arch,
-        name=str(_field(reader, "general.name", path.stem) or path.stem),
-        n_layer=n_layer,
-        n_embd=int(hp("embedding_length")),
-        n_ctx_train=int(hp("context_length", 0)),
+        name=name if isinstance(name, str) and name else path.stem,
+        n_layer=u32("block_count"),
+        n_embd=u32("embedding_length"),
+        n_ctx_train=u32("context_length"),
         n_vocab=n_vocab,
-        n_expert=int(hp("expert_count", 0)),
-        n_expert_used=int(hp("expert_used_count", 0)),
+        n_expert=u32("expert_count"),
+        n_expert_used=u32("expert_used_count"),
         gating=gating,
-        weight_norm=weight_norm,
+        weight_norm=bool(weight_norm),
         biased_selection=biased or arch in ("llama4", "grovemoe"),
         expert_tensor_bytes=expert_bytes,
         file_bytes=size,

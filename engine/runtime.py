@@ -7,19 +7,31 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 from collections import deque
 from dataclasses import replace
+from typing import Callable
 
 import llama_cpp
 import numpy as np
 
 from .device import default_threads
-from .errors import ContextError, ModelError
+from .errors import OPTION, ConfigError, ContextError, ModelError
 from .hook import RoutingHook
 from .model_info import ModelInfo
 
 _log_tail: deque[str] = deque(maxlen=20)
 _log = logging.getLogger("s2moe.llama")
+
+# llama.cpp keeps n_ctx in 32 bits and rounds it up; far below that, a context this large is a typo.
+MAX_CTX = 1 << 24
+# The start-up cost measurement decodes a 32-token prefix in one batch, and llama.cpp caps a batch at
+# the context size asked for.
+MIN_CTX = 32
+# More threads than this many per CPU only wait for each other (999 threads on two cores did not finish
+# four tokens in two minutes); ggml allows at most 512.
+THREADS_PER_CPU = 4
+GGML_MAX_THREADS = 512
 
 
 @llama_cpp.llama_log_callback
@@ -44,12 +56,65 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_abort_hook = None  # the installed callback, kept alive
+
+
+def on_llama_abort(handler: Callable[[str], None]) -> None:
+    """Call handler(message) when ggml stops the process on a failed internal check (GGML_ASSERT), instead
+    of its debugger backtrace on stdout. The process still ends when handler returns: a failed check in C
+    cannot be returned from. The message names the check, its file and line, without the build's path."""
+    global _abort_hook
+    from llama_cpp import _ggml
+
+    def call(message):
+        text = (message or b"").decode("utf-8", "replace").strip()
+        handler(re.sub(r"^\S*/(?=\S+:\d+: )", "", text))
+
+    _abort_hook = _ABORT_CALLBACK(call)
+    _ggml.libggml.ggml_set_abort_callback.argtypes = [_ABORT_CALLBACK]
+    _ggml.libggml.ggml_set_abort_callback.restype = _ABORT_CALLBACK
+    _ggml.libggml.ggml_set_abort_callback(_abort_hook)
+
+
 def last_llama_error() -> str:
+    """llama.cpp's own reason for the last failure, from its log: the line it reports the error on
+    (without its function-name prefix), else the last line that sounds like one."""
+    for line in reversed(_log_tail):
+        marker = line.find("error loading model: ")
+        if marker >= 0:
+            return " ".join(line[marker + len("error loading model: "):].split())
     for line in reversed(_log_tail):
         low = line.lower()
-        if "error" in low or "failed" in low or "invalid" in low:
-            return line
+        if "error" in low or "failed" in low or "invalid" in low or "insufficient" in low:
+            return " ".join(re.sub(r"^[A-Za-z_][\w:]*: ", "", line).split())
     return _log_tail[-1] if _log_tail else "no details"
+
+
+def max_threads() -> int:
+    return min(GGML_MAX_THREADS, THREADS_PER_CPU * default_threads())
+
+
+def check_threads(n_threads: int | None) -> None:
+    """ConfigError for a thread count that cannot help (None: the default)."""
+    if n_threads is None:
+        return
+    if n_threads < 1:
+        raise ConfigError(f"{OPTION} must be at least 1", option="n_threads")
+    if n_threads > max_threads():
+        cpus = default_threads()
+        raise ConfigError(f"{OPTION} {n_threads} is more than {max_threads()} ({THREADS_PER_CPU} × the {cpus} "
+                          f"CPU{'s' if cpus != 1 else ''} this process may run on): extra threads only wait for "
+                          "each other", option="n_threads")
+
+
+def check_ctx(n_ctx: int, min_ctx: int = MIN_CTX) -> None:
+    if n_ctx < min_ctx:
+        raise ConfigError(f"{OPTION} {n_ctx} is too small: the context must hold at least {min_ctx} tokens "
+                          "(a verification batch and the start-up cost measurement)", option="n_ctx")
+    if n_ctx > MAX_CTX:
+        raise ConfigError(f"{OPTION} {n_ctx} is above the largest context s2moe accepts ({MAX_CTX} tokens)",
+                          option="n_ctx")
 
 
 class LlamaRuntime:
@@ -67,6 +132,8 @@ class LlamaRuntime:
         int_overrides: dict[str, int] | None = None,
         install_hook: bool = True,
     ):
+        check_threads(n_threads)
+        check_ctx(n_ctx, max(MIN_CTX, max_verify_rows))
         _init_backend()
         self.info = info
         mparams = llama_cpp.llama_model_default_params()
@@ -86,7 +153,7 @@ class LlamaRuntime:
                 self.info = info = replace(info, n_expert_used=int(int_overrides[used_key]))
         self.model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), mparams)
         if not self.model:
-            raise ModelError(f"llama.cpp could not load {info.path}: {last_llama_error()}")
+            raise ModelError(f"llama.cpp could not load {info.path.name}: {last_llama_error()}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
 
@@ -108,11 +175,12 @@ class LlamaRuntime:
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             self.model = None
-            raise ModelError(f"llama.cpp could not create a context for {info.path}: {last_llama_error()}")
+            raise ModelError(f"llama.cpp could not create a context for {info.path.name}: {last_llama_error()}")
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)  # llama.cpp caps n_batch at n_ctx
         if self.n_batch < max_verify_rows:
-            raise ModelError(f"context of {self.n_ctx} tokens is too small for verification batches of {max_verify_rows}")
+            raise ModelError(f"llama.cpp gave batches of {self.n_batch} tokens, fewer than verification batches of "
+                             f"{max_verify_rows}")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         b = self._batch

@@ -3,10 +3,17 @@ for bad input, exit code 130 for Ctrl-C, no hang, no half-written or left-behind
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
+import sys
 import threading
 
+import gguf
 import pytest
+from conftest import variant_spec
+from tinygguf import TinySpec, write_tiny
 
 from s2moe.app.cli import main
 from s2moe.engine.errors import ConfigError, ModelError
@@ -105,3 +112,116 @@ def test_a_fifo_in_the_profile_folder_is_listed_as_invalid(make_fifo, tmp_path, 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     (entry,) = [e for e in list_profiles() if e.name == "pipe"]
     assert entry.kind == "invalid" and "not a regular file" in entry.error
+
+
+# -- what llama.cpp asserts on is refused before it sees the file -------------------------------------------
+U32, F32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING
+NAN, INF = float("nan"), float("inf")
+
+# Each of these stopped llama.cpp in an assertion (exit 134, a debugger backtrace on stdout) or a
+# traceback here, on a file that otherwise looks fine.
+ASSERTED = [
+    ("olmoe", {"{arch}.expert_count": (0, U32)}, "expert_count 0"),
+    ("olmoe", {"{arch}.expert_count": (1, U32)}, "between 1 and expert_count (1)"),
+    ("olmoe", {"{arch}.expert_count": (100000, U32)}, "limit of 1024"),
+    ("olmoe", {"{arch}.expert_count": None}, "expert_count 0"),
+    ("olmoe", {"{arch}.expert_count": ("8", STR)}, "expert_count must be a GGUF UINT32, got STRING"),
+    ("olmoe", {"{arch}.expert_used_count": (0, U32)}, "between 1 and expert_count (8)"),
+    ("olmoe", {"{arch}.expert_used_count": (9, U32)}, "between 1 and expert_count (8)"),
+    ("llama", {"{arch}.expert_used_count": (2, U32)}, "no experts"),
+    ("olmoe", {"{arch}.block_count": (0, U32)}, "block_count 0 is outside"),
+    ("olmoe", {"{arch}.block_count": (0xFFFFFFFF, U32)}, "block_count 4294967295 is outside"),
+    ("llama", {"{arch}.block_count": (513, U32)}, "1–512 layers"),
+    ("qwen3moe", {"{arch}.attention.layer_norm_rms_epsilon": (NAN, F32)}, "layer_norm_rms_epsilon must be"),
+    ("olmoe", {"{arch}.attention.layer_norm_rms_epsilon": (-1.0, F32)}, "finite number above 0, got -1.0"),
+    ("olmoe", {"{arch}.attention.layer_norm_rms_epsilon": (INF, F32)}, "layer_norm_rms_epsilon"),
+    ("llama", {"{arch}.attention.layer_norm_rms_epsilon": (0.0, F32)}, "layer_norm_rms_epsilon"),
+    ("olmoe", {"{arch}.attention.layer_norm_epsilon": (NAN, F32)}, "layer_norm_epsilon must be"),
+    ("dots1", {"{arch}.rope.freq_base": (0.0, F32)}, "rope.freq_base"),
+    ("olmoe", {"{arch}.attention.key_length": (8, U32)}, "head sizes must be equal"),
+    ("qwen3moe", {"{arch}.rope.dimension_count": (8, U32)}, "head sizes must be equal"),
+    ("dots1", {"{arch}.attention.value_length": (8, U32)}, "head sizes must be equal"),
+    ("olmoe", {"{arch}.context_length": ("x", STR)}, "context_length must be a GGUF UINT32"),
+]
+
+
+@pytest.mark.parametrize("arch,metadata,needle", ASSERTED,
+                         ids=[f"{a}-{'-'.join(m)}-{n[:12]}" for a, m, n in ASSERTED])
+def test_metadata_llama_cpp_asserts_on_is_refused_first(tmp_path, capsys, arch, metadata, needle):
+    from s2moe.engine.model_info import read_model_info
+
+    model = write_tiny(tmp_path / "m.gguf", variant_spec(arch) if arch != "llama" else TinySpec(arch="llama"),
+                       metadata=metadata)
+    with pytest.raises(ModelError, match=re.escape(needle)):
+        read_model_info(model)
+    # the CLI, in this very process: were the check missing, llama.cpp would stop the test run here
+    rc, out, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "-n", "2", "--threads", "1", "--json")
+    assert_one_line(rc, err, needle)
+    assert out == ""
+
+
+def test_llama_cpp_load_failures_say_why(tmp_path, capsys):
+    # 7 experts declared, tensors of 8: llama.cpp refuses the file (no assertion) and says which tensor
+    model = write_tiny(tmp_path / "m.gguf", variant_spec("olmoe"), metadata={"{arch}.expert_count": (7, U32)})
+    rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "-n", "2", "--threads", "1")
+    assert_one_line(rc, err, "llama.cpp could not load m.gguf: check_tensor_dims: tensor 'blk.0.ffn_gate_inp.weight' "
+                             "has wrong shape")
+    model = write_tiny(tmp_path / "arch.gguf", variant_spec("olmoe"), metadata={"general.architecture": ("nosuch", STR)})
+    rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "-n", "2", "--threads", "1")
+    assert_one_line(rc, err, "unknown model architecture: 'nosuch'")
+
+
+LLAMA_ABORT = """
+import sys
+import llama_cpp
+from s2moe.app.cli import _abort_line
+from s2moe.engine.runtime import on_llama_abort
+on_llama_abort(_abort_line)
+llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), llama_cpp.llama_model_default_params())
+print("not reached")
+"""
+
+
+def test_a_failed_check_inside_llama_cpp_is_one_line_not_a_backtrace(tmp_path):
+    """The last line of defence, for a check the model reader does not know yet: a file that stops llama.cpp
+    in an assertion, loaded past the reader."""
+    model = write_tiny(tmp_path / "m.gguf", variant_spec("olmoe"), metadata={"{arch}.block_count": (0, U32)})
+    done = subprocess.run([sys.executable, "-c", LLAMA_ABORT, str(model)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout[-2000:])
+    assert done.stderr.splitlines()[-1] == (
+        "error: llama.cpp stopped on a failed check (llama-model.cpp:1328: GGML_ASSERT(hparams.n_layer_all > 0 && "
+        "hparams.n_layer_all <= LLAMA_MAX_LAYERS) failed): the model file or a setting is not one it supports")
+
+
+# -- threads and context ----------------------------------------------------------------------------------
+def test_threads_are_capped_with_one_line(tiny_models, capsys, monkeypatch):
+    from s2moe.engine import runtime
+
+    monkeypatch.setattr(runtime, "default_threads", lambda: 2)
+    for threads in ("999", "99999999999999999999"):
+        rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--threads", threads)
+        assert_one_line(rc, err, f"--threads {threads} is more than 8 (4 × the 2 CPUs")
+    rc, _, err = run_cli(capsys, "calibrate", "-m", tiny_models["olmoe"], "--threads", "999", "--no-save")
+    assert_one_line(rc, err, "--threads 999 is more than 8")
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "2", "--threads", "8",
+                         "--mode", "ar")
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("ctx,needle", [("1", "--ctx 1 is too small: the context must hold at least 32 tokens"),
+                                        ("16", "--ctx 16 is too small"), ("17", "at least 32 tokens"),
+                                        ("31", "--ctx 31 is too small"),
+                                        ("4294967296", "--ctx 4294967296 is above the largest context s2moe accepts "
+                                                       "(16777216 tokens)")])
+def test_context_sizes_out_of_range_say_the_limit(tiny_models, capsys, ctx, needle):
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--ctx", ctx, "--threads", "1")
+    assert_one_line(rc, err, needle)
+
+
+def test_the_smallest_context_runs_every_mode(tiny_models, capsys):
+    for mode in ("s2moe", "ar"):
+        rc, out, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "--ctx", "32",
+                               "--threads", "1", "--mode", mode, "--json", "--ignore-eos")
+        assert rc == 0, err
+        assert json.loads(out)["n_tokens"] == 4

@@ -39,6 +39,9 @@ class TinySpec:
     selection_bias: bool = True   # dots1: write the per-expert selection bias (exp_probs_b)
     # (layer, expert) pairs whose expert weights are filled with NaN
     poison: list[tuple[int, int]] = field(default_factory=list)
+    # metadata written as given: key ("{arch}" stands for the architecture) → (value, GGUFValueType), or
+    # None to leave the key out; for files llama.cpp must refuse
+    metadata: dict = field(default_factory=dict)
 
 
 def _tokenizer(w: gguf.GGUFWriter) -> int:
@@ -133,6 +136,12 @@ def write_tiny(path: str | Path, spec: TinySpec | None = None, **overrides) -> P
             w.add_tensor(p + "ffn_gate_shexp.weight", rand(spec.n_ff, d))
             w.add_tensor(p + "ffn_up_shexp.weight", rand(spec.n_ff, d))
             w.add_tensor(p + "ffn_down_shexp.weight", rand(d, spec.n_ff))
+    for key, typed in spec.metadata.items():
+        key = key.replace("{arch}", spec.arch)
+        if typed is None:
+            w.kv_data[0].pop(key, None)
+        else:
+            w.kv_data[0][key] = gguf.GGUFValue(value=typed[0], type=typed[1])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
