@@ -50,6 +50,7 @@ def run(args) -> int:
     from ..engine.offload import Budget
     from ..engine.runtime import check_threads
     from .cli import default_model
+    from .tui.calibrate import step_outcome
 
     budget = Budget.parse(args.budget) if args.budget else None
     model = args.model or default_model()
@@ -61,6 +62,7 @@ def run(args) -> int:
                         console=console, transient=True)
     task = None
     done_event = None
+    failed = []
     with progress:
         for ev in run_calibration(model, budget=budget, prompts=args.prompts, name=args.name,
                                   save=not args.no_save, n_threads=args.threads, repeats=args.repeats):
@@ -72,7 +74,17 @@ def run(args) -> int:
                 if task is not None:
                     progress.remove_task(task)
                     task = None
-                progress.console.print(f"[bold][{ev.index}] {ev.name}[/bold]: {ev.summary}")
+                outcome = step_outcome(ev)  # the CLI names its flags: no field names
+                head = (f"[{ev.index}] {ev.name}", "bold red" if outcome.state == "failed" else "bold")
+                if outcome.state == "failed":
+                    failed.append(ev.name)
+                    note = f" ({outcome.note})" if outcome.note else ""
+                    progress.console.print(Text.assemble(head, ": ", ("✖ failed", "bold red"),
+                                                         f": {outcome.reason}{note}"))
+                else:
+                    progress.console.print(Text.assemble(head, f": {ev.summary}"))
+                for flag in outcome.flags:
+                    progress.console.print(Text.assemble("    ", ("⚠ " + flag, "yellow")))
                 if "measured" in ev.data and not args.no_plot and len(ev.data["measured"]) >= 3:
                     label = "under the budget" if ev.name == "budget" else "resident"
                     plot = _plot(ev.data, f"verification cost model ({label}): R² {ev.data['r2']:.3f}, "
@@ -85,4 +97,7 @@ def run(args) -> int:
         return 1
     if done_event.path is not None:
         out.print(f"profile written: {done_event.path}  (use it with --profile {done_event.profile['name']})")
+    if failed:
+        print(f"warning: {len(failed)} step{'s' if len(failed) > 1 else ''} failed ({', '.join(failed)}): the profile "
+              "lacks what they measure", file=sys.stderr)
     return 0

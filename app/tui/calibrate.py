@@ -3,14 +3,16 @@ then save the result as a named profile."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import re
+from dataclasses import dataclass, field
 
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
 from textual_plotext import PlotextPlot
 
@@ -30,15 +32,106 @@ INTRO = (
 )
 
 
+FIT_R2_MIN = 0.8  # a cost-model fit below this explains too little of the measured time to decide with
+# The wizard's fields, for engine messages that name the flag setting the same thing.
+FIELDS = {"--budget": "the Memory budget field", "--name": "the Profile name field"}
+_CLASS_PREFIX = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Unavailable|Exit|Interrupt)\w*: ")
+_CONSTANTS = (("t_ar_ms", "T_AR"), ("c_draft_ms", "C_draft"), ("t_exp_ms", "T_exp"), ("t_tok_ms", "T_tok"),
+              ("t_exp_cold_ms", "T_exp cold"))
+
+
+def plain_words(text: str, fields: dict[str, str] | None = None) -> str:
+    """A failure as its reader should read it: without exception class names (a worker process reports its
+    traceback's last line), with the fields the reader fills in instead of the flags named by `fields`."""
+    text = text.strip()
+    while _CLASS_PREFIX.match(text):
+        text = _CLASS_PREFIX.sub("", text, count=1)
+    for flag, name in (fields or {}).items():
+        text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", name, text)
+    return text
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a calibration step's result means: measured, failed (with the reason) or skipped, and any doubt
+    about what it measured."""
+
+    state: str                   # done | failed | skipped
+    reason: str = ""             # why it failed or was skipped
+    note: str = ""               # what the step still did (e.g. a value derived instead)
+    flags: tuple[str, ...] = ()  # doubts about a measured value
+
+
+def step_outcome(result: StepResult, fields: dict[str, str] | None = None) -> Outcome:
+    data = result.data or {}
+    skipped = data.get("skipped")
+    if skipped:
+        note = result.summary[len(skipped):].lstrip("; ") if result.summary.startswith(skipped) else ""
+        if skipped.startswith("skipped: no memory budget given"):
+            return Outcome("skipped", skipped[len("skipped: "):], note)
+        # a budget was given but could not be measured under: its figures are missing from the profile
+        reason = skipped[len("failed: "):] if skipped.startswith("failed: ") else skipped
+        return Outcome("failed", plain_words(reason, fields), note)
+    flags = []
+    r2 = data.get("r2")
+    if r2 is not None and r2 < FIT_R2_MIN:
+        flags.append(f"fit R² {r2:.2f} is below {FIT_R2_MIN}: the cost model explains little of the measured time")
+    for key, label in _CONSTANTS:
+        v = data.get(key)
+        if v is not None and v <= 0:
+            flags.append(f"{label} {v:.4f} ms is not positive: the measurement could not tell it from noise")
+    return Outcome("done", flags=tuple(flags))
+
+
 @dataclass
 class StepState:
     index: int
     name: str
     description: str = ""
-    state: str = "running"  # running | done
+    state: str = "running"  # running | done | failed | skipped
     done: int = 0
     total: int = 0
     summary: str = ""
+    reason: str = ""        # failed or skipped: why
+    flags: list[str] = field(default_factory=list)
+
+
+class ConfirmSave(ModalScreen[bool]):
+    """Asks before saving a profile that lacks what failed steps would have measured."""
+
+    DEFAULT_CSS = "ConfirmSave { align: center middle; } #confirm-text { padding: 0 0 1 0; }"
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save anyway")]
+
+    def __init__(self, failed: list[StepState]):
+        super().__init__()
+        self.failed = failed
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-box", classes="dialog"):
+            yield Label("Save a profile with failed steps?", classes="dialog-title")
+            lines = [f"✖ {s.name}: {s.reason}" for s in self.failed]
+            lines.append("The profile will lack what they measure, and say so.")
+            yield Static("\n".join(lines), id="confirm-text")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save anyway", variant="warning", id="confirm-save")
+                yield Button("Cancel", id="confirm-cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#confirm-cancel").focus()
+
+    def action_save(self) -> None:
+        self.dismiss(True)
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+    @on(Button.Pressed, "#confirm-save")
+    def _save_pressed(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#confirm-cancel")
+    def _cancel_pressed(self) -> None:
+        self.dismiss(False)
 
 
 class FitPlot(PlotextPlot):
@@ -138,20 +231,37 @@ class CalibrateScreen(Screen):
     def steps_text(self) -> Text:
         text = Text()
         for step in sorted(self.steps.values(), key=lambda s: s.index):
-            mark = "✔" if step.state == "done" else "▶"
-            text.append(f"{mark} {step.index}/{self.n_steps or len(self.steps)} {step.name}\n", style="bold" if step.state != "done" else "")
+            mark = {"done": "⚠" if step.flags else "✔", "failed": "✖", "skipped": "–"}.get(step.state, "▶")
+            style = {"running": "bold", "failed": "bold red",
+                     "done": "yellow" if step.flags else ""}.get(step.state, "")
+            text.append(f"{mark} {step.index}/{self.n_steps or len(self.steps)} {step.name}\n", style=style)
             if step.description:
                 text.append(f"   {step.description}\n", style="dim")
-            if step.state != "done" and step.total:
+            if step.state == "running" and step.total:
                 text.append(f"   {step.done}/{step.total}\n", style="dim")
+            if step.state == "failed":
+                text.append(f"   failed: {step.reason}\n", style="red")
+            elif step.state == "skipped":
+                text.append(f"   skipped: {step.reason}\n", style="dim")
             if step.summary:
                 text.append(f"   {step.summary}\n")
+            for flag in step.flags:
+                text.append(f"   ⚠ {flag}\n", style="yellow")
         if self.result is not None:
+            failed = self.failed_steps()
             if self.saved_path:
                 text.append(f"\nSaved as profile “{self.result_name()}” and made active.", style="bold")
+            elif failed:
+                names = ", ".join(s.name for s in failed)
+                text.append(f"\nFinished, but {len(failed)} step{'s' if len(failed) > 1 else ''} failed ({names}). "
+                            "Ctrl+S saves what was measured: it asks first, and the profile says what is missing.",
+                            style="bold")
             else:
                 text.append("\nDone. Press Ctrl+S (or Save profile) to save it as a named profile.", style="bold")
         return text
+
+    def failed_steps(self) -> list[StepState]:
+        return [s for s in sorted(self.steps.values(), key=lambda s: s.index) if s.state == "failed"]
 
     # -- running ---------------------------------------------------------------------------------
     def action_start(self) -> None:
@@ -204,8 +314,9 @@ class CalibrateScreen(Screen):
         elif isinstance(ev, StepResult):
             step = self.steps.setdefault(ev.index, StepState(ev.index, ev.name))
             step.total = 0
-            step.state = "done"
-            step.summary = ev.summary
+            outcome = step_outcome(ev, FIELDS)
+            step.state, step.reason, step.flags = outcome.state, outcome.reason, list(outcome.flags)
+            step.summary = ev.summary if outcome.state == "done" else outcome.note
             data = ev.data
             if "measured" in data and "predicted" in data:
                 self.fit = data
@@ -226,7 +337,12 @@ class CalibrateScreen(Screen):
         self.call_after_refresh(left.scroll_end, animate=False)  # keep the newest step in view
 
     def on_engine_failed(self, message: EngineFailed) -> None:
-        self.notify(message.text, title="Calibration failed", severity="error", timeout=10)
+        reason = plain_words(message.text, FIELDS)
+        for step in self.steps.values():
+            if step.state == "running":
+                step.state, step.reason = "failed", reason
+        self.query_one("#cal-steps", Static).update(self.steps_text())
+        self.notify(reason, title="Calibration failed", severity="error", timeout=10)
 
     def on_job_ended(self, message: JobEnded) -> None:
         self.running = False
@@ -250,8 +366,39 @@ class CalibrateScreen(Screen):
             self.notify("type a profile name first", severity="warning")
             self.query_one("#cal-name", Input).focus()
             return
+        failed = self.failed_steps()
+        if not failed:
+            self.save(name)
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.save(name)
+
+        self.app.push_screen(ConfirmSave(failed), answered)
+
+    def profile_to_save(self) -> dict:
+        """The result, with what failed steps did not measure and which values are in doubt recorded in this
+        model's block (measured.missing, measured.flagged)."""
+        profile = copy.deepcopy(self.result)
+        missing = [f"{s.name}: {s.reason}" for s in self.failed_steps()]
+        flagged = [f"{s.name}: {flag}" for s in sorted(self.steps.values(), key=lambda s: s.index) for flag in s.flags]
+        if not missing and not flagged:
+            return profile
+        models = profile.get("models") or {}
+        model = self.app.session.model
+        fp = model.fingerprint if model is not None and model.fingerprint in models else next(iter(models), None)
+        if fp is not None:
+            measured = models[fp].setdefault("measured", {})
+            if missing:
+                measured["missing"] = missing
+            if flagged:
+                measured["flagged"] = flagged
+        return profile
+
+    def save(self, name: str) -> None:
         try:
-            self.saved_path = save_profile(self.result, name)
+            self.saved_path = save_profile(self.profile_to_save(), name)
         except S2MoEError as e:
             self.notify(str(e), title="Not saved", severity="error")
             return
