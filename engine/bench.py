@@ -325,10 +325,11 @@ def run_bench(
     if "ar" not in modes:
         modes = ["ar"] + list(modes)
     base = base or GenerationConfig()
-    base = replace(base, n_predict=n_tokens, stop_at_eos=False)
-    configs = {name: mode_config(name, base) for name in modes}
     own_decoder = decoder is None
-    dec = decoder or Decoder(model, n_ctx=n_ctx, n_threads=n_threads, max_draft=max(16, base.draft_max))
+    dec = decoder or Decoder(model, n_ctx=n_ctx, n_threads=n_threads, max_draft=max(16, base.draft_max or 0))
+    # the model decides what the caller left open, so that the report says what ran
+    base = replace(base.resolved(dec.info), n_predict=n_tokens, stop_at_eos=False)
+    configs = {name: mode_config(name, base) for name in modes}
     for name, cfg in configs.items():
         cfg.validate(dec.info)
     total = len(prompts) * len(modes)
