@@ -8,7 +8,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+import signal
+import threading
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable
 
@@ -75,6 +78,28 @@ def on_llama_abort(handler: Callable[[str], None]) -> None:
     _ggml.libggml.ggml_set_abort_callback.argtypes = [_ABORT_CALLBACK]
     _ggml.libggml.ggml_set_abort_callback.restype = _ABORT_CALLBACK
     _ggml.libggml.ggml_set_abort_callback(_abort_hook)
+
+
+@contextmanager
+def _sigint_after_call():
+    """Ctrl-C while llama.cpp runs would raise KeyboardInterrupt inside the log callback, where ctypes
+    prints it and drops it: the load would go on as if nothing happened. Over the call, a Ctrl-C is only
+    noted; it is raised (through the handler that was there) once the call has returned."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers run in the main thread only: nothing to hold here
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # SIG_IGN, SIG_DFL: no Python handler to drop
+        yield
+        return
+    noted = []
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if noted:
+            previous(signal.SIGINT, None)
 
 
 def last_llama_error() -> str:
@@ -151,7 +176,8 @@ class LlamaRuntime:
             used_key = f"{info.arch}.expert_used_count"
             if used_key in int_overrides:
                 self.info = info = replace(info, n_expert_used=int(int_overrides[used_key]))
-        self.model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), mparams)
+        with _sigint_after_call():
+            self.model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), mparams)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {info.path.name}: {last_llama_error()}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
@@ -171,7 +197,8 @@ class LlamaRuntime:
         if self.hook is not None:
             cparams.cb_eval = ctypes.cast(ctypes.c_void_p(self.hook.callback), llama_cpp.ggml_backend_sched_eval_callback)
             cparams.cb_eval_user_data = ctypes.c_void_p(self.hook.user_data)
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        with _sigint_after_call():
+            self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             self.model = None

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import gguf
 import pytest
@@ -225,3 +227,97 @@ def test_the_smallest_context_runs_every_mode(tiny_models, capsys):
                                "--threads", "1", "--mode", mode, "--json", "--ignore-eos")
         assert rc == 0, err
         assert json.loads(out)["n_tokens"] == 4
+
+
+# -- Ctrl-C at any moment -------------------------------------------------------------------------------------
+class _InterruptOnFirstLine:
+    """Stands in for the llama.cpp log: the first line it is given, the process gets a Ctrl-C (SIGINT), so
+    the Python handler runs inside llama.cpp's log callback, in the middle of a model load."""
+
+    def __init__(self):
+        self.sent = False
+
+    def debug(self, msg, *args):
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_inside_llama_cpp_log_callback_interrupts_the_load(tiny_models, monkeypatch, capfd):
+    from s2moe.engine import runtime
+    from s2moe.engine.model_info import read_model_info
+
+    info = read_model_info(tiny_models["olmoe"])
+    monkeypatch.setattr(runtime, "_log", _InterruptOnFirstLine())
+    with pytest.raises(KeyboardInterrupt):
+        runtime.LlamaRuntime(info, n_ctx=64, n_threads=1)
+    assert runtime._log.sent
+    assert "Exception ignored" not in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    runtime.LlamaRuntime(info, n_ctx=64, n_threads=1).close()  # the handler is back: a load without Ctrl-C works
+
+
+def test_ctrl_c_during_calibrate_model_load_writes_no_profile(tiny_models, monkeypatch, tmp_path):
+    from s2moe.engine import runtime
+    from s2moe.engine.calibrate import run_calibration
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    monkeypatch.setattr(runtime, "_log", _InterruptOnFirstLine())
+    with pytest.raises(KeyboardInterrupt):
+        for _ in run_calibration(str(tiny_models["olmoe"]), prompts=["hello"], n_threads=1, repeats=1):
+            pass
+    assert not list(tmp_path.rglob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def widened_model(tmp_path_factory):
+    """The shipped default model with experts 8 times as wide: a load long enough to land a signal in."""
+    out = tmp_path_factory.mktemp("widened") / "w8.gguf"
+    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "make-synthetic", "--from", "olmoe-64x8",
+                           "--widen", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _inside_llama_load(pid: int, model: str, seen: dict) -> bool:
+    """Whether llama.cpp now has the model open, judged from outside: our own reader maps the file and lets
+    go of it first; the next time the process holds it open is llama.cpp's load."""
+    try:
+        fds = sum(1 for fd in os.listdir(f"/proc/{pid}/fd") if _link(f"/proc/{pid}/fd/{fd}") == model)
+        with open(f"/proc/{pid}/maps") as f:
+            mapped = model in f.read()
+    except OSError:
+        return False
+    if mapped and not seen.get("llama"):
+        seen["reader"] = True
+    if seen.get("reader") and not mapped and fds == 0:
+        seen["llama"] = True  # the reader has let go; llama.cpp opens it next
+        return False
+    return bool(seen.get("llama") and fds)
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("delay_ms", [0, 15, 30, 45])
+def test_ctrl_c_during_a_real_model_load_exits_130(widened_model, delay_ms):
+    """A real Ctrl-C from outside, sent while llama.cpp loads a 160 MB model: before, it was swallowed in the
+    log callback and generation went on to exit 0."""
+    model = os.path.realpath(widened_model)
+    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hello",
+                             "-n", "100000", "--ignore-eos", "--mode", "ar", "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen, deadline = {}, time.monotonic() + 60
+        while not _inside_llama_load(proc.pid, model, seen):
+            assert proc.poll() is None and time.monotonic() < deadline, "never saw llama.cpp load the model"
+        time.sleep(delay_ms / 1000)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == "interrupted\n", (proc.returncode, err)
