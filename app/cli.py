@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 
 from ..engine.errors import ConfigError, S2MoEError
 from ..engine.modes import MODES
@@ -32,6 +35,46 @@ def positive_int(text: str) -> int:
     return v
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number ≥ 0, got {v}")
+    return v
+
+
+def _gpu_layers(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not -1 <= v < 1 << 31:
+        raise argparse.ArgumentTypeError(f"must be -1 (all layers), 0 or a number of layers, got {v}")
+    return v
+
+
+def nonempty(text: str) -> str:
+    """A path or name: an empty one is a mistake, not a request for the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def budget_text(text: str) -> str:
+    """`auto` or a size that Budget.parse reads, checked when parsing the command line."""
+    from ..engine.offload import Budget
+
+    try:
+        Budget.parse(nonempty(text))
+    except S2MoEError as e:
+        raise argparse.ArgumentTypeError(e.message) from None
+    except (OverflowError, ValueError):
+        raise argparse.ArgumentTypeError(f"size {text[:24]}{'…' if len(text) > 24 else ''} is too large") from None
+    return text
+
+
 def _non_negative_float(text: str) -> float:
     try:
         v = float(text)
@@ -52,13 +95,14 @@ def default_model() -> str:
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
+    p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
     p.add_argument("-n", "--n-predict", type=positive_int, default=128, help="tokens to generate")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", help="device profile name or YAML path (cost constants); measured at start-up if absent")
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--profile", type=nonempty,
+                   help="device profile name or YAML path (cost constants); measured at start-up if absent")
     p.add_argument("--draft-topk", type=positive_int, default=None,
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
     p.add_argument("--draft-max", type=positive_int, default=8, help="cap on draft length")
@@ -70,12 +114,13 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="preferred experts |E*| (default: twice the model's experts per token, below its expert count)")
     p.add_argument("--ctx", type=positive_int, default=2048, help="context window in tokens")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
-    p.add_argument("--gpu-layers", type=int, default=0,
+    p.add_argument("--gpu-layers", type=_gpu_layers, default=0,
                    help="layers to offload to the GPU in a CUDA/Metal/Vulkan build of llama.cpp (-1: all)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument("--budget", help="memory budget, e.g. 800M or 2G, or auto (what the process holds + a third of the "
-                                    "expert bytes): decode in a memory cgroup of that size with experts offloaded "
-                                    "to storage (pinned weights, hot experts, prefetch)")
+    p.add_argument("--budget", type=budget_text,
+                   help="memory budget, e.g. 800M or 2G, or auto (what the process holds + a third of the expert "
+                        "bytes): decode in a memory cgroup of that size with experts offloaded to storage (pinned "
+                        "weights, hot experts, prefetch)")
 
 
 # Other subcommands live in their own modules (s2moe.app.cmd_*), each with add_parser(sub) and
@@ -97,7 +142,21 @@ def run_cli_in_budget(cli_argv: list[str], budget, model: str, *, tag: str) -> i
     from ..engine import offload
 
     with offload.run_in_budget([sys.executable, "-m", "s2moe.app.cli", *cli_argv], budget, model, tag=tag) as run:
-        return run.wait()
+        try:
+            return run.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C at the terminal reaches the child too (one process group); SIGTERM, or a signal to
+            # this pid alone, does not: make sure it has one, and let it say "interrupted" itself.
+            try:
+                run.proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                run.proc.send_signal(signal.SIGINT)
+            try:
+                if run.proc.wait(timeout=5) == 130:
+                    return 130
+            except subprocess.TimeoutExpired:
+                pass
+            raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,15 +225,15 @@ def cmd_generate(args) -> int:
     from ..engine import offload
     from ..engine.events import Finished, Iteration, ResidencySnapshot, Started, Summary
 
-    model = args.model or default_model()
+    model = args.model if args.model is not None else default_model()
     # Validate flags that need no model before loading one.
     GenerationConfig(mode=args.mode, n_predict=args.n_predict, temperature=args.temp,
                      draft_topk=args.draft_topk, draft_max=args.draft_max).validate()
-    budget = offload.Budget.parse(args.budget) if args.budget else None
+    budget = offload.Budget.parse(args.budget) if args.budget is not None else None
     if budget is not None and offload.current_budget() is None:
         return run_cli_in_budget(args._argv, budget, model, tag="run")
     decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max),
-                      use_extra_bufts=budget is None)
+                      use_extra_bufts=budget is None, n_gpu_layers=args.gpu_layers)
     offloader = None
     if budget is not None:
         from dataclasses import replace
@@ -250,6 +309,19 @@ def _abort_line(message: str) -> None:
     os._exit(2)
 
 
+def _say_interrupted() -> None:
+    """'interrupted', once: a second Ctrl-C while saying it (or one a budget's parent passes on) is ignored
+    rather than raised in the middle of the handler as a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        print("interrupted", file=sys.stderr)
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        print("interrupted", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -270,7 +342,7 @@ def main(argv=None) -> int:
         print(f"error: {e.worded(FLAGS)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        _say_interrupted()
         return 130
     except BrokenPipeError:
         return 0

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 
 def add_parser(sub) -> None:
-    from .cli import positive_int
+    from .cli import budget_text, nonempty, positive_int
 
     p = sub.add_parser("calibrate", help="measure cost constants and hot experts; write a device profile")
-    p.add_argument("--model", "-m", help="GGUF MoE model (default: the shipped model)")
-    p.add_argument("--budget", help="memory budget, e.g. 800M or 2G, or auto (what the process holds plus a third "
-                                    "of the expert bytes, as bench and app --budget auto): hot experts are chosen "
-                                    "to fit it and the verification cost is also measured under it (needs a "
-                                    "memory cgroup)")
-    p.add_argument("--prompts", help="calibration prompts for the hot experts: humaneval or natural (the sets "
-                   "bench uses; humaneval suits code models), or a file of prompts separated by blank lines "
-                   "(default: a built-in mix of prose and code)")
-    p.add_argument("--name", help="profile name (default: local); an existing user profile keeps its other models")
+    p.add_argument("--model", "-m", type=nonempty, help="GGUF MoE model (default: the shipped model)")
+    p.add_argument("--budget", type=budget_text,
+                   help="memory budget, e.g. 800M or 2G, or auto (what the process holds plus a third of the expert "
+                        "bytes, as bench and app --budget auto): hot experts are chosen to fit it and the "
+                        "verification cost is also measured under it (needs a memory cgroup)")
+    p.add_argument("--prompts", type=nonempty,
+                   help="calibration prompts for the hot experts: humaneval or natural (the sets bench uses; "
+                        "humaneval suits code models), or a file of prompts separated by blank lines (default: a "
+                        "built-in mix of prose and code)")
+    p.add_argument("--name", type=nonempty,
+                   help="profile name (default: local); an existing user profile keeps its other models")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timings per measurement (default 3)")
     p.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
@@ -52,20 +55,24 @@ def run(args) -> int:
     from .cli import default_model
     from .tui.calibrate import step_outcome
 
-    budget = Budget.parse(args.budget) if args.budget else None
-    model = args.model or default_model()
+    budget = Budget.parse(args.budget) if args.budget is not None else None
+    model = args.model if args.model is not None else default_model()
     check_threads(args.threads)
     console = Console(stderr=True, highlight=False)
     out = Console(highlight=False)
-    console.print(f"calibrating [bold]{model}[/bold]" + (f" under a budget of {args.budget}" if budget else ""))
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=True)
     task = None
     done_event = None
     failed = []
+    events = run_calibration(model, budget=budget, prompts=args.prompts, name=args.name, save=not args.no_save,
+                             n_threads=args.threads, repeats=args.repeats)
+    # The model, the prompts and the profile folder are checked before the first event: an error about
+    # them is the only line printed.
+    first = next(events)
+    console.print(Text.assemble("calibrating ", (model, "bold"), f" under a budget of {args.budget}" if budget else ""))
     with progress:
-        for ev in run_calibration(model, budget=budget, prompts=args.prompts, name=args.name,
-                                  save=not args.no_save, n_threads=args.threads, repeats=args.repeats):
+        for ev in itertools.chain([first], events):
             if isinstance(ev, StepStarted):
                 task = progress.add_task(f"[{ev.index}/{ev.total}] {ev.name}", total=None)
             elif isinstance(ev, StepProgress) and task is not None:

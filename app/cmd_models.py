@@ -4,12 +4,17 @@ model widened N times with inert expert neurons)."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import tempfile
+from pathlib import Path
 
 from ..engine.errors import ConfigError
 
 
 def add_parser(sub) -> None:
+    from .cli import nonempty
+
     p = sub.add_parser("models", help="list the models shipped with s2moe")
     p.set_defaults(run=run_models)
     s = sub.add_parser("make-synthetic", help="write a random-weight GGUF with a real model's dimensions (--preset), "
@@ -20,7 +25,7 @@ def add_parser(sub) -> None:
     s.add_argument("--widen", type=_whole_number, default=None, metavar="N",
                    help="with --from: every expert FFN N times as wide, the new neurons inert (same output, N× the "
                         "bytes and FLOPs per expert)")
-    s.add_argument("--out", required=True, help="output GGUF path (written atomically)")
+    s.add_argument("--out", required=True, type=nonempty, help="output GGUF path (written atomically)")
     s.add_argument("--arch", choices=["olmoe", "qwen3moe"], default=None,
                    help="--preset only: architecture (default: the preset's)")
     s.add_argument("--n-layer", type=int, default=None, help="--preset only: keep only this many layers")
@@ -36,6 +41,23 @@ def _whole_number(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def _writable_out(text: str) -> Path:
+    """--out, checked before anything is written: not a folder, in a folder that exists and takes a new
+    file (tried, since root ignores permission bits and a read-only mount does not)."""
+    out = Path(text)
+    if out.is_dir():
+        raise ConfigError(f"--out: {out} is a folder; give the path of the file to write")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out: folder {out.parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as e:
+        raise ConfigError(f"--out: cannot write into {out.parent} ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return out
 
 
 def _size(n: int) -> str:
@@ -75,8 +97,6 @@ def run_make_synthetic(args) -> int:
     if args.widen is not None:
         raise ConfigError("--widen applies to --from NAME|PATH, not to --preset")
 
-    from pathlib import Path
-
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     from ..engine.zoo.synthetic import PRESETS, estimate_bytes, preset_hparams, write_synthetic
@@ -93,23 +113,23 @@ def run_make_synthetic(args) -> int:
     hp = preset_hparams(args.preset, args.arch, n_layer=args.n_layer, n_expert=args.n_expert, k=args.k)
     if hp["k"] > hp["n_expert"]:
         raise ConfigError("--k cannot exceed the number of experts")
-    out = Path(args.out)
-    if not out.parent.exists():
-        raise ConfigError(f"--out: folder {out.parent} does not exist")
+    out = _writable_out(args.out)
     total = estimate_bytes(hp, args.dtype)
-    with Progress(TextColumn("writing {task.fields[name]}"), BarColumn(), DownloadColumn()) as progress:
+    # transient: an error while writing is then the only line left
+    with Progress(TextColumn("writing {task.fields[name]}"), BarColumn(), DownloadColumn(), transient=True) as progress:
         task = progress.add_task("write", total=total, name=out.name)
-        write_synthetic(args.arch, args.preset, out, dtype=args.dtype, seed=args.seed, n_layer=args.n_layer,
-                        n_expert=args.n_expert, k=args.k,
-                        progress=lambda done, _total: progress.update(task, completed=done))
+        try:
+            write_synthetic(args.arch, args.preset, out, dtype=args.dtype, seed=args.seed, n_layer=args.n_layer,
+                            n_expert=args.n_expert, k=args.k,
+                            progress=lambda done, _total: progress.update(task, completed=done))
+        except OSError as e:  # the disk filled up, the folder went away
+            raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote {out} ({_size(out.stat().st_size)}; {hp['arch']}, {hp['n_layer']} layers, "
           f"{hp['n_expert']} experts top-{hp['k']})")
     return 0
 
 
 def _run_widen(args) -> int:
-    from pathlib import Path
-
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     from ..engine.model_info import read_model_info
@@ -132,8 +152,9 @@ def _run_widen(args) -> int:
     elif not source.exists() and source.suffix != ".gguf" and len(source.parts) == 1:
         raise ConfigError(f"--from: no file {args.source!r} and no shipped model of that name "
                           f"(shipped: {', '.join(shipped) or 'none'})")
-    out = Path(args.out)
-    with Progress(TextColumn("widening into {task.fields[name]}"), BarColumn(), DownloadColumn()) as progress:
+    out = _writable_out(args.out)
+    with Progress(TextColumn("widening into {task.fields[name]}"), BarColumn(), DownloadColumn(),
+                  transient=True) as progress:
         task = progress.add_task("widen", total=None, name=out.name)
         widen(source, out, args.widen, seed=args.seed,
               progress=lambda done, total: progress.update(task, completed=done, total=total))

@@ -42,7 +42,7 @@ from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .model_info import read_model_info
 from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
                       plan_budget, process_anon_bytes, rank_counts, run_in_budget, select_hot_experts)
-from .profiles import SCHEMA_VERSION, check_name, find_profile, load_profile, save_profile
+from .profiles import SCHEMA_VERSION, check_name, check_writable, find_profile, load_profile, save_profile
 
 DEFAULT_NAME = "local"
 DRAFT_CAP = 8
@@ -574,6 +574,8 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
         raise ModelError(f"{info.path.name} is a dense model: calibration measures Mixture-of-Experts costs")
     if draft_topk is None or draft_topk >= info.n_expert_used:
         draft_topk = defaults_for(info).draft_topk  # what a generation with no flag drafts with
+    if save:
+        check_writable(name)  # before minutes of measurements, not after them
     cal = _Calibration(info, expert_map(info.path), budget=budget,
                        prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
                        threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,

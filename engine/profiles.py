@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,13 @@ def find_profile(name: str) -> Path:
 
 
 # -- validation -------------------------------------------------------------------------------------
+# YAML 1.1, which PyYAML reads, takes a number with an exponent but no dot (1e-3) for text.
+_EXPONENT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
+# Whole numbers in a profile are counts and bytes; anything wider than 64 bits is a typo that would
+# overflow where it is used.
+_MAX_WHOLE = (1 << 63) - 1
+
+
 def _number(block: dict, key: str, where: str, *, required: bool = False, positive: bool = False,
             allow_none: bool = True, integer: bool = False, signed: bool = False):
     if key not in block or (block[key] is None and allow_none and not required):
@@ -112,6 +120,10 @@ def _number(block: dict, key: str, where: str, *, required: bool = False, positi
             raise ConfigError(f"{where}: missing field {key}")
         return None
     v = block[key]
+    if isinstance(v, str) and not integer and _EXPONENT.fullmatch(v.strip()):
+        v = block[key] = float(v)
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > _MAX_WHOLE:
+        raise ConfigError(f"{where}: field {key} is too large ({len(str(abs(v)))} digits)")
     kind = "whole number" if integer else "number"
     if signed:  # a regression intercept may come out below zero
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -131,13 +143,17 @@ def _mapping(value, where: str, field: str) -> dict:
     return value
 
 
+def _r2(block: dict, key: str, where: str) -> None:
+    v = _number(block, key, where, signed=True)
+    if v is not None and v > 1:
+        raise ConfigError(f"{where}: field {key} must be a number ≤ 1, got {v!r}")
+
+
 def _validate_fit(block, where: str) -> None:
     block = _mapping(block, where, "fit")
     for key in _FIT_KEYS:
         if key == "r2":
-            v = block.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v > 1):
-                raise ConfigError(f"{where}: field r2 must be a number ≤ 1, got {v!r}")
+            _r2(block, key, where)
         else:
             _number(block, key, where, integer=(key == "n"), signed=(key == "intercept_ms"))
 
@@ -163,9 +179,7 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
         _number(misses, "intercept_ms", mw, signed=True)
         _number(misses, "n", mw, integer=True)
         for key in ("r2", "r2_given_faults"):
-            v = misses.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v > 1):
-                raise ConfigError(f"{mw}: field {key} must be a number ≤ 1, got {v!r}")
+            _r2(misses, key, mw)
     hot = block.get("hot_experts")
     if hot is not None:
         if not isinstance(hot, list):
@@ -249,6 +263,10 @@ def _parse(path: Path):
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"profile {path.name}: invalid YAML{where}") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise ConfigError(f"profile {path.name}: a number too long to read") from None
+    except RecursionError:
+        raise ConfigError(f"profile {path.name}: nested too deeply") from None
 
 
 def _checked(data, path: Path) -> dict:
@@ -339,6 +357,35 @@ def _represent_list(dumper, data):
 _Dumper.add_representer(list, _represent_list)
 
 
+# Room a profile write asks for: a profile is a few kilobytes, hot_experts of a 100-layer, 256-expert model
+# stays under 1 MiB.
+PROFILE_ROOM_BYTES = 1 << 20
+
+
+def check_writable(name: str, folder: Path | None = None) -> Path:
+    """Where save_profile(name, folder) would write, checked by doing it: the folder can be made, a file
+    created in it (a read-only mount or a missing permission; root ignores permission bits, so they are
+    not asked), the room for a profile is free, and the target is not a folder. ConfigError otherwise.
+    Calibration asks before it measures, not after minutes of measurements."""
+    check_name(name)
+    folder = Path(folder) if folder is not None else user_profile_dir()
+    target = folder / f"{name}.yaml"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+        free = shutil.disk_usage(folder).free
+    except OSError as e:
+        raise ConfigError(f"cannot write profile {target}: {e.strerror}") from None
+    if free < PROFILE_ROOM_BYTES:
+        raise ConfigError(f"cannot write profile {target}: {free >> 10} KiB free, a profile needs up to "
+                          f"{PROFILE_ROOM_BYTES >> 20} MiB")
+    if target.is_dir() and not target.is_symlink():
+        raise ConfigError(f"cannot write profile {target}: it is a folder")
+    return target
+
+
 def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
     """Validate and write `profile` as <folder or user dir>/<name>.yaml atomically (tmp + os.replace):
     an interruption leaves either the old file or the new one, never a partial one."""
@@ -347,22 +394,26 @@ def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
     data["name"] = name
     validate_profile(data, f"profile {name}")
     folder = Path(folder) if folder is not None else user_profile_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{name}.yaml"
     text = "# s2moe device profile (written by s2moe calibrate; schema in engine/profiles.py)\n"
     text += yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    tmp = None
     try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if isinstance(e, OSError):
+            raise ConfigError(f"cannot write profile {target}: {e.strerror or e}") from None
         raise
     return target
 

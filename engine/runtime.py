@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 import signal
 import threading
@@ -177,7 +178,7 @@ class LlamaRuntime:
             if used_key in int_overrides:
                 self.info = info = replace(info, n_expert_used=int(int_overrides[used_key]))
         with _sigint_after_call():
-            self.model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), mparams)
+            self.model = llama_cpp.llama_model_load_from_file(os.fsencode(info.path), mparams)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {info.path.name}: {last_llama_error()}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
@@ -223,7 +224,13 @@ class LlamaRuntime:
 
     # -- text ------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
-        data = text.encode("utf-8")
+        """Tokens of text; none for empty text (not even the BOS token)."""
+        if not text:
+            return []
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:  # undecodable bytes of a command line or file name (surrogates)
+            raise ConfigError(f"the prompt is not UTF-8 text (undecodable bytes from character {e.start + 1})") from None
         add = self.add_bos if add_bos is None else add_bos
         cap = len(data) + 8
         buf = (llama_cpp.llama_token * cap)()
@@ -273,7 +280,11 @@ class LlamaRuntime:
             return None
         rows = n if outputs == "all" else 1
         ptr = llama_cpp.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
+        logits = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
+        if not np.isfinite(logits.sum()) and _broken(logits):
+            raise ModelError(f"{self.info.path.name}: llama.cpp computed logits that are not numbers (NaN or "
+                             "infinite): the model's weights or metadata are broken")
+        return logits
 
     def kv_remove_from(self, p0: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.mem, 0, p0, -1)
@@ -304,3 +315,9 @@ class LlamaRuntime:
             self.close()
         except Exception:
             pass
+
+
+def _broken(logits: np.ndarray) -> bool:
+    """Rows no distribution can be made of: a NaN or +inf anywhere, or no finite value at all (−inf alone
+    only rules a token out)."""
+    return bool(np.isnan(logits).any() or np.isposinf(logits).any() or (~np.isfinite(logits)).all(axis=1).any())

@@ -321,3 +321,269 @@ def test_ctrl_c_during_a_real_model_load_exits_130(widened_model, delay_ms):
     finally:
         proc.kill()
     assert proc.returncode == 130 and err == "interrupted\n", (proc.returncode, err)
+
+
+# -- no traceback ----------------------------------------------------------------------------------------------
+def test_a_prompt_of_undecodable_bytes_is_one_line(tiny_models, capsys):
+    # what Python makes of the command-line bytes b"caf\xe9" (Latin-1), undecodable as UTF-8
+    prompt = os.fsdecode(b"caf\xe9")
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", prompt, "--threads", "1")
+    assert_one_line(rc, err, "the prompt is not UTF-8 text")
+
+
+def test_an_empty_prompt_is_the_documented_error(tiny_models, capsys):
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "", "--threads", "1")
+    assert_one_line(rc, err, "the prompt is empty")
+
+
+def test_a_model_path_of_undecodable_bytes_works(tiny_models, tmp_path, capsys):
+    model = tmp_path / os.fsdecode(b"mod\xe8le.gguf")
+    model.write_bytes(tiny_models["olmoe"].read_bytes())
+    rc, out, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "-n", "2", "--threads", "1", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["model"] == str(model)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--seed", "-1"], "--seed: must be a whole number ≥ 0, got -1"),
+    (["--budget", "9" * 400], "--budget: size 999999999999999999999999… is too large"),
+    (["--budget", ""], "--budget: must not be empty"),
+    (["--profile", ""], "--profile: must not be empty"),
+    (["--model", ""], "--model/-m: must not be empty"),
+    (["--gpu-layers", "-2"], "--gpu-layers: must be -1 (all layers), 0 or a number of layers, got -2"),
+])
+def test_flag_values_that_raised_or_meant_the_default(tiny_models, capsys, argv, needle):
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--threads", "1", *argv)
+    assert_one_line(rc, err, needle)
+
+
+@pytest.mark.parametrize("argv,needle", [(["--name", ""], "--name: must not be empty"),
+                                         (["--model", ""], "--model/-m: must not be empty"),
+                                         (["--budget", "9" * 400], "is too large")])
+def test_calibrate_flag_values_that_raised_or_meant_the_default(tiny_models, capsys, argv, needle):
+    rc, _, err = run_cli(capsys, "calibrate", "-m", tiny_models["olmoe"], "--no-save", *argv)
+    assert_one_line(rc, err, needle)
+
+
+def test_gpu_layers_reach_llama_cpp(tiny_models, capsys, monkeypatch):
+    from s2moe.engine.runtime import LlamaRuntime
+
+    asked = []
+    real = LlamaRuntime.__init__
+
+    def init(self, info, **kw):
+        asked.append(kw.get("n_gpu_layers"))
+        real(self, info, **kw)
+
+    monkeypatch.setattr(LlamaRuntime, "__init__", init)
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "2", "--threads", "1",
+                         "--mode", "ar", "--gpu-layers", "3")
+    assert rc == 0, err
+    assert asked == [3]
+
+
+def test_non_finite_logits_are_one_line_with_sampling(tmp_path, capsys):
+    # every expert of the first layer poisoned: every token's logits are NaN
+    model = write_tiny(tmp_path / "nan.gguf", variant_spec("olmoe", poison=[(0, e) for e in range(8)]))
+    for mode in ("ar", "s2moe"):
+        rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "--temp", "0.8", "--threads", "1",
+                             "--mode", mode)
+        assert_one_line(rc, err, "nan.gguf: llama.cpp computed logits that are not numbers")
+
+
+def _profile_for(model, **constants) -> dict:
+    from s2moe.engine.model_info import read_model_info
+
+    block = {"t_ar_ms": 1.0, "c_draft_ms": 0.8, "t_exp_ms": 0.01, **constants}
+    return {"schema": 1, "kind": "measured", "models": {read_model_info(model).fingerprint: block}}
+
+
+def test_profile_numbers_too_long_and_in_exponent_form(tiny_models, tmp_path, capsys):
+    import yaml
+
+    from s2moe.engine.profiles import cost_for_model, load_profile
+
+    model = tiny_models["olmoe"]
+    fp = next(iter(_profile_for(model)["models"]))
+    huge = tmp_path / "huge.yaml"
+    huge.write_text(yaml.safe_dump(_profile_for(model, t_ar_ms=10 ** 400)))
+    rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "--profile", huge, "--threads", "1")
+    assert_one_line(rc, err, "field t_ar_ms is too large (401 digits)")
+    longer = tmp_path / "longer.yaml"
+    longer.write_text(yaml.safe_dump(_profile_for(model)).replace("t_ar_ms: 1.0", "t_ar_ms: " + "9" * 5000))
+    rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "--profile", longer, "--threads", "1")
+    assert_one_line(rc, err, "longer.yaml: a number too long to read")
+    # YAML 1.1 reads 1e-3 (no dot) as text; a profile edited by hand means the number
+    sci = tmp_path / "sci.yaml"
+    sci.write_text(yaml.safe_dump(_profile_for(model)).replace("t_ar_ms: 1.0", "t_ar_ms: 1e-3"))
+    assert cost_for_model(load_profile(str(sci)), fp).t_ar == pytest.approx(1e-6)
+
+
+def test_a_utf16_profile_is_one_line_and_lists_as_invalid(tiny_models, tmp_path, capsys, monkeypatch):
+    import yaml
+
+    from s2moe.engine.profiles import list_profiles
+
+    folder = tmp_path / "cfg" / "s2moe" / "profiles"
+    folder.mkdir(parents=True)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    (folder / "wide.yaml").write_text(yaml.safe_dump(_profile_for(tiny_models["olmoe"])), encoding="utf-16")
+    (folder / "fine.yaml").write_text(yaml.safe_dump(_profile_for(tiny_models["olmoe"])))
+    by = {e.name: e for e in list_profiles()}
+    assert by["wide"].error == "profile wide.yaml: not UTF-8 text" and by["fine"].error is None
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--profile", "wide")
+    assert_one_line(rc, err, "wide.yaml: not UTF-8 text")
+    rc, out, err = run_cli(capsys, "profiles", "list")
+    assert rc == 0 and "wide" in out and "invalid" in out and "fine" in out  # one bad file does not break the list
+
+
+# -- calibrate says what is wrong before it measures, in one line ---------------------------------------------
+def _first_event(model, **kw):
+    from s2moe.engine.calibrate import run_calibration
+
+    return next(run_calibration(str(model), prompts=["hello"], n_threads=1, repeats=1, **kw))
+
+
+def test_calibrate_checks_the_profile_folder_before_measuring(tiny_models, tmp_path, capsys, monkeypatch):
+    from s2moe.engine import profiles
+
+    # a folder no process can create files in, whoever runs the tests (root ignores permission bits)
+    monkeypatch.setenv("XDG_CONFIG_HOME", "/proc/s2moe-test")
+    with pytest.raises(ConfigError, match="cannot write profile /proc/s2moe-test/s2moe/profiles/local.yaml"):
+        _first_event(tiny_models["olmoe"])
+    rc, _, err = run_cli(capsys, "calibrate", "-m", tiny_models["olmoe"], "--threads", "1")
+    assert_one_line(rc, err, "cannot write profile")
+    assert _first_event(tiny_models["olmoe"], save=False).index == 1  # --no-save writes nothing: nothing to check
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    monkeypatch.setattr(profiles.shutil, "disk_usage", lambda path: shutil_usage(free=300 << 10))
+    with pytest.raises(ConfigError, match="300 KiB free, a profile needs up to 1 MiB"):
+        _first_event(tiny_models["olmoe"])
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    (tmp_path / "cfg" / "s2moe" / "profiles" / "local.yaml").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="local.yaml: it is a folder"):
+        _first_event(tiny_models["olmoe"])
+
+
+def shutil_usage(free: int):
+    import shutil
+
+    return shutil._ntuple_diskusage(total=1 << 30, used=(1 << 30) - free, free=free)
+
+
+def test_a_profile_write_that_fails_is_one_error(tmp_path):
+    from s2moe.engine.profiles import save_profile
+
+    profile = {"schema": 1, "kind": "measured", "models": {}}
+    with pytest.raises(ConfigError, match="cannot write profile /proc/s2moe-test/p.yaml"):
+        save_profile(profile, "p", folder="/proc/s2moe-test")
+
+
+def test_calibrate_errors_come_without_a_banner(tmp_path, capsys):
+    model = write_tiny(tmp_path / "m.gguf", variant_spec("olmoe"), metadata={"{arch}.expert_used_count": (9, U32)})
+    rc, out, err = run_cli(capsys, "calibrate", "-m", model, "--no-save")
+    assert_one_line(rc, err, "expert_used_count 9 must be between 1 and expert_count (8)")
+    assert "dense" not in err and out == ""
+    rc, _, err = run_cli(capsys, "calibrate", "-m", model.parent / "missing.gguf", "--no-save")
+    assert_one_line(rc, err, "missing.gguf: not found")
+
+
+@pytest.mark.parametrize("out", ["/proc/s2moe-test.gguf", "folder"])
+def test_make_synthetic_out_that_cannot_be_written(tmp_path, capsys, out):
+    (tmp_path / "folder").mkdir()
+    out = out if out.startswith("/") else str(tmp_path / out)
+    for argv in (["--preset", "tiny"], ["--from", "olmoe-64x8", "--widen", "2"]):
+        rc, _, err = run_cli(capsys, "make-synthetic", *argv, "--out", out)
+        assert_one_line(rc, err, "--out: ")
+
+
+# -- signals under a memory budget: one "interrupted", no cgroup or worker left behind ------------------------
+def _cgroups_of(pid: int) -> list:
+    from s2moe.engine.offload import MemoryCgroup
+
+    _, parent = MemoryCgroup.locate()
+    return sorted(parent.glob(f"s2moe-*-{pid}-*"))
+
+
+def _members(cgroup) -> list[int]:
+    for name in ("cgroup.procs", "tasks"):
+        try:
+            return [int(x) for x in (cgroup / name).read_text().split()]
+        except OSError:
+            continue
+    return []
+
+
+def _budget_run_started(proc, model: str, deadline: float) -> tuple:
+    """The budget cgroup of proc and the process inside it, once that process has mapped the model."""
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the budgeted run did not start"
+        for cg in _cgroups_of(proc.pid):
+            for pid in _members(cg):
+                try:
+                    with open(f"/proc/{pid}/maps") as f:
+                        if model in f.read():
+                            return cg, pid
+                except OSError:
+                    pass
+        time.sleep(0.02)
+
+
+def _gone(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _unavailable() -> str | None:
+    from s2moe.engine.offload import MemoryCgroup
+
+    return MemoryCgroup.unavailable_reason()
+
+
+@pytest.mark.skipif(_unavailable() is not None, reason="no memory cgroup here")
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_generate_under_a_budget_interrupted_says_so_once_and_cleans_up(tiny_models, how):
+    model = os.path.realpath(tiny_models["olmoe"])
+    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hello",
+                             "-n", "100000", "--ignore-eos", "--mode", "ar", "--threads", "1", "--ctx", "16384",
+                             "--budget", "400M", "--json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        cg, child = _budget_run_started(proc, model, time.monotonic() + 60)
+        time.sleep(0.3)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole process group
+        else:
+            proc.send_signal(signal.SIGTERM)  # the parent alone
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == "interrupted\n", (proc.returncode, err)
+    assert not cg.exists() and _gone(child)
+
+
+@pytest.mark.skipif(_unavailable() is not None, reason="no memory cgroup here")
+def test_sigterm_during_calibrate_budget_auto_removes_its_cgroup_and_worker(tiny_models, tmp_path):
+    model = os.path.realpath(tiny_models["olmoe"])
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "cfg"))
+    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "calibrate", "-m", model, "--budget", "auto",
+                             "--threads", "1", "--repeats", "1", "--no-plot"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        cg, worker = _budget_run_started(proc, model, time.monotonic() + 120)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.splitlines()[-1] == "interrupted", (proc.returncode, err)
+    assert not cg.exists() and _gone(worker)
+    assert not list(tmp_path.rglob("*.yaml")) and not list(tmp_path.rglob(".*.tmp"))
