@@ -50,11 +50,13 @@ carries published figures and may hold `reference` constants that apply to any m
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -360,6 +362,8 @@ _Dumper.add_representer(list, _represent_list)
 # Room a profile write asks for: a profile is a few kilobytes, hot_experts of a 100-layer, 256-expert model
 # stays under 1 MiB.
 PROFILE_ROOM_BYTES = 1 << 20
+# A save takes milliseconds; a temporary file of a save this much older was left by a killed process.
+STALE_TMP_SECONDS = 600
 
 
 def check_writable(name: str, folder: Path | None = None) -> Path:
@@ -386,9 +390,21 @@ def check_writable(name: str, folder: Path | None = None) -> Path:
     return target
 
 
+def _remove_stale_tmp(folder: Path, name: str) -> None:
+    """Temporary files of earlier saves of this profile that a killed process left behind."""
+    cutoff = time.time() - STALE_TMP_SECONDS
+    for tmp in folder.glob(f".{glob.escape(name)}.*.tmp"):
+        try:
+            if tmp.is_file() and not tmp.is_symlink() and tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
+        except OSError:  # gone already, or not ours to remove
+            pass
+
+
 def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
     """Validate and write `profile` as <folder or user dir>/<name>.yaml atomically (tmp + os.replace):
-    an interruption leaves either the old file or the new one, never a partial one."""
+    an interruption leaves either the old file or the new one, never a partial one, and the next save
+    removes a temporary file that a killed one left."""
     check_name(name)
     data = {k: v for k, v in profile.items() if not k.startswith("_")}
     data["name"] = name
@@ -400,6 +416,7 @@ def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
     tmp = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(folder, name)
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
         with os.fdopen(fd, "w") as f:
             f.write(text)

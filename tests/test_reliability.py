@@ -587,3 +587,43 @@ def test_sigterm_during_calibrate_budget_auto_removes_its_cgroup_and_worker(tiny
     assert proc.returncode == 130 and err.splitlines()[-1] == "interrupted", (proc.returncode, err)
     assert not cg.exists() and _gone(worker)
     assert not list(tmp_path.rglob("*.yaml")) and not list(tmp_path.rglob(".*.tmp"))
+
+
+# -- temporary files a killed profile write left are removed by the next one ----------------------------------
+PROFILE = {"schema": 1, "kind": "measured", "models": {}}
+
+KILLED_SAVE = """
+import os, sys, time
+from s2moe.engine import profiles
+
+def stuck(fd):
+    print("writing", flush=True)
+    time.sleep(60)
+
+profiles.os.fsync = stuck
+profiles.save_profile({"schema": 1, "kind": "measured", "models": {}, "description": "new"}, "local", folder=sys.argv[1])
+"""
+
+
+def test_a_save_removes_the_temporary_file_a_killed_save_left(tmp_path):
+    from s2moe.engine.profiles import STALE_TMP_SECONDS, load_profile, save_profile
+
+    target = save_profile(dict(PROFILE, description="old"), "local", folder=tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "writing\n"
+    finally:
+        proc.kill()
+        proc.wait()
+    (left,) = tmp_path.glob(".local.*.tmp")
+    assert load_profile(str(target))["description"] == "old"  # the profile itself is untouched
+    long_ago = time.time() - STALE_TMP_SECONDS - 60
+    os.utime(left, (long_ago, long_ago))
+    in_flight = tmp_path / ".local.another-save.tmp"  # a save running now, in another process
+    in_flight.write_text("kind: measured\n")
+    other = tmp_path / ".other.left.tmp"  # another profile's: its own next save removes it
+    other.write_text("kind: measured\n")
+    os.utime(other, (long_ago, long_ago))
+    save_profile(dict(PROFILE, description="new"), "local", folder=tmp_path)
+    assert not left.exists() and in_flight.exists() and other.exists()
+    assert load_profile(str(target))["description"] == "new"
