@@ -35,6 +35,10 @@ class VerifyObserver(Protocol):
         """Experts [n_layer, n_expert] (bool) the coming verification will read as a draft pass just predicted
         them (each told once, as soon as it is known, while the draft goes on)."""
 
+    def verifying(self, predicted: np.ndarray | None) -> None:
+        """A verification is about to run; predicted: the experts [n_layer, n_expert] its draft predicted it
+        will read (None for a plain step)."""
+
     def start_counting(self) -> None:
         """Decodes that route through the hook start (the draft passes, then the verification)."""
 
@@ -405,6 +409,8 @@ class Decoder:
             else:
                 hook.observe()
         counting = observer is not None and hook is not None and not plain_unobserved
+        if observer is not None:
+            observer.verifying(proposal.predicted if len(batch) > 1 else None)
         if counting:
             observer.start_counting()
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if counting else 0

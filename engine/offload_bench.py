@@ -40,6 +40,8 @@ ARMS = {
     "spec/hot+jit": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True),
     # ... + each draft pass's newly predicted experts asked for while the draft goes on
     "spec/hot+jit+pf": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=True, jit=True),
+    # ... verification asking for layer L+1's predicted experts as layer L routes
+    "spec/hot+jit+ahead": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True, ahead=True),
 }
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
@@ -55,7 +57,8 @@ def _worker(cfg: dict) -> int:
     t0 = time.perf_counter()
     dec = Decoder(cfg["model"], n_ctx=256, n_threads=cfg["threads"], max_draft=8, use_extra_bufts=False)
     pinning = Pinning(base=cfg["pin_base"], code=cfg.get("pin_code", True), hot=cfg["pin_hot"],
-                      jit_prefetch=cfg.get("jit", False), predicted_prefetch=cfg["prefetch"])
+                      jit_prefetch=cfg.get("jit", False), predicted_prefetch=cfg["prefetch"],
+                      lookahead=cfg.get("ahead", False))
     budget = None if cfg.get("budget") is None else Budget(cfg["budget"])
     off = offload_decoder(dec, budget, [tuple(p) for p in cfg.get("hot", [])], pinning=pinning)
     load_s = time.perf_counter() - t0
@@ -169,7 +172,8 @@ def main(argv=None) -> int:
               (("ar/hot", "ar/base"), ("ar/base", "ar/none"), ("ar/hot", "ar/none"),
                ("spec/hot+pf", "spec/hot"), ("spec/hot", "ar/hot"), ("spec/hot+pf", "ar/hot"),
                ("ar/hot+jit", "ar/hot"), ("spec/hot+jit", "spec/hot+pf"), ("spec/hot+jit", "ar/hot+jit"),
-               ("spec/hot+jit+pf", "spec/hot+jit"), ("spec/hot+jit+pf", "ar/hot+jit"))}
+               ("spec/hot+jit+pf", "spec/hot+jit"), ("spec/hot+jit+pf", "ar/hot+jit"),
+               ("spec/hot+jit+ahead", "spec/hot+jit"), ("spec/hot+jit+ahead", "ar/hot+jit"))}
     for k, (m, rs) in ratios.items():
         if m is not None:
             print(f"{k:28s} {m:.2f}×  (rounds: {', '.join(f'{x:.2f}' for x in rs)})")

@@ -31,6 +31,9 @@ typedef struct s2_prefetch {
     int32_t *misses;      // [n_layer] caller-owned: per layer, the distinct experts that were not wholly in
                           // memory when the layer's ids became final (NULL: not counted)
     unsigned char *vec;   // mincore scratch, one byte per page of the longest expert range
+    const uint8_t *ahead; // [n_layer][n_expert] caller-owned: experts the coming decode is predicted to read
+                          // (a verification's, from the draft); when layer L routes, layer L+1's are
+                          // advised too, so that its reads overlap layer L's matmuls (NULL: none)
 } s2_prefetch;
 
 s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert, int n_parts, const int64_t *ranges) {
@@ -72,6 +75,10 @@ void s2_prefetch_configure(s2_prefetch *p, int advise, int32_t *misses) {
     if (!p) return;
     p->advise = advise;
     p->misses = misses;
+}
+
+void s2_prefetch_set_ahead(s2_prefetch *p, const uint8_t *ahead) {
+    if (p) p->ahead = ahead;
 }
 
 // The whole pages of part j (gate/up/down slice) of one expert: start offset and length in the mapping.
@@ -147,9 +154,28 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
     return advised;
 }
 
+static int advise_predicted(s2_prefetch *p, int layer);
+
 // The routing hook's callback: a layer's final ids, the moment before its expert matmuls read them.
 int s2_prefetch_layer(s2_prefetch *p, int layer, const int32_t *ids, int n) {
-    return advise_layer(p, layer, ids, n, p && p->misses != NULL, p && p->advise);
+    const int seen = advise_layer(p, layer, ids, n, p && p->misses != NULL, p && p->advise);
+    if (p && p->advise && p->ahead && layer + 1 < p->n_layer) advise_predicted(p, layer + 1);
+    return seen;
+}
+
+// WILLNEED the predicted experts of one layer that are not wholly resident yet.
+static int advise_predicted(s2_prefetch *p, int layer) {
+    int asked = 0;
+    for (int e = 0; e < p->n_expert; ++e) {
+        if (!p->ahead[(size_t)layer * p->n_expert + e] || expert_resident(p, layer, e)) continue;
+        for (int j = 0; j < p->n_parts; ++j) {
+            size_t a, n;
+            if (part_pages(p, layer, e, j, &a, &n) && madvise(p->base + a, n, MADV_WILLNEED) == 0)
+                p->bytes_advised += (int64_t)n;
+        }
+        ++asked;
+    }
+    return asked;
 }
 
 // The same for a [n_layer][n_expert] mask (nonzero = advise), e.g. a draft's predicted experts.

@@ -342,11 +342,14 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
 
     class Counter(VerifyObserver):
         def __init__(self):
-            self.log, self.n = [], 0
+            self.log, self.n, self.verified = [], 0, []
 
         def predicted(self, experts):
             assert experts.shape == (n_layer, d.info.n_expert) and experts.dtype == bool
             self.log.append("predicted")
+
+        def verifying(self, predicted):
+            self.verified.append(predicted)
 
         def start_counting(self):
             self.log.append("begin")
@@ -376,6 +379,8 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
     drafts, verifications = segments[0::2], segments[1::2]
     assert all(v.strip() == "counted" for v in verifications)
     assert [("predicted" in seg) for seg in drafts] == [bool(e.drafted) for e in events]
+    # before each verification: what its draft predicted, nothing for a plain step
+    assert [p is not None for p in counter.verified] == [bool(e.drafted) for e in events]
     assert [int(e.draft_misses[0]) for e in events] == list(range(1, 2 * len(events), 2))
     assert [int(e.verify_misses[0]) for e in events] == list(range(2, 2 * len(events) + 1, 2))
     assert all(isinstance(e.verify_major_faults, int) and e.verify_major_faults >= 0 for e in events)

@@ -337,6 +337,35 @@ def test_closing_the_offloader_detaches_it_from_the_routing_hook(tiny_models):
         d.close()
 
 
+def test_a_layer_routing_asks_for_the_next_layers_predicted_experts(wide_model):
+    """With a verification's predictions set, the callback for layer L also asks for layer L+1's predicted
+    experts that are not in memory (their reads overlap layer L's matmuls); without them, only L's."""
+    from s2moe.engine.offload import NativePrefetch
+
+    em = expert_map(wide_model)
+    m = ModelMapping(em)
+    pf = NativePrefetch(m, advise=True)
+    try:
+        drop_file_cache(wide_model)
+        if m.expert_residency().max() > 0:
+            pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+        pf.layer(0, [1])
+        alone = pf.bytes_advised
+        ahead = np.zeros((2, 8), bool)
+        ahead[1, [2, 5]] = True
+        pf.set_ahead(ahead)
+        pf.layer(0, [7])
+        with_ahead = pf.bytes_advised - alone
+        assert with_ahead >= 3 * alone  # layer 0's expert 7, then layer 1's experts 2 and 5
+        pf.set_ahead(None)
+        before = pf.bytes_advised
+        pf.layer(0, [6])
+        assert pf.bytes_advised - before == alone
+    finally:
+        pf.close()
+        m.close()
+
+
 def test_native_counter_counts_the_routed_experts_not_in_memory(wide_model):
     """The routing hook's callback counts, per layer, the distinct experts that are not wholly resident
     as the layer routes; counting alone reads nothing, and resident() answers for the asked experts."""

@@ -31,6 +31,7 @@ class NativePrefetch:
             "s2_prefetch_resident": (ctypes.c_int, [vp, u8p, u8p]),
             "s2_prefetch_layer": (ctypes.c_int, [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int32), ctypes.c_int]),
             "s2_prefetch_mask": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_uint8)]),
+            "s2_prefetch_set_ahead": (None, [vp, ctypes.POINTER(ctypes.c_uint8)]),
             "s2_prefetch_bytes": (ctypes.c_int64, [vp]),
             "s2_prefetch_calls": (ctypes.c_int64, [vp]),
         }
@@ -56,6 +57,16 @@ class NativePrefetch:
     def advise(self, on: bool) -> None:
         self._advise = bool(on)
         self.lib.s2_prefetch_configure(self.handle, int(on), self.misses.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+
+    def set_ahead(self, mask: np.ndarray | None) -> None:
+        """The experts [n_layer, n_expert] the coming decode is predicted to read (None: no prediction):
+        as each layer routes, the next layer's are asked for too."""
+        if mask is None:
+            self._ahead = None
+            self.lib.s2_prefetch_set_ahead(self.handle, None)
+            return
+        self._ahead = np.ascontiguousarray(mask, dtype=np.uint8)  # the C side reads it: keep it alive
+        self.lib.s2_prefetch_set_ahead(self.handle, self._ahead.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
 
     def begin(self) -> None:
         """Start counting misses for the next decode (Decoder.miss_counter)."""

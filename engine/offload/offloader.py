@@ -49,7 +49,7 @@ class OffloadStats:
 class Offloader:
     """Pinning, routing-driven prefetch and residency metrics for one decoder. Made by offload_decoder,
     which pins, plans the budget and attaches it to the decoder (it implements the decoder's
-    VerifyObserver: predicted, start_counting, misses, residency)."""
+    VerifyObserver: predicted, verifying, start_counting, misses, residency)."""
 
     def __init__(self, model_path, *, prefetch: bool = True, emap: ExpertMap | None = None,
                  prefetch_bytes: int | None = None):
@@ -66,6 +66,7 @@ class Offloader:
         # counts misses for the routing hook (and prefetches just in time when offload_decoder says so)
         self.native = NativePrefetch(self.map, advise=False)
         self._room = prefetch_bytes if prefetch_bytes is not None else 1 << 62
+        self.lookahead = False  # as each layer of a verification routes, ask for the next layer's predicted experts
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
         self.plan = None                      # BudgetPlan, when a budget was given
         self._decoder = None                  # the decoder it is attached to
@@ -139,6 +140,10 @@ class Offloader:
                 self.stats.prefetched_bytes += self.map.willneed(int(layer), int(expert))
             self.stats.prefetch_calls += 1
         self.stats.prefetch_seconds += time.perf_counter() - t0
+
+    def verifying(self, predicted: np.ndarray | None) -> None:
+        if self.lookahead:
+            self.native.set_ahead(predicted)
 
     def start_counting(self) -> None:
         self.native.begin()

@@ -99,8 +99,9 @@ class Pinning:
     code: bool = True           # llama/ggml library code pages
     hot: bool = True            # the ranked hot experts that fit the budget's plan
     jit_prefetch: bool = True   # the routing hook asks for each layer's experts as soon as its ids are final
-    predicted_prefetch: bool = False  # WILLNEED the draft-predicted experts before a verification (too late
-                                      # to overlap in practice: OFFLOAD_RESULTS.md)
+    predicted_prefetch: bool = False  # WILLNEED each draft pass's predicted experts while the draft goes on
+                                      # (measured slower: OFFLOAD_RESULTS.md)
+    lookahead: bool = False     # in a verification, ask for layer L+1's predicted experts when layer L routes
 
 
 def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
@@ -144,6 +145,7 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
     """Pin non-expert weights + library code, then the longest prefix of the ranked hot experts that the
     budget's plan allows (the plan counts the process's anonymous memory and everything pinned)."""
     off = Offloader(decoder.info.path, prefetch=pinning.predicted_prefetch, emap=emap)
+    off.lookahead = pinning.lookahead
     if pinning.base:
         off.pin(code=pinning.code, hot=())
     plan = None
