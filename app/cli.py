@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,9 +21,29 @@ FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk
          "n_ctx": "--ctx", "n_threads": "--threads"}
 
 
+# llama.cpp's multi-letter short option for GPU layers; argparse would read `-ngl…` as `-n gl…` where a
+# command has `-n` but not this option, or where the value is glued on (`-ngl0`).
+_NGL = re.compile(r"-ngl(=.*|-?\d+)?")
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        # Whole option names only: an abbreviation such as `--draft` silently picks one of several options
+        # today and a different one when an option is added.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, exit 2, no usage dump
         raise ConfigError(f"{self.prog}: {message}")
+
+    def _get_option_tuples(self, option_string):
+        # Reached only for a string that is not one of this parser's options. A parser with subcommands
+        # sees its subcommand's options too, and leaves them to it.
+        if self._subparsers is None and _NGL.fullmatch(option_string):
+            if "-ngl" in self._option_string_actions:
+                self.error(f"{option_string}: put a space or = between -ngl and its value (-ngl 0)")
+            self.error(f"unknown option {option_string.split('=')[0]}: no -ngl/--n-gpu-layers here")
+        return super()._get_option_tuples(option_string)
 
 
 def positive_int(text: str) -> int:
@@ -100,7 +121,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", type=positive_int, default=128, help="tokens to generate")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--seed", "-s", type=_non_negative_int, default=0)
     p.add_argument("--profile", type=nonempty,
                    help="device profile name or YAML path (cost constants); measured at start-up if absent")
     p.add_argument("--draft-topk", type=positive_int, default=None,
@@ -112,9 +133,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="reuse-aware gating strength α (0 = off, lossless)")
     p.add_argument("--reuse-cap", type=positive_int, default=None,
                    help="preferred experts |E*| (default: twice the model's experts per token, below its expert count)")
-    p.add_argument("--ctx", type=positive_int, default=2048, help="context window in tokens")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
-    p.add_argument("--gpu-layers", type=_gpu_layers, default=0,
+    p.add_argument("--ctx", "-c", "--ctx-size", dest="ctx", type=positive_int, default=2048,
+                   help="context window in tokens")
+    p.add_argument("--threads", "-t", type=positive_int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--gpu-layers", "-ngl", "--n-gpu-layers", dest="gpu_layers", type=_gpu_layers, default=0,
                    help="layers to offload to the GPU in a CUDA/Metal/Vulkan build of llama.cpp (-1: all)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--budget", type=budget_text,
@@ -161,12 +183,15 @@ def run_cli_in_budget(cli_argv: list[str], budget, model: str, *, tag: str) -> i
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="s2moe", description="S²-MoE self-speculative decoding for MoE models on llama.cpp")
+    parser.add_argument("--version", action="store_true", help="print the installed version of s2moe and exit")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text from a prompt and report speculation statistics")
     add_generation_options(g)
     g.add_argument("--prompt", "-p", required=True, help="prompt text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and summary")
     g.add_argument("--events", action="store_true", help="print one line per iteration to stderr")
+    g.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
+                   help="print only the generated text, not the prompt before it")
     g.set_defaults(run=cmd_generate)
     for module in _subcommand_modules():
         module.add_parser(sub)
@@ -218,6 +243,34 @@ def event_line(event) -> str:
             f"{int(event.verify_experts.sum())} experts{fetched}")
 
 
+def _same_terminal(out, err) -> bool:
+    try:
+        return out.isatty() and err.isatty() and os.path.samestat(os.fstat(out.fileno()), os.fstat(err.fileno()))
+    except (OSError, ValueError):  # a stream with no file descriptor is no terminal
+        return False
+
+
+class _Output:
+    """The streamed text on stdout and the notes and event lines on stderr. On one terminal a line on stderr
+    would otherwise start in the middle of the text: end the text's line first."""
+
+    def __init__(self):
+        self.shared = _same_terminal(sys.stdout, sys.stderr)
+        self.mid_line = False
+
+    def text(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.mid_line = not text.endswith("\n")
+
+    def line(self, line: str) -> None:
+        if self.shared and self.mid_line:
+            line = "\n" + line
+            self.mid_line = False
+        print(line, file=sys.stderr)
+
+
 def cmd_generate(args) -> int:
     from ..engine.decoder import Decoder, GenerationConfig
     import numpy as np
@@ -258,28 +311,31 @@ def cmd_generate(args) -> int:
     cfg = generation_config(args, decoder)
     summary = Summary()
     streaming = not args.json and sys.stdout.isatty()
+    out = _Output()
+    # As llama-cli does, the prompt comes before the text; with the first of it, so that on a terminal the
+    # lines printed before any text do not split the prompt from its continuation.
+    prompt_echo = args.prompt if args.display_prompt and not args.json else ""
     for event in decoder.generate(args.prompt, cfg):
         summary.add(event)
         if isinstance(event, Started) and event.cost is not None and not args.json:
             c = event.cost
             fit = f", fit R² {c.r2:.2f}" if c.r2 is not None else ""
-            print(f"cost constants ({c.source}): T_AR {c.t_ar * 1e3:.2f} ms, C_draft {c.c_draft * 1e3:.2f} ms, "
-                  f"T_exp {c.t_exp * 1e3:.4f} ms, T_tok {c.t_tok * 1e3:.3f} ms{fit}", file=sys.stderr)
+            out.line(f"cost constants ({c.source}): T_AR {c.t_ar * 1e3:.2f} ms, C_draft {c.c_draft * 1e3:.2f} ms, "
+                     f"T_exp {c.t_exp * 1e3:.4f} ms, T_tok {c.t_tok * 1e3:.3f} ms{fit}")
         elif isinstance(event, Iteration):
             if args.events:
-                print(event_line(event), file=sys.stderr)
+                out.line(event_line(event))
             if streaming:
-                sys.stdout.write(event.committed_text)
-                sys.stdout.flush()
+                out.text(prompt_echo + event.committed_text)
+                prompt_echo = ""
         elif isinstance(event, ResidencySnapshot) and args.events:
             hit = ", ".join("–" if np.isnan(h) else f"{h:.2f}" for h in event.hit_rate)
-            print(f"[{event.iteration}] experts resident per layer "
-                  f"{', '.join(f'{x:.2f}' for x in event.resident.mean(axis=1))}; hit rate {hit}", file=sys.stderr)
+            out.line(f"[{event.iteration}] experts resident per layer "
+                     f"{', '.join(f'{x:.2f}' for x in event.resident.mean(axis=1))}; hit rate {hit}")
         elif isinstance(event, Finished) and event.stop_reason == "context":
-            print(f"\nnote: the context window ({decoder.n_ctx} tokens) filled up after {event.n_tokens} tokens",
-                  file=sys.stderr)
+            out.line(f"note: the context window ({decoder.n_ctx} tokens) filled up after {event.n_tokens} tokens")
     if offloader is not None:
-        print(offload.split_line(offload.current_budget_cgroup(), offloader), file=sys.stderr)
+        out.line(offload.split_line(offload.current_budget_cgroup(), offloader))
     if args.json:
         out = summary.as_dict()
         out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path))
@@ -287,13 +343,18 @@ def cmd_generate(args) -> int:
             out["cost"] = {k: v for k, v in summary.cost.__dict__.items()}
         print(json.dumps(out))
         return 0
-    if not streaming:
-        sys.stdout.write(summary.text)
+    out.text(prompt_echo if streaming else prompt_echo + summary.text)
     reuse = f"{summary.reuse_ratio:.3f}" if summary.reuse_ratio is not None else "n/a"
     print(f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({summary.tok_per_s:.1f} tok/s) · mode {summary.mode}"
           f" · accept length {summary.accept_len:.2f} · reuse ratio {reuse} · rollbacks {summary.rollbacks}"
           f" · stop: {summary.stop_reason}")
     return 0
+
+
+def one_line(text: str) -> str:
+    """text with its control characters (a line break or carriage return in a file name, say) written as
+    escapes: an error stays one line, and cannot move the terminal's cursor."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # The commands that run llama.cpp: a failed check inside it ends them with one line (_abort_line).
@@ -303,8 +364,8 @@ LLAMA_COMMANDS = ("generate", "calibrate", "bench", "app")
 def _abort_line(message: str) -> None:
     """llama.cpp stopped on a failed internal check: the process cannot go on, but it can say so in one line
     (ggml would print a debugger backtrace, on stdout) and exit as for bad input."""
-    sys.stderr.write(f"error: llama.cpp stopped on a failed check ({message}): the model file or a setting is "
-                     "not one it supports\n")
+    sys.stderr.write(f"error: llama.cpp stopped on a failed check ({one_line(message)}): the model file or a "
+                     "setting is not one it supports\n")
     sys.stderr.flush()
     os._exit(2)
 
@@ -330,6 +391,11 @@ def main(argv=None) -> int:
             argv = ["app"]  # the main job
         args = parser.parse_args(argv)
         args._argv = list(argv)  # `generate --budget` reruns the command inside a memory cgroup
+        if args.version:
+            from importlib.metadata import version
+
+            print(f"s2moe {version('s2moe')}")
+            return 0
         if getattr(args, "run", None) is None:
             parser.print_help()
             return 2
@@ -339,7 +405,7 @@ def main(argv=None) -> int:
             on_llama_abort(_abort_line)
         return args.run(args)
     except S2MoEError as e:
-        print(f"error: {e.worded(FLAGS)}", file=sys.stderr)
+        print(f"error: {one_line(e.worded(FLAGS))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         _say_interrupted()
