@@ -121,7 +121,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", type=positive_int, default=128, help="tokens to generate")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--seed", "-s", type=_non_negative_int, default=0)
+    p.add_argument("-s", "--seed", type=_non_negative_int, default=0)
     p.add_argument("--profile", type=nonempty,
                    help="device profile name or YAML path (cost constants); measured at start-up if absent")
     p.add_argument("--draft-topk", type=positive_int, default=None,
@@ -133,10 +133,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="reuse-aware gating strength α (0 = off, lossless)")
     p.add_argument("--reuse-cap", type=positive_int, default=None,
                    help="preferred experts |E*| (default: twice the model's experts per token, below its expert count)")
-    p.add_argument("--ctx", "-c", "--ctx-size", dest="ctx", type=positive_int, default=2048,
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=positive_int, default=2048,
                    help="context window in tokens")
-    p.add_argument("--threads", "-t", type=positive_int, default=None, help="CPU threads (default: all available)")
-    p.add_argument("--gpu-layers", "-ngl", "--n-gpu-layers", dest="gpu_layers", type=_gpu_layers, default=0,
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=_gpu_layers, default=0,
                    help="layers to offload to the GPU in a CUDA/Metal/Vulkan build of llama.cpp (-1: all)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--budget", type=budget_text,

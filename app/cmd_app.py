@@ -9,8 +9,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("app", help="open the terminal app (the default when s2moe has no arguments)")
     p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
     p.add_argument("--profile", help="device profile name or YAML path (cost constants); measured at start-up if absent")
-    p.add_argument("--threads", "-t", type=positive_int, default=None, help="CPU threads for the engine (default: all cores but one, which the UI needs)")
-    p.add_argument("--ctx", "-c", "--ctx-size", dest="ctx", type=positive_int, default=2048,
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads for the engine (default: all cores but one, which the UI needs)")
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=positive_int, default=2048,
                    help="context window in tokens")
     p.add_argument("--budget", help="memory budget (SIZE such as 80M, or auto = what the app holds + a third of "
                                     "the expert bytes): run inside a memory cgroup of that size, experts offloaded")

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--reuse-strength", type=float, default=0.5)
-    p.add_argument("--threads", "-t", type=int, default=None)
+    p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--no-quality", action="store_true", help="skip the teacher-forced gating quality check")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the reference row: llama.cpp's own plain decoding of the same prompts and budget")

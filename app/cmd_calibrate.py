@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
                         "built-in mix of prose and code)")
     p.add_argument("--name", type=nonempty,
                    help="profile name (default: local); an existing user profile keeps its other models")
-    p.add_argument("--threads", "-t", type=positive_int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timings per measurement (default 3)")
     p.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
     p.add_argument("--no-plot", action="store_true", help="no predicted-vs-measured plot")
