@@ -68,6 +68,10 @@ def fingerprint(path: Path, header: bytes, size: int) -> str:
 # the process in an assertion.
 LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
+# Gating functions llama.cpp builds (softmax, sigmoid, softmax of the weights, sigmoid of the weights); 0
+# means "the architecture's own" where it has one, and stops the graph of those that do not.
+LLAMA_GATING_FUNCS = 4
+_GATING_REQUIRED = ("dots1",)
 # Architectures whose llama.cpp graph asserts that keys, values and rotary dimensions share one head size.
 _ONE_HEAD_SIZE = ("llama", "olmoe", "qwen3moe", "dots1")
 _MAX_HEADER_BYTES = 1 << 20
@@ -117,6 +121,11 @@ def _validate(reader, arch: str, name: str) -> None:
         raise ModelError(f"{name}: expert_used_count is {n_used} but the model has no experts (expert_count 0)")
     if n_expert and not 1 <= n_used <= n_expert:
         raise ModelError(f"{name}: expert_used_count {n_used} must be between 1 and expert_count ({n_expert})")
+    gating = u32("expert_gating_func")
+    if gating is None and arch in _GATING_REQUIRED and n_expert:
+        raise ModelError(f"{name}: {arch} needs expert_gating_func (1–{LLAMA_GATING_FUNCS}), and the file has none")
+    if gating is not None and not (1 if arch in _GATING_REQUIRED else 0) <= gating <= LLAMA_GATING_FUNCS:
+        raise ModelError(f"{name}: expert_gating_func {gating} is not one of llama.cpp's (1–{LLAMA_GATING_FUNCS})")
     for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base"):
         v = _typed(reader, f"{arch}.{key}", "f32", name)
         if v is not None and not (math.isfinite(v) and v > 0):
@@ -125,11 +134,46 @@ def _validate(reader, arch: str, name: str) -> None:
         n_embd = u32("embedding_length")
         n_head = None if _is_array(reader, f"{arch}.attention.head_count") else u32("attention.head_count")
         default = n_embd // n_head if n_embd and n_head else None  # llama.cpp's default head size
-        k, v = u32("attention.key_length") or default, u32("attention.value_length") or default
-        rot = u32("rope.dimension_count") or k
+        k, v = _given(u32("attention.key_length"), default), _given(u32("attention.value_length"), default)
+        rot = _given(u32("rope.dimension_count"), k)
         if k is not None and not k == v == rot:
             raise ModelError(f"{name}: the key, value and rotary head sizes must be equal for {arch} "
                              f"(attention.key_length {k}, attention.value_length {v}, rope.dimension_count {rot})")
+        n_head_kv = None if _is_array(reader, f"{arch}.attention.head_count_kv") else \
+            _given(u32("attention.head_count_kv"), n_head)
+        if k and n_head and n_head_kv:
+            _check_attention(reader, name, {"attn_q": n_head * k, "attn_k": n_head_kv * k, "attn_v": n_head_kv * v})
+
+
+def _given(value, default):
+    """A key's value where the file has it (0 included: llama.cpp takes it as written), else the default."""
+    return default if value is None else value
+
+
+def _check_tokenizer(reader, name: str) -> None:
+    """A SentencePiece vocabulary ("llama") spells a byte it has no piece for as <0xXX>: without those
+    tokens llama.cpp's tokenizer throws where nothing catches it, and the process aborts."""
+    if _field(reader, "tokenizer.ggml.model") != "llama":
+        return
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    if not isinstance(tokens, list):
+        return  # not a list of tokens: llama.cpp refuses the file itself
+    have = set(t for t in tokens if isinstance(t, str) and t.startswith("<0x"))
+    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in have]
+    if missing:
+        raise ModelError(f"{name}: a SentencePiece vocabulary without the byte token {missing[0]} "
+                         f"({len(missing)} of the 256 <0xXX> tokens missing)")
+
+
+def _check_attention(reader, name: str, rows: dict[str, int]) -> None:
+    """The attention projections have the rows the head counts and sizes give: llama.cpp checks this when
+    loading some architectures and reshapes by them in the graph of others (dots1), where a mismatch stops
+    it in an assertion."""
+    for t in reader.tensors:
+        part = t.name.split(".")[-2] if t.name.startswith("blk.") and t.name.endswith(".weight") else None
+        if part in rows and len(t.shape) == 2 and int(t.shape[1]) != rows[part]:
+            raise ModelError(f"{name}: tensor {t.name} has {int(t.shape[1])} rows, but the head count and size "
+                             f"in the metadata make {rows[part]}")
 
 
 def _is_array(reader, key: str) -> bool:
@@ -173,6 +217,7 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
     if not arch or not isinstance(arch, str):
         raise ModelError(f"GGUF without general.architecture: {path}")
     _validate(reader, arch, path.name)
+    _check_tokenizer(reader, path.name)
 
     def u32(key, default=0):
         value = _typed(reader, f"{arch}.{key}", "u32", path.name)

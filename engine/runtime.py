@@ -18,6 +18,10 @@ from typing import Callable
 
 import llama_cpp
 import numpy as np
+# numpy imports numpy.random on first use; a Ctrl-C that lands in that import (the initialisation of its
+# compiled modules) is lost, and the run goes on. Imported here, with the engine, it happens before any
+# model is loaded, not in the middle of the first generation.
+import numpy.random  # noqa: F401
 
 from .device import default_threads
 from .errors import OPTION, ConfigError, ContextError, ModelError
@@ -25,6 +29,7 @@ from .hook import RoutingHook
 from .model_info import ModelInfo
 
 _log_tail: deque[str] = deque(maxlen=20)
+_log_count = 0  # lines logged so far: which of the tail a call wrote
 _log = logging.getLogger("s2moe.llama")
 
 # llama.cpp keeps n_ctx in 32 bits and rounds it up; far below that, a context this large is a typo.
@@ -42,10 +47,12 @@ GGML_MAX_THREADS = 512
 def _log_sink(level, text, user_data):
     # llama.cpp talks a lot on load: its lines go to the debug log, and the tail is kept so that a
     # failure can say why.
+    global _log_count
     if text:
         msg = text.decode("utf-8", "replace").rstrip()
         if msg:
             _log_tail.append(msg)
+            _log_count += 1
             _log.debug(msg)
 
 
@@ -115,6 +122,17 @@ def last_llama_error() -> str:
         if "error" in low or "failed" in low or "invalid" in low or "insufficient" in low:
             return " ".join(re.sub(r"^[A-Za-z_][\w:]*: ", "", line).split())
     return _log_tail[-1] if _log_tail else "no details"
+
+
+def first_llama_error(recent: int) -> str:
+    """The first line of the `recent` last ones llama.cpp logged that reports a problem: where a failure
+    started, before the lines that only pass it on."""
+    lines = list(_log_tail)[-recent:] if recent > 0 else []
+    for line in lines:
+        low = line.lower()
+        if "error" in low or "fail" in low or "invalid" in low or "must" in low:
+            return " ".join(re.sub(r"^[A-Za-z_][\w:]*: ", "", line).split())
+    return last_llama_error()
 
 
 def max_threads() -> int:
@@ -239,7 +257,11 @@ class LlamaRuntime:
             cap = -n
             buf = (llama_cpp.llama_token * cap)()
             n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, False)
-        return list(buf[:n])
+        tokens = list(buf[:n])
+        if any(not 0 <= t < self.n_vocab for t in tokens):
+            raise ModelError(f"{self.info.path.name}: its tokenizer gave token ids outside its vocabulary of "
+                             f"{self.n_vocab} for this text")
+        return tokens
 
     def piece(self, token: int) -> bytes:
         buf = ctypes.create_string_buffer(64)
@@ -273,9 +295,11 @@ class LlamaRuntime:
         self._batch.n_tokens = n
         if self.hook is not None:
             self.hook.begin()
+        logged = _log_count
         rc = llama_cpp.llama_decode(self.ctx, self._batch)
         if rc != 0:
-            raise RuntimeError(f"llama_decode failed with code {rc}: {last_llama_error()}")
+            raise ModelError(f"llama.cpp could not decode a batch of {n} tokens (code {rc}): "
+                             f"{first_llama_error(_log_count - logged)}")
         if outputs == "none":
             return None
         rows = n if outputs == "all" else 1

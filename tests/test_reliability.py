@@ -144,6 +144,13 @@ ASSERTED = [
     ("qwen3moe", {"{arch}.rope.dimension_count": (8, U32)}, "head sizes must be equal"),
     ("dots1", {"{arch}.attention.value_length": (8, U32)}, "head sizes must be equal"),
     ("olmoe", {"{arch}.context_length": ("x", STR)}, "context_length must be a GGUF UINT32"),
+    # found by tests/test_fuzz.py
+    ("dots1", {"{arch}.attention.head_count_kv": (8, U32)}, "blk.0.attn_k.weight has 64 rows, but the head count"),
+    ("dots1", {"{arch}.expert_gating_func": None}, "dots1 needs expert_gating_func"),
+    ("dots1", {"{arch}.expert_gating_func": (0, U32)}, "expert_gating_func 0 is not one of llama.cpp's (1–4)"),
+    ("olmoe", {"{arch}.expert_gating_func": (16, U32)}, "expert_gating_func 16 is not one"),
+    ("qwen3moe", {"{arch}.rope.dimension_count": (0, U32)}, "rope.dimension_count 0"),
+    ("olmoe", {"tokenizer.ggml.model": ("llama", STR)}, "SentencePiece vocabulary without the byte token <0x00>"),
 ]
 
 
@@ -168,9 +175,23 @@ def test_llama_cpp_load_failures_say_why(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "-n", "2", "--threads", "1")
     assert_one_line(rc, err, "llama.cpp could not load m.gguf: check_tensor_dims: tensor 'blk.0.ffn_gate_inp.weight' "
                              "has wrong shape")
-    model = write_tiny(tmp_path / "arch.gguf", variant_spec("olmoe"), metadata={"general.architecture": ("nosuch", STR)})
+    model = write_tiny(tmp_path / "arch.gguf", variant_spec("olmoe"),
+                       metadata={"general.architecture": ("nosuch", STR)})
     rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "-n", "2", "--threads", "1")
     assert_one_line(rc, err, "unknown model architecture: 'nosuch'")
+
+
+def test_a_tokenizer_that_gives_no_token_is_one_line(tmp_path, capsys):
+    # the RWKV tokenizer on a byte-level BPE vocabulary has no token for a space: it gives -1, which
+    # llama_decode refused with a RuntimeError traceback
+    model = write_tiny(tmp_path / "m.gguf", variant_spec("olmoe"), metadata={"tokenizer.ggml.model": ("rwkv", STR)})
+    rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hello world", "-n", "2", "--threads", "1")
+    assert_one_line(rc, err, "m.gguf: its tokenizer gave token ids outside its vocabulary of 264")
+
+
+def test_an_error_naming_a_file_stays_one_line(capsys):
+    rc, _, err = run_cli(capsys, "generate", "-m", "/nonexistent/a\rb\nc\x1b[2J.gguf", "-p", "hi")
+    assert_one_line(rc, err, r"/nonexistent/a\rb\nc\x1b[2J.gguf: not found")
 
 
 LLAMA_ABORT = """

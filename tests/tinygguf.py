@@ -39,8 +39,8 @@ class TinySpec:
     selection_bias: bool = True   # dots1: write the per-expert selection bias (exp_probs_b)
     # (layer, expert) pairs whose expert weights are filled with NaN
     poison: list[tuple[int, int]] = field(default_factory=list)
-    # metadata written as given: key ("{arch}" stands for the architecture) → (value, GGUFValueType), or
-    # None to leave the key out; for files llama.cpp must refuse
+    # metadata written as given: key ("{arch}" stands for the architecture) → (value, GGUFValueType[, the
+    # element type of an ARRAY]), or None to leave the key out; for files llama.cpp must refuse
     metadata: dict = field(default_factory=dict)
 
 
@@ -141,7 +141,7 @@ def write_tiny(path: str | Path, spec: TinySpec | None = None, **overrides) -> P
         if typed is None:
             w.kv_data[0].pop(key, None)
         else:
-            w.kv_data[0][key] = gguf.GGUFValue(value=typed[0], type=typed[1])
+            w.kv_data[0][key] = gguf.GGUFValue(value=typed[0], type=typed[1], sub_type=(typed[2:] or (None,))[0])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
