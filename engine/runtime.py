@@ -248,7 +248,8 @@ class LlamaRuntime:
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as e:  # undecodable bytes of a command line or file name (surrogates)
-            raise ConfigError(f"the prompt is not UTF-8 text (undecodable bytes from character {e.start + 1})") from None
+            raise ConfigError("the prompt is not UTF-8 text (undecodable bytes from character "
+                              f"{e.start + 1})") from None
         add = self.add_bos if add_bos is None else add_bos
         cap = len(data) + 8
         buf = (llama_cpp.llama_token * cap)()

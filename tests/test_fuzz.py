@@ -115,7 +115,8 @@ VALUES = st.one_of(
     st.booleans().map(lambda v: (v, T.BOOL)),
     st.one_of(TEXT, st.sampled_from(["olmoe", "qwen3moe", "dots1", "llama", "gpt2", "llama4", "deepseek2"]))
     .map(lambda v: (v, T.STRING)),
-    st.lists(u32, min_size=1, max_size=4).map(lambda v: (v, T.ARRAY, T.UINT32)),  # per-layer values (gguf-py writes no empty array)
+    # per-layer values (gguf-py writes no empty array)
+    st.lists(u32, min_size=1, max_size=4).map(lambda v: (v, T.ARRAY, T.UINT32)),
     st.none(),  # the key left out
 )
 BASES = {"olmoe": variant_spec("olmoe", n_layer=2), "qwen3moe": variant_spec("qwen3moe", n_layer=2),

@@ -622,7 +622,8 @@ def stuck(fd):
     time.sleep(60)
 
 profiles.os.fsync = stuck
-profiles.save_profile({"schema": 1, "kind": "measured", "models": {}, "description": "new"}, "local", folder=sys.argv[1])
+profile = {"schema": 1, "kind": "measured", "models": {}, "description": "new"}
+profiles.save_profile(profile, "local", folder=sys.argv[1])
 """
 
 
@@ -648,3 +649,15 @@ def test_a_save_removes_the_temporary_file_a_killed_save_left(tmp_path):
     save_profile(dict(PROFILE, description="new"), "local", folder=tmp_path)
     assert not left.exists() and in_flight.exists() and other.exists()
     assert load_profile(str(target))["description"] == "new"
+
+
+def test_profiles_list_shows_messages_with_brackets_as_written(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "cfg" / "s2moe" / "profiles"
+    folder.mkdir(parents=True)
+    (folder / "hot.yaml").write_text("models:\n  0123456789abcdef: {t_ar_ms: 1, c_draft_ms: 1, t_exp_ms: 0.1, "
+                                     "hot_experts: [[0, 1, 2]]}\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    monkeypatch.setenv("COLUMNS", "400")
+    rc, out, err = run_cli(capsys, "profiles", "list")
+    assert rc == 0, err
+    assert "field hot_experts[0] must be a [layer, expert] pair of whole numbers, got [0, 1, 2]" in out
