@@ -46,31 +46,29 @@ class _Parser(argparse.ArgumentParser):
         return super()._get_option_tuples(option_string)
 
 
-def positive_int(text: str) -> int:
+def whole_number(text: str) -> int:
     try:
-        v = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    v = whole_number(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
     return v
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    v = whole_number(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be a whole number ≥ 0, got {v}")
     return v
 
 
 def _gpu_layers(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    v = whole_number(text)
     if not -1 <= v < 1 << 31:
         raise argparse.ArgumentTypeError(f"must be -1 (all layers), 0 or a number of layers, got {v}")
     return v

@@ -3,7 +3,6 @@ model widened N times with inert expert neurons)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import tempfile
@@ -13,7 +12,7 @@ from ..engine.errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    from .cli import nonempty
+    from .cli import nonempty, whole_number
 
     p = sub.add_parser("models", help="list the models shipped with s2moe")
     p.set_defaults(run=run_models)
@@ -22,7 +21,7 @@ def add_parser(sub) -> None:
     s.add_argument("--preset", help="olmoe-1b-7b | qwen3-30b-a3b | tiny: random weights, real dimensions")
     s.add_argument("--from", dest="source", metavar="NAME|PATH",
                    help="a shipped model's name or a GGUF MoE file to widen (with --widen)")
-    s.add_argument("--widen", type=_whole_number, default=None, metavar="N",
+    s.add_argument("--widen", type=whole_number, default=None, metavar="N",
                    help="with --from: every expert FFN N times as wide, the new neurons inert (same output, N× the "
                         "bytes and FLOPs per expert)")
     s.add_argument("--out", required=True, type=nonempty, help="output GGUF path (written atomically)")
@@ -34,13 +33,6 @@ def add_parser(sub) -> None:
     s.add_argument("--dtype", default=None, help="--preset only: f16 (default), f32 or q8_0")
     s.add_argument("--seed", type=int, default=0, help="seed of the random weights (or of the new neurons)")
     s.set_defaults(run=run_make_synthetic)
-
-
-def _whole_number(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
 def _writable_out(text: str) -> Path:
