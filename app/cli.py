@@ -89,8 +89,6 @@ def budget_text(text: str) -> str:
         Budget.parse(nonempty(text))
     except S2MoEError as e:
         raise argparse.ArgumentTypeError(e.message) from None
-    except (OverflowError, ValueError):
-        raise argparse.ArgumentTypeError(f"size {text[:24]}{'…' if len(text) > 24 else ''} is too large") from None
     return text
 
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 
 def add_parser(subparsers) -> None:
-    from .cli import positive_int
+    from .cli import budget_text, nonempty, positive_int
 
     p = subparsers.add_parser("app", help="open the terminal app (the default when s2moe has no arguments)")
-    p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
-    p.add_argument("--profile", help="device profile name or YAML path (cost constants); measured at start-up if absent")
+    p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
+    p.add_argument("--profile", type=nonempty,
+                   help="device profile name or YAML path (cost constants); measured at start-up if absent")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads for the engine (default: all cores but one, which the UI needs)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=positive_int, default=2048,
                    help="context window in tokens")
-    p.add_argument("--budget", help="memory budget (SIZE such as 80M, or auto = what the app holds + a third of "
+    p.add_argument("--budget", type=budget_text, help="memory budget (SIZE such as 80M, or auto = what the app holds + a third of "
                                     "the expert bytes): run inside a memory cgroup of that size, experts offloaded")
     p.set_defaults(run=run)
 

@@ -13,8 +13,10 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
+    from .cli import nonempty
+
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
-    p.add_argument("--model", "-m", help="GGUF model (default: the shipped model)")
+    p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--prompts", default="humaneval", help="humaneval | natural | a JSONL file with a \"prompt\" field")
     p.add_argument("--n-prompts", type=int, default=8, help="prompts to use from the set (default 8)")
     p.add_argument("-n", "--n-tokens", type=int, default=64, help="tokens generated per prompt and mode")
@@ -22,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ablation", action="store_true",
                    help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating")
     p.add_argument("--budget", default="none", help="memory budget(s): none (default), auto or SIZE[,SIZE…]")
-    p.add_argument("--profile", help="device profile for the cost constants (else measured at start-up)")
+    p.add_argument("--profile", type=nonempty, help="device profile for the cost constants (else measured at start-up)")
     p.add_argument("--draft-topk", type=int, default=None,
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
     p.add_argument("--draft-max", type=int, default=8)

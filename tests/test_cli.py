@@ -111,3 +111,14 @@ def test_bad_profile_yaml(tiny_models, tmp_path):
     prof.write_text("models: [unclosed\n")
     assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "x", "--profile", str(prof)),
                        "invalid YAML")
+
+
+@pytest.mark.parametrize("argv", [["bench", "-m", ""], ["bench", "--profile", " "], ["app", "-m", ""],
+                                  ["app", "--profile", ""], ["app", "--budget", "9" * 400],
+                                  ["bench", "--budget", "9" * 400]])
+def test_empty_paths_and_absurd_budgets_are_one_line_errors(argv, capsys):
+    from s2moe.app.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1

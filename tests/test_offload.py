@@ -164,7 +164,7 @@ def test_a_budget_is_auto_or_a_size_and_reads_back_its_own_form(text, size):
     assert budget.describe(80 << 20) == ("auto (80.0 MiB)" if size is None else fmt_bytes(size))
 
 
-@pytest.mark.parametrize("text", ["", "100", "automatic", "-1G"])
+@pytest.mark.parametrize("text", ["", "100", "automatic", "-1G", "9" * 400, "9" * 30 + "T"])
 def test_a_budget_that_is_neither_is_a_config_error(text):
     with pytest.raises(ConfigError):
         Budget.parse(text)

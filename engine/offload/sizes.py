@@ -8,6 +8,7 @@ import re
 from ..errors import ConfigError
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MAX_SIZE = float(1 << 62)  # far beyond any memory, and still an int64 for cgroup files
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40}
@@ -21,7 +22,10 @@ def parse_size(text: str | int) -> int:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(f"invalid size {text!r}: use a number with an optional unit, e.g. 800M, 1.5G, 300MiB")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not number < MAX_SIZE:  # also inf, from a number of hundreds of digits
+            raise ConfigError(f"size {str(text)[:24]}{'…' if len(str(text)) > 24 else ''} is too large")
+        value = int(number)
     if value < PAGE:
         raise ConfigError(f"size {text!r} is too small (at least one page, {PAGE} bytes)")
     return value
