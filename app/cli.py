@@ -18,7 +18,7 @@ from ..engine.modes import MODES
 # The engine's names for the settings its errors are about → the flags that set them.
 FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk", "draft_max": "--draft-max",
          "reuse_strength": "--reuse-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
-         "n_ctx": "--ctx", "n_threads": "--threads"}
+         "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed"}
 
 
 # llama.cpp's multi-letter short option for GPU layers; argparse would read `-ngl…` as `-n gl…` where a

@@ -29,7 +29,8 @@ def run(args) -> int:
         for col in ("name", "kind", "device", "models", "origin", "status"):
             table.add_column(col)
         for e in list_profiles():
-            table.add_row(e.name, e.kind, e.device, str(e.n_models), e.where,
+            # names and device names come from files: shown as written, never read as markup
+            table.add_row(Text(e.name), e.kind, Text(e.device), str(e.n_models), e.where,
                           "ok" if e.error is None else Text(e.error, style="red"))
         console.print(table)
         console.print(f"user profiles: {user_profile_dir()}\nshipped profiles: {shipped_profile_dir()}")

@@ -111,6 +111,8 @@ class GenerationConfig:
             raise ConfigError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if self.n_predict < 1:
             raise ConfigError(f"{OPTION} must be at least 1", option="n_predict")
+        if self.seed < 0:
+            raise ConfigError(f"{OPTION} must be a whole number ≥ 0", option="seed")
         if self.temperature < 0:
             raise ConfigError(f"{OPTION} must be ≥ 0", option="temperature")
         if self.draft_max is not None and (self.draft_max < 1 or self.draft_max > 64):
@@ -147,9 +149,7 @@ class Decoder:
 
     def __init__(self, model: str, *, n_ctx: int = 2048, n_threads: int | None = None, max_draft: int = 16,
                  use_extra_bufts: bool = True, n_gpu_layers: int = 0):
-        self.info = read_model_info(model)
-        if self.info.is_moe and self.info.n_expert_used > self.info.n_expert:
-            raise ModelError(f"{self.info.path.name}: expert_used_count exceeds expert_count")
+        self.info = read_model_info(model)  # refuses what llama.cpp would assert on (expert counts among it)
         self.max_draft = max_draft
         self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_threads=n_threads, max_verify_rows=max_draft + 1,
                                use_extra_bufts=use_extra_bufts, n_gpu_layers=n_gpu_layers)

@@ -397,3 +397,11 @@ def test_engine_errors_name_the_setting_and_let_each_front_end_word_it():
     assert e.option == "draft_max" and str(e) == "draft_max must be between 1 and 64"
     assert e.worded(FLAGS) == "--draft-max must be between 1 and 64"
     assert e.worded({"draft_max": "draft cap"}) == "draft cap must be between 1 and 64"
+
+
+def test_a_negative_seed_is_refused_by_the_engine_too():
+    """The CLI refuses --seed -1 while parsing; the app and scripts reach the engine directly."""
+    from s2moe.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="seed must be a whole number"):
+        GenerationConfig(seed=-1).validate()

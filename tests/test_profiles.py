@@ -249,3 +249,20 @@ def test_default_threads_follow_the_affinity_and_leave_spares(monkeypatch):
     assert device.default_threads() == 3
     assert device.default_threads(spare=1) == 2
     assert device.default_threads(spare=5) == 1
+
+
+def test_profiles_list_shows_file_names_and_devices_as_written(tmp_path, monkeypatch, capsys):
+    """A profile's name and device come from a file: rich markup in them is shown, not interpreted."""
+    import yaml
+
+    from s2moe.app.cli import main
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    folder = tmp_path / "s2moe" / "profiles"
+    folder.mkdir(parents=True)
+    profile = {"schema": 1, "name": "[bold]x", "kind": "reference", "device": {"name": "[red]box[/red]", "kind": "cpu"},
+               "reference": {"t_ar_ms": 1.0, "c_draft_ms": 0.5, "t_exp_ms": 0.1}}
+    (folder / "[bold]x.yaml").write_text(yaml.safe_dump(profile))
+    assert main(["profiles", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "[bold]x" in out and "[red]box[/red]" in out

@@ -9,7 +9,7 @@ from ...engine.errors import S2MoEError
 # The engine's names for the settings its errors are about → what the app calls them (the settings bar).
 SETTING_NAMES = {"draft_topk": "k_d", "draft_max": "the draft cap", "reuse_strength": "gating α",
                  "threshold": "the utility threshold", "n_predict": "n (tokens per reply)", "temperature": "T",
-                 "reuse_cap": "|E*|", "n_ctx": "the context (s2moe app --ctx)"}
+                 "reuse_cap": "|E*|", "n_ctx": "the context (s2moe app --ctx)", "seed": "the seed"}
 
 
 def failure_text(e: BaseException) -> str:
