@@ -568,7 +568,7 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
     prompts: list of strings, a path to a prompts file, or None for the built-in prompts.
     should_stop: polled between measurements; when it returns True the generator returns without
     yielding anything more and without writing a profile (see the module docstring)."""
-    name = check_name(name or DEFAULT_NAME)
+    name = check_name(DEFAULT_NAME if name is None else name)
     info = read_model_info(model_path)
     if not info.is_moe:
         raise ModelError(f"{info.path.name} is a dense model: calibration measures Mixture-of-Experts costs")

@@ -194,3 +194,8 @@ def test_storage_is_read_cold_at_each_queue_depth_once_per_expert(tiny_models, t
     assert rates, note
     assert sorted(rates) == list(STORAGE_DEPTHS) and all(r > 0 for r in rates.values())
     assert total == n_each * len(STORAGE_DEPTHS) * int(emap.expert_bytes.max())
+
+
+def test_an_empty_profile_name_is_refused_not_taken_for_the_default(tiny_models):
+    with pytest.raises(ConfigError, match="invalid profile name ''"):
+        next(run_calibration(str(tiny_models["olmoe"]), name="", save=False))
