@@ -15,6 +15,7 @@ def add_parser(sub) -> None:
     from .cli import nonempty, whole_number
 
     p = sub.add_parser("models", help="list the models shipped with s2moe")
+    p.add_argument("--json", action="store_true", help="print the list as JSON (one object per model)")
     p.set_defaults(run=run_models)
     s = sub.add_parser("make-synthetic", help="write a random-weight GGUF with a real model's dimensions (--preset), "
                                               "or a model with N times wider experts (--from … --widen N)")
@@ -69,15 +70,26 @@ def run_models(args) -> int:
     models = list_models()
     if not models:
         raise ConfigError("this install ships no models; pass --model PATH to your own GGUF")
-    t = Table(title="shipped models")
-    for col in ("name", "arch", "layers", "experts", "k", "params", "active", "size", "default", "path"):
-        t.add_column(col)
+    if args.json:
+        import json
+
+        print(json.dumps([{**m, "path": str(m["path"])} for m in models], indent=1))
+        return 0
+    t = Table(title="shipped models", box=None, pad_edge=False, header_style="bold underline")
+    for col in ("name", "arch", "layers", "experts", "k", "params", "active", "size", "default"):
+        t.add_column(col, no_wrap=True)
     for m in models:
         t.add_row(m["name"], str(m.get("arch", "?")), str(m.get("n_layer", "?")), str(m.get("n_expert", "?")),
                   str(m.get("k", "?")), f"{m['params'] / 1e6:.1f}M" if m.get("params") else "?",
                   f"{m['params_active'] / 1e6:.1f}M" if m.get("params_active") else "?", _size(m["size_bytes"]),
-                  "yes" if m.get("default") else "", str(m["path"]))
-    Console(width=200 if not Console().is_terminal else None).print(t)
+                  "yes" if m.get("default") else "")
+    console = Console(width=200 if not Console().is_terminal else None, highlight=False)
+    console.print(t)
+    # the paths are what users copy: one per line, whole, outside the table that narrow terminals squeeze
+    width = max(len(m["name"]) for m in models)
+    print()
+    for m in models:
+        print(f"{m['name']:<{width}}  {m['path']}")
     return 0
 
 

@@ -122,3 +122,17 @@ def test_empty_paths_and_absurd_budgets_are_one_line_errors(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_models_lists_whole_paths_and_json(capsys):
+    from s2moe.app.cli import main
+    from s2moe.engine.zoo import list_models
+
+    shipped = list_models()
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{m['name']}" in out and str(m["path"]) in out for m in shipped)  # whole, copyable
+    assert main(["models", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [m["name"] for m in listed] == [m["name"] for m in shipped]
+    assert all(m["path"] == str(s["path"]) for m, s in zip(listed, shipped))
