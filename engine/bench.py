@@ -74,6 +74,19 @@ class BenchRow:
     bound_tok_per_s: float | None = None
 
     @property
+    def decoded_as_ar(self) -> bool:
+        """Drafted nothing and produced ar's tokens: it decoded as ar did, so its speed against ar is the
+        machine's noise, not a speed-up."""
+        return self.mode != "ar" and self.draft_len == 0 and self.identical_to_ar == 1.0
+
+    @property
+    def speedup_text(self) -> str:
+        """× ar as a table shows it: marked with ≈ where the row decoded as ar did."""
+        if self.speedup_vs_ar is None:
+            return "–"
+        return f"{self.speedup_vs_ar:.2f}" + ("≈" if self.decoded_as_ar else "")
+
+    @property
     def lossless_ok(self) -> bool:
         """Every divergence from ar (if any) happened at a numerical near-tie."""
         if self.identical_to_ar is None:

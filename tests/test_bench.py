@@ -195,3 +195,16 @@ def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
     assert rows[0].bound_tok_per_s is None
     assert rows[1].bound_tok_per_s == pytest.approx(1 / (10e-3 + 10e-3))  # fetches + ar's resident 10 ms
     assert rows[2].bound_tok_per_s == pytest.approx(1 / 20e-3)  # no resident s2moe row: fetches only
+
+
+def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
+    from s2moe.engine.bench import BenchRow
+
+    def row(mode, draft_len, identical):
+        return BenchRow(mode, "none", "natural", 2, 100, 1.0, 100.0, 1.05, 1.0, draft_len, 0.0, None, None, None,
+                        None, 0, 0.0, 0.0, identical)
+
+    assert row("s2moe", 0.0, 1.0).speedup_text == "1.05≈"  # no drafts, ar's tokens: the same decoding
+    assert row("s2moe", 0.5, 1.0).speedup_text == "1.05"   # it drafted: a real comparison
+    assert row("s2moe", 0.0, 0.5).speedup_text == "1.05"   # different tokens (gating): not the same decoding
+    assert row("ar", 0.0, None).speedup_text == "1.05"
