@@ -36,13 +36,18 @@ def build_app(args):
     else:
         default = shipped_default_model()
         model = str(default) if default is not None else None
-    if args.profile:
+    profile = args.profile
+    if profile:
         from ..engine.profiles import load_profile
 
-        load_profile(args.profile)  # a missing or invalid profile is a one-line error before the UI opens
+        load_profile(profile)  # a missing or invalid profile is a one-line error before the UI opens
+    else:
+        from .tui.state import remembered_profile
+
+        profile = remembered_profile()
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise ConfigError("--threads must be at least 1")
-    return S2MoEApp(model, profile=args.profile, n_threads=args.threads, n_ctx=getattr(args, "ctx", 2048),
+    return S2MoEApp(model, profile=profile, n_threads=args.threads, n_ctx=getattr(args, "ctx", 2048),
                     model_message=message, budget=getattr(args, "budget", None))
 
 

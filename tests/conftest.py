@@ -15,6 +15,12 @@ VARIANTS = {"olmoe": {}, "qwen3moe": {}, "dots1": {}, "dots1-nobias": {"arch": "
 ARCHS = tuple(VARIANTS)
 
 
+@pytest.fixture(autouse=True)
+def _own_app_state(tmp_path_factory, monkeypatch):
+    """The app remembers its active profile in XDG state: never the user's own, never another test's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
 def variant_spec(name: str, **kw) -> TinySpec:
     return TinySpec(**{"arch": name, **VARIANTS[name], **kw})
 

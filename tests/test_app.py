@@ -655,3 +655,61 @@ def test_engine_errors_reach_the_user_in_the_apps_own_words():
         GenerationConfig(draft_max=0).validate()
     assert failure_text(caught.value) == "the draft cap must be between 1 and 64"
     assert failure_text(ValueError("boom")) == "ValueError: boom"
+
+
+def test_the_active_profile_is_remembered_across_runs(tmp_path, monkeypatch):
+    """Activating a profile keeps it for the next `s2moe app`; one deleted since is forgotten quietly."""
+    import argparse
+
+    from s2moe.app.cmd_app import build_app
+    from s2moe.app.tui.state import remember_profile, remembered_profile
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    args = argparse.Namespace(model=None, profile=None, threads=1, ctx=256, budget=None)
+    assert remembered_profile() is None and build_app(args).session.profile_name is None
+    remember_profile("cpu-generic")  # a shipped profile
+    assert build_app(args).session.profile_name == "cpu-generic"
+    args.profile = "rtx-4090"  # a flag still overrides
+    assert build_app(args).session.profile_name == "rtx-4090"
+    remember_profile("gone-since")
+    args.profile = None
+    assert remembered_profile() is None and build_app(args).session.profile_name is None
+    remember_profile(None)
+    assert remembered_profile() is None
+
+
+def test_activating_a_profile_remembers_it(monkeypatch):
+    from s2moe.app.tui.state import remembered_profile
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            app.set_profile("cpu-generic")
+            await pilot.pause()
+            assert remembered_profile() == "cpu-generic"
+            app.set_profile(None)
+            await pilot.pause()
+            assert remembered_profile() is None
+
+    asyncio.run(go())
+
+
+def test_activating_another_devices_reference_profile_warns(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    write_profiles(tmp_path)
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f4")
+            screen = app.screen
+            names = [e.name for e in screen.entries]
+            screen.query_one("#prof-table").move_cursor(row=names.index("jetson-orin-16gb"))
+            await pilot.pause(0.05)
+            await pilot.press("enter")
+            messages = [n.message for n in app._notifications]
+            assert any("published constants of another device" in m for m in messages)
+            assert app.session.profile_name == "jetson-orin-16gb"
+
+    run(go())

@@ -14,6 +14,7 @@ from .chat import ChatScreen
 from .commands import S2MoECommands
 from .dialogs import HelpScreen, ModelPathDialog, binding_sections
 from .messages import ModelFailed, ModelReady, failure_text, post
+from .state import remember_profile
 from .profiles_screen import ProfilesScreen
 from .session import EngineSession
 from .widgets import NavBar
@@ -152,6 +153,7 @@ class S2MoEApp(App):
 
     def set_profile(self, name: str | None) -> None:
         self.session.profile_name = name
+        remember_profile(name)
         self.model_changed()
         self.notify(f"active profile: {name}" if name else "no profile: cost constants are measured at start-up",
                     timeout=4)

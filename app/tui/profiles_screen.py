@@ -150,7 +150,11 @@ class ProfilesScreen(Screen):
             self.notify(entry.error, title="Invalid profile", severity="error")
             return
         fp = self.fingerprint()
-        if fp is not None and not entry.covers(fp):
+        if entry.kind == "reference":
+            self.notify(f"{entry.name} holds published constants of another device ({entry.device}), not "
+                        "measurements of this one: calibrate (F3) for this machine's own", severity="warning",
+                        timeout=8)
+        elif fp is not None and not entry.covers(fp):
             self.notify(f"{entry.name} was not calibrated for this model; generations will measure cost "
                         "constants instead", severity="warning", timeout=8)
         self.app.set_profile(entry.name)
