@@ -410,5 +410,14 @@ def main(argv=None) -> int:
         return 0
 
 
+def entry() -> None:
+    """The console script: main's exit code, which a Ctrl-C that Python gets round to only while the
+    interpreter shuts down must not turn into death by SIGINT."""
+    code = main()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
