@@ -523,6 +523,17 @@ def test_profile_table_fits_its_width_and_regains_columns_when_wider(tmp_path, m
     run(go())
 
 
+async def highlight_profile(pilot, app, name: str):
+    """Open the profiles screen once the model is loaded and put the cursor on `name`; returns the screen."""
+    await wait_for(pilot, lambda: app.session.model is not None, what="model")
+    await pilot.press("f4")
+    screen = app.screen
+    names = [e.name for e in screen.entries]
+    screen.query_one("#prof-table").move_cursor(row=names.index(name))
+    await pilot.pause(0.05)
+    return screen
+
+
 def test_a_profile_for_another_model_warns_and_falls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     folder = write_profiles(tmp_path)
@@ -533,12 +544,7 @@ def test_a_profile_for_another_model_warns_and_falls_back(tmp_path, monkeypatch)
     async def go():
         app = fake_app()
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(pilot, lambda: app.session.model is not None, what="model")
-            await pilot.press("f4")
-            screen = app.screen
-            names = [e.name for e in screen.entries]
-            screen.query_one("#prof-table").move_cursor(row=names.index("other-box"))
-            await pilot.pause(0.05)
+            screen = await highlight_profile(pilot, app, "other-box")
             assert screen.model_note.startswith("not calibrated for it")
             await pilot.press("enter")
             messages = [n.message for n in app._notifications]
@@ -701,12 +707,7 @@ def test_activating_another_devices_reference_profile_warns(tmp_path, monkeypatc
     async def go():
         app = fake_app()
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(pilot, lambda: app.session.model is not None, what="model")
-            await pilot.press("f4")
-            screen = app.screen
-            names = [e.name for e in screen.entries]
-            screen.query_one("#prof-table").move_cursor(row=names.index("jetson-orin-16gb"))
-            await pilot.pause(0.05)
+            await highlight_profile(pilot, app, "jetson-orin-16gb")
             await pilot.press("enter")
             messages = [n.message for n in app._notifications]
             assert any("published constants of another device" in m for m in messages)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import contextmanager
 
 import gguf
 import numpy as np
@@ -337,18 +338,28 @@ def test_closing_the_offloader_detaches_it_from_the_routing_hook(tiny_models):
         d.close()
 
 
+@contextmanager
+def cold_prefetcher(path, *, advise: bool):
+    """A native prefetcher over a mapping of `path`, with the file dropped from the page cache (skips where
+    the cache keeps it)."""
+    from s2moe.engine.offload import NativePrefetch
+
+    m = ModelMapping(expert_map(path))
+    pf = NativePrefetch(m, advise=advise)
+    try:
+        drop_file_cache(path)
+        if m.expert_residency().max() > 0:
+            pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+        yield pf
+    finally:
+        pf.close()
+        m.close()
+
+
 def test_a_layer_routing_asks_for_the_next_layers_predicted_experts(wide_model):
     """With a verification's predictions set, the callback for layer L also asks for layer L+1's predicted
     experts that are not in memory (their reads overlap layer L's matmuls); without them, only L's."""
-    from s2moe.engine.offload import NativePrefetch
-
-    em = expert_map(wide_model)
-    m = ModelMapping(em)
-    pf = NativePrefetch(m, advise=True)
-    try:
-        drop_file_cache(wide_model)
-        if m.expert_residency().max() > 0:
-            pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+    with cold_prefetcher(wide_model, advise=True) as pf:
         pf.layer(0, [1])
         alone = pf.bytes_advised
         ahead = np.zeros((2, 8), bool)
@@ -361,9 +372,6 @@ def test_a_layer_routing_asks_for_the_next_layers_predicted_experts(wide_model):
         before = pf.bytes_advised
         pf.layer(0, [6])
         assert pf.bytes_advised - before == alone
-    finally:
-        pf.close()
-        m.close()
 
 
 def test_native_counter_counts_the_routed_experts_not_in_memory(wide_model):
