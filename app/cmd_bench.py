@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..engine.errors import ConfigError
@@ -13,7 +14,7 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import nonempty
+    from .cli import add_placement_options, nonempty, positive_int
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -27,9 +28,16 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", type=nonempty, help="device profile for the cost constants (else measured at start-up)")
     p.add_argument("--draft-topk", type=int, default=None,
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
-    p.add_argument("--draft-max", type=int, default=8)
-    p.add_argument("--reuse-strength", type=float, default=0.5)
+    # None: not given, the profile's tuned value (s2moe tune), else the default
+    p.add_argument("--draft-max", type=int, default=None, help="cap on draft length (default 8)")
+    p.add_argument("--reuse-strength", type=float, default=None, help="reuse-aware gating strength α (default 0.5)")
     p.add_argument("-t", "--threads", type=int, default=None)
+    add_placement_options(p)
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="times the whole prompt set is run, modes interleaved throughout; tok/s and × ar are the "
+                        "medians and the table shows their range (default 1)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the untimed warm-up generation of every mode before the measured ones")
     p.add_argument("--no-quality", action="store_true", help="skip the teacher-forced gating quality check")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the reference row: llama.cpp's own plain decoding of the same prompts and budget")
@@ -57,27 +65,69 @@ def _fmt(v, spec=".2f", none="–"):
     return none if v is None else format(v, spec)
 
 
-def table(done):
-    from rich.table import Table
+def _cells(done) -> tuple[list, list[dict]]:
+    """The table's columns (by priority: what a speed-up claim needs first) and each row's cells."""
+    from .columns import Column
 
-    t = Table(title=f"s2moe bench · {done.config.get('prompt_set')} × {done.config.get('n_prompts')} prompts · "
-                    f"{done.config.get('n_tokens')} tokens each")
     offloaded = any(r.fetched_per_token is not None for r in done.rows)
-    cols = ["mode", "budget", "tok/s", "× ar", "accept len", "draft len", "reuse", "verify experts", "eff. verify",
-            "rollbacks", "draft/verify s", "= ar"] + (["fetched/tok", "bound tok/s"] if offloaded else [])
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("mode", "budget") else "right")
+    repeated = any(r.repeats > 1 for r in done.rows)
+    budgets = len({r.budget for r in done.rows}) > 1 or any(r.budget != "none" for r in done.rows)
+    spec = [("mode", "mode", 0), ("budget", "budget", 1 if budgets else 15), ("tok_s", "tok/s", 3),
+            ("tok_s_range", "tok/s range", 5), ("x_ar", "× ar", 2), ("x_ar_range", "× ar range", 4),
+            ("same", "= ar", 6), ("accept", "accept len", 7), ("draft", "draft len", 8), ("reuse", "reuse", 9),
+            ("fetched", "fetched/tok", 10), ("bound", "bound tok/s", 11), ("rollbacks", "rollbacks", 12),
+            ("verify", "verify experts", 13), ("eff", "eff. verify", 14), ("dv", "draft/verify s", 16)]
+    shown = {key for key, _, _ in spec} - ({"tok_s_range", "x_ar_range"} if not repeated else set()) \
+        - ({"fetched", "bound"} if not offloaded else set())
+    rows = []
     for r in done.rows:
         same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}" + ("" if r.identical_expected else "*")
         if r.near_tie_divergences:
             same += f" ({r.near_tie_divergences} tie)"
-        cells = [r.mode, r.budget, f"{r.tok_per_s:.1f}", r.speedup_text, f"{r.accept_len:.2f}",
-                 f"{r.draft_len:.2f}", _fmt(r.reuse_ratio, ".3f"), _fmt(r.verify_experts, ".1f"),
-                 _fmt(r.effective_verify_cost, ".2f"), str(r.rollbacks), f"{r.t_draft:.2f}/{r.t_verify:.2f}", same]
-        if offloaded:
-            cells += [_fmt(r.fetched_per_token, ".1f"), _fmt(r.bound_tok_per_s, ".1f")]
-        t.add_row(*cells)
-    return t
+        rows.append({"mode": r.mode, "budget": r.budget, "tok_s": f"{r.tok_per_s:.1f}",
+                     "tok_s_range": r.tok_per_s_range or "–", "x_ar": r.speedup_text,
+                     "x_ar_range": r.speedup_range or "–", "same": same, "accept": f"{r.accept_len:.2f}",
+                     "draft": f"{r.draft_len:.2f}", "reuse": _fmt(r.reuse_ratio, ".3f"),
+                     "fetched": _fmt(r.fetched_per_token, ".1f"), "bound": _fmt(r.bound_tok_per_s, ".1f"),
+                     "rollbacks": str(r.rollbacks), "verify": _fmt(r.verify_experts, ".1f"),
+                     "eff": _fmt(r.effective_verify_cost, ".2f"), "dv": f"{r.t_draft:.2f}/{r.t_verify:.2f}"})
+    # each column also takes the one cell of the border to its left: counted in its width here
+    columns = [Column(key, label, max([len(label)] + [len(c[key]) for c in rows]) + 1, pri)
+               for key, label, pri in spec if key in shown]
+    return columns, rows
+
+
+def tables(done, width: int) -> list:
+    """The results as Rich tables that fit `width` columns: the most important columns first; those that do
+    not fit go on to further tables (each led by the mode) rather than being squeezed or cut."""
+    from rich import box
+    from rich.table import Table
+
+    from .columns import columns_that_fit
+
+    columns, rows = _cells(done)
+    head = columns[0]
+    title = (f"s2moe bench · {done.config.get('prompt_set')} × {done.config.get('n_prompts')} prompts · "
+             f"{done.config.get('n_tokens')} tokens each")
+    repeats = done.config.get("repeats") or 1
+    if repeats > 1:
+        title += f" · median of {repeats} repeats"
+    out = []
+    left = columns
+    while left:
+        fitted = columns_that_fit(left, width - 1)
+        t = Table(title=title if not out else None, box=box.SIMPLE_HEAD, title_justify="left")
+        for col, w in fitted:
+            t.add_column(col.label, justify="left" if col.key in ("mode", "budget") else "right",
+                         no_wrap=True, min_width=w - 1)
+        for cells in rows:
+            t.add_row(*(cells[col.key] for col, _ in fitted))
+        out.append(t)
+        taken = {col.key for col, _ in fitted}
+        left = [c for c in left if c.key not in taken]
+        if left:
+            left = [head] + left
+    return out
 
 
 def storage_line(storage: dict) -> str:
@@ -131,14 +181,18 @@ def markdown(done) -> str:
 
     lines = [f"# s2moe bench — {done.config.get('prompt_set')}", "",
              f"Model `{done.config.get('model')}`, {done.config.get('n_prompts')} prompts × "
-             f"{done.config.get('n_tokens')} tokens, modes interleaved per prompt, greedy={done.config.get('greedy')}.",
+             f"{done.config.get('n_tokens')} tokens, modes interleaved per prompt, greedy={done.config.get('greedy')}"
+             + (f", median (min–max) of {done.config['repeats']} repeats." if (done.config.get("repeats") or 1) > 1
+                else "."),
              f"Machine: {done.machine.get('cpu')} ({done.machine.get('cores')} cores, threads {done.machine.get('threads')}).",
              "", "| mode | budget | tok/s | × ar | accept len | draft len | reuse | verify experts | eff. verify | rollbacks | "
                  "= ar | fetched/tok | bound tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in done.rows:
         same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}"
-        lines.append(f"| {r.mode} | {r.budget} | {r.tok_per_s:.1f} | {r.speedup_text} | {r.accept_len:.2f} | "
+        tps = f"{r.tok_per_s:.1f}" + (f" ({r.tok_per_s_range})" if r.tok_per_s_range else "")
+        ratio = r.speedup_text + (f" ({r.speedup_range})" if r.speedup_range else "")
+        lines.append(f"| {r.mode} | {r.budget} | {tps} | {ratio} | {r.accept_len:.2f} | "
                      f"{r.draft_len:.2f} | {_fmt(r.reuse_ratio, '.3f')} | {_fmt(r.verify_experts, '.1f')} | "
                      f"{_fmt(r.effective_verify_cost)} | {r.rollbacks} | {same} | {_fmt(r.fetched_per_token, '.1f')} | "
                      f"{_fmt(r.bound_tok_per_s, '.1f')} |")
@@ -175,18 +229,6 @@ def markdown(done) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _warm_up(decoder, base, prompt: str, modes) -> None:
-    """Run every mode briefly so that what `--budget auto` measures includes all of it (start-up cost
-    measurement, the naive drafter's second context, every graph shape)."""
-    from dataclasses import replace
-
-    from ..engine.bench import mode_config
-
-    for mode in modes:
-        for _ in decoder.generate(prompt, replace(mode_config(mode, base), n_predict=8, stop_at_eos=False)):
-            pass
-
-
 def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int]:
     """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
     the budget's label, its verification cost-model fit and the budget in bytes (auto: as sized)."""
@@ -200,11 +242,17 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, "-m", "s2moe.app.cli", "bench", "--model", model, "--prompts", args.prompts,
                 "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--budget", budget_text,
-                "--draft-topk", str(args.draft_topk), "--draft-max", str(args.draft_max),
-                "--reuse-strength", str(args.reuse_strength), "--no-quality", "--json", str(out)]
+                "--repeats", str(args.repeats), "--no-quality", "--json", str(out)]
+        # settings not given are resolved there: the profile's tuning under a budget, not the resident one
+        for flag, value in (("--draft-topk", args.draft_topk), ("--draft-max", args.draft_max),
+                            ("--reuse-strength", args.reuse_strength)):
+            if value is not None:
+                argv += [flag, str(value)]
         argv += ["--modes", ",".join(_modes(args))] if not args.ablation else ["--ablation"]
         if args.threads:
             argv += ["--threads", str(args.threads)]
+        if not args.warmup:
+            argv.append("--no-warmup")
         if args.profile:
             argv += ["--profile", args.profile]
         with offload.run_in_budget(argv, offload.Budget.parse(budget_text), model, tag="bench") as run:
@@ -230,7 +278,8 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
         out = Path(tmp) / "ref.json"
         argv = [sys.executable, "-m", "s2moe.engine.reference", "--model", model, "--prompts", args.prompts,
-                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out)]
+                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out),
+                "--placement", json.dumps(placement_from_args(args).as_dict())]
         if args.threads:
             argv += ["--threads", str(args.threads)]
         if budget_bytes is None:
@@ -250,14 +299,15 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine.bench import (BenchDone, BenchProgress, load_prompts, measure_hook_overhead, run_bench, storage_bound,
-                                write_atomic)
+                                warm_up, write_atomic)
     from ..engine.decoder import Decoder, GenerationConfig
-    from .cli import default_model
+    from .cli import default_model, placement_from_args
 
     model = args.model or default_model()
     console = Console(stderr=True)
     if args.n_tokens < 1 or args.n_prompts < 1:
         raise ConfigError("-n and --n-prompts must be at least 1")
+    placement = placement_from_args(args)
     if args.overhead:
         set_name, prompts = load_prompts(args.prompts, 1)
         result = measure_hook_overhead(model, prompts[0], args.n_tokens, args.rounds, args.threads)
@@ -268,19 +318,22 @@ def run(args) -> int:
     modes = _modes(args)
     budgets = [b.strip() for b in args.budget.split(",") if b.strip()] or ["none"]
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
-    base = GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max, reuse_strength=args.reuse_strength)
-    base.validate()
+    GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max,
+                     reuse_strength=args.reuse_strength).validate()
     from ..engine.model_info import read_model_info
+    from ..engine.offload import current_budget
+    from .cli import resolve_tuned
 
     info = read_model_info(model)
-    base = base.resolved(info)
-    # a budget's child process measures these same settings
-    args.draft_topk, args.draft_max = base.draft_topk, base.draft_max
-    hot = []
+    hot, tuned = [], {}
     if args.profile:
-        from ..engine.profiles import cost_for_model, hot_experts_for_model, load_profile
+        from ..engine.profiles import cost_for_model, hot_experts_for_model, load_profile, tuned_settings
 
         profile = load_profile(args.profile)
+        # this process measures resident unless it is a budget's child
+        tuned = tuned_settings(profile, info.fingerprint, offloaded=current_budget() is not None)
+    base = GenerationConfig(**resolve_tuned(args, tuned)).resolved(info)
+    if args.profile:
         base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"])
         hot = hot_experts_for_model(profile, info.fingerprint)
 
@@ -311,12 +364,12 @@ def run(args) -> int:
 
     done = None
     if here is not None:
-        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, args.draft_max),
-                          use_extra_bufts=inside is None)
+        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, base.draft_max),
+                          use_extra_bufts=inside is None, placement=placement)
         if inside is not None:
             budget = inside[1]
             off = offload.offload_decoder(decoder, budget, hot,
-                                          warm_up=lambda: _warm_up(decoder, base, prompts[0], modes))
+                                          warm_up=lambda: list(warm_up(decoder, base, prompts[0], modes)))
             here = budget.describe(off.budget_bytes)
         else:
             off = None
@@ -326,10 +379,13 @@ def run(args) -> int:
             task = progress.add_task("bench", total=None)
             for ev in run_bench(model, prompts=prompts, modes=modes, n_tokens=args.n_tokens, budget=here,
                                 prompt_set=set_name, base=base, n_threads=args.threads, quality_texts=quality_texts,
-                                decoder=decoder):
+                                decoder=decoder, repeats=args.repeats, warmup=args.warmup):
                 if isinstance(ev, BenchProgress):
+                    where = "warm-up" if ev.warmup else f"prompt {ev.prompt_index + 1}"
+                    if args.repeats > 1 and not ev.warmup:
+                        where += f" · repeat {ev.repeat + 1}/{args.repeats}"
                     progress.update(task, total=ev.total, completed=ev.done,
-                                    description=f"{ev.mode} · prompt {ev.prompt_index + 1} · budget {ev.budget}")
+                                    description=f"{ev.mode} · {where} · budget {ev.budget}")
                 elif isinstance(ev, BenchDone):
                     done = ev
         if off is not None:
@@ -358,27 +414,32 @@ def run(args) -> int:
     if inside is not None:
         return 0  # the parent prints
     out = Console()
-    if not out.is_terminal:
-        out = Console(width=160)
-    out.print(table(done))
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(width=160)  # a file or a pipe gets one wide table unless COLUMNS says otherwise
+
+    def say(text: str) -> None:  # wrapped at the console's width, like the tables
+        out.print(text, highlight=False, markup=False)
+
+    for t in tables(done, out.width):
+        out.print(t)
     if any(r.decoded_as_ar for r in done.rows):
-        print("≈: drafted nothing and decoded ar's tokens — the same decoding as ar, so the ratio is noise")
+        say("≈: drafted nothing and decoded ar's tokens — the same decoding as ar, so the ratio is noise")
     if done.config.get("storage"):
-        print(storage_line(done.config["storage"]))
+        say(storage_line(done.config["storage"]))
     q = done.quality
     if q.get("tokens"):
-        print(f"gating quality: perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement {q['top1_agreement']:.3f}, "
-              f"mean KL {q['mean_kl']:.4f}, reuse ratio {q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f}")
+        say(f"gating quality: perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement {q['top1_agreement']:.3f}, "
+            f"mean KL {q['mean_kl']:.4f}, reuse ratio {q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f}")
     if done.cost_model:
         c = done.cost_model
-        print(f"cost model: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
+        say(f"cost model: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
     for label, c in done.cost_model_by_budget.items():
         line = f"cost model under budget {label}: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications"
-        print("; ".join([line] + offloaded_fit_clauses(c)))
+        say("; ".join([line] + offloaded_fit_clauses(c)))
     broken = [r.mode for r in done.rows if r.identical_expected and not r.lossless_ok]
     ties = sum(r.near_tie_divergences for r in done.rows if r.identical_expected)
     if ties:
-        print(f"note: {ties} divergence(s) from ar at numerical near-ties (ar's top-2 logits within 1e-3)")
+        say(f"note: {ties} divergence(s) from ar at numerical near-ties (ar's top-2 logits within 1e-3)")
     if args.md_out:
         write_atomic(args.md_out, markdown(done))
     if broken:

@@ -1,7 +1,9 @@
 """The benchmark harness: every mode on the same prompts, interleaved, in one process.
 
 Modes run one after another *per prompt* (ar, naive, …, s2moe for prompt 1, then again for prompt 2)
-so that slow drifts of a shared machine hit all modes alike. Speed-ups are ratios within the run.
+so that slow drifts of a shared machine hit all modes alike. Speed-ups are ratios within the run. A warm-up
+pass runs every mode once before anything is timed, and repeats go over the whole prompt set again (still
+interleaved), so that each mode's speed and its ratio to ar come with the spread across repeats.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class BenchProgress:
     mode: str
     prompt_index: int
     budget: str = "none"
+    repeat: int = 0
+    warmup: bool = False  # an untimed warm-up generation: `done` does not count it
 
 
 @dataclass
@@ -72,6 +76,23 @@ class BenchRow:
     # storage-bound speed that implies (storage_bound)
     fetched_per_token: float | None = None
     bound_tok_per_s: float | None = None
+    # one figure per repeat over the whole prompt set: tok/s, and the ratio to ar's tok/s in the same repeat
+    tok_per_s_repeats: list[float] | None = None
+    speedup_repeats: list[float] | None = None
+
+    @property
+    def repeats(self) -> int:
+        return len(self.tok_per_s_repeats or ()) or 1
+
+    @property
+    def tok_per_s_range(self) -> str:
+        """min–max tok/s over the repeats ("" with a single repeat)."""
+        return spread_text(self.tok_per_s_repeats, ".1f")
+
+    @property
+    def speedup_range(self) -> str:
+        """min–max of the ratio to ar over the repeats ("" with a single repeat)."""
+        return spread_text(self.speedup_repeats, ".2f")
 
     @property
     def decoded_as_ar(self) -> bool:
@@ -92,6 +113,12 @@ class BenchRow:
         if self.identical_to_ar is None:
             return True
         return round((1.0 - self.identical_to_ar) * self.n_prompts) <= self.near_tie_divergences
+
+
+def spread_text(values: list[float] | None, spec: str) -> str:
+    if not values or len(values) < 2:
+        return ""
+    return f"{format(min(values), spec)}–{format(max(values), spec)}"
 
 
 @dataclass
@@ -119,15 +146,22 @@ class _ModeRuns:
     seconds: float = 0.0
     identical: list[bool] = field(default_factory=list)
     near_ties: int = 0  # divergences from ar where ar's top-2 logits were within NEAR_TIE
+    repeat_tokens: list[int] = field(default_factory=list)
+    repeat_seconds: list[float] = field(default_factory=list)
 
-    def add(self, summary: Summary) -> None:
+    def add(self, summary: Summary, repeat: int) -> None:
         self.totals.merge(summary)
         self.n_tokens += summary.n_tokens
         self.seconds += summary.decode_seconds
+        while len(self.repeat_tokens) <= repeat:
+            self.repeat_tokens.append(0)
+            self.repeat_seconds.append(0.0)
+        self.repeat_tokens[repeat] += summary.n_tokens
+        self.repeat_seconds[repeat] += summary.decode_seconds
 
     @property
-    def tok_per_s(self) -> float:
-        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+    def repeat_tok_per_s(self) -> list[float]:
+        return [n / s if s > 0 else 0.0 for n, s in zip(self.repeat_tokens, self.repeat_seconds)]
 
 
 # -- prompt sets ------------------------------------------------------------------------------------
@@ -317,6 +351,20 @@ def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: float) -
 
 
 # -- the harness ------------------------------------------------------------------------------------
+WARMUP_TOKENS = 8
+
+
+def warm_up(decoder: Decoder, base: GenerationConfig, prompt: str, modes) -> Iterator[str]:
+    """Run every mode briefly, untimed: start-up cost measurement, the naive drafter's second context, every
+    graph shape and the first touch of the weights happen here rather than in whichever mode is timed first.
+    Yields each mode as it starts."""
+    for mode in modes:
+        yield mode
+        for _ in decoder.generate(prompt, replace(mode_config(mode, base), n_predict=WARMUP_TOKENS,
+                                                  stop_at_eos=False)):
+            pass
+
+
 def run_bench(
     model: str,
     *,
@@ -331,10 +379,17 @@ def run_bench(
     quality_texts: list[str] | None = None,
     should_stop: Callable[[], bool] | None = None,
     decoder: Decoder | None = None,
+    repeats: int = 1,
+    warmup: bool = True,
 ) -> Iterator[object]:
     """Yields BenchProgress events, then one BenchDone. One process measures one budget: `budget` only
     labels the rows. A budgeted run happens inside its memory cgroup (see s2moe.app.cmd_bench), with the
-    decoder already set up for offloading by the caller."""
+    decoder already set up for offloading by the caller.
+
+    `repeats` runs the whole prompt set that many times; a row's tok/s and ratio to ar are the medians over
+    the repeats, each repeat's figure kept in the row. Tokens are compared with ar's in the first repeat."""
+    if repeats < 1:
+        raise ConfigError("the number of repeats must be at least 1")
     if "ar" not in modes:
         modes = ["ar"] + list(modes)
     base = base or GenerationConfig()
@@ -345,17 +400,23 @@ def run_bench(
     configs = {name: mode_config(name, base) for name in modes}
     for name, cfg in configs.items():
         cfg.validate(dec.info)
-    total = len(prompts) * len(modes)
+    total = repeats * len(prompts) * len(modes)
     done = 0
     per: dict[str, _ModeRuns] = {}
     cost_samples = []
     try:
+        if warmup:
+            for name in warm_up(dec, base, prompts[0], modes):
+                if should_stop is not None and should_stop():
+                    return
+                yield BenchProgress(0, total, name, 0, budget, warmup=True)
         tokens_of: dict[tuple[str, int], tuple[int, ...]] = {}
-        for pi, prompt in enumerate(prompts):
-            # The order rotates from prompt to prompt: a mode that always ran first (or always right
-            # after the independent draft's second context had churned the expert cache) would be
-            # measured under conditions of its own.
-            shift = pi % len(modes)
+        for rep, pi in ((r, p) for r in range(repeats) for p in range(len(prompts))):
+            prompt = prompts[pi]
+            # The order rotates from prompt to prompt (and on across repeats): a mode that always ran first
+            # (or always right after the independent draft's second context had churned the expert cache)
+            # would be measured under conditions of its own.
+            shift = (rep * len(prompts) + pi) % len(modes)
             for name in list(modes[shift:]) + list(modes[:shift]):
                 if should_stop is not None and should_stop():
                     return
@@ -367,10 +428,13 @@ def run_bench(
                         misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
                         cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
                                              misses, ev.verify_major_faults))
-                tokens_of[(name, pi)] = summary.tokens
-                per.setdefault(name, _ModeRuns()).add(summary)
+                if rep == 0:
+                    tokens_of[(name, pi)] = summary.tokens
+                per.setdefault(name, _ModeRuns()).add(summary, rep)
                 done += 1
-                yield BenchProgress(done, total, name, pi, budget)
+                yield BenchProgress(done, total, name, pi, budget, repeat=rep)
+            if rep > 0:
+                continue
             reference = tokens_of[("ar", pi)]
             for name in modes:
                 if name == "ar":
@@ -382,12 +446,13 @@ def run_bench(
                     gap = divergence_gap(dec, prompt, reference, tokens_of[(name, pi)])
                     runs.near_ties += gap is not None and gap < NEAR_TIE
         rows = []
-        ar_runs = per.get("ar")
-        ar_tps = ar_runs.tok_per_s if ar_runs and ar_runs.seconds > 0 else None
+        ar_repeats = per["ar"].repeat_tok_per_s
         for name in modes:
             runs = per[name]
             totals = runs.totals
             reuse_layers = totals.reuse_per_layer
+            tps = runs.repeat_tok_per_s
+            ratios = [t / a for t, a in zip(tps, ar_repeats) if a > 0]
             rows.append(BenchRow(
                 mode=name,
                 budget=budget,
@@ -395,8 +460,8 @@ def run_bench(
                 n_prompts=len(prompts),
                 n_tokens=runs.n_tokens,
                 seconds=runs.seconds,
-                tok_per_s=runs.tok_per_s,
-                speedup_vs_ar=(runs.tok_per_s / ar_tps) if ar_tps else None,
+                tok_per_s=float(np.median(tps)),
+                speedup_vs_ar=float(np.median(ratios)) if len(ratios) == len(tps) else None,
                 accept_len=totals.accept_len,
                 draft_len=totals.mean_draft_len,
                 acceptance_rate=totals.acceptance_rate,
@@ -412,6 +477,8 @@ def run_bench(
                 fetched_per_token=((totals.experts_fetched + totals.draft_fetched) / runs.n_tokens
                                    if totals.offloaded_steps and runs.n_tokens else None),
                 identical_expected=expected_lossless(name, configs[name]) and name != "ar",
+                tok_per_s_repeats=[float(t) for t in tps],
+                speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
             ))
         quality = {}
         if dec.info.is_moe and quality_texts:
@@ -447,6 +514,7 @@ def run_bench(
                                 "budget": budget, "prompt_set": prompt_set, "n_prompts": len(prompts),
                                 "greedy": base.temperature == 0, "draft_topk": base.draft_topk,
                                 "draft_max": base.draft_max, "reuse_strength": base.reuse_strength,
+                                "repeats": repeats, "warmup": warmup,
                                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")})
     finally:
         if own_decoder:

@@ -624,7 +624,17 @@ def test_bench_screen_runs_and_tabulates(monkeypatch):
             await wait_for(pilot, lambda: screen.done is not None and not screen.running, what="bench")
             table = screen.query_one("#bench-table")
             assert table.row_count == 2
-            assert "R² 0.950" in str(screen.query_one("#bench-status").render())
+            status = str(screen.query_one("#bench-status").render())
+            assert "R² 0.950" in status and "medians of 3 repeats" in status
+            # the spread of the ratio to ar across repeats is kept beside it, before the lesser columns
+            shown = [k for k, _ in table.shown]
+            assert shown[:4] == ["mode", "tok_s", "x_ar", "x_range"]
+            assert table.get_row_at(1)[2:4] == ["1.20", "1.15–1.30"]
+            # a repeat count the bench cannot run is refused before anything starts
+            screen.query_one("#bench-repeats").value = "0"
+            await pilot.press("ctrl+r")
+            await pilot.pause()
+            assert not screen.running and screen.done is not None
 
     run(go())
 

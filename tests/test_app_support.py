@@ -185,18 +185,25 @@ def fake_run_bench(model, **kw):
     args = call.arguments
     prompts, modes, n_tokens, prompt_set = args["prompts"], args["modes"], args["n_tokens"], args["prompt_set"]
     modes = ["ar"] + [m for m in modes if m != "ar"]
-    total = len(prompts) * len(modes)
+    repeats = args["repeats"]
+    total = repeats * len(prompts) * len(modes)
     done = 0
-    for pi, _ in enumerate(prompts):
+    if args["warmup"]:
         for m in modes:
-            done += 1
-            yield BenchProgress(done, total, m, pi)
+            yield BenchProgress(0, total, m, 0, warmup=True)
+    for rep in range(repeats):
+        for pi, _ in enumerate(prompts):
+            for m in modes:
+                done += 1
+                yield BenchProgress(done, total, m, pi, repeat=rep)
     rows = [BenchRow(mode=m, budget="none", prompt_set=prompt_set, n_prompts=len(prompts), n_tokens=n_tokens,
                      seconds=n_tokens / (100.0 + 20 * i), tok_per_s=100.0 + 20 * i, speedup_vs_ar=1.0 + 0.2 * i,
                      accept_len=1.0 + i, draft_len=float(i), acceptance_rate=0.0 if m == "ar" else 0.8,
                      reuse_ratio=None if m == "ar" else 0.5, reuse_ratio_per_layer=None, verify_experts=None,
                      effective_verify_cost=None, rollbacks=3 * i, t_draft=0.0, t_verify=0.0,
-                     identical_to_ar=None if m == "ar" else 1.0)
+                     identical_to_ar=None if m == "ar" else 1.0,
+                     tok_per_s_repeats=[100.0 + 20 * i + d for d in (-4.0, 0.0, 6.0)[:repeats]],
+                     speedup_repeats=[1.0 + (0.2 * i + d if m != "ar" else 0.0) for d in (-0.05, 0.0, 0.1)[:repeats]])
             for i, m in enumerate(modes)]
     yield BenchDone(rows, {}, {"r2": 0.95}, {})
 

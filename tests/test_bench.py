@@ -56,9 +56,51 @@ def test_no_cost_model_without_verifications_of_different_sizes(decoders):
 
 
 def test_modes_are_interleaved_per_prompt_in_a_rotating_order(decoders):
-    events = _bench(decoders["olmoe"], ["ar", "conf", "lookup"])
-    progress = [(e.prompt_index, e.mode) for e in events if isinstance(e, BenchProgress)]
-    assert progress == [(0, "ar"), (0, "conf"), (0, "lookup"), (1, "conf"), (1, "lookup"), (1, "ar")]
+    events = _bench(decoders["olmoe"], ["ar", "conf", "lookup"], repeats=2)
+    progress = [e for e in events if isinstance(e, BenchProgress)]
+    # every mode is warmed up, untimed, before the first measured generation
+    assert [(e.mode, e.done) for e in progress[:3]] == [("ar", 0), ("conf", 0), ("lookup", 0)]
+    assert all(e.warmup for e in progress[:3]) and not any(e.warmup for e in progress[3:])
+    # the rotation carries on into the second repeat, so no mode always runs first
+    assert [(e.repeat, e.prompt_index, e.mode) for e in progress[3:]] == [
+        (0, 0, "ar"), (0, 0, "conf"), (0, 0, "lookup"), (0, 1, "conf"), (0, 1, "lookup"), (0, 1, "ar"),
+        (1, 0, "lookup"), (1, 0, "ar"), (1, 0, "conf"), (1, 1, "ar"), (1, 1, "conf"), (1, 1, "lookup")]
+    assert [e.done for e in progress[3:]] == list(range(1, 13)) and {e.total for e in progress} == {12}
+
+
+def test_repeats_give_each_mode_a_median_and_a_spread(decoders):
+    import statistics
+
+    done = _bench(decoders["olmoe"], ["ar", "lookup"], repeats=3)[-1]
+    assert done.config["repeats"] == 3 and done.config["warmup"] is True
+    ar, lookup = done.rows
+    for r in done.rows:
+        assert len(r.tok_per_s_repeats) == 3 and r.repeats == 3
+        assert r.tok_per_s == statistics.median(r.tok_per_s_repeats)
+        assert r.n_tokens == 3 * 2 * 24  # every repeat is counted in the totals
+        lo, hi = min(r.tok_per_s_repeats), max(r.tok_per_s_repeats)
+        assert r.tok_per_s_range == f"{lo:.1f}–{hi:.1f}"
+    assert ar.speedup_repeats == [1.0, 1.0, 1.0] and ar.speedup_vs_ar == 1.0
+    # each repeat's ratio is against ar's speed in the same repeat
+    assert lookup.speedup_repeats == pytest.approx([t / a for t, a in zip(lookup.tok_per_s_repeats,
+                                                                          ar.tok_per_s_repeats)])
+    assert lookup.speedup_vs_ar == pytest.approx(statistics.median(lookup.speedup_repeats))
+    # tokens are compared with ar's once per prompt, not once per repeat
+    assert lookup.identical_to_ar == 1.0 and lookup.n_prompts == 2 and lookup.lossless_ok
+    json.dumps(done.as_dict())
+
+
+def test_a_single_repeat_without_warm_up_shows_no_spread(decoders):
+    events = _bench(decoders["olmoe"], ["ar", "lookup"], warmup=False)
+    assert not any(e.warmup for e in events if isinstance(e, BenchProgress))
+    row = events[-1].rows[1]
+    assert row.repeats == 1 and row.tok_per_s_range == "" and row.speedup_range == ""
+    assert row.tok_per_s == pytest.approx(row.n_tokens / row.seconds)  # one repeat: the plain rate
+
+
+def test_zero_repeats_are_refused(decoders):
+    with pytest.raises(ConfigError, match="repeats"):
+        _bench(decoders["olmoe"], ["ar"], repeats=0)
 
 
 def test_identical_output_check_catches_a_broken_mode(decoders, monkeypatch):
@@ -118,10 +160,15 @@ def test_bench_cli_writes_json_and_markdown(tiny_models, tmp_path):
     out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
     done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(tiny_models["qwen3moe"]),
                            "--prompts", "natural", "--n-prompts", "2", "-n", "16", "--threads", "1",
-                           "--modes", "ar,lookup,s2moe", "--json", str(out_json), "--md", str(out_md)],
-                          capture_output=True, text=True, timeout=300)
+                           "--modes", "ar,lookup,s2moe", "--json", str(out_json), "--md", str(out_md),
+                           "--repeats", "2"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "80"})
     assert done.returncode == 0, done.stderr
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80 and "…" not in done.stdout
+    assert "median of 2 repeats" in done.stdout and "× ar range" in done.stdout
     data = json.loads(out_json.read_text())
+    assert data["config"]["repeats"] == 2
+    assert all(len(r["tok_per_s_repeats"]) == 2 for r in data["results"] if r["mode"] != "llama.cpp")
     assert [r["mode"] for r in data["results"]] == ["ar", "lookup", "s2moe", "llama.cpp"]
     # the reference row: llama.cpp's own plain decoding of the same prompts, beside our ar
     ref = data["results"][-1]
@@ -208,3 +255,51 @@ def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
     assert row("s2moe", 0.5, 1.0).speedup_text == "1.05"   # it drafted: a real comparison
     assert row("s2moe", 0.0, 0.5).speedup_text == "1.05"   # different tokens (gating): not the same decoding
     assert row("ar", 0.0, None).speedup_text == "1.05"
+
+
+def _done_with_rows(offloaded: bool, repeats: int):
+    from s2moe.engine.bench import BenchDone, BenchRow
+
+    rows = []
+    for i, mode in enumerate(["ar", "naive", "cascade", "s2moe", "llama.cpp"]):
+        tps = [100.0 + 10 * i + j for j in range(repeats)]
+        rows.append(BenchRow(mode, "none" if not offloaded else "1.5GiB", "natural", 8, 512, 12.345, tps[0],
+                             1.0 + i / 10, 1.5, 2.25, 0.5, 0.123, None, 123.4, 0.75, 1000 + i, 12.34, 56.78,
+                             1.0 if mode != "ar" else None, True, fetched_per_token=12.5 if offloaded else None,
+                             bound_tok_per_s=33.3 if offloaded else None, tok_per_s_repeats=tps,
+                             speedup_repeats=[1.0 + i / 10 + j / 100 for j in range(repeats)]))
+    return BenchDone(rows, {}, {}, {}, config={"prompt_set": "natural", "n_prompts": 8, "n_tokens": 64,
+                                               "repeats": repeats})
+
+
+@pytest.mark.parametrize("offloaded,repeats", [(False, 1), (True, 3)])
+def test_the_bench_table_fits_80_columns_and_wraps_what_does_not_fit(offloaded, repeats):
+    from rich.console import Console
+
+    from s2moe.app.cmd_bench import _cells, tables
+
+    done = _done_with_rows(offloaded, repeats)
+    console = Console(width=80, record=True)
+    parts = tables(done, 80)
+    for t in parts:
+        console.print(t)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "…" not in text
+    columns, cells = _cells(done)
+    for col in columns:  # every column appears whole, in one of the tables
+        assert col.label in text, col.label
+    for row in cells:
+        for value in row.values():
+            assert value in text, value
+    assert len(parts) > 1  # more than 80 columns' worth: the rest goes on, led by the mode
+    for t in parts:
+        assert t.columns[0].header == "mode" and len(t.rows) == len(done.rows)
+    first = [c.header for c in parts[0].columns]
+    assert first[:3] == ["mode", "budget", "tok/s"] if offloaded else first[:2] == ["mode", "tok/s"]
+    assert "× ar" in first and "= ar" in first  # the speed-up and whether it decoded the same come first
+    if repeats > 1:
+        assert "× ar range" in first and "1.30–1.32" in text and "median of 3 repeats" in text
+    else:
+        assert "range" not in text
+    assert len(tables(done, 200)) == 1

@@ -21,9 +21,11 @@ DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):
 DEFAULT_MODES = ("ar", "s2moe")
 PROMPT_SETS = ("natural", "humaneval")  # the named sets engine.bench.load_prompts knows
 # fixed widths, so the table looks the same however rows arrive; at 80 columns the last ones give way
-TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2), Column("x_ar", "× ar", 5, 1),
-                 Column("accept", "accept", 6, 3), Column("draft", "draft", 5, 4), Column("reuse", "reuse", 5, 5),
-                 Column("rollbacks", "rollb.", 6, 7), Column("same", "= ar", 4, 6))
+TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2), Column("tok_range", "tok/s range", 11, 8),
+                 Column("x_ar", "× ar", 5, 1), Column("x_range", "× ar range", 10, 3), Column("accept", "accept", 6, 4),
+                 Column("draft", "draft", 5, 5), Column("reuse", "reuse", 5, 6), Column("rollbacks", "rollb.", 6, 9),
+                 Column("same", "= ar", 4, 7))
+DEFAULT_REPEATS = 3
 
 
 def _fmt(v, spec=".2f", none="—"):
@@ -61,13 +63,14 @@ class BenchPlot(PlotextPlot):
 class BenchAcceptPlot(BenchPlot):
     """What each mode's speculation did: tokens per target pass and reuse ratio."""
 
-    TITLE = "accept length and reuse ratio by mode"
+    # the legend is in the title: plotext draws a legend inside the plot, over the bars
+    TITLE = "accept length (left bar), reuse ratio (right) by mode"
 
     def plot_rows(self, rows: list[BenchRow]) -> None:
         labels = [_label(r) for r in rows]
         accept = [float(r.accept_len) for r in rows]
         reuse = [float(r.reuse_ratio) if r.reuse_ratio is not None else 0.0 for r in rows]
-        self.plt.multiple_bar(labels, [accept, reuse], labels=["accept len", "reuse ratio"])
+        self.plt.multiple_bar(labels, [accept, reuse])
 
 
 class BenchScreen(Screen):
@@ -109,6 +112,10 @@ class BenchScreen(Screen):
                 with Horizontal(classes="form-row"):
                     yield Label("Tokens", classes="form-label")
                     yield Input("32", id="bench-n", type="integer")
+                with Horizontal(classes="form-row"):
+                    yield Label("Repeats", classes="form-label")
+                    yield Input(str(DEFAULT_REPEATS), id="bench-repeats", type="integer",
+                                tooltip="Times the whole prompt set runs; the table shows the median and range")
                 with Horizontal(classes="button-row"):
                     yield Button("Run", variant="primary", id="bench-run")
                     yield Button("Stop", id="bench-stop")
@@ -132,7 +139,8 @@ class BenchScreen(Screen):
 
     def update_state(self) -> None:
         self.query_one("#bench-intro", Static).update(
-            "Runs every selected mode on each prompt in turn (ar is always included as the reference).")
+            "Runs every selected mode on each prompt in turn (ar is always included as the reference), after an "
+            "untimed warm-up; repeats give each figure its range.")
         self.query_one("#bench-run", Button).disabled = self.running
         self.query_one("#bench-stop", Button).disabled = not self.running
         self.refresh_bindings()
@@ -171,11 +179,22 @@ class BenchScreen(Screen):
             raise ConfigError("tokens must be between 1 and 4096")
         return prompts, modes, n, name
 
+    def repeats(self) -> int:
+        raw = self.query_one("#bench-repeats", Input).value.strip()
+        try:
+            repeats = int(raw)
+        except ValueError:
+            raise ConfigError(f"repeats: {raw!r} is not a whole number") from None
+        if not 1 <= repeats <= 100:
+            raise ConfigError("repeats must be between 1 and 100")
+        return repeats
+
     def action_start(self) -> None:
         if not engine_ready(self):
             return
         try:
             prompts, modes, n, prompt_set = self.request()
+            repeats = self.repeats()
         except S2MoEError as e:
             self.notify(str(e), severity="error")
             return
@@ -188,10 +207,11 @@ class BenchScreen(Screen):
         self.query_one("#bench-status", Static).update("starting…")
         self.running = True
         self.update_state()
-        self.bench(prompts, modes, n, prompt_set)
+        self.bench(prompts, modes, n, prompt_set, repeats)
 
     @work(thread=True, group="engine", exit_on_error=False)
-    def bench(self, prompts: list[str], modes: list[str], n: int, prompt_set: str = "custom") -> None:
+    def bench(self, prompts: list[str], modes: list[str], n: int, prompt_set: str = "custom",
+              repeats: int = 1) -> None:
         session = self.app.session
         run_bench = engine_bench.run_bench
 
@@ -199,7 +219,7 @@ class BenchScreen(Screen):
             session.load()  # the loaded model is reused: the session lock is held, nothing else uses it
             return run_bench(session.model_path, prompts=prompts, modes=modes, n_tokens=n,
                              n_threads=session.n_threads, should_stop=session.stop.is_set,
-                             decoder=session.decoder, prompt_set=prompt_set)
+                             decoder=session.decoder, prompt_set=prompt_set, repeats=repeats)
 
         run_engine_job(self, session, "bench", events)
 
@@ -212,13 +232,21 @@ class BenchScreen(Screen):
         ev = message.event
         if isinstance(ev, BenchProgress):
             self.query_one("#bench-progress", ProgressBar).update(total=max(1, ev.total), progress=ev.done)
-            self.query_one("#bench-status", Static).update(
-                f"{ev.done}/{ev.total}: {ev.mode} on prompt {ev.prompt_index + 1}")
+            if ev.warmup:
+                text = f"warm-up (untimed): {ev.mode}"
+            else:
+                text = f"{ev.done}/{ev.total}: {ev.mode} on prompt {ev.prompt_index + 1}"
+                if ev.repeat:
+                    text += f", repeat {ev.repeat + 1}"
+            self.query_one("#bench-status", Static).update(text)
         elif isinstance(ev, BenchDone):
             self.done = ev
             self.rows = list(ev.rows)
             self.show_rows()
             status = "done"
+            repeats = max((r.repeats for r in self.rows), default=1)
+            if repeats > 1:
+                status += f" · medians of {repeats} repeats"
             fit = ev.cost_model.get("r2")
             if fit is not None:
                 status += f" · verification cost fit R² {fit:.3f}"
@@ -230,7 +258,9 @@ class BenchScreen(Screen):
         self.query_one(FittedTable).set_rows([(None, {
             "mode": _label(r),
             "tok_s": _fmt(r.tok_per_s, ".1f"),
+            "tok_range": r.tok_per_s_range or "—",
             "x_ar": r.speedup_text,
+            "x_range": r.speedup_range or "—",
             "accept": _fmt(r.accept_len),
             "draft": _fmt(r.draft_len),
             "reuse": _fmt(r.reuse_ratio),
