@@ -14,7 +14,7 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import add_placement_options, nonempty, positive_int
+    from .cli import nonempty, positive_int
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -28,11 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", type=nonempty, help="device profile for the cost constants (else measured at start-up)")
     p.add_argument("--draft-topk", type=int, default=None,
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
-    # None: not given, the profile's tuned value (s2moe tune), else the default
-    p.add_argument("--draft-max", type=int, default=None, help="cap on draft length (default 8)")
-    p.add_argument("--reuse-strength", type=float, default=None, help="reuse-aware gating strength α (default 0.5)")
+    p.add_argument("--draft-max", type=int, default=8)
+    p.add_argument("--reuse-strength", type=float, default=0.5)
     p.add_argument("-t", "--threads", type=int, default=None)
-    add_placement_options(p)
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="times the whole prompt set is run, modes interleaved throughout; tok/s and × ar are the "
                         "medians and the table shows their range (default 1)")
@@ -242,12 +240,9 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, "-m", "s2moe.app.cli", "bench", "--model", model, "--prompts", args.prompts,
                 "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--budget", budget_text,
-                "--repeats", str(args.repeats), "--no-quality", "--json", str(out)]
-        # settings not given are resolved there: the profile's tuning under a budget, not the resident one
-        for flag, value in (("--draft-topk", args.draft_topk), ("--draft-max", args.draft_max),
-                            ("--reuse-strength", args.reuse_strength)):
-            if value is not None:
-                argv += [flag, str(value)]
+                "--draft-topk", str(args.draft_topk), "--draft-max", str(args.draft_max),
+                "--reuse-strength", str(args.reuse_strength), "--repeats", str(args.repeats), "--no-quality",
+                "--json", str(out)]
         argv += ["--modes", ",".join(_modes(args))] if not args.ablation else ["--ablation"]
         if args.threads:
             argv += ["--threads", str(args.threads)]
@@ -278,8 +273,7 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
         out = Path(tmp) / "ref.json"
         argv = [sys.executable, "-m", "s2moe.engine.reference", "--model", model, "--prompts", args.prompts,
-                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out),
-                "--placement", json.dumps(placement_from_args(args).as_dict())]
+                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
         if budget_bytes is None:
@@ -301,13 +295,12 @@ def run(args) -> int:
     from ..engine.bench import (BenchDone, BenchProgress, load_prompts, measure_hook_overhead, run_bench, storage_bound,
                                 warm_up, write_atomic)
     from ..engine.decoder import Decoder, GenerationConfig
-    from .cli import default_model, placement_from_args
+    from .cli import default_model
 
     model = args.model or default_model()
     console = Console(stderr=True)
     if args.n_tokens < 1 or args.n_prompts < 1:
         raise ConfigError("-n and --n-prompts must be at least 1")
-    placement = placement_from_args(args)
     if args.overhead:
         set_name, prompts = load_prompts(args.prompts, 1)
         result = measure_hook_overhead(model, prompts[0], args.n_tokens, args.rounds, args.threads)
@@ -318,22 +311,19 @@ def run(args) -> int:
     modes = _modes(args)
     budgets = [b.strip() for b in args.budget.split(",") if b.strip()] or ["none"]
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
-    GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max,
-                     reuse_strength=args.reuse_strength).validate()
+    base = GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max, reuse_strength=args.reuse_strength)
+    base.validate()
     from ..engine.model_info import read_model_info
-    from ..engine.offload import current_budget
-    from .cli import resolve_tuned
 
     info = read_model_info(model)
-    hot, tuned = [], {}
+    base = base.resolved(info)
+    # a budget's child process measures these same settings
+    args.draft_topk, args.draft_max = base.draft_topk, base.draft_max
+    hot = []
     if args.profile:
-        from ..engine.profiles import cost_for_model, hot_experts_for_model, load_profile, tuned_settings
+        from ..engine.profiles import cost_for_model, hot_experts_for_model, load_profile
 
         profile = load_profile(args.profile)
-        # this process measures resident unless it is a budget's child
-        tuned = tuned_settings(profile, info.fingerprint, offloaded=current_budget() is not None)
-    base = GenerationConfig(**resolve_tuned(args, tuned)).resolved(info)
-    if args.profile:
         base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"])
         hot = hot_experts_for_model(profile, info.fingerprint)
 
@@ -364,8 +354,8 @@ def run(args) -> int:
 
     done = None
     if here is not None:
-        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, base.draft_max),
-                          use_extra_bufts=inside is None, placement=placement)
+        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, args.draft_max),
+                          use_extra_bufts=inside is None)
         if inside is not None:
             budget = inside[1]
             off = offload.offload_decoder(decoder, budget, hot,
