@@ -17,6 +17,8 @@ from ..engine.modes import MODES
 
 # The engine's names for the settings its errors are about → the flags that set them.
 FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk", "draft_max": "--draft-max",
+         "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
+         "repeat_last_n": "--repeat-last-n",
          "reuse_strength": "--reuse-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
          "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed"}
 
@@ -67,6 +69,46 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
+def _seed(text: str) -> int:
+    from ..engine.sampling import MAX_SEED
+
+    v = whole_number(text)
+    if not -1 <= v <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be -1 (random) or a whole number from 0 to {MAX_SEED}, got {v}")
+    return v
+
+
+def _repeat_last_n(text: str) -> int:
+    v = whole_number(text)
+    if v < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 (the whole context), 0 (off) or a number of tokens, got {v}")
+    return v
+
+
+def _number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    v = _number(text)
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = _number(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return v
+
+
 def _gpu_layers(text: str) -> int:
     v = whole_number(text)
     if not -1 <= v < 1 << 31:
@@ -111,13 +153,39 @@ def default_model() -> str:
     return str(path)
 
 
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's sampler options, its defaults. Applied as llama.cpp applies them, in every mode: the
+    draft and the verification sample from the same processed distributions (engine.sampling)."""
+    from ..engine import sampling as s
+
+    p.add_argument("--top-k", type=_non_negative_int, default=s.TOP_K,
+                   help=f"sample among the k most likely tokens (default {s.TOP_K}, 0 = off)")
+    p.add_argument("--top-p", type=_fraction, default=s.TOP_P,
+                   help=f"nucleus sampling: the most likely tokens up to this mass (default {s.TOP_P}, 1 = off)")
+    p.add_argument("--min-p", type=_fraction, default=s.MIN_P,
+                   help=f"drop tokens below this share of the most likely one (default {s.MIN_P}, 0 = off)")
+    p.add_argument("--repeat-penalty", type=_positive_float, default=s.REPEAT_PENALTY,
+                   help=f"penalise the tokens of the last --repeat-last-n (default {s.REPEAT_PENALTY:g}, 1 = off); "
+                        "greedy decoding too")
+    p.add_argument("--repeat-last-n", type=_repeat_last_n, default=s.REPEAT_LAST_N,
+                   help=f"tokens the repeat penalty looks back over (default {s.REPEAT_LAST_N}, 0 = off, "
+                        "-1 = the whole context)")
+
+
+def sampling_settings(args) -> dict:
+    """The sampler options of parsed arguments, as GenerationConfig fields."""
+    return dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                repeat_last_n=args.repeat_last_n)
+
+
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
     p.add_argument("-n", "--n-predict", type=positive_int, default=128, help="tokens to generate")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("-s", "--seed", type=_non_negative_int, default=0)
+    p.add_argument("-s", "--seed", type=_seed, default=0, help="random seed (default 0; -1: a random one, printed)")
+    add_sampling_options(p)
     p.add_argument("--profile", type=nonempty,
                    help="device profile name or YAML path (cost constants); measured at start-up if absent")
     p.add_argument("--draft-topk", type=positive_int, default=None,
@@ -183,7 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text from a prompt and report speculation statistics")
     add_generation_options(g)
-    g.add_argument("--prompt", "-p", required=True, help="prompt text")
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", "-p", help="prompt text")
+    prompt.add_argument("-f", "--file", type=nonempty,
+                        help="read the prompt from this UTF-8 text file (as llama.cpp: one final newline dropped)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and summary")
     g.add_argument("--events", action="store_true", help="print one line per iteration to stderr")
     g.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
@@ -209,6 +280,7 @@ def generation_config(args, decoder):
         n_predict=args.n_predict,
         temperature=args.temp,
         seed=args.seed,
+        **sampling_settings(args),
         draft_topk=args.draft_topk,
         draft_max=args.draft_max,
         utility=not args.no_utility,
@@ -267,20 +339,40 @@ class _Output:
         print(line, file=sys.stderr)
 
 
+def prompt_file_text(path: str) -> str:
+    """A prompt from a file, as llama.cpp's -f reads it: the whole file but one final newline. A regular
+    UTF-8 file of at most the prompt-file limit; anything else is one line."""
+    from ..engine.files import MAX_PROMPT_FILE_BYTES, read_bounded
+
+    data = read_bounded(path, "prompt file", MAX_PROMPT_FILE_BYTES)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"prompt file {path} is not UTF-8 text (an invalid byte at offset {e.start})") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
 def cmd_generate(args) -> int:
     from ..engine.decoder import Decoder, GenerationConfig
     import numpy as np
 
     from ..engine import offload
     from ..engine.events import Finished, Iteration, ResidencySnapshot, Started, Summary
+    from ..engine.sampling import RANDOM_SEED, random_seed
 
     model = args.model if args.model is not None else default_model()
+    if args.file is not None:
+        args.prompt = prompt_file_text(args.file)
     # Validate flags that need no model before loading one.
-    GenerationConfig(mode=args.mode, n_predict=args.n_predict, temperature=args.temp,
-                     draft_topk=args.draft_topk, draft_max=args.draft_max).validate()
+    GenerationConfig(mode=args.mode, n_predict=args.n_predict, temperature=args.temp, seed=args.seed,
+                     draft_topk=args.draft_topk, draft_max=args.draft_max, **sampling_settings(args)).validate()
     budget = offload.Budget.parse(args.budget) if args.budget is not None else None
     if budget is not None and offload.current_budget() is None:
         return run_cli_in_budget(args._argv, budget, model, tag="run")
+    if args.seed == RANDOM_SEED:  # drawn here, so that the warm-up under a budget and the run share it
+        args.seed = random_seed()
+        if not args.json:
+            print(f"seed {args.seed} (random; -s {args.seed} repeats this run)", file=sys.stderr)
     decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max),
                       use_extra_bufts=budget is None, n_gpu_layers=args.gpu_layers)
     offloader = None
@@ -334,7 +426,7 @@ def cmd_generate(args) -> int:
         out.line(offload.split_line(offload.current_budget_cgroup(), offloader))
     if args.json:
         out = summary.as_dict()
-        out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path))
+        out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path), seed=cfg.seed)
         if summary.cost is not None:
             out["cost"] = {k: v for k, v in summary.cost.__dict__.items()}
         print(json.dumps(out))

@@ -22,8 +22,9 @@ from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnap
 from .hook import distinct_per_layer
 from .model_info import ModelInfo, read_model_info
 from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LookupDrafter,
-                       SelfDrafter, UtilityStop, softmax)
+                       SelfDrafter, UtilityStop)
 from .runtime import LlamaRuntime
+from .sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, Sampling, check_seed, random_seed
 from .modes import MODES, MOE_MODES
 
 
@@ -85,7 +86,13 @@ class GenerationConfig:
     mode: str = "s2moe"
     n_predict: int = 128
     temperature: float = 0.0          # 0: greedy
-    seed: int = 0
+    seed: int = 0                     # RANDOM_SEED (-1): drawn at random when resolved, as llama.cpp's -s -1
+    # llama.cpp's sampler chain (engine.sampling), its defaults; repeat_last_n -1: the whole context
+    top_k: int = TOP_K
+    top_p: float = TOP_P
+    min_p: float = MIN_P
+    repeat_penalty: float = REPEAT_PENALTY
+    repeat_last_n: int = REPEAT_LAST_N
     # None: not given, the model's routing decides (resolved(info), defaults_for)
     draft_topk: int | None = None     # k_d
     # not None by default: callers size a decoder's verification batch from it before reading a model
@@ -98,10 +105,17 @@ class GenerationConfig:
     stop_at_eos: bool = True
     cost: CostConstants | None = None  # from a device profile; measured at start-up when None
 
+    def sampling(self, n_ctx: int | None = None) -> Sampling:
+        """The sampler chain of this config; with n_ctx, repeat_last_n -1 becomes the whole context."""
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                        repeat_penalty=self.repeat_penalty,
+                        repeat_last_n=n_ctx if self.repeat_last_n == -1 and n_ctx else self.repeat_last_n)
+
     def resolved(self, info: ModelInfo) -> "GenerationConfig":
         """This config with every setting it leaves to the model filled in from the model's routing."""
         d = defaults_for(info)
-        return replace(self, draft_topk=d.draft_topk if self.draft_topk is None else self.draft_topk,
+        return replace(self, seed=random_seed() if self.seed == RANDOM_SEED else self.seed,
+                       draft_topk=d.draft_topk if self.draft_topk is None else self.draft_topk,
                        draft_max=d.draft_max if self.draft_max is None else self.draft_max,
                        reuse_cap=d.reuse_cap if self.reuse_cap is None else self.reuse_cap)
 
@@ -111,10 +125,8 @@ class GenerationConfig:
             raise ConfigError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if self.n_predict < 1:
             raise ConfigError(f"{OPTION} must be at least 1", option="n_predict")
-        if self.seed < 0:
-            raise ConfigError(f"{OPTION} must be a whole number ≥ 0", option="seed")
-        if self.temperature < 0:
-            raise ConfigError(f"{OPTION} must be ≥ 0", option="temperature")
+        check_seed(self.seed)
+        self.sampling().validate()
         if self.draft_max is not None and (self.draft_max < 1 or self.draft_max > 64):
             raise ConfigError(f"{OPTION} must be between 1 and 64", option="draft_max")
         if self.draft_topk is not None and self.draft_topk < 1:
@@ -292,12 +304,11 @@ class Decoder:
         reuse_cap = cfg.reuse_cap
         k = max(self.info.n_expert_used, 1)
         rng = np.random.default_rng(cfg.seed)
-        greedy = cfg.temperature == 0
+        # one processing for the draft and the target (and so lossless sampling with these options)
+        sampler = cfg.sampling(self.n_ctx)
 
-        def sample(logits):
-            q = softmax(logits, cfg.temperature if not greedy else 1.0)
-            token = int(np.argmax(logits)) if greedy else int(rng.choice(len(q), p=q))
-            return token, q
+        def sample(logits, history):
+            return sampler.choose(logits, history, rng)
 
         yield Started(cfg.mode, self.info.name, tuple(prompt_tokens), self.info.n_layer, self.info.n_expert, k,
                       _config_dict(cfg, reuse_cap), cost)
@@ -338,7 +349,7 @@ class Decoder:
 
             v = self._verify([committed_all[-1]] + drafted, m - 1, proposal,
                              gate=(cfg.reuse_strength, reuse_cap) if gating and drafted else None)
-            accepted, target_token = accept(drafted, v.logits, proposal.dists, cfg.temperature, rng)
+            accepted, target_token = accept(drafted, v.logits, proposal.dists, sampler, rng, committed_all)
             committed = drafted[:accepted] + [target_token]
             finished_eos = False
             if cfg.stop_at_eos:

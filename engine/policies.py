@@ -15,13 +15,6 @@ import numpy as np
 from .events import CostConstants, DraftCandidate, DraftDecision
 
 
-def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    z = logits.astype(np.float64) / max(temperature, 1e-6)
-    z -= z.max()
-    p = np.exp(z)
-    return p / p.sum()
-
-
 @dataclass
 class Proposal:
     tokens: list[int] = field(default_factory=list)
@@ -166,6 +159,8 @@ class Drafter:
     drafts_in_context = False  # its draft passes run in the decoder's own context, through the routing hook
 
     def propose(self, dec, committed: list[int], max_len: int, sample) -> Proposal:
+        """sample(logits, history) -> (token, distribution): the generation's sampler (engine.sampling),
+        given the tokens before the one it draws."""
         return Proposal()
 
     def feedback(self, iteration) -> None:
@@ -213,7 +208,7 @@ class SelfDrafter(Drafter):
         chain = 1.0
         out.stop = "cap"
         for i in range(max_len):
-            token, q = sample(logits)
+            token, q = sample(logits, committed + out.tokens)
             prob = float(q[token])
             chain *= prob
             if i == 0:
@@ -304,7 +299,7 @@ class IndependentDrafter(Drafter):
         for i in range(max_len):
             logits = self.rt.decode([token], len(self.tokens), "last")[0]
             self.tokens.append(token)
-            token, q = sample(logits)
+            token, q = sample(logits, committed + out.tokens)
             prob = float(q[token])
             chain *= prob
             out.candidates.append(DraftCandidate(token, dec.piece_text(token), prob, chain, None,

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from s2moe.engine.acceptance import accept
-from s2moe.engine.policies import softmax
+from s2moe.engine.sampling import Sampling, softmax
+
+
+def _plain(temperature):
+    """Sampling at a temperature and nothing else: p is the softmax these tests compute."""
+    return Sampling(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
 
 
 def _logits_preferring(tokens, n_vocab=6):
@@ -25,7 +30,7 @@ def _logits_preferring(tokens, n_vocab=6):
 ])
 def test_greedy_keeps_the_longest_matching_prefix(drafted, target, expected):
     rng = np.random.default_rng(0)
-    assert accept(drafted, _logits_preferring(target), [], 0.0, rng) == expected
+    assert accept(drafted, _logits_preferring(target), [], _plain(0.0), rng) == expected
 
 
 def test_sampled_verification_reproduces_the_target_distribution():
@@ -41,7 +46,7 @@ def test_sampled_verification_reproduces_the_target_distribution():
     accepted_total = 0
     for _ in range(n):
         d = int(rng.choice(4, p=q))
-        n_acc, token = accept([d], target_logits, [q], temperature, rng)
+        n_acc, token = accept([d], target_logits, [q], _plain(temperature), rng)
         first[d if n_acc == 1 else token] += 1
         accepted_total += n_acc
     assert np.abs(first / n - p).max() < 0.01
@@ -54,5 +59,5 @@ def test_sampled_verification_accepts_a_draft_identical_to_the_target():
     logits = np.array([[1.0, 0.2, -0.5], [0.3, 0.3, 0.3], [0.0, 1.0, 0.0]])
     dists = [softmax(logits[0], 0.7), softmax(logits[1], 0.7)]
     for _ in range(200):
-        n_acc, _token = accept([0, 2], logits, dists, 0.7, rng)
+        n_acc, _token = accept([0, 2], logits, dists, _plain(0.7), rng)
         assert n_acc == 2  # p/q = 1 for every drafted token

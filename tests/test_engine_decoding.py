@@ -166,13 +166,12 @@ def test_speculative_sampling_matches_plain_sampling(decoders):
     rt = d.rt
     rt.kv_clear()
     rt.hook.off()
-    p1 = np.exp((lambda z: z - z.max())(rt.decode(prompt, 0, "last")[0].astype(np.float64) / temp))
-    p1 /= p1.sum()
+    # the distribution plain sampling draws from: llama.cpp's chain with its defaults (top-k 40, top-p, min-p)
+    chain = GenerationConfig(temperature=temp).sampling()
+    p1 = chain.distribution(rt.decode(prompt, 0, "last")[0], prompt)
     rt.kv_clear()
     rt.hook.draft(1)
-    q1 = rt.decode(prompt, 0, "last")[0].astype(np.float64) / temp
-    q1 = np.exp(q1 - q1.max())
-    q1 /= q1.sum()
+    q1 = chain.distribution(rt.decode(prompt, 0, "last")[0], prompt)
     rt.kv_clear()
     # the draft must differ from the target, or the test could not tell a broken verifier apart
     assert 0.5 * np.abs(p1 - q1).sum() > 0.05
@@ -199,10 +198,8 @@ def test_speculative_sampling_matches_plain_sampling(decoders):
     n2 = sum(second.values())
     rt.kv_clear()
     rt.hook.off()
-    z = rt.decode(prompt + [t1], 0, "last")[0].astype(np.float64) / temp
+    p2 = chain.distribution(rt.decode(prompt + [t1], 0, "last")[0], prompt + [t1])
     rt.kv_clear()
-    p2 = np.exp(z - z.max())
-    p2 /= p2.sum()
     stat2, df2 = _chi2(second, p2, n2)
     if df2 >= 1:
         assert stat2 < _chi2_critical(df2), f"second-token distribution differs: chi2 {stat2:.1f} df {df2}"
@@ -399,9 +396,10 @@ def test_engine_errors_name_the_setting_and_let_each_front_end_word_it():
     assert e.worded({"draft_max": "draft cap"}) == "draft cap must be between 1 and 64"
 
 
-def test_a_negative_seed_is_refused_by_the_engine_too():
-    """The CLI refuses --seed -1 while parsing; the app and scripts reach the engine directly."""
+def test_a_seed_below_minus_one_is_refused_by_the_engine_too():
+    """-1 is a random seed, as in llama.cpp; the CLI refuses less while parsing, and the app and scripts
+    reach the engine directly."""
     from s2moe.engine.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="seed must be a whole number"):
-        GenerationConfig(seed=-1).validate()
+    with pytest.raises(ConfigError, match="seed must be -1 .random. or a whole number from 0"):
+        GenerationConfig(seed=-2).validate()

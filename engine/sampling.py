@@ -1,0 +1,136 @@
+"""How a row of logits becomes the distribution a token is drawn from: llama.cpp's sampler chain.
+
+One processing for every mode and both sides of speculative decoding. A draft token is drawn from the
+processed draft distribution and verification accepts against the processed target distribution, each
+computed for the tokens before it (drafted ones included): speculative sampling then reproduces plain
+sampling with the same options exactly, and greedy decoding stays token-identical to `ar`.
+
+The order and the rules are llama.cpp's default chain (common/sampling.cpp): repetition penalty over the
+last `repeat_last_n` tokens (the prompt included), top-k, top-p and min-p (both at temperature 1),
+temperature, then a draw. Temperature 0 is greedy: the argmax of the penalised logits, which top-k, top-p
+and min-p never change.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import OPTION, ConfigError
+
+# llama.cpp's defaults (common.h: top_k 40, top_p 0.95, min_p 0.05, penalty_repeat 1, penalty_last_n 64)
+TOP_K = 40
+TOP_P = 0.95
+MIN_P = 0.05
+REPEAT_PENALTY = 1.0
+REPEAT_LAST_N = 64
+RANDOM_SEED = -1  # as llama.cpp's -s -1: a seed drawn at random, reported with the run
+MAX_SEED = (1 << 32) - 1  # llama.cpp's seeds are 32-bit
+
+
+def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    z = logits.astype(np.float64) / max(temperature, 1e-6)
+    z -= z.max()
+    p = np.exp(z)
+    return p / p.sum()
+
+
+def random_seed() -> int:
+    return secrets.randbelow(MAX_SEED + 1)
+
+
+def check_seed(seed: int) -> None:
+    if not RANDOM_SEED <= seed <= MAX_SEED:
+        raise ConfigError(f"{OPTION} must be -1 (random) or a whole number from 0 to {MAX_SEED}, got {seed}",
+                          option="seed")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampler settings of a generation. repeat_last_n: tokens the penalty looks back over (0: none;
+    the caller turns llama.cpp's -1, the whole context, into the context size)."""
+
+    temperature: float = 0.0
+    top_k: int = TOP_K
+    top_p: float = TOP_P
+    min_p: float = MIN_P
+    repeat_penalty: float = REPEAT_PENALTY
+    repeat_last_n: int = REPEAT_LAST_N
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"{OPTION} must be a finite number ≥ 0", option="temperature")
+        if self.top_k < 0:
+            raise ConfigError(f"{OPTION} must be ≥ 0 (0: off)", option="top_k")
+        if not 0 <= self.top_p <= 1:
+            raise ConfigError(f"{OPTION} must be between 0 and 1 (1: off)", option="top_p")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"{OPTION} must be between 0 and 1 (0: off)", option="min_p")
+        if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
+            raise ConfigError(f"{OPTION} must be a finite number > 0 (1: off)", option="repeat_penalty")
+        if self.repeat_last_n < -1:
+            raise ConfigError(f"{OPTION} must be -1 (the whole context), 0 (off) or a number of tokens",
+                              option="repeat_last_n")
+
+    def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """logits with the repetition penalty applied for the tokens before them (llama.cpp's rule: a
+        positive logit is divided by the penalty, a negative one multiplied)."""
+        if self.repeat_penalty == 1.0 or self.repeat_last_n <= 0 or not len(history):
+            return logits
+        seen = np.unique(np.asarray(history[-self.repeat_last_n:], dtype=np.int64))
+        z = logits.astype(np.float64)
+        v = z[seen]
+        z[seen] = np.where(v <= 0, v * self.repeat_penalty, v / self.repeat_penalty)
+        return z
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The distribution (float64, sums to 1) a sampled token is drawn from after `history`. Greedy: the
+        penalised softmax at temperature 1, whose argmax is the token and whose values are the draft's
+        confidence (the stop rules read them)."""
+        z = self.penalized(logits, history).astype(np.float64)
+        if self.greedy:
+            return softmax(z)
+        keep = _kept(z, self.top_k, self.top_p, self.min_p)
+        kept = z[keep] / self.temperature
+        p = np.zeros(len(z))
+        e = np.exp(kept - kept.max())
+        p[keep] = e / e.sum()
+        return p
+
+    def choose(self, logits: np.ndarray, history: Sequence[int], rng: np.random.Generator) -> tuple[int, np.ndarray]:
+        """(the token, the distribution it was drawn from)."""
+        q = self.distribution(logits, history)
+        if self.greedy:
+            return int(np.argmax(q)), q
+        return int(rng.choice(len(q), p=q)), q
+
+    def greedy_token(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        return int(np.argmax(self.penalized(logits, history)))
+
+
+def _kept(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Indices of the tokens top-k, then top-p, then min-p keep (each over what the one before kept; top-p
+    and min-p on probabilities at temperature 1), as llama.cpp's samplers do. At least one is kept."""
+    n = len(z)
+    idx = np.arange(n)
+    if 0 < top_k < n:
+        idx = np.argpartition(-z, top_k - 1)[:top_k]
+    # highest first; ties by token id, so that the same logits always keep the same tokens
+    order = idx[np.lexsort((idx, -z[idx]))]
+    if top_p < 1.0:
+        zz = z[order]
+        p = np.exp(zz - zz[0])
+        cum = np.cumsum(p / p.sum())
+        # the first position where the mass reaches top_p is the last one kept
+        order = order[: min(int(np.searchsorted(cum, top_p, side="left")) + 1, len(order))]
+    if min_p > 0.0:
+        order = order[z[order] >= z[order[0]] + math.log(min_p)]
+    return order
