@@ -1,0 +1,158 @@
+"""`s2moe tune`: search the decoding settings that are fastest on this device, model, budget and workload
+within the gating quality constraint, and record them in the device profile (engine/tune.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _minutes(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of minutes, got {text}") from None
+    if not 0 < v <= 24 * 60:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1440 minutes, got {text}")
+    return v
+
+
+def add_parser(sub) -> None:
+    from .cli import budget_text, nonempty, positive_int
+
+    p = sub.add_parser("tune", help="search k_d, the draft cap, the threshold, α and |E*| for this device and "
+                                    "model; record the fastest in the profile")
+    p.add_argument("--model", "-m", type=nonempty, help="GGUF MoE model (default: the shipped model)")
+    p.add_argument("--budget", type=budget_text,
+                   help="memory budget, e.g. 800M or 2G, or auto (as generate --budget): tune the model offloaded "
+                        "under it; recorded apart from the resident tuning")
+    p.add_argument("--prompts", type=nonempty, default="humaneval",
+                   help="the workload: humaneval (default), natural or a JSONL file with a \"prompt\" field")
+    p.add_argument("--profile", type=nonempty, default=None,
+                   help="the profile to record the result in (default: local); it must hold this model's "
+                        "constants (s2moe calibrate)")
+    p.add_argument("--time-budget", type=_minutes, default=10.0, metavar="MIN",
+                   help="minutes the search may take, start-up excluded (default 10)")
+    p.add_argument("-n", "--n-tokens", type=positive_int, default=48, help="tokens generated per run (default 48)")
+    p.add_argument("--n-prompts", type=positive_int, default=32, help="prompts to draw from the set (default 32)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--seed", type=positive_int, default=1, help="seed of the random candidates (default 1)")
+    p.add_argument("--no-save", action="store_true", help="search and print, write nothing")
+    p.set_defaults(run=run)
+
+
+def summary_lines(section: dict, path) -> list[str]:
+    """What a tuning run found, in the words the profile records it."""
+    sp, q, search = section["speed"], section["quality"], section["search"]
+
+    def fmt(s: dict) -> str:
+        gating = f"α {s['reuse_strength']:g}, |E*| {s['reuse_cap']}" if s["reuse_strength"] > 0 else "gating off"
+        return f"k_d {s['draft_topk']}, draft cap {s['draft_max']}, threshold {s['threshold']:g}, {gating}"
+
+    ar = f" · ar {sp['ar_tok_s']:.2f} tok/s" if sp.get("ar_tok_s") else ""
+    quality = ("lossless (no gating)" if q.get("lossless") else
+               f"perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement {q['top1_agreement']:.3f} over {q['tokens']} "
+               "tokens (teacher-forced)")
+    ratios = sp.get("per_prompt_ratios") or []
+    spread = f", per-prompt ratios {min(ratios):.3f}–{max(ratios):.3f}" if ratios else ""
+    lines = [f"defaults: {fmt(section['defaults'])} → {sp['defaults_tok_s']:.2f} tok/s",
+             f"tuned:    {fmt(section['settings'])} → {sp['tuned_tok_s']:.2f} tok/s"
+             + (f" ({sp['gain']:.3f}× the defaults{spread})" if sp.get("gain") else "") + ar,
+             f"verdict: {sp['verdict']}",
+             f"quality: {quality}",
+             f"search: {search['method']} from {search['candidates']} of {search['pool']} candidates "
+             f"({search['feasible']} within the quality constraint), {search['rungs']} rungs, {search['runs']} runs, "
+             f"{search['seconds']:.0f} s of {search['time_budget_s']:.0f} s"]
+    lines.append(f"profile written: {path}" if path else "not saved (--no-save)")
+    return lines
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..engine import offload
+    from ..engine.bench import load_prompts
+    from ..engine.calibrate import DEFAULT_NAME
+    from ..engine.decoder import Decoder, GenerationConfig
+    from ..engine.device import default_threads
+    from ..engine.errors import ConfigError
+    from ..engine.model_info import read_model_info
+    from ..engine.profiles import (check_name, check_writable, cost_for_model, hot_experts_for_model, load_profile,
+                                   model_block, save_profile, with_tuned)
+    from ..engine.runtime import check_threads
+    from ..engine.tune import TuneDone, TuneMeasured, TuneProgress, TuneQuality, TuneStarted, run_tune
+    from .cli import default_model, run_cli_in_budget
+
+    model = args.model if args.model is not None else default_model()
+    check_threads(args.threads)
+    name = check_name(args.profile or DEFAULT_NAME)
+    set_name, prompts = load_prompts(args.prompts, args.n_prompts)
+    info = read_model_info(model)
+    GenerationConfig(mode="s2moe").validate(info)  # a model nothing can draft on is refused before any work
+    profile = load_profile(name)
+    if model_block(profile, info.fingerprint) is None:
+        raise ConfigError(f"profile {name} has no constants for {info.path.name} ({info.fingerprint}): run "
+                          f"`s2moe calibrate --model {model} --name {name}` first")
+    if not args.no_save:
+        check_writable(name)
+    budget = offload.Budget.parse(args.budget) if args.budget is not None else None
+    if budget is not None and offload.current_budget() is None:
+        return run_cli_in_budget(args._argv, budget, model, tag="tune")
+    offloaded = budget is not None
+    cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=offloaded)
+    console = Console(stderr=True, highlight=False)
+    decoder = Decoder(model, n_threads=args.threads, max_draft=16, use_extra_bufts=not offloaded)
+    off = None
+    try:
+        label = "none"
+        if offloaded:
+            def warm_up():  # the largest verification batch the search can ask for, so that auto counts it
+                for cfg in (GenerationConfig(mode="ar", n_predict=8, stop_at_eos=False),
+                            GenerationConfig(mode="s2moe", utility=False, draft_max=16, n_predict=8,
+                                             stop_at_eos=False, cost=cost)):
+                    for _ in decoder.generate(prompts[0], cfg):
+                        pass
+
+            off = offload.offload_decoder(decoder, budget, hot_experts_for_model(profile, info.fingerprint),
+                                          warm_up=warm_up)
+            label = budget.describe(off.budget_bytes)
+        console.print(f"tuning {info.path.name} on {set_name} prompts, budget {label}, for at most "
+                      f"{args.time_budget:g} min; the result goes to profile {name}")
+        context = {"budget": label, "budget_bytes": off.budget_bytes if off else None, "prompts": set_name,
+                   "threads": args.threads or default_threads()}
+        done = None
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True, disable=not console.is_terminal) as progress:
+            task = progress.add_task("warming up", total=None)
+            for ev in run_tune(decoder, prompts, cost=cost, n_tokens=args.n_tokens,
+                               time_budget_s=args.time_budget * 60, seed=args.seed, context=context):
+                if isinstance(ev, TuneStarted):
+                    progress.console.print(f"{ev.candidates} candidates; defaults {ev.defaults.label()}")
+                elif isinstance(ev, TuneQuality):
+                    verdict = "ok" if ev.ok else "✖ fails the constraint"
+                    ppl = "–" if ev.ppl_ratio is None else f"{ev.ppl_ratio:.4f}"
+                    top1 = "–" if ev.top1_agreement is None else f"{ev.top1_agreement:.3f}"
+                    progress.console.print(f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}: perplexity ratio "
+                                           f"{ppl}, top-1 {top1}: {verdict}")
+                elif isinstance(ev, TuneProgress):
+                    progress.update(task, description=ev.phase, completed=ev.done, total=ev.total)
+                elif isinstance(ev, TuneMeasured):
+                    where = "final" if ev.rung < 0 else f"rung {ev.rung + 1}"
+                    progress.console.print(f"  {where}: {ev.settings.label()}: {ev.tok_per_s:.2f} tok/s "
+                                           f"over {ev.n_prompts} prompt{'s' if ev.n_prompts > 1 else ''}")
+                elif isinstance(ev, TuneDone):
+                    done = ev
+    finally:
+        if off is not None:
+            off.close()
+        decoder.close()
+    if done is None:
+        print("tuning stopped: nothing written", file=sys.stderr)
+        return 1
+    path = None
+    if not args.no_save:
+        path = save_profile(with_tuned(load_profile(name), info.fingerprint, done.section, offloaded=offloaded), name)
+    for line in summary_lines(done.section, path):
+        print(line)
+    return 0

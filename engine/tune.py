@@ -1,0 +1,470 @@
+"""On-device tuning: search the decoding settings that decide speed on this device, model, budget and workload.
+
+run_tune() is a generator of typed events; `s2moe tune` and the app's calibration wizard both consume it:
+
+    TuneStarted(candidates, defaults, time_budget_s)
+    TuneQuality(reuse_strength, reuse_cap, ppl_ratio, top1_agreement, tokens, ok)   # one per gating setting
+    TuneProgress(done, total, phase)                                                 # any number
+    TuneMeasured(index, settings, rung, tok_per_s, n_prompts)                       # a candidate's running score
+    TuneDone(section)                                                                # the profile's tuned section
+
+What it searches: k_d (experts per draft step), the draft cap, the utility threshold, the reuse strength α
+and the preferred-expert cap |E*|. The objective is decoding tokens/s; the constraint is the quality of reuse
+gating measured teacher-forced as `s2moe bench` measures it (bench.gating_quality): perplexity ratio
+≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN. α = 0 is lossless and always allowed.
+
+How: successive halving. The quality constraint depends on (α, |E*|) only, so it is checked once per pair
+before any speed is measured and the pairs that fail it never run. The candidates (the model's defaults,
+every one-setting change of them, then random combinations, as many as the time budget allows) each decode
+one prompt; the better half goes on to twice as many new prompts, and so on until one is left. Why: a
+speed measurement is noisy and costs a whole generation, and most settings are plainly worse after one
+prompt (a k_d that makes drafting too dear, a threshold that stops it paying); halving spends the time on
+the contenders instead of measuring every candidate equally (a grid) and, unlike a model-based search
+(Bayesian optimisation), needs no surrogate over five mixed discrete settings whose response on a shared
+machine is noisier than any such model's resolution. Each rung runs plain decoding (ar) and the defaults on
+the same prompts, all interleaved per prompt with the order rotated as bench does, so that drifts of the
+machine hit every candidate alike; scores are tokens over decoding seconds summed over a candidate's prompts.
+
+The final comparison is the best survivor against the defaults, paired per prompt: while their per-prompt
+speed ratios cannot tell them apart (the mean log ratio within two standard errors of zero), both run again
+on further prompts, as long as time remains. The tuned settings are the best survivor only if it is at least
+as fast as the defaults in that comparison; otherwise the defaults, and the result says so.
+
+Time: every measurement is timed with an injected Clock (MonotonicClock in use; tests pass their own); a run
+starts only if the time budget leaves room for it, judged from the slowest run so far.
+
+Stopping: when should_stop() returns True the generator returns between two runs without TuneDone; Ctrl-C
+(KeyboardInterrupt) propagates. The engine writes nothing: the caller saves TuneDone.section into the profile
+(profiles.with_tuned, save_profile, both atomic).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import random
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Iterator, Protocol
+
+from .bench import gating_quality
+from .decoder import Decoder, GenerationConfig
+from .errors import OPTION, ConfigError
+from .events import CostConstants, Finished, Iteration, Prefilled
+
+PPL_RATIO_MAX = 1.02
+TOP1_MIN = 0.9
+DEFAULT_TIME_BUDGET_S = 600.0
+SETTING_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap")
+DRAFT_CAPS = (4, 8, 12)                 # below a decoder's usual verification limit of 16
+THRESHOLDS = (0.5, 0.75, 1.0, 1.5)
+STRENGTHS = (0.0, 0.25, 0.5, 1.0)
+MAX_CANDIDATES = 32
+QUALITY_TEXTS = 4
+QUALITY_TOKENS = 96
+MAX_EXTRA_ROUNDS = 64                   # further prompts for the final comparison while within noise
+SH_SHARE = 0.75                         # of the time left after the quality checks, for the halving
+
+
+class Clock(Protocol):
+    """What the search times with: seconds from any fixed origin."""
+
+    def now(self) -> float: ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        import time
+
+        return time.perf_counter()
+
+
+@dataclass(frozen=True, order=True)
+class Settings:
+    draft_topk: int
+    draft_max: int
+    threshold: float
+    reuse_strength: float
+    reuse_cap: int
+
+    def config(self, base: GenerationConfig) -> GenerationConfig:
+        return replace(base, mode="s2moe", utility=True, **asdict(self))
+
+    def as_dict(self) -> dict:
+        return {k: (float(v) if isinstance(v, float) else int(v)) for k, v in asdict(self).items()}
+
+    def label(self) -> str:
+        gating = f"α {self.reuse_strength:g} |E*| {self.reuse_cap}" if self.reuse_strength > 0 else "gating off"
+        return f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · {gating}"
+
+    @property
+    def gating(self) -> tuple[float, int]:
+        """The part the quality constraint depends on (|E*| means nothing without gating)."""
+        return (self.reuse_strength, self.reuse_cap if self.reuse_strength > 0 else 0)
+
+
+def default_settings(decoder: Decoder, base: GenerationConfig | None = None) -> Settings:
+    """What a generation with no flag and no tuned profile runs: the model's routing defaults."""
+    cfg = (base or GenerationConfig()).resolved(decoder.info)
+    return Settings(cfg.draft_topk, cfg.draft_max, float(cfg.threshold), float(cfg.reuse_strength), cfg.reuse_cap)
+
+
+def search_space(n_expert: int, k: int, defaults: Settings) -> dict[str, tuple]:
+    """The values searched for each setting on a model with n_expert experts, k per token."""
+    topk = sorted({max(1, k // 8), max(1, k // 4), max(1, k // 2), defaults.draft_topk} & set(range(1, k)))
+    caps = sorted({c for c in {max(k, 3 * k // 2), 2 * k, 3 * k, defaults.reuse_cap} if k <= c < n_expert})
+    return {"draft_topk": tuple(topk), "draft_max": tuple(sorted(set(DRAFT_CAPS) | {defaults.draft_max})),
+            "threshold": tuple(sorted(set(THRESHOLDS) | {defaults.threshold})),
+            "reuse_strength": tuple(sorted(set(STRENGTHS) | {defaults.reuse_strength})),
+            "reuse_cap": tuple(caps) or (defaults.reuse_cap,)}
+
+
+def _canonical(s: Settings, defaults: Settings) -> Settings:
+    # without gating |E*| changes nothing: one candidate, not one per cap
+    return replace(s, reuse_cap=defaults.reuse_cap) if s.reuse_strength == 0 else s
+
+
+def candidate_pool(space: dict[str, tuple], defaults: Settings, n: int, seed: int = 0) -> list[Settings]:
+    """Up to n candidates: the defaults, every change of one setting from them (which setting matters), then
+    random combinations (which settings matter together), without repeats."""
+    out: list[Settings] = []
+    seen: set[Settings] = set()
+
+    def add(s: Settings) -> None:
+        s = _canonical(s, defaults)
+        if s not in seen and len(out) < n:
+            seen.add(s)
+            out.append(s)
+
+    add(defaults)
+    # one setting at a time, the settings taking turns: a pool cut short still varies each of them
+    for i in range(max(len(v) for v in space.values())):
+        for key in SETTING_KEYS:
+            values = [v for v in space[key] if v != getattr(defaults, key)]
+            if i < len(values):
+                add(replace(defaults, **{key: values[i]}))
+    rng = random.Random(seed)
+    total = math.prod(len(v) for v in space.values())
+    tries = 0
+    while len(out) < min(n, total) and tries < 50 * n:
+        tries += 1
+        add(Settings(**{key: rng.choice(space[key]) for key in SETTING_KEYS}))
+    return out
+
+
+# -- events ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TuneStarted:
+    candidates: int
+    defaults: Settings
+    time_budget_s: float
+    space: dict
+
+
+@dataclass(frozen=True)
+class TuneQuality:
+    reuse_strength: float
+    reuse_cap: int
+    ppl_ratio: float | None
+    top1_agreement: float | None
+    tokens: int
+    ok: bool
+
+
+@dataclass(frozen=True)
+class TuneProgress:
+    done: int
+    total: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class TuneMeasured:
+    index: int            # the candidate's place in the pool (0: the defaults)
+    settings: Settings
+    rung: int             # -1: the final comparison
+    tok_per_s: float      # its score so far: tokens over decoding seconds, all its prompts
+    n_prompts: int
+
+
+@dataclass(frozen=True)
+class TuneDone:
+    section: dict         # what profiles.with_tuned records for the model (see profiles' docstring)
+    tuned: Settings
+    defaults: Settings
+
+
+# -- measuring ------------------------------------------------------------------------------------------
+@dataclass
+class _Score:
+    tokens: int = 0
+    seconds: float = 0.0
+    runs: int = 0
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Runner:
+    def __init__(self, decoder: Decoder, base: GenerationConfig, clock: Clock, should_stop: Callable[[], bool]):
+        self.decoder, self.base, self.clock, self.should_stop = decoder, base, clock, should_stop
+        self.slowest = 0.0
+
+    def run(self, cfg: GenerationConfig, prompt: str) -> tuple[int, float]:
+        """(tokens, decoding seconds) of one generation: from the end of the prefill to the last iteration."""
+        t_first = t_last = None
+        n = 0
+        for ev in self.decoder.generate(prompt, cfg):
+            if isinstance(ev, (Prefilled, Iteration)):
+                t_last = self.clock.now()
+                if t_first is None:
+                    t_first = t_last
+            elif isinstance(ev, Finished):
+                n = ev.n_tokens
+        seconds = (t_last - t_first) if t_first is not None else 0.0
+        self.slowest = max(self.slowest, seconds)
+        return n, seconds
+
+
+def _log_ratios(a: dict[int, tuple[int, float]], b: dict[int, tuple[int, float]]) -> list[float]:
+    """Per prompt measured for both: log(tok/s of a ÷ tok/s of b)."""
+    out = []
+    for p in sorted(set(a) & set(b)):
+        (na, sa), (nb, sb) = a[p], b[p]
+        if na and nb and sa > 0 and sb > 0:
+            out.append(math.log((na / sa) / (nb / sb)))
+    return out
+
+
+def separated(log_ratios: list[float]) -> bool:
+    """Whether paired per-prompt speed ratios tell two settings apart: the mean log ratio more than two
+    standard errors from zero (at least three pairs)."""
+    n = len(log_ratios)
+    if n < 3:
+        return False
+    mean = sum(log_ratios) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in log_ratios) / (n - 1))
+    return abs(mean) > 2 * sd / math.sqrt(n)
+
+
+def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None = None, n_tokens: int = 48,
+             time_budget_s: float = DEFAULT_TIME_BUDGET_S, clock: Clock | None = None,
+             should_stop: Callable[[], bool] | None = None, seed: int = 0, max_candidates: int = MAX_CANDIDATES,
+             quality_texts: list[str] | None = None, context: dict | None = None) -> Iterator[object]:
+    """Search the decoding settings of `decoder` (already set up for its budget by the caller) on `prompts`.
+
+    cost: the cost constants generations will use with these settings (the profile's), None: measured at
+    start-up as a generation without a profile does. context: recorded as is in the result (budget,
+    prompt set, threads). See the module docstring for the search and the events."""
+    clock = clock or MonotonicClock()
+    stop = should_stop or (lambda: False)
+    if not prompts:
+        raise ValueError("tuning needs at least one prompt")
+    GenerationConfig(mode="s2moe").validate(decoder.info)  # a model nothing can draft on: one clear error
+    t0 = clock.now()
+    deadline = t0 + time_budget_s
+    info = decoder.info
+    base = GenerationConfig(n_predict=n_tokens, stop_at_eos=False, cost=cost)
+    defaults = default_settings(decoder, base)
+    space = search_space(info.n_expert, info.n_expert_used, defaults)
+    runner = _Runner(decoder, base, clock, stop)
+    ar_cfg = replace(base, mode="ar")
+
+    # warm-up: every graph shape once, the start-up cost measurement (without a profile), nothing timed
+    for cfg in (ar_cfg, defaults.config(base)):
+        for _ in decoder.generate(prompts[0], replace(cfg, n_predict=8)):
+            pass
+    if stop():
+        return
+    # one timed run of the defaults sizes the pool to the time budget
+    _, s_probe = runner.run(defaults.config(base), prompts[0])
+    t_run = max(s_probe, 1e-9) * 1.2
+    _check_time(_sh_cost(2, t_run), deadline - clock.now(), time_budget_s, t_run)
+    # twice what the time affords before the quality checks, as some will fail them
+    pool_all = candidate_pool(space, defaults, min(max_candidates, 2 * _affordable(
+        max_candidates, t_run, (deadline - clock.now()) * SH_SHARE)), seed)
+
+    # the quality constraint, once per gating setting
+    texts = (quality_texts or prompts)[:QUALITY_TEXTS]
+    quality: dict[tuple[float, int], dict] = {}
+    pairs = sorted({s.gating for s in pool_all if s.reuse_strength > 0})
+    yield TuneStarted(len(pool_all), defaults, time_budget_s, space)
+    for i, (alpha, cap) in enumerate(pairs):
+        if stop():
+            return
+        q = gating_quality(decoder, texts, alpha, cap, window=defaults.draft_max + 1, max_tokens=QUALITY_TOKENS)
+        ok = bool(q.get("tokens")) and q["ppl_ratio"] <= PPL_RATIO_MAX and q["top1_agreement"] >= TOP1_MIN
+        quality[(alpha, cap)] = {**q, "ok": ok}
+        yield TuneQuality(alpha, cap, q.get("ppl_ratio"), q.get("top1_agreement"), int(q.get("tokens", 0)), ok)
+        yield TuneProgress(i + 1, len(pairs), "quality")
+    feasible = [s for s in pool_all if s.reuse_strength == 0 or quality[s.gating]["ok"]]
+    if defaults not in feasible:
+        feasible = [defaults] + feasible  # measured as the reference; chosen only if feasible
+    index_of = {s: i for i, s in enumerate(pool_all)}
+
+    # how many candidates the time left affords: each rung costs about n0 runs (half the candidates on
+    # twice the prompts), plus ar and the defaults on each of its prompts
+    pool = feasible[:_affordable(len(feasible), t_run, (deadline - clock.now()) * SH_SHARE)]  # the defaults first
+
+    runs: dict[Settings | str, dict[int, tuple[int, float]]] = {"ar": {}}
+    scores: dict[Settings | str, _Score] = {"ar": _Score()}
+    log: list[dict] = []
+    survivors = [s for s in pool if s != defaults]
+    for s in pool:
+        runs[s], scores[s] = {}, _Score()
+    runs.setdefault(defaults, {})
+    scores.setdefault(defaults, _Score())
+    prompt_cursor = 0
+    rung = 0
+    done_runs = 0
+    planned = sum(_rung_runs(max(1, len(survivors) >> r), r) for r in range(_rungs(len(survivors))))
+
+    def measure(who, cfg, p):
+        nonlocal done_runs
+        n, s = runner.run(cfg, prompts[p % len(prompts)])
+        runs[who][p] = (n, s)
+        sc = scores[who]
+        sc.tokens, sc.seconds, sc.runs = sc.tokens + n, sc.seconds + s, sc.runs + 1
+        done_runs += 1
+
+    def room(n_runs: int) -> bool:
+        return clock.now() + n_runs * max(runner.slowest, s_probe) <= deadline
+
+    stopped_for_time = False
+    rungs_run = 0
+    while survivors:
+        n_prompts = 1 << rung
+        order_base = ["ar", defaults] + survivors
+        if not room(n_prompts * len(order_base)) or (rung > 0 and len(survivors) == 1):
+            stopped_for_time = not (rung > 0 and len(survivors) == 1)
+            break
+        for j in range(n_prompts):
+            p = prompt_cursor
+            prompt_cursor += 1
+            shift = p % len(order_base)
+            for who in order_base[shift:] + order_base[:shift]:
+                if stop():
+                    return
+                measure(who, ar_cfg if who == "ar" else who.config(base), p)
+                yield TuneProgress(done_runs, max(planned, done_runs), f"rung {rung + 1}")
+        rungs_run = rung + 1
+        ranked = sorted(survivors, key=lambda s: scores[s].tok_per_s, reverse=True)
+        keep = ranked[:max(1, (len(ranked) + 1) // 2)]
+        for s in [defaults] + ranked:
+            log.append({"rung": rung + 1, **s.as_dict(), "tok_s": round(scores[s].tok_per_s, 3),
+                        "prompts": len(runs[s]), "kept": s in keep or s == defaults})
+            yield TuneMeasured(index_of.get(s, -1), s, rung, scores[s].tok_per_s, len(runs[s]))
+        if len(survivors) == 1:
+            break
+        survivors = keep
+        rung += 1
+
+    if not rungs_run:  # the quality checks took the time
+        _check_time(_sh_cost(2, t_run), deadline - clock.now(), time_budget_s, t_run)
+    # the final comparison: the best survivor against the defaults, repeated while within noise
+    best = max(survivors, key=lambda s: scores[s].tok_per_s) if survivors and scores[survivors[0]].runs else defaults
+    extra = 0
+    if best != defaults:
+        while (not separated(_log_ratios(runs[best], runs[defaults])) and extra < MAX_EXTRA_ROUNDS
+               and room(2)):
+            p = prompt_cursor
+            prompt_cursor += 1
+            for who in ((best, defaults) if p % 2 else (defaults, best)):
+                if stop():
+                    return
+                measure(who, who.config(base), p)
+            extra += 1
+            yield TuneProgress(done_runs, done_runs, "final comparison")
+        for s in (defaults, best):
+            yield TuneMeasured(index_of.get(s, -1), s, -1, scores[s].tok_per_s, len(runs[s]))
+    ratios = _log_ratios(runs[best], runs[defaults]) if best != defaults else []
+    shared = sorted(set(runs[best]) & set(runs[defaults]))
+
+    def paired_speed(who):
+        n = sum(runs[who][p][0] for p in shared)
+        s = sum(runs[who][p][1] for p in shared)
+        return n / s if s > 0 else 0.0
+
+    defaults_feasible = defaults.reuse_strength == 0 or quality.get(defaults.gating, {}).get("ok", False)
+    if best != defaults and shared:
+        best_tps, def_tps = paired_speed(best), paired_speed(defaults)
+    else:
+        best_tps = def_tps = scores[defaults].tok_per_s
+    # a lead within the noise is no reason to leave the defaults
+    tuned = best if (best != defaults and ((best_tps > def_tps and separated(ratios)) or not defaults_feasible)) \
+        else defaults
+    tuned_tps = best_tps if tuned == best else def_tps
+    q = quality.get(tuned.gating) if tuned.reuse_strength > 0 else None
+    ar_tps = scores["ar"].tok_per_s
+    elapsed = clock.now() - t0
+    section = {
+        "settings": tuned.as_dict(),
+        "defaults": defaults.as_dict(),
+        "speed": {
+            "tuned_tok_s": round(tuned_tps, 4),
+            "defaults_tok_s": round(def_tps, 4),
+            "ar_tok_s": round(ar_tps, 4) if ar_tps else None,
+            "gain": round(tuned_tps / def_tps, 4) if def_tps > 0 else None,
+            "prompts_compared": len(shared) if best != defaults else len(runs[defaults]),
+            "per_prompt_ratios": [round(math.exp(x), 4) for x in ratios],
+            "separated": separated(ratios),
+            "best_candidate": best.as_dict(),
+            "best_tok_s": round(best_tps, 4),
+            "verdict": _verdict(tuned, best, defaults, ratios, defaults_feasible),
+        },
+        "quality": ({"ppl_ratio": round(q["ppl_ratio"], 5), "top1_agreement": round(q["top1_agreement"], 4),
+                     "tokens": int(q["tokens"])} if q else {"lossless": True}),
+        "quality_checked": [{"reuse_strength": a, "reuse_cap": c,
+                             "ppl_ratio": None if not v.get("tokens") else round(v["ppl_ratio"], 5),
+                             "top1_agreement": None if not v.get("tokens") else round(v["top1_agreement"], 4),
+                             "ok": bool(v["ok"])} for (a, c), v in sorted(quality.items())],
+        "constraint": {"ppl_ratio_max": PPL_RATIO_MAX, "top1_min": TOP1_MIN, "defaults_meet_it": defaults_feasible},
+        "search": {"method": "successive halving", "candidates": len(pool), "pool": len(pool_all),
+                   "feasible": len(feasible), "rungs": rungs_run, "final_rounds": extra,
+                   "stopped_for_time": stopped_for_time, "n_tokens": n_tokens, "runs": done_runs,
+                   "seconds": round(elapsed, 3), "time_budget_s": float(time_budget_s)},
+        "log": log,
+        "measured": {"at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+                     "by": "s2moe tune", **(context or {})},
+    }
+    yield TuneDone(section, tuned, defaults)
+
+
+def _check_time(needed: float, left: float, time_budget_s: float, t_run: float) -> None:
+    if needed > left:
+        raise ConfigError(f"{OPTION} of {time_budget_s:g} s is too short: one generation takes about {t_run:.1f} s "
+                          f"here and comparing two candidates with the defaults needs about {needed:.0f} s more",
+                          option="time_budget")
+
+
+def _rungs(n: int) -> int:
+    return max(1, math.ceil(math.log2(max(n, 1))) + 1)
+
+
+def _rung_runs(n_survivors: int, rung: int) -> int:
+    return (n_survivors + 2) * (1 << rung)
+
+
+def _affordable(n_max: int, t_run: float, seconds: float) -> int:
+    """How many candidates (at least two, at most n_max) successive halving can start from in `seconds`."""
+    n = min(2, n_max)
+    while n < n_max and _sh_cost(min(2 * n, n_max), t_run) <= seconds:
+        n = min(2 * n, n_max)
+    return n
+
+
+def _sh_cost(n0: int, t_run: float) -> float:
+    """Seconds successive halving from n0 candidates takes at t_run a run."""
+    return sum(_rung_runs(max(1, n0 >> r), r) for r in range(_rungs(n0))) * t_run
+
+
+def _verdict(tuned: Settings, best: Settings, defaults: Settings, ratios: list[float], defaults_ok: bool) -> str:
+    if best == defaults:
+        return "the defaults were the fastest candidate"
+    mean = math.exp(sum(ratios) / len(ratios)) if ratios else 1.0
+    noise = "" if separated(ratios) else ", within the noise of this machine"
+    if tuned == defaults:
+        return f"the defaults are best: the fastest other candidate ran at {mean:.3f}× their speed{noise}"
+    if not defaults_ok:
+        return f"the defaults fail the quality constraint; the best candidate that meets it: {mean:.3f}×{noise}"
+    return f"tuned {mean:.3f}× the defaults (geometric mean of per-prompt ratios){noise}"

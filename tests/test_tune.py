@@ -1,0 +1,270 @@
+"""On-device tuning: the search on a tiny model timed by a clock that counts decoding iterations, its time
+budget and stopping, the tuned section of a profile, and generate/bench/app taking tuned settings unless a
+flag says otherwise."""
+
+from __future__ import annotations
+
+import math
+import pytest
+import yaml
+
+from s2moe.app.cli import build_parser, generation_config, main, resolve_tuned
+from s2moe.engine.bench import load_prompts
+from s2moe.engine.errors import ConfigError
+from s2moe.engine.events import CostConstants
+from s2moe.engine.model_info import read_model_info
+from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
+from s2moe.engine.tune import (Clock, MonotonicClock, Settings, TuneDone, TuneMeasured, TuneProgress, TuneQuality,
+                               TuneStarted, candidate_pool, default_settings, run_tune, search_space, separated)
+
+# Constants under which the utility rule drafts on the tiny model (a plain step dear, a draft step cheap), so
+# that candidates differ in how many tokens an iteration commits.
+DRAFTING = CostConstants(t_ar=0.01, c_draft=0.0005, t_exp=1e-6, t_tok=1e-5, intercept=0.0, source="test")
+
+
+class IterationClock:
+    """Every reading is one unit later: the search reads the clock once per decoding iteration, so a run's
+    time is its iteration count and tok/s its tokens per iteration — deterministic, and what speculation
+    is meant to raise."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.reads = 0
+
+    def now(self) -> float:
+        self.t += 1.0
+        self.reads += 1
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    from s2moe.engine.decoder import Decoder
+
+    dec = Decoder(str(tiny_models["olmoe"]), n_ctx=512, n_threads=1)
+    yield dec
+    dec.close()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return load_prompts("natural", 12)[1]
+
+
+def _tune(dec, prompts, budget, **kw):
+    clock = IterationClock()
+    events = list(run_tune(dec, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=budget, clock=clock, **kw))
+    return events, clock
+
+
+def test_the_clock_is_a_typed_interface():
+    clock: Clock = IterationClock()
+    assert clock.now() < clock.now()
+    real: Clock = MonotonicClock()
+    assert real.now() <= real.now()
+
+
+def test_the_pool_starts_from_the_defaults_and_varies_each_setting(tiny):
+    d = default_settings(tiny)
+    assert (d.draft_topk, d.reuse_cap) == (1, 7)  # the tiny model routes 4 of 8
+    space = search_space(8, 4, d)
+    assert space["draft_topk"] == (1, 2) and max(space["reuse_cap"]) < 8
+    pool = candidate_pool(space, d, 10)
+    assert pool[0] == d and len(set(pool)) == len(pool) == 10
+    changed = {k for s in pool[1:6] for k in ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap")
+               if getattr(s, k) != getattr(d, k)}
+    assert len(changed) == 5  # the first variants change one setting each, a different one each time
+    # without gating |E*| changes nothing: no candidate differs from another only there
+    off = [s for s in candidate_pool(space, d, 500) if s.reuse_strength == 0]
+    assert {s.reuse_cap for s in off} == {d.reuse_cap}
+
+
+def test_separated_needs_a_consistent_difference():
+    assert not separated([0.1, 0.2])                 # too few pairs
+    assert not separated([0.3, -0.3, 0.25, -0.2])    # differences either way
+    assert separated([0.2, 0.25, 0.22, 0.18])
+    assert not separated([0.0, 0.0, 0.0])
+
+
+def test_successive_halving_finds_the_candidate_that_commits_most_per_iteration(tiny, prompts):
+    events, clock = _tune(tiny, prompts, 5000)
+    assert isinstance(events[0], TuneStarted) and isinstance(events[-1], TuneDone)
+    assert any(isinstance(e, TuneProgress) for e in events)
+    quality = {(q.reuse_strength, q.reuse_cap): q for q in events if isinstance(q, TuneQuality)}
+    measured = [e for e in events if isinstance(e, TuneMeasured)]
+    # nothing that fails the quality constraint is ever timed
+    for m in measured:
+        if m.settings.reuse_strength > 0 and m.settings != events[0].defaults:
+            assert quality[m.settings.gating].ok
+    done = events[-1]
+    sec = done.section
+    # plain decoding commits one token per iteration: exactly 1 on this clock
+    assert sec["speed"]["ar_tok_s"] == 1.0
+    # halving: each rung keeps half of the one before, and the last rung's best is the one compared
+    log = [r for r in sec["log"] if Settings(**{k: r[k] for k in Settings.__dataclass_fields__}) != done.defaults]
+    per_rung = [sum(1 for r in log if r["rung"] == n) for n in range(1, sec["search"]["rungs"] + 1)]
+    assert per_rung[0] == sec["search"]["candidates"] - 1
+    assert all(b == math.ceil(a / 2) for a, b in zip(per_rung, per_rung[1:]))
+    last = [r for r in log if r["rung"] == sec["search"]["rungs"]]
+    best = max(last, key=lambda r: r["tok_s"])
+    assert {k: best[k] for k in Settings.__dataclass_fields__} == sec["speed"]["best_candidate"]
+    # drafting pays on this clock: the tuned settings beat the defaults, measured in the same run
+    assert done.tuned != done.defaults and sec["speed"]["separated"]
+    assert sec["speed"]["tuned_tok_s"] > sec["speed"]["defaults_tok_s"] > 1.0
+    assert sec["speed"]["gain"] == pytest.approx(sec["speed"]["tuned_tok_s"] / sec["speed"]["defaults_tok_s"],
+                                                 abs=1e-3)
+    assert sec["settings"] == done.tuned.as_dict() and sec["defaults"] == done.defaults.as_dict()
+    q = sec["quality"]
+    assert q.get("lossless") or (q["ppl_ratio"] <= 1.02 and q["top1_agreement"] >= 0.9)
+    assert sec["search"]["seconds"] <= 5000
+
+
+@pytest.mark.parametrize("budget", [150, 400])
+def test_the_search_ends_within_its_time_budget(tiny, prompts, budget):
+    events, clock = _tune(tiny, prompts, budget)
+    sec = events[-1].section
+    assert sec["search"]["seconds"] <= budget and clock.t - 1 <= budget
+    assert sec["search"]["candidates"] < sec["search"]["pool"]  # the budget, not the pool, set how many ran
+
+
+def test_a_budget_too_short_to_compare_anything_is_one_clear_error(tiny, prompts):
+    with pytest.raises(ConfigError) as e:
+        list(run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=10, clock=IterationClock()))
+    assert "too short" in e.value.worded({"time_budget": "--time-budget"})
+    assert e.value.worded({"time_budget": "--time-budget"}).startswith("--time-budget of 10 s")
+
+
+def test_stopping_yields_no_result(tiny, prompts):
+    seen = []
+    gen = run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=5000, clock=IterationClock(),
+                   should_stop=lambda: len(seen) >= 1)
+    for ev in gen:
+        if isinstance(ev, TuneMeasured):
+            seen.append(ev)
+        assert not isinstance(ev, TuneDone)
+    assert seen and all(m.rung == 0 for m in seen)  # the first rung's results, then not one run more
+
+
+# -- the profile's tuned section --------------------------------------------------------------------------
+@pytest.fixture
+def xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    return tmp_path / "cfg" / "s2moe" / "profiles"
+
+
+def _profile(fp: str) -> dict:
+    return {"schema": 1, "name": "dev", "kind": "measured", "device": {"name": "test cpu", "kind": "cpu"},
+            "models": {fp: {"model": "m.gguf", "t_ar_ms": 10.0, "c_draft_ms": 0.5, "t_exp_ms": 0.001,
+                            "t_tok_ms": 0.01, "intercept_ms": 0.0}}}
+
+
+def _section(**settings) -> dict:
+    s = {"draft_topk": 2, "draft_max": 12, "threshold": 0.5, "reuse_strength": 0.25, "reuse_cap": 6, **settings}
+    return {"settings": s, "defaults": dict(s), "speed": {"tuned_tok_s": 3.0, "defaults_tok_s": 2.0, "gain": 1.5},
+            "quality": {"ppl_ratio": 1.001, "top1_agreement": 0.99, "tokens": 100},
+            "log": [{"rung": 1, **s, "tok_s": 3.0, "prompts": 1, "kept": True}]}
+
+
+def test_the_tuned_section_round_trips_per_condition(xdg):
+    fp = "0123456789abcdef"
+    with_resident = with_tuned(_profile(fp), fp, _section(), offloaded=False)
+    both = with_tuned(with_resident, fp, _section(draft_topk=1, reuse_strength=0.0), offloaded=True)
+    path = save_profile(both, "dev")
+    back = load_profile("dev")
+    assert back["models"][fp]["tuned"]["resident"] == _section()
+    assert tuned_settings(back, fp) == _section()["settings"]
+    assert tuned_settings(back, fp, offloaded=True)["draft_topk"] == 1
+    assert tuned_settings(back, "fedcba9876543210") == {}
+    assert path.read_text().startswith("# s2moe device profile")
+
+
+@pytest.mark.parametrize("settings, field", [({"draft_max": 40}, "draft_max"), ({"draft_topk": 0}, "draft_topk"),
+                                             ({"threshold": "high"}, "threshold")])
+def test_a_bad_tuned_setting_is_named(xdg, settings, field):
+    fp = "0123456789abcdef"
+    prof = with_tuned(_profile(fp), fp, _section(**settings), offloaded=False)
+    with pytest.raises(ConfigError, match=f"tuned.resident.settings: field {field}"):
+        save_profile(prof, "dev")
+    assert not (xdg / "dev.yaml").exists()
+
+
+def test_tuning_needs_the_models_constants():
+    with pytest.raises(ConfigError, match="s2moe calibrate"):
+        with_tuned(_profile("0123456789abcdef"), "fedcba9876543210", _section(), offloaded=False)
+
+
+# -- generate, bench and the app take tuned settings; flags override ----------------------------------------
+def test_flags_override_tuned_settings_and_tuned_override_defaults(tiny, xdg):
+    info = tiny.info
+    save_profile(with_tuned(_profile(info.fingerprint), info.fingerprint, _section(), offloaded=False), "dev")
+    decoder = tiny
+    parser = build_parser()
+    args = parser.parse_args(["generate", "-p", "x", "--profile", "dev"])
+    cfg = generation_config(args, decoder)
+    assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (2, 12, 0.5, 0.25, 6)
+    args = parser.parse_args(["generate", "-p", "x", "--profile", "dev", "--draft-max", "8", "--threshold", "1",
+                              "--reuse-strength", "0", "--draft-topk", "1", "--reuse-cap", "5"])
+    cfg = generation_config(args, decoder)
+    assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (1, 8, 1.0, 0.0, 5)
+    # no profile: the model's defaults, as before tuning existed
+    cfg = generation_config(parser.parse_args(["generate", "-p", "x"]), decoder).resolved(info)
+    assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (1, 8, 1.0, 0.5, 7)
+    # bench resolves the same way
+    bench = parser.parse_args(["bench", "--profile", "dev", "--draft-max", "4"])
+    assert resolve_tuned(bench, _section()["settings"])["draft_max"] == 4
+    assert resolve_tuned(bench, _section()["settings"])["threshold"] == 0.5
+
+
+def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
+    from s2moe.app.tui.session import DEFAULTS, ChatSettings, EngineSession
+    from s2moe.engine.decoder import GenerationConfig
+
+    assert all(getattr(GenerationConfig(), k) == v for k, v in DEFAULTS.items())
+
+    info = read_model_info(tiny_models["olmoe"])
+    save_profile(with_tuned(_profile(info.fingerprint), info.fingerprint, _section(), offloaded=False), "dev")
+    session = EngineSession(str(tiny_models["olmoe"]), profile="dev", n_threads=1)
+    try:
+        session.load()
+        cfg = session.config(ChatSettings())
+        assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength) == (2, 12, 0.5, 0.25)
+        cfg = session.config(ChatSettings(draft_max=4, reuse_strength=1.0, threshold=2.0, draft_topk=1))
+        assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength) == (1, 4, 2.0, 1.0)
+        cfg = session.config(ChatSettings(gating=False))
+        assert cfg.reuse_strength == 0.0 and cfg.reuse_cap == 6
+        session.profile_name = None
+        cfg = session.config(ChatSettings())
+        assert (cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (8, 1.0, 0.5, None)
+    finally:
+        session.close()
+
+
+# -- the command ----------------------------------------------------------------------------------------------
+def test_cli_tune_writes_the_profile_and_refuses_bad_input(tiny_models, xdg, capsys, tmp_path):
+    model = str(tiny_models["olmoe"])
+    assert main(["tune", "-m", model, "--profile", "dev", "--time-budget", "0"]) == 2
+    assert "--time-budget" in capsys.readouterr().err
+    assert main(["tune", "-m", model, "--profile", "dev"]) == 2
+    assert "no profile named 'dev'" in capsys.readouterr().err
+    info = read_model_info(model)
+    save_profile(_profile("fedcba9876543210"), "dev")
+    assert main(["tune", "-m", model, "--profile", "dev"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "s2moe calibrate" in err
+    assert main(["tune", "-m", str(tiny_models["llama"]), "--profile", "dev"]) == 2
+    assert "dense" in capsys.readouterr().err
+    prof = _profile(info.fingerprint)
+    prof["models"]["fedcba9876543210"] = _profile("x")["models"]["x"]
+    save_profile(prof, "dev")
+    before = (xdg / "dev.yaml").read_text()
+    assert main(["tune", "-m", model, "--profile", "dev", "--prompts", "natural", "--n-prompts", "4", "-n", "8",
+                 "--time-budget", "0.5", "-t", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "defaults:" in out and "tuned:" in out and f"profile written: {xdg / 'dev.yaml'}" in out
+    data = yaml.safe_load((xdg / "dev.yaml").read_text())
+    assert (xdg / "dev.yaml").read_text() != before
+    section = data["models"][info.fingerprint]["tuned"]["resident"]
+    assert section["search"]["method"] == "successive halving" and section["log"]
+    assert section["speed"]["defaults_tok_s"] > 0 and section["measured"]["by"] == "s2moe tune"
+    assert "fedcba9876543210" in data["models"]  # the other model's block is kept
+    assert not list(xdg.glob(".*.tmp"))
