@@ -45,6 +45,15 @@ carries published figures and may hold `reference` constants that apply to any m
       t_ar_ms: 100
       c_draft_ms: 7.5
       t_exp_ms: 0.15625
+        tuned:                     # optional, written by s2moe tune (engine/tune.py), per condition
+          resident:                # or budget: the model under a memory budget
+            settings: {draft_topk: 2, draft_max: 8, threshold: 1.0, reuse_strength: 0.5, reuse_cap: 16}
+            defaults: {...}        # the model's defaults, measured in the same run
+            speed: {tuned_tok_s, defaults_tok_s, ar_tok_s, gain, per_prompt_ratios, separated, verdict, ...}
+            quality: {ppl_ratio, top1_agreement, tokens}   # or {lossless: true}
+            search: {method, candidates, rungs, seconds, time_budget_s, ...}
+            log: [{rung, draft_topk, ..., tok_s, prompts, kept}, ...]
+            measured: {at, by: s2moe tune, budget, prompts, threads}
       expert_bytes: 599654
 """
 
@@ -78,6 +87,10 @@ _FP_RE = re.compile(r"^[0-9a-f]{16}$")
 
 def user_profile_dir() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+# `s2moe tune`'s result per model, by where the model runs: fully resident, or under a memory budget
+TUNED_CONDITIONS = ("resident", "budget")
+TUNED_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap")
+TUNED_DRAFT_MAX = 16  # a decoder's verification batch is sized for at most this many drafted tokens
     return Path(base) / "s2moe" / "profiles"
 
 
@@ -208,6 +221,26 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
 def validate_profile(data, where: str = "profile") -> dict:
     """Check a profile's structure; raise ConfigError naming the failing field. Returns data."""
     if not isinstance(data, dict):
+    if block.get("tuned") is not None:
+        _validate_tuned(block["tuned"], where)
+
+
+def _validate_tuned(tuned, where: str) -> None:
+    tuned = _mapping(tuned, where, "tuned")
+    for condition, section in tuned.items():
+        if condition not in TUNED_CONDITIONS:
+            raise ConfigError(f"{where}: field tuned.{condition} must be one of {', '.join(TUNED_CONDITIONS)}")
+        tw = f"{where}, tuned.{condition}"
+        section = _mapping(section, tw, "tuned." + condition)
+        settings = _mapping(section.get("settings"), tw, "settings")
+        sw = f"{tw}.settings"
+        for key in ("draft_topk", "reuse_cap"):
+            _number(settings, key, sw, required=True, positive=True, integer=True)
+        _number(settings, "draft_max", sw, required=True, positive=True, integer=True)
+        if settings["draft_max"] > TUNED_DRAFT_MAX:
+            raise ConfigError(f"{sw}: field draft_max must be at most {TUNED_DRAFT_MAX}, got {settings['draft_max']!r}")
+        for key in ("threshold", "reuse_strength"):
+            _number(settings, key, sw, required=True)
         raise ConfigError(f"{where}: expected a mapping at top level")
     schema = data.get("schema", SCHEMA_VERSION)
     if schema != SCHEMA_VERSION:
@@ -504,3 +537,33 @@ def cost_for_model(profile: dict, fingerprint: str, model_name: str = "", *, off
 def hot_experts_for_model(profile: dict, fingerprint: str) -> list[tuple[int, int]]:
     block = model_block(profile, fingerprint) or {}
     return [tuple(p) for p in block.get("hot_experts") or []]
+
+
+def tuned_condition(offloaded: bool) -> str:
+    return "budget" if offloaded else "resident"
+
+
+def tuned_settings(profile: dict, fingerprint: str, *, offloaded: bool = False) -> dict:
+    """The decoding settings `s2moe tune` chose for this model where it runs (resident or under a budget):
+    {draft_topk, draft_max, threshold, reuse_strength, reuse_cap}, or {} when it was not tuned there."""
+    block = model_block(profile, fingerprint) or {}
+    section = (block.get("tuned") or {}).get(tuned_condition(offloaded)) or {}
+    settings = section.get("settings") or {}
+    return {k: settings[k] for k in TUNED_KEYS if settings.get(k) is not None}
+
+
+def with_tuned(profile: dict, fingerprint: str, section: dict, *, offloaded: bool) -> dict:
+    """A copy of the profile with `s2moe tune`'s section recorded for this model; the model's other
+    condition (resident or budget) and everything else kept. ConfigError when the profile has no
+    constants for the model (tuning uses them: calibrate first)."""
+    import copy
+
+    if model_block(profile, fingerprint) is None:
+        raise ConfigError(f"profile {profile.get('name', '?')} has no constants for model {fingerprint}: run "
+                          f"`s2moe calibrate --model ... --name {profile.get('name', 'NAME')}` first")
+    out = copy.deepcopy({k: v for k, v in profile.items() if not k.startswith("_")})
+    block = out["models"][fingerprint]
+    tuned = dict(block.get("tuned") or {})
+    tuned[tuned_condition(offloaded)] = section
+    block["tuned"] = tuned
+    return out

@@ -66,6 +66,10 @@ def ui_default_threads() -> int:
     return default_threads(spare=1)
 
 
+# What ChatSettings leaves open comes to without a tuned profile: GenerationConfig's defaults.
+DEFAULTS = {"reuse_strength": 0.5, "draft_max": 8, "threshold": 1.0}
+
+
 @dataclass
 class ChatSettings:
     """What the user switches from the chat: the mode and the method's components."""
@@ -73,20 +77,27 @@ class ChatSettings:
     mode: str = "s2moe"
     utility: bool = True
     gating: bool = True
-    reuse_strength: float = 0.5   # α used when gating is on
-    draft_topk: int | None = None  # None: the model's default (see engine.decoder.routing_defaults)
-    draft_max: int = 8
-    threshold: float = 1.0
+    # None: not set here — the active profile's tuned value (s2moe tune), else the default (DEFAULTS)
+    reuse_strength: float | None = None   # α used when gating is on
+    draft_topk: int | None = None  # None also: the model's default (see engine.decoder.routing_defaults)
+    draft_max: int | None = None
+    threshold: float | None = None
     n_predict: int = 128
     temperature: float = 0.0
 
-    def resolved(self, model: ModelSummary | None) -> ChatSettings:
-        """These settings with what they leave to the model filled in (unchanged while no model is loaded)."""
-        if model is None or self.draft_topk is not None:
-            return self
+    def resolved(self, model: ModelSummary | None, tuned: dict | None = None) -> ChatSettings:
+        """These settings with what they leave open filled in: from `tuned` (the active profile's tuned
+        settings), else the defaults; k_d from the model's routing (left open while no model is loaded)."""
+        tuned = tuned or {}
+        s = replace(self, **{key: tuned.get(key, default) for key, default in DEFAULTS.items()
+                             if getattr(self, key) is None})
+        if s.draft_topk is None and "draft_topk" in tuned:
+            s = replace(s, draft_topk=tuned["draft_topk"])
+        if model is None or s.draft_topk is not None:
+            return s
         from ...engine.decoder import routing_defaults
 
-        return replace(self, draft_topk=routing_defaults(model.n_expert, model.k).draft_topk)
+        return replace(s, draft_topk=routing_defaults(model.n_expert, model.k).draft_topk)
 
     def describe(self, model: ModelSummary | None = None) -> str:
         parts = [self.mode]
@@ -95,7 +106,7 @@ class ChatSettings:
             parts.append(f"k_d={'auto' if k_d is None else k_d}")
         if self.mode == "s2moe":
             parts.append("utility " + ("on" if self.utility else "off"))
-            parts.append(f"gating {self.reuse_strength:g}" if self.gating else "gating off")
+            parts.append(f"gating {self.resolved(model).reuse_strength:g}" if self.gating else "gating off")
         parts.append(f"n={self.n_predict}")
         if self.temperature > 0:
             parts.append(f"T={self.temperature:g}")
@@ -245,6 +256,19 @@ class EngineSession:
                 self.lock.release()
 
     # -- generation --------------------------------------------------------------------------------
+
+    def tuned(self) -> dict:
+        """The active profile's tuned settings for the loaded model where it runs ({} if none; a profile that
+        does not load is reported by cost())."""
+        if not self.profile_name or self.decoder is None:
+            return {}
+        from ...engine.profiles import load_profile, tuned_settings
+
+        try:
+            return tuned_settings(load_profile(self.profile_name), self.decoder.info.fingerprint,
+                                  offloaded=self.budget is not None)
+        except S2MoEError:
+            return {}
     def cost(self):
         """Cost constants of the active profile for this model; None means measure at start-up.
 
@@ -266,7 +290,10 @@ class EngineSession:
             temperature=settings.temperature,
             draft_topk=settings.draft_topk,
             draft_max=settings.draft_max,
+        tuned = self.tuned()
+        settings = settings.resolved(self.model, tuned)
             utility=settings.utility,
+            reuse_cap=tuned.get("reuse_cap"),
             threshold=settings.threshold,
             reuse_strength=settings.reuse_strength if settings.gating else 0.0,
             cost=cost,
