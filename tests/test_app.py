@@ -724,3 +724,80 @@ def test_activating_another_devices_reference_profile_warns(tmp_path, monkeypatc
             assert app.session.profile_name == "jetson-orin-16gb"
 
     run(go())
+
+
+# -- live panel tiles --------------------------------------------------------------------------------------
+def _state_after(mode="s2moe"):
+    from s2moe.app.tui.live import LiveState
+    from s2moe.app.tui.session import view_of
+
+    events = list(scripted_events(mode))
+    state = LiveState()
+    state.start(events[0], 0.0)
+    dec = FakeDecoder()
+    for i, it in enumerate(events[2:-1]):
+        state.add(it, view_of(it, dec), 1.0 + 0.1 * (i + 1))
+    state.finish(events[-1])
+    return state
+
+
+def test_tiles_draw_one_bar_per_layer_and_wrap_rather_than_merge_layers():
+    from s2moe.app.tui.live import SPARKS, Tiles, spark
+
+    assert spark([0.0, 0.5, 1.0], 1.0) == SPARKS[0] + SPARKS[4] + SPARKS[-1]
+    state = _state_after()
+    line = next(t.plain for t in Tiles(state).lines(34) if t.plain.startswith("reuse"))
+    bars = [c for c in line if c in SPARKS]
+    assert len(bars) == len(state.reuse_last) == 4  # one bar per layer, spaced apart
+    assert " ".join(spark(state.reuse_last, 1.0)) in line
+    state.reuse_last = [i / 47 for i in range(48)]  # more layers than the panel is wide
+    lines = [t.plain for t in Tiles(state).lines(34)]
+    first = next(i for i, t in enumerate(lines) if t.startswith("reuse"))
+    following = lines[first:first + 3]
+    assert sum(c in SPARKS for t in following for c in t) == 48
+    assert all(len(t) <= 34 for t in lines)
+    assert lines[first + 1].startswith(" " * 7)  # the continuation sits under the first line's bars
+
+
+def test_the_utility_tile_marks_where_the_rule_cut_the_chain():
+    from s2moe.app.tui.live import SPARKS, Tiles
+
+    state = _state_after()
+    state.utilities = [(3.0, True, 0.9), (2.0, True, 0.8), (0.5, False, 0.5), (0.2, False, 0.4)]
+    line = next(t.plain for t in Tiles(state).lines(60) if t.plain.startswith("utility"))
+    assert "2/4" in line and "threshold 1" in line
+    bars = line.split("2/4", 1)[1].strip().split()[0]
+    assert bars[2] == "|" and all(c in SPARKS for c in bars[:2] + bars[3:])  # kept | dropped
+    state.utilities = []
+    state.utility = False
+    assert "off" in next(t.plain for t in Tiles(state).lines(60) if t.plain.startswith("utility"))
+
+
+def test_every_tile_is_on_screen_together_at_80x24():
+    from s2moe.app.tui.live import LivePlot
+
+    async def go():
+        app = fake_app(residency=True)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            await type_prompt(pilot, "hello")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, what="generation")
+            chat.flush()
+            await pilot.pause()
+            stats = chat.query_one("#live-stats")
+            text = "\n".join(line.text for line in stats.render_lines(stats.region.reset_offset))
+            for label in ("tok/s", "accept", "rollb.", "reuse", "utility", "memory"):
+                assert f"\n {label} " in text, label
+            assert stats.region.bottom <= chat.live.region.bottom  # all of it inside the visible panel
+            narrow = min(p.size.width for p in chat.live.query(LivePlot))
+            # Ctrl+G: the panel full-screen, plots wider; Esc returns to the chat
+            await pilot.press("ctrl+g")
+            await pilot.pause()
+            assert chat.maximized is chat.live
+            assert min(p.size.width for p in chat.live.query(LivePlot)) > narrow
+            await pilot.press("escape")
+            await pilot.pause()
+            assert chat.maximized is None
+
+    run(go())

@@ -15,6 +15,7 @@ from s2moe.app.tui.messages import EngineEvent, JobEnded
 from s2moe.app.tui.session import view_of
 
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((120, 40), id="120x40")]
+SMALL = pytest.param((60, 20), id="60x20")  # the smallest terminal the layout is meant to work in
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +88,7 @@ def test_chat_before_generation(snap_compare, size):
     assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES + [SMALL])
 def test_chat_after_generation(snap_compare, size):
     async def run_before(pilot):
         await ready(pilot)
@@ -96,6 +97,53 @@ def test_chat_after_generation(snap_compare, size):
         await settle(pilot)
 
     assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
+def feed_residency(chat) -> None:
+    """A residency snapshot as an offloading decoder sends one: a quarter of each layer's experts in memory
+    plus the pinned first expert, and the draft-predicted hit rate per layer."""
+    import numpy as np
+
+    from s2moe.engine.events import ResidencySnapshot
+
+    shape = (4, 8)
+    resident = np.full(shape, 0.25)
+    resident[:, 0] = 1.0
+    pinned = np.zeros(shape, bool)
+    pinned[:, 0] = True
+    snap = ResidencySnapshot(5, resident, pinned, np.array([0.5, 0.75, float("nan"), 1.0]))
+    chat.on_engine_event(EngineEvent(chat._turn_index, snap, None, 2.0))
+    chat.live.state.budget = "budget 1.5 GiB"
+    chat.flush()
+
+
+@pytest.mark.parametrize("size", [pytest.param((80, 24), id="80x24"), SMALL])
+def test_live_tiles_with_a_budget_and_an_ar_reference(snap_compare, size):
+    """Every figure at once: tok/s against an ar run, accept length, rollbacks, reuse and memory per layer,
+    utility against its threshold."""
+    async def run_before(pilot):
+        await ready(pilot)
+        chat = pilot.app.screen
+        feed_generation(chat, "plain", mode="ar")
+        pilot.app.session.stats.ar_tok_per_s = 20.0
+        feed_generation(chat, "The cat")
+        feed_residency(chat)
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
+def test_live_plots_full_screen(snap_compare):
+    async def run_before(pilot):
+        await ready(pilot)
+        chat = pilot.app.screen
+        pilot.app.session.stats.ar_tok_per_s = 20.0
+        feed_generation(chat, "The cat")
+        feed_residency(chat)
+        await pilot.press("ctrl+g")
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=(80, 24), run_before=run_before)
 
 
 def test_chat_light_theme(snap_compare):

@@ -31,6 +31,7 @@ class ChatScreen(Screen):
         Binding("f8", "toggle_gating", "Gating", tooltip="Reuse-aware gating on/off (off: lossless)"),
         Binding("f9", "cycle_topk", "k_d", tooltip="Next number of experts per token in draft passes"),
         Binding("ctrl+o", "settings", "Settings", tooltip="All generation settings in one form"),
+        Binding("ctrl+g", "full_live", "Plots", tooltip="The live panel full-screen, with every plot (again: back)"),
         Binding("ctrl+l", "toggle_live", "Live panel", show=False, tooltip="Show or hide the live panel"),
         Binding("ctrl+n", "new_chat", "New chat", show=False, tooltip="Clear the chat history"),
         Binding("ctrl+y", "focus_live", "Focus live panel", show=False,
@@ -48,7 +49,10 @@ class ChatScreen(Screen):
                             ("bonus", "the target's extra token after every draft was accepted"),
                             ("rejected", "draft token the target rejected (struck through; Ctrl+R hides)"),
                             ("plain", "a plain decoding step (no draft)")]),
-        ("Live panel", [("accept len", "tokens committed per target pass (1.0 = plain decoding)"),
+        ("Live panel", [("Ctrl+G", "the panel full-screen with every plot; Ctrl+G or Esc returns"),
+                        ("tiles", "one line per figure: value, recent iterations as a sparkline, note; reuse and "
+                                  "memory draw one bar per layer, utility marks the rule's cut with |"),
+                        ("accept len", "tokens committed per target pass (1.0 = plain decoding)"),
                         ("accepted", "share of draft tokens the target accepted"),
                         ("rollbacks", "KV entries of rejected drafts removed after verification"),
                         ("reuse", "distinct experts / (tokens × k) per layer; 1/tokens is perfect reuse"),
@@ -206,6 +210,15 @@ class ChatScreen(Screen):
         live = self.live
         live.display = not live.display
 
+    def action_full_live(self) -> None:
+        if self.maximized is self.live:
+            self.minimize()
+            return
+        self.live.display = True
+        self.maximize(self.live, container=False)
+        self.live.focus()
+        self.flush_live()
+
     def action_focus_live(self) -> None:
         self.live.display = True
         self.live.focus()
@@ -224,6 +237,8 @@ class ChatScreen(Screen):
         if self.generating:
             self.app.session.stop.set()
             self.set_status("stopping…")
+        elif self.maximized is not None:
+            self.minimize()
         else:
             self.query_one("#prompt").focus()
 
@@ -301,6 +316,7 @@ class ChatScreen(Screen):
         session = self.app.session
         if isinstance(event, Started):
             live.start(event, message.t, session.stats)
+            live.budget = session.budget_label()
             self.app.model_changed()
             self.adapt_to_model()
             self.set_status("prefilling…")

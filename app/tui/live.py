@@ -1,7 +1,9 @@
-"""The live panel beside the chat: what the last iterations did, as numbers and textual-plotext plots.
+"""The live panel beside the chat: what the last iterations did, as compact tiles and textual-plotext plots.
 
 LiveState collects data from engine events (cheap, per event); the panel redraws from it at most a few
-times a second, so a fast engine never floods the UI with plot renders.
+times a second, so a fast engine never floods the UI with plot renders. The tiles at the top put every
+figure on one screen (one line each, with a sparkline or one bar per layer); the plots below them are the
+same data in full, and Ctrl+G shows the panel full-screen to read them.
 """
 
 from __future__ import annotations
@@ -44,16 +46,17 @@ class LiveState:
     resident: list[float] | None = None
     pinned: list[float] | None = None
     hit_rate: list[float | None] | None = None
+    budget: str = ""  # the memory budget as the session words it ("" fully resident)
     t0: float | None = None
     version: int = 0  # bumped on every change; the panel redraws when it moved
 
     def start(self, started, t: float, session_stats=None) -> None:
         cfg = started.config or {}
         ar_ref, version = self.ar_reference, self.version
-        residency = self.resident, self.pinned, self.hit_rate
+        residency = self.resident, self.pinned, self.hit_rate, self.budget
         self.__init__()  # type: ignore[misc]
         self.ar_reference, self.version = ar_ref, version  # the version only ever grows
-        self.resident, self.pinned, self.hit_rate = residency  # memory outlives one generation
+        self.resident, self.pinned, self.hit_rate, self.budget = residency  # memory outlives one generation
         self.summary.add(started)
         self.n_layer = started.n_layer
         self.k = started.k
@@ -111,17 +114,14 @@ class LiveState:
         return self.speed[-1][1] if self.speed else 0.0
 
     def stats_text(self) -> str:
+        """What the tiles have no line for: the useful share of verified experts, offloading's fetches and
+        faults, and where the cost constants came from."""
         s = self.summary
         if not s.mode:
             return "No generation yet. Type a prompt and press Enter."
-        reuse_txt = f"{s.reuse_ratio:.2f}" if s.reuse_ratio is not None else "n/a"
-        rate = f"{s.acceptance_rate:.0%}" if s.drafted else "n/a"
-        useful = f"  useful {s.useful_share:.0%}" if s.useful_share is not None else ""
-        lines = [
-            f"{s.mode}  it {s.iterations}  tok {s.committed}  {self.tok_per_s:.1f} tok/s",
-            f"accept len {s.accept_len:.2f}  accepted {rate}  rollbacks {s.rollbacks}",
-            f"reuse {reuse_txt}{useful}  moved {s.gated_moves}  stop: {s.stop_reason or self.draft_stop or '…'}",
-        ]
+        lines = []
+        if s.useful_share is not None:
+            lines.append(f"useful {s.useful_share:.0%} of the verified experts")
         if s.offloaded_steps:
             n = s.offloaded_steps
             # per verification: experts fetched / experts read, and page faults that waited for storage
@@ -141,6 +141,125 @@ class LiveState:
             return list(d.wordings)
         hints = (" · F7 turns the rule off and drafts anyway", " · F7 forces it")
         return [w + hint for w in d.wordings for hint in hints] + [f"{d.wordings[-1]} (F7)"]
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+MIN_SPARK, MAX_SPARK = 6, 40  # iterations a sparkline shows
+LABEL = 7  # the width of a tile's label column
+VALUE = 5  # … and of its value
+
+
+def spark(values, top: float | None = None) -> str:
+    """One block character per value, its height the value's share of `top` (default: the largest).
+    Zero is the lowest block rather than a blank, so that every bar is there to count."""
+    values = [max(0.0, float(v)) for v in values]
+    top = top if top is not None else max(values, default=0.0)
+    if top <= 0:
+        return SPARKS[0] * len(values)
+    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / top * (len(SPARKS) - 1) + 0.5))] for v in values)
+
+
+class Tiles:
+    """Every figure of the generation at once, one line per tile in the manner of btop: a label, the
+    current value, a sparkline of the recent iterations (or one bar per layer) and a short note. The
+    sparklines take the width the panel has; a note that does not fit is dropped before the bars are."""
+
+    def __init__(self, state: LiveState, styles: dict[str, str] | None = None):
+        self.state = state
+        self.styles = styles or {}
+
+    def _line(self, width: int, label: str, value: str, bars: Text | str, note: str = "") -> Text:
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append(f"{label:<{LABEL}}", style="bold")
+        text.append(f"{value:>{VALUE}} ")
+        bars = bars if isinstance(bars, Text) else Text(bars, style=self.styles.get("bars", ""))
+        text.append_text(bars)
+        if note and cell_len(text.plain) + 2 + cell_len(note) <= width:
+            text.append("  " + note, style="dim")
+        return text
+
+    def _series(self, width: int, label: str, value: str, values, note: str, top: float | None = None) -> Text:
+        """A time series tile: the latest iterations as a sparkline, as many as leave room for the note
+        (at least MIN_SPARK of them; the note goes first when even those do not fit)."""
+        room = width - LABEL - VALUE - 1
+        fit = room - (cell_len(note) + 2 if note else 0)
+        n = min(MAX_SPARK, max(MIN_SPARK, fit), max(1, room))
+        return self._line(width, label, value, spark(values[-n:], top) if values else "", note)
+
+    def lines(self, width: int) -> list[Text]:
+        s = self.state
+        su = s.summary
+        room = max(4, width - LABEL - VALUE - 1)  # what the bars may take when the note is dropped
+        out = []
+        head = Text(no_wrap=True, overflow="ellipsis")
+        head.append(su.mode or "—", style="bold reverse")
+        head.append(f" it {su.iterations} · {su.committed} tok · {su.stop_reason or s.draft_stop or '…'}")
+        out.append(head)
+        speeds = [v for _, v in s.speed]
+        note = ""
+        if s.ar_reference and su.mode != "ar":
+            note = f"×{s.tok_per_s / s.ar_reference:.2f} vs ar"
+        out.append(self._series(width, "tok/s", f"{s.tok_per_s:.1f}", speeds, note))
+        rate = f"{su.acceptance_rate:.0%} accepted" if su.drafted else "no drafts"
+        out.append(self._series(width, "accept", f"{su.accept_len:.2f}", s.accept, rate, max(s.accept, default=1)))
+        out.append(self._series(width, "rollb.", str(su.rollbacks), s.rollbacks, "KV entries"))
+        out += self._reuse(width, room)
+        out.append(self._utility(width, room))
+        out += self._memory(width, room)
+        return out
+
+    def _per_layer(self, width: int, room: int, label: str, value: str, values, note: str) -> list[Text]:
+        """One bar per layer, spaced apart while there is room; more layers than the room go on in further
+        lines under the first, never merged."""
+        if len(values) * 2 - 1 <= room:
+            return [self._line(width, label, value, " ".join(spark(values, 1.0)), note)]
+        bars = spark(values, 1.0)
+        chunks = [bars[i:i + room] for i in range(0, len(bars), room)]
+        out = [self._line(width, label, value, chunks[0], note)]
+        out += [self._line(width, "", "", chunk) for chunk in chunks[1:]]
+        return out
+
+    def _reuse(self, width: int, room: int) -> list[Text]:
+        s = self.state
+        su = s.summary
+        value = f"{su.reuse_ratio:.2f}" if su.reuse_ratio is not None else "n/a"
+        if not s.reuse_last:
+            return [self._line(width, "reuse", value, "", "per layer once a draft is verified")]
+        note = f"{len(s.reuse_last)} layers" + (f" · moved {su.gated_moves}" if su.gated_moves else "")
+        return self._per_layer(width, room, "reuse", value, s.reuse_last, note)
+
+    def _utility(self, width: int, room: int) -> Text:
+        s = self.state
+        values = [(u, kept) for u, kept, _p in s.utilities if u is not None]
+        if not values:
+            word = "off" if s.summary.mode and not s.utility else "—"
+            return self._line(width, "utility", word, "", f"threshold {s.threshold:g}" if s.utility else "")
+        kept = sum(1 for _, k in values if k)
+        top = max([u for u, _ in values] + [s.threshold])
+        bars = Text()
+        for i, (u, k) in enumerate(values[:room - 1]):
+            if i == kept:
+                bars.append("|", style="bold")  # where the rule cut the chain: state not by colour alone
+            bars.append(spark([u], top), style=self.styles.get("kept" if k else "dropped", ""))
+        if kept == len(values):
+            bars.append("|", style="bold")
+        return self._line(width, "utility", f"{kept}/{len(values)}", bars, f"≥ threshold {s.threshold:g}")
+
+    def _memory(self, width: int, room: int) -> list[Text]:
+        s = self.state
+        if s.resident is None:
+            return [self._line(width, "memory", "all", "", "resident (no --budget)")]
+        share = sum(s.resident) / max(1, len(s.resident))
+        hits = [h for h in (s.hit_rate or []) if h is not None]
+        note = s.budget.removeprefix("budget ")
+        if hits:
+            note = f"hit {sum(hits) / len(hits):.0%}" + (f" · {note}" if note else "")
+        return self._per_layer(width, room, "memory", f"{share:.0%}", s.resident, note)
+
+    def __rich_console__(self, console, options):
+        width = options.max_width
+        for line in self.lines(width):
+            yield line
 
 
 class FirstFit:
@@ -183,6 +302,23 @@ class LivePlot(PlotextPlot):
         self.plt.title(self.TITLE)
 
 
+# Legends go into the titles, each series told apart by its marker (not by colour alone): plotext draws a
+# legend inside the plot, over the data. Bars get a width of their own because plotext's default one
+# makes neighbouring bars run into a single band.
+BAR = 0.5
+SECOND = "░"  # the marker of a second series of bars
+
+
+def layer_bars(plt, first: list[float], second: list[float] | None = None) -> None:
+    xs = list(range(len(first)))
+    if second is None:
+        plt.bar(xs, first, width=BAR)
+    else:
+        plt.multiple_bar(xs, [first, second], width=0.7, marker=["█", SECOND])
+    plt.xticks(xs, [str(x) for x in xs] if len(xs) <= 16 else None)
+    plt.ylim(0, 1)
+
+
 class ReusePlot(LivePlot):
     TITLE = "Reuse ratio per layer"
 
@@ -190,18 +326,15 @@ class ReusePlot(LivePlot):
         plt = self.plt
         if not s.reuse_last:
             return 0
-        labels = [str(i) for i in range(len(s.reuse_last))]
         if s.reuse_other:
-            plt.multiple_bar(labels, [s.reuse_last, s.reuse_other], labels=["last", s.reuse_other_label])
-        else:
-            plt.bar(labels, s.reuse_last)
-        plt.ylim(0, 1)
+            plt.title(f"Reuse per layer: last █, {s.reuse_other_label} {SECOND}")
+        layer_bars(plt, s.reuse_last, s.reuse_other)
         plt.xlabel("layer (lower = more reuse)")
         return len(s.reuse_last)
 
 
 class UtilityPlot(LivePlot):
-    TITLE = "Draft utility vs threshold"
+    TITLE = f"Draft utility: kept █, dropped {SECOND}"
 
     def plot_data(self, s):
         plt = self.plt
@@ -210,26 +343,27 @@ class UtilityPlot(LivePlot):
             if not s.utilities:
                 return 0
             # No utility rule in this mode: show each candidate's chain probability p_i instead.
-            plt.title("Draft chain probability p_i")
+            plt.title(f"Chain probability: kept █, dropped {SECOND}")
             values = [(i + 1, p, kept) for i, (_u, kept, p) in enumerate(s.utilities)]
-            kept = [(i, v) for i, v, k in values if k]
-            dropped = [(i, v) for i, v, k in values if not k]
-            if kept:
-                plt.bar([i for i, _ in kept], [v for _, v in kept], label="kept")
-            if dropped:
-                plt.bar([i for i, _ in dropped], [v for _, v in dropped], label="dropped")
+            self.candidates(values)
             plt.ylim(0, 1)
             plt.xlabel("candidate · no utility rule")
             return len(values)
-        kept = [(i, u) for i, u, k in values if k]
-        dropped = [(i, u) for i, u, k in values if not k]
-        if kept:
-            plt.bar([i for i, _ in kept], [u for _, u in kept], label="kept")
-        if dropped:
-            plt.bar([i for i, _ in dropped], [u for _, u in dropped], label="dropped")
+        self.candidates(values)
         plt.hline(s.threshold)
-        plt.xlabel(f"candidate · threshold {s.threshold:g}")
+        plt.xlabel(f"candidate · threshold {s.threshold:g} (the line)")
         return len(values)
+
+    def candidates(self, values) -> None:
+        plt = self.plt
+        kept = [(i, v) for i, v, k in values if k]
+        dropped = [(i, v) for i, v, k in values if not k]
+        if kept:
+            plt.bar([i for i, _ in kept], [v for _, v in kept], width=BAR)
+        if dropped:
+            plt.bar([i for i, _ in dropped], [v for _, v in dropped], width=BAR, marker=SECOND)
+        xs = [i for i, _, _ in values]
+        plt.xticks(xs, [str(x) for x in xs] if len(xs) <= 16 else None)
 
 
 class SpeedPlot(LivePlot):
@@ -241,12 +375,13 @@ class SpeedPlot(LivePlot):
             return 0
         xs = [x for x, _ in s.speed]
         mode = s.summary.mode
-        plt.plot(xs, [y for _, y in s.speed], label=mode)
+        plt.plot(xs, [y for _, y in s.speed], marker="•")
         # The AR reference is a plain run of this session (the cost model's T_AR is the bare decode step,
         # without the per-token overhead every mode pays, so it would flatter plain decoding).
         ref = s.ar_reference
         if ref is not None and mode != "ar":
-            plt.plot([xs[0], xs[-1]] if len(xs) > 1 else [xs[0], xs[0] + 1e-3], [ref, ref], label="ar")
+            plt.plot([xs[0], xs[-1]] if len(xs) > 1 else [xs[0], xs[0] + 1e-3], [ref, ref], marker="-")
+            plt.title(f"Tokens/s: {mode} •, ar reference -")
             plt.xlabel("seconds")
         else:
             plt.xlabel("seconds" if mode == "ar" else "seconds · run ar once for a reference")
@@ -255,32 +390,34 @@ class SpeedPlot(LivePlot):
 
 
 class AcceptPlot(LivePlot):
-    TITLE = "Tokens per target pass"
+    TITLE = "Tokens per target pass: each •, mean -"
 
     def plot_data(self, s):
         plt = self.plt
         if not s.accept:
             return 0
         xs = list(range(1, len(s.accept) + 1))
-        plt.plot(xs, s.accept, label="per iteration")
+        plt.plot(xs, s.accept, marker="•")
         running, total = [], 0
         for i, a in enumerate(s.accept):
             total += a
             running.append(total / (i + 1))
-        plt.plot(xs, running, label="mean")
+        plt.plot(xs, running, marker="-")
         plt.ylim(0, None)
+        plt.xlabel("iteration")
         return len(xs)
 
 
 class RollbackPlot(LivePlot):
-    TITLE = "KV rollbacks"
+    TITLE = "KV rollbacks per iteration"
 
     def plot_data(self, s):
         plt = self.plt
         if not s.rollbacks:
             return 0
-        plt.bar(list(range(1, len(s.rollbacks) + 1)), s.rollbacks)
+        plt.bar(list(range(1, len(s.rollbacks) + 1)), s.rollbacks, width=BAR)
         plt.ylim(0, None)
+        plt.xlabel("iteration")
         return len(s.rollbacks)
 
 
@@ -292,21 +429,22 @@ class ResidencyPlot(LivePlot):
         if s.resident is None:
             plt.title(f"{self.TITLE} (with --budget)")
             return 0
-        labels = [str(i) for i in range(len(s.resident))]
         hits = [h for h in (s.hit_rate or []) if h is not None]
         if hits and len(hits) == len(s.resident):
-            plt.multiple_bar(labels, [s.resident, hits], labels=["resident", "draft-predicted hit"])
+            plt.title(f"Per layer: resident █, draft-predicted hit {SECOND}")
+            layer_bars(plt, s.resident, hits)
         else:
-            plt.multiple_bar(labels, [s.resident, s.pinned or [0.0] * len(labels)], labels=["resident", "pinned"])
-        plt.ylim(0, 1)
-        plt.xlabel("layer · share of experts")
-        return len(labels)
+            plt.title(f"Per layer: resident █, pinned {SECOND}")
+            layer_bars(plt, s.resident, s.pinned or [0.0] * len(s.resident))
+        plt.xlabel("layer · share of experts" + (f" · {s.budget}" if s.budget else ""))
+        return len(s.resident)
 
 
 class LivePanel(VerticalScroll):
-    """Stats and plots of the current generation. Focusable so the keyboard can scroll it."""
+    """Tiles and plots of the current generation. Focusable so the keyboard can scroll it."""
 
     can_focus = True
+    ALLOW_MAXIMIZE = True  # Ctrl+G: containers may not be maximized unless they say so
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -331,7 +469,14 @@ class LivePanel(VerticalScroll):
         if not force and self._drawn == self.state.version:
             return
         self._drawn = self.state.version
-        stats, why = self.state.stats_text(), self.state.why()
-        self.query_one("#live-stats", Static).update(Group(Text(stats), FirstFit(why)) if why else stats)
+        why = self.state.why()
+        v = self.app.theme_variables
+        styles = {"bars": v.get("primary", "blue"), "kept": v.get("success", "green"),
+                  "dropped": f"dim {v.get('error', 'red')}"}
+        parts = [Tiles(self.state, styles)] + ([FirstFit(why)] if why else [])
+        details = self.state.stats_text()
+        if details:
+            parts.append(Text(details, style="dim"))
+        self.query_one("#live-stats", Static).update(Group(*parts))
         for plot in self.plots:
             plot.draw(self.state)
