@@ -20,7 +20,8 @@ FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk
          "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
          "repeat_last_n": "--repeat-last-n",
          "reuse_strength": "--reuse-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
-         "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed"}
+         "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed",
+         "tree_width": "--tree-width", "tree_max_nodes": "--tree-max-nodes"}
 
 
 # llama.cpp's multi-letter short option for GPU layers; argparse would read `-ngl…` as `-n gl…` where a
@@ -178,6 +179,29 @@ def sampling_settings(args) -> dict:
                 repeat_last_n=args.repeat_last_n)
 
 
+def add_tree_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree", action="store_true",
+                   help="draft a tree, not a chain: with mode s2moe, the cost-aware tree (mode tree)")
+    add_tree_shape_options(p)
+
+
+def add_tree_shape_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-width", type=positive_int, default=2,
+                   help="tree modes: candidates drafted per expanded node (default 2)")
+    p.add_argument("--tree-max-nodes", type=positive_int, default=8,
+                   help="tree modes: draft nodes one verification takes at most (default 8)")
+
+
+def tree_mode(args) -> str:
+    """The mode the flags ask for: --tree turns s2moe's chain into its tree."""
+    if not args.tree or args.mode in ("tree", "tree-prob"):
+        return args.mode
+    if args.mode != "s2moe":
+        raise ConfigError(f"--tree drafts s2moe's tree; --mode {args.mode} drafts no tree (use --mode s2moe, or "
+                          "--mode tree-prob for the probability-only tree)")
+    return "tree"
+
+
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
@@ -192,6 +216,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
     p.add_argument("--draft-max", type=positive_int, default=8, help="cap on draft length")
     p.add_argument("--no-utility", action="store_true", help="fixed draft length instead of utility expansion")
+    add_tree_options(p)
     p.add_argument("--threshold", type=_non_negative_float, default=1.0, help="utility threshold")
     p.add_argument("--reuse-strength", type=_non_negative_float, default=0.5,
                    help="reuse-aware gating strength α (0 = off, lossless)")
@@ -276,7 +301,9 @@ def generation_config(args, decoder):
         cost = cost_for_model(load_profile(args.profile), decoder.info.fingerprint, decoder.info.path.name,
                               offloaded=bool(getattr(args, "budget", None)))  # budget: cold expert cost
     cfg = GenerationConfig(
-        mode=args.mode,
+        mode=tree_mode(args),
+        tree_width=args.tree_width,
+        tree_max_nodes=args.tree_max_nodes,
         n_predict=args.n_predict,
         temperature=args.temp,
         seed=args.seed,
@@ -364,8 +391,9 @@ def cmd_generate(args) -> int:
     if args.file is not None:
         args.prompt = prompt_file_text(args.file)
     # Validate flags that need no model before loading one.
-    GenerationConfig(mode=args.mode, n_predict=args.n_predict, temperature=args.temp, seed=args.seed,
-                     draft_topk=args.draft_topk, draft_max=args.draft_max, **sampling_settings(args)).validate()
+    GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, temperature=args.temp, seed=args.seed,
+                     draft_topk=args.draft_topk, draft_max=args.draft_max, tree_width=args.tree_width,
+                     tree_max_nodes=args.tree_max_nodes, **sampling_settings(args)).validate()
     budget = offload.Budget.parse(args.budget) if args.budget is not None else None
     if budget is not None and offload.current_budget() is None:
         return run_cli_in_budget(args._argv, budget, model, tag="run")

@@ -14,7 +14,7 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import nonempty, positive_int
+    from .cli import add_tree_shape_options, nonempty, positive_int
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--reuse-strength", type=float, default=0.5)
     p.add_argument("-t", "--threads", type=int, default=None)
+    add_tree_shape_options(p)
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="times the whole prompt set is run, modes interleaved throughout; tok/s and × ar are the "
                         "medians and the table shows their range (default 1)")
@@ -242,6 +243,7 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
                 "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--budget", budget_text,
                 "--draft-topk", str(args.draft_topk), "--draft-max", str(args.draft_max),
                 "--reuse-strength", str(args.reuse_strength), "--repeats", str(args.repeats), "--no-quality",
+                "--tree-width", str(args.tree_width), "--tree-max-nodes", str(args.tree_max_nodes),
                 "--json", str(out)]
         argv += ["--modes", ",".join(_modes(args))] if not args.ablation else ["--ablation"]
         if args.threads:
@@ -311,7 +313,8 @@ def run(args) -> int:
     modes = _modes(args)
     budgets = [b.strip() for b in args.budget.split(",") if b.strip()] or ["none"]
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
-    base = GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max, reuse_strength=args.reuse_strength)
+    base = GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max, reuse_strength=args.reuse_strength,
+                            tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes)
     base.validate()
     from ..engine.model_info import read_model_info
 

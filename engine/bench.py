@@ -76,6 +76,7 @@ class BenchRow:
     # storage-bound speed that implies (storage_bound)
     fetched_per_token: float | None = None
     bound_tok_per_s: float | None = None
+    experts_per_token: float | None = None  # distinct experts (over layers) verifications read per committed token
     # one figure per repeat over the whole prompt set: tok/s, and the ratio to ar's tok/s in the same repeat
     tok_per_s_repeats: list[float] | None = None
     speedup_repeats: list[float] | None = None
@@ -216,7 +217,8 @@ def mode_config(name: str, base: GenerationConfig) -> GenerationConfig:
 def expected_lossless(name: str, cfg: GenerationConfig) -> bool:
     if cfg.temperature > 0:
         return False
-    return name in LOSSLESS_MODES or name in LOSSLESS_LADDER or (cfg.mode == "s2moe" and cfg.reuse_strength == 0)
+    return (name in LOSSLESS_MODES or name in LOSSLESS_LADDER
+            or (cfg.mode in ("s2moe", "tree") and cfg.reuse_strength == 0))
 
 
 NEAR_TIE = 1e-3  # logit gap under which batched and single-token decoding may legitimately pick differently
@@ -469,6 +471,7 @@ def run_bench(
                 reuse_ratio_per_layer=[float(x) for x in reuse_layers] if reuse_layers is not None else None,
                 verify_experts=totals.mean_verify_experts,
                 effective_verify_cost=totals.useful_share,
+                experts_per_token=totals.experts_per_token,
                 rollbacks=totals.rollbacks,
                 t_draft=totals.t_draft,
                 t_verify=totals.t_verify,

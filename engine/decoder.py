@@ -25,7 +25,8 @@ from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, Ind
                        SelfDrafter, UtilityStop)
 from .runtime import LlamaRuntime
 from .sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, Sampling, check_seed, random_seed
-from .modes import MODES, MOE_MODES
+from .modes import MODES, MOE_MODES, TREE_MODES
+from .tree import TreeDrafter, verify_tree
 
 
 class VerifyObserver(Protocol):
@@ -56,6 +57,7 @@ class Residency(Protocol):
     hit_rate: np.ndarray   # [n_layer]
 
 
+TREE_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ
 DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
 
 
@@ -102,6 +104,8 @@ class GenerationConfig:
     reuse_strength: float = 0.5       # α of reuse-aware gating; 0 turns gating off (lossless)
     reuse_cap: int | None = None      # |E*|
     conf_p_min: float = 0.5           # `conf` mode's stop probability
+    tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
+    tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
     stop_at_eos: bool = True
     cost: CostConstants | None = None  # from a device profile; measured at start-up when None
 
@@ -137,6 +141,10 @@ class GenerationConfig:
             raise ConfigError(f"{OPTION} must be ≥ 0", option="threshold")
         if self.reuse_cap is not None and self.reuse_cap < 1:
             raise ConfigError(f"{OPTION} must be ≥ 1", option="reuse_cap")
+        if self.tree_width < 1:
+            raise ConfigError(f"{OPTION} must be ≥ 1", option="tree_width")
+        if not 1 <= self.tree_max_nodes <= 64:
+            raise ConfigError(f"{OPTION} must be between 1 and 64", option="tree_max_nodes")
         if info is None:
             return
         if self.mode in MOE_MODES and not info.is_moe:
@@ -163,8 +171,10 @@ class Decoder:
                  use_extra_bufts: bool = True, n_gpu_layers: int = 0):
         self.info = read_model_info(model)  # refuses what llama.cpp would assert on (expert counts among it)
         self.max_draft = max_draft
+        # a draft tree takes a sequence id per drafted node (up to the verification batch times a width)
         self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_threads=n_threads, max_verify_rows=max_draft + 1,
-                               use_extra_bufts=use_extra_bufts, n_gpu_layers=n_gpu_layers)
+                               use_extra_bufts=use_extra_bufts, n_gpu_layers=n_gpu_layers,
+                               n_seq_max=min(TREE_SEQS, 4 * (max_draft + 1)))
         self.n_gpu_layers = n_gpu_layers
         self._measured: dict[tuple, CostConstants] = {}
         self._pieces: dict[int, str] = {}
@@ -264,6 +274,15 @@ class Decoder:
             return CascadeDrafter(cfg.draft_topk, cfg.draft_max)
         if cfg.mode == "lookup":
             return LookupDrafter()
+        if cfg.mode in TREE_MODES:
+            # tree-prob: the same rule, blind to experts (T_exp = 0), a rule of its own
+            rule_cost = cost if cfg.mode == "tree" else replace(cost, t_exp=0.0)
+            key = ("tree", cfg.draft_topk, cfg.threshold, rule_cost)
+            rule = self._rules.get(key)
+            if rule is None:
+                rule = self._rules[key] = UtilityStop(rule_cost, cfg.threshold)
+            rule.start()
+            return TreeDrafter(cfg.draft_topk, rule, cfg.tree_width, cfg.tree_max_nodes)
         if not cfg.utility:
             return SelfDrafter(cfg.draft_topk, FixedLength())
         # What the rule learns (the first draft token's usual probability and expert cost, how often a
@@ -288,6 +307,12 @@ class Decoder:
         if cfg.draft_max > self.max_draft:
             raise ConfigError(f"{OPTION} {cfg.draft_max} exceeds this decoder's limit {self.max_draft}",
                               option="draft_max")
+        if cfg.mode in TREE_MODES:
+            # a tree's verification batch and each drafting pass fit where a chain's of draft_max would
+            for option in ("tree_max_nodes", "tree_width"):
+                if getattr(cfg, option) > self.max_draft:
+                    raise ConfigError(f"{OPTION} {getattr(cfg, option)} exceeds this decoder's limit "
+                                      f"{self.max_draft}", option=option)
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_tokens:
             raise ConfigError("the prompt is empty")
@@ -297,10 +322,10 @@ class Decoder:
                 option="n_ctx")
         if cfg.mode != "ar":
             self.check_routing_hook()
-        needs_cost = cfg.mode == "s2moe" and cfg.utility and cfg.cost is None
+        needs_cost = (cfg.mode == "s2moe" and cfg.utility or cfg.mode in TREE_MODES) and cfg.cost is None
         cost = self.cost_constants(cfg) if needs_cost else cfg.cost
         drafter = self._drafter(cfg, cost)
-        gating = cfg.mode == "s2moe" and cfg.reuse_strength > 0 and self.info.is_moe
+        gating = cfg.mode in ("s2moe", "tree") and cfg.reuse_strength > 0 and self.info.is_moe
         reuse_cap = cfg.reuse_cap
         k = max(self.info.n_expert_used, 1)
         rng = np.random.default_rng(cfg.seed)
@@ -347,16 +372,23 @@ class Decoder:
             drafted = proposal.tokens
             rt.kv_remove_from(m - 1)
 
-            v = self._verify([committed_all[-1]] + drafted, m - 1, proposal,
-                             gate=(cfg.reuse_strength, reuse_cap) if gating and drafted else None)
-            accepted, target_token = accept(drafted, v.logits, proposal.dists, sampler, rng, committed_all)
-            committed = drafted[:accepted] + [target_token]
+            gate = (cfg.reuse_strength, reuse_cap) if gating and drafted else None
+            if proposal.tree is not None and drafted:
+                v, path, target_token = verify_tree(self, proposal, committed_all[-1], m - 1, gate, sampler,
+                                                    committed_all, rng)
+                accepted = len(path)
+            else:
+                v = self._verify([committed_all[-1]] + drafted, m - 1, proposal, gate)
+                accepted, target_token = accept(drafted, v.logits, proposal.dists, sampler, rng, committed_all)
+                path = list(range(accepted))  # indices into drafted
+            committed = [drafted[i] for i in path] + [target_token]
             finished_eos = False
             if cfg.stop_at_eos:
                 committed, finished_eos = _cut_at_end_of_generation(committed, rt.is_eog)
             # experts the rows of committed tokens needed (pending + accepted drafts)
             if v.routing is not None:
-                useful = distinct_per_layer(v.routing.used[:, : accepted + 1], np.minimum(v.routing.rows, accepted + 1),
+                rows = [0] + [i + 1 for i in path]
+                useful = distinct_per_layer(v.routing.used[:, rows], np.minimum(v.routing.rows, accepted + 1),
                                             self.info.n_expert)
             else:
                 useful = v.experts.copy()
@@ -368,8 +400,8 @@ class Decoder:
                 index=iteration,
                 candidates=tuple(proposal.candidates),
                 drafted=tuple(drafted),
-                accepted=tuple(drafted[:accepted]),
-                rejected=tuple(drafted[accepted:]),
+                accepted=tuple(drafted[i] for i in path),
+                rejected=tuple(t for i, t in enumerate(drafted) if i not in path),
                 target_token=target_token,
                 committed=tuple(committed),
                 committed_text=self.detokenize(committed),
@@ -389,6 +421,8 @@ class Decoder:
                 verify_major_faults=v.major_faults,
                 draft_misses=draft_misses,
                 draft_decision=proposal.decision,
+                tree_parents=None if proposal.tree is None else tuple(proposal.tree.parents),
+                accepted_path=tuple(path),
             )
             drafter.feedback(event)
             yield event
@@ -404,8 +438,10 @@ class Decoder:
         seconds = time.perf_counter() - t_start
         yield Finished(tuple(generated), self.detokenize(generated), len(generated), seconds, stop_reason, iteration)
 
-    def _verify(self, batch: list[int], pos: int, proposal, gate: tuple[float, int] | None) -> "_Verified":
-        """One target pass over the pending token and the drafted ones, with what its routing read."""
+    def _verify(self, batch: list[int], pos: int, proposal, gate: tuple[float, int] | None,
+                layout: tuple[list[int], list[list[int]]] | None = None) -> "_Verified":
+        """One target pass over the pending token and the drafted ones, with what its routing read.
+        layout: the rows' positions and sequence ids where they form a tree (engine.tree), not a chain."""
         rt, hook, observer = self.rt, self.rt.hook, self._observer
         k = max(self.info.n_expert_used, 1)
         # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping
@@ -426,7 +462,7 @@ class Decoder:
             observer.start_counting()
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if counting else 0
         t0 = time.perf_counter()
-        logits = rt.decode(batch, pos, "all")
+        logits = rt.decode(batch, pos, "all") if layout is None else rt.decode_tree(batch, *layout)
         seconds = time.perf_counter() - t0
         # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
         # the fact) but it tells how much of the latency the residency snapshot could not foresee.

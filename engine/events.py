@@ -141,6 +141,9 @@ class Iteration:
     verify_major_faults: int | None = None    # page faults of the verification that read storage (offloading)
     draft_misses: np.ndarray | None = None    # [n_layer] experts the draft passes read that were not in memory (offloading)
     draft_decision: DraftDecision | None = None  # the utility rule's decision this iteration (s2moe with the rule)
+    # a draft tree: each drafted token's parent (index into drafted; -1: the pending token); None: a chain
+    tree_parents: tuple[int, ...] | None = None
+    accepted_path: tuple[int, ...] = ()  # indices into drafted of the accepted tokens, in order
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,7 @@ class Totals:
     experts_fetched: float = 0.0
     storage_faults: int = 0
     draft_fetched: float = 0.0  # experts the draft passes fetched (offloading, self-drafting)
+    experts_verified: float = 0.0  # distinct experts every verification read, summed over layers
 
     def add_iteration(self, it: Iteration) -> None:
         self.iterations += 1
@@ -216,6 +220,7 @@ class Totals:
             if it.useful_experts is not None:
                 self.useful_experts_sum += float(it.useful_experts.sum())
                 self.useful_of_sum += float(it.verify_experts.sum())
+        self.experts_verified += float(it.verify_experts.sum())
         if it.verify_misses is not None:
             self.offloaded_steps += 1
             self.experts_read += float(it.verify_experts.sum())
@@ -247,6 +252,7 @@ class Totals:
         self.experts_fetched += other.experts_fetched
         self.storage_faults += other.storage_faults
         self.draft_fetched += other.draft_fetched
+        self.experts_verified += other.experts_verified
 
     @property
     def accept_len(self) -> float:
@@ -275,6 +281,11 @@ class Totals:
     def mean_verify_experts(self) -> float | None:
         """Distinct experts (summed over layers) per multi-token verification."""
         return self.verify_experts_sum / self.reuse_n if self.reuse_n else None
+
+    @property
+    def experts_per_token(self) -> float | None:
+        """Distinct experts (summed over layers) the verifications read per committed token."""
+        return self.experts_verified / self.committed if self.committed else None
 
     @property
     def useful_share(self) -> float | None:

@@ -26,6 +26,7 @@ class Proposal:
     experts_read: np.ndarray | None = None  # [n_layer] distinct experts the draft passes read
     predicted: np.ndarray | None = None     # [n_layer, n_expert] bool: target experts of the verify batch
     decision: DraftDecision | None = None   # the utility rule's decision, with its numbers
+    tree: object | None = None              # engine.tree.DraftTree: the tokens are a tree's nodes, not a chain
 
 
 class StopRule:

@@ -175,6 +175,7 @@ class LlamaRuntime:
         use_extra_bufts: bool = True,
         int_overrides: dict[str, int] | None = None,
         install_hook: bool = True,
+        n_seq_max: int = 1,
     ):
         check_threads(n_threads)
         check_ctx(n_ctx, max(MIN_CTX, max_verify_rows))
@@ -209,7 +210,12 @@ class LlamaRuntime:
         cparams.n_ctx = n_ctx
         cparams.n_batch = max(n_batch, max_verify_rows)
         cparams.n_ubatch = max(n_batch, max_verify_rows)
-        cparams.n_seq_max = 1
+        # Draft trees put each branch on a sequence of its own. One unified cache holds them all, so that a
+        # token can belong to several branches at once (its cell shared, not copied).
+        # llama.cpp reserves one output per sequence in a batch: no more sequences than a batch holds
+        n_seq_max = max(1, min(n_seq_max, n_ctx, cparams.n_batch))
+        cparams.n_seq_max = n_seq_max
+        cparams.kv_unified = True
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
@@ -228,7 +234,8 @@ class LlamaRuntime:
             raise ModelError(f"llama.cpp gave batches of {self.n_batch} tokens, fewer than verification batches of "
                              f"{max_verify_rows}")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.n_seq_max = n_seq_max
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, n_seq_max)
         b = self._batch
         self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
         self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
@@ -237,6 +244,7 @@ class LlamaRuntime:
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
         self._nseq[:] = 1
+        self._seqs_dirty = 0  # rows a tree decode left with other sequence ids than 0
         self.bos = llama_cpp.llama_vocab_bos(self.vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
 
@@ -288,12 +296,42 @@ class LlamaRuntime:
             raise ValueError(f"batch of {n} tokens exceeds n_batch {self.n_batch}")
         if pos0 + n > self.n_ctx:
             raise ContextError(f"context window full: {pos0 + n} > {self.n_ctx} tokens")
+        if self._seqs_dirty:
+            for i in range(self._seqs_dirty):
+                self._batch.seq_id[i][0] = 0
+            self._nseq[: self._seqs_dirty] = 1
+            self._seqs_dirty = 0
         self._tok[:n] = tokens
         self._pos[:n] = np.arange(pos0, pos0 + n)
         self._logits_flag[:n] = 1 if outputs == "all" else 0
         if outputs == "last":
             self._logits_flag[n - 1] = 1
         self._batch.n_tokens = n
+        return self._run(n, outputs)
+
+    def decode_tree(self, tokens, positions, seqs) -> np.ndarray:
+        """Decode rows that each belong to the sequences seqs[i] (a row attends to the cells of its first
+        sequence), at their own positions; return every row's logits. Draft and verification of a tree."""
+        n = len(tokens)
+        if n == 0 or n > self.n_batch:
+            raise ValueError(f"tree batch of {n} tokens (n_batch {self.n_batch})")
+        if max(positions) >= self.n_ctx:
+            raise ContextError(f"context window full: {max(positions) + 1} > {self.n_ctx} tokens")
+        b = self._batch
+        for i, ids in enumerate(seqs):
+            if not ids or len(ids) > self.n_seq_max or max(ids) >= self.n_seq_max:
+                raise ValueError(f"row {i}: sequence ids {ids} outside 0..{self.n_seq_max - 1}")
+            for j, s in enumerate(ids):
+                b.seq_id[i][j] = s
+            self._nseq[i] = len(ids)
+        self._seqs_dirty = max(self._seqs_dirty, n)
+        self._tok[:n] = tokens
+        self._pos[:n] = positions
+        self._logits_flag[:n] = 1
+        b.n_tokens = n
+        return self._run(n, "all")
+
+    def _run(self, n: int, outputs: str) -> np.ndarray | None:
         if self.hook is not None:
             self.hook.begin()
         logged = _log_count
@@ -313,6 +351,18 @@ class LlamaRuntime:
 
     def kv_remove_from(self, p0: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.mem, 0, p0, -1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make the cells of sequence src at positions [p0, p1) belong to dst too (-1: open end)."""
+        llama_cpp.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Take sequence seq off its cells at positions [p0, p1); a cell no sequence holds is freed."""
+        llama_cpp.llama_memory_seq_rm(self.mem, seq, p0, p1)
+
+    def seq_end(self, seq: int) -> int:
+        """pos_max + 1 of a sequence (0: it holds nothing)."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self.mem, seq)) + 1
 
     def kv_clear(self) -> None:
         llama_cpp.llama_memory_clear(self.mem, True)

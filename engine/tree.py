@@ -1,0 +1,264 @@
+"""Draft trees: several candidates per position, drafted and verified in the one shared KV cache.
+
+Drafting. A node's children are the draft distribution's top-b tokens there; all of them are decoded in one
+pass, each on a sequence id of its own that first receives its parent's cells (llama_memory_seq_cp: the
+cells are shared, not copied), so that siblings never see each other. Each child's routing, recorded by the
+hook as in the chain, gives the target experts it would add to the verification. Best-first expansion then
+takes the frontier node of largest utility U = p_path·T_AR / (T_exp·ΔE(node | experts of the nodes already
+taken) + T_tok + C_draft) until none reaches the threshold or the node cap is hit, and expands each node it
+takes. With T_exp = 0 this is a probability-only tree (`tree-prob`); with the measured constants the rule
+prefers, between branches of similar probability, the one whose experts the batch already reads. All draft
+cells are removed afterwards.
+
+Verification. One target pass over the pending token and every node taken. Each leaf gets a sequence id that
+first receives the committed prefix; a row belongs to the sequences of every leaf below it and attends
+through the first of them, which holds exactly its ancestors. Greedy: the longest path the target agrees
+with, plus its next token. Sampled: at each node its children are tried in turn, each accepted with the
+target's (residual) probability of its token, a rejected token's mass removed from the residual; if none is
+accepted the token is drawn from what remains — recursive rejection with one-hot proposals, lossless because
+the candidates are chosen deterministically. The accepted branch's cells then move to sequence 0 and every
+other cell is freed: the cache holds exactly the committed path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .events import DraftCandidate
+from .policies import Drafter, Proposal, UtilityStop
+
+
+@dataclass
+class DraftTree:
+    """The nodes a verification takes, in batch order (parents before children)."""
+
+    parents: list[int] = field(default_factory=list)  # index of each node's parent; -1: the pending token
+    depths: list[int] = field(default_factory=list)   # 1 for the pending token's children
+
+    def children(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {-1: []}
+        for i, p in enumerate(self.parents):
+            out.setdefault(i, [])
+            out[p].append(i)
+        return out
+
+    def leaves(self) -> list[int]:
+        has_child = set(self.parents)
+        return [i for i in range(len(self.parents)) if i not in has_child]
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int        # index into the drafter's decoded nodes; -1: the pending token
+    depth: int
+    prob: float        # draft probability of its token at the parent
+    path: float        # product of draft probabilities from the pending token down to it
+    seq: int           # draft sequence id
+    dist: np.ndarray   # the parent's draft distribution (what the token was chosen from)
+    logits: np.ndarray  # draft logits at the node (its children's distribution)
+    predicted: np.ndarray  # [n_layer, n_expert + 1] bool: the router's top-k, the target experts it predicts
+    history: list[int]  # committed tokens and the path down to and including it
+    taken: int = -1    # its index in the tree once taken
+
+
+class TreeDrafter(Drafter):
+    """Self-drafting (top-k_d experts) of a tree under the utility rule."""
+
+    name = "tree"
+    drafts_in_context = True
+
+    def __init__(self, k_draft: int, rule: UtilityStop, width: int, max_nodes: int):
+        self.k_draft = k_draft
+        self.rule = rule
+        self.width = width
+        self.max_nodes = max_nodes
+
+    def propose(self, dec, committed, max_len, sample) -> Proposal:
+        pending, pos = committed[-1], len(committed) - 1
+        out = Proposal()
+        if max_len <= 0:
+            out.stop = "limit"
+            return out
+        rule = self.rule
+        drafting = rule.worth_drafting()
+        out.decision = rule.decision
+        if not drafting:
+            out.stop = "no-draft"
+            return out
+        rt, hook = dec.rt, dec.rt.hook
+        n_layer, n_expert = rt.info.n_layer, rt.info.n_expert
+        layers = np.arange(n_layer)[:, None]
+        t0 = time.perf_counter()
+        hook.draft(self.k_draft)
+        root_logits = rt.decode([pending], pos, "last")[0]  # sequence 0, removed by the decoder afterwards
+        routing = hook.snapshot(1)
+        in_batch = np.zeros((n_layer, n_expert + 1), bool)
+        read = np.zeros((n_layer, n_expert + 1), bool)
+        in_batch[layers, routing.orig[:, 0, :]] = True
+        read[layers, routing.used[:, 0, :]] = True
+        observer = dec.observer
+        if observer is not None:
+            observer.predicted(in_batch[:, :n_expert])
+
+        nodes: list[_Node] = []
+        frontier: list[int] = []
+        free_seqs = list(range(rt.n_seq_max - 1, 0, -1))
+        used_seqs: list[int] = []
+
+        def expand(parent: int, logits: np.ndarray, seq: int, depth: int, path: float, history: list[int]):
+            """Decode the top-b children of a node in one pass; those that could still pay join the frontier."""
+            q = sample(logits, history)[1]
+            order = np.argsort(-q, kind="stable")[: self.width]
+            kids = []
+            for t in order:
+                p = path * float(q[t])
+                if q[t] <= 0 or rule.utility(p, 0.0) < rule.threshold or not free_seqs:
+                    break  # siblings come in falling probability: the rest cannot pay either
+                kids.append((int(t), float(q[t]), p))
+            if not kids:
+                return
+            seqs = []
+            for _ in kids:
+                s = free_seqs.pop()
+                rt.seq_cp(seq, s)
+                seqs.append(s)
+                used_seqs.append(s)
+            kid_logits = rt.decode_tree([t for t, _, _ in kids], [pos + depth] * len(kids), [[s] for s in seqs])
+            r = hook.snapshot(len(kids))
+            for j, (t, prob, p) in enumerate(kids):
+                predicted = np.zeros((n_layer, n_expert + 1), bool)
+                predicted[layers, r.orig[:, j, :]] = True
+                read[layers, r.used[:, j, :]] = True
+                frontier.append(len(nodes))
+                nodes.append(_Node(t, parent, depth, prob, p, seqs[j], q, kid_logits[j], predicted, history + [t]))
+
+        tree = DraftTree()
+        expand(-1, root_logits, 0, 1, 1.0, list(committed))
+        if nodes:
+            first = nodes[0]  # the pending token's most likely child: what the rule learns a first token from
+            rule.observe_first(first.prob)
+            rule.observe_first_experts(int((first.predicted & ~in_batch)[:, :n_expert].sum()))
+        else:
+            top = float(sample(root_logits, list(committed))[1].max())
+            rule.pre_reject(top, top)  # no child could pay: tells a probe that it did not
+        out.stop = "utility"
+        while frontier:
+            if len(tree.parents) >= self.max_nodes:
+                out.stop = "cap"
+                break
+            new = [int((nodes[i].predicted & ~in_batch)[:, :n_expert].sum()) for i in frontier]
+            utilities = [rule.utility(nodes[i].path, e) for i, e in zip(frontier, new)]
+            j = int(np.argmax(utilities))
+            best = nodes[frontier[j]]
+            keep, u = rule.keep(best.path, best.prob, new[j])
+            if not keep:
+                break
+            i = frontier.pop(j)
+            added = best.predicted & ~in_batch
+            in_batch |= best.predicted
+            if observer is not None:
+                observer.predicted(added[:, :n_expert])
+            best.taken = len(tree.parents)
+            tree.parents.append(-1 if best.parent < 0 else nodes[best.parent].taken)
+            tree.depths.append(best.depth)
+            out.tokens.append(best.token)
+            out.dists.append(best.dist)
+            out.chain.append(best.path)
+            out.candidates.append(DraftCandidate(best.token, dec.piece_text(best.token), best.prob, best.path, u,
+                                                 added[:, :n_expert].sum(axis=1), True))
+            if best.depth < max_len:
+                expand(i, best.logits, best.seq, best.depth + 1, best.path, best.history)
+        for i in frontier:  # drafted, never taken
+            n = nodes[i]
+            added = (n.predicted & ~in_batch)[:, :n_expert].sum(axis=1)
+            out.candidates.append(DraftCandidate(n.token, dec.piece_text(n.token), n.prob, n.path,
+                                                 rule.utility(n.path, float(added.sum())), added, False))
+        for s in used_seqs:
+            rt.seq_rm(s)
+        out.tree = tree
+        out.seconds = time.perf_counter() - t0
+        out.experts_read = read[:, :n_expert].sum(axis=1)
+        out.predicted = in_batch[:, :n_expert]
+        return out
+
+
+def tree_layout(tree: DraftTree, pos: int) -> tuple[list[int], list[list[int]], dict[int, int]]:
+    """Positions and sequence ids of the verification rows (the pending token at pos, then the nodes), and
+    the sequence id of each leaf."""
+    leaves = tree.leaves()
+    leaf_seq = {leaf: s for s, leaf in enumerate(leaves, start=1)}
+    below: list[list[int]] = [[] for _ in tree.parents]
+    for leaf, s in leaf_seq.items():
+        i = leaf
+        while i >= 0:
+            below[i].append(s)
+            i = tree.parents[i]
+    positions = [pos] + [pos + d for d in tree.depths]
+    return positions, [[0] + list(leaf_seq.values())] + below, leaf_seq
+
+
+def verify_tree(dec, proposal: Proposal, pending: int, pos: int, gate, sampler, history: Sequence[int],
+                rng: np.random.Generator):
+    """One target pass over the pending token (at pos) and the tree; the accepted path (node indices) and the
+    target's token after it. Leaves sequence 0 holding the committed path, and no other sequence."""
+    rt, tree = dec.rt, proposal.tree
+    positions, seqs, leaf_seq = tree_layout(tree, pos)
+    for s in leaf_seq.values():
+        rt.seq_cp(0, s, 0, pos)
+    try:
+        v = dec._verify([pending] + proposal.tokens, pos, proposal, gate, layout=(positions, seqs))
+        path, token = accept_tree(proposal.tokens, tree.parents, v.logits, sampler, rng, history)
+        if path:
+            rt.seq_cp(seqs[path[-1] + 1][0], 0, pos + 1, pos + 1 + len(path))
+    finally:
+        for s in leaf_seq.values():
+            rt.seq_rm(s)
+    return v, path, token
+
+
+def accept_tree(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, sampler,
+                rng: np.random.Generator, history: Sequence[int] = ()) -> tuple[list[int], int]:
+    """(indices of the accepted nodes from the pending token down, the target's token after them).
+
+    logits: [1 + len(tokens), n_vocab], row 0 the pending token's, row i + 1 node i's; siblings are tried in
+    the order given (the draft's most likely first)."""
+    children: dict[int, list[int]] = {-1: []}
+    for i, p in enumerate(parents):
+        children.setdefault(i, [])
+        children[p].append(i)
+    path: list[int] = []
+    context = list(history)
+    node = -1
+    while True:
+        row = logits[node + 1]
+        if sampler.greedy:
+            token = sampler.greedy_token(row, context)
+            nxt = next((c for c in children[node] if tokens[c] == token), None)
+            if nxt is None:
+                return path, token
+        else:
+            p = sampler.distribution(row, context)
+            nxt = None
+            for c in children[node]:
+                if rng.random() < p[tokens[c]]:
+                    nxt = c
+                    break
+                p = residual_without(p, tokens[c])
+            if nxt is None:
+                return path, int(rng.choice(len(p), p=p))
+        path.append(nxt)
+        context.append(tokens[nxt])
+        node = nxt
+
+
+def residual_without(p: np.ndarray, token: int) -> np.ndarray:
+    """The target distribution once a candidate token is rejected: max(p − δ_token, 0), normalised."""
+    out = p.copy()
+    out[token] = 0.0
+    total = out.sum()
+    return out / total if total > 0 else p
