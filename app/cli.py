@@ -237,7 +237,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 # Other subcommands live in their own modules (s2moe.app.cmd_*), each with add_parser(sub) and
 # run(args) -> int, registered here in the order `s2moe --help` lists them. Modules import heavy
 # dependencies inside run(), so building the parser stays fast.
-SUBCOMMAND_MODULES = ("cmd_app", "cmd_models", "cmd_profiles", "cmd_calibrate", "cmd_bench")
+SUBCOMMAND_MODULES = ("cmd_app", "cmd_models", "cmd_profiles", "cmd_calibrate", "cmd_bench", "cmd_project")
 
 
 def _subcommand_modules():
@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read the prompt from this UTF-8 text file (as llama.cpp: one final newline dropped)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and summary")
     g.add_argument("--events", action="store_true", help="print one line per iteration to stderr")
+    g.add_argument("--trace", metavar="FILE", type=nonempty,
+                   help="write a decoding trace (JSONL) for `s2moe project`: drafts run to the cap, noting what the "
+                        "mode's rule would have kept")
     g.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
                    help="print only the generated text, not the prompt before it")
     g.set_defaults(run=cmd_generate)
@@ -394,6 +397,11 @@ def cmd_generate(args) -> int:
     GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, temperature=args.temp, seed=args.seed,
                      draft_topk=args.draft_topk, draft_max=args.draft_max, tree_width=args.tree_width,
                      tree_max_nodes=args.tree_max_nodes, **sampling_settings(args)).validate()
+    if args.trace is not None:
+        from ..engine.trace import check_trace_path
+
+        GenerationConfig(mode=tree_mode(args), trace=True).validate()
+        check_trace_path(args.trace)
     budget = offload.Budget.parse(args.budget) if args.budget is not None else None
     if budget is not None and offload.current_budget() is None:
         return run_cli_in_budget(args._argv, budget, model, tag="run")
@@ -425,6 +433,14 @@ def cmd_generate(args) -> int:
         print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
               file=sys.stderr)
     cfg = generation_config(args, decoder)
+    recorder = None
+    if args.trace is not None:
+        from dataclasses import replace
+
+        from ..engine.trace import TraceRecorder
+
+        cfg = replace(cfg, trace=True)
+        recorder = TraceRecorder(decoder.info)
     summary = Summary()
     streaming = not args.json and sys.stdout.isatty()
     out = _Output()
@@ -433,6 +449,8 @@ def cmd_generate(args) -> int:
     prompt_echo = args.prompt if args.display_prompt and not args.json else ""
     for event in decoder.generate(args.prompt, cfg):
         summary.add(event)
+        if recorder is not None:
+            recorder.add(event)
         if isinstance(event, Started) and event.cost is not None and not args.json:
             c = event.cost
             fit = f", fit R² {c.r2:.2f}" if c.r2 is not None else ""
@@ -452,6 +470,13 @@ def cmd_generate(args) -> int:
             out.line(f"note: the context window ({decoder.n_ctx} tokens) filled up after {event.n_tokens} tokens")
     if offloader is not None:
         out.line(offload.split_line(offload.current_budget_cgroup(), offloader))
+    if recorder is not None:
+        from ..engine.trace import budget_record, write_trace
+
+        trace = recorder.trace
+        if offloader is not None:
+            trace = trace.with_budget(budget_record(offloader, hot, budget.auto))
+        write_trace(args.trace, trace)
     if args.json:
         out = summary.as_dict()
         out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path), seed=cfg.seed)

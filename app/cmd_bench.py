@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the reference row: llama.cpp's own plain decoding of the same prompts and budget")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON")
+    p.add_argument("--trace", metavar="DIR", type=nonempty,
+                   help="also record a decoding trace per prompt and budget into DIR (for `s2moe project`; untimed)")
     p.add_argument("--md", dest="md_out", metavar="OUT", help="write a markdown report with plots")
     p.add_argument("--overhead", action="store_true",
                    help="instead: measure the routing hook's overhead against llama-cpp-python's own decoding")
@@ -252,6 +254,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
             argv.append("--no-warmup")
         if args.profile:
             argv += ["--profile", args.profile]
+        if args.trace:
+            argv += ["--trace", args.trace]
         with offload.run_in_budget(argv, offload.Budget.parse(budget_text), model, tag="bench") as run:
             rc = run.wait()
         if rc != 0 or not out.exists():
@@ -290,11 +294,26 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     return reference_row(result, label, ar, set_name, args.n_prompts)
 
 
+def _write_trace(folder: str, budget_text: str, ev, off, hot) -> None:
+    """DIR/resident-000.jsonl, DIR/budget-auto-000.jsonl, …: one file per prompt and budget."""
+    import re
+    from pathlib import Path
+
+    from ..engine.offload import Budget
+    from ..engine.trace import budget_record, write_trace
+
+    tag = "resident" if budget_text == "none" else "budget-" + re.sub(r"[^A-Za-z0-9.]+", "_", budget_text)
+    trace = ev.trace
+    if off is not None:
+        trace = trace.with_budget(budget_record(off, hot, Budget.parse(budget_text).auto))
+    write_trace(Path(folder) / f"{tag}-{ev.prompt_index:03d}.jsonl", trace)
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..engine.bench import (BenchDone, BenchProgress, load_prompts, measure_hook_overhead, run_bench, storage_bound,
+    from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench, storage_bound,
                                 warm_up, write_atomic)
     from ..engine.decoder import Decoder, GenerationConfig
     from .cli import default_model
@@ -303,6 +322,13 @@ def run(args) -> int:
     console = Console(stderr=True)
     if args.n_tokens < 1 or args.n_prompts < 1:
         raise ConfigError("-n and --n-prompts must be at least 1")
+    if args.trace is not None:
+        from pathlib import Path
+
+        try:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot make trace folder {args.trace}: {e.strerror}") from None
     if args.overhead:
         set_name, prompts = load_prompts(args.prompts, 1)
         result = measure_hook_overhead(model, prompts[0], args.n_tokens, args.rounds, args.threads)
@@ -372,8 +398,10 @@ def run(args) -> int:
             task = progress.add_task("bench", total=None)
             for ev in run_bench(model, prompts=prompts, modes=modes, n_tokens=args.n_tokens, budget=here,
                                 prompt_set=set_name, base=base, n_threads=args.threads, quality_texts=quality_texts,
-                                decoder=decoder, repeats=args.repeats, warmup=args.warmup):
-                if isinstance(ev, BenchProgress):
+                                decoder=decoder, repeats=args.repeats, warmup=args.warmup, trace=args.trace is not None):
+                if isinstance(ev, BenchTrace):
+                    _write_trace(args.trace, budgets[0] if inside is not None else "none", ev, off, hot)
+                elif isinstance(ev, BenchProgress):
                     where = "warm-up" if ev.warmup else f"prompt {ev.prompt_index + 1}"
                     if args.repeats > 1 and not ev.warmup:
                         where += f" · repeat {ev.repeat + 1}/{args.repeats}"

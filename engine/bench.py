@@ -49,6 +49,14 @@ class BenchProgress:
     warmup: bool = False  # an untimed warm-up generation: `done` does not count it
 
 
+@dataclass(frozen=True)
+class BenchTrace:
+    """A prompt's decoding trace (engine.trace), recorded after the prompt's timed generations."""
+
+    prompt_index: int
+    trace: object  # engine.trace.Trace
+
+
 @dataclass
 class BenchRow:
     mode: str
@@ -383,6 +391,7 @@ def run_bench(
     decoder: Decoder | None = None,
     repeats: int = 1,
     warmup: bool = True,
+    trace: bool = False,
 ) -> Iterator[object]:
     """Yields BenchProgress events, then one BenchDone. One process measures one budget: `budget` only
     labels the rows. A budgeted run happens inside its memory cgroup (see s2moe.app.cmd_bench), with the
@@ -402,6 +411,10 @@ def run_bench(
     configs = {name: mode_config(name, base) for name in modes}
     for name, cfg in configs.items():
         cfg.validate(dec.info)
+    # a trace per prompt (BenchTrace), untimed: s2moe's settings with its drafts run to the cap
+    trace_cfg = replace(configs.get("s2moe") or mode_config("s2moe", base), trace=True) if trace else None
+    if trace_cfg is not None:
+        trace_cfg.validate(dec.info)
     total = repeats * len(prompts) * len(modes)
     done = 0
     per: dict[str, _ModeRuns] = {}
@@ -437,6 +450,13 @@ def run_bench(
                 yield BenchProgress(done, total, name, pi, budget, repeat=rep)
             if rep > 0:
                 continue
+            if trace_cfg is not None:
+                from .trace import TraceRecorder
+
+                recorder = TraceRecorder(dec.info)
+                for ev in dec.generate(prompt, trace_cfg):
+                    recorder.add(ev)
+                yield BenchTrace(pi, recorder.trace)
             reference = tokens_of[("ar", pi)]
             for name in modes:
                 if name == "ar":

@@ -22,7 +22,7 @@ from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnap
 from .hook import distinct_per_layer
 from .model_info import ModelInfo, read_model_info
 from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LookupDrafter,
-                       SelfDrafter, UtilityStop)
+                       RecordingStop, SelfDrafter, UtilityStop)
 from .runtime import LlamaRuntime
 from .sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, Sampling, check_seed, random_seed
 from .modes import MODES, MOE_MODES, TREE_MODES
@@ -58,6 +58,9 @@ class Residency(Protocol):
 
 
 TREE_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ
+# Modes whose drafts a trace can stand in for: the model's own experts, one chain, a stop rule per token.
+TRACE_MODES = ("s2moe", "conf", "cascade")
+
 DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
 
 
@@ -108,6 +111,9 @@ class GenerationConfig:
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
     stop_at_eos: bool = True
     cost: CostConstants | None = None  # from a device profile; measured at start-up when None
+    # record a trace (engine.trace): draft to the cap whatever the mode's rule says, noting what it would have
+    # kept, and keep every verification's routing in its Iteration event
+    trace: bool = False
 
     def sampling(self, n_ctx: int | None = None) -> Sampling:
         """The sampler chain of this config; with n_ctx, repeat_last_n -1 becomes the whole context."""
@@ -145,6 +151,9 @@ class GenerationConfig:
             raise ConfigError(f"{OPTION} must be ≥ 1", option="tree_width")
         if not 1 <= self.tree_max_nodes <= 64:
             raise ConfigError(f"{OPTION} must be between 1 and 64", option="tree_max_nodes")
+        if self.trace and self.mode not in TRACE_MODES:
+            raise ConfigError(f"a trace drafts with the model's own experts to the cap: mode {self.mode!r} cannot "
+                              f"record one (choose from {', '.join(TRACE_MODES)})")
         if info is None:
             return
         if self.mode in MOE_MODES and not info.is_moe:
@@ -186,6 +195,7 @@ class Decoder:
         # Record routing on plain (single-token, undrafted) steps too; off by default because it costs a
         # graph stop per layer and a plain step's routing only matters to residency/prefetch consumers.
         self.observe_plain = False
+        self._tracing = False  # a trace keeps the routing of plain steps too
         self._moe_layers: np.ndarray | None = None  # [n_layer] 1 where the hook saw routing
         # An observer's residency snapshot walks the whole mapping: sampled every `residency_every`
         # iterations, and less often where that walk would take more than `residency_share` of the
@@ -261,6 +271,10 @@ class Decoder:
         self._measured.clear()
 
     def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None) -> Drafter:
+        if cfg.trace:
+            rule = (ConfidenceStop(cfg.conf_p_min) if cfg.mode == "conf" else
+                    self._utility_rule(cfg, cost) if cfg.mode == "s2moe" and cfg.utility else FixedLength())
+            return SelfDrafter(cfg.draft_topk, RecordingStop(rule))
         if cfg.mode == "ar":
             return Drafter()
         if cfg.mode == "conf":
@@ -285,15 +299,19 @@ class Decoder:
             return TreeDrafter(cfg.draft_topk, rule, cfg.tree_width, cfg.tree_max_nodes)
         if not cfg.utility:
             return SelfDrafter(cfg.draft_topk, FixedLength())
+        return SelfDrafter(cfg.draft_topk, self._utility_rule(cfg, cost))
+
+    def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # What the rule learns (the first draft token's usual probability and expert cost, how often a
         # probe pays) holds for this model and device, not for one request: kept across generations with
-        # the same constants, so that each prompt does not pay to learn it again.
-        key = ("utility", cfg.draft_topk, cfg.threshold, cost)
+        # the same constants, so that each prompt does not pay to learn it again. A trace's rule learns
+        # apart: what it sees is not what the mode's own generations see.
+        key = ("utility", cfg.draft_topk, cfg.threshold, cost, cfg.trace)
         rule = self._rules.get(key)
         if rule is None:
             rule = self._rules[key] = UtilityStop(cost, cfg.threshold)
         rule.start()
-        return SelfDrafter(cfg.draft_topk, rule)
+        return rule
 
     # -- generation -------------------------------------------------------------------------------
     def generate(
@@ -354,6 +372,7 @@ class Decoder:
         stop_reason = "length"
         iteration = 0
         residency = _ResidencySampler(self, t_start)
+        self._tracing = cfg.trace
         while len(generated) < cfg.n_predict:
             if should_stop is not None and should_stop():
                 stop_reason = "interrupted"
@@ -423,6 +442,9 @@ class Decoder:
                 draft_decision=proposal.decision,
                 tree_parents=None if proposal.tree is None else tuple(proposal.tree.parents),
                 accepted_path=tuple(path),
+                forced=proposal.forced,
+                pending_predicted=proposal.pending_predicted if cfg.trace else None,
+                verify_routing=v.routing if cfg.trace else None,
             )
             drafter.feedback(event)
             yield event
@@ -447,7 +469,7 @@ class Decoder:
         # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping
         # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
         plain_unobserved = (hook is not None and len(batch) == 1 and self._moe_layers is not None
-                            and not self.observe_plain and hook.route is None)
+                            and not self.observe_plain and not self._tracing and hook.route is None)
         if hook is not None:
             if gate is not None:
                 hook.gate(gate[0], gate[1], [1.0] + proposal.chain)

@@ -54,6 +54,7 @@ class DraftCandidate:
     utility: float | None
     new_experts: np.ndarray  # per layer: experts it adds to the verification batch's set
     kept: bool
+    predicted: np.ndarray | None = None  # [n_layer, k] target experts its draft pass routed it to (-1: no MoE)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,14 @@ class DraftDecision:
 
 
 @dataclass(frozen=True)
+class ForcedDraft:
+    """What a mode's stop rule would have decided on a draft that ran to the cap regardless (a trace)."""
+
+    would_draft: bool  # the rule would have spent a first draft pass
+    would_keep: int    # draft tokens it would have kept for verification
+
+
+@dataclass(frozen=True)
 class Iteration:
     """One draft → verify → commit step (a plain step in `ar` mode has no drafts)."""
 
@@ -144,6 +153,12 @@ class Iteration:
     # a draft tree: each drafted token's parent (index into drafted; -1: the pending token); None: a chain
     tree_parents: tuple[int, ...] | None = None
     accepted_path: tuple[int, ...] = ()  # indices into drafted of the accepted tokens, in order
+    # A trace's drafts (GenerationConfig.trace) run to the cap: what the mode's own rule would have done, the
+    # pending token's predicted experts ([n_layer, k], from the first draft pass) and the verification's routing
+    # (hook.Routing: orig and used ids of every row)
+    forced: ForcedDraft | None = None
+    pending_predicted: np.ndarray | None = None
+    verify_routing: object | None = None
 
 
 @dataclass(frozen=True)

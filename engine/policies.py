@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .events import CostConstants, DraftCandidate, DraftDecision
+from .events import CostConstants, DraftCandidate, DraftDecision, ForcedDraft
 
 
 @dataclass
@@ -27,6 +27,8 @@ class Proposal:
     predicted: np.ndarray | None = None     # [n_layer, n_expert] bool: target experts of the verify batch
     decision: DraftDecision | None = None   # the utility rule's decision, with its numbers
     tree: object | None = None              # engine.tree.DraftTree: the tokens are a tree's nodes, not a chain
+    pending_predicted: np.ndarray | None = None  # [n_layer, k] the pending token's target experts, as drafted
+    forced: ForcedDraft | None = None       # drafted to the cap: what the rule would have done (RecordingStop)
 
 
 class StopRule:
@@ -34,6 +36,7 @@ class StopRule:
 
     needs_routing = False
     decision: DraftDecision | None = None  # why the last worth_drafting said what it said (utility rule only)
+    forced: ForcedDraft | None = None      # RecordingStop only
 
     def worth_drafting(self) -> bool:
         return True
@@ -64,6 +67,45 @@ class ConfidenceStop(StopRule):
 
     def pre_reject(self, chain, prob):
         return prob < self.p_min, None
+
+
+class RecordingStop(StopRule):
+    """Drafts to the cap whatever `rule` says, routing every candidate, and notes what `rule` would have done:
+    a trace of such drafts lets any other rule be replayed on it. `rule` sees what it would have seen
+    running on its own (nothing past the token where it would have stopped), so it learns as it would have."""
+
+    needs_routing = True
+
+    def __init__(self, rule: StopRule):
+        self.rule = rule
+        self._open = False
+
+    def worth_drafting(self) -> bool:
+        self._open = self.rule.worth_drafting()
+        self.decision = self.rule.decision
+        self.forced = ForcedDraft(self._open, 0)
+        return True
+
+    def observe_first(self, prob):
+        if self._open:
+            self.rule.observe_first(prob)
+
+    def observe_first_experts(self, new_experts):
+        if self._open:
+            self.rule.observe_first_experts(new_experts)
+
+    def pre_reject(self, chain, prob):
+        if self._open and self.rule.pre_reject(chain, prob)[0]:
+            self._open = False
+        return False, None
+
+    def keep(self, chain, prob, new_experts):
+        if self._open:
+            if self.rule.keep(chain, prob, new_experts)[0]:
+                self.forced = ForcedDraft(True, self.forced.would_keep + 1)
+            else:
+                self._open = False
+        return True, None
 
 
 class UtilityStop(StopRule):
@@ -203,6 +245,7 @@ class SelfDrafter(Drafter):
         layers = np.arange(n_layer)[:, None]
         in_batch[layers, routing.orig[:, 0, :]] = True
         read[layers, routing.used[:, 0, :]] = True
+        out.pending_predicted = routing.orig[:, 0, :]
         observer = dec.observer  # told each newly predicted expert as soon as it is known (prefetch)
         if observer is not None:
             observer.predicted(in_batch[:, :n_expert])
@@ -234,7 +277,8 @@ class SelfDrafter(Drafter):
             else:
                 predicted = None
             keep, utility = self.rule.keep(chain, prob, int(new.sum()))
-            out.candidates.append(DraftCandidate(token, text, prob, chain, utility, new, keep))
+            out.candidates.append(DraftCandidate(token, text, prob, chain, utility, new, keep,
+                                                 None if predicted is None else r.orig[:, 0, :]))
             if not keep:
                 out.stop = "utility"
                 break
@@ -248,6 +292,7 @@ class SelfDrafter(Drafter):
         out.seconds = time.perf_counter() - t0
         out.experts_read = read[:, :n_expert].sum(axis=1)
         out.predicted = in_batch[:, :n_expert]
+        out.forced = self.rule.forced
         return out
 
 

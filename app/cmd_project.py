@@ -1,0 +1,98 @@
+"""`s2moe project`: replay recorded decoding traces under another device profile and budget."""
+
+from __future__ import annotations
+
+import json
+
+from ..engine.errors import ConfigError
+
+DEFAULT_MODES = "ar,s2moe,conf,cascade"
+
+
+def add_parser(sub) -> None:
+    from .cli import budget_text, nonempty
+
+    p = sub.add_parser("project", help="project recorded traces (generate/bench --trace) onto a device profile")
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="trace files, or folders of them (bench --trace DIR)")
+    p.add_argument("--profile", required=True, type=nonempty, help="device profile name or YAML path")
+    p.add_argument("--budget", type=budget_text, default=None,
+                   help="memory budget to simulate: a size or auto (default: none, every expert resident)")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
+    p.add_argument("--threshold", type=float, default=None, help="utility threshold (default: the trace's)")
+    p.add_argument("--against", metavar="BENCH_JSON", type=nonempty,
+                   help="a bench --json result of the same run: print measured tok/s and the projection's error")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def _modes(text: str) -> list[str]:
+    from ..engine.projection import PROJECT_MODES
+
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in PROJECT_MODES]
+    if bad:
+        raise ConfigError(f"--modes: cannot project mode {bad[0]!r} (choose from {', '.join(PROJECT_MODES)})")
+    if not modes:
+        raise ConfigError("--modes: give at least one mode")
+    return modes
+
+
+def measured_rows(path: str, budget: str | None) -> dict[str, float]:
+    """tok/s by mode from a bench --json result, the rows of the budget projected (none: resident)."""
+    from pathlib import Path
+
+    from ..engine.files import read_bounded
+
+    try:
+        data = json.loads(read_bounded(Path(path), "bench result", 64 << 20).decode("utf-8"))
+        rows = data["results"]
+        want_resident = budget in (None, "none")
+        out = {}
+        for r in rows:
+            resident = r["budget"] == "none"
+            if resident == want_resident and r["mode"] != "llama.cpp":
+                out[r["mode"]] = float(r["tok_per_s"])
+        return out
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise ConfigError(f"--against {path}: not a bench --json result") from None
+
+
+def table_lines(p, measured: dict[str, float] | None = None) -> list[str]:
+    """The projection as an 80-column table."""
+    head = f"{'mode':<8} {'tok/s':>9} {'× ar':>6} {'draft s':>8} {'verify s':>9} {'fetch s':>8} {'fetch/tok':>9} {'acc len':>7}"
+    if measured:
+        head += f" {'measured':>9} {'error':>7}"
+    lines = [head]
+    for m, r in p.modes.items():
+        line = (f"{m:<8} {r.tok_per_s:>9.1f} {r.speedup if r.speedup is not None else float('nan'):>6.2f} "
+                f"{r.t_draft:>8.3f} {r.t_verify:>9.3f} {r.t_fetch:>8.3f} {r.fetched_per_token:>9.1f} "
+                f"{r.accept_len:>7.2f}")
+        if measured:
+            got = measured.get(m)
+            line += (f" {got:>9.1f} {r.tok_per_s / got - 1:>+7.1%}" if got else f" {'–':>9} {'–':>7}")
+        lines.append(line)
+    return lines
+
+
+def run(args) -> int:
+    from ..engine.profiles import load_profile
+    from ..engine.projection import project
+    from ..engine.trace import read_trace, trace_files
+
+    modes = _modes(args.modes)
+    profile = load_profile(args.profile)
+    traces = [read_trace(f) for f in trace_files(args.traces)]
+    p = project(traces, profile, budget=args.budget, modes=modes, threshold=args.threshold)
+    measured = measured_rows(args.against, args.budget) if args.against else None
+    if args.json:
+        out = p.as_dict()
+        if measured:
+            out["measured_tok_per_s"] = measured
+        print(json.dumps(out))
+        return 0
+    tokens = next(iter(p.modes.values())).tokens
+    print(f"PROJECTION (not a measurement): {p.traces} trace(s), {tokens} tokens, on profile {p.profile}, "
+          f"budget {p.budget}")
+    print(p.basis)
+    print("\n".join(table_lines(p, measured)))
+    return 0

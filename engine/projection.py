@@ -1,0 +1,399 @@
+"""Projection: what a recorded decoding trace would run at on another device, budget and stopping rule.
+
+A trace (engine.trace) holds, per iteration, the whole draft chain to the cap with each token's draft
+probability and predicted target experts, how much of it the target accepted, and the experts every verified
+row read. Replaying a mode walks the same token sequence: at each pending token the mode's own rule (the
+utility rule under the target device's constants, a confidence threshold, cascade's trials) decides how many
+of the recorded draft tokens it would verify; the accepted prefix and the committed tokens follow from the
+recorded acceptance, and the next iteration starts where they end (inside a recorded chain: that chain's tail,
+its probabilities and routing, stands in for the draft that would have been made there).
+
+Time per iteration, from the device profile:
+    draft   = passes · C_draft
+    verify  = T_AR + T_tok·(tokens − 1) + T_exp·(distinct experts − one token's experts)
+    fetch   = T_fetch · (experts the draft passes and the verification found outside the expert cache)
+T_AR, C_draft, T_tok and T_exp are the profile's resident constants (its fit's slopes, anchored at the
+measured plain step, so that an undrafted step costs exactly what a plain one does). T_fetch is what an expert
+fetched from storage costs beyond a resident one: the profile's cold-minus-warm cost where it measured both,
+else the expert's bytes over its storage bandwidth. The expert cache is simulated for the budget: the plan
+engine.offload makes (pinned hot experts from the profile, the rest an LRU of experts); no budget: all
+resident.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from .errors import ConfigError
+from .events import CostConstants
+from .offload import Budget, fmt_bytes, plan_budget, rank_counts, select_hot_experts
+from .offload.budget import AUTO_EXPERT_SHARE
+from .policies import CascadeDrafter, ConfidenceStop, FixedLength, Proposal, StopRule, UtilityStop
+from .profiles import cost_for_model, model_block
+from .trace import Trace, TraceHeader
+
+PROJECT_MODES = ("ar", "s2moe", "conf", "cascade")
+
+
+# -- the device ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceCosts:
+    """Seconds. What the replay charges; `rule` is what the utility rule decides with on that device."""
+
+    profile: str
+    t_ar: float
+    c_draft: float
+    t_tok: float
+    t_exp: float      # one more distinct resident expert in a verification
+    t_fetch: float    # one expert fetched from storage, beyond its resident cost
+    expert_bytes: float
+    rule: CostConstants
+    basis: str        # where the constants come from, in words
+
+
+def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> DeviceCosts:
+    """The profile's constants for the trace's model (its calibration for that model, else its reference
+    constants: then the trace stands in for the profile's model, whose expert size and costs apply)."""
+    name = profile.get("name", "?")
+    rule = cost_for_model(profile, header.fingerprint, header.model, offloaded=offloaded)
+    block = model_block(profile, header.fingerprint)
+    measured = block is not None
+    block = block if measured else profile["reference"]
+    device = profile.get("device") or {}
+
+    def ms(key, source=block):
+        v = source.get(key) if isinstance(source, dict) else None
+        return None if v is None else float(v) / 1e3
+
+    fit = block.get("fit") or {}
+    t_exp = ms("t_exp_ms", fit) if fit else ms("t_exp_ms")
+    t_tok = (ms("t_tok_ms", fit) if fit else ms("t_tok_ms")) or 0.0
+    expert_bytes = float(block.get("expert_bytes") or header.expert_bytes)
+    storage = device.get("storage_bandwidth_gb_s")
+    by_bandwidth = expert_bytes / (storage * 1e9) if storage else None
+    misses = block.get("fit_cold_misses") or {}
+    cold, warm = ms("t_exp_cold_ms", misses), ms("t_exp_warm_ms", misses)
+    if measured and cold is not None and warm is not None and cold > warm:
+        t_fetch, how = cold - warm, "fetch: the profile's cold − warm expert cost"
+    elif measured and ms("t_exp_cold_ms") is not None and ms("t_exp_cold_ms") > (t_exp or 0.0):
+        t_fetch, how = ms("t_exp_cold_ms") - (t_exp or 0.0), "fetch: the profile's cold − resident T_exp"
+    elif not measured and ms("t_exp_cold_ms") is not None:
+        t_fetch, how = ms("t_exp_cold_ms"), "fetch: the reference T_exp (expert bytes over storage bandwidth)"
+    elif by_bandwidth is not None:
+        t_fetch, how = by_bandwidth, "fetch: expert bytes over the profile's storage bandwidth"
+    else:
+        t_fetch, how = 0.0, "fetch: free (the profile gives no cold cost or storage bandwidth)"
+    if not measured:
+        # A reference profile's T_exp is the paper's: the cost of fetching an expert. Resident, an expert costs
+        # its bytes over the memory bandwidth, where the profile gives one.
+        memory = device.get("memory_bandwidth_gb_s")
+        t_exp = expert_bytes / (memory * 1e9) if memory else 0.0
+    basis = (f"profile {name}: {'calibrated for this model' if measured else 'reference constants, the trace standing in for its model'}; "
+             + how)
+    return DeviceCosts(name, ms("t_ar_ms"), ms("c_draft_ms"), t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis)
+
+
+# -- the expert cache ------------------------------------------------------------------------------------
+class ExpertCache:
+    """Experts in memory under a budget: the pinned ones always, the rest an LRU of `capacity` experts.
+    capacity None: everything resident (no budget)."""
+
+    def __init__(self, n_expert: int, capacity: int | None, pinned=()):
+        self.n_expert = n_expert
+        self.capacity = capacity
+        self.pinned = {int(l) * n_expert + int(e) for l, e in pinned}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+
+    def access(self, ids: np.ndarray) -> int:
+        """Read the experts `ids` ([..., n_layer, k] ids, -1 none; each distinct one once); how many missed."""
+        if self.capacity is None:
+            return 0
+        ids = np.asarray(ids)
+        layers = np.broadcast_to(np.arange(ids.shape[-2])[:, None], ids.shape)
+        keys = np.unique((layers * self.n_expert + ids)[ids >= 0])
+        misses = 0
+        for key in keys.tolist():
+            if key in self.pinned:
+                continue
+            if key in self.lru:
+                self.lru.move_to_end(key)
+                continue
+            misses += 1
+            if self.capacity > 0:
+                self.lru[key] = None
+                if len(self.lru) > self.capacity:
+                    self.lru.popitem(last=False)
+        return misses
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    capacity: int | None          # LRU experts (None: no budget, all resident)
+    pinned: tuple                 # (layer, expert) pinned hot experts
+    label: str
+
+    def cache(self, n_expert: int) -> ExpertCache:
+        return ExpertCache(n_expert, self.capacity, self.pinned)
+
+
+def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_bytes: float) -> CachePlan:
+    """How a budget splits between pinned hot experts and the expert cache, as engine.offload plans it
+    (plan_budget, select_hot_experts). `auto` on a trace recorded under an auto budget: the plan that run
+    made; else a third of the expert bytes (AUTO_EXPERT_SHARE), as `--budget auto` gives the expert cache."""
+    if budget is None or budget == "none":
+        return CachePlan(None, (), "none (all resident)")
+    b = Budget.parse(budget)
+    n_moe = header.n_layer  # layers without experts are never read: their share of the plan stays unused
+    total = header.n_expert * n_moe * expert_bytes
+    recorded = header.budget
+    if b.auto and recorded is not None and recorded.get("auto"):
+        cap = int(recorded["cache_bytes"] // expert_bytes)
+        return CachePlan(cap, tuple(tuple(p) for p in recorded["pinned"]),
+                         f"auto as recorded ({fmt_bytes(recorded['budget_bytes'])}: {len(recorded['pinned'])} hot "
+                         f"experts pinned, cache of {cap} experts)")
+    size = int(header.non_expert_bytes + AUTO_EXPERT_SHARE * total) if b.auto else b.size
+    hot_ranked = [p for p in (model_block(profile, header.fingerprint) or {}).get("hot_experts") or []]
+    sizes = SimpleNamespace(expert_bytes=np.full(header.n_layer, expert_bytes))  # all plan_budget reads of a map
+    plan = plan_budget(size, anon_bytes=0, base_bytes=header.non_expert_bytes, emap=sizes, k=header.k,
+                       hot_share=0.5 if hot_ranked else 0.0)
+    pinned = ()
+    if hot_ranked:
+        counts = rank_counts(hot_ranked, SimpleNamespace(n_layer=header.n_layer, n_expert=header.n_expert))
+        pinned = tuple(select_hot_experts(counts, expert_bytes, plan.hot_bytes))
+    cap = int(plan.cache_bytes // expert_bytes)
+    label = (f"{'auto' if b.auto else fmt_bytes(size)}: {len(pinned)} hot experts pinned, cache of {cap} experts"
+             f" ({fmt_bytes(cap * expert_bytes)})")
+    return CachePlan(cap, pinned, label)
+
+
+# -- replay ----------------------------------------------------------------------------------------------
+@dataclass
+class ModeProjection:
+    mode: str
+    tokens: int = 0
+    iterations: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_passes: int = 0
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_fetch: float = 0.0
+    fetched: int = 0
+    speedup: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.t_draft + self.t_verify + self.t_fetch
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def accept_len(self) -> float:
+        return self.tokens / self.iterations if self.iterations else 0.0
+
+    @property
+    def fetched_per_token(self) -> float:
+        return self.fetched / self.tokens if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "tokens": self.tokens, "iterations": self.iterations, "drafted": self.drafted,
+                "accepted": self.accepted, "draft_passes": self.draft_passes, "seconds": self.seconds,
+                "tok_per_s": self.tok_per_s, "speedup_vs_ar": self.speedup, "accept_len": self.accept_len,
+                "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch,
+                "fetched": self.fetched, "fetched_per_token": self.fetched_per_token}
+
+
+@dataclass
+class Projection:
+    profile: str
+    budget: str
+    basis: str
+    traces: int
+    modes: dict[str, ModeProjection] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"profile": self.profile, "budget": self.budget, "basis": self.basis, "traces": self.traces,
+                "modes": {m: r.as_dict() for m, r in self.modes.items()}}
+
+
+class _Source:
+    """The recorded draft chain seen from pending position j of one trace step."""
+
+    def __init__(self, step, j: int):
+        self.step, self.j = step, j
+
+    @property
+    def pending(self) -> np.ndarray | None:
+        return self.step.pending if self.j == 0 else self.step.drafted[self.j - 1].predicted
+
+    def __len__(self) -> int:
+        return len(self.step.drafted) - self.j if self.pending is not None else 0
+
+    def __getitem__(self, i: int):
+        return self.step.drafted[self.j + i]
+
+
+@dataclass
+class _Draft(Proposal):
+    passes: list = field(default_factory=list)  # per draft pass: the [n_layer, k_d] experts it read
+
+
+def _mask(ids: np.ndarray, n_expert: int) -> np.ndarray:
+    m = np.zeros((ids.shape[0], n_expert + 1), bool)
+    m[np.arange(ids.shape[0])[:, None], np.where(ids >= 0, ids, n_expert)] = True
+    return m
+
+
+def propose(rule: StopRule, src: _Source, max_len: int, k_d: int, n_expert: int) -> _Draft:
+    """What SelfDrafter.propose does with `rule`, on the recorded chain instead of draft passes: the same calls
+    into the rule, in the same order, with the same numbers."""
+    out = _Draft()
+    max_len = min(max_len, len(src))
+    if max_len <= 0:
+        out.stop = "limit"
+        return out
+    if not rule.worth_drafting():
+        out.stop = "no-draft"
+        return out
+    in_batch = _mask(src.pending, n_expert)
+    out.passes.append(src.pending[:, :k_d])
+    chain = 1.0
+    out.stop = "cap"
+    for i in range(max_len):
+        d = src[i]
+        chain *= d.prob
+        if i == 0:
+            rule.observe_first(d.prob)
+        if rule.pre_reject(chain, d.prob)[0]:
+            out.stop = "rule"
+            break
+        new = 0
+        routed = rule.needs_routing or i < max_len - 1
+        if routed:
+            out.passes.append(d.predicted[:, :k_d])
+            predicted = _mask(d.predicted, n_expert)
+            new = int((predicted & ~in_batch)[:, :n_expert].sum())
+            if i == 0:
+                rule.observe_first_experts(new)
+        if not rule.keep(chain, d.prob, new)[0]:
+            out.stop = "rule"
+            break
+        if routed:
+            in_batch |= predicted
+        out.tokens.append(d.token)
+    return out
+
+
+class _ChainFromTrace:
+    """Cascade's inner drafter: a fixed length on the recorded chain (the source set before each call)."""
+
+    def __init__(self, k_d: int, n_expert: int):
+        self.rule = FixedLength()
+        self.k_d, self.n_expert = k_d, n_expert
+        self.source: _Source | None = None
+
+    def propose(self, dec, committed, max_len, sample) -> _Draft:
+        return propose(self.rule, self.source, max_len, self.k_d, self.n_expert)
+
+
+def _distinct(ids: np.ndarray) -> int:
+    """Distinct experts over layers of rows [rows, n_layer, k]."""
+    return sum(len(set(ids[:, l].ravel().tolist()) - {-1}) for l in range(ids.shape[1]))
+
+
+def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
+           threshold: float | None = None) -> ModeProjection:
+    """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over)."""
+    if mode not in PROJECT_MODES:
+        raise ConfigError(f"cannot project mode {mode!r} (choose from {', '.join(PROJECT_MODES)})")
+    h0 = traces[0].header
+    res = ModeProjection(mode)
+    cache = plan.cache(h0.n_expert)
+    rule: StopRule | None = None
+    cascade = inner = None
+    if mode == "s2moe":
+        rule = UtilityStop(costs.rule, h0.threshold if threshold is None else threshold)
+    elif mode == "conf":
+        rule = ConfidenceStop(h0.conf_p_min)
+    elif mode == "cascade":
+        cascade = CascadeDrafter(h0.k_d, h0.draft_max)
+        inner = cascade.inner = _ChainFromTrace(h0.k_d, h0.n_expert)
+    gated_rows = mode == "s2moe"
+    for tr in traces:
+        h = tr.header
+        if isinstance(rule, UtilityStop):
+            rule.start()
+        generated, si, j = 0, 0, 0
+        while si < len(tr.steps) and generated < tr.n_tokens:
+            step = tr.steps[si]
+            src = _Source(step, j)
+            max_len = min(h.draft_max, h.n_predict - generated - 1)
+            if mode == "ar":
+                draft = _Draft()
+            elif cascade is not None:
+                inner.source = src
+                draft = cascade.propose(None, None, max_len, None)
+            else:
+                draft = propose(rule, src, max_len, h.k_d, h.n_expert)
+            n = len(draft.tokens)
+            passes = getattr(draft, "passes", [])
+            accepted = min(n, step.accepted - j)
+            committed = min(accepted + 1, len(step.committed) - j)
+            rows = (step.gated if gated_rows else step.rows)[j: j + n + 1]
+            t_draft = len(passes) * costs.c_draft
+            draft_misses = sum(cache.access(p) for p in passes)
+            verify_misses = cache.access(rows)
+            extra = max(0, _distinct(rows) - _distinct(rows[:1]))
+            t_verify = costs.t_ar + costs.t_tok * n + costs.t_exp * extra
+            t_fetch = costs.t_fetch * (draft_misses + verify_misses)
+            res.iterations += 1
+            res.tokens += committed
+            res.drafted += n
+            res.accepted += accepted
+            res.draft_passes += len(passes)
+            res.t_draft += t_draft
+            res.t_verify += t_verify
+            res.t_fetch += t_fetch
+            res.fetched += draft_misses + verify_misses
+            if cascade is not None:
+                # what CascadeDrafter.feedback reads of an Iteration event: its tokens and its seconds
+                cascade.feedback(SimpleNamespace(committed=(0,) * committed,
+                                                 t_draft=t_draft + costs.t_fetch * draft_misses,
+                                                 t_verify=t_verify + costs.t_fetch * verify_misses))
+            generated += committed
+            if accepted >= step.accepted - j:
+                si, j = si + 1, 0
+            else:
+                j += committed
+    return res
+
+
+def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=PROJECT_MODES,
+            threshold: float | None = None) -> Projection:
+    """Every mode's projected speed on `profile` under `budget` (None: all resident)."""
+    if not traces:
+        raise ConfigError("no traces to project")
+    h0 = traces[0].header
+    for tr in traces[1:]:
+        h = tr.header
+        if (h.fingerprint, h.n_layer, h.n_expert, h.k, h.k_d) != (h0.fingerprint, h0.n_layer, h0.n_expert, h0.k, h0.k_d):
+            raise ConfigError(f"trace {tr.name} was recorded on another model or k_d than {traces[0].name}: "
+                              "project one model's traces at a time")
+    offloaded = budget not in (None, "none")
+    costs = device_costs(profile, h0, offloaded=offloaded)
+    plan = cache_plan(budget, h0, profile, costs.expert_bytes)
+    out = Projection(costs.profile, plan.label, costs.basis, len(traces))
+    for mode in (["ar"] + [m for m in modes if m != "ar"]):
+        out.modes[mode] = replay(traces, mode, costs, plan, threshold)
+    ar = out.modes["ar"].tok_per_s
+    for r in out.modes.values():
+        r.speedup = r.tok_per_s / ar if ar > 0 else None
+    if "ar" not in modes:
+        del out.modes["ar"]
+    return out

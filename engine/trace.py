@@ -1,0 +1,436 @@
+"""Decoding traces: what one generation drafted, accepted and routed, for replay under another device's costs.
+
+A trace is recorded with drafting forced to the cap (GenerationConfig.trace): every iteration holds the whole
+draft chain the model's own experts proposed, so that any stopping rule (the utility rule under other
+constants, a confidence threshold, a fixed length) can be replayed on it (engine.projection). It is JSONL:
+
+    {"s2moe_trace": 1, "model": ..., "n_layer": 6, "n_expert": 64, "k": 8, "k_d": 2, "expert_bytes": ..., ...}
+    {"committed": [..], "accepted": 3, "drafted": [[token, q, chain, IDS], ...], "pending": IDS,
+     "rows": [IDS, ...], "gated": [IDS | null, ...], "t_draft": s, "t_verify": s, "would": [true, 2] | null,
+     "misses": [verify, draft] | null}
+    ...
+    {"end": {"n_tokens": 64, "seconds": 1.2, "prefill": 0.01, "stop": "length"}}
+
+IDS is one token's experts, [n_layer, k] ids in the router's order (best first; -1 where a layer has no
+experts), as base64 of little-endian uint8 (uint16 for models of 255 experts or more). `drafted[i]`'s ids are
+the target experts its draft pass predicted; `pending` those of the pending token (the first draft pass);
+`rows[j]` what the verification's router chose for row j (the pending token, then each drafted token),
+`gated[j]` what the verification read after reuse gating (null: the router's choice). With 6 layers of top-8
+a row is 64 characters; an iteration of a full 8-token chain is about 2 KB.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError
+from .events import Finished, ForcedDraft, Iteration, Prefilled, Started
+from .files import read_bounded
+
+TRACE_VERSION = 1
+# 10k tokens of a 48-layer, 128-expert model stay far below this; the bound keeps a wrong file from being read
+# into memory whole
+MAX_TRACE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class TraceHeader:
+    model: str
+    fingerprint: str
+    n_layer: int
+    n_expert: int
+    k: int                    # experts per token
+    k_d: int                  # experts per token in a draft pass
+    expert_bytes: float       # one expert of one MoE layer (mean over layers)
+    non_expert_bytes: int     # every other tensor
+    draft_max: int            # the cap the drafts ran to
+    n_predict: int
+    mode: str                 # the mode whose rule `would` records
+    threshold: float
+    reuse_strength: float     # > 0: the verification rows were gated
+    conf_p_min: float
+    temperature: float
+    prompt_tokens: int
+    cost: dict | None = None  # the constants the rule decided with (CostConstants fields, seconds)
+    # under a memory budget: {"auto": bool, "budget_bytes", "hot_bytes", "cache_bytes", "pinned": [[layer, expert]…]}
+    budget: dict | None = None
+
+
+@dataclass(frozen=True)
+class Drafted:
+    token: int
+    prob: float               # draft probability of the token
+    chain: float              # product of draft probabilities up to it
+    predicted: np.ndarray     # [n_layer, k] the target experts its draft pass routed it to
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    committed: tuple[int, ...]
+    accepted: int                    # drafted tokens the target accepted
+    drafted: tuple[Drafted, ...]     # the whole chain, to the cap
+    pending: np.ndarray | None       # [n_layer, k] the pending token's predicted experts (None: no draft)
+    rows: np.ndarray                 # [rows, n_layer, k] the verification's router's choice per row
+    gated: np.ndarray                # [rows, n_layer, k] what the verification read (== rows without gating)
+    t_draft: float
+    t_verify: float
+    would: ForcedDraft | None = None     # what the mode's own rule would have done
+    verify_misses: int | None = None     # experts the verification found not in memory (under a budget)
+    draft_misses: int | None = None
+
+
+@dataclass
+class Trace:
+    header: TraceHeader
+    steps: list[TraceStep] = field(default_factory=list)
+    n_tokens: int = 0
+    seconds: float = 0.0      # the whole generation, prefill included
+    stop: str = "length"
+    name: str = ""
+    prefill: float = 0.0      # seconds of the prompt's prefill
+
+    @property
+    def overhead(self) -> float:
+        """Seconds per iteration the recording spent outside its draft passes and verifications (the
+        decoding loop's own work on the recording machine: sampling, bookkeeping, events)."""
+        inside = sum(s.t_draft + s.t_verify for s in self.steps)
+        return max(0.0, self.seconds - self.prefill - inside) / max(1, len(self.steps))
+
+    def with_budget(self, budget: dict | None) -> "Trace":
+        return replace(self, header=replace(self.header, budget=budget))
+
+
+# -- recording -------------------------------------------------------------------------------------------
+class TraceRecorder:
+    """Builds a Trace from the events of a traced generation (GenerationConfig.trace) of the model `info`."""
+
+    def __init__(self, info):
+        self.fingerprint = info.fingerprint
+        self.expert_bytes, self.non_expert_bytes = model_sizes(info.path)
+        self.trace: Trace | None = None
+
+    def add(self, event) -> None:
+        if isinstance(event, Started):
+            c = event.config
+            if not c.get("trace"):
+                raise ValueError("a trace records a generation run with GenerationConfig.trace")
+            self.trace = Trace(TraceHeader(
+                model=event.model, fingerprint=self.fingerprint, n_layer=event.n_layer,
+                n_expert=event.n_expert, k=event.k, k_d=int(c["draft_topk"]), expert_bytes=self.expert_bytes,
+                non_expert_bytes=self.non_expert_bytes, draft_max=int(c["draft_max"]), n_predict=int(c["n_predict"]),
+                mode=c["mode"], threshold=float(c["threshold"]),
+                reuse_strength=float(c["reuse_strength"]) if c["mode"] == "s2moe" else 0.0,
+                conf_p_min=float(c["conf_p_min"]), temperature=float(c["temperature"]),
+                prompt_tokens=len(event.prompt_tokens),
+                cost=None if event.cost is None else {k: v for k, v in asdict(event.cost).items()}))
+        elif isinstance(event, Prefilled):
+            self.trace.prefill = event.seconds
+        elif isinstance(event, Iteration):
+            self.trace.steps.append(_step(event, self.trace.header))
+        elif isinstance(event, Finished):
+            self.trace.n_tokens, self.trace.seconds, self.trace.stop = event.n_tokens, event.seconds, event.stop_reason
+
+
+def _step(ev: Iteration, h: TraceHeader) -> TraceStep:
+    shape = (h.n_layer, h.k)
+    drafted = tuple(Drafted(c.token, c.prob, c.chain_prob, _ids(c.predicted, shape))
+                    for c in ev.candidates if c.kept)
+    r = ev.verify_routing
+    n_rows = ev.verify_tokens
+    if r is None:  # only a model without the routing hook: nothing to replay but the tokens
+        rows = np.full((n_rows,) + shape, -1, np.int64)
+        gated = rows
+    else:
+        seen = np.arange(n_rows)[None, :] < r.rows[:, None]            # [n_layer, rows]
+        rows = np.where(seen[:, :, None], r.orig[:, :n_rows], -1).transpose(1, 0, 2)
+        gated = np.where(seen[:, :, None], r.used[:, :n_rows], -1).transpose(1, 0, 2)
+    misses = (None if ev.verify_misses is None else int(np.sum(ev.verify_misses)),
+              None if ev.draft_misses is None else int(np.sum(ev.draft_misses)))
+    return TraceStep(tuple(ev.committed), len(ev.accepted), drafted,
+                     None if ev.pending_predicted is None else _ids(ev.pending_predicted, shape),
+                     rows.astype(np.int64), gated.astype(np.int64), ev.t_draft, ev.t_verify, ev.forced, *misses)
+
+
+def _ids(a, shape) -> np.ndarray:
+    a = np.asarray(a, np.int64)
+    return np.where(a >= 0, a, -1).reshape(shape)
+
+
+def model_sizes(path) -> tuple[float, int]:
+    """(bytes of one expert, mean over MoE layers; bytes of everything else) of a GGUF MoE model."""
+    from .offload import expert_map
+
+    emap = expert_map(path)
+    eb = emap.expert_bytes[list(emap.moe_layers)]
+    return float(eb.mean()), int(emap.file_bytes - emap.total_expert_bytes)
+
+
+# -- writing ---------------------------------------------------------------------------------------------
+def _dtype(n_expert: int):
+    return np.dtype("<u1") if n_expert < 255 else np.dtype("<u2")
+
+
+def _encode(ids: np.ndarray, n_expert: int) -> str:
+    dt = _dtype(n_expert)
+    sentinel = np.iinfo(dt).max
+    return base64.b64encode(np.where(ids >= 0, ids, sentinel).astype(dt).tobytes()).decode("ascii")
+
+
+def dumps(trace: Trace) -> str:
+    h = trace.header
+    lines = [json.dumps({"s2moe_trace": TRACE_VERSION, **asdict(h)})]
+    for s in trace.steps:
+        enc = lambda a: _encode(a, h.n_expert)  # noqa: E731
+        gated = [None if np.array_equal(g, r) else enc(g) for r, g in zip(s.rows, s.gated)]
+        lines.append(json.dumps({
+            "committed": list(s.committed), "accepted": s.accepted,
+            "drafted": [[d.token, d.prob, d.chain, enc(d.predicted)] for d in s.drafted],
+            "pending": None if s.pending is None else enc(s.pending),
+            "rows": [enc(r) for r in s.rows], "gated": gated, "t_draft": s.t_draft, "t_verify": s.t_verify,
+            "would": None if s.would is None else [s.would.would_draft, s.would.would_keep],
+            "misses": None if s.verify_misses is None else [s.verify_misses, s.draft_misses]}))
+    lines.append(json.dumps({"end": {"n_tokens": trace.n_tokens, "seconds": trace.seconds, "prefill": trace.prefill,
+                                     "stop": trace.stop}}))
+    return "\n".join(lines) + "\n"
+
+
+def write_trace(path: str | os.PathLike, trace: Trace) -> None:
+    """Write atomically: an interruption leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    text = dumps(trace)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise ConfigError(f"cannot write trace {path}: {e.strerror or e}") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+
+# -- reading ---------------------------------------------------------------------------------------------
+class _Bad(Exception):
+    pass
+
+
+def _int(v, what: str, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise _Bad(f"{what} must be a whole number ≥ {lo}, got {v!r}")
+    return v
+
+
+def _num(v, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise _Bad(f"{what} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+    return float(v)
+
+
+def _decode(text, h: TraceHeader, what: str) -> np.ndarray:
+    if not isinstance(text, str):
+        raise _Bad(f"{what} must be base64 text")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise _Bad(f"{what} is not base64") from None
+    dt = _dtype(h.n_expert)
+    if len(raw) != h.n_layer * h.k * dt.itemsize:
+        raise _Bad(f"{what} holds {len(raw)} bytes, not {h.n_layer} layers × {h.k} experts")
+    a = np.frombuffer(raw, dt).astype(np.int64).reshape(h.n_layer, h.k)
+    a[a == np.iinfo(dt).max] = -1
+    if (a >= h.n_expert).any():
+        raise _Bad(f"{what} names an expert ≥ {h.n_expert}")
+    return a
+
+
+def _header(obj) -> TraceHeader:
+    if not isinstance(obj, dict) or obj.get("s2moe_trace") != TRACE_VERSION:
+        raise _Bad(f"not an s2moe trace (version {TRACE_VERSION}): the first line must carry \"s2moe_trace\"")
+    names = [f for f in TraceHeader.__dataclass_fields__]
+    missing = [n for n in names if n not in obj and n not in ("cost", "budget")]
+    if missing:
+        raise _Bad(f"header: missing field {missing[0]}")
+    for key in ("n_layer", "n_expert", "k", "k_d", "draft_max", "n_predict"):
+        _int(obj[key], f"header field {key}", 1)
+    _int(obj["non_expert_bytes"], "header field non_expert_bytes")
+    _int(obj["prompt_tokens"], "header field prompt_tokens")
+    _num(obj["expert_bytes"], "header field expert_bytes")
+    for key in ("threshold", "reuse_strength", "conf_p_min", "temperature"):
+        _num(obj[key], f"header field {key}")
+    for key in ("model", "fingerprint", "mode"):
+        if not isinstance(obj[key], str):
+            raise _Bad(f"header field {key} must be text")
+    if obj["k"] > obj["n_expert"] or obj["k_d"] > obj["k"]:
+        raise _Bad("header: k_d ≤ k ≤ n_expert does not hold")
+    for key in ("cost", "budget"):
+        if obj.get(key) is not None and not isinstance(obj[key], dict):
+            raise _Bad(f"header field {key} must be a mapping")
+    cost = obj.get("cost")
+    if cost is not None:
+        for key in ("t_ar", "c_draft", "t_exp", "t_tok"):
+            _num(cost.get(key), f"header cost field {key}")
+    budget = obj.get("budget")
+    if budget is not None:
+        for key in ("budget_bytes", "hot_bytes", "cache_bytes"):
+            _int(budget.get(key), f"header budget field {key}")
+        if not isinstance(budget.get("auto"), bool):
+            raise _Bad("header budget field auto must be true or false")
+        pinned = budget.get("pinned")
+        if not isinstance(pinned, list) or not all(
+                isinstance(p, list) and len(p) == 2 and 0 <= _int(p[0], "pinned layer") < obj["n_layer"]
+                and 0 <= _int(p[1], "pinned expert") < obj["n_expert"] for p in pinned):
+            raise _Bad("header budget field pinned must be a list of [layer, expert] pairs inside the model")
+    return TraceHeader(**{n: obj.get(n) for n in names})
+
+
+def _iteration(obj, h: TraceHeader) -> TraceStep:
+    if not isinstance(obj, dict):
+        raise _Bad("expected an object")
+    for key in ("committed", "accepted", "drafted", "pending", "rows", "gated", "t_draft", "t_verify"):
+        if key not in obj:
+            raise _Bad(f"missing field {key}")
+    committed = obj["committed"]
+    if not isinstance(committed, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                  for t in committed):
+        raise _Bad("field committed must be a list of token ids")
+    drafted_raw = obj["drafted"]
+    if not isinstance(drafted_raw, list) or len(drafted_raw) > h.draft_max:
+        raise _Bad(f"field drafted must be a list of at most {h.draft_max} drafted tokens")
+    drafted = []
+    for i, d in enumerate(drafted_raw):
+        if not isinstance(d, list) or len(d) != 4:
+            raise _Bad(f"drafted[{i}] must be [token, prob, chain, ids]")
+        drafted.append(Drafted(_int(d[0], f"drafted[{i}] token"), _num(d[1], f"drafted[{i}] prob", 0, 1),
+                               _num(d[2], f"drafted[{i}] chain", 0, 1), _decode(d[3], h, f"drafted[{i}] ids")))
+    accepted = _int(obj["accepted"], "field accepted")
+    if accepted > len(drafted):
+        raise _Bad(f"field accepted ({accepted}) exceeds the {len(drafted)} drafted tokens")
+    if len(committed) > accepted + 1:
+        raise _Bad(f"field committed holds {len(committed)} tokens, more than accepted + 1")
+    rows_raw, gated_raw = obj["rows"], obj["gated"]
+    if not isinstance(rows_raw, list) or len(rows_raw) != len(drafted) + 1:
+        raise _Bad(f"field rows must hold one entry per verified token ({len(drafted) + 1})")
+    if not isinstance(gated_raw, list) or len(gated_raw) != len(rows_raw):
+        raise _Bad("field gated must hold one entry (or null) per row")
+    rows = np.stack([_decode(r, h, f"rows[{j}]") for j, r in enumerate(rows_raw)])
+    gated = np.stack([rows[j] if g is None else _decode(g, h, f"gated[{j}]") for j, g in enumerate(gated_raw)])
+    pending = None if obj["pending"] is None else _decode(obj["pending"], h, "pending")
+    if drafted and pending is None:
+        raise _Bad("field pending is null but the iteration drafted")
+    would = obj.get("would")
+    if would is not None:
+        if not (isinstance(would, list) and len(would) == 2 and isinstance(would[0], bool)):
+            raise _Bad("field would must be [drafting, kept] or null")
+        would = ForcedDraft(would[0], _int(would[1], "would kept"))
+    misses = obj.get("misses")
+    vm = dm = None
+    if misses is not None:
+        if not (isinstance(misses, list) and len(misses) == 2):
+            raise _Bad("field misses must be [verification, draft] or null")
+        vm = _int(misses[0], "misses of the verification")
+        dm = None if misses[1] is None else _int(misses[1], "misses of the draft")
+    return TraceStep(tuple(committed), accepted, tuple(drafted), pending, rows, gated,
+                     _num(obj["t_draft"], "field t_draft"), _num(obj["t_verify"], "field t_verify"), would, vm, dm)
+
+
+def read_trace(path: str | os.PathLike) -> Trace:
+    """A trace file, checked line by line; ConfigError naming the file and line of the first problem."""
+    path = Path(path)
+    try:
+        text = read_bounded(path, "trace", MAX_TRACE_BYTES).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"trace {path.name}: not UTF-8 text") from None
+    lines = text.splitlines()
+    trace = None
+    ended = False
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"trace {path.name} line {n}"
+        if ended:
+            raise ConfigError(f"{where}: text after the end record")
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            raise ConfigError(f"{where}: not valid JSON") from None
+        except ValueError:  # an integer of more digits than Python converts
+            raise ConfigError(f"{where}: a number too long to read") from None
+        try:
+            if trace is None:
+                trace = Trace(_header(obj), name=path.name)
+            elif isinstance(obj, dict) and "end" in obj:
+                end = obj["end"]
+                if not isinstance(end, dict):
+                    raise _Bad("field end must be a mapping")
+                trace.n_tokens = _int(end.get("n_tokens"), "end field n_tokens")
+                trace.seconds = _num(end.get("seconds"), "end field seconds")
+                trace.prefill = _num(end.get("prefill", 0.0), "end field prefill")
+                trace.stop = str(end.get("stop", ""))
+                ended = True
+            else:
+                trace.steps.append(_iteration(obj, trace.header))
+        except _Bad as e:
+            raise ConfigError(f"{where}: {e}") from None
+    if trace is None:
+        raise ConfigError(f"trace {path.name}: empty")
+    if not ended:
+        raise ConfigError(f"trace {path.name}: no end record (cut short?)")
+    if sum(len(s.committed) for s in trace.steps) != trace.n_tokens:
+        raise ConfigError(f"trace {path.name}: its iterations commit {sum(len(s.committed) for s in trace.steps)} "
+                          f"tokens, its end record says {trace.n_tokens}")
+    return trace
+
+
+def trace_files(paths) -> list[Path]:
+    """The trace files named: files as given, folders as their *.jsonl files in name order."""
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("*.jsonl"))
+            if not found:
+                raise ConfigError(f"trace folder {p} holds no *.jsonl files")
+            out += found
+        else:
+            out.append(p)
+    return out
+
+
+def check_trace_path(path: str | os.PathLike) -> Path:
+    """Where a trace will be written, checked before minutes of decoding: its folder exists, it is no folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"trace {path} is a folder: name a file")
+    if not path.parent.is_dir():
+        raise ConfigError(f"cannot write trace {path}: folder {path.parent} does not exist")
+    return path
+
+
+def budget_record(offloader, hot_ranked, auto: bool) -> dict | None:
+    """What a trace recorded under a memory budget keeps of it: the plan and the hot experts pinned (the same
+    selection offload_decoder pins)."""
+    from .offload import rank_counts, select_hot_experts
+
+    plan = offloader.plan
+    if plan is None:
+        return None
+    pinned = []
+    if hot_ranked and plan.hot_bytes > 0:
+        emap = offloader.emap
+        pinned = [list(p) for p in select_hot_experts(rank_counts(hot_ranked, emap), emap.expert_bytes, plan.hot_bytes)]
+    return {"auto": auto, "budget_bytes": int(offloader.budget_bytes or plan.budget_bytes), "hot_bytes": int(plan.hot_bytes),
+            "cache_bytes": int(plan.cache_bytes), "pinned": pinned}

@@ -1,0 +1,143 @@
+"""Decoding traces: recorded by a forced-to-the-cap generation, written and read back, bad files refused."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from s2moe.app.cli import main
+from s2moe.engine.decoder import GenerationConfig
+from s2moe.engine.errors import ConfigError
+from s2moe.engine.events import Iteration, Started
+from s2moe.engine.policies import UtilityStop
+from s2moe.engine.projection import _Source, propose
+from s2moe.engine.trace import TraceRecorder, dumps, read_trace, write_trace
+
+COST = dict(t_ar=1e-3, c_draft=2e-4, t_exp=1e-5, t_tok=1e-4, intercept=0.0, source="test")
+
+
+def _cost():
+    from s2moe.engine.events import CostConstants
+
+    return CostConstants(**COST)
+
+
+def record(dec, prompt="the cat sat on the mat and", n=24, mode="s2moe", **kw):
+    rec = TraceRecorder(dec.info)
+    cfg = GenerationConfig(mode=mode, n_predict=n, stop_at_eos=False, trace=True, cost=_cost(), **kw)
+    for ev in dec.generate(prompt, cfg):
+        rec.add(ev)
+    return rec.trace
+
+
+def test_a_traced_generation_drafts_to_the_cap_and_records_every_row(decoders):
+    dec = decoders["olmoe"]
+    tr = record(dec)
+    h = tr.header
+    assert (h.n_layer, h.n_expert, h.k, h.k_d, h.draft_max) == (dec.info.n_layer, dec.info.n_expert, 4, 1, 8)
+    assert h.expert_bytes > 0 and h.non_expert_bytes > 0 and h.cost["t_ar"] == COST["t_ar"]
+    assert sum(len(s.committed) for s in tr.steps) == tr.n_tokens == 24
+    for s in tr.steps:
+        room = h.n_predict - sum(len(x.committed) for x in tr.steps[: tr.steps.index(s)]) - 1
+        assert len(s.drafted) == min(h.draft_max, room)  # the cap, whatever the rule said
+        assert s.rows.shape == (len(s.drafted) + 1, h.n_layer, h.k)
+        assert (s.rows >= 0).all() and (s.rows < h.n_expert).all()
+        assert s.accepted <= len(s.drafted)
+    drafting = [s for s in tr.steps if s.drafted]
+    assert drafting and all(s.pending is not None and s.would is not None for s in drafting)
+    # reuse gating moved some verification rows away from the router's choice
+    assert any(not np.array_equal(s.rows, s.gated) for s in tr.steps)
+
+
+def test_what_the_trace_says_the_rule_would_keep_is_what_the_rule_keeps(decoders):
+    """First iteration of a plain s2moe run and of a traced one: same position, a fresh rule on each side,
+    the same draft passes; the traced draft runs on, but records the real rule's decision."""
+    dec = decoders["qwen3moe"]
+    cost = replace(_cost(), source="test-would")  # rules are kept by constants: a fresh one
+    cfg = GenerationConfig(mode="s2moe", n_predict=12, stop_at_eos=False, cost=cost, reuse_strength=0.0)
+    plain = next(e for e in dec.generate("one two three four", cfg) if isinstance(e, Iteration))
+    traced = next(e for e in dec.generate("one two three four", replace(cfg, trace=True)) if isinstance(e, Iteration))
+    assert traced.forced.would_draft == (plain.draft_stop != "no-draft")
+    assert traced.forced.would_keep == len(plain.drafted)
+    assert len(traced.drafted) == 8
+
+
+def test_replaying_the_recorded_rule_reproduces_its_decision(decoders):
+    dec = decoders["dots1"]
+    tr = record(dec, reuse_strength=0.0)
+    step = tr.steps[0]
+    rule = UtilityStop(_cost(), 1.0)
+    rule.start()
+    out = propose(rule, _Source(step, 0), tr.header.draft_max, tr.header.k_d, tr.header.n_expert)
+    assert (len(out.tokens), out.stop != "no-draft") == (step.would.would_keep, step.would.would_draft)
+
+
+def test_round_trip(decoders, tmp_path):
+    tr = record(decoders["olmoe"], mode="conf")
+    path = tmp_path / "t.jsonl"
+    write_trace(path, tr)
+    back = read_trace(path)
+    assert back.header == tr.header
+    assert (back.n_tokens, back.stop, back.prefill) == (tr.n_tokens, tr.stop, tr.prefill) and tr.prefill > 0
+    assert len(back.steps) == len(tr.steps)
+    for a, b in zip(tr.steps, back.steps):
+        assert a.committed == b.committed and a.accepted == b.accepted and a.would == b.would
+        assert np.array_equal(a.rows, b.rows) and np.array_equal(a.gated, b.gated)
+        assert (a.pending is None) == (b.pending is None)
+        assert [(d.token, d.prob, d.chain) for d in a.drafted] == [(d.token, d.prob, d.chain) for d in b.drafted]
+        assert all(np.array_equal(x.predicted, y.predicted) for x, y in zip(a.drafted, b.drafted))
+    assert dumps(back) == dumps(tr)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_trace_needs_a_drafting_mode():
+    with pytest.raises(ConfigError, match="cannot record"):
+        GenerationConfig(mode="ar", trace=True).validate()
+
+
+def _lines(decoders):
+    return dumps(record(decoders["olmoe"], n=10)).splitlines()
+
+
+def _bad_cases(lines):
+    header = json.loads(lines[0])
+    step = json.loads(lines[1])
+    yield "not valid JSON", [lines[0], "{"] + lines[2:]
+    yield "no end record", lines[:-1]
+    yield "not an s2moe trace", [json.dumps({"x": 1})] + lines[1:]
+    yield "missing field k_d", [json.dumps({k: v for k, v in header.items() if k != "k_d"})] + lines[1:]
+    yield "holds", [lines[0], json.dumps({**step, "rows": ["AAAA"] + step["rows"][1:]})] + lines[2:]
+    yield "not base64", [lines[0], json.dumps({**step, "pending": "!!"})] + lines[2:]
+    yield "exceeds", [lines[0], json.dumps({**step, "accepted": 99})] + lines[2:]
+    yield "after the end record", lines + [lines[1]]
+    yield "end record says", lines[:-1] + [json.dumps({"end": {"n_tokens": 999, "seconds": 1.0, "stop": "x"}})]
+    yield "empty", []
+
+
+def test_bad_trace_files_are_one_line_and_exit_2(decoders, tmp_path, capsys):
+    lines = _lines(decoders)
+    for i, (expect, bad) in enumerate(_bad_cases(lines)):
+        path = tmp_path / f"bad{i}.jsonl"
+        path.write_text("\n".join(bad) + ("\n" if bad else ""))
+        assert main(["project", str(path), "--profile", "cpu-generic"]) == 2, expect
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expect in err and "Traceback" not in err, (expect, err)
+    (tmp_path / "empty-folder").mkdir()
+    for path in (tmp_path / "missing.jsonl", tmp_path / "empty-folder", "/dev/zero"):
+        assert main(["project", str(path), "--profile", "cpu-generic"]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_generate_writes_a_trace_and_refuses_a_missing_folder(tiny_models, tmp_path, capsys):
+    model = str(tiny_models["olmoe"])
+    path = tmp_path / "g.jsonl"
+    assert main(["generate", "-m", model, "-p", "hello there", "-n", "8", "--ignore-eos", "--trace", str(path)]) == 0
+    tr = read_trace(path)
+    assert tr.n_tokens == 8 and tr.header.mode == "s2moe"
+    capsys.readouterr()
+    assert main(["generate", "-m", model, "-p", "x", "-n", "4", "--trace", str(tmp_path / "no" / "t.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "-m", model, "-p", "x", "-n", "4", "--mode", "ar", "--trace", str(path)]) == 2
