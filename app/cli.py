@@ -20,7 +20,7 @@ FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk
          "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
          "repeat_last_n": "--repeat-last-n",
          "reuse_strength": "--reuse-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
-         "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed",
+         "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed", "time_budget": "--time-budget",
          "tree_width": "--tree-width", "tree_max_nodes": "--tree-max-nodes"}
 
 
@@ -214,12 +214,13 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="device profile name or YAML path (cost constants); measured at start-up if absent")
     p.add_argument("--draft-topk", type=positive_int, default=None,
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
-    p.add_argument("--draft-max", type=positive_int, default=8, help="cap on draft length")
+    # the settings `s2moe tune` searches default to None, "not given": the profile's tuned value, else the model's
+    p.add_argument("--draft-max", type=positive_int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--no-utility", action="store_true", help="fixed draft length instead of utility expansion")
     add_tree_options(p)
-    p.add_argument("--threshold", type=_non_negative_float, default=1.0, help="utility threshold")
-    p.add_argument("--reuse-strength", type=_non_negative_float, default=0.5,
-                   help="reuse-aware gating strength α (0 = off, lossless)")
+    p.add_argument("--threshold", type=_non_negative_float, default=None, help="utility threshold (default 1)")
+    p.add_argument("--reuse-strength", type=_non_negative_float, default=None,
+                   help="reuse-aware gating strength α (0 = off, lossless; default 0.5)")
     p.add_argument("--reuse-cap", type=positive_int, default=None,
                    help="preferred experts |E*| (default: twice the model's experts per token, below its expert count)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=positive_int, default=2048,
@@ -237,7 +238,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 # Other subcommands live in their own modules (s2moe.app.cmd_*), each with add_parser(sub) and
 # run(args) -> int, registered here in the order `s2moe --help` lists them. Modules import heavy
 # dependencies inside run(), so building the parser stays fast.
-SUBCOMMAND_MODULES = ("cmd_app", "cmd_models", "cmd_profiles", "cmd_calibrate", "cmd_bench", "cmd_project")
+SUBCOMMAND_MODULES = ("cmd_app", "cmd_models", "cmd_profiles", "cmd_calibrate", "cmd_tune", "cmd_bench", "cmd_project")
 
 
 def _subcommand_modules():
@@ -293,17 +294,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_tuned(args, tuned: dict) -> dict:
+    """The settings `s2moe tune` searches: a flag given wins, then the profile's tuned value, then the
+    GenerationConfig default (None there: the model's routing decides)."""
+    from ..engine.decoder import GenerationConfig
+    from ..engine.profiles import TUNED_KEYS
+
+    default = GenerationConfig()
+    out = {}
+    for key in TUNED_KEYS:
+        flag = getattr(args, key, None)
+        out[key] = flag if flag is not None else tuned.get(key, getattr(default, key))
+    return out
+
+
 def generation_config(args, decoder):
     from ..engine.decoder import GenerationConfig
-    from ..engine.profiles import cost_for_model, load_profile
+    from ..engine.profiles import cost_for_model, load_profile, tuned_settings
 
     if args.greedy and args.temp > 0:
         raise ConfigError("--greedy and --temp > 0 contradict each other")
-    cost = None
+    cost, tuned = None, {}
+    offloaded = bool(getattr(args, "budget", None))
     if args.profile:
-        cost = cost_for_model(load_profile(args.profile), decoder.info.fingerprint, decoder.info.path.name,
-                              offloaded=bool(getattr(args, "budget", None)))  # budget: cold expert cost
-    cfg = GenerationConfig(
+        profile = load_profile(args.profile)
+        cost = cost_for_model(profile, decoder.info.fingerprint, decoder.info.path.name,
+                              offloaded=offloaded)  # budget: cold expert cost
+        tuned = tuned_settings(profile, decoder.info.fingerprint, offloaded=offloaded)
+    cfg = GenerationConfig(**resolve_tuned(args, tuned),
         mode=tree_mode(args),
         tree_width=args.tree_width,
         tree_max_nodes=args.tree_max_nodes,
@@ -311,12 +329,7 @@ def generation_config(args, decoder):
         temperature=args.temp,
         seed=args.seed,
         **sampling_settings(args),
-        draft_topk=args.draft_topk,
-        draft_max=args.draft_max,
         utility=not args.no_utility,
-        threshold=args.threshold,
-        reuse_strength=args.reuse_strength,
-        reuse_cap=args.reuse_cap,
         stop_at_eos=not args.ignore_eos,
         cost=cost,
     )
@@ -409,7 +422,7 @@ def cmd_generate(args) -> int:
         args.seed = random_seed()
         if not args.json:
             print(f"seed {args.seed} (random; -s {args.seed} repeats this run)", file=sys.stderr)
-    decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max),
+    decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max or 0),
                       use_extra_bufts=budget is None, n_gpu_layers=args.gpu_layers)
     offloader = None
     if budget is not None:
@@ -499,7 +512,7 @@ def one_line(text: str) -> str:
 
 
 # The commands that run llama.cpp: a failed check inside it ends them with one line (_abort_line).
-LLAMA_COMMANDS = ("generate", "calibrate", "bench", "app")
+LLAMA_COMMANDS = ("generate", "calibrate", "tune", "bench", "app")
 
 
 def _abort_line(message: str) -> None:

@@ -28,8 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", type=nonempty, help="device profile for the cost constants (else measured at start-up)")
     p.add_argument("--draft-topk", type=int, default=None,
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
-    p.add_argument("--draft-max", type=int, default=8)
-    p.add_argument("--reuse-strength", type=float, default=0.5)
+    # None: not given, the profile's tuned value (s2moe tune), else the default
+    p.add_argument("--draft-max", type=int, default=None, help="cap on draft length (default 8)")
+    p.add_argument("--reuse-strength", type=float, default=None, help="reuse-aware gating strength α (default 0.5)")
     p.add_argument("-t", "--threads", type=int, default=None)
     add_tree_shape_options(p)
     p.add_argument("--repeats", type=positive_int, default=1,
@@ -243,10 +244,13 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, "-m", "s2moe.app.cli", "bench", "--model", model, "--prompts", args.prompts,
                 "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--budget", budget_text,
-                "--draft-topk", str(args.draft_topk), "--draft-max", str(args.draft_max),
-                "--reuse-strength", str(args.reuse_strength), "--repeats", str(args.repeats), "--no-quality",
-                "--tree-width", str(args.tree_width), "--tree-max-nodes", str(args.tree_max_nodes),
-                "--json", str(out)]
+                "--repeats", str(args.repeats), "--no-quality", "--json", str(out)]
+        # settings not given are resolved there: the profile's tuning under a budget, not the resident one
+        for flag, value in (("--draft-topk", args.draft_topk), ("--draft-max", args.draft_max),
+                            ("--reuse-strength", args.reuse_strength), ("--tree-width", args.tree_width),
+                            ("--tree-max-nodes", args.tree_max_nodes)):
+            if value is not None:
+                argv += [flag, str(value)]
         argv += ["--modes", ",".join(_modes(args))] if not args.ablation else ["--ablation"]
         if args.threads:
             argv += ["--threads", str(args.threads)]
@@ -339,20 +343,24 @@ def run(args) -> int:
     modes = _modes(args)
     budgets = [b.strip() for b in args.budget.split(",") if b.strip()] or ["none"]
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
-    base = GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max, reuse_strength=args.reuse_strength,
-                            tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes)
-    base.validate()
+    GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max,
+                     reuse_strength=args.reuse_strength, tree_width=args.tree_width,
+                     tree_max_nodes=args.tree_max_nodes).validate()
     from ..engine.model_info import read_model_info
+    from ..engine.offload import current_budget
+    from .cli import resolve_tuned
 
     info = read_model_info(model)
-    base = base.resolved(info)
-    # a budget's child process measures these same settings
-    args.draft_topk, args.draft_max = base.draft_topk, base.draft_max
-    hot = []
+    hot, tuned = [], {}
     if args.profile:
-        from ..engine.profiles import cost_for_model, hot_experts_for_model, load_profile
+        from ..engine.profiles import cost_for_model, hot_experts_for_model, load_profile, tuned_settings
 
         profile = load_profile(args.profile)
+        # this process measures resident unless it is a budget's child
+        tuned = tuned_settings(profile, info.fingerprint, offloaded=current_budget() is not None)
+    base = GenerationConfig(**resolve_tuned(args, tuned), tree_width=args.tree_width,
+                            tree_max_nodes=args.tree_max_nodes).resolved(info)
+    if args.profile:
         base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"])
         hot = hot_experts_for_model(profile, info.fingerprint)
 
@@ -383,7 +391,7 @@ def run(args) -> int:
 
     done = None
     if here is not None:
-        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, args.draft_max),
+        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, base.draft_max),
                           use_extra_bufts=inside is None)
         if inside is not None:
             budget = inside[1]
