@@ -20,7 +20,8 @@ FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk
          "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
          "repeat_last_n": "--repeat-last-n",
          "reuse_strength": "--reuse-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
-         "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed", "time_budget": "--time-budget",
+         "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed", "n_gpu_layers": "-ngl",
+         "n_cpu_moe": "--n-cpu-moe", "op_offload_min_batch": "--op-offload-min-batch", "time_budget": "--time-budget",
          "tree_width": "--tree-width", "tree_max_nodes": "--tree-max-nodes"}
 
 
@@ -202,6 +203,29 @@ def tree_mode(args) -> str:
     return "tree"
 
 
+def add_placement_options(p: argparse.ArgumentParser) -> None:
+    """Where llama.cpp keeps the weights (engine.gpu.Placement): every command that loads a model."""
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=_gpu_layers, default=0,
+                   help="layers to offload to the GPU in a CUDA/Metal/Vulkan build of llama.cpp (-1: all)")
+    p.add_argument("--cpu-moe", action="store_true",
+                   help="keep every layer's expert tensors in host memory (with -ngl: the rest on the GPU)")
+    p.add_argument("--n-cpu-moe", type=_non_negative_int, default=0, metavar="N",
+                   help="keep the first N layers' expert tensors in host memory")
+    p.add_argument("--op-offload-min-batch", type=positive_int, default=None, metavar="N",
+                   help="batch size from which an op on host weights (experts in host memory) runs on the GPU, "
+                        "copying the experts it uses (sets GGML_OP_OFFLOAD_MIN_BATCH; llama.cpp's default 32)")
+
+
+def placement_from_args(args):
+    """The Placement the flags of add_placement_options ask for, checked (no model needed)."""
+    from ..engine.gpu import Placement
+
+    placement = Placement(n_gpu_layers=args.gpu_layers, cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
+                          op_offload_min_batch=args.op_offload_min_batch)
+    placement.validate()
+    return placement
+
+
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
@@ -226,8 +250,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=positive_int, default=2048,
                    help="context window in tokens")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
-    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=_gpu_layers, default=0,
-                   help="layers to offload to the GPU in a CUDA/Metal/Vulkan build of llama.cpp (-1: all)")
+    add_placement_options(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--budget", type=budget_text,
                    help="memory budget, e.g. 800M or 2G, or auto (what the process holds + a third of the expert "
@@ -319,7 +342,8 @@ def generation_config(args, decoder):
     if args.profile:
         profile = load_profile(args.profile)
         cost = cost_for_model(profile, decoder.info.fingerprint, decoder.info.path.name,
-                              offloaded=offloaded)  # budget: cold expert cost
+                              offloaded=offloaded,  # budget: cold expert cost
+                              experts_in_host=decoder.placement.copies_experts)
         tuned = tuned_settings(profile, decoder.info.fingerprint, offloaded=offloaded)
     cfg = GenerationConfig(**resolve_tuned(args, tuned),
         mode=tree_mode(args),
@@ -415,6 +439,7 @@ def cmd_generate(args) -> int:
 
         GenerationConfig(mode=tree_mode(args), trace=True).validate()
         check_trace_path(args.trace)
+    placement = placement_from_args(args)
     budget = offload.Budget.parse(args.budget) if args.budget is not None else None
     if budget is not None and offload.current_budget() is None:
         return run_cli_in_budget(args._argv, budget, model, tag="run")
@@ -423,7 +448,7 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(f"seed {args.seed} (random; -s {args.seed} repeats this run)", file=sys.stderr)
     decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max or 0),
-                      use_extra_bufts=budget is None, n_gpu_layers=args.gpu_layers)
+                      use_extra_bufts=budget is None, placement=placement)
     offloader = None
     if budget is not None:
         from dataclasses import replace

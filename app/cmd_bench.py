@@ -14,7 +14,7 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import add_tree_shape_options, nonempty, positive_int
+    from .cli import add_placement_options, add_tree_shape_options, nonempty, positive_int
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--reuse-strength", type=float, default=None, help="reuse-aware gating strength α (default 0.5)")
     p.add_argument("-t", "--threads", type=int, default=None)
     add_tree_shape_options(p)
+    add_placement_options(p)
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="times the whole prompt set is run, modes interleaved throughout; tok/s and × ar are the "
                         "medians and the table shows their range (default 1)")
@@ -279,11 +280,13 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
 
     from ..engine import offload
     from ..engine.bench import reference_row
+    from .cli import placement_from_args
 
     with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
         out = Path(tmp) / "ref.json"
         argv = [sys.executable, "-m", "s2moe.engine.reference", "--model", model, "--prompts", args.prompts,
-                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out)]
+                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out),
+                "--placement", json.dumps(placement_from_args(args).as_dict())]
         if args.threads:
             argv += ["--threads", str(args.threads)]
         if budget_bytes is None:
@@ -320,12 +323,13 @@ def run(args) -> int:
     from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench, storage_bound,
                                 warm_up, write_atomic)
     from ..engine.decoder import Decoder, GenerationConfig
-    from .cli import default_model
+    from .cli import default_model, placement_from_args
 
     model = args.model or default_model()
     console = Console(stderr=True)
     if args.n_tokens < 1 or args.n_prompts < 1:
         raise ConfigError("-n and --n-prompts must be at least 1")
+    placement = placement_from_args(args)
     if args.trace is not None:
         from pathlib import Path
 
@@ -361,7 +365,8 @@ def run(args) -> int:
     base = GenerationConfig(**resolve_tuned(args, tuned), tree_width=args.tree_width,
                             tree_max_nodes=args.tree_max_nodes).resolved(info)
     if args.profile:
-        base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"])
+        base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"],
+                                   experts_in_host=placement.copies_experts)
         hot = hot_experts_for_model(profile, info.fingerprint)
 
     from ..engine import offload
@@ -392,7 +397,7 @@ def run(args) -> int:
     done = None
     if here is not None:
         decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, base.draft_max),
-                          use_extra_bufts=inside is None)
+                          use_extra_bufts=inside is None, placement=placement)
         if inside is not None:
             budget = inside[1]
             off = offload.offload_decoder(decoder, budget, hot,

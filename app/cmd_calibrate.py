@@ -7,7 +7,7 @@ import sys
 
 
 def add_parser(sub) -> None:
-    from .cli import budget_text, nonempty, positive_int
+    from .cli import add_placement_options, budget_text, nonempty, positive_int
 
     p = sub.add_parser("calibrate", help="measure cost constants and hot experts; write a device profile")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF MoE model (default: the shipped model)")
@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=positive_int, default=3, help="timings per measurement (default 3)")
     p.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
     p.add_argument("--no-plot", action="store_true", help="no predicted-vs-measured plot")
+    add_placement_options(p)
     p.set_defaults(run=run)
 
 
@@ -52,12 +53,13 @@ def run(args) -> int:
     from ..engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted, run_calibration
     from ..engine.offload import Budget
     from ..engine.runtime import check_threads
-    from .cli import default_model
+    from .cli import default_model, placement_from_args
     from .tui.calibrate import step_outcome
 
     budget = Budget.parse(args.budget) if args.budget is not None else None
     model = args.model if args.model is not None else default_model()
     check_threads(args.threads)
+    placement = placement_from_args(args)
     console = Console(stderr=True, highlight=False)
     out = Console(highlight=False)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -66,7 +68,7 @@ def run(args) -> int:
     done_event = None
     failed = []
     events = run_calibration(model, budget=budget, prompts=args.prompts, name=args.name, save=not args.no_save,
-                             n_threads=args.threads, repeats=args.repeats)
+                             n_threads=args.threads, repeats=args.repeats, placement=placement)
     # The model, the prompts and the profile folder are checked before the first event: an error about
     # them is the only line printed.
     first = next(events)

@@ -11,7 +11,9 @@ run_calibration() is a generator of typed events; `s2moe calibrate` and the app'
 Steps: (1) memory and storage bandwidth, (2) plain and draft step cost, (3) verification cost model
 (T_exp, T_tok by regression; data has measured/predicted/r2/mape), (4) hot experts from routing
 frequencies over calibration prompts, (5) cost under the memory budget (in a memory cgroup; skipped with
-the reason when there is no budget or no cgroup can be made), (6) the profile, written atomically.
+the reason when there is no budget or no cgroup can be made), (6) on a GPU: host→device bandwidth and the
+batch size from which copying the experts a batch uses beats running them on the CPU (skipped without a
+GPU backend), (7) the profile, written atomically.
 
 Stopping: when should_stop() returns True the generator stops between two measurements and simply
 returns: it yields nothing more (no CalibrationDone) and writes nothing. Ctrl-C (KeyboardInterrupt)
@@ -37,8 +39,9 @@ from .costmodel import (Stopped, fault_explained_fit, fit_miss_cost, fit_verify_
                         verify_samples)
 from .decoder import defaults_for
 from .device import cpu_name, default_threads, memory_bytes
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, ModelError, S2MoEError
 from .files import MAX_PROMPT_FILE_BYTES, read_bounded
+from .gpu import Placement
 from .model_info import read_model_info
 from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
                       plan_budget, process_anon_bytes, rank_counts, run_in_budget, select_hot_experts)
@@ -93,6 +96,8 @@ STEPS = (
     ("cost model", "T_exp and T_tok: regression of verification latency on distinct experts and tokens"),
     ("hot experts", "routing frequencies over calibration prompts; the most routed experts that fit the budget"),
     ("budget", "verification cost under the memory budget (experts paged from storage), in a memory cgroup"),
+    ("gpu", "host→device bandwidth, and the batch size from which copying the experts a verification uses to the "
+            "GPU beats running them on the CPU (experts in host memory)"),
     ("profile", "write the profile atomically"),
 )
 
@@ -294,7 +299,7 @@ def _run_cold(model_path, budget: Budget, cfg: dict):
     argv = [sys.executable, "-m", "s2moe.engine.calibrate", "--cold-worker", json.dumps(cfg)]
     with run_in_budget(argv, budget, model_path, tag="calibrate", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True) as run:
-        result, pinned, sized = None, None, budget.size
+        result, pinned, sized, failure = None, None, budget.size, None
         for line in run.proc.stdout:
             try:
                 msg = json.loads(line)
@@ -308,10 +313,12 @@ def _run_cold(model_path, budget: Budget, cfg: dict):
                 pinned = msg["pinned"]
             elif "budget" in msg:
                 sized = int(msg["budget"])
+            elif "error" in msg:
+                failure = msg["error"]
         rc = run.proc.wait()
         if result is None:
             err = (run.proc.stderr.read() or "").strip().splitlines()
-            why = err[-1] if err else f"exit status {rc}"
+            why = failure["message"] if failure else err[-1] if err else f"exit status {rc}"
             if run.out_of_memory() or rc in (-9, 137):
                 why = (f"out of memory at the budget of {budget.describe(sized)} (pinned "
                        f"{fmt_bytes(sum((pinned or {}).values()))}); raise the budget")
@@ -324,8 +331,11 @@ def _run_cold(model_path, budget: Budget, cfg: dict):
 class _Calibration:
     """What the steps share: the model, the settings, the runtime, and each step's results."""
 
-    def __init__(self, info, emap, *, budget, prompts, threads, repeats, draft_topk, draft_cap, stop):
+    def __init__(self, info, emap, *, budget, prompts, threads, repeats, draft_topk, draft_cap, stop,
+                 placement=Placement()):
         self.info, self.emap, self.budget, self.prompts = info, emap, budget, prompts
+        self.placement = placement
+        self.gpu = None  # what the gpu step measured
         self.threads, self.repeats, self.draft_topk, self.draft_cap = threads, repeats, draft_topk, draft_cap
         self.stop = stop
         self.rt = None
@@ -374,7 +384,7 @@ def _step_plain_and_draft(cal: _Calibration, index: int):
     from .runtime import LlamaRuntime
 
     cal.rt = LlamaRuntime(cal.info, n_ctx=512, n_threads=cal.threads, max_verify_rows=max(16, cal.draft_cap + 1),
-                          use_extra_bufts=cal.budget is None)
+                          use_extra_bufts=cal.budget is None, placement=cal.placement)
     ar, draft = yield from cal.live(iter_time_steps(cal.rt, cal.draft_topk, 8 * cal.repeats), index)
     cal.t_ar, cal.c_draft = t_ar, c_draft = float(np.median(ar)), float(np.median(draft))
     yield StepResult(index, STEPS[index - 1][0],
@@ -442,6 +452,38 @@ def _step_under_budget(cal: _Calibration, index: int):
     if cal.cold is None:
         derived = "; cold T_exp derived from storage bandwidth" if cal.sto_bw else ""
         yield StepResult(index, STEPS[index - 1][0], f"{skip}{derived}", {"skipped": skip})
+
+
+NO_GPU = "skipped: no GPU backend in this llama.cpp build"
+
+
+def _step_gpu(cal: _Calibration, index: int):
+    from .gpu import gpu_backend, gpu_device_type, measure_copy_mode, transfer_rate
+
+    name = STEPS[index - 1][0]
+    if not gpu_backend():
+        yield StepResult(index, name, NO_GPU, {"skipped": NO_GPU})
+        return
+    try:
+        rate = transfer_rate(gpu_device_type())
+        cal.close()  # the timing processes load the model onto the GPU themselves
+        layers = cal.placement.n_gpu_layers or -1
+        mode = yield from cal.live(measure_copy_mode(cal.info.path, sizes=_sizes(cal.draft_cap), n_gpu_layers=layers,
+                                                     threads=cal.threads, repeats=cal.repeats), index)
+    except RuntimeError as e:
+        why = f"failed: {e}"
+        yield StepResult(index, name, why, {"skipped": why})
+        return
+    samples = mode.copy_samples
+    fit = fit_verify_cost([x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
+    cal.gpu = {"h2d": rate, "mode": mode, "fit": fit, "n_gpu_layers": layers}
+    where = (f"copying wins from {mode.crossover} tokens" if mode.crossover is not None else
+             f"copying never won up to {max(mode.sizes)} tokens")
+    yield StepResult(index, name,
+                     f"host→device {rate / 1e9:.1f} GB/s · {where} · T_exp copied {fit.t_exp * 1e3:.4f} ms "
+                     f"(R² {fit.r2:.3f})",
+                     {"host_to_device_gb_s": rate / 1e9, "copy_min_batch": mode.crossover, **mode.as_dict(),
+                      "fit_copy": _fit_dict(fit)})
 
 
 def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
@@ -515,6 +557,12 @@ def _model_block(cal: _Calibration) -> dict:
                                     "r2_given_faults": round(cold["given_faults"]["r2"], 6)}
         block["t_ar_cold_ms"] = round(cold["t_ar"] * 1e3, 6)
         block["c_draft_cold_ms"] = round(cold["c_draft"] * 1e3, 6)
+    if cal.gpu is not None:
+        # what decoding with the experts in host memory pays per distinct expert: its copy to the GPU
+        gfit = cal.gpu["fit"]
+        block["t_exp_copy_ms"] = round(gfit.t_exp * 1e3, 6)
+        block["copy_min_batch"] = cal.gpu["mode"].crossover
+        block["fit_copy"] = _fit_dict(gfit)
     block["hot_experts"] = [list(p) for p in cal.hot]
     block["measured"] = {
         "at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -527,6 +575,8 @@ def _model_block(cal: _Calibration) -> dict:
         "t_exp_cold": cold_how,
         "verify_batches": fit.n,
     }
+    if cal.gpu is not None:
+        block["measured"]["gpu"] = {"n_gpu_layers": cal.gpu["n_gpu_layers"], **cal.gpu["mode"].as_dict()}
     if cold is not None:
         # what decoding under a budget does too (offload_decoder's default): a fetched expert costs far
         # less with it than with a synchronous fault per page
@@ -542,7 +592,8 @@ def _step_profile(cal: _Calibration, index: int, name: str, save: bool):
         "description": f"measured by s2moe calibrate on {platform.node() or 'this machine'}",
         "device": {
             "name": device_name(cal.threads),
-            "kind": "cpu",
+            "kind": "cpu" if cal.gpu is None else "gpu",
+            "host_to_device_gb_s": None if cal.gpu is None else _gb(cal.gpu["h2d"], 3),
             "memory_bytes": memory_bytes(),
             "budget_bytes": cal.budget_bytes,
             "memory_bandwidth_gb_s": round(cal.mem_bw / 1e9, 3),
@@ -561,11 +612,13 @@ def _step_profile(cal: _Calibration, index: int, name: str, save: bool):
 def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, name: str | None = None,
                     save: bool = True, n_threads: int | None = None,
                     should_stop: Callable[[], bool] | None = None, repeats: int = 3,
-                    draft_topk: int | None = None, draft_cap: int = DRAFT_CAP) -> Iterator[object]:
+                    draft_topk: int | None = None, draft_cap: int = DRAFT_CAP,
+                    placement: Placement = Placement()) -> Iterator[object]:
     """Calibrate model_path on this device; yield StepStarted/StepProgress/StepResult…, CalibrationDone.
 
     budget: where to measure the cost of fetching experts (None: skip that step).
     prompts: list of strings, a path to a prompts file, or None for the built-in prompts.
+    placement: where the weights go for the plain, draft and verification timings (-ngl, --cpu-moe…).
     should_stop: polled between measurements; when it returns True the generator returns without
     yielding anything more and without writing a profile (see the module docstring)."""
     name = check_name(DEFAULT_NAME if name is None else name)
@@ -574,14 +627,15 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
         raise ModelError(f"{info.path.name} is a dense model: calibration measures Mixture-of-Experts costs")
     if draft_topk is None or draft_topk >= info.n_expert_used:
         draft_topk = defaults_for(info).draft_topk  # what a generation with no flag drafts with
+    placement.validate(info)
     if save:
         check_writable(name)  # before minutes of measurements, not after them
     cal = _Calibration(info, expert_map(info.path), budget=budget,
                        prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
                        threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,
-                       draft_cap=draft_cap, stop=should_stop or (lambda: False))
+                       draft_cap=draft_cap, stop=should_stop or (lambda: False), placement=placement)
     steps = (_step_bandwidth, _step_plain_and_draft, _step_cost_model, _step_hot_experts, _step_under_budget,
-             lambda cal, index: _step_profile(cal, index, name, save))
+             _step_gpu, lambda cal, index: _step_profile(cal, index, name, save))
     try:
         for index, step in enumerate(steps, 1):
             yield StepStarted(index, len(STEPS), *STEPS[index - 1])
@@ -620,7 +674,12 @@ def _merge_into_existing(name: str, fresh: dict, fingerprint: str, block: dict) 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--cold-worker":
-        return _cold_worker(json.loads(argv[1]))
+        try:
+            return _cold_worker(json.loads(argv[1]))
+        except Exception as e:  # noqa: BLE001 (the parent gets the reason as data, not a traceback's last line)
+            message = e.worded() if isinstance(e, S2MoEError) else str(e) or type(e).__name__
+            sys.stdout.write(json.dumps({"error": {"kind": type(e).__name__, "message": message}}) + "\n")
+            return 1
     print("usage: s2moe calibrate --model PATH (this module's own entry point is internal)", file=sys.stderr)
     return 2
 

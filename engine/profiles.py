@@ -17,6 +17,7 @@ carries published figures and may hold `reference` constants that apply to any m
       memory_bandwidth_gb_s: 26.1  # GB = 1e9 bytes
       storage_bandwidth_gb_s: 0.75 # cold reads of whole experts, one at a time
       storage_bandwidth_qd8_gb_s: 1.0  # ... eight in flight
+      host_to_device_gb_s: 25.0    # optional (a GPU): copies from host memory into the GPU's
     models:
       <fingerprint>:               # 16 hex digits
         model: olmoe-64x8.gguf     # file name when measured (informative)
@@ -34,6 +35,9 @@ carries published figures and may hold `reference` constants that apply to any m
         t_tok_ms: 4.0              # one more token in a verification batch
         intercept_ms: 1.0
         fit: {intercept_ms: 1.0, t_exp_ms: 0.05, t_tok_ms: 4.0, r2: 0.97, mape: 0.04, n: 60}
+        t_exp_copy_ms: 0.07        # optional (a GPU): one more distinct expert, experts in host memory copied
+        copy_min_batch: 2          # ... from this verification batch size copying beats the CPU (null: never)
+        fit_copy: {...}            # ... the fit T_exp_copy comes from, same fields as fit
         fit_cold: {...}            # optional, same fields, under the budget (per distinct expert)
         fit_cold_misses: {intercept_ms, t_exp_warm_ms, t_exp_cold_ms, t_tok_ms, r2, mape, n, r2_given_faults}
                                    # optional: the same batches by resident vs fetched experts;
@@ -41,10 +45,6 @@ carries published figures and may hold `reference` constants that apply to any m
         hot_experts: [[0, 12], [0, 3], ...]   # [layer, expert], most routed first (up to half the
                                    # expert bytes); a run under a budget pins the prefix that fits
         measured: {at: 2026-01-01T00:00:00+00:00, by: s2moe calibrate, threads: 2, ...}
-    reference:                     # optional: constants for any model (reference profiles)
-      t_ar_ms: 100
-      c_draft_ms: 7.5
-      t_exp_ms: 0.15625
         tuned:                     # optional, written by s2moe tune (engine/tune.py), per condition
           resident:                # or budget: the model under a memory budget
             settings: {draft_topk: 2, draft_max: 8, threshold: 1.0, reuse_strength: 0.5, reuse_cap: 16}
@@ -54,6 +54,10 @@ carries published figures and may hold `reference` constants that apply to any m
             search: {method, candidates, rungs, seconds, time_budget_s, ...}
             log: [{rung, draft_topk, ..., tok_s, prompts, kept}, ...]
             measured: {at, by: s2moe tune, budget, prompts, threads}
+    reference:                     # optional: constants for any model (reference profiles)
+      t_ar_ms: 100
+      c_draft_ms: 7.5
+      t_exp_ms: 0.15625
       expert_bytes: 599654
 """
 
@@ -79,18 +83,18 @@ SCHEMA_VERSION = 1
 PROFILE_KINDS = ("measured", "reference")
 DEVICE_KINDS = ("cpu", "gpu", "jetson", "other")
 _CONST_KEYS = ("t_ar_ms", "c_draft_ms", "t_exp_ms")
-_OPTIONAL_KEYS = ("t_tok_ms", "intercept_ms", "t_exp_cold_ms", "t_ar_cold_ms", "c_draft_cold_ms")
+_OPTIONAL_KEYS = ("t_tok_ms", "intercept_ms", "t_exp_cold_ms", "t_ar_cold_ms", "c_draft_cold_ms", "t_exp_copy_ms")
 _FIT_KEYS = ("intercept_ms", "t_exp_ms", "t_tok_ms", "r2", "mape", "n")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _FP_RE = re.compile(r"^[0-9a-f]{16}$")
-
-
-def user_profile_dir() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
 # `s2moe tune`'s result per model, by where the model runs: fully resident, or under a memory budget
 TUNED_CONDITIONS = ("resident", "budget")
 TUNED_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap")
 TUNED_DRAFT_MAX = 16  # a decoder's verification batch is sized for at most this many drafted tokens
+
+
+def user_profile_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "s2moe" / "profiles"
 
 
@@ -182,7 +186,8 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
         _number(block, key, where, signed=(key == "intercept_ms"))
     for key in ("expert_bytes", "n_layer", "n_expert", "n_expert_used"):
         _number(block, key, where, integer=True)
-    for key in ("fit", "fit_cold"):
+    _number(block, "copy_min_batch", where, positive=True, integer=True)
+    for key in ("fit", "fit_cold", "fit_copy"):
         if block.get(key) is not None:
             _validate_fit(block[key], f"{where}.{key}")
     misses = block.get("fit_cold_misses")
@@ -216,11 +221,6 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
     measured = block.get("measured")
     if measured is not None and not isinstance(measured, dict):
         raise ConfigError(f"{where}: field measured must be a mapping (when, how)")
-
-
-def validate_profile(data, where: str = "profile") -> dict:
-    """Check a profile's structure; raise ConfigError naming the failing field. Returns data."""
-    if not isinstance(data, dict):
     if block.get("tuned") is not None:
         _validate_tuned(block["tuned"], where)
 
@@ -241,6 +241,11 @@ def _validate_tuned(tuned, where: str) -> None:
             raise ConfigError(f"{sw}: field draft_max must be at most {TUNED_DRAFT_MAX}, got {settings['draft_max']!r}")
         for key in ("threshold", "reuse_strength"):
             _number(settings, key, sw, required=True)
+
+
+def validate_profile(data, where: str = "profile") -> dict:
+    """Check a profile's structure; raise ConfigError naming the failing field. Returns data."""
+    if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping at top level")
     schema = data.get("schema", SCHEMA_VERSION)
     if schema != SCHEMA_VERSION:
@@ -261,7 +266,8 @@ def _validate_tuned(tuned, where: str) -> None:
             raise ConfigError(f"{dw}: field kind must be one of {', '.join(DEVICE_KINDS)}, got {dkind!r}")
         for key in ("memory_bytes", "budget_bytes"):
             _number(device, key, dw, positive=True, integer=True)
-        for key in ("memory_bandwidth_gb_s", "storage_bandwidth_gb_s", "storage_bandwidth_qd8_gb_s"):
+        for key in ("memory_bandwidth_gb_s", "storage_bandwidth_gb_s", "storage_bandwidth_qd8_gb_s",
+                    "host_to_device_gb_s"):
             _number(device, key, dw, positive=True)
     models = data.get("models")
     if models is not None:
@@ -469,7 +475,8 @@ def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
 
 
 # -- constants for the engine -------------------------------------------------------------------------
-def _constants(block: dict, where: str, source: str, offloaded: bool = False) -> CostConstants:
+def _constants(block: dict, where: str, source: str, offloaded: bool = False,
+               experts_in_host: bool = False) -> CostConstants:
     _validate_constants(block, where)
 
     def ms(key, default=0.0):
@@ -496,6 +503,15 @@ def _constants(block: dict, where: str, source: str, offloaded: bool = False) ->
         elif block.get("t_exp_cold_ms") is not None:
             t_exp = ms("t_exp_cold_ms")
             source += " (cold T_exp)"
+    elif experts_in_host and block.get("t_exp_copy_ms") is not None:
+        # the experts a verification uses are copied to the GPU: what one more of them costs is its copy
+        copy = block.get("fit_copy") or {}
+        if copy:
+            fit = copy
+            t_tok = float(copy.get("t_tok_ms") or 0.0)
+            intercept = float(copy.get("intercept_ms") or 0.0)
+        t_exp = ms("t_exp_copy_ms")
+        source += " (experts in host memory, copied)"
     return CostConstants(
         t_ar=t_ar / 1e3,
         c_draft=c_draft / 1e3,
@@ -514,20 +530,23 @@ def model_block(profile: dict, fingerprint: str) -> dict | None:
     return models.get(fingerprint) if isinstance(models, dict) else None
 
 
-def cost_for_model(profile: dict, fingerprint: str, model_name: str = "", *, offloaded: bool = False) -> CostConstants:
+def cost_for_model(profile: dict, fingerprint: str, model_name: str = "", *, offloaded: bool = False,
+                   experts_in_host: bool = False) -> CostConstants:
     """The profile's constants for this model, or its reference constants, or a clear error.
 
     offloaded: the model runs under a memory budget, so an extra expert costs a fetch: use the cold
-    fit (or cold T_exp) where the profile has one."""
+    fit (or cold T_exp) where the profile has one. experts_in_host: the experts stay in host memory and the
+    GPU copies those a verification uses (--cpu-moe with -ngl): use the copy cost where the profile has it."""
     name = profile.get("name", "?")
     models = profile.get("models") or {}
     if not isinstance(models, dict):
         raise ConfigError(f"profile {name}: field models must be a mapping of fingerprint → constants")
     if fingerprint in models:
-        return _constants(models[fingerprint], f"profile {name}, model {fingerprint}", f"profile:{name}", offloaded)
+        return _constants(models[fingerprint], f"profile {name}, model {fingerprint}", f"profile:{name}", offloaded,
+                          experts_in_host)
     if profile.get("reference") is not None:
         return _constants(profile["reference"], f"profile {name}, reference",
-                          f"profile:{name} (reference values)", offloaded)
+                          f"profile:{name} (reference values)", offloaded, experts_in_host)
     raise ConfigError(
         f"profile {name} was not calibrated for this model ({model_name or 'fingerprint'} {fingerprint}); "
         f"run `s2moe calibrate --model ... --name {name}`"

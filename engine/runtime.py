@@ -25,6 +25,7 @@ import numpy.random  # noqa: F401
 
 from .device import default_threads
 from .errors import OPTION, ConfigError, ContextError, ModelError
+from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type
 from .hook import RoutingHook
 from .model_info import ModelInfo
 
@@ -57,14 +58,29 @@ def _log_sink(level, text, user_data):
 
 
 _backend_ready = False
+_backend_min_batch: str | None = None  # GGML_OP_OFFLOAD_MIN_BATCH as the backend started with
 
 
-def _init_backend() -> None:
-    global _backend_ready
-    if not _backend_ready:
-        llama_cpp.llama_log_set(_log_sink, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        _backend_ready = True
+def _init_backend(op_offload_min_batch: int | None = None) -> None:
+    """Start llama.cpp's backend once per process. A GPU backend reads GGML_OP_OFFLOAD_MIN_BATCH when its
+    devices are registered, once: a value asked for must be in the environment before that, and a later
+    request for another value cannot be honoured (ConfigError)."""
+    global _backend_ready, _backend_min_batch
+    if _backend_ready:
+        if op_offload_min_batch is not None and str(op_offload_min_batch) != _backend_min_batch:
+            started = _backend_min_batch if _backend_min_batch is not None else f"unset ({MIN_BATCH_DEFAULT})"
+            raise ConfigError(f"{OPTION} {op_offload_min_batch} comes too late: llama.cpp's backend in this process "
+                              f"started with {MIN_BATCH_ENV}={started} and reads it only then (start a new "
+                              "process)", option="op_offload_min_batch")
+        return
+    if op_offload_min_batch is not None:
+        os.environ[MIN_BATCH_ENV] = str(op_offload_min_batch)
+    _backend_min_batch = os.environ.get(MIN_BATCH_ENV)
+    llama_cpp.llama_log_set(_log_sink, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    # Register the devices now (the variable is read there), not at whichever call happens to come first.
+    llama_cpp.llama_supports_gpu_offload()
+    _backend_ready = True
 
 
 _ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
@@ -171,7 +187,7 @@ class LlamaRuntime:
         n_threads: int | None = None,
         max_verify_rows: int = 16,
         cap_max: int = 64,
-        n_gpu_layers: int = 0,
+        placement: Placement = Placement(),
         use_extra_bufts: bool = True,
         int_overrides: dict[str, int] | None = None,
         install_hook: bool = True,
@@ -179,12 +195,20 @@ class LlamaRuntime:
     ):
         check_threads(n_threads)
         check_ctx(n_ctx, max(MIN_CTX, max_verify_rows))
-        _init_backend()
+        placement.validate(info)
+        _init_backend(placement.op_offload_min_batch)
         self.info = info
+        self.placement = placement
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = n_gpu_layers
+        mparams.n_gpu_layers = placement.n_gpu_layers
         mparams.use_mmap = True
         mparams.use_extra_bufts = use_extra_bufts
+        # llama.cpp keeps this pointer in the model and reads it again when a context is made: the array
+        # lives as long as the runtime
+        self._buft_overrides = None
+        if placement.experts_in_host:
+            self._buft_overrides = BuftOverrides(placement.patterns(), cpu_buffer_type())
+            mparams.tensor_buft_overrides = self._buft_overrides.address
         if int_overrides:
             # e.g. {"olmoe.expert_used_count": 2}: a model that really uses fewer experts (load time only)
             self._overrides = (llama_cpp.llama_model_kv_override * (len(int_overrides) + 1))()
@@ -219,6 +243,9 @@ class LlamaRuntime:
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
+        # An op on host weights (experts kept in host memory) runs on the GPU from GGML_OP_OFFLOAD_MIN_BATCH
+        # tokens, copying only the experts the batch routes to: the GPU regime depends on it being on.
+        cparams.op_offload = True
         if self.hook is not None:
             cparams.cb_eval = ctypes.cast(ctypes.c_void_p(self.hook.callback), llama_cpp.ggml_backend_sched_eval_callback)
             cparams.cb_eval_user_data = ctypes.c_void_p(self.hook.user_data)

@@ -32,8 +32,8 @@ def test_calibrate_end_to_end_without_cgroups(tiny_models, xdg, monkeypatch):
     events = _run(tiny_models["olmoe"], budget=Budget(4 << 30), name="tiny")
     started = [e for e in events if isinstance(e, StepStarted)]
     results = [e for e in events if isinstance(e, StepResult)]
-    assert [e.index for e in started] == [1, 2, 3, 4, 5, 6] and all(e.total == 6 for e in started)
-    assert [e.index for e in results] == [1, 2, 3, 4, 5, 6]
+    assert [e.index for e in started] == [1, 2, 3, 4, 5, 6, 7] and all(e.total == 7 for e in started)
+    assert [e.index for e in results] == [1, 2, 3, 4, 5, 6, 7]
     # events come in order: a step's progress and result between its start and the next start
     current = 0
     for e in events:

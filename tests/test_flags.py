@@ -34,10 +34,10 @@ def test_gpu_layers_in_llama_cpp_spellings(flag):
     assert parse("generate", "-p", "x", "-ngl", "-1").gpu_layers == -1
 
 
-@pytest.mark.parametrize("command", ["bench", "app", "calibrate"])
+@pytest.mark.parametrize("command", [["models"], ["profiles", "list"]])
 def test_ngl_where_there_is_no_such_option_is_named_not_read_as_dash_n(command):
     with pytest.raises(ConfigError, match=r"unknown option -ngl: no -ngl/--n-gpu-layers"):
-        parse(command, "-ngl", "0")
+        parse(*command, "-ngl", "0")
 
 
 def test_ngl_with_its_value_glued_on_says_how_to_write_it():

