@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 
-from ..engine.errors import ConfigError, S2MoEError
+from ..engine.errors import ConfigError, S2MoEError, Terminated
 from ..engine.modes import MODES
 
 
@@ -279,16 +280,17 @@ def run_cli_in_budget(cli_argv: list[str], budget, model: str, *, tag: str) -> i
     with offload.run_in_budget([sys.executable, "-m", "s2moe.app.cli", *cli_argv], budget, model, tag=tag) as run:
         try:
             return run.wait()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             # Ctrl-C at the terminal reaches the child too (one process group); SIGTERM, or a signal to
-            # this pid alone, does not: make sure it has one, and let it say "interrupted" itself.
+            # this pid alone, does not: make sure it has the same, and let it say so itself.
+            sig, code = (signal.SIGTERM, 143) if isinstance(e, Terminated) else (signal.SIGINT, 130)
             try:
                 run.proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
-                run.proc.send_signal(signal.SIGINT)
+                run.proc.send_signal(sig)
             try:
-                if run.proc.wait(timeout=5) == 130:
-                    return 130
+                if run.proc.wait(timeout=5) == code:
+                    return code
             except subprocess.TimeoutExpired:
                 pass
             raise
@@ -549,17 +551,37 @@ def _abort_line(message: str) -> None:
     os._exit(2)
 
 
-def _say_interrupted() -> None:
-    """'interrupted', once: a second Ctrl-C while saying it (or one a budget's parent passes on) is ignored
-    rather than raised in the middle of the handler as a traceback."""
+def _say_interrupted(word: str = "interrupted") -> None:
+    """'interrupted' (or 'terminated'), once: a second signal while saying it (or one a budget's parent
+    passes on) is ignored rather than raised in the middle of the handler as a traceback."""
     if threading.current_thread() is not threading.main_thread():
-        print("interrupted", file=sys.stderr)
+        print(word, file=sys.stderr)
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        print("interrupted", file=sys.stderr)
+        print(word, file=sys.stderr)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def _sigterm_raises():
+    """SIGTERM raised as Terminated in the main thread while a command runs: the clean-up Ctrl-C gets (a
+    budget's cgroup and worker, a profile's temporary file) runs for it too, where it would otherwise
+    die on the spot."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv=None) -> int:
@@ -582,10 +604,14 @@ def main(argv=None) -> int:
             from ..engine.runtime import on_llama_abort
 
             on_llama_abort(_abort_line)
-        return args.run(args)
+        with _sigterm_raises():
+            return args.run(args)
     except S2MoEError as e:
         print(f"error: {one_line(e.worded(FLAGS))}", file=sys.stderr)
         return 2
+    except Terminated:
+        _say_interrupted("terminated")
+        return 143
     except KeyboardInterrupt:
         _say_interrupted()
         return 130

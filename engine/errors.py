@@ -38,3 +38,8 @@ class ConfigError(S2MoEError):
 
 class ContextError(S2MoEError):
     """The prompt does not fit the context window."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C is, so that the same clean-up runs (a budget's cgroup
+    and worker, a profile's temporary file); the CLI then exits with 143, the code of death by SIGTERM."""

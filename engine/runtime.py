@@ -105,25 +105,26 @@ def on_llama_abort(handler: Callable[[str], None]) -> None:
 
 
 @contextmanager
-def _sigint_after_call():
-    """Ctrl-C while llama.cpp runs would raise KeyboardInterrupt inside the log callback, where ctypes
-    prints it and drops it: the load would go on as if nothing happened. Over the call, a Ctrl-C is only
-    noted; it is raised (through the handler that was there) once the call has returned."""
+def _signals_after_call():
+    """Ctrl-C (or SIGTERM, which the CLI raises as an exception too) while llama.cpp runs would raise inside
+    the log callback, where ctypes prints it and drops it: the load would go on as if nothing happened.
+    Over the call, such a signal is only noted; it is raised (through the handler that was there) once the
+    call has returned."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers run in the main thread only: nothing to hold here
         return
-    previous = signal.getsignal(signal.SIGINT)
-    if not callable(previous):  # SIG_IGN, SIG_DFL: no Python handler to drop
-        yield
-        return
+    # SIG_IGN, SIG_DFL: no Python handler to drop
+    previous = {sig: h for sig in (signal.SIGINT, signal.SIGTERM) if callable(h := signal.getsignal(sig))}
     noted = []
-    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: noted.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if noted:
-            previous(signal.SIGINT, None)
+            previous[noted[0]](noted[0], None)
 
 
 def last_llama_error() -> str:
@@ -220,7 +221,7 @@ class LlamaRuntime:
             used_key = f"{info.arch}.expert_used_count"
             if used_key in int_overrides:
                 self.info = info = replace(info, n_expert_used=int(int_overrides[used_key]))
-        with _sigint_after_call():
+        with _signals_after_call():
             self.model = llama_cpp.llama_model_load_from_file(os.fsencode(info.path), mparams)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {info.path.name}: {last_llama_error()}")
@@ -249,7 +250,7 @@ class LlamaRuntime:
         if self.hook is not None:
             cparams.cb_eval = ctypes.cast(ctypes.c_void_p(self.hook.callback), llama_cpp.ggml_backend_sched_eval_callback)
             cparams.cb_eval_user_data = ctypes.c_void_p(self.hook.user_data)
-        with _sigint_after_call():
+        with _signals_after_call():
             self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)

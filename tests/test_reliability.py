@@ -1,5 +1,5 @@
 """What the README promises for bad input, signals and the filesystem: one line on stderr and exit code 2
-for bad input, exit code 130 for Ctrl-C, no hang, no half-written or left-behind file."""
+for bad input, exit code 130 for Ctrl-C and 143 for SIGTERM, no hang, no half-written or left-behind file."""
 
 from __future__ import annotations
 
@@ -324,10 +324,13 @@ def _link(path: str) -> str:
         return ""
 
 
-@pytest.mark.parametrize("delay_ms", [0, 15, 30, 45])
-def test_ctrl_c_during_a_real_model_load_exits_130(widened_model, delay_ms):
-    """A real Ctrl-C from outside, sent while llama.cpp loads a 160 MB model: before, it was swallowed in the
-    log callback and generation went on to exit 0."""
+@pytest.mark.parametrize("sig,delay_ms", [(signal.SIGINT, 0), (signal.SIGINT, 15), (signal.SIGINT, 30),
+                                         (signal.SIGINT, 45), (signal.SIGTERM, 0), (signal.SIGTERM, 30)])
+def test_a_signal_during_a_real_model_load_ends_the_run(widened_model, sig, delay_ms):
+    """A real Ctrl-C (or SIGTERM) from outside, sent while llama.cpp loads a 160 MB model: before, a Ctrl-C
+    was swallowed in the log callback and generation went on to exit 0. Exit 130 for Ctrl-C, 143 for
+    SIGTERM, each saying so in one line."""
+    code, word = (130, "interrupted") if sig == signal.SIGINT else (143, "terminated")
     model = os.path.realpath(widened_model)
     # The load lasts a fraction of a second and is seen by polling /proc from outside: on a loaded machine
     # the poll can miss it, and then no signal was sent at all. Such an attempt proves nothing either way
@@ -345,12 +348,12 @@ def test_ctrl_c_during_a_real_model_load_exits_130(widened_model, delay_ms):
             if not caught:
                 continue
             time.sleep(delay_ms / 1000)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
             _, err = proc.communicate(timeout=60)
         finally:
             proc.kill()
             proc.wait()
-        assert proc.returncode == 130 and err == "interrupted\n", (proc.returncode, err)
+        assert proc.returncode == code and err == f"{word}\n", (proc.returncode, err)
         return
     pytest.fail("never saw llama.cpp load the model in five attempts")
 
@@ -599,7 +602,8 @@ def test_generate_under_a_budget_interrupted_says_so_once_and_cleans_up(tiny_mod
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and err == "interrupted\n", (proc.returncode, err)
+    code, word = (130, "interrupted") if how == "ctrl-c" else (143, "terminated")
+    assert proc.returncode == code and err == f"{word}\n", (proc.returncode, err)
     assert not cg.exists() and _gone(child)
 
 
@@ -616,7 +620,7 @@ def test_sigterm_during_calibrate_budget_auto_removes_its_cgroup_and_worker(tiny
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and err.splitlines()[-1] == "interrupted", (proc.returncode, err)
+    assert proc.returncode == 143 and err.splitlines()[-1] == "terminated", (proc.returncode, err)
     assert not cg.exists() and _gone(worker)
     assert not list(tmp_path.rglob("*.yaml")) and not list(tmp_path.rglob(".*.tmp"))
 
@@ -660,6 +664,43 @@ def test_a_save_removes_the_temporary_file_a_killed_save_left(tmp_path):
     save_profile(dict(PROFILE, description="new"), "local", folder=tmp_path)
     assert not left.exists() and in_flight.exists() and other.exists()
     assert load_profile(str(target))["description"] == "new"
+
+
+TERMINATED_SAVE = """
+import os, sys, time
+from s2moe.app.cli import main
+
+real_fsync = os.fsync
+
+def stuck(fd):  # the profile's temporary file only
+    if not os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".local."):
+        return real_fsync(fd)
+    print("writing", flush=True)
+    time.sleep(60)
+
+os.fsync = stuck
+sys.exit(main(["calibrate", "-m", sys.argv[1], "--threads", "1", "--repeats", "1", "--no-plot"]))
+"""
+
+
+def test_sigterm_during_calibrates_profile_write_leaves_no_file(tiny_models, tmp_path):
+    """Killed by SIGTERM mid-write (the default action would end the process there and then): the
+    temporary file is removed, no profile appears, the exit code is 143."""
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "cfg"))
+    proc = subprocess.Popen([sys.executable, "-c", TERMINATED_SAVE, str(tiny_models["olmoe"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line == "writing\n":
+                break
+        assert list(tmp_path.rglob(".*.tmp")), "no temporary profile while writing"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 143 and err.splitlines()[-1] == "terminated", (proc.returncode, err)
+    assert not list(tmp_path.rglob(".*.tmp")) and not list(tmp_path.rglob("*.yaml"))
 
 
 def test_profiles_list_shows_messages_with_brackets_as_written(tmp_path, capsys, monkeypatch):

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, Terminated
 from .budget import Budget, auto_budget_bytes, current_budget, plan_budget
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
@@ -50,13 +50,14 @@ class BudgetRun:
 
 @contextmanager
 def _sigterm_as_interrupt():
-    """SIGTERM → KeyboardInterrupt in the main thread, so that clean-up (the child, the cgroup) runs."""
+    """SIGTERM → Terminated (a KeyboardInterrupt) in the main thread, so that clean-up (the child, the cgroup)
+    runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
