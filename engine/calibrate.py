@@ -455,6 +455,7 @@ def _step_under_budget(cal: _Calibration, index: int):
 
 
 NO_GPU = "skipped: no GPU backend in this llama.cpp build"
+NO_GPU_DEVICE = "skipped: no GPU among llama.cpp's devices"  # a backend of other devices (a remote one, say)
 
 
 def _step_gpu(cal: _Calibration, index: int):
@@ -464,8 +465,12 @@ def _step_gpu(cal: _Calibration, index: int):
     if not gpu_backend():
         yield StepResult(index, name, NO_GPU, {"skipped": NO_GPU})
         return
+    kind = gpu_device_type()
+    if kind is None:
+        yield StepResult(index, name, NO_GPU_DEVICE, {"skipped": NO_GPU_DEVICE})
+        return
     try:
-        rate = transfer_rate(gpu_device_type())
+        rate = transfer_rate(kind)
         cal.close()  # the timing processes load the model onto the GPU themselves
         layers = cal.placement.n_gpu_layers or -1
         mode = yield from cal.live(measure_copy_mode(cal.info.path, sizes=_sizes(cal.draft_cap), n_gpu_layers=layers,

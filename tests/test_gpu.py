@@ -108,14 +108,15 @@ def test_without_overrides_llama_cpp_moves_nothing(tiny_models, llama_log):
 
 
 def test_experts_in_host_memory_decode_the_same_tokens(tiny_models, decoders):
-    """On a CPU build the override names the buffer type the experts had anyway: the model loads and
-    decodes exactly as before (lossless modes token-identical to ar)."""
+    """On a CPU build (here with -ngl too) the override names the buffer type the experts had anyway: the
+    model loads and decodes exactly as before (lossless modes token-identical to ar)."""
     def tokens(decoder, **kw):
         events = decoder.generate("def add(a, b):", GenerationConfig(n_predict=12, stop_at_eos=False, **kw))
         return [e for e in events if isinstance(e, Finished)][0].tokens
 
     ar = tokens(decoders["olmoe"], mode="ar")
-    d = Decoder(str(tiny_models["olmoe"]), n_ctx=512, n_threads=1, placement=Placement(cpu_moe=True, n_gpu_layers=-1))
+    layers = 0 if HAS_GPU else -1  # on a GPU the other layers' numerics would differ from the CPU's
+    d = Decoder(str(tiny_models["olmoe"]), n_ctx=512, n_threads=1, placement=Placement(cpu_moe=True, n_gpu_layers=layers))
     try:
         assert d.rt.placement.cpu_moe
         assert tokens(d, mode="ar") == ar
@@ -412,3 +413,13 @@ def test_host_to_device_rate_and_copy_mode_on_the_gpu(tiny_models):
             mode = stop.value
             break
     assert len(mode.copy_s) == 3 and min(mode.copy_s + mode.cpu_s) > 0
+
+
+def test_a_calibration_without_a_gpu_counts_the_gpu_step_as_skipped_not_failed():
+    from s2moe.app.tui.calibrate import step_outcome
+    from s2moe.engine.calibrate import NO_GPU, NO_GPU_DEVICE, StepResult
+
+    for why in (NO_GPU, NO_GPU_DEVICE):
+        outcome = step_outcome(StepResult(6, "gpu", why, {"skipped": why}))
+        assert outcome.state == "skipped" and outcome.reason == why[len("skipped: "):]
+    assert step_outcome(StepResult(6, "gpu", "failed: x", {"skipped": "failed: x"})).state == "failed"

@@ -68,7 +68,9 @@ def step_outcome(result: StepResult, fields: dict[str, str] | None = None) -> Ou
     skipped = data.get("skipped")
     if skipped:
         note = result.summary[len(skipped):].lstrip("; ") if result.summary.startswith(skipped) else ""
-        if skipped.startswith("skipped: no memory budget given") or skipped == engine_calibrate.NO_GPU:
+        # nothing to measure (no budget asked for, no GPU): a skip, not a failure
+        if skipped.startswith(("skipped: no memory budget given", engine_calibrate.NO_GPU,
+                               engine_calibrate.NO_GPU_DEVICE)):
             return Outcome("skipped", skipped[len("skipped: "):], note)
         # a budget was given but could not be measured under: its figures are missing from the profile
         reason = skipped[len("failed: "):] if skipped.startswith("failed: ") else skipped
