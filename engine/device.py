@@ -1,4 +1,6 @@
-"""What this machine offers to a run: the threads to use, the CPU's name, physical memory.
+"""What this machine offers to a run: the threads to use, the CPU's name, physical memory; and live
+readings of it (memory, page cache, storage reads, CPU per core, the budget cgroup, a Jetson's GPU) for
+the app's device view.
 
 No llama.cpp here, so the CLI and the app can ask before a model is loaded.
 """
@@ -7,6 +9,8 @@ from __future__ import annotations
 
 import os
 import platform
+import re
+from dataclasses import dataclass
 
 
 def default_threads(spare: int = 0) -> int:
@@ -39,3 +43,138 @@ def memory_bytes() -> int | None:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+# -- live readings for the app's device view --------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceSample:
+    """One reading of what explains offloading's behaviour: memory and swap, the model file in the page
+    cache, storage reads, CPU per core, the memory cgroup against its budget and, on a Jetson, the GPU.
+    Rates and CPU shares are since the previous reading (None / empty on the first)."""
+
+    t: float
+    memory: dict[str, int]                 # /proc/meminfo in bytes
+    cpu: list[float]                       # busy share of each core
+    read_bytes_per_s: float | None         # this process's reads from storage
+    disk: str | None                       # the block device holding the model
+    disk_read_bytes_per_s: float | None    # everything read from that device
+    model_cached: tuple[int, int] | None   # (bytes of the model file in the page cache, its size)
+    cgroup: dict[str, int] | None          # the budget cgroup: total, anon, file, locked, limit
+    jetson: dict | None                    # tegrastats: gpu_load (%), temps (°C), power (mW)
+
+
+class DeviceMonitor:
+    """Takes DeviceSamples; keeps the previous counters for rates. Reading /proc costs milliseconds, the
+    model file's page-cache residency one mincore over its pages."""
+
+    def __init__(self, model_path: str | None = None):
+        from .offload.procfs import block_device
+
+        self.model_path = model_path
+        self.disk = block_device(model_path) if model_path else None
+        self._prev: tuple[float, list[tuple[int, int]], int | None, int | None] | None = None
+        self.tegrastats = TegraStats.start() if TegraStats.available() else None
+
+    def sample(self) -> DeviceSample:
+        import time
+
+        from .errors import ConfigError
+        from .offload.cgroup import current_budget_cgroup
+        from .offload.procfs import cpu_times, disk_read_bytes, file_cached_bytes, meminfo, process_read_bytes
+
+        t = time.monotonic()
+        cpu = cpu_times()
+        io = process_read_bytes()
+        disk = disk_read_bytes(self.disk) if self.disk else None
+        shares: list[float] = []
+        rate = disk_rate = None
+        if self._prev is not None:
+            t0, cpu0, io0, disk0 = self._prev
+            dt = max(t - t0, 1e-6)
+            shares = [(b - b0) / (n - n0) if n > n0 else 0.0 for (b, n), (b0, n0) in zip(cpu, cpu0)]
+            rate = (io - io0) / dt if io is not None and io0 is not None else None
+            disk_rate = (disk - disk0) / dt if disk is not None and disk0 is not None else None
+        self._prev = (t, cpu, io, disk)
+        cached = None
+        if self.model_path:
+            try:
+                cached = file_cached_bytes(self.model_path)
+            except OSError:
+                cached = None  # the file went away or cannot be mapped: nothing to show, not an error
+        try:
+            cg = current_budget_cgroup()
+        except ConfigError:
+            cg = None
+        group = None
+        if cg is not None:
+            group = dict(cg.split(), limit=cg.limit())
+        jetson = self.tegrastats.latest() if self.tegrastats is not None else None
+        return DeviceSample(t, meminfo(), shares, rate, self.disk, disk_rate, cached, group, jetson)
+
+    def close(self) -> None:
+        if self.tegrastats is not None:
+            self.tegrastats.stop()
+            self.tegrastats = None
+
+
+_GR3D = re.compile(r"GR3D_FREQ (\d+)%")
+_TEMP = re.compile(r"(\w+)@(-?\d+(?:\.\d+)?)C\b")
+_POWER = re.compile(r"\b((?:VDD|POM|VIN)_\w+) (\d+)(?:mW)?/(\d+)(?:mW)?")
+
+
+def parse_tegrastats(line: str) -> dict:
+    """GPU load (%), temperatures (°C, sensors that read -256 are off) and power rails (mW, the current
+    reading) from one line of Jetson's tegrastats."""
+    out: dict = {"gpu_load": None, "temps": {}, "power": {}}
+    m = _GR3D.search(line)
+    if m:
+        out["gpu_load"] = int(m.group(1))
+    for name, value in _TEMP.findall(line):
+        if float(value) > -200:
+            out["temps"][name] = float(value)
+    for name, now, _avg in _POWER.findall(line):
+        out["power"][name] = int(now)
+    return out
+
+
+class TegraStats:
+    """Jetson's tegrastats, run in the background at one line a second; latest() is the last line read."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.proc = proc
+        self._latest: dict | None = None
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def available() -> bool:
+        import shutil
+
+        return shutil.which("tegrastats") is not None
+
+    @classmethod
+    def start(cls) -> "TegraStats | None":
+        import subprocess
+
+        try:
+            proc = subprocess.Popen(["tegrastats", "--interval", "1000"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return None
+        return cls(proc)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._latest = parse_tegrastats(line)
+
+    def latest(self) -> dict | None:
+        return self._latest
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=2)
+        except Exception:  # noqa: BLE001 - it is ours to end: kill what does not stop
+            self.proc.kill()

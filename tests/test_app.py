@@ -801,3 +801,25 @@ def test_every_tile_is_on_screen_together_at_80x24():
             assert chat.maximized is None
 
     run(go())
+
+
+# -- device ---------------------------------------------------------------------------------------------------
+def test_the_device_screen_reads_this_machine_once_a_second():
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f10")
+            screen = app.screen
+            assert type(screen).__name__ == "DeviceScreen"
+            await wait_for(pilot, lambda: screen.samples >= 2, timeout=10, what="two readings")
+            view = screen.query_one("#device-view")
+            text = "\n".join(line.text for line in view.render_lines(view.region.reset_offset))
+            for label in ("Memory", "Swap", "Budget", "Reads", "CPU"):
+                assert f"\n{label} " in "\n" + text, label
+            assert "measuring" not in text  # the second reading has per-core shares
+            assert len(screen.sample.cpu) >= 1
+            await pilot.press("f2")
+            assert type(app.screen).__name__ == "ChatScreen"
+
+    run(go())

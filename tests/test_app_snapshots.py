@@ -219,3 +219,41 @@ def test_no_model_dialog(snap_compare, size):
         await settle(pilot)
 
     assert snap_compare(S2MoEApp(None), terminal_size=size, run_before=run_before)
+
+
+def device_samples():
+    """Readings of a Jetson Orin under a 1.5 GiB budget, as engine.device would take them."""
+    from s2moe.engine.device import DeviceSample, parse_tegrastats
+
+    gib = 1 << 30
+    memory = {"MemTotal": 30 * gib, "MemAvailable": 12 * gib, "Cached": 9 * gib, "SwapTotal": 15 * gib,
+              "SwapFree": 14 * gib}
+    jetson = parse_tegrastats("GR3D_FREQ 37%@[305,305] CPU@46.6C GPU@41.5C tj@46.7C VDD_GPU_SOC 2400mW/2300mW "
+                              "VDD_CPU_CV 400mW/400mW")
+    cgroup = {"total": int(1.4 * gib), "limit": int(1.5 * gib), "anon": int(0.3 * gib), "file": int(1.0 * gib),
+              "locked": int(0.1 * gib)}
+    return [DeviceSample(float(i), memory, [((i + c) % 10) / 10 for c in range(12)] if i else [],
+                         None if i == 0 else 1e6 * (40 + 20 * (i % 3)), "nvme0n1",
+                         None if i == 0 else 1e6 * (50 + 30 * (i % 4)), (int(8.1 * gib), 13 * gib), cgroup, jetson)
+            for i in range(8)]
+
+
+@pytest.mark.parametrize("size", [pytest.param((80, 24), id="80x24"), SMALL])
+def test_device(snap_compare, size, monkeypatch):
+    samples = device_samples()
+    monkeypatch.setattr("s2moe.app.tui.device.DeviceScreen.INTERVAL", 3600.0)  # no reading of this machine
+    monkeypatch.setattr("s2moe.engine.device.DeviceMonitor.sample", lambda self: samples[0])
+
+    async def run_before(pilot):
+        await ready(pilot)
+        await pilot.press("f10")
+        screen = pilot.app.screen
+        for _ in range(200):
+            if screen.samples:
+                break
+            await pilot.pause(0.01)
+        for sample in samples[1:]:
+            screen.show(sample)
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)

@@ -1,4 +1,4 @@
-"""The S²-MoE terminal app: chat with live speculation plots, calibration, profiles, bench."""
+"""The S²-MoE terminal app: chat with live speculation plots, calibration, profiles, bench, the device."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from .bench import BenchScreen
 from .calibrate import CalibrateScreen
 from .chat import ChatScreen
 from .commands import S2MoECommands
+from .device import DeviceScreen
 from .dialogs import HelpScreen, ModelPathDialog, binding_sections
 from .messages import ModelFailed, ModelReady, failure_text, post
 from .state import remember_profile
@@ -28,7 +29,8 @@ class S2MoEApp(App):
     TITLE = "S²-MoE"
     ENABLE_COMMAND_PALETTE = True
     COMMANDS = App.COMMANDS | {S2MoECommands}
-    MODES = {"chat": ChatScreen, "calibrate": CalibrateScreen, "profiles": ProfilesScreen, "bench": BenchScreen}
+    MODES = {"chat": ChatScreen, "calibrate": CalibrateScreen, "profiles": ProfilesScreen, "bench": BenchScreen,
+             "device": DeviceScreen}
     DEFAULT_MODE = "chat"
 
     BINDINGS = [
@@ -40,6 +42,8 @@ class S2MoEApp(App):
         Binding("f3", "switch_mode('calibrate')", "Calibrate", show=False, tooltip="Calibration wizard"),
         Binding("f4", "switch_mode('profiles')", "Profiles", show=False, tooltip="Device profiles"),
         Binding("f5", "switch_mode('bench')", "Bench", show=False, tooltip="Compare modes"),
+        Binding("f10", "switch_mode('device')", "Device", show=False,
+                tooltip="Memory, page cache, storage reads, CPU, the budget; a Jetson's GPU"),
         Binding("ctrl+t", "toggle_theme", "Theme", show=False, tooltip="Light / dark theme"),
         Binding("ctrl+p", "command_palette", "Palette", show=False, tooltip="Command palette: every action by name"),
     ]

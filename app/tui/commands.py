@@ -17,6 +17,8 @@ class S2MoECommands(Provider):
             ("Go to Calibrate", partial(app.action_switch_mode, "calibrate"), "Measure this device's cost constants (F3)"),
             ("Go to Profiles", partial(app.action_switch_mode, "profiles"), "List and select device profiles (F4)"),
             ("Go to Bench", partial(app.action_switch_mode, "bench"), "Compare decoding modes on a prompt set (F5)"),
+            ("Go to Device", partial(app.action_switch_mode, "device"),
+             "Memory, page cache, storage reads, CPU per core, the budget (F10)"),
             ("Open model…", app.action_open_model, "Load another GGUF model"),
             ("Toggle light/dark theme", app.action_toggle_theme, "Ctrl+T"),
             ("Show keys", app.action_help, "Every key binding (F1 or ?)"),

@@ -14,7 +14,7 @@ from ..columns import Column, columns_that_fit
 from .session import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, Segment
 
 SCREENS = (("chat", "Chat", "f2"), ("calibrate", "Calibrate", "f3"), ("profiles", "Profiles", "f4"),
-           ("bench", "Bench", "f5"))
+           ("bench", "Bench", "f5"), ("device", "Device", "f10"))
 
 
 class NavBar(Static):

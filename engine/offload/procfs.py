@@ -67,3 +67,104 @@ def model_mappings(path, exclude: int = 0) -> list[tuple[int, int, int]]:
         pass
     return out
 
+
+
+def file_cached_bytes(path) -> tuple[int, int]:
+    """(bytes of the file in the page cache, file size): mincore over a fresh read-only mapping of it,
+    which reads nothing and leaves the cache as it was."""
+    import ctypes
+
+    import numpy as np
+
+    from .libc import MAP_SHARED, PROT_READ, libc
+    from .sizes import PAGE
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0, 0
+    c = libc()
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        addr = c.lib.mmap(None, size, PROT_READ, MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            e = ctypes.get_errno()
+            raise OSError(e, f"mmap of {path}: {os.strerror(e)}")
+        try:
+            n = (size + PAGE - 1) // PAGE
+            vec = (ctypes.c_ubyte * n)()
+            c.check(c.lib.mincore(addr, size, vec), "mincore")
+            resident = int((np.frombuffer(vec, dtype=np.uint8) & 1).sum())
+        finally:
+            c.lib.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return min(size, resident * PAGE), size
+
+
+def block_device(path) -> str | None:
+    """The name of the whole disk holding `path` as /proc/diskstats lists it (nvme0n1, sda, mmcblk0), or
+    None (a network or overlay file system without one)."""
+    try:
+        st = os.stat(path)
+        dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+    except OSError:
+        return None
+    if not dev.exists():
+        return None
+    # a partition's folder sits inside its disk's folder
+    return dev.parent.name if (dev / "partition").exists() else dev.name
+
+
+def disk_read_bytes(name: str) -> int | None:
+    """Bytes read from block device `name` since boot (/proc/diskstats counts 512-byte sectors)."""
+    try:
+        for line in Path("/proc/diskstats").read_text().splitlines():
+            f = line.split()
+            if len(f) > 5 and f[2] == name:
+                return int(f[5]) * 512
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def process_read_bytes(pid: int | str = "self") -> int | None:
+    """Bytes a process caused to be read from storage (/proc/PID/io read_bytes: page faults on mapped
+    files included), or None where the kernel does not account it."""
+    try:
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes, by its own names (MemTotal, MemAvailable, Cached, SwapTotal, …)."""
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            f = rest.split()
+            if f and f[0].isdigit():
+                out[key] = int(f[0]) * (1024 if len(f) > 1 and f[1] == "kB" else 1)
+    except OSError:
+        pass
+    return out
+
+
+def cpu_times() -> list[tuple[int, int]]:
+    """(busy, total) jiffies of each core since boot, from /proc/stat (idle and iowait count as idle)."""
+    out = []
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            f = line.split()
+            if not f or not f[0].startswith("cpu") or f[0] == "cpu":
+                continue
+            ticks = [int(x) for x in f[1:]]
+            idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+            total = sum(ticks[:8])  # guest time is already inside user and nice
+            out.append((total - idle, total))
+    except (OSError, ValueError):
+        pass
+    return out

@@ -1,0 +1,192 @@
+"""The device screen, in the manner of jtop: memory and swap, the model file in the page cache, storage
+reads, CPU per core, the memory cgroup against its budget and, on a Jetson, the GPU. What it shows comes
+from engine.device's readings once a second; this module only draws them."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rich.cells import cell_len
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from ...engine.device import DeviceMonitor, DeviceSample
+from ...engine.offload.sizes import fmt_bytes
+from .live import spark
+from .widgets import NavBar
+
+HISTORY = 60  # readings kept for the sparklines
+LABEL = 9
+
+
+def meter(share: float, width: int) -> str:
+    """A bar of `width` cells, filled to `share`: █ for the part used, ░ for the rest (legible without colour)."""
+    share = min(1.0, max(0.0, share))
+    full = int(round(share * width))
+    return "█" * full + "░" * (width - full)
+
+
+def _mb_s(rate: float | None) -> str:
+    return "—" if rate is None else f"{rate / 1e6:.1f} MB/s"
+
+
+class DeviceView:
+    """A DeviceSample (and the history of the previous ones) as lines of text for a given width."""
+
+    def __init__(self, sample: DeviceSample | None, history: dict[str, deque], budget_text: str = ""):
+        self.sample = sample
+        self.history = history
+        self.budget_text = budget_text
+
+    def _rows(self, width: int, label: str, bar: str | None, parts: list[str]) -> list[Text]:
+        """The label, the bar, then the parts joined by " · " as far as the width goes; the rest continues
+        on further lines under the bar rather than being cut."""
+        lines = [Text(no_wrap=True, overflow="fold")]
+        lines[0].append(f"{label:<{LABEL}}", style="bold")
+        if bar is not None:
+            lines[0].append(bar + " ")
+        first = True
+        for part in parts:
+            line = lines[-1]
+            sep = "" if first else " · "
+            if not first and cell_len(line.plain) + len(sep) + cell_len(part) > width:
+                lines.append(Text(" " * LABEL, no_wrap=True, overflow="fold"))
+                line, sep = lines[-1], ""
+            line.append(sep + part)
+            first = False
+        return lines
+
+    def lines(self, width: int) -> list[Text]:
+        s = self.sample
+        if s is None:
+            return [Text("reading…")]
+        bar = max(8, min(24, width // 4))
+        out = []
+        m = s.memory
+        total, avail = m.get("MemTotal", 0), m.get("MemAvailable", 0)
+        if total:
+            used = total - avail
+            out += self._rows(width, "Memory", meter(used / total, bar),
+                              [f"{fmt_bytes(used)} used of {fmt_bytes(total)}", f"{fmt_bytes(avail)} available"])
+        swap_total = m.get("SwapTotal", 0)
+        if swap_total:
+            swap_used = swap_total - m.get("SwapFree", 0)
+            out += self._rows(width, "Swap", meter(swap_used / swap_total, bar),
+                              [f"{fmt_bytes(swap_used)} used of {fmt_bytes(swap_total)}"])
+        else:
+            out += self._rows(width, "Swap", None, ["none"])
+        cache = f"page cache {fmt_bytes(m.get('Cached', 0))}"
+        if s.model_cached is not None and s.model_cached[1]:
+            have, size = s.model_cached
+            out += self._rows(width, "Model", meter(have / size, bar),
+                              [f"{have / size:.0%} of the file cached", f"{fmt_bytes(have)} of {fmt_bytes(size)}",
+                               cache])
+        else:
+            out += self._rows(width, "Cache", None, [cache])
+        if s.cgroup is not None and s.cgroup.get("limit"):
+            g = s.cgroup
+            out += self._rows(width, "Budget", meter(g["total"] / g["limit"], bar),
+                              [f"{fmt_bytes(g['total'])} of {fmt_bytes(g['limit'])}", f"anon {fmt_bytes(g['anon'])}",
+                               f"file {fmt_bytes(g['file'])}", f"locked {fmt_bytes(g['locked'])}"])
+        else:
+            out += self._rows(width, "Budget", None,
+                              [self.budget_text or "none: the whole model may stay in memory (--budget SIZE)"])
+        disk = self.history.get("disk", ())
+        out += self._rows(width, "Reads", spark(list(disk)[-bar:]) if disk else None,
+                          [f"{s.disk or 'storage'} {_mb_s(s.disk_read_bytes_per_s)}",
+                           f"this process {_mb_s(s.read_bytes_per_s)}"])
+        out += self._cpu(width, s.cpu)
+        if s.jetson is not None:
+            out += self._jetson(width, s.jetson)
+        return out
+
+    def _cpu(self, width: int, shares: list[float]) -> list[Text]:
+        if not shares:
+            return self._rows(width, "CPU", None, ["measuring…"])
+        cell = 15  # "NN ████░░░░ 45%"
+        per_line = max(1, (width - LABEL) // (cell + 1))
+        rows = []
+        for start in range(0, len(shares), per_line):
+            row = Text(no_wrap=True, overflow="ellipsis")
+            row.append(f"{'CPU' if start == 0 else '':<{LABEL}}", style="bold")
+            for i, share in enumerate(shares[start:start + per_line], start):
+                row.append(f"{i:>2} {meter(share, 7)} {share:>4.0%} ")
+            rows.append(row)
+        return rows
+
+    def _jetson(self, width: int, j: dict) -> list[Text]:
+        parts = []
+        if j.get("gpu_load") is not None:
+            parts.append(f"GPU load {j['gpu_load']}%")
+        parts += [f"{name} {value:.1f}°C" for name, value in j.get("temps", {}).items()]
+        parts += [f"{name} {value} mW" for name, value in j.get("power", {}).items()]
+        return self._rows(width, "Jetson", None, parts or ["tegrastats gave no readings yet"])
+
+    def __rich_console__(self, console, options):
+        yield from self.lines(options.max_width)
+
+
+class DeviceScreen(Screen):
+    HELP_TITLE = "Device"
+    HELP_EXTRA = [
+        ("Device", [("Memory / Swap", "used of total, from /proc/meminfo"),
+                    ("Model", "share of the model file in the page cache (mincore: nothing is read)"),
+                    ("Budget", "the memory cgroup's usage against its limit, split into anonymous memory, "
+                               "file pages and locked pages (s2moe app --budget)"),
+                    ("Reads", "storage reads: the model's block device, and this process (page faults included)"),
+                    ("CPU", "busy share of each core over the last second"),
+                    ("Jetson", "GPU load, temperatures and power rails from tegrastats, where it is installed")]),
+    ]
+    INTERVAL = 1.0
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.monitor: DeviceMonitor | None = None
+        self.sample: DeviceSample | None = None
+        self.history: dict[str, deque] = {"disk": deque(maxlen=HISTORY)}
+        self.samples = 0  # readings shown (tests read it)
+
+    def compose(self) -> ComposeResult:
+        yield NavBar("device", id="navbar")
+        with VerticalScroll(id="device-body"):
+            yield Static(id="device-view")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.app.register_view(self)
+        self.adapt_to_model()
+        self.set_interval(self.INTERVAL, self.read)
+        self.read()
+
+    def adapt_to_model(self) -> None:
+        """A monitor for the loaded model's file (a new one when the model changes)."""
+        path = self.app.session.model_path
+        if self.monitor is not None and self.monitor.model_path == path:
+            return
+        if self.monitor is not None:
+            self.monitor.close()
+        self.monitor = DeviceMonitor(path)
+
+    def on_unmount(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
+
+    @work(thread=True, exclusive=True, group="device", exit_on_error=False)
+    def read(self) -> None:
+        monitor = self.monitor
+        if monitor is None:
+            return
+        sample = monitor.sample()
+        self.app.call_from_thread(self.show, sample)
+
+    def show(self, sample: DeviceSample) -> None:
+        self.sample = sample
+        if sample.disk_read_bytes_per_s is not None:
+            self.history["disk"].append(sample.disk_read_bytes_per_s)
+        self.samples += 1
+        self.query_one("#device-view", Static).update(DeviceView(sample, self.history, self.app.session.budget_label()))
