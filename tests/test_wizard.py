@@ -14,6 +14,8 @@ from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.calibrate import FIELDS, ConfirmSave, Outcome, plain_words, step_outcome
 from s2moe.engine.calibrate import CalibrationDone, StepResult, StepStarted
 from s2moe.engine.calibrate import run_calibration as REAL_RUN_CALIBRATION
+from s2moe.engine.tune import Settings, TuneDone, TuneMeasured, TuneProgress, TuneQuality, TuneStarted
+from s2moe.engine.tune import run_tune as REAL_RUN_TUNE
 
 FP = "0123456789abcdef"  # the fake model's fingerprint
 WORKER_ERROR = ("s2moe.engine.errors.ConfigError: cannot lower the memory limit to the auto budget 1.2 GiB: the "
@@ -152,3 +154,162 @@ def test_cli_calibrate_marks_failed_steps_and_doubtful_fits(monkeypatch, tmp_pat
     assert "ConfigError" not in err
     assert "⚠ fit R² 0.29 is below 0.8" in err and "⚠ T_exp 0.0000 ms is not positive" in err
     assert "warning: 1 step failed (budget): the profile lacks what they measure" in err
+
+
+# -- the tuning step ----------------------------------------------------------------------------------------------
+DEFAULTS = Settings(1, 8, 1.0, 0.5, 8)
+TUNED = Settings(2, 12, 0.5, 0.25, 6)
+
+
+def tune_section() -> dict:
+    return {"settings": TUNED.as_dict(), "defaults": DEFAULTS.as_dict(),
+            "speed": {"tuned_tok_s": 30.0, "defaults_tok_s": 24.0, "ar_tok_s": 20.0, "gain": 1.25,
+                      "per_prompt_ratios": [1.2, 1.3, 1.25], "separated": True, "verdict": "tuned 1.250× the defaults"},
+            "quality": {"ppl_ratio": 1.004, "top1_agreement": 0.97, "tokens": 300},
+            "search": {"method": "successive halving", "candidates": 4, "pool": 8, "feasible": 7, "rungs": 2,
+                       "runs": 18, "seconds": 12.0, "time_budget_s": 180.0},
+            "log": [{"rung": 1, **TUNED.as_dict(), "tok_s": 30.0, "prompts": 1, "kept": True}]}
+
+
+def scripted_tune(calls: list, *, fail: bool = False, until_stopped: bool = False):
+    """Stands in for engine.tune.run_tune (called as the real one would be): fixed candidates and speeds."""
+    def run_tune(decoder, prompts, **kw):
+        call = signature(REAL_RUN_TUNE).bind(decoder, prompts, **kw)
+        calls.append(call.arguments)
+        stop = call.arguments["should_stop"]
+        yield TuneStarted(4, DEFAULTS, call.arguments["time_budget_s"], {})
+        yield TuneQuality(0.25, 6, 1.004, 0.97, 300, True)
+        yield TuneQuality(1.0, 6, 1.05, 0.85, 300, False)
+        for i, (s, tps) in enumerate([(DEFAULTS, 24.0), (TUNED, 30.0), (Settings(2, 8, 1.0, 0.5, 8), 27.0)]):
+            yield TuneMeasured(i, s, 0, tps, 1)
+        if fail:
+            raise RuntimeError("llama_decode returned -1")
+        while until_stopped and not stop():
+            yield TuneProgress(1, 10, "rung 2")
+            time.sleep(0.01)
+        if until_stopped:
+            return
+        yield TuneMeasured(1, TUNED, -1, 30.0, 3)
+        yield TuneDone(tune_section(), TUNED, DEFAULTS)
+
+    return run_tune
+
+
+async def calibrated(pilot, app):
+    await wait_for(pilot, lambda: app.session.model is not None, "model")
+    await pilot.press("f3")
+    screen = app.screen
+    screen.query_one("#cal-name").value = "my-box"
+    await pilot.press("ctrl+r")
+    await wait_for(pilot, lambda: screen.result is not None and not screen.running, "calibration")
+    return screen
+
+
+def test_tuning_after_calibration_plots_the_candidates_and_saves_the_result(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune(calls))
+    app = wizard(monkeypatch, tmp_path, scripted_calibration())
+    saved = tmp_path / "s2moe" / "profiles" / "my-box.yaml"
+
+    async def go():
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await calibrated(pilot, app)
+            assert "Ctrl+T (Tune) first searches" in screen.steps_text().plain
+            screen.query_one("#cal-tune-minutes").value = "2"
+            await pilot.press("ctrl+t")
+            await wait_for(pilot, lambda: screen.tune is not None and screen.tune.state == "done"
+                           and not screen.running, "tuning")
+            assert calls[0]["time_budget_s"] == 120 and calls[0]["cost"].t_ar == 0.51e-3  # the calibration's
+            assert screen.tune.points == {0: (0, 24.0), 1: (-1, 30.0), 2: (0, 27.0)}
+            text = screen.steps_text().plain
+            assert "✔ tune" in text and "✖ fails the constraint" in text and "tuned 1.250× the defaults" in text
+            assert "k_d 2, draft cap 12, threshold 0.5, α 0.25, |E*| 6 → 30.00 tok/s" in text
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmSave), "the question")
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: saved.exists(), "the profile")
+            await wait_for(pilot, lambda: screen.saved_path is not None, "the path")
+            assert f"made active: {saved}" in screen.steps_text().plain
+
+    asyncio.run(go())
+    block = yaml.safe_load(saved.read_text())["models"][FP]
+    assert block["tuned"]["resident"] == tune_section()
+    assert block["measured"]["missing"]  # the failed budget step is still recorded
+
+
+def test_tuning_can_be_stopped_and_a_failure_is_marked(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune(calls, until_stopped=True))
+    app = wizard(monkeypatch, tmp_path, scripted_calibration())
+
+    async def go():
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await calibrated(pilot, app)
+            await pilot.press("ctrl+t")
+            await wait_for(pilot, lambda: screen.tune is not None and screen.tune.total == 10, "the search")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not screen.running, "the stop")
+            assert screen.tune.state == "stopped" and "stopped: nothing tuned" in screen.steps_text().plain
+            assert screen.profile_to_save()["models"][FP].get("tuned") is None
+            monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune(calls, fail=True))
+            await pilot.press("ctrl+t")
+            await wait_for(pilot, lambda: screen.tune.state == "failed" and not screen.running, "the failure")
+            text = screen.steps_text().plain
+            assert "✖ tune" in text and "failed: llama_decode returned -1" in text and "RuntimeError" not in text
+            screen.query_one("#cal-tune-minutes").value = "soon"
+            await pilot.press("ctrl+t")
+            await pilot.pause()
+            assert len(calls) == 2 and screen.tune.state == "failed"  # refused: no third run
+
+    asyncio.run(go())
+
+
+def test_tuning_needs_a_calibration_first(monkeypatch, tmp_path):
+    app = wizard(monkeypatch, tmp_path, scripted_calibration())
+
+    async def go():
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, "model")
+            await pilot.press("f3")
+            screen = app.screen
+            assert screen.query_one("#cal-tune").disabled
+            screen.action_tune()
+            await pilot.pause()
+            assert screen.tune is None
+
+    asyncio.run(go())
+
+
+def test_a_failing_cold_worker_reports_its_reason_as_data(tmp_path):
+    """The budget step's worker says why it failed in a message of its own, not as a traceback's last line
+    that the wizard would have to strip a class name from."""
+    import json
+    import subprocess
+    import sys
+
+    gone = tmp_path / "gone.gguf"
+    out = subprocess.run([sys.executable, "-m", "s2moe.engine.calibrate", "--cold-worker",
+                          json.dumps({"model": str(gone), "cap": 8})], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
+    assert error == {"kind": "ModelError", "message": f"cannot read model file {gone}: not found"}
+
+
+def test_the_tuning_step_snapshot(snap_compare, monkeypatch, tmp_path):
+    """The wizard once tuning has finished: the candidates plotted by rung, the result under the steps."""
+    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune([]))
+    app = wizard(monkeypatch, tmp_path, scripted_calibration())
+
+    async def run_before(pilot):
+        from textual.widgets import Input
+
+        screen = await calibrated(pilot, app)
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: screen.tune is not None and screen.tune.state == "done" and not screen.running,
+                       "tuning")
+        for widget in screen.query(Input):
+            widget.cursor_blink = False
+        app.clear_notifications()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)

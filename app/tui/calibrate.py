@@ -1,5 +1,6 @@
 """The calibration wizard: the steps of `s2moe calibrate`, what each measures and why, the cost-model fit,
-then save the result as a named profile."""
+then (optionally) `s2moe tune`'s search with its candidates plotted live, then save the result as a named
+profile."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
 from textual_plotext import PlotextPlot
 
 from ...engine import calibrate as engine_calibrate
+from ...engine import tune as engine_tune
 from ...engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from ...engine.errors import S2MoEError
 from ...engine.gpu import Placement
 from ...engine.offload import Budget
-from ...engine.profiles import save_profile
+from ...engine.profiles import cost_for_model, save_profile, tuned_condition
+from ...engine.tune import TuneDone, TuneMeasured, TuneProgress, TuneQuality, TuneStarted
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .widgets import NavBar
 
@@ -33,6 +36,8 @@ INTRO = (
 )
 
 
+TUNE_PROMPTS = "humaneval"  # the workload `s2moe tune` tunes for by default
+TUNE_MINUTES = 3.0          # the wizard's default: a first tuning, shorter than the command's 10 minutes
 FIT_R2_MIN = 0.8  # a cost-model fit below this explains too little of the measured time to decide with
 # The wizard's fields, for engine messages that name the flag setting the same thing.
 FIELDS = {"--budget": "the Memory budget field", "--name": "the Profile name field"}
@@ -167,12 +172,54 @@ class FitPlot(PlotextPlot):
         self.plt.title("Verification cost model fit (after the regression step)")
 
 
+class TunePlot(PlotextPlot):
+    """The tuning candidates' speed as the search measures them: tok/s by candidate, one series per rung,
+    the defaults' speed as a line."""
+
+    DEFAULT_CSS = "TunePlot { height: 1fr; min-height: 10; }"
+
+    def show_candidates(self, points: dict[int, tuple[int, float]], defaults_tok_s: float | None,
+                        title: str) -> None:
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title(title)
+        for rung in sorted({r for r, _ in points.values()}):
+            xs = [i for i, (r, _) in sorted(points.items()) if r == rung]
+            plt.scatter(xs, [points[i][1] for i in xs], label="final" if rung < 0 else f"rung {rung + 1}")
+        if defaults_tok_s:
+            plt.hline(defaults_tok_s)
+        plt.xlabel("candidate (0: the defaults)")
+        plt.ylabel("tok/s")
+        self.refresh()
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.plt.title("Tuning: tok/s per candidate (after calibration, Ctrl+T)")
+
+
+@dataclass
+class TuneState:
+    """The wizard's tuning step: what it is doing and what it found."""
+
+    state: str = "running"   # running | done | failed | stopped
+    lines: list[str] = field(default_factory=list)
+    reason: str = ""
+    done: int = 0
+    total: int = 0
+    phase: str = ""
+    points: dict = field(default_factory=dict)   # candidate index → (rung, tok/s)
+    defaults_tok_s: float | None = None
+    section: dict | None = None                  # TuneDone's, recorded in the saved profile
+
+
 class CalibrateScreen(Screen):
     HELP_TITLE = "Calibrate"
     AUTO_FOCUS = "#cal-name"
     BINDINGS = [
         Binding("ctrl+r", "start", "Run", tooltip="Start the calibration"),
-        Binding("escape", "stop", "Stop", tooltip="Stop the calibration after the current measurement"),
+        Binding("ctrl+t", "tune", "Tune", tooltip="After calibration: search the fastest decoding settings"),
+        Binding("escape", "stop", "Stop", tooltip="Stop the calibration or tuning after the current measurement"),
         Binding("ctrl+s", "save", "Save", tooltip="Save the result as a named profile and make it active"),
     ]
 
@@ -184,6 +231,7 @@ class CalibrateScreen(Screen):
         self.saved_path = None
         self.fit: dict | None = None
         self.n_steps = 0
+        self.tune: TuneState | None = None
 
     def compose(self) -> ComposeResult:
         yield NavBar("calibrate", id="navbar")
@@ -196,14 +244,19 @@ class CalibrateScreen(Screen):
                 with Horizontal(classes="form-row"):
                     yield Label("Memory budget", classes="form-label")
                     yield Input(placeholder="e.g. auto, 800M", id="cal-budget")
+                with Horizontal(classes="form-row"):
+                    yield Label("Tuning minutes", classes="form-label")
+                    yield Input(placeholder=f"{TUNE_MINUTES:g}", id="cal-tune-minutes", type="number")
                 with Horizontal(classes="button-row"):
                     yield Button("Run", variant="primary", id="cal-run")
+                    yield Button("Tune", id="cal-tune")
                     yield Button("Stop", id="cal-stop")
                     yield Button("Save profile", variant="success", id="cal-save")
                 yield ProgressBar(total=1, show_eta=False, id="cal-progress")
                 yield Static("", id="cal-steps")
             with Vertical(id="cal-right"):
                 yield FitPlot(id="cal-fit")
+                yield TunePlot(id="cal-tune-plot")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -217,6 +270,7 @@ class CalibrateScreen(Screen):
         # once the steps run, they (with their own descriptions) take the intro's place
         self.query_one("#cal-intro", Static).display = not self.steps
         self.query_one("#cal-run", Button).disabled = self.running
+        self.query_one("#cal-tune", Button).disabled = self.result is None or self.running
         self.query_one("#cal-stop", Button).disabled = not self.running
         self.query_one("#cal-save", Button).disabled = self.result is None or self.running
         self.query_one("#cal-steps", Static).update(self.steps_text())
@@ -227,7 +281,7 @@ class CalibrateScreen(Screen):
             return None if self.running else True
         if action == "stop":
             return True if self.running else None
-        if action == "save":
+        if action in ("save", "tune"):
             return True if (self.result is not None and not self.running) else None
         return True
 
@@ -250,18 +304,40 @@ class CalibrateScreen(Screen):
                 text.append(f"   {step.summary}\n")
             for flag in step.flags:
                 text.append(f"   ⚠ {flag}\n", style="yellow")
-        if self.result is not None:
+        if self.tune is not None:
+            self.tune_text(text)
+        if self.result is not None and not (self.tune is not None and self.tune.state == "running"):
             failed = self.failed_steps()
+            then = (" Ctrl+T (Tune) first searches the fastest decoding settings." if self.tune is None else
+                    " The profile records the tuned settings." if self.tune.section else "")
             if self.saved_path:
-                text.append(f"\nSaved as profile “{self.result_name()}” and made active.", style="bold")
+                text.append(f"\nSaved as profile “{self.result_name()}” and made active: {self.saved_path}",
+                            style="bold")
             elif failed:
                 names = ", ".join(s.name for s in failed)
                 text.append(f"\nFinished, but {len(failed)} step{'s' if len(failed) > 1 else ''} failed ({names}). "
-                            "Ctrl+S saves what was measured: it asks first, and the profile says what is missing.",
-                            style="bold")
+                            "Ctrl+S saves what was measured: it asks first, and the profile says what is missing."
+                            + then, style="bold")
             else:
-                text.append("\nDone. Press Ctrl+S (or Save profile) to save it as a named profile.", style="bold")
+                text.append("\nDone. Press Ctrl+S (or Save profile) to save it as a named profile." + then,
+                            style="bold")
         return text
+
+    def tune_text(self, text: Text) -> None:
+        t = self.tune
+        mark = {"done": "✔", "failed": "✖", "stopped": "–"}.get(t.state, "▶")
+        style = {"running": "bold", "failed": "bold red"}.get(t.state, "")
+        text.append(f"{mark} tune\n", style=style)
+        text.append("   the fastest k_d, draft cap, threshold, α and |E*| within the gating quality constraint "
+                    "(successive halving)\n", style="dim")
+        if t.state == "running" and t.total:
+            text.append(f"   {t.phase}: {t.done}/{t.total}\n", style="dim")
+        if t.state == "failed":
+            text.append(f"   failed: {t.reason}\n", style="red")
+        elif t.state == "stopped":
+            text.append("   stopped: nothing tuned\n", style="dim")
+        for line in t.lines:
+            text.append(f"   {line}\n")
 
     def failed_steps(self) -> list[StepState]:
         return [s for s in sorted(self.steps.values(), key=lambda s: s.index) if s.state == "failed"]
@@ -282,6 +358,7 @@ class CalibrateScreen(Screen):
         self.steps.clear()
         self.result = None
         self.saved_path = None
+        self.tune = None
         self.running = True
         self.query_one("#cal-progress", ProgressBar).update(total=1, progress=0)
         self.update_state()
@@ -300,9 +377,86 @@ class CalibrateScreen(Screen):
             self.app.session.stop.set()
             self.notify("stopping after the current measurement…", timeout=3)
 
+    def action_tune(self) -> None:
+        if self.result is None:
+            self.notify("run the calibration first: tuning decides with its constants", severity="warning")
+            return
+        if not engine_ready(self):
+            return
+        session = self.app.session
+        raw = self.query_one("#cal-tune-minutes", Input).value.strip()
+        try:
+            minutes = float(raw) if raw else TUNE_MINUTES
+        except ValueError:
+            minutes = -1.0
+        if not 0 < minutes <= 24 * 60:
+            self.notify(f"Tuning minutes must be a number of minutes above 0, got {raw!r}", severity="error")
+            return
+        offloaded = session.budget is not None
+        try:
+            cost = cost_for_model(self.result, self.result_fingerprint(), offloaded=offloaded)
+        except S2MoEError as e:
+            self.notify(plain_words(str(e), FIELDS), title="Cannot tune", severity="error")
+            return
+        self.tune = TuneState()
+        self.running = True
+        self.update_state()
+        self.tune_worker(cost, minutes * 60, offloaded)
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def tune_worker(self, cost, seconds: float, offloaded: bool) -> None:
+        from ...engine.bench import load_prompts
+
+        session = self.app.session
+
+        def events():
+            session.load()
+            _, prompts = load_prompts(TUNE_PROMPTS, 32)
+            context = {"budget": session.budget_label() or "none", "prompts": TUNE_PROMPTS,
+                       "threads": session.n_threads, "by_app": True}
+            yield from engine_tune.run_tune(session.decoder, prompts, cost=cost, time_budget_s=seconds,
+                                            should_stop=session.stop.is_set, context=context)
+
+        run_engine_job(self, session, "tune", events)
+
+    def result_fingerprint(self) -> str | None:
+        """The model of the calibration's result: the loaded one where the result has it."""
+        models = (self.result or {}).get("models") or {}
+        model = self.app.session.model
+        return model.fingerprint if model is not None and model.fingerprint in models else next(iter(models), None)
+
+    def on_tune_event(self, ev) -> None:
+        t = self.tune
+        if t is None:
+            return
+        if isinstance(ev, TuneStarted):
+            t.lines.append(f"{ev.candidates} candidates; defaults {ev.defaults.label()}")
+        elif isinstance(ev, TuneQuality):
+            verdict = "ok" if ev.ok else "✖ fails the constraint"
+            ppl = "–" if ev.ppl_ratio is None else f"{ev.ppl_ratio:.4f}"
+            top1 = "–" if ev.top1_agreement is None else f"{ev.top1_agreement:.3f}"
+            t.lines.append(f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}: perplexity ratio {ppl}, "
+                           f"top-1 {top1}: {verdict}")
+        elif isinstance(ev, TuneProgress):
+            t.done, t.total, t.phase = ev.done, ev.total, ev.phase
+        elif isinstance(ev, TuneMeasured):
+            t.points[ev.index] = (ev.rung, ev.tok_per_s)
+            if ev.index == 0:
+                t.defaults_tok_s = ev.tok_per_s
+            where = "final comparison" if ev.rung < 0 else f"rung {ev.rung + 1}"
+            self.query_one(TunePlot).show_candidates(t.points, t.defaults_tok_s, f"Tuning: tok/s per candidate, "
+                                                                                  f"{where}")
+        elif isinstance(ev, TuneDone):
+            from ..cmd_tune import summary_lines
+
+            t.state, t.section = "done", ev.section
+            t.lines += summary_lines(ev.section, None)[:-1]  # the path comes with the save
+            self.saved_path = None  # what was saved before lacks the tuning
     def on_job_event(self, message: JobEvent) -> None:
         ev = message.event
-        if isinstance(ev, StepStarted):
+        if isinstance(ev, (TuneStarted, TuneQuality, TuneProgress, TuneMeasured, TuneDone)):
+            self.on_tune_event(ev)
+        elif isinstance(ev, StepStarted):
             first = not self.steps
             self.steps[ev.index] = StepState(ev.index, ev.name, ev.description, total=0)
             if first:
@@ -341,6 +495,11 @@ class CalibrateScreen(Screen):
 
     def on_engine_failed(self, message: EngineFailed) -> None:
         reason = plain_words(message.text, FIELDS)
+        if self.tune is not None and self.tune.state == "running":
+            self.tune.state, self.tune.reason = "failed", reason
+            self.query_one("#cal-steps", Static).update(self.steps_text())
+            self.notify(reason, title="Tuning failed", severity="error", timeout=10)
+            return
         for step in self.steps.values():
             if step.state == "running":
                 step.state, step.reason = "failed", reason
@@ -349,6 +508,11 @@ class CalibrateScreen(Screen):
 
     def on_job_ended(self, message: JobEnded) -> None:
         self.running = False
+        if message.job == "tune":
+            if self.tune is not None and self.tune.state == "running":
+                self.tune.state = "stopped"
+            self.update_state()
+            return
         if self.result is None and self.steps:
             self.notify("calibration stopped before the end; nothing to save", severity="warning")
         self.update_state()
@@ -386,11 +550,13 @@ class CalibrateScreen(Screen):
         profile = copy.deepcopy(self.result)
         missing = [f"{s.name}: {s.reason}" for s in self.failed_steps()]
         flagged = [f"{s.name}: {flag}" for s in sorted(self.steps.values(), key=lambda s: s.index) for flag in s.flags]
+        models = profile.get("models") or {}
+        fp = self.result_fingerprint()
+        if fp is not None and self.tune is not None and self.tune.section is not None:
+            tuned = models[fp].setdefault("tuned", {})
+            tuned[tuned_condition(self.app.session.budget is not None)] = copy.deepcopy(self.tune.section)
         if not missing and not flagged:
             return profile
-        models = profile.get("models") or {}
-        model = self.app.session.model
-        fp = model.fingerprint if model is not None and model.fingerprint in models else next(iter(models), None)
         if fp is not None:
             measured = models[fp].setdefault("measured", {})
             if missing:
@@ -409,12 +575,16 @@ class CalibrateScreen(Screen):
             self.notify(f"cannot write the profile: {e.strerror}", title="Not saved", severity="error")
             return
         self.app.set_profile(name)
-        self.notify(f"saved profile {name}", timeout=4)
+        self.notify(f"saved profile {name}: {self.saved_path}", timeout=6)
         self.update_state()
 
     @on(Button.Pressed, "#cal-run")
     def _run_pressed(self) -> None:
         self.action_start()
+
+    @on(Button.Pressed, "#cal-tune")
+    def _tune_pressed(self) -> None:
+        self.action_tune()
 
     @on(Button.Pressed, "#cal-stop")
     def _stop_pressed(self) -> None:
