@@ -20,8 +20,9 @@ from .costmodel import measure_cost_constants
 from .errors import OPTION, ConfigError, ContextError, ModelError
 from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnapshot, Started
 from .hook import distinct_per_layer
-from .model_info import ModelInfo, read_model_info
-from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LookupDrafter,
+from .model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
+from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LayerSkipDrafter,
+                       LookupDrafter,
                        RecordingStop, SelfDrafter, UtilityStop)
 from .gpu import Placement
 from .runtime import LlamaRuntime
@@ -160,6 +161,9 @@ class GenerationConfig:
         if self.mode in MOE_MODES and not info.is_moe:
             raise ConfigError(f"mode {self.mode!r} needs a Mixture-of-Experts model; {info.path.name} is dense "
                               "(only plain decoding, mode ar, applies)")
+        if self.mode == "ls" and info.gating == GATING_SOFTMAX_WEIGHT:
+            raise ConfigError(f"mode ls cannot skip {info.path.name}'s experts: a softmax over the kept weights "
+                              "turns weight 0 into a share of the output")
         if info.is_moe and self.mode in MOE_MODES:
             if info.n_expert_used < 2:
                 raise ConfigError(f"mode {self.mode!r} drafts with fewer experts per token than the model uses, and "
@@ -217,6 +221,11 @@ class Decoder:
     @property
     def observer(self) -> VerifyObserver | None:
         return self._observer
+
+    def moe_layers(self) -> np.ndarray:
+        """Indices of the layers the hook has seen route (every layer until a verification said)."""
+        layers = np.arange(self.info.n_layer)
+        return layers if self._moe_layers is None else layers[self._moe_layers > 0]
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
@@ -289,6 +298,8 @@ class Decoder:
             return CascadeDrafter(cfg.draft_topk, cfg.draft_max)
         if cfg.mode == "lookup":
             return LookupDrafter()
+        if cfg.mode == "ls":
+            return LayerSkipDrafter(FixedLength())
         if cfg.mode in TREE_MODES:
             # tree-prob: the same rule, blind to experts (T_exp = 0), a rule of its own
             rule_cost = cost if cfg.mode == "tree" else replace(cost, t_exp=0.0)

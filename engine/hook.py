@@ -70,6 +70,7 @@ class RoutingHook:
         self.preferred = np.zeros((self.n_layer, self.cap_max), np.int32)
         self.n_preferred = np.zeros(self.n_layer, np.int32)
         self.row_weight = np.ones(max_rows, np.float32)
+        self.skip_expert = np.full(self.n_layer, -1, np.int32)
         self.handle = self.lib.s2_hook_new(self.n_layer, self.n_expert, self.k, max_rows, self.cap_max)
         if not self.handle:
             raise MemoryError("native routing hook: allocation failed")
@@ -117,6 +118,13 @@ class RoutingHook:
     def draft(self, k_draft: int) -> None:
         self.lib.s2_hook_draft(self.handle, int(k_draft))
         self.mode = "draft"
+
+    def skip(self, layers, expert: int = 0) -> None:
+        """Skip the routed experts of the given layers: each slot there reads `expert` with weight 0."""
+        self.skip_expert[:] = -1
+        self.skip_expert[list(layers)] = expert
+        self.lib.s2_hook_skip(self.handle, _ptr(self.skip_expert, ctypes.c_int32))
+        self.mode = "skip"
 
     def gate(self, alpha: float, cap: int, row_weights) -> None:
         n = len(row_weights)

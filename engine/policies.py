@@ -223,6 +223,10 @@ class SelfDrafter(Drafter):
         self.k_draft = k_draft
         self.rule = rule
 
+    def route_drafts(self, dec) -> None:
+        """Set the hook for the draft passes."""
+        dec.rt.hook.draft(self.k_draft)
+
     def propose(self, dec, committed, max_len, sample) -> Proposal:
         pending, pos = committed[-1], len(committed) - 1
         out = Proposal()
@@ -237,7 +241,7 @@ class SelfDrafter(Drafter):
         rt, hook = dec.rt, dec.rt.hook
         n_layer, n_expert = rt.info.n_layer, rt.info.n_expert
         t0 = time.perf_counter()
-        hook.draft(self.k_draft)
+        self.route_drafts(dec)
         logits = rt.decode([pending], pos, "last")[0]
         routing = hook.snapshot(1)
         in_batch = np.zeros((n_layer, n_expert + 1), bool)   # predicted target experts of the batch
@@ -294,6 +298,20 @@ class SelfDrafter(Drafter):
         out.predicted = in_batch[:, :n_expert]
         out.forced = self.rule.forced
         return out
+
+
+class LayerSkipDrafter(SelfDrafter):
+    """The paper's LS baseline on stock llama.cpp: the target drafting with the routed experts of every other
+    MoE layer skipped (the graph cannot drop those layers' expert matmuls; each slot there reads one expert
+    with weight 0, so that the layer adds only attention and any shared expert and reads nothing new)."""
+
+    name = "ls"
+
+    def __init__(self, rule: StopRule):
+        super().__init__(0, rule)
+
+    def route_drafts(self, dec) -> None:
+        dec.rt.hook.skip(dec.moe_layers()[1::2])
 
 
 class IndependentDrafter(Drafter):

@@ -113,6 +113,7 @@ def library() -> ctypes.CDLL:
         "s2_hook_off": (None, [hp]),
         "s2_hook_observe": (None, [hp]),
         "s2_hook_draft": (None, [hp, ctypes.c_int]),
+        "s2_hook_skip": (None, [hp, i32p]),
         "s2_hook_gate": (None, [hp, ctypes.c_float, ctypes.c_int, f32p]),
         "s2_hook_set_route": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),
         "s2_hook_set_backend_copy": (None, [hp, ctypes.c_int]),

@@ -10,7 +10,9 @@
 //            top-k_d experts: slots >= k_d repeat kept ids with a dropped weight, so the dropped
 //            experts' weights are never read;
 //   gate:    reuse-aware gating of a verification batch: bias each token's selection scores
-//            toward the batch's preferred experts E*, mix with the unbiased probabilities.
+//            toward the batch's preferred experts E*, mix with the unbiased probabilities;
+//   skip:    layer skipping: in the layers marked, every slot reads one given expert with weight 0,
+//            so that the routed experts add nothing and no expert beyond that one is read.
 // Buffers are owned by the caller (numpy) and filled in place.
 
 #include <math.h>
@@ -22,7 +24,7 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 
-enum { S2_OFF = 0, S2_OBSERVE = 1, S2_DRAFT = 2, S2_GATE = 3 };
+enum { S2_OFF = 0, S2_OBSERVE = 1, S2_DRAFT = 2, S2_GATE = 3, S2_SKIP = 4 };
 // How the selection scores relate to the logits, so that gating margins are measured in logit space.
 enum { S2_SCORE_RAW = 0, S2_SCORE_LOG = 1, S2_SCORE_LOGIT = 2 };
 
@@ -40,6 +42,7 @@ typedef struct s2_hook {
     float alpha;
     int cap;
     const float *row_weight;  // [max_rows] confidence weight of each verification row
+    const int32_t *skip_expert;  // [n_layer] skip mode: the expert a skipped layer reads; -1: layer kept
 
     // caller-owned outputs
     int32_t *orig;       // [n_layer][max_rows][k] the router's own top-k
@@ -127,6 +130,11 @@ void s2_hook_gate(s2_hook *h, float alpha, int cap, const float *row_weight) {
     h->alpha = alpha;
     h->cap = cap < h->cap_max ? cap : h->cap_max;
     h->row_weight = row_weight;
+}
+
+void s2_hook_skip(s2_hook *h, const int32_t *skip_expert) {
+    h->mode = S2_SKIP;
+    h->skip_expert = skip_expert;
 }
 
 void s2_hook_set_route(s2_hook *h, int (*fn)(void *, int, const int32_t *, int), void *ctx) {
@@ -307,6 +315,14 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
             for (int j = h->k_draft; j < k; ++j) {
                 used[(size_t)r * k + j] = used[(size_t)r * k + j % h->k_draft];
                 h->w[(size_t)r * k + j] = h->drop_weight;
+            }
+        rewrite = true;
+    } else if (h->mode == S2_SKIP && h->skip_expert[layer] >= 0 && h->skip_expert[layer] < ne) {
+        // weight 0 (not drop_weight: a softmax over all-(-inf) weights has no value)
+        for (int r = 0; r < n_rows; ++r)
+            for (int j = 0; j < k; ++j) {
+                used[(size_t)r * k + j] = h->skip_expert[layer];
+                h->w[(size_t)r * k + j] = 0.0f;
             }
         rewrite = true;
     } else if (h->mode == S2_GATE && h->alpha > 0.0f && n_rows > 1) {

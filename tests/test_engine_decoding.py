@@ -205,7 +205,7 @@ def test_speculative_sampling_matches_plain_sampling(decoders):
         assert stat2 < _chi2_critical(df2), f"second-token distribution differs: chi2 {stat2:.1f} df {df2}"
 
 
-@pytest.mark.parametrize("mode", ["naive", "conf", "cascade", "lookup"])
+@pytest.mark.parametrize("mode", ["naive", "conf", "cascade", "lookup", "ls"])
 def test_every_baseline_is_lossless_in_greedy_mode(decoders, arch, mode):
     d = decoders[arch]
     drafted = 0

@@ -249,3 +249,24 @@ def test_backend_copies_match_host_copies(decoders, arch, mode):
         np.testing.assert_array_equal(getattr(host, field), getattr(dev, field))
     for a, b in zip(host.preferred, dev.preferred):
         np.testing.assert_array_equal(a, b)
+
+
+def test_skip_mode_silences_the_routed_experts_of_the_layers_named(decoders, arch):
+    """A skipped layer reads only the expert given, with weight 0: which expert that is cannot matter, and
+    the other layers route as the router chose."""
+    rt = decoders[arch].rt
+    tokens = list(range(20, 30))
+    outputs = {}
+    for mode, expert in (("observe", None), ("skip", 0), ("skip", 5)):
+        rt.kv_clear()
+        if mode == "observe":
+            rt.hook.observe()
+        else:
+            rt.hook.skip([1], expert)
+        outputs[(mode, expert)] = (rt.decode(tokens, 0, "all"), rt.hook.snapshot(len(tokens)))
+    rt.kv_clear()
+    (plain, seen), (skip0, r0), (skip5, r5) = outputs.values()
+    assert np.array_equal(skip0, skip5)
+    assert np.abs(plain - skip0).max() > 1e-2
+    assert (r0.used[1] == 0).all() and (r5.used[1] == 5).all() and (r5.weight[1] == 0).all()
+    assert np.array_equal(r0.used[0], seen.used[0])
