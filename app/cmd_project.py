@@ -19,6 +19,11 @@ def add_parser(sub) -> None:
                    help="memory budget to simulate: a size or auto (default: none, every expert resident)")
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
     p.add_argument("--threshold", type=float, default=None, help="utility threshold (default: the trace's)")
+    p.add_argument("--cache", choices=("lru", "fifo"), default="lru",
+                   help="how the simulated expert cache evicts (default lru)")
+    p.add_argument("--fit-cache", action="store_true",
+                   help="size the simulated cache to fetch what the traces' own run fetched (traces recorded under "
+                        "this budget) rather than by the budget's plan")
     p.add_argument("--against", metavar="BENCH_JSON", type=nonempty,
                    help="a bench --json result of the same run: print measured tok/s and the projection's error")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -59,13 +64,14 @@ def measured_rows(path: str, budget: str | None) -> dict[str, float]:
 
 def table_lines(p, measured: dict[str, float] | None = None) -> list[str]:
     """The projection as an 80-column table."""
-    head = f"{'mode':<8} {'tok/s':>9} {'× ar':>6} {'draft s':>8} {'verify s':>9} {'fetch s':>8} {'fetch/tok':>9} {'acc len':>7}"
+    head = (f"{'mode':<8} {'tok/s':>8} {'× ar':>5} {'draft s':>8} {'verify s':>8} {'fetch s':>8} {'host s':>7} "
+            f"{'fetch/tok':>9} {'acc len':>7}")
     if measured:
         head += f" {'measured':>9} {'error':>7}"
     lines = [head]
     for m, r in p.modes.items():
-        line = (f"{m:<8} {r.tok_per_s:>9.1f} {r.speedup if r.speedup is not None else float('nan'):>6.2f} "
-                f"{r.t_draft:>8.3f} {r.t_verify:>9.3f} {r.t_fetch:>8.3f} {r.fetched_per_token:>9.1f} "
+        line = (f"{m:<8} {r.tok_per_s:>8.1f} {r.speedup if r.speedup is not None else float('nan'):>5.2f} "
+                f"{r.t_draft:>8.3f} {r.t_verify:>8.3f} {r.t_fetch:>8.3f} {r.t_host:>7.3f} {r.fetched_per_token:>9.1f} "
                 f"{r.accept_len:>7.2f}")
         if measured:
             got = measured.get(m)
@@ -82,7 +88,8 @@ def run(args) -> int:
     modes = _modes(args.modes)
     profile = load_profile(args.profile)
     traces = [read_trace(f) for f in trace_files(args.traces)]
-    p = project(traces, profile, budget=args.budget, modes=modes, threshold=args.threshold)
+    p = project(traces, profile, budget=args.budget, modes=modes, threshold=args.threshold, policy=args.cache,
+                fit_cache=args.fit_cache)
     measured = measured_rows(args.against, args.budget) if args.against else None
     if args.json:
         out = p.as_dict()
@@ -95,4 +102,8 @@ def run(args) -> int:
           f"budget {p.budget}")
     print(p.basis)
     print("\n".join(table_lines(p, measured)))
+    if p.cache_fit:
+        print("the recording's own fetches, counted by it vs through the simulated cache: " + ", ".join(
+            f"{name} {sim} for {rec} ({sim / rec - 1:+.0%})" if rec else f"{name} {sim} for {rec}"
+            for name, (rec, sim) in p.cache_fit.items()))
     return 0

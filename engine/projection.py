@@ -53,6 +53,7 @@ class DeviceCosts:
     expert_bytes: float
     rule: CostConstants
     basis: str        # where the constants come from, in words
+    calibrated: bool  # the profile measured these constants for the trace's own model
 
 
 def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> DeviceCosts:
@@ -94,17 +95,99 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
         t_exp = expert_bytes / (memory * 1e9) if memory else 0.0
     basis = (f"profile {name}: {'calibrated for this model' if measured else 'reference constants, the trace standing in for its model'}; "
              + how)
-    return DeviceCosts(name, ms("t_ar_ms"), ms("c_draft_ms"), t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis)
+    return DeviceCosts(name, ms("t_ar_ms"), ms("c_draft_ms"), t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis,
+                       measured)
+
+
+# engine.costmodel times its steps and batches after this many tokens of context (its `context` default)
+CALIBRATION_CONTEXT = 32
+
+
+@dataclass(frozen=True)
+class RecordingTerms:
+    """Seconds. What a profile's constants leave out, estimated from the traces' own timings on the machine
+    that recorded them, and so added only where the profile was calibrated for the trace's model there.
+    Attention's products grow with the rows of a pass and the context they attend to (a term per pass, reading
+    the KV cache, came out unstable from run to run and is left out: two runs' fits of it differed 3×)."""
+
+    t_ctx: float         # per drafted or verified row, per token of context beyond CALIBRATION_CONTEXT
+    t_host_draft: float  # per draft pass, outside llama.cpp's decode: sampling over the vocabulary, the rule
+    t_host: float = 0.0  # per verified row, the decoding loop's own work (acceptance samples each row's logits)
+
+    def describe(self) -> str:
+        return (f"from the recording: {self.t_ctx * 1e6:.2f} µs per row and token of context beyond "
+                f"{CALIBRATION_CONTEXT}, host {self.t_host_draft * 1e3:.3f} ms per draft pass and "
+                f"{self.t_host * 1e3:.3f} ms per verified row")
+
+
+NO_TERMS = RecordingTerms(0.0, 0.0)
+
+
+def _context(tr: Trace):
+    """(step, tokens of context before its verification batch) for every step of a trace."""
+    ctx = tr.header.prompt_tokens - 1
+    for s in tr.steps:
+        yield s, ctx
+        ctx += len(s.committed)
+
+
+def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ≥ 0, over the few unknowns here: the best of the subsets whose
+    unconstrained solution is non-negative."""
+    best, best_res = np.zeros(X.shape[1]), float(y @ y)
+    for mask in range(1, 1 << X.shape[1]):
+        cols = [j for j in range(X.shape[1]) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+        if (coef < 0).any():
+            continue
+        res = y - X[:, cols] @ coef
+        if float(res @ res) < best_res:
+            best_res, best = float(res @ res), np.zeros(X.shape[1])
+            best[cols] = coef
+    return best
+
+
+def recording_terms(traces: list[Trace], costs: DeviceCosts) -> RecordingTerms:
+    """What the recorded draft passes and verifications took beyond the profile's prediction for them, fitted
+    (least squares, both ≥ 0) on [rows × context, host per draft pass]; the loop's own time per verified row
+    is the median over iterations."""
+    loop = float(np.median([s.t_host / len(s.rows) for tr in traces for s in tr.steps]))
+    if any(s.verify_misses is not None for tr in traces for s in tr.steps):
+        # under a budget what a pass took is mostly its fetches, whose count the recording knows only roughly:
+        # the leftovers would be fetch noise, not attention or host time
+        return RecordingTerms(0.0, 0.0, loop)
+    X, y = [], []
+    for tr in traces:
+        for s, ctx in _context(tr):
+            beyond = max(0, ctx - CALIBRATION_CONTEXT)
+            n = len(s.rows)
+            extra = max(0, _distinct(s.gated) - _distinct(s.gated[:1]))
+            predicted = (costs.t_ar + costs.t_tok * (n - 1) + costs.t_exp * extra
+                         + costs.t_fetch * (s.verify_misses or 0))
+            X.append((n * beyond, 0.0))
+            y.append(s.t_verify - predicted)
+            if s.drafted:  # per pass: the pending token's, then one per drafted token
+                passes = 1 + len(s.drafted)
+                X.append((beyond, 1.0))
+                y.append((s.t_draft - passes * costs.c_draft - costs.t_fetch * (s.draft_misses or 0)) / passes)
+    if len(y) < 4:
+        return NO_TERMS
+    t_ctx, host = _nnls(np.asarray(X, float), np.asarray(y, float))
+    return RecordingTerms(float(t_ctx), float(host), loop)
 
 
 # -- the expert cache ------------------------------------------------------------------------------------
-class ExpertCache:
-    """Experts in memory under a budget: the pinned ones always, the rest an LRU of `capacity` experts.
-    capacity None: everything resident (no budget)."""
+CACHE_POLICIES = ("lru", "fifo")
 
-    def __init__(self, n_expert: int, capacity: int | None, pinned=()):
+
+class ExpertCache:
+    """Experts in memory under a budget: the pinned ones always, the rest `capacity` experts evicted least
+    recently used first (lru) or first in, first out (fifo). capacity None: everything resident (no budget)."""
+
+    def __init__(self, n_expert: int, capacity: int | None, pinned=(), policy: str = "lru"):
         self.n_expert = n_expert
         self.capacity = capacity
+        self.policy = policy
         self.pinned = {int(l) * n_expert + int(e) for l, e in pinned}
         self.lru: OrderedDict[int, None] = OrderedDict()
 
@@ -120,7 +203,8 @@ class ExpertCache:
             if key in self.pinned:
                 continue
             if key in self.lru:
-                self.lru.move_to_end(key)
+                if self.policy == "lru":
+                    self.lru.move_to_end(key)
                 continue
             misses += 1
             if self.capacity > 0:
@@ -136,8 +220,8 @@ class CachePlan:
     pinned: tuple                 # (layer, expert) pinned hot experts
     label: str
 
-    def cache(self, n_expert: int) -> ExpertCache:
-        return ExpertCache(n_expert, self.capacity, self.pinned)
+    def cache(self, n_expert: int, policy: str = "lru") -> ExpertCache:
+        return ExpertCache(n_expert, self.capacity, self.pinned, policy)
 
 
 def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_bytes: float) -> CachePlan:
@@ -182,12 +266,13 @@ class ModeProjection:
     t_draft: float = 0.0
     t_verify: float = 0.0
     t_fetch: float = 0.0
+    t_host: float = 0.0
     fetched: int = 0
     speedup: float | None = None
 
     @property
     def seconds(self) -> float:
-        return self.t_draft + self.t_verify + self.t_fetch
+        return self.t_draft + self.t_verify + self.t_fetch + self.t_host
 
     @property
     def tok_per_s(self) -> float:
@@ -205,7 +290,7 @@ class ModeProjection:
         return {"mode": self.mode, "tokens": self.tokens, "iterations": self.iterations, "drafted": self.drafted,
                 "accepted": self.accepted, "draft_passes": self.draft_passes, "seconds": self.seconds,
                 "tok_per_s": self.tok_per_s, "speedup_vs_ar": self.speedup, "accept_len": self.accept_len,
-                "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch,
+                "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch, "t_host_s": self.t_host,
                 "fetched": self.fetched, "fetched_per_token": self.fetched_per_token}
 
 
@@ -216,10 +301,13 @@ class Projection:
     basis: str
     traces: int
     modes: dict[str, ModeProjection] = field(default_factory=dict)
+    # under a budget, traces recorded under one: {policy: (fetched as the recording counted, as simulated)}
+    cache_fit: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"profile": self.profile, "budget": self.budget, "basis": self.basis, "traces": self.traces,
-                "modes": {m: r.as_dict() for m, r in self.modes.items()}}
+                "modes": {m: r.as_dict() for m, r in self.modes.items()},
+                "cache_fit": {k: {"recorded": r, "simulated": s} for k, (r, s) in self.cache_fit.items()}}
 
 
 class _Source:
@@ -308,13 +396,13 @@ def _distinct(ids: np.ndarray) -> int:
 
 
 def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
-           threshold: float | None = None) -> ModeProjection:
+           threshold: float | None = None, policy: str = "lru", terms: RecordingTerms = NO_TERMS) -> ModeProjection:
     """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over)."""
     if mode not in PROJECT_MODES:
         raise ConfigError(f"cannot project mode {mode!r} (choose from {', '.join(PROJECT_MODES)})")
     h0 = traces[0].header
     res = ModeProjection(mode)
-    cache = plan.cache(h0.n_expert)
+    cache = plan.cache(h0.n_expert, policy)
     rule: StopRule | None = None
     cascade = inner = None
     if mode == "s2moe":
@@ -345,12 +433,14 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
             passes = getattr(draft, "passes", [])
             accepted = min(n, step.accepted - j)
             committed = min(accepted + 1, len(step.committed) - j)
-            rows = (step.gated if gated_rows else step.rows)[j: j + n + 1]
-            t_draft = len(passes) * costs.c_draft
+            # reuse gating acts on a verification of drafted tokens only (a plain step reads the router's choice)
+            rows = (step.gated if gated_rows and n else step.rows)[j: j + n + 1]
+            beyond = max(0, h.prompt_tokens - 1 + generated - CALIBRATION_CONTEXT)  # context past calibration's
+            t_draft = len(passes) * (costs.c_draft + terms.t_host_draft + terms.t_ctx * beyond)
             draft_misses = sum(cache.access(p) for p in passes)
             verify_misses = cache.access(rows)
             extra = max(0, _distinct(rows) - _distinct(rows[:1]))
-            t_verify = costs.t_ar + costs.t_tok * n + costs.t_exp * extra
+            t_verify = costs.t_ar + costs.t_tok * n + costs.t_exp * extra + terms.t_ctx * (n + 1) * beyond
             t_fetch = costs.t_fetch * (draft_misses + verify_misses)
             res.iterations += 1
             res.tokens += committed
@@ -360,6 +450,7 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
             res.t_draft += t_draft
             res.t_verify += t_verify
             res.t_fetch += t_fetch
+            res.t_host += terms.t_host * (n + 1)
             res.fetched += draft_misses + verify_misses
             if cascade is not None:
                 # what CascadeDrafter.feedback reads of an Iteration event: its tokens and its seconds
@@ -374,9 +465,50 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
     return res
 
 
+def cache_check(traces: list[Trace], plan: CachePlan, policy: str) -> tuple[int, int] | None:
+    """(experts the recording run fetched, by its own count; the same run's reads through the simulated cache):
+    how well the cache model stands for the engine's offloading. None: the traces were not recorded under a
+    budget."""
+    if any(s.verify_misses is None or s.draft_misses is None for tr in traces for s in tr.steps):
+        return None
+    cache = plan.cache(traces[0].header.n_expert, policy)
+    recorded = simulated = 0
+    for tr in traces:
+        kd = tr.header.k_d
+        for s in tr.steps:
+            recorded += s.verify_misses + s.draft_misses
+            if s.drafted:  # the recording drafted to the cap: a pass for the pending token and for each drafted one
+                simulated += cache.access(s.pending[:, :kd])
+                simulated += sum(cache.access(d.predicted[:, :kd]) for d in s.drafted)
+            simulated += cache.access(s.gated)
+    return recorded, simulated
+
+
+def fitted_capacity(traces: list[Trace], plan: CachePlan, policy: str) -> int | None:
+    """The cache size at which the simulated cache fetches what the recording counted for its own reads (misses
+    fall as the cache grows, for LRU and here for FIFO alike: bisection). None without a recorded count."""
+    check = cache_check(traces, plan, policy)
+    if check is None:
+        return None
+    recorded = check[0]
+    h = traces[0].header
+    lo, hi = 0, h.n_layer * h.n_expert
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cache_check(traces, CachePlan(mid, plan.pinned, plan.label), policy)[1] > recorded:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=PROJECT_MODES,
-            threshold: float | None = None) -> Projection:
-    """Every mode's projected speed on `profile` under `budget` (None: all resident)."""
+            threshold: float | None = None, policy: str = "lru", fit_cache: bool = False) -> Projection:
+    """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
+    evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own
+    reads (traces recorded under this same budget), instead of the budget plan's size."""
+    if policy not in CACHE_POLICIES:
+        raise ConfigError(f"unknown cache policy {policy!r} (choose from {', '.join(CACHE_POLICIES)})")
     if not traces:
         raise ConfigError("no traces to project")
     h0 = traces[0].header
@@ -388,9 +520,25 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     offloaded = budget not in (None, "none")
     costs = device_costs(profile, h0, offloaded=offloaded)
     plan = cache_plan(budget, h0, profile, costs.expert_bytes)
-    out = Projection(costs.profile, plan.label, costs.basis, len(traces))
+    # what the constants leave out, where the trace was recorded on the profile's own calibration target
+    terms = recording_terms(traces, costs) if costs.calibrated else NO_TERMS
+    basis = costs.basis + ("; " + terms.describe() if costs.calibrated else
+                           "; the profile's constants only (attention and host time beyond them left out)")
+    out = Projection(costs.profile, plan.label, basis, len(traces))
+    if plan.capacity is not None:
+        for name in CACHE_POLICIES:
+            fit = cache_check(traces, plan, name)
+            if fit is not None:
+                out.cache_fit[name] = fit
+        if fit_cache:
+            size = fitted_capacity(traces, plan, policy)
+            if size is None:
+                raise ConfigError("fitting the cache needs traces recorded under a budget (they count their fetches)")
+            plan = CachePlan(size, plan.pinned, f"{plan.label}; fitted to the recording's own fetches: "
+                                                f"{size} experts")
+            out.budget = plan.label
     for mode in (["ar"] + [m for m in modes if m != "ar"]):
-        out.modes[mode] = replay(traces, mode, costs, plan, threshold)
+        out.modes[mode] = replay(traces, mode, costs, plan, threshold, policy, terms)
     ar = out.modes["ar"].tok_per_s
     for r in out.modes.values():
         r.speedup = r.tok_per_s / ar if ar > 0 else None

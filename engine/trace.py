@@ -6,7 +6,8 @@ constants, a confidence threshold, a fixed length) can be replayed on it (engine
 
     {"s2moe_trace": 1, "model": ..., "n_layer": 6, "n_expert": 64, "k": 8, "k_d": 2, "expert_bytes": ..., ...}
     {"committed": [..], "accepted": 3, "drafted": [[token, q, chain, IDS], ...], "pending": IDS,
-     "rows": [IDS, ...], "gated": [IDS | null, ...], "t_draft": s, "t_verify": s, "would": [true, 2] | null,
+     "rows": [IDS, ...], "gated": [IDS | null, ...], "t_draft": s, "t_verify": s, "t_host": s,
+     "would": [true, 2] | null,
      "misses": [verify, draft] | null}
     ...
     {"end": {"n_tokens": 64, "seconds": 1.2, "prefill": 0.01, "stop": "length"}}
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -86,6 +88,7 @@ class TraceStep:
     would: ForcedDraft | None = None     # what the mode's own rule would have done
     verify_misses: int | None = None     # experts the verification found not in memory (under a budget)
     draft_misses: int | None = None
+    t_host: float = 0.0                  # the decoding loop's own time in the iteration, outside both
 
 
 @dataclass
@@ -98,12 +101,6 @@ class Trace:
     name: str = ""
     prefill: float = 0.0      # seconds of the prompt's prefill
 
-    @property
-    def overhead(self) -> float:
-        """Seconds per iteration the recording spent outside its draft passes and verifications (the
-        decoding loop's own work on the recording machine: sampling, bookkeeping, events)."""
-        inside = sum(s.t_draft + s.t_verify for s in self.steps)
-        return max(0.0, self.seconds - self.prefill - inside) / max(1, len(self.steps))
 
     def with_budget(self, budget: dict | None) -> "Trace":
         return replace(self, header=replace(self.header, budget=budget))
@@ -117,8 +114,16 @@ class TraceRecorder:
         self.fingerprint = info.fingerprint
         self.expert_bytes, self.non_expert_bytes = model_sizes(info.path)
         self.trace: Trace | None = None
+        self._left: float | None = None  # when the previous event's handling here ended
 
     def add(self, event) -> None:
+        arrived = time.perf_counter()
+        self._add(event, arrived)
+        # the loop's own time per iteration is what passes between events outside this recorder, the draft
+        # passes and the verification
+        self._left = time.perf_counter()
+
+    def _add(self, event, arrived: float) -> None:
         if isinstance(event, Started):
             c = event.config
             if not c.get("trace"):
@@ -135,7 +140,8 @@ class TraceRecorder:
         elif isinstance(event, Prefilled):
             self.trace.prefill = event.seconds
         elif isinstance(event, Iteration):
-            self.trace.steps.append(_step(event, self.trace.header))
+            host = 0.0 if self._left is None else max(0.0, arrived - self._left - event.t_draft - event.t_verify)
+            self.trace.steps.append(replace(_step(event, self.trace.header), t_host=host))
         elif isinstance(event, Finished):
             self.trace.n_tokens, self.trace.seconds, self.trace.stop = event.n_tokens, event.seconds, event.stop_reason
 
@@ -196,6 +202,7 @@ def dumps(trace: Trace) -> str:
             "drafted": [[d.token, d.prob, d.chain, enc(d.predicted)] for d in s.drafted],
             "pending": None if s.pending is None else enc(s.pending),
             "rows": [enc(r) for r in s.rows], "gated": gated, "t_draft": s.t_draft, "t_verify": s.t_verify,
+            "t_host": s.t_host,
             "would": None if s.would is None else [s.would.would_draft, s.would.would_keep],
             "misses": None if s.verify_misses is None else [s.verify_misses, s.draft_misses]}))
     lines.append(json.dumps({"end": {"n_tokens": trace.n_tokens, "seconds": trace.seconds, "prefill": trace.prefill,
@@ -345,7 +352,8 @@ def _iteration(obj, h: TraceHeader) -> TraceStep:
         vm = _int(misses[0], "misses of the verification")
         dm = None if misses[1] is None else _int(misses[1], "misses of the draft")
     return TraceStep(tuple(committed), accepted, tuple(drafted), pending, rows, gated,
-                     _num(obj["t_draft"], "field t_draft"), _num(obj["t_verify"], "field t_verify"), would, vm, dm)
+                     _num(obj["t_draft"], "field t_draft"), _num(obj["t_verify"], "field t_verify"), would, vm, dm,
+                     _num(obj.get("t_host", 0.0), "field t_host"))
 
 
 def read_trace(path: str | os.PathLike) -> Trace:

@@ -130,3 +130,97 @@ def test_project_cli_prints_a_labelled_table_and_json(tmp_path, capsys, monkeypa
     data = json.loads(capsys.readouterr().out)
     assert data["modes"]["ar"]["tok_per_s"] == pytest.approx(100.0)
     assert main(["project", str(tmp_path / "a.jsonl"), "--profile", "hand", "--modes", "naive"]) == 2
+
+
+def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_models, tmp_path, monkeypatch):
+    """Bench on a tiny model records a trace per prompt; F6 projects them; arrows pick the profile, b the budget."""
+    import asyncio
+    import time
+
+    from s2moe.app.tui.app import S2MoEApp
+    from s2moe.app.tui.projection import ProjectionPlot, ProjectionScreen
+
+    async def wait_for(pilot, cond, timeout, what):
+        t0 = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+            await pilot.pause(0.05)
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # the shipped profiles only
+
+    async def go():
+        app = S2MoEApp(str(tiny_models["olmoe"]), n_threads=1, n_ctx=256)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, 60, "model")
+            await pilot.press("f5")
+            bench = app.screen
+            bench.query_one("#bench-prompts").text = "hello there\nonce upon a time"
+            bench.query_one("#bench-n").value = "8"
+            bench.query_one("#bench-repeats").value = "1"
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: bench.done is not None and not bench.running, 180, "bench")
+            assert len(bench.traces) == 2
+            await pilot.press("f6")
+            await wait_for(pilot, lambda: isinstance(app.screen, ProjectionScreen), 10, "projection screen")
+            screen = app.screen
+            profiles = list(screen.profiles)
+            # a profile with constants for any model: the projection shows every mode
+            await wait_for(pilot, lambda: screen.current is not None, 10, "a profile")
+            for _ in range(profiles.index("jetson-orin-16gb") - profiles.index(screen.current)):
+                await pilot.press("down")
+            await pilot.pause()
+            assert screen.current == "jetson-orin-16gb"
+            table = str(screen.query_one("#projection-table").render())
+            assert all(m in table for m in ("ar", "s2moe", "conf", "cascade")) and "all resident" in table
+            await pilot.press("b")
+            await pilot.pause()
+            assert screen.budget == "auto" and "cache of" in str(screen.query_one("#projection-table").render())
+            assert "PROJECTION" in str(screen.query_one("#projection-title").render())
+            assert screen.query_one(ProjectionPlot).plt is not None
+            await pilot.press("escape")
+            await pilot.pause()
+            assert app.screen is bench
+
+    asyncio.run(go())
+
+
+def test_the_cache_model_is_checked_against_the_recording_s_own_fetches():
+    """A trace recorded under a budget counts the experts its run fetched; the projection puts the same run's
+    reads through the simulated cache beside that count, for each eviction policy."""
+    from dataclasses import replace
+
+    tr = hand_trace()
+    # the recording's own count: a cache of nothing fetches every expert of every pass and verification
+    steps = [replace(s, verify_misses=4 * 2 + (4 if i == 0 else 0), draft_misses=6 if i == 0 else 3)
+             for i, s in enumerate(tr.steps)]
+    tr = replace(tr, steps=steps)
+    p = project([tr], profile(), budget="1M", modes=["ar"])
+    recorded = sum(s.verify_misses + s.draft_misses for s in steps)
+    # passes: pending + two drafted tokens, each one expert in each of two layers; verification: the union
+    simulated = 3 * 2 + 8 + 3 * 2 + 4
+    assert p.cache_fit == {"lru": (recorded, simulated), "fifo": (recorded, simulated)}
+    assert project([hand_trace()], profile(), budget="1M", modes=["ar"]).cache_fit == {}
+
+
+def test_what_the_constants_leave_out_is_recovered_from_the_recording_s_timings():
+    """Passes timed as the profile predicts plus 2 µs per row for each token of context past the calibration's,
+    draft passes plus 0.1 ms of host time, the loop 0.05 ms per verified row: all three come back."""
+    from dataclasses import replace
+
+    from s2moe.engine.projection import CALIBRATION_CONTEXT, device_costs, recording_terms
+
+    tr = hand_trace(prompt_tokens=101)
+    costs = device_costs(profile(), tr.header, offloaded=False)
+    per_row, host, loop = 2e-6, 1e-4, 5e-5
+    steps, ctx = [], 100
+    # a third iteration like the second, one whose loop took a second: the median does not move
+    for s, extra, slow in zip(tr.steps + [tr.steps[1]] * 2, (4, 0, 0, 0), (loop, loop, 1.0, loop)):
+        beyond = ctx - CALIBRATION_CONTEXT
+        verify = costs.t_ar + 2 * costs.t_tok + extra * costs.t_exp + 3 * per_row * beyond
+        draft = 3 * (costs.c_draft + host + per_row * beyond)
+        steps.append(replace(s, t_verify=verify, t_draft=draft, t_host=3 * slow))
+        ctx += 3
+    terms = recording_terms([replace(tr, steps=steps)], costs)
+    assert terms.t_ctx == pytest.approx(per_row, rel=1e-6)
+    assert terms.t_host_draft == pytest.approx(host, rel=1e-6)
+    assert terms.t_host == pytest.approx(loop)

@@ -11,7 +11,7 @@ from textual.widgets import Button, Footer, Input, Label, ProgressBar, Select, S
 from textual_plotext import PlotextPlot
 
 from ...engine import bench as engine_bench
-from ...engine.bench import BenchDone, BenchProgress, BenchRow
+from ...engine.bench import BenchDone, BenchProgress, BenchRow, BenchTrace
 from ...engine.errors import ConfigError, S2MoEError
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import engine_modes
@@ -26,6 +26,17 @@ TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2), 
                  Column("draft", "draft", 5, 5), Column("reuse", "reuse", 5, 6), Column("rollbacks", "rollb.", 6, 9),
                  Column("same", "= ar", 4, 7))
 DEFAULT_REPEATS = 3
+
+
+def _traceable(info) -> bool:
+    """Whether the model can record the traces a projection replays (a MoE model that can self-draft)."""
+    from ...engine.decoder import GenerationConfig
+
+    try:
+        GenerationConfig(mode="s2moe", trace=True).validate(info)
+    except ConfigError:
+        return False
+    return True
 
 
 def _fmt(v, spec=".2f", none="—"):
@@ -79,6 +90,9 @@ class BenchScreen(Screen):
     BINDINGS = [
         Binding("ctrl+r", "start", "Run", tooltip="Run the selected modes on the prompts"),
         Binding("escape", "stop", "Stop", tooltip="Stop after the current generation"),
+        # priority: a text area with the focus would take the key for itself
+        Binding("f6", "project", "Project", priority=True,
+                tooltip="Project the last bench's traces onto a device profile"),
     ]
 
     def __init__(self, **kw):
@@ -86,6 +100,7 @@ class BenchScreen(Screen):
         self.running = False
         self.rows: list[BenchRow] = []
         self.done: BenchDone | None = None
+        self.traces: list = []  # the last bench's decoding traces (engine.trace), for the projection
 
     def mode_choices(self) -> list[str]:
         modes = list(engine_modes())
@@ -150,6 +165,8 @@ class BenchScreen(Screen):
             return None if self.running else True
         if action == "stop":
             return True if self.running else None
+        if action == "project":
+            return True if self.traces and not self.running else None
         return True
 
     def request(self) -> tuple[list[str], list[str], int, str]:
@@ -200,6 +217,7 @@ class BenchScreen(Screen):
             return
         self.rows = []
         self.done = None
+        self.traces = []
         self.query_one(FittedTable).set_rows([])
         for plot in self.query(BenchPlot):
             plot.show_rows([])
@@ -219,7 +237,8 @@ class BenchScreen(Screen):
             session.load()  # the loaded model is reused: the session lock is held, nothing else uses it
             return run_bench(session.model_path, prompts=prompts, modes=modes, n_tokens=n,
                              n_threads=session.n_threads, should_stop=session.stop.is_set,
-                             decoder=session.decoder, prompt_set=prompt_set, repeats=repeats)
+                             decoder=session.decoder, prompt_set=prompt_set, repeats=repeats,
+                             trace=_traceable(session.decoder.info))
 
         run_engine_job(self, session, "bench", events)
 
@@ -228,9 +247,16 @@ class BenchScreen(Screen):
             self.app.session.stop.set()
             self.query_one("#bench-status", Static).update("stopping…")
 
+    def action_project(self) -> None:
+        from .projection import ProjectionScreen
+
+        self.app.push_screen(ProjectionScreen(self.traces))
+
     def on_job_event(self, message: JobEvent) -> None:
         ev = message.event
-        if isinstance(ev, BenchProgress):
+        if isinstance(ev, BenchTrace):
+            self.traces.append(ev.trace)
+        elif isinstance(ev, BenchProgress):
             self.query_one("#bench-progress", ProgressBar).update(total=max(1, ev.total), progress=ev.done)
             if ev.warmup:
                 text = f"warm-up (untimed): {ev.mode}"
