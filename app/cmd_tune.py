@@ -67,6 +67,18 @@ def summary_lines(section: dict, path) -> list[str]:
     return lines
 
 
+def earlier_quality(profile: dict, fingerprint: str, prompt_set: str) -> list[dict]:
+    """The quality checks an earlier tuning of this model on the same prompt set recorded (either
+    condition: the teacher-forced figures depend on neither device nor budget)."""
+    from ..engine.profiles import model_block
+
+    out = []
+    for section in ((model_block(profile, fingerprint) or {}).get("tuned") or {}).values():
+        if isinstance(section, dict) and (section.get("measured") or {}).get("prompts") == prompt_set:
+            out += [e for e in section.get("quality_checked") or [] if isinstance(e, dict)]
+    return out
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -126,11 +138,12 @@ def run(args) -> int:
                       console=console, transient=True, disable=not console.is_terminal) as progress:
             task = progress.add_task("warming up", total=None)
             for ev in run_tune(decoder, prompts, cost=cost, n_tokens=args.n_tokens,
-                               time_budget_s=args.time_budget * 60, seed=args.seed, context=context):
+                               time_budget_s=args.time_budget * 60, seed=args.seed, context=context,
+                               known_quality=earlier_quality(profile, info.fingerprint, set_name)):
                 if isinstance(ev, TuneStarted):
                     progress.console.print(f"{ev.candidates} candidates; defaults {ev.defaults.label()}")
                 elif isinstance(ev, TuneQuality):
-                    verdict = "ok" if ev.ok else "✖ fails the constraint"
+                    verdict = ("ok" if ev.ok else "✖ fails the constraint") + (" (an earlier run's)" if ev.reused else "")
                     ppl = "–" if ev.ppl_ratio is None else f"{ev.ppl_ratio:.4f}"
                     top1 = "–" if ev.top1_agreement is None else f"{ev.top1_agreement:.3f}"
                     progress.console.print(f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}: perplexity ratio "

@@ -168,6 +168,7 @@ class TuneQuality:
     top1_agreement: float | None
     tokens: int
     ok: bool
+    reused: bool = False  # from an earlier run's record, not measured again
 
 
 @dataclass(frozen=True)
@@ -250,12 +251,16 @@ def separated(log_ratios: list[float]) -> bool:
 def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None = None, n_tokens: int = 48,
              time_budget_s: float = DEFAULT_TIME_BUDGET_S, clock: Clock | None = None,
              should_stop: Callable[[], bool] | None = None, seed: int = 0, max_candidates: int = MAX_CANDIDATES,
-             quality_texts: list[str] | None = None, context: dict | None = None) -> Iterator[object]:
+             quality_texts: list[str] | None = None, context: dict | None = None,
+             known_quality: list[dict] | None = None) -> Iterator[object]:
     """Search the decoding settings of `decoder` (already set up for its budget by the caller) on `prompts`.
 
     cost: the cost constants generations will use with these settings (the profile's), None: measured at
     start-up as a generation without a profile does. context: recorded as is in the result (budget,
-    prompt set, threads). See the module docstring for the search and the events."""
+    prompt set, threads). known_quality: an earlier run's quality_checked entries for this model and
+    prompt set; teacher-forced quality depends on neither device nor budget, so a pair checked with the
+    same window is not checked again (under a budget a check costs minutes). See the module docstring for
+    the search and the events."""
     clock = clock or MonotonicClock()
     stop = should_stop or (lambda: False)
     if not prompts:
@@ -289,13 +294,20 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     quality: dict[tuple[float, int], dict] = {}
     pairs = sorted({s.gating for s in pool_all if s.reuse_strength > 0})
     yield TuneStarted(len(pool_all), defaults, time_budget_s, space)
+    window = defaults.draft_max + 1
+    earlier = {(float(e["reuse_strength"]), int(e["reuse_cap"])): e for e in known_quality or ()
+               if e.get("window") == window and e.get("tokens") and e.get("ppl_ratio") is not None}
     for i, (alpha, cap) in enumerate(pairs):
         if stop():
             return
-        q = gating_quality(decoder, texts, alpha, cap, window=defaults.draft_max + 1, max_tokens=QUALITY_TOKENS)
+        if (alpha, cap) in earlier:
+            q = {k: earlier[(alpha, cap)][k] for k in ("ppl_ratio", "top1_agreement", "tokens")} | {"reused": True}
+        else:
+            q = gating_quality(decoder, texts, alpha, cap, window=window, max_tokens=QUALITY_TOKENS)
         ok = bool(q.get("tokens")) and q["ppl_ratio"] <= PPL_RATIO_MAX and q["top1_agreement"] >= TOP1_MIN
         quality[(alpha, cap)] = {**q, "ok": ok}
-        yield TuneQuality(alpha, cap, q.get("ppl_ratio"), q.get("top1_agreement"), int(q.get("tokens", 0)), ok)
+        yield TuneQuality(alpha, cap, q.get("ppl_ratio"), q.get("top1_agreement"), int(q.get("tokens", 0)), ok,
+                          bool(q.get("reused")))
         yield TuneProgress(i + 1, len(pairs), "quality")
     feasible = [s for s in pool_all if s.reuse_strength == 0 or quality[s.gating]["ok"]]
     if defaults not in feasible:
@@ -359,8 +371,10 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         survivors = keep
         rung += 1
 
-    if not rungs_run:  # the quality checks took the time
-        _check_time(_sh_cost(2, t_run), deadline - clock.now(), time_budget_s, t_run)
+    if not rungs_run:
+        raise ConfigError(f"{OPTION} of {time_budget_s:g} s is too short: the quality checks took "
+                          f"{clock.now() - t0:.0f} s and left no room for a rung of runs of about {t_run:.1f} s",
+                          option="time_budget")
     # the final comparison: the best survivor against the defaults, repeated while within noise
     best = max(survivors, key=lambda s: scores[s].tok_per_s) if survivors and scores[survivors[0]].runs else defaults
     extra = 0
@@ -376,6 +390,8 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             extra += 1
             yield TuneProgress(done_runs, done_runs, "final comparison")
         for s in (defaults, best):
+            log.append({"rung": "final", **s.as_dict(), "tok_s": round(scores[s].tok_per_s, 3),
+                        "prompts": len(runs[s]), "kept": True})
             yield TuneMeasured(index_of.get(s, -1), s, -1, scores[s].tok_per_s, len(runs[s]))
     ratios = _log_ratios(runs[best], runs[defaults]) if best != defaults else []
     shared = sorted(set(runs[best]) & set(runs[defaults]))
@@ -417,7 +433,8 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         "quality_checked": [{"reuse_strength": a, "reuse_cap": c,
                              "ppl_ratio": None if not v.get("tokens") else round(v["ppl_ratio"], 5),
                              "top1_agreement": None if not v.get("tokens") else round(v["top1_agreement"], 4),
-                             "ok": bool(v["ok"])} for (a, c), v in sorted(quality.items())],
+                             "tokens": int(v.get("tokens") or 0), "window": window, "ok": bool(v["ok"]),
+                             "reused": bool(v.get("reused"))} for (a, c), v in sorted(quality.items())],
         "constraint": {"ppl_ratio_max": PPL_RATIO_MAX, "top1_min": TOP1_MIN, "defaults_meet_it": defaults_feasible},
         "search": {"method": "successive halving", "candidates": len(pool), "pool": len(pool_all),
                    "feasible": len(feasible), "rungs": rungs_run, "final_rounds": extra,

@@ -134,6 +134,28 @@ def test_a_budget_too_short_to_compare_anything_is_one_clear_error(tiny, prompts
     assert e.value.worded({"time_budget": "--time-budget"}).startswith("--time-budget of 10 s")
 
 
+def test_quality_checked_once_is_not_checked_again(tiny, prompts, xdg):
+    from s2moe.app.cmd_tune import earlier_quality
+
+    first, _ = _tune(tiny, prompts, 5000)
+    checked = first[-1].section["quality_checked"]
+    assert checked and not any(e["reused"] for e in checked)
+    again, _ = _tune(tiny, prompts, 5000, known_quality=checked)
+    reused = [e for e in again if isinstance(e, TuneQuality)]
+    assert reused and all(q.reused for q in reused)
+    assert [(q.reuse_strength, q.reuse_cap, q.ok) for q in reused] == \
+        [(e["reuse_strength"], e["reuse_cap"], e["ok"]) for e in checked]
+    # another window (draft cap) is another measurement
+    other = [dict(e, window=e["window"] + 1) for e in checked]
+    fresh, _ = _tune(tiny, prompts, 5000, known_quality=other)
+    assert not any(q.reused for q in fresh if isinstance(q, TuneQuality))
+    # the command takes them from the profile, for the same prompt set only
+    fp = tiny.info.fingerprint
+    section = dict(first[-1].section, measured={"prompts": "natural"})
+    prof = with_tuned(_profile(fp), fp, section, offloaded=True)
+    assert earlier_quality(prof, fp, "natural") == checked and earlier_quality(prof, fp, "humaneval") == []
+
+
 def test_stopping_yields_no_result(tiny, prompts):
     seen = []
     gen = run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=5000, clock=IterationClock(),
