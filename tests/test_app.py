@@ -823,3 +823,115 @@ def test_the_device_screen_reads_this_machine_once_a_second():
             assert type(app.screen).__name__ == "ChatScreen"
 
     run(go())
+
+
+# -- persistence and export ----------------------------------------------------------------------------------
+def test_chat_settings_persist_across_restarts():
+    async def go(check=None):
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            if check is not None:
+                check(chat.settings)
+                return
+            await pilot.press("f7", "f8", "f9", "f6")  # utility off, gating off, next k_d, next mode
+            return chat.settings
+
+    saved = run(go())
+    assert saved != ChatSettings()
+    seen = []
+    run(go(check=seen.append))
+    assert seen == [saved]
+
+
+def test_remembered_settings_keep_only_what_still_applies():
+    from s2moe.app.tui.chat import settings_from_state
+    from s2moe.app.tui.state import remember_settings, remembered_settings, state_dir
+
+    assert settings_from_state({}) == ChatSettings()
+    s = settings_from_state({"mode": "ar", "n_predict": 64, "draft_topk": 2, "gating": False, "unknown": 1})
+    assert (s.mode, s.n_predict, s.draft_topk, s.gating) == ("ar", 64, 2, False)
+    # wrong types are dropped one by one; a mode this engine lacks falls back to the default one
+    s = settings_from_state({"n_predict": "64", "utility": 1, "reuse_strength": True, "mode": "gone"})
+    assert s == ChatSettings()
+    # values the engine refuses: the defaults, not an error at start-up
+    assert settings_from_state({"n_predict": 0, "mode": "ar"}) == ChatSettings()
+    remember_settings({"mode": "ar"})
+    assert remembered_settings() == {"mode": "ar"}
+    (state_dir() / "chat-settings.json").write_text("[1, 2")
+    assert remembered_settings() == {}
+
+
+def test_the_transcript_saves_as_markdown_and_jsonl(tmp_path):
+    import json
+
+    from s2moe.app.tui.export import ExportDialog
+
+    async def save_as(pilot, app, path):
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, ExportDialog), what="export dialog")
+        app.screen.query_one("#export-path").value = str(path)
+        await pilot.press("enter")
+        await pilot.pause()
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            await pilot.press("ctrl+s")  # nothing to save yet: no dialog
+            assert not isinstance(app.screen, ExportDialog)
+            await type_prompt(pilot, "hello")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, what="generation")
+            chat.flush()
+            answer = chat.transcript.turns[0].answer_text
+            await save_as(pilot, app, tmp_path / "chat.md")
+            text = (tmp_path / "chat.md").read_text()
+            assert "## 1. hello" in text and answer.strip() in text and "stop: length" in text
+            assert any(str(tmp_path / "chat.md") in n.message for n in app._notifications)  # the path is shown
+            await save_as(pilot, app, tmp_path / "chat.jsonl")
+            [turn] = [json.loads(line) for line in (tmp_path / "chat.jsonl").read_text().splitlines()]
+            assert turn["prompt"] == "hello" and turn["answer"] == answer
+            assert {s["kind"] for s in turn["segments"]} >= {DRAFT, REJECTED, CORRECTION}
+            # a name whose extension picks no format: one clear message, nothing written
+            await save_as(pilot, app, tmp_path / "chat.txt")
+            assert not (tmp_path / "chat.txt").exists()
+            assert any("must end in .md" in n.message for n in app._notifications)
+            await save_as(pilot, app, tmp_path / "missing" / "chat.md")
+            assert any("no folder" in n.message for n in app._notifications)
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "chat.md"]  # no temporary left
+
+    run(go())
+
+
+def test_bench_results_save_as_json_and_csv(monkeypatch, tmp_path):
+    import csv
+    import json
+
+    from s2moe.app.tui.export import ExportDialog
+
+    monkeypatch.setattr("s2moe.engine.bench.run_bench", fake_run_bench)
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f5")
+            screen = app.screen
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: screen.done is not None and not screen.running, what="bench")
+            for name in ("bench.json", "bench.csv"):
+                await pilot.press("ctrl+s")
+                await wait_for(pilot, lambda: isinstance(app.screen, ExportDialog), what="export dialog")
+                app.screen.query_one("#export-path").value = str(tmp_path / name)
+                await pilot.press("enter")
+                await pilot.pause()
+            assert f"saved to {tmp_path / 'bench.csv'}" in str(screen.query_one("#bench-status").render())
+            data = json.loads((tmp_path / "bench.json").read_text())
+            assert [r["mode"] for r in data["results"]] == [r.mode for r in screen.rows]
+            rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
+            assert [r["mode"] for r in rows] == [r.mode for r in screen.rows]
+            assert rows[1]["tok_per_s_repeats"] == " ".join(f"{x:g}" for x in screen.rows[1].tok_per_s_repeats)
+
+    run(go())

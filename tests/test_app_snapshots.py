@@ -257,3 +257,16 @@ def test_device(snap_compare, size, monkeypatch):
         await settle(pilot)
 
     assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [pytest.param((80, 24), id="80x24"), SMALL])
+def test_save_transcript_dialog(snap_compare, size):
+    async def run_before(pilot):
+        await ready(pilot)
+        feed_generation(pilot.app.screen, "The cat")
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        pilot.app.screen.query_one("#export-path").value = "/home/user/s2moe-chat.md"  # not this run's clock
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)

@@ -170,6 +170,11 @@ class S2MoEApp(App):
             return
         getattr(screen, f"action_{action}")(*args)
 
+    def bench_export(self) -> None:
+        """Save the bench results (the command palette): from the Bench screen, where they are."""
+        self.switch_mode("bench")
+        self.call_after_refresh(lambda: self.screen.action_export())
+
     @property
     def chat_screen(self) -> ChatScreen | None:
         for screen in self.query_all_screens():

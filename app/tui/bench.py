@@ -90,6 +90,7 @@ class BenchScreen(Screen):
     BINDINGS = [
         Binding("ctrl+r", "start", "Run", tooltip="Run the selected modes on the prompts"),
         Binding("escape", "stop", "Stop", tooltip="Stop after the current generation"),
+        Binding("ctrl+s", "export", "Save", tooltip="Save the results as JSON (.json) or CSV (.csv)"),
         # priority: a text area with the focus would take the key for itself
         Binding("f6", "project", "Project", priority=True,
                 tooltip="Project the last bench's traces onto a device profile"),
@@ -241,6 +242,29 @@ class BenchScreen(Screen):
                              trace=_traceable(session.decoder.info))
 
         run_engine_job(self, session, "bench", events)
+
+    def action_export(self) -> None:
+        from .export import BENCH_FORMATS, ExportDialog, default_path, export_bench
+
+        if self.done is None:
+            self.notify("nothing to save yet: run the bench first", severity="warning")
+            return
+        done = self.done
+
+        def save(path: str | None) -> None:
+            if path is None:
+                return
+            try:
+                target = export_bench(path, done)
+            except (S2MoEError, OSError) as e:
+                self.notify(str(e) if isinstance(e, S2MoEError) else f"cannot write {path}: {e.strerror}",
+                            title="Not saved", severity="error", timeout=8)
+                return
+            self.query_one("#bench-status", Static).update(f"saved to {target}")
+            self.notify(f"saved to {target}", title="Bench results saved", timeout=10)
+
+        self.app.push_screen(ExportDialog("Save the bench results", default_path("bench", ".json"), BENCH_FORMATS),
+                             save)
 
     def action_stop(self) -> None:
         if self.running:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import asdict, fields, replace
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -12,10 +12,39 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from ...engine.errors import S2MoEError
 from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
 from .session import MODE_HELP, ChatSettings, engine_modes, mode_help, moe_modes
+from .state import remember_settings, remembered_settings
 from .widgets import NavBar, PromptInput, Transcript, TurnView, legend
+
+
+def settings_from_state(data: dict) -> ChatSettings:
+    """The chat's settings as remembered (state.remembered_settings): each value kept where it has its
+    field's type, then the whole kept only if the engine accepts it; anything else is the default."""
+    from ...engine.decoder import GenerationConfig
+
+    kept = {}
+    for f in fields(ChatSettings):
+        if f.name not in data:
+            continue
+        v = data[f.name]
+        allowed = {t.strip() for t in str(f.type).split("|")}
+        if ((v is None and "None" in allowed) or (isinstance(v, bool) and "bool" in allowed)
+                or (isinstance(v, str) and "str" in allowed)
+                or (isinstance(v, int) and not isinstance(v, bool) and allowed & {"int", "float"})
+                or (isinstance(v, float) and "float" in allowed)):
+            kept[f.name] = v
+    settings = replace(ChatSettings(), **kept)
+    if settings.mode not in engine_modes():
+        settings = replace(settings, mode=ChatSettings.mode)
+    engine = {f.name for f in fields(GenerationConfig)}
+    try:
+        GenerationConfig(**{k: v for k, v in asdict(settings).items() if k in engine and v is not None}).validate()
+    except (S2MoEError, TypeError):
+        return ChatSettings()
+    return settings
 
 
 class ChatScreen(Screen):
@@ -31,6 +60,8 @@ class ChatScreen(Screen):
         Binding("f8", "toggle_gating", "Gating", tooltip="Reuse-aware gating on/off (off: lossless)"),
         Binding("f9", "cycle_topk", "k_d", tooltip="Next number of experts per token in draft passes"),
         Binding("ctrl+o", "settings", "Settings", tooltip="All generation settings in one form"),
+        Binding("ctrl+s", "export", "Save", show=False,
+                tooltip="Save the transcript as Markdown (.md) or JSONL (.jsonl); the path is shown after"),
         Binding("ctrl+g", "full_live", "Plots", tooltip="The live panel full-screen, with every plot (again: back)"),
         Binding("ctrl+l", "toggle_live", "Live panel", show=False, tooltip="Show or hide the live panel"),
         Binding("ctrl+n", "new_chat", "New chat", show=False, tooltip="Clear the chat history"),
@@ -88,6 +119,7 @@ class ChatScreen(Screen):
     def on_mount(self) -> None:
         self.app.register_view(self)
         self.query_one("#legend", Static).update(legend(self.app))
+        self.settings = settings_from_state(remembered_settings())
         self.adapt_to_model()
         self.set_interval(0.1, self.flush_text)
         self.set_interval(0.3, self.flush_live)  # plots cost more to draw than text
@@ -144,6 +176,7 @@ class ChatScreen(Screen):
     def apply_settings(self, settings: ChatSettings) -> None:
         self.settings = settings
         self.adapt_to_model()
+        remember_settings(asdict(self.settings))
 
     def shown_settings(self) -> ChatSettings:
         """The settings with k_d filled in: the model's default, or with no model loaded that of the top-8
@@ -225,6 +258,28 @@ class ChatScreen(Screen):
 
     def action_focus_prompt(self) -> None:
         self.query_one("#prompt").focus()
+
+    def action_export(self) -> None:
+        from .export import TRANSCRIPT_FORMATS, ExportDialog, default_path, export_transcript
+
+        turns = self.transcript.turns
+        if not turns:
+            self.notify("nothing to save yet: the transcript is empty", severity="warning")
+            return
+
+        def save(path: str | None) -> None:
+            if path is None:
+                return
+            try:
+                target = export_transcript(path, self.transcript.turns)
+            except (S2MoEError, OSError) as e:
+                self.notify(str(e) if isinstance(e, S2MoEError) else f"cannot write {path}: {e.strerror}",
+                            title="Not saved", severity="error", timeout=8)
+                return
+            self.notify(f"saved {len(turns)} turn(s) to {target}", title="Transcript saved", timeout=10)
+
+        self.app.push_screen(ExportDialog("Save the transcript", default_path("chat", ".md"), TRANSCRIPT_FORMATS),
+                             save)
 
     def action_new_chat(self) -> None:
         if self.generating:

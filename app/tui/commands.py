@@ -36,6 +36,8 @@ class S2MoECommands(Provider):
             ("Generation settings…", partial(chat, "settings"), "All settings in one form (Ctrl+O)"),
             ("Stop generation", partial(chat, "stop"), "Esc in the chat"),
             ("New chat", partial(chat, "new_chat"), "Clear the chat history (Ctrl+N)"),
+            ("Save transcript…", partial(chat, "export"), "The chat as Markdown or JSONL (Ctrl+S in the chat)"),
+            ("Save bench results…", app.bench_export, "The last bench run as JSON or CSV (Ctrl+S on Bench)"),
             ("No profile (measure at start-up)", partial(app.set_profile, None), "Clear the active profile"),
         ]
         return cmds

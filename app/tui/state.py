@@ -1,7 +1,8 @@
-"""What the app remembers between runs (XDG state): the active profile."""
+"""What the app remembers between runs (XDG state): the active profile and the chat's settings."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -43,3 +44,26 @@ def remember_profile(name: str | None) -> None:
         write_atomic(_active_file(), (name or "") + "\n")
     except OSError:
         pass
+
+
+def _settings_file() -> Path:
+    return state_dir() / "chat-settings.json"
+
+
+def remember_settings(values: dict) -> None:
+    """Keep the chat's settings (mode, k_d, n, …) for the next run; unwritable state only loses that."""
+    try:
+        state_dir().mkdir(parents=True, exist_ok=True)
+        write_atomic(_settings_file(), json.dumps(values, indent=1, sort_keys=True) + "\n")
+    except OSError:
+        pass
+
+
+def remembered_settings() -> dict:
+    """The chat's settings as last remembered ({} when there are none or the file is not a JSON object:
+    forgotten, never an error at start-up). The caller keeps only the values it still accepts."""
+    try:
+        data = json.loads(_settings_file().read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
