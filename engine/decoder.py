@@ -301,6 +301,8 @@ class Decoder:
         if cfg.mode == "ls":
             return LayerSkipDrafter(FixedLength())
         if cfg.mode in TREE_MODES:
+            if not cfg.utility:  # the fixed shape of the paper's baselines: tree_width nodes per depth
+                return TreeDrafter(cfg.draft_topk, None, cfg.tree_width, cfg.tree_max_nodes)
             # tree-prob: the same rule, blind to experts (T_exp = 0), a rule of its own
             rule_cost = cost if cfg.mode == "tree" else replace(cost, t_exp=0.0)
             key = ("tree", cfg.draft_topk, cfg.threshold, rule_cost)
@@ -352,7 +354,7 @@ class Decoder:
                 option="n_ctx")
         if cfg.mode != "ar":
             self.check_routing_hook()
-        needs_cost = (cfg.mode == "s2moe" and cfg.utility or cfg.mode in TREE_MODES) and cfg.cost is None
+        needs_cost = cfg.mode in ("s2moe",) + TREE_MODES and cfg.utility and cfg.cost is None
         cost = self.cost_constants(cfg) if needs_cost else cfg.cost
         drafter = self._drafter(cfg, cost)
         gating = cfg.mode in ("s2moe", "tree") and cfg.reuse_strength > 0 and self.info.is_moe

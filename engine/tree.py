@@ -59,20 +59,22 @@ class _Node:
     prob: float        # draft probability of its token at the parent
     path: float        # product of draft probabilities from the pending token down to it
     seq: int           # draft sequence id
-    dist: np.ndarray   # the parent's draft distribution (what the token was chosen from)
-    logits: np.ndarray  # draft logits at the node (its children's distribution)
-    predicted: np.ndarray  # [n_layer, n_expert + 1] bool: the router's top-k, the target experts it predicts
+    dist: np.ndarray | None   # the parent's draft distribution (what the token was chosen from)
+    logits: np.ndarray | None  # draft logits at the node (its children's distribution)
+    predicted: np.ndarray | None  # [n_layer, n_expert + 1] bool: the router's top-k, the target experts it predicts
     history: list[int]  # committed tokens and the path down to and including it
     taken: int = -1    # its index in the tree once taken
 
 
 class TreeDrafter(Drafter):
-    """Self-drafting (top-k_d experts) of a tree under the utility rule."""
+    """Self-drafting (top-k_d experts) of a tree: best-first under the utility rule, or, without a rule, the
+    fixed shape of the paper's baselines: `width` nodes per depth (the most likely of their parents' top-b
+    children), as deep as the draft cap allows, one drafting pass per depth."""
 
     name = "tree"
     drafts_in_context = True
 
-    def __init__(self, k_draft: int, rule: UtilityStop, width: int, max_nodes: int):
+    def __init__(self, k_draft: int, rule: UtilityStop | None, width: int, max_nodes: int):
         self.k_draft = k_draft
         self.rule = rule
         self.width = width
@@ -85,11 +87,12 @@ class TreeDrafter(Drafter):
             out.stop = "limit"
             return out
         rule = self.rule
-        drafting = rule.worth_drafting()
-        out.decision = rule.decision
-        if not drafting:
-            out.stop = "no-draft"
-            return out
+        if rule is not None:
+            drafting = rule.worth_drafting()
+            out.decision = rule.decision
+            if not drafting:
+                out.stop = "no-draft"
+                return out
         rt, hook = dec.rt, dec.rt.hook
         n_layer, n_expert = rt.info.n_layer, rt.info.n_expert
         layers = np.arange(n_layer)[:, None]
@@ -109,75 +112,98 @@ class TreeDrafter(Drafter):
         frontier: list[int] = []
         free_seqs = list(range(rt.n_seq_max - 1, 0, -1))
         used_seqs: list[int] = []
+        root = _Node(pending, -1, 0, 1.0, 1.0, 0, None, root_logits, None, list(committed))
 
-        def expand(parent: int, logits: np.ndarray, seq: int, depth: int, path: float, history: list[int]):
-            """Decode the top-b children of a node in one pass; those that could still pay join the frontier."""
-            q = sample(logits, history)[1]
-            order = np.argsort(-q, kind="stable")[: self.width]
+        def expand(parents: list[tuple[int, _Node]]) -> list[int]:
+            """Decode the top-b children of the given nodes in one pass (those that could still pay, under a
+            rule); they join the frontier. Returns their indices."""
             kids = []
-            for t in order:
-                p = path * float(q[t])
-                if q[t] <= 0 or rule.utility(p, 0.0) < rule.threshold or not free_seqs:
-                    break  # siblings come in falling probability: the rest cannot pay either
-                kids.append((int(t), float(q[t]), p))
+            for index, parent in parents:
+                q = sample(parent.logits, parent.history)[1]
+                for t in np.argsort(-q, kind="stable")[: self.width]:
+                    p = parent.path * float(q[t])
+                    if q[t] <= 0 or not free_seqs or rule is not None and rule.utility(p, 0.0) < rule.threshold:
+                        break  # siblings come in falling probability: the rest cannot pay either
+                    s = free_seqs.pop()
+                    rt.seq_cp(parent.seq, s)
+                    used_seqs.append(s)
+                    kids.append(_Node(int(t), index, parent.depth + 1, float(q[t]), p, s, q, None, None,
+                                      parent.history + [int(t)]))
             if not kids:
-                return
-            seqs = []
-            for _ in kids:
-                s = free_seqs.pop()
-                rt.seq_cp(seq, s)
-                seqs.append(s)
-                used_seqs.append(s)
-            kid_logits = rt.decode_tree([t for t, _, _ in kids], [pos + depth] * len(kids), [[s] for s in seqs])
+                return []
+            kid_logits = rt.decode_tree([k.token for k in kids], [pos + k.depth for k in kids], [[k.seq] for k in kids])
             r = hook.snapshot(len(kids))
-            for j, (t, prob, p) in enumerate(kids):
-                predicted = np.zeros((n_layer, n_expert + 1), bool)
-                predicted[layers, r.orig[:, j, :]] = True
+            added = []
+            for j, kid in enumerate(kids):
+                kid.logits = kid_logits[j]
+                kid.predicted = np.zeros((n_layer, n_expert + 1), bool)
+                kid.predicted[layers, r.orig[:, j, :]] = True
                 read[layers, r.used[:, j, :]] = True
-                frontier.append(len(nodes))
-                nodes.append(_Node(t, parent, depth, prob, p, seqs[j], q, kid_logits[j], predicted, history + [t]))
+                added.append(len(nodes))
+                nodes.append(kid)
+            frontier.extend(added)
+            return added
 
         tree = DraftTree()
-        expand(-1, root_logits, 0, 1, 1.0, list(committed))
-        if nodes:
-            first = nodes[0]  # the pending token's most likely child: what the rule learns a first token from
-            rule.observe_first(first.prob)
-            rule.observe_first_experts(int((first.predicted & ~in_batch)[:, :n_expert].sum()))
-        else:
-            top = float(sample(root_logits, list(committed))[1].max())
-            rule.pre_reject(top, top)  # no child could pay: tells a probe that it did not
-        out.stop = "utility"
-        while frontier:
-            if len(tree.parents) >= self.max_nodes:
-                out.stop = "cap"
-                break
-            new = [int((nodes[i].predicted & ~in_batch)[:, :n_expert].sum()) for i in frontier]
-            utilities = [rule.utility(nodes[i].path, e) for i, e in zip(frontier, new)]
-            j = int(np.argmax(utilities))
-            best = nodes[frontier[j]]
-            keep, u = rule.keep(best.path, best.prob, new[j])
-            if not keep:
-                break
-            i = frontier.pop(j)
-            added = best.predicted & ~in_batch
-            in_batch |= best.predicted
+
+        def take(i: int, utility: float | None) -> None:
+            node = nodes[i]
+            frontier.remove(i)
+            added = node.predicted & ~in_batch
+            in_batch[:] |= node.predicted
             if observer is not None:
                 observer.predicted(added[:, :n_expert])
-            best.taken = len(tree.parents)
-            tree.parents.append(-1 if best.parent < 0 else nodes[best.parent].taken)
-            tree.depths.append(best.depth)
-            out.tokens.append(best.token)
-            out.dists.append(best.dist)
-            out.chain.append(best.path)
-            out.candidates.append(DraftCandidate(best.token, dec.piece_text(best.token), best.prob, best.path, u,
-                                                 added[:, :n_expert].sum(axis=1), True))
-            if best.depth < max_len:
-                expand(i, best.logits, best.seq, best.depth + 1, best.path, best.history)
+            node.taken = len(tree.parents)
+            tree.parents.append(-1 if node.parent < 0 else nodes[node.parent].taken)
+            tree.depths.append(node.depth)
+            out.tokens.append(node.token)
+            out.dists.append(node.dist)
+            out.chain.append(node.path)
+            out.candidates.append(DraftCandidate(node.token, dec.piece_text(node.token), node.prob, node.path,
+                                                 utility, added[:, :n_expert].sum(axis=1), True))
+
+        expand([(-1, root)])
+        if rule is None:
+            # the fixed shape: per depth, the `width` most likely of the children just drafted
+            out.stop = "cap"
+            level = list(frontier)
+            while level and len(tree.parents) < self.max_nodes:
+                level.sort(key=lambda i: -nodes[i].path)
+                chosen = level[: min(self.width, self.max_nodes - len(tree.parents))]
+                for i in chosen:
+                    take(i, None)
+                if nodes[chosen[0]].depth >= max_len:
+                    break
+                level = expand([(i, nodes[i]) for i in chosen])
+        else:
+            if nodes:
+                first = nodes[0]  # the pending token's most likely child: what the rule learns a first token from
+                rule.observe_first(first.prob)
+                rule.observe_first_experts(int((first.predicted & ~in_batch)[:, :n_expert].sum()))
+            else:
+                top = float(sample(root_logits, list(committed))[1].max())
+                rule.pre_reject(top, top)  # no child could pay: tells a probe that it did not
+            out.stop = "utility"
+            while frontier:
+                if len(tree.parents) >= self.max_nodes:
+                    out.stop = "cap"
+                    break
+                new = [int((nodes[i].predicted & ~in_batch)[:, :n_expert].sum()) for i in frontier]
+                utilities = [rule.utility(nodes[i].path, e) for i, e in zip(frontier, new)]
+                j = int(np.argmax(utilities))
+                i = frontier[j]
+                keep, u = rule.keep(nodes[i].path, nodes[i].prob, new[j])
+                if not keep:
+                    break
+                take(i, u)
+                if nodes[i].depth < max_len:
+                    expand([(i, nodes[i])])
         for i in frontier:  # drafted, never taken
             n = nodes[i]
             added = (n.predicted & ~in_batch)[:, :n_expert].sum(axis=1)
-            out.candidates.append(DraftCandidate(n.token, dec.piece_text(n.token), n.prob, n.path,
-                                                 rule.utility(n.path, float(added.sum())), added, False))
+            utility = None if rule is None else rule.utility(n.path, float(added.sum()))
+            out.candidates.append(DraftCandidate(n.token, dec.piece_text(n.token), n.prob, n.path, utility, added,
+                                                 False))
         for s in used_seqs:
             rt.seq_rm(s)
         out.tree = tree

@@ -218,3 +218,26 @@ def test_sampled_tree_test_catches_a_broken_verifier(decoders, monkeypatch):
     monkeypatch.setattr(tree_mod, "residual_without", lambda q, token: q)
     stat, critical, _ = _sampled_first_tokens(decoders["olmoe"])
     assert stat > critical, "a verifier that keeps rejected siblings in the residual went unnoticed"
+
+
+def test_fixed_shape_tree_takes_width_nodes_per_depth(decoders, arch):
+    """Without the utility rule a tree has the paper's fixed shape: `width` nodes at every depth down to the
+    draft cap (or the node cap), the most likely of their parents' children; still lossless."""
+    d = decoders[arch]
+    ar = run(d, PROMPTS[0], GenerationConfig(mode="ar", n_predict=40, stop_at_eos=False))[-1].tokens
+    cfg = GenerationConfig(mode="tree-prob", utility=False, tree_width=2, tree_max_nodes=16, draft_max=8,
+                           n_predict=40, stop_at_eos=False)
+    events = run(d, PROMPTS[0], cfg)
+    full = 0
+    for e in events:
+        if isinstance(e, Iteration) and e.drafted:
+            depths = [0] * len(e.tree_parents)
+            for i, p in enumerate(e.tree_parents):
+                depths[i] = 1 if p < 0 else depths[p] + 1
+            per_depth = np.bincount(depths)[1:]
+            assert (per_depth <= 2).all() and len(per_depth) <= 8
+            full += list(per_depth) == [2] * 8
+            paths = [c.chain_prob for c in e.candidates if c.kept]
+            assert len(paths) == len(e.drafted) and all(c.utility is None for c in e.candidates)
+    assert full
+    assert events[-1].tokens == ar
