@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     # None: not given, the profile's tuned value (s2moe tune), else the default
     p.add_argument("--draft-max", type=int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--reuse-strength", type=float, default=None, help="reuse-aware gating strength α (default 0.5)")
+    p.add_argument("--threshold", type=float, default=None, help="utility threshold of s2moe and the tree modes (default 1)")
     p.add_argument("-t", "--threads", type=int, default=None)
     add_tree_shape_options(p)
     add_placement_options(p)
@@ -248,7 +249,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
                 "--repeats", str(args.repeats), "--no-quality", "--json", str(out)]
         # settings not given are resolved there: the profile's tuning under a budget, not the resident one
         for flag, value in (("--draft-topk", args.draft_topk), ("--draft-max", args.draft_max),
-                            ("--reuse-strength", args.reuse_strength), ("--tree-width", args.tree_width),
+                            ("--reuse-strength", args.reuse_strength), ("--threshold", args.threshold),
+                            ("--tree-width", args.tree_width),
                             ("--tree-max-nodes", args.tree_max_nodes)):
             if value is not None:
                 argv += [flag, str(value)]
