@@ -635,6 +635,7 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
     placement.validate(info)
     if save:
         check_writable(name)  # before minutes of measurements, not after them
+    _check_loads(info, n_threads, draft_cap, placement)
     cal = _Calibration(info, expert_map(info.path), budget=budget,
                        prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
                        threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,
@@ -651,6 +652,16 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
         return
     finally:
         cal.close()
+
+
+def _check_loads(info, n_threads: int | None, draft_cap: int, placement: Placement) -> None:
+    """Load the model as step 2 will, and let go of it: a file llama.cpp refuses is one error before the
+    first step prints anything, not one after step 1's output. The load reads the file into the page cache,
+    which the bandwidth step drops again before it measures storage; it is not kept open for that reason."""
+    from .runtime import LlamaRuntime
+
+    LlamaRuntime(info, n_ctx=512, n_threads=n_threads, max_verify_rows=max(16, draft_cap + 1), use_extra_bufts=False,
+                 placement=placement, install_hook=False).close()
 
 
 def _sizes(cap: int) -> list[int]:

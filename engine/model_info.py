@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class ModelInfo:
     expert_tensor_bytes: int  # bytes of all *_exps tensors
     file_bytes: int
     fingerprint: str
+    # K and V values one token keeps in the cache over all layers (attn_k and attn_v rows); 0 where the
+    # attention has no such tensors (fused or compressed)
+    kv_rows: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -183,6 +187,9 @@ def _is_array(reader, key: str) -> bool:
     return f is not None and bool(f.types) and f.types[0] == gguf.GGUFValueType.ARRAY
 
 
+_KV_TENSOR = re.compile(r"blk\.\d+\.attn_[kv]\.weight")
+
+
 def read_model_info(path: str | os.PathLike) -> ModelInfo:
     path = Path(path)
     with open_regular(path, "model file", ModelError) as f:
@@ -204,8 +211,11 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
     end = 0
     expert_bytes = 0
     biased = False
+    kv_rows = 0
     for t in reader.tensors:
         end = max(end, int(t.data_offset) + int(t.n_bytes))
+        if _KV_TENSOR.fullmatch(t.name) and len(t.shape) == 2:
+            kv_rows += int(t.shape[1])
         if "_exps." in t.name:
             expert_bytes += int(t.n_bytes)
         if t.name.endswith("exp_probs_b.bias"):
@@ -245,4 +255,5 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
         expert_tensor_bytes=expert_bytes,
         file_bytes=size,
         fingerprint=fingerprint(path, head[: min(len(head), 1 << 16)], size),
+        kv_rows=kv_rows,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import platform
 import re
 import signal
 import threading
@@ -23,11 +24,12 @@ import numpy as np
 # model is loaded, not in the middle of the first generation.
 import numpy.random  # noqa: F401
 
-from .device import default_threads
+from .device import default_threads, memory_bytes
 from .errors import OPTION, ConfigError, ContextError, ModelError
 from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type
 from .hook import RoutingHook
 from .model_info import ModelInfo
+from .offload.sizes import fmt_bytes
 
 _log_tail: deque[str] = deque(maxlen=20)
 _log_count = 0  # lines logged so far: which of the tail a call wrote
@@ -84,24 +86,72 @@ def _init_backend(op_offload_min_batch: int | None = None) -> None:
 
 
 _ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
-_abort_hook = None  # the installed callback, kept alive
+_TERMINATE_HANDLER = ctypes.CFUNCTYPE(None)
+_abort_hooks = ()  # the installed callbacks, kept alive
+# Standard exceptions (mangled type names) whose message what() may be called for: std::exception's vtable
+# holds two destructors, then what() (the Itanium C++ ABI).
+_STD_EXCEPTIONS = {b"St9exception", b"St13runtime_error", b"St11logic_error", b"St12out_of_range",
+                   b"St16invalid_argument", b"St12length_error", b"St12domain_error", b"St11range_error",
+                   b"St14overflow_error", b"St15underflow_error", b"St9bad_alloc", b"St20bad_array_new_length",
+                   b"St12system_error"}
 
 
 def on_llama_abort(handler: Callable[[str], None]) -> None:
-    """Call handler(message) when ggml stops the process on a failed internal check (GGML_ASSERT), instead
-    of its debugger backtrace on stdout. The process still ends when handler returns: a failed check in C
-    cannot be returned from. The message names the check, its file and line, without the build's path."""
-    global _abort_hook
+    """Call handler(message) when llama.cpp cannot go on: ggml stops the process on a failed internal check
+    (GGML_ASSERT), or a C++ exception leaves its C API (a throw that nothing in llama.cpp catches ends in
+    std::terminate) — instead of ggml's debugger backtrace on stdout or the C++ runtime's lines. The process
+    still ends when handler returns: neither can be returned from. The message names the check, its file and
+    line (without the build's path), or the exception's type and message."""
+    global _abort_hooks
     from llama_cpp import _ggml
 
     def call(message):
         text = (message or b"").decode("utf-8", "replace").strip()
         handler(re.sub(r"^\S*/(?=\S+:\d+: )", "", text))
 
-    _abort_hook = _ABORT_CALLBACK(call)
+    abort_hook = _ABORT_CALLBACK(call)
     _ggml.libggml.ggml_set_abort_callback.argtypes = [_ABORT_CALLBACK]
     _ggml.libggml.ggml_set_abort_callback.restype = _ABORT_CALLBACK
-    _ggml.libggml.ggml_set_abort_callback(_abort_hook)
+    _ggml.libggml.ggml_set_abort_callback(abort_hook)
+    try:
+        cxx = ctypes.CDLL("libstdc++.so.6")  # llama.cpp's C++ runtime where it is GNU's (Linux)
+    except OSError:
+        _abort_hooks = (abort_hook,)
+        return
+
+    def terminate():
+        handler(f"an uncaught C++ exception, {_cxx_exception_text(cxx)}")
+
+    terminate_hook = _TERMINATE_HANDLER(terminate)
+    cxx._ZSt13set_terminatePFvvE.argtypes = [ctypes.c_void_p]
+    cxx._ZSt13set_terminatePFvvE.restype = ctypes.c_void_p
+    cxx._ZSt13set_terminatePFvvE(ctypes.cast(terminate_hook, ctypes.c_void_p))
+    _abort_hooks = (abort_hook, terminate_hook)
+
+
+def _cxx_exception_text(cxx) -> str:
+    """'type: message' of the C++ exception std::terminate is handling. The message is read for standard
+    exceptions on x86-64 only: std::current_exception returns its pointer through a hidden first argument
+    there, where AArch64 passes that address in x8, out of reach of a ctypes call."""
+    cxx.__cxa_current_exception_type.restype = ctypes.c_void_p
+    info = cxx.__cxa_current_exception_type()
+    if not info:
+        return "of no known type"
+    word = ctypes.sizeof(ctypes.c_void_p)
+    mangled = ctypes.c_char_p.from_address(info + word).value or b"?"  # std::type_info: vtable, then name
+    cxx.__cxa_demangle.restype = ctypes.c_char_p
+    cxx.__cxa_demangle.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    name = (cxx.__cxa_demangle(mangled, None, None, ctypes.byref(ctypes.c_int())) or mangled).decode("utf-8", "replace")
+    if mangled not in _STD_EXCEPTIONS or platform.machine() not in ("x86_64", "AMD64"):
+        return name
+    slot = (ctypes.c_void_p * 1)()
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(ctypes.cast(cxx._ZSt17current_exceptionv, ctypes.c_void_p).value)(
+        ctypes.addressof(slot))
+    if not slot[0]:
+        return name
+    vtable = ctypes.c_void_p.from_address(slot[0]).value
+    what = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(ctypes.c_void_p.from_address(vtable + 2 * word).value)
+    return f"{name}: {(what(slot[0]) or b'').decode('utf-8', 'replace')}"
 
 
 @contextmanager
@@ -178,6 +228,38 @@ def check_ctx(n_ctx: int, min_ctx: int = MIN_CTX) -> None:
                           option="n_ctx")
 
 
+# llama.cpp's default cache type (f16): bytes per K or V value
+KV_VALUE_BYTES = 2
+
+
+def available_memory() -> int | None:
+    """Memory the kernel could give this process now (MemAvailable: free plus reclaimable page cache),
+    else the physical memory; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return memory_bytes()
+
+
+def check_ctx_memory(info: ModelInfo, n_ctx: int, on_gpu: bool = False) -> None:
+    """ConfigError for a context whose KV cache would take more than half the memory available: the rest
+    is for the model's pages, the compute buffers and everything else running. llama.cpp allocates the
+    whole cache up front, so a typo in --ctx would otherwise hold gigabytes for nothing. A cache on the
+    GPU (-ngl) is llama.cpp's to refuse."""
+    available = available_memory()
+    need = n_ctx * info.kv_rows * KV_VALUE_BYTES
+    if on_gpu or not need or available is None or need <= available // 2:
+        return
+    trained = info.n_ctx_train * info.kv_rows * KV_VALUE_BYTES
+    raise ConfigError(f"{OPTION} {n_ctx} needs {fmt_bytes(need)} of KV cache, more than half the "
+                      f"{fmt_bytes(available)} of memory available; {info.path.name} was trained on a context of "
+                      f"{info.n_ctx_train} tokens ({fmt_bytes(trained)})", option="n_ctx")
+
+
 class LlamaRuntime:
     def __init__(
         self,
@@ -197,6 +279,7 @@ class LlamaRuntime:
         check_threads(n_threads)
         check_ctx(n_ctx, max(MIN_CTX, max_verify_rows))
         placement.validate(info)
+        check_ctx_memory(info, n_ctx, on_gpu=placement.n_gpu_layers != 0)
         _init_backend(placement.op_offload_min_batch)
         self.info = info
         self.placement = placement

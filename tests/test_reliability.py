@@ -217,6 +217,31 @@ def test_a_failed_check_inside_llama_cpp_is_one_line_not_a_backtrace(tmp_path):
         "hparams.n_layer_all <= LLAMA_MAX_LAYERS) failed): the model file or a setting is not one it supports")
 
 
+LLAMA_THROWS = """
+import sys
+import llama_cpp
+from s2moe.app.cli import _abort_line
+from s2moe.engine.model_info import read_model_info
+from s2moe.engine.runtime import LlamaRuntime, on_llama_abort
+on_llama_abort(_abort_line)
+rt = LlamaRuntime(read_model_info(sys.argv[1]), n_ctx=64, n_threads=1)
+llama_cpp.llama_vocab_get_text(rt.vocab, 1000000)  # id_to_token.at(): std::out_of_range through the C API
+print("not reached")
+"""
+
+
+def test_a_cpp_exception_through_llama_cpps_c_api_is_one_line(tiny_models):
+    """A throw nothing in llama.cpp catches crosses its C API and ends in std::terminate: one line and exit 2
+    with the exception's type and message, not the C++ runtime's lines, ggml's backtrace and exit 134."""
+    done = subprocess.run([sys.executable, "-c", LLAMA_THROWS, str(tiny_models["olmoe"])], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("error: llama.cpp stopped on a failed check (an uncaught C++ exception, "
+                           "std::out_of_range"), last
+    assert "terminate called" not in done.stderr
+
+
 # -- threads and context ----------------------------------------------------------------------------------
 def test_threads_are_capped_with_one_line(tiny_models, capsys, monkeypatch):
     from s2moe.engine import runtime
@@ -240,6 +265,25 @@ def test_threads_are_capped_with_one_line(tiny_models, capsys, monkeypatch):
 def test_context_sizes_out_of_range_say_the_limit(tiny_models, capsys, ctx, needle):
     rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--ctx", ctx, "--threads", "1")
     assert_one_line(rc, err, needle)
+
+
+def test_a_context_whose_cache_would_not_fit_in_memory_says_so(tiny_models, capsys, monkeypatch):
+    """llama.cpp allocates the whole KV cache up front: a context whose cache would take more than half the
+    memory available is refused in one line that names the model's training context (a 16 Mi context held
+    8.6 GB on a tiny model)."""
+    from s2moe.engine import runtime
+    from s2moe.engine.model_info import read_model_info
+
+    monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 30)
+    per_token = read_model_info(tiny_models["olmoe"]).kv_rows * runtime.KV_VALUE_BYTES
+    too_many = (1 << 29) // per_token + 1
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--ctx", too_many,
+                         "--threads", "1")
+    assert_one_line(rc, err, f"--ctx {too_many} needs 512.0 MiB of KV cache, more than half the 1.0 GiB of memory "
+                             "available; olmoe.gguf was trained on a context of 512 tokens")
+    rc, out, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--ctx", too_many - 1, "-n", "2",
+                           "--threads", "1", "--mode", "ar", "--json")
+    assert rc == 0, err
 
 
 def test_the_smallest_context_runs_every_mode(tiny_models, capsys):
@@ -380,7 +424,8 @@ def test_a_model_path_of_undecodable_bytes_works(tiny_models, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--seed", "-1"], "--seed: must be a whole number ≥ 0, got -1"),
+    (["--seed", "-2"], "--seed: must be -1 (random) or a whole number from 0 to 4294967295, got -2"),
+    (["--seed", "9" * 400], "--seed: must be -1 (random) or a whole number from 0 to 4294967295, got 999"),
     (["--budget", "9" * 400], "--budget: size 999999999999999999999999… is too large"),
     (["--budget", ""], "--budget: must not be empty"),
     (["--profile", ""], "--profile: must not be empty"),
@@ -522,6 +567,15 @@ def test_calibrate_errors_come_without_a_banner(tmp_path, capsys):
     assert "dense" not in err and out == ""
     rc, _, err = run_cli(capsys, "calibrate", "-m", model.parent / "missing.gguf", "--no-save")
     assert_one_line(rc, err, "missing.gguf: not found")
+
+
+def test_calibrate_on_a_file_llama_cpp_refuses_fails_before_any_step(tmp_path, capsys):
+    """The reader's checks pass, llama.cpp's load does not (7 experts declared, tensors of 8): one line and
+    nothing on stdout, where before step 1 measured and printed first."""
+    model = write_tiny(tmp_path / "m.gguf", variant_spec("olmoe"), metadata={"{arch}.expert_count": (7, U32)})
+    rc, out, err = run_cli(capsys, "calibrate", "-m", model, "--no-save", "--threads", "1")
+    assert_one_line(rc, err, "llama.cpp could not load m.gguf: check_tensor_dims")
+    assert out == ""
 
 
 @pytest.mark.parametrize("out", ["/proc/s2moe-test.gguf", "folder"])
