@@ -128,7 +128,8 @@ GGML_OP_OFFLOAD_MIN_BATCH=1 timeout 180 "$PY" -m pytest -q -p no:cacheprovider -
 MODEL=/tmp/s2moe-olmoe-64x8-w32.gguf
 say "3. the widened model ($MODEL) and the bench: resident on the GPU vs experts in host memory"
 [[ -f "$MODEL" ]] || s2moe make-synthetic --from olmoe-64x8 --widen 32 --out "$MODEL"
-BENCH=(bench -m "$MODEL" --modes ar,s2moe --n-prompts 4 -n 32 --no-quality --no-reference -ngl -1)
+BENCH=(bench -m "$MODEL" --modes ar,s2moe --n-prompts 4 -n 32 --draft-max 8 --reuse-strength 0.5 --no-quality
+       --no-reference -ngl -1)
 timeout 150 s2moe "${BENCH[@]}" --json "$OUTDIR/bench-resident.json"
 for mb in 1 2 32; do
     timeout 150 s2moe "${BENCH[@]}" --cpu-moe --op-offload-min-batch "$mb" --json "$OUTDIR/bench-host-mb$mb.json"

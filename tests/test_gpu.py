@@ -177,7 +177,8 @@ def test_placement_flags_reach_the_runtime_in_generate_and_bench(tiny_models, ca
     assert loads == [want]
     loads.clear()
     rc, _, err = run_cli(capsys, "bench", "-m", tiny_models["olmoe"], "--modes", "ar", "--n-prompts", "1", "-n", "2",
-                         "--no-quality", "--no-reference", "--no-warmup", *flags)
+                         "--draft-max", "8", "--reuse-strength", "0.5", "--no-quality", "--no-reference",
+                         "--no-warmup", *flags)
     assert rc == 0, err
     assert loads and all(p == want for p in loads)
 
