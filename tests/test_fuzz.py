@@ -264,7 +264,8 @@ FLAGS = {
     "--mode": st.one_of(st.sampled_from(["ar", "s2moe", "naive", "conf", "cascade", "lookup"]), TEXT),
     "--temp": NUMBERISH, "--seed": NUMBERISH, "--draft-topk": NUMBERISH, "--draft-max": NUMBERISH,
     "--threshold": NUMBERISH, "--reuse-strength": NUMBERISH, "--reuse-cap": NUMBERISH, "--threads": NUMBERISH,
-    "--gpu-layers": NUMBERISH,
+    "--gpu-layers": NUMBERISH, "--top-k": NUMBERISH, "--top-p": NUMBERISH, "--min-p": NUMBERISH,
+    "--repeat-penalty": NUMBERISH, "--repeat-last-n": NUMBERISH,
     # a valid context above ~70k tokens is a large allocation (16M tokens take 8.6 GB for the tiny model),
     # not bad input: kept out
     "--ctx": st.one_of(st.integers(-5, 70000).map(str), st.integers((1 << 24) + 1, 1 << 70).map(str),
@@ -272,6 +273,7 @@ FLAGS = {
     "--profile": st.one_of(TEXT, st.sampled_from(["cpu-generic", "rtx-4090", "nope"])),
     "--model": st.one_of(TEXT, st.just("/dev/zero"), st.just("/")),
     "--prompt": st.one_of(TEXT, st.binary(max_size=12).map(os.fsdecode), st.just("word " * 80)),
+    "--file": st.one_of(TEXT, st.sampled_from(["/dev/zero", "/", "/proc/self/status", "/etc/hostname"])),
 }
 SWITCHES = ["--greedy", "--no-utility", "--ignore-eos", "--events"]
 
@@ -282,7 +284,8 @@ SWITCHES = ["--greedy", "--no-utility", "--ignore-eos", "--events"]
        .flatmap(lambda d: st.fixed_dictionaries({k: FLAGS[k] for k in d})),
        switches=st.lists(st.sampled_from(SWITCHES), max_size=2, unique=True))
 def test_generate_flag_values(tiny_models, flags, switches):
-    argv = {"--model": str(tiny_models["olmoe"]), "--prompt": "hello", "--threads": "1", "--ctx": "128", **flags}
+    prompt = {} if "--file" in flags else {"--prompt": "hello"}  # one or the other
+    argv = {"--model": str(tiny_models["olmoe"]), **prompt, "--threads": "1", "--ctx": "128", **flags}
     args = ["generate", "-n", "3", "--json", *switches]
     for flag, value in argv.items():
         args += [f"{flag}={value}"]  # =: a value that starts with '-' is still this flag's
