@@ -445,6 +445,7 @@ def run(args) -> int:
             storage_bound(done.rows, storage["expert_bytes"], storage["qd8_gb_s"] * 1e9)
             done.config["storage"] = storage
         done.cost_model_by_budget.update(budget_fits)
+    done.config["placement"] = placement.as_dict()  # where the weights were: the report says what ran
     if args.json_out:
         write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n")
     if inside is not None:

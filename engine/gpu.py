@@ -88,13 +88,6 @@ class Placement:
             return [EXPERT_TENSORS]
         return [rf"blk\.{i}{EXPERT_TENSORS}" for i in range(self.n_cpu_moe)]
 
-    def describe(self) -> str:
-        layers = "all layers" if self.n_gpu_layers < 0 else f"{self.n_gpu_layers} layers"
-        experts = ("experts in host memory" if self.cpu_moe else
-                   f"the first {self.n_cpu_moe} layers' experts in host memory" if self.n_cpu_moe else "")
-        batch = "" if self.op_offload_min_batch is None else f", {MIN_BATCH_ENV}={self.op_offload_min_batch}"
-        return f"GPU: {layers}" + (f", {experts}" if experts else "") + batch
-
     def as_dict(self) -> dict:
         return asdict(self)
 

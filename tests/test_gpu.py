@@ -169,18 +169,20 @@ def loads(monkeypatch):
     return asked
 
 
-def test_placement_flags_reach_the_runtime_in_generate_and_bench(tiny_models, capsys, loads):
+def test_placement_flags_reach_the_runtime_in_generate_and_bench(tiny_models, capsys, loads, tmp_path):
     flags = ["--threads", "1", "-ngl", "2", "--n-cpu-moe", "1"]
     want = Placement(n_gpu_layers=2, n_cpu_moe=1)
     rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "2", "--mode", "ar", *flags)
     assert rc == 0, err
     assert loads == [want]
     loads.clear()
+    report = tmp_path / "bench.json"
     rc, _, err = run_cli(capsys, "bench", "-m", tiny_models["olmoe"], "--modes", "ar", "--n-prompts", "1", "-n", "2",
                          "--draft-max", "8", "--reuse-strength", "0.5", "--no-quality", "--no-reference",
-                         "--no-warmup", *flags)
+                         "--no-warmup", "--json", report, *flags)
     assert rc == 0, err
     assert loads and all(p == want for p in loads)
+    assert json.loads(report.read_text())["config"]["placement"] == want.as_dict()
 
 
 def test_calibrate_uses_the_placement_and_says_why_it_skips_the_gpu_step(tiny_models, capsys, loads, tmp_path,
