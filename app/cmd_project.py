@@ -10,17 +10,18 @@ DEFAULT_MODES = "ar,s2moe,conf,cascade"
 
 
 def add_parser(sub) -> None:
-    from .cli import budget_text, nonempty
+    from .cli import nonempty
 
     p = sub.add_parser("project", help="project recorded traces (generate/bench --trace) onto a device profile")
     p.add_argument("traces", nargs="+", metavar="TRACE", help="trace files, or folders of them (bench --trace DIR)")
     p.add_argument("--profile", required=True, type=nonempty, help="device profile name or YAML path")
-    p.add_argument("--budget", type=budget_text, default=None,
-                   help="memory budget to simulate: a size or auto (default: none, every expert resident)")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="memory budget to simulate: none (default: every expert resident), auto or a size")
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
     p.add_argument("--threshold", type=float, default=None, help="utility threshold (default: the trace's)")
-    p.add_argument("--cache", choices=("lru", "fifo"), default="lru",
-                   help="how the simulated expert cache evicts (default lru)")
+    p.add_argument("--cache", choices=("lru", "fifo"), default="fifo",
+                   help="how the simulated expert cache evicts (default fifo: it fits this engine's offloading "
+                        "better, see the README)")
     p.add_argument("--fit-cache", action="store_true",
                    help="size the simulated cache to fetch what the traces' own run fetched (traces recorded under "
                         "this budget) rather than by the budget's plan")
@@ -28,6 +29,12 @@ def add_parser(sub) -> None:
                    help="a bench --json result of the same run: print measured tok/s and the projection's error")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
+
+
+def _budget(text: str) -> str | None:
+    from .cli import budget_text
+
+    return None if text.strip().lower() == "none" else budget_text(text)
 
 
 def _modes(text: str) -> list[str]:

@@ -235,7 +235,7 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
     total = header.n_expert * n_moe * expert_bytes
     recorded = header.budget
     if b.auto and recorded is not None and recorded.get("auto"):
-        cap = int(recorded["cache_bytes"] // expert_bytes)
+        cap = int(recorded["cache_bytes"] // header.expert_bytes)  # the plan was made for the trace's own model
         return CachePlan(cap, tuple(tuple(p) for p in recorded["pinned"]),
                          f"auto as recorded ({fmt_bytes(recorded['budget_bytes'])}: {len(recorded['pinned'])} hot "
                          f"experts pinned, cache of {cap} experts)")
@@ -503,7 +503,7 @@ def fitted_capacity(traces: list[Trace], plan: CachePlan, policy: str) -> int | 
 
 
 def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=PROJECT_MODES,
-            threshold: float | None = None, policy: str = "lru", fit_cache: bool = False) -> Projection:
+            threshold: float | None = None, policy: str = "fifo", fit_cache: bool = False) -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
     evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own
     reads (traces recorded under this same budget), instead of the budget plan's size."""
