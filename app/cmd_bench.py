@@ -349,12 +349,13 @@ def run(args) -> int:
     modes = _modes(args)
     budgets = [b.strip() for b in args.budget.split(",") if b.strip()] or ["none"]
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
-    GenerationConfig(draft_topk=args.draft_topk, draft_max=args.draft_max,
-                     reuse_strength=args.reuse_strength, tree_width=args.tree_width,
-                     tree_max_nodes=args.tree_max_nodes).validate()
     from ..engine.model_info import read_model_info
     from ..engine.offload import current_budget
     from .cli import resolve_tuned
+
+    # the flags given, checked before a model is read (those not given are checked once resolved)
+    GenerationConfig(**resolve_tuned(args, {}), tree_width=args.tree_width,
+                     tree_max_nodes=args.tree_max_nodes).validate()
 
     info = read_model_info(model)
     hot, tuned = [], {}
