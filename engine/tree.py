@@ -39,13 +39,6 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)  # index of each node's parent; -1: the pending token
     depths: list[int] = field(default_factory=list)   # 1 for the pending token's children
 
-    def children(self) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {-1: []}
-        for i, p in enumerate(self.parents):
-            out.setdefault(i, [])
-            out[p].append(i)
-        return out
-
     def leaves(self) -> list[int]:
         has_child = set(self.parents)
         return [i for i in range(len(self.parents)) if i not in has_child]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from s2moe.engine.events import CostConstants, Finished, Iteration
 from s2moe.engine.sampling import Sampling, softmax
 from s2moe.engine.tree import DraftTree, accept_tree, tree_layout
 
+from test_cli import assert_clean_error, s2moe
 from test_engine_decoding import PROMPTS, _chi2, _chi2_critical, ar_logits_gap, summarize
 
 # Drafting always pays, and a wide tree: exercises branching, not only chains.
@@ -241,3 +244,14 @@ def test_fixed_shape_tree_takes_width_nodes_per_depth(decoders, arch):
             assert len(paths) == len(e.drafted) and all(c.utility is None for c in e.candidates)
     assert full
     assert events[-1].tokens == ar
+
+
+def test_cli_tree_flag_turns_s2moe_into_its_tree(tiny_models):
+    model = str(tiny_models["olmoe"])
+    done = s2moe("generate", "--model", model, "-p", "hello", "-n", "6", "--tree", "--tree-width", "3", "--json",
+                 "--threads", "1")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["mode"] == "tree"
+    assert_clean_error(s2moe("generate", "--model", model, "-p", "hello", "--mode", "conf", "--tree"), "--tree")
+    assert_clean_error(s2moe("generate", "--model", model, "-p", "hello", "--mode", "tree", "--tree-max-nodes",
+                             "99"), "--tree-max-nodes")
