@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-max", type=int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--reuse-strength", type=float, default=None, help="reuse-aware gating strength α (default 0.5)")
     p.add_argument("--threshold", type=float, default=None, help="utility threshold of s2moe and the tree modes (default 1)")
+    p.add_argument("--no-utility", action="store_true",
+                   help="s2moe and the tree modes without the utility rule: the chain drafts to --draft-max, a tree "
+                        "takes the fixed shape of --tree-width nodes per depth")
     p.add_argument("-t", "--threads", type=int, default=None)
     add_tree_shape_options(p)
     add_placement_options(p)
@@ -255,6 +258,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
             if value is not None:
                 argv += [flag, str(value)]
         argv += ["--modes", ",".join(_modes(args))] if not args.ablation else ["--ablation"]
+        if args.no_utility:
+            argv.append("--no-utility")
         if args.threads:
             argv += ["--threads", str(args.threads)]
         if not args.warmup:
@@ -366,7 +371,7 @@ def run(args) -> int:
         # this process measures resident unless it is a budget's child
         tuned = tuned_settings(profile, info.fingerprint, offloaded=current_budget() is not None)
     base = GenerationConfig(**resolve_tuned(args, tuned), tree_width=args.tree_width,
-                            tree_max_nodes=args.tree_max_nodes).resolved(info)
+                            tree_max_nodes=args.tree_max_nodes, utility=not args.no_utility).resolved(info)
     if args.profile:
         base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"],
                                    experts_in_host=placement.copies_experts)
