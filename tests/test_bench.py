@@ -105,20 +105,13 @@ def test_zero_repeats_are_refused(decoders):
 
 def test_identical_output_check_catches_a_broken_mode(decoders, monkeypatch):
     """Corrupt greedy verification (accept every draft) in one mode: the harness must flag it."""
-    import numpy as np
-
     from s2moe.engine import decoder as decoder_module
 
-    real_argmax = np.argmax
+    def lenient_accept(drafted, logits, dists, sampling, rng, history=()):
+        n = len(drafted)  # every draft accepted, then the target's token after them
+        return n, sampling.greedy_token(logits[n], list(history) + list(drafted))
 
-    def lenient_argmax(a, axis=None, **kw):
-        out = real_argmax(a, axis=axis, **kw)
-        if axis == 1 and getattr(a, "shape", (0,))[0] > 1:  # verification rows: pretend drafts always match
-            out = out.copy()
-            out[:] = (out + 1) % a.shape[1]
-        return out
-
-    monkeypatch.setattr(decoder_module.np, "argmax", lenient_argmax)
+    monkeypatch.setattr(decoder_module, "accept", lenient_accept)
     done = _bench(decoders["olmoe"], ["ar", "conf"])[-1]
     conf = next(r for r in done.rows if r.mode == "conf")
     assert conf.identical_expected and conf.identical_to_ar < 1.0 and not conf.lossless_ok
