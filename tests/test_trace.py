@@ -141,3 +141,17 @@ def test_generate_writes_a_trace_and_refuses_a_missing_folder(tiny_models, tmp_p
     assert main(["generate", "-m", model, "-p", "x", "-n", "4", "--trace", str(tmp_path / "no" / "t.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["generate", "-m", model, "-p", "x", "-n", "4", "--mode", "ar", "--trace", str(path)]) == 2
+
+
+def test_bench_records_a_trace_per_prompt_beside_its_timed_runs(tiny_models, tmp_path):
+    folder = tmp_path / "traces"
+    out = tmp_path / "b.json"
+    assert main(["bench", "-m", str(tiny_models["olmoe"]), "--prompts", "natural", "--n-prompts", "2", "-n", "8",
+                 "--modes", "ar,s2moe", "--no-quality", "--no-reference", "--repeats", "1", "--draft-max", "8",
+                 "--reuse-strength", "0.5", "-t", "1", "--trace", str(folder), "--json", str(out)]) == 0
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == ["resident-000.jsonl", "resident-001.jsonl"]
+    traces = [read_trace(folder / f) for f in files]
+    assert all(t.n_tokens == 8 and t.header.budget is None and t.header.mode == "s2moe" for t in traces)
+    # the timed rows are the modes asked for; the trace generation is not one of them
+    assert [r["mode"] for r in json.loads(out.read_text())["results"]] == ["ar", "s2moe"]
