@@ -935,3 +935,50 @@ def test_bench_results_save_as_json_and_csv(monkeypatch, tmp_path):
             assert rows[1]["tok_per_s_repeats"] == " ".join(f"{x:g}" for x in screen.rows[1].tok_per_s_repeats)
 
     run(go())
+
+
+# -- focus and state ---------------------------------------------------------------------------------------------
+def test_tab_goes_prompt_transcript_live_panel_as_the_help_says():
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            assert app.focused.id == "prompt"
+            order = []
+            for _ in range(3):
+                await pilot.press("tab")
+                order.append(app.focused.id)
+            assert order == ["transcript", "live", "prompt"]
+            await pilot.press("shift+tab")
+            assert app.focused.id == "live"
+            help_text = dict(chat.HELP_EXTRA)["Prompt"]
+            assert ("Tab / Shift+Tab", "move focus: prompt, transcript, live panel (q and ? work off the prompt)") \
+                in help_text
+
+    run(go())
+
+
+def test_a_mode_checkbox_says_its_state_without_colour():
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f5")
+            modes = app.screen.query_one("#bench-modes")
+
+            def boxes():
+                lines = [modes.render_line(y).text for y in range(modes.option_count)]
+                return {line.split()[-1]: line.strip()[1] for line in lines}
+
+            before = boxes()
+            assert before["ar"] == "✓" and before["s2moe"] == "✓"
+            assert {v for k, v in before.items() if k not in ("ar", "s2moe")} == {" "}
+            modes.focus()
+            modes.highlighted = 0
+            await pilot.press("space")
+            await pilot.pause()
+            first = modes.get_option_at_index(0).value
+            assert boxes()[first] != before[first]
+
+    run(go())

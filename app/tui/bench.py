@@ -15,7 +15,7 @@ from ...engine.bench import BenchDone, BenchProgress, BenchRow, BenchTrace
 from ...engine.errors import ConfigError, S2MoEError
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import engine_modes
-from .widgets import Column, FittedTable, NavBar
+from .widgets import CheckList, Column, FittedTable, NavBar
 
 DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):"
 DEFAULT_MODES = ("ar", "s2moe")
@@ -124,7 +124,7 @@ class BenchScreen(Screen):
                 yield Label("Prompts (one per line)")
                 yield TextArea(DEFAULT_PROMPTS, id="bench-prompts", soft_wrap=True, show_line_numbers=False)
                 yield Label("Modes (Space toggles)")
-                yield SelectionList[str](id="bench-modes")
+                yield CheckList(id="bench-modes")
                 with Horizontal(classes="form-row"):
                     yield Label("Tokens", classes="form-label")
                     yield Input("32", id="bench-n", type="integer")

@@ -54,12 +54,12 @@ class ChatScreen(Screen):
 
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the generation after the current iteration"),
-        Binding("ctrl+r", "toggle_rejected", "Drafts", tooltip="Show or hide rejected draft tokens"),
+        Binding("ctrl+r", "toggle_rejected", "Drafts", show=False, tooltip="Show or hide rejected draft tokens"),
         Binding("f6", "cycle_mode", "Mode", tooltip="Next decoding mode (s2moe, ar, baselines)"),
         Binding("f7", "toggle_utility", "Utility", tooltip="Routing-aware expansion on/off (off: fixed draft length)"),
         Binding("f8", "toggle_gating", "Gating", tooltip="Reuse-aware gating on/off (off: lossless)"),
         Binding("f9", "cycle_topk", "k_d", tooltip="Next number of experts per token in draft passes"),
-        Binding("ctrl+o", "settings", "Settings", tooltip="All generation settings in one form"),
+        Binding("ctrl+o", "settings", "Settings", show=False, tooltip="All generation settings in one form"),
         Binding("ctrl+s", "export", "Save", show=False,
                 tooltip="Save the transcript as Markdown (.md) or JSONL (.jsonl); the path is shown after"),
         Binding("ctrl+g", "full_live", "Plots", tooltip="The live panel full-screen, with every plot (again: back)"),
@@ -114,7 +114,8 @@ class ChatScreen(Screen):
                 yield Static(id="settings-bar")
                 yield PromptInput(placeholder="Type a prompt, Enter to generate (Esc stops)", id="prompt")
             yield LivePanel(id="live")
-        yield Footer()
+        # F1 Help must stay on the line at 80 columns: Ctrl+R and Ctrl+O are in the help and the palette
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.app.register_view(self)
@@ -130,6 +131,14 @@ class ChatScreen(Screen):
         self.query_one("#legend", Static).update(legend(self.app))
         for turn in self.query(TurnView):
             turn.redraw()
+
+    @property
+    def focus_chain(self):
+        """Tab goes prompt → transcript → live panel, as the help says (by position it would go from the
+        prompt at the bottom to the panel on the right, then up to the transcript)."""
+        chain = super().focus_chain
+        order = [w for w in (self.query_one("#prompt"), self.transcript, self.live) if w in chain]
+        return order + [w for w in chain if w not in order]
 
     @property
     def live(self) -> LivePanel:

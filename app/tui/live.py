@@ -460,6 +460,10 @@ class LivePanel(VerticalScroll):
         yield RollbackPlot(id="plot-rollback")
         yield ResidencyPlot(id="plot-residency")
 
+    def on_mount(self) -> None:
+        # the tiles from the start, not only after the chat's first redraw tick
+        self.call_after_refresh(self.flush, True)
+
     @property
     def plots(self) -> list[LivePlot]:
         return list(self.query(LivePlot))

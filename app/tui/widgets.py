@@ -8,7 +8,10 @@ from collections.abc import Sequence
 from rich.text import Text
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.widgets import DataTable, Input, Static
+from rich.segment import Segment as RichSegment
+from textual.strip import Strip
+from textual.widgets import DataTable, Input, SelectionList, Static
+from textual.widgets._toggle_button import ToggleButton
 
 from ..columns import Column, columns_that_fit
 from .session import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, Segment
@@ -194,3 +197,19 @@ class FittedTable(DataTable):
             self.move_cursor(row=min(max(row, 0), len(self.row_data) - 1))
         # a vertical scrollbar appears only once the rows are laid out, and it takes room from the columns
         self.call_after_refresh(self._rebuild, False)
+
+
+class CheckList(SelectionList):
+    """A SelectionList whose boxes say their state: ✓ when selected, empty when not. Textual draws the same
+    X in both and tells them apart by colour alone."""
+
+    def render_line(self, y: int) -> Strip:
+        strip = super().render_line(y)
+        segments = list(strip)
+        for i, seg in enumerate(segments):
+            meta = seg.style.meta if seg.style is not None else {}
+            if seg.text == ToggleButton.BUTTON_INNER and "option" in meta:
+                selected = self.get_option_at_index(meta["option"]).value in self._selected
+                segments[i] = RichSegment("✓" if selected else " ", seg.style)
+                return Strip(segments, strip.cell_length)
+        return strip
