@@ -641,6 +641,46 @@ def test_auto_budget_leaves_the_expert_cache_its_share_after_offloading(tiny_mod
     assert r["budget"] - held_now >= r["experts"] / 3
 
 
+AUTO_HOT = """
+import json, sys
+from s2moe.engine import offload
+from s2moe.engine.decoder import Decoder, GenerationConfig
+cg = offload.current_budget_cgroup()
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, max_draft=8, use_extra_bufts=False)
+warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
+hot = [(layer, expert) for expert in range(dec.info.n_expert) for layer in range(dec.info.n_layer)]
+off = offload.offload_decoder(dec, offload.Budget(None), hot, warm_up=warm)
+pinned = off.map.expert_residency()[off.map.pinned]
+print(json.dumps({"budget": off.budget_bytes, "limit": cg.limit(), "hot": off.pinned_split["hot_experts"],
+                  "eb": int(off.emap.expert_bytes.max()),
+                  "plan_hot": off.plan.hot_bytes, "pinned_resident": [float(x) for x in pinned]}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_an_auto_budget_pins_the_hot_experts_its_plan_has_room_for_under_the_lowered_limit(tiny_models, tmp_path):
+    """Hot experts are pinned once the limit is lowered (pinned before, while the warm-up's whole model
+    was cached, the kernel could not reclaim down to the limit): they are pinned, in memory, and within
+    the plan."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hot.py"
+    script.write_text(AUTO_HOT)
+    cg = MemoryCgroup.create(1 << 30, "test-auto-hot")
+    try:
+        proc = cg.popen([sys.executable, str(script), str(tiny_models["olmoe"])], "auto",
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        cg.remove()
+    assert proc.returncode == 0, stderr[-2000:]
+    r = json.loads(stdout.strip().splitlines()[-1])
+    assert r["limit"] == r["budget"]
+    n_pinned = len(r["pinned_resident"])
+    assert r["hot"] > 0 and 0 < n_pinned * r["eb"] <= r["plan_hot"]  # pinned bytes are rounded to pages
+    assert min(r["pinned_resident"]) == 1.0
+
 def test_a_drafts_prefetch_is_capped_at_the_expert_cache_for_each_verification(wide_model):
     """Predictions arrive pass by pass while the draft goes on; together they may ask for no more than the
     expert cache holds, and the allowance starts again with the next iteration's counting."""

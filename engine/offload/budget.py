@@ -76,11 +76,14 @@ class BudgetPlan:
 
 
 def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: ExpertMap, k: int,
-                hot_share: float = 0.5) -> BudgetPlan:
+                hot_share: float = 0.5, expert_room: int | None = None) -> BudgetPlan:
     """Split a budget: hot experts get `hot_share` of the room left for experts, but the cache for cold
-    experts keeps at least half of one token's experts (k/2 per layer; the other half is likely hot)."""
+    experts keeps at least half of one token's experts (k/2 per layer; the other half is likely hot).
+    expert_room: the room for experts where the budget was sized around it (auto: its share of the expert
+    bytes; what the process holds besides was measured in the cgroup, which the anonymous and pinned
+    bytes here undercount or overcount)."""
     slack = min(32 << 20, max(4 << 20, budget_bytes // 20))
-    room = max(0, budget_bytes - anon_bytes - base_bytes - slack)
+    room = max(0, budget_bytes - anon_bytes - base_bytes - slack) if expert_room is None else expert_room
     per_token = int(k * emap.expert_bytes.sum())
     reserve = min(room, max(int(room * (1 - hot_share)), per_token // 2))
     return BudgetPlan(budget_bytes, anon_bytes, base_bytes, room - reserve, reserve, slack)

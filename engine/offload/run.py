@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..errors import ConfigError, Terminated
-from .budget import Budget, auto_budget_bytes, current_budget, plan_budget
+from .budget import AUTO_EXPERT_SHARE, Budget, auto_budget_bytes, current_budget, plan_budget
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
 from .libc import drop_file_cache
@@ -125,7 +125,11 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         if warm_up is not None:
             warm_up()
         size = auto_budget_bytes(cg, emap)  # provisional: sizes the hot-expert plan
-    off = _attach(decoder, emap, size, hot_ranked, pinning)
+    # Under an auto budget the hot experts are pinned only once the limit is lowered: pinned while the
+    # warm-up's whole model is still cached, they left the kernel (cgroup v1) unable to reclaim that
+    # cache down to the limit (EBUSY at any step, measured), although the plan had room for them.
+    room = int(AUTO_EXPERT_SHARE * emap.total_expert_bytes) if cg is not None else None
+    off, hot = _attach(decoder, emap, size, hot_ranked, pinning, pin_hot=cg is None, expert_room=room)
     if cg is not None:
         # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
         # buffers) would otherwise come out of the expert cache.
@@ -137,32 +141,38 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
             raise ConfigError(f"cannot lower the memory limit to the auto budget {fmt_bytes(size)}: the process "
                               f"holds {fmt_bytes(cg.usage())} it cannot give back ({e.strerror}); give the budget "
                               "a size instead") from None
+        if hot:
+            off.pin(non_expert=False, code=False, hot=hot)  # read in under the limit, evicting cold experts
         decoder.forget_cost_constants()  # the warm-up measured resident costs; measure again under the budget
     off.budget_bytes = size
     return off
 
 
-def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinning) -> Offloader:
+def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinning, *,
+            pin_hot: bool = True, expert_room: int | None = None) -> tuple[Offloader, list]:
     """Pin non-expert weights + library code, then the longest prefix of the ranked hot experts that the
-    budget's plan allows (the plan counts the process's anonymous memory and everything pinned)."""
+    budget's plan allows (the plan counts the process's anonymous memory and everything pinned). Returns
+    the offloader and the hot experts chosen (pinned only with pin_hot: else the caller pins them)."""
     off = Offloader(decoder.info.path, prefetch=pinning.predicted_prefetch, emap=emap)
     off.lookahead = pinning.lookahead
     if pinning.base:
         off.pin(code=pinning.code, hot=())
     plan = None
+    hot = []
     k = decoder.info.n_expert_used
     if pinning.hot and hot_ranked:
         if budget_bytes is not None:
             plan = plan_budget(budget_bytes, anon_bytes=process_anon_bytes(), base_bytes=off.map.locked_bytes,
-                               emap=emap, k=k)
+                               emap=emap, k=k, expert_room=expert_room)
             room = plan.hot_bytes
         else:
             room = emap.total_expert_bytes
         hot = select_hot_experts(rank_counts(hot_ranked, emap), emap.expert_bytes, room)
-        off.pin(non_expert=False, code=False, hot=hot)
+        if pin_hot:
+            off.pin(non_expert=False, code=False, hot=hot)
     elif budget_bytes is not None:
         plan = plan_budget(budget_bytes, anon_bytes=process_anon_bytes(), base_bytes=off.map.locked_bytes,
-                           emap=emap, k=k, hot_share=0.0)
+                           emap=emap, k=k, hot_share=0.0, expert_room=expert_room)
     off.plan = plan
     if plan is not None:
         off.prefetch_bytes = plan.cache_bytes
@@ -175,7 +185,7 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
         if choice != "default":
             off.advise_fault_readahead(random=choice == "off" or slab * 4 <= window)
     off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
-    return off
+    return off, hot
 
 
 def split_line(cg: MemoryCgroup, offloader: Offloader | None = None) -> str:
