@@ -126,6 +126,10 @@ def test_app_settings_follow_the_model(routed_models):
     try:
         model = session.load()
         assert ChatSettings().describe(model).startswith("s2moe · k_d=1 ·")
+        # what the settings bar shows is what runs: a profile's tuned values where the chat sets none
+        tuned = {"draft_topk": 3, "reuse_strength": 0.25}
+        assert ChatSettings().describe(model, tuned).startswith("s2moe · k_d=3 · utility on · gating 0.25")
+        assert ChatSettings(draft_topk=1).describe(model, tuned).startswith("s2moe · k_d=1 ·")
         for mode in MODES:
             events = []
             session.generate("hello", ChatSettings(mode=mode, n_predict=4), lambda e, v: events.append(e))

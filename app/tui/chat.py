@@ -171,7 +171,7 @@ class ChatScreen(Screen):
         self.update_settings_bar()
 
     def update_settings_bar(self) -> None:
-        text = self.settings.describe(self.app.session.model)
+        text = self.settings.describe(self.app.session.model, self.app.session.tuned())
         if self.app.session.profile_name:
             text += f" · profile {self.app.session.profile_name}"
         if self._status:
@@ -188,9 +188,9 @@ class ChatScreen(Screen):
         remember_settings(asdict(self.settings))
 
     def shown_settings(self) -> ChatSettings:
-        """The settings with k_d filled in: the model's default, or with no model loaded that of the top-8
-        model the k_d choices assume then."""
-        s = self.settings.resolved(self.app.session.model)
+        """The settings with what they leave open filled in: the active profile's tuned values, else the
+        model's defaults (with no model loaded, k_d of the top-8 model the k_d choices assume then)."""
+        s = self.settings.resolved(self.app.session.model, self.app.session.tuned())
         if s.draft_topk is None:
             from ...engine.decoder import routing_defaults
 
@@ -339,7 +339,8 @@ class ChatScreen(Screen):
     def begin_turn(self, prompt: str) -> TurnView:
         """A new turn in the transcript, waiting for engine events."""
         self._turn_index += 1
-        turn = TurnView(self._turn_index, prompt, self.settings.describe(self.app.session.model))
+        session = self.app.session
+        turn = TurnView(self._turn_index, prompt, self.settings.describe(session.model, session.tuned()))
         turn.show_rejected = self.show_rejected
         turn.status = "starting…"
         self._turn = turn
