@@ -28,6 +28,9 @@ MODE_HELP = {
     "conf": "shared-KV self-draft that stops when the draft's confidence drops",
     "cascade": "shared-KV self-draft whose length adapts per request",
     "lookup": "prompt-lookup drafting: copy n-grams from the context, no draft model",
+    "tree": "S²-MoE drafting a tree: best-first by utility, siblings priced by the experts they add",
+    "tree-prob": "a draft tree expanded by draft probability alone (EAGLE-style; the tree baseline)",
+    "ls": "layer-skipping self-draft: every other MoE layer's experts skipped (the paper's LS baseline)",
 }
 
 
@@ -99,14 +102,14 @@ class ChatSettings:
 
         return replace(s, draft_topk=routing_defaults(model.n_expert, model.k).draft_topk)
 
-    def describe(self, model: ModelSummary | None = None) -> str:
+    def describe(self, model: ModelSummary | None = None, tuned: dict | None = None) -> str:
         parts = [self.mode]
         if self.mode != "ar":
-            k_d = self.resolved(model).draft_topk
+            k_d = self.resolved(model, tuned).draft_topk
             parts.append(f"k_d={'auto' if k_d is None else k_d}")
         if self.mode == "s2moe":
             parts.append("utility " + ("on" if self.utility else "off"))
-            parts.append(f"gating {self.resolved(model).reuse_strength:g}" if self.gating else "gating off")
+            parts.append(f"gating {self.resolved(model, tuned).reuse_strength:g}" if self.gating else "gating off")
         parts.append(f"n={self.n_predict}")
         if self.temperature > 0:
             parts.append(f"T={self.temperature:g}")
