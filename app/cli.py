@@ -10,9 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
-from contextlib import contextmanager
 
-from ..engine.errors import ConfigError, S2MoEError, Terminated
+from ..engine.errors import ConfigError, S2MoEError, Terminated, sigterm_raises_terminated
 from ..engine.modes import MODES
 
 
@@ -565,24 +564,6 @@ def _say_interrupted(word: str = "interrupted") -> None:
             signal.signal(sig, handler)
 
 
-@contextmanager
-def _sigterm_raises():
-    """SIGTERM raised as Terminated in the main thread while a command runs: the clean-up Ctrl-C gets (a
-    budget's cgroup and worker, a profile's temporary file) runs for it too, where it would otherwise
-    die on the spot."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -604,7 +585,7 @@ def main(argv=None) -> int:
             from ..engine.runtime import on_llama_abort
 
             on_llama_abort(_abort_line)
-        with _sigterm_raises():
+        with sigterm_raises_terminated():
             return args.run(args)
     except S2MoEError as e:
         print(f"error: {one_line(e.worded(FLAGS))}", file=sys.stderr)

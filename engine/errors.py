@@ -6,7 +6,10 @@ CLI and the app word it with their own names for it (a flag, a field) through `w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import signal
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 OPTION = "{option}"  # where a message names its setting
 
@@ -43,3 +46,22 @@ class ContextError(S2MoEError):
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C is, so that the same clean-up runs (a budget's cgroup
     and worker, a profile's temporary file); the CLI then exits with 143, the code of death by SIGTERM."""
+
+
+@contextmanager
+def sigterm_raises_terminated() -> Iterator[None]:
+    """SIGTERM raised as Terminated in the main thread while the block runs, so that the clean-up Ctrl-C
+    gets (a budget's cgroup and worker, a profile's temporary file) runs for it too, where the process
+    would otherwise die on the spot. Elsewhere than the main thread (signals reach only it) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

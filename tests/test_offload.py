@@ -602,6 +602,23 @@ def test_offload_bench_runs_every_arm_under_the_probed_auto_budget(tiny_models, 
     assert res["results"]["spec/hot"][0]["tokens"] == res["results"]["ar/base"][0]["tokens"]
 
 
+def _run_under_auto_budget(script_text: str, model, tmp_path) -> dict:
+    """Run a script in a memory cgroup as `--budget auto` would, and read the JSON line it prints last."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
+    cg = MemoryCgroup.create(1 << 30, "test-auto")
+    try:
+        proc = cg.popen([sys.executable, str(script), str(model)], "auto",
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        cg.remove()
+    assert proc.returncode == 0, stderr[-2000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
 AUTO_HEADROOM = """
 import json, sys
 from s2moe.engine import offload
@@ -622,20 +639,7 @@ print(json.dumps({"budget": budget, "limit": cg.limit(), "usage": cg.usage(), "r
 def test_auto_budget_leaves_the_expert_cache_its_share_after_offloading(tiny_models, tmp_path):
     """What the offloader itself allocates (the GGUF tensor table, residency buffers) is measured into
     `held`, so it does not come out of the third of the expert bytes reserved as the cache."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "headroom.py"
-    script.write_text(AUTO_HEADROOM)
-    cg = MemoryCgroup.create(1 << 30, "test-auto")
-    try:
-        proc = cg.popen([sys.executable, str(script), str(tiny_models["olmoe"])], "auto",
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        cg.remove()
-    assert proc.returncode == 0, stderr[-2000:]
-    r = json.loads(stdout.strip().splitlines()[-1])
+    r = _run_under_auto_budget(AUTO_HEADROOM, tiny_models["olmoe"], tmp_path)
     assert r["limit"] == r["budget"]
     held_now = r["usage"] - r["resident"]  # everything but expert pages, after a real generation
     assert r["budget"] - held_now >= r["experts"] / 3
@@ -662,20 +666,7 @@ def test_an_auto_budget_pins_the_hot_experts_its_plan_has_room_for_under_the_low
     """Hot experts are pinned once the limit is lowered (pinned before, while the warm-up's whole model
     was cached, the kernel could not reclaim down to the limit): they are pinned, in memory, and within
     the plan."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "hot.py"
-    script.write_text(AUTO_HOT)
-    cg = MemoryCgroup.create(1 << 30, "test-auto-hot")
-    try:
-        proc = cg.popen([sys.executable, str(script), str(tiny_models["olmoe"])], "auto",
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        cg.remove()
-    assert proc.returncode == 0, stderr[-2000:]
-    r = json.loads(stdout.strip().splitlines()[-1])
+    r = _run_under_auto_budget(AUTO_HOT, tiny_models["olmoe"], tmp_path)
     assert r["limit"] == r["budget"]
     n_pinned = len(r["pinned_resident"])
     assert r["hot"] > 0 and 0 < n_pinned * r["eb"] <= r["plan_hot"]  # pinned bytes are rounded to pages

@@ -9,16 +9,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
-from ..errors import ConfigError, Terminated
+from ..errors import ConfigError, sigterm_raises_terminated
 from .budget import AUTO_EXPERT_SHARE, Budget, auto_budget_bytes, current_budget, plan_budget
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
@@ -49,24 +47,6 @@ class BudgetRun:
 
 
 @contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM → Terminated (a KeyboardInterrupt) in the main thread, so that clean-up (the child, the cgroup)
-    runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
 def run_in_budget(argv: list[str], budget: Budget, model_path, *, tag: str = "run",
                   **popen_kw) -> Iterator[BudgetRun]:
     """Run argv in a fresh memory cgroup limited to the budget (an auto budget starts under a generous
@@ -76,7 +56,7 @@ def run_in_budget(argv: list[str], budget: Budget, model_path, *, tag: str = "ru
     cg = MemoryCgroup.create(budget.start_limit, tag)
     proc = None
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_raises_terminated():
             drop_file_cache(model_path)
             proc = cg.popen(argv, str(budget), **popen_kw)
             yield BudgetRun(proc, cg, budget)
