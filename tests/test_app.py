@@ -88,6 +88,66 @@ def test_live_stats_say_how_many_experts_offloaded_steps_fetched():
     assert f"fetched {fetched:.1f}/{read:.0f} experts  faults {(n - 1):.1f}" in state.stats_text()
 
 
+def tree_rows(chat) -> list[str]:
+    """The live panel's rows from the tree tile on, as drawn."""
+    stats = chat.query_one("#live-stats")
+    rows = [strip.text.rstrip() for strip in stats.render_lines(stats.region.reset_offset)]
+    start = next(i for i, row in enumerate(rows) if row.lstrip().startswith("tree  "))  # not the header's mode
+    pad = rows[start].index("tree")
+    rows = [row[pad:] for row in rows[start:]]
+    end = next((i for i in range(2, len(rows)) if not rows[i].startswith(" ")), len(rows))  # branches indent
+    return rows[:end]
+
+
+def test_the_tree_view_draws_an_iterations_draft_tree_with_the_accepted_path_marked():
+    import io
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from s2moe.app.tui.live import LiveState, TreeView
+
+    events = list(scripted_events("tree"))
+    # " The" → " cat" accepted; " dog" a sibling of " The", " sat" and " ran" children of " cat",
+    # " on" under " sat", "." under " dog"; the target then says " mat"
+    drafted = (0, 12, 1, 2, 13, 3, 6)
+    parents = (-1, -1, 0, 2, 2, 3, 1)
+    tree_it = replace(events[2], index=7, drafted=drafted, accepted=(0, 1), rejected=(12, 2, 13, 3, 6),
+                      target_token=5, committed=(0, 1, 5), committed_text=" The cat mat", rollback=5,
+                      tree_parents=parents, accepted_path=(0, 2))
+    state = LiveState()
+    state.start(events[0], 0.0)
+    piece = FakeDecoder().piece_text
+    state.add(events[2], None, 1.0, piece)
+    assert state.tree is None  # a chain draws no tree
+    state.add(tree_it, None, 1.0, piece)
+
+    def drawn(width):
+        console = Console(width=width, record=True, file=io.StringIO())
+        console.print(TreeView(state.tree))
+        return console.export_text().splitlines()
+
+    assert drawn(60) == [
+        "tree     2/7 it 7 · ✓ accepted ✗ rejected → target",
+        "• ✓␣The ✓␣cat →␣mat",
+        "             └✗␣sat ✗␣on",
+        "             └✗␣ran",
+        " └✗␣dog ✗.",
+    ]
+    assert drawn(40)[0] == "tree     2/7 ✓acc ✗rej →target"  # narrower: the legend gives way first
+    assert drawn(29)[0] == "tree     2/7 it 7"
+    # an iteration of the tree mode that drafted nothing still draws its tree: the target's token alone
+    state.add(replace(events[2], index=8, drafted=(), accepted=(), rejected=(), target_token=7, committed=(7,),
+                      committed_text=" It", draft_stop="no-draft", tree_parents=None), None, 1.0, piece)
+    assert drawn(60) == ["tree     0/0 it 8 · no draft (no-draft)", "• →␣It"]
+    # more branches than lines: the accepted path stays, the rest are counted
+    many = replace(tree_it, drafted=tuple(range(8)), tree_parents=(-1,) * 8, accepted_path=(0,),
+                   accepted=(0,), rejected=tuple(range(1, 8)), committed=(0, 5))
+    state.add(many, None, 1.0, piece)
+    rows = drawn(60)
+    assert rows[1] == "• ✓␣The →␣mat" and rows[-1] == "  … 3 more branches" and len(rows) == 7
+
+
 def test_residency_snapshots_feed_the_residency_plot():
     async def go():
         app = fake_app(residency=True)
@@ -345,6 +405,50 @@ def test_tiny_model_generation_end_to_end(tiny_models):
             assert {p.id: p.draws for p in chat.live.plots}["plot-accept"] >= 1
             await pilot.press("ctrl+c")
             await wait_for(pilot, lambda: app._exit, timeout=10, what="exit")
+
+    run(go())
+
+
+def test_tree_mode_on_a_tiny_model_draws_the_last_iterations_tree(tiny_models):
+    """The real engine drafting trees: the live panel draws the last iteration's tree, its accepted path on
+    the first line marked ✓ and every other drafted token ✗."""
+    from s2moe.app.tui.live import token_label
+    from s2moe.engine.events import Iteration
+
+    async def go():
+        app = S2MoEApp(str(tiny_models["olmoe"]), n_threads=1, n_ctx=256)
+        seen = []
+        generate = app.session.generate
+
+        def recording(prompt, settings, emit, warn=None):
+            def emit_and_keep(event, view):
+                seen.append(event)
+                emit(event, view)
+            return generate(prompt, settings, emit_and_keep, warn)
+
+        app.session.generate = recording
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, timeout=60, what="model")
+            chat = app.screen
+            chat.apply_settings(ChatSettings(mode="tree", utility=False, n_predict=16))
+            await type_prompt(pilot, "hello there")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, timeout=120,
+                           what="generation")
+            chat.flush()
+            await pilot.pause()
+            its = [e for e in seen if isinstance(e, Iteration)]
+            assert its and any(it.tree_parents is not None and len(it.drafted) >= 2 for it in its)
+            last = its[-1]
+            label = [token_label(app.session.decoder.piece_text(t)) for t in last.drafted]
+            rows = tree_rows(chat)
+            assert rows[0].split()[1] == f"{len(last.accepted_path)}/{len(last.drafted)}"
+            first = "• " + " ".join("✓" + label[i] for i in last.accepted_path)
+            assert rows[1].startswith(first.rstrip())
+            drawn = "\n".join(rows[1:])
+            assert drawn.count("✓") == len(last.accepted_path)
+            if "more branches" not in drawn:
+                assert drawn.count("✗") == len(last.drafted) - len(last.accepted_path)
+                assert all("✗" + label[i] in drawn for i in range(len(label)) if i not in last.accepted_path)
 
     run(go())
 

@@ -133,6 +133,43 @@ def test_live_tiles_with_a_budget_and_an_ar_reference(snap_compare, size):
     assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
 
 
+def as_tree(event):
+    """A scripted chain step as the tree modes report it: the accepted drafts a path from the pending token,
+    the rejected ones a branch of their own beside it."""
+    from dataclasses import replace
+
+    from s2moe.engine.events import Iteration
+
+    if not isinstance(event, Iteration):
+        return event
+    n, m = len(event.accepted), len(event.rejected)
+    parents = tuple(range(-1, n - 1)) + tuple([-1] + list(range(n, n + m - 1)))[:m]
+    return replace(event, tree_parents=parents, accepted_path=tuple(range(n)))
+
+
+@pytest.mark.parametrize("size", [pytest.param((80, 24), id="80x24")])
+def test_live_panel_draws_the_draft_tree(snap_compare, size):
+    """A tree mode: the tree of the last iteration under the tiles, its accepted path on the first line."""
+    from dataclasses import replace
+
+    async def run_before(pilot):
+        await ready(pilot)
+        chat = pilot.app.screen
+        decoder = FakeDecoder()
+        chat.begin_turn("The cat")
+        events = [as_tree(e) for e in scripted_events("tree")]
+        # the last step drafted " warm and soft" (all accepted), " ran away" beside " soft", " dog" beside it all
+        events[-2] = replace(events[-2], drafted=(9, 10, 11, 13, 14, 12), rejected=(13, 14, 12), rollback=3,
+                             tree_parents=(-1, 0, 1, 1, 3, -1), accepted_path=(0, 1, 2))
+        for i, event in enumerate(events):
+            chat.on_engine_event(EngineEvent(chat._turn_index, event, view_of(event, decoder), 1.0 + 0.05 * i))
+        chat.on_job_ended(JobEnded("generate"))
+        chat.flush()
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
 def test_live_plots_full_screen(snap_compare):
     async def run_before(pilot):
         await ready(pilot)

@@ -389,7 +389,9 @@ class ChatScreen(Screen):
             live.prefilled(message.t)
             self.set_status("generating… (Esc stops)")
         elif isinstance(event, Iteration):
-            live.add(event, message.view, message.t)
+            # token texts for the draft tree: reading the vocabulary is safe beside the worker's decoding
+            decoder = session.decoder
+            live.add(event, message.view, message.t, decoder.piece_text if decoder is not None else None)
             if turn is not None and message.view is not None:
                 turn.add(message.view.segments)
                 turn.status = f"{live.summary.committed} tokens…"

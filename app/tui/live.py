@@ -23,6 +23,25 @@ from ...engine.events import DraftDecision, Finished, Iteration, Summary
 MAX_POINTS = 120  # iterations kept for the per-iteration plots
 
 
+@dataclass(frozen=True)
+class IterationTree:
+    """The draft tree of one iteration as the panel draws it: the text of each drafted token, its parent
+    (index into the drafted tokens; -1: the pending token) and the accepted path, read off the event."""
+
+    index: int
+    pieces: tuple[str, ...]
+    parents: tuple[int, ...]
+    accepted_path: tuple[int, ...]
+    target: str | None  # the target's own token after the path (None: cut by a stop)
+    draft_stop: str
+
+    @classmethod
+    def of(cls, it: Iteration, piece) -> IterationTree:
+        has_target = len(it.committed) == len(it.accepted) + 1
+        return cls(it.index, tuple(piece(t) for t in it.drafted), tuple(it.tree_parents or ()),
+                   tuple(it.accepted_path), piece(it.target_token) if has_target else None, it.draft_stop)
+
+
 @dataclass
 class LiveState:
     summary: Summary = field(default_factory=Summary)  # the generation so far: its totals, mode and cost
@@ -47,6 +66,7 @@ class LiveState:
     pinned: list[float] | None = None
     hit_rate: list[float | None] | None = None
     budget: str = ""  # the memory budget as the session words it ("" fully resident)
+    tree: IterationTree | None = None  # the latest iteration's draft tree, once the generation drafts trees
     t0: float | None = None
     version: int = 0  # bumped on every change; the panel redraws when it moved
 
@@ -77,10 +97,14 @@ class LiveState:
         self.t0 = t
         self.version += 1
 
-    def add(self, it: Iteration, view, t: float) -> None:
+    def add(self, it: Iteration, view, t: float, piece=None) -> None:
+        """`piece` gives a token's text (the decoder's); without it the draft tree is not kept."""
         s = self.summary
         s.add(it)
         self.draft_stop = it.draft_stop
+        # an iteration of a tree mode that drafted nothing is an empty tree, not a chain
+        if piece is not None and (it.tree_parents is not None or self.tree is not None):
+            self.tree = IterationTree.of(it, piece)
         if it.draft_decision is not None:
             self.decision = it.draft_decision
         if it.verify_tokens >= 2:
@@ -260,6 +284,89 @@ class Tiles:
         width = options.max_width
         for line in self.lines(width):
             yield line
+
+
+VISIBLE = {ord(" "): "␣", ord("\n"): "⏎", ord("\t"): "⇥", 0x7F: "␡"} | {c: chr(0x2400 + c) for c in range(32)
+                                                                       if c not in (9, 10)}
+
+
+def token_label(text: str) -> str:
+    """A token's text with its whitespace and control characters visible (as their Unicode pictures), so
+    that tokens side by side stay apart and none moves the cursor."""
+    return text.translate(VISIBLE) or "∅"
+
+
+ACCEPTED, REJECTED, TARGET = "✓", "✗", "→"
+
+
+class TreeView:
+    """The latest iteration's draft tree in a few lines: the pending token (•), then each drafted token
+    marked ✓ (on the accepted path) or ✗, and → the target's own token after the path. A node's first child
+    goes on along its line (the accepted child first, so the accepted path is the first line); its other
+    children start lines of their own under it (└), the deepest branch first so that each sits next to its
+    parent. Lines past `max_lines` are counted, not drawn."""
+
+    def __init__(self, tree: IterationTree, styles: dict[str, str] | None = None, max_lines: int = 6):
+        self.tree = tree
+        self.styles = styles or {}
+        self.max_lines = max_lines
+
+    def lines(self, width: int) -> list[Text]:
+        tree = self.tree
+        path = set(tree.accepted_path)
+        last = tree.accepted_path[-1] if tree.accepted_path else -1
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(tree.parents):
+            children.setdefault(parent, []).append(node)
+        for kids in children.values():
+            kids.sort(key=lambda n: n not in path)  # stable: the accepted child first, the rest in draft order
+        head = Text(no_wrap=True, overflow="ellipsis")
+        head.append(f"{'tree':<{LABEL}}", style="bold")
+        head.append(f"{len(tree.accepted_path)}/{len(tree.pieces)}".rjust(VALUE) + " ")
+        if tree.pieces:
+            legends = [f"{ACCEPTED} accepted {REJECTED} rejected {TARGET} target",
+                       f"{ACCEPTED}acc {REJECTED}rej {TARGET}target"]
+        else:
+            legends = [f"no draft ({tree.draft_stop})"]
+        notes = [f"it {tree.index} · {legends[0]}", *legends, f"it {tree.index}"]
+        head.append(next((n for n in notes if cell_len(head.plain) + cell_len(n) <= width), notes[-1]),
+                    style="dim")
+        body: list[Text] = []
+
+        def branch(node: int, indent: int, lead: str) -> None:
+            line = Text(" " * indent + lead, no_wrap=True, overflow="ellipsis")
+            later: list[tuple[list[int], int]] = []
+            while True:
+                if node >= 0:
+                    ok = node in path
+                    if lead != "└" or cell_len(line.plain) > indent + 1:
+                        line.append(" ")
+                    line.append((ACCEPTED if ok else REJECTED) + token_label(tree.pieces[node]),
+                                style=self.styles.get("accepted" if ok else "rejected", ""))
+                kids = children.get(node, [])
+                column = cell_len(line.plain)
+                if node == last:
+                    if tree.target is not None:
+                        line.append(f" {TARGET}" + token_label(tree.target), style="bold")
+                    later.append((kids, column))
+                    break
+                later.append((kids[1:], column))
+                if not kids:
+                    break
+                node = kids[0]
+            body.append(line)
+            for kids, column in reversed(later):  # the deepest first: each branch right under its parent
+                for kid in kids:
+                    branch(kid, column, "└")
+
+        branch(-1, 0, "•")
+        if len(body) > self.max_lines:
+            hidden = len(body) - self.max_lines + 1
+            body = body[:self.max_lines - 1] + [Text(f"  … {hidden} more branches", style="dim")]
+        return [head] + body
+
+    def __rich_console__(self, console, options):
+        yield from self.lines(options.max_width)
 
 
 class FirstFit:
@@ -476,8 +583,11 @@ class LivePanel(VerticalScroll):
         why = self.state.why()
         v = self.app.theme_variables
         styles = {"bars": v.get("primary", "blue"), "kept": v.get("success", "green"),
-                  "dropped": f"dim {v.get('error', 'red')}"}
+                  "dropped": f"dim {v.get('error', 'red')}", "accepted": f"bold {v.get('success', 'green')}",
+                  "rejected": f"dim {v.get('error', 'red')}"}
         parts = [Tiles(self.state, styles)] + ([FirstFit(why)] if why else [])
+        if self.state.tree is not None:
+            parts.append(TreeView(self.state.tree, styles))
         details = self.state.stats_text()
         if details:
             parts.append(Text(details, style="dim"))
