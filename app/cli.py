@@ -604,6 +604,16 @@ def entry() -> None:
     """The console script: main's exit code, which a Ctrl-C that Python gets round to only while the
     interpreter shuts down must not turn into death by SIGINT."""
     code = main()
+    if code in (130, 143):
+        # A KeyboardInterrupt that passed through a module run from C (an import in the middle of a Ctrl-C)
+        # leaves CPython marked as interrupted even though main caught it: its shutdown would then end the
+        # process by SIGINT, after "interrupted" was said. Every clean-up has run by now (finally blocks).
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(code)

@@ -78,10 +78,11 @@ def _init_backend(op_offload_min_batch: int | None = None) -> None:
     if op_offload_min_batch is not None:
         os.environ[MIN_BATCH_ENV] = str(op_offload_min_batch)
     _backend_min_batch = os.environ.get(MIN_BATCH_ENV)
-    llama_cpp.llama_log_set(_log_sink, ctypes.c_void_p(0))
-    llama_cpp.llama_backend_init()
-    # Register the devices now (the variable is read there), not at whichever call happens to come first.
-    llama_cpp.llama_supports_gpu_offload()
+    with _signals_after_call():  # the backend and its devices log as they start
+        llama_cpp.llama_log_set(_log_sink, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        # Register the devices now (the variable is read there), not at whichever call happens to come first.
+        llama_cpp.llama_supports_gpu_offload()
     _backend_ready = True
 
 
@@ -157,7 +158,8 @@ def _cxx_exception_text(cxx) -> str:
 @contextmanager
 def _signals_after_call():
     """Ctrl-C (or SIGTERM, which the CLI raises as an exception too) while llama.cpp runs would raise inside
-    the log callback, where ctypes prints it and drops it: the load would go on as if nothing happened.
+    the log callback, where ctypes prints it and drops it: the load or generation would go on as if nothing
+    happened. Every llama.cpp call that can log (start, load, context, decode, free) runs inside this.
     Over the call, such a signal is only noted; it is raised (through the handler that was there) once the
     call has returned."""
     if threading.current_thread() is not threading.main_thread():
@@ -446,7 +448,8 @@ class LlamaRuntime:
         if self.hook is not None:
             self.hook.begin()
         logged = _log_count
-        rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        with _signals_after_call():  # a decode logs too (a graph reserved anew, a warning)
+            rc = llama_cpp.llama_decode(self.ctx, self._batch)
         if rc != 0:
             raise ModelError(f"llama.cpp could not decode a batch of {n} tokens (code {rc}): "
                              f"{first_llama_error(_log_count - logged)}")
@@ -483,6 +486,10 @@ class LlamaRuntime:
         return int(llama_cpp.llama_memory_seq_pos_max(self.mem, 0)) + 1
 
     def close(self) -> None:
+        with _signals_after_call():  # freeing a context or model logs
+            self._free()
+
+    def _free(self) -> None:
         if getattr(self, "_batch", None) is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None

@@ -402,6 +402,39 @@ def test_a_signal_during_a_real_model_load_ends_the_run(widened_model, sig, dela
     pytest.fail("never saw llama.cpp load the model in five attempts")
 
 
+def _has_mapped(pid: int, name: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return name in f.read()
+    except OSError:
+        return False
+
+
+def test_ctrl_c_at_any_moment_after_main_starts_exits_130(widened_model):
+    """Ctrl-C swept over a run, from the moment main imports llama.cpp (libllama mapped: main's handler is
+    in place) through the imports that follow, the model's reading, the backend's start, the load and the
+    first decodes. Before, a Ctrl-C landing in an import left CPython marked as interrupted: main said
+    "interrupted" and the process still died by SIGINT; one landing as the backend started was dropped in
+    the log callback and generation ran on. Every offset must end in exit 130 and that one line."""
+    model = os.path.realpath(widened_model)
+    for delay_ms in range(0, 300, 25):
+        proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hello",
+                                 "-n", "100000", "--ignore-eos", "--mode", "ar", "--threads", "1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while proc.poll() is None and time.monotonic() < deadline and not _has_mapped(proc.pid, "libllama"):
+                pass
+            assert proc.poll() is None, "the run ended before llama.cpp was imported"
+            time.sleep(delay_ms / 1000)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert (proc.returncode, err) == (130, "interrupted\n"), (delay_ms, proc.returncode, err)
+
+
 # -- no traceback ----------------------------------------------------------------------------------------------
 def test_a_prompt_of_undecodable_bytes_is_one_line(tiny_models, capsys):
     # what Python makes of the command-line bytes b"caf\xe9" (Latin-1), undecodable as UTF-8
