@@ -137,11 +137,8 @@ def budget_text(text: str) -> str:
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= 0 or v == float("inf"):
+    v = _number(text)
+    if v < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text}")
     return v
 
