@@ -116,30 +116,41 @@ CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     "/tmp/s2moe-llama-src/llama_cpp_python-$LLAMA_CPP_PYTHON"
 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH PYTHONUNBUFFERED=1
+# libggml-cuda needs the CUDA runtime and cuBLAS at load time: the toolkit's, or the pip packages' in the image.
+for dir in "${CUDA_HOME:-/usr/local/cuda}/lib64" $("$PY" -c 'import site; print(" ".join(site.getsitepackages()))' \
+        | xargs -n1 -I{} find {} -maxdepth 4 -type d -path '*nvidia*' -name lib 2>/dev/null); do
+    if [[ -d "$dir" ]]; then LD_LIBRARY_PATH=$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+done
+export LD_LIBRARY_PATH
 say "built: $("$PY" -c 'import llama_cpp; print(llama_cpp.__version__, "GPU offload:", bool(llama_cpp.llama_supports_gpu_offload()))')"
 "$PY" -c 'import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)' \
     || { say "the build has no GPU backend"; exit 1; }
 
+# From here on each step runs whatever the one before it did: a failing GPU test must not cost the bench.
+set +e
+trap - ERR
+step() { local name=$1; shift; "$@"; local rc=$?; (( rc == 0 )) || say "$name failed (exit $rc; 124: out of time)"; }
+
 # -- 2. the GPU tests ----------------------------------------------------------------------------------------
 say "2. tests marked gpu (hook on device buffers; experts copied from host memory at every batch size)"
-GGML_OP_OFFLOAD_MIN_BATCH=1 timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs
+GGML_OP_OFFLOAD_MIN_BATCH=1 step "the gpu tests" timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs
 
 # -- 3. the widened model and the bench ----------------------------------------------------------------------
 MODEL=/tmp/s2moe-olmoe-64x8-w32.gguf
 say "3. the widened model ($MODEL) and the bench: resident on the GPU vs experts in host memory"
-[[ -f "$MODEL" ]] || s2moe make-synthetic --from olmoe-64x8 --widen 32 --out "$MODEL"
+[[ -f "$MODEL" ]] || step "make-synthetic" s2moe make-synthetic --from olmoe-64x8 --widen 32 --out "$MODEL"
 BENCH=(bench -m "$MODEL" --modes ar,s2moe --n-prompts 4 -n 32 --draft-max 8 --reuse-strength 0.5 --no-quality
        --no-reference -ngl -1)
-timeout 150 s2moe "${BENCH[@]}" --json "$OUTDIR/bench-resident.json"
+step "bench resident" timeout 150 s2moe "${BENCH[@]}" --json "$OUTDIR/bench-resident.json"
 for mb in 1 2 32; do
-    timeout 150 s2moe "${BENCH[@]}" --cpu-moe --op-offload-min-batch "$mb" --json "$OUTDIR/bench-host-mb$mb.json"
+    step "bench mb$mb" timeout 150 s2moe "${BENCH[@]}" --cpu-moe --op-offload-min-batch "$mb" --json "$OUTDIR/bench-host-mb$mb.json"
 done
 
 # -- 4. calibration with experts in host memory --------------------------------------------------------------
 say "4. calibrate (the gpu step: host→device bandwidth, crossover, copy cost)"
 export XDG_CONFIG_HOME=/tmp/s2moe-gpu-config
-timeout 240 s2moe calibrate -m "$MODEL" -ngl -1 --cpu-moe --repeats 1 --name gpu-check --no-plot
-cp "$XDG_CONFIG_HOME/s2moe/profiles/gpu-check.yaml" "$OUTDIR/profile-gpu-check.yaml"
+step "calibrate" timeout 240 s2moe calibrate -m "$MODEL" -ngl -1 --cpu-moe --repeats 1 --name gpu-check --no-plot
+step "copying the profile" cp "$XDG_CONFIG_HOME/s2moe/profiles/gpu-check.yaml" "$OUTDIR/profile-gpu-check.yaml"
 
 # -- 5. the whole suite, with the time left ------------------------------------------------------------------
 left=$(( 560 - ($(date +%s) - T0) ))
