@@ -94,10 +94,10 @@ class Placement:
 
 def expert_tensor_names(path) -> list[str]:
     """Names of the model's tensors that llama.cpp's expert pattern matches."""
-    import gguf
+    from .model_info import gguf_reader
 
     pattern = re.compile(EXPERT_TENSORS)
-    return [t.name for t in gguf.GGUFReader(str(path), "r").tensors if pattern.search(t.name)]
+    return [t.name for t in gguf_reader(path).tensors if pattern.search(t.name)]
 
 
 class _Override(ctypes.Structure):

@@ -157,6 +157,12 @@ class RoutingHook:
         code path of GPU-resident activations, exercised on machines without a GPU."""
         self.lib.s2_hook_set_backend_copy(self.handle, int(on))
 
+    def distinct_from(self, min_rows: int) -> None:
+        """Never name one expert twice in a row of a batch of at least min_rows rows (0: only where the ids
+        live in a device buffer). CUDA's MUL_MAT_ID aborts on a repeated id, and with op offload a batch
+        of GGML_OP_OFFLOAD_MIN_BATCH rows runs there even when the layer is on the CPU."""
+        self.lib.s2_hook_set_distinct_min_rows(self.handle, int(min_rows))
+
     def hooked(self) -> int:
         return int(self.lib.s2_hook_hooked(self.handle))
 

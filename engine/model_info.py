@@ -187,6 +187,17 @@ def _is_array(reader, key: str) -> bool:
     return f is not None and bool(f.types) and f.types[0] == gguf.GGUFValueType.ARRAY
 
 
+def gguf_reader(path: str | os.PathLike):
+    """gguf-py's reader of the file. llama.cpp's libraries load first: gguf imports sentencepiece where it
+    is installed, and a CUDA build's libggml-cuda carries copies of libstdc++ symbols that, with another
+    extension's libstdc++ loaded before it, left llama.cpp's stream output crashing in llama_model::print_info
+    (CUDA 13, llama-cpp-python 0.3.36)."""
+    import llama_cpp  # noqa: F401
+    import gguf
+
+    return gguf.GGUFReader(str(path), "r")
+
+
 _KV_TENSOR = re.compile(r"blk\.\d+\.attn_[kv]\.weight")
 
 
@@ -201,10 +212,8 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
     if head[:4] != GGUF_MAGIC:
         raise ModelError(f"not a GGUF file (bad magic): {path}")
 
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path), "r")
+        reader = gguf_reader(path)
     except Exception:  # gguf-py raises ValueError/IndexError/struct errors on damaged files
         raise ModelError(f"damaged or truncated GGUF: {path} ({size} bytes)") from None
 

@@ -26,7 +26,7 @@ import numpy.random  # noqa: F401
 
 from .device import default_threads, memory_bytes
 from .errors import OPTION, ConfigError, ContextError, ModelError
-from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type
+from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type, gpu_backend
 from .hook import RoutingHook
 from .model_info import ModelInfo
 from .offload.sizes import fmt_bytes
@@ -315,6 +315,9 @@ class LlamaRuntime:
 
         wants_hook = install_hook and info.is_moe
         self.hook = RoutingHook(info, max_rows=max(max_verify_rows, 1), cap_max=cap_max) if wants_hook else None
+        if self.hook is not None and gpu_backend():
+            # op_offload is on (below): from this batch size MUL_MAT_ID may run on the GPU
+            self.hook.distinct_from(int(_backend_min_batch) if _backend_min_batch else MIN_BATCH_DEFAULT)
         n_threads = n_threads or default_threads()
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx

@@ -117,6 +117,7 @@ def library() -> ctypes.CDLL:
         "s2_hook_gate": (None, [hp, ctypes.c_float, ctypes.c_int, f32p]),
         "s2_hook_set_route": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),
         "s2_hook_set_backend_copy": (None, [hp, ctypes.c_int]),
+        "s2_hook_set_distinct_min_rows": (None, [hp, ctypes.c_int]),
         "s2_hook_hooked": (ctypes.c_int64, [hp]),
         "s2_hook_skipped": (ctypes.c_int64, [hp]),
     }

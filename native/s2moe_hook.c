@@ -8,12 +8,20 @@
 //   observe: record the ids the router chose (and their probabilities);
 //   draft:   record the router's full top-k (the predicted target routing), then keep only the
 //            top-k_d experts: slots >= k_d repeat kept ids with a dropped weight, so the dropped
-//            experts' weights are never read;
+//            experts' weights are never read (with distinct_ids, see below, they read other experts);
 //   gate:    reuse-aware gating of a verification batch: bias each token's selection scores
 //            toward the batch's preferred experts E*, mix with the unbiased probabilities;
 //   skip:    layer skipping: in the layers marked, every slot reads one given expert with weight 0,
 //            so that the routed experts add nothing and no expert beyond that one is read.
 // Buffers are owned by the caller (numpy) and filled in place.
+//
+// Distinct ids: CUDA's MUL_MAT_ID counts each expert at most once per token while it sorts a batch's rows
+// by expert (ggml_cuda_mul_mat_id asserts that the count adds up), so a row that names one expert twice
+// aborts the process. Where MUL_MAT_ID may run on a GPU, the slots that would repeat an id take other
+// experts instead, with the same dropped weight: first experts the batch already reads in that layer,
+// then the router's own next choices. The output is unchanged (weight 0 adds +0.0); what is read grows.
+// MUL_MAT_ID runs on a GPU when the layer's ids live in a device buffer, or, with op offload, when the
+// batch has at least GGML_OP_OFFLOAD_MIN_BATCH rows (distinct_min_rows; 0: no GPU to offload to).
 
 #include <math.h>
 #include <stdbool.h>
@@ -36,6 +44,7 @@ typedef struct s2_hook {
     float drop_weight;   // 0, or -INFINITY where a softmax over the selected weights follows
     int score_space;
     int hook_argsort;    // selection scores are not the probabilities (bias/mask): copy them at argsort
+    int distinct_min_rows; // from this many rows a batch may run on a GPU: no id twice in a row (top of file)
     int backend_copy;    // copy through ggml_backend_tensor_get/set even for host buffers (tests the
                          // path device buffers take on a machine that has none)
 
@@ -69,6 +78,8 @@ typedef struct s2_hook {
     float *w;            // [max_rows][k]
     float *importance;   // [n_expert]
     unsigned char *in_pref; // [n_expert]
+    unsigned char *in_row;  // [n_expert] distinct ids: experts already named in the row being filled
+    int32_t *pool;          // [n_expert] distinct ids: the experts a layer's batch reads, in first-use order
 } s2_hook;
 
 s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max) {
@@ -87,8 +98,11 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
     h->w = malloc((size_t)max_rows * k * sizeof(float));
     h->importance = malloc(n_expert * sizeof(float));
     h->in_pref = malloc(n_expert);
-    if (!h->scores || !h->probs || !h->ranks || !h->w || !h->importance || !h->in_pref) {
+    h->in_row = malloc(n_expert);
+    h->pool = malloc(n_expert * sizeof(int32_t));
+    if (!h->scores || !h->probs || !h->ranks || !h->w || !h->importance || !h->in_pref || !h->in_row || !h->pool) {
         free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
+        free(h->in_row); free(h->pool);
         free(h);
         return NULL;
     }
@@ -98,6 +112,7 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
 void s2_hook_free(s2_hook *h) {
     if (!h) return;
     free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
+    free(h->in_row); free(h->pool);
     free(h);
 }
 
@@ -143,6 +158,7 @@ void s2_hook_set_route(s2_hook *h, int (*fn)(void *, int, const int32_t *, int),
 }
 
 void s2_hook_set_backend_copy(s2_hook *h, int on) { h->backend_copy = on; }
+void s2_hook_set_distinct_min_rows(s2_hook *h, int min_rows) { h->distinct_min_rows = min_rows; }
 
 int64_t s2_hook_hooked(const s2_hook *h) { return h->n_hooked; }
 int64_t s2_hook_skipped(const s2_hook *h) { return h->n_skipped; }
@@ -272,6 +288,31 @@ static void gate_layer(s2_hook *h, int layer, int n_rows, int32_t *ids /* [n_row
     }
 }
 
+// Slots [keep, k) of each row get experts not yet named in that row, preferring the pool
+// (experts the batch reads anyway), then the row's own router choices (k distinct ids, so one is always
+// free), then any expert.
+static void fill_distinct(s2_hook *h, int32_t *used, const int32_t *orig, int n_rows, int keep,
+                          const int32_t *pool, int n_pool) {
+    const int k = h->k, ne = h->n_expert;
+    for (int r = 0; r < n_rows; ++r) {
+        int32_t *row = used + (size_t)r * k;
+        memset(h->in_row, 0, ne);
+        for (int j = 0; j < keep; ++j) h->in_row[row[j]] = 1;
+        int next_pool = 0, next_orig = 0, next_any = 0;
+        for (int j = keep; j < k; ++j) {
+            int32_t e = -1;
+            while (e < 0 && next_pool < n_pool)
+                if (!h->in_row[pool[next_pool++]]) e = pool[next_pool - 1];
+            while (e < 0 && next_orig < k)
+                if (!h->in_row[orig[(size_t)r * k + next_orig++]]) e = orig[(size_t)r * k + next_orig - 1];
+            while (e < 0 && next_any < ne)
+                if (!h->in_row[next_any++]) e = next_any - 1;
+            row[j] = e;
+            h->in_row[e] = 1;
+        }
+    }
+}
+
 static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
     struct ggml_tensor *probs = t->src[0];  // [1, n_expert, T] view of the probabilities
     struct ggml_tensor *topk = t->src[1];   // [k, T] i32, a view of the full argsort
@@ -309,6 +350,9 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
         memcpy(orig + (size_t)r * k, h->ranks + (size_t)r * ne, k * sizeof(int32_t));
     memcpy(used, orig, (size_t)n_rows * k * sizeof(int32_t));
 
+    struct ggml_backend_buffer *ids_buffer = buffer_of(topk);
+    const bool distinct = (ids_buffer && !ggml_backend_buffer_is_host(ids_buffer)) ||
+                          (h->distinct_min_rows > 0 && n_rows >= h->distinct_min_rows);
     bool rewrite = false;
     if (h->mode == S2_DRAFT && h->k_draft > 0 && h->k_draft < k) {
         for (int r = 0; r < n_rows; ++r)
@@ -316,6 +360,16 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
                 used[(size_t)r * k + j] = used[(size_t)r * k + j % h->k_draft];
                 h->w[(size_t)r * k + j] = h->drop_weight;
             }
+        if (distinct) {
+            int n_pool = 0;
+            memset(h->in_row, 0, ne);
+            for (int r = 0; r < n_rows; ++r)
+                for (int j = 0; j < h->k_draft; ++j) {
+                    const int32_t e = used[(size_t)r * k + j];
+                    if (!h->in_row[e]) { h->in_row[e] = 1; h->pool[n_pool++] = e; }
+                }
+            fill_distinct(h, used, orig, n_rows, h->k_draft, h->pool, n_pool);
+        }
         rewrite = true;
     } else if (h->mode == S2_SKIP && h->skip_expert[layer] >= 0 && h->skip_expert[layer] < ne) {
         // weight 0 (not drop_weight: a softmax over all-(-inf) weights has no value)
@@ -324,6 +378,8 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
                 used[(size_t)r * k + j] = h->skip_expert[layer];
                 h->w[(size_t)r * k + j] = 0.0f;
             }
+        // One shared set for every row: the skipped layer reads k experts instead of one.
+        if (distinct) fill_distinct(h, used, used, n_rows, 1, NULL, 0);
         rewrite = true;
     } else if (h->mode == S2_GATE && h->alpha > 0.0f && n_rows > 1) {
         read_f32_rows(h, probs, ne, n_rows, probs->nb[2], h->probs);

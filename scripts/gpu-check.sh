@@ -105,16 +105,21 @@ fi
 
 # -- 1. the CUDA build ---------------------------------------------------------------------------------------
 say "1. llama-cpp-python $LLAMA_CPP_PYTHON with CUDA (architecture $CUDA_ARCH, $JOBS jobs)"
-rm -rf "$SITE" /tmp/s2moe-llama-src
-mkdir -p "$SITE" /tmp/s2moe-llama-src
-tar -xJf "$CARRY/llama-cpp-python.tar.xz" -C /tmp/s2moe-llama-src
-"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/wheels/*
-# Flash-attention kernels are most of the CUDA compile time and nothing here uses them.
-CMAKE_ARGS="$CUDA_ARGS -DGGML_CUDA_FA=OFF -DGGML_NATIVE=ON" \
-CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
-    "/tmp/s2moe-llama-src/llama_cpp_python-$LLAMA_CPP_PYTHON"
-"$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .
+if [[ -n "${S2MOE_GPU_REUSE:-}" && -d "$SITE/llama_cpp/lib" ]]; then
+    say "reusing the build in $SITE (S2MOE_GPU_REUSE)"
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$SITE" .
+else
+    rm -rf "$SITE" /tmp/s2moe-llama-src
+    mkdir -p "$SITE" /tmp/s2moe-llama-src
+    tar -xJf "$CARRY/llama-cpp-python.tar.xz" -C /tmp/s2moe-llama-src
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/wheels/*
+    # Flash-attention kernels are most of the CUDA compile time and nothing here uses them.
+    CMAKE_ARGS="$CUDA_ARGS -DGGML_CUDA_FA=OFF -DGGML_NATIVE=ON" \
+    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
+        "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
+        "/tmp/s2moe-llama-src/llama_cpp_python-$LLAMA_CPP_PYTHON"
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$SITE" .
+fi
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH PYTHONUNBUFFERED=1
 # libggml-cuda needs the CUDA runtime and cuBLAS at load time: the toolkit's, or the pip packages' in the image.
 for dir in "${CUDA_HOME:-/usr/local/cuda}/lib64" $("$PY" -c 'import site; print(" ".join(site.getsitepackages()))' \
@@ -122,6 +127,13 @@ for dir in "${CUDA_HOME:-/usr/local/cuda}/lib64" $("$PY" -c 'import site; print(
     if [[ -d "$dir" ]]; then LD_LIBRARY_PATH=$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
 done
 export LD_LIBRARY_PATH
+# The CUDA build's libggml-cuda carries its own copy of libstdc++'s symbols. When a C++ extension that links the
+# system libstdc++ (sentencepiece, which gguf imports when present) loads first, llama.cpp's stream output binds
+# to a mix of the two and crashes in llama_model::print_info; the system libstdc++ loaded first avoids that.
+for lib in /lib/x86_64-linux-gnu/libstdc++.so.6 /usr/lib64/libstdc++.so.6; do
+    if [[ -f $lib ]]; then export LD_PRELOAD=$lib; break; fi
+done
+[[ -x "$SITE/bin/s2moe" ]] || { say "pip left no s2moe script in $SITE/bin"; exit 1; }
 say "built: $("$PY" -c 'import llama_cpp; print(llama_cpp.__version__, "GPU offload:", bool(llama_cpp.llama_supports_gpu_offload()))')"
 "$PY" -c 'import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)' \
     || { say "the build has no GPU backend"; exit 1; }
@@ -130,6 +142,11 @@ say "built: $("$PY" -c 'import llama_cpp; print(llama_cpp.__version__, "GPU offl
 set +e
 trap - ERR
 step() { local name=$1; shift; "$@"; local rc=$?; (( rc == 0 )) || say "$name failed (exit $rc; 124: out of time)"; }
+
+# The engine's model readers load llama.cpp before gguf (and the sentencepiece it imports): without the
+# preload above, that order alone must keep the model load from crashing.
+step "generate without LD_PRELOAD" env -u LD_PRELOAD timeout 90 s2moe generate -m olmoe-64x8 -ngl -1 -n 16 \
+    -p "def fib(n):"
 
 # -- 2. the GPU tests ----------------------------------------------------------------------------------------
 say "2. tests marked gpu (hook on device buffers; experts copied from host memory at every batch size)"
@@ -145,6 +162,11 @@ step "bench resident" timeout 150 s2moe "${BENCH[@]}" --json "$OUTDIR/bench-resi
 for mb in 1 2 32; do
     step "bench mb$mb" timeout 150 s2moe "${BENCH[@]}" --cpu-moe --op-offload-min-batch "$mb" --json "$OUTDIR/bench-host-mb$mb.json"
 done
+if [[ ! -f "$OUTDIR/bench-host-mb1.json" ]] && command -v cuda-gdb >/dev/null; then
+    say "3b. where the threshold-1 run fails (cuda-gdb backtrace)"
+    timeout 120 cuda-gdb -q -batch -ex run -ex bt --args "$PY" "$SITE/bin/s2moe" "${BENCH[@]}" --n-prompts 1 \
+        --cpu-moe --op-offload-min-batch 1 2>&1 | grep -E '^#[0-9]|signal|GGML_ASSERT' | head -40
+fi
 
 # -- 4. calibration with experts in host memory --------------------------------------------------------------
 say "4. calibrate (the gpu step: host→device bandwidth, crossover, copy cost)"
@@ -153,7 +175,7 @@ step "calibrate" timeout 240 s2moe calibrate -m "$MODEL" -ngl -1 --cpu-moe --rep
 step "copying the profile" cp "$XDG_CONFIG_HOME/s2moe/profiles/gpu-check.yaml" "$OUTDIR/profile-gpu-check.yaml"
 
 # -- 5. the whole suite, with the time left ------------------------------------------------------------------
-left=$(( 560 - ($(date +%s) - T0) ))
+left=$(( ${S2MOE_GPU_BUDGET:-560} - ($(date +%s) - T0) ))
 if (( left > 30 )); then
     say "5. the whole test suite ($left s left)"
     timeout "$left" "$PY" -m pytest -q -p no:cacheprovider -rs || say "the suite failed or ran out of time (above)"

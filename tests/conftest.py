@@ -3,6 +3,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import llama_cpp  # noqa: F401  (before gguf, as the engine's model readers do: see model_info.gguf_reader)
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -270,3 +270,54 @@ def test_skip_mode_silences_the_routed_experts_of_the_layers_named(decoders, arc
     assert np.abs(plain - skip0).max() > 1e-2
     assert (r0.used[1] == 0).all() and (r5.used[1] == 5).all() and (r5.weight[1] == 0).all()
     assert np.array_equal(r0.used[0], seen.used[0])
+
+
+def _rows_distinct(ids: np.ndarray) -> bool:
+    """No row of any layer names one expert twice."""
+    s = np.sort(ids, axis=-1)
+    return not (s[..., 1:] == s[..., :-1]).any()
+
+
+@pytest.mark.parametrize("mode", ["draft", "skip"])
+def test_distinct_ids_leave_the_output_unchanged_and_name_no_expert_twice(decoders, arch, mode):
+    """Where MUL_MAT_ID may run on a GPU (CUDA aborts on an id repeated within a row), the slots a draft
+    or a skipped layer would fill by repeating an id take other experts with the dropped weight. The
+    logits must be bit-identical to the repeating fill; below the row threshold the repeats stay (on the
+    CPU they cost nothing, distinct fillers would be read)."""
+    rt = decoders[arch].rt
+    k = rt.info.n_expert_used
+    assert k > 2  # a draft keeping 2 leaves slots to fill
+    batch = np.random.default_rng(5).integers(0, 256, size=6).tolist()
+
+    def run(min_rows: int):
+        rt.hook.distinct_from(min_rows)
+        try:
+            _fresh(rt)
+            rt.hook.draft(2) if mode == "draft" else rt.hook.skip([1], 3)
+            return rt.decode(batch, 0, "all"), rt.hook.snapshot(len(batch))
+        finally:
+            rt.hook.distinct_from(0)
+            _fresh(rt)
+
+    rep_logits, rep = run(0)
+    dis_logits, dis = run(1)
+    below_logits, below = run(len(batch) + 1)
+    assert not _rows_distinct(rep.used[:, : len(batch)])  # the repeating fill really repeats
+    assert _rows_distinct(dis.used[:, : len(batch)])
+    np.testing.assert_array_equal(rep_logits, dis_logits)
+    np.testing.assert_array_equal(below.used, rep.used)
+    np.testing.assert_array_equal(below_logits, rep_logits)
+    if mode == "draft":
+        # kept slots are the router's top-2; fillers come from what the batch already reads where it can
+        np.testing.assert_array_equal(dis.used[:, :, :2], rep.used[:, :, :2])
+        for layer in range(rt.info.n_layer):
+            rows = dis.used[layer, : len(batch)]
+            pool = set(rows[:, :2].ravel().tolist())
+            for row in rows:
+                fillers = row[2:].tolist()
+                spare = pool - set(row[:2].tolist())
+                assert set(fillers[: min(len(spare), k - 2)]) <= spare
+        assert (dis.weight[:, : len(batch), 2:] == rep.weight[:, : len(batch), 2:]).all()
+    else:
+        assert (dis.used[1, : len(batch), 0] == 3).all() and (dis.weight[1] == 0).all()
+        np.testing.assert_array_equal(dis.used[0], rep.used[0])

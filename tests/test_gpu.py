@@ -344,6 +344,9 @@ def on_device(tiny_models):
     info = read_model_info(tiny_models["olmoe"])
     host = LlamaRuntime(info, n_ctx=128, n_threads=1)
     device = LlamaRuntime(info, n_ctx=128, n_threads=1, placement=Placement(n_gpu_layers=-1))
+    # Ids in device buffers never repeat within a row (CUDA's MUL_MAT_ID aborts on a repeat): the host
+    # runtime is held to the same rule so that the two route alike.
+    host.hook.distinct_from(1)
     yield host, device
     host.close()
     device.close()
@@ -377,8 +380,11 @@ def test_hook_on_device_buffers_routes_as_on_the_cpu(on_device, mode):
     dev_logits, d = _routed(device, mode)
     for field in ("orig", "used", "rows"):
         np.testing.assert_array_equal(getattr(h, field), getattr(d, field))
-    np.testing.assert_allclose(h.weight, d.weight, rtol=1e-3, atol=1e-5)
-    np.testing.assert_allclose(host_logits, dev_logits, rtol=1e-3, atol=1e-3)
+    # The routing decisions must agree exactly; the values cannot: CUDA's matmuls round their inputs
+    # (F16 activations beside F16 weights, TF32 beside F32), so a router weight differs from the CPU's in
+    # the third digit (up to 3.5e-3 relative, seen on an H200).
+    np.testing.assert_allclose(h.weight, d.weight, rtol=1e-2, atol=1e-4)
+    np.testing.assert_allclose(host_logits, dev_logits, rtol=1e-2, atol=1e-2)
 
 
 @on_gpu
@@ -426,3 +432,16 @@ def test_a_calibration_without_a_gpu_counts_the_gpu_step_as_skipped_not_failed()
         outcome = step_outcome(StepResult(6, "gpu", why, {"skipped": why}))
         assert outcome.state == "skipped" and outcome.reason == why[len("skipped: "):]
     assert step_outcome(StepResult(6, "gpu", "failed: x", {"skipped": "failed: x"})).state == "failed"
+
+
+@pytest.mark.parametrize("reader", ["s2moe.engine.model_info:read_model_info", "s2moe.engine.gpu:expert_tensor_names",
+                                    "s2moe.engine.offload.experts:expert_map"])
+def test_llama_cpp_loads_before_gguf_whoever_reads_the_model_first(tiny_models, reader):
+    """A CUDA build crashed at model load when gguf (and the sentencepiece it imports) loaded before
+    llama.cpp's libraries: every reader of a GGUF loads llama.cpp first."""
+    module, name = reader.split(":")
+    code = (f"import sys; from {module} import {name}; {name}({str(tiny_models['olmoe'])!r}); "
+            "order = list(sys.modules); print(order.index('llama_cpp') < order.index('gguf'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"

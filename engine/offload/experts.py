@@ -56,11 +56,11 @@ class ExpertMap:
 
 
 def expert_map(path: str | os.PathLike) -> ExpertMap:
-    import gguf
+    from ..model_info import gguf_reader
 
     path = Path(path)
     try:
-        reader = gguf.GGUFReader(str(path), "r")
+        reader = gguf_reader(path)
     except Exception:
         raise ModelError(f"damaged or truncated GGUF: {path}") from None
     by_layer: dict[int, list] = {}
