@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 
-from ..engine.errors import ConfigError, S2MoEError, Terminated, sigterm_raises_terminated
+from ..engine.errors import OPTION, ConfigError, S2MoEError, Terminated, sigterm_raises_terminated
 from ..engine.modes import MODES
 
 
@@ -157,6 +157,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     draft and the verification sample from the same processed distributions (engine.sampling)."""
     from ..engine import sampling as s
 
+    p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("-s", "--seed", type=_seed, default=0, help="random seed (default 0; -1: a random one, printed)")
     p.add_argument("--top-k", type=_non_negative_int, default=s.TOP_K,
                    help=f"sample among the k most likely tokens (default {s.TOP_K}, 0 = off)")
     p.add_argument("--top-p", type=_fraction, default=s.TOP_P,
@@ -173,8 +175,24 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 def sampling_settings(args) -> dict:
     """The sampler options of parsed arguments, as GenerationConfig fields."""
-    return dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                repeat_last_n=args.repeat_last_n)
+    return dict(temperature=args.temp, seed=args.seed, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
+
+
+# GenerationConfig's sampler fields → the flag that sets each and the reader of its value: the app's settings
+# read what a user types as these flags do.
+SAMPLING_VALUES = {"temperature": ("--temp", _non_negative_float), "seed": ("-s", _seed),
+                   "top_k": ("--top-k", _non_negative_int), "top_p": ("--top-p", _fraction),
+                   "min_p": ("--min-p", _fraction), "repeat_penalty": ("--repeat-penalty", _positive_float),
+                   "repeat_last_n": ("--repeat-last-n", _repeat_last_n)}
+
+
+def sampling_value(key: str, text: str):
+    """One sampler setting typed as text, read and checked as its flag's value is (ConfigError naming it)."""
+    try:
+        return SAMPLING_VALUES[key][1](text.strip())
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"{OPTION}: {e}", option=key) from None
 
 
 def add_tree_options(p: argparse.ArgumentParser) -> None:
@@ -228,8 +246,6 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
     p.add_argument("-n", "--n-predict", type=positive_int, default=128, help="tokens to generate")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("-s", "--seed", type=_seed, default=0, help="random seed (default 0; -1: a random one, printed)")
     add_sampling_options(p)
     p.add_argument("--profile", type=nonempty,
                    help="device profile name or YAML path (cost constants); measured at start-up if absent")
@@ -348,8 +364,6 @@ def generation_config(args, decoder):
         tree_width=args.tree_width,
         tree_max_nodes=args.tree_max_nodes,
         n_predict=args.n_predict,
-        temperature=args.temp,
-        seed=args.seed,
         **sampling_settings(args),
         utility=not args.no_utility,
         stop_at_eos=not args.ignore_eos,
@@ -429,9 +443,8 @@ def cmd_generate(args) -> int:
     if args.file is not None:
         args.prompt = prompt_file_text(args.file)
     # Validate flags that need no model before loading one.
-    GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, temperature=args.temp, seed=args.seed,
-                     draft_topk=args.draft_topk, draft_max=args.draft_max, tree_width=args.tree_width,
-                     tree_max_nodes=args.tree_max_nodes, **sampling_settings(args)).validate()
+    GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, draft_topk=args.draft_topk,
+                     draft_max=args.draft_max, tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes, **sampling_settings(args)).validate()
     if args.trace is not None:
         from ..engine.trace import check_trace_path
 

@@ -10,14 +10,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from ...engine.errors import S2MoEError
 from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
 from .session import MODE_HELP, ChatSettings, engine_modes, mode_help, moe_modes
 from .state import remember_settings, remembered_settings
-from .widgets import NavBar, PromptInput, Transcript, TurnView, legend
+from .widgets import FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend
 
 
 def settings_from_state(data: dict) -> ChatSettings:
@@ -115,7 +115,7 @@ class ChatScreen(Screen):
                 yield PromptInput(placeholder="Type a prompt, Enter to generate (Esc stops)", id="prompt")
             yield LivePanel(id="live")
         # F1 Help must stay on the line at 80 columns: Ctrl+R and Ctrl+O are in the help and the palette
-        yield Footer(compact=True)
+        yield FittedFooter(compact=True, first=("stop", "cycle_mode", "full_live"))
 
     def on_mount(self) -> None:
         self.app.register_view(self)

@@ -14,7 +14,14 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Select, Static, Switch
 from textual.widgets.option_list import Option
 
+from ...engine.errors import ConfigError
+from ..cli import SAMPLING_VALUES, sampling_value
 from .session import ChatSettings
+
+# The sampler settings the form offers, in the order of llama.cpp's chain after the temperature and seed.
+SAMPLING_LABELS = {"temperature": "Temperature (0 greedy)", "seed": "Seed (-1 random)", "top_k": "Top-k (0 off)",
+                   "top_p": "Top-p (1 off)", "min_p": "Min-p (0 off)", "repeat_penalty": "Repeat penalty (1 off)",
+                   "repeat_last_n": "Penalty window (tokens)"}
 
 KEY_NAMES = {"escape": "Esc", "question_mark": "?", "enter": "Enter", "tab": "Tab"}
 
@@ -184,8 +191,10 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 yield Input(str(s.threshold), id="set-threshold", type="number")
                 yield Label("Tokens to generate")
                 yield Input(str(s.n_predict), id="set-n", type="integer")
-                yield Label("Temperature (0 greedy)")
-                yield Input(str(s.temperature), id="set-temp", type="number")
+                for key, label in SAMPLING_LABELS.items():
+                    yield Label(label)
+                    yield Input(str(getattr(s, key)), id=f"sample-{key}",
+                                tooltip=f"as {SAMPLING_VALUES[key][0]} of s2moe generate")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
@@ -216,10 +225,14 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 draft_max=num("#set-draftmax", int, 1, 16),
                 threshold=num("#set-threshold", float, 0.0, 1e6),
                 n_predict=num("#set-n", int, 1, 100000),
-                temperature=num("#set-temp", float, 0.0, 10.0),
+                **{key: sampling_value(key, self.query_one(f"#sample-{key}", Input).value)
+                   for key in SAMPLING_LABELS},
             )
         except ValueError as e:
             self.notify(str(e), severity="error")
+            return None
+        except ConfigError as e:
+            self.notify(e.worded(SAMPLING_LABELS), severity="error")
             return None
 
     def action_apply(self) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ...engine.errors import ConfigError, ModelError, S2MoEError
+from ...engine.sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P
 
 # How a piece of the answer was produced. The chat colours each kind differently.
 DRAFT = "draft"            # a draft token the target accepted
@@ -86,7 +87,36 @@ class ChatSettings:
     draft_max: int | None = None
     threshold: float | None = None
     n_predict: int = 128
+    # llama.cpp's sampler chain, as generate's flags set it and with their defaults (app.cli.SAMPLING_VALUES)
     temperature: float = 0.0
+    top_k: int = TOP_K
+    top_p: float = TOP_P
+    min_p: float = MIN_P
+    repeat_penalty: float = REPEAT_PENALTY
+    repeat_last_n: int = REPEAT_LAST_N
+    seed: int = 0
+
+    def sampling_fields(self) -> dict:
+        """The sampler settings, as GenerationConfig fields."""
+        from ..cli import SAMPLING_VALUES
+
+        return {key: getattr(self, key) for key in SAMPLING_VALUES}
+
+    def sampling_text(self) -> str:
+        """The sampler settings in a few characters ("" for greedy with no penalty): temperature and seed,
+        then only what differs from the defaults."""
+        parts = []
+        if self.temperature > 0:
+            parts.append(f"T={self.temperature:g}")
+            parts.append("seed " + ("random" if self.seed == RANDOM_SEED else str(self.seed)))
+            for key, name, default in (("top_k", "top-k", TOP_K), ("top_p", "top-p", TOP_P),
+                                       ("min_p", "min-p", MIN_P)):
+                if getattr(self, key) != default:
+                    parts.append(f"{name}={getattr(self, key):g}")
+        if self.repeat_penalty != REPEAT_PENALTY:
+            parts.append(f"rep={self.repeat_penalty:g}" +
+                         (f"/{self.repeat_last_n}" if self.repeat_last_n != REPEAT_LAST_N else ""))
+        return " ".join(parts)
 
     def resolved(self, model: ModelSummary | None, tuned: dict | None = None) -> ChatSettings:
         """These settings with what they leave open filled in: from `tuned` (the active profile's tuned
@@ -111,8 +141,8 @@ class ChatSettings:
             parts.append("utility " + ("on" if self.utility else "off"))
             parts.append(f"gating {self.resolved(model, tuned).reuse_strength:g}" if self.gating else "gating off")
         parts.append(f"n={self.n_predict}")
-        if self.temperature > 0:
-            parts.append(f"T={self.temperature:g}")
+        if self.sampling_text():
+            parts.append(self.sampling_text())
         return " · ".join(parts)
 
 
@@ -298,7 +328,7 @@ class EngineSession:
             reuse_cap=tuned.get("reuse_cap"),
             mode=settings.mode,
             n_predict=settings.n_predict,
-            temperature=settings.temperature,
+            **settings.sampling_fields(),
             draft_topk=settings.draft_topk,
             draft_max=settings.draft_max,
             utility=settings.utility,

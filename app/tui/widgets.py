@@ -10,7 +10,8 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from rich.segment import Segment as RichSegment
 from textual.strip import Strip
-from textual.widgets import DataTable, Input, SelectionList, Static
+from textual.widgets import DataTable, Footer, Input, SelectionList, Static
+from textual.widgets._footer import FooterKey
 from textual.widgets._toggle_button import ToggleButton
 
 from ..columns import Column, columns_that_fit
@@ -213,3 +214,47 @@ class CheckList(SelectionList):
                 segments[i] = RichSegment("✓" if selected else " ", seg.style)
                 return Strip(segments, strip.cell_length)
         return strip
+
+
+class FittedFooter(Footer):
+    """A footer that shows the key hints its width allows instead of cutting the last ones off: F1 (help,
+    which lists every key) always, then the actions `first` names in that order, then the others in the order
+    the screen gives them, the command palette's last. Textual's footer scrolls its overflow out of sight, and
+    the app's F1 comes after the screen's keys."""
+
+    KEEP = "help"
+    _laid_out_for = 0
+
+    def __init__(self, *, first: tuple[str, ...] = (), **kw):
+        super().__init__(**kw)
+        self.first = (self.KEEP,) + tuple(first)
+
+    def compose(self):
+        widgets = list(super().compose())
+        keys = [w for w in widgets if isinstance(w, FooterKey)]
+        if len(keys) != len(widgets):
+            yield from widgets  # key groups: no widths to count, Textual's layout as it is
+            return
+        room = self._laid_out_for = self.size.width or self.app.size.width
+        palette = [w for w in keys if w.has_class("-command-palette")]
+        rank = {action: i for i, action in enumerate(self.first)}
+        ranked = sorted((w for w in keys if w not in palette), key=lambda w: rank.get(w.action, len(rank)))
+        ranked += palette
+        shown, used = set(), 0
+        for w in ranked:
+            width = self._width(w)
+            if used + width <= room or w.action == self.KEEP:
+                shown.add(w)
+                used += width
+        yield from (w for w in keys if w in shown)
+
+    def _width(self, key: FooterKey) -> int:
+        """Cells the hint takes, as Footer's and FooterKey's styles lay it out."""
+        text = len(key.key_display) + len(key.description)
+        if key.has_class("-command-palette"):
+            return text + 2 + (0 if self.compact else 1)  # border, space, and the padding a full footer gives it
+        return text + (2 if self.compact else 3)  # compact: a space and a margin; full: padding around both
+
+    def on_resize(self, event) -> None:
+        if event.size.width != self._laid_out_for:
+            self.call_after_refresh(self.recompose)
