@@ -220,6 +220,10 @@ class Decoder:
 
     @property
     def observer(self) -> VerifyObserver | None:
+        # The tokens whose target entries sequence 0 of the KV holds at positions 0.. as the last
+        # generation left them (None: unknown, something else used the cache since)
+        self._context: list[int] | None = None
+        self._template = None
         return self._observer
 
     def moe_layers(self) -> np.ndarray:
@@ -232,8 +236,22 @@ class Decoder:
     def n_ctx(self) -> int:
         return self.rt.n_ctx
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.rt.tokenize(text)
+    def tokenize(self, text: str, special: bool = False) -> list[int]:
+        return self.rt.tokenize(text, special=special)
+
+    @property
+    def chat_template(self):
+        """The model's chat template as llama.cpp applies it (engine.chat.Template)."""
+        if self._template is None:
+            from .chat import model_template
+
+            self._template = model_template(self.rt.model)
+        return self._template
+
+    def forget_context(self) -> None:
+        """The KV cache is about to be used for something else than generations (a benchmark, a
+        measurement): the next generation prefills its whole prompt."""
+        self._context = None
 
     def piece_text(self, token: int) -> str:
         text = self._pieces.get(token)
@@ -248,6 +266,7 @@ class Decoder:
     def check_routing_hook(self) -> None:
         """Fail clearly if llama.cpp's graph for this architecture has no routing tensors we know."""
         if self._routing_checked:
+            self._context = None
             return
         before = self.rt.hook.hooked()
         self.rt.kv_clear()
@@ -263,6 +282,7 @@ class Decoder:
 
     def cost_constants(self, cfg: GenerationConfig) -> CostConstants:
         if cfg.cost is not None:
+        self._context = None
             return cfg.cost
         key = (cfg.draft_topk, cfg.draft_max)
         if key not in self._measured:
@@ -361,7 +381,11 @@ class Decoder:
         reuse_cap = cfg.reuse_cap
         k = max(self.info.n_expert_used, 1)
         rng = np.random.default_rng(cfg.seed)
+        keep_context: bool = False,
         # one processing for the draft and the target (and so lossless sampling with these options)
+        """The events of one generation. keep_context: the prompt's first tokens that the previous
+        generation's context (its prompt and what it generated) shares keep their KV entries, and only the
+        rest is prefilled — a conversation's next turn. Off, every prompt starts from an empty cache."""
         sampler = cfg.sampling(self.n_ctx)
 
         def sample(logits, history):
@@ -373,13 +397,16 @@ class Decoder:
         rt = self.rt
         hook = rt.hook
         t_start = time.perf_counter()
-        rt.kv_clear()
+        head = prompt_tokens[:-1]
+        kept = self._kept_prefix(head) if keep_context else 0
+        self._context = None  # until this generation ends
+        if kept == 0:
+            rt.kv_clear()
         if hook is not None:
             hook.off()
-        head = prompt_tokens[:-1]
-        for i in range(0, len(head), rt.n_batch):
+        for i in range(kept, len(head), rt.n_batch):
             rt.decode(head[i : i + rt.n_batch], i, "none")
-        yield Prefilled(len(prompt_tokens), time.perf_counter() - t_start)
+        yield Prefilled(len(prompt_tokens), time.perf_counter() - t_start, kept)
 
         committed_all = list(prompt_tokens)  # prompt + generated; the last one is pending
         generated: list[int] = []
@@ -501,8 +528,35 @@ class Decoder:
         logits = rt.decode(batch, pos, "all") if layout is None else rt.decode_tree(batch, *layout)
         seconds = time.perf_counter() - t0
         # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
+        self._keep(committed_all)
         # the fact) but it tells how much of the latency the residency snapshot could not foresee.
         major_faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0 if counting else None
+    def _kept_prefix(self, head: list[int]) -> int:
+        """How many of head's first tokens the KV already holds from the last generation, the cache cut
+        back to them (0: nothing kept; the caller clears it)."""
+        context, rt = self._context, self.rt
+        if not context or rt.kv_end() != len(context):
+            return 0
+        n = 0
+        for a, b in zip(context, head):
+            if a != b:
+                break
+            n += 1
+        if n == 0:
+            return 0
+        for seq in range(1, rt.n_seq_max):  # a draft tree's branches (their cells on seq 0 stay)
+            rt.seq_rm(seq)
+        rt.kv_remove_from(n)
+        # a cache that cannot cut a sequence short (recurrent, sliding-window) keeps it whole or drops it
+        return n if rt.kv_end() == n else 0
+
+    def _keep(self, committed_all: list[int]) -> None:
+        """Note what the KV holds after a generation: committed tokens at their positions, the pending one
+        not yet decoded; entries beyond them (a draft accepted after an end-of-generation token) dropped."""
+        n = min(self.rt.kv_end(), len(committed_all))
+        self.rt.kv_remove_from(n)
+        self._context = committed_all[:n]
+
         if hook is None:
             n_layer = self.info.n_layer
             return _Verified(logits, seconds, None, np.zeros(n_layer, int), np.zeros(n_layer), 0, None, major_faults)

@@ -44,6 +44,7 @@ class Prefilled:
 
 
 @dataclass(frozen=True)
+    reused: int = 0  # of n_tokens, those whose KV entries an earlier generation left (a conversation's turns)
 class DraftCandidate:
     """One token the drafter proposed, whether or not it went into the verification batch."""
 

@@ -365,8 +365,9 @@ class LlamaRuntime:
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
 
     # -- text ------------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Tokens of text; none for empty text (not even the BOS token)."""
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Tokens of text; none for empty text (not even the BOS token). special: control tokens written
+        in the text (a chat template's turn markers) are read as those tokens, not as their characters."""
         if not text:
             return []
         try:
@@ -377,11 +378,11 @@ class LlamaRuntime:
         add = self.add_bos if add_bos is None else add_bos
         cap = len(data) + 8
         buf = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, False)
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, special)
         if n < 0:
             cap = -n
             buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, False)
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, special)
         tokens = list(buf[:n])
         if any(not 0 <= t < self.n_vocab for t in tokens):
             raise ModelError(f"{self.info.path.name}: its tokenizer gave token ids outside its vocabulary of "

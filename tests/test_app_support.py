@@ -14,6 +14,7 @@ from s2moe.engine.bench import BenchDone, BenchProgress, BenchRow
 from s2moe.engine.bench import run_bench as REAL_RUN_BENCH
 from s2moe.engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.calibrate import run_calibration as REAL_RUN_CALIBRATION
+from s2moe.engine.chat import Template
 from s2moe.engine.events import (CostConstants, DraftCandidate, Finished, Iteration, Prefilled, ResidencySnapshot,
                                  Started)
 
@@ -103,6 +104,11 @@ class FakeDecoder:
         self.closed = False
         self.last_stop_reason = None
         self.configs = []
+
+    chat_template = Template(None, None)  # a base model: each prompt a completion
+
+    def forget_context(self) -> None:
+        pass  # no KV cache to forget
 
     def detokenize(self, tokens) -> str:
         return "".join(VOCAB[t] for t in tokens)

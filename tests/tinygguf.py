@@ -42,23 +42,31 @@ class TinySpec:
     # metadata written as given: key ("{arch}" stands for the architecture) → (value, GGUFValueType[, the
     # element type of an ARRAY]), or None to leave the key out; for files llama.cpp must refuse
     metadata: dict = field(default_factory=dict)
+    # tokenizer.chat_template; its turn markers (e.g. ChatML's <|im_start|>, <|im_end|>) as control tokens
+    chat_template: str | None = None
+    chat_specials: tuple[str, ...] = ()
 
 
-def _tokenizer(w: gguf.GGUFWriter) -> int:
+def _tokenizer(w: gguf.GGUFWriter, spec: TinySpec) -> int:
     tokens = byte_symbols()
     merges = ["Ġ t", "Ġ a", "h e", "i n", "r e", "o n"]
     tokens += [m.replace(" ", "") for m in merges]
     specials = ["<|bos|>", "<|eos|>"]
     types = [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * len(specials)
+    bos = len(tokens)
     tokens += specials
+    tokens += spec.chat_specials
+    types += [gguf.TokenType.CONTROL] * len(spec.chat_specials)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 2)
-    w.add_eos_token_id(len(tokens) - 1)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(bos + 1)
     w.add_add_bos_token(True)
+    if spec.chat_template is not None:
+        w.add_chat_template(spec.chat_template)
     return len(tokens)
 
 
@@ -70,7 +78,7 @@ def write_tiny(path: str | Path, spec: TinySpec | None = None, **overrides) -> P
     rng = np.random.default_rng(spec.seed)
     w = gguf.GGUFWriter(str(path), spec.arch)
     w.add_name(f"tiny-{spec.arch}")
-    n_vocab = _tokenizer(w)
+    n_vocab = _tokenizer(w, spec)
     d, hd = spec.n_embd, spec.n_embd // spec.n_head
     w.add_context_length(spec.n_ctx)
     w.add_embedding_length(d)

@@ -20,6 +20,15 @@ from .state import remember_settings, remembered_settings
 from .widgets import FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend
 
 
+class ChatTurn(TurnView):
+    """A turn of the transcript: a user message and the assistant's answer under the model's chat template
+    (template: its name), or a prompt and its completion (template None)."""
+
+    def __init__(self, index: int, prompt: str, settings_text: str, template: str | None = None, **kw):
+        super().__init__(index, prompt, settings_text, **kw)
+        self.template = template
+
+
 def settings_from_state(data: dict) -> ChatSettings:
     """The chat's settings as remembered (state.remembered_settings): each value kept where it has its
     field's type, then the whole kept only if the engine accepts it; anything else is the default."""
@@ -70,10 +79,10 @@ class ChatScreen(Screen):
         Binding("i", "focus_prompt", "Prompt", show=False, tooltip="Focus the prompt (when not typing)"),
     ]
 
-    HELP_EXTRA = [
-        ("Prompt", [("Enter", "generate (each prompt is a fresh completion; the transcript keeps them all)"),
-                    ("Up / Down", "earlier prompts of this session"),
-                    ("Tab / Shift+Tab", "move focus: prompt, transcript, live panel (q and ? work off the prompt)")]),
+    PROMPT_HELP = [("Up / Down", "earlier prompts of this session"),
+                   ("Tab / Shift+Tab", "move focus: prompt, transcript, live panel (q and ? work off the prompt)")]
+    COMPLETION_HELP = [("Enter", "generate (each prompt is a fresh completion; the transcript keeps them all)")]
+    OTHER_HELP = [
         ("Modes (F6)", list(MODE_HELP.items())),
         ("Answer colours", [("accepted", "draft token the target accepted"),
                             ("correction", "the target's token replacing the first rejected draft"),
@@ -95,6 +104,18 @@ class ChatScreen(Screen):
                         ("faults", "under --budget: page faults per step that waited for storage")]),
     ]
 
+    @property
+    def HELP_EXTRA(self):  # noqa: N802 - the name the help screen reads a screen's own sections by
+        """The help's own sections; the prompt's says whether Enter continues a conversation."""
+        template = self.app.session.template
+        if self.app.session.conversation is not None:
+            enter = [("Enter", f"the next turn of the conversation, under the model's chat template ({template.name});"
+                               " the model keeps the turns before in its KV cache"),
+                     ("Ctrl+N", "a new conversation: the transcript and the model's history cleared")]
+        else:
+            enter = self.COMPLETION_HELP
+        return [("Prompt", enter + self.PROMPT_HELP)] + self.OTHER_HELP
+
     def __init__(self, **kw):
         super().__init__(**kw)
         self.settings = ChatSettings()
@@ -103,6 +124,8 @@ class ChatScreen(Screen):
         self._turn: TurnView | None = None
         self._turn_index = 0
         self._status = ""
+        self._told_template = None  # the model whose chat template the user was told about
+        self._prefilled = None  # the running turn's Prefilled event
 
     # -- layout ------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -169,6 +192,10 @@ class ChatScreen(Screen):
             s = replace(s, draft_topk=None)
         self.settings = s
         self.update_settings_bar()
+        template = self.app.session.template
+        if model is not None and template is not None and template.text is not None and self._told_template != model:
+            self._told_template = model
+            self.notify(template.status, timeout=6)
 
     def update_settings_bar(self) -> None:
         text = self.settings.describe(self.app.session.model, self.app.session.tuned())
@@ -296,6 +323,10 @@ class ChatScreen(Screen):
             return
         self.transcript.remove_children()
         self._turn = None
+        self._turn_index = 0
+        self.app.session.new_conversation()
+        if self.app.session.conversation is not None:
+            self.notify("a new conversation", timeout=2)
 
     def action_stop(self) -> None:
         if self.generating:
@@ -331,16 +362,18 @@ class ChatScreen(Screen):
         box.value = ""
         self.start_generation(prompt)
 
-    def start_generation(self, prompt: str) -> TurnView:
+    def start_generation(self, prompt: str) -> ChatTurn:
         turn = self.begin_turn(prompt)
         self.generate(self._turn_index, prompt, replace(self.settings))
         return turn
 
-    def begin_turn(self, prompt: str) -> TurnView:
+    def begin_turn(self, prompt: str) -> ChatTurn:
         """A new turn in the transcript, waiting for engine events."""
+        self._prefilled = None
         self._turn_index += 1
         session = self.app.session
-        turn = TurnView(self._turn_index, prompt, self.settings.describe(session.model, session.tuned()))
+        chat = session.template.name if session.conversation is not None else None
+        turn = ChatTurn(self._turn_index, prompt, self.settings.describe(session.model, session.tuned()), chat)
         turn.show_rejected = self.show_rejected
         turn.status = "starting…"
         self._turn = turn
@@ -386,6 +419,7 @@ class ChatScreen(Screen):
             self.adapt_to_model()
             self.set_status("prefilling…")
         elif isinstance(event, Prefilled):
+            self._prefilled = event
             live.prefilled(message.t)
             self.set_status("generating… (Esc stops)")
         elif isinstance(event, Iteration):
@@ -404,6 +438,9 @@ class ChatScreen(Screen):
                 turn.summary = (f"{summary.n_tokens} tokens · {summary.tok_per_s:.1f} tok/s · "
                                 f"accept len {summary.accept_len:.2f} · rollbacks {summary.rollbacks} · "
                                 f"stop: {summary.stop_reason}")
+                prefilled = self._prefilled
+                if prefilled is not None and prefilled.reused:
+                    turn.summary += f" · {prefilled.reused} of {prefilled.n_tokens} prompt tokens kept in KV"
                 turn.dirty = True
             if summary.mode == "ar" and summary.n_tokens >= 4 and summary.stop_reason != "interrupted":
                 session.stats.ar_tok_per_s = summary.tok_per_s

@@ -29,9 +29,14 @@ def default_path(stem: str, suffix: str) -> str:
 
 
 def transcript_markdown(turns) -> str:
+    """A section per turn; a conversation's turns (under the model's chat template) name their roles."""
     out = ["# s2moe chat transcript", ""]
     for turn in turns:
-        out += [f"## {turn.index}. {turn.prompt}", "", f"*{turn.settings_text}*", "", turn.answer_text.strip(), ""]
+        if turn.template is None:
+            out += [f"## {turn.index}. {turn.prompt}", "", f"*{turn.settings_text}*", "", turn.answer_text.strip(), ""]
+        else:
+            out += [f"## {turn.index}. user", "", turn.prompt, "", "### assistant", "",
+                    f"*{turn.settings_text} · chat template {turn.template}*", "", turn.answer_text.strip(), ""]
         if turn.summary:
             out += [f"> {turn.summary}", ""]
     return "\n".join(out)
@@ -39,13 +44,18 @@ def transcript_markdown(turns) -> str:
 
 def transcript_jsonl(turns) -> str:
     """One object per turn: the prompt, the settings, the answer, the summary line, and the answer's pieces
-    with how each was produced (accepted draft, correction, bonus, rejected draft, plain step)."""
+    with how each was produced (accepted draft, correction, bonus, rejected draft, plain step). A
+    conversation's turn also has its messages with their roles and the chat template's name (null: a
+    completion)."""
     lines = []
     for turn in turns:
-        lines.append(json.dumps({"turn": turn.index, "prompt": turn.prompt, "settings": turn.settings_text,
-                                 "answer": turn.answer_text, "summary": turn.summary,
-                                 "segments": [{"kind": s.kind, "text": s.text} for s in turn.segments]},
-                                ensure_ascii=False))
+        record = {"turn": turn.index, "prompt": turn.prompt, "settings": turn.settings_text,
+                  "answer": turn.answer_text, "summary": turn.summary, "template": turn.template}
+        if turn.template is not None:
+            record["messages"] = [{"role": "user", "content": turn.prompt},
+                                  {"role": "assistant", "content": turn.answer_text}]
+        record["segments"] = [{"kind": s.kind, "text": s.text} for s in turn.segments]
+        lines.append(json.dumps(record, ensure_ascii=False))
     return "".join(line + "\n" for line in lines)
 
 

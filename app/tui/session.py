@@ -205,6 +205,9 @@ class EngineSession:
         self.stop = threading.Event()
         self.stats = SessionStats()
         self._factory = decoder_factory
+        # a model with a chat template llama.cpp applies: the turns so far (None: each prompt a completion)
+        self.conversation = None
+        self.template = None  # engine.chat.Template of the loaded model
 
     # -- model -------------------------------------------------------------------------------------
     @property
@@ -217,6 +220,7 @@ class EngineSession:
         self.model = None
         self.model_path = str(path)
         self.stats = SessionStats()
+        self.conversation = self.template = None
 
     def load(self) -> ModelSummary:
         """Load the model if needed (call from a worker thread holding the lock)."""
@@ -238,6 +242,10 @@ class EngineSession:
                     except BaseException:
                         self._close_decoder()
                         raise
+            from ...engine.chat import Conversation
+
+            self.template = self.decoder.chat_template
+            self.conversation = Conversation(self.template) if self.template.usable else None
             info = self.decoder.info
             self.model = ModelSummary(info.name if getattr(info, "name", "") else Path(self.model_path).name,
                                       info.arch, info.n_layer, info.n_expert, info.n_expert_used, info.is_moe,
@@ -340,9 +348,17 @@ class EngineSession:
             cfg.validate(self.decoder.info)
         return cfg
 
+    def new_conversation(self) -> None:
+        """Forget the turns so far: the next prompt starts a conversation (its KV prefix, the template's
+        opening, is still reused)."""
+        if self.conversation is not None:
+            self.conversation.clear()
+
     def generate(self, prompt: str, settings: ChatSettings, emit: Callable[[object, object], None],
                  warn: Callable[[str], None] | None = None) -> None:
-        """Run one generation (worker thread): emit(event, view) for every engine event."""
+        """Run one generation (worker thread): emit(event, view) for every engine event. With a chat
+        template, the prompt is the user's next turn: the conversation is rendered whole, the KV of the
+        turns before is kept, and the answer (what was generated, if stopped early) joins the history."""
         if not self.lock.acquire(blocking=False):
             raise ConfigError("the engine is busy with another job; wait for it or stop it (Esc)")
         try:
@@ -356,8 +372,20 @@ class EngineSession:
                     warn(f"{e} — measuring cost constants at start-up instead")
             cfg = self.config(settings, cost)
             decoder = self.decoder
-            for event in decoder.generate(prompt, cfg, should_stop=self.stop.is_set):
+            conversation = self.conversation
+            if conversation is None:
+                events = decoder.generate(prompt, cfg, should_stop=self.stop.is_set)
+            else:
+                from ...engine.chat import chat_tokens
+
+                events = decoder.generate(chat_tokens(decoder, conversation, prompt), cfg,
+                                          should_stop=self.stop.is_set, keep_context=True)
+            from ...engine.events import Finished
+
+            for event in events:
                 emit(event, view_of(event, decoder))
+                if conversation is not None and isinstance(event, Finished):
+                    conversation.add_turn(prompt, event.text)
         finally:
             self.lock.release()
 
@@ -369,6 +397,9 @@ class EngineSession:
             self.stop.clear()
             fn()
         finally:
+            if self.decoder is not None:
+                # a bench or calibration may have decoded into the cache behind the generations' back
+                self.decoder.forget_context()
             self.lock.release()
 
 
