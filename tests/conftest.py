@@ -18,8 +18,11 @@ ARCHS = tuple(VARIANTS)
 
 @pytest.fixture(autouse=True)
 def _own_app_state(tmp_path_factory, monkeypatch):
-    """The app remembers its active profile in XDG state: never the user's own, never another test's."""
+    """The app remembers its active profile in XDG state: never the user's own, never another test's. And it
+    draws as it does for a user without NO_COLOR, whatever the runner's environment says: with it set (some
+    CI images set it) every SVG snapshot differs."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+    monkeypatch.delenv("NO_COLOR", raising=False)
 
 
 def variant_spec(name: str, **kw) -> TinySpec:
