@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 import pytest
+# the snapshots' fixed profile folders and scripted engine runs (autouse fixtures) hold here too
+from test_app_snapshots import fixed_profile_folders, make_app, ready, scripted_engine_runs, settle  # noqa: F401
+from test_app_support import FakeDecoder, scripted_events
 from tinygguf import TinySpec, write_tiny
 
 from s2moe.app.tui.app import S2MoEApp
-from s2moe.app.tui.session import ChatSettings
+from s2moe.app.tui.messages import EngineEvent, JobEnded
+from s2moe.app.tui.session import ChatSettings, view_of
 from s2moe.engine.chat import Conversation, Message, Template, chat_tokens
 from s2moe.engine.decoder import Decoder, GenerationConfig
 from s2moe.engine.events import Finished, Iteration, Prefilled, Started
@@ -248,3 +253,27 @@ def test_the_app_chats_in_turns_and_starts_new_conversations(chat_model, tmp_pat
             assert chat.transcript.turns[0].index == 1 and session.conversation.turns == 1
 
     asyncio.run(go())
+
+
+def test_a_two_turn_chat_at_80x24(snap_compare):
+    """Two turns of a conversation under a chat template: the second one's KV kept from the first."""
+    async def run_before(pilot):
+        await ready(pilot)
+        session = pilot.app.session
+        session.template = Template(CHATML, "chatml")
+        session.conversation = Conversation(session.template)
+        chat = pilot.app.screen
+        chat.adapt_to_model()  # says which template, once: a toast that settle() clears
+        await pilot.pause()
+        decoder = FakeDecoder()
+        for prompt, kept in (("Name a cat.", 0), ("And a dog?", 31)):
+            chat.begin_turn(prompt)
+            for i, event in enumerate(scripted_events()):
+                if isinstance(event, Prefilled):
+                    event = replace(event, n_tokens=40, reused=kept)
+                chat.on_engine_event(EngineEvent(chat._turn_index, event, view_of(event, decoder), 1.0 + 0.05 * i))
+            chat.on_job_ended(JobEnded("generate"))
+        chat.flush()
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=(80, 24), run_before=run_before)
