@@ -14,7 +14,7 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import add_placement_options, add_tree_shape_options, nonempty, positive_int
+    from .cli import add_placement_options, add_sampling_options, add_tree_shape_options, nonempty, positive_int
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
                    help="s2moe and the tree modes without the utility rule: the chain drafts to --draft-max, a tree "
                         "takes the fixed shape of --tree-width nodes per depth")
     p.add_argument("-t", "--threads", type=int, default=None)
+    # every mode samples a prompt with the same seed (-s, plus the prompt's index): modes that draw alike decode
+    # alike, so a mode that drafted nothing is still seen to have decoded as ar did
+    add_sampling_options(p)
     add_tree_shape_options(p)
     add_placement_options(p)
     p.add_argument("--repeats", type=positive_int, default=1,
@@ -137,6 +140,15 @@ def tables(done, width: int) -> list:
     return out
 
 
+def sampled_note(config: dict, reference: bool) -> str:
+    """What a sampled bench's figures mean: the settings, the seeds, and what = ar compares."""
+    text = (f"sampled at T={config['temperature']:g} (top-k {config['top_k']}, top-p {config['top_p']:g}, min-p "
+            f"{config['min_p']:g}, repeat penalty {config['repeat_penalty']:g}); prompt i uses seed "
+            f"{config['seed']} + i in every mode and repeat; = ar: the same tokens as ar drew with that seed "
+            "(speculative sampling matches ar's distribution, not its draws)")
+    return text + ("; the llama.cpp row decodes greedily" if reference else "")
+
+
 def storage_line(storage: dict) -> str:
     """How the bound column was computed, from the storage figures the run measured."""
     return (f"storage, cold reads of whole experts: {storage['qd1_gb_s']:.2f} GB/s at queue depth 1, "
@@ -203,6 +215,8 @@ def markdown(done) -> str:
                      f"{r.draft_len:.2f} | {_fmt(r.reuse_ratio, '.3f')} | {_fmt(r.verify_experts, '.1f')} | "
                      f"{_fmt(r.effective_verify_cost)} | {r.rollbacks} | {same} | {_fmt(r.fetched_per_token, '.1f')} | "
                      f"{_fmt(r.bound_tok_per_s, '.1f')} |")
+    if not done.config.get("greedy", True):
+        lines += ["", sampled_note(done.config, any(r.mode == "llama.cpp" for r in done.rows)) + "."]
     if done.config.get("storage"):
         lines += ["", storage_line(done.config["storage"]) + "."]
     plt.clear_figure()
@@ -244,6 +258,7 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
 
     from ..engine import offload
     from ..engine.bench import BenchRow
+    from .cli import SAMPLING_VALUES, sampling_settings
 
     with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
         out = Path(tmp) / "rows.json"
@@ -260,6 +275,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
         argv += ["--modes", ",".join(_modes(args))] if not args.ablation else ["--ablation"]
         if args.no_utility:
             argv.append("--no-utility")
+        for key, value in sampling_settings(args).items():  # the seed drawn already where it was -1
+            argv += [SAMPLING_VALUES[key][0], str(value)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
         if not args.warmup:
@@ -356,11 +373,16 @@ def run(args) -> int:
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
     from ..engine.model_info import read_model_info
     from ..engine.offload import current_budget
-    from .cli import resolve_tuned
+    from ..engine.sampling import RANDOM_SEED, random_seed
+    from .cli import resolve_tuned, sampling_settings
 
     # the flags given, checked before a model is read (those not given are checked once resolved)
-    GenerationConfig(**resolve_tuned(args, {}), tree_width=args.tree_width,
-                     tree_max_nodes=args.tree_max_nodes).validate()
+    GenerationConfig(**resolve_tuned(args, {}), tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,
+                     **sampling_settings(args)).validate()
+    if args.seed == RANDOM_SEED:  # drawn once here: every budget's run and the report share it
+        args.seed = random_seed()
+        if args.temp > 0:
+            console.print(f"seed {args.seed} (random; -s {args.seed} repeats this bench)", highlight=False)
 
     info = read_model_info(model)
     hot, tuned = [], {}
@@ -371,7 +393,8 @@ def run(args) -> int:
         # this process measures resident unless it is a budget's child
         tuned = tuned_settings(profile, info.fingerprint, offloaded=current_budget() is not None)
     base = GenerationConfig(**resolve_tuned(args, tuned), tree_width=args.tree_width,
-                            tree_max_nodes=args.tree_max_nodes, utility=not args.no_utility).resolved(info)
+                            tree_max_nodes=args.tree_max_nodes, utility=not args.no_utility,
+                            **sampling_settings(args)).resolved(info)
     if args.profile:
         base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"],
                                    experts_in_host=placement.copies_experts)
@@ -467,6 +490,8 @@ def run(args) -> int:
         out.print(t)
     if any(r.decoded_as_ar for r in done.rows):
         say("≈: drafted nothing and decoded ar's tokens — the same decoding as ar, so the ratio is noise")
+    if not done.config.get("greedy", True):
+        say(sampled_note(done.config, any(r.mode == "llama.cpp" for r in done.rows)))
     if done.config.get("storage"):
         say(storage_line(done.config["storage"]))
     q = done.quality

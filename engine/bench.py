@@ -25,6 +25,7 @@ from .errors import ConfigError
 from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .events import Iteration, Summary, Totals
 from .modes import LOSSLESS_MODES, MODES
+from .sampling import MAX_SEED
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -77,7 +78,7 @@ class BenchRow:
     rollbacks: int
     t_draft: float
     t_verify: float
-    identical_to_ar: float | None        # share of prompts whose greedy tokens equal ar's (lossless modes)
+    identical_to_ar: float | None        # share of prompts whose tokens equal ar's (sampled: with the same seed)
     identical_expected: bool = False
     near_tie_divergences: int = 0        # prompts that diverged where ar's top-2 logits were within NEAR_TIE
     # offloaded: experts fetched from storage per generated token (draft passes and verifications), and the
@@ -229,6 +230,12 @@ def expected_lossless(name: str, cfg: GenerationConfig) -> bool:
             or (cfg.mode in ("s2moe", "tree") and cfg.reuse_strength == 0))
 
 
+def prompt_seed(seed: int, prompt_index: int) -> int:
+    """The seed every mode samples prompt `prompt_index` with, in every repeat: modes that draw alike decode
+    alike (a mode that drafts nothing decodes exactly as ar), so their speeds compare the same work."""
+    return (seed + prompt_index) % (MAX_SEED + 1)
+
+
 NEAR_TIE = 1e-3  # logit gap under which batched and single-token decoding may legitimately pick differently
 
 
@@ -364,6 +371,15 @@ def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: float) -
 WARMUP_TOKENS = 8
 
 
+def sampling_record(cfg: GenerationConfig, n_prompts: int) -> dict:
+    """The sampler settings a bench ran with, for its report: with a temperature, the seed of each prompt."""
+    out = {key: getattr(cfg, key) for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                              "repeat_last_n", "seed")}
+    if not cfg.sampling().greedy:
+        out["prompt_seeds"] = [prompt_seed(cfg.seed, i) for i in range(n_prompts)]
+    return out
+
+
 def warm_up(decoder: Decoder, base: GenerationConfig, prompt: str, modes) -> Iterator[str]:
     """Run every mode briefly, untimed: start-up cost measurement, the naive drafter's second context, every
     graph shape and the first touch of the weights happen here rather than in whichever mode is timed first.
@@ -435,7 +451,7 @@ def run_bench(
             for name in list(modes[shift:]) + list(modes[:shift]):
                 if should_stop is not None and should_stop():
                     return
-                cfg = configs[name]
+                cfg = replace(configs[name], seed=prompt_seed(base.seed, pi))
                 summary = Summary()
                 for ev in dec.generate(prompt, cfg):
                     summary.add(ev)
@@ -454,7 +470,7 @@ def run_bench(
                 from .trace import TraceRecorder
 
                 recorder = TraceRecorder(dec.info)
-                for ev in dec.generate(prompt, trace_cfg):
+                for ev in dec.generate(prompt, replace(trace_cfg, seed=prompt_seed(base.seed, pi))):
                     recorder.add(ev)
                 yield BenchTrace(pi, recorder.trace)
             reference = tokens_of[("ar", pi)]
@@ -464,7 +480,7 @@ def run_bench(
                 runs = per[name]
                 same = tokens_of[(name, pi)] == reference
                 runs.identical.append(same)
-                if not same:
+                if not same and base.sampling().greedy:  # a near-tie explains only a greedy divergence
                     gap = divergence_gap(dec, prompt, reference, tokens_of[(name, pi)])
                     runs.near_ties += gap is not None and gap < NEAR_TIE
         rows = []
@@ -535,7 +551,8 @@ def run_bench(
         yield BenchDone(rows, quality, cost_model, machine_info(n_threads),
                         config={"model": str(dec.info.path), "n_tokens": n_tokens, "modes": list(modes),
                                 "budget": budget, "prompt_set": prompt_set, "n_prompts": len(prompts),
-                                "greedy": base.temperature == 0, "draft_topk": base.draft_topk,
+                                "greedy": base.sampling().greedy, **sampling_record(base, len(prompts)),
+                                "draft_topk": base.draft_topk,
                                 "draft_max": base.draft_max, "reuse_strength": base.reuse_strength,
                                 "repeats": repeats, "warmup": warmup,
                                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")})

@@ -296,3 +296,49 @@ def test_the_bench_table_fits_80_columns_and_wraps_what_does_not_fit(offloaded, 
     else:
         assert "range" not in text
     assert len(tables(done, 200)) == 1
+
+
+def _sampled_bench(tmp_path, seed: int, name: str) -> dict:
+    """`s2moe bench` sampling on the shipped model: ar, lookup (drafts n-grams of the context) and s2moe with
+    a utility threshold it never reaches (so it drafts nothing)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--prompts", "natural", "--n-prompts",
+                           "2", "-n", "24", "-t", "2", "--modes", "ar,lookup,s2moe", "--threshold", "1000000",
+                           "--temp", "0.9", "-s", str(seed), "--top-k", "30", "--top-p", "0.9", "--min-p", "0.02",
+                           "--repeat-penalty", "1.1", "--repeat-last-n", "32", "--no-quality", "--no-reference",
+                           "--no-warmup", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    data["stdout"] = done.stdout
+    return data
+
+
+def _decoded(data: dict) -> list[tuple]:
+    """What each row's tokens decided: counts that differ when a single drawn token does."""
+    return [(r["mode"], r["n_tokens"], r["accept_len"], r["draft_len"], r["rollbacks"], r["identical_to_ar"],
+             r["verify_experts"]) for r in data["results"]]
+
+
+def test_a_sampled_bench_records_its_options_and_repeats_with_its_seed(tmp_path):
+    first = _sampled_bench(tmp_path, 7, "first")
+    config = first["config"]
+    assert config["greedy"] is False
+    assert {k: config[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                                   "seed")} == dict(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02,
+                                                    repeat_penalty=1.1, repeat_last_n=32, seed=7)
+    assert config["prompt_seeds"] == [7, 8]
+    assert "prompt i uses seed 7 + i" in " ".join(first["stdout"].split())
+    rows = {r["mode"]: r for r in first["results"]}
+    # every mode samples a prompt with the same seed: a mode that drafted nothing drew ar's tokens, and is
+    # marked as having decoded as ar did rather than counted as sampled speculation
+    assert rows["s2moe"]["draft_len"] == 0 and rows["s2moe"]["identical_to_ar"] == 1.0
+    assert "≈" in first["stdout"]
+    assert rows["lookup"]["draft_len"] > 0 and not rows["lookup"]["identical_expected"]
+    again = _sampled_bench(tmp_path, 7, "again")
+    assert _decoded(again) == _decoded(first)
+    other = _sampled_bench(tmp_path, 12345, "other")
+    assert _decoded(other) != _decoded(first)

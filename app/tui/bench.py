@@ -12,9 +12,12 @@ from textual_plotext import PlotextPlot
 
 from ...engine import bench as engine_bench
 from ...engine.bench import BenchDone, BenchProgress, BenchRow, BenchTrace
+from ...engine.decoder import GenerationConfig
 from ...engine.errors import ConfigError, S2MoEError
+from ..cli import SAMPLING_VALUES, sampling_value
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import engine_modes
+from .dialogs import SAMPLING_LABELS
 from .widgets import CheckList, Column, FittedTable, NavBar
 
 DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):"
@@ -26,6 +29,10 @@ TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2), 
                  Column("draft", "draft", 5, 5), Column("reuse", "reuse", 5, 6), Column("rollbacks", "rollb.", 6, 9),
                  Column("same", "= ar", 4, 7))
 DEFAULT_REPEATS = 3
+# the sampler settings in the form's narrow labels (the settings dialog's longer ones are the tooltips)
+SAMPLING_FORM = {"temperature": "Temperature", "seed": "Seed (-1 rand)", "top_k": "Top-k", "top_p": "Top-p",
+                 "min_p": "Min-p", "repeat_penalty": "Repeat penalty", "repeat_last_n": "Penalty window"}
+DEFAULT_SAMPLING = GenerationConfig()
 
 
 def _traceable(info) -> bool:
@@ -132,6 +139,12 @@ class BenchScreen(Screen):
                     yield Label("Repeats", classes="form-label")
                     yield Input(str(DEFAULT_REPEATS), id="bench-repeats", type="integer",
                                 tooltip="Times the whole prompt set runs; the table shows the median and range")
+                yield Label("Sampling (T 0 = greedy)")
+                for key, label in SAMPLING_FORM.items():
+                    with Horizontal(classes="form-row"):
+                        yield Label(label, classes="form-label")
+                        yield Input(str(getattr(DEFAULT_SAMPLING, key)), id=f"bench-{key}",
+                                    tooltip=f"{SAMPLING_LABELS[key]}: as {SAMPLING_VALUES[key][0]}")
                 with Horizontal(classes="button-row"):
                     yield Button("Run", variant="primary", id="bench-run")
                     yield Button("Stop", id="bench-stop")
@@ -207,14 +220,19 @@ class BenchScreen(Screen):
             raise ConfigError("repeats must be between 1 and 100")
         return repeats
 
+    def sampling(self) -> dict:
+        """The sampler settings of the form, as GenerationConfig fields (read as the CLI's flags are)."""
+        return {key: sampling_value(key, self.query_one(f"#bench-{key}", Input).value) for key in SAMPLING_FORM}
+
     def action_start(self) -> None:
         if not engine_ready(self):
             return
         try:
             prompts, modes, n, prompt_set = self.request()
             repeats = self.repeats()
+            sampling = self.sampling()
         except S2MoEError as e:
-            self.notify(str(e), severity="error")
+            self.notify(e.worded(SAMPLING_FORM), severity="error")
             return
         self.rows = []
         self.done = None
@@ -226,11 +244,11 @@ class BenchScreen(Screen):
         self.query_one("#bench-status", Static).update("starting…")
         self.running = True
         self.update_state()
-        self.bench(prompts, modes, n, prompt_set, repeats)
+        self.bench(prompts, modes, n, prompt_set, repeats, sampling)
 
     @work(thread=True, group="engine", exit_on_error=False)
     def bench(self, prompts: list[str], modes: list[str], n: int, prompt_set: str = "custom",
-              repeats: int = 1) -> None:
+              repeats: int = 1, sampling: dict | None = None) -> None:
         session = self.app.session
         run_bench = engine_bench.run_bench
 
@@ -239,7 +257,7 @@ class BenchScreen(Screen):
             return run_bench(session.model_path, prompts=prompts, modes=modes, n_tokens=n,
                              n_threads=session.n_threads, should_stop=session.stop.is_set,
                              decoder=session.decoder, prompt_set=prompt_set, repeats=repeats,
-                             trace=_traceable(session.decoder.info))
+                             base=GenerationConfig(**(sampling or {})), trace=_traceable(session.decoder.info))
 
         run_engine_job(self, session, "bench", events)
 
@@ -302,6 +320,9 @@ class BenchScreen(Screen):
                 status += f" · verification cost fit R² {fit:.3f}"
             if any(r.decoded_as_ar for r in self.rows):
                 status += " · ≈ decoded as ar (no drafts, same tokens): that ratio is noise"
+            if ev.config.get("greedy") is False:
+                status += (f" · sampled at T={ev.config['temperature']:g}, prompt i with seed {ev.config['seed']} + i "
+                           "in every mode (= ar: ar's tokens)")
             self.query_one("#bench-status", Static).update(status)
 
     def show_rows(self) -> None:

@@ -1,0 +1,154 @@
+"""llama.cpp's sampler options in the app: the chat's settings (read as generate's flags are, persisted, shown
+in the settings bar, reaching the generation) and the Bench screen; and the chat's key hints at 60 columns."""
+
+from __future__ import annotations
+
+import pytest
+from test_app import fake_app, run, type_prompt, wait_for
+from test_app_support import fake_run_bench
+
+from s2moe.app.cli import build_parser
+from s2moe.app.tui.chat import settings_from_state
+from s2moe.app.tui.dialogs import SettingsDialog
+from s2moe.app.tui.session import ChatSettings
+from s2moe.engine.errors import ConfigError
+
+SAMPLED = {"temperature": "0.7", "seed": "42", "top_k": "20", "top_p": "0.9", "min_p": "0.1",
+           "repeat_penalty": "1.1", "repeat_last_n": "32"}
+
+
+async def fill_settings(pilot, app, values: dict) -> SettingsDialog:
+    await pilot.press("ctrl+o")
+    await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
+    dialog = app.screen
+    for key, value in values.items():
+        dialog.query_one(f"#sample-{key}").value = value
+    await pilot.press("ctrl+s")
+    await pilot.pause()
+    return dialog
+
+
+def test_sampling_settings_reach_the_generation_and_persist_across_restarts():
+    async def first():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            await fill_settings(pilot, app, SAMPLED)
+            assert app.screen is chat
+            s = chat.settings
+            assert (s.temperature, s.seed, s.top_k, s.top_p, s.min_p, s.repeat_penalty, s.repeat_last_n) == \
+                (0.7, 42, 20, 0.9, 0.1, 1.1, 32)
+            bar = str(chat.query_one("#settings-bar").render())
+            assert "T=0.7 seed 42 top-k=20 top-p=0.9 min-p=0.1 rep=1.1/32" in " ".join(bar.split())
+            await type_prompt(pilot, "hello")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, what="generation")
+            cfg = app.fake_decoders[-1].configs[-1]
+            assert (cfg.temperature, cfg.seed, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repeat_penalty,
+                    cfg.repeat_last_n) == (0.7, 42, 20, 0.9, 0.1, 1.1, 32)
+            return s
+
+    async def second(seen):
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            seen.append(app.screen.settings)
+
+    saved = run(first())
+    seen = []
+    run(second(seen))
+    assert seen == [saved]
+
+
+@pytest.mark.parametrize("key, value, flag", [("top_p", "2", "--top-p"), ("seed", "-2", "-s"),
+                                              ("temperature", "hot", "--temp"), ("top_k", "-1", "--top-k"),
+                                              ("repeat_penalty", "0", "--repeat-penalty")])
+def test_the_dialog_refuses_a_sampling_value_as_its_flag_does(key, value, flag):
+    with pytest.raises(ConfigError) as cli:
+        build_parser().parse_args(["generate", "-p", "x", flag, value])
+    reason = cli.value.message.split(": ", 2)[-1]  # "generate: argument --top-p: <reason>"
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            before = app.screen.settings
+            dialog = await fill_settings(pilot, app, {key: value})
+            assert app.screen is dialog  # still open, nothing applied
+            assert [n.message for n in app._notifications][-1].endswith(": " + reason)
+            await pilot.press("escape")
+            assert app.screen.settings == before
+
+    run(go())
+
+
+def test_remembered_sampling_settings_keep_only_what_the_engine_accepts():
+    s = settings_from_state({"temperature": 0.5, "seed": -1, "top_k": 0, "repeat_penalty": 1.2})
+    assert (s.temperature, s.seed, s.top_k, s.repeat_penalty) == (0.5, -1, 0, 1.2)
+    assert s.describe().endswith("T=0.5 seed random top-k=0 rep=1.2")
+    assert settings_from_state({"top_p": 2.0}) == ChatSettings()
+    assert settings_from_state({"seed": 1 << 40}) == ChatSettings()
+    assert settings_from_state({"top_k": 2.5}).top_k == ChatSettings().top_k  # a float is no whole number
+    # greedy with llama.cpp's defaults adds nothing to the bar
+    assert ChatSettings().sampling_text() == ""
+
+
+def test_the_bench_screen_passes_its_sampling_options_to_the_bench(monkeypatch):
+    calls = []
+
+    def recording_run_bench(model, **kw):
+        calls.append(kw)
+        return fake_run_bench(model, **kw)
+
+    monkeypatch.setattr("s2moe.engine.bench.run_bench", recording_run_bench)
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("f5")
+            screen = app.screen
+            for key, value in SAMPLED.items():
+                screen.query_one(f"#bench-{key}").value = value
+            screen.query_one("#bench-top_p").value = "1.5"
+            await pilot.press("ctrl+r")
+            await pilot.pause()
+            assert not screen.running and not calls
+            assert "Top-p: must be between 0 and 1, got 1.5" in [n.message for n in app._notifications][-1]
+            screen.query_one("#bench-top_p").value = "0.9"
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: screen.done is not None and not screen.running, what="bench")
+            base = calls[-1]["base"]
+            assert (base.temperature, base.seed, base.top_k, base.top_p, base.min_p, base.repeat_penalty,
+                    base.repeat_last_n) == (0.7, 42, 20, 0.9, 0.1, 1.1, 32)
+
+    run(go())
+
+
+@pytest.mark.parametrize("width", [60, 50, 40])
+def test_the_chat_footer_keeps_f1_at_small_widths(width):
+    from textual.widgets._footer import FooterKey
+
+    from s2moe.app.tui.widgets import FittedFooter
+
+    def shown(app):
+        footer = app.screen.query_one(FittedFooter)
+        keys = list(footer.query(FooterKey))
+        return [k.action for k in keys], max(k.region.right for k in keys)
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            wide, _ = shown(app)
+            assert "help" in wide and "full_live" in wide and "command_palette" in wide
+            await pilot.resize_terminal(width, 20)
+            await wait_for(pilot, lambda: "command_palette" not in shown(app)[0], what="re-layout")
+            actions, right = shown(app)
+            assert "help" in actions and right <= width  # F1 on the line, nothing past the edge
+            # the screen's own keys keep their order; those given first outlast the rest
+            assert actions == [a for a in wide if a in actions]
+            if "cycle_topk" in actions:
+                assert "full_live" in actions
+
+    run(go())
