@@ -326,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
                    help="print only the generated text, not the prompt before it")
     g.set_defaults(run=cmd_generate)
+    from . import cmd_chat
+
+    cmd_chat.add_options(g)
     for module in _subcommand_modules():
         module.add_parser(sub)
     return parser
@@ -443,6 +446,9 @@ def cmd_generate(args) -> int:
     if args.file is not None:
         args.prompt = prompt_file_text(args.file)
     # Validate flags that need no model before loading one.
+    from . import cmd_chat
+
+    cmd_chat.check_options(args)
     GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, draft_topk=args.draft_topk,
                      draft_max=args.draft_max, tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes, **sampling_settings(args)).validate()
     if args.trace is not None:
@@ -491,6 +497,8 @@ def cmd_generate(args) -> int:
         cfg = replace(cfg, trace=True)
         recorder = TraceRecorder(decoder.info)
     summary = Summary()
+    if args.conversation:
+        return cmd_chat.run_conversation(args, decoder, cfg, _Output())
     streaming = not args.json and sys.stdout.isatty()
     out = _Output()
     # As llama-cli does, the prompt comes before the text; with the first of it, so that on a terminal the

@@ -25,6 +25,11 @@ def add_parser(sub) -> None:
     p.add_argument("--fit-cache", action="store_true",
                    help="size the simulated cache to fetch what the traces' own run fetched (traces recorded under "
                         "this budget) rather than by the budget's plan")
+    p.add_argument("--terms", choices=("profile", "trace", "none"), default="profile",
+                   help="what is charged beyond the constants (context growth, the engine's host work): the "
+                        "profile's, as calibrate measured them (default; a profile from before it did: fitted from "
+                        "the traces, said so), fitted from the traces' own timings (in-sample, only where they "
+                        "were recorded), or none")
     p.add_argument("--against", metavar="BENCH_JSON", type=nonempty,
                    help="a bench --json result of the same run: print measured tok/s and the projection's error")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -96,7 +101,7 @@ def run(args) -> int:
     profile = load_profile(args.profile)
     traces = [read_trace(f) for f in trace_files(args.traces)]
     p = project(traces, profile, budget=args.budget, modes=modes, threshold=args.threshold, policy=args.cache,
-                fit_cache=args.fit_cache)
+                fit_cache=args.fit_cache, terms=args.terms)
     measured = measured_rows(args.against, args.budget) if args.against else None
     if args.json:
         out = p.as_dict()

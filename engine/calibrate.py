@@ -35,8 +35,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .costmodel import (Stopped, fault_explained_fit, fit_miss_cost, fit_verify_cost, iter_time_steps, iter_verify_samples, time_steps,
-                        verify_samples)
+from .costmodel import (Stopped, context_line, fault_explained_fit, fit_context, fit_miss_cost, fit_verify_cost,
+                        iter_context_steps, iter_time_steps, iter_verify_samples, time_steps, verify_samples)
 from .decoder import defaults_for
 from .device import cpu_name, default_threads, memory_bytes
 from .errors import ConfigError, ModelError, S2MoEError
@@ -92,7 +92,8 @@ class CalibrationDone:
 
 STEPS = (
     ("bandwidth", "memory bandwidth and storage bandwidth (cold reads of whole experts at queue depth 1 and 8)"),
-    ("steps", "T_AR (median plain decoding step) and draft step cost"),
+    ("steps", "T_AR (median plain decoding step) and draft step cost; how steps grow with the context, and the "
+              "engine's own host time per draft pass and verified row"),
     ("cost model", "T_exp and T_tok: regression of verification latency on distinct experts and tokens"),
     ("hot experts", "routing frequencies over calibration prompts; the most routed experts that fit the budget"),
     ("budget", "verification cost under the memory budget (experts paged from storage), in a memory cgroup"),
@@ -387,11 +388,104 @@ def _step_plain_and_draft(cal: _Calibration, index: int):
                           use_extra_bufts=cal.budget is None, placement=cal.placement)
     ar, draft = yield from cal.live(iter_time_steps(cal.rt, cal.draft_topk, 8 * cal.repeats), index)
     cal.t_ar, cal.c_draft = t_ar, c_draft = float(np.median(ar)), float(np.median(draft))
+    cal.workload = w = yield from _workload_terms(cal, index)
     yield StepResult(index, STEPS[index - 1][0],
                      f"T_AR {t_ar * 1e3:.2f} ms · draft step (k_d={cal.draft_topk}) {c_draft * 1e3:.2f} ms "
-                     f"({c_draft / t_ar:.2f}× T_AR)",
+                     f"({c_draft / t_ar:.2f}× T_AR) · in the engine: plain step {w['t_plain_ms']:.2f} ms + "
+                     f"{w['ctx_plain_us']:.2f} µs per token of context beyond {w['context_tokens']}, draft pass "
+                     f"+{w['ctx_draft_us']:.2f} µs, verification {w['ctx_step_us']:.2f} µs + {w['ctx_row_us']:.2f} µs "
+                     f"a further row · host {w['host_draft_ms']:.3f} ms a draft pass, {w['host_row_ms']:.3f} ms a "
+                     f"verified row",
                      {"t_ar_ms": t_ar * 1e3, "c_draft_ms": c_draft * 1e3, "draft_topk": cal.draft_topk,
-                      "plain_ms": [x * 1e3 for x in ar], "draft_ms": [x * 1e3 for x in draft]})
+                      "plain_ms": [x * 1e3 for x in ar], "draft_ms": [x * 1e3 for x in draft], "workload": w})
+
+
+WORKLOAD_PROMPTS, WORKLOAD_TOKENS = 3, 32  # engine generations the host times are taken from
+
+
+def _workload_terms(cal: _Calibration, index: int):
+    """What a workload's steps cost beyond the constants timed at 32 tokens of context, in the engine's own
+    runtime: every kind of step timed at several context lengths (before and after the generations, so that a
+    drift of the machine lands on both), and this engine's host work per draft pass and per verified row from
+    generations of the engine itself, drafting to the cap as a trace does, over the first calibration prompts,
+    with the draft passes' decode as timed here taken out."""
+    from .decoder import Decoder, GenerationConfig
+    from .events import CostConstants
+    from .projection import engine_host_times
+    from .trace import TraceRecorder
+
+    decoder = Decoder(str(cal.info.path), n_ctx=512, n_threads=cal.threads, max_draft=cal.draft_cap,
+                      use_extra_bufts=cal.budget is None, placement=cal.placement)
+    traces, n = [], 2 * cal.repeats
+    try:
+        timings = yield from cal.live(iter_context_steps(decoder.rt, cal.draft_topk, cal.draft_cap, n, seed=2), index)
+        # the rule's constants do not matter: a trace drafts to the cap whatever it says
+        cost = CostConstants(cal.t_ar, cal.c_draft, 0.0, 0.0, 0.0, "calibrating")
+        cfg = GenerationConfig(mode="s2moe", n_predict=WORKLOAD_TOKENS, draft_topk=cal.draft_topk,
+                               draft_max=cal.draft_cap, cost=cost, trace=True)
+        prompts = cal.prompts[:WORKLOAD_PROMPTS]
+        for i, prompt in enumerate(prompts):
+            tokens = decoder.tokenize(prompt)[: 512 - WORKLOAD_TOKENS - cal.draft_cap - 2] or [0]
+            rec = TraceRecorder(cal.info)
+            for event in decoder.generate(tokens, cfg):
+                rec.add(event)
+            traces.append(rec.trace)
+            yield StepProgress(index, i + 1, len(prompts))
+            if cal.stop():
+                raise Stopped()
+        plain = yield from _plain_iterations(decoder, prompts[0], index)
+        again = yield from cal.live(iter_context_steps(decoder.rt, cal.draft_topk, cal.draft_cap, n, seed=3), index)
+    finally:
+        decoder.close()
+    for c, kinds in again.items():
+        for kind, times in kinds.items():
+            timings[c][kind] += times
+    ctx = fit_context(timings, cal.draft_cap + 1, base=32)
+    host_draft, host_row, iterations = engine_host_times(traces, ctx.level["draft"], ctx.slope["draft"], ctx.base)
+    # medians over bins of context, so that an iteration a burst of other work delayed does not tilt the line
+    bins = {}
+    for c, seconds in plain:
+        bins.setdefault(c // PLAIN_BIN, []).append(seconds)
+    t_plain, ctx_plain = context_line([(b + 0.5) * PLAIN_BIN for b in bins], [np.median(v) for v in bins.values()],
+                                      ctx.base)
+
+    def ms(x):
+        return round(x * 1e3, 6)
+
+    def us(x):
+        return round(x * 1e6, 6)
+
+    return {"context_tokens": ctx.base,
+            "t_plain_ms": ms(t_plain), "ctx_plain_us": us(ctx_plain),
+            "t_draft_ms": ms(ctx.level["draft"]), "ctx_draft_us": us(ctx.slope["draft"]),
+            "ctx_step_us": us(ctx.slope["observed"]), "ctx_row_us": us(ctx.row),
+            "host_draft_ms": ms(host_draft), "host_row_ms": ms(host_row),
+            "contexts": list(ctx.contexts), **{f"{k}_ms": [ms(x) for x in v] for k, v in ctx.medians.items()},
+            "verify_rows": ctx.rows, "iterations": iterations, "plain_iterations": len(plain)}
+
+
+PLAIN_BIN, PLAIN_TOKENS = 32, 360
+
+
+def _plain_iterations(decoder, prompt: str, index: int):
+    """Generator (yields StepProgress): [(tokens of context, seconds)] of each iteration of plain decoding (mode
+    ar) through the engine, from one event to the next: the step and the loop's own work, as decoding runs them,
+    over a long generation so that the context grows past what workloads run at."""
+    from .decoder import GenerationConfig
+    from .events import Iteration, Prefilled
+
+    tokens = decoder.tokenize(prompt)[:64] or [0]
+    n = min(PLAIN_TOKENS, decoder.n_ctx - len(tokens) - 2)
+    out, last = [], None
+    for event in decoder.generate(tokens, GenerationConfig(mode="ar", n_predict=n, stop_at_eos=False)):
+        now = time.perf_counter()
+        if isinstance(event, Iteration):
+            out.append((event.n_committed - 2, now - last))
+            if len(out) % 64 == 0:
+                yield StepProgress(index, len(out), n)
+        if isinstance(event, (Prefilled, Iteration)):
+            last = now
+    return out
 
 
 def _step_cost_model(cal: _Calibration, index: int):
@@ -568,6 +662,7 @@ def _model_block(cal: _Calibration) -> dict:
         block["t_exp_copy_ms"] = round(gfit.t_exp * 1e3, 6)
         block["copy_min_batch"] = cal.gpu["mode"].crossover
         block["fit_copy"] = _fit_dict(gfit)
+    block["workload"] = cal.workload
     block["hot_experts"] = [list(p) for p in cal.hot]
     block["measured"] = {
         "at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),

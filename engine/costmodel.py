@@ -293,3 +293,81 @@ def measure_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats
         n_samples=fit.n,
     )
     return cost, samples
+
+
+# -- context: how a step's cost grows with the tokens it attends to --------------------------------------
+WORKLOAD_CONTEXTS = (32, 128, 256, 384)  # calibration's steps run at the first; prompts of a workload run longer
+# what a step is timed as: one that records routing (a verification's single row), a draft pass, a verification
+# of cap + 1 rows (a plain step as decoding runs it is timed in decoding itself: engine.calibrate)
+CONTEXT_KINDS = ("observed", "draft", "verify")
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """Seconds, per kind of step (CONTEXT_KINDS): its cost at `base` tokens of context (`level`) and its growth
+    per further token (`slope`), fitted on the medians at `contexts`; `rows` rows in a verification."""
+
+    base: int
+    contexts: tuple[int, ...]
+    medians: dict        # kind → (seconds per context)
+    level: dict          # kind → seconds at base
+    slope: dict          # kind → seconds per token of context
+    rows: int
+
+    @property
+    def row(self) -> float:
+        """What each further verified row adds per token of context."""
+        return max(0.0, (self.slope["verify"] - self.slope["observed"]) / max(1, self.rows - 1))
+
+
+def _context_step(rt, base: int, tokens, kind: str, k_draft: int) -> float:
+    return _step(rt, base, tokens, "draft" if kind == "draft" else "verify", k_draft)[0]
+
+
+def iter_context_steps(rt, k_draft: int, cap: int, n: int, *, contexts=WORKLOAD_CONTEXTS, seed: int = 0):
+    """Generator: yields (done, total); returns {context: {kind: [seconds]}} of n steps of each kind
+    (CONTEXT_KINDS) after each context length, longer contexts made by extending the shorter one's prefix.
+    Leaves the KV cache empty."""
+    rng = np.random.default_rng(seed)
+    limit = rt.n_ctx - cap - 4
+    contexts = sorted({max(1, min(c, limit)) for c in contexts})
+    out, done, total = {}, 0, len(contexts) * n
+    try:
+        rt.kv_clear()
+        have = 0
+        for c in contexts:
+            if c > have:
+                if rt.hook is not None:
+                    rt.hook.off()
+                rt.decode(rng.integers(0, rt.n_vocab, size=c - have).tolist(), have, "none")
+                have = c
+            times = {}
+            for kind in CONTEXT_KINDS:
+                # in a row, as decoding runs a kind of step after the same kind (what the cache holds differs
+                # after a verification of many rows), the first one untimed
+                size = cap + 1 if kind == "verify" else 1
+                times[kind] = [_context_step(rt, c, rng.integers(0, rt.n_vocab, size=size).tolist(), kind, k_draft)
+                               for _ in range(n + 1)][1:]
+            done += n
+            yield done, total
+            out[c] = times
+        return out
+    finally:
+        rt.kv_clear()
+
+
+def context_line(x, y, base: int) -> tuple[float, float]:
+    """(value at `base`, slope ≥ 0: a falling one is noise) of a least-squares line through (x, y)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    slope = max(0.0, float(np.polyfit(x, y, 1)[0])) if len(set(x.tolist())) > 1 else 0.0
+    return float(np.mean(y - slope * (x - base))), slope
+
+
+def fit_context(timings: dict, rows: int, base: int) -> ContextFit:
+    """Per kind of step, a line through its medians over the contexts, read at `base`."""
+    contexts = sorted(timings)
+    medians, level, slope = {}, {}, {}
+    for kind in CONTEXT_KINDS:
+        medians[kind] = tuple(float(np.median(timings[c][kind])) for c in contexts)
+        level[kind], slope[kind] = context_line(contexts, medians[kind], base)
+    return ContextFit(base, tuple(contexts), medians, level, slope, rows)

@@ -42,6 +42,22 @@ carries published figures and may hold `reference` constants that apply to any m
         fit_cold_misses: {intercept_ms, t_exp_warm_ms, t_exp_cold_ms, t_tok_ms, r2, mape, n, r2_given_faults}
                                    # optional: the same batches by resident vs fetched experts;
                                    # r2_given_faults: refitted on the storage faults they took
+        workload:                  # optional: what the constants above leave out at a workload's context,
+                                   # timed in the engine's own runtime (s2moe calibrate, step 2)
+          context_tokens: 32       # the context t_ar_ms, c_draft_ms and the fit were timed after
+          t_plain_ms: 0.45         # an iteration of plain decoding (mode ar) through the engine at that
+          ctx_plain_us: 1.8        # context (its step and the loop's own work), and what each further token adds
+          t_draft_ms: 0.42         # a draft pass's decode at that context
+          ctx_draft_us: 2.4        # ... per further token of context
+          ctx_step_us: 3.3         # a verification's first row (routing recorded), per token of context
+          ctx_row_us: 1.7          # ... each further row of it
+          host_draft_ms: 0.18      # the engine's own time per draft pass beyond its decode (sampling, the rule)
+          host_row_ms: 0.05        # the decoding loop's own time per verified row (acceptance, bookkeeping)
+          contexts: [32, 128, 256, 384]            # optional: what the slopes were fitted on: medians per
+          observed_ms: [..], draft_ms: [..], verify_ms: [..]   # context (verify: cap + 1 rows)
+          verify_rows: 9
+          iterations: 60           # the engine iterations the host times are medians of
+          plain_iterations: 350    # ... and the plain ones the plain step's line is fitted on
         hot_experts: [[0, 12], [0, 3], ...]   # [layer, expert], most routed first (up to half the
                                    # expert bytes); a run under a budget pins the prefix that fits
         measured: {at: 2026-01-01T00:00:00+00:00, by: s2moe calibrate, threads: 2, ...}
@@ -200,6 +216,8 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
         _number(misses, "n", mw, integer=True)
         for key in ("r2", "r2_given_faults"):
             _r2(misses, key, mw)
+    if block.get("workload") is not None:
+        _validate_workload(block["workload"], f"{where}.workload")
     hot = block.get("hot_experts")
     if hot is not None:
         if not isinstance(hot, list):
@@ -223,6 +241,34 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
         raise ConfigError(f"{where}: field measured must be a mapping (when, how)")
     if block.get("tuned") is not None:
         _validate_tuned(block["tuned"], where)
+
+
+WORKLOAD_TERMS = ("t_plain_ms", "ctx_plain_us", "t_draft_ms", "ctx_draft_us", "ctx_step_us", "ctx_row_us",
+                  "host_draft_ms", "host_row_ms")
+
+
+def _validate_workload(w, where: str) -> None:
+    w = _mapping(w, where, "workload")
+    _number(w, "context_tokens", where, required=True, positive=True, integer=True)
+    for key in WORKLOAD_TERMS:
+        _number(w, key, where, required=True, positive=key in ("t_plain_ms", "t_draft_ms"))
+    for key in ("verify_rows", "iterations", "plain_iterations"):
+        _number(w, key, where, positive=True, integer=True)
+    contexts = w.get("contexts")
+    if contexts is None:
+        return
+    if not isinstance(contexts, list) or not contexts:
+        raise ConfigError(f"{where}: field contexts must be a list of context lengths")
+    for i, c in enumerate(contexts):
+        _number({"contexts": c}, "contexts", f"{where}, contexts[{i}]", required=True, positive=True, integer=True)
+    for key in ("observed_ms", "draft_ms", "verify_ms"):
+        times = w.get(key)
+        if times is None:
+            continue
+        if not isinstance(times, list) or len(times) != len(contexts):
+            raise ConfigError(f"{where}: field {key} must be a list of {len(contexts)} times, one per context")
+        for i, t in enumerate(times):
+            _number({key: t}, key, f"{where}, {key}[{i}]", required=True)
 
 
 def _validate_tuned(tuned, where: str) -> None:

@@ -23,7 +23,7 @@ resident.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -54,6 +54,7 @@ class DeviceCosts:
     rule: CostConstants
     basis: str        # where the constants come from, in words
     calibrated: bool  # the profile measured these constants for the trace's own model
+    terms: WorkloadTerms | None = None  # what calibrate measured beyond them (None: a profile from before it did)
 
 
 def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> DeviceCosts:
@@ -96,31 +97,65 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
     basis = (f"profile {name}: {'calibrated for this model' if measured else 'reference constants, the trace standing in for its model'}; "
              + how)
     return DeviceCosts(name, ms("t_ar_ms"), ms("c_draft_ms"), t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis,
-                       measured)
+                       measured, profile_terms(block))
 
 
 # engine.costmodel times its steps and batches after this many tokens of context (its `context` default)
 CALIBRATION_CONTEXT = 32
+TERM_SOURCES = ("profile", "trace", "none")
 
 
 @dataclass(frozen=True)
-class RecordingTerms:
-    """Seconds. What a profile's constants leave out, estimated from the traces' own timings on the machine
-    that recorded them, and so added only where the profile was calibrated for the trace's model there.
-    Attention's products grow with the rows of a pass and the context they attend to (a term per pass, reading
-    the KV cache, came out unstable from run to run and is left out: two runs' fits of it differed 3×)."""
+class WorkloadTerms:
+    """Seconds. What a profile's constants, timed at one context on llama.cpp's decode alone, leave out:
+    attention growing with the context a workload runs at, and the engine's own work around each decode."""
 
-    t_ctx: float         # per drafted or verified row, per token of context beyond CALIBRATION_CONTEXT
-    t_host_draft: float  # per draft pass, outside llama.cpp's decode: sampling over the vocabulary, the rule
-    t_host: float = 0.0  # per verified row, the decoding loop's own work (acceptance samples each row's logits)
+    ctx_step: float      # per token of context beyond `context`: a verification's first row
+    ctx_row: float       # ... and each further row of it
+    host_draft: float    # per draft pass, outside llama.cpp's decode: sampling over the vocabulary, the rule
+    host_row: float      # per verified row, the decoding loop's own work (acceptance samples each row's logits)
+    context: int = CALIBRATION_CONTEXT
+    how: str = "none"
+    clip: bool = False   # the context below `context` counts as none (how the trace's fit was made)
+    ctx_draft: float | None = None  # a draft pass, per token of context (None: as ctx_step)
+    t_draft: float | None = None    # a draft pass's decode at `context` in the engine (None: the profile's C_draft)
+    # an iteration of resident plain decoding through the engine, its loop's work included (no routing recorded,
+    # which makes it cheaper than a verification's first row); None: T_AR + host_row
+    t_plain: float | None = None
+    ctx_plain: float = 0.0          # ... per token of context
+
+    def beyond(self, ctx: int) -> int:
+        return max(0, ctx - self.context) if self.clip else ctx - self.context
+
+    def draft_pass(self, c_draft: float, beyond: int) -> float:
+        return ((c_draft if self.t_draft is None else self.t_draft) + self.host_draft
+                + (self.ctx_step if self.ctx_draft is None else self.ctx_draft) * beyond)
 
     def describe(self) -> str:
-        return (f"from the recording: {self.t_ctx * 1e6:.2f} µs per row and token of context beyond "
-                f"{CALIBRATION_CONTEXT}, host {self.t_host_draft * 1e3:.3f} ms per draft pass and "
-                f"{self.t_host * 1e3:.3f} ms per verified row")
+        plain = ("" if self.t_plain is None else
+                 f"plain step {self.t_plain * 1e3:.3f} ms + {self.ctx_plain * 1e6:.2f} µs, ")
+        draft = ("" if self.t_draft is None else
+                 f"draft pass {self.t_draft * 1e3:.3f} ms + {self.ctx_draft * 1e6:.2f} µs, ")
+        return (f"{self.how}: {plain}{draft}verification + {self.ctx_step * 1e6:.2f} µs and "
+                f"{self.ctx_row * 1e6:.2f} µs per further row, per token of context beyond {self.context}; "
+                f"host {self.host_draft * 1e3:.3f} ms per draft pass and {self.host_row * 1e3:.3f} ms per "
+                f"verified row")
 
 
-NO_TERMS = RecordingTerms(0.0, 0.0)
+NO_TERMS = WorkloadTerms(0.0, 0.0, 0.0, 0.0)
+
+
+def profile_terms(block: dict | None) -> WorkloadTerms | None:
+    """The terms `s2moe calibrate` measured on the device (a model block's `workload`), or None for a profile
+    written before it measured them."""
+    w = (block or {}).get("workload")
+    if not w:
+        return None
+    return WorkloadTerms(float(w["ctx_step_us"]) / 1e6, float(w["ctx_row_us"]) / 1e6, float(w["host_draft_ms"]) / 1e3,
+                         float(w["host_row_ms"]) / 1e3, int(w["context_tokens"]),
+                         "the profile's workload terms (measured by calibrate)",
+                         ctx_draft=float(w["ctx_draft_us"]) / 1e6, t_draft=float(w["t_draft_ms"]) / 1e3,
+                         t_plain=float(w["t_plain_ms"]) / 1e3, ctx_plain=float(w["ctx_plain_us"]) / 1e6)
 
 
 def _context(tr: Trace):
@@ -129,6 +164,29 @@ def _context(tr: Trace):
     for s in tr.steps:
         yield s, ctx
         ctx += len(s.committed)
+
+
+def engine_host_times(traces: list[Trace], c_draft: float, ctx_step: float, context: int) -> tuple[float, float, int]:
+    """(seconds per draft pass outside its decode, seconds per verified row of the loop's own work, iterations
+    they come from) of generations recorded on this machine: a draft pass's decode is `c_draft` at `context`
+    tokens of context plus `ctx_step` per further token, the rest of its recorded time is the engine's; the loop's
+    time per row is what the recording took outside the draft passes and the verification. Medians over
+    iterations, as the step constants are."""
+    per_pass, per_row = [], []
+    for tr in traces:
+        for s, ctx in _context(tr):
+            per_row.append(s.t_host / len(s.rows))
+            if s.drafted:  # a pass for the pending token, then one per drafted token
+                passes = 1 + len(s.drafted)
+                decode = c_draft + ctx_step * (ctx + len(s.drafted) / 2 - context)
+                per_pass.append(s.t_draft / passes - decode)
+    if not per_row:
+        raise ValueError("no iterations to time the engine's host work on")
+    draft = max(0.0, float(np.median(per_pass))) if per_pass else 0.0
+    return draft, max(0.0, float(np.median(per_row))), len(per_row)
+
+
+FITTED = "fitted from the traces' own timings (in-sample)"
 
 
 def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -147,15 +205,16 @@ def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def recording_terms(traces: list[Trace], costs: DeviceCosts) -> RecordingTerms:
-    """What the recorded draft passes and verifications took beyond the profile's prediction for them, fitted
-    (least squares, both ≥ 0) on [rows × context, host per draft pass]; the loop's own time per verified row
-    is the median over iterations."""
+def recording_terms(traces: list[Trace], costs: DeviceCosts) -> WorkloadTerms:
+    """The terms fitted from the traces' own timings (in-sample: only on the machine that recorded them): what
+    the recorded draft passes and verifications took beyond the profile's prediction for them, least squares
+    (both ≥ 0) on [rows × context, host per draft pass]; the loop's own time per verified row is the median
+    over iterations. A term per pass, reading the KV cache, came out unstable from run to run and is left out."""
     loop = float(np.median([s.t_host / len(s.rows) for tr in traces for s in tr.steps]))
     if any(s.verify_misses is not None for tr in traces for s in tr.steps):
         # under a budget what a pass took is mostly its fetches, whose count the recording knows only roughly:
         # the leftovers would be fetch noise, not attention or host time
-        return RecordingTerms(0.0, 0.0, loop)
+        return WorkloadTerms(0.0, 0.0, 0.0, loop, how=FITTED + " (under a budget only the loop's time)", clip=True)
     X, y = [], []
     for tr in traces:
         for s, ctx in _context(tr):
@@ -171,9 +230,9 @@ def recording_terms(traces: list[Trace], costs: DeviceCosts) -> RecordingTerms:
                 X.append((beyond, 1.0))
                 y.append((s.t_draft - passes * costs.c_draft - costs.t_fetch * (s.draft_misses or 0)) / passes)
     if len(y) < 4:
-        return NO_TERMS
+        return replace(NO_TERMS, how=FITTED + " (too few iterations: none)")
     t_ctx, host = _nnls(np.asarray(X, float), np.asarray(y, float))
-    return RecordingTerms(float(t_ctx), float(host), loop)
+    return WorkloadTerms(float(t_ctx), float(t_ctx), float(host), loop, how=FITTED, clip=True)
 
 
 # -- the expert cache ------------------------------------------------------------------------------------
@@ -300,12 +359,14 @@ class Projection:
     budget: str
     basis: str
     traces: int
+    terms: str = "none"   # where the terms beyond the constants came from (WorkloadTerms.how)
     modes: dict[str, ModeProjection] = field(default_factory=dict)
     # under a budget, traces recorded under one: {policy: (fetched as the recording counted, as simulated)}
     cache_fit: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"profile": self.profile, "budget": self.budget, "basis": self.basis, "traces": self.traces,
+                "terms": self.terms,
                 "modes": {m: r.as_dict() for m, r in self.modes.items()},
                 "cache_fit": {k: {"recorded": r, "simulated": s} for k, (r, s) in self.cache_fit.items()}}
 
@@ -396,7 +457,7 @@ def _distinct(ids: np.ndarray) -> int:
 
 
 def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
-           threshold: float | None = None, policy: str = "lru", terms: RecordingTerms = NO_TERMS) -> ModeProjection:
+           threshold: float | None = None, policy: str = "lru", terms: WorkloadTerms = NO_TERMS) -> ModeProjection:
     """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over)."""
     if mode not in PROJECT_MODES:
         raise ConfigError(f"cannot project mode {mode!r} (choose from {', '.join(PROJECT_MODES)})")
@@ -413,6 +474,8 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
         cascade = CascadeDrafter(h0.k_d, h0.draft_max)
         inner = cascade.inner = _ChainFromTrace(h0.k_d, h0.n_expert)
     gated_rows = mode == "s2moe"
+    # resident, a step without drafts is a plain one (under a budget the prefetcher needs its routing)
+    plain_unobserved = terms.t_plain is not None and plan.capacity is None
     for tr in traces:
         h = tr.header
         if isinstance(rule, UtilityStop):
@@ -435,12 +498,17 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
             committed = min(accepted + 1, len(step.committed) - j)
             # reuse gating acts on a verification of drafted tokens only (a plain step reads the router's choice)
             rows = (step.gated if gated_rows and n else step.rows)[j: j + n + 1]
-            beyond = max(0, h.prompt_tokens - 1 + generated - CALIBRATION_CONTEXT)  # context past calibration's
-            t_draft = len(passes) * (costs.c_draft + terms.t_host_draft + terms.t_ctx * beyond)
+            beyond = terms.beyond(h.prompt_tokens - 1 + generated)  # context past the one the constants were timed at
+            t_draft = len(passes) * terms.draft_pass(costs.c_draft, beyond)
             draft_misses = sum(cache.access(p) for p in passes)
             verify_misses = cache.access(rows)
             extra = max(0, _distinct(rows) - _distinct(rows[:1]))
-            t_verify = costs.t_ar + costs.t_tok * n + costs.t_exp * extra + terms.t_ctx * (n + 1) * beyond
+            plain = n == 0 and plain_unobserved
+            if plain:  # the whole iteration, the loop's own work with it
+                t_verify = terms.t_plain + terms.ctx_plain * beyond
+            else:
+                t_verify = (costs.t_ar + costs.t_tok * n + costs.t_exp * extra
+                            + (terms.ctx_step + terms.ctx_row * n) * beyond)
             t_fetch = costs.t_fetch * (draft_misses + verify_misses)
             res.iterations += 1
             res.tokens += committed
@@ -450,7 +518,7 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
             res.t_draft += t_draft
             res.t_verify += t_verify
             res.t_fetch += t_fetch
-            res.t_host += terms.t_host * (n + 1)
+            res.t_host += 0.0 if plain else terms.host_row * (n + 1)
             res.fetched += draft_misses + verify_misses
             if cascade is not None:
                 # what CascadeDrafter.feedback reads of an Iteration event: its tokens and its seconds
@@ -502,11 +570,36 @@ def fitted_capacity(traces: list[Trace], plan: CachePlan, policy: str) -> int | 
     return lo
 
 
+def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[WorkloadTerms, str]:
+    """The terms a projection charges beyond the constants, and what they are in words."""
+    if source == "none":
+        return NO_TERMS, "the profile's constants only (--terms none: context growth and host work left out)"
+    if source == "trace":
+        if not costs.calibrated:
+            raise ConfigError(f"fitting terms from the traces needs a profile calibrated for their model on the "
+                              f"machine that recorded them; {costs.profile} is not")
+        t = recording_terms(traces, costs)
+        return t, t.describe()
+    if costs.terms is not None:
+        return costs.terms, costs.terms.describe()
+    if costs.calibrated:
+        t = recording_terms(traces, costs)
+        return t, (f"this profile has no workload terms (calibrated before calibrate measured them; calibrate again "
+                   f"to project from the profile alone): {t.describe()}")
+    return NO_TERMS, "the profile's constants only (it has no workload terms: context growth and host work left out)"
+
+
 def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=PROJECT_MODES,
-            threshold: float | None = None, policy: str = "fifo", fit_cache: bool = False) -> Projection:
+            threshold: float | None = None, policy: str = "fifo", fit_cache: bool = False,
+            terms: str = "profile") -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
     evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own
-    reads (traces recorded under this same budget), instead of the budget plan's size."""
+    reads (traces recorded under this same budget), instead of the budget plan's size. terms: what is charged
+    beyond the profile's constants (context growth, the engine's host work): the profile's own measurement
+    (a profile without one: fitted from the traces where the profile was calibrated for their model, as before
+    calibrate measured them, and said so), fitted from the traces (in-sample), or none."""
+    if terms not in TERM_SOURCES:
+        raise ConfigError(f"unknown source of terms {terms!r} (choose from {', '.join(TERM_SOURCES)})")
     if policy not in CACHE_POLICIES:
         raise ConfigError(f"unknown cache policy {policy!r} (choose from {', '.join(CACHE_POLICIES)})")
     if not traces:
@@ -520,11 +613,8 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     offloaded = budget not in (None, "none")
     costs = device_costs(profile, h0, offloaded=offloaded)
     plan = cache_plan(budget, h0, profile, costs.expert_bytes)
-    # what the constants leave out, where the trace was recorded on the profile's own calibration target
-    terms = recording_terms(traces, costs) if costs.calibrated else NO_TERMS
-    basis = costs.basis + ("; " + terms.describe() if costs.calibrated else
-                           "; the profile's constants only (attention and host time beyond them left out)")
-    out = Projection(costs.profile, plan.label, basis, len(traces))
+    charged, why = _terms(traces, costs, terms)
+    out = Projection(costs.profile, plan.label, f"{costs.basis}; {why}", len(traces), charged.how)
     if plan.capacity is not None:
         for name in CACHE_POLICIES:
             fit = cache_check(traces, plan, name)
@@ -538,7 +628,7 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
                                                 f"{size} experts")
             out.budget = plan.label
     for mode in (["ar"] + [m for m in modes if m != "ar"]):
-        out.modes[mode] = replay(traces, mode, costs, plan, threshold, policy, terms)
+        out.modes[mode] = replay(traces, mode, costs, plan, threshold, policy, charged)
     ar = out.modes["ar"].tok_per_s
     for r in out.modes.values():
         r.speedup = r.tok_per_s / ar if ar > 0 else None

@@ -277,3 +277,28 @@ def test_a_two_turn_chat_at_80x24(snap_compare):
         await settle(pilot)
 
     assert snap_compare(make_app(), terminal_size=(80, 24), run_before=run_before)
+
+
+def test_generate_cnv_chats_in_turns_from_standard_input(chat_model, tiny_models, monkeypatch, capsys):
+    import io
+
+    from s2moe.app.cli import build_parser, cmd_generate, main
+    from s2moe.engine.errors import ConfigError
+
+    common = ["generate", "-n", "6", "-t", "1", "-c", "256", "--mode", "s2moe", "--no-utility", "-cnv"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("and then?\n\nwhat else\n"))
+    assert main([*common, "-m", str(chat_model), "-sys", "Be brief.", "-p", "hello"]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("> ")] == ["> hello", "> and then?", "> what else"]
+    lines = [line for line in err.splitlines() if line.startswith("-- ")]
+    assert len(lines) == 3 and "kept" not in lines[0] and all("prompt tokens kept" in x for x in lines[1:])
+    assert "chatml" in err
+    # a base model: a completion per turn, said once
+    monkeypatch.setattr("sys.stdin", io.StringIO("more\n"))
+    assert main([*common, "-m", str(tiny_models["olmoe"]), "-p", "hello"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("note: no chat template") == 1 and "kept" not in err and out.count("> ") == 2
+    with pytest.raises(ConfigError, match="add -cnv"):
+        cmd_generate(build_parser().parse_args(["generate", "-m", str(chat_model), "-sys", "x", "-p", "hi"]))
+    assert main(["generate", "-m", str(chat_model), "-cnv", "--json", "-p", "hi"]) == 2
+    assert "--json and --trace record one generation" in capsys.readouterr().err

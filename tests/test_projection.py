@@ -221,6 +221,134 @@ def test_what_the_constants_leave_out_is_recovered_from_the_recording_s_timings(
         steps.append(replace(s, t_verify=verify, t_draft=draft, t_host=3 * slow))
         ctx += 3
     terms = recording_terms([replace(tr, steps=steps)], costs)
-    assert terms.t_ctx == pytest.approx(per_row, rel=1e-6)
-    assert terms.t_host_draft == pytest.approx(host, rel=1e-6)
-    assert terms.t_host == pytest.approx(loop)
+    assert terms.ctx_step == terms.ctx_row == pytest.approx(per_row, rel=1e-6)
+    assert terms.host_draft == pytest.approx(host, rel=1e-6)
+    assert terms.host_row == pytest.approx(loop)
+    assert "in-sample" in terms.how
+
+
+# -- the profile's workload terms ----------------------------------------------------------------------------
+WORKLOAD = {"context_tokens": 2, "t_plain_ms": 4.0, "ctx_plain_us": 1000.0, "t_draft_ms": 1.5, "ctx_draft_us": 500.0,
+            "ctx_step_us": 2000.0, "ctx_row_us": 100.0, "host_draft_ms": 0.25, "host_row_ms": 0.5,
+            "contexts": [2, 4], "observed_ms": [1.0, 2.0], "draft_ms": [1.5, 2.5], "verify_ms": [3.0, 4.0],
+            "verify_rows": 3, "iterations": 10, "plain_iterations": 20}
+
+
+def with_workload(prof: dict, **changes) -> dict:
+    prof["models"][FP]["workload"] = {**WORKLOAD, **changes}
+    return prof
+
+
+def test_the_profile_s_workload_terms_are_charged_and_no_trace_timing_is_read():
+    """The hand trace's prompt leaves 2 tokens of context before the first step; the terms are relative to 2.
+    Its recorded timings are wild: with the profile's terms, none of them reaches the projection."""
+    from dataclasses import replace
+
+    tr = hand_trace()
+    tr = replace(tr, steps=[replace(s, t_draft=9.0, t_verify=9.0, t_host=9.0) for s in tr.steps])
+    p = project([tr], with_workload(profile()), modes=["ar", "conf"])
+    assert "measured by calibrate" in p.terms and "measured by calibrate" in p.basis
+    ar = p.modes["ar"]
+    # six plain iterations at 0..5 tokens beyond the profile's context: 4 ms + 1 ms per token, loop included
+    assert ar.t_verify == pytest.approx(6 * 4e-3 + (0 + 1 + 2 + 3 + 4 + 5) * 1e-3)
+    assert ar.t_host == 0.0 and ar.t_draft == 0.0
+    c = p.modes["conf"]
+    # two iterations (at 0 and 3 tokens beyond), two draft passes each: the engine's pass 1.5 ms + host 0.25 ms
+    # + 0.5 ms per token beyond; verifications of three rows: T_AR + 2·T_tok (+ 4 experts the first time) + the
+    # first row's 2 ms and each further row's 0.1 ms per token beyond; the loop 0.5 ms per verified row
+    assert c.t_draft == pytest.approx(2 * (1.5 + 0.25) * 1e-3 + 2 * (1.5 + 0.25 + 0.5 * 3) * 1e-3)
+    assert c.t_verify == pytest.approx((10 + 6 + 4) * 1e-3 + (10 + 6) * 1e-3 + (2.0 + 2 * 0.1) * 3 * 1e-3)
+    assert c.t_host == pytest.approx(2 * 3 * 0.5e-3)
+
+
+def test_under_a_budget_a_plain_step_records_routing_and_pays_the_verification_s_terms():
+    p = project([hand_trace()], with_workload(profile()), budget="1G", modes=["ar"])
+    ar = p.modes["ar"]
+    assert ar.t_verify == pytest.approx(6 * 10e-3 + 2.0 * (0 + 1 + 2 + 3 + 4 + 5) * 1e-3)
+    assert ar.t_host == pytest.approx(6 * 0.5e-3)
+
+
+def test_profiles_without_workload_terms_still_project_and_say_how():
+    """A calibrated profile from before calibrate measured the terms: fitted from the traces, as before, and said
+    so; a reference profile: the constants alone; --terms picks explicitly."""
+    from s2moe.engine.errors import ConfigError
+    from s2moe.engine.profiles import load_profile
+
+    old = project([hand_trace()], profile(), modes=["ar"])
+    assert "no workload terms" in old.basis and "calibrate again" in old.basis and "in-sample" in old.terms
+    assert old.modes["ar"].tok_per_s == pytest.approx(100.0)
+    ref = project([hand_trace()], load_profile("jetson-orin-16gb"), modes=["ar", "s2moe"])
+    assert ref.terms == "none" and "constants only" in ref.basis and ref.modes["s2moe"].tok_per_s > 0
+    fitted = project([hand_trace()], with_workload(profile()), modes=["ar"], terms="trace")
+    assert "in-sample" in fitted.terms and fitted.modes["ar"].tok_per_s == pytest.approx(100.0)
+    bare = project([hand_trace()], with_workload(profile()), modes=["ar"], terms="none")
+    assert bare.modes["ar"].tok_per_s == pytest.approx(100.0) and "--terms none" in bare.basis
+    with pytest.raises(ConfigError, match="calibrated for their model"):
+        project([hand_trace()], load_profile("jetson-orin-16gb"), terms="trace")
+
+
+def test_workload_terms_round_trip_and_bad_ones_are_one_line(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    from s2moe.engine.profiles import load_profile, save_profile
+
+    cfg = tmp_path / "config"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(cfg))
+    save_profile(with_workload(profile()), "terms")
+    assert load_profile("terms")["models"][FP]["workload"] == WORKLOAD
+    write_trace(tmp_path / "a.jsonl", hand_trace())
+    assert main(["project", str(tmp_path / "a.jsonl"), "--profile", "terms", "--modes", "ar", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["modes"]["ar"]["t_verify_s"] == pytest.approx(39e-3)
+    folder = cfg / "s2moe" / "profiles"
+    bad = {"host_row_ms": -0.1, "t_plain_ms": 0, "ctx_step_us": "fast", "context_tokens": 2.5,
+           "contexts": "32,128", "verify_ms": [3.0], "draft_ms": [1.0, -1.0]}
+    for key, value in bad.items():
+        (folder / "bad.yaml").write_text(yaml.safe_dump(with_workload(profile(), **{key: value})))
+        assert main(["project", str(tmp_path / "a.jsonl"), "--profile", "bad"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "workload" in err and key in err, (key, err)
+    missing = with_workload(profile())
+    del missing["models"][FP]["workload"]["host_draft_ms"]
+    (folder / "bad.yaml").write_text(yaml.safe_dump(missing))
+    assert main(["project", str(tmp_path / "a.jsonl"), "--profile", "bad"]) == 2
+    assert "missing field host_draft_ms" in capsys.readouterr().err
+
+
+def test_calibrate_measures_the_workload_terms_in_the_engine(tiny_models, tmp_path, monkeypatch):
+    """On a tiny model: the terms are written into the profile's block, valid, and a projection of a trace of
+    that model charges them."""
+    from s2moe.engine.calibrate import CalibrationDone, run_calibration
+    from s2moe.engine.decoder import Decoder, GenerationConfig
+    from s2moe.engine.profiles import validate_profile
+    from s2moe.engine.trace import TraceRecorder
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    model = str(tiny_models["olmoe"])
+    done = [e for e in run_calibration(model, prompts=["hello there", "once upon a time"], n_threads=1, repeats=1,
+                                       save=False) if isinstance(e, CalibrationDone)][0]
+    validate_profile(done.profile)
+    (block,) = done.profile["models"].values()
+    w = block["workload"]
+    assert w["context_tokens"] == 32 and w["contexts"] == [32, 128, 256, 384]
+    assert w["t_plain_ms"] > 0 and w["t_draft_ms"] > 0 and w["plain_iterations"] > 300 and w["iterations"] >= 3
+    assert all(w[k] >= 0 for k in ("ctx_plain_us", "ctx_draft_us", "ctx_step_us", "ctx_row_us", "host_draft_ms",
+                                    "host_row_ms"))
+    dec = Decoder(model, n_ctx=256, n_threads=1, max_draft=4)
+    try:
+        rec = TraceRecorder(dec.info)
+        for ev in dec.generate("hello there", GenerationConfig(mode="s2moe", n_predict=8, draft_max=4, trace=True,
+                                                               cost=block_cost(done.profile, dec.info.fingerprint))):
+            rec.add(ev)
+    finally:
+        dec.close()
+    p = project([rec.trace], done.profile, modes=["ar"])
+    assert "measured by calibrate" in p.terms
+    ar = p.modes["ar"]
+    beyond = [rec.trace.header.prompt_tokens - 1 + i - 32 for i in range(ar.iterations)]
+    assert ar.t_verify == pytest.approx(sum(w["t_plain_ms"] / 1e3 + w["ctx_plain_us"] / 1e6 * b for b in beyond))
+
+
+def block_cost(prof: dict, fp: str):
+    from s2moe.engine.profiles import cost_for_model
+
+    return cost_for_model(prof, fp)
