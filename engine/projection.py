@@ -13,7 +13,10 @@ Time per iteration, from the device profile:
     verify  = T_AR + T_tok·(tokens − 1) + T_exp·(distinct experts − one token's experts)
     fetch   = T_fetch · (experts the draft passes and the verification found outside the expert cache)
 T_AR, C_draft, T_tok and T_exp are the profile's resident constants (its fit's slopes, anchored at the
-measured plain step, so that an undrafted step costs exactly what a plain one does). T_fetch is what an expert
+measured plain step, so that an undrafted step costs exactly what a plain one does). Those are timed at one
+short context on llama.cpp's decode alone; what they leave out (WorkloadTerms: attention growing with the
+context, the engine's host work per draft pass and verified row, a plain iteration as decoding runs it) comes
+from the profile, where `s2moe calibrate` measured it on the device, and is added to each pass. T_fetch is what an expert
 fetched from storage costs beyond a resident one: the profile's cold-minus-warm cost where it measured both,
 else the expert's bytes over its storage bandwidth. The expert cache is simulated for the budget: the plan
 engine.offload makes (pinned hot experts from the profile, the rest an LRU of experts); no budget: all
