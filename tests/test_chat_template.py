@@ -117,9 +117,11 @@ def test_the_next_turn_decodes_only_its_new_tokens_and_speculates(chat_decoder, 
     assert fresh[1].reused == 0
 
 
-def test_kept_context_decodes_as_a_fresh_prefill_would(chat_decoder):
-    """Lossless decoding: the second turn's answer is the same whether the first turn's KV was kept."""
-    cfg = GenerationConfig(mode="ar", n_predict=10)
+@pytest.mark.parametrize("mode", ["ar", "s2moe", "tree", "lookup"])
+def test_kept_context_decodes_as_a_fresh_prefill_would(chat_decoder, mode):
+    """Lossless decoding (gating off): the second turn's answer is the same whether the first turn's KV was
+    kept, whatever drafted it (a draft tree's branches included)."""
+    cfg = GenerationConfig(mode=mode, n_predict=10, reuse_strength=0.0, utility=False)
     conversation = Conversation(chat_decoder.chat_template)
     turn(chat_decoder, conversation, "one", cfg, keep_context=True)
     kept = turn(chat_decoder, conversation, "two", cfg, keep_context=True)
