@@ -60,7 +60,7 @@ class DeviceSample:
     disk_read_bytes_per_s: float | None    # everything read from that device
     model_cached: tuple[int, int] | None   # (bytes of the model file in the page cache, its size)
     cgroup: dict[str, int] | None          # the budget cgroup: total, anon, file, locked, limit
-    jetson: dict | None                    # tegrastats: gpu_load (%), temps (°C), power (mW)
+    jetson: dict | None                    # jtop or tegrastats: gpu_load (%), temps (°C), power (mW), source
 
 
 class DeviceMonitor:
@@ -73,7 +73,9 @@ class DeviceMonitor:
         self.model_path = model_path
         self.disk = block_device(model_path) if model_path else None
         self._prev: tuple[float, list[tuple[int, int]], int | None, int | None] | None = None
-        self.tegrastats = TegraStats.start() if TegraStats.available() else None
+        # a Jetson's GPU: jtop's service where jetson-stats runs one (it also reads what tegrastats needs root
+        # for), else tegrastats itself
+        self.jetson = JtopStats.start() or (TegraStats.start() if TegraStats.available() else None)
 
     def sample(self) -> DeviceSample:
         import time
@@ -108,13 +110,65 @@ class DeviceMonitor:
         group = None
         if cg is not None:
             group = dict(cg.split(), limit=cg.limit())
-        jetson = self.tegrastats.latest() if self.tegrastats is not None else None
+        jetson = self.jetson.latest() if self.jetson is not None else None
         return DeviceSample(t, meminfo(), shares, rate, self.disk, disk_rate, cached, group, jetson)
 
     def close(self) -> None:
-        if self.tegrastats is not None:
-            self.tegrastats.stop()
-            self.tegrastats = None
+        if self.jetson is not None:
+            self.jetson.stop()
+            self.jetson = None
+
+
+def parse_jtop_stats(stats: dict) -> dict:
+    """GPU load (%), temperatures (°C; -256 is a sensor that is off) and power rails (mW, the current reading,
+    TOT the board's total) from jtop's `stats` dictionary (jetson-stats 4: "GPU", "Temp <sensor>",
+    "Power <rail>", "Power TOT"), in parse_tegrastats's shape."""
+    out: dict = {"gpu_load": None, "temps": {}, "power": {}, "source": "jtop"}
+    gpu = stats.get("GPU")
+    if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
+        out["gpu_load"] = round(gpu)
+    for key, value in stats.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue  # "OFF" for an idle engine, a datetime, …
+        if key.startswith("Temp ") and value > -200:
+            out["temps"][key[5:]] = float(value)
+        elif key.startswith("Power "):
+            out["power"][key[6:]] = int(value)
+    return out
+
+
+class JtopStats:
+    """jetson-stats' jtop service, read through its Python client (the `jtop` package, installed with
+    jetson-stats on the Jetson itself, not by s2moe); latest() is its last reading."""
+
+    def __init__(self, client):
+        self.client = client
+
+    @classmethod
+    def start(cls) -> "JtopStats | None":
+        """A client of the running service; None where jetson-stats is not installed or its service does not
+        answer (not running, or this user not in its group)."""
+        try:
+            from jtop import JtopException, jtop
+        except ImportError:
+            return None
+        client = jtop(interval=1.0)
+        try:
+            client.start()
+        except (JtopException, OSError):
+            return None
+        return cls(client)
+
+    def latest(self) -> dict | None:
+        try:
+            if not self.client.ok(spin=True):
+                return None
+            return parse_jtop_stats(self.client.stats)
+        except Exception:  # noqa: BLE001 - ok() re-raises whatever ended the client's thread: no reading
+            return None
+
+    def stop(self) -> None:
+        self.client.close()
 
 
 _GR3D = re.compile(r"GR3D_FREQ (\d+)%")
@@ -125,7 +179,7 @@ _POWER = re.compile(r"\b((?:VDD|POM|VIN)_\w+) (\d+)(?:mW)?/(\d+)(?:mW)?")
 def parse_tegrastats(line: str) -> dict:
     """GPU load (%), temperatures (°C, sensors that read -256 are off) and power rails (mW, the current
     reading) from one line of Jetson's tegrastats."""
-    out: dict = {"gpu_load": None, "temps": {}, "power": {}}
+    out: dict = {"gpu_load": None, "temps": {}, "power": {}, "source": "tegrastats"}
     m = _GR3D.search(line)
     if m:
         out["gpu_load"] = int(m.group(1))

@@ -1,14 +1,16 @@
-"""The device readings behind the app's device view: /proc, the page cache, the budget cgroup, tegrastats."""
+"""The device readings behind the app's device view: /proc, the page cache, the budget cgroup, jtop and
+tegrastats."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
 
 import pytest
 
-from s2moe.engine.device import DeviceMonitor, parse_tegrastats
+from s2moe.engine.device import DeviceMonitor, parse_jtop_stats, parse_tegrastats
 from s2moe.engine.offload import MemoryCgroup
 from s2moe.engine.offload.libc import drop_file_cache
 from s2moe.engine.offload.procfs import (block_device, cpu_times, disk_read_bytes, file_cached_bytes, meminfo,
@@ -29,7 +31,126 @@ def test_tegrastats_lines_of_two_jetson_generations():
     xavier = parse_tegrastats(XAVIER)
     assert xavier["gpu_load"] == 0 and xavier["temps"]["GPU"] == 37.0
     assert xavier["power"] == {"POM_5V_IN": 2557, "POM_5V_GPU": 0, "POM_5V_CPU": 425}
-    assert parse_tegrastats("nothing here") == {"gpu_load": None, "temps": {}, "power": {}}
+    assert parse_tegrastats("nothing here") == {"gpu_load": None, "temps": {}, "power": {}, "source": "tegrastats"}
+
+
+# jtop's `stats` on a Jetson AGX Orin (jetson-stats 4): CPU and engine loads, memory shares, a fan, every thermal
+# zone (-256: a sensor that is off) and every power rail in mW with the board's total
+ORIN_JTOP_STATS = {
+    "time": datetime.datetime(2024, 3, 1, 12, 0, 0), "uptime": datetime.timedelta(hours=2, minutes=3),
+    "CPU1": 11, "CPU2": 7, "CPU3": 4, "CPU4": 9, "CPU5": "OFF", "CPU6": "OFF", "RAM": 0.31, "SWAP": 0.0, "EMC": 5,
+    "GPU": 37.9, "APE": "OFF", "NVDEC": "OFF", "NVJPG": "OFF", "NVJPG1": "OFF", "OFA": "OFF", "SE": "OFF",
+    "VIC": "OFF", "Fan pwmfan0": 34.9, "Temp CPU": 46.656, "Temp CV0": -256, "Temp CV1": -256, "Temp GPU": 41.5,
+    "Temp SOC0": 43.843, "Temp tj": 46.656, "Power VDD_CPU_CV": 400, "Power VDD_GPU_SOC": 2400, "Power TOT": 5419,
+    "jetson_clocks": "OFF", "nvp model": "MAXN",
+}
+
+
+def test_jtop_stats_of_an_orin():
+    got = parse_jtop_stats(ORIN_JTOP_STATS)
+    assert got["gpu_load"] == 38 and got["source"] == "jtop"
+    assert got["temps"] == {"CPU": 46.656, "GPU": 41.5, "SOC0": 43.843, "tj": 46.656}
+    assert got["power"] == {"VDD_CPU_CV": 400, "VDD_GPU_SOC": 2400, "TOT": 5419}
+    assert parse_jtop_stats({"GPU": "OFF"}) == {"gpu_load": None, "temps": {}, "power": {}, "source": "jtop"}
+
+
+# The `jtop` package as jetson-stats installs it, reduced to the client calls the device view makes: start()
+# connects to the service (JtopException when it does not answer), ok(spin=True) says whether the client still
+# runs without waiting, stats is the last reading, close() ends it.
+FAKE_JTOP = """
+import datetime, os
+
+
+class JtopException(Exception):
+    pass
+
+
+class jtop:
+    def __init__(self, interval=1.0):
+        self.interval, self.running = interval, False
+
+    def start(self):
+        if os.environ.get("FAKE_JTOP_SERVICE") == "down":
+            raise JtopException("The jtop.service is not active. Please run:\\nsudo systemctl restart jtop.service")
+        self.running = True
+
+    def ok(self, spin=False):
+        return self.running
+
+    @property
+    def stats(self):
+        return STATS
+
+    def close(self):
+        self.running = False
+
+
+STATS = %r
+"""
+
+
+@pytest.fixture
+def installed_jtop(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "jtop"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_JTOP % (ORIN_JTOP_STATS,))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "jtop", raising=False)
+    yield
+    sys.modules.pop("jtop", None)
+
+
+@pytest.fixture
+def installed_tegrastats(tmp_path, monkeypatch):
+    """A tegrastats on PATH that prints an Orin's line, as the real one does at each interval."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "tegrastats"
+    script.write_text(f"#!{sys.executable}\nimport sys, time\nwhile True:\n    print({ORIN!r}, flush=True)\n"
+                      "    time.sleep(0.05)\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def _jetson_reading(monitor, timeout=10.0):
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        jetson = monitor.sample().jetson
+        if jetson is not None:
+            return jetson
+        time.sleep(0.05)
+    raise AssertionError("no Jetson reading")
+
+
+def test_the_monitor_reads_jtop_where_its_service_answers(installed_jtop, installed_tegrastats):
+    monitor = DeviceMonitor(None)
+    try:
+        jetson = _jetson_reading(monitor)
+        assert jetson["source"] == "jtop" and jetson["gpu_load"] == 38 and jetson["power"]["TOT"] == 5419
+    finally:
+        monitor.close()
+    assert monitor.jetson is None
+
+
+def test_without_the_jtop_service_the_monitor_runs_tegrastats(installed_jtop, installed_tegrastats, monkeypatch):
+    monkeypatch.setenv("FAKE_JTOP_SERVICE", "down")
+    monitor = DeviceMonitor(None)
+    proc = monitor.jetson.proc
+    try:
+        jetson = _jetson_reading(monitor)
+        assert jetson == parse_tegrastats(ORIN)
+    finally:
+        monitor.close()
+    assert proc.poll() is not None  # the tegrastats it started is ended with it
+
+
+def test_no_jetson_reading_without_jtop_or_tegrastats(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no tegrastats
+    monkeypatch.setitem(sys.modules, "jtop", None)  # and `import jtop` fails, as without jetson-stats
+    monitor = DeviceMonitor(None)
+    assert monitor.jetson is None and monitor.sample().jetson is None
 
 
 def test_page_cache_residency_of_a_file_follows_what_is_dropped(tmp_path):

@@ -4,6 +4,7 @@ from engine.device's readings once a second; this module only draws them."""
 
 from __future__ import annotations
 
+import textwrap
 from collections import deque
 
 from rich.cells import cell_len
@@ -44,20 +45,23 @@ class DeviceView:
 
     def _rows(self, width: int, label: str, bar: str | None, parts: list[str]) -> list[Text]:
         """The label, the bar, then the parts joined by " · " as far as the width goes; the rest continues
-        on further lines under the bar rather than being cut."""
+        on further lines under the bar rather than being cut (a part longer than a line, at its spaces)."""
         lines = [Text(no_wrap=True, overflow="fold")]
         lines[0].append(f"{label:<{LABEL}}", style="bold")
         if bar is not None:
             lines[0].append(bar + " ")
+        room = max(8, width - LABEL)
         first = True
         for part in parts:
-            line = lines[-1]
-            sep = "" if first else " · "
-            if not first and cell_len(line.plain) + len(sep) + cell_len(part) > width:
-                lines.append(Text(" " * LABEL, no_wrap=True, overflow="fold"))
-                line, sep = lines[-1], ""
-            line.append(sep + part)
-            first = False
+            pieces = textwrap.wrap(part, room) if cell_len(part) > room else [part]
+            for i, piece in enumerate(pieces):
+                line = lines[-1]
+                sep = "" if first else " · "
+                if i > 0 or (not first and cell_len(line.plain) + len(sep) + cell_len(piece) > width):
+                    lines.append(Text(" " * LABEL, no_wrap=True, overflow="fold"))
+                    line, sep = lines[-1], ""
+                line.append(sep + piece)
+                first = False
         return lines
 
     def lines(self, width: int) -> list[Text]:
@@ -124,7 +128,9 @@ class DeviceView:
             parts.append(f"GPU load {j['gpu_load']}%")
         parts += [f"{name} {value:.1f}°C" for name, value in j.get("temps", {}).items()]
         parts += [f"{name} {value} mW" for name, value in j.get("power", {}).items()]
-        return self._rows(width, "Jetson", None, parts or ["tegrastats gave no readings yet"])
+        source = j.get("source", "tegrastats")
+        return self._rows(width, "Jetson", None, parts + [f"from {source}"] if parts else
+                          [f"{source} gave no readings yet"])
 
     def __rich_console__(self, console, options):
         yield from self.lines(options.max_width)
@@ -139,7 +145,8 @@ class DeviceScreen(Screen):
                                "file pages and locked pages (s2moe app --budget)"),
                     ("Reads", "storage reads: the model's block device, and this process (page faults included)"),
                     ("CPU", "busy share of each core over the last second"),
-                    ("Jetson", "GPU load, temperatures and power rails from tegrastats, where it is installed")]),
+                    ("Jetson", "GPU load, temperatures and power rails from jtop's service (jetson-stats) where "
+                               "it runs, else from tegrastats")]),
     ]
     INTERVAL = 1.0
 
