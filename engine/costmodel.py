@@ -154,15 +154,16 @@ def _prepare(rt, seed: int, context: int, cap: int):
     return rng, context
 
 
-def _step(rt, base: int, tokens, mode: str, k_draft: int, counter=None):
+def _step(rt, base: int, tokens, mode: str, k_draft: int, counter=None, allowed=None):
     """Decode `tokens` after `base` positions as a plain/draft/verify step; time it; roll it back.
+    allowed: a draft step reads only these experts ([n_layer, n_expert] bool, see RoutingHook.draft).
 
     Returns (seconds, distinct experts over layers), plus, when a miss `counter` (begin() / counted(), see
     Decoder.miss_counter) is given, the distinct experts that were not in memory as their layer routed
     and the page faults that read storage during the step."""
     hook = rt.hook
     if mode == "draft":
-        hook.draft(k_draft)
+        hook.draft(k_draft, allowed)
     else:
         hook.observe()
     if counter is not None:
@@ -209,6 +210,23 @@ def iter_time_steps(rt, k_draft: int, n: int, *, seed: int = 0, context: int = 3
             draft.append(_step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft)[0])
             yield i + 1, n
         return ar, draft
+    finally:
+        rt.kv_clear()
+
+
+def iter_resident_draft_steps(rt, k_draft: int, n: int, allowed, *, seed: int = 0, context: int = 32):
+    """Generator like iter_time_steps: returns the seconds of n draft steps (k_draft experts) that read only
+    the experts allowed() returns, asked before each step (under a budget: those in memory, so that no step
+    fetches). Leaves the KV cache empty."""
+    rng, base = _prepare(rt, seed, context, 2)
+    try:
+        for _ in range(2):
+            _step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft, allowed=allowed())
+        seconds = []
+        for i in range(n):
+            seconds.append(_step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft, allowed=allowed())[0])
+            yield i + 1, n
+        return seconds
     finally:
         rt.kv_clear()
 
@@ -273,12 +291,19 @@ def verify_samples(rt, cap: int, *, progress=None, should_stop=None, **kw):
     return drive(iter_verify_samples(rt, cap, **kw), progress, should_stop)
 
 
-def measure_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32):
+def measure_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32,
+                           draft_allowed=None):
     """Time plain steps, draft steps and verification batches of varied size and reuse on `rt`.
+    draft_allowed: under a memory budget, a function returning the experts in memory; draft steps that read
+    only those are timed too (c_draft_resident). Without it the model is in memory and a draft step fetches
+    nothing anyway.
 
     Leaves the KV cache empty. Returns (CostConstants, samples) where samples are (experts, tokens, s).
     """
     ar, draft = time_steps(rt, k_draft, 4 * repeats, seed=seed, context=context)
+    resident = (float(np.median(drive(iter_resident_draft_steps(rt, k_draft, 4 * repeats, draft_allowed, seed=seed,
+                                                                context=context))))
+                if draft_allowed is not None else float(np.median(draft)))
     samples = verify_samples(rt, cap, seed=seed + 1, repeats=repeats, context=context)
     fit = fit_verify_cost([x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
     cost = CostConstants(
@@ -291,6 +316,7 @@ def measure_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats
         r2=fit.r2,
         mape=fit.mape,
         n_samples=fit.n,
+        c_draft_resident=resident,
     )
     return cost, samples
 

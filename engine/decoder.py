@@ -52,6 +52,10 @@ class VerifyObserver(Protocol):
     def residency(self) -> Residency:
         """A residency snapshot (a walk over the model's pages: sampled, see Decoder.residency_share)."""
 
+    def resident_experts(self) -> np.ndarray:
+        """[n_layer, n_expert] bool: the experts wholly in memory now (pinned or cached), which a draft
+        may read without fetching anything."""
+
 
 class Residency(Protocol):
     resident: np.ndarray   # [n_layer, n_expert] fraction of each expert's pages in memory
@@ -62,6 +66,9 @@ class Residency(Protocol):
 TREE_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ
 # Modes whose drafts a trace can stand in for: the model's own experts, one chain, a stop rule per token.
 TRACE_MODES = ("s2moe", "conf", "cascade")
+
+# what a chain's draft passes read (GenerationConfig.draft_experts)
+DRAFT_EXPERTS = ("resident", "router")
 
 DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
 
@@ -111,6 +118,10 @@ class GenerationConfig:
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
+    # which experts a chain's draft passes read: "router", the router's top-k_d; "resident", its best-ranked
+    # among the experts in memory (under a memory budget: drafts that fetch nothing); None: resident under
+    # a budget (an observer attached), router otherwise
+    draft_experts: str | None = None
     stop_at_eos: bool = True
     cost: CostConstants | None = None  # from a device profile; measured at start-up when None
     # record a trace (engine.trace): draft to the cap whatever the mode's rule says, noting what it would have
@@ -151,6 +162,8 @@ class GenerationConfig:
             raise ConfigError(f"{OPTION} must be ≥ 1", option="reuse_cap")
         if self.tree_width < 1:
             raise ConfigError(f"{OPTION} must be ≥ 1", option="tree_width")
+        if self.draft_experts not in (None,) + DRAFT_EXPERTS:
+            raise ConfigError(f"{OPTION} must be one of {', '.join(DRAFT_EXPERTS)}", option="draft_experts")
         if not 1 <= self.tree_max_nodes <= 64:
             raise ConfigError(f"{OPTION} must be between 1 and 64", option="tree_max_nodes")
         if self.trace and self.mode not in TRACE_MODES:
@@ -286,7 +299,10 @@ class Decoder:
             return cfg.cost
         key = (cfg.draft_topk, cfg.draft_max)
         if key not in self._measured:
-            self._measured[key], _ = measure_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed)
+            # under a budget, also what a draft from resident experts costs (it fetches nothing)
+            allowed = None if self._observer is None else self._observer.resident_experts
+            self._measured[key], _ = measure_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed,
+                                                            draft_allowed=allowed)
         return self._measured[key]
 
     def measured_cost_constants(self, draft_topk: int | None, draft_max: int | None) -> CostConstants | None:
@@ -300,22 +316,30 @@ class Decoder:
         """Measure again at the next generation (e.g. once the memory budget changed what a step costs)."""
         self._measured.clear()
 
+    def draft_experts(self, cfg: GenerationConfig) -> str:
+        """What cfg's chain drafts read here: "resident" under a budget (an observer that knows what is in
+        memory) unless cfg asks for the router's choice; "router" otherwise."""
+        if self._observer is None or cfg.draft_experts == "router":
+            return "router"
+        return "resident"
+
     def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None) -> Drafter:
+        allowed = self._observer.resident_experts if self.draft_experts(cfg) == "resident" else None
         if cfg.trace:
             rule = (ConfidenceStop(cfg.conf_p_min) if cfg.mode == "conf" else
                     self._utility_rule(cfg, cost) if cfg.mode == "s2moe" and cfg.utility else FixedLength())
-            return SelfDrafter(cfg.draft_topk, RecordingStop(rule))
+            return SelfDrafter(cfg.draft_topk, RecordingStop(rule), allowed)
         if cfg.mode == "ar":
             return Drafter()
         if cfg.mode == "conf":
-            return SelfDrafter(cfg.draft_topk, ConfidenceStop(cfg.conf_p_min))
+            return SelfDrafter(cfg.draft_topk, ConfidenceStop(cfg.conf_p_min), allowed)
         if cfg.mode == "naive":
             key = ("naive", cfg.draft_topk)
             if key not in self._aux:
                 self._aux[key] = IndependentDrafter(self, cfg.draft_topk, self.n_threads)
             return self._aux[key]
         if cfg.mode == "cascade":
-            return CascadeDrafter(cfg.draft_topk, cfg.draft_max)
+            return CascadeDrafter(cfg.draft_topk, cfg.draft_max, allowed=allowed)
         if cfg.mode == "lookup":
             return LookupDrafter()
         if cfg.mode == "ls":
@@ -332,14 +356,15 @@ class Decoder:
             rule.start()
             return TreeDrafter(cfg.draft_topk, rule, cfg.tree_width, cfg.tree_max_nodes)
         if not cfg.utility:
-            return SelfDrafter(cfg.draft_topk, FixedLength())
-        return SelfDrafter(cfg.draft_topk, self._utility_rule(cfg, cost))
+            return SelfDrafter(cfg.draft_topk, FixedLength(), allowed)
+        return SelfDrafter(cfg.draft_topk, self._utility_rule(cfg, cost), allowed)
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # What the rule learns (the first draft token's usual probability and expert cost, how often a
         # probe pays) holds for this model and device, not for one request: kept across generations with
         # the same constants, so that each prompt does not pay to learn it again. A trace's rule learns
         # apart: what it sees is not what the mode's own generations see.
+        cost = rule_cost(cost, self.draft_experts(cfg))
         key = ("utility", cfg.draft_topk, cfg.threshold, cost, cfg.trace)
         rule = self._rules.get(key)
         if rule is None:
@@ -363,6 +388,7 @@ class Decoder:
             # a tree's verification batch and each drafting pass fit where a chain's of draft_max would
             for option in ("tree_max_nodes", "tree_width"):
                 if getattr(cfg, option) > self.max_draft:
+        cfg = replace(cfg, draft_experts=self.draft_experts(cfg))  # what ran, in Started's config
                     raise ConfigError(f"{OPTION} {getattr(cfg, option)} exceeds this decoder's limit "
                                       f"{self.max_draft}", option=option)
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -621,6 +647,14 @@ def _cut_at_end_of_generation(tokens: list[int], is_eog: Callable[[int], bool]) 
 
 def default_reuse_cap(info: ModelInfo) -> int:
     return defaults_for(info).reuse_cap
+
+def rule_cost(cost: CostConstants, draft_experts: str) -> CostConstants:
+    """The constants the utility rule prices a chain's drafts with: a draft from resident experts fetches
+    nothing, so its step costs what a draft step costs with the model in memory (where measured)."""
+    if draft_experts == "resident" and cost.c_draft_resident is not None:
+        return replace(cost, c_draft=cost.c_draft_resident)
+    return cost
+
 
 
 def _moves(routing) -> int:

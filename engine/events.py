@@ -20,6 +20,9 @@ class CostConstants:
     r2: float | None = None
     mape: float | None = None
     n_samples: int = 0
+    # a draft step that fetches nothing (its experts all in memory): what a draft from resident experts costs
+    # under a memory budget, where c_draft is a draft step that fetches its experts (None: not measured)
+    c_draft_resident: float | None = None
 
     def verify_cost(self, experts: float, tokens: int) -> float:
         return self.intercept + self.t_exp * experts + self.t_tok * tokens

@@ -71,6 +71,7 @@ class RoutingHook:
         self.n_preferred = np.zeros(self.n_layer, np.int32)
         self.row_weight = np.ones(max_rows, np.float32)
         self.skip_expert = np.full(self.n_layer, -1, np.int32)
+        self.draft_mask = np.ones((self.n_layer, self.n_expert), np.uint8)  # the C side reads it in draft passes
         self.handle = self.lib.s2_hook_new(self.n_layer, self.n_expert, self.k, max_rows, self.cap_max)
         if not self.handle:
             raise MemoryError("native routing hook: allocation failed")
@@ -115,8 +116,16 @@ class RoutingHook:
         self.lib.s2_hook_observe(self.handle)
         self.mode = "observe"
 
-    def draft(self, k_draft: int) -> None:
-        self.lib.s2_hook_draft(self.handle, int(k_draft))
+    def draft(self, k_draft: int, allowed: np.ndarray | None = None) -> None:
+        """Draft with the top-k_d experts of each layer; with `allowed` ([n_layer, n_expert] bool), the
+        router's best-ranked among those only (the router's own next choices where a layer has too few
+        allowed: counted in mask_fallbacks)."""
+        if allowed is None:
+            self.lib.s2_hook_draft(self.handle, int(k_draft))
+        else:
+            self.draft_mask[:] = allowed
+            self.lib.s2_hook_draft_masked(self.handle, int(k_draft),
+                                          _ptr(self.draft_mask, ctypes.c_uint8))
         self.mode = "draft"
 
     def skip(self, layers, expert: int = 0) -> None:
@@ -168,6 +177,11 @@ class RoutingHook:
 
     def skipped(self) -> int:
         return int(self.lib.s2_hook_skipped(self.handle))
+
+    def mask_fallbacks(self) -> int:
+        """Kept draft slots, since creation, that a residency mask could not fill from the experts it
+        allows (each reads the router's own choice, which may have to be fetched)."""
+        return int(self.lib.s2_hook_mask_fallbacks(self.handle))
 
     def snapshot(self, n_rows: int) -> Routing:
         rows = np.minimum(self.rows, n_rows).astype(np.int32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -214,18 +215,24 @@ class Drafter:
 
 
 class SelfDrafter(Drafter):
-    """The target model with top-k_d experts, drafting in the target's own KV cache."""
+    """The target model with top-k_d experts, drafting in the target's own KV cache.
+
+    allowed: None, the router's top-k_d; or a function returning the experts [n_layer, n_expert] (bool) the
+    draft passes may read, asked once per proposal: under a memory budget, the experts in memory, so that a
+    draft is a guess that fetches nothing (its cost is its compute) while its routing still predicts the
+    target experts the verification will fetch."""
 
     name = "self"
     drafts_in_context = True
 
-    def __init__(self, k_draft: int, rule: StopRule):
+    def __init__(self, k_draft: int, rule: StopRule, allowed: Callable[[], np.ndarray] | None = None):
         self.k_draft = k_draft
         self.rule = rule
+        self.allowed = allowed
 
     def route_drafts(self, dec) -> None:
         """Set the hook for the draft passes."""
-        dec.rt.hook.draft(self.k_draft)
+        dec.rt.hook.draft(self.k_draft, None if self.allowed is None else self.allowed())
 
     def propose(self, dec, committed, max_len, sample) -> Proposal:
         pending, pos = committed[-1], len(committed) - 1
@@ -387,9 +394,10 @@ class CascadeDrafter(Drafter):
     name = "cascade"
     drafts_in_context = True
 
-    def __init__(self, k_draft: int, cap: int, trials_per_k: int = 2, set_iterations: int = 16):
+    def __init__(self, k_draft: int, cap: int, trials_per_k: int = 2, set_iterations: int = 16,
+                 allowed: Callable[[], np.ndarray] | None = None):
         self.choices = sorted({0, 1, max(1, cap // 2), cap})
-        self.inner = SelfDrafter(k_draft, FixedLength())
+        self.inner = SelfDrafter(k_draft, FixedLength(), allowed)
         self.trials_per_k = trials_per_k
         self.set_iterations = set_iterations
         self._schedule: list[int] = []

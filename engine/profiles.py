@@ -568,6 +568,9 @@ def _constants(block: dict, where: str, source: str, offloaded: bool = False,
         r2=fit.get("r2") if isinstance(fit, dict) else None,
         mape=fit.get("mape") if isinstance(fit, dict) else None,
         n_samples=int(fit.get("n") or 0) if isinstance(fit, dict) else 0,
+        # the draft step measured with the whole model in memory: what a draft that reads only resident
+        # experts costs under a budget too
+        c_draft_resident=ms("c_draft_ms") / 1e3,
     )
 
 

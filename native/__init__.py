@@ -113,6 +113,7 @@ def library() -> ctypes.CDLL:
         "s2_hook_off": (None, [hp]),
         "s2_hook_observe": (None, [hp]),
         "s2_hook_draft": (None, [hp, ctypes.c_int]),
+        "s2_hook_draft_masked": (None, [hp, ctypes.c_int, ctypes.POINTER(ctypes.c_uint8)]),
         "s2_hook_skip": (None, [hp, i32p]),
         "s2_hook_gate": (None, [hp, ctypes.c_float, ctypes.c_int, f32p]),
         "s2_hook_set_route": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),
@@ -120,6 +121,7 @@ def library() -> ctypes.CDLL:
         "s2_hook_set_distinct_min_rows": (None, [hp, ctypes.c_int]),
         "s2_hook_hooked": (ctypes.c_int64, [hp]),
         "s2_hook_skipped": (ctypes.c_int64, [hp]),
+        "s2_hook_mask_fallbacks": (ctypes.c_int64, [hp]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -9,6 +9,9 @@
 //   draft:   record the router's full top-k (the predicted target routing), then keep only the
 //            top-k_d experts: slots >= k_d repeat kept ids with a dropped weight, so the dropped
 //            experts' weights are never read (with distinct_ids, see below, they read other experts);
+//            with a residency mask (s2_hook_draft_masked), the top-k_d of the router's ranking among
+//            the experts the mask allows (those in memory: a draft that fetches nothing), each with its
+//            router probability as weight; the router's own next choices where a layer has too few;
 //   gate:    reuse-aware gating of a verification batch: bias each token's selection scores
 //            toward the batch's preferred experts E*, mix with the unbiased probabilities;
 //   skip:    layer skipping: in the layers marked, every slot reads one given expert with weight 0,
@@ -52,6 +55,7 @@ typedef struct s2_hook {
     int cap;
     const float *row_weight;  // [max_rows] confidence weight of each verification row
     const int32_t *skip_expert;  // [n_layer] skip mode: the expert a skipped layer reads; -1: layer kept
+    const uint8_t *draft_mask;   // [n_layer][n_expert] masked draft mode: the experts a draft may read; NULL: any
 
     // caller-owned outputs
     int32_t *orig;       // [n_layer][max_rows][k] the router's own top-k
@@ -69,6 +73,7 @@ typedef struct s2_hook {
     // counters for diagnostics
     int64_t n_hooked;    // weight nodes handled since creation
     int64_t n_skipped;   // weight nodes with unexpected shapes (left untouched)
+    int64_t n_mask_fallback; // masked drafts: kept slots the mask could not fill (the router's choice instead)
 
     // scratch
     float *scores;       // [max_rows][n_expert] selection scores copied at the argsort node
@@ -138,6 +143,13 @@ void s2_hook_observe(s2_hook *h) { h->mode = S2_OBSERVE; }
 void s2_hook_draft(s2_hook *h, int k_draft) {
     h->mode = S2_DRAFT;
     h->k_draft = k_draft;
+    h->draft_mask = NULL;
+}
+
+// Draft mode restricted to the experts mask[layer][expert] != 0 (caller-owned, read at every draft decode).
+void s2_hook_draft_masked(s2_hook *h, int k_draft, const uint8_t *mask) {
+    s2_hook_draft(h, k_draft);
+    h->draft_mask = mask;
 }
 
 void s2_hook_gate(s2_hook *h, float alpha, int cap, const float *row_weight) {
@@ -162,6 +174,7 @@ void s2_hook_set_distinct_min_rows(s2_hook *h, int min_rows) { h->distinct_min_r
 
 int64_t s2_hook_hooked(const s2_hook *h) { return h->n_hooked; }
 int64_t s2_hook_skipped(const s2_hook *h) { return h->n_skipped; }
+int64_t s2_hook_mask_fallbacks(const s2_hook *h) { return h->n_mask_fallback; }
 
 // Returns the layer index if name is exactly prefix followed by a decimal number, else -1.
 static int layer_of(const char *name, const char *prefix, size_t prefix_len) {
@@ -313,6 +326,26 @@ static void fill_distinct(s2_hook *h, int32_t *used, const int32_t *orig, int n_
     }
 }
 
+// Masked draft of one layer: each row keeps, in its first k_d slots, the router's best-ranked experts that
+// the mask allows, in rank order, then (too few allowed) the best-ranked others. Returns whether any kept
+// slot differs from the router's.
+static bool mask_layer(s2_hook *h, int layer, int n_rows, int32_t *used) {
+    const int k = h->k, ne = h->n_expert, kd = h->k_draft;
+    const uint8_t *allow = h->draft_mask + (size_t)layer * ne;
+    bool changed = false;
+    for (int r = 0; r < n_rows; ++r) {
+        const int32_t *rank = h->ranks + (size_t)r * ne;
+        int32_t *row = used + (size_t)r * k;
+        int n = 0;
+        for (int q = 0; q < ne && n < kd; ++q)
+            if (allow[rank[q]]) row[n++] = rank[q];
+        for (int q = 0; q < ne && n < kd; ++q)
+            if (!allow[rank[q]]) { row[n++] = rank[q]; h->n_mask_fallback++; }
+        for (int j = 0; j < kd; ++j) changed |= row[j] != rank[j];
+    }
+    return changed;
+}
+
 static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
     struct ggml_tensor *probs = t->src[0];  // [1, n_expert, T] view of the probabilities
     struct ggml_tensor *topk = t->src[1];   // [k, T] i32, a view of the full argsort
@@ -325,8 +358,11 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
     }
     const int n_rows = (int)topk->ne[1];
     const size_t id_stride = topk->nb[1];
-    const bool need_ranks = h->mode == S2_GATE;
-    // Full argsort rows when gating (the (k+1)-th choice sets the margin), else only the top-k slots.
+    const bool drafting = h->mode == S2_DRAFT && h->k_draft > 0 && h->k_draft < k;
+    const bool masked = drafting && h->draft_mask;
+    const bool need_ranks = h->mode == S2_GATE || masked;
+    // Full argsort rows when gating (the (k+1)-th choice sets the margin) or drafting among a mask (its
+    // best allowed experts may rank anywhere), else only the top-k slots.
     const int id_cols = need_ranks && id_stride >= (size_t)ne * sizeof(int32_t) ? ne : k;
     if (need_ranks && id_cols != ne) { h->n_skipped++; return; }
 
@@ -354,7 +390,16 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
     const bool distinct = (ids_buffer && !ggml_backend_buffer_is_host(ids_buffer)) ||
                           (h->distinct_min_rows > 0 && n_rows >= h->distinct_min_rows);
     bool rewrite = false;
-    if (h->mode == S2_DRAFT && h->k_draft > 0 && h->k_draft < k) {
+    if (drafting) {
+        if (masked && mask_layer(h, layer, n_rows, used)) {
+            // a kept expert the router did not put in that slot weighs what the router gives it
+            read_f32_rows(h, probs, ne, n_rows, probs->nb[2], h->probs);
+            for (int r = 0; r < n_rows; ++r)
+                for (int j = 0; j < h->k_draft; ++j) {
+                    const int32_t e = used[(size_t)r * k + j];
+                    if (e != orig[(size_t)r * k + j]) h->w[(size_t)r * k + j] = h->probs[(size_t)r * ne + e];
+                }
+        }
         for (int r = 0; r < n_rows; ++r)
             for (int j = h->k_draft; j < k; ++j) {
                 used[(size_t)r * k + j] = used[(size_t)r * k + j % h->k_draft];

@@ -215,7 +215,7 @@ def test_missing_routing_tensors_are_reported_not_ignored(tiny_models, monkeypat
         d.close()
 
 
-@pytest.mark.parametrize("mode", ["observe", "draft", "gate"])
+@pytest.mark.parametrize("mode", ["observe", "draft", "masked", "gate"])
 def test_backend_copies_match_host_copies(decoders, arch, mode):
     """Device buffers (a GPU offload) are read and written through ggml_backend_tensor_get/set. No GPU
     here, so the hook is told to take that path on host buffers: it must compute exactly what direct
@@ -232,6 +232,8 @@ def test_backend_copies_match_host_copies(decoders, arch, mode):
                 rt.hook.observe()
             elif mode == "draft":
                 rt.hook.draft(2)
+            elif mode == "masked":  # a draft among allowed experts reads full argsort rows too
+                rt.hook.draft(2, np.arange(rt.info.n_expert)[None, :] % 3 != 0)
             else:
                 rt.hook.gate(1.0, k + 1, np.linspace(1.0, 0.3, len(batch)))
             logits = rt.decode(batch, 0, "all")
@@ -321,3 +323,155 @@ def test_distinct_ids_leave_the_output_unchanged_and_name_no_expert_twice(decode
     else:
         assert (dis.used[1, : len(batch), 0] == 3).all() and (dis.weight[1] == 0).all()
         np.testing.assert_array_equal(dis.used[0], rep.used[0])
+
+
+# -- drafts from resident experts (a residency mask) ------------------------------------------------------
+def _full_ranking(info, batch):
+    """The router's whole ranking and every probability at layer 0 (identical inputs in any model): the
+    same model loaded with k = n_expert."""
+    full = LlamaRuntime(info, n_ctx=128, n_threads=1, int_overrides={f"{info.arch}.expert_used_count": info.n_expert})
+    try:
+        full.hook.observe()
+        full.decode(batch, 0, "all")
+        return full.hook.snapshot(len(batch))
+    finally:
+        full.close()
+
+
+def _masked_draft(rt, batch, k_d, allowed):
+    _fresh(rt)
+    rt.hook.draft(k_d, allowed)
+    try:
+        return rt.decode(batch, 0, "all"), rt.hook.snapshot(len(batch))
+    finally:
+        _fresh(rt)
+
+
+def test_masked_draft_keeps_the_best_ranked_allowed_experts(decoders, arch):
+    """Each token keeps, in rank order, the router's best k_d among the allowed experts, each weighing the
+    router's probability of it; the spare slots repeat kept ids with weight 0; orig stays the router's top-k."""
+    rt = decoders[arch].rt
+    k, n_expert, k_d = rt.info.n_expert_used, rt.info.n_expert, 2
+    batch = np.random.default_rng(3).integers(0, 256, size=9).tolist()
+    allowed = np.zeros((rt.info.n_layer, n_expert), bool)
+    allowed[:, 1::2] = True  # half of the experts, at least k_d per layer
+    _fresh(rt)
+    rt.hook.draft(k_d)
+    rt.decode(batch, 0, "all")
+    router = rt.hook.snapshot(len(batch))
+    logits, masked = _masked_draft(rt, batch, k_d, allowed)
+    before = rt.hook.mask_fallbacks()
+    ref = _full_ranking(rt.info, batch)
+    assert rt.hook.mask_fallbacks() == before
+    moe = masked.rows > 0
+    assert moe.any()
+    kept = masked.used[moe][..., :k_d]
+    assert allowed[np.nonzero(moe)[0][:, None, None], kept].all()  # only allowed experts in kept slots
+    assert (masked.weight[moe][..., k_d:] == 0).all()
+    np.testing.assert_array_equal(masked.used[moe][..., k_d:], np.tile(kept, (1, 1, k))[..., : k - k_d])
+    np.testing.assert_array_equal(masked.orig[0], router.orig[0])  # layer 0: the same router input
+    for row in range(len(batch)):
+        ranking = ref.used[0, row].tolist()
+        best = [e for e in ranking if allowed[0, e]][:k_d]
+        assert masked.used[0, row, :k_d].tolist() == best
+        probs = dict(zip(ranking, ref.weight[0, row].tolist()))
+        for e, w in zip(best, masked.weight[0, row, :k_d].tolist()):
+            assert w == pytest.approx(probs[e], rel=1e-5, abs=1e-7)
+    assert (masked.used[moe][..., :k_d] != router.used[moe][..., :k_d]).any()  # the mask really moved choices
+    assert np.isfinite(logits).all()
+
+
+def test_masked_draft_with_every_expert_allowed_is_the_router_draft(decoders, arch):
+    rt = decoders[arch].rt
+    batch = TOKENS[:9]
+    for k_d in (1, 2):
+        _fresh(rt)
+        rt.hook.draft(k_d)
+        plain = rt.decode(batch, 0, "all")
+        r = rt.hook.snapshot(len(batch))
+        before = rt.hook.mask_fallbacks()
+        logits, m = _masked_draft(rt, batch, k_d, np.ones((rt.info.n_layer, rt.info.n_expert), bool))
+        assert rt.hook.mask_fallbacks() == before
+        np.testing.assert_array_equal(plain, logits)
+        for field in ("orig", "used", "weight", "rows"):
+            np.testing.assert_array_equal(getattr(r, field), getattr(m, field))
+
+
+def test_masked_draft_takes_the_router_choice_where_too_few_are_allowed(decoders, arch):
+    """One allowed expert per layer with k_d = 2: it takes slot 0 and the router's best other expert slot 1,
+    counted as a fallback per token and layer. None allowed: the router's own draft, bit for bit."""
+    rt = decoders[arch].rt
+    k_d, n_layer, n_expert = 2, rt.info.n_layer, rt.info.n_expert
+    batch = TOKENS[:7]
+    _fresh(rt)
+    rt.hook.draft(k_d)
+    plain = rt.decode(batch, 0, "all")
+    router = rt.hook.snapshot(len(batch))
+    one = np.zeros((n_layer, n_expert), bool)
+    one[:, 5] = True
+    before = rt.hook.mask_fallbacks()
+    _, m = _masked_draft(rt, batch, k_d, one)
+    moe = m.rows > 0
+    assert rt.hook.mask_fallbacks() - before == int(m.rows[moe].sum())
+    assert (m.used[moe][..., 0] == 5).all()
+    ref = _full_ranking(rt.info, batch)
+    for row in range(len(batch)):
+        assert m.used[0, row, 1] == next(e for e in ref.used[0, row] if e != 5)
+    before = rt.hook.mask_fallbacks()
+    logits, none = _masked_draft(rt, batch, k_d, np.zeros((n_layer, n_expert), bool))
+    assert rt.hook.mask_fallbacks() - before == k_d * int(none.rows[moe].sum())
+    np.testing.assert_array_equal(plain, logits)
+    np.testing.assert_array_equal(router.used, none.used)
+    np.testing.assert_array_equal(router.weight, none.weight)
+
+
+def test_masked_draft_never_reads_an_expert_the_mask_leaves_out(tmp_path, arch):
+    """NaN-poison, per layer, the expert the router ranks first for the first token: the router's draft
+    reads it (not numbers), a draft whose mask leaves it out stays finite."""
+    spec = variant_spec(arch, n_layer=3, n_expert=16, k=6, seed=11)
+    clean = write_tiny(tmp_path / "clean.gguf", spec)
+    tokens = TOKENS[:4]
+    rt = LlamaRuntime(read_model_info(clean), n_ctx=128, n_threads=1)
+    try:
+        rt.hook.draft(1)
+        rt.decode(tokens, 0, "all")
+        r = rt.hook.snapshot(len(tokens))
+    finally:
+        rt.close()
+    moe = [layer for layer in range(spec.n_layer) if r.rows[layer] > 0]
+    spec.poison = [(layer, int(r.orig[layer, 0, 0])) for layer in moe]
+    poisoned = write_tiny(tmp_path / "poisoned.gguf", spec)
+    allowed = np.ones((spec.n_layer, spec.n_expert), bool)
+    for layer, expert in spec.poison:
+        allowed[layer, expert] = False
+    rt = LlamaRuntime(read_model_info(poisoned), n_ctx=128, n_threads=1)
+    try:
+        rt.hook.draft(1, allowed)
+        logits = rt.decode(tokens, 0, "all")
+        m = rt.hook.snapshot(len(tokens))
+        rt.kv_clear()
+        rt.hook.draft(1)
+        with pytest.raises(ModelError, match="not numbers"):
+            rt.decode(tokens, 0, "all")
+    finally:
+        rt.close()
+    assert np.isfinite(logits).all()
+    for layer, expert in spec.poison:
+        assert (m.used[layer, : len(tokens)] != expert).all()
+
+
+def test_masked_draft_with_distinct_ids_names_no_expert_twice(decoders, arch):
+    """The masked draft's spare slots take other experts where ids must be distinct (CUDA): the same output."""
+    rt = decoders[arch].rt
+    batch = np.random.default_rng(8).integers(0, 256, size=6).tolist()
+    allowed = np.zeros((rt.info.n_layer, rt.info.n_expert), bool)
+    allowed[:, :5] = True
+    rep_logits, rep = _masked_draft(rt, batch, 2, allowed)
+    rt.hook.distinct_from(1)
+    try:
+        dis_logits, dis = _masked_draft(rt, batch, 2, allowed)
+    finally:
+        rt.hook.distinct_from(0)
+    assert _rows_distinct(dis.used[:, : len(batch)])
+    np.testing.assert_array_equal(rep_logits, dis_logits)
+    np.testing.assert_array_equal(dis.used[:, :, :2], rep.used[:, :, :2])

@@ -70,6 +70,7 @@ class Offloader:
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
         self.plan = None                      # BudgetPlan, when a budget was given
         self._decoder = None                  # the decoder it is attached to
+        self._every: np.ndarray | None = None  # every expert: what resident_experts asks about
 
     def attach(self, decoder, *, jit_prefetch: bool) -> None:
         """Observe decoder's verifications; the routing hook hands every layer's final ids to the native
@@ -153,6 +154,13 @@ class Offloader:
 
     def misses(self) -> np.ndarray:
         return self.native.counted()
+
+    def resident_experts(self) -> np.ndarray:
+        """[n_layer, n_expert] bool: the experts whose every page is in memory now, pinned ones included
+        (mincore over the experts' own ranges: what a draft from resident experts may read)."""
+        if self._every is None:
+            self._every = np.ones((self.emap.n_layer, self.emap.n_expert), bool)
+        return self.native.resident(self._every) | self.map.pinned
 
     def residency(self) -> Residency:
         return Residency(self.map.expert_residency(), self.map.pinned, self.stats.hit_rate(),
