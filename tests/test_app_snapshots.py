@@ -224,7 +224,7 @@ def test_profiles(snap_compare, size):
     assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES + [SMALL])
 def test_bench_done(snap_compare, size):
     async def run_before(pilot):
         await ready(pilot)
@@ -235,6 +235,20 @@ def test_bench_done(snap_compare, size):
             if screen.done is not None and not screen.running:
                 break
             await pilot.pause(0.01)
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [pytest.param((80, 24), id="80x24"), SMALL])
+def test_settings_dialog_sampling_options(snap_compare, size):
+    async def run_before(pilot):
+        await ready(pilot)
+        await pilot.press("ctrl+o")
+        dialog = pilot.app.screen
+        dialog.query_one("#sample-temperature").value = "0.8"
+        dialog.query_one("#sample-seed").value = "-1"
+        dialog.query_one("#sample-top_p").focus()  # scrolled to the sampler's fields
         await settle(pilot)
 
     assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
