@@ -43,6 +43,7 @@ PROJECT_MODES = ("ar", "s2moe", "conf", "cascade")
 
 
 # -- the device ------------------------------------------------------------------------------------------
+FETCH_FIT_R2_MIN = 0.8
 @dataclass(frozen=True)
 class DeviceCosts:
     """Seconds. What the replay charges; `rule` is what the utility rule decides with on that device."""
@@ -82,7 +83,13 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
     by_bandwidth = expert_bytes / (storage * 1e9) if storage else None
     misses = block.get("fit_cold_misses") or {}
     cold, warm = ms("t_exp_cold_ms", misses), ms("t_exp_warm_ms", misses)
-    if measured and cold is not None and warm is not None and cold > warm:
+    # a fit under the budget that explains little of the time it was fitted on (calibrate warns below this R²)
+    # says little about a fetch either: the storage bandwidth does
+    weak = measured and misses.get("r2") is not None and misses["r2"] < FETCH_FIT_R2_MIN
+    if weak and by_bandwidth is not None:
+        t_fetch, how = by_bandwidth, (f"fetch: expert bytes over the profile's storage bandwidth (its fit under the "
+                                      f"budget has R² {misses['r2']:.2f})")
+    elif measured and cold is not None and warm is not None and cold > warm:
         t_fetch, how = cold - warm, "fetch: the profile's cold − warm expert cost"
     elif measured and ms("t_exp_cold_ms") is not None and ms("t_exp_cold_ms") > (t_exp or 0.0):
         t_fetch, how = ms("t_exp_cold_ms") - (t_exp or 0.0), "fetch: the profile's cold − resident T_exp"

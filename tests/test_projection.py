@@ -95,6 +95,16 @@ def test_a_cache_of_everything_fetches_each_expert_once():
     assert p.modes["conf"].fetched == 8
 
 
+def test_a_fetch_cost_from_a_fit_that_explains_little_gives_way_to_the_storage_bandwidth():
+    weak = profile()
+    weak["models"][FP]["fit_cold_misses"]["r2"] = 0.3
+    p = project([hand_trace()], weak, budget="1M", modes=["ar"])
+    assert p.modes["ar"].t_fetch == pytest.approx(24 * 1000 / 1e9)  # 1000-byte experts at 1 GB/s
+    assert "R² 0.30" in p.basis
+    weak["models"][FP]["fit_cold_misses"]["r2"] = 0.9
+    assert project([hand_trace()], weak, budget="1M", modes=["ar"]).modes["ar"].t_fetch == pytest.approx(24 * 4e-3)
+
+
 def test_pinned_hot_experts_are_never_fetched():
     hot = [[0, 0], [0, 1], [1, 0], [1, 1]]
     p = project([hand_trace()], profile(hot=hot), budget="1G", modes=["ar"])
