@@ -152,3 +152,34 @@ def test_the_chat_footer_keeps_f1_at_small_widths(width):
                 assert "full_live" in actions
 
     run(go())
+
+
+FLAGS = ["--temp", "0.6", "-s", "9", "--top-k", "12", "--top-p", "0.8", "--min-p", "0.01", "--repeat-penalty",
+         "1.05", "--repeat-last-n", "-1"]
+
+
+def test_bench_takes_generates_sampling_flags_and_defaults():
+    from s2moe.app.cli import sampling_settings
+    from s2moe.engine.decoder import GenerationConfig
+
+    parser = build_parser()
+    generate = sampling_settings(parser.parse_args(["generate", "-p", "x", *FLAGS]))
+    bench = sampling_settings(parser.parse_args(["bench", *FLAGS]))
+    assert generate == bench == dict(temperature=0.6, seed=9, top_k=12, top_p=0.8, min_p=0.01, repeat_penalty=1.05,
+                                     repeat_last_n=-1)
+    # not given: llama.cpp's defaults, the same as the engine's and the app's
+    defaults = sampling_settings(parser.parse_args(["bench"]))
+    engine = GenerationConfig()
+    assert defaults == {key: getattr(engine, key) for key in defaults}
+    assert defaults == ChatSettings().sampling_fields()
+
+
+@pytest.mark.parametrize("flag, value", [("--top-p", "1.5"), ("--min-p", "-0.1"), ("-s", "-2"), ("--temp", "nan"),
+                                         ("--repeat-last-n", "-2"), ("--top-k", "x")])
+def test_bench_refuses_a_bad_sampling_value_as_generate_does(flag, value):
+    reasons = []
+    for command in (["generate", "-p", "x"], ["bench"]):
+        with pytest.raises(ConfigError) as caught:
+            build_parser().parse_args([*command, flag, value])
+        reasons.append(caught.value.message.split(": ", 2)[-1])
+    assert reasons[0] == reasons[1]
