@@ -22,7 +22,7 @@ FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk
          "reuse_strength": "--reuse-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
          "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed", "n_gpu_layers": "-ngl",
          "n_cpu_moe": "--n-cpu-moe", "op_offload_min_batch": "--op-offload-min-batch", "time_budget": "--time-budget",
-         "tree_width": "--tree-width", "tree_max_nodes": "--tree-max-nodes"}
+         "tree_width": "--tree-width", "tree_max_nodes": "--tree-max-nodes", "draft_experts": "--draft-experts"}
 
 
 # llama.cpp's multi-letter short option for GPU layers; argparse would read `-ngl…` as `-n gl…` where a
@@ -242,6 +242,13 @@ def placement_from_args(args):
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
+def add_draft_experts_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-experts", choices=("resident", "router"), default=None,
+                   help="what draft passes read under --budget: resident, the router's best among the experts in "
+                        "memory (drafts fetch nothing; the default there), or router, its own top k_d (fetched "
+                        "where missing); without a budget every draft reads the router's top k_d")
+
+
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
     p.add_argument("-n", "--n-predict", type=positive_int, default=128, help="tokens to generate")
@@ -255,6 +262,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-max", type=positive_int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--no-utility", action="store_true", help="fixed draft length instead of utility expansion")
     add_tree_options(p)
+    add_draft_experts_option(p)
     p.add_argument("--threshold", type=_non_negative_float, default=None, help="utility threshold (default 1)")
     p.add_argument("--reuse-strength", type=_non_negative_float, default=None,
                    help="reuse-aware gating strength α (0 = off, lossless; default 0.5)")
@@ -372,6 +380,7 @@ def generation_config(args, decoder):
         stop_at_eos=not args.ignore_eos,
         cost=cost,
     )
+        draft_experts=args.draft_experts,
     cfg.validate(decoder.info)
     return cfg
 

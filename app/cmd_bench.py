@@ -14,7 +14,7 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import add_placement_options, add_sampling_options, add_tree_shape_options, nonempty, positive_int
+    from .cli import add_draft_experts_option, add_placement_options, add_sampling_options, add_tree_shape_options, nonempty, positive_int
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -39,6 +39,7 @@ def add_parser(sub) -> None:
     # every mode samples a prompt with the same seed (-s, plus the prompt's index): modes that draw alike decode
     # alike, so a mode that drafted nothing is still seen to have decoded as ar did
     add_sampling_options(p)
+    add_draft_experts_option(p)
     add_tree_shape_options(p)
     add_placement_options(p)
     p.add_argument("--repeats", type=positive_int, default=1,
@@ -62,10 +63,12 @@ def add_parser(sub) -> None:
 def _modes(args) -> list[str]:
     if args.ablation:
         return ["ar", "base", "+shared-kv", "+utility", "+gating"]
+    from ..engine.bench import ABLATION
+
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES and m not in ABLATION]
     if bad:
-        raise ConfigError(f"--modes: unknown mode {bad[0]!r} (choose from {', '.join(MODES)})")
+        raise ConfigError(f"--modes: unknown mode {bad[0]!r} (choose from {', '.join(MODES + tuple(ABLATION))})")
     if not modes:
         raise ConfigError("--modes: give at least one mode")
     return modes
@@ -122,6 +125,9 @@ def tables(done, width: int) -> list:
     repeats = done.config.get("repeats") or 1
     if repeats > 1:
         title += f" · median of {repeats} repeats"
+    drafts = {r.draft_experts for r in done.rows if r.draft_experts}
+    if drafts:
+        title += " · drafts from " + " and ".join(f"{d} experts" for d in sorted(drafts))
     out = []
     left = columns
     while left:
@@ -268,7 +274,7 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
         # settings not given are resolved there: the profile's tuning under a budget, not the resident one
         for flag, value in (("--draft-topk", args.draft_topk), ("--draft-max", args.draft_max),
                             ("--reuse-strength", args.reuse_strength), ("--threshold", args.threshold),
-                            ("--tree-width", args.tree_width),
+                            ("--tree-width", args.tree_width), ("--draft-experts", args.draft_experts),
                             ("--tree-max-nodes", args.tree_max_nodes)):
             if value is not None:
                 argv += [flag, str(value)]
@@ -394,6 +400,7 @@ def run(args) -> int:
         tuned = tuned_settings(profile, info.fingerprint, offloaded=current_budget() is not None)
     base = GenerationConfig(**resolve_tuned(args, tuned), tree_width=args.tree_width,
                             tree_max_nodes=args.tree_max_nodes, utility=not args.no_utility,
+                            draft_experts=args.draft_experts,
                             **sampling_settings(args)).resolved(info)
     if args.profile:
         base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"],

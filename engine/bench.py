@@ -24,7 +24,7 @@ from .decoder import Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
 from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .events import Iteration, Summary, Totals
-from .modes import LOSSLESS_MODES, MODES
+from .modes import CHAIN_DRAFT_MODES, LOSSLESS_MODES, MODES
 from .sampling import MAX_SEED
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -35,6 +35,10 @@ ABLATION = {
     "+shared-kv": dict(mode="s2moe", utility=False, reuse_strength=0.0),
     "+utility": dict(mode="s2moe", utility=True, reuse_strength=0.0),
     "+gating": dict(mode="s2moe", utility=True),
+    # under a budget, the same modes drafting with the router's own top-k_d (fetched where missing) instead of
+    # from the experts in memory: both in one interleaved run (--modes ar,s2moe,s2moe:router)
+    "s2moe:router": dict(mode="s2moe", draft_experts="router"),
+    "+shared-kv:router": dict(mode="s2moe", utility=False, reuse_strength=0.0, draft_experts="router"),
 }
 LOSSLESS_LADDER = ("base", "+shared-kv", "+utility")
 
@@ -89,6 +93,7 @@ class BenchRow:
     # one figure per repeat over the whole prompt set: tok/s, and the ratio to ar's tok/s in the same repeat
     tok_per_s_repeats: list[float] | None = None
     speedup_repeats: list[float] | None = None
+    draft_experts: str | None = None  # self-drafting modes: what the draft passes read (resident | router)
 
     @property
     def repeats(self) -> int:
@@ -518,6 +523,8 @@ def run_bench(
                 identical_expected=expected_lossless(name, configs[name]) and name != "ar",
                 tok_per_s_repeats=[float(t) for t in tps],
                 speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
+                draft_experts=dec.draft_experts(configs[name]) if configs[name].mode in CHAIN_DRAFT_MODES
+                else None,
             ))
         quality = {}
         if dec.info.is_moe and quality_texts:
@@ -554,7 +561,7 @@ def run_bench(
                                 "greedy": base.sampling().greedy, **sampling_record(base, len(prompts)),
                                 "draft_topk": base.draft_topk,
                                 "draft_max": base.draft_max, "reuse_strength": base.reuse_strength,
-                                "repeats": repeats, "warmup": warmup,
+                                "repeats": repeats, "warmup": warmup, "draft_experts": dec.draft_experts(base),
                                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")})
     finally:
         if own_decoder:

@@ -413,6 +413,9 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
                     const int32_t e = used[(size_t)r * k + j];
                     if (!h->in_row[e]) { h->in_row[e] = 1; h->pool[n_pool++] = e; }
                 }
+            if (masked)  // then the other experts in memory: a masked draft's fillers fetch nothing either
+                for (int e = 0; e < ne; ++e)
+                    if (!h->in_row[e] && h->draft_mask[(size_t)layer * ne + e]) { h->in_row[e] = 1; h->pool[n_pool++] = e; }
             fill_distinct(h, used, orig, n_rows, h->k_draft, h->pool, n_pool);
         }
         rewrite = true;

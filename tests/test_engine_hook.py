@@ -461,7 +461,8 @@ def test_masked_draft_never_reads_an_expert_the_mask_leaves_out(tmp_path, arch):
 
 
 def test_masked_draft_with_distinct_ids_names_no_expert_twice(decoders, arch):
-    """The masked draft's spare slots take other experts where ids must be distinct (CUDA): the same output."""
+    """The masked draft's spare slots take other experts where ids must be distinct (CUDA), among the allowed
+    ones (fillers are read too): the same output."""
     rt = decoders[arch].rt
     batch = np.random.default_rng(8).integers(0, 256, size=6).tolist()
     allowed = np.zeros((rt.info.n_layer, rt.info.n_expert), bool)
@@ -475,3 +476,5 @@ def test_masked_draft_with_distinct_ids_names_no_expert_twice(decoders, arch):
     assert _rows_distinct(dis.used[:, : len(batch)])
     np.testing.assert_array_equal(rep_logits, dis_logits)
     np.testing.assert_array_equal(dis.used[:, :, :2], rep.used[:, :, :2])
+    moe = dis.rows > 0
+    assert allowed[np.nonzero(moe)[0][:, None, None], dis.used[moe]].all()  # fillers from the allowed too

@@ -89,3 +89,18 @@ def test_start_up_measurement_times_drafts_among_the_allowed_experts(decoders):
     assert cost.c_draft_resident > 0 and rt.hook.mask_fallbacks() == before
     plain, _ = measure_cost_constants(rt, 2, 4, repeats=1)
     assert plain.c_draft_resident == plain.c_draft
+
+
+def test_bench_names_what_each_chain_drafted_from(decoders):
+    """bench runs s2moe and its router-drafting variant interleaved; each self-drafting row says what its
+    drafts read (resident: here, with no budget, every draft reads the router's choice), ar says nothing."""
+    from s2moe.engine.bench import BenchDone, run_bench
+
+    d = decoders["olmoe"]
+    events = list(run_bench(str(d.info.path), prompts=["def add(a, b):"], modes=["ar", "s2moe", "s2moe:router"],
+                            n_tokens=8, decoder=d, warmup=False))
+    done = next(e for e in events if isinstance(e, BenchDone))
+    rows = {r.mode: r for r in done.rows}
+    assert rows["ar"].draft_experts is None
+    assert rows["s2moe"].draft_experts == rows["s2moe:router"].draft_experts == "router"
+    assert done.config["draft_experts"] == "router"
