@@ -3,6 +3,8 @@ in the settings bar, reaching the generation) and the Bench screen; and the chat
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_app import fake_app, run, type_prompt, wait_for
 from test_app_support import fake_run_bench
@@ -183,3 +185,35 @@ def test_bench_refuses_a_bad_sampling_value_as_generate_does(flag, value):
             build_parser().parse_args([*command, flag, value])
         reasons.append(caught.value.message.split(": ", 2)[-1])
     assert reasons[0] == reasons[1]
+
+
+def test_a_random_seed_is_named_in_the_answer_and_repeats_it(tiny_models):
+    from s2moe.app.tui.app import S2MoEApp
+
+    async def go():
+        app = S2MoEApp(str(tiny_models["olmoe"]), n_threads=1, n_ctx=256)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, timeout=60, what="model")
+            chat = app.screen
+            await fill_settings(pilot, app, {"temperature": "1.0", "seed": "-1", "top_k": "0", "top_p": "1",
+                                             "min_p": "0"})
+            chat.apply_settings(replace(chat.settings, n_predict=12, mode="s2moe"))
+            answers = []
+            for _ in range(2):
+                await type_prompt(pilot, "hello")
+                await wait_for(pilot, lambda: not chat.generating and len(chat.transcript.turns) > len(answers),
+                               timeout=120, what="generation")
+                answers.append(chat.transcript.turns[-1])
+            seeds = [turn.settings_text.split("seed ")[1].split()[0] for turn in answers]
+            assert all(s.isdigit() for s in seeds) and "random" not in answers[0].settings_text
+            # the named seed typed back repeats the first answer
+            chat.action_new_chat()
+            await fill_settings(pilot, app, {"seed": seeds[0]})
+            await type_prompt(pilot, "hello")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, timeout=120,
+                           what="generation")
+            again = chat.transcript.turns[-1]
+            assert f"seed {seeds[0]}" in again.settings_text
+            assert again.answer_text == answers[0].answer_text
+
+    run(go())
