@@ -241,7 +241,6 @@ def placement_from_args(args):
     return placement
 
 
-def add_generation_options(p: argparse.ArgumentParser) -> None:
 def add_draft_experts_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-experts", choices=("resident", "router"), default=None,
                    help="what draft passes read under --budget: resident, the router's best among the experts in "
@@ -249,6 +248,7 @@ def add_draft_experts_option(p: argparse.ArgumentParser) -> None:
                         "where missing); without a budget every draft reads the router's top k_d")
 
 
+def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
     p.add_argument("-n", "--n-predict", type=positive_int, default=128, help="tokens to generate")
@@ -261,8 +261,8 @@ def add_draft_experts_option(p: argparse.ArgumentParser) -> None:
     # the settings `s2moe tune` searches default to None, "not given": the profile's tuned value, else the model's
     p.add_argument("--draft-max", type=positive_int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--no-utility", action="store_true", help="fixed draft length instead of utility expansion")
-    add_tree_options(p)
     add_draft_experts_option(p)
+    add_tree_options(p)
     p.add_argument("--threshold", type=_non_negative_float, default=None, help="utility threshold (default 1)")
     p.add_argument("--reuse-strength", type=_non_negative_float, default=None,
                    help="reuse-aware gating strength α (0 = off, lossless; default 0.5)")
@@ -333,10 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "mode's rule would have kept")
     g.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
                    help="print only the generated text, not the prompt before it")
-    g.set_defaults(run=cmd_generate)
     from . import cmd_chat
 
     cmd_chat.add_options(g)
+    g.set_defaults(run=cmd_generate)
     for module in _subcommand_modules():
         module.add_parser(sub)
     return parser
@@ -379,8 +379,8 @@ def generation_config(args, decoder):
         utility=not args.no_utility,
         stop_at_eos=not args.ignore_eos,
         cost=cost,
-    )
         draft_experts=args.draft_experts,
+    )
     cfg.validate(decoder.info)
     return cfg
 
@@ -454,10 +454,10 @@ def cmd_generate(args) -> int:
     model = args.model if args.model is not None else default_model()
     if args.file is not None:
         args.prompt = prompt_file_text(args.file)
-    # Validate flags that need no model before loading one.
     from . import cmd_chat
 
     cmd_chat.check_options(args)
+    # Validate flags that need no model before loading one.
     GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, draft_topk=args.draft_topk,
                      draft_max=args.draft_max, tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes, **sampling_settings(args)).validate()
     if args.trace is not None:
@@ -505,9 +505,9 @@ def cmd_generate(args) -> int:
 
         cfg = replace(cfg, trace=True)
         recorder = TraceRecorder(decoder.info)
-    summary = Summary()
     if args.conversation:
         return cmd_chat.run_conversation(args, decoder, cfg, _Output())
+    summary = Summary()
     streaming = not args.json and sys.stdout.isatty()
     out = _Output()
     # As llama-cli does, the prompt comes before the text; with the first of it, so that on a terminal the

@@ -220,6 +220,10 @@ class Decoder:
         # generation's time (on a model of tens of GiB one walk takes most of a second).
         self.residency_every = 8
         self.residency_share = 0.05
+        # The tokens whose target entries sequence 0 of the KV holds at positions 0.. as the last
+        # generation left them (None: unknown, something else used the cache since)
+        self._context: list[int] | None = None
+        self._template = None
 
     def attach(self, observer: VerifyObserver) -> None:
         """Let observer see every verification (one at a time: offloading)."""
@@ -233,10 +237,6 @@ class Decoder:
 
     @property
     def observer(self) -> VerifyObserver | None:
-        # The tokens whose target entries sequence 0 of the KV holds at positions 0.. as the last
-        # generation left them (None: unknown, something else used the cache since)
-        self._context: list[int] | None = None
-        self._template = None
         return self._observer
 
     def moe_layers(self) -> np.ndarray:
@@ -279,9 +279,9 @@ class Decoder:
     def check_routing_hook(self) -> None:
         """Fail clearly if llama.cpp's graph for this architecture has no routing tensors we know."""
         if self._routing_checked:
-            self._context = None
             return
         before = self.rt.hook.hooked()
+        self._context = None
         self.rt.kv_clear()
         self.rt.hook.observe()
         self.rt.decode([self.rt.bos if self.rt.bos >= 0 else 0], 0, "last")
@@ -295,10 +295,10 @@ class Decoder:
 
     def cost_constants(self, cfg: GenerationConfig) -> CostConstants:
         if cfg.cost is not None:
-        self._context = None
             return cfg.cost
         key = (cfg.draft_topk, cfg.draft_max)
         if key not in self._measured:
+            self._context = None
             # under a budget, also what a draft from resident experts costs (it fetches nothing)
             allowed = None if self._observer is None else self._observer.resident_experts
             self._measured[key], _ = measure_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed,
@@ -378,9 +378,14 @@ class Decoder:
         prompt: str | list[int],
         cfg: GenerationConfig | None = None,
         should_stop: Callable[[], bool] | None = None,
+        keep_context: bool = False,
     ) -> Iterator[object]:
+        """The events of one generation. keep_context: the prompt's first tokens that the previous
+        generation's context (its prompt and what it generated) shares keep their KV entries, and only the
+        rest is prefilled — a conversation's next turn. Off, every prompt starts from an empty cache."""
         cfg = (cfg or GenerationConfig()).resolved(self.info)
         cfg.validate(self.info)
+        cfg = replace(cfg, draft_experts=self.draft_experts(cfg))  # what ran, in Started's config
         if cfg.draft_max > self.max_draft:
             raise ConfigError(f"{OPTION} {cfg.draft_max} exceeds this decoder's limit {self.max_draft}",
                               option="draft_max")
@@ -388,7 +393,6 @@ class Decoder:
             # a tree's verification batch and each drafting pass fit where a chain's of draft_max would
             for option in ("tree_max_nodes", "tree_width"):
                 if getattr(cfg, option) > self.max_draft:
-        cfg = replace(cfg, draft_experts=self.draft_experts(cfg))  # what ran, in Started's config
                     raise ConfigError(f"{OPTION} {getattr(cfg, option)} exceeds this decoder's limit "
                                       f"{self.max_draft}", option=option)
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -407,11 +411,7 @@ class Decoder:
         reuse_cap = cfg.reuse_cap
         k = max(self.info.n_expert_used, 1)
         rng = np.random.default_rng(cfg.seed)
-        keep_context: bool = False,
         # one processing for the draft and the target (and so lossless sampling with these options)
-        """The events of one generation. keep_context: the prompt's first tokens that the previous
-        generation's context (its prompt and what it generated) shares keep their KV entries, and only the
-        rest is prefilled — a conversation's next turn. Off, every prompt starts from an empty cache."""
         sampler = cfg.sampling(self.n_ctx)
 
         def sample(logits, history):
@@ -525,7 +525,34 @@ class Decoder:
                 stop_reason = "context"
                 break
         seconds = time.perf_counter() - t_start
+        self._keep(committed_all)
         yield Finished(tuple(generated), self.detokenize(generated), len(generated), seconds, stop_reason, iteration)
+
+    def _kept_prefix(self, head: list[int]) -> int:
+        """How many of head's first tokens the KV already holds from the last generation, the cache cut
+        back to them (0: nothing kept; the caller clears it)."""
+        context, rt = self._context, self.rt
+        if not context or rt.kv_end() != len(context):
+            return 0
+        n = 0
+        for a, b in zip(context, head):
+            if a != b:
+                break
+            n += 1
+        if n == 0:
+            return 0
+        for seq in range(1, rt.n_seq_max):  # a draft tree's branches (their cells on seq 0 stay)
+            rt.seq_rm(seq)
+        rt.kv_remove_from(n)
+        # a cache that cannot cut a sequence short (recurrent, sliding-window) keeps it whole or drops it
+        return n if rt.kv_end() == n else 0
+
+    def _keep(self, committed_all: list[int]) -> None:
+        """Note what the KV holds after a generation: committed tokens at their positions, the pending one
+        not yet decoded; entries beyond them (a draft accepted after an end-of-generation token) dropped."""
+        n = min(self.rt.kv_end(), len(committed_all))
+        self.rt.kv_remove_from(n)
+        self._context = committed_all[:n]
 
     def _verify(self, batch: list[int], pos: int, proposal, gate: tuple[float, int] | None,
                 layout: tuple[list[int], list[list[int]]] | None = None) -> "_Verified":
@@ -554,35 +581,8 @@ class Decoder:
         logits = rt.decode(batch, pos, "all") if layout is None else rt.decode_tree(batch, *layout)
         seconds = time.perf_counter() - t0
         # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
-        self._keep(committed_all)
         # the fact) but it tells how much of the latency the residency snapshot could not foresee.
         major_faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0 if counting else None
-    def _kept_prefix(self, head: list[int]) -> int:
-        """How many of head's first tokens the KV already holds from the last generation, the cache cut
-        back to them (0: nothing kept; the caller clears it)."""
-        context, rt = self._context, self.rt
-        if not context or rt.kv_end() != len(context):
-            return 0
-        n = 0
-        for a, b in zip(context, head):
-            if a != b:
-                break
-            n += 1
-        if n == 0:
-            return 0
-        for seq in range(1, rt.n_seq_max):  # a draft tree's branches (their cells on seq 0 stay)
-            rt.seq_rm(seq)
-        rt.kv_remove_from(n)
-        # a cache that cannot cut a sequence short (recurrent, sliding-window) keeps it whole or drops it
-        return n if rt.kv_end() == n else 0
-
-    def _keep(self, committed_all: list[int]) -> None:
-        """Note what the KV holds after a generation: committed tokens at their positions, the pending one
-        not yet decoded; entries beyond them (a draft accepted after an end-of-generation token) dropped."""
-        n = min(self.rt.kv_end(), len(committed_all))
-        self.rt.kv_remove_from(n)
-        self._context = committed_all[:n]
-
         if hook is None:
             n_layer = self.info.n_layer
             return _Verified(logits, seconds, None, np.zeros(n_layer, int), np.zeros(n_layer), 0, None, major_faults)
@@ -645,9 +645,6 @@ def _cut_at_end_of_generation(tokens: list[int], is_eog: Callable[[int], bool]) 
     return tokens, False
 
 
-def default_reuse_cap(info: ModelInfo) -> int:
-    return defaults_for(info).reuse_cap
-
 def rule_cost(cost: CostConstants, draft_experts: str) -> CostConstants:
     """The constants the utility rule prices a chain's drafts with: a draft from resident experts fetches
     nothing, so its step costs what a draft step costs with the model in memory (where measured)."""
@@ -655,6 +652,9 @@ def rule_cost(cost: CostConstants, draft_experts: str) -> CostConstants:
         return replace(cost, c_draft=cost.c_draft_resident)
     return cost
 
+
+def default_reuse_cap(info: ModelInfo) -> int:
+    return defaults_for(info).reuse_cap
 
 
 def _moves(routing) -> int:

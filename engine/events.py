@@ -44,10 +44,10 @@ class Started:
 class Prefilled:
     n_tokens: int
     seconds: float
+    reused: int = 0  # of n_tokens, those whose KV entries an earlier generation left (a conversation's turns)
 
 
 @dataclass(frozen=True)
-    reused: int = 0  # of n_tokens, those whose KV entries an earlier generation left (a conversation's turns)
 class DraftCandidate:
     """One token the drafter proposed, whether or not it went into the verification batch."""
 
