@@ -11,7 +11,8 @@ import subprocess
 import sys
 import threading
 
-from ..engine.errors import OPTION, ConfigError, S2MoEError, Terminated, sigterm_raises_terminated
+from ..engine.errors import (OPTION, ConfigError, S2MoEError, Terminated, held_signals, imports_held,
+                             sigterm_raises_terminated)
 from ..engine.modes import MODES
 
 
@@ -595,24 +596,27 @@ def _say_interrupted(word: str = "interrupted") -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        parser = build_parser()
-        if not argv:
-            argv = ["app"]  # the main job
-        args = parser.parse_args(argv)
-        args._argv = list(argv)  # `generate --budget` reruns the command inside a memory cgroup
-        if args.version:
-            from importlib.metadata import version
+        # Inside an import CPython can drop a Ctrl-C (engine.errors.held_signals): every import is held, and
+        # the command modules, which are imported by name, are held by hand.
+        with sigterm_raises_terminated(), imports_held():
+            with held_signals():
+                parser = build_parser()
+                if not argv:
+                    argv = ["app"]  # the main job
+                args = parser.parse_args(argv)
+                args._argv = list(argv)  # `generate --budget` reruns the command inside a memory cgroup
+                if args.version:
+                    from importlib.metadata import version
 
-            print(f"s2moe {version('s2moe')}")
-            return 0
-        if getattr(args, "run", None) is None:
-            parser.print_help()
-            return 2
-        if args.command in LLAMA_COMMANDS:
-            from ..engine.runtime import on_llama_abort
+                    print(f"s2moe {version('s2moe')}")
+                    return 0
+                if getattr(args, "run", None) is None:
+                    parser.print_help()
+                    return 2
+                if args.command in LLAMA_COMMANDS:
+                    from ..engine.runtime import on_llama_abort
 
-            on_llama_abort(_abort_line)
-        with sigterm_raises_terminated():
+                    on_llama_abort(_abort_line)
             return args.run(args)
     except S2MoEError as e:
         print(f"error: {one_line(e.worded(FLAGS))}", file=sys.stderr)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .acceptance import accept
 from .costmodel import measure_cost_constants
-from .errors import OPTION, ConfigError, ContextError, ModelError
+from .errors import OPTION, ConfigError, ContextError, ModelError, held_steps
 from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnapshot, Started
 from .hook import distinct_per_layer
 from .model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
@@ -373,6 +373,9 @@ class Decoder:
         return rule
 
     # -- generation -------------------------------------------------------------------------------
+    # Ctrl-C held once per step (its drafts, verification and text), not once per llama.cpp call: swapping the
+    # handlers for every call slowed a small model's decoding measurably
+    @held_steps
     def generate(
         self,
         prompt: str | list[int],

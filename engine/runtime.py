@@ -10,10 +10,7 @@ import logging
 import os
 import platform
 import re
-import signal
-import threading
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable
 
@@ -25,7 +22,7 @@ import numpy as np
 import numpy.random  # noqa: F401
 
 from .device import default_threads, memory_bytes
-from .errors import OPTION, ConfigError, ContextError, ModelError
+from .errors import OPTION, ConfigError, ContextError, ModelError, held_signals
 from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type, gpu_backend
 from .hook import RoutingHook
 from .model_info import ModelInfo
@@ -78,7 +75,7 @@ def _init_backend(op_offload_min_batch: int | None = None) -> None:
     if op_offload_min_batch is not None:
         os.environ[MIN_BATCH_ENV] = str(op_offload_min_batch)
     _backend_min_batch = os.environ.get(MIN_BATCH_ENV)
-    with _signals_after_call():  # the backend and its devices log as they start
+    with held_signals():  # the backend and its devices log as they start
         llama_cpp.llama_log_set(_log_sink, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         # Register the devices now (the variable is read there), not at whichever call happens to come first.
@@ -153,30 +150,6 @@ def _cxx_exception_text(cxx) -> str:
     vtable = ctypes.c_void_p.from_address(slot[0]).value
     what = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(ctypes.c_void_p.from_address(vtable + 2 * word).value)
     return f"{name}: {(what(slot[0]) or b'').decode('utf-8', 'replace')}"
-
-
-@contextmanager
-def _signals_after_call():
-    """Ctrl-C (or SIGTERM, which the CLI raises as an exception too) while llama.cpp runs would raise inside
-    the log callback, where ctypes prints it and drops it: the load or generation would go on as if nothing
-    happened. Every llama.cpp call that can log (start, load, context, decode, free) runs inside this.
-    Over the call, such a signal is only noted; it is raised (through the handler that was there) once the
-    call has returned."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers run in the main thread only: nothing to hold here
-        return
-    # SIG_IGN, SIG_DFL: no Python handler to drop
-    previous = {sig: h for sig in (signal.SIGINT, signal.SIGTERM) if callable(h := signal.getsignal(sig))}
-    noted = []
-    for sig in previous:
-        signal.signal(sig, lambda signum, frame: noted.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if noted:
-            previous[noted[0]](noted[0], None)
 
 
 def last_llama_error() -> str:
@@ -306,7 +279,7 @@ class LlamaRuntime:
             used_key = f"{info.arch}.expert_used_count"
             if used_key in int_overrides:
                 self.info = info = replace(info, n_expert_used=int(int_overrides[used_key]))
-        with _signals_after_call():
+        with held_signals():
             self.model = llama_cpp.llama_model_load_from_file(os.fsencode(info.path), mparams)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {info.path.name}: {last_llama_error()}")
@@ -338,7 +311,7 @@ class LlamaRuntime:
         if self.hook is not None:
             cparams.cb_eval = ctypes.cast(ctypes.c_void_p(self.hook.callback), llama_cpp.ggml_backend_sched_eval_callback)
             cparams.cb_eval_user_data = ctypes.c_void_p(self.hook.user_data)
-        with _signals_after_call():
+        with held_signals():
             self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
@@ -378,11 +351,12 @@ class LlamaRuntime:
         add = self.add_bos if add_bos is None else add_bos
         cap = len(data) + 8
         buf = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, special)
-        if n < 0:
-            cap = -n
-            buf = (llama_cpp.llama_token * cap)()
+        with held_signals():  # llama.cpp logs what it cannot tokenize
             n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, special)
+            if n < 0:
+                cap = -n
+                buf = (llama_cpp.llama_token * cap)()
+                n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, special)
         tokens = list(buf[:n])
         if any(not 0 <= t < self.n_vocab for t in tokens):
             raise ModelError(f"{self.info.path.name}: its tokenizer gave token ids outside its vocabulary of "
@@ -390,6 +364,10 @@ class LlamaRuntime:
         return tokens
 
     def piece(self, token: int) -> bytes:
+        with held_signals():  # llama.cpp logs a token it cannot render
+            return self._piece(token)
+
+    def _piece(self, token: int) -> bytes:
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         if n < 0:
@@ -398,7 +376,8 @@ class LlamaRuntime:
         return buf.raw[:n]
 
     def detokenize(self, tokens) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+        with held_signals():  # once for all the pieces
+            return b"".join(self._piece(t) for t in tokens).decode("utf-8", "replace")
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
@@ -452,7 +431,7 @@ class LlamaRuntime:
         if self.hook is not None:
             self.hook.begin()
         logged = _log_count
-        with _signals_after_call():  # a decode logs too (a graph reserved anew, a warning)
+        with held_signals():  # a decode logs too (a graph reserved anew, a warning)
             rc = llama_cpp.llama_decode(self.ctx, self._batch)
         if rc != 0:
             raise ModelError(f"llama.cpp could not decode a batch of {n} tokens (code {rc}): "
@@ -490,7 +469,7 @@ class LlamaRuntime:
         return int(llama_cpp.llama_memory_seq_pos_max(self.mem, 0)) + 1
 
     def close(self) -> None:
-        with _signals_after_call():  # freeing a context or model logs
+        with held_signals():  # freeing a context or model logs
             self._free()
 
     def _free(self) -> None:

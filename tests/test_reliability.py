@@ -410,29 +410,141 @@ def _has_mapped(pid: int, name: str) -> bool:
         return False
 
 
-def test_ctrl_c_at_any_moment_after_the_imports_exits_130(widened_model):
-    """Ctrl-C swept over a run, from the moment our reader maps the model (the command's imports done)
-    through the backend's start, the load and the first decodes. Before, one landing as the backend started
-    was dropped in llama.cpp's log callback and generation ran on to exit 0. Every offset must end in exit
-    130 and that one line. (A Ctrl-C inside an import can still be dropped by CPython's import machinery,
-    which calls a weakref callback from C: that window is not swept here.)"""
+# The CLI as its console script runs it, closing the file descriptor given first just before main starts: the
+# moment from which Ctrl-C must end in exit 130.
+_MAIN_STARTS = "import os, sys; from s2moe.app.cli import entry; os.close(int(sys.argv.pop(1))); entry()"
+
+
+def test_ctrl_c_at_any_moment_after_main_starts_exits_130(widened_model):
+    """Ctrl-C swept over a run every 25 ms from the moment main starts: through the imports main makes (the
+    command modules, llama.cpp, numpy, the engine, the model reader's), the model's reading, the backend's
+    start, the load and the first decodes. Before, a Ctrl-C landing in an import could be dropped by
+    CPython's import machinery (a weakref callback called from C), about 1 in 300 signals; one landing as
+    the backend started was dropped in llama.cpp's log callback and generation ran on to exit 0. Every
+    offset must end in exit 130 and that one line."""
     model = os.path.realpath(widened_model)
-    for delay_ms in range(0, 300, 25):
-        proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hello",
-                                 "-n", "100000", "--ignore-eos", "--mode", "ar", "--threads", "1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for delay_ms in range(0, 600, 25):
+        started, starting = os.pipe()
+        proc = subprocess.Popen([sys.executable, "-c", _MAIN_STARTS, str(starting), "generate", "-m", model,
+                                 "-p", "hello", "-n", "100000", "--ignore-eos", "--mode", "ar", "--threads", "1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, pass_fds=(starting,))
+        os.close(starting)
         try:
-            deadline = time.monotonic() + 60
-            while proc.poll() is None and time.monotonic() < deadline and not _has_mapped(proc.pid, model):
-                pass
-            assert proc.poll() is None, "the run ended before it read the model"
+            assert os.read(started, 1) == b"" and proc.poll() is None, "the run ended before main started"
             time.sleep(delay_ms / 1000)
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=60)
         finally:
+            os.close(started)
             proc.kill()
             proc.wait()
         assert (proc.returncode, err) == (130, "interrupted\n"), (delay_ms, proc.returncode, err)
+
+
+# Runs the CLI with an audit hook that names every module the main thread loads after main starts while
+# Ctrl-C is not held; prints them as JSON on stderr's last line.
+_UNHELD_IMPORTS = """
+import json, sys, threading
+from s2moe.app.cli import main
+from s2moe.engine import errors
+unheld = []
+def hook(event, args):
+    if event == "import" and errors._hold is None and threading.current_thread() is threading.main_thread():
+        unheld.append(args[0])
+sys.addaudithook(hook)
+main(sys.argv[1:])
+print(json.dumps(unheld), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["generate", "-p", "hello", "-n", "8", "--mode", "s2moe", "--json"],
+                                  ["profiles", "list"]], ids=["generate", "profiles"])
+def test_every_import_after_main_starts_holds_ctrl_c(tiny_models, tmp_path, argv):
+    """A Ctrl-C inside an import can be dropped by CPython (a weakref callback called from C frees the
+    module's lock) or lost in a C extension's initialisation; too rare to show in a sweep of real signals,
+    so this checks the cause: every module loaded after main starts — main's own lazy imports, the
+    command's, numpy's during the first speculative generation, rich's for a table — is loaded with
+    Ctrl-C held. Before, 240 modules were loaded unheld before the model was read."""
+    model = ["-m", str(tiny_models["olmoe"])] if argv[0] == "generate" else []
+    done = subprocess.run([sys.executable, "-c", _UNHELD_IMPORTS, *argv, *model], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stderr.splitlines()[-1]) == []
+
+
+class _SignalDuring:
+    """Stands in for one llama.cpp function: a Ctrl-C to this process, then the real call. Held, the call
+    runs to its end and the KeyboardInterrupt comes after; not held, it is raised before the call (in C, a
+    log line from the call would drop it)."""
+
+    def __init__(self, real):
+        self.real, self.returned = real, False
+
+    def __call__(self, *args):
+        os.kill(os.getpid(), signal.SIGINT)
+        result = self.real(*args)
+        self.returned = True
+        return result
+
+
+@pytest.mark.parametrize("call", ["llama_tokenize", "llama_token_to_piece", "llama_decode"])
+def test_llama_cpp_calls_finish_before_a_ctrl_c_is_raised(decoders, monkeypatch, call):
+    import llama_cpp
+
+    from s2moe.engine.decoder import GenerationConfig
+
+    decoder = decoders["olmoe"]
+    spy = _SignalDuring(getattr(llama_cpp, call))
+    monkeypatch.setattr(llama_cpp, call, spy)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        for _ in decoder.generate("hello", GenerationConfig(mode="s2moe", n_predict=4)):
+            pass
+    assert spy.returned
+    # raised as soon as the held call returned, inside the runtime, not later in the generation step
+    assert raised.traceback[-1].name in ("__exit__", "release") or "runtime" in str(raised.traceback[-1].path)
+    assert any(entry.name in ("tokenize", "_run", "piece", "detokenize") for entry in raised.traceback)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_generation_swaps_the_signal_handlers_once_per_step(decoders, monkeypatch):
+    """Swapping the handlers costs a measurable share of a small model's decode (README): a generation
+    swaps them once per step, not around each llama.cpp call (a speculative step drafts and verifies)."""
+    from s2moe.engine import errors
+    from s2moe.engine.decoder import GenerationConfig
+
+    swaps = []
+    real = signal.signal
+    monkeypatch.setattr(errors.signal, "signal", lambda *a: swaps.append(a[0]) or real(*a))
+    events = list(decoders["olmoe"].generate("hello", GenerationConfig(mode="s2moe", n_predict=16, stop_at_eos=False)))
+    assert len(events) >= 4
+    # one hold per event and one for the end, each swapping SIGINT's handler in and out
+    assert len(swaps) <= 2 * (len(events) + 1), (len(swaps), len(events))
+
+
+def test_a_signal_held_inside_an_import_waits_for_the_outermost_import(tmp_path, monkeypatch):
+    """Nested holds swap the handlers once; a Ctrl-C noted inside comes at the end of the inner block, except
+    inside imports, where it waits for the outermost import to end (raised in between, it would land in the
+    middle of an import again)."""
+    from s2moe.engine.errors import held_signals, imports_held
+
+    with held_signals():
+        with pytest.raises(KeyboardInterrupt):
+            with held_signals():
+                os.kill(os.getpid(), signal.SIGINT)
+                sum(range(1000))  # the handler has run by now, and only noted it
+            pytest.fail("not raised at the end of the inner block")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    (tmp_path / "s2moe_outer.py").write_text("import s2moe_inner\nimport os\nos.environ['S2MOE_OUTER'] = 'done'\n")
+    (tmp_path / "s2moe_inner.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("S2MOE_OUTER", raising=False)
+    for name in ("s2moe_outer", "s2moe_inner"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with imports_held(), pytest.raises(KeyboardInterrupt):
+        import s2moe_outer  # noqa: F401
+    assert os.environ.get("S2MOE_OUTER") == "done"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # -- no traceback ----------------------------------------------------------------------------------------------
