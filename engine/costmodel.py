@@ -346,10 +346,6 @@ class ContextFit:
         return max(0.0, (self.slope["verify"] - self.slope["observed"]) / max(1, self.rows - 1))
 
 
-def _context_step(rt, base: int, tokens, kind: str, k_draft: int) -> float:
-    return _step(rt, base, tokens, "draft" if kind == "draft" else "verify", k_draft)[0]
-
-
 def iter_context_steps(rt, k_draft: int, cap: int, n: int, *, contexts=WORKLOAD_CONTEXTS, seed: int = 0):
     """Generator: yields (done, total); returns {context: {kind: [seconds]}} of n steps of each kind
     (CONTEXT_KINDS) after each context length, longer contexts made by extending the shorter one's prefix.
@@ -372,7 +368,8 @@ def iter_context_steps(rt, k_draft: int, cap: int, n: int, *, contexts=WORKLOAD_
                 # in a row, as decoding runs a kind of step after the same kind (what the cache holds differs
                 # after a verification of many rows), the first one untimed
                 size = cap + 1 if kind == "verify" else 1
-                times[kind] = [_context_step(rt, c, rng.integers(0, rt.n_vocab, size=size).tolist(), kind, k_draft)
+                mode = "draft" if kind == "draft" else "verify"
+                times[kind] = [_step(rt, c, rng.integers(0, rt.n_vocab, size=size).tolist(), mode, k_draft)[0]
                                for _ in range(n + 1)][1:]
             done += n
             yield done, total

@@ -79,7 +79,9 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
     t_exp = ms("t_exp_ms", fit) if fit else ms("t_exp_ms")
     t_tok = (ms("t_tok_ms", fit) if fit else ms("t_tok_ms")) or 0.0
     expert_bytes = float(block.get("expert_bytes") or header.expert_bytes)
-    storage = device.get("storage_bandwidth_gb_s")
+    # the offloader asks for a layer's experts together (madvise WILLNEED on each), so they are read at a queue
+    # depth of several: the profile's rate at depth 8 where it measured one
+    storage = device.get("storage_bandwidth_qd8_gb_s") or device.get("storage_bandwidth_gb_s")
     by_bandwidth = expert_bytes / (storage * 1e9) if storage else None
     misses = block.get("fit_cold_misses") or {}
     cold, warm = ms("t_exp_cold_ms", misses), ms("t_exp_warm_ms", misses)

@@ -101,6 +101,8 @@ def test_a_fetch_cost_from_a_fit_that_explains_little_gives_way_to_the_storage_b
     p = project([hand_trace()], weak, budget="1M", modes=["ar"])
     assert p.modes["ar"].t_fetch == pytest.approx(24 * 1000 / 1e9)  # 1000-byte experts at 1 GB/s
     assert "R² 0.30" in p.basis
+    weak["device"]["storage_bandwidth_qd8_gb_s"] = 2.0  # what the offloader's reads of a layer's experts get
+    assert project([hand_trace()], weak, budget="1M", modes=["ar"]).modes["ar"].t_fetch == pytest.approx(24 * 500 / 1e9)
     weak["models"][FP]["fit_cold_misses"]["r2"] = 0.9
     assert project([hand_trace()], weak, budget="1M", modes=["ar"]).modes["ar"].t_fetch == pytest.approx(24 * 4e-3)
 
