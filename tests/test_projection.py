@@ -184,6 +184,7 @@ def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_mo
             assert screen.current == "jetson-orin-16gb"
             table = str(screen.query_one("#projection-table").render())
             assert all(m in table for m in ("ar", "s2moe", "conf", "cascade")) and "all resident" in table
+            assert "beyond the constants: none" in table  # a reference profile has no workload terms
             await pilot.press("b")
             await pilot.pause()
             assert screen.budget == "auto" and "cache of" in str(screen.query_one("#projection-table").render())
