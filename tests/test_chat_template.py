@@ -304,3 +304,25 @@ def test_generate_cnv_chats_in_turns_from_standard_input(chat_model, tiny_models
         cmd_generate(build_parser().parse_args(["generate", "-m", str(chat_model), "-sys", "x", "-p", "hi"]))
     assert main(["generate", "-m", str(chat_model), "-cnv", "--json", "-p", "hi"]) == 2
     assert "--json and --trace record one generation" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [2, 3])  # the turn ends on an accepted draft (2), on the target's token (3)
+def test_a_sampled_answer_stops_at_the_end_of_turn_token(chat_model, seed):
+    """Sampled from a flat distribution until <|im_end|> comes: the answer stops there, without it, and the
+    next turn still finds the conversation in the KV."""
+    chat_decoder = Decoder(str(chat_model), n_ctx=2048, n_threads=1)  # room for a long random answer re-read
+    try:
+        end = chat_decoder.tokenize("<|im_end|>", special=True)[-1]
+        cfg = GenerationConfig(mode="s2moe", n_predict=400, utility=False, temperature=3.0, seed=seed, top_k=0,
+                               top_p=1.0, min_p=0.0)
+        conversation = Conversation(chat_decoder.chat_template)
+        events = turn(chat_decoder, conversation, "hi", cfg, keep_context=True)
+        finished, last = events[-1], [e for e in events if isinstance(e, Iteration)][-1]
+        assert finished.stop_reason == "eos" and finished.n_tokens < cfg.n_predict
+        assert end in last.accepted + (last.target_token,) and end not in finished.tokens
+        assert not any(chat_decoder.rt.is_eog(t) for t in finished.tokens)
+        assert conversation.messages[-1] == Message("assistant", finished.text)
+        again = turn(chat_decoder, conversation, "go on", replace(cfg, n_predict=4), keep_context=True)
+        assert again[1].reused >= len(events[0].prompt_tokens)
+    finally:
+        chat_decoder.close()
