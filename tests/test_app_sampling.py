@@ -217,3 +217,22 @@ def test_a_random_seed_is_named_in_the_answer_and_repeats_it(tiny_models):
             assert again.answer_text == answers[0].answer_text
 
     run(go())
+
+
+def test_the_dialogs_switches_say_their_state_in_a_glyph():
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(60, 20)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            await pilot.press("ctrl+o")
+            await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
+            gating = app.screen.query_one("#set-gating")
+            assert "✓" in str(gating.render())
+            gating.focus()
+            await pilot.press("space")
+            assert "✓" not in str(gating.render()) and not gating.value
+            await pilot.press("ctrl+s")
+            await pilot.pause()
+            assert app.screen.settings.gating is False
+
+    run(go())

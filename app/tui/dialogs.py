@@ -11,12 +11,13 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, Select, Static, Switch
+from textual.widgets import Button, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option
 
 from ...engine.errors import ConfigError
 from ..cli import SAMPLING_VALUES, sampling_value
 from .session import ChatSettings
+from .widgets import TickBox
 
 # The sampler settings the form offers, in the order of llama.cpp's chain after the temperature and seed.
 SAMPLING_LABELS = {"temperature": "Temperature (0 greedy)", "seed": "Seed (-1 random)", "top_k": "Top-k (0 off)",
@@ -178,9 +179,9 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 yield Label("Mode")
                 yield Select([(m, m) for m in self.modes], value=s.mode, allow_blank=False, id="set-mode")
                 yield Label("Utility expansion")
-                yield Switch(value=s.utility, id="set-utility")
+                yield TickBox("on", value=s.utility, id="set-utility")
                 yield Label("Reuse gating")
-                yield Switch(value=s.gating, id="set-gating")
+                yield TickBox("on", value=s.gating, id="set-gating")
                 yield Label("Gating strength α")
                 yield Input(str(s.reuse_strength), id="set-alpha", type="number")
                 yield Label("Draft experts k_d")
@@ -218,8 +219,8 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
             return replace(
                 self.settings,
                 mode=self.query_one("#set-mode", Select).value,
-                utility=self.query_one("#set-utility", Switch).value,
-                gating=self.query_one("#set-gating", Switch).value,
+                utility=self.query_one("#set-utility", TickBox).value,
+                gating=self.query_one("#set-gating", TickBox).value,
                 reuse_strength=num("#set-alpha", float, 0.0, 100.0),
                 draft_topk=int(self.query_one("#set-topk", Select).value),
                 draft_max=num("#set-draftmax", int, 1, 16),

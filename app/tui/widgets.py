@@ -10,7 +10,7 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from rich.segment import Segment as RichSegment
 from textual.strip import Strip
-from textual.widgets import DataTable, Footer, Input, SelectionList, Static
+from textual.widgets import Checkbox, DataTable, Footer, Input, SelectionList, Static
 from textual.widgets._footer import FooterKey
 from textual.widgets._toggle_button import ToggleButton
 
@@ -214,6 +214,15 @@ class CheckList(SelectionList):
                 segments[i] = RichSegment("✓" if selected else " ", seg.style)
                 return Strip(segments, strip.cell_length)
         return strip
+
+
+class TickBox(Checkbox):
+    """A Checkbox that says its state: ✓ when on, empty when off (Textual draws the same X both ways, told
+    apart by colour alone)."""
+
+    @property
+    def BUTTON_INNER(self) -> str:  # noqa: N802 - the name ToggleButton draws its inside from
+        return "✓" if self.value else " "
 
 
 class FittedFooter(Footer):
