@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import llama_cpp
 
-from .errors import ContextError
+from .errors import ConfigError, ContextError
 
 ROLES = ("system", "user", "assistant")
-# A conversation every built-in template renders, to tell which one llama.cpp picked for a model.
-_PROBE = (("system", "S"), ("user", "U"), ("assistant", "A"), ("user", "V"))
+# A conversation every built-in template renders, to tell which one llama.cpp picked for a model (no system
+# message: a template may refuse one, and the model's template is no less known for it).
+_PROBE = (("user", "U"), ("assistant", "A"), ("user", "V"))
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,9 @@ class Template:
         if not self.usable:
             raise ValueError("this model has no chat template llama.cpp can apply")
         text = _apply(self.text.encode("utf-8"), [(m.role, m.content) for m in messages], add_assistant)
-        if text is None:  # rendered once already when the template was read: llama.cpp knows it
-            raise ValueError(f"llama.cpp could not apply the {self.name} template")
+        if text is None:  # it rendered the probe: what it refuses is in this conversation (a system message)
+            raise ConfigError(f"llama.cpp could not apply the model's {self.name} template to this conversation "
+                              "(does the template take a system message?)")
         return text
 
 
