@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cache", choices=("lru", "fifo"), default="fifo",
                    help="how the simulated expert cache evicts (default fifo: it fits this engine's offloading "
                         "better, see the README)")
+    p.add_argument("--cache-size", choices=("plan", "calibrated"), default="plan",
+                   help="the simulated expert cache: the budget plan's size (default), or that scaled by what "
+                        "calibrate --budget found the offloading held in effect there (see the README)")
     p.add_argument("--fit-cache", action="store_true",
                    help="size the simulated cache to fetch what the traces' own run fetched (traces recorded under "
                         "this budget) rather than by the budget's plan")
@@ -101,7 +104,7 @@ def run(args) -> int:
     profile = load_profile(args.profile)
     traces = [read_trace(f) for f in trace_files(args.traces)]
     p = project(traces, profile, budget=args.budget, modes=modes, threshold=args.threshold, policy=args.cache,
-                fit_cache=args.fit_cache, terms=args.terms)
+                fit_cache=args.fit_cache, terms=args.terms, cache_size=args.cache_size)
     measured = measured_rows(args.against, args.budget) if args.against else None
     if args.json:
         out = p.as_dict()

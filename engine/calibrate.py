@@ -46,6 +46,7 @@ from .model_info import read_model_info
 from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
                       plan_budget, process_anon_bytes, rank_counts, run_in_budget, select_hot_experts)
 from .profiles import SCHEMA_VERSION, check_name, check_writable, find_profile, load_profile, save_profile
+from .trace import budget_record
 
 DEFAULT_NAME = "local"
 DRAFT_CAP = 8
@@ -285,13 +286,41 @@ def _cold_worker(cfg: dict) -> int:
     samples = verify_samples(rt, cfg["cap"], seed=6, repeats=cfg["repeats"], sizes=_sizes(cfg["cap"]),
                              counter=off.native,
                              progress=lambda d, t: emit({"progress": [cfg["n_steps"] + d, cfg["n_steps"] + t]}))
+    plain = _plain_fetches(rt, off.native, rt.tokenize(cfg["prompt"])[:64] or [0], PLAIN_FETCH_TOKENS)
     cg = current_budget_cgroup()
     emit({"result": {"samples": samples, "t_ar": float(np.median(ar)), "c_draft": float(np.median(draft)),
+                     "plain": plain, "record": budget_record(off, [tuple(p) for p in cfg.get("hot", [])],
+                                                             Budget.parse(cfg["budget"]).auto),
                      "pinned": pinned, "plan": off.plan.__dict__ if off.plan else None,
                      "split": cg.split(), "peak": cg.peak(), "anon": process_anon_bytes()}})
     off.close()
     decoder.close()
     return 0
+
+
+PLAIN_FETCH_TOKENS, PLAIN_FETCH_WARM = 96, 16
+
+
+def _plain_fetches(rt, counter, prompt: list[int], n: int) -> dict:
+    """Greedy plain decoding under the budget: per token the experts it routed to ([n_layer, k] ids) and how many
+    were not in memory as their layer routed (the prefetcher's count, as decoding counts fetches)."""
+    hook = rt.hook
+    rt.kv_clear()
+    hook.off()
+    if len(prompt) > 1:
+        rt.decode(prompt[:-1], 0, "none")
+    t, pos, ids, misses = prompt[-1], len(prompt) - 1, [], []
+    try:
+        for _ in range(n):
+            hook.observe()
+            counter.begin()
+            logits = rt.decode([t], pos, "all")
+            ids.append(hook.snapshot(1).orig[:, 0].tolist())
+            misses.append(int(counter.counted().sum()))
+            t, pos = int(np.argmax(logits[-1])), pos + 1
+    finally:
+        rt.kv_clear()
+    return {"ids": ids, "misses": misses}
 
 
 def _run_cold(model_path, budget: Budget, cfg: dict):
@@ -525,7 +554,7 @@ def _step_hot_experts(cal: _Calibration, index: int):
 
 
 def _step_under_budget(cal: _Calibration, index: int):
-    cal.cold = None
+    cal.cold = cal.cache_fit = None
     if cal.budget is None:
         skip = "skipped: no memory budget given"
     else:
@@ -533,7 +562,8 @@ def _step_under_budget(cal: _Calibration, index: int):
     if skip is None:
         cal.close()  # the cold worker needs the memory
         n_steps = 4 * cal.repeats
-        cfg = {"model": str(cal.info.path), "threads": cal.threads, "k_draft": cal.draft_topk, "cap": cal.draft_cap,
+        cfg = {"model": str(cal.info.path), "prompt": cal.prompts[0], "threads": cal.threads, "k_draft": cal.draft_topk,
+               "cap": cal.draft_cap,
                "repeats": cal.repeats, "n_steps": n_steps, "n_samples": len(_sizes(cal.draft_cap)) * 3 * cal.repeats,
                "hot": [list(p) for p in cal.hot], "budget": str(cal.budget)}
         try:
@@ -593,6 +623,8 @@ def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
     cfit = fit_verify_cost(experts, tokens, seconds)
     mfit = fit_miss_cost(experts, misses, tokens, seconds)
     given = fault_explained_fit(experts, faults, tokens, seconds)
+    cal.cache_fit = _cache_fit(res["plain"], res["record"], cal.info.n_expert,
+                               float(cal.emap.expert_bytes[list(cal.emap.moe_layers)].mean()))
     cal.cold = {"fit": cfit, "miss_fit": mfit, "given_faults": given, "t_ar": res["t_ar"],
                 "c_draft": res["c_draft"], "split": res["split"], "peak": res["peak"], "pinned": res["pinned"],
                 "samples": cs}
@@ -615,6 +647,24 @@ def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
                       f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
                       f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
                       f"peak {fmt_bytes(res['peak'] or 0)}", data)
+
+
+def _cache_fit(plain: dict, record: dict | None, n_expert: int, expert_bytes: float) -> dict | None:
+    """How many experts the engine's offloading held in effect when plain decoding ran under the budget: the
+    size of a FIFO cache (beside the pinned hot experts) that fetches what decoding counted over the same tokens,
+    the first PLAIN_FETCH_WARM tokens warming both up. None without a plan."""
+    from .projection import CachePlan, fitted_fifo_capacity
+
+    if record is None or not plain["ids"]:
+        return None
+    planned = int(record["cache_bytes"] // expert_bytes)
+    ids = [np.asarray(x) for x in plain["ids"]]
+    counted = sum(plain["misses"][PLAIN_FETCH_WARM:])
+    pinned = tuple(tuple(p) for p in record["pinned"])
+    effective = fitted_fifo_capacity(ids, counted, CachePlan(planned, pinned, ""), n_expert, PLAIN_FETCH_WARM)
+    n = len(ids) - PLAIN_FETCH_WARM
+    return {"planned_experts": planned, "effective_experts": effective, "tokens": n,
+            "fetched_per_token": round(counted / max(1, n), 6), "pinned": len(pinned)}
 
 
 def _model_block(cal: _Calibration) -> dict:
@@ -654,6 +704,8 @@ def _model_block(cal: _Calibration) -> dict:
                                     # what the same batches fit given the storage faults they actually
                                     # took (known only afterwards): the ceiling a residency snapshot faces
                                     "r2_given_faults": round(cold["given_faults"]["r2"], 6)}
+        if cal.cache_fit:
+            block["cache_fit"] = cal.cache_fit
         block["t_ar_cold_ms"] = round(cold["t_ar"] * 1e3, 6)
         block["c_draft_cold_ms"] = round(cold["c_draft"] * 1e3, 6)
     if cal.gpu is not None:

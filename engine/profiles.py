@@ -58,6 +58,12 @@ carries published figures and may hold `reference` constants that apply to any m
           verify_rows: 9
           iterations: 60           # the engine iterations the host times are medians of
           plain_iterations: 350    # ... and the plain ones the plain step's line is fitted on
+        cache_fit:                 # optional (calibrate --budget): what the offloading held in effect there
+          planned_experts: 64      # the plan's expert cache beside the pinned hot experts
+          effective_experts: 30    # the FIFO cache that fetches what greedy plain decoding counted
+          tokens: 80
+          fetched_per_token: 24.1
+          pinned: 64
         hot_experts: [[0, 12], [0, 3], ...]   # [layer, expert], most routed first (up to half the
                                    # expert bytes); a run under a budget pins the prefix that fits
         measured: {at: 2026-01-01T00:00:00+00:00, by: s2moe calibrate, threads: 2, ...}
@@ -218,6 +224,11 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
             _r2(misses, key, mw)
     if block.get("workload") is not None:
         _validate_workload(block["workload"], f"{where}.workload")
+    if block.get("cache_fit") is not None:
+        fit = _mapping(block["cache_fit"], where, "cache_fit")
+        for key in ("planned_experts", "effective_experts", "tokens", "pinned"):
+            _number(fit, key, f"{where}.cache_fit", required=key != "pinned", integer=True)
+        _number(fit, "fetched_per_token", f"{where}.cache_fit")
     hot = block.get("hot_experts")
     if hot is not None:
         if not isinstance(hot, list):

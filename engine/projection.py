@@ -564,6 +564,23 @@ def cache_check(traces: list[Trace], plan: CachePlan, policy: str) -> tuple[int,
     return recorded, simulated
 
 
+def fitted_fifo_capacity(ids: list[np.ndarray], counted: int, plan: CachePlan, n_expert: int, warm: int = 0) -> int:
+    """The FIFO cache size (beside the plan's pinned experts) at which the steps `ids` (each [n_layer, k]) fetch
+    `counted` experts after the first `warm` (misses fall as the cache grows: bisection)."""
+    def fetched(capacity: int) -> int:
+        cache = ExpertCache(n_expert, capacity, plan.pinned, "fifo")
+        return sum(cache.access(x) * (i >= warm) for i, x in enumerate(ids))
+
+    lo, hi = 0, ids[0].shape[0] * n_expert if ids else 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fetched(mid) > counted:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 def fitted_capacity(traces: list[Trace], plan: CachePlan, policy: str) -> int | None:
     """The cache size at which the simulated cache fetches what the recording counted for its own reads (misses
     fall as the cache grows, for LRU and here for FIFO alike: bisection). None without a recorded count."""
@@ -603,13 +620,15 @@ def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[Worklo
 
 def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=PROJECT_MODES,
             threshold: float | None = None, policy: str = "fifo", fit_cache: bool = False,
-            terms: str = "profile") -> Projection:
+            terms: str = "profile", cache_size: str = "plan") -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
     evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own
     reads (traces recorded under this same budget), instead of the budget plan's size. terms: what is charged
     beyond the profile's constants (context growth, the engine's host work): the profile's own measurement
     (a profile without one: fitted from the traces where the profile was calibrated for their model, as before
-    calibrate measured them, and said so), fitted from the traces (in-sample), or none."""
+    calibrate measured them, and said so), fitted from the traces (in-sample), or none. cache_size: "plan" keeps the
+    plan's size; "calibrated" scales it by what the profile's calibration found the offloading held in effect
+    under its budget, where it measured that (not the default: it did not predict another budget's fetches)."""
     if terms not in TERM_SOURCES:
         raise ConfigError(f"unknown source of terms {terms!r} (choose from {', '.join(TERM_SOURCES)})")
     if policy not in CACHE_POLICIES:
@@ -627,6 +646,15 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     plan = cache_plan(budget, h0, profile, costs.expert_bytes)
     charged, why = _terms(traces, costs, terms)
     out = Projection(costs.profile, plan.label, f"{costs.basis}; {why}", len(traces), charged.how)
+    held = (model_block(profile, h0.fingerprint) or {}).get("cache_fit")
+    if cache_size == "calibrated" and plan.capacity is not None and held and held["planned_experts"] > 0:
+        cap = round(plan.capacity * held["effective_experts"] / held["planned_experts"])
+        plan = CachePlan(cap, plan.pinned, f"{plan.label}; in effect {cap} (calibrate: plain decoding under its "
+                                           f"budget fetched as a cache of {held['effective_experts']} of its plan's "
+                                           f"{held['planned_experts']})")
+        out.budget = plan.label
+    elif cache_size not in ("calibrated", "plan"):
+        raise ConfigError(f"unknown cache size {cache_size!r} (choose from calibrated, plan)")
     if plan.capacity is not None:
         for name in CACHE_POLICIES:
             fit = cache_check(traces, plan, name)

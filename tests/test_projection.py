@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from s2moe.app.cli import main
+from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import ForcedDraft
+from s2moe.engine.profiles import validate_profile
 from s2moe.engine.projection import ExpertCache, project
 from s2moe.engine.trace import Drafted, Trace, TraceHeader, TraceStep, write_trace
 
@@ -284,7 +286,6 @@ def test_under_a_budget_a_plain_step_records_routing_and_pays_the_verification_s
 def test_profiles_without_workload_terms_still_project_and_say_how():
     """A calibrated profile from before calibrate measured the terms: fitted from the traces, as before, and said
     so; a reference profile: the constants alone; --terms picks explicitly."""
-    from s2moe.engine.errors import ConfigError
     from s2moe.engine.profiles import load_profile
 
     old = project([hand_trace()], profile(), modes=["ar"])
@@ -365,3 +366,24 @@ def block_cost(prof: dict, fp: str):
     from s2moe.engine.profiles import cost_for_model
 
     return cost_for_model(prof, fp)
+
+
+def test_a_calibrated_cache_size_scales_the_plan_s_cache():
+    """calibrate --budget records the FIFO cache that fetches what plain decoding counted; --cache-size calibrated
+    scales the plan by it (here to nothing: every expert fetched), the default keeps the plan."""
+    from s2moe.engine.projection import CachePlan, fitted_fifo_capacity
+
+    prof = profile()
+    prof["models"][FP]["cache_fit"] = {"planned_experts": 10, "effective_experts": 0, "tokens": 5,
+                                       "fetched_per_token": 4.0, "pinned": 0}
+    scaled = project([hand_trace()], prof, budget="1G", modes=["ar"], cache_size="calibrated")
+    assert scaled.modes["ar"].fetched == 24 and "in effect 0" in scaled.budget
+    assert project([hand_trace()], prof, budget="1G", modes=["ar"]).modes["ar"].fetched == 8
+    # one layer, top-1: experts 0 and 1 in turn; two slots hold both, one slot misses every time
+    ids = [np.array([[i % 2]]) for i in range(10)]
+    plan = CachePlan(0, (), "")
+    assert fitted_fifo_capacity(ids, 0, plan, 4, warm=2) == 2
+    assert fitted_fifo_capacity(ids, 8, plan, 4, warm=2) == 0
+    prof["models"][FP]["cache_fit"]["effective_experts"] = -1
+    with pytest.raises(ConfigError, match="cache_fit"):
+        validate_profile(prof)
