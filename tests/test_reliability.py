@@ -547,6 +547,77 @@ def test_a_signal_held_inside_an_import_waits_for_the_outermost_import(tmp_path,
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def _app_in_a_pty(model: str, tmp_path, act, after_s: float) -> tuple[int | None, str, bool]:
+    """`s2moe app` on a pseudo-terminal of 80×24: a prompt typed and Enter pressed once it is up, then
+    act(proc, terminal) after_s later. Its exit code (None: it had not exited 15 s later), what it wrote,
+    and whether the terminal's modes came back as they were."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    terminal, side = pty.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    modes = termios.tcgetattr(side)
+    env = {**os.environ, "TERM": "xterm-256color", "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
+           "XDG_STATE_HOME": str(tmp_path / "state")}
+    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "app", "-m", model, "-t", "1"], stdin=side,
+                            stdout=side, stderr=side, env=env, start_new_session=True)
+    out = bytearray()
+
+    def read_for(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if select.select([terminal], [], [], 0.05)[0]:
+                try:
+                    out.extend(os.read(terminal, 1 << 16))
+                except OSError:  # the app has exited and closed its side
+                    return
+
+    try:
+        read_for(3)
+        os.write(terminal, b"tell me a long story\r")
+        read_for(after_s)
+        act(proc, terminal)
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            read_for(0.2)
+        read_for(0.2)
+        code = proc.poll()
+        return code, out.decode("utf-8", "replace"), termios.tcgetattr(side) == modes
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(terminal)
+        os.close(side)
+
+
+@pytest.mark.parametrize("how,after_s,code", [("SIGINT", 0.0, 130), ("SIGINT", 0.6, 130), ("SIGTERM", 0.3, 143),
+                                              ("Ctrl+C", 0.3, 0)])
+def test_the_app_quits_cleanly_on_a_signal_while_it_decodes(widened_model, tmp_path, how, after_s, code):
+    """The app while it loads, measures and generates: a SIGINT (kill -INT) or SIGTERM to its process
+    quits it as Ctrl+Q does, with exit code 130 or 143 and that word once the terminal is back; Ctrl+C
+    typed is its quit key (exit 0). Before, a SIGINT quit with exit code 0. Never a traceback, and the
+    terminal's modes, alternate screen, cursor and mouse reporting come back as they were."""
+
+    def act(proc, terminal):
+        if how == "Ctrl+C":
+            os.write(terminal, b"\x03")
+        else:
+            proc.send_signal(getattr(signal, how))
+
+    rc, out, modes_back = _app_in_a_pty(str(widened_model), tmp_path, act, after_s)
+    assert rc == code, out[-2000:]
+    assert "Traceback" not in out and "Exception" not in out
+    assert modes_back
+    tail = out[out.rindex("\x1b[?1049l"):]  # from leaving the alternate screen on
+    assert "\x1b[?25h" in tail and "\x1b[?1000l" in tail  # cursor shown, mouse reporting off
+    words = {130: "interrupted", 143: "terminated"}
+    assert [line.strip() for line in re.sub(r"\x1b\[[0-9;?<>]*[A-Za-z]", "", tail).splitlines()
+            if line.strip()] == ([words[code]] if code in words else [])
+
+
 # -- no traceback ----------------------------------------------------------------------------------------------
 def test_a_prompt_of_undecodable_bytes_is_one_line(tiny_models, capsys):
     # what Python makes of the command-line bytes b"caf\xe9" (Latin-1), undecodable as UTF-8

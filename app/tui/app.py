@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
 from textual import work
 from textual.app import App
@@ -59,10 +60,17 @@ class S2MoEApp(App):
         self._views: list = []
         self.model_loading = False
         self.quitting = False
+        self.exit_code, self.exit_word = 0, None
 
     # -- start-up ------------------------------------------------------------------------------------------------
     def on_mount(self) -> None:
         self.theme = "textual-dark"
+        if not self.is_headless:
+            # Through the event loop: a Python handler would raise in whatever the loop runs at that moment,
+            # and asyncio's own takes a Ctrl-C for a quit with exit code 0.
+            loop = asyncio.get_running_loop()
+            for sig, code, word in ((signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")):
+                loop.add_signal_handler(sig, self._signalled, code, word)
         if self.session.model_path is None:
             self.push_screen(ModelPathDialog(self.model_message or NO_MODEL_MESSAGE), self._model_chosen)
         elif self.load_on_start:
@@ -197,4 +205,11 @@ class S2MoEApp(App):
         self.quitting = True
         self.session.stop.set()
         await asyncio.to_thread(self.session.close, 3.0)
-        self.exit()
+        self.exit(return_code=self.exit_code, message=self.exit_word)
+
+    def _signalled(self, code: int, word: str) -> None:
+        """SIGINT (kill -INT; Ctrl+C typed at the app is a key, and quits with 0) or SIGTERM: quit as Ctrl+Q
+        does (the running job stopped, the terminal restored), then exit with the command line's code for
+        the signal and its word on stderr."""
+        self.exit_code, self.exit_word = code, word
+        self.run_worker(self.action_quit())
