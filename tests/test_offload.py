@@ -14,7 +14,7 @@ import pytest
 from s2moe.engine.errors import ConfigError, ModelError
 from s2moe.engine.offload import (MemoryCgroup, ModelMapping, Offloader, code_ranges, drop_file_cache,
                                   expert_map, parse_size, plan_budget, select_hot_experts)
-from s2moe.engine.offload import (AUTO_START_LIMIT, Budget, current_budget, current_budget_cgroup, fmt_bytes)
+from s2moe.engine.offload import (AUTO_MIN_SLACK, AUTO_START_LIMIT, Budget, current_budget, current_budget_cgroup, fmt_bytes)
 from tinygguf import TinySpec, write_tiny
 
 
@@ -575,7 +575,7 @@ def test_auto_budget_counts_what_the_cgroup_holds_except_expert_pages(tiny_model
     usage = 50 << 20
     budget = auto_budget_bytes(FakeCgroup(usage), em, share=1 / 3)
     held = usage - resident
-    assert held + em.total_expert_bytes / 3 < budget <= held + em.total_expert_bytes / 3 + max(2 << 20, held / 50) + 4096
+    assert held + em.total_expert_bytes / 3 < budget <= held + em.total_expert_bytes / 3 + max(AUTO_MIN_SLACK, held / 50) + 4096
 
 
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")

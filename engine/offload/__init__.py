@@ -18,7 +18,7 @@ Commands enter a budget through run.py's two functions: run_in_budget starts a p
 offload_decoder sets its decoder up inside it.
 """
 
-from .budget import AUTO_START_LIMIT, Budget, BudgetPlan, auto_budget_bytes, current_budget, plan_budget
+from .budget import AUTO_MIN_SLACK, AUTO_START_LIMIT, Budget, BudgetPlan, auto_budget_bytes, current_budget, plan_budget
 from .cgroup import BudgetUnavailable, MemoryCgroup, current_budget_cgroup
 from .experts import ExpertMap, expert_map, rank_counts, select_hot_experts
 from .libc import drop_file_cache
@@ -30,7 +30,7 @@ from .run import BudgetRun, Pinning, offload_decoder, run_in_budget, split_line
 from .sizes import PAGE, fmt_bytes, parse_size
 
 __all__ = [
-    "AUTO_START_LIMIT", "Budget", "BudgetPlan", "BudgetRun", "BudgetUnavailable", "ExpertMap", "MemoryCgroup",
+    "AUTO_MIN_SLACK", "AUTO_START_LIMIT", "Budget", "BudgetPlan", "BudgetRun", "BudgetUnavailable", "ExpertMap", "MemoryCgroup",
     "ModelMapping", "NativePrefetch", "OffloadStats", "Offloader", "PAGE", "PinError", "Pinning", "Residency",
     "auto_budget_bytes", "code_ranges", "current_budget", "current_budget_cgroup", "drop_file_cache",
     "expert_map", "fmt_bytes", "model_mappings", "offload_decoder", "parse_size", "plan_budget",

@@ -15,6 +15,7 @@ from .sizes import fmt_bytes, parse_size
 # loaded and warmed up, and lowers the limit to it.
 AUTO_START_LIMIT = 64 << 30
 AUTO_EXPERT_SHARE = 1 / 3
+AUTO_MIN_SLACK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -105,5 +106,6 @@ def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXP
         mapping.close()
     held = max(0, cg.usage() - int(resident))
     # the slack absorbs what the heap still grows by in the first real generations after a warm-up, so
-    # that the expert cache keeps its share
-    return int(held + share * emap.total_expert_bytes + max(2 << 20, held // 50))
+    # that the expert cache keeps its share; 2 MiB was too little: a module the first generation imported
+    # (2.2 MiB) had a session under auto killed by the cgroup's OOM killer
+    return int(held + share * emap.total_expert_bytes + max(AUTO_MIN_SLACK, held // 50))
