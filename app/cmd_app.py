@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_parser(subparsers) -> None:
-    from .cli import add_placement_options, budget_text, nonempty, positive_int
+    from .cli import add_placement_options, add_sampling_options, budget_text, nonempty, positive_int
 
     p = subparsers.add_parser("app", help="open the terminal app (the default when s2moe has no arguments)")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -16,7 +16,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budget", type=budget_text, help="memory budget (SIZE such as 80M, or auto = what the app holds + a third of "
                                     "the expert bytes): run inside a memory cgroup of that size, experts offloaded")
     add_placement_options(p)
-    p.set_defaults(run=run)
+    add_sampling_options(p)
+    # Given, a sampler flag overrides the chat's remembered setting; not given, the remembered one stands.
+    p.set_defaults(run=run, temp=None, seed=None, top_k=None, top_p=None, min_p=None, repeat_penalty=None,
+                   repeat_last_n=None)
 
 
 def build_app(args):
@@ -24,7 +27,7 @@ def build_app(args):
     from pathlib import Path
 
     from ..engine.errors import ConfigError
-    from .cli import placement_from_args
+    from .cli import placement_from_args, sampling_settings
     from .tui.app import S2MoEApp
     from .tui.session import shipped_default_model
 
@@ -51,7 +54,9 @@ def build_app(args):
         raise ConfigError("--threads must be at least 1")
     return S2MoEApp(model, profile=profile, n_threads=args.threads, n_ctx=getattr(args, "ctx", 2048),
                     model_message=message, budget=getattr(args, "budget", None),
-                    placement=placement_from_args(args) if hasattr(args, "gpu_layers") else None)
+                    placement=placement_from_args(args) if hasattr(args, "gpu_layers") else None,
+                    sampling={k: v for k, v in sampling_settings(args).items() if v is not None}
+                    if hasattr(args, "temp") else None)
 
 
 def run(args) -> int:

@@ -236,3 +236,27 @@ def test_the_dialogs_switches_say_their_state_in_a_glyph():
             assert app.screen.settings.gating is False
 
     run(go())
+
+
+def test_the_apps_sampler_flags_override_the_remembered_settings_for_the_session():
+    from s2moe.app.cmd_app import build_app
+
+    args = build_parser().parse_args(["app", "-m", "missing.gguf", "--temp", "0.6", "--top-k", "7", "-s", "3"])
+    assert build_app(args).sampling_flags == {"temperature": 0.6, "top_k": 7, "seed": 3}
+    assert build_app(build_parser().parse_args(["app", "-m", "missing.gguf"])).sampling_flags == {}
+
+    async def go():
+        app = fake_app(sampling={"temperature": 0.6, "top_k": 7, "seed": 3})
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            s = app.screen.settings
+            assert (s.temperature, s.top_k, s.seed, s.top_p) == (0.6, 7, 3, ChatSettings().top_p)
+            await type_prompt(pilot, "hello")
+            await wait_for(pilot, lambda: not app.screen.generating and app.screen.transcript.turns,
+                           what="generation")
+            cfg = app.fake_decoders[-1].configs[-1]
+            assert (cfg.temperature, cfg.top_k, cfg.seed) == (0.6, 7, 3)
+
+    run(go())
+    with pytest.raises(ConfigError):
+        build_parser().parse_args(["app", "--top-p", "2"])

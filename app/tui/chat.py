@@ -143,7 +143,7 @@ class ChatScreen(Screen):
     def on_mount(self) -> None:
         self.app.register_view(self)
         self.query_one("#legend", Static).update(legend(self.app))
-        self.settings = settings_from_state(remembered_settings())
+        self.settings = replace(settings_from_state(remembered_settings()), **self.app.sampling_flags)
         self.adapt_to_model()
         self.set_interval(0.1, self.flush_text)
         self.set_interval(0.3, self.flush_live)  # plots cost more to draw than text
