@@ -193,7 +193,7 @@ def test_chat_light_theme(snap_compare):
     assert snap_compare(make_app(), terminal_size=(100, 30), run_before=run_before)
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES + [SMALL])
 def test_calibrate_wizard_done(snap_compare, size):
     async def run_before(pilot):
         await ready(pilot)
@@ -210,7 +210,7 @@ def test_calibrate_wizard_done(snap_compare, size):
     assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES + [SMALL])
 def test_profiles(snap_compare, size):
     async def run_before(pilot):
         await ready(pilot)

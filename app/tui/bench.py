@@ -93,6 +93,9 @@ class BenchAcceptPlot(BenchPlot):
 
 class BenchScreen(Screen):
     HELP_TITLE = "Bench"
+    # Under 80 columns the form and the results stack: side by side the form keeps its 30 columns and the
+    # plots get what is left, too narrow for their labels.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (80, "-wide")]
     AUTO_FOCUS = "#bench-prompts"
     BINDINGS = [
         Binding("ctrl+r", "start", "Run", tooltip="Run the selected modes on the prompts"),

@@ -215,6 +215,8 @@ class TuneState:
 
 class CalibrateScreen(Screen):
     HELP_TITLE = "Calibrate"
+    # Under 80 columns the form and the plots stack: side by side, each input would be 8 cells wide.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (80, "-wide")]
     AUTO_FOCUS = "#cal-name"
     BINDINGS = [
         Binding("ctrl+r", "start", "Run", tooltip="Start the calibration"),

@@ -20,6 +20,8 @@ TABLE_COLUMNS = (Column("active", "", 1, 0), Column("name", "name", 16, 1), Colu
 
 class ProfilesScreen(Screen):
     HELP_TITLE = "Profiles"
+    # Under 80 columns the table and the detail stack, so that the detail's lines have the full width.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (80, "-wide")]
     AUTO_FOCUS = "#prof-table"
     BINDINGS = [
         Binding("space,u", "activate", "Use", tooltip="Make the highlighted profile the active one (or Enter)"),
@@ -112,7 +114,7 @@ class ProfilesScreen(Screen):
         data = entry.data or {}
         out = Table.grid(padding=(0, 1))
         out.add_column(style="bold")
-        out.add_column()
+        out.add_column(overflow="fold")  # a file name is folded onto the next line, never cut
         out.add_row("profile", entry.name)
         out.add_row("kind", entry.kind)
         out.add_row("from", f"{entry.where} ({entry.path.name})")
