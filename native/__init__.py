@@ -17,18 +17,24 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from ..engine.errors import S2MoEError
+
 SOURCES = ("s2moe_hook.c", "s2moe_offload.c")
 
 
-class NativeBuildError(RuntimeError):
-    """The native helper library could not be built or loaded."""
+class NativeBuildError(S2MoEError, RuntimeError):
+    """The native helper library could not be built or loaded (said in one line, as every user error)."""
 
 
 def _llama_cpp_dirs() -> tuple[Path, Path]:
-    """(include dir with ggml.h, lib dir with libggml-base) of the installed llama-cpp-python."""
-    import llama_cpp  # noqa: F401  (loads libllama/libggml so our library resolves against them)
+    """(include dir with ggml.h, lib dir with libggml-base) of the installed llama-cpp-python. Found without
+    importing it: a build may run in a process that must not load llama.cpp (run_in_budget's parent)."""
+    import importlib.util
 
-    pkg = Path(llama_cpp.__file__).resolve().parent
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.origin:
+        raise NativeBuildError("llama-cpp-python is not installed")
+    pkg = Path(spec.origin).resolve().parent
     lib = pkg / "lib"
     for inc in (pkg / "include", pkg.parent / "include", pkg / "vendor" / "llama.cpp" / "ggml" / "include"):
         if (inc / "ggml.h").is_file() and (inc / "ggml-backend.h").is_file():
@@ -100,6 +106,8 @@ class _Hook(ctypes.Structure):
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """The loaded helper library with typed entry points."""
+    import llama_cpp  # noqa: F401  (loads libllama/libggml first: our library binds to the copies already loaded)
+
     path = build()
     lib = ctypes.CDLL(str(path))
     hp = ctypes.POINTER(_Hook)
@@ -117,11 +125,13 @@ def library() -> ctypes.CDLL:
         "s2_hook_skip": (None, [hp, i32p]),
         "s2_hook_gate": (None, [hp, ctypes.c_float, ctypes.c_int, f32p]),
         "s2_hook_set_route": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),
+        "s2_hook_set_resident": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),
         "s2_hook_set_backend_copy": (None, [hp, ctypes.c_int]),
         "s2_hook_set_distinct_min_rows": (None, [hp, ctypes.c_int]),
         "s2_hook_hooked": (ctypes.c_int64, [hp]),
         "s2_hook_skipped": (ctypes.c_int64, [hp]),
         "s2_hook_mask_fallbacks": (ctypes.c_int64, [hp]),
+        "s2_hook_mask_evicted": (ctypes.c_int64, [hp]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -53,6 +53,11 @@ def run_in_budget(argv: list[str], budget: Budget, model_path, *, tag: str = "ru
     limit and lowers it itself, see offload_decoder), with the model file dropped from the page cache.
     On leaving, a child still running is terminated and the cgroup removed, also on Ctrl-C or SIGTERM.
     Raises BudgetUnavailable (a ConfigError) when no cgroup can be made here."""
+    from ... import native
+
+    # Built here if it must be: a compiler run inside the cgroup leaves its files' pages charged there, and
+    # an auto budget, sized from what the cgroup holds, would count them as the process's own.
+    native.build()
     cg = MemoryCgroup.create(budget.start_limit, tag)
     proc = None
     try:
