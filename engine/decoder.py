@@ -52,9 +52,9 @@ class VerifyObserver(Protocol):
     def residency(self) -> Residency:
         """A residency snapshot (a walk over the model's pages: sampled, see Decoder.residency_share)."""
 
-    def resident_experts(self) -> np.ndarray:
-        """[n_layer, n_expert] bool: the experts wholly in memory now (pinned or cached), which a draft
-        may read without fetching anything."""
+    def draft_allowed(self) -> np.ndarray:
+        """[n_layer, n_expert] bool: the experts a draft from resident experts may read, provided they are
+        wholly in memory as its layer routes (the routing hook asks the observer's prefetcher then)."""
 
 
 class Residency(Protocol):
@@ -300,7 +300,7 @@ class Decoder:
         if key not in self._measured:
             self._context = None
             # under a budget, also what a draft from resident experts costs (it fetches nothing)
-            allowed = None if self._observer is None else self._observer.resident_experts
+            allowed = None if self._observer is None else self._observer.draft_allowed
             self._measured[key], _ = measure_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed,
                                                             draft_allowed=allowed)
         return self._measured[key]
@@ -324,7 +324,7 @@ class Decoder:
         return "resident"
 
     def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None) -> Drafter:
-        allowed = self._observer.resident_experts if self.draft_experts(cfg) == "resident" else None
+        allowed = self._observer.draft_allowed if self.draft_experts(cfg) == "resident" else None
         if cfg.trace:
             rule = (ConfidenceStop(cfg.conf_p_min) if cfg.mode == "conf" else
                     self._utility_rule(cfg, cost) if cfg.mode == "s2moe" and cfg.utility else FixedLength())

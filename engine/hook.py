@@ -119,7 +119,8 @@ class RoutingHook:
     def draft(self, k_draft: int, allowed: np.ndarray | None = None) -> None:
         """Draft with the top-k_d experts of each layer; with `allowed` ([n_layer, n_expert] bool), the
         router's best-ranked among those only (the router's own next choices where a layer has too few
-        allowed: counted in mask_fallbacks)."""
+        allowed: counted in mask_fallbacks). With a prefetcher routed (set_route), an allowed expert must
+        also be in memory as its layer routes (refusals counted in mask_evicted)."""
         if allowed is None:
             self.lib.s2_hook_draft(self.handle, int(k_draft))
         else:
@@ -147,6 +148,7 @@ class RoutingHook:
         The hook keeps the prefetcher alive for as long as it may call it."""
         self._route = prefetcher
         self.lib.s2_hook_set_route(self.handle, prefetcher.layer_fn_address, prefetcher.handle)
+        self.lib.s2_hook_set_resident(self.handle, prefetcher.resident_fn_address, prefetcher.handle)
 
     def clear_route(self, prefetcher=None) -> None:
         """Stop calling the prefetcher (only `prefetcher`'s route, when one is named)."""
@@ -154,6 +156,7 @@ class RoutingHook:
             return
         if self.handle:
             self.lib.s2_hook_set_route(self.handle, None, None)
+            self.lib.s2_hook_set_resident(self.handle, None, None)
         self._route = None
 
     @property
@@ -182,6 +185,11 @@ class RoutingHook:
         """Kept draft slots, since creation, that a residency mask could not fill from the experts it
         allows (each reads the router's own choice, which may have to be fetched)."""
         return int(self.lib.s2_hook_mask_fallbacks(self.handle))
+
+    def mask_evicted(self) -> int:
+        """Experts, since creation, that a draft's mask allowed but that were out of memory when their layer
+        routed (pages evicted since the mask was made, or never in memory where the mask allows any)."""
+        return int(self.lib.s2_hook_mask_evicted(self.handle))
 
     def snapshot(self, n_rows: int) -> Routing:
         rows = np.minimum(self.rows, n_rows).astype(np.int32)

@@ -69,11 +69,16 @@ typedef struct s2_hook {
     // offloading helper ask the OS for exactly those experts' pages just in time.
     int (*on_route)(void *ctx, int layer, const int32_t *ids, int n);
     void *route_ctx;
+    // Asked, in masked draft mode, whether an expert the mask allows is in memory at the moment the layer
+    // routes: a mask is a snapshot, and the kernel may evict its pages before a later draft pass reads them.
+    int (*is_resident)(void *ctx, int layer, int e);
+    void *resident_ctx;
 
     // counters for diagnostics
     int64_t n_hooked;    // weight nodes handled since creation
     int64_t n_skipped;   // weight nodes with unexpected shapes (left untouched)
     int64_t n_mask_fallback; // masked drafts: kept slots the mask could not fill (the router's choice instead)
+    int64_t n_mask_evicted;  // masked drafts: experts the mask allowed that were found out of memory
 
     // scratch
     float *scores;       // [max_rows][n_expert] selection scores copied at the argsort node
@@ -85,6 +90,7 @@ typedef struct s2_hook {
     unsigned char *in_pref; // [n_expert]
     unsigned char *in_row;  // [n_expert] distinct ids: experts already named in the row being filled
     int32_t *pool;          // [n_expert] distinct ids: the experts a layer's batch reads, in first-use order
+    int8_t *allowed;        // [n_expert] masked drafts: one layer's answers (-1: not asked yet)
 } s2_hook;
 
 s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max) {
@@ -105,9 +111,11 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
     h->in_pref = malloc(n_expert);
     h->in_row = malloc(n_expert);
     h->pool = malloc(n_expert * sizeof(int32_t));
-    if (!h->scores || !h->probs || !h->ranks || !h->w || !h->importance || !h->in_pref || !h->in_row || !h->pool) {
+    h->allowed = malloc(n_expert);
+    if (!h->scores || !h->probs || !h->ranks || !h->w || !h->importance || !h->in_pref || !h->in_row || !h->pool ||
+        !h->allowed) {
         free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-        free(h->in_row); free(h->pool);
+        free(h->in_row); free(h->pool); free(h->allowed);
         free(h);
         return NULL;
     }
@@ -117,7 +125,7 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
 void s2_hook_free(s2_hook *h) {
     if (!h) return;
     free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-    free(h->in_row); free(h->pool);
+    free(h->in_row); free(h->pool); free(h->allowed);
     free(h);
 }
 
@@ -169,12 +177,31 @@ void s2_hook_set_route(s2_hook *h, int (*fn)(void *, int, const int32_t *, int),
     h->route_ctx = ctx;
 }
 
+void s2_hook_set_resident(s2_hook *h, int (*fn)(void *, int, int), void *ctx) {
+    h->is_resident = fn;
+    h->resident_ctx = ctx;
+}
+
 void s2_hook_set_backend_copy(s2_hook *h, int on) { h->backend_copy = on; }
 void s2_hook_set_distinct_min_rows(s2_hook *h, int min_rows) { h->distinct_min_rows = min_rows; }
 
 int64_t s2_hook_hooked(const s2_hook *h) { return h->n_hooked; }
 int64_t s2_hook_skipped(const s2_hook *h) { return h->n_skipped; }
 int64_t s2_hook_mask_fallbacks(const s2_hook *h) { return h->n_mask_fallback; }
+int64_t s2_hook_mask_evicted(const s2_hook *h) { return h->n_mask_evicted; }
+
+// Masked drafts: whether expert e of layer may be read, i.e. the mask allows it and (with a residency
+// callback) it is in memory now. Asked at most once per expert and decode of a layer.
+static bool draft_allows(s2_hook *h, int layer, int e) {
+    if (h->allowed[e] < 0) {
+        h->allowed[e] = h->draft_mask[(size_t)layer * h->n_expert + e] != 0;
+        if (h->allowed[e] && h->is_resident && !h->is_resident(h->resident_ctx, layer, e)) {
+            h->allowed[e] = 0;
+            h->n_mask_evicted++;
+        }
+    }
+    return h->allowed[e];
+}
 
 // Returns the layer index if name is exactly prefix followed by a decimal number, else -1.
 static int layer_of(const char *name, const char *prefix, size_t prefix_len) {
@@ -331,16 +358,15 @@ static void fill_distinct(s2_hook *h, int32_t *used, const int32_t *orig, int n_
 // slot differs from the router's.
 static bool mask_layer(s2_hook *h, int layer, int n_rows, int32_t *used) {
     const int k = h->k, ne = h->n_expert, kd = h->k_draft;
-    const uint8_t *allow = h->draft_mask + (size_t)layer * ne;
     bool changed = false;
     for (int r = 0; r < n_rows; ++r) {
         const int32_t *rank = h->ranks + (size_t)r * ne;
         int32_t *row = used + (size_t)r * k;
         int n = 0;
         for (int q = 0; q < ne && n < kd; ++q)
-            if (allow[rank[q]]) row[n++] = rank[q];
+            if (draft_allows(h, layer, rank[q])) row[n++] = rank[q];
         for (int q = 0; q < ne && n < kd; ++q)
-            if (!allow[rank[q]]) { row[n++] = rank[q]; h->n_mask_fallback++; }
+            if (!draft_allows(h, layer, rank[q])) { row[n++] = rank[q]; h->n_mask_fallback++; }
         for (int j = 0; j < kd; ++j) changed |= row[j] != rank[j];
     }
     return changed;
@@ -391,6 +417,7 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
                           (h->distinct_min_rows > 0 && n_rows >= h->distinct_min_rows);
     bool rewrite = false;
     if (drafting) {
+        if (masked) memset(h->allowed, -1, ne);
         if (masked && mask_layer(h, layer, n_rows, used)) {
             // a kept expert the router did not put in that slot weighs what the router gives it
             read_f32_rows(h, probs, ne, n_rows, probs->nb[2], h->probs);
@@ -415,7 +442,7 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
                 }
             if (masked)  // then the other experts in memory: a masked draft's fillers fetch nothing either
                 for (int e = 0; e < ne; ++e)
-                    if (!h->in_row[e] && h->draft_mask[(size_t)layer * ne + e]) { h->in_row[e] = 1; h->pool[n_pool++] = e; }
+                    if (!h->in_row[e] && draft_allows(h, layer, e)) { h->in_row[e] = 1; h->pool[n_pool++] = e; }
             fill_distinct(h, used, orig, n_rows, h->k_draft, h->pool, n_pool);
         }
         rewrite = true;

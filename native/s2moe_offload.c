@@ -110,6 +110,13 @@ static int expert_resident(s2_prefetch *p, int layer, int e) {
     return 1;
 }
 
+// The same for the routing hook (masked drafts ask about each candidate as its layer routes).
+int s2_prefetch_expert_resident(void *p, int layer, int e) {
+    s2_prefetch *q = p;
+    if (!q || layer < 0 || layer >= q->n_layer || e < 0 || e >= q->n_expert) return 0;
+    return expert_resident(q, layer, e);
+}
+
 // For each expert set in mask ([n_layer][n_expert], nonzero = ask), out = 1 if it is wholly resident.
 // Returns how many of them are.
 int s2_prefetch_resident(s2_prefetch *p, const uint8_t *mask, uint8_t *out) {

@@ -29,6 +29,7 @@ class NativePrefetch:
             "s2_prefetch_free": (None, [vp]),
             "s2_prefetch_configure": (None, [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int32)]),
             "s2_prefetch_resident": (ctypes.c_int, [vp, u8p, u8p]),
+            "s2_prefetch_expert_resident": (ctypes.c_int, [vp, ctypes.c_int, ctypes.c_int]),
             "s2_prefetch_layer": (ctypes.c_int, [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int32), ctypes.c_int]),
             "s2_prefetch_mask": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_uint8)]),
             "s2_prefetch_set_ahead": (None, [vp, ctypes.POINTER(ctypes.c_uint8)]),
@@ -87,6 +88,11 @@ class NativePrefetch:
     @property
     def layer_fn_address(self) -> int:
         return ctypes.cast(self.lib.s2_prefetch_layer, ctypes.c_void_p).value
+
+    @property
+    def resident_fn_address(self) -> int:
+        """s2_prefetch_expert_resident(handle, layer, expert): the routing hook's live residency question."""
+        return ctypes.cast(self.lib.s2_prefetch_expert_resident, ctypes.c_void_p).value
 
     def layer(self, layer: int, ids) -> int:
         ids = np.ascontiguousarray(ids, dtype=np.int32)

@@ -70,7 +70,7 @@ class Offloader:
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
         self.plan = None                      # BudgetPlan, when a budget was given
         self._decoder = None                  # the decoder it is attached to
-        self._every: np.ndarray | None = None  # every expert: what resident_experts asks about
+        self._every: np.ndarray | None = None  # every expert: what a draft may read if in memory
 
     def attach(self, decoder, *, jit_prefetch: bool) -> None:
         """Observe decoder's verifications; the routing hook hands every layer's final ids to the native
@@ -155,12 +155,14 @@ class Offloader:
     def misses(self) -> np.ndarray:
         return self.native.counted()
 
-    def resident_experts(self) -> np.ndarray:
-        """[n_layer, n_expert] bool: the experts whose every page is in memory now, pinned ones included
-        (mincore over the experts' own ranges: what a draft from resident experts may read)."""
+    def draft_allowed(self) -> np.ndarray:
+        """[n_layer, n_expert] bool: every expert. A draft reads only what is in memory as its layer routes:
+        the routing hook asks the native prefetcher about each candidate then (mincore of its own ranges),
+        which costs less than a snapshot of every expert per proposal and cannot go stale between the
+        proposal's draft passes."""
         if self._every is None:
             self._every = np.ones((self.emap.n_layer, self.emap.n_expert), bool)
-        return self.native.resident(self._every) | self.map.pinned
+        return self._every
 
     def residency(self) -> Residency:
         return Residency(self.map.expert_residency(), self.map.pinned, self.stats.hit_rate(),
