@@ -13,6 +13,8 @@ machine hit every arm alike):
     spec/hot      self-speculation (fixed draft length, gating off: lossless), base + hot pinned, no prefetch
     spec/hot+pf   ... + prefetch of the draft's predicted experts (madvise WILLNEED, pass by pass)
     ar/hot+jit, spec/hot+jit, spec/hot+jit+pf   the same with the routing hook's just-in-time prefetch
+    spec/hot+jit+ahead   ... verification asking for layer L+1's predicted experts as layer L routes
+    spec/hot+jit+fetch   ... 8 reader threads fetching each verification's predicted experts ahead of it
 The default budget is `--budget auto` of bench and the app (offload.auto_budget_bytes), measured once in a
 probe run with the non-expert weights and code pinned: everything its cgroup holds after decoding a few
 tokens (anonymous memory, pinned weights, library and interpreter file pages) except expert pages, plus one
@@ -42,6 +44,8 @@ ARMS = {
     "spec/hot+jit+pf": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=True, jit=True),
     # ... verification asking for layer L+1's predicted experts as layer L routes
     "spec/hot+jit+ahead": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True, ahead=True),
+    # ... reader threads fetching each verification's predicted experts, 8 at a time, ahead of its layers
+    "spec/hot+jit+fetch": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True, fetch=8),
 }
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
@@ -58,7 +62,8 @@ def _worker(cfg: dict) -> int:
     dec = Decoder(cfg["model"], n_ctx=256, n_threads=cfg["threads"], max_draft=8, use_extra_bufts=False)
     pinning = Pinning(base=cfg["pin_base"], code=cfg.get("pin_code", True), hot=cfg["pin_hot"],
                       jit_prefetch=cfg.get("jit", False), predicted_prefetch=cfg["prefetch"],
-                      lookahead=cfg.get("ahead", False))
+                      lookahead=cfg.get("ahead", False), fetch_workers=cfg.get("fetch", 0),
+                      fetch_room_share=cfg.get("fetch_room", 0.5))
     budget = None if cfg.get("budget") is None else Budget(cfg["budget"])
     off = offload_decoder(dec, budget, [tuple(p) for p in cfg.get("hot", [])], pinning=pinning)
     load_s = time.perf_counter() - t0
@@ -73,7 +78,7 @@ def _worker(cfg: dict) -> int:
            "accept_len": s.accept_len, "pinned": off.pinned_split, "anon": process_anon_bytes(),
            "hit_rate": None if not np.isfinite(hr).any() else float(np.nanmean(hr)),
            "fault_readahead": off.fault_readahead,
-           "prefetched_bytes": off.stats.prefetched_bytes,
+           "prefetched_bytes": off.stats.prefetched_bytes, "fetched": off.fetch_stats(),
            "peak": cg.peak() if cg else None, "split": cg.split() if cg else None,
            "plan": off.plan.__dict__ if off.plan else None, "tokens": list(s.tokens),
            "auto_budget": auto_budget_bytes(cg, expert_map(cfg["model"])) if cg else None}
@@ -156,7 +161,8 @@ def main(argv=None) -> int:
             else:
                 hr = f"{res['hit_rate']:.0%}" if res["hit_rate"] is not None else "-"
                 print(f"round {r + 1} {arm:12s} {res['tok_s']:7.2f} tok/s  accept {res['accept_len']:.2f}  hit {hr}  "
-                      f"peak {fmt_bytes(res['peak'] or 0)}  load {res['load_s']:.1f}s", file=sys.stderr)
+                      f"peak {fmt_bytes(res['peak'] or 0)}  load {res['load_s']:.1f}s"
+                      + (f"  fetched {res['fetched']}" if res.get("fetched") else ""), file=sys.stderr)
     summary = {}
     for arm, runs in results.items():
         ok = [x["tok_s"] for x in runs if "error" not in x]
@@ -173,7 +179,8 @@ def main(argv=None) -> int:
                ("spec/hot+pf", "spec/hot"), ("spec/hot", "ar/hot"), ("spec/hot+pf", "ar/hot"),
                ("ar/hot+jit", "ar/hot"), ("spec/hot+jit", "spec/hot+pf"), ("spec/hot+jit", "ar/hot+jit"),
                ("spec/hot+jit+pf", "spec/hot+jit"), ("spec/hot+jit+pf", "ar/hot+jit"),
-               ("spec/hot+jit+ahead", "spec/hot+jit"), ("spec/hot+jit+ahead", "ar/hot+jit"))}
+               ("spec/hot+jit+ahead", "spec/hot+jit"), ("spec/hot+jit+ahead", "ar/hot+jit"),
+               ("spec/hot+jit+fetch", "spec/hot+jit"), ("spec/hot+jit+fetch", "ar/hot+jit"))}
     for k, (m, rs) in ratios.items():
         if m is not None:
             print(f"{k:28s} {m:.2f}×  (rounds: {', '.join(f'{x:.2f}' for x in rs)})")

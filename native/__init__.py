@@ -84,9 +84,9 @@ def build(force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [
-        _compiler(), "-O2", "-std=c11", "-fPIC", "-shared", "-Wall",
+        _compiler(), "-O2", "-std=c11", "-fPIC", "-shared", "-Wall", "-pthread",
         f"-I{inc}", *[str(here / s) for s in SOURCES],
-        f"-L{lib}", "-lggml-base", f"-Wl,-rpath,{lib}", "-lm", "-o", tmp,
+        f"-L{lib}", "-lggml-base", f"-Wl,-rpath,{lib}", "-lm", "-pthread", "-o", tmp,
     ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -12,12 +12,17 @@
 // own ranges), so an offloaded verification knows how many of its experts had to be fetched without a
 // walk over the whole mapping: on a model of tens of GiB that walk costs milliseconds per token.
 
-#define _DEFAULT_SOURCE  // madvise and MADV_WILLNEED under -std=c11
+#define _GNU_SOURCE  // madvise, MADV_WILLNEED, pread and posix_fadvise under -std=c11
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
+
+typedef struct s2_fetcher s2_fetcher;
 
 typedef struct s2_prefetch {
     uint8_t *base;        // start of our mapping of the model file
@@ -34,6 +39,7 @@ typedef struct s2_prefetch {
     const uint8_t *ahead; // [n_layer][n_expert] caller-owned: experts the coming decode is predicted to read
                           // (a verification's, from the draft); when layer L routes, layer L+1's are
                           // advised too, so that its reads overlap layer L's matmuls (NULL: none)
+    s2_fetcher *fetcher;  // background reads of a verification's predicted experts (NULL: none)
 } s2_prefetch;
 
 s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert, int n_parts, const int64_t *ranges) {
@@ -131,8 +137,11 @@ int s2_prefetch_resident(s2_prefetch *p, const uint8_t *mask, uint8_t *out) {
     return total;
 }
 
+void s2_fetch_stop(s2_prefetch *p);
+
 void s2_prefetch_free(s2_prefetch *p) {
     if (!p) return;
+    s2_fetch_stop(p);
     free(p->ranges);
     free(p->mark);
     free(p->vec);
@@ -165,9 +174,11 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
 }
 
 static int advise_predicted(s2_prefetch *p, int layer);
+static void fetch_progress(s2_fetcher *f, int layer);
 
 // The routing hook's callback: a layer's final ids, the moment before its expert matmuls read them.
 int s2_prefetch_layer(s2_prefetch *p, int layer, const int32_t *ids, int n) {
+    if (p && p->fetcher) fetch_progress(p->fetcher, layer);
     const int seen = advise_layer(p, layer, ids, n, p && p->misses != NULL, p && p->advise);
     if (p && p->advise && p->ahead && layer + 1 < p->n_layer) advise_predicted(p, layer + 1);
     return seen;
@@ -206,3 +217,228 @@ int s2_prefetch_mask(s2_prefetch *p, const uint8_t *mask) {
 
 int64_t s2_prefetch_bytes(const s2_prefetch *p) { return p ? p->bytes_advised : 0; }
 int64_t s2_prefetch_calls(const s2_prefetch *p) { return p ? p->n_calls : 0; }
+
+// ---------------------------------------------------------------------------------------------------
+// Fetching a verification's experts at the storage's speed.
+//
+// A page fault reads one page (or one read-around window) and the decoding thread waits for it: one read
+// in flight at a time. But a verification's experts are known before it runs: each draft pass's router
+// names the experts the target will route its token to. Worker threads read those experts with pread
+// (the page cache keeps what they read, which is all that matters here), several at a time, in layer
+// order, while the draft passes still compute and then ahead of the verification's own progress.
+//
+// What they may read is bounded by `room` bytes: the experts read and not yet used (their layer not yet
+// reached by the verification) must fit the expert cache, or they evict each other before use. The
+// verification's progress comes from the routing hook: when layer L routes, the experts of layers below
+// L have been read by their matmuls. A worker skips an expert already wholly in memory.
+//
+// Our file descriptor is POSIX_FADV_RANDOM: a read then brings in exactly the pages asked for, not a
+// read-ahead window beyond the expert.
+
+enum { WANT_NONE = 0, WANT_QUEUED = 1, WANT_TAKEN = 2 };
+
+struct s2_fetcher {
+    s2_prefetch *p;
+    int fd, n_workers;
+    pthread_t *threads;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint8_t *state;       // [n_layer][n_expert] WANT_*
+    int64_t *bytes;       // [n_layer][n_expert] an expert's bytes (sum of its parts' page spans)
+    int64_t room;         // bytes that may be read ahead of the verification
+    int verifying;        // the verification runs: progress follows its layers
+    int layer;            // experts of layers below this one have been used
+    int stop;
+    int64_t n_read, n_resident, n_late, bytes_read;
+    double read_seconds;  // summed over workers
+};
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// The next expert a worker may read (index into state), or -1. Called with the lock held.
+static int next_wanted(s2_fetcher *f) {
+    const s2_prefetch *p = f->p;
+    int64_t ahead = 0;  // taken and not yet used
+    for (int l = f->layer; l < p->n_layer; ++l)
+        for (int e = 0; e < p->n_expert; ++e) {
+            const size_t i = (size_t)l * p->n_expert + e;
+            if (f->state[i] == WANT_TAKEN) ahead += f->bytes[i];
+        }
+    for (int l = f->layer; l < p->n_layer; ++l)
+        for (int e = 0; e < p->n_expert; ++e) {
+            const size_t i = (size_t)l * p->n_expert + e;
+            if (f->state[i] != WANT_QUEUED) continue;
+            return ahead + f->bytes[i] <= f->room ? (int)i : -1;
+        }
+    return -1;
+}
+
+static void *fetch_worker(void *arg) {
+    s2_fetcher *f = arg;
+    s2_prefetch *p = f->p;
+    int64_t longest = 0;
+    for (size_t i = 1; i < (size_t)p->n_layer * p->n_expert * p->n_parts * 2; i += 2)
+        if (p->ranges[i] > longest) longest = p->ranges[i];
+    char *buf = malloc((size_t)longest + 2 * p->page);
+    unsigned char *vec = malloc((size_t)longest / p->page + 2);
+    pthread_mutex_lock(&f->mu);
+    while (buf && vec && !f->stop) {
+        const int i = next_wanted(f);
+        if (i < 0) {
+            pthread_cond_wait(&f->cv, &f->mu);
+            continue;
+        }
+        f->state[i] = WANT_TAKEN;
+        pthread_mutex_unlock(&f->mu);
+
+        const int layer = i / p->n_expert, e = i % p->n_expert;
+        const double t0 = now_s();
+        int resident = 1;
+        int64_t got = 0;
+        for (int j = 0; j < p->n_parts; ++j) {
+            size_t a, n;
+            if (!part_pages(p, layer, e, j, &a, &n)) continue;
+            int here = mincore(p->base + a, n, vec) == 0;
+            for (size_t q = 0; here && q < (n + p->page - 1) / p->page; ++q) here = vec[q] & 1;
+            if (here) continue;
+            resident = 0;
+            for (size_t off = 0; off < n;) {
+                const ssize_t r = pread(f->fd, buf, n - off, (off_t)(a + off));
+                if (r <= 0) break;
+                off += (size_t)r;
+                got += r;
+            }
+        }
+        const double dt = now_s() - t0;
+
+        pthread_mutex_lock(&f->mu);
+        if (resident) f->n_resident++;
+        else {
+            f->n_read++;
+            f->bytes_read += got;
+            f->read_seconds += dt;
+        }
+    }
+    pthread_mutex_unlock(&f->mu);
+    free(buf);
+    free(vec);
+    return NULL;
+}
+
+// Start n_workers reader threads on the model file at path (the file p maps). Returns 0, or -1.
+int s2_fetch_start(s2_prefetch *p, const char *path, int n_workers, int64_t room) {
+    if (!p || p->fetcher || !path || n_workers <= 0) return -1;
+    s2_fetcher *f = calloc(1, sizeof *f);
+    if (!f) return -1;
+    const size_t n = (size_t)p->n_layer * p->n_expert;
+    f->p = p;
+    f->room = room;
+    f->state = calloc(n, 1);
+    f->bytes = calloc(n, sizeof(int64_t));
+    f->threads = calloc((size_t)n_workers, sizeof(pthread_t));
+    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (!f->state || !f->bytes || !f->threads || f->fd < 0) goto fail;
+    posix_fadvise(f->fd, 0, 0, POSIX_FADV_RANDOM);
+    for (size_t i = 0; i < n; ++i)
+        for (int j = 0; j < p->n_parts; ++j) {
+            size_t a, len;
+            if (part_pages(p, (int)(i / p->n_expert), (int)(i % p->n_expert), j, &a, &len)) f->bytes[i] += (int64_t)len;
+        }
+    pthread_mutex_init(&f->mu, NULL);
+    pthread_cond_init(&f->cv, NULL);
+    for (int w = 0; w < n_workers; ++w) {
+        if (pthread_create(&f->threads[w], NULL, fetch_worker, f) != 0) break;
+        f->n_workers++;
+    }
+    if (f->n_workers == 0) {
+        pthread_mutex_destroy(&f->mu);
+        pthread_cond_destroy(&f->cv);
+        goto fail;
+    }
+    p->fetcher = f;
+    return 0;
+fail:
+    if (f->fd >= 0) close(f->fd);
+    free(f->state);
+    free(f->bytes);
+    free(f->threads);
+    free(f);
+    return -1;
+}
+
+void s2_fetch_stop(s2_prefetch *p) {
+    s2_fetcher *f = p ? p->fetcher : NULL;
+    if (!f) return;
+    pthread_mutex_lock(&f->mu);
+    f->stop = 1;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+    for (int w = 0; w < f->n_workers; ++w) pthread_join(f->threads[w], NULL);
+    pthread_mutex_destroy(&f->mu);
+    pthread_cond_destroy(&f->cv);
+    close(f->fd);
+    free(f->state);
+    free(f->bytes);
+    free(f->threads);
+    free(f);
+    p->fetcher = NULL;
+}
+
+// The experts set in mask ([n_layer][n_expert]) are predicted for the coming verification: queue those
+// not queued yet. The first call after a verification starts a new proposal (forgets the last one's).
+void s2_fetch_want(s2_prefetch *p, const uint8_t *mask) {
+    s2_fetcher *f = p ? p->fetcher : NULL;
+    if (!f || !mask) return;
+    const size_t n = (size_t)p->n_layer * p->n_expert;
+    pthread_mutex_lock(&f->mu);
+    if (f->verifying) {
+        for (size_t i = 0; i < n; ++i) {
+            // an expert still queued when its layer had passed was never read ahead
+            if (f->state[i] == WANT_QUEUED) f->n_late++;
+            f->state[i] = WANT_NONE;
+        }
+        f->verifying = 0;
+        f->layer = 0;
+    }
+    for (size_t i = 0; i < n; ++i)
+        if (mask[i] && f->state[i] == WANT_NONE) f->state[i] = WANT_QUEUED;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+}
+
+// The verification starts: from now on the routing hook's layers say which experts have been used.
+void s2_fetch_verify(s2_prefetch *p) {
+    s2_fetcher *f = p ? p->fetcher : NULL;
+    if (!f) return;
+    pthread_mutex_lock(&f->mu);
+    f->verifying = 1;
+    f->layer = 0;
+    pthread_mutex_unlock(&f->mu);
+}
+
+static void fetch_progress(s2_fetcher *f, int layer) {
+    pthread_mutex_lock(&f->mu);
+    if (f->verifying && layer > f->layer) {
+        f->layer = layer;
+        pthread_cond_broadcast(&f->cv);  // room freed: the experts of the layers passed are used
+    }
+    pthread_mutex_unlock(&f->mu);
+}
+
+// Counters: experts read, experts found already in memory, experts still queued when their layer passed,
+// bytes read, seconds the workers spent reading (summed).
+void s2_fetch_stats(s2_prefetch *p, int64_t *out, double *seconds) {
+    s2_fetcher *f = p ? p->fetcher : NULL;
+    if (!f) return;
+    pthread_mutex_lock(&f->mu);
+    out[0] = f->n_read;
+    out[1] = f->n_resident;
+    out[2] = f->n_late;
+    out[3] = f->bytes_read;
+    *seconds = f->read_seconds;
+    pthread_mutex_unlock(&f->mu);
+}

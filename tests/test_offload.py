@@ -280,6 +280,58 @@ def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
         m.close()
 
 
+def _wait_for(condition, seconds: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_reader_threads_fetch_the_predicted_experts_in_layer_order_within_their_room(wide_model):
+    """The verification fetcher reads what the draft predicted, and never more than its room ahead of the
+    layer the verification has reached (reported by the routing hook's callback): with room for one
+    expert, layer 1's expert is read only once the verification has passed layer 0."""
+    from s2moe.engine.offload import NativePrefetch
+
+    em = expert_map(wide_model)
+    m = ModelMapping(em)
+    pf = NativePrefetch(m, advise=False)
+    try:
+        drop_file_cache(wide_model)
+        if m.expert_residency().max() > 0:
+            pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+        # one expert, its parts rounded out to whole pages
+        pf.start_fetching(workers=4, room_bytes=int(em.expert_bytes.max()) + em.ranges.shape[2] * 2 * 4096)
+        mask = np.zeros((2, 8), bool)
+        mask[0, 2] = mask[1, 5] = True
+        pf.want(mask)
+        assert _wait_for(lambda: pf.fetch_stats()["read"] == 1)
+        res = m.expert_residency()
+        assert res[0, 2] == 1.0 and res[1, 5] == 0.0  # the room holds one expert: layer 0's, first
+        pf.verification_starts()
+        pf.layer(0, [2])
+        assert not _wait_for(lambda: pf.fetch_stats()["read"] == 2, 0.3)  # layer 0 still computing
+        pf.layer(1, [5])  # layer 0 is done: its expert's room is free
+        assert _wait_for(lambda: pf.fetch_stats()["read"] == 2)
+        assert m.expert_residency()[1, 5] == 1.0
+        res = m.expert_residency()
+        # exact ranges, no read-ahead: a neighbour has at most the pages it shares with the expert read
+        assert max(res[0, 1], res[0, 3], res[1, 4], res[1, 6]) <= 2 / 13
+        again = np.zeros((2, 8), bool)
+        again[0, 2] = again[1, 7] = True
+        pf.want(again)  # the next proposal: layer 0's expert is found in memory, not read again
+        assert _wait_for(lambda: pf.fetch_stats()["resident"] == 1)
+        stats = pf.fetch_stats()
+        assert stats["read"] == 2 and stats["bytes"] >= 2 * int(em.expert_bytes.min()) and stats["seconds"] > 0
+    finally:
+        pf.close()
+        m.close()
+
+
 def test_residency_snapshots_thin_out_when_the_walk_is_slow(tiny_models):
     """A residency snapshot walks the whole mapping; where that is slow next to decoding (a big model)
     snapshots come less often, so that they never take more than residency_share of the time."""
@@ -769,3 +821,32 @@ def test_the_native_library_is_built_before_a_budget_run_starts(tmp_path, monkey
                        stdout=subprocess.PIPE, text=True) as run:
         out, _ = run.proc.communicate(timeout=60)
     assert run.proc.returncode == 0 and ".so'" in out and "libs2moe-" in out
+
+
+AUTO_FETCH = """
+import json, sys
+from s2moe.engine import offload
+from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.events import Iteration
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=256, max_draft=8, use_extra_bufts=False)
+warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
+off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm,
+                              pinning=offload.Pinning(fetch_workers=4, fetch_room_share=0.5))
+cfg = GenerationConfig(mode="s2moe", n_predict=24, utility=False, reuse_strength=0.0, stop_at_eos=False,
+                       draft_experts="router")
+tokens = [t for e in dec.generate("the quick brown fox jumps over the lazy dog", cfg) if isinstance(e, Iteration)
+          for t in e.committed]
+plain = [t for e in dec.generate("the quick brown fox jumps over the lazy dog", GenerationConfig(mode="ar", n_predict=24,
+         stop_at_eos=False)) if isinstance(e, Iteration) for t in e.committed]
+print(json.dumps({"fetched": off.fetch_stats(), "same": tokens == plain}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_under_a_budget_reader_threads_fetch_for_verifications_and_change_no_token(tmp_path):
+    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
+                                                         n_ff=256, seed=2))
+    drop_file_cache(model)
+    r = _run_under_auto_budget(AUTO_FETCH, model, tmp_path)
+    assert r["same"]
+    assert r["fetched"]["read"] + r["fetched"]["resident"] > 0 and r["fetched"]["bytes"] > 0

@@ -35,6 +35,11 @@ class NativePrefetch:
             "s2_prefetch_set_ahead": (None, [vp, ctypes.POINTER(ctypes.c_uint8)]),
             "s2_prefetch_bytes": (ctypes.c_int64, [vp]),
             "s2_prefetch_calls": (ctypes.c_int64, [vp]),
+            "s2_fetch_start": (ctypes.c_int, [vp, ctypes.c_char_p, ctypes.c_int, ctypes.c_int64]),
+            "s2_fetch_stop": (None, [vp]),
+            "s2_fetch_want": (None, [vp, u8p]),
+            "s2_fetch_verify": (None, [vp]),
+            "s2_fetch_stats": (None, [vp, i64p, ctypes.POINTER(ctypes.c_double)]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -49,6 +54,7 @@ class NativePrefetch:
         self.misses = np.zeros(em.n_layer, np.int32)
         self._shape = (em.n_layer, em.n_expert)
         self.advise = advise
+        self.fetching = False
 
     @property
     def advise(self) -> bool:
@@ -102,6 +108,33 @@ class NativePrefetch:
     def mask(self, mask: np.ndarray) -> int:
         m = np.ascontiguousarray(mask, dtype=np.uint8)
         return int(self.lib.s2_prefetch_mask(self.handle, m.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))))
+
+    def start_fetching(self, workers: int, room_bytes: int) -> None:
+        """Start `workers` threads that read, in layer order, the experts want() names for the coming
+        verification, keeping at most room_bytes read ahead of the layer it has reached."""
+        path = str(self.mapping.emap.path).encode()
+        if self.lib.s2_fetch_start(self.handle, path, int(workers), int(room_bytes)) != 0:
+            raise OSError(f"cannot start {workers} expert reader threads on {self.mapping.emap.path}")
+        self.fetching = True
+
+    def want(self, mask: np.ndarray) -> None:
+        """The experts [n_layer, n_expert] newly predicted for the coming verification (the first call after
+        a verification starts the next proposal's list)."""
+        m = np.ascontiguousarray(mask, dtype=np.uint8)
+        self.lib.s2_fetch_want(self.handle, m.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+
+    def verification_starts(self) -> None:
+        """From now on the layers the routing hook reports are the verification's progress."""
+        self.lib.s2_fetch_verify(self.handle)
+
+    def fetch_stats(self) -> dict:
+        """Experts the reader threads read, found already in memory, or never reached before their layer
+        passed; bytes read and seconds spent reading (summed over threads)."""
+        out = (ctypes.c_int64 * 4)()
+        seconds = ctypes.c_double(0.0)
+        self.lib.s2_fetch_stats(self.handle, out, ctypes.byref(seconds))
+        return {"read": int(out[0]), "resident": int(out[1]), "late": int(out[2]), "bytes": int(out[3]),
+                "seconds": float(seconds.value)}
 
     @property
     def bytes_advised(self) -> int:

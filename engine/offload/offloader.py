@@ -67,6 +67,7 @@ class Offloader:
         self.native = NativePrefetch(self.map, advise=False)
         self._room = prefetch_bytes if prefetch_bytes is not None else 1 << 62
         self.lookahead = False  # as each layer of a verification routes, ask for the next layer's predicted experts
+        self.fetching = False   # reader threads fetch each verification's predicted experts (start_fetching)
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
         self.plan = None                      # BudgetPlan, when a budget was given
         self._decoder = None                  # the decoder it is attached to
@@ -81,6 +82,15 @@ class Offloader:
             decoder.rt.hook.set_route(self.native)
         decoder.attach(self)
         self._decoder = decoder
+
+    def start_fetching(self, workers: int, room_bytes: int) -> None:
+        """Have `workers` threads read each verification's predicted experts as the draft predicts them, at
+        most room_bytes ahead of the verification's progress (see native/s2moe_offload.c)."""
+        self.native.start_fetching(workers, room_bytes)
+        self.fetching = True
+
+    def fetch_stats(self) -> dict | None:
+        return self.native.fetch_stats() if self.fetching else None
 
     def pin(self, *, non_expert: bool = True, code: bool = True, hot=()) -> dict:
         raise_memlock_limit()
@@ -130,6 +140,8 @@ class Offloader:
         t0 = time.perf_counter()
         predicted = np.asarray(predicted, bool)
         hit = self.native.resident(predicted)  # looks at the predicted experts' pages only
+        if self.fetching:
+            self.native.want(predicted)
         self.stats.lookups += predicted.sum(axis=1)
         self.stats.hits += (predicted & hit).sum(axis=1)
         if self.prefetch:
@@ -143,6 +155,8 @@ class Offloader:
         self.stats.prefetch_seconds += time.perf_counter() - t0
 
     def verifying(self, predicted: np.ndarray | None) -> None:
+        if self.fetching:
+            self.native.verification_starts()
         if self.lookahead:
             self.native.set_ahead(predicted)
 

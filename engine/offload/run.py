@@ -88,6 +88,8 @@ class Pinning:
     predicted_prefetch: bool = False  # WILLNEED each draft pass's predicted experts while the draft goes on
                                       # (measured slower: OFFLOAD_RESULTS.md)
     lookahead: bool = False     # in a verification, ask for layer L+1's predicted experts when layer L routes
+    fetch_workers: int = 0      # threads that read each verification's predicted experts while the draft goes on
+    fetch_room_share: float = 0.5  # of the expert cache, what they may read ahead of the verification
 
 
 def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
@@ -169,6 +171,8 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
         choice = os.environ.get("S2MOE_FAULT_READAHEAD", "auto")  # auto | off | default (experiments)
         if choice != "default":
             off.advise_fault_readahead(random=choice == "off" or slab * 4 <= window)
+    if plan is not None and pinning.fetch_workers > 0:
+        off.start_fetching(pinning.fetch_workers, int(pinning.fetch_room_share * plan.cache_bytes))
     off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
     return off, hot
 
