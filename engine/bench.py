@@ -24,7 +24,7 @@ from .decoder import Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
 from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .events import Iteration, Summary, Totals
-from .modes import CHAIN_DRAFT_MODES, LOSSLESS_MODES, MODES
+from .modes import CHAIN_DRAFT_MODES, LOSSLESS_MODES, MODES, TREE_MODES
 from .sampling import MAX_SEED
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -93,7 +93,7 @@ class BenchRow:
     # one figure per repeat over the whole prompt set: tok/s, and the ratio to ar's tok/s in the same repeat
     tok_per_s_repeats: list[float] | None = None
     speedup_repeats: list[float] | None = None
-    draft_experts: str | None = None  # self-drafting modes: what the draft passes read (resident | router)
+    draft_experts: str | None = None  # self-drafting modes (chains, trees): what the draft passes read (resident | router)
 
     @property
     def repeats(self) -> int:
@@ -523,8 +523,8 @@ def run_bench(
                 identical_expected=expected_lossless(name, configs[name]) and name != "ar",
                 tok_per_s_repeats=[float(t) for t in tps],
                 speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
-                draft_experts=dec.draft_experts(configs[name]) if configs[name].mode in CHAIN_DRAFT_MODES
-                else None,
+                draft_experts=dec.draft_experts(configs[name])
+                if configs[name].mode in CHAIN_DRAFT_MODES + TREE_MODES else None,
             ))
         quality = {}
         if dec.info.is_moe and quality_texts:

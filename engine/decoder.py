@@ -67,7 +67,7 @@ TREE_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ
 # Modes whose drafts a trace can stand in for: the model's own experts, one chain, a stop rule per token.
 TRACE_MODES = ("s2moe", "conf", "cascade")
 
-# what a chain's draft passes read (GenerationConfig.draft_experts)
+# what self-drafting passes read, a chain's or a tree's (GenerationConfig.draft_experts)
 DRAFT_EXPERTS = ("resident", "router")
 
 DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
@@ -118,7 +118,7 @@ class GenerationConfig:
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
-    # which experts a chain's draft passes read: "router", the router's top-k_d; "resident", its best-ranked
+    # which experts self-drafting passes (chain or tree) read: "router", the router's top-k_d; "resident", its best-ranked
     # among the experts in memory (under a memory budget: drafts that fetch nothing); None: resident under
     # a budget (an observer attached), router otherwise
     draft_experts: str | None = None
@@ -317,7 +317,7 @@ class Decoder:
         self._measured.clear()
 
     def draft_experts(self, cfg: GenerationConfig) -> str:
-        """What cfg's chain drafts read here: "resident" under a budget (an observer that knows what is in
+        """What cfg's self-drafts (chain or tree) read here: "resident" under a budget (an observer that knows what is in
         memory) unless cfg asks for the router's choice; "router" otherwise."""
         if self._observer is None or cfg.draft_experts == "router":
             return "router"
@@ -346,15 +346,16 @@ class Decoder:
             return LayerSkipDrafter(FixedLength())
         if cfg.mode in TREE_MODES:
             if not cfg.utility:  # the fixed shape of the paper's baselines: tree_width nodes per depth
-                return TreeDrafter(cfg.draft_topk, None, cfg.tree_width, cfg.tree_max_nodes)
+                return TreeDrafter(cfg.draft_topk, None, cfg.tree_width, cfg.tree_max_nodes, allowed)
             # tree-prob: the same rule, blind to experts (T_exp = 0), a rule of its own
-            rule_cost = cost if cfg.mode == "tree" else replace(cost, t_exp=0.0)
-            key = ("tree", cfg.draft_topk, cfg.threshold, rule_cost)
+            base_cost = rule_cost(cost, self.draft_experts(cfg))
+            tree_cost = base_cost if cfg.mode == "tree" else replace(base_cost, t_exp=0.0)
+            key = ("tree", cfg.draft_topk, cfg.threshold, tree_cost)
             rule = self._rules.get(key)
             if rule is None:
-                rule = self._rules[key] = UtilityStop(rule_cost, cfg.threshold)
+                rule = self._rules[key] = UtilityStop(tree_cost, cfg.threshold)
             rule.start()
-            return TreeDrafter(cfg.draft_topk, rule, cfg.tree_width, cfg.tree_max_nodes)
+            return TreeDrafter(cfg.draft_topk, rule, cfg.tree_width, cfg.tree_max_nodes, allowed)
         if not cfg.utility:
             return SelfDrafter(cfg.draft_topk, FixedLength(), allowed)
         return SelfDrafter(cfg.draft_topk, self._utility_rule(cfg, cost), allowed)

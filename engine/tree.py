@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -67,11 +67,13 @@ class TreeDrafter(Drafter):
     name = "tree"
     drafts_in_context = True
 
-    def __init__(self, k_draft: int, rule: UtilityStop | None, width: int, max_nodes: int):
+    def __init__(self, k_draft: int, rule: UtilityStop | None, width: int, max_nodes: int,
+                 allowed: Callable[[], np.ndarray] | None = None):
         self.k_draft = k_draft
         self.rule = rule
         self.width = width
         self.max_nodes = max_nodes
+        self.allowed = allowed  # as SelfDrafter's: None, the router's top-k_d; else the best among these in memory
 
     def propose(self, dec, committed, max_len, sample) -> Proposal:
         pending, pos = committed[-1], len(committed) - 1
@@ -90,7 +92,7 @@ class TreeDrafter(Drafter):
         n_layer, n_expert = rt.info.n_layer, rt.info.n_expert
         layers = np.arange(n_layer)[:, None]
         t0 = time.perf_counter()
-        hook.draft(self.k_draft)
+        hook.draft(self.k_draft, None if self.allowed is None else self.allowed())
         root_logits = rt.decode([pending], pos, "last")[0]  # sequence 0, removed by the decoder afterwards
         routing = hook.snapshot(1)
         in_batch = np.zeros((n_layer, n_expert + 1), bool)

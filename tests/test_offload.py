@@ -781,6 +781,16 @@ for which in ("resident", "router"):
                   "fallbacks": dec.rt.hook.mask_fallbacks() - fallbacks,
                   "refused": dec.rt.hook.mask_evicted() - evicted,
                   "tokens": [t for e in events if isinstance(e, Iteration) for t in e.committed]}
+masks.clear()
+fallbacks, evicted = dec.rt.hook.mask_fallbacks(), dec.rt.hook.mask_evicted()
+events = list(dec.generate("the quick brown fox jumps over the lazy dog",
+                           GenerationConfig(mode="tree", n_predict=24, utility=False, reuse_strength=0.0,
+                                            stop_at_eos=False)))
+its = [e for e in events if isinstance(e, Iteration) and e.drafted]
+out["tree"] = {"config": next(e for e in events if isinstance(e, Started)).config["draft_experts"],
+               "masks": len(masks), "iterations": len(its),
+               "draft_misses": float(sum(e.draft_misses.sum() for e in its)),
+               "fallbacks": dec.rt.hook.mask_fallbacks() - fallbacks, "refused": dec.rt.hook.mask_evicted() - evicted}
 print(json.dumps(out))
 """
 
@@ -803,6 +813,9 @@ def test_under_a_budget_drafts_read_only_the_experts_in_memory(tmp_path):
     # than the router's drafts take.
     assert router["draft_misses"] > 20
     assert res["draft_misses"] <= res["fallbacks"] + router["draft_misses"] / 10
+    tree = r["tree"]  # a tree's draft passes (several rows each) read from memory the same way
+    assert tree["config"] == "resident" and tree["masks"] == tree["iterations"] > 0 and tree["refused"] > 0
+    assert tree["draft_misses"] <= tree["fallbacks"] + router["draft_misses"] / 10
 
 
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
