@@ -93,7 +93,8 @@ class BenchRow:
     # one figure per repeat over the whole prompt set: tok/s, and the ratio to ar's tok/s in the same repeat
     tok_per_s_repeats: list[float] | None = None
     speedup_repeats: list[float] | None = None
-    draft_experts: str | None = None  # self-drafting modes (chains, trees): what the draft passes read (resident | router)
+    # self-drafting modes (chains, trees): what the draft passes read (resident | router)
+    draft_experts: str | None = None
 
     @property
     def repeats(self) -> int:

@@ -118,9 +118,9 @@ class GenerationConfig:
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
-    # which experts self-drafting passes (chain or tree) read: "router", the router's top-k_d; "resident", its best-ranked
-    # among the experts in memory (under a memory budget: drafts that fetch nothing); None: resident under
-    # a budget (an observer attached), router otherwise
+    # which experts self-drafting passes (chain or tree) read: "router", the router's top-k_d; "resident", its
+    # best-ranked among the experts in memory (under a memory budget: drafts that fetch nothing); None:
+    # resident under a budget (an observer attached), router otherwise
     draft_experts: str | None = None
     stop_at_eos: bool = True
     cost: CostConstants | None = None  # from a device profile; measured at start-up when None
@@ -317,8 +317,8 @@ class Decoder:
         self._measured.clear()
 
     def draft_experts(self, cfg: GenerationConfig) -> str:
-        """What cfg's self-drafts (chain or tree) read here: "resident" under a budget (an observer that knows what is in
-        memory) unless cfg asks for the router's choice; "router" otherwise."""
+        """What cfg's self-drafts (chain or tree) read here: "resident" under a budget (an observer that knows
+        what is in memory) unless cfg asks for the router's choice; "router" otherwise."""
         if self._observer is None or cfg.draft_experts == "router":
             return "router"
         return "resident"

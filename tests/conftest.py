@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -7,6 +8,12 @@ import llama_cpp  # noqa: F401  (before gguf, as the engine's model readers do: 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# A shell without job control starts a background command (`pytest … &`) with SIGINT ignored, Python then
+# installs no KeyboardInterrupt handler, and every child inherits the ignored signal: each Ctrl-C test would
+# fail. The suite tests what a user's Ctrl-C does, so it takes the disposition a foreground run has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from tinygguf import TinySpec, write_tiny  # noqa: E402
 
