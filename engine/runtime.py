@@ -464,6 +464,17 @@ class LlamaRuntime:
     def kv_clear(self) -> None:
         llama_cpp.llama_memory_clear(self.mem, True)
 
+    def touch_largest_batch(self) -> None:
+        """Decode one batch of n_batch tokens, then forget it. llama.cpp allocates its compute buffers for
+        the largest batch, but their pages are touched only as batches that large run: a process measured
+        after shorter ones (an auto memory budget) grew later by up to the difference, and a long prompt
+        had the budget's cgroup kill it. The routing hook is left off."""
+        if self.hook is not None:
+            self.hook.off()
+        self.kv_clear()
+        self.decode([0] * self.n_batch, 0, "last")
+        self.kv_clear()
+
     def kv_end(self) -> int:
         """Number of positions held for sequence 0 (pos_max + 1)."""
         return int(llama_cpp.llama_memory_seq_pos_max(self.mem, 0)) + 1

@@ -863,3 +863,29 @@ def test_under_a_budget_reader_threads_fetch_for_verifications_and_change_no_tok
     r = _run_under_auto_budget(AUTO_FETCH, model, tmp_path)
     assert r["same"]
     assert r["fetched"]["read"] + r["fetched"]["resident"] > 0 and r["fetched"]["bytes"] > 0
+
+
+AUTO_LONG_PROMPT = """
+import json, sys
+from s2moe.engine import offload
+from s2moe.engine.decoder import Decoder, GenerationConfig
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False)
+warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
+off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
+before = offload.process_anon_bytes()
+tokens = [int(t) for t in (list(range(3, 200)) * 4)[:700]]
+list(dec.generate(tokens, GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
+print(json.dumps({"grew": offload.process_anon_bytes() - before, "n_batch": dec.rt.n_batch}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_an_auto_budget_is_sized_with_the_largest_batch_a_prompt_will_run(tmp_path):
+    """llama.cpp touches its compute buffers' pages only as batches that large run: sized after a short
+    warm-up, a process grew by the difference at its first long prompt (the widened model's 617-token
+    prompt: killed by the cgroup). Sized after one full batch, a long prompt adds no anonymous memory."""
+    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=2, n_expert=8, k=2, n_embd=256,
+                                                         n_ff=512, seed=3))
+    drop_file_cache(model)
+    r = _run_under_auto_budget(AUTO_LONG_PROMPT, model, tmp_path)
+    assert r["n_batch"] >= 512 and r["grew"] < 1 << 20

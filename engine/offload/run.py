@@ -111,6 +111,10 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         cg = inside[0]
         if warm_up is not None:
             warm_up()
+    if budget is not None:
+        # what any prompt will need (its prefill chunks), before what the process holds is measured or planned
+        decoder.rt.touch_largest_batch()
+    if cg is not None:
         size = auto_budget_bytes(cg, emap)  # provisional: sizes the hot-expert plan
     # Under an auto budget the hot experts are pinned only once the limit is lowered: pinned while the
     # warm-up's whole model is still cached, they left the kernel (cgroup v1) unable to reclaim that
