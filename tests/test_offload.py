@@ -889,3 +889,18 @@ def test_an_auto_budget_is_sized_with_the_largest_batch_a_prompt_will_run(tmp_pa
     drop_file_cache(model)
     r = _run_under_auto_budget(AUTO_LONG_PROMPT, model, tmp_path)
     assert r["n_batch"] >= 512 and r["grew"] < 1 << 20
+
+
+def test_a_budget_without_room_for_one_layers_experts_is_refused_with_a_size_that_has_it(tiny_models):
+    """A plan whose experts get less than one layer's k experts would have the cgroup kill the process at
+    its first decode: refused, naming a budget whose plan has that room."""
+    emap = expert_map(tiny_models["olmoe"])
+    one_layer = int(4 * emap.expert_bytes.max())
+    kw = dict(anon_bytes=200 << 20, base_bytes=10 << 20, emap=emap, k=4)
+    tight = plan_budget(215 << 20, **kw)
+    with pytest.raises(ConfigError, match=r"leaves .* for experts .* give at least") as e:
+        tight.check_room(one_layer)
+    need = parse_size(re.search(r"give at least (\S+ \S+)", str(e.value)).group(1).replace(" ", ""))
+    plan_budget(need + (1 << 20), **kw).check_room(one_layer)  # rounding of the printed size aside
+    with pytest.raises(ConfigError):
+        plan_budget(need - (1 << 20), **kw).check_room(one_layer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from .cgroup import ENV_BUDGET, MemoryCgroup, current_budget_cgroup
 from .experts import ExpertMap
 from .mapping import ModelMapping
@@ -70,10 +71,29 @@ class BudgetPlan:
     cache_bytes: int         # left for cold experts in the page cache
     slack_bytes: int = 0     # kept free for the process's memory to grow (buffers, Python objects)
 
+    def check_room(self, one_layer_bytes: int) -> None:
+        """ConfigError unless the experts have room for at least one layer's k experts: with less, the
+        first decode has nothing to evict and the cgroup kills the process."""
+        room = self.hot_bytes + self.cache_bytes
+        if room >= one_layer_bytes:
+            return
+        need = self.anon_bytes + self.base_bytes + one_layer_bytes
+        for _ in range(8):  # the slack grows with the budget: its fixed point, from below
+            need = self.anon_bytes + self.base_bytes + one_layer_bytes + plan_slack(need)
+        raise ConfigError(f"the memory budget {fmt_bytes(self.budget_bytes)} leaves {fmt_bytes(room)} for experts "
+                          f"(the process holds {fmt_bytes(self.anon_bytes)} with its largest batches, pinned "
+                          f"weights {fmt_bytes(self.base_bytes)}, slack {fmt_bytes(self.slack_bytes)}): give at "
+                          f"least {fmt_bytes(need)}")
+
     def describe(self) -> str:
         return (f"budget {fmt_bytes(self.budget_bytes)} = process {fmt_bytes(self.anon_bytes)} + slack "
                 f"{fmt_bytes(self.slack_bytes)} + pinned weights {fmt_bytes(self.base_bytes)} + hot experts "
                 f"{fmt_bytes(self.hot_bytes)} + expert cache {fmt_bytes(self.cache_bytes)}")
+
+
+def plan_slack(budget_bytes: int) -> int:
+    """What a planned budget keeps free for the process's memory to grow."""
+    return min(32 << 20, max(4 << 20, budget_bytes // 20))
 
 
 def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: ExpertMap, k: int,
@@ -83,7 +103,7 @@ def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: Ex
     expert_room: the room for experts where the budget was sized around it (auto: its share of the expert
     bytes; what the process holds besides was measured in the cgroup, which the anonymous and pinned
     bytes here undercount or overcount)."""
-    slack = min(32 << 20, max(4 << 20, budget_bytes // 20))
+    slack = plan_slack(budget_bytes)
     room = max(0, budget_bytes - anon_bytes - base_bytes - slack) if expert_room is None else expert_room
     per_token = int(k * emap.expert_bytes.sum())
     reserve = min(room, max(int(room * (1 - hot_share)), per_token // 2))

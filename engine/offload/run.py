@@ -166,6 +166,11 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
                            emap=emap, k=k, hot_share=0.0, expert_room=expert_room)
     off.plan = plan
     if plan is not None:
+        try:
+            plan.check_room(int(k * emap.expert_bytes.max()))
+        except ConfigError:
+            off.close()
+            raise
         off.prefetch_bytes = plan.cache_bytes
         # A fault reads a whole read-around window. Where that window dwarfs an expert's slices, each
         # fault drags in many unrelated experts and, in a small cache, evicts the ones in use: fault
