@@ -65,6 +65,8 @@ def _worker(cfg: dict) -> int:
                       lookahead=cfg.get("ahead", False), fetch_workers=cfg.get("fetch", 0),
                       fetch_room_share=cfg.get("fetch_room", 0.5))
     budget = None if cfg.get("budget") is None else Budget(cfg["budget"])
+    if budget is None:  # the probe: what it holds must include what a budget's plan counts (offload_decoder)
+        dec.rt.touch_largest_batch()
     off = offload_decoder(dec, budget, [tuple(p) for p in cfg.get("hot", [])], pinning=pinning)
     load_s = time.perf_counter() - t0
     gc = GenerationConfig(mode=cfg["mode"], n_predict=cfg["tokens"], utility=False, draft_max=cfg["draft_max"],

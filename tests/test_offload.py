@@ -892,15 +892,17 @@ def test_an_auto_budget_is_sized_with_the_largest_batch_a_prompt_will_run(tmp_pa
 
 
 def test_a_budget_without_room_for_one_layers_experts_is_refused_with_a_size_that_has_it(tiny_models):
-    """A plan whose experts get less than one layer's k experts would have the cgroup kill the process at
-    its first decode: refused, naming a budget whose plan has that room."""
+    """A budget that cannot hold the process, its pinned weights and one layer's k experts would have the
+    cgroup kill the process at its first decode: refused, naming a budget that holds them and the slack."""
     emap = expert_map(tiny_models["olmoe"])
     one_layer = int(4 * emap.expert_bytes.max())
     kw = dict(anon_bytes=200 << 20, base_bytes=10 << 20, emap=emap, k=4)
-    tight = plan_budget(215 << 20, **kw)
+    tight = plan_budget(210 << 20, **kw)
     with pytest.raises(ConfigError, match=r"leaves .* for experts .* give at least") as e:
         tight.check_room(one_layer)
     need = parse_size(re.search(r"give at least (\S+ \S+)", str(e.value)).group(1).replace(" ", ""))
-    plan_budget(need + (1 << 20), **kw).check_room(one_layer)  # rounding of the printed size aside
+    roomy = plan_budget(need + (1 << 20), **kw)  # rounding of the printed size aside
+    roomy.check_room(one_layer)
+    assert roomy.cache_bytes + roomy.hot_bytes >= one_layer  # with the slack kept
     with pytest.raises(ConfigError):
-        plan_budget(need - (1 << 20), **kw).check_room(one_layer)
+        plan_budget((200 << 20) + (10 << 20) + one_layer - 1, **kw).check_room(one_layer)

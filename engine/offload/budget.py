@@ -72,18 +72,19 @@ class BudgetPlan:
     slack_bytes: int = 0     # kept free for the process's memory to grow (buffers, Python objects)
 
     def check_room(self, one_layer_bytes: int) -> None:
-        """ConfigError unless the experts have room for at least one layer's k experts: with less, the
-        first decode has nothing to evict and the cgroup kills the process."""
-        room = self.hot_bytes + self.cache_bytes
-        if room >= one_layer_bytes:
+        """ConfigError unless the budget holds the process, the pinned weights and one layer's k experts:
+        with less, the first decode has nothing to evict and the cgroup kills the process. (The slack may
+        be eaten into: a small model's experts fit in it. The size suggested keeps it.)"""
+        if self.budget_bytes >= self.anon_bytes + self.base_bytes + one_layer_bytes:
             return
         need = self.anon_bytes + self.base_bytes + one_layer_bytes
         for _ in range(8):  # the slack grows with the budget: its fixed point, from below
             need = self.anon_bytes + self.base_bytes + one_layer_bytes + plan_slack(need)
-        raise ConfigError(f"the memory budget {fmt_bytes(self.budget_bytes)} leaves {fmt_bytes(room)} for experts "
-                          f"(the process holds {fmt_bytes(self.anon_bytes)} with its largest batches, pinned "
-                          f"weights {fmt_bytes(self.base_bytes)}, slack {fmt_bytes(self.slack_bytes)}): give at "
-                          f"least {fmt_bytes(need)}")
+        raise ConfigError(f"the memory budget {fmt_bytes(self.budget_bytes)} leaves "
+                          f"{fmt_bytes(self.hot_bytes + self.cache_bytes)} for experts (the process holds "
+                          f"{fmt_bytes(self.anon_bytes)} with its largest batches, pinned weights "
+                          f"{fmt_bytes(self.base_bytes)}, slack {fmt_bytes(self.slack_bytes)}): give at least "
+                          f"{fmt_bytes(need)}")
 
     def describe(self) -> str:
         return (f"budget {fmt_bytes(self.budget_bytes)} = process {fmt_bytes(self.anon_bytes)} + slack "
