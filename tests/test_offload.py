@@ -251,16 +251,27 @@ def test_fault_explained_fit_recovers_what_a_fault_costs():
     assert g["r2"] > 0.99 and g["faults_per_verification"] == pytest.approx(faults.mean())
 
 
-def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
+@contextmanager
+def _cold_prefetcher(model, *, advise: bool):
+    """(expert map, our mapping, native prefetcher) over `model`, with the file dropped from the page cache
+    (skips where the page cache keeps it)."""
     from s2moe.engine.offload import NativePrefetch
 
-    em = expert_map(wide_model)
+    em = expert_map(model)
     m = ModelMapping(em)
-    pf = NativePrefetch(m)
+    pf = NativePrefetch(m, advise=advise)
     try:
-        drop_file_cache(wide_model)
+        drop_file_cache(model)
         if m.expert_residency().max() > 0:
             pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+        yield em, m, pf
+    finally:
+        pf.close()
+        m.close()
+
+
+def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
         assert pf.layer(1, [3, 3, -1, 99, 6]) == 2  # duplicates and bad ids are ignored
         mask = np.zeros((2, 8), bool)
         mask[0, 1] = True
@@ -275,9 +286,6 @@ def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
             time.sleep(0.01)
         assert all(res[p] == 1.0 for p in want)
         assert pf.bytes_advised >= 3 * int(em.expert_bytes[0]) and pf.layer_fn_address
-    finally:
-        pf.close()
-        m.close()
 
 
 def _wait_for(condition, seconds: float = 10.0) -> bool:
@@ -295,15 +303,7 @@ def test_reader_threads_fetch_the_predicted_experts_in_layer_order_within_their_
     """The verification fetcher reads what the draft predicted, and never more than its room ahead of the
     layer the verification has reached (reported by the routing hook's callback): with room for one
     expert, layer 1's expert is read only once the verification has passed layer 0."""
-    from s2moe.engine.offload import NativePrefetch
-
-    em = expert_map(wide_model)
-    m = ModelMapping(em)
-    pf = NativePrefetch(m, advise=False)
-    try:
-        drop_file_cache(wide_model)
-        if m.expert_residency().max() > 0:
-            pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+    with _cold_prefetcher(wide_model, advise=False) as (em, m, pf):
         # one expert, its parts rounded out to whole pages
         pf.start_fetching(workers=4, room_bytes=int(em.expert_bytes.max()) + em.ranges.shape[2] * 2 * 4096)
         mask = np.zeros((2, 8), bool)
@@ -327,9 +327,6 @@ def test_reader_threads_fetch_the_predicted_experts_in_layer_order_within_their_
         assert _wait_for(lambda: pf.fetch_stats()["resident"] == 1)
         stats = pf.fetch_stats()
         assert stats["read"] == 2 and stats["bytes"] >= 2 * int(em.expert_bytes.min()) and stats["seconds"] > 0
-    finally:
-        pf.close()
-        m.close()
 
 
 def test_residency_snapshots_thin_out_when_the_walk_is_slow(tiny_models):
@@ -431,15 +428,7 @@ def test_native_counter_counts_the_routed_experts_not_in_memory(wide_model):
     as the layer routes; counting alone reads nothing, and resident() answers for the asked experts."""
     import time
 
-    from s2moe.engine.offload import NativePrefetch
-
-    em = expert_map(wide_model)
-    m = ModelMapping(em)
-    pf = NativePrefetch(m, advise=False)
-    try:
-        drop_file_cache(wide_model)
-        if m.expert_residency().max() > 0:
-            pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+    with _cold_prefetcher(wide_model, advise=False) as (em, m, pf):
         pf.begin()
         assert pf.layer(1, [3, 3, 6, -1]) == 2
         assert pf.counted().tolist() == [0, 2]
@@ -461,9 +450,6 @@ def test_native_counter_counts_the_routed_experts_not_in_memory(wide_model):
         assert got.tolist() == (m.expert_residency() >= 1.0).__and__(ask).tolist() and got[1, 3] and got.sum() == 1
         pf.mask(ask)  # an explicit prefetch is not a routed decode: it counts nothing
         assert pf.counted().tolist() == [1, 1]
-    finally:
-        pf.close()
-        m.close()
 
 
 def test_predictions_look_only_at_the_predicted_experts(tiny_models, monkeypatch):
