@@ -219,6 +219,14 @@ def tree_mode(args) -> str:
     return "tree"
 
 
+def add_batch_option(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's batch size, for every command that decodes prompts through our engine."""
+    p.add_argument("-b", "--batch-size", dest="batch_size", type=positive_int, default=512, metavar="N",
+                   help="tokens per llama.cpp batch: a prompt is prefilled in chunks of N, and the compute buffers "
+                        "are sized for one (default 512). Under --budget they count against it: a smaller N needs "
+                        "less memory and prefills in more passes")
+
+
 def add_placement_options(p: argparse.ArgumentParser) -> None:
     """Where llama.cpp keeps the weights (engine.gpu.Placement): every command that loads a model."""
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=_gpu_layers, default=0,
@@ -272,6 +280,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=positive_int, default=2048,
                    help="context window in tokens")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
+    add_batch_option(p)
     add_placement_options(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--budget", type=budget_text,
@@ -475,7 +484,7 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(f"seed {args.seed} (random; -s {args.seed} repeats this run)", file=sys.stderr)
     decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max or 0),
-                      use_extra_bufts=budget is None, placement=placement)
+                      use_extra_bufts=budget is None, placement=placement, n_batch=args.batch_size)
     offloader = None
     if budget is not None:
         from dataclasses import replace

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_parser(subparsers) -> None:
-    from .cli import add_placement_options, add_sampling_options, budget_text, nonempty, positive_int
+    from .cli import add_batch_option, add_placement_options, add_sampling_options, budget_text, nonempty, positive_int
 
     p = subparsers.add_parser("app", help="open the terminal app (the default when s2moe has no arguments)")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -15,6 +15,7 @@ def add_parser(subparsers) -> None:
                    help="context window in tokens")
     p.add_argument("--budget", type=budget_text, help="memory budget (SIZE such as 80M, or auto = what the app holds + a third of "
                                     "the expert bytes): run inside a memory cgroup of that size, experts offloaded")
+    add_batch_option(p)
     add_placement_options(p)
     add_sampling_options(p)
     # Given, a sampler flag overrides the chat's remembered setting; not given, the remembered one stands.
@@ -53,6 +54,7 @@ def build_app(args):
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise ConfigError("--threads must be at least 1")
     return S2MoEApp(model, profile=profile, n_threads=args.threads, n_ctx=getattr(args, "ctx", 2048),
+                    n_batch=getattr(args, "batch_size", None),
                     model_message=message, budget=getattr(args, "budget", None),
                     placement=placement_from_args(args) if hasattr(args, "gpu_layers") else None,
                     sampling={k: v for k, v in sampling_settings(args).items() if v is not None}

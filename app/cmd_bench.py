@@ -14,7 +14,8 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import add_draft_experts_option, add_placement_options, add_sampling_options, add_tree_shape_options, nonempty, positive_int
+    from .cli import (add_batch_option, add_draft_experts_option, add_placement_options, add_sampling_options,
+                      add_tree_shape_options, nonempty, positive_int)
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -41,6 +42,7 @@ def add_parser(sub) -> None:
     add_sampling_options(p)
     add_draft_experts_option(p)
     add_tree_shape_options(p)
+    add_batch_option(p)
     add_placement_options(p)
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="times the whole prompt set is run, modes interleaved throughout; tok/s and × ar are the "
@@ -285,6 +287,7 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
             argv += [SAMPLING_VALUES[key][0], str(value)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
+        argv += ["--batch-size", str(args.batch_size)]
         if not args.warmup:
             argv.append("--no-warmup")
         if args.profile:
@@ -316,7 +319,7 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
         out = Path(tmp) / "ref.json"
         argv = [sys.executable, "-m", "s2moe.engine.reference", "--model", model, "--prompts", args.prompts,
                 "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out),
-                "--placement", json.dumps(placement_from_args(args).as_dict())]
+                "--placement", json.dumps(placement_from_args(args).as_dict()), "--batch-size", str(args.batch_size)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
         if budget_bytes is None:
@@ -434,7 +437,7 @@ def run(args) -> int:
 
     done = None
     if here is not None:
-        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, base.draft_max),
+        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, base.draft_max), n_batch=args.batch_size,
                           use_extra_bufts=inside is None, placement=placement)
         if inside is not None:
             budget = inside[1]
@@ -482,6 +485,7 @@ def run(args) -> int:
             done.config["storage"] = storage
         done.cost_model_by_budget.update(budget_fits)
     done.config["placement"] = placement.as_dict()  # where the weights were: the report says what ran
+    done.config["batch_size"] = args.batch_size  # what a budget counted for llama.cpp's compute buffers
     if args.json_out:
         write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n")
     if inside is not None:

@@ -20,13 +20,14 @@ import numpy as np
 
 from .gpu import Placement
 from .model_info import read_model_info
-from .runtime import LlamaRuntime
+from .runtime import DEFAULT_BATCH, LlamaRuntime
 
 
 def plain_decoding(model: str, prompts: list[str], n_tokens: int, *, n_threads: int | None = None,
-                   n_ctx: int = 2048, repack: bool = True, placement: Placement = Placement()) -> dict:
+                   n_ctx: int = 2048, repack: bool = True, placement: Placement = Placement(),
+                   n_batch: int = DEFAULT_BATCH) -> dict:
     """Greedy decoding of n_tokens per prompt; the decode time (without prefill) and the tokens."""
-    rt = LlamaRuntime(read_model_info(model), n_ctx=n_ctx, n_threads=n_threads, install_hook=False,
+    rt = LlamaRuntime(read_model_info(model), n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, install_hook=False,
                       use_extra_bufts=repack, placement=placement)
     seconds, tokens = 0.0, []
     try:
@@ -61,12 +62,13 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--n-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-repack", action="store_true")
+    ap.add_argument("-b", "--batch-size", type=int, default=DEFAULT_BATCH)
     ap.add_argument("--placement", type=json.loads, default={}, help="engine.gpu.Placement's fields as JSON")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     _, prompts = load_prompts(a.prompts, a.n_prompts)
     result = plain_decoding(a.model, prompts, a.n_tokens, n_threads=a.threads, repack=not a.no_repack,
-                            placement=Placement(**a.placement))
+                            placement=Placement(**a.placement), n_batch=a.batch_size)
     write_atomic(a.json, json.dumps(result) + "\n")
     return 0
 

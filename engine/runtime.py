@@ -37,6 +37,9 @@ MAX_CTX = 1 << 24
 # The start-up cost measurement decodes a 32-token prefix in one batch, and llama.cpp caps a batch at
 # the context size asked for.
 MIN_CTX = 32
+# Tokens per llama.cpp batch (n_batch = n_ubatch): a prompt is prefilled in chunks of this many, and the
+# compute buffers are sized for one (llama.cpp's default).
+DEFAULT_BATCH = 512
 # More threads than this many per CPU only wait for each other (999 threads on two cores did not finish
 # four tokens in two minutes); ggml allows at most 512.
 THREADS_PER_CPU = 4
@@ -241,7 +244,7 @@ class LlamaRuntime:
         info: ModelInfo,
         *,
         n_ctx: int = 2048,
-        n_batch: int = 512,
+        n_batch: int = DEFAULT_BATCH,
         n_threads: int | None = None,
         max_verify_rows: int = 16,
         cap_max: int = 64,

@@ -191,7 +191,7 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(model),
                            "--prompts", "natural", "--n-prompts", "1", "-n", "8", "--threads", "1",
                            "--modes", "ar,naive,s2moe", "--budget", "none,auto", "--no-quality", "--json",
-                           str(out_json)],
+                           str(out_json), "-b", "32"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     data = json.loads(out_json.read_text())
@@ -200,7 +200,7 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     # ar, naive, s2moe and llama.cpp's own plain decoding resident, then the same under the auto budget
     assert [r["mode"] for r in rows] == ["ar", "naive", "s2moe", "llama.cpp"] * 2
     assert budgets[:4] == ["none"] * 4 and all(b.startswith("auto (") for b in budgets[4:])
-    assert all(r["n_tokens"] == 8 for r in rows)
+    assert all(r["n_tokens"] == 8 for r in rows) and data["config"]["batch_size"] == 32
     # the child's own cost-model fit comes back, keyed by its budget label (naive always drafts, so the
     # verifications vary in size)
     assert list(data["cost_model_by_budget"]) == [budgets[4]]

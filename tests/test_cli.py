@@ -81,6 +81,13 @@ def test_prompt_longer_than_context(tiny_models):
                        "context")
 
 
+def test_a_prompt_longer_than_the_batch_is_prefilled_in_chunks_to_the_same_tokens(tiny_models):
+    outs = [s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "word " * 100, "-n", "6", "--json",
+                  "--threads", "1", "--mode", "ar", *flags) for flags in ([], ["-b", "32"])]
+    assert all(o.returncode == 0 for o in outs), outs[1].stderr
+    assert json.loads(outs[0].stdout)["tokens"] == json.loads(outs[1].stdout)["tokens"]
+
+
 def test_context_filling_up_mid_generation_stops_cleanly(tiny_models):
     done = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "--ctx", "32", "-n", "400",
                  "--json", "--threads", "1", "--ignore-eos", "--no-utility")
@@ -96,6 +103,7 @@ def test_context_filling_up_mid_generation_stops_cleanly(tiny_models):
     (["--temp", "-1"], "--temp"),
     (["--temp", "nan"], "--temp"),
     (["--draft-max", "0"], "--draft-max"),
+    (["-b", "0"], "--batch-size"),
     (["--reuse-strength", "x"], "--reuse-strength"),
     (["--mode", "fast"], "--mode"),
     (["--bogus"], "--bogus"),

@@ -892,3 +892,33 @@ def test_a_budget_without_room_for_one_layers_experts_is_refused_with_a_size_tha
     assert roomy.cache_bytes + roomy.hot_bytes >= one_layer  # with the slack kept
     with pytest.raises(ConfigError):
         plan_budget((200 << 20) + (10 << 20) + one_layer - 1, **kw).check_room(one_layer)
+
+
+AUTO_BATCH = """
+import json, sys
+from s2moe.engine import offload
+from s2moe.engine.decoder import Decoder, GenerationConfig
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False, n_batch=int(sys.argv[2]))
+warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
+off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
+tokens = [int(t) for t in (list(range(3, 200)) * 4)[:700]]
+out = [t for e in dec.generate(tokens, GenerationConfig(mode="ar", n_predict=8, stop_at_eos=False))
+       for t in getattr(e, "committed", ())]
+print(json.dumps({"budget": off.budget_bytes, "n_batch": dec.rt.n_batch, "tokens": out}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_a_smaller_batch_needs_a_smaller_budget_and_decodes_the_same(tmp_path):
+    """-b: llama.cpp's compute buffers are sized for one batch, and a budget counts them; a long prompt is
+    prefilled in more, smaller chunks, to the same tokens."""
+    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=2, n_expert=8, k=2, n_embd=256,
+                                                         n_ff=512, seed=3))
+    runs = {}
+    for n_batch in (512, 32):
+        drop_file_cache(model)
+        script = AUTO_BATCH.replace("int(sys.argv[2])", str(n_batch))
+        runs[n_batch] = _run_under_auto_budget(script, model, tmp_path)
+    assert runs[512]["n_batch"] == 512 and runs[32]["n_batch"] == 32
+    assert runs[32]["budget"] < runs[512]["budget"] - (4 << 20)
+    assert runs[32]["tokens"] == runs[512]["tokens"] and len(runs[32]["tokens"]) == 8

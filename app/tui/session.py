@@ -189,7 +189,7 @@ class EngineSession:
 
     def __init__(self, model_path: str | None, *, n_threads: int | None = None, n_ctx: int = 2048,
                  profile: str | None = None, decoder_factory: Callable | None = None, budget: str | None = None,
-                 placement=None):
+                 placement=None, n_batch: int | None = None):
         self.model_path = str(model_path) if model_path else None
         self.placement = placement  # engine.gpu.Placement; None: everything in host memory
         # "auto" or a size: the app runs inside a memory cgroup (s2moe app --budget) and offloads experts
@@ -198,6 +198,7 @@ class EngineSession:
         self.offloader = None
         self.n_threads = n_threads or ui_default_threads()
         self.n_ctx = n_ctx
+        self.n_batch = n_batch  # llama.cpp's batch size (None: the engine's default)
         self.profile_name = profile
         self.decoder = None
         self.model: ModelSummary | None = None
@@ -233,9 +234,10 @@ class EngineSession:
                 from ...engine.decoder import Decoder
                 from ...engine.gpu import Placement
 
+                extra = {} if self.n_batch is None else {"n_batch": self.n_batch}
                 self.decoder = Decoder(self.model_path, n_ctx=self.n_ctx, n_threads=self.n_threads,
                                        max_draft=16, use_extra_bufts=self.budget is None,
-                                       placement=self.placement or Placement())
+                                       placement=self.placement or Placement(), **extra)
                 if self.budget is not None:
                     try:
                         self._offload()
