@@ -18,7 +18,7 @@ def _minutes(text: str) -> float:
 
 
 def add_parser(sub) -> None:
-    from .cli import budget_text, nonempty, positive_int
+    from .cli import add_batch_option, budget_text, nonempty, positive_int
 
     p = sub.add_parser("tune", help="search k_d, the draft cap, the threshold, α and |E*| for this device and "
                                     "model; record the fastest in the profile")
@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("-n", "--n-tokens", type=positive_int, default=48, help="tokens generated per run (default 48)")
     p.add_argument("--n-prompts", type=positive_int, default=32, help="prompts to draw from the set (default 32)")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
+    add_batch_option(p)
     p.add_argument("--seed", type=positive_int, default=1, help="seed of the random candidates (default 1)")
     p.add_argument("--no-save", action="store_true", help="search and print, write nothing")
     p.set_defaults(run=run)
@@ -114,7 +115,8 @@ def run(args) -> int:
     offloaded = budget is not None
     cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=offloaded)
     console = Console(stderr=True, highlight=False)
-    decoder = Decoder(model, n_threads=args.threads, max_draft=16, use_extra_bufts=not offloaded)
+    decoder = Decoder(model, n_threads=args.threads, max_draft=16, use_extra_bufts=not offloaded,
+                      n_batch=args.batch_size)
     off = None
     try:
         label = "none"
