@@ -250,6 +250,20 @@ def placement_from_args(args):
     return placement
 
 
+def placement_flags(placement) -> list[str]:
+    """The flags of add_placement_options that ask for `placement` (what a child process is given)."""
+    flags = []
+    if placement.n_gpu_layers:
+        flags += ["-ngl", str(placement.n_gpu_layers)]
+    if placement.cpu_moe:
+        flags.append("--cpu-moe")
+    if placement.n_cpu_moe:
+        flags += ["--n-cpu-moe", str(placement.n_cpu_moe)]
+    if placement.op_offload_min_batch is not None:
+        flags += ["--op-offload-min-batch", str(placement.op_offload_min_batch)]
+    return flags
+
+
 def add_draft_experts_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-experts", choices=("resident", "router"), default=None,
                    help="what draft passes (chains and trees) read under --budget: resident, the router's best "

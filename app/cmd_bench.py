@@ -266,7 +266,7 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
 
     from ..engine import offload
     from ..engine.bench import BenchRow
-    from .cli import SAMPLING_VALUES, sampling_settings
+    from .cli import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings
 
     with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
         out = Path(tmp) / "rows.json"
@@ -287,7 +287,7 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
             argv += [SAMPLING_VALUES[key][0], str(value)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
-        argv += ["--batch-size", str(args.batch_size)]
+        argv += ["--batch-size", str(args.batch_size), *placement_flags(placement_from_args(args))]
         if not args.warmup:
             argv.append("--no-warmup")
         if args.profile:

@@ -144,3 +144,15 @@ def test_models_lists_whole_paths_and_json(capsys):
     listed = json.loads(capsys.readouterr().out)
     assert [m["name"] for m in listed] == [m["name"] for m in shipped]
     assert all(m["path"] == str(s["path"]) for m, s in zip(listed, shipped))
+
+
+@pytest.mark.parametrize("flags", [[], ["-ngl", "-1"], ["-ngl", "12", "--cpu-moe"], ["--n-cpu-moe", "3"],
+                                   ["-ngl", "99", "--cpu-moe", "--op-offload-min-batch", "4"]])
+def test_a_budget_child_is_given_the_placement_it_was_asked_for(flags):
+    """bench reruns itself under each budget: the child must place the weights as the parent was told (a
+    Jetson's --cpu-moe under a budget), so the flags it gets parse back to the same Placement."""
+    from s2moe.app.cli import build_parser, placement_flags, placement_from_args
+
+    parser = build_parser()
+    asked = placement_from_args(parser.parse_args(["bench", *flags]))
+    assert placement_from_args(parser.parse_args(["bench", *placement_flags(asked)])) == asked
