@@ -269,7 +269,7 @@ def _cold_worker(cfg: dict) -> int:
         sys.stdout.flush()
 
     decoder = Decoder(cfg["model"], n_ctx=256, n_threads=cfg.get("threads"), max_draft=cfg["cap"],
-                      use_extra_bufts=False)
+                      use_extra_bufts=False, placement=Placement(**cfg.get("placement", {})))
     rt = decoder.rt
 
     def warm_up():  # every graph shape this worker times, so that an auto budget counts them
@@ -565,7 +565,8 @@ def _step_under_budget(cal: _Calibration, index: int):
         cfg = {"model": str(cal.info.path), "prompt": cal.prompts[0], "threads": cal.threads, "k_draft": cal.draft_topk,
                "cap": cal.draft_cap,
                "repeats": cal.repeats, "n_steps": n_steps, "n_samples": len(_sizes(cal.draft_cap)) * 3 * cal.repeats,
-               "hot": [list(p) for p in cal.hot], "budget": str(cal.budget)}
+               "hot": [list(p) for p in cal.hot], "budget": str(cal.budget),
+               "placement": cal.placement.as_dict()}  # the cold timings place the weights as the others do
         try:
             res = yield from cal.live(_run_cold(cal.info.path, cal.budget, cfg), index)
         except (BudgetUnavailable, RuntimeError) as e:
