@@ -10,8 +10,9 @@
 //            top-k_d experts: slots >= k_d repeat kept ids with a dropped weight, so the dropped
 //            experts' weights are never read (with distinct_ids, see below, they read other experts);
 //            with a residency mask (s2_hook_draft_masked), the top-k_d of the router's ranking among
-//            the experts the mask allows (those in memory: a draft that fetches nothing), each with its
-//            router probability as weight; the router's own next choices where a layer has too few;
+//            the experts the mask allows and, with a residency callback (s2_hook_set_resident), that
+//            are in memory as the layer routes (a draft that fetches nothing), each with its router
+//            probability as weight; the router's own next choices where a layer has too few;
 //   gate:    reuse-aware gating of a verification batch: bias each token's selection scores
 //            toward the batch's preferred experts E*, mix with the unbiased probabilities;
 //   skip:    layer skipping: in the layers marked, every slot reads one given expert with weight 0,
