@@ -7,7 +7,7 @@ import sys
 
 
 def add_parser(sub) -> None:
-    from .cli import add_placement_options, budget_text, nonempty, positive_int
+    from .cli import add_batch_option, add_placement_options, budget_text, nonempty, positive_int
 
     p = sub.add_parser("calibrate", help="measure cost constants and hot experts; write a device profile")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF MoE model (default: the shipped model)")
@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--name", type=nonempty,
                    help="profile name (default: local); an existing user profile keeps its other models")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
+    add_batch_option(p)
     p.add_argument("--repeats", type=positive_int, default=3, help="timings per measurement (default 3)")
     p.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
     p.add_argument("--no-plot", action="store_true", help="no predicted-vs-measured plot")
@@ -68,7 +69,8 @@ def run(args) -> int:
     done_event = None
     failed = []
     events = run_calibration(model, budget=budget, prompts=args.prompts, name=args.name, save=not args.no_save,
-                             n_threads=args.threads, repeats=args.repeats, placement=placement)
+                             n_threads=args.threads, repeats=args.repeats, placement=placement,
+                             n_batch=args.batch_size)
     # The model, the prompts and the profile folder are checked before the first event: an error about
     # them is the only line printed.
     first = next(events)

@@ -46,6 +46,7 @@ from .model_info import read_model_info
 from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
                       plan_budget, process_anon_bytes, rank_counts, run_in_budget, select_hot_experts)
 from .profiles import SCHEMA_VERSION, check_name, check_writable, find_profile, load_profile, save_profile
+from .runtime import DEFAULT_BATCH
 from .trace import budget_record
 
 DEFAULT_NAME = "local"
@@ -268,8 +269,10 @@ def _cold_worker(cfg: dict) -> int:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    decoder = Decoder(cfg["model"], n_ctx=256, n_threads=cfg.get("threads"), max_draft=cfg["cap"],
-                      use_extra_bufts=False, placement=Placement(**cfg.get("placement", {})))
+    # a context of at least one batch, so that llama.cpp does not cap the batch a budget is sized with
+    n_batch = cfg.get("n_batch", DEFAULT_BATCH)
+    decoder = Decoder(cfg["model"], n_ctx=max(256, n_batch), n_threads=cfg.get("threads"), max_draft=cfg["cap"],
+                      use_extra_bufts=False, placement=Placement(**cfg.get("placement", {})), n_batch=n_batch)
     rt = decoder.rt
 
     def warm_up():  # every graph shape this worker times, so that an auto budget counts them
@@ -292,7 +295,7 @@ def _cold_worker(cfg: dict) -> int:
                      "plain": plain, "record": budget_record(off, [tuple(p) for p in cfg.get("hot", [])],
                                                              Budget.parse(cfg["budget"]).auto),
                      "pinned": pinned, "plan": off.plan.__dict__ if off.plan else None,
-                     "split": cg.split(), "peak": cg.peak(), "anon": process_anon_bytes()}})
+                     "split": cg.split(), "peak": cg.peak(), "anon": process_anon_bytes(), "n_batch": rt.n_batch}})
     off.close()
     decoder.close()
     return 0
@@ -362,9 +365,10 @@ class _Calibration:
     """What the steps share: the model, the settings, the runtime, and each step's results."""
 
     def __init__(self, info, emap, *, budget, prompts, threads, repeats, draft_topk, draft_cap, stop,
-                 placement=Placement()):
+                 placement=Placement(), n_batch: int = DEFAULT_BATCH):
         self.info, self.emap, self.budget, self.prompts = info, emap, budget, prompts
         self.placement = placement
+        self.n_batch = n_batch  # the batch the budget step's process runs: a budget counts its compute buffers
         self.gpu = None  # what the gpu step measured
         self.threads, self.repeats, self.draft_topk, self.draft_cap = threads, repeats, draft_topk, draft_cap
         self.stop = stop
@@ -565,7 +569,7 @@ def _step_under_budget(cal: _Calibration, index: int):
         cfg = {"model": str(cal.info.path), "prompt": cal.prompts[0], "threads": cal.threads, "k_draft": cal.draft_topk,
                "cap": cal.draft_cap,
                "repeats": cal.repeats, "n_steps": n_steps, "n_samples": len(_sizes(cal.draft_cap)) * 3 * cal.repeats,
-               "hot": [list(p) for p in cal.hot], "budget": str(cal.budget),
+               "hot": [list(p) for p in cal.hot], "budget": str(cal.budget), "n_batch": cal.n_batch,
                "placement": cal.placement.as_dict()}  # the cold timings place the weights as the others do
         try:
             res = yield from cal.live(_run_cold(cal.info.path, cal.budget, cfg), index)
@@ -637,7 +641,7 @@ def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
             "t_exp_cold_ms": mfit.t_miss * 1e3, "t_tok_ms": mfit.t_tok * 1e3,
             "intercept_ms": mfit.intercept * 1e3, "paper_form": _fit_data(cs, cfit),
             "t_ar_ms": res["t_ar"] * 1e3, "c_draft_ms": res["c_draft"] * 1e3,
-            "split": res["split"], "peak": res["peak"],
+            "split": res["split"], "peak": res["peak"], "n_batch": res.get("n_batch"),
             "pinned": res["pinned"], "r2_given_faults": given["r2"], "faults": faults}
     miss_rate = sum(misses) / max(1.0, sum(experts))
     return StepResult(index, STEPS[index - 1][0],
@@ -723,6 +727,7 @@ def _model_block(cal: _Calibration) -> dict:
         "threads": cal.threads,
         "budget_bytes": cal.budget_bytes,
         "budget_rule": None if cal.budget is None else ("auto" if cal.budget.auto else "given"),
+        "batch_size": None if cal.budget is None else cal.n_batch,
         "load": "mmap, no CPU repacking" if cal.budget is not None else "mmap, default buffers",
         "prompts": len(cal.prompts),
         "t_exp_cold": cold_how,
@@ -766,12 +771,13 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
                     save: bool = True, n_threads: int | None = None,
                     should_stop: Callable[[], bool] | None = None, repeats: int = 3,
                     draft_topk: int | None = None, draft_cap: int = DRAFT_CAP,
-                    placement: Placement = Placement()) -> Iterator[object]:
+                    placement: Placement = Placement(), n_batch: int = DEFAULT_BATCH) -> Iterator[object]:
     """Calibrate model_path on this device; yield StepStarted/StepProgress/StepResult…, CalibrationDone.
 
     budget: where to measure the cost of fetching experts (None: skip that step).
     prompts: list of strings, a path to a prompts file, or None for the built-in prompts.
     placement: where the weights go for the plain, draft and verification timings (-ngl, --cpu-moe…).
+    n_batch: llama.cpp's batch of the process measured under the budget (its compute buffers count there).
     should_stop: polled between measurements; when it returns True the generator returns without
     yielding anything more and without writing a profile (see the module docstring)."""
     name = check_name(DEFAULT_NAME if name is None else name)
@@ -787,7 +793,8 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
     cal = _Calibration(info, expert_map(info.path), budget=budget,
                        prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
                        threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,
-                       draft_cap=draft_cap, stop=should_stop or (lambda: False), placement=placement)
+                       draft_cap=draft_cap, stop=should_stop or (lambda: False), placement=placement,
+                       n_batch=n_batch)
     steps = (_step_bandwidth, _step_plain_and_draft, _step_cost_model, _step_hot_experts, _step_under_budget,
              _step_gpu, lambda cal, index: _step_profile(cal, index, name, save))
     try:

@@ -119,12 +119,14 @@ def test_no_save_and_bad_inputs(tiny_models, xdg, tmp_path):
 @pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
                     reason="no memory cgroup here")
 def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
-    events = _run(tiny_models["olmoe"], budget=Budget(400 << 20), name="cold")
+    events = _run(tiny_models["olmoe"], budget=Budget(400 << 20), name="cold", n_batch=64)
     budget = [e for e in events if isinstance(e, StepResult) and e.index == 5][0]
     assert "skipped" not in budget.data, budget.summary
+    assert budget.data["n_batch"] == 64  # the measured process runs the batch asked for (-b)
     assert len(budget.data["measured"]) >= 9 and budget.data["peak"] > 0
     block = load_profile("cold")["models"][read_model_info(tiny_models["olmoe"]).fingerprint]
     assert block["fit_cold"]["n"] >= 9 and block["measured"]["t_exp_cold"] == "measured under the budget"
+    assert block["measured"]["batch_size"] == 64
     # the storage faults each batch took come back with it, and the diagnostic refit on them is recorded
     faults = budget.data["faults"]
     assert len(faults) == len(budget.data["measured"]) and all(f >= 0 and f == int(f) for f in faults)
