@@ -771,13 +771,14 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
                     save: bool = True, n_threads: int | None = None,
                     should_stop: Callable[[], bool] | None = None, repeats: int = 3,
                     draft_topk: int | None = None, draft_cap: int = DRAFT_CAP,
-                    placement: Placement = Placement(), n_batch: int = DEFAULT_BATCH) -> Iterator[object]:
+                    placement: Placement = Placement(), n_batch: int | None = None) -> Iterator[object]:
     """Calibrate model_path on this device; yield StepStarted/StepProgress/StepResult…, CalibrationDone.
 
     budget: where to measure the cost of fetching experts (None: skip that step).
     prompts: list of strings, a path to a prompts file, or None for the built-in prompts.
     placement: where the weights go for the plain, draft and verification timings (-ngl, --cpu-moe…).
-    n_batch: llama.cpp's batch of the process measured under the budget (its compute buffers count there).
+    n_batch: llama.cpp's batch of the process measured under the budget (its compute buffers count there;
+    None: its default).
     should_stop: polled between measurements; when it returns True the generator returns without
     yielding anything more and without writing a profile (see the module docstring)."""
     name = check_name(DEFAULT_NAME if name is None else name)
@@ -794,7 +795,7 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
                        prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
                        threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,
                        draft_cap=draft_cap, stop=should_stop or (lambda: False), placement=placement,
-                       n_batch=n_batch)
+                       n_batch=DEFAULT_BATCH if n_batch is None else n_batch)
     steps = (_step_bandwidth, _step_plain_and_draft, _step_cost_model, _step_hot_experts, _step_under_budget,
              _step_gpu, lambda cal, index: _step_profile(cal, index, name, save))
     try:

@@ -195,11 +195,12 @@ class Decoder:
     """Loads a model once; runs generations in any mode over the same context."""
 
     def __init__(self, model: str, *, n_ctx: int = 2048, n_threads: int | None = None, max_draft: int = 16,
-                 use_extra_bufts: bool = True, placement: Placement = Placement(), n_batch: int = DEFAULT_BATCH):
+                 use_extra_bufts: bool = True, placement: Placement = Placement(), n_batch: int | None = None):
         self.info = read_model_info(model)  # refuses what llama.cpp would assert on (expert counts among it)
         self.max_draft = max_draft
         # a draft tree takes a sequence id per drafted node (up to the verification batch times a width)
-        self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
+        self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_batch=DEFAULT_BATCH if n_batch is None else n_batch,
+                               n_threads=n_threads,
                                max_verify_rows=max_draft + 1,
                                use_extra_bufts=use_extra_bufts, placement=placement,
                                n_seq_max=min(TREE_SEQS, 4 * (max_draft + 1)))

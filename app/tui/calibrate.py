@@ -373,7 +373,7 @@ class CalibrateScreen(Screen):
         run_engine_job(self, session, "calibrate", lambda: run_calibration(
             model_path, budget=budget, name=name, save=False, n_threads=session.n_threads,
             should_stop=session.stop.is_set, placement=session.placement or Placement(),
-            **({} if session.n_batch is None else {"n_batch": session.n_batch})))
+            n_batch=session.n_batch))
 
     def action_stop(self) -> None:
         if self.running:

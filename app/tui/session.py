@@ -234,10 +234,9 @@ class EngineSession:
                 from ...engine.decoder import Decoder
                 from ...engine.gpu import Placement
 
-                extra = {} if self.n_batch is None else {"n_batch": self.n_batch}
                 self.decoder = Decoder(self.model_path, n_ctx=self.n_ctx, n_threads=self.n_threads,
                                        max_draft=16, use_extra_bufts=self.budget is None,
-                                       placement=self.placement or Placement(), **extra)
+                                       placement=self.placement or Placement(), n_batch=self.n_batch)
                 if self.budget is not None:
                     try:
                         self._offload()
