@@ -305,25 +305,28 @@ PLAIN_FETCH_TOKENS, PLAIN_FETCH_WARM = 96, 16
 
 
 def _plain_fetches(rt, counter, prompt: list[int], n: int) -> dict:
-    """Greedy plain decoding under the budget: per token the experts it routed to ([n_layer, k] ids) and how many
-    were not in memory as their layer routed (the prefetcher's count, as decoding counts fetches)."""
+    """Greedy plain decoding under the budget: per token the experts it routed to ([n_layer, k] ids), how many
+    were not in memory as their layer routed (the prefetcher's count, as decoding counts fetches), and the step's
+    seconds (what those fetches cost as decoding pays them: faults and read-ins included)."""
     hook = rt.hook
     rt.kv_clear()
     hook.off()
     if len(prompt) > 1:
         rt.decode(prompt[:-1], 0, "none")
-    t, pos, ids, misses = prompt[-1], len(prompt) - 1, [], []
+    t, pos, ids, misses, seconds = prompt[-1], len(prompt) - 1, [], [], []
     try:
         for _ in range(n):
             hook.observe()
             counter.begin()
+            t0 = time.perf_counter()
             logits = rt.decode([t], pos, "all")
+            seconds.append(time.perf_counter() - t0)
             ids.append(hook.snapshot(1).orig[:, 0].tolist())
             misses.append(int(counter.counted().sum()))
             t, pos = int(np.argmax(logits[-1])), pos + 1
     finally:
         rt.kv_clear()
-    return {"ids": ids, "misses": misses}
+    return {"ids": ids, "misses": misses, "seconds": seconds}
 
 
 def _run_cold(model_path, budget: Budget, cfg: dict):
@@ -644,6 +647,16 @@ def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
             "split": res["split"], "peak": res["peak"], "n_batch": res.get("n_batch"),
             "pinned": res["pinned"], "r2_given_faults": given["r2"], "faults": faults}
     miss_rate = sum(misses) / max(1.0, sum(experts))
+    from .projection import decoding_fetch_price
+
+    plain = ""
+    if cal.cache_fit and cal.cache_fit.get("step_ms"):
+        held = cal.cache_fit
+        plain = f" · plain decoding {held['step_ms']:.1f} ms a token at {held['fetched_per_token']:.1f} fetched"
+        paid = decoding_fetch_price({"cache_fit": held, "t_ar_ms": cal.t_ar * 1e3})
+        if paid is not None:
+            plain += f" ({paid * 1e3:.2f} ms a fetch beyond the resident step)"
+        data["plain_step_ms"] = held["step_ms"]
     return StepResult(index, STEPS[index - 1][0],
                       f"under {cal.budget.describe(cal.budget_bytes)}: T_AR {res['t_ar'] * 1e3:.1f} ms · draft step "
                       f"{res['c_draft'] * 1e3:.1f} ms · T_exp cold "
@@ -651,7 +664,7 @@ def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
                       f"{mfit.t_tok * 1e3:.2f} ms · R² {mfit.r2:.3f} · MAPE {mfit.mape:.1%} · "
                       f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
                       f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
-                      f"peak {fmt_bytes(res['peak'] or 0)}", data)
+                      f"peak {fmt_bytes(res['peak'] or 0)}{plain}", data)
 
 
 def _cache_fit(plain: dict, record: dict | None, n_expert: int, expert_bytes: float) -> dict | None:
@@ -668,8 +681,11 @@ def _cache_fit(plain: dict, record: dict | None, n_expert: int, expert_bytes: fl
     pinned = tuple(tuple(p) for p in record["pinned"])
     effective = fitted_fifo_capacity(ids, counted, CachePlan(planned, pinned, ""), n_expert, PLAIN_FETCH_WARM)
     n = len(ids) - PLAIN_FETCH_WARM
-    return {"planned_experts": planned, "effective_experts": effective, "tokens": n,
-            "fetched_per_token": round(counted / max(1, n), 6), "pinned": len(pinned)}
+    fit = {"planned_experts": planned, "effective_experts": effective, "tokens": n,
+           "fetched_per_token": round(counted / max(1, n), 6), "pinned": len(pinned)}
+    if plain.get("seconds"):
+        fit["step_ms"] = round(float(np.mean(plain["seconds"][PLAIN_FETCH_WARM:])) * 1e3, 6)
+    return fit
 
 
 def _model_block(cal: _Calibration) -> dict:

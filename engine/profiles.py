@@ -64,6 +64,7 @@ carries published figures and may hold `reference` constants that apply to any m
           tokens: 80
           fetched_per_token: 24.1
           pinned: 64
+          step_ms: 61.0            # optional: the mean step of that decoding (its fetches as decoding pays them)
         hot_experts: [[0, 12], [0, 3], ...]   # [layer, expert], most routed first (up to half the
                                    # expert bytes); a run under a budget pins the prefix that fits
         measured: {at: 2026-01-01T00:00:00+00:00, by: s2moe calibrate, threads: 2, ...}
@@ -229,6 +230,7 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
         for key in ("planned_experts", "effective_experts", "tokens", "pinned"):
             _number(fit, key, f"{where}.cache_fit", required=key != "pinned", integer=True)
         _number(fit, "fetched_per_token", f"{where}.cache_fit")
+        _number(fit, "step_ms", f"{where}.cache_fit", positive=True)
     hot = block.get("hot_experts")
     if hot is not None:
         if not isinstance(hot, list):

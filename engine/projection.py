@@ -17,8 +17,10 @@ measured plain step, so that an undrafted step costs exactly what a plain one do
 short context on llama.cpp's decode alone; what they leave out (WorkloadTerms: attention growing with the
 context, the engine's host work per draft pass and verified row, a plain iteration as decoding runs it) comes
 from the profile, where `s2moe calibrate` measured it on the device, and is added to each pass. T_fetch is what an expert
-fetched from storage costs beyond a resident one: the profile's cold-minus-warm cost where it measured both,
-else the expert's bytes over its storage bandwidth. The expert cache is simulated for the budget: the plan
+fetched from storage costs beyond a resident one: where calibrate timed plain decoding under the profile's
+budget, what that decoding paid per fetch (its mean step beyond the resident one, over its fetches a token:
+page faults and stalls included, which a read rate leaves out); else the profile's cold-minus-warm cost where it
+measured both, else the expert's bytes over its storage bandwidth. The expert cache is simulated for the budget: the plan
 engine.offload makes (pinned hot experts from the profile, the rest an LRU of experts); no budget: all
 resident.
 """
@@ -88,7 +90,13 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
     # a fit under the budget that explains little of the time it was fitted on (calibrate warns below this R²)
     # says little about a fetch either: the storage bandwidth does
     weak = measured and misses.get("r2") is not None and misses["r2"] < FETCH_FIT_R2_MIN
-    if weak and by_bandwidth is not None:
+    paid = decoding_fetch_price(block) if measured else None
+    if paid is not None:
+        # A fetch's price as plain decoding paid it under the budget, its stalls on faults included, which
+        # no read rate and no per-batch fit captures; the replay charges it per counted fetch, as measured.
+        t_fetch, how = paid, (f"fetch: {paid * 1e3:.2f} ms, what plain decoding under the profile's budget paid "
+                              f"per fetch beyond its resident step")
+    elif weak and by_bandwidth is not None:
         t_fetch, how = by_bandwidth, (f"fetch: expert bytes over the profile's storage bandwidth (its fit under the "
                                       f"budget has R² {misses['r2']:.2f})")
     elif measured and cold is not None and warm is not None and cold > warm:
@@ -110,6 +118,16 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
              + how)
     return DeviceCosts(name, ms("t_ar_ms"), ms("c_draft_ms"), t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis,
                        measured, profile_terms(block))
+
+
+def decoding_fetch_price(block: dict) -> float | None:
+    """Seconds per fetch: calibrate's plain decoding under its budget, its mean step beyond the resident step,
+    over the fetches it counted a token. None where the profile did not time that decoding or it fetched nothing."""
+    held = block.get("cache_fit") or {}
+    step, per_token = held.get("step_ms"), held.get("fetched_per_token")
+    if not step or not per_token or per_token <= 0:
+        return None
+    return max(0.0, step - float(block["t_ar_ms"])) / 1e3 / per_token
 
 
 # engine.costmodel times its steps and batches after this many tokens of context (its `context` default)

@@ -132,6 +132,10 @@ def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
     assert len(faults) == len(budget.data["measured"]) and all(f >= 0 and f == int(f) for f in faults)
     assert block["fit_cold_misses"]["r2_given_faults"] <= 1.0 and "given the storage faults taken" in budget.summary
     assert block["measured"]["prefetch"] == "just in time (routing hook)"
+    # plain decoding under the budget is timed beside its fetch count: what a projection charges a fetch from
+    held = block["cache_fit"]
+    assert held["step_ms"] > 0 and held["tokens"] > 0
+    assert f"plain decoding {held['step_ms']:.1f} ms a token" in budget.summary
 
 
 @pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,

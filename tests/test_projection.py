@@ -109,6 +109,27 @@ def test_a_fetch_cost_from_a_fit_that_explains_little_gives_way_to_the_storage_b
     assert project([hand_trace()], weak, budget="1M", modes=["ar"]).modes["ar"].t_fetch == pytest.approx(24 * 4e-3)
 
 
+def test_a_fetch_costs_what_plain_decoding_under_the_budget_paid_for_one():
+    """Where calibrate timed plain decoding under its budget, a fetch costs that decoding's mean step beyond the
+    resident step over its fetches a token; it wins over a fit under the budget and over the storage bandwidth."""
+    paid = profile()
+    paid["models"][FP]["cache_fit"] = {"planned_experts": 10, "effective_experts": 5, "tokens": 80,
+                                       "fetched_per_token": 4.0, "pinned": 0, "step_ms": 50.0}
+    p = project([hand_trace()], paid, budget="1M", modes=["ar"])
+    assert p.modes["ar"].t_fetch == pytest.approx(24 * (50.0 - 10.0) / 4.0 * 1e-3)
+    assert "10.00 ms, what plain decoding under the profile's budget paid per fetch" in p.basis
+    # a decoding that fetched nothing prices nothing: the fit under the budget does (cold − warm)
+    paid["models"][FP]["cache_fit"]["fetched_per_token"] = 0.0
+    assert project([hand_trace()], paid, budget="1M", modes=["ar"]).modes["ar"].t_fetch == pytest.approx(24 * 4e-3)
+    # a step no slower than the resident one: fetches paid nothing beyond it
+    paid["models"][FP]["cache_fit"].update(fetched_per_token=4.0, step_ms=8.0)
+    assert project([hand_trace()], paid, budget="1M", modes=["ar"]).modes["ar"].t_fetch == 0.0
+    bad = profile()
+    bad["models"][FP]["cache_fit"] = dict(paid["models"][FP]["cache_fit"], step_ms=0)
+    with pytest.raises(ConfigError, match="step_ms must be a positive number"):
+        validate_profile(bad)
+
+
 def test_pinned_hot_experts_are_never_fetched():
     hot = [[0, 0], [0, 1], [1, 0], [1, 1]]
     p = project([hand_trace()], profile(hot=hot), budget="1G", modes=["ar"])
