@@ -92,6 +92,8 @@ typedef struct s2_hook {
     unsigned char *in_row;  // [n_expert] distinct ids: experts already named in the row being filled
     int32_t *pool;          // [n_expert] distinct ids: the experts a layer's batch reads, in first-use order
     int8_t *allowed;        // [n_expert] masked drafts: one layer's answers (-1: not asked yet)
+    int32_t *route_ids;     // [route_cap] ids of a batch routed without the hook acting on it
+    size_t route_cap;
 } s2_hook;
 
 s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max) {
@@ -126,7 +128,7 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
 void s2_hook_free(s2_hook *h) {
     if (!h) return;
     free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-    free(h->in_row); free(h->pool); free(h->allowed);
+    free(h->in_row); free(h->pool); free(h->allowed); free(h->route_ids);
     free(h);
 }
 
@@ -373,6 +375,33 @@ static bool mask_layer(s2_hook *h, int layer, int n_rows, int32_t *used) {
     return changed;
 }
 
+// A batch the hook does not act on (the hook off, or more rows than it records: a prompt's prefill) reads
+// experts all the same: its ids go to the offloading helper too, so that every expert read passes through it
+// (its just-in-time reads, its miss count, the expert cache it keeps).
+static void route_only(s2_hook *h, struct ggml_tensor *t, int layer) {
+    struct ggml_tensor *topk = t->src[1];
+    const int k = h->k;
+    if (!h->on_route || !topk || layer < 0 || layer >= h->n_layer || topk->type != GGML_TYPE_I32 || topk->ne[0] != k)
+        return;
+    const int n_rows = (int)topk->ne[1];
+    const size_t need = (size_t)n_rows * k;
+    if (need > h->route_cap) {
+        int32_t *grown = realloc(h->route_ids, need * sizeof(int32_t));
+        if (!grown) return;
+        h->route_ids = grown;
+        h->route_cap = need;
+    }
+    const bool host_ids = on_host(h, topk);
+    const struct ggml_tensor *src = topk->view_src ? topk->view_src : topk;
+    const size_t offs = topk->view_src ? topk->view_offs : 0;
+    for (int r = 0; r < n_rows; ++r) {
+        int32_t *dst = h->route_ids + (size_t)r * k;
+        if (host_ids) memcpy(dst, (const char *)topk->data + r * topk->nb[1], k * sizeof(int32_t));
+        else ggml_backend_tensor_get(src, dst, offs + r * topk->nb[1], k * sizeof(int32_t));
+    }
+    h->on_route(h->route_ctx, layer, h->route_ids, n_rows * k);
+}
+
 static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
     struct ggml_tensor *probs = t->src[0];  // [1, n_expert, T] view of the probabilities
     struct ggml_tensor *topk = t->src[1];   // [k, T] i32, a view of the full argsort
@@ -381,6 +410,7 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
         topk->ne[0] != k || probs->ne[1] != ne || probs->type != GGML_TYPE_F32 || topk->ne[1] > h->max_rows ||
         t->ne[1] != k) {
         h->n_skipped++;
+        route_only(h, t, layer);
         return;
     }
     const int n_rows = (int)topk->ne[1];
@@ -487,12 +517,16 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
 // The cb_eval. ask=true: do we want this node's data? ask=false: the node is computed.
 bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     s2_hook *h = user_data;
-    if (h->mode == S2_OFF) return ask ? false : true;
+    // off, the hook still passes each layer's ids to an offloading helper (route_only)
+    if (h->mode == S2_OFF && !h->on_route) return ask ? false : true;
     const char *name = t->name;
     if (name[0] != 'f' || name[1] != 'f' || name[4] != 'm') return ask ? false : true;
     int layer = layer_of(name, WEIGHTS, sizeof(WEIGHTS) - 1);
     if (layer >= 0) {
-        if (!ask) on_weights(h, t, layer);
+        if (!ask) {
+            if (h->mode == S2_OFF) route_only(h, t, layer);
+            else on_weights(h, t, layer);
+        }
         return true;
     }
     if (h->mode == S2_GATE && h->hook_argsort) {

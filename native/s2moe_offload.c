@@ -22,7 +22,9 @@
 #include <time.h>
 #include <unistd.h>
 
+
 typedef struct s2_fetcher s2_fetcher;
+typedef struct s2_cache s2_cache;
 
 typedef struct s2_prefetch {
     uint8_t *base;        // start of our mapping of the model file
@@ -40,6 +42,7 @@ typedef struct s2_prefetch {
                           // (a verification's, from the draft); when layer L routes, layer L+1's are
                           // advised too, so that its reads overlap layer L's matmuls (NULL: none)
     s2_fetcher *fetcher;  // background reads of a verification's predicted experts (NULL: none)
+    s2_cache *cache;      // the expert cache this process keeps itself under a budget (NULL: the kernel's)
 } s2_prefetch;
 
 s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert, int n_parts, const int64_t *ranges) {
@@ -139,33 +142,46 @@ int s2_prefetch_resident(s2_prefetch *p, const uint8_t *mask, uint8_t *out) {
 
 void s2_fetch_stop(s2_prefetch *p);
 
+static void cache_free(s2_cache *c);
+
 void s2_prefetch_free(s2_prefetch *p) {
     if (!p) return;
     s2_fetch_stop(p);
+    cache_free(p->cache);
     free(p->ranges);
     free(p->mark);
     free(p->vec);
     free(p);
 }
 
+static void cache_use(s2_prefetch *p, int layer);
+
 // madvise(WILLNEED) the ranges of the distinct experts among ids[0..n) of one layer (ids < 0 or out of
-// range are ignored), first counting those not wholly in memory if misses are bound. Returns the number
-// of distinct experts seen.
-static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, int count, int advise) {
+// range are ignored), first counting those not wholly in memory if misses are bound and, for a layer
+// routing (used), making them the expert cache's most recent, its evictions done before the reads that
+// need their room. Returns the number of distinct experts seen.
+static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, int count, int advise, int used) {
     if (!p || layer < 0 || layer >= p->n_layer || !ids || n <= 0) return 0;
     memset(p->mark, 0, (size_t)p->n_expert);
+    const int cached = used && p->cache != NULL;
     int advised = 0;
     for (int i = 0; i < n; ++i) {
         const int32_t e = ids[i];
         if (e < 0 || e >= p->n_expert || p->mark[e]) continue;
         p->mark[e] = 1;
         ++advised;
-        if (count && !expert_resident(p, layer, e)) p->misses[layer]++;
-        if (!advise) continue;
+        if ((count || cached) && !expert_resident(p, layer, e)) {
+            p->mark[e] = 2;  // missed (the cache counts the ones it held that the kernel took anyway)
+            if (count) p->misses[layer]++;
+        }
+    }
+    if (cached) cache_use(p, layer);
+    for (int e = 0; advise && e < p->n_expert; ++e) {
+        if (!p->mark[e]) continue;
         for (int j = 0; j < p->n_parts; ++j) {
-            size_t a, n;
-            if (part_pages(p, layer, e, j, &a, &n) && madvise(p->base + a, n, MADV_WILLNEED) == 0)
-                p->bytes_advised += (int64_t)n;
+            size_t a, len;
+            if (part_pages(p, layer, e, j, &a, &len) && madvise(p->base + a, len, MADV_WILLNEED) == 0)
+                p->bytes_advised += (int64_t)len;
         }
     }
     p->n_calls++;
@@ -179,9 +195,184 @@ static void fetch_progress(s2_fetcher *f, int layer);
 // The routing hook's callback: a layer's final ids, the moment before its expert matmuls read them.
 int s2_prefetch_layer(s2_prefetch *p, int layer, const int32_t *ids, int n) {
     if (p && p->fetcher) fetch_progress(p->fetcher, layer);
-    const int seen = advise_layer(p, layer, ids, n, p && p->misses != NULL, p && p->advise);
+    const int seen = advise_layer(p, layer, ids, n, p && p->misses != NULL, p && p->advise, 1);
     if (p && p->advise && p->ahead && layer + 1 < p->n_layer) advise_predicted(p, layer + 1);
     return seen;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The expert cache, kept by this process instead of the kernel.
+//
+// Under a memory budget the page cache alone decides which experts stay, and it decides badly for this
+// access pattern: an expert read twice lands on the kernel's active list and stays there long after its
+// last use, while the inactive list, which holds what WILLNEED has just brought in, shrinks to a few MiB;
+// reclaim then takes the pages the coming matmul asked for, and the matmul faults them back one page at a
+// time (bursts of steps ten times slower, measured). Here every routed expert is stamped in a
+// least-recently-used list over the budget plan's cache bytes (pinned hot experts aside), and the expert
+// that falls off its end leaves memory at once: its pages are unmapped from llama.cpp's mapping
+// (MADV_DONTNEED: the page cache keeps a shared file page, only the process's reference goes) and then
+// dropped from the page cache (POSIX_FADV_DONTNEED drops only pages no process maps). MADV_PAGEOUT would
+// do both in one call, but it skips the page cache's large folios that an expert's range cuts (measured:
+// four in five experts stayed). The kernel then rarely has to choose, and the cache holds what the plan
+// says.
+
+struct s2_cache {
+    uint8_t *base;          // llama.cpp's mapping, at the address file offset 0 would have
+    size_t lo, hi;          // the file offsets that mapping covers
+    int64_t capacity, used; // bytes
+    int32_t *prev, *next;   // [n_layer * n_expert] the list, most recently used first; -1 ends it
+    int32_t head, tail;
+    uint8_t *held, *pinned; // [n_layer * n_expert]
+    int64_t *bytes;         // [n_layer * n_expert] an expert's bytes (its parts' lengths)
+    int fd;                 // the model file, for posix_fadvise
+    int64_t n_evicted, n_refused, n_lost;  // n_refused: drops the kernel refused; n_lost: experts it held
+                                           // that were not in memory when routed
+};
+
+static void cache_unlink(s2_cache *c, int32_t i) {
+    if (c->prev[i] >= 0) c->next[c->prev[i]] = c->next[i]; else c->head = c->next[i];
+    if (c->next[i] >= 0) c->prev[c->next[i]] = c->prev[i]; else c->tail = c->prev[i];
+    c->prev[i] = c->next[i] = -1;
+}
+
+static void cache_push_front(s2_cache *c, int32_t i) {
+    c->prev[i] = -1;
+    c->next[i] = c->head;
+    if (c->head >= 0) c->prev[c->head] = i;
+    c->head = i;
+    if (c->tail < 0) c->tail = i;
+}
+
+// One expert leaves memory: the pages wholly inside its parts (a page it shares with a neighbouring
+// tensor stays).
+static void cache_evict(s2_prefetch *p, int32_t i) {
+    s2_cache *c = p->cache;
+    const int layer = i / p->n_expert, e = i % p->n_expert;
+    for (int j = 0; j < p->n_parts; ++j) {
+        const int64_t *r = p->ranges + (((size_t)layer * p->n_expert + e) * p->n_parts + j) * 2;
+        if (r[1] <= 0 || (size_t)r[0] < c->lo || (size_t)(r[0] + r[1]) > c->hi) continue;
+        const size_t a = ((size_t)r[0] + p->page - 1) / p->page * p->page;
+        const size_t b = (size_t)(r[0] + r[1]) / p->page * p->page;
+        if (b <= a) continue;
+        if (madvise(c->base + a, b - a, MADV_DONTNEED) != 0 ||
+            posix_fadvise(c->fd, (off_t)a, (off_t)(b - a), POSIX_FADV_DONTNEED) != 0)
+            ++c->n_refused;
+    }
+    ++c->n_evicted;
+}
+
+// The layer's distinct experts (p->mark) were just routed: they become the most recently used, and what
+// the cache then holds beyond its capacity is paged out, least recently used first, never one of the
+// layer's own (a layer that needs more than the whole cache keeps them until a later layer routes).
+static void cache_use(s2_prefetch *p, int layer) {
+    s2_cache *c = p->cache;
+    for (int e = 0; e < p->n_expert; ++e) {
+        if (!p->mark[e]) continue;
+        const int32_t i = layer * p->n_expert + e;
+        if (c->pinned[i]) continue;
+        if (c->held[i]) {
+            if (p->mark[e] == 2) ++c->n_lost;
+            cache_unlink(c, i);
+        } else {
+            c->held[i] = 1;
+            c->used += c->bytes[i];
+        }
+        cache_push_front(c, i);
+    }
+    while (c->used > c->capacity && c->tail >= 0) {
+        const int32_t i = c->tail;
+        if (i / p->n_expert == layer && p->mark[i % p->n_expert]) break;
+        cache_unlink(c, i);
+        c->held[i] = 0;
+        c->used -= c->bytes[i];
+        cache_evict(p, i);
+    }
+}
+
+static void cache_free(s2_cache *c) {
+    if (!c) return;
+    if (c->fd >= 0) close(c->fd);
+    free(c->prev);
+    free(c->next);
+    free(c->held);
+    free(c->pinned);
+    free(c->bytes);
+    free(c);
+}
+
+// Keep the expert cache here: path the model file, llama_base llama.cpp's mapping of it from offset lo
+// to hi (its address for offset 0 is llama_base - lo), capacity the bytes of unpinned experts to hold,
+// pinned ([n_layer][n_expert], nonzero = pinned, never cached or evicted). capacity < 0 hands the cache
+// back to the kernel. Returns 0, or -1 when the file cannot be opened or memory is short.
+int s2_cache_keep(s2_prefetch *p, const char *path, void *llama_base, size_t lo, size_t hi, int64_t capacity,
+                  const uint8_t *pinned) {
+    if (!p) return -1;
+    cache_free(p->cache);
+    p->cache = NULL;
+    if (capacity < 0 || !llama_base || hi <= lo) return 0;
+    const size_t n = (size_t)p->n_layer * p->n_expert;
+    s2_cache *c = calloc(1, sizeof *c);
+    if (!c) return -1;
+    c->fd = path ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+    if (c->fd < 0) {
+        free(c);
+        return -1;
+    }
+    c->prev = malloc(n * sizeof(int32_t));
+    c->next = malloc(n * sizeof(int32_t));
+    c->held = calloc(n, 1);
+    c->pinned = calloc(n, 1);
+    c->bytes = calloc(n, sizeof(int64_t));
+    if (!c->prev || !c->next || !c->held || !c->pinned || !c->bytes) {
+        cache_free(c);
+        return -1;
+    }
+    for (size_t i = 0; i < n; ++i) {
+        c->prev[i] = c->next[i] = -1;
+        if (pinned) c->pinned[i] = pinned[i] != 0;
+        for (int j = 0; j < p->n_parts; ++j) {
+            const int64_t len = p->ranges[(i * p->n_parts + j) * 2 + 1];
+            if (len > 0) c->bytes[i] += len;
+        }
+    }
+    c->head = c->tail = -1;
+    c->base = (uint8_t *)llama_base - lo;
+    c->lo = lo;
+    c->hi = hi;
+    c->capacity = capacity;
+    p->cache = c;
+    // It starts empty: what is in memory now (a warm-up's reads) would otherwise stay beside it, uncounted,
+    // until the kernel's reclaim takes the cache's own experts to make room. Dropped as one span, not
+    // expert by expert: the page cache drops only whole folios, and a read-around of the warm-up leaves
+    // folios of up to MiBs across expert boundaries (one expert at a time left 15% of them, measured).
+    // Reads from here on (WILLNEED, faults without read-around) come in single pages. Pinned experts stay:
+    // their pages are mapped (mlock), and the page cache never drops a mapped page.
+    size_t first = SIZE_MAX, last = 0;
+    for (size_t i = 0; i < n * p->n_parts; ++i) {
+        const int64_t off = p->ranges[i * 2], len = p->ranges[i * 2 + 1];
+        if (len <= 0) continue;
+        if ((size_t)off < first) first = (size_t)off;
+        if ((size_t)(off + len) > last) last = (size_t)(off + len);
+    }
+    if (first < lo) first = lo;
+    if (last > hi) last = hi;
+    first = (first + p->page - 1) / p->page * p->page;
+    last = last / p->page * p->page;
+    if (last > first) {
+        madvise(c->base + first, last - first, MADV_DONTNEED);
+        posix_fadvise(c->fd, (off_t)first, (off_t)(last - first), POSIX_FADV_DONTNEED);
+    }
+    return 0;
+}
+
+// out: bytes held, experts evicted, evictions the kernel refused part of, experts held that the kernel
+// had reclaimed all the same (0 each without a cache)
+void s2_cache_stats(const s2_prefetch *p, int64_t *out) {
+    const s2_cache *c = p ? p->cache : NULL;
+    out[0] = c ? c->used : 0;
+    out[1] = c ? c->n_evicted : 0;
+    out[2] = c ? c->n_refused : 0;
+    out[3] = c ? c->n_lost : 0;
 }
 
 // WILLNEED the predicted experts of one layer that are not wholly resident yet.
@@ -209,7 +400,7 @@ int s2_prefetch_mask(s2_prefetch *p, const uint8_t *mask) {
         int n = 0;
         for (int e = 0; e < p->n_expert; ++e)
             if (mask[(size_t)l * p->n_expert + e]) ids[n++] = e;
-        if (n) total += advise_layer(p, l, ids, n, 0, 1);
+        if (n) total += advise_layer(p, l, ids, n, 0, 1, 0);
     }
     free(ids);
     return total;

@@ -207,6 +207,7 @@ def test_generate_under_a_real_budget(tiny_models, capfd):
     out = capfd.readouterr()
     assert rc == 0
     assert "memory budget 400.0 MiB: peak" in out.err and "pinned: weights" in out.err
+    assert re.search(r"expert cache kept here: [\d.]+ [KMG]iB of [\d.]+ [KMG]iB held, \d+ evicted", out.err)
     # auto: the child sizes its own limit after a warm-up and reports it; same tokens as a resident run
     rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "6", "--threads", "1",
                "--budget", "auto", "--mode", "s2moe", "--ignore-eos", "--reuse-strength", "0", "--json"])
@@ -286,6 +287,71 @@ def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
             time.sleep(0.01)
         assert all(res[p] == 1.0 for p in want)
         assert pf.bytes_advised >= 3 * int(em.expert_bytes[0]) and pf.layer_fn_address
+
+
+def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memory(wide_model):
+    """Routed experts enter a least-recently-used list of `capacity` bytes (pinned ones aside); the one that
+    falls off leaves the page cache at once; a layer's own experts are never evicted while it routes."""
+    from s2moe.engine.offload import NativePrefetch
+
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        llama = ModelMapping(em)  # stands in for llama.cpp's mapping of the file
+        try:
+            one = int(em.expert_bytes[0])
+            pinned = np.zeros((2, 8), np.uint8)
+            pinned[0, 0] = 1
+            pf.keep_cache(llama.addr, 0, llama.size, 3 * one, pinned)
+
+            def resident():
+                return m.expert_residency() >= 1.0
+
+            pf.layer(0, [1, 2])
+            # (reads in flight are not dropped: the kernel skips pages under I/O, and decoding never evicts
+            # an expert it has just asked for)
+            assert _wait_for(lambda: resident()[0, [1, 2]].all())
+            pf.layer(1, [3, 4])  # four held: (0, 1), routed longest ago, goes
+            assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0}
+            assert _wait_for(lambda: resident()[0, 2] and resident()[1, 3] and resident()[1, 4])
+            assert not resident()[0, 1]
+            pf.layer(0, [0])  # pinned: never counted
+            assert pf.cache_stats()["held"] == 3 * one
+            pf.layer(1, [5, 6, 7, 3, 4])  # more than the cache: the layer keeps its own, (0, 2) goes
+            assert pf.cache_stats()["held"] == 5 * one and pf.cache_stats()["evicted"] == 2
+            assert not resident()[0, 2]
+            assert _wait_for(lambda: resident()[1, [3, 4, 5, 6, 7]].all())
+            pf.layer(0, [1])  # the next layer routes: down to three, layer 1's earliest routed gone first
+            assert pf.cache_stats()["held"] == 3 * one
+            assert _wait_for(lambda: resident()[0, 1])
+            held = resident()[1]
+            assert held.sum() == 2 and held[[6, 7]].all()  # ids 3, 4, 5 were stamped first, in that order
+            drop_file_cache(wide_model)  # the kernel takes a held expert: counted when it is routed again
+            pf.layer(1, [7])
+            assert pf.cache_stats()["lost"] == 1
+            pf.keep_cache(0, 0, 0, -1, pinned)
+            assert pf.cache_stats() == {"held": 0, "evicted": 0, "refused": 0, "lost": 0}
+        finally:
+            llama.close()
+
+
+def test_keeping_the_cache_starts_it_empty(wide_model):
+    """Whatever a warm-up left in memory goes when the cache starts, except what is pinned (mapped)."""
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        llama = ModelMapping(em)
+        try:
+            for layer in range(2):
+                for e in range(8):
+                    m.willneed(layer, e)
+            assert _wait_for(lambda: (m.expert_residency() >= 1.0).all())
+            m.pin_experts([(1, 2)])
+            pinned = np.zeros((2, 8), np.uint8)
+            pinned[1, 2] = 1
+            pf.keep_cache(llama.addr, 0, llama.size, int(em.expert_bytes[0]), pinned)
+            res = m.expert_residency()
+            others = np.delete(res.ravel(), 8 + 2)
+            # only the pages an expert shares with a kept neighbour or the tensor's edge stay
+            assert res[1, 2] == 1.0 and others.max() < 0.1 and (others > 0).sum() <= 4
+        finally:
+            llama.close()
 
 
 def _wait_for(condition, seconds: float = 10.0) -> bool:
@@ -489,7 +555,12 @@ def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_mo
     assert read_ahead_bytes(tiny_models["olmoe"]) >= 4096
     off = Offloader(tiny_models["olmoe"])
     try:
-        assert model_mappings(tiny_models["olmoe"], exclude=off.map.addr)  # llama.cpp's own mapping
+        assert model_mappings(tiny_models["olmoe"], exclude=(off.map.addr, off.map.size))  # llama.cpp's own mapping
+        # mlock splits our mapping into several areas: none of them is taken for llama.cpp's
+        off.pin(non_expert=True, code=False, hot=[(0, 1)])
+        ours = [m for m in model_mappings(tiny_models["olmoe"]) if off.map.addr <= m[0] < off.map.addr + off.map.size]
+        assert len(ours) >= 2
+        assert not set(ours) & set(model_mappings(tiny_models["olmoe"], exclude=(off.map.addr, off.map.size)))
         assert off.advise_fault_readahead(random=True) > 0 and off.fault_readahead == "off"
         assert off.advise_fault_readahead(random=False) > 0 and off.fault_readahead == "embeddings-off"
     finally:
@@ -515,6 +586,17 @@ def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
         assert route.bytes_advised > 0
         calls = int(route.lib.s2_prefetch_calls(route.handle))
         assert calls >= 3 * d.info.n_layer  # one per layer per decode
+        # a batch the hook does not act on still routes through the prefetcher: the hook off, or more rows
+        # than it records (a prompt's prefill), so that every expert read is asked for and kept count of
+        d.rt.hook.off()
+        d.rt.kv_clear()
+        d.rt.decode([5, 6], 0, "last")
+        assert int(route.lib.s2_prefetch_calls(route.handle)) == calls + d.info.n_layer
+        d.rt.hook.observe()
+        rows = d.rt.hook.max_rows + 3
+        d.rt.decode(list(range(10, 10 + rows)), 2, "last")
+        assert int(route.lib.s2_prefetch_calls(route.handle)) == calls + 2 * d.info.n_layer
+        d.rt.kv_clear()
         off.close()
     finally:
         d.close()

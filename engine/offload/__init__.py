@@ -9,7 +9,10 @@ the same file (page-cache pages are shared between mappings):
   the hot experts (mapping.py);
 - the routing hook hands each layer's final expert ids to a native prefetcher (native/s2moe_offload.c)
   that madvise(WILLNEED)s them before the layer's expert matmuls and counts those not in memory
-  (native.py);
+  (native.py); every batch routes through it, a prompt's prefill and a decode with the hook off too;
+- under a budget the expert cache is kept by that prefetcher, not by the kernel's reclaim: routed experts
+  in a least-recently-used list of the plan's cache bytes, the one that falls off unmapped from
+  llama.cpp's mapping and dropped from the page cache at once (native/s2moe_offload.c says why);
 - mincore tells which experts are resident, for hit rates and the app's heatmap (offloader.py);
 - a memory cgroup (v2, or v1) limits what the decoding process may hold, so the rest pages in from
   storage, after posix_fadvise(DONTNEED) dropped the file from the page cache (cgroup.py, budget.py).

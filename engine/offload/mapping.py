@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from .experts import ExpertMap
-from .libc import MADV_WILLNEED, MAP_SHARED, PROT_READ, libc
+from .libc import MADV_RANDOM, MADV_WILLNEED, MAP_SHARED, PROT_READ, libc
 from .procfs import code_ranges
 from .sizes import PAGE, fmt_bytes
 
@@ -101,6 +101,16 @@ class ModelMapping:
         return total
 
     def pin_experts(self, pairs) -> int:
+        """mlock these experts' ranges. Read in exactly (WILLNEED), then locked with read-around off: a
+        fault in ours would otherwise read the device's whole window (MiBs) of neighbouring experts in
+        large folios, which stay in memory beside the expert cache, uncounted, and which no expert's
+        eviction can drop (the page cache drops only whole folios)."""
+        pairs = list(pairs)
+        for layer, expert in pairs:
+            for o, n in self.emap.expert_ranges(layer, expert):
+                a, m = self._span(o, n)
+                self.c.lib.madvise(a, m, MADV_RANDOM)
+                self.c.lib.madvise(a, m, MADV_WILLNEED)
         total = 0
         for layer, expert in pairs:
             for o, n in self.emap.expert_ranges(layer, expert):

@@ -40,6 +40,9 @@ class NativePrefetch:
             "s2_fetch_want": (None, [vp, u8p]),
             "s2_fetch_verify": (None, [vp]),
             "s2_fetch_stats": (None, [vp, i64p, ctypes.POINTER(ctypes.c_double)]),
+            "s2_cache_keep": (ctypes.c_int, [vp, ctypes.c_char_p, vp, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64,
+                                             u8p]),
+            "s2_cache_stats": (None, [vp, i64p]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -55,6 +58,7 @@ class NativePrefetch:
         self._shape = (em.n_layer, em.n_expert)
         self.advise = advise
         self.fetching = False
+        self.cache_capacity: int | None = None  # bytes of the expert cache kept here (None: the kernel's)
 
     @property
     def advise(self) -> bool:
@@ -135,6 +139,26 @@ class NativePrefetch:
         self.lib.s2_fetch_stats(self.handle, out, ctypes.byref(seconds))
         return {"read": int(out[0]), "resident": int(out[1]), "late": int(out[2]), "bytes": int(out[3]),
                 "seconds": float(seconds.value)}
+
+    def keep_cache(self, llama_addr: int, file_lo: int, file_hi: int, capacity: int, pinned: np.ndarray) -> None:
+        """Keep the expert cache here instead of leaving it to the kernel: the routed experts in a
+        least-recently-used list of `capacity` bytes, what falls off it unmapped from llama.cpp's mapping
+        (at llama_addr, covering file offsets file_lo..file_hi) and dropped from the page cache.
+        pinned [n_layer, n_expert]: never counted or dropped."""
+        self._pinned = np.ascontiguousarray(pinned, dtype=np.uint8)
+        path = str(self.mapping.emap.path).encode()
+        if self.lib.s2_cache_keep(self.handle, path, llama_addr, file_lo, file_hi, int(capacity),
+                                  self._pinned.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))) != 0:
+            raise OSError(f"cannot keep an expert cache over {self.mapping.emap.path}")
+        self.cache_capacity = int(capacity)
+
+    def cache_stats(self) -> dict:
+        """Bytes the kept expert cache holds, experts evicted from it, evictions the kernel refused part of,
+        and experts it held that the kernel had reclaimed all the same when they were routed (the budget's
+        reclaim reaching into the cache)."""
+        out = (ctypes.c_int64 * 4)()
+        self.lib.s2_cache_stats(self.handle, out)
+        return {"held": int(out[0]), "evicted": int(out[1]), "refused": int(out[2]), "lost": int(out[3])}
 
     @property
     def bytes_advised(self) -> int:

@@ -119,7 +119,7 @@ class Offloader:
         spans = [(o, o + n, MADV_RANDOM) for o, n in self.unpinned_non_expert()]
         spans.append((lo, hi, MADV_RANDOM if random else MADV_NORMAL))
         total = 0
-        for addr, length, foff in model_mappings(self.emap.path, exclude=self.map.addr):
+        for addr, length, foff in model_mappings(self.emap.path, exclude=(self.map.addr, self.map.size)):
             for s_lo, s_hi, advice in spans:
                 a, b = max(s_lo, foff), min(s_hi, foff + length)
                 if b <= a:
@@ -132,6 +132,31 @@ class Offloader:
                     total += end_al - start_al
         self.fault_readahead = "off" if random else ("embeddings-off" if total else "default")
         return total
+
+    def keep_expert_cache(self, capacity: int, pinned=()) -> bool:
+        """Keep a least-recently-used cache of `capacity` bytes of routed experts (the `pinned` (layer,
+        expert) pairs aside), paging out of llama.cpp's mapping what falls off it (native/s2moe_offload.c
+        says why the kernel's choice is worse). False where llama.cpp's mapping does not cover every expert
+        in one piece (the kernel keeps the cache then)."""
+        lo = int(self.emap.ranges[..., 0][self.emap.ranges[..., 1] > 0].min())
+        hi = int((self.emap.ranges[..., 0] + self.emap.ranges[..., 1]).max())
+        # mlock and madvise split llama.cpp's one mapping into several areas: join the contiguous ones
+        joined: list[list[int]] = []
+        for addr, length, foff in sorted(model_mappings(self.emap.path, exclude=(self.map.addr, self.map.size))):
+            last = joined[-1] if joined else None
+            if last and last[0] + last[1] == addr and last[2] + last[1] == foff:
+                last[1] += length
+            else:
+                joined.append([addr, length, foff])
+        for addr, length, foff in joined:
+            if foff <= lo and hi <= foff + length:
+                mask = np.zeros((self.emap.n_layer, self.emap.n_expert), np.uint8)
+                for layer, e in pinned:
+                    mask[layer, e] = 1
+                self.native.keep_cache(addr, foff, foff + length, capacity, mask)
+                self.cache_pinned = list(pinned)
+                return True
+        return False
 
     # -- VerifyObserver ------------------------------------------------------------------------------
     def predicted(self, predicted: np.ndarray) -> None:

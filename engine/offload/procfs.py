@@ -51,8 +51,10 @@ def read_ahead_bytes(path) -> int:
     return 128 * 1024
 
 
-def model_mappings(path, exclude: int = 0) -> list[tuple[int, int, int]]:
-    """(address, length, file offset) of this process's mappings of the model file (llama.cpp's)."""
+def model_mappings(path, exclude: tuple[int, int] = (0, 0)) -> list[tuple[int, int, int]]:
+    """(address, length, file offset) of this process's mappings of the model file (llama.cpp's), those
+    inside the span `exclude` (address, length: our own mapping, which mlock and madvise split into
+    several areas) left out."""
     target = os.path.realpath(path)
     out = []
     try:
@@ -61,7 +63,7 @@ def model_mappings(path, exclude: int = 0) -> list[tuple[int, int, int]]:
             if len(f) < 6 or f[5] != target:
                 continue
             a, b = (int(x, 16) for x in f[0].split("-"))
-            if a != exclude:
+            if not exclude[0] <= a < exclude[0] + exclude[1]:
                 out.append((a, b - a, int(f[2], 16)))
     except OSError:
         pass

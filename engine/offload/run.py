@@ -90,6 +90,8 @@ class Pinning:
     lookahead: bool = False     # in a verification, ask for layer L+1's predicted experts when layer L routes
     fetch_workers: int = 0      # threads that read each verification's predicted experts while the draft goes on
     fetch_room_share: float = 0.5  # of the expert cache, what they may read ahead of the verification
+    own_cache: bool = True      # under a budget plan, keep the expert cache here (LRU, evicted by MADV_PAGEOUT)
+                                # instead of leaving it to the kernel's reclaim
 
 
 def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
@@ -180,6 +182,8 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
         choice = os.environ.get("S2MOE_FAULT_READAHEAD", "auto")  # auto | off | default (experiments)
         if choice != "default":
             off.advise_fault_readahead(random=choice == "off" or slab * 4 <= window)
+    if plan is not None and pinning.own_cache:
+        off.keep_expert_cache(plan.cache_bytes, hot)
     if plan is not None and pinning.fetch_workers > 0:
         off.start_fetching(pinning.fetch_workers, int(pinning.fetch_room_share * plan.cache_bytes))
     off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
@@ -195,6 +199,11 @@ def split_line(cg: MemoryCgroup, offloader: Offloader | None = None) -> str:
         p = offloader.pinned_split
         parts.append(f"pinned: weights {fmt_bytes(p['non_expert'])}, code {fmt_bytes(p['code'])}, "
                      f"hot experts {fmt_bytes(p['hot_experts'])}")
+        cap = offloader.native.cache_capacity
+        if cap is not None:
+            c = offloader.native.cache_stats()
+            parts.append(f"expert cache kept here: {fmt_bytes(c['held'])} of {fmt_bytes(cap)} held, "
+                         f"{c['evicted']} evicted, {c['lost']} reclaimed by the kernel before reuse")
         hr = offloader.stats.hit_rate()
         if np.isfinite(hr).any():
             parts.append(f"predicted-expert hit rate {np.nanmean(hr):.0%}")
