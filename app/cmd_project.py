@@ -19,9 +19,9 @@ def add_parser(sub) -> None:
                    help="memory budget to simulate: none (default: every expert resident), auto or a size")
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
     p.add_argument("--threshold", type=float, default=None, help="utility threshold (default: the trace's)")
-    p.add_argument("--cache", choices=("lru", "fifo"), default="fifo",
-                   help="how the simulated expert cache evicts (default fifo: it fits this engine's offloading "
-                        "better, see the README)")
+    p.add_argument("--cache", choices=("lru", "fifo"), default="lru",
+                   help="how the simulated expert cache evicts (default lru: under a budget the engine keeps its "
+                        "expert cache as one, of the budget plan's size)")
     p.add_argument("--cache-size", choices=("plan", "calibrated"), default="plan",
                    help="the simulated expert cache: the budget plan's size (default), or that scaled by what "
                         "calibrate --budget found the offloading held in effect there (see the README)")

@@ -669,9 +669,9 @@ def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
 
 def _cache_fit(plain: dict, record: dict | None, n_expert: int, expert_bytes: float) -> dict | None:
     """How many experts the engine's offloading held in effect when plain decoding ran under the budget: the
-    size of a FIFO cache (beside the pinned hot experts) that fetches what decoding counted over the same tokens,
+    size of an LRU cache (beside the pinned hot experts) that fetches what decoding counted over the same tokens,
     the first PLAIN_FETCH_WARM tokens warming both up. None without a plan."""
-    from .projection import CachePlan, fitted_fifo_capacity
+    from .projection import CachePlan, capacity_fetching
 
     if record is None or not plain["ids"]:
         return None
@@ -679,7 +679,7 @@ def _cache_fit(plain: dict, record: dict | None, n_expert: int, expert_bytes: fl
     ids = [np.asarray(x) for x in plain["ids"]]
     counted = sum(plain["misses"][PLAIN_FETCH_WARM:])
     pinned = tuple(tuple(p) for p in record["pinned"])
-    effective = fitted_fifo_capacity(ids, counted, CachePlan(planned, pinned, ""), n_expert, PLAIN_FETCH_WARM)
+    effective = capacity_fetching(ids, counted, CachePlan(planned, pinned, ""), n_expert, PLAIN_FETCH_WARM)
     n = len(ids) - PLAIN_FETCH_WARM
     fit = {"planned_experts": planned, "effective_experts": effective, "tokens": n,
            "fetched_per_token": round(counted / max(1, n), 6), "pinned": len(pinned)}

@@ -60,7 +60,7 @@ carries published figures and may hold `reference` constants that apply to any m
           plain_iterations: 350    # ... and the plain ones the plain step's line is fitted on
         cache_fit:                 # optional (calibrate --budget): what the offloading held in effect there
           planned_experts: 64      # the plan's expert cache beside the pinned hot experts
-          effective_experts: 30    # the FIFO cache that fetches what greedy plain decoding counted
+          effective_experts: 30    # the LRU cache that fetches what greedy plain decoding counted
           tokens: 80
           fetched_per_token: 24.1
           pinned: 64

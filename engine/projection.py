@@ -582,11 +582,12 @@ def cache_check(traces: list[Trace], plan: CachePlan, policy: str) -> tuple[int,
     return recorded, simulated
 
 
-def fitted_fifo_capacity(ids: list[np.ndarray], counted: int, plan: CachePlan, n_expert: int, warm: int = 0) -> int:
-    """The FIFO cache size (beside the plan's pinned experts) at which the steps `ids` (each [n_layer, k]) fetch
+def capacity_fetching(ids: list[np.ndarray], counted: int, plan: CachePlan, n_expert: int, warm: int = 0,
+                      policy: str = "lru") -> int:
+    """The cache size (beside the plan's pinned experts) at which the steps `ids` (each [n_layer, k]) fetch
     `counted` experts after the first `warm` (misses fall as the cache grows: bisection)."""
     def fetched(capacity: int) -> int:
-        cache = ExpertCache(n_expert, capacity, plan.pinned, "fifo")
+        cache = ExpertCache(n_expert, capacity, plan.pinned, policy)
         return sum(cache.access(x) * (i >= warm) for i, x in enumerate(ids))
 
     lo, hi = 0, ids[0].shape[0] * n_expert if ids else 0
@@ -637,7 +638,7 @@ def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[Worklo
 
 
 def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=PROJECT_MODES,
-            threshold: float | None = None, policy: str = "fifo", fit_cache: bool = False,
+            threshold: float | None = None, policy: str = "lru", fit_cache: bool = False,
             terms: str = "profile", cache_size: str = "plan") -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
     evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own

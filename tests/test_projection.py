@@ -390,9 +390,9 @@ def block_cost(prof: dict, fp: str):
 
 
 def test_a_calibrated_cache_size_scales_the_plan_s_cache():
-    """calibrate --budget records the FIFO cache that fetches what plain decoding counted; --cache-size calibrated
+    """calibrate --budget records the LRU cache that fetches what plain decoding counted; --cache-size calibrated
     scales the plan by it (here to nothing: every expert fetched), the default keeps the plan."""
-    from s2moe.engine.projection import CachePlan, fitted_fifo_capacity
+    from s2moe.engine.projection import CachePlan, capacity_fetching
 
     prof = profile()
     prof["models"][FP]["cache_fit"] = {"planned_experts": 10, "effective_experts": 0, "tokens": 5,
@@ -403,8 +403,8 @@ def test_a_calibrated_cache_size_scales_the_plan_s_cache():
     # one layer, top-1: experts 0 and 1 in turn; two slots hold both, one slot misses every time
     ids = [np.array([[i % 2]]) for i in range(10)]
     plan = CachePlan(0, (), "")
-    assert fitted_fifo_capacity(ids, 0, plan, 4, warm=2) == 2
-    assert fitted_fifo_capacity(ids, 8, plan, 4, warm=2) == 0
+    assert capacity_fetching(ids, 0, plan, 4, warm=2) == 2
+    assert capacity_fetching(ids, 8, plan, 4, warm=2) == 0
     prof["models"][FP]["cache_fit"]["effective_experts"] = -1
     with pytest.raises(ConfigError, match="cache_fit"):
         validate_profile(prof)
