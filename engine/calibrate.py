@@ -625,6 +625,8 @@ def _step_gpu(cal: _Calibration, index: int):
 
 def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
     """Fit what the cold worker measured; keep it on cal.cold."""
+    from .projection import decoding_fetch_price
+
     cal.budget_bytes = res["budget"]
     cs = [tuple(s) for s in res["samples"]]
     experts, tokens, seconds, misses, faults = ([s[i] for s in cs] for i in range(5))
@@ -647,13 +649,11 @@ def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
             "split": res["split"], "peak": res["peak"], "n_batch": res.get("n_batch"),
             "pinned": res["pinned"], "r2_given_faults": given["r2"], "faults": faults}
     miss_rate = sum(misses) / max(1.0, sum(experts))
-    from .projection import decoding_fetch_price
-
     plain = ""
     if cal.cache_fit and cal.cache_fit.get("step_ms"):
         held = cal.cache_fit
         plain = f" · plain decoding {held['step_ms']:.1f} ms a token at {held['fetched_per_token']:.1f} fetched"
-        paid = decoding_fetch_price({"cache_fit": held, "t_ar_ms": cal.t_ar * 1e3})
+        paid = decoding_fetch_price(held["step_ms"], held["fetched_per_token"], cal.t_ar * 1e3)
         if paid is not None:
             plain += f" ({paid * 1e3:.2f} ms a fetch beyond the resident step)"
         data["plain_step_ms"] = held["step_ms"]

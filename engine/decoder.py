@@ -200,8 +200,7 @@ class Decoder:
         self.max_draft = max_draft
         # a draft tree takes a sequence id per drafted node (up to the verification batch times a width)
         self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_batch=DEFAULT_BATCH if n_batch is None else n_batch,
-                               n_threads=n_threads,
-                               max_verify_rows=max_draft + 1,
+                               n_threads=n_threads, max_verify_rows=max_draft + 1,
                                use_extra_bufts=use_extra_bufts, placement=placement,
                                n_seq_max=min(TREE_SEQS, 4 * (max_draft + 1)))
         self.placement = placement

@@ -90,7 +90,9 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
     # a fit under the budget that explains little of the time it was fitted on (calibrate warns below this R²)
     # says little about a fetch either: the storage bandwidth does
     weak = measured and misses.get("r2") is not None and misses["r2"] < FETCH_FIT_R2_MIN
-    paid = decoding_fetch_price(block) if measured else None
+    held = block.get("cache_fit") or {}
+    paid = (decoding_fetch_price(held.get("step_ms"), held.get("fetched_per_token"), float(block["t_ar_ms"]))
+            if measured else None)
     if paid is not None:
         # A fetch's price as plain decoding paid it under the budget, its stalls on faults included, which
         # no read rate and no per-batch fit captures; the replay charges it per counted fetch, as measured.
@@ -120,14 +122,12 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
                        measured, profile_terms(block))
 
 
-def decoding_fetch_price(block: dict) -> float | None:
-    """Seconds per fetch: calibrate's plain decoding under its budget, its mean step beyond the resident step,
-    over the fetches it counted a token. None where the profile did not time that decoding or it fetched nothing."""
-    held = block.get("cache_fit") or {}
-    step, per_token = held.get("step_ms"), held.get("fetched_per_token")
-    if not step or not per_token or per_token <= 0:
+def decoding_fetch_price(step_ms: float | None, fetched_per_token: float | None, t_ar_ms: float) -> float | None:
+    """Seconds per fetch: calibrate's plain decoding under its budget, its mean step beyond the resident step
+    (t_ar_ms), over the fetches it counted a token. None where that decoding was not timed or fetched nothing."""
+    if not step_ms or not fetched_per_token or fetched_per_token <= 0:
         return None
-    return max(0.0, step - float(block["t_ar_ms"])) / 1e3 / per_token
+    return max(0.0, step_ms - t_ar_ms) / 1e3 / fetched_per_token
 
 
 # engine.costmodel times its steps and batches after this many tokens of context (its `context` default)
@@ -582,40 +582,39 @@ def cache_check(traces: list[Trace], plan: CachePlan, policy: str) -> tuple[int,
     return recorded, simulated
 
 
+def _smallest_capacity(fetched, target: int, most: int) -> int:
+    """The smallest cache size in 0..most at which fetched(size) is at most `target` (fetches fall as the cache
+    grows, for LRU and here for FIFO alike: bisection)."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fetched(mid) > target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 def capacity_fetching(ids: list[np.ndarray], counted: int, plan: CachePlan, n_expert: int, warm: int = 0,
                       policy: str = "lru") -> int:
     """The cache size (beside the plan's pinned experts) at which the steps `ids` (each [n_layer, k]) fetch
-    `counted` experts after the first `warm` (misses fall as the cache grows: bisection)."""
+    `counted` experts after the first `warm`."""
     def fetched(capacity: int) -> int:
         cache = ExpertCache(n_expert, capacity, plan.pinned, policy)
         return sum(cache.access(x) * (i >= warm) for i, x in enumerate(ids))
 
-    lo, hi = 0, ids[0].shape[0] * n_expert if ids else 0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fetched(mid) > counted:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return _smallest_capacity(fetched, counted, ids[0].shape[0] * n_expert if ids else 0)
 
 
 def fitted_capacity(traces: list[Trace], plan: CachePlan, policy: str) -> int | None:
-    """The cache size at which the simulated cache fetches what the recording counted for its own reads (misses
-    fall as the cache grows, for LRU and here for FIFO alike: bisection). None without a recorded count."""
+    """The cache size at which the simulated cache fetches what the recording counted for its own reads. None
+    without a recorded count."""
     check = cache_check(traces, plan, policy)
     if check is None:
         return None
-    recorded = check[0]
     h = traces[0].header
-    lo, hi = 0, h.n_layer * h.n_expert
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cache_check(traces, CachePlan(mid, plan.pinned, plan.label), policy)[1] > recorded:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return _smallest_capacity(lambda size: cache_check(traces, CachePlan(size, plan.pinned, plan.label), policy)[1],
+                              check[0], h.n_layer * h.n_expert)
 
 
 def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[WorkloadTerms, str]:

@@ -75,11 +75,12 @@ class BudgetPlan:
         """ConfigError unless the budget holds the process, the pinned weights and one layer's k experts:
         with less, the first decode has nothing to evict and the cgroup kills the process. (The slack may
         be eaten into: a small model's experts fit in it. The size suggested keeps it.)"""
-        if self.budget_bytes >= self.anon_bytes + self.base_bytes + one_layer_bytes:
+        held = self.anon_bytes + self.base_bytes + one_layer_bytes
+        if self.budget_bytes >= held:
             return
-        need = self.anon_bytes + self.base_bytes + one_layer_bytes
+        need = held
         for _ in range(8):  # the slack grows with the budget: its fixed point, from below
-            need = self.anon_bytes + self.base_bytes + one_layer_bytes + plan_slack(need)
+            need = held + plan_slack(need)
         raise ConfigError(f"the memory budget {fmt_bytes(self.budget_bytes)} leaves "
                           f"{fmt_bytes(self.hot_bytes + self.cache_bytes)} for experts (the process holds "
                           f"{fmt_bytes(self.anon_bytes)} with its largest batches, pinned weights "

@@ -144,11 +144,11 @@ class NativePrefetch:
         """Keep the expert cache here instead of leaving it to the kernel: the routed experts in a
         least-recently-used list of `capacity` bytes, what falls off it unmapped from llama.cpp's mapping
         (at llama_addr, covering file offsets file_lo..file_hi) and dropped from the page cache.
-        pinned [n_layer, n_expert]: never counted or dropped."""
-        self._pinned = np.ascontiguousarray(pinned, dtype=np.uint8)
+        pinned [n_layer, n_expert]: never counted or dropped (the C side keeps a copy)."""
+        mask = np.ascontiguousarray(pinned, dtype=np.uint8)
         path = str(self.mapping.emap.path).encode()
         if self.lib.s2_cache_keep(self.handle, path, llama_addr, file_lo, file_hi, int(capacity),
-                                  self._pinned.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))) != 0:
+                                  mask.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))) != 0:
             raise OSError(f"cannot keep an expert cache over {self.mapping.emap.path}")
         self.cache_capacity = int(capacity)
 

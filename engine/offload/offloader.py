@@ -67,7 +67,6 @@ class Offloader:
         self.native = NativePrefetch(self.map, advise=False)
         self._room = prefetch_bytes if prefetch_bytes is not None else 1 << 62
         self.lookahead = False  # as each layer of a verification routes, ask for the next layer's predicted experts
-        self.fetching = False   # reader threads fetch each verification's predicted experts (start_fetching)
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
         self.plan = None                      # BudgetPlan, when a budget was given
         self._decoder = None                  # the decoder it is attached to
@@ -87,10 +86,9 @@ class Offloader:
         """Have `workers` threads read each verification's predicted experts as the draft predicts them, at
         most room_bytes ahead of the verification's progress (see native/s2moe_offload.c)."""
         self.native.start_fetching(workers, room_bytes)
-        self.fetching = True
 
     def fetch_stats(self) -> dict | None:
-        return self.native.fetch_stats() if self.fetching else None
+        return self.native.fetch_stats() if self.native.fetching else None
 
     def pin(self, *, non_expert: bool = True, code: bool = True, hot=()) -> dict:
         raise_memlock_limit()
@@ -135,8 +133,8 @@ class Offloader:
 
     def keep_expert_cache(self, capacity: int, pinned=()) -> bool:
         """Keep a least-recently-used cache of `capacity` bytes of routed experts (the `pinned` (layer,
-        expert) pairs aside), paging out of llama.cpp's mapping what falls off it (native/s2moe_offload.c
-        says why the kernel's choice is worse). False where llama.cpp's mapping does not cover every expert
+        expert) pairs aside), dropping from memory what falls off it (native/s2moe_offload.c says why the
+        kernel's choice is worse). False where llama.cpp's mapping does not cover every expert
         in one piece (the kernel keeps the cache then)."""
         lo = int(self.emap.ranges[..., 0][self.emap.ranges[..., 1] > 0].min())
         hi = int((self.emap.ranges[..., 0] + self.emap.ranges[..., 1]).max())
@@ -154,7 +152,6 @@ class Offloader:
                 for layer, e in pinned:
                     mask[layer, e] = 1
                 self.native.keep_cache(addr, foff, foff + length, capacity, mask)
-                self.cache_pinned = list(pinned)
                 return True
         return False
 
@@ -165,7 +162,7 @@ class Offloader:
         t0 = time.perf_counter()
         predicted = np.asarray(predicted, bool)
         hit = self.native.resident(predicted)  # looks at the predicted experts' pages only
-        if self.fetching:
+        if self.native.fetching:
             self.native.want(predicted)
         self.stats.lookups += predicted.sum(axis=1)
         self.stats.hits += (predicted & hit).sum(axis=1)
@@ -180,7 +177,7 @@ class Offloader:
         self.stats.prefetch_seconds += time.perf_counter() - t0
 
     def verifying(self, predicted: np.ndarray | None) -> None:
-        if self.fetching:
+        if self.native.fetching:
             self.native.verification_starts()
         if self.lookahead:
             self.native.set_ahead(predicted)

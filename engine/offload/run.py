@@ -90,8 +90,8 @@ class Pinning:
     lookahead: bool = False     # in a verification, ask for layer L+1's predicted experts when layer L routes
     fetch_workers: int = 0      # threads that read each verification's predicted experts while the draft goes on
     fetch_room_share: float = 0.5  # of the expert cache, what they may read ahead of the verification
-    own_cache: bool = True      # under a budget plan, keep the expert cache here (LRU, evicted by MADV_PAGEOUT)
-                                # instead of leaving it to the kernel's reclaim
+    own_cache: bool = True      # under a budget plan, keep the expert cache here (an LRU whose evictions leave
+                                # memory at once) instead of leaving it to the kernel's reclaim
 
 
 def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
