@@ -10,6 +10,7 @@ DEFAULT_MODES = "ar,s2moe,conf,cascade"
 
 
 def add_parser(sub) -> None:
+    from ..engine.projection import CACHE_POLICIES
     from .cli import nonempty
 
     p = sub.add_parser("project", help="project recorded traces (generate/bench --trace) onto a device profile")
@@ -17,11 +18,14 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", required=True, type=nonempty, help="device profile name or YAML path")
     p.add_argument("--budget", type=_budget, default=None,
                    help="memory budget to simulate: none (default: every expert resident), auto or a size")
-    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
+    p.add_argument("--modes", default=DEFAULT_MODES,
+                   help=f"comma-separated modes (default {DEFAULT_MODES}; oracle: drafts exactly what the target "
+                        "accepts, the ceiling of any stopping rule)")
     p.add_argument("--threshold", type=float, default=None, help="utility threshold (default: the trace's)")
-    p.add_argument("--cache", choices=("lru", "fifo"), default="lru",
+    p.add_argument("--cache", choices=CACHE_POLICIES, default="lru",
                    help="how the simulated expert cache evicts (default lru: under a budget the engine keeps its "
-                        "expert cache as one, of the budget plan's size)")
+                        "expert cache as one, of the budget plan's size; opt: the expert read furthest ahead, "
+                        "the fewest fetches any cache could make: a ceiling, not a forecast)")
     p.add_argument("--cache-size", choices=("plan", "calibrated"), default="plan",
                    help="the simulated expert cache: the budget plan's size (default), or that scaled by what "
                         "calibrate --budget found the offloading held in effect there (see the README)")

@@ -23,10 +23,15 @@ page faults and stalls included, which a read rate leaves out); else the profile
 measured both, else the expert's bytes over its storage bandwidth. The expert cache is simulated for the budget: the plan
 engine.offload makes (pinned hot experts from the profile, the rest an LRU of experts); no budget: all
 resident.
+
+Two replays are ceilings rather than forecasts: the cache policy `opt` (Belady's: evict what is read
+furthest ahead, the fewest fetches any cache of that size could make) and the mode `oracle` (draft exactly
+the tokens the target goes on to accept, what no stopping rule can better for the recorded drafter).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -41,7 +46,9 @@ from .policies import CascadeDrafter, ConfidenceStop, FixedLength, Proposal, Sto
 from .profiles import cost_for_model, model_block
 from .trace import Trace, TraceHeader
 
-PROJECT_MODES = ("ar", "s2moe", "conf", "cascade")
+# oracle: drafts exactly the tokens the target goes on to accept, a stopping rule that knows the outcome. Not a
+# mode one can run: the ceiling of every stopping rule for the recorded drafter.
+PROJECT_MODES = ("ar", "s2moe", "conf", "cascade", "oracle")
 
 
 # -- the device ------------------------------------------------------------------------------------------
@@ -266,41 +273,88 @@ def recording_terms(traces: list[Trace], costs: DeviceCosts) -> WorkloadTerms:
 
 
 # -- the expert cache ------------------------------------------------------------------------------------
-CACHE_POLICIES = ("lru", "fifo")
+# opt: Belady's rule, evicting the expert whose next read lies furthest ahead. No cache can fetch less for the
+# same reads, so a projection under it is the ceiling of any eviction policy, not a forecast of the engine's.
+CACHE_POLICIES = ("lru", "fifo", "opt")
 
 
 class ExpertCache:
     """Experts in memory under a budget: the pinned ones always, the rest `capacity` experts evicted least
-    recently used first (lru) or first in, first out (fifo). capacity None: everything resident (no budget)."""
+    recently used first (lru), first in, first out (fifo), or by what is read next (opt, which needs `future`:
+    the reads to come, as `seen` lists them after a pass over the same accesses). capacity None: everything
+    resident (no budget). Reads come a layer at a time, as the engine routes them: a layer's own experts are
+    never evicted to make room for each other."""
 
-    def __init__(self, n_expert: int, capacity: int | None, pinned=(), policy: str = "lru"):
+    def __init__(self, n_expert: int, capacity: int | None, pinned=(), policy: str = "lru",
+                 future: list[frozenset] | None = None):
+        if policy == "opt" and future is None:
+            raise ValueError("the opt policy needs the reads to come")
         self.n_expert = n_expert
         self.capacity = capacity
         self.policy = policy
         self.pinned = {int(l) * n_expert + int(e) for l, e in pinned}
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.held: OrderedDict[int, int] = OrderedDict()  # expert -> its next read (opt) or 0
+        self.seen: list[frozenset] = []                   # every layer's group of non-pinned reads, in order
+        self._reads_at: dict[int, list[int]] = {}
+        for i, group in enumerate(future or ()):
+            for key in group:
+                self._reads_at.setdefault(key, []).append(i)
+
+    def _next_read(self, key: int, after: int) -> int:
+        at = self._reads_at.get(key, ())
+        i = bisect_right(at, after)
+        return at[i] if i < len(at) else 1 << 62
 
     def access(self, ids: np.ndarray) -> int:
         """Read the experts `ids` ([..., n_layer, k] ids, -1 none; each distinct one once); how many missed."""
         if self.capacity is None:
             return 0
         ids = np.asarray(ids)
-        layers = np.broadcast_to(np.arange(ids.shape[-2])[:, None], ids.shape)
-        keys = np.unique((layers * self.n_expert + ids)[ids >= 0])
         misses = 0
-        for key in keys.tolist():
-            if key in self.pinned:
-                continue
-            if key in self.lru:
+        for layer in range(ids.shape[-2]):
+            col = ids[..., layer, :]
+            group = frozenset((layer * self.n_expert + np.unique(col[col >= 0])).tolist()) - self.pinned
+            misses += self._read_layer(group)
+        return misses
+
+    def _read_layer(self, group: frozenset) -> int:
+        now = len(self.seen)
+        self.seen.append(group)
+        misses = 0
+        for key in sorted(group):
+            if key in self.held:
                 if self.policy == "lru":
-                    self.lru.move_to_end(key)
+                    self.held.move_to_end(key)
+                elif self.policy == "opt":
+                    self.held[key] = self._next_read(key, now)
                 continue
             misses += 1
             if self.capacity > 0:
-                self.lru[key] = None
-                if len(self.lru) > self.capacity:
-                    self.lru.popitem(last=False)
+                self.held[key] = self._next_read(key, now) if self.policy == "opt" else 0
+        while len(self.held) > self.capacity:
+            others = (k for k in self.held if k not in group)
+            victim = max(others, key=self.held.__getitem__, default=None) if self.policy == "opt" else next(others, None)
+            if victim is None:
+                break
+            del self.held[victim]
         return misses
+
+
+def with_cache(run, plan: "CachePlan", n_expert: int, policy: str, rounds: int = 4):
+    """run(cache) under the plan's cache. For opt, `run` goes once under LRU to learn its reads and again under
+    Belady's rule over them; where the reads follow the fetches (cascade's trials follow its timings) it goes on
+    until a pass reads what the one before it did, or `rounds` passes, the last standing."""
+    if policy != "opt" or plan.capacity is None:
+        return run(plan.cache(n_expert, policy))
+    seen = plan.cache(n_expert, "lru")
+    run(seen)
+    for _ in range(rounds):
+        cache = plan.cache(n_expert, "opt", seen.seen)
+        out = run(cache)
+        if cache.seen == seen.seen:
+            break
+        seen = cache
+    return out
 
 
 @dataclass(frozen=True)
@@ -309,25 +363,26 @@ class CachePlan:
     pinned: tuple                 # (layer, expert) pinned hot experts
     label: str
 
-    def cache(self, n_expert: int, policy: str = "lru") -> ExpertCache:
-        return ExpertCache(n_expert, self.capacity, self.pinned, policy)
+    def cache(self, n_expert: int, policy: str = "lru", future: list[frozenset] | None = None) -> ExpertCache:
+        return ExpertCache(n_expert, self.capacity, self.pinned, policy, future)
 
 
 def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_bytes: float) -> CachePlan:
     """How a budget splits between pinned hot experts and the expert cache, as engine.offload plans it
-    (plan_budget, select_hot_experts). `auto` on a trace recorded under an auto budget: the plan that run
-    made; else a third of the expert bytes (AUTO_EXPERT_SHARE), as `--budget auto` gives the expert cache."""
+    (plan_budget, select_hot_experts). The budget a trace was recorded under (auto, or the same size): the plan
+    that run made; else a third of the expert bytes (AUTO_EXPERT_SHARE), as `--budget auto` gives the expert cache."""
     if budget is None or budget == "none":
         return CachePlan(None, (), "none (all resident)")
     b = Budget.parse(budget)
     n_moe = header.n_layer  # layers without experts are never read: their share of the plan stays unused
     total = header.n_expert * n_moe * expert_bytes
     recorded = header.budget
-    if b.auto and recorded is not None and recorded.get("auto"):
-        cap = int(recorded["cache_bytes"] // header.expert_bytes)  # the plan was made for the trace's own model
+    if recorded is not None and (recorded.get("auto") if b.auto else recorded["budget_bytes"] == b.size):
+        # the budget the trace ran under: the plan that run made (for the process it measured, not a model of it)
+        cap = int(recorded["cache_bytes"] // header.expert_bytes)
         return CachePlan(cap, tuple(tuple(p) for p in recorded["pinned"]),
-                         f"auto as recorded ({fmt_bytes(recorded['budget_bytes'])}: {len(recorded['pinned'])} hot "
-                         f"experts pinned, cache of {cap} experts)")
+                         f"{'auto' if b.auto else fmt_bytes(b.size)} as recorded ({fmt_bytes(recorded['budget_bytes'])}: "
+                         f"{len(recorded['pinned'])} hot experts pinned, cache of {cap} experts)")
     size = int(header.non_expert_bytes + AUTO_EXPERT_SHARE * total) if b.auto else b.size
     hot_ranked = [p for p in (model_block(profile, header.fingerprint) or {}).get("hot_experts") or []]
     sizes = SimpleNamespace(expert_bytes=np.full(header.n_layer, expert_bytes))  # all plan_budget reads of a map
@@ -491,9 +546,14 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
     """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over)."""
     if mode not in PROJECT_MODES:
         raise ConfigError(f"cannot project mode {mode!r} (choose from {', '.join(PROJECT_MODES)})")
+    return with_cache(lambda cache: _replay(traces, mode, costs, cache, threshold, terms), plan,
+                      traces[0].header.n_expert, policy)
+
+
+def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCache, threshold: float | None,
+            terms: WorkloadTerms) -> ModeProjection:
     h0 = traces[0].header
     res = ModeProjection(mode)
-    cache = plan.cache(h0.n_expert, policy)
     rule: StopRule | None = None
     cascade = inner = None
     if mode == "s2moe":
@@ -503,9 +563,9 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
     elif mode == "cascade":
         cascade = CascadeDrafter(h0.k_d, h0.draft_max)
         inner = cascade.inner = _ChainFromTrace(h0.k_d, h0.n_expert)
-    gated_rows = mode == "s2moe"
+    gated_rows = mode in ("s2moe", "oracle")  # the oracle's acceptance is the recording's, gated where it was
     # resident, a step without drafts is a plain one (under a budget the prefetcher needs its routing)
-    plain_unobserved = terms.t_plain is not None and plan.capacity is None
+    plain_unobserved = terms.t_plain is not None and cache.capacity is None
     for tr in traces:
         h = tr.header
         if isinstance(rule, UtilityStop):
@@ -520,6 +580,8 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
             elif cascade is not None:
                 inner.source = src
                 draft = cascade.propose(None, None, max_len, None)
+            elif mode == "oracle":
+                draft = propose(FixedLength(), src, min(max_len, step.accepted - j), h.k_d, h.n_expert)
             else:
                 draft = propose(rule, src, max_len, h.k_d, h.n_expert)
             n = len(draft.tokens)
@@ -569,17 +631,20 @@ def cache_check(traces: list[Trace], plan: CachePlan, policy: str) -> tuple[int,
     budget."""
     if any(s.verify_misses is None or s.draft_misses is None for tr in traces for s in tr.steps):
         return None
-    cache = plan.cache(traces[0].header.n_expert, policy)
-    recorded = simulated = 0
-    for tr in traces:
-        kd = tr.header.k_d
-        for s in tr.steps:
-            recorded += s.verify_misses + s.draft_misses
-            if s.drafted:  # the recording drafted to the cap: a pass for the pending token and for each drafted one
-                simulated += cache.access(s.pending[:, :kd])
-                simulated += sum(cache.access(d.predicted[:, :kd]) for d in s.drafted)
-            simulated += cache.access(s.gated)
-    return recorded, simulated
+    recorded = sum(s.verify_misses + s.draft_misses for tr in traces for s in tr.steps)
+
+    def simulated(cache: ExpertCache) -> int:
+        fetched = 0
+        for tr in traces:
+            kd = tr.header.k_d
+            for s in tr.steps:
+                if s.drafted:  # the recording drafted to the cap: a pass for the pending token and each drafted one
+                    fetched += cache.access(s.pending[:, :kd])
+                    fetched += sum(cache.access(d.predicted[:, :kd]) for d in s.drafted)
+                fetched += cache.access(s.gated)
+        return fetched
+
+    return recorded, with_cache(simulated, plan, traces[0].header.n_expert, policy)
 
 
 def _smallest_capacity(fetched, target: int, most: int) -> int:
@@ -600,8 +665,8 @@ def capacity_fetching(ids: list[np.ndarray], counted: int, plan: CachePlan, n_ex
     """The cache size (beside the plan's pinned experts) at which the steps `ids` (each [n_layer, k]) fetch
     `counted` experts after the first `warm`."""
     def fetched(capacity: int) -> int:
-        cache = ExpertCache(n_expert, capacity, plan.pinned, policy)
-        return sum(cache.access(x) * (i >= warm) for i, x in enumerate(ids))
+        return with_cache(lambda cache: sum(cache.access(x) * (i >= warm) for i, x in enumerate(ids)),
+                          CachePlan(capacity, plan.pinned, plan.label), n_expert, policy)
 
     return _smallest_capacity(fetched, counted, ids[0].shape[0] * n_expert if ids else 0)
 
@@ -674,7 +739,7 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     elif cache_size not in ("calibrated", "plan"):
         raise ConfigError(f"unknown cache size {cache_size!r} (choose from calibrated, plan)")
     if plan.capacity is not None:
-        for name in CACHE_POLICIES:
+        for name in ("lru", "fifo"):  # the policies that stand for an engine's cache (opt is a ceiling)
             fit = cache_check(traces, plan, name)
             if fit is not None:
                 out.cache_fit[name] = fit

@@ -220,6 +220,62 @@ def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_mo
     asyncio.run(go())
 
 
+
+def test_belady_s_rule_evicts_what_is_read_furthest_ahead():
+    """The textbook sequence: with room for two, LRU misses every read; evicting the expert read furthest ahead
+    misses six of eight."""
+    from s2moe.engine.projection import CachePlan, with_cache
+
+    reads = [np.array([[e]]) for e in (0, 1, 2, 0, 1, 3, 0, 1)]  # one layer, one expert per read
+
+    def misses(cache):
+        return [cache.access(r) for r in reads]
+
+    plan = CachePlan(2, (), "two")
+    assert with_cache(misses, plan, 8, "lru") == [1] * 8
+    assert with_cache(misses, plan, 8, "opt") == [1, 1, 1, 0, 1, 1, 0, 1]
+    with pytest.raises(ValueError, match="reads to come"):
+        ExpertCache(8, 2, policy="opt")
+
+
+def test_no_eviction_order_fetches_less_than_belady_s():
+    from s2moe.engine.projection import CachePlan, with_cache
+
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        reads = [rng.integers(-1, 16, size=(int(rng.integers(1, 4)), 3, 2)) for _ in range(40)]
+        plan = CachePlan(int(rng.integers(1, 12)), ((0, 1), (2, 3)), "random")
+        fetched = {policy: with_cache(lambda c: sum(c.access(r) for r in reads), plan, 16, policy)
+                   for policy in ("lru", "fifo", "opt")}
+        assert fetched["opt"] <= min(fetched["lru"], fetched["fifo"]), (trial, fetched)
+    # a layer's own experts stay while it reads them, even beyond the cache's size: the next layer evicts them
+    cache = ExpertCache(4, capacity=1)
+    assert cache.access(np.array([[0, 1]])) == 2 and list(cache.held) == [0, 1]
+    assert cache.access(np.array([[2, -1]])) == 1 and list(cache.held) == [2]
+
+
+def test_the_oracle_drafts_exactly_what_the_target_accepts():
+    """Step one's target accepts one of its two drafted tokens, step two's both; the third step has no room left
+    to draft. The oracle verifies one, then two, then none: nothing it drafts is rejected."""
+    from dataclasses import replace
+
+    first = replace(step([R0, R1, R2], (5, 6)), accepted=1)
+    tr = replace(hand_trace(), steps=[first, step([R0, R0, R0], (8, 9, 10)), step([R2, R2, R2], (11, 12, 13))])
+    o = project([tr], profile(), modes=["oracle"]).modes["oracle"]
+    assert (o.tokens, o.iterations, o.drafted, o.accepted) == (6, 3, 3, 3)
+    assert o.draft_passes == 1 + 2  # the pending token's pass, and one for each drafted token but the last
+    conf = project([tr], profile(), modes=["conf"]).modes["conf"]
+    assert conf.drafted > conf.accepted  # a rule that cannot see ahead verifies what the target rejects
+
+
+def test_a_trace_projected_at_the_budget_it_ran_under_brings_that_run_s_plan():
+    ran = {"auto": False, "budget_bytes": 1 << 20, "hot_bytes": 2000, "cache_bytes": 3000, "pinned": [[0, 0], [1, 0]]}
+    tr = hand_trace().with_budget(ran)
+    p = project([tr], profile(), budget="1M", modes=["ar"])
+    assert p.budget.startswith("1.0 MiB as recorded") and "2 hot experts pinned, cache of 3 experts" in p.budget
+    # another size: the plan is modelled from the profile (here: no room for a cache, nothing pinned)
+    assert project([tr], profile(), budget="2M", modes=["ar"]).modes["ar"].fetched == 6 * 4
+
 def test_the_cache_model_is_checked_against_the_recording_s_own_fetches():
     """A trace recorded under a budget counts the experts its run fetched; the projection puts the same run's
     reads through the simulated cache beside that count, for each eviction policy."""
