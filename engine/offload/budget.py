@@ -130,4 +130,6 @@ def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXP
     # the slack absorbs what the heap still grows by in the first real generations after a warm-up, so
     # that the expert cache keeps its share; 2 MiB was too little: a module the first generation imported
     # (2.2 MiB) had a session under auto killed by the cgroup's OOM killer
-    return int(held + share * emap.total_expert_bytes + max(AUTO_MIN_SLACK, held // 50))
+    size = int(held + share * emap.total_expert_bytes + max(AUTO_MIN_SLACK, held // 50))
+    page = os.sysconf("SC_PAGE_SIZE")
+    return -(-size // page) * page  # the kernel keeps a limit in whole pages: the budget is the limit it sets
