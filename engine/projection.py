@@ -387,11 +387,12 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
     hot_ranked = [p for p in (model_block(profile, header.fingerprint) or {}).get("hot_experts") or []]
     sizes = SimpleNamespace(expert_bytes=np.full(header.n_layer, expert_bytes))  # all plan_budget reads of a map
     plan = plan_budget(size, anon_bytes=0, base_bytes=header.non_expert_bytes, emap=sizes, k=header.k,
-                       hot_share=0.5 if hot_ranked else 0.0)
+                       pin_hot=bool(hot_ranked))
     pinned = ()
     if hot_ranked:
         counts = rank_counts(hot_ranked, SimpleNamespace(n_layer=header.n_layer, n_expert=header.n_expert))
         pinned = tuple(select_hot_experts(counts, expert_bytes, plan.hot_bytes))
+    plan = plan.with_pinned(int(len(pinned) * expert_bytes))
     cap = int(plan.cache_bytes // expert_bytes)
     label = (f"{'auto' if b.auto else fmt_bytes(size)}: {len(pinned)} hot experts pinned, cache of {cap} experts"
              f" ({fmt_bytes(cap * expert_bytes)})")

@@ -134,14 +134,29 @@ def test_hot_expert_selection_obeys_the_budget():
         assert sum(sizes[l] for l, _ in chosen) <= budget
 
 
-def test_budget_plan_leaves_room_for_cold_experts(tiny_models):
+def test_the_expert_cache_gets_one_token_s_experts_or_one_layer_s_and_the_hot_experts_the_rest(tiny_models):
+    """An LRU smaller than a token's reads holds nothing that is read again (decoding reads its layers in a
+    cycle): the cache gets one token's experts where the room allows, else the one layer's that compute."""
     em = expert_map(tiny_models["olmoe"])
-    per_token = 4 * int(em.expert_bytes.sum())
+    per_token, one_layer = 4 * int(em.expert_bytes.sum()), 4 * int(em.expert_bytes.max())
+    assert one_layer < per_token
+    for room, cache in [(3 * per_token, per_token), (per_token, per_token), (per_token - 1, one_layer),
+                        (one_layer, one_layer), (one_layer - 1, one_layer - 1), (0, 0)]:
+        plan = plan_budget(64 << 20, anon_bytes=0, base_bytes=0, emap=em, k=4, expert_room=room)
+        assert (plan.cache_bytes, plan.hot_bytes) == (cache, room - cache), room
+    # sized from the budget: what the process, its pinned weights and the slack leave
     plan = plan_budget(10 << 20, anon_bytes=2 << 20, base_bytes=1 << 20, emap=em, k=4)
     assert plan.hot_bytes + plan.cache_bytes + plan.slack_bytes == (10 << 20) - (3 << 20)
-    assert plan.cache_bytes >= per_token // 2 and plan.hot_bytes > 0 and "hot experts" in plan.describe()
+    assert plan.cache_bytes == per_token and plan.hot_bytes > 0 and "hot experts" in plan.describe()
+    # nothing to pin: the cache gets the room
+    bare = plan_budget(10 << 20, anon_bytes=2 << 20, base_bytes=1 << 20, emap=em, k=4, pin_hot=False)
+    assert bare.hot_bytes == 0 and bare.cache_bytes == plan.hot_bytes + plan.cache_bytes
     tight = plan_budget(5 << 20, anon_bytes=4 << 20, base_bytes=1 << 20, emap=em, k=4)
     assert tight.hot_bytes == 0 and tight.cache_bytes == 0
+    # fewer hot experts ranked than their room holds: the cache gets what they leave
+    pinned = plan.with_pinned(plan.hot_bytes // 3)
+    assert pinned.hot_bytes == plan.hot_bytes // 3
+    assert pinned.cache_bytes + pinned.hot_bytes == plan.cache_bytes + plan.hot_bytes
 
 
 @pytest.mark.parametrize("text,value", [("800M", 800 << 20), ("1.5G", 3 << 29), ("300MiB", 300 << 20),

@@ -4,7 +4,7 @@ how `auto` is sized from what a loaded, warmed-up process holds."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from .cgroup import ENV_BUDGET, MemoryCgroup, current_budget_cgroup
@@ -87,6 +87,12 @@ class BudgetPlan:
                           f"{fmt_bytes(self.base_bytes)}, slack {fmt_bytes(self.slack_bytes)}): give at least "
                           f"{fmt_bytes(need)}")
 
+    def with_pinned(self, pinned_bytes: int) -> "BudgetPlan":
+        """The plan once `pinned_bytes` of hot experts are chosen: what they leave of their room (fewer ranked
+        than fit, or sizes that do not add up to it) goes to the cache."""
+        pinned_bytes = min(pinned_bytes, self.hot_bytes)
+        return replace(self, hot_bytes=pinned_bytes, cache_bytes=self.cache_bytes + self.hot_bytes - pinned_bytes)
+
     def describe(self) -> str:
         return (f"budget {fmt_bytes(self.budget_bytes)} = process {fmt_bytes(self.anon_bytes)} + slack "
                 f"{fmt_bytes(self.slack_bytes)} + pinned weights {fmt_bytes(self.base_bytes)} + hot experts "
@@ -99,18 +105,29 @@ def plan_slack(budget_bytes: int) -> int:
 
 
 def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: ExpertMap, k: int,
-                hot_share: float = 0.5, expert_room: int | None = None) -> BudgetPlan:
-    """Split a budget: hot experts get `hot_share` of the room left for experts, but the cache for cold
-    experts keeps at least half of one token's experts (k/2 per layer; the other half is likely hot).
+                pin_hot: bool = True, expert_room: int | None = None) -> BudgetPlan:
+    """Split a budget's room for experts between pinned hot experts and the cache for the rest.
+
+    Decoding reads its layers in turn, token after token, so the cache sees one cycle of reads a token: a
+    least-recently-used cache smaller than a token's reads evicts each expert before the next token comes
+    back to its layer, and holds nothing that is read again. So the cache gets one token's experts (k per
+    layer) where the room holds that, and the hot experts the rest; where it does not, the cache keeps only
+    the k experts a layer computes with, and everything else is pinned (the most routed experts, read again
+    whatever the order). Without hot experts to pin (`pin_hot` False) the cache gets the whole room.
     expert_room: the room for experts where the budget was sized around it (auto: its share of the expert
     bytes; what the process holds besides was measured in the cgroup, which the anonymous and pinned
     bytes here undercount or overcount)."""
     slack = plan_slack(budget_bytes)
     room = max(0, budget_bytes - anon_bytes - base_bytes - slack) if expert_room is None else expert_room
     per_token = int(k * emap.expert_bytes.sum())
-    reserve = min(room, max(int(room * (1 - hot_share)), per_token // 2))
-    return BudgetPlan(budget_bytes, anon_bytes, base_bytes, room - reserve, reserve, slack)
-
+    one_layer = int(k * emap.expert_bytes.max())
+    if not pin_hot:
+        cache = room
+    elif room >= per_token:
+        cache = per_token
+    else:
+        cache = min(room, one_layer)
+    return BudgetPlan(budget_bytes, anon_bytes, base_bytes, room - cache, cache, slack)
 
 
 def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXPERT_SHARE) -> int:

@@ -161,11 +161,13 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
         else:
             room = emap.total_expert_bytes
         hot = select_hot_experts(rank_counts(hot_ranked, emap), emap.expert_bytes, room)
+        if plan is not None:
+            plan = plan.with_pinned(sum(int(emap.expert_bytes[layer]) for layer, _ in hot))
         if pin_hot:
             off.pin(non_expert=False, code=False, hot=hot)
     elif budget_bytes is not None:
         plan = plan_budget(budget_bytes, anon_bytes=process_anon_bytes(), base_bytes=off.map.locked_bytes,
-                           emap=emap, k=k, hot_share=0.0, expert_room=expert_room)
+                           emap=emap, k=k, pin_hot=False, expert_room=expert_room)
     off.plan = plan
     if plan is not None:
         try:
