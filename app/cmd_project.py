@@ -61,22 +61,27 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _rows_of(budget: str | None, label: str) -> bool:
+    """Whether a bench row labelled `label` ran under the budget projected."""
+    from ..engine.offload import Budget, fmt_bytes
+
+    if budget in (None, "none"):
+        return label == "none"
+    b = Budget.parse(budget)
+    return label.startswith("auto") if b.auto else label == fmt_bytes(b.size)
+
+
 def measured_rows(path: str, budget: str | None) -> dict[str, float]:
-    """tok/s by mode from a bench --json result, the rows of the budget projected (none: resident)."""
+    """tok/s by mode from a bench --json result, the rows of the budget projected (none: resident; auto: the
+    auto rows; a size: the rows of that size), as bench labels them."""
     from pathlib import Path
 
     from ..engine.files import read_bounded
 
     try:
         data = json.loads(read_bounded(Path(path), "bench result", 64 << 20).decode("utf-8"))
-        rows = data["results"]
-        want_resident = budget in (None, "none")
-        out = {}
-        for r in rows:
-            resident = r["budget"] == "none"
-            if resident == want_resident and r["mode"] != "llama.cpp":
-                out[r["mode"]] = float(r["tok_per_s"])
-        return out
+        return {r["mode"]: float(r["tok_per_s"]) for r in data["results"]
+                if _rows_of(budget, r["budget"]) and r["mode"] != "llama.cpp"}
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         raise ConfigError(f"--against {path}: not a bench --json result") from None
 

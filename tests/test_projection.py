@@ -167,6 +167,18 @@ def test_project_cli_prints_a_labelled_table_and_json(tmp_path, capsys, monkeypa
     assert main(["project", str(tmp_path / "a.jsonl"), "--profile", "hand", "--modes", "naive"]) == 2
 
 
+def test_measured_rows_are_those_of_the_budget_projected(tmp_path):
+    from s2moe.app.cmd_project import measured_rows
+
+    rows = [{"mode": "ar", "budget": b, "tok_per_s": v} for b, v in
+            [("none", 100.0), ("350.0 MiB", 13.0), ("auto (483.0 MiB)", 30.0), ("1.0 GiB", 50.0)]]
+    rows.append({"mode": "llama.cpp", "budget": "350.0 MiB", "tok_per_s": 1.0})
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"results": rows}))
+    assert [measured_rows(str(path), b) for b in (None, "350M", "auto", "1G", "200M")] == [
+        {"ar": 100.0}, {"ar": 13.0}, {"ar": 30.0}, {"ar": 50.0}, {}]
+
+
 def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_models, tmp_path, monkeypatch):
     """Bench on a tiny model records a trace per prompt; F6 projects them; arrows pick the profile, b the budget."""
     import asyncio
