@@ -19,8 +19,9 @@ def add_parser(sub) -> None:
     p.add_argument("--budget", type=_budget, default=None,
                    help="memory budget to simulate: none (default: every expert resident), auto or a size")
     p.add_argument("--modes", default=DEFAULT_MODES,
-                   help=f"comma-separated modes (default {DEFAULT_MODES}; oracle: drafts exactly what the target "
-                        "accepts, the ceiling of any stopping rule)")
+                   help=f"comma-separated modes (default {DEFAULT_MODES}; ceilings: oracle drafts exactly what the "
+                        "target accepts, the best of any stopping rule; perfect verifies the next draft-cap tokens "
+                        "as if a free draft had guessed them, the best of any drafter)")
     p.add_argument("--threshold", type=float, default=None, help="utility threshold (default: the trace's)")
     p.add_argument("--cache", choices=CACHE_POLICIES, default="lru",
                    help="how the simulated expert cache evicts (default lru: under a budget the engine keeps its "

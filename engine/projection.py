@@ -46,9 +46,11 @@ from .policies import CascadeDrafter, ConfidenceStop, FixedLength, Proposal, Sto
 from .profiles import cost_for_model, model_block
 from .trace import Trace, TraceHeader
 
-# oracle: drafts exactly the tokens the target goes on to accept, a stopping rule that knows the outcome. Not a
-# mode one can run: the ceiling of every stopping rule for the recorded drafter.
-PROJECT_MODES = ("ar", "s2moe", "conf", "cascade", "oracle")
+# Two modes one cannot run, ceilings: oracle drafts exactly the tokens the target goes on to accept (a stopping
+# rule that knows the outcome: the best any rule could do with the recorded drafter); perfect verifies the
+# next draft-cap tokens in one batch as if a free draft had guessed them all (the best speculation could do
+# with any drafter: what is left is what batching the tokens saves).
+PROJECT_MODES = ("ar", "s2moe", "conf", "cascade", "oracle", "perfect")
 
 
 # -- the device ------------------------------------------------------------------------------------------
@@ -547,8 +549,38 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
     """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over)."""
     if mode not in PROJECT_MODES:
         raise ConfigError(f"cannot project mode {mode!r} (choose from {', '.join(PROJECT_MODES)})")
-    return with_cache(lambda cache: _replay(traces, mode, costs, cache, threshold, terms), plan,
-                      traces[0].header.n_expert, policy)
+    def run(cache: ExpertCache) -> ModeProjection:
+        if mode == "perfect":
+            return _perfect(traces, costs, cache, terms)
+        return _replay(traces, mode, costs, cache, threshold, terms)
+
+    return with_cache(run, plan, traces[0].header.n_expert, policy)
+
+
+def _perfect(traces: list[Trace], costs: DeviceCosts, cache: ExpertCache, terms: WorkloadTerms) -> ModeProjection:
+    """Every draft right and free: the committed tokens verified draft-cap + 1 at a time, each batch reading
+    the union of its tokens' own experts and costing a verification of that many rows."""
+    res = ModeProjection("perfect")
+    for tr in traces:
+        h = tr.header
+        # the experts each committed token was computed with: a step's pending token and its accepted drafts
+        rows = [s.rows[i] for s in tr.steps for i in range(min(s.accepted + 1, len(s.rows)))][:tr.n_tokens]
+        for start in range(0, len(rows), h.draft_max + 1):
+            batch = np.stack(rows[start: start + h.draft_max + 1])
+            n = len(batch) - 1
+            misses = cache.access(batch)
+            beyond = terms.beyond(h.prompt_tokens - 1 + start)
+            extra = max(0, _distinct(batch) - _distinct(batch[:1]))
+            res.iterations += 1
+            res.tokens += len(batch)
+            res.drafted += n
+            res.accepted += n
+            res.t_verify += (costs.t_ar + costs.t_tok * n + costs.t_exp * extra
+                             + (terms.ctx_step + terms.ctx_row * n) * beyond)
+            res.t_fetch += costs.t_fetch * misses
+            res.t_host += terms.host_row * (n + 1)
+            res.fetched += misses
+    return res
 
 
 def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCache, threshold: float | None,

@@ -280,6 +280,21 @@ def test_the_oracle_drafts_exactly_what_the_target_accepts():
     assert conf.drafted > conf.accepted  # a rule that cannot see ahead verifies what the target rejects
 
 
+def test_perfect_drafts_verify_the_committed_tokens_a_batch_at_a_time_for_free():
+    """Draft cap 2: the six committed tokens in two batches of three, no draft pass, nothing rejected; a
+    batch costs a verification of its rows."""
+    from dataclasses import replace
+
+    first = replace(step([R0, R1, R2], (5, 6)), accepted=1)  # the recorded drafter's second token was rejected
+    tr = replace(hand_trace(), steps=[first, step([R2, R0, R0], (8, 9, 10)), step([R0, R0, R0], (11, 12, 13))])
+    p = project([tr], profile(), modes=["ar", "perfect"])
+    f = p.modes["perfect"]
+    assert (f.tokens, f.iterations, f.drafted, f.accepted, f.draft_passes) == (6, 2, 4, 4, 0)
+    # the tokens' rows: R0 R1 (step one: pending and its accepted draft), R2 R0 R0 (step two), R0 (step three);
+    # batches R0 R1 R2 (4 experts beyond one token's) and R0 R0 R0 (none)
+    assert f.t_verify == pytest.approx((10 + 2 * 3 + 4 * 1) * 1e-3 + (10 + 2 * 3) * 1e-3)
+    assert f.speedup == pytest.approx(60e-3 / f.seconds)
+
 def test_a_trace_projected_at_the_budget_it_ran_under_brings_that_run_s_plan():
     ran = {"auto": False, "budget_bytes": 1 << 20, "hot_bytes": 2000, "cache_bytes": 3000, "pinned": [[0, 0], [1, 0]]}
     tr = hand_trace().with_budget(ran)
