@@ -50,7 +50,8 @@ from .trace import Trace, TraceHeader
 # rule that knows the outcome: the best any rule could do with the recorded drafter); perfect verifies the
 # next draft-cap tokens in one batch as if a free draft had guessed them all (the best speculation could do
 # with any drafter: what is left is what batching the tokens saves).
-PROJECT_MODES = ("ar", "s2moe", "conf", "cascade", "oracle", "perfect")
+RUNNABLE_MODES = ("ar", "s2moe", "conf", "cascade")
+PROJECT_MODES = RUNNABLE_MODES + ("oracle", "perfect")
 
 
 # -- the device ------------------------------------------------------------------------------------------
@@ -734,7 +735,7 @@ def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[Worklo
     return NO_TERMS, "the profile's constants only (it has no workload terms: context growth and host work left out)"
 
 
-def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=PROJECT_MODES,
+def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=RUNNABLE_MODES,
             threshold: float | None = None, policy: str = "lru", fit_cache: bool = False,
             terms: str = "profile", cache_size: str = "plan") -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
