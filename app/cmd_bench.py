@@ -165,17 +165,19 @@ def storage_line(storage: dict) -> str:
             "where this run measured it")
 
 
-def measure_storage(model: str, profile: dict | None) -> dict | None:
-    """Storage bandwidth at queue depth 1 and 8 for the bound column: the profile's, else read now."""
+def measure_storage(model: str, profile: dict | None, fingerprint: str) -> dict | None:
+    """Storage bandwidth at queue depth 1 and 8 for the bound column: the profile's for this model, else read
+    now (a rate measured on another model's experts, reads of another size, does not apply)."""
     from ..engine.calibrate import storage_bandwidth
     from ..engine.offload import expert_map
+    from ..engine.profiles import storage_rates
 
     emap = expert_map(model)
     expert_bytes = float(emap.expert_bytes[list(emap.moe_layers)].mean())
-    device = (profile or {}).get("device") or {}
-    if device.get("storage_bandwidth_gb_s") and device.get("storage_bandwidth_qd8_gb_s"):
-        return {"qd1_gb_s": device["storage_bandwidth_gb_s"], "qd8_gb_s": device["storage_bandwidth_qd8_gb_s"],
-                "expert_bytes": expert_bytes, "source": f"profile {profile.get('name')}"}
+    rates = storage_rates(profile, fingerprint) if profile else None
+    if rates:
+        return {"qd1_gb_s": rates[0], "qd8_gb_s": rates[1], "expert_bytes": expert_bytes,
+                "source": f"profile {profile.get('name')}"}
     gen = storage_bandwidth(emap, max_bytes=128 << 20)
     while True:
         try:
@@ -418,7 +420,7 @@ def run(args) -> int:
     inside = offload.current_budget()
     extra_rows, budget_fits, storage = [], {}, None
     if inside is None and budgets != ["none"]:
-        storage = measure_storage(model, profile if args.profile else None)
+        storage = measure_storage(model, profile if args.profile else None, info.fingerprint)
     if inside is None:
         # the parent: each budget runs in its own cgroup, "none" resident in this process
         for b in budgets:

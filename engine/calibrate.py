@@ -705,6 +705,8 @@ def _model_block(cal: _Calibration) -> dict:
         "n_expert": info.n_expert,
         "n_expert_used": info.n_expert_used,
         "expert_bytes": int(round(mean_eb)),
+        "storage_bandwidth_gb_s": _gb(cal.sto_bw, 3),          # reads of this model's experts: its own rates
+        "storage_bandwidth_qd8_gb_s": _gb(cal.sto_bw_deep, 3),
         "draft_topk": cal.draft_topk,
         "t_ar_ms": round(cal.t_ar * 1e3, 6),
         "c_draft_ms": round(cal.c_draft * 1e3, 6),

@@ -15,8 +15,8 @@ carries published figures and may hold `reference` constants that apply to any m
       memory_bytes: 25283485696    # physical memory
       budget_bytes: null           # memory budget the profile was measured under (null: none)
       memory_bandwidth_gb_s: 26.1  # GB = 1e9 bytes
-      storage_bandwidth_gb_s: 0.75 # cold reads of whole experts, one at a time
-      storage_bandwidth_qd8_gb_s: 1.0  # ... eight in flight
+      storage_bandwidth_gb_s: 0.75 # cold reads of whole experts, one at a time (of the model calibrated last;
+      storage_bandwidth_qd8_gb_s: 1.0  # ... eight in flight                  each model's own: in its block)
       host_to_device_gb_s: 25.0    # optional (a GPU): copies from host memory into the GPU's
     models:
       <fingerprint>:               # 16 hex digits
@@ -26,6 +26,8 @@ carries published figures and may hold `reference` constants that apply to any m
         n_expert: 64
         n_expert_used: 8
         expert_bytes: 52224        # one expert of one layer: gate + up + down slices
+        storage_bandwidth_gb_s: 0.75     # optional: cold reads of this model's whole experts, one at a time
+        storage_bandwidth_qd8_gb_s: 1.0  # ... eight in flight (a rate depends on the size of the reads)
         t_ar_ms: 10.0              # median plain decoding step
         c_draft_ms: 7.7            # median draft step (k_d experts)
         t_exp_ms: 0.05             # one more distinct expert in a verification batch, resident
@@ -107,6 +109,7 @@ PROFILE_KINDS = ("measured", "reference")
 DEVICE_KINDS = ("cpu", "gpu", "jetson", "other")
 _CONST_KEYS = ("t_ar_ms", "c_draft_ms", "t_exp_ms")
 _OPTIONAL_KEYS = ("t_tok_ms", "intercept_ms", "t_exp_cold_ms", "t_ar_cold_ms", "c_draft_cold_ms", "t_exp_copy_ms")
+_STORAGE_KEYS = ("storage_bandwidth_gb_s", "storage_bandwidth_qd8_gb_s")
 _FIT_KEYS = ("intercept_ms", "t_exp_ms", "t_tok_ms", "r2", "mape", "n")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _FP_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -207,6 +210,8 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
         _number(block, key, where, required=True, positive=(key == "t_ar_ms"))
     for key in _OPTIONAL_KEYS:
         _number(block, key, where, signed=(key == "intercept_ms"))
+    for key in _STORAGE_KEYS:
+        _number(block, key, where, positive=True)
     for key in ("expert_bytes", "n_layer", "n_expert", "n_expert_used"):
         _number(block, key, where, integer=True)
     _number(block, "copy_min_batch", where, positive=True, integer=True)
@@ -585,6 +590,14 @@ def _constants(block: dict, where: str, source: str, offloaded: bool = False,
         # experts costs under a budget too
         c_draft_resident=ms("c_draft_ms") / 1e3,
     )
+
+
+def storage_rates(profile: dict, fingerprint: str | None) -> tuple[float, float] | None:
+    """(depth 1, depth 8) GB/s of cold reads of the model's whole experts, as the profile measured them for
+    that model (None: it did not; the device's rates were read in another model's expert sizes)."""
+    block = model_block(profile, fingerprint) if fingerprint else None
+    rates = tuple((block or {}).get(key) for key in _STORAGE_KEYS)
+    return rates if all(rates) else None
 
 
 def model_block(profile: dict, fingerprint: str) -> dict | None:

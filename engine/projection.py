@@ -43,7 +43,7 @@ from .events import CostConstants
 from .offload import Budget, fmt_bytes, plan_budget, rank_counts, select_hot_experts
 from .offload.budget import AUTO_EXPERT_SHARE
 from .policies import CascadeDrafter, ConfidenceStop, FixedLength, Proposal, StopRule, UtilityStop
-from .profiles import cost_for_model, model_block
+from .profiles import cost_for_model, model_block, storage_rates
 from .trace import Trace, TraceHeader
 
 # Two modes one cannot run, ceilings: oracle drafts exactly the tokens the target goes on to accept (a stopping
@@ -93,7 +93,9 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
     expert_bytes = float(block.get("expert_bytes") or header.expert_bytes)
     # the offloader asks for a layer's experts together (madvise WILLNEED on each), so they are read at a queue
     # depth of several: the profile's rate at depth 8 where it measured one
-    storage = device.get("storage_bandwidth_qd8_gb_s") or device.get("storage_bandwidth_gb_s")
+    # the model's own rates where the profile measured them (a rate depends on the size of the reads)
+    own = storage_rates(profile, header.fingerprint)
+    storage = own[1] if own else device.get("storage_bandwidth_qd8_gb_s") or device.get("storage_bandwidth_gb_s")
     by_bandwidth = expert_bytes / (storage * 1e9) if storage else None
     misses = block.get("fit_cold_misses") or {}
     cold, warm = ms("t_exp_cold_ms", misses), ms("t_exp_warm_ms", misses)

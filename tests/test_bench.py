@@ -223,6 +223,23 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     assert "storage, cold reads of whole experts" in done.stdout
 
 
+def test_the_bound_reads_the_profile_s_storage_rates_for_this_model_only(tiny_models):
+    """A profile's device rates were read in the expert sizes of whichever model it calibrated last: bench's
+    bound uses the rates measured on this model's experts, and reads the disk itself where there are none."""
+    from s2moe.app.cmd_bench import measure_storage
+    from s2moe.engine.model_info import read_model_info
+
+    fp = read_model_info(tiny_models["olmoe"]).fingerprint
+    device = {"storage_bandwidth_gb_s": 0.14, "storage_bandwidth_qd8_gb_s": 0.29}
+    own = {"storage_bandwidth_gb_s": 0.8, "storage_bandwidth_qd8_gb_s": 1.1}
+    profile = {"name": "p", "device": device, "models": {fp: dict(own)}}
+    got = measure_storage(str(tiny_models["olmoe"]), profile, fp)
+    assert (got["qd1_gb_s"], got["qd8_gb_s"], got["source"]) == (0.8, 1.1, "profile p")
+    other = {"name": "p", "device": device, "models": {"0" * 16: dict(own)}}
+    read = measure_storage(str(tiny_models["olmoe"]), other, fp)
+    # None where the file's pages cannot be dropped for cold reads (another test's model still maps them)
+    assert read is None or (read["source"] == "measured by this run" and read["qd1_gb_s"] != 0.14)
+
 def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
     from s2moe.engine.bench import BenchRow, storage_bound
 

@@ -53,6 +53,11 @@ def test_calibrate_end_to_end_without_cgroups(tiny_models, xdg, monkeypatch):
     block = prof["models"][fp]
     assert block["t_ar_ms"] > 0 and block["fit"]["n"] == len(reg["measured"])
     assert block["measured"]["budget_bytes"] == 4 << 30 and block["measured"]["at"]
+    # the storage rates read this model's experts: the model keeps its own, the device the last model's (None
+    # where the file's pages could not be dropped for cold reads)
+    assert block["storage_bandwidth_gb_s"] == prof["device"]["storage_bandwidth_gb_s"]
+    assert block["storage_bandwidth_qd8_gb_s"] == prof["device"]["storage_bandwidth_qd8_gb_s"]
+    assert "storage_bandwidth_gb_s" in block
     hot = block["hot_experts"]
     assert hot and all(0 <= l < 3 and 0 <= e < 8 for l, e in hot)
     c = cost_for_model(prof, fp)

@@ -105,6 +105,9 @@ def test_a_fetch_cost_from_a_fit_that_explains_little_gives_way_to_the_storage_b
     assert "R² 0.30" in p.basis
     weak["device"]["storage_bandwidth_qd8_gb_s"] = 2.0  # what the offloader's reads of a layer's experts get
     assert project([hand_trace()], weak, budget="1M", modes=["ar"]).modes["ar"].t_fetch == pytest.approx(24 * 500 / 1e9)
+    # the rates the profile measured on this model's own experts win over the device's (another model's reads)
+    weak["models"][FP].update(storage_bandwidth_gb_s=2.0, storage_bandwidth_qd8_gb_s=4.0)
+    assert project([hand_trace()], weak, budget="1M", modes=["ar"]).modes["ar"].t_fetch == pytest.approx(24 * 250 / 1e9)
     weak["models"][FP]["fit_cold_misses"]["r2"] = 0.9
     assert project([hand_trace()], weak, budget="1M", modes=["ar"]).modes["ar"].t_fetch == pytest.approx(24 * 4e-3)
 
