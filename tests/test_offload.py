@@ -136,18 +136,20 @@ def test_hot_expert_selection_obeys_the_budget():
 
 def test_the_expert_cache_gets_one_token_s_experts_or_one_layer_s_and_the_hot_experts_the_rest(tiny_models):
     """An LRU smaller than a token's reads holds nothing that is read again (decoding reads its layers in a
-    cycle): the cache gets one token's experts where the room allows, else the one layer's that compute."""
+    cycle): the cache gets half the room but at least one token's experts where the room allows, else only the
+    one layer's that compute."""
     em = expert_map(tiny_models["olmoe"])
     per_token, one_layer = 4 * int(em.expert_bytes.sum()), 4 * int(em.expert_bytes.max())
     assert one_layer < per_token
-    for room, cache in [(3 * per_token, per_token), (per_token, per_token), (per_token - 1, one_layer),
+    for room, cache in [(3 * per_token, 3 * per_token // 2), (3 * per_token // 2, per_token), (per_token, per_token),
+                        (per_token - 1, one_layer),
                         (one_layer, one_layer), (one_layer - 1, one_layer - 1), (0, 0)]:
         plan = plan_budget(64 << 20, anon_bytes=0, base_bytes=0, emap=em, k=4, expert_room=room)
         assert (plan.cache_bytes, plan.hot_bytes) == (cache, room - cache), room
     # sized from the budget: what the process, its pinned weights and the slack leave
     plan = plan_budget(10 << 20, anon_bytes=2 << 20, base_bytes=1 << 20, emap=em, k=4)
     assert plan.hot_bytes + plan.cache_bytes + plan.slack_bytes == (10 << 20) - (3 << 20)
-    assert plan.cache_bytes == per_token and plan.hot_bytes > 0 and "hot experts" in plan.describe()
+    assert plan.cache_bytes >= per_token and plan.hot_bytes > 0 and "hot experts" in plan.describe()
     # nothing to pin: the cache gets the room
     bare = plan_budget(10 << 20, anon_bytes=2 << 20, base_bytes=1 << 20, emap=em, k=4, pin_hot=False)
     assert bare.hot_bytes == 0 and bare.cache_bytes == plan.hot_bytes + plan.cache_bytes

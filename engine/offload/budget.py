@@ -110,10 +110,11 @@ def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: Ex
 
     Decoding reads its layers in turn, token after token, so the cache sees one cycle of reads a token: a
     least-recently-used cache smaller than a token's reads evicts each expert before the next token comes
-    back to its layer, and holds nothing that is read again. So the cache gets one token's experts (k per
-    layer) where the room holds that, and the hot experts the rest; where it does not, the cache keeps only
-    the k experts a layer computes with, and everything else is pinned (the most routed experts, read again
-    whatever the order). Without hot experts to pin (`pin_hot` False) the cache gets the whole room.
+    back to its layer, and holds nothing that is read again. So where the room holds a token's experts (k
+    per layer) the cache gets half the room, never less than that, and the hot experts the rest (a larger
+    cache holds more of a verification's union; plain decoding fetches about as much either way); where it
+    does not, the cache keeps only the k experts a layer computes with, and everything else is pinned (the
+    most routed experts, read again whatever the order). Without hot experts to pin (`pin_hot` False) the cache gets the whole room.
     expert_room: the room for experts where the budget was sized around it (auto: its share of the expert
     bytes; what the process holds besides was measured in the cgroup, which the anonymous and pinned
     bytes here undercount or overcount)."""
@@ -124,7 +125,7 @@ def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: Ex
     if not pin_hot:
         cache = room
     elif room >= per_token:
-        cache = per_token
+        cache = max(per_token, room // 2)
     else:
         cache = min(room, one_layer)
     return BudgetPlan(budget_bytes, anon_bytes, base_bytes, room - cache, cache, slack)
