@@ -201,6 +201,7 @@ class Drafter:
 
     name = "none"
     drafts_in_context = False  # its draft passes run in the decoder's own context, through the routing hook
+    own_weights = False        # it loaded the model's weights a second time (a mapping of its own)
 
     def propose(self, dec, committed: list[int], max_len: int, sample) -> Proposal:
         """sample(logits, history) -> (token, distribution): the generation's sampler (engine.sampling),
@@ -327,6 +328,7 @@ class IndependentDrafter(Drafter):
     error accumulates across iterations (what context alignment removes)."""
 
     name = "naive"
+    own_weights = True
 
     def __init__(self, dec, k_draft: int, n_threads: int | None = None):
         from .runtime import LlamaRuntime

@@ -26,6 +26,7 @@ from .errors import OPTION, ConfigError, ContextError, ModelError, held_signals
 from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type, gpu_backend
 from .hook import RoutingHook
 from .model_info import ModelInfo
+from .offload.procfs import model_mappings
 from .offload.sizes import fmt_bytes
 
 _log_tail: deque[str] = deque(maxlen=20)
@@ -282,10 +283,14 @@ class LlamaRuntime:
             used_key = f"{info.arch}.expert_used_count"
             if used_key in int_overrides:
                 self.info = info = replace(info, n_expert_used=int(int_overrides[used_key]))
+        before = set(model_mappings(info.path))
         with held_signals():
             self.model = llama_cpp.llama_model_load_from_file(os.fsencode(info.path), mparams)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {info.path.name}: {last_llama_error()}")
+        # (address, length, file offset) of the mappings of the file that this model's load made: offloading
+        # manages this model's and no other (a drafter that loads the weights again maps the file again)
+        self.file_mappings = sorted(set(model_mappings(info.path)) - before)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
 

@@ -289,6 +289,27 @@ static void cache_use(s2_prefetch *p, int layer) {
     }
 }
 
+// Unmaps the whole span of expert bytes that a mapping (at `base` for file offset 0, covering lo..hi) maps,
+// and drops from the page cache what no mapping maps any more.
+static void drop_expert_span(s2_prefetch *p, uint8_t *base, size_t lo, size_t hi) {
+    const size_t n = (size_t)p->n_layer * p->n_expert * p->n_parts;
+    size_t first = SIZE_MAX, last = 0;
+    for (size_t i = 0; i < n; ++i) {
+        const int64_t off = p->ranges[i * 2], len = p->ranges[i * 2 + 1];
+        if (len <= 0) continue;
+        if ((size_t)off < first) first = (size_t)off;
+        if ((size_t)(off + len) > last) last = (size_t)(off + len);
+    }
+    if (first < lo) first = lo;
+    if (last > hi) last = hi;
+    first = (first + p->page - 1) / p->page * p->page;
+    last = last / p->page * p->page;
+    if (last > first) {
+        madvise(base + first, last - first, MADV_DONTNEED);
+        posix_fadvise(p->cache->fd, (off_t)first, (off_t)(last - first), POSIX_FADV_DONTNEED);
+    }
+}
+
 static void cache_free(s2_cache *c) {
     if (!c) return;
     if (c->fd >= 0) close(c->fd);
@@ -347,22 +368,17 @@ int s2_cache_keep(s2_prefetch *p, const char *path, void *llama_base, size_t lo,
     // folios of up to MiBs across expert boundaries (one expert at a time left 15% of them, measured).
     // Reads from here on (WILLNEED, faults without read-around) come in single pages. Pinned experts stay:
     // their pages are mapped (mlock), and the page cache never drops a mapped page.
-    size_t first = SIZE_MAX, last = 0;
-    for (size_t i = 0; i < n * p->n_parts; ++i) {
-        const int64_t off = p->ranges[i * 2], len = p->ranges[i * 2 + 1];
-        if (len <= 0) continue;
-        if ((size_t)off < first) first = (size_t)off;
-        if ((size_t)(off + len) > last) last = (size_t)(off + len);
-    }
-    if (first < lo) first = lo;
-    if (last > hi) last = hi;
-    first = (first + p->page - 1) / p->page * p->page;
-    last = last / p->page * p->page;
-    if (last > first) {
-        madvise(c->base + first, last - first, MADV_DONTNEED);
-        posix_fadvise(c->fd, (off_t)first, (off_t)(last - first), POSIX_FADV_DONTNEED);
-    }
+    drop_expert_span(p, c->base, lo, hi);
     return 0;
+}
+
+// A draft that ran on another mapping of the model file (a drafter that loaded the weights a second time,
+// without the routing hook) read experts this cache never saw routed, and that mapping keeps them in memory
+// beside the cache, uncounted, until the kernel's reclaim takes the cache's own. They are unmapped there and
+// dropped. The cache's experts stay: llama.cpp's own mapping maps them (pinned ones are locked in ours).
+void s2_cache_drop_mapping(s2_prefetch *p, void *base, size_t lo, size_t hi) {
+    if (!p || !p->cache || !base || hi <= lo) return;
+    drop_expert_span(p, (uint8_t *)base - lo, lo, hi);
 }
 
 // out: bytes held, experts evicted, evictions the kernel refused part of, experts held that the kernel

@@ -383,6 +383,45 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
     assert all(isinstance(e.verify_major_faults, int) and e.verify_major_faults >= 0 for e in events)
 
 
+def test_a_draft_on_weights_of_its_own_is_told_to_the_observer(decoders, arch):
+    """The independent drafter (naive: bench's base rung) maps the model file a second time, outside the routing hook: after each
+    of its drafts the observer is told, so that offloading lets go of what it read; self-drafts never are."""
+    d = decoders[arch]
+    shape = (d.info.n_layer, d.info.n_expert)
+
+    class Watcher(VerifyObserver):
+        def __init__(self):
+            self.elsewhere = 0
+
+        def predicted(self, experts):
+            pass
+
+        def verifying(self, predicted):
+            pass
+
+        def start_counting(self):
+            pass
+
+        def misses(self):
+            return np.zeros(shape[0])
+
+        def residency(self):
+            return Residency(np.zeros(shape), np.zeros(shape, bool), np.full(shape[0], np.nan), 0, 0, 0)
+
+        def drafted_elsewhere(self):
+            self.elsewhere += 1
+
+    watcher = Watcher()
+    d.attach(watcher)
+    try:
+        for mode, told in (("s2moe", False), ("naive", True)):
+            watcher.elsewhere = 0
+            cfg = GenerationConfig(mode=mode, n_predict=6, utility=False, draft_max=2, stop_at_eos=False)
+            iterations = [e for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration)]
+            assert watcher.elsewhere == (len(iterations) if told else 0), mode
+    finally:
+        d.detach(watcher)
+
 def test_engine_errors_name_the_setting_and_let_each_front_end_word_it():
     """The engine names a setting as it knows it; the CLI says its flag, the app its own field name."""
     from s2moe.app.cli import FLAGS

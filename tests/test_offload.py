@@ -350,6 +350,86 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             llama.close()
 
 
+def test_a_draft_on_a_second_mapping_of_the_file_leaves_memory_the_cache_s_experts_aside(wide_model):
+    """A drafter with weights of its own maps the file again and reads outside the routing hook: after its
+    draft, what only that mapping holds goes; the cache's experts (mapped by llama.cpp's) stay."""
+    import ctypes
+
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        llama, other = ModelMapping(em), ModelMapping(em)  # llama.cpp's mapping, and the drafter's
+
+        def touch(mapping, layer, e):  # a matmul's reads: the pages fault in, mapped
+            for off, length in em.ranges[layer, e]:
+                if length > 0:
+                    ctypes.string_at(mapping.addr + int(off), int(length))
+
+        try:
+            pf.keep_cache(llama.addr, 0, llama.size, 3 * int(em.expert_bytes[0]), np.zeros((2, 8), np.uint8))
+            pf.layer(0, [1])
+            touch(llama, 0, 1)
+            touch(other, 1, 5)
+            touch(other, 1, 6)
+            res = m.expert_residency()
+            assert res[0, 1] == res[1, 5] == res[1, 6] == 1.0
+            pf.drop_mapping(other.addr, 0, other.size)
+            res = m.expert_residency()
+            assert res[0, 1] == 1.0 and res[1, 5] < 0.1 and res[1, 6] < 0.1
+        finally:
+            llama.close()
+            other.close()
+
+def test_the_offloader_lets_go_of_what_other_mappings_of_the_file_read(wide_model):
+    """When the cache starts, and after each draft on weights of their own, every mapping of the file but the
+    decoder's own (and ours) is unmapped: what only it held leaves memory."""
+    import ctypes
+
+    off = Offloader(wide_model)
+    llama, other = ModelMapping(off.emap), ModelMapping(off.emap)
+    try:
+        drop_file_cache(wide_model)
+        if off.map.expert_residency()[1, [5, 6]].max() > 0:
+            pytest.skip("the page cache keeps this file; DONTNEED had no effect")
+
+        def read(mapping, layer, e):
+            for o, length in off.emap.ranges[layer, e]:
+                if length > 0:
+                    ctypes.string_at(mapping.addr + int(o), int(length))
+
+        read(other, 1, 5)
+        assert off.map.expert_residency()[1, 5] == 1.0
+        assert off.keep_expert_cache(2 * int(off.emap.expert_bytes.max()), (), [(llama.addr, llama.size, 0)])
+        assert off.map.expert_residency()[1, 5] < 0.1
+        read(llama, 0, 2)
+        read(other, 1, 6)
+        off.drafted_elsewhere()
+        res = off.map.expert_residency()
+        assert res[1, 6] < 0.1 and res[0, 2] == 1.0  # llama.cpp's own mapping keeps what it maps
+    finally:
+        other.close()
+        llama.close()
+        off.close()
+
+def test_each_runtime_knows_the_mapping_its_own_load_made(wide_model):
+    """The kept cache manages the decoder's own mapping of the file: with a second load of the same weights
+    in the process (bench's base rung), taking the first mapping that covers the experts could pick the
+    other one."""
+    from s2moe.engine.model_info import read_model_info
+    from s2moe.engine.runtime import LlamaRuntime
+
+    info = read_model_info(wide_model)
+    first = LlamaRuntime(info, n_ctx=128, n_threads=1, install_hook=False)
+    second = LlamaRuntime(info, n_ctx=128, n_threads=1, install_hook=False)
+    try:
+        em = expert_map(wide_model)
+        lo = int(em.ranges[..., 0][em.ranges[..., 1] > 0].min())
+        hi = int((em.ranges[..., 0] + em.ranges[..., 1]).max())
+        assert len(first.file_mappings) == len(second.file_mappings) == 1
+        (a, la, fa), (b, lb, fb) = first.file_mappings[0], second.file_mappings[0]
+        assert a != b and fa <= lo and hi <= fa + la and fb <= lo and hi <= fb + lb
+    finally:
+        second.close()
+        first.close()
+
 def test_keeping_the_cache_starts_it_empty(wide_model):
     """Whatever a warm-up left in memory goes when the cache starts, except what is pinned (mapped)."""
     with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):

@@ -43,6 +43,7 @@ class NativePrefetch:
             "s2_cache_keep": (ctypes.c_int, [vp, ctypes.c_char_p, vp, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64,
                                              u8p]),
             "s2_cache_stats": (None, [vp, i64p]),
+            "s2_cache_drop_mapping": (None, [vp, vp, ctypes.c_size_t, ctypes.c_size_t]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -151,6 +152,11 @@ class NativePrefetch:
                                   mask.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))) != 0:
             raise OSError(f"cannot keep an expert cache over {self.mapping.emap.path}")
         self.cache_capacity = int(capacity)
+
+    def drop_mapping(self, addr: int, file_lo: int, file_hi: int) -> None:
+        """Unmap the experts from another mapping of the model file (at addr, covering file offsets
+        file_lo..file_hi) and drop from memory what only it mapped; the kept cache's experts stay."""
+        self.lib.s2_cache_drop_mapping(self.handle, addr, file_lo, file_hi)
 
     def cache_stats(self) -> dict:
         """Bytes the kept expert cache holds, experts evicted from it, evictions the kernel refused part of,

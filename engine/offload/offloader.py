@@ -70,6 +70,7 @@ class Offloader:
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
         self.plan = None                      # BudgetPlan, when a budget was given
         self._decoder = None                  # the decoder it is attached to
+        self._cache_mapping: tuple[int, int] | None = None  # (address, length): the mapping the kept cache manages
         self._every: np.ndarray | None = None  # every expert: what a draft may read if in memory
 
     def attach(self, decoder, *, jit_prefetch: bool) -> None:
@@ -131,31 +132,39 @@ class Offloader:
         self.fault_readahead = "off" if random else ("embeddings-off" if total else "default")
         return total
 
-    def keep_expert_cache(self, capacity: int, pinned=()) -> bool:
+    def keep_expert_cache(self, capacity: int, pinned=(), llama_mappings=()) -> bool:
         """Keep a least-recently-used cache of `capacity` bytes of routed experts (the `pinned` (layer,
         expert) pairs aside), dropping from memory what falls off it (native/s2moe_offload.c says why the
-        kernel's choice is worse). False where llama.cpp's mapping does not cover every expert
-        in one piece (the kernel keeps the cache then)."""
+        kernel's choice is worse). llama_mappings: (address, length, file offset) of the mappings the
+        decoder's model made (LlamaRuntime.file_mappings). False where none covers every expert in one piece
+        (the kernel keeps the cache then)."""
         lo = int(self.emap.ranges[..., 0][self.emap.ranges[..., 1] > 0].min())
         hi = int((self.emap.ranges[..., 0] + self.emap.ranges[..., 1]).max())
-        # mlock and madvise split llama.cpp's one mapping into several areas: join the contiguous ones
-        joined: list[list[int]] = []
-        for addr, length, foff in sorted(model_mappings(self.emap.path, exclude=(self.map.addr, self.map.size))):
-            last = joined[-1] if joined else None
-            if last and last[0] + last[1] == addr and last[2] + last[1] == foff:
-                last[1] += length
-            else:
-                joined.append([addr, length, foff])
-        for addr, length, foff in joined:
+        for addr, length, foff in llama_mappings:
             if foff <= lo and hi <= foff + length:
                 mask = np.zeros((self.emap.n_layer, self.emap.n_expert), np.uint8)
                 for layer, e in pinned:
                     mask[layer, e] = 1
                 self.native.keep_cache(addr, foff, foff + length, capacity, mask)
+                self._cache_mapping = (addr, length)
+                self._drop_other_mappings()  # a second load's warm-up reads would stay beside the cache
                 return True
         return False
 
     # -- VerifyObserver ------------------------------------------------------------------------------
+    def drafted_elsewhere(self) -> None:
+        """A draft ran on another mapping of the model file: what it read leaves memory (the kept cache's
+        experts aside), so that its reads do not sit beside the cache until reclaim takes the cache's."""
+        self._drop_other_mappings()
+
+    def _drop_other_mappings(self) -> None:
+        if self._cache_mapping is None:
+            return
+        start, size = self._cache_mapping
+        for addr, length, foff in model_mappings(self.emap.path, exclude=(self.map.addr, self.map.size)):
+            if not start <= addr < start + size:  # (mlock and madvise split a mapping into several areas)
+                self.native.drop_mapping(addr, foff, foff + length)
+
     def predicted(self, predicted: np.ndarray) -> None:
         """Experts the next verification will read, as the draft predicts them: count those already
         resident; with `prefetch`, WILLNEED the others while the draft goes on."""

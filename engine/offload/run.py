@@ -185,7 +185,7 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
         if choice != "default":
             off.advise_fault_readahead(random=choice == "off" or slab * 4 <= window)
     if plan is not None and pinning.own_cache:
-        off.keep_expert_cache(plan.cache_bytes, hot)
+        off.keep_expert_cache(plan.cache_bytes, hot, decoder.rt.file_mappings)
     if plan is not None and pinning.fetch_workers > 0:
         off.start_fetching(pinning.fetch_workers, int(pinning.fetch_room_share * plan.cache_bytes))
     off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
