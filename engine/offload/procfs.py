@@ -55,14 +55,14 @@ def model_mappings(path, exclude: tuple[int, int] = (0, 0)) -> list[tuple[int, i
     """(address, length, file offset) of this process's mappings of the model file (llama.cpp's), those
     inside the span `exclude` (address, length: our own mapping, which mlock and madvise split into
     several areas) left out."""
-    target = os.path.realpath(path)
+    target = os.fsencode(os.path.realpath(path))  # bytes: a path need not decode
     out = []
     try:
-        for line in Path("/proc/self/maps").read_text().splitlines():
+        for line in Path("/proc/self/maps").read_bytes().splitlines():
             f = line.split(maxsplit=5)
             if len(f) < 6 or f[5] != target:
                 continue
-            a, b = (int(x, 16) for x in f[0].split("-"))
+            a, b = (int(x, 16) for x in f[0].split(b"-"))
             if not exclude[0] <= a < exclude[0] + exclude[1]:
                 out.append((a, b - a, int(f[2], 16)))
     except OSError:
