@@ -98,9 +98,10 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
                     pinning: Pinning = Pinning()) -> Offloader:
     """Set a decoder up for offloading under `budget` (None: pin and observe without a budget plan).
 
-    An auto budget needs the process to run inside its budget cgroup (run_in_budget): `warm_up` runs
-    every graph shape and buffer the run will need, the budget is sized from what the cgroup then holds
-    (auto_budget_bytes), and the limit lowered to it once pinning is in place. The offloader's
+    `warm_up` runs every graph shape, buffer and runtime the run will need, before the budget is planned.
+    An auto budget needs the process to run inside its budget cgroup (run_in_budget): it is sized from what
+    the cgroup holds after the warm-up (auto_budget_bytes), and the limit lowered to it once pinning is in
+    place. The offloader's
     budget_bytes says what the budget came to."""
     cg = None
     emap = expert_map(decoder.info.path)
@@ -111,8 +112,10 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
             raise ConfigError("an auto memory budget is sized inside its own memory cgroup, and this process "
                               "runs in none")
         cg = inside[0]
-        if warm_up is not None:
-            warm_up()
+    if budget is not None and warm_up is not None:
+        # every mode's buffers and runtimes exist before the plan counts the process (a drafter with weights of
+        # its own loads a second runtime: planned without it, a tight budget held more than it had)
+        warm_up()
     if budget is not None:
         # what any prompt will need (its prefill chunks), before what the process holds is measured or planned
         decoder.rt.touch_largest_batch()
