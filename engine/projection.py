@@ -262,9 +262,7 @@ def recording_terms(traces: list[Trace], costs: DeviceCosts) -> WorkloadTerms:
         for s, ctx in _context(tr):
             beyond = max(0, ctx - CALIBRATION_CONTEXT)
             n = len(s.rows)
-            extra = max(0, _distinct(s.gated) - _distinct(s.gated[:1]))
-            predicted = (costs.t_ar + costs.t_tok * (n - 1) + costs.t_exp * extra
-                         + costs.t_fetch * (s.verify_misses or 0))
+            predicted = _verify_compute(costs, s.gated) + costs.t_fetch * (s.verify_misses or 0)
             X.append((n * beyond, 0.0))
             y.append(s.t_verify - predicted)
             if s.drafted:  # per pass: the pending token's, then one per drafted token
@@ -547,11 +545,19 @@ def _distinct(ids: np.ndarray) -> int:
     return sum(len(set(ids[:, l].ravel().tolist()) - {-1}) for l in range(ids.shape[1]))
 
 
+def _verify_compute(costs: DeviceCosts, rows: np.ndarray) -> float:
+    """A verification of `rows` ([rows, n_layer, k]) on the profile's resident constants, anchored at the plain
+    step: T_AR, T_tok per further row, T_exp per distinct expert beyond one row's."""
+    extra = max(0, _distinct(rows) - _distinct(rows[:1]))
+    return costs.t_ar + costs.t_tok * (len(rows) - 1) + costs.t_exp * extra
+
+
 def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
            threshold: float | None = None, policy: str = "lru", terms: WorkloadTerms = NO_TERMS) -> ModeProjection:
     """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over)."""
     if mode not in PROJECT_MODES:
         raise ConfigError(f"cannot project mode {mode!r} (choose from {', '.join(PROJECT_MODES)})")
+
     def run(cache: ExpertCache) -> ModeProjection:
         if mode == "perfect":
             return _perfect(traces, costs, cache, terms)
@@ -573,13 +579,11 @@ def _perfect(traces: list[Trace], costs: DeviceCosts, cache: ExpertCache, terms:
             n = len(batch) - 1
             misses = cache.access(batch)
             beyond = terms.beyond(h.prompt_tokens - 1 + start)
-            extra = max(0, _distinct(batch) - _distinct(batch[:1]))
             res.iterations += 1
             res.tokens += len(batch)
             res.drafted += n
             res.accepted += n
-            res.t_verify += (costs.t_ar + costs.t_tok * n + costs.t_exp * extra
-                             + (terms.ctx_step + terms.ctx_row * n) * beyond)
+            res.t_verify += _verify_compute(costs, batch) + (terms.ctx_step + terms.ctx_row * n) * beyond
             res.t_fetch += costs.t_fetch * misses
             res.t_host += terms.host_row * (n + 1)
             res.fetched += misses
@@ -630,13 +634,11 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             t_draft = len(passes) * terms.draft_pass(costs.c_draft, beyond)
             draft_misses = sum(cache.access(p) for p in passes)
             verify_misses = cache.access(rows)
-            extra = max(0, _distinct(rows) - _distinct(rows[:1]))
             plain = n == 0 and plain_unobserved
             if plain:  # the whole iteration, the loop's own work with it
                 t_verify = terms.t_plain + terms.ctx_plain * beyond
             else:
-                t_verify = (costs.t_ar + costs.t_tok * n + costs.t_exp * extra
-                            + (terms.ctx_step + terms.ctx_row * n) * beyond)
+                t_verify = _verify_compute(costs, rows) + (terms.ctx_step + terms.ctx_row * n) * beyond
             t_fetch = costs.t_fetch * (draft_misses + verify_misses)
             res.iterations += 1
             res.tokens += committed
