@@ -56,9 +56,9 @@ class VerifyObserver(Protocol):
         """[n_layer, n_expert] bool: the experts a draft from resident experts may read, provided they are
         wholly in memory as its layer routes (the routing hook asks the observer's prefetcher then)."""
 
-    def drafted_elsewhere(self) -> None:
-        """A draft just ran on weights of its own (a second mapping of the model file, outside the routing
-        hook): what it read is the observer's to let go of."""
+    def drafted_elsewhere(self, mappings: list[tuple[int, int, int]]) -> None:
+        """A draft just ran on weights of its own: `mappings` (address, length, file offset) of the model file,
+        read outside the routing hook. What it read is the observer's to let go of."""
 
 
 class Residency(Protocol):
@@ -464,8 +464,9 @@ class Decoder:
                 self._observer.start_counting()
             proposal = drafter.propose(self, committed_all, max_len, sample)
             draft_misses = self._observer.misses() if counting_drafts else None
-            if self._observer is not None and drafter.own_weights:
-                self._observer.drafted_elsewhere()
+            elsewhere = drafter.file_mappings()
+            if self._observer is not None and elsewhere:
+                self._observer.drafted_elsewhere(elsewhere)
             drafted = proposal.tokens
             rt.kv_remove_from(m - 1)
 

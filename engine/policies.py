@@ -201,7 +201,6 @@ class Drafter:
 
     name = "none"
     drafts_in_context = False  # its draft passes run in the decoder's own context, through the routing hook
-    own_weights = False        # it loaded the model's weights a second time (a mapping of its own)
 
     def propose(self, dec, committed: list[int], max_len: int, sample) -> Proposal:
         """sample(logits, history) -> (token, distribution): the generation's sampler (engine.sampling),
@@ -210,6 +209,10 @@ class Drafter:
 
     def feedback(self, iteration) -> None:
         """Sees each finished Iteration event (adaptive policies learn from it)."""
+
+    def file_mappings(self) -> list[tuple[int, int, int]]:
+        """Mappings of the model file its own weights live in (a drafter that loaded them a second time)."""
+        return []
 
     def close(self) -> None:
         """Releases resources of its own (e.g. a second context)."""
@@ -328,7 +331,6 @@ class IndependentDrafter(Drafter):
     error accumulates across iterations (what context alignment removes)."""
 
     name = "naive"
-    own_weights = True
 
     def __init__(self, dec, k_draft: int, n_threads: int | None = None):
         from .runtime import LlamaRuntime
@@ -338,6 +340,9 @@ class IndependentDrafter(Drafter):
                                max_verify_rows=dec.max_draft + 1, placement=dec.placement,
                                int_overrides={f"{info.arch}.expert_used_count": k_draft})
         self.tokens: list[int] = []  # what this context's KV holds
+
+    def file_mappings(self) -> list[tuple[int, int, int]]:
+        return self.rt.file_mappings
 
     def _sync(self, committed: list[int]) -> None:
         """Make the draft KV hold committed[:-1]: drop what diverged, decode what is missing."""

@@ -408,7 +408,8 @@ def test_a_draft_on_weights_of_its_own_is_told_to_the_observer(decoders, arch):
         def residency(self):
             return Residency(np.zeros(shape), np.zeros(shape, bool), np.full(shape[0], np.nan), 0, 0, 0)
 
-        def drafted_elsewhere(self):
+        def drafted_elsewhere(self, mappings):
+            assert mappings and all(length > 0 for _, length, _ in mappings)
             self.elsewhere += 1
 
     watcher = Watcher()

@@ -401,7 +401,7 @@ def test_the_offloader_lets_go_of_what_other_mappings_of_the_file_read(wide_mode
         assert off.map.expert_residency()[1, 5] < 0.1
         read(llama, 0, 2)
         read(other, 1, 6)
-        off.drafted_elsewhere()
+        off.drafted_elsewhere([(other.addr, other.size, 0)])
         res = off.map.expert_residency()
         assert res[1, 6] < 0.1 and res[0, 2] == 1.0  # llama.cpp's own mapping keeps what it maps
     finally:

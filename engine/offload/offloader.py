@@ -152,18 +152,20 @@ class Offloader:
         return False
 
     # -- VerifyObserver ------------------------------------------------------------------------------
-    def drafted_elsewhere(self) -> None:
-        """A draft ran on another mapping of the model file: what it read leaves memory (the kept cache's
+    def drafted_elsewhere(self, mappings) -> None:
+        """A draft ran on other mappings of the model file: what it read leaves memory (the kept cache's
         experts aside), so that its reads do not sit beside the cache until reclaim takes the cache's."""
-        self._drop_other_mappings()
+        if self._cache_mapping is not None:
+            for addr, length, foff in mappings:
+                self.native.drop_mapping(addr, foff, foff + length)
 
     def _drop_other_mappings(self) -> None:
-        if self._cache_mapping is None:
-            return
+        """Every mapping of the file but llama.cpp's the cache manages and ours (mlock and madvise split a
+        mapping into several areas: those inside it are its own)."""
         start, size = self._cache_mapping
-        for addr, length, foff in model_mappings(self.emap.path, exclude=(self.map.addr, self.map.size)):
-            if not start <= addr < start + size:  # (mlock and madvise split a mapping into several areas)
-                self.native.drop_mapping(addr, foff, foff + length)
+        self.drafted_elsewhere([(addr, length, foff) for addr, length, foff
+                                in model_mappings(self.emap.path, exclude=(self.map.addr, self.map.size))
+                                if not start <= addr < start + size])
 
     def predicted(self, predicted: np.ndarray) -> None:
         """Experts the next verification will read, as the draft predicts them: count those already
