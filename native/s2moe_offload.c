@@ -22,7 +22,6 @@
 #include <time.h>
 #include <unistd.h>
 
-
 typedef struct s2_fetcher s2_fetcher;
 typedef struct s2_cache s2_cache;
 
@@ -224,6 +223,7 @@ struct s2_cache {
     int32_t head, tail;
     uint8_t *held, *pinned; // [n_layer * n_expert]
     int64_t *bytes;         // [n_layer * n_expert] an expert's bytes (its parts' lengths)
+    size_t span_lo, span_hi; // the file offsets from the first expert byte to the last, whole pages inside
     int fd;                 // the model file, for posix_fadvise
     int64_t n_evicted, n_refused, n_lost;  // n_refused: drops the kernel refused; n_lost: experts it held
                                            // that were not in memory when routed
@@ -289,24 +289,13 @@ static void cache_use(s2_prefetch *p, int layer) {
     }
 }
 
-// Unmaps the whole span of expert bytes that a mapping (at `base` for file offset 0, covering lo..hi) maps,
-// and drops from the page cache what no mapping maps any more.
-static void drop_expert_span(s2_prefetch *p, uint8_t *base, size_t lo, size_t hi) {
-    const size_t n = (size_t)p->n_layer * p->n_expert * p->n_parts;
-    size_t first = SIZE_MAX, last = 0;
-    for (size_t i = 0; i < n; ++i) {
-        const int64_t off = p->ranges[i * 2], len = p->ranges[i * 2 + 1];
-        if (len <= 0) continue;
-        if ((size_t)off < first) first = (size_t)off;
-        if ((size_t)(off + len) > last) last = (size_t)(off + len);
-    }
-    if (first < lo) first = lo;
-    if (last > hi) last = hi;
-    first = (first + p->page - 1) / p->page * p->page;
-    last = last / p->page * p->page;
+// Unmaps the span of expert bytes that a mapping (at `base` for file offset 0, covering lo..hi) maps, and
+// drops from the page cache what no mapping maps any more.
+static void drop_expert_span(const s2_cache *c, uint8_t *base, size_t lo, size_t hi) {
+    const size_t first = c->span_lo > lo ? c->span_lo : lo, last = c->span_hi < hi ? c->span_hi : hi;
     if (last > first) {
         madvise(base + first, last - first, MADV_DONTNEED);
-        posix_fadvise(p->cache->fd, (off_t)first, (off_t)(last - first), POSIX_FADV_DONTNEED);
+        posix_fadvise(c->fd, (off_t)first, (off_t)(last - first), POSIX_FADV_DONTNEED);
     }
 }
 
@@ -348,14 +337,20 @@ int s2_cache_keep(s2_prefetch *p, const char *path, void *llama_base, size_t lo,
         cache_free(c);
         return -1;
     }
+    size_t first = SIZE_MAX, last = 0;
     for (size_t i = 0; i < n; ++i) {
         c->prev[i] = c->next[i] = -1;
         if (pinned) c->pinned[i] = pinned[i] != 0;
         for (int j = 0; j < p->n_parts; ++j) {
-            const int64_t len = p->ranges[(i * p->n_parts + j) * 2 + 1];
-            if (len > 0) c->bytes[i] += len;
+            const int64_t off = p->ranges[(i * p->n_parts + j) * 2], len = p->ranges[(i * p->n_parts + j) * 2 + 1];
+            if (len <= 0) continue;
+            c->bytes[i] += len;
+            if ((size_t)off < first) first = (size_t)off;
+            if ((size_t)(off + len) > last) last = (size_t)(off + len);
         }
     }
+    c->span_lo = (first + p->page - 1) / p->page * p->page;
+    c->span_hi = last / p->page * p->page;
     c->head = c->tail = -1;
     c->base = (uint8_t *)llama_base - lo;
     c->lo = lo;
@@ -368,7 +363,7 @@ int s2_cache_keep(s2_prefetch *p, const char *path, void *llama_base, size_t lo,
     // folios of up to MiBs across expert boundaries (one expert at a time left 15% of them, measured).
     // Reads from here on (WILLNEED, faults without read-around) come in single pages. Pinned experts stay:
     // their pages are mapped (mlock), and the page cache never drops a mapped page.
-    drop_expert_span(p, c->base, lo, hi);
+    drop_expert_span(c, c->base, lo, hi);
     return 0;
 }
 
@@ -378,7 +373,7 @@ int s2_cache_keep(s2_prefetch *p, const char *path, void *llama_base, size_t lo,
 // dropped. The cache's experts stay: llama.cpp's own mapping maps them (pinned ones are locked in ours).
 void s2_cache_drop_mapping(s2_prefetch *p, void *base, size_t lo, size_t hi) {
     if (!p || !p->cache || !base || hi <= lo) return;
-    drop_expert_span(p, (uint8_t *)base - lo, lo, hi);
+    drop_expert_span(p->cache, (uint8_t *)base - lo, lo, hi);
 }
 
 // out: bytes held, experts evicted, evictions the kernel refused part of, experts held that the kernel
