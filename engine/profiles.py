@@ -15,8 +15,8 @@ carries published figures and may hold `reference` constants that apply to any m
       memory_bytes: 25283485696    # physical memory
       budget_bytes: null           # memory budget the profile was measured under (null: none)
       memory_bandwidth_gb_s: 26.1  # GB = 1e9 bytes
-      storage_bandwidth_gb_s: 0.75 # cold reads of whole experts, one at a time (of the model calibrated last;
-      storage_bandwidth_qd8_gb_s: 1.0  # ... eight in flight                  each model's own: in its block)
+      storage_bandwidth_gb_s: 0.75 # cold reads of whole experts, one at a time (the model calibrated last's:
+      storage_bandwidth_qd8_gb_s: 1.0  # ... eight in flight                    each model's own are in its block)
       host_to_device_gb_s: 25.0    # optional (a GPU): copies from host memory into the GPU's
     models:
       <fingerprint>:               # 16 hex digits
@@ -330,8 +330,7 @@ def validate_profile(data, where: str = "profile") -> dict:
             raise ConfigError(f"{dw}: field kind must be one of {', '.join(DEVICE_KINDS)}, got {dkind!r}")
         for key in ("memory_bytes", "budget_bytes"):
             _number(device, key, dw, positive=True, integer=True)
-        for key in ("memory_bandwidth_gb_s", "storage_bandwidth_gb_s", "storage_bandwidth_qd8_gb_s",
-                    "host_to_device_gb_s"):
+        for key in ("memory_bandwidth_gb_s", "host_to_device_gb_s") + _STORAGE_KEYS:
             _number(device, key, dw, positive=True)
     models = data.get("models")
     if models is not None:
@@ -592,11 +591,10 @@ def _constants(block: dict, where: str, source: str, offloaded: bool = False,
     )
 
 
-def storage_rates(profile: dict, fingerprint: str | None) -> tuple[float, float] | None:
+def storage_rates(profile: dict, fingerprint: str) -> tuple[float, float] | None:
     """(depth 1, depth 8) GB/s of cold reads of the model's whole experts, as the profile measured them for
     that model (None: it did not; the device's rates were read in another model's expert sizes)."""
-    block = model_block(profile, fingerprint) if fingerprint else None
-    rates = tuple((block or {}).get(key) for key in _STORAGE_KEYS)
+    rates = tuple((model_block(profile, fingerprint) or {}).get(key) for key in _STORAGE_KEYS)
     return rates if all(rates) else None
 
 

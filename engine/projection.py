@@ -92,8 +92,8 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
     t_tok = (ms("t_tok_ms", fit) if fit else ms("t_tok_ms")) or 0.0
     expert_bytes = float(block.get("expert_bytes") or header.expert_bytes)
     # the offloader asks for a layer's experts together (madvise WILLNEED on each), so they are read at a queue
-    # depth of several: the profile's rate at depth 8 where it measured one
-    # the model's own rates where the profile measured them (a rate depends on the size of the reads)
+    # depth of several: the rate at depth 8 where measured, the model's own first (a rate depends on the size
+    # of the reads)
     own = storage_rates(profile, header.fingerprint)
     storage = own[1] if own else device.get("storage_bandwidth_qd8_gb_s") or device.get("storage_bandwidth_gb_s")
     by_bandwidth = expert_bytes / (storage * 1e9) if storage else None

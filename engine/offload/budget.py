@@ -114,7 +114,8 @@ def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: Ex
     per layer) the cache gets half the room, never less than that, and the hot experts the rest (a larger
     cache holds more of a verification's union; plain decoding fetches about as much either way); where it
     does not, the cache keeps only the k experts a layer computes with, and everything else is pinned (the
-    most routed experts, read again whatever the order). Without hot experts to pin (`pin_hot` False) the cache gets the whole room.
+    most routed experts, read again whatever the order). Without hot experts to pin (`pin_hot` False) the
+    cache gets the whole room.
     expert_room: the room for experts where the budget was sized around it (auto: its share of the expert
     bytes; what the process holds besides was measured in the cgroup, which the anonymous and pinned
     bytes here undercount or overcount)."""

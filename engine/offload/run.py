@@ -101,8 +101,7 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     `warm_up` runs every graph shape, buffer and runtime the run will need, before the budget is planned.
     An auto budget needs the process to run inside its budget cgroup (run_in_budget): it is sized from what
     the cgroup holds after the warm-up (auto_budget_bytes), and the limit lowered to it once pinning is in
-    place. The offloader's
-    budget_bytes says what the budget came to."""
+    place. The offloader's budget_bytes says what the budget came to."""
     cg = None
     emap = expert_map(decoder.info.path)
     size = None if budget is None else budget.size
