@@ -6,20 +6,20 @@ import json
 
 from ..engine.errors import ConfigError
 
-DEFAULT_MODES = "ar,s2moe,conf,cascade"
-
 
 def add_parser(sub) -> None:
-    from ..engine.projection import CACHE_POLICIES
+    from ..engine.projection import CACHE_POLICIES, RUNNABLE_MODES
     from .cli import nonempty
+
+    modes = ",".join(RUNNABLE_MODES)
 
     p = sub.add_parser("project", help="project recorded traces (generate/bench --trace) onto a device profile")
     p.add_argument("traces", nargs="+", metavar="TRACE", help="trace files, or folders of them (bench --trace DIR)")
     p.add_argument("--profile", required=True, type=nonempty, help="device profile name or YAML path")
     p.add_argument("--budget", type=_budget, default=None,
                    help="memory budget to simulate: none (default: every expert resident), auto or a size")
-    p.add_argument("--modes", default=DEFAULT_MODES,
-                   help=f"comma-separated modes (default {DEFAULT_MODES}; ceilings: oracle drafts exactly what the "
+    p.add_argument("--modes", default=modes,
+                   help=f"comma-separated modes (default {modes}; ceilings: oracle drafts exactly what the "
                         "target accepts, the best of any stopping rule; perfect verifies the next draft-cap tokens "
                         "as if a free draft had guessed them, the best of any drafter)")
     p.add_argument("--threshold", type=float, default=None, help="utility threshold (default: the trace's)")
