@@ -350,6 +350,30 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             llama.close()
 
 
+def test_an_evicted_expert_takes_the_pages_it_shares_with_experts_the_cache_does_not_hold(wide_model):
+    """Expert slices rarely start on a page boundary, so each shares its first and last page with the expert
+    beside it. Evicted, an expert takes those pages too, unless that neighbour is held (or pinned): else they
+    stay in memory, counted nowhere, and fill the budget's slack."""
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        if (em.ranges[0, :, :, 0] % os.sysconf("SC_PAGE_SIZE") == 0).all():
+            pytest.skip("this file's expert slices start on page boundaries")
+        llama = ModelMapping(em)
+        try:
+            one = int(em.expert_bytes[0])
+            pf.keep_cache(llama.addr, 0, llama.size, 2 * one, np.zeros((2, 8), np.uint8))
+            pf.layer(0, [3, 4])  # reads their shared pages, and those shared with experts 2 and 5
+            assert _wait_for(lambda: (m.expert_residency()[0, [3, 4]] >= 1.0).all())
+            pf.layer(1, [0])  # (0, 3) goes; the pages it shares with (0, 4), held, stay
+            res = m.expert_residency()
+            assert res[0, 4] == 1.0 and 0 < res[0, 3] < 0.5
+            pf.layer(1, [1])  # (0, 4) goes, and with it the pages it shared with (0, 3)
+            res = m.expert_residency()
+            assert res[0, 3] == res[0, 4] == 0.0
+            assert res[0, [2, 5]].max() == 0.0  # their pages shared with 3 and 4 went with them
+        finally:
+            llama.close()
+
+
 def test_a_draft_on_a_second_mapping_of_the_file_leaves_memory_the_cache_s_experts_aside(wide_model):
     """A drafter with weights of its own maps the file again and reads outside the routing hook: after its
     draft, what only that mapping holds goes; the cache's experts (mapped by llama.cpp's) stay."""
@@ -793,6 +817,9 @@ def test_auto_budget_counts_what_the_cgroup_holds_except_expert_pages(tiny_model
     budget = auto_budget_bytes(FakeCgroup(usage), em, share=1 / 3)
     held = usage - resident
     assert held + em.total_expert_bytes / 3 < budget <= held + em.total_expert_bytes / 3 + max(AUTO_MIN_SLACK, held / 50) + 4096
+    # once the kept cache has dropped what it could, the expert pages left in memory stay: they are held
+    stay = auto_budget_bytes(FakeCgroup(usage), em, share=1 / 3, experts_stay=True)
+    assert usage + em.total_expert_bytes / 3 < stay <= usage + em.total_expert_bytes / 3 + max(AUTO_MIN_SLACK, usage / 50) + 4096
 
 
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")

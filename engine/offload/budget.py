@@ -132,19 +132,26 @@ def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: Ex
     return BudgetPlan(budget_bytes, anon_bytes, base_bytes, room - cache, cache, slack)
 
 
-def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXPERT_SHARE) -> int:
+def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXPERT_SHARE, *,
+                      experts_stay: bool = False) -> int:
     """`--budget auto` for a process already running inside `cg`, loaded and warmed up: everything the
     cgroup holds now except the model's expert pages (anonymous memory, pinned weights, library and
     Python file pages), plus `share` of the expert bytes as the expert cache, plus a little slack.
+    experts_stay: the expert pages in memory now stay there and count as held. So it is once the offloader
+    keeps the expert cache: starting, the cache dropped every expert page it could, and what remains shares
+    the page cache's large folios with pinned weights (10 MiB on the widened model, measured). Left out,
+    that ate the slack, and the budget's reclaim took a verification's experts as it read them.
 
     Counting what the cgroup really holds matters: a budget built from the anonymous memory alone left
     the expert cache near zero (every expert missed on every token, measured) because the interpreter's
     and libraries' file pages are charged to the same cgroup."""
-    mapping = ModelMapping(emap)
-    try:
-        resident = float((mapping.expert_residency() * emap.expert_bytes[:, None]).sum())
-    finally:
-        mapping.close()
+    resident = 0.0
+    if not experts_stay:
+        mapping = ModelMapping(emap)
+        try:
+            resident = float((mapping.expert_residency() * emap.expert_bytes[:, None]).sum())
+        finally:
+            mapping.close()
     held = max(0, cg.usage() - int(resident))
     # the slack absorbs what the heap still grows by in the first real generations after a warm-up, so
     # that the expert cache keeps its share; 2 MiB was too little: a module the first generation imported

@@ -151,6 +151,10 @@ class Offloader:
                 return True
         return False
 
+    @property
+    def keeps_expert_cache(self) -> bool:
+        return self._cache_mapping is not None
+
     # -- VerifyObserver ------------------------------------------------------------------------------
     def drafted_elsewhere(self, mappings) -> None:
         """A draft ran on other mappings of the model file: what it read leaves memory (the kept cache's

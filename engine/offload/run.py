@@ -128,7 +128,7 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     if cg is not None:
         # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
         # buffers) would otherwise come out of the expert cache.
-        size = auto_budget_bytes(cg, emap)
+        size = auto_budget_bytes(cg, emap, experts_stay=off.keeps_expert_cache)
         try:
             cg.set_limit(size)  # reclaims the warm-up's expert pages down to the budget
         except OSError as e:  # EBUSY: the kernel could not reclaim down to it
