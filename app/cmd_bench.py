@@ -198,6 +198,9 @@ def offloaded_fit_clauses(c: dict) -> list[str]:
         return []
     out = [f"counting fetched experts ({m['miss_share']:.0%} of those read): R² {m['r2']:.3f}, MAPE {m['mape']:.1%}, "
            f"T_exp cold {m['t_exp_cold_s'] * 1e3:.3f} ms, warm {m['t_exp_warm_s'] * 1e3:.3f} ms"]
+    if m.get("bound_ratio"):
+        out.append(f"verifications took {m['bound_ratio']:.2f}× their bound (fetched experts at the depth-8 rate, "
+                   "the rest as fitted)")
     g = m.get("given_faults")
     if g:
         out.append(f"given the storage faults taken ({g['faults_per_verification']:.1f} per verification, known only "
@@ -356,7 +359,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench, storage_bound,
-                                warm_up, write_atomic)
+                                verification_bound_ratio, warm_up, write_atomic)
     from ..engine.decoder import Decoder, GenerationConfig
     from .cli import default_model, placement_from_args
 
@@ -485,6 +488,10 @@ def run(args) -> int:
         if storage is not None:
             storage_bound(done.rows, storage["expert_bytes"], storage["qd8_gb_s"] * 1e9)
             done.config["storage"] = storage
+            for c in budget_fits.values():
+                if c.get("miss_aware"):
+                    c["miss_aware"]["bound_ratio"] = verification_bound_ratio(c, storage["expert_bytes"],
+                                                                              storage["qd8_gb_s"] * 1e9)
         done.cost_model_by_budget.update(budget_fits)
     done.config["placement"] = placement.as_dict()  # where the weights were: the report says what ran
     done.config["batch_size"] = args.batch_size  # what a budget counted for llama.cpp's compute buffers

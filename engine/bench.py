@@ -373,6 +373,20 @@ def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: float) -
         r.bound_tok_per_s = 1.0 / per_token if per_token > 0 else None
 
 
+def verification_bound_ratio(cost_model: dict, expert_bytes: float, bandwidth: float) -> float | None:
+    """How many times their bound a budget's verifications took (cost_model: the run's fit with its
+    miss-aware form): measured seconds over the seconds they would take with every fetched expert read at
+    `bandwidth` (bytes/s) and the rest (compute, experts in memory) as the miss-aware fit prices it. None
+    without the per-verification counts."""
+    f = cost_model.get("miss_aware") or {}
+    e, m, t = (np.asarray(f.get(k) or [], float) for k in ("experts", "fetched", "tokens"))
+    measured = np.asarray(cost_model.get("measured_s") or [], float)
+    if not len(m) or len(measured) != len(m) or bandwidth <= 0:
+        return None
+    bound = f["intercept_s"] + f["t_exp_warm_s"] * (e - m) + f["t_tok_s"] * t + m * expert_bytes / bandwidth
+    return float(measured.sum() / bound.sum()) if bound.sum() > 0 else None
+
+
 # -- the harness ------------------------------------------------------------------------------------
 WARMUP_TOKENS = 8
 
@@ -552,7 +566,9 @@ def run_bench(
                 cost_model["miss_aware"] = {"intercept_s": mfit.intercept, "t_exp_warm_s": mfit.t_hit,
                                             "t_exp_cold_s": mfit.t_miss, "t_tok_s": mfit.t_tok, "r2": mfit.r2,
                                             "mape": mfit.mape, "n": mfit.n, "miss_share": float(m.sum() / max(1.0, e.sum())),
-                                            "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000]}
+                                            "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000],
+                                            "experts": e.tolist()[:2000], "fetched": m.tolist()[:2000],
+                                            "tokens": t.tolist()[:2000]}
                 if all(smp[4] is not None for smp in cost_samples):
                     faults = np.array([smp[4] for smp in cost_samples], float)
                     cost_model["miss_aware"]["given_faults"] = fault_explained_fit(e, faults, t, y)

@@ -194,6 +194,7 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
                            str(out_json), "-b", "32"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    said = " ".join(done.stdout.split())  # the report wraps at the console's width
     data = json.loads(out_json.read_text())
     rows = data["results"]
     budgets = [r["budget"] for r in rows]
@@ -206,21 +207,24 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     assert list(data["cost_model_by_budget"]) == [budgets[4]]
     fit = data["cost_model_by_budget"][budgets[4]]
     assert fit["n"] >= 3 and math.isfinite(fit["r2"]) and fit["r2"] <= 1.0
-    assert f"cost model under budget {budgets[4]}: R²" in done.stdout
+    assert f"cost model under budget {budgets[4]}: R²" in said
     # offloaded, each verification also says how many of its experts were fetched: the miss-aware fit
     miss = fit["miss_aware"]
     assert miss["n"] == fit["n"] and 0.0 <= miss["miss_share"] <= 1.0 and math.isfinite(miss["r2"])
-    assert "counting fetched experts" in done.stdout
+    assert "counting fetched experts" in said
     given = miss["given_faults"]  # the diagnostic fit on the storage faults the verifications really took
     assert math.isfinite(given["r2"]) and given["faults_per_verification"] >= 0
-    assert "given the storage faults taken" in done.stdout
+    assert "given the storage faults taken" in said
+    assert len(miss["fetched"]) == len(miss["experts"]) == len(miss["tokens"]) == miss["n"]
+    assert "bound_ratio" in miss  # the verifications against the storage bound (None where the fit prices none)
+    assert (miss["bound_ratio"] is None) == ("their bound" not in said)
     assert "miss_aware" not in data["cost_model"]  # resident: nothing is fetched
     # the physical bound: storage read at queue depth 1 and 8, and each offloaded mode's fetches per token
     storage = data["config"]["storage"]
     assert storage["qd1_gb_s"] > 0 and storage["qd8_gb_s"] > 0 and storage["expert_bytes"] > 0
     assert all(r["fetched_per_token"] is None and r["bound_tok_per_s"] is None for r in rows[:4])
     assert all(r["fetched_per_token"] >= 0 and r["bound_tok_per_s"] > 0 for r in rows[4:7])
-    assert "storage, cold reads of whole experts" in done.stdout
+    assert "storage, cold reads of whole experts" in said
 
 
 def test_the_bound_reads_the_profile_s_storage_rates_for_this_model_only(tiny_models):
@@ -252,6 +256,18 @@ def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
     assert rows[0].bound_tok_per_s is None
     assert rows[1].bound_tok_per_s == pytest.approx(1 / (10e-3 + 10e-3))  # fetches + ar's resident 10 ms
     assert rows[2].bound_tok_per_s == pytest.approx(1 / 20e-3)  # no resident s2moe row: fetches only
+
+
+def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_fitted_compute():
+    from s2moe.engine.bench import verification_bound_ratio
+
+    fit = {"intercept_s": 1e-3, "t_exp_warm_s": 1e-4, "t_tok_s": 2e-3, "t_exp_cold_s": 3e-3,
+           "experts": [40, 80], "fetched": [10, 30], "tokens": [2, 5]}
+    # bounds at 1 ms a fetch: 1 + 3 + 4 + 10 = 18 ms and 1 + 5 + 10 + 30 = 46 ms
+    measured = [2 * 18e-3, 2 * 46e-3]
+    assert verification_bound_ratio({"measured_s": measured, "miss_aware": fit}, 1e6, 1e9) == pytest.approx(2.0)
+    assert verification_bound_ratio({"measured_s": measured[:1], "miss_aware": fit}, 1e6, 1e9) is None
+    assert verification_bound_ratio({"measured_s": measured, "miss_aware": {}}, 1e6, 1e9) is None
 
 
 def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
