@@ -191,6 +191,19 @@ def measure_storage(model: str, profile: dict | None, fingerprint: str) -> dict 
             "source": "measured by this run"}
 
 
+def _resident_verify_cost(resident_fit: dict, profile: dict | None, info):
+    """What a verification of (experts, rows) costs with the model in memory: this run's resident fit, else
+    the profile's constants for the model, else None."""
+    if resident_fit:
+        c = resident_fit
+        return lambda experts, rows: c["intercept_s"] + c["t_exp_s"] * experts + c["t_tok_s"] * rows
+    if profile is not None:
+        from ..engine.profiles import cost_for_model
+
+        return cost_for_model(profile, info.fingerprint, info.path.name).verify_cost
+    return None
+
+
 def offloaded_fit_clauses(c: dict) -> list[str]:
     """What a budgeted run's fit adds: the miss-aware form and the storage-fault diagnostic, if present."""
     m = c.get("miss_aware")
@@ -200,7 +213,7 @@ def offloaded_fit_clauses(c: dict) -> list[str]:
            f"T_exp cold {m['t_exp_cold_s'] * 1e3:.3f} ms, warm {m['t_exp_warm_s'] * 1e3:.3f} ms"]
     if m.get("bound_ratio"):
         out.append(f"verifications took {m['bound_ratio']:.2f}× their bound (fetched experts at the depth-8 rate, "
-                   "the rest as fitted)")
+                   "the rest as resident)")
     g = m.get("given_faults")
     if g:
         out.append(f"given the storage faults taken ({g['faults_per_verification']:.1f} per verification, known only "
@@ -488,10 +501,11 @@ def run(args) -> int:
         if storage is not None:
             storage_bound(done.rows, storage["expert_bytes"], storage["qd8_gb_s"] * 1e9)
             done.config["storage"] = storage
+            resident_cost = _resident_verify_cost(done.cost_model, profile if args.profile else None, info)
             for c in budget_fits.values():
-                if c.get("miss_aware"):
-                    c["miss_aware"]["bound_ratio"] = verification_bound_ratio(c, storage["expert_bytes"],
-                                                                              storage["qd8_gb_s"] * 1e9)
+                if c.get("miss_aware") and resident_cost is not None:
+                    c["miss_aware"]["bound_ratio"] = verification_bound_ratio(
+                        c, resident_cost, storage["expert_bytes"], storage["qd8_gb_s"] * 1e9)
         done.cost_model_by_budget.update(budget_fits)
     done.config["placement"] = placement.as_dict()  # where the weights were: the report says what ran
     done.config["batch_size"] = args.batch_size  # what a budget counted for llama.cpp's compute buffers

@@ -373,18 +373,18 @@ def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: float) -
         r.bound_tok_per_s = 1.0 / per_token if per_token > 0 else None
 
 
-def verification_bound_ratio(cost_model: dict, expert_bytes: float, bandwidth: float) -> float | None:
+def verification_bound_ratio(cost_model: dict, resident_cost, expert_bytes: float, bandwidth: float) -> float | None:
     """How many times their bound a budget's verifications took (cost_model: the run's fit with its
     miss-aware form): measured seconds over the seconds they would take with every fetched expert read at
-    `bandwidth` (bytes/s) and the rest (compute, experts in memory) as the miss-aware fit prices it. None
-    without the per-verification counts."""
+    `bandwidth` (bytes/s) and everything else as with the model in memory, resident_cost(experts, rows)
+    (a resident fit: the profile's, or this run's). None without the per-verification counts."""
     f = cost_model.get("miss_aware") or {}
     e, m, t = (np.asarray(f.get(k) or [], float) for k in ("experts", "fetched", "tokens"))
     measured = np.asarray(cost_model.get("measured_s") or [], float)
     if not len(m) or len(measured) != len(m) or bandwidth <= 0:
         return None
-    bound = f["intercept_s"] + f["t_exp_warm_s"] * (e - m) + f["t_tok_s"] * t + m * expert_bytes / bandwidth
-    return float(measured.sum() / bound.sum()) if bound.sum() > 0 else None
+    bound = sum(resident_cost(float(x), int(n)) for x, n in zip(e, t)) + float(m.sum()) * expert_bytes / bandwidth
+    return float(measured.sum() / bound) if bound > 0 else None
 
 
 # -- the harness ------------------------------------------------------------------------------------

@@ -258,16 +258,19 @@ def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
     assert rows[2].bound_tok_per_s == pytest.approx(1 / 20e-3)  # no resident s2moe row: fetches only
 
 
-def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_fitted_compute():
+def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_resident_cost():
     from s2moe.engine.bench import verification_bound_ratio
 
-    fit = {"intercept_s": 1e-3, "t_exp_warm_s": 1e-4, "t_tok_s": 2e-3, "t_exp_cold_s": 3e-3,
-           "experts": [40, 80], "fetched": [10, 30], "tokens": [2, 5]}
-    # bounds at 1 ms a fetch: 1 + 3 + 4 + 10 = 18 ms and 1 + 5 + 10 + 30 = 46 ms
-    measured = [2 * 18e-3, 2 * 46e-3]
-    assert verification_bound_ratio({"measured_s": measured, "miss_aware": fit}, 1e6, 1e9) == pytest.approx(2.0)
-    assert verification_bound_ratio({"measured_s": measured[:1], "miss_aware": fit}, 1e6, 1e9) is None
-    assert verification_bound_ratio({"measured_s": measured, "miss_aware": {}}, 1e6, 1e9) is None
+    fit = {"experts": [40, 80], "fetched": [10, 30], "tokens": [2, 5]}
+
+    def resident(experts, rows):
+        return 1e-3 + 1e-4 * experts + 2e-3 * rows
+
+    # bounds at 1 ms a fetch: 1 + 4 + 4 + 10 = 19 ms and 1 + 8 + 10 + 30 = 49 ms
+    measured = [2 * 19e-3, 2 * 49e-3]
+    assert verification_bound_ratio({"measured_s": measured, "miss_aware": fit}, resident, 1e6, 1e9) == pytest.approx(2.0)
+    assert verification_bound_ratio({"measured_s": measured[:1], "miss_aware": fit}, resident, 1e6, 1e9) is None
+    assert verification_bound_ratio({"measured_s": measured, "miss_aware": {}}, resident, 1e6, 1e9) is None
 
 
 def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
