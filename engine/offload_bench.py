@@ -29,6 +29,9 @@ import statistics
 import sys
 import time
 
+from .bench import write_atomic
+from .errors import ConfigError, S2MoEError
+
 ARMS = {
     "ar/none": dict(mode="ar", pin_base=False, pin_hot=False, prefetch=False),
     "ar/base": dict(mode="ar", pin_base=True, pin_hot=False, prefetch=False),
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker")
     ap.add_argument("--model")
     ap.add_argument("--profile")
-    ap.add_argument("--budget")
+    ap.add_argument("--budget", help="a size, or auto (the default)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
@@ -130,16 +133,26 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.worker:
         return _worker(json.loads(a.worker))
+    try:
+        return _compare(a)
+    except S2MoEError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
+
+def _compare(a) -> int:
     from .model_info import read_model_info
     from .offload import expert_map, fmt_bytes, parse_size
     from .profiles import hot_experts_for_model, load_profile
 
+    unknown = [arm for arm in a.arms.split(",") if arm not in ARMS]
+    if unknown:
+        raise ConfigError(f"unknown arm {unknown[0]!r}: choose from {', '.join(ARMS)}")
     info = read_model_info(a.model)
     emap = expert_map(a.model)
     hot = hot_experts_for_model(load_profile(a.profile), info.fingerprint) if a.profile else []
     base = dict(model=a.model, threads=a.threads, tokens=a.tokens, draft_max=a.draft_max, hot=[list(p) for p in hot])
-    if a.budget:
+    if a.budget and a.budget.strip().lower() != "auto":
         budget = parse_size(a.budget)
     else:
         try:
@@ -190,9 +203,8 @@ def main(argv=None) -> int:
         if s["median_tok_s"] is not None:
             print(f"{arm:12s} median {s['median_tok_s']:.2f} tok/s")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"budget": budget, "results": results, "summary": summary,
-                       "ratios": {k: v[0] for k, v in ratios.items()}}, f, indent=1)
+        write_atomic(a.out, json.dumps({"budget": budget, "results": results, "summary": summary,
+                                        "ratios": {k: v[0] for k, v in ratios.items()}}, indent=1))
     return 0
 
 

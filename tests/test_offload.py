@@ -822,6 +822,20 @@ def test_auto_budget_counts_what_the_cgroup_holds_except_expert_pages(tiny_model
     assert usage + em.total_expert_bytes / 3 < stay <= usage + em.total_expert_bytes / 3 + max(AUTO_MIN_SLACK, usage / 50) + 4096
 
 
+@pytest.mark.parametrize("args, said", [(["--budget", "12Q"], "invalid size '12Q'"),
+                                         (["--arms", "ar/hot,ar/x"], "unknown arm 'ar/x'"),
+                                         (["--model", "missing.gguf"], "cannot read model file")])
+def test_offload_bench_refuses_bad_input_in_one_line(tiny_models, tmp_path, capsys, args, said):
+    from s2moe.engine import offload_bench
+
+    out = tmp_path / "ab.json"
+    argv = ["--model", str(tiny_models["olmoe"]), "--rounds", "1", "--out", str(out)] + args
+    assert offload_bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert said in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
 def test_offload_bench_runs_every_arm_under_the_probed_auto_budget(tiny_models, tmp_path, capfd):
     from s2moe.engine import offload_bench
