@@ -248,8 +248,7 @@ static void cache_push_front(s2_cache *c, int32_t i) {
 // Whether a page an expert shares with expert `other` may leave memory with it: only when `other` is one
 // the cache does not hold (nor pinned). An expert's parts rarely start on a page boundary, so almost every
 // part shares its first and last page with the expert beside it in the tensor. Kept always, those pages
-// sit beside the cache, counted nowhere, out of the budget's slack: 1.3 MiB after one calibration on the
-// widened model, up to two pages a part (4.6 MiB there) in a long run.
+// (up to two a part) pile up beside the cache, counted nowhere, out of the budget's slack.
 static int shared_page_goes(const s2_cache *c, int32_t other) {
     return other >= 0 && !c->held[other] && !c->pinned[other];
 }

@@ -139,8 +139,8 @@ def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXP
     Python file pages), plus `share` of the expert bytes as the expert cache, plus a little slack.
     experts_stay: the expert pages in memory now stay there and count as held. So it is once the offloader
     keeps the expert cache: starting, the cache dropped every expert page it could, and what remains shares
-    the page cache's large folios with pinned weights (10 MiB on the widened model, measured). Left out,
-    that ate the slack, and the budget's reclaim took a verification's experts as it read them.
+    the page cache's large folios with pinned weights. Left out, those pages ate the slack, and the budget's
+    reclaim took a verification's experts as it read them (engine/OFFLOAD_RESULTS.md).
 
     Counting what the cgroup really holds matters: a budget built from the anonymous memory alone left
     the expert cache near zero (every expert missed on every token, measured) because the interpreter's
