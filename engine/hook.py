@@ -149,6 +149,8 @@ class RoutingHook:
         self._route = prefetcher
         self.lib.s2_hook_set_route(self.handle, prefetcher.layer_fn_address, prefetcher.handle)
         self.lib.s2_hook_set_resident(self.handle, prefetcher.resident_fn_address, prefetcher.handle)
+        self.lib.s2_hook_set_stage(self.handle, prefetcher.stage_fn_address if prefetcher.staging else None,
+                                   prefetcher.handle)
 
     def clear_route(self, prefetcher=None) -> None:
         """Stop calling the prefetcher (only `prefetcher`'s route, when one is named)."""
@@ -157,6 +159,7 @@ class RoutingHook:
         if self.handle:
             self.lib.s2_hook_set_route(self.handle, None, None)
             self.lib.s2_hook_set_resident(self.handle, None, None)
+            self.lib.s2_hook_set_stage(self.handle, None, None)
         self._route = None
 
     @property

@@ -126,6 +126,7 @@ def library() -> ctypes.CDLL:
         "s2_hook_gate": (None, [hp, ctypes.c_float, ctypes.c_int, f32p]),
         "s2_hook_set_route": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),
         "s2_hook_set_resident": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),
+        "s2_hook_set_stage": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),
         "s2_hook_set_backend_copy": (None, [hp, ctypes.c_int]),
         "s2_hook_set_distinct_min_rows": (None, [hp, ctypes.c_int]),
         "s2_hook_hooked": (ctypes.c_int64, [hp]),

@@ -74,6 +74,10 @@ typedef struct s2_hook {
     // routes: a mask is a snapshot, and the kernel may evict its pages before a later draft pass reads them.
     int (*is_resident)(void *ctx, int layer, int e);
     void *resident_ctx;
+    // Called once a layer's expert matmul of one kind has run (0: up, 1: gate, 2: down): lets the
+    // offloading helper read a layer's experts one part at a time when they do not fit in memory together.
+    int (*on_stage)(void *ctx, int layer, int stage);
+    void *stage_ctx;
 
     // counters for diagnostics
     int64_t n_hooked;    // weight nodes handled since creation
@@ -185,6 +189,11 @@ void s2_hook_set_resident(s2_hook *h, int (*fn)(void *, int, int), void *ctx) {
     h->resident_ctx = ctx;
 }
 
+void s2_hook_set_stage(s2_hook *h, int (*fn)(void *, int, int), void *ctx) {
+    h->on_stage = fn;
+    h->stage_ctx = ctx;
+}
+
 void s2_hook_set_backend_copy(s2_hook *h, int on) { h->backend_copy = on; }
 void s2_hook_set_distinct_min_rows(s2_hook *h, int min_rows) { h->distinct_min_rows = min_rows; }
 
@@ -220,6 +229,7 @@ static int layer_of(const char *name, const char *prefix, size_t prefix_len) {
 }
 
 static const char WEIGHTS[] = "ffn_moe_weights-";
+static const char *const STAGES[3] = {"ffn_moe_up-", "ffn_moe_gate-", "ffn_moe_down-"};
 static const char ARGSORT[] = "ffn_moe_argsort-";
 
 static struct ggml_backend_buffer *buffer_of(const struct ggml_tensor *t) {
@@ -521,7 +531,15 @@ bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     if (h->mode == S2_OFF && !h->on_route) return ask ? false : true;
     const char *name = t->name;
     if (name[0] != 'f' || name[1] != 'f' || name[4] != 'm') return ask ? false : true;
-    int layer = layer_of(name, WEIGHTS, sizeof(WEIGHTS) - 1);
+    int layer;
+    for (int stage = 0; h->on_stage && stage < 3; ++stage) {
+        layer = layer_of(name, STAGES[stage], strlen(STAGES[stage]));
+        if (layer >= 0) {
+            if (!ask) h->on_stage(h->stage_ctx, layer, stage);
+            return true;
+        }
+    }
+    layer = layer_of(name, WEIGHTS, sizeof(WEIGHTS) - 1);
     if (layer >= 0) {
         if (!ask) {
             if (h->mode == S2_OFF) route_only(h, t, layer);

@@ -42,6 +42,17 @@ typedef struct s2_prefetch {
                           // advised too, so that its reads overlap layer L's matmuls (NULL: none)
     s2_fetcher *fetcher;  // background reads of a verification's predicted experts (NULL: none)
     s2_cache *cache;      // the expert cache this process keeps itself under a budget (NULL: the kernel's)
+    // Staged reads: a layer whose fetched experts take more than stage_room bytes is read one part at a time,
+    // in the order its matmuls use them, each part dropped once used.
+    int kind_part[3];     // the part holding each kind of matrix (0 up, 1 gate, 2 down); -1: not staged
+    int order[3], n_order;// the kinds in the order a layer's matmuls ran, learned from the first layer seen
+    int learn_layer;
+    int stage_part[3];    // the part read at each stage, once the order is known; -1 before
+    int kind_stage[3];    // the stage at which the matmul of each kind runs
+    int64_t stage_room;
+    int staged_layer;     // the layer being read part by part, or -1
+    uint8_t *staged;      // [n_expert] its experts read part by part
+    int64_t n_staged;     // layers read part by part
 } s2_prefetch;
 
 s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert, int n_parts, const int64_t *ranges) {
@@ -64,6 +75,9 @@ s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert,
     p->n_expert = n_expert;
     p->n_parts = n_parts;
     p->advise = 1;
+    p->stage_part[0] = p->stage_part[1] = p->stage_part[2] = -1;
+    p->kind_part[0] = p->kind_part[1] = p->kind_part[2] = -1;
+    p->staged_layer = -1;
     long pg = sysconf(_SC_PAGESIZE);
     p->page = pg > 0 ? (size_t)pg : 4096;
     int64_t longest = 0;
@@ -147,6 +161,7 @@ void s2_prefetch_free(s2_prefetch *p) {
     if (!p) return;
     s2_fetch_stop(p);
     cache_free(p->cache);
+    free(p->staged);
     free(p->ranges);
     free(p->mark);
     free(p->vec);
@@ -154,6 +169,13 @@ void s2_prefetch_free(s2_prefetch *p) {
 }
 
 static void cache_use(s2_prefetch *p, int layer);
+static int stage_layer(s2_prefetch *p, int layer);
+
+static void advise_part(s2_prefetch *p, int layer, int e, int j) {
+    size_t a, len;
+    if (part_pages(p, layer, e, j, &a, &len) && madvise(p->base + a, len, MADV_WILLNEED) == 0)
+        p->bytes_advised += (int64_t)len;
+}
 
 // madvise(WILLNEED) the ranges of the distinct experts among ids[0..n) of one layer (ids < 0 or out of
 // range are ignored), first counting those not wholly in memory if misses are bound and, for a layer
@@ -175,13 +197,11 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
         }
     }
     if (cached) cache_use(p, layer);
+    const int staged = cached && advise && stage_layer(p, layer);
     for (int e = 0; advise && e < p->n_expert; ++e) {
         if (!p->mark[e]) continue;
-        for (int j = 0; j < p->n_parts; ++j) {
-            size_t a, len;
-            if (part_pages(p, layer, e, j, &a, &len) && madvise(p->base + a, len, MADV_WILLNEED) == 0)
-                p->bytes_advised += (int64_t)len;
-        }
+        for (int j = 0; j < p->n_parts; ++j)
+            if (!staged || !p->staged[e] || j == p->stage_part[0]) advise_part(p, layer, e, j);
     }
     p->n_calls++;
     p->n_advised += advised;
@@ -245,33 +265,46 @@ static void cache_push_front(s2_cache *c, int32_t i) {
     if (c->tail < 0) c->tail = i;
 }
 
+// A held expert whose pages left memory some other way (a layer read part by part drops each part once used).
+static void cache_forget(s2_cache *c, int32_t i) {
+    if (!c->held[i]) return;
+    cache_unlink(c, i);
+    c->held[i] = 0;
+    c->used -= c->bytes[i];
+}
+
 // Whether a page an expert shares with expert `other` may leave memory with it: only when `other` is one
 // the cache does not hold (nor pinned). An expert's parts rarely start on a page boundary, so almost every
 // part shares its first and last page with the expert beside it in the tensor. Kept always, those pages
 // (up to two a part) pile up beside the cache, counted nowhere, out of the budget's slack.
-static int shared_page_goes(const s2_cache *c, int32_t other) {
-    return other >= 0 && !c->held[other] && !c->pinned[other];
+static int shared_page_goes(const s2_cache *c, int32_t other, const uint8_t *done, int layer, int n_expert) {
+    if (other < 0 || c->pinned[other]) return 0;
+    return !c->held[other] || (done && other / n_expert == layer && done[other % n_expert]);
 }
 
-// One expert leaves memory: the pages wholly inside its parts, and each page it shares with an expert the
-// cache does not hold (a page shared with a neighbouring tensor, or with a held expert, stays).
-static void cache_evict(s2_prefetch *p, int32_t i) {
+// One part of an expert leaves memory: the pages wholly inside it, and each page it shares with an expert
+// the cache does not hold (a page shared with a neighbouring tensor, or with a held expert, stays). done:
+// experts of the same layer whose same part goes too (a staged layer's), so that their shared pages go.
+static void drop_part(s2_prefetch *p, int32_t i, int j, const uint8_t *done) {
     s2_cache *c = p->cache;
-    const int layer = i / p->n_expert, e = i % p->n_expert;
-    for (int j = 0; j < p->n_parts; ++j) {
-        const size_t k = ((size_t)i * p->n_parts + j) * 2;
-        const int64_t *r = p->ranges + (((size_t)layer * p->n_expert + e) * p->n_parts + j) * 2;
-        if (r[1] <= 0 || (size_t)r[0] < c->lo || (size_t)(r[0] + r[1]) > c->hi) continue;
-        size_t a = ((size_t)r[0] + p->page - 1) / p->page * p->page;
-        size_t b = (size_t)(r[0] + r[1]) / p->page * p->page;
-        if (a != (size_t)r[0] && shared_page_goes(c, c->share[k])) a -= p->page;
-        if (b != (size_t)(r[0] + r[1]) && shared_page_goes(c, c->share[k + 1])) b += p->page;
-        if (b <= a) continue;
-        if (madvise(c->base + a, b - a, MADV_DONTNEED) != 0 ||
-            posix_fadvise(c->fd, (off_t)a, (off_t)(b - a), POSIX_FADV_DONTNEED) != 0)
-            ++c->n_refused;
-    }
-    ++c->n_evicted;
+    const size_t k = ((size_t)i * p->n_parts + j) * 2;
+    const int64_t *r = p->ranges + k;
+    if (r[1] <= 0 || (size_t)r[0] < c->lo || (size_t)(r[0] + r[1]) > c->hi) return;
+    size_t a = ((size_t)r[0] + p->page - 1) / p->page * p->page;
+    size_t b = (size_t)(r[0] + r[1]) / p->page * p->page;
+    const int layer = i / p->n_expert;
+    if (a != (size_t)r[0] && shared_page_goes(c, c->share[k], done, layer, p->n_expert)) a -= p->page;
+    if (b != (size_t)(r[0] + r[1]) && shared_page_goes(c, c->share[k + 1], done, layer, p->n_expert)) b += p->page;
+    if (b <= a) return;
+    if (madvise(c->base + a, b - a, MADV_DONTNEED) != 0 ||
+        posix_fadvise(c->fd, (off_t)a, (off_t)(b - a), POSIX_FADV_DONTNEED) != 0)
+        ++c->n_refused;
+}
+
+// One expert leaves memory, all its parts.
+static void cache_evict(s2_prefetch *p, int32_t i) {
+    for (int j = 0; j < p->n_parts; ++j) drop_part(p, i, j, NULL);
+    ++p->cache->n_evicted;
 }
 
 // The layer's distinct experts (p->mark) were just routed: they become the most recently used, and what
@@ -300,6 +333,81 @@ static void cache_use(s2_prefetch *p, int layer) {
         c->used -= c->bytes[i];
         cache_evict(p, i);
     }
+}
+
+// Staged reads. The layer just routed (p->mark: 2 = not in memory) is read part by part when what it must
+// fetch exceeds stage_room: asked for all at once, a reclaim that has to make room takes pages WILLNEED
+// brought in and no matmul has mapped yet, and the matmuls fault them back a page at a time.
+// kind_part: the part indices of the up, gate and down matrices (the order their matmuls run in is
+// llama.cpp's graph's: it is learned from the stage callbacks of the first layer that runs).
+void s2_prefetch_set_stages(s2_prefetch *p, const int32_t *kind_part, int64_t room) {
+    if (!p) return;
+    int ok = room >= 0 && kind_part;
+    for (int k = 0; ok && k < 3; ++k) ok = kind_part[k] >= 0 && kind_part[k] < p->n_parts;
+    if (ok && !p->staged) p->staged = calloc((size_t)p->n_expert, 1);
+    ok = ok && p->staged;
+    for (int k = 0; k < 3; ++k) {
+        p->kind_part[k] = ok ? kind_part[k] : -1;
+        p->stage_part[k] = -1;
+    }
+    p->n_order = 0;
+    p->learn_layer = -1;
+    p->stage_room = room;
+    p->staged_layer = -1;
+}
+
+// The kinds of stage callbacks in the order they came for one layer; staging starts once all three came.
+static void learn_order(s2_prefetch *p, int layer, int kind) {
+    if (p->learn_layer < 0) p->learn_layer = layer;
+    if (layer != p->learn_layer) return;
+    for (int q = 0; q < p->n_order; ++q)
+        if (p->order[q] == kind) return;
+    p->order[p->n_order++] = kind;
+    if (p->n_order < 3) return;
+    for (int q = 0; q < 3; ++q) {
+        p->stage_part[q] = p->kind_part[p->order[q]];
+        p->kind_stage[p->order[q]] = q;
+    }
+}
+
+// The order learned: the kinds (0 up, 1 gate, 2 down) as a layer's matmuls run them. Returns how many.
+int s2_prefetch_stage_order(const s2_prefetch *p, int32_t *out) {
+    if (!p) return 0;
+    for (int q = 0; q < p->n_order; ++q) out[q] = p->order[q];
+    return p->n_order;
+}
+
+static int stage_layer(s2_prefetch *p, int layer) {
+    if (p->stage_part[0] < 0) return 0;
+    int64_t fetch = 0;
+    for (int e = 0; e < p->n_expert; ++e)
+        if (p->mark[e] == 2 && !p->cache->pinned[(size_t)layer * p->n_expert + e])
+            fetch += p->cache->bytes[(size_t)layer * p->n_expert + e];
+    if (fetch <= p->stage_room) return 0;
+    for (int e = 0; e < p->n_expert; ++e)
+        p->staged[e] = p->mark[e] == 2 && !p->cache->pinned[(size_t)layer * p->n_expert + e];
+    p->staged_layer = layer;
+    p->n_staged++;
+    return 1;
+}
+
+// The routing hook's stage callback: the layer's matmul of one kind (0 up, 1 gate, 2 down) has run.
+int s2_prefetch_stage(s2_prefetch *p, int layer, int kind) {
+    if (!p || kind < 0 || kind > 2 || p->kind_part[0] < 0) return 0;
+    if (p->n_order < 3) learn_order(p, layer, kind);
+    if (layer != p->staged_layer) return 0;
+    const int q = p->kind_stage[kind];
+    int n = 0;
+    for (int e = 0; e < p->n_expert; ++e) {
+        if (!p->staged[e]) continue;
+        const int32_t i = layer * p->n_expert + e;
+        drop_part(p, i, p->stage_part[q], p->staged);
+        if (q < 2) advise_part(p, layer, e, p->stage_part[q + 1]);
+        else cache_forget(p->cache, i);
+        ++n;
+    }
+    if (q == 2) p->staged_layer = -1;
+    return n;
 }
 
 // Unmaps the span of expert bytes that a mapping (at `base` for file offset 0, covering lo..hi) maps, and

@@ -374,6 +374,74 @@ def test_an_evicted_expert_takes_the_pages_it_shares_with_experts_the_cache_does
             llama.close()
 
 
+def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_matmuls_run(wide_model):
+    """Asked for all at once, a layer's experts that do not fit are reclaimed before their matmul reads them.
+    Past the stage room, the routed layer's fetched experts are read one part at a time: the part of the
+    matmul that runs first, then, as each matmul's stage call comes, the next part, the used one dropped;
+    after the last, the cache no longer holds them. The order is learned from the first layer's calls."""
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        llama = ModelMapping(em)
+        try:
+            names = em.parts[0]
+            part = {kind: next(j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n) for kind in ("up", "gate", "down")}
+            one = int(em.expert_bytes[0])
+            pf.keep_cache(llama.addr, 0, llama.size, 8 * one, np.zeros((2, 8), np.uint8))
+            pf.set_stages((part["up"], part["gate"], part["down"]), room=2 * one)
+            for kind in (1, 0, 2, 1):  # the gate's matmul first, then up, then down (as llama.cpp runs them)
+                pf.stage(1, kind)
+            assert pf.stage_order == (1, 0, 2)
+
+            def parts_resident(layer, experts, kind):
+                return [m.range_resident(*(int(x) for x in em.ranges[layer, e, part[kind]])) for e in experts]
+
+            def gone(layer, experts, kind):  # not a page of them left
+                return max(parts_resident(layer, experts, kind)) == 0.0
+
+            def read(layer, experts, kind):
+                return _wait_for(lambda: min(parts_resident(layer, experts, kind)) == 1.0)
+
+            pf.layer(0, [1])  # one expert to fetch: within the room, every part asked for at once
+            assert read(0, [1], "gate") and read(0, [1], "up") and read(0, [1], "down")
+            pf.layer(1, [2, 3, 4])  # three: past the room, the gate's part only
+            assert read(1, [2, 3, 4], "gate")
+            assert gone(1, [2, 3, 4], "up") and gone(1, [2, 3, 4], "down")
+            assert pf.stage(1, 1) == 3  # the gate's matmul ran: its part goes, up's comes
+            assert read(1, [2, 3, 4], "up") and gone(1, [2, 3, 4], "gate")
+            pf.stage(1, 0)
+            assert read(1, [2, 3, 4], "down") and gone(1, [2, 3, 4], "up")
+            held = pf.cache_stats()["held"]
+            pf.stage(1, 2)  # the last: nothing of them stays, and the cache forgets them
+            assert gone(1, [2, 3, 4], "down")
+            assert pf.cache_stats()["held"] == held - 3 * one
+            assert pf.stage(1, 1) == 0  # the layer is done; stray calls change nothing
+        finally:
+            llama.close()
+
+
+def test_decoding_under_staged_reads_learns_llama_cpp_s_matmul_order(wide_model):
+    """The routing hook calls the prefetcher as each expert matmul of a layer completes; the order it learns
+    is the one the staged reads follow."""
+    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+
+    d = Decoder(str(wide_model), n_ctx=128, n_threads=1, use_extra_bufts=False)
+    off = Offloader(wide_model)
+    llama = ModelMapping(off.emap)
+    try:
+        assert off.keep_expert_cache(4 * int(off.emap.expert_bytes.max()), (), d.rt.file_mappings)
+        assert off.read_in_stages(0)
+        off.attach(d, jit_prefetch=True)
+        tokens = [e.token for e in run(d, "hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False))
+                  if hasattr(e, "token")]
+        assert off.native.stage_order == (1, 0, 2)  # gate, up, down
+        off.close()
+        plain = [e.token for e in run(d, "hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False))
+                 if hasattr(e, "token")]
+        assert tokens == plain  # reading in stages changes what is in memory, not what is computed
+    finally:
+        llama.close()
+        d.close()
+
+
 def test_a_draft_on_a_second_mapping_of_the_file_leaves_memory_the_cache_s_experts_aside(wide_model):
     """A drafter with weights of its own maps the file again and reads outside the routing hook: after its
     draft, what only that mapping holds goes; the cache's experts (mapped by llama.cpp's) stay."""

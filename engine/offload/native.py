@@ -44,6 +44,9 @@ class NativePrefetch:
                                              u8p]),
             "s2_cache_stats": (None, [vp, i64p]),
             "s2_cache_drop_mapping": (None, [vp, vp, ctypes.c_size_t, ctypes.c_size_t]),
+            "s2_prefetch_set_stages": (None, [vp, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]),
+            "s2_prefetch_stage_order": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_int32)]),
+            "s2_prefetch_stage": (ctypes.c_int, [vp, ctypes.c_int, ctypes.c_int]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -56,6 +59,7 @@ class NativePrefetch:
         if not self.handle:
             raise MemoryError("native prefetcher: allocation failed")
         self.misses = np.zeros(em.n_layer, np.int32)
+        self.staging = False
         self._shape = (em.n_layer, em.n_expert)
         self.advise = advise
         self.fetching = False
@@ -99,6 +103,30 @@ class NativePrefetch:
     @property
     def layer_fn_address(self) -> int:
         return ctypes.cast(self.lib.s2_prefetch_layer, ctypes.c_void_p).value
+
+    @property
+    def stage_fn_address(self) -> int:
+        """s2_prefetch_stage(handle, layer, stage): the routing hook's call as a layer's up, gate, down matmuls run."""
+        return ctypes.cast(self.lib.s2_prefetch_stage, ctypes.c_void_p).value
+
+    def set_stages(self, kind_part: tuple[int, int, int] | None, room: int) -> None:
+        """Read a layer whose fetched experts take more than `room` bytes one part at a time, in the order its
+        matmuls run (learned from the routing hook's stage calls). kind_part: the part indices of its up,
+        gate and down matrices; None: never."""
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        kp = np.ascontiguousarray(kind_part if kind_part is not None else (-1, -1, -1), np.int32)
+        self.lib.s2_prefetch_set_stages(self.handle, kp.ctypes.data_as(i32p), int(room) if kind_part is not None else -1)
+        self.staging = kind_part is not None
+
+    @property
+    def stage_order(self) -> tuple[int, ...]:
+        """The kinds (0 up, 1 gate, 2 down) in the order a layer's matmuls ran, as far as learned."""
+        out = np.zeros(3, np.int32)
+        n = self.lib.s2_prefetch_stage_order(self.handle, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+        return tuple(int(x) for x in out[:n])
+
+    def stage(self, layer: int, stage: int) -> int:
+        return int(self.lib.s2_prefetch_stage(self.handle, int(layer), int(stage)))
 
     @property
     def resident_fn_address(self) -> int:

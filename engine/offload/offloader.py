@@ -151,6 +151,20 @@ class Offloader:
                 return True
         return False
 
+    def read_in_stages(self, room: int) -> bool:
+        """Have a layer whose fetched experts take more than `room` bytes read one part at a time, in the
+        order its matmuls run (up, gate, down), each part dropped once used: asked for all at once, what does
+        not fit is reclaimed before its matmul reads it, and faulted back a page at a time. False where the
+        experts are not separate up, gate and down tensors alike in every layer."""
+        kinds = set()
+        for names in self.emap.parts:
+            kinds.add(tuple(next((j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n), None)
+                            for kind in ("up", "gate", "down")))
+        if len(kinds) != 1 or None in next(iter(kinds)):
+            return False
+        self.native.set_stages(next(iter(kinds)), room)
+        return True
+
     @property
     def keeps_expert_cache(self) -> bool:
         return self._cache_mapping is not None

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..errors import ConfigError, sigterm_raises_terminated
-from .budget import AUTO_EXPERT_SHARE, Budget, auto_budget_bytes, current_budget, plan_budget
+from .budget import AUTO_EXPERT_SHARE, Budget, BudgetPlan, auto_budget_bytes, current_budget, plan_budget
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
 from .libc import drop_file_cache
@@ -92,6 +92,7 @@ class Pinning:
     fetch_room_share: float = 0.5  # of the expert cache, what they may read ahead of the verification
     own_cache: bool = True      # under a budget plan, keep the expert cache here (an LRU whose evictions leave
                                 # memory at once) instead of leaving it to the kernel's reclaim
+    staged_reads: bool = True   # with the kept cache, read a layer that does not fit part by part (_stage_room)
 
 
 def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
@@ -143,6 +144,20 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     return off
 
 
+def _stage_room(plan: BudgetPlan) -> int:
+    """The bytes a layer may fetch at once before it is read part by part: the cache's, and half the slack
+    (a layer's own experts stay while it computes, past the cache's size, out of what is free)."""
+    return plan.cache_bytes + plan.slack_bytes // 2
+
+
+def _largest_unpinned_layer(emap, pinned) -> int:
+    """The most bytes one layer's unpinned experts take: what a layer that reads them all fetches."""
+    held = np.zeros((emap.n_layer, emap.n_expert), bool)
+    for layer, e in pinned:
+        held[layer, e] = True
+    return int(max(((~held[layer]).sum() * emap.expert_bytes[layer] for layer in emap.moe_layers), default=0))
+
+
 def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinning, *,
             pin_hot: bool = True, expert_room: int | None = None) -> tuple[Offloader, list]:
     """Pin non-expert weights + library code, then the longest prefix of the ranked hot experts that the
@@ -188,6 +203,9 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
             off.advise_fault_readahead(random=choice == "off" or slab * 4 <= window)
     if plan is not None and pinning.own_cache:
         off.keep_expert_cache(plan.cache_bytes, hot, decoder.rt.file_mappings)
+        room = _stage_room(plan)
+        if pinning.staged_reads and room < _largest_unpinned_layer(emap, hot):
+            off.read_in_stages(room)
     if plan is not None and pinning.fetch_workers > 0:
         off.start_fetching(pinning.fetch_workers, int(pinning.fetch_room_share * plan.cache_bytes))
     off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
