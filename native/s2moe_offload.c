@@ -535,13 +535,14 @@ void s2_cache_drop_mapping(s2_prefetch *p, void *base, size_t lo, size_t hi) {
 }
 
 // out: bytes held, experts evicted, evictions the kernel refused part of, experts held that the kernel
-// had reclaimed all the same (0 each without a cache)
+// had reclaimed all the same, layers read part by part (0 each without a cache)
 void s2_cache_stats(const s2_prefetch *p, int64_t *out) {
     const s2_cache *c = p ? p->cache : NULL;
     out[0] = c ? c->used : 0;
     out[1] = c ? c->n_evicted : 0;
     out[2] = c ? c->n_refused : 0;
     out[3] = c ? c->n_lost : 0;
+    out[4] = c ? p->n_staged : 0;
 }
 
 // WILLNEED the predicted experts of one layer that are not wholly resident yet.

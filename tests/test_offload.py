@@ -327,7 +327,7 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             # an expert it has just asked for)
             assert _wait_for(lambda: resident()[0, [1, 2]].all())
             pf.layer(1, [3, 4])  # four held: (0, 1), routed longest ago, goes
-            assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0}
+            assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0, "staged": 0}
             assert _wait_for(lambda: resident()[0, 2] and resident()[1, 3] and resident()[1, 4])
             assert not resident()[0, 1]
             pf.layer(0, [0])  # pinned: never counted
@@ -345,7 +345,7 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             pf.layer(1, [7])
             assert pf.cache_stats()["lost"] == 1
             pf.keep_cache(0, 0, 0, -1, pinned)
-            assert pf.cache_stats() == {"held": 0, "evicted": 0, "refused": 0, "lost": 0}
+            assert pf.cache_stats() == {"held": 0, "evicted": 0, "refused": 0, "lost": 0, "staged": 0}
         finally:
             llama.close()
 
@@ -403,6 +403,7 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
             pf.layer(0, [1])  # one expert to fetch: within the room, every part asked for at once
             assert read(0, [1], "gate") and read(0, [1], "up") and read(0, [1], "down")
             pf.layer(1, [2, 3, 4])  # three: past the room, the gate's part only
+            assert pf.cache_stats()["staged"] == 1
             assert read(1, [2, 3, 4], "gate")
             assert gone(1, [2, 3, 4], "up") and gone(1, [2, 3, 4], "down")
             assert pf.stage(1, 1) == 3  # the gate's matmul ran: its part goes, up's comes

@@ -188,11 +188,12 @@ class NativePrefetch:
 
     def cache_stats(self) -> dict:
         """Bytes the kept expert cache holds, experts evicted from it, evictions the kernel refused part of,
-        and experts it held that the kernel had reclaimed all the same when they were routed (the budget's
-        reclaim reaching into the cache)."""
-        out = (ctypes.c_int64 * 4)()
+        experts it held that the kernel had reclaimed all the same when they were routed (the budget's
+        reclaim reaching into the cache), and layers read part by part (set_stages)."""
+        out = (ctypes.c_int64 * 5)()
         self.lib.s2_cache_stats(self.handle, out)
-        return {"held": int(out[0]), "evicted": int(out[1]), "refused": int(out[2]), "lost": int(out[3])}
+        return {"held": int(out[0]), "evicted": int(out[1]), "refused": int(out[2]), "lost": int(out[3]),
+                "staged": int(out[4])}
 
     @property
     def bytes_advised(self) -> int:
