@@ -76,7 +76,8 @@ typedef struct s2_hook {
     void *resident_ctx;
     // Called once a layer's expert matmul of one kind has run (0: up, 1: gate, 2: down): lets the
     // offloading helper read a layer's experts one part at a time when they do not fit in memory together.
-    int (*on_stage)(void *ctx, int layer, int stage);
+    // Asked first (ask = 1) whether it wants that call: each call stops the graph there.
+    int (*on_stage)(void *ctx, int layer, int kind, int ask);
     void *stage_ctx;
 
     // counters for diagnostics
@@ -189,7 +190,7 @@ void s2_hook_set_resident(s2_hook *h, int (*fn)(void *, int, int), void *ctx) {
     h->resident_ctx = ctx;
 }
 
-void s2_hook_set_stage(s2_hook *h, int (*fn)(void *, int, int), void *ctx) {
+void s2_hook_set_stage(s2_hook *h, int (*fn)(void *, int, int, int), void *ctx) {
     h->on_stage = fn;
     h->stage_ctx = ctx;
 }
@@ -229,7 +230,9 @@ static int layer_of(const char *name, const char *prefix, size_t prefix_len) {
 }
 
 static const char WEIGHTS[] = "ffn_moe_weights-";
-static const char *const STAGES[3] = {"ffn_moe_up-", "ffn_moe_gate-", "ffn_moe_down-"};
+static const char UP[] = "ffn_moe_up-", GATE[] = "ffn_moe_gate-", DOWN[] = "ffn_moe_down-";
+static const struct { const char *prefix; size_t len; } STAGES[3] = {
+    {UP, sizeof(UP) - 1}, {GATE, sizeof(GATE) - 1}, {DOWN, sizeof(DOWN) - 1}};
 static const char ARGSORT[] = "ffn_moe_argsort-";
 
 static struct ggml_backend_buffer *buffer_of(const struct ggml_tensor *t) {
@@ -532,10 +535,11 @@ bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     const char *name = t->name;
     if (name[0] != 'f' || name[1] != 'f' || name[4] != 'm') return ask ? false : true;
     int layer;
-    for (int stage = 0; h->on_stage && stage < 3; ++stage) {
-        layer = layer_of(name, STAGES[stage], strlen(STAGES[stage]));
+    for (int kind = 0; h->on_stage && kind < 3; ++kind) {
+        layer = layer_of(name, STAGES[kind].prefix, STAGES[kind].len);
         if (layer >= 0) {
-            if (!ask) h->on_stage(h->stage_ctx, layer, stage);
+            if (ask) return h->on_stage(h->stage_ctx, layer, kind, 1) != 0;
+            h->on_stage(h->stage_ctx, layer, kind, 0);
             return true;
         }
     }

@@ -391,9 +391,12 @@ static int stage_layer(s2_prefetch *p, int layer) {
     return 1;
 }
 
-// The routing hook's stage callback: the layer's matmul of one kind (0 up, 1 gate, 2 down) has run.
-int s2_prefetch_stage(s2_prefetch *p, int layer, int kind) {
+// The routing hook's stage callback: the layer's matmul of one kind (0 up, 1 gate, 2 down) has run. With ask,
+// only whether that call is wanted (while the order is learned, or for the layer being read in stages): the
+// graph stops at each wanted call, and a layer read whole needs none.
+int s2_prefetch_stage(s2_prefetch *p, int layer, int kind, int ask) {
     if (!p || kind < 0 || kind > 2 || p->kind_part[0] < 0) return 0;
+    if (ask) return p->n_order < 3 || layer == p->staged_layer;
     if (p->n_order < 3) learn_order(p, layer, kind);
     if (layer != p->staged_layer) return 0;
     const int q = p->kind_stage[kind];

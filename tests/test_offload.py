@@ -387,9 +387,11 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
             one = int(em.expert_bytes[0])
             pf.keep_cache(llama.addr, 0, llama.size, 8 * one, np.zeros((2, 8), np.uint8))
             pf.set_stages((part["up"], part["gate"], part["down"]), room=2 * one)
+            assert pf.wants_stage(1, 1)  # every call, while the order is learned
             for kind in (1, 0, 2, 1):  # the gate's matmul first, then up, then down (as llama.cpp runs them)
                 pf.stage(1, kind)
             assert pf.stage_order == (1, 0, 2)
+            assert not pf.wants_stage(1, 1)  # then only a staged layer's: the graph stops for nothing else
 
             def parts_resident(layer, experts, kind):
                 return [m.range_resident(*(int(x) for x in em.ranges[layer, e, part[kind]])) for e in experts]
@@ -404,6 +406,7 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
             assert read(0, [1], "gate") and read(0, [1], "up") and read(0, [1], "down")
             pf.layer(1, [2, 3, 4])  # three: past the room, the gate's part only
             assert pf.cache_stats()["staged"] == 1
+            assert pf.wants_stage(1, 0) and not pf.wants_stage(0, 0)
             assert read(1, [2, 3, 4], "gate")
             assert gone(1, [2, 3, 4], "up") and gone(1, [2, 3, 4], "down")
             assert pf.stage(1, 1) == 3  # the gate's matmul ran: its part goes, up's comes
@@ -415,6 +418,7 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
             assert gone(1, [2, 3, 4], "down")
             assert pf.cache_stats()["held"] == held - 3 * one
             assert pf.stage(1, 1) == 0  # the layer is done; stray calls change nothing
+            assert not pf.wants_stage(1, 1)
         finally:
             llama.close()
 

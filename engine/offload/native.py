@@ -46,7 +46,7 @@ class NativePrefetch:
             "s2_cache_drop_mapping": (None, [vp, vp, ctypes.c_size_t, ctypes.c_size_t]),
             "s2_prefetch_set_stages": (None, [vp, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]),
             "s2_prefetch_stage_order": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_int32)]),
-            "s2_prefetch_stage": (ctypes.c_int, [vp, ctypes.c_int, ctypes.c_int]),
+            "s2_prefetch_stage": (ctypes.c_int, [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -106,7 +106,8 @@ class NativePrefetch:
 
     @property
     def stage_fn_address(self) -> int:
-        """s2_prefetch_stage(handle, layer, stage): the routing hook's call as a layer's up, gate, down matmuls run."""
+        """s2_prefetch_stage(handle, layer, kind, ask): the routing hook's call as a layer's up, gate, down
+        matmuls run."""
         return ctypes.cast(self.lib.s2_prefetch_stage, ctypes.c_void_p).value
 
     def set_stages(self, kind_part: tuple[int, int, int] | None, room: int) -> None:
@@ -125,8 +126,14 @@ class NativePrefetch:
         n = self.lib.s2_prefetch_stage_order(self.handle, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
         return tuple(int(x) for x in out[:n])
 
-    def stage(self, layer: int, stage: int) -> int:
-        return int(self.lib.s2_prefetch_stage(self.handle, int(layer), int(stage)))
+    def stage(self, layer: int, kind: int) -> int:
+        """As the routing hook calls it once layer's matmul of `kind` (0 up, 1 gate, 2 down) ran: the number
+        of experts whose used part was dropped."""
+        return int(self.lib.s2_prefetch_stage(self.handle, int(layer), int(kind), 0))
+
+    def wants_stage(self, layer: int, kind: int) -> bool:
+        """The routing hook's question before it stops the graph for that call."""
+        return bool(self.lib.s2_prefetch_stage(self.handle, int(layer), int(kind), 1))
 
     @property
     def resident_fn_address(self) -> int:
