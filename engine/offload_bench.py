@@ -15,6 +15,8 @@ machine hit every arm alike):
     ar/hot+jit, spec/hot+jit, spec/hot+jit+pf   the same with the routing hook's just-in-time prefetch
     spec/hot+jit+ahead   ... verification asking for layer L+1's predicted experts as layer L routes
     spec/hot+jit+fetch   ... 8 reader threads fetching each verification's predicted experts ahead of it
+    ar/hot+jit-by-expert, spec/hot+jit-by-expert   as +jit, a layer's experts asked for expert by expert
+                  instead of part by part in the order the matmuls use them (no staged reads then)
 The default budget is `--budget auto` of bench and the app (offload.auto_budget_bytes), measured once in a
 probe run with the non-expert weights and code pinned: everything its cgroup holds after decoding a few
 tokens (anonymous memory, pinned weights, library and interpreter file pages) except expert pages, plus one
@@ -49,6 +51,10 @@ ARMS = {
     "spec/hot+jit+ahead": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True, ahead=True),
     # ... reader threads fetching each verification's predicted experts, 8 at a time, ahead of its layers
     "spec/hot+jit+fetch": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True, fetch=8),
+    # ... a layer's experts asked for whole, one after another, not part by part in the matmuls' order
+    "ar/hot+jit-by-expert": dict(mode="ar", pin_base=True, pin_hot=True, prefetch=False, jit=True, in_order=False),
+    "spec/hot+jit-by-expert": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True,
+                                   in_order=False),
 }
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
@@ -66,6 +72,7 @@ def _worker(cfg: dict) -> int:
     pinning = Pinning(base=cfg["pin_base"], code=cfg.get("pin_code", True), hot=cfg["pin_hot"],
                       jit_prefetch=cfg.get("jit", False), predicted_prefetch=cfg["prefetch"],
                       lookahead=cfg.get("ahead", False), fetch_workers=cfg.get("fetch", 0),
+                      parts_in_order=cfg.get("in_order", True),
                       fetch_room_share=cfg.get("fetch_room", 0.5))
     budget = None if cfg.get("budget") is None else Budget(cfg["budget"])
     if budget is None:  # the probe: what it holds must include what a budget's plan counts (offload_decoder)

@@ -177,6 +177,13 @@ static void advise_part(s2_prefetch *p, int layer, int e, int j) {
         p->bytes_advised += (int64_t)len;
 }
 
+// The stage at which part j is used, once the matmuls' order is known; -1 before, or for a part no matmul reads.
+static int part_stage(const s2_prefetch *p, int j) {
+    for (int q = 0; q < 3; ++q)
+        if (p->stage_part[q] == j) return q;
+    return -1;
+}
+
 // madvise(WILLNEED) the ranges of the distinct experts among ids[0..n) of one layer (ids < 0 or out of
 // range are ignored), first counting those not wholly in memory if misses are bound and, for a layer
 // routing (used), making them the expert cache's most recent, its evictions done before the reads that
@@ -198,11 +205,18 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
     }
     if (cached) cache_use(p, layer);
     const int staged = cached && advise && stage_layer(p, layer);
-    for (int e = 0; advise && e < p->n_expert; ++e) {
-        if (!p->mark[e]) continue;
-        for (int j = 0; j < p->n_parts; ++j)
-            if (!staged || !p->staged[e] || j == p->stage_part[0]) advise_part(p, layer, e, j);
-    }
+    // Where the matmuls' order is known, every expert's part for the first matmul is asked for before any
+    // expert's part for the second: a matmul runs its experts in id order, so it starts on the first while
+    // the reads of the rest are still in flight (else, expert by expert). Parts of no matmul come first.
+    for (int s = -1; advise && s < 3; ++s)
+        for (int e = 0; e < p->n_expert; ++e) {
+            if (!p->mark[e]) continue;
+            for (int j = 0; j < p->n_parts; ++j) {
+                const int q = part_stage(p, j);
+                if (q != s || (staged && p->staged[e] && q > 0)) continue;
+                advise_part(p, layer, e, j);
+            }
+        }
     p->n_calls++;
     p->n_advised += advised;
     return advised;
@@ -339,10 +353,11 @@ static void cache_use(s2_prefetch *p, int layer) {
 // fetch exceeds stage_room: asked for all at once, a reclaim that has to make room takes pages WILLNEED
 // brought in and no matmul has mapped yet, and the matmuls fault them back a page at a time.
 // kind_part: the part indices of the up, gate and down matrices (the order their matmuls run in is
-// llama.cpp's graph's: it is learned from the stage callbacks of the first layer that runs).
+// llama.cpp's graph's: it is learned from the stage callbacks of the first layer that runs). A room below
+// zero: the order is learned and parts are asked for in it (advise_layer), but no layer is read in stages.
 void s2_prefetch_set_stages(s2_prefetch *p, const int32_t *kind_part, int64_t room) {
     if (!p) return;
-    int ok = room >= 0 && kind_part;
+    int ok = kind_part != NULL;
     for (int k = 0; ok && k < 3; ++k) ok = kind_part[k] >= 0 && kind_part[k] < p->n_parts;
     if (ok && !p->staged) p->staged = calloc((size_t)p->n_expert, 1);
     ok = ok && p->staged;
@@ -378,7 +393,7 @@ int s2_prefetch_stage_order(const s2_prefetch *p, int32_t *out) {
 }
 
 static int stage_layer(s2_prefetch *p, int layer) {
-    if (p->stage_part[0] < 0) return 0;
+    if (p->stage_part[0] < 0 || p->stage_room < 0) return 0;
     int64_t fetch = 0;
     for (int e = 0; e < p->n_expert; ++e)
         if (p->mark[e] == 2 && !p->cache->pinned[(size_t)layer * p->n_expert + e])

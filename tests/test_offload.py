@@ -423,9 +423,10 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
             llama.close()
 
 
-def test_decoding_under_staged_reads_learns_llama_cpp_s_matmul_order(wide_model):
+@pytest.mark.parametrize("stage_room", [0, None])
+def test_decoding_learns_llama_cpp_s_matmul_order_and_reads_parts_in_it(wide_model, stage_room):
     """The routing hook calls the prefetcher as each expert matmul of a layer completes; the order it learns
-    is the one the staged reads follow."""
+    is the one parts are asked for in, and staged reads follow (only past a stage room: None, never)."""
     from s2moe.engine.decoder import Decoder, GenerationConfig, run
 
     d = Decoder(str(wide_model), n_ctx=128, n_threads=1, use_extra_bufts=False)
@@ -433,11 +434,14 @@ def test_decoding_under_staged_reads_learns_llama_cpp_s_matmul_order(wide_model)
     llama = ModelMapping(off.emap)
     try:
         assert off.keep_expert_cache(4 * int(off.emap.expert_bytes.max()), (), d.rt.file_mappings)
-        assert off.read_in_stages(0)
+        drop_file_cache(wide_model)
+        assert off.read_parts_in_order(stage_room)
         off.attach(d, jit_prefetch=True)
         tokens = [e.token for e in run(d, "hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False))
                   if hasattr(e, "token")]
         assert off.native.stage_order == (1, 0, 2)  # gate, up, down
+        staged = off.native.cache_stats()["staged"]
+        assert staged > 0 if stage_room == 0 else staged == 0
         off.close()
         plain = [e.token for e in run(d, "hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False))
                  if hasattr(e, "token")]

@@ -59,7 +59,8 @@ class NativePrefetch:
         if not self.handle:
             raise MemoryError("native prefetcher: allocation failed")
         self.misses = np.zeros(em.n_layer, np.int32)
-        self.staging = False
+        self.staging = False  # the routing hook calls the prefetcher as each expert matmul runs
+        self.stage_room: int | None = None  # past it, a layer's fetched experts are read part by part
         self._shape = (em.n_layer, em.n_expert)
         self.advise = advise
         self.fetching = False
@@ -110,14 +111,15 @@ class NativePrefetch:
         matmuls run."""
         return ctypes.cast(self.lib.s2_prefetch_stage, ctypes.c_void_p).value
 
-    def set_stages(self, kind_part: tuple[int, int, int] | None, room: int) -> None:
-        """Read a layer whose fetched experts take more than `room` bytes one part at a time, in the order its
-        matmuls run (learned from the routing hook's stage calls). kind_part: the part indices of its up,
-        gate and down matrices; None: never."""
+    def set_stages(self, kind_part: tuple[int, int, int] | None, room: int | None) -> None:
+        """Ask for a layer's parts in the order its matmuls run (learned from the routing hook's stage calls),
+        and read a layer whose fetched experts take more than `room` bytes one part at a time (None: none).
+        kind_part: the part indices of its up, gate and down matrices; None: neither."""
         i32p = ctypes.POINTER(ctypes.c_int32)
         kp = np.ascontiguousarray(kind_part if kind_part is not None else (-1, -1, -1), np.int32)
-        self.lib.s2_prefetch_set_stages(self.handle, kp.ctypes.data_as(i32p), int(room) if kind_part is not None else -1)
+        self.lib.s2_prefetch_set_stages(self.handle, kp.ctypes.data_as(i32p), -1 if room is None else int(room))
         self.staging = kind_part is not None
+        self.stage_room = room if kind_part is not None else None
 
     @property
     def stage_order(self) -> tuple[int, ...]:

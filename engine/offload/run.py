@@ -92,7 +92,9 @@ class Pinning:
     fetch_room_share: float = 0.5  # of the expert cache, what they may read ahead of the verification
     own_cache: bool = True      # under a budget plan, keep the expert cache here (an LRU whose evictions leave
                                 # memory at once) instead of leaving it to the kernel's reclaim
-    staged_reads: bool = True   # with the kept cache, read a layer that does not fit part by part (_stage_room)
+    parts_in_order: bool = True # ask for a layer's experts part by part in the order its matmuls use them
+    staged_reads: bool = True   # with that and the kept cache, read a layer that does not fit one part at a
+                                # time (_stage_room)
 
 
 def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
@@ -201,11 +203,14 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
         choice = os.environ.get("S2MOE_FAULT_READAHEAD", "auto")  # auto | off | default (experiments)
         if choice != "default":
             off.advise_fault_readahead(random=choice == "off" or slab * 4 <= window)
+    stage_room = None
     if plan is not None and pinning.own_cache:
         off.keep_expert_cache(plan.cache_bytes, hot, decoder.rt.file_mappings)
         room = _stage_room(plan)
         if pinning.staged_reads and room < _largest_unpinned_layer(emap, hot):
-            off.read_in_stages(room)
+            stage_room = room
+    if pinning.jit_prefetch and pinning.parts_in_order:
+        off.read_parts_in_order(stage_room)
     if plan is not None and pinning.fetch_workers > 0:
         off.start_fetching(pinning.fetch_workers, int(pinning.fetch_room_share * plan.cache_bytes))
     off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
@@ -226,7 +231,7 @@ def split_line(cg: MemoryCgroup, offloader: Offloader | None = None) -> str:
             c = offloader.native.cache_stats()
             parts.append(f"expert cache kept here: {fmt_bytes(c['held'])} of {fmt_bytes(cap)} held, "
                          f"{c['evicted']} evicted, {c['lost']} reclaimed by the kernel before reuse"
-                         + (f", {c['staged']} layers read part by part" if offloader.native.staging else ""))
+                         + (f", {c['staged']} layers read part by part" if offloader.native.stage_room is not None else ""))
         hr = offloader.stats.hit_rate()
         if np.isfinite(hr).any():
             parts.append(f"predicted-expert hit rate {np.nanmean(hr):.0%}")
