@@ -289,7 +289,7 @@ def _cold_worker(cfg: dict) -> int:
     samples = verify_samples(rt, cfg["cap"], seed=6, repeats=cfg["repeats"], sizes=_sizes(cfg["cap"]),
                              counter=off.native,
                              progress=lambda d, t: emit({"progress": [cfg["n_steps"] + d, cfg["n_steps"] + t]}))
-    plain = _plain_fetches(rt, off.native, rt.tokenize(cfg["prompt"])[:64] or [0], PLAIN_FETCH_TOKENS)
+    plain = _plain_fetches(rt, off.native, rt.tokenize(cfg["text"]) or [0], PLAIN_FETCH_TOKENS)
     cg = current_budget_cgroup()
     emit({"result": {"samples": samples, "t_ar": float(np.median(ar)), "c_draft": float(np.median(draft)),
                      "plain": plain, "record": budget_record(off, [tuple(p) for p in cfg.get("hot", [])],
@@ -301,21 +301,27 @@ def _cold_worker(cfg: dict) -> int:
     return 0
 
 
-PLAIN_FETCH_TOKENS, PLAIN_FETCH_WARM = 96, 16
+PLAIN_FETCH_TOKENS, PLAIN_FETCH_WARM, PLAIN_FETCH_CONTEXT = 96, 16, 8
+PLAIN_FETCH_CHARS = 4096  # of the calibration text: several times the tokens needed, and a small argv
 
 
-def _plain_fetches(rt, counter, prompt: list[int], n: int) -> dict:
-    """Greedy plain decoding under the budget: per token the experts it routed to ([n_layer, k] ids), how many
-    were not in memory as their layer routed (the prefetcher's count, as decoding counts fetches), and the step's
-    seconds (what those fetches cost as decoding pays them: faults and read-ins included)."""
+def _plain_fetches(rt, counter, text: list[int], n: int) -> dict:
+    """Plain decoding under the budget, one token a step, through the calibration text after its first
+    PLAIN_FETCH_CONTEXT tokens (the model's own greedy choices once the text runs out): per token the experts
+    it routed to ([n_layer, k] ids), how many were not in memory as their layer routed (the prefetcher's count,
+    as decoding counts fetches), the step's seconds (what those fetches cost as decoding pays them: faults
+    and read-ins included) and the token it decoded. Not the model's greedy continuation: a small model's soon repeats itself, routing
+    to the same few experts, and fetches far fewer than decoding varied text does."""
     hook = rt.hook
     rt.kv_clear()
     hook.off()
-    if len(prompt) > 1:
-        rt.decode(prompt[:-1], 0, "none")
-    t, pos, ids, misses, seconds = prompt[-1], len(prompt) - 1, [], [], []
+    context, forced = text[:PLAIN_FETCH_CONTEXT], text[PLAIN_FETCH_CONTEXT:]
+    if len(context) > 1:
+        rt.decode(context[:-1], 0, "none")
+    t, pos, ids, misses, seconds, tokens = context[-1], len(context) - 1, [], [], [], []
     try:
-        for _ in range(n):
+        for i in range(n):
+            tokens.append(int(t))
             hook.observe()
             counter.begin()
             t0 = time.perf_counter()
@@ -323,10 +329,10 @@ def _plain_fetches(rt, counter, prompt: list[int], n: int) -> dict:
             seconds.append(time.perf_counter() - t0)
             ids.append(hook.snapshot(1).orig[:, 0].tolist())
             misses.append(int(counter.counted().sum()))
-            t, pos = int(np.argmax(logits[-1])), pos + 1
+            t, pos = (forced[i] if i < len(forced) else int(np.argmax(logits[-1]))), pos + 1
     finally:
         rt.kv_clear()
-    return {"ids": ids, "misses": misses, "seconds": seconds}
+    return {"ids": ids, "misses": misses, "seconds": seconds, "tokens": tokens}
 
 
 def _run_cold(model_path, budget: Budget, cfg: dict):
@@ -569,7 +575,8 @@ def _step_under_budget(cal: _Calibration, index: int):
     if skip is None:
         cal.close()  # the cold worker needs the memory
         n_steps = 4 * cal.repeats
-        cfg = {"model": str(cal.info.path), "prompt": cal.prompts[0], "threads": cal.threads, "k_draft": cal.draft_topk,
+        cfg = {"model": str(cal.info.path), "text": "\n\n".join(cal.prompts)[:PLAIN_FETCH_CHARS], "threads": cal.threads,
+               "k_draft": cal.draft_topk,
                "cap": cal.draft_cap,
                "repeats": cal.repeats, "n_steps": n_steps, "n_samples": len(_sizes(cal.draft_cap)) * 3 * cal.repeats,
                "hot": [list(p) for p in cal.hot], "budget": str(cal.budget), "n_batch": cal.n_batch,

@@ -210,3 +210,29 @@ def test_storage_is_read_cold_at_each_queue_depth_once_per_expert(tiny_models, t
 def test_an_empty_profile_name_is_refused_not_taken_for_the_default(tiny_models):
     with pytest.raises(ConfigError, match="invalid profile name ''"):
         next(run_calibration(str(tiny_models["olmoe"]), name="", save=False))
+
+
+def test_plain_decoding_under_the_budget_runs_through_the_calibration_text(decoders, tiny_models):
+    """Calibrate prices a fetch from plain decoding under the budget. A small model's greedy continuation soon
+    repeats itself and reuses the same experts, so the steps decode the calibration text itself, one token a
+    step, and the model's own greedy choices only once the text runs out."""
+    from s2moe.engine.calibrate import PLAIN_FETCH_CONTEXT, _plain_fetches
+    from s2moe.engine.offload import Offloader
+
+    d = decoders["olmoe"]
+    off = Offloader(tiny_models["olmoe"])
+    try:
+        off.attach(d, jit_prefetch=True)
+        text = d.rt.tokenize("the cat sat on the mat")
+        context, n = text[:PLAIN_FETCH_CONTEXT], len(text) - PLAIN_FETCH_CONTEXT + 3  # past the text's end
+        greedy = _plain_fetches(d.rt, off.native, context, n)
+        assert greedy["tokens"][0] == context[-1] and len(greedy["ids"]) == len(greedy["misses"]) == n
+        # forcing the model's own choices is the greedy run again
+        again = _plain_fetches(d.rt, off.native, context + greedy["tokens"][1:], n)
+        assert again["tokens"] == greedy["tokens"] and again["ids"] == greedy["ids"]
+        forced = _plain_fetches(d.rt, off.native, text, n)
+        assert forced["tokens"][1:n - 2] == text[PLAIN_FETCH_CONTEXT:] and len(forced["tokens"]) == n
+        assert forced["tokens"] != greedy["tokens"] and forced["ids"] != greedy["ids"]
+    finally:
+        off.close()
+
