@@ -1,7 +1,11 @@
 """Offloading benchmark: decoding speed under a memory budget, interleaved A/B runs.
 
     python -m s2moe.engine.offload_bench --model M.gguf [--profile NAME] [--budget SIZE] [--rounds 3]
-        [--tokens 32] [--threads 1] [--out results.json]
+        [--prompts humaneval] [--n-prompts 3] [--tokens 32] [--threads 1] [--out results.json]
+
+Each run decodes the first --n-prompts prompts of the set (bench's sets: humaneval, natural or a JSONL file),
+--tokens tokens each, greedily: one prompt's greedy continuation of a small model soon repeats itself and
+reuses a few experts, which would leave little to fetch.
 
 Each run is a fresh process in a fresh memory cgroup, started after the model file was dropped from the
 page cache, so every arm starts cold. Arms (run in rotating order each round, so slow drifts of a loaded
@@ -56,7 +60,6 @@ ARMS = {
     "spec/hot+jit-by-expert": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True,
                                    in_order=False),
 }
-PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
 
 def _worker(cfg: dict) -> int:
@@ -68,7 +71,9 @@ def _worker(cfg: dict) -> int:
                           process_anon_bytes)
 
     t0 = time.perf_counter()
-    dec = Decoder(cfg["model"], n_ctx=256, n_threads=cfg["threads"], max_draft=8, use_extra_bufts=False)
+    # a token takes at least a byte of the prompt: room for the longest and what is generated after it
+    n_ctx = max(256, max(len(p.encode()) for p in cfg["prompts"]) + cfg["tokens"] + 8)
+    dec = Decoder(cfg["model"], n_ctx=n_ctx, n_threads=cfg["threads"], max_draft=8, use_extra_bufts=False)
     pinning = Pinning(base=cfg["pin_base"], code=cfg.get("pin_code", True), hot=cfg["pin_hot"],
                       jit_prefetch=cfg.get("jit", False), predicted_prefetch=cfg["prefetch"],
                       lookahead=cfg.get("ahead", False), fetch_workers=cfg.get("fetch", 0),
@@ -81,23 +86,32 @@ def _worker(cfg: dict) -> int:
     load_s = time.perf_counter() - t0
     gc = GenerationConfig(mode=cfg["mode"], n_predict=cfg["tokens"], utility=False, draft_max=cfg["draft_max"],
                           reuse_strength=0.0, stop_at_eos=False)
-    s = Summary()
-    for ev in dec.generate(PROMPT, gc):
-        s.add(ev)
+    runs = []
+    for prompt in cfg["prompts"]:
+        s = Summary()
+        for ev in dec.generate(prompt, gc):
+            s.add(ev)
+        runs.append(s)
+    # decoding only, as bench times it: a prompt's prefill under a budget reads most of the experts
+    n_tokens, seconds = sum(s.n_tokens for s in runs), sum(s.decode_seconds for s in runs)
     cg = current_budget_cgroup()
     hr = off.stats.hit_rate()
-    out = {"tok_s": s.tok_per_s, "seconds": s.seconds, "n_tokens": s.n_tokens, "load_s": load_s,
-           "accept_len": s.accept_len, "pinned": off.pinned_split, "anon": process_anon_bytes(),
+    out = {"tok_s": n_tokens / seconds if seconds > 0 else 0.0, "seconds": seconds, "n_tokens": n_tokens,
+           "load_s": load_s, "accept_len": sum(s.accept_len * s.n_tokens for s in runs) / max(1, n_tokens),
+           "pinned": off.pinned_split, "anon": process_anon_bytes(),
            "hit_rate": None if not np.isfinite(hr).any() else float(np.nanmean(hr)),
            "fault_readahead": off.fault_readahead,
            "prefetched_bytes": off.stats.prefetched_bytes, "fetched": off.fetch_stats(),
            "peak": cg.peak() if cg else None, "split": cg.split() if cg else None,
-           "plan": off.plan.__dict__ if off.plan else None, "tokens": list(s.tokens),
+           "plan": off.plan.__dict__ if off.plan else None, "tokens": [list(s.tokens) for s in runs],
            "auto_budget": auto_budget_bytes(cg, expert_map(cfg["model"])) if cg else None}
     print(json.dumps(out))
     off.close()
     dec.close()
     return 0
+
+
+PROBE_PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
 
 def _run_arm(model, budget: int, cfg) -> dict:
@@ -118,7 +132,7 @@ def _run_arm(model, budget: int, cfg) -> dict:
 def auto_budget(model, threads=None) -> int:
     """The offloaded regime's budget (offload.auto_budget_bytes), measured in a child that decoded a few
     tokens with the non-expert weights and library code pinned and no limit."""
-    base = dict(model=str(model), threads=threads, tokens=4, draft_max=4, hot=[])
+    base = dict(model=str(model), threads=threads, tokens=4, draft_max=4, hot=[], prompts=[PROBE_PROMPT])
     probe = _run_arm(str(model), 64 << 30, dict(base, **ARMS["ar/base"], budget=None))
     if "error" in probe:
         raise RuntimeError(f"budget probe failed: {probe['error']}")
@@ -132,7 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile")
     ap.add_argument("--budget", help="a size, or auto (the default)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompts", default="humaneval", help="humaneval | natural | a JSONL file with a \"prompt\" field")
+    ap.add_argument("--n-prompts", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-max", type=int, default=4)
     ap.add_argument("--arms", default="ar/none,ar/base,ar/hot,spec/hot,spec/hot+pf")
@@ -148,6 +164,7 @@ def main(argv=None) -> int:
 
 
 def _compare(a) -> int:
+    from .bench import load_prompts
     from .model_info import read_model_info
     from .offload import expert_map, fmt_bytes, parse_size
     from .profiles import hot_experts_for_model, load_profile
@@ -158,7 +175,11 @@ def _compare(a) -> int:
     info = read_model_info(a.model)
     emap = expert_map(a.model)
     hot = hot_experts_for_model(load_profile(a.profile), info.fingerprint) if a.profile else []
-    base = dict(model=a.model, threads=a.threads, tokens=a.tokens, draft_max=a.draft_max, hot=[list(p) for p in hot])
+    if a.n_prompts < 1 or a.tokens < 1:
+        raise ConfigError("--n-prompts and --tokens take a positive number")
+    _, prompts = load_prompts(a.prompts, a.n_prompts)
+    base = dict(model=a.model, threads=a.threads, tokens=a.tokens, draft_max=a.draft_max, hot=[list(p) for p in hot],
+                prompts=prompts)
     if a.budget and a.budget.strip().lower() != "auto":
         budget = parse_size(a.budget)
     else:

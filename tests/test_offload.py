@@ -901,7 +901,8 @@ def test_auto_budget_counts_what_the_cgroup_holds_except_expert_pages(tiny_model
 
 @pytest.mark.parametrize("args, said", [(["--budget", "12Q"], "invalid size '12Q'"),
                                          (["--arms", "ar/hot,ar/x"], "unknown arm 'ar/x'"),
-                                         (["--model", "missing.gguf"], "cannot read model file")])
+                                         (["--model", "missing.gguf"], "cannot read model file"),
+                                         (["--n-prompts", "0"], "--n-prompts and --tokens take a positive number")])
 def test_offload_bench_refuses_bad_input_in_one_line(tiny_models, tmp_path, capsys, args, said):
     from s2moe.engine import offload_bench
 
@@ -933,6 +934,7 @@ def test_offload_bench_runs_every_arm_under_the_probed_auto_budget(tiny_models, 
         (run,) = res["results"][arm]
         assert "error" not in run, run
         assert run["tok_s"] > 0 and run["peak"] <= budget
+        assert run["n_tokens"] == 3 * 6 and len(run["tokens"]) == 3  # the first three HumanEval prompts, 6 each
     # lossless speculation (gating off): the same tokens as plain decoding
     assert res["results"]["spec/hot"][0]["tokens"] == res["results"]["ar/base"][0]["tokens"]
 
