@@ -195,8 +195,10 @@ def _resident_verify_cost(resident_fit: dict, profile: dict | None, info):
     """What a verification of (experts, rows) costs with the model in memory: this run's resident fit, else
     the profile's constants for the model, else None."""
     if resident_fit:
+        from ..engine.costmodel import Fit
+
         c = resident_fit
-        return lambda experts, rows: c["intercept_s"] + c["t_exp_s"] * experts + c["t_tok_s"] * rows
+        return Fit(c["intercept_s"], c["t_exp_s"], c["t_tok_s"], c["r2"], c["mape"], c["n"]).predict
     if profile is not None:
         from ..engine.profiles import cost_for_model
 

@@ -310,8 +310,8 @@ def _plain_fetches(rt, counter, text: list[int], n: int) -> dict:
     PLAIN_FETCH_CONTEXT tokens (the model's own greedy choices once the text runs out): per token the experts
     it routed to ([n_layer, k] ids), how many were not in memory as their layer routed (the prefetcher's count,
     as decoding counts fetches), the step's seconds (what those fetches cost as decoding pays them: faults
-    and read-ins included) and the token it decoded. Not the model's greedy continuation: a small model's soon repeats itself, routing
-    to the same few experts, and fetches far fewer than decoding varied text does."""
+    and read-ins included) and the token it decoded. Not the model's greedy continuation: a small model's
+    soon repeats itself, routing to the same few experts, and fetches far fewer than decoding varied text."""
     hook = rt.hook
     rt.kv_clear()
     hook.off()
@@ -575,9 +575,8 @@ def _step_under_budget(cal: _Calibration, index: int):
     if skip is None:
         cal.close()  # the cold worker needs the memory
         n_steps = 4 * cal.repeats
-        cfg = {"model": str(cal.info.path), "text": "\n\n".join(cal.prompts)[:PLAIN_FETCH_CHARS], "threads": cal.threads,
-               "k_draft": cal.draft_topk,
-               "cap": cal.draft_cap,
+        cfg = {"model": str(cal.info.path), "text": "\n\n".join(cal.prompts)[:PLAIN_FETCH_CHARS],
+               "threads": cal.threads, "k_draft": cal.draft_topk, "cap": cal.draft_cap,
                "repeats": cal.repeats, "n_steps": n_steps, "n_samples": len(_sizes(cal.draft_cap)) * 3 * cal.repeats,
                "hot": [list(p) for p in cal.hot], "budget": str(cal.budget), "n_batch": cal.n_batch,
                "placement": cal.placement.as_dict()}  # the cold timings place the weights as the others do

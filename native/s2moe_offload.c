@@ -392,15 +392,18 @@ int s2_prefetch_stage_order(const s2_prefetch *p, int32_t *out) {
     return p->n_order;
 }
 
+// A layer routing ends the staging of one whose last matmul never came (a decode stopped midway): its stage
+// calls would otherwise drop the parts of experts this layer reads.
 static int stage_layer(s2_prefetch *p, int layer) {
+    p->staged_layer = -1;
     if (p->stage_part[0] < 0 || p->stage_room < 0) return 0;
     int64_t fetch = 0;
-    for (int e = 0; e < p->n_expert; ++e)
-        if (p->mark[e] == 2 && !p->cache->pinned[(size_t)layer * p->n_expert + e])
-            fetch += p->cache->bytes[(size_t)layer * p->n_expert + e];
+    for (int e = 0; e < p->n_expert; ++e) {
+        const size_t i = (size_t)layer * p->n_expert + e;
+        p->staged[e] = p->mark[e] == 2 && !p->cache->pinned[i];
+        if (p->staged[e]) fetch += p->cache->bytes[i];
+    }
     if (fetch <= p->stage_room) return 0;
-    for (int e = 0; e < p->n_expert; ++e)
-        p->staged[e] = p->mark[e] == 2 && !p->cache->pinned[(size_t)layer * p->n_expert + e];
     p->staged_layer = layer;
     p->n_staged++;
     return 1;

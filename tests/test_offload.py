@@ -419,6 +419,11 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
             assert pf.cache_stats()["held"] == held - 3 * one
             assert pf.stage(1, 1) == 0  # the layer is done; stray calls change nothing
             assert not pf.wants_stage(1, 1)
+            pf.layer(1, [5, 6, 7])  # staged again, and the decode stops before its last matmul
+            assert pf.wants_stage(1, 1)
+            pf.stage(1, 1)
+            pf.layer(0, [2])  # the next decode: a layer routing ends that staging
+            assert not pf.wants_stage(1, 0) and pf.stage(1, 0) == 0
         finally:
             llama.close()
 
