@@ -266,9 +266,10 @@ def placement_flags(placement) -> list[str]:
 
 def add_draft_experts_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-experts", choices=("resident", "router"), default=None,
-                   help="what draft passes (chains and trees) read under --budget: resident, the router's best "
-                        "among the experts in memory (drafts fetch nothing; the default there), or router, its own "
-                        "top k_d (fetched where missing); without a budget every draft reads the router's top k_d")
+                   help="what draft passes (chains and trees) read under --budget: router, its own top k_d "
+                        "(fetched where missing; the default), or resident, the router's best among the experts in "
+                        "memory (drafts fetch nothing, and are accepted less often); without a budget every draft "
+                        "reads the router's top k_d")
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,6 @@ import os
 import sys
 
 from ..engine.errors import ConfigError
-from ..engine.modes import MODES
 
 DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
@@ -22,7 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", default="humaneval", help="humaneval | natural | a JSONL file with a \"prompt\" field")
     p.add_argument("--n-prompts", type=int, default=8, help="prompts to use from the set (default 8)")
     p.add_argument("-n", "--n-tokens", type=int, default=64, help="tokens generated per prompt and mode")
-    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
+    p.add_argument("--modes", default=DEFAULT_MODES,
+                   help=f"comma-separated modes or ladder rungs (default {DEFAULT_MODES}); a mode that drafts from "
+                        "the model's own experts takes :resident or :router (what its drafts read under --budget), "
+                        "so that both run interleaved: s2moe,s2moe:resident")
     p.add_argument("--ablation", action="store_true",
                    help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating")
     p.add_argument("--budget", default="none", help="memory budget(s): none (default), auto or SIZE[,SIZE…]")
@@ -65,12 +67,15 @@ def add_parser(sub) -> None:
 def _modes(args) -> list[str]:
     if args.ablation:
         return ["ar", "base", "+shared-kv", "+utility", "+gating"]
-    from ..engine.bench import ABLATION
+    from ..engine.bench import mode_config
+    from ..engine.decoder import GenerationConfig
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES and m not in ABLATION]
-    if bad:
-        raise ConfigError(f"--modes: unknown mode {bad[0]!r} (choose from {', '.join(MODES + tuple(ABLATION))})")
+    for m in modes:
+        try:
+            mode_config(m, GenerationConfig())
+        except ConfigError as e:
+            raise ConfigError(f"--modes: {e}") from None
     if not modes:
         raise ConfigError("--modes: give at least one mode")
     return modes

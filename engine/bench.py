@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .costmodel import fault_explained_fit, fit_miss_cost, fit_verify_cost
-from .decoder import Decoder, GenerationConfig, default_reuse_cap
+from .decoder import DRAFT_EXPERTS, Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
 from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .events import Iteration, Summary, Totals
@@ -35,12 +35,10 @@ ABLATION = {
     "+shared-kv": dict(mode="s2moe", utility=False, reuse_strength=0.0),
     "+utility": dict(mode="s2moe", utility=True, reuse_strength=0.0),
     "+gating": dict(mode="s2moe", utility=True),
-    # under a budget, the same modes drafting with the router's own top-k_d (fetched where missing) instead of
-    # from the experts in memory: both in one interleaved run (--modes ar,s2moe,s2moe:router)
-    "s2moe:router": dict(mode="s2moe", draft_experts="router"),
-    "+shared-kv:router": dict(mode="s2moe", utility=False, reuse_strength=0.0, draft_experts="router"),
 }
 LOSSLESS_LADDER = ("base", "+shared-kv", "+utility")
+# modes whose draft passes read the model's own experts, and so can read the router's or those in memory
+SELF_DRAFTING = CHAIN_DRAFT_MODES + TREE_MODES
 
 
 @dataclass(frozen=True)
@@ -222,17 +220,30 @@ def load_prompts(spec: str, n: int | None = None) -> tuple[str, list[str]]:
 
 
 def mode_config(name: str, base: GenerationConfig) -> GenerationConfig:
-    if name in ABLATION:
-        return replace(base, **ABLATION[name])
-    if name not in MODES:
-        raise ConfigError(f"unknown mode {name!r} (choose from {', '.join(MODES)})")
-    return replace(base, mode=name)
+    """The configuration bench runs mode `name` with: a mode, an ablation rung, or either of those that drafts
+    from the model's own experts with `:resident` or `:router` after it (what its draft passes read under a
+    budget), so that both kinds of draft run in one interleaved bench (--modes ar,s2moe,s2moe:resident)."""
+    stem, colon, reads = name.partition(":")
+    if stem in ABLATION:
+        cfg = replace(base, **ABLATION[stem])
+    elif stem in MODES:
+        cfg = replace(base, mode=stem)
+    else:
+        raise ConfigError(f"unknown mode {name!r} (choose from {', '.join(MODES + tuple(ABLATION))})")
+    if not colon:
+        return cfg
+    if cfg.mode not in SELF_DRAFTING or reads not in DRAFT_EXPERTS:
+        raise ConfigError(f"unknown mode {name!r}: a mode that drafts from the model's own experts "
+                          f"({', '.join(SELF_DRAFTING)} and the ladder's shared-KV rungs) takes "
+                          f"{' or '.join(':' + d for d in DRAFT_EXPERTS)}")
+    return replace(cfg, draft_experts=reads)
 
 
 def expected_lossless(name: str, cfg: GenerationConfig) -> bool:
     if cfg.temperature > 0:
         return False
-    return (name in LOSSLESS_MODES or name in LOSSLESS_LADDER
+    stem = name.partition(":")[0]  # what a draft reads changes which tokens are drafted, never which are kept
+    return (stem in LOSSLESS_MODES or stem in LOSSLESS_LADDER
             or (cfg.mode in ("s2moe", "tree") and cfg.reuse_strength == 0))
 
 
@@ -539,7 +550,7 @@ def run_bench(
                 tok_per_s_repeats=[float(t) for t in tps],
                 speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
                 draft_experts=dec.draft_experts(configs[name])
-                if configs[name].mode in CHAIN_DRAFT_MODES + TREE_MODES else None,
+                if configs[name].mode in SELF_DRAFTING else None,
             ))
         quality = {}
         if dec.info.is_moe and quality_texts:

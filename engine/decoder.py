@@ -123,8 +123,8 @@ class GenerationConfig:
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
     # which experts self-drafting passes (chain or tree) read: "router", the router's top-k_d; "resident", its
-    # best-ranked among the experts in memory (under a memory budget: drafts that fetch nothing); None:
-    # resident under a budget (an observer attached), router otherwise
+    # best-ranked among the experts in memory (under a memory budget: drafts that fetch nothing, and are accepted
+    # less often); None: the router's
     draft_experts: str | None = None
     stop_at_eos: bool = True
     cost: CostConstants | None = None  # from a device profile; measured at start-up when None
@@ -322,11 +322,13 @@ class Decoder:
         self._measured.clear()
 
     def draft_experts(self, cfg: GenerationConfig) -> str:
-        """What cfg's self-drafts (chain or tree) read here: "resident" under a budget (an observer that knows
-        what is in memory) unless cfg asks for the router's choice; "router" otherwise."""
-        if self._observer is None or cfg.draft_experts == "router":
-            return "router"
-        return "resident"
+        """What cfg's self-drafts (chain or tree) read here: "resident" where cfg asks for it under a budget
+        (an observer that knows what is in memory); the router's own top-k_d otherwise. Since a budgeted
+        verification reads its experts at the storage's pace, drafts from the router are accepted often enough
+        to fetch fewer experts per committed token than drafts confined to memory (OFFLOAD_RESULTS.md)."""
+        if self._observer is not None and cfg.draft_experts == "resident":
+            return "resident"
+        return "router"
 
     def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None) -> Drafter:
         allowed = self._observer.draft_allowed if self.draft_experts(cfg) == "resident" else None

@@ -1061,7 +1061,7 @@ out = {"pinned": off.map.pinned.tolist()}
 for which in ("resident", "router"):
     masks.clear()
     cfg = GenerationConfig(mode="s2moe", n_predict=24, utility=False, reuse_strength=0.0, stop_at_eos=False,
-                           draft_experts=None if which == "resident" else "router")
+                           draft_experts="resident" if which == "resident" else None)  # the router's: the default
     fallbacks, evicted = dec.rt.hook.mask_fallbacks(), dec.rt.hook.mask_evicted()
     events = list(dec.generate("the quick brown fox jumps over the lazy dog", cfg))
     its = [e for e in events if isinstance(e, Iteration) and e.drafted]
@@ -1075,7 +1075,7 @@ masks.clear()
 fallbacks, evicted = dec.rt.hook.mask_fallbacks(), dec.rt.hook.mask_evicted()
 events = list(dec.generate("the quick brown fox jumps over the lazy dog",
                            GenerationConfig(mode="tree", n_predict=24, utility=False, reuse_strength=0.0,
-                                            stop_at_eos=False)))
+                                            stop_at_eos=False, draft_experts="resident")))
 its = [e for e in events if isinstance(e, Iteration) and e.drafted]
 out["tree"] = {"config": next(e for e in events if isinstance(e, Started)).config["draft_experts"],
                "masks": len(masks), "iterations": len(its),
@@ -1089,7 +1089,7 @@ print(json.dumps(out))
 def test_under_a_budget_drafts_read_only_the_experts_in_memory(tmp_path):
     """Under an auto budget the draft passes read only experts in memory (where a layer has at least k_d of
     them): the routing hook asks about each candidate as its layer routes, so the native counter finds
-    hardly any draft expert missing from memory. Asked for the router's choice instead, drafts fetch."""
+    hardly any draft expert missing from memory. By default they read the router's choice, and fetch."""
     model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
                                                          n_ff=256, seed=2))
     drop_file_cache(model)  # pages the writer left cached count against no budget: as run_in_budget does

@@ -92,15 +92,32 @@ def test_start_up_measurement_times_drafts_among_the_allowed_experts(decoders):
 
 
 def test_bench_names_what_each_chain_drafted_from(decoders):
-    """bench runs s2moe and its router-drafting variant interleaved; each self-drafting row says what its
-    drafts read (resident: here, with no budget, every draft reads the router's choice), ar says nothing."""
+    """bench runs s2moe and its resident-drafting variant interleaved; each self-drafting row says what its
+    drafts read (here, with no budget, every draft reads the router's choice), ar says nothing."""
     from s2moe.engine.bench import BenchDone, run_bench
 
     d = decoders["olmoe"]
-    events = list(run_bench(str(d.info.path), prompts=["def add(a, b):"], modes=["ar", "s2moe", "s2moe:router"],
+    events = list(run_bench(str(d.info.path), prompts=["def add(a, b):"], modes=["ar", "s2moe", "s2moe:resident"],
                             n_tokens=8, decoder=d, warmup=False))
     done = next(e for e in events if isinstance(e, BenchDone))
     rows = {r.mode: r for r in done.rows}
     assert rows["ar"].draft_experts is None
-    assert rows["s2moe"].draft_experts == rows["s2moe:router"].draft_experts == "router"
+    assert rows["s2moe"].draft_experts == rows["s2moe:resident"].draft_experts == "router"
     assert done.config["draft_experts"] == "router"
+
+
+def test_bench_modes_take_what_their_drafts_read():
+    """Any mode or ladder rung that drafts from the model's own experts takes :resident or :router; the rung's
+    own settings stay; a mode that does not draft from them, or another suffix, is refused by name."""
+    from s2moe.engine.bench import expected_lossless, mode_config
+
+    base = GenerationConfig()
+    chain = mode_config("+shared-kv:resident", base)
+    assert (chain.mode, chain.utility, chain.reuse_strength, chain.draft_experts) == ("s2moe", False, 0.0, "resident")
+    assert mode_config("tree:router", base).draft_experts == "router"
+    assert mode_config("conf:resident", base).mode == "conf" and mode_config("conf", base).draft_experts is None
+    assert expected_lossless("conf:resident", mode_config("conf:resident", base))
+    assert not expected_lossless("s2moe:resident", mode_config("s2moe:resident", base))  # gated verification
+    for bad in ("ar:router", "lookup:resident", "base:router", "s2moe:pinned", "s2moe:", "fast"):
+        with pytest.raises(ConfigError, match="unknown mode"):
+            mode_config(bad, base)
