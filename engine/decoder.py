@@ -323,9 +323,9 @@ class Decoder:
 
     def draft_experts(self, cfg: GenerationConfig) -> str:
         """What cfg's self-drafts (chain or tree) read here: "resident" where cfg asks for it under a budget
-        (an observer that knows what is in memory); the router's own top-k_d otherwise. Since a budgeted
-        verification reads its experts at the storage's pace, drafts from the router are accepted often enough
-        to fetch fewer experts per committed token than drafts confined to memory (OFFLOAD_RESULTS.md)."""
+        (an observer that knows what is in memory); the router's own top-k_d otherwise, by default too: drafts
+        confined to memory are accepted less often, and each rejection costs a verification that fetches
+        (README, "Drafts from resident experts, or the router's")."""
         if self._observer is not None and cfg.draft_experts == "resident":
             return "resident"
         return "router"
