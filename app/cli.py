@@ -13,7 +13,7 @@ import threading
 
 from ..engine.errors import (OPTION, ConfigError, S2MoEError, Terminated, held_signals, imports_held,
                              sigterm_raises_terminated)
-from ..engine.modes import MODES
+from ..engine.modes import DRAFT_EXPERTS, MODES
 
 
 # The engine's names for the settings its errors are about → the flags that set them.
@@ -265,7 +265,7 @@ def placement_flags(placement) -> list[str]:
 
 
 def add_draft_experts_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-experts", choices=("resident", "router"), default=None,
+    p.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default=None,
                    help="what draft passes (chains and trees) read under --budget: router, its own top k_d "
                         "(fetched where missing; the default), or resident, the router's best among the experts in "
                         "memory (drafts fetch nothing, and are accepted less often); without a budget every draft "

@@ -20,11 +20,11 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .costmodel import fault_explained_fit, fit_miss_cost, fit_verify_cost
-from .decoder import DRAFT_EXPERTS, Decoder, GenerationConfig, default_reuse_cap
+from .decoder import Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
 from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .events import Iteration, Summary, Totals
-from .modes import CHAIN_DRAFT_MODES, LOSSLESS_MODES, MODES, TREE_MODES
+from .modes import CHAIN_DRAFT_MODES, DRAFT_EXPERTS, LOSSLESS_MODES, MODES, TREE_MODES
 from .sampling import MAX_SEED
 
 DATA_DIR = Path(__file__).parent / "data"

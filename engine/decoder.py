@@ -22,12 +22,11 @@ from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnap
 from .hook import distinct_per_layer
 from .model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
 from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LayerSkipDrafter,
-                       LookupDrafter,
-                       RecordingStop, SelfDrafter, UtilityStop)
+                       LookupDrafter, RecordingStop, SelfDrafter, UtilityStop, rule_cost)
 from .gpu import Placement
 from .runtime import DEFAULT_BATCH, LlamaRuntime
 from .sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, Sampling, check_seed, random_seed
-from .modes import MODES, MOE_MODES, TREE_MODES
+from .modes import DRAFT_EXPERTS, MODES, MOE_MODES, TREE_MODES
 from .tree import TreeDrafter, verify_tree
 
 
@@ -71,8 +70,6 @@ TREE_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ
 # Modes whose drafts a trace can stand in for: the model's own experts, one chain, a stop rule per token.
 TRACE_MODES = ("s2moe", "conf", "cascade")
 
-# what self-drafting passes read, a chain's or a tree's (GenerationConfig.draft_experts)
-DRAFT_EXPERTS = ("resident", "router")
 
 DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
 
@@ -657,14 +654,6 @@ def _cut_at_end_of_generation(tokens: list[int], is_eog: Callable[[int], bool]) 
         if is_eog(t):
             return tokens[:i], True
     return tokens, False
-
-
-def rule_cost(cost: CostConstants, draft_experts: str) -> CostConstants:
-    """The constants the utility rule prices a chain's drafts with: a draft from resident experts fetches
-    nothing, so its step costs what a draft step costs with the model in memory (where measured)."""
-    if draft_experts == "resident" and cost.c_draft_resident is not None:
-        return replace(cost, c_draft=cost.c_draft_resident)
-    return cost
 
 
 def default_reuse_cap(info: ModelInfo) -> int:

@@ -8,6 +8,8 @@ MOE_MODES = ("s2moe", "naive", "conf", "cascade", "tree", "tree-prob", "ls")
 # Modes whose draft passes are a chain of the target's own top-k_d experts (policies.SelfDrafter): under a
 # memory budget they can draft from the experts in memory instead (GenerationConfig.draft_experts).
 CHAIN_DRAFT_MODES = ("s2moe", "conf", "cascade")
+# What self-drafting passes (a chain's or a tree's) can read under a memory budget (GenerationConfig.draft_experts).
+DRAFT_EXPERTS = ("resident", "router")
 # Modes that draft trees (engine.tree).
 TREE_MODES = ("tree", "tree-prob")
 # Modes whose greedy output must equal plain decoding token for token (no approximation anywhere).

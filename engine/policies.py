@@ -8,7 +8,7 @@ how far a self-drafter goes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -194,6 +194,14 @@ class UtilityStop(StopRule):
         u = self.utility(chain, new_experts)
         self._probe_outcome(u >= self.threshold)
         return u >= self.threshold, u
+
+
+def rule_cost(cost: CostConstants, draft_experts: str) -> CostConstants:
+    """The constants the utility rule prices a chain's drafts with: a draft from resident experts fetches
+    nothing, so its step costs what a draft step costs with the model in memory (where measured)."""
+    if draft_experts == "resident" and cost.c_draft_resident is not None:
+        return replace(cost, c_draft=cost.c_draft_resident)
+    return cost
 
 
 class Drafter:

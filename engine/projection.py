@@ -12,6 +12,9 @@ Time per iteration, from the device profile:
     draft   = passes · C_draft
     verify  = T_AR + T_tok·(tokens − 1) + T_exp·(distinct experts − one token's experts)
     fetch   = T_fetch · (experts the draft passes and the verification found outside the expert cache)
+(A trace whose drafts read only experts in memory, `draft_experts: resident`, charges its draft passes no fetch
+and reads nothing through the cache for them: which experts they read is not recorded, only that they were in
+memory.)
 T_AR, C_draft, T_tok and T_exp are the profile's resident constants (its fit's slopes, anchored at the
 measured plain step, so that an undrafted step costs exactly what a plain one does). Those are timed at one
 short context on llama.cpp's decode alone; what they leave out (WorkloadTerms: attention growing with the
@@ -42,7 +45,7 @@ from .errors import ConfigError
 from .events import CostConstants
 from .offload import Budget, fmt_bytes, plan_budget, rank_counts, select_hot_experts
 from .offload.budget import AUTO_EXPERT_SHARE
-from .policies import CascadeDrafter, ConfidenceStop, FixedLength, Proposal, StopRule, UtilityStop
+from .policies import CascadeDrafter, ConfidenceStop, FixedLength, Proposal, StopRule, UtilityStop, rule_cost
 from .profiles import cost_for_model, model_block, storage_rates
 from .trace import Trace, TraceHeader
 
@@ -597,7 +600,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
     rule: StopRule | None = None
     cascade = inner = None
     if mode == "s2moe":
-        rule = UtilityStop(costs.rule, h0.threshold if threshold is None else threshold)
+        rule = UtilityStop(rule_cost(costs.rule, h0.draft_experts), h0.threshold if threshold is None else threshold)
     elif mode == "conf":
         rule = ConfidenceStop(h0.conf_p_min)
     elif mode == "cascade":
@@ -632,7 +635,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             rows = (step.gated if gated_rows and n else step.rows)[j: j + n + 1]
             beyond = terms.beyond(h.prompt_tokens - 1 + generated)  # context past the one the constants were timed at
             t_draft = len(passes) * terms.draft_pass(costs.c_draft, beyond)
-            draft_misses = sum(cache.access(p) for p in passes)
+            draft_misses = _draft_misses(cache, passes, h)
             verify_misses = cache.access(rows)
             plain = n == 0 and plain_unobserved
             if plain:  # the whole iteration, the loop's own work with it
@@ -663,6 +666,14 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
     return res
 
 
+def _draft_misses(cache: ExpertCache, passes: list, header: TraceHeader) -> int:
+    """Experts the draft passes fetch: those of each pass outside the cache, where the drafts read the router's
+    choice; none where they read only experts in memory."""
+    if header.draft_experts == "resident":
+        return 0
+    return sum(cache.access(p) for p in passes)
+
+
 def cache_check(traces: list[Trace], plan: CachePlan, policy: str) -> tuple[int, int] | None:
     """(experts the recording run fetched, by its own count; the same run's reads through the simulated cache):
     how well the cache model stands for the engine's offloading. None: the traces were not recorded under a
@@ -677,8 +688,8 @@ def cache_check(traces: list[Trace], plan: CachePlan, policy: str) -> tuple[int,
             kd = tr.header.k_d
             for s in tr.steps:
                 if s.drafted:  # the recording drafted to the cap: a pass for the pending token and each drafted one
-                    fetched += cache.access(s.pending[:, :kd])
-                    fetched += sum(cache.access(d.predicted[:, :kd]) for d in s.drafted)
+                    passes = [s.pending[:, :kd]] + [d.predicted[:, :kd] for d in s.drafted]
+                    fetched += _draft_misses(cache, passes, tr.header)
                 fetched += cache.access(s.gated)
         return fetched
 
@@ -762,6 +773,9 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
         if (h.fingerprint, h.n_layer, h.n_expert, h.k, h.k_d) != (h0.fingerprint, h0.n_layer, h0.n_expert, h0.k, h0.k_d):
             raise ConfigError(f"trace {tr.name} was recorded on another model or k_d than {traces[0].name}: "
                               "project one model's traces at a time")
+        if h.draft_experts != h0.draft_experts:
+            raise ConfigError(f"trace {tr.name} drafted from {h.draft_experts} experts and {traces[0].name} from "
+                              f"{h0.draft_experts} ones: project one kind of draft at a time")
     offloaded = budget not in (None, "none")
     costs = device_costs(profile, h0, offloaded=offloaded)
     plan = cache_plan(budget, h0, profile, costs.expert_bytes)

@@ -37,8 +37,10 @@ import numpy as np
 from .errors import ConfigError
 from .events import Finished, ForcedDraft, Iteration, Prefilled, Started
 from .files import read_bounded
+from .modes import DRAFT_EXPERTS
 
 TRACE_VERSION = 1
+OPTIONAL_HEADER_FIELDS = ("cost", "budget", "draft_experts")  # absent: their defaults
 # 10k tokens of a 48-layer, 128-expert model stay far below this; the bound keeps a wrong file from being read
 # into memory whole
 MAX_TRACE_BYTES = 1 << 30
@@ -65,6 +67,10 @@ class TraceHeader:
     cost: dict | None = None  # the constants the rule decided with (CostConstants fields, seconds)
     # under a memory budget: {"auto": bool, "budget_bytes", "hot_bytes", "cache_bytes", "pinned": [[layer, expert]…]}
     budget: dict | None = None
+    # what the draft passes read (GenerationConfig.draft_experts): "router", its top k_d, fetched where missing;
+    # "resident", only experts in memory, so that they fetch nothing. Not recorded before the router's became
+    # the default: such a trace reads as "router", though under a budget it drafted from resident experts.
+    draft_experts: str = "router"
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,8 @@ class TraceRecorder:
                 reuse_strength=float(c["reuse_strength"]) if c["mode"] == "s2moe" else 0.0,
                 conf_p_min=float(c["conf_p_min"]), temperature=float(c["temperature"]),
                 prompt_tokens=len(event.prompt_tokens),
-                cost=None if event.cost is None else {k: v for k, v in asdict(event.cost).items()}))
+                cost=None if event.cost is None else {k: v for k, v in asdict(event.cost).items()},
+                draft_experts=c.get("draft_experts") or "router"))
         elif isinstance(event, Prefilled):
             self.trace.prefill = event.seconds
         elif isinstance(event, Iteration):
@@ -269,7 +276,7 @@ def _header(obj) -> TraceHeader:
     if not isinstance(obj, dict) or obj.get("s2moe_trace") != TRACE_VERSION:
         raise _Bad(f"not an s2moe trace (version {TRACE_VERSION}): the first line must carry \"s2moe_trace\"")
     names = [f for f in TraceHeader.__dataclass_fields__]
-    missing = [n for n in names if n not in obj and n not in ("cost", "budget")]
+    missing = [n for n in names if n not in obj and n not in OPTIONAL_HEADER_FIELDS]
     if missing:
         raise _Bad(f"header: missing field {missing[0]}")
     for key in ("n_layer", "n_expert", "k", "k_d", "draft_max", "n_predict"):
@@ -302,7 +309,9 @@ def _header(obj) -> TraceHeader:
                 isinstance(p, list) and len(p) == 2 and 0 <= _int(p[0], "pinned layer") < obj["n_layer"]
                 and 0 <= _int(p[1], "pinned expert") < obj["n_expert"] for p in pinned):
             raise _Bad("header budget field pinned must be a list of [layer, expert] pairs inside the model")
-    return TraceHeader(**{n: obj.get(n) for n in names})
+    if obj.get("draft_experts", "router") not in DRAFT_EXPERTS:
+        raise _Bad(f"header field draft_experts must be one of {', '.join(DRAFT_EXPERTS)}")
+    return TraceHeader(**{n: obj.get(n, TraceHeader.__dataclass_fields__[n].default) for n in names})
 
 
 def _iteration(obj, h: TraceHeader) -> TraceStep:

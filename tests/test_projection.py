@@ -494,3 +494,27 @@ def test_a_calibrated_cache_size_scales_the_plan_s_cache():
     prof["models"][FP]["cache_fit"]["effective_experts"] = -1
     with pytest.raises(ConfigError, match="cache_fit"):
         validate_profile(prof)
+
+
+def test_drafts_from_resident_experts_fetch_nothing_and_are_priced_as_in_memory():
+    """A trace whose drafts read only experts in memory charges its draft passes no fetch and puts nothing
+    through the simulated cache for them; the router's drafts, on the same recording, fetch theirs. The
+    utility rule prices a resident draft at the draft step measured in memory, as the decoder does."""
+    router = project([hand_trace()], profile(), budget="1M", modes=["conf"]).modes["conf"]
+    resident = project([hand_trace(draft_experts="resident")], profile(), budget="1M", modes=["conf"]).modes["conf"]
+    # a cache of nothing: four passes of one expert in each of two layers, then the verifications' unions
+    assert router.fetched == 4 * 2 + 8 + 4
+    assert resident.fetched == 8 + 4 and resident.draft_passes == router.draft_passes == 4
+    assert resident.t_fetch == pytest.approx(router.t_fetch - 8 * 4e-3)
+    cold = profile()
+    cold["models"][FP]["c_draft_cold_ms"] = 50.0
+    # a certain token saves T_AR 10 ms: against a cold draft step of 50 ms that is worth 0.19, against the
+    # draft step in memory (2 ms) 2.0
+    drafted = {which: project([hand_trace(draft_experts=which)], cold, budget="1G", modes=["s2moe"],
+                              threshold=0.5).modes["s2moe"].drafted for which in ("router", "resident")}
+    assert drafted["router"] == 0 and drafted["resident"] > 0
+
+
+def test_traces_of_both_kinds_of_draft_are_not_projected_together():
+    with pytest.raises(ConfigError, match="one kind of draft at a time"):
+        project([hand_trace(), hand_trace(draft_experts="resident")], profile(), modes=["ar"])

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from s2moe.engine.costmodel import measure_cost_constants
-from s2moe.engine.decoder import Decoder, GenerationConfig, rule_cost, run
+from s2moe.engine.decoder import Decoder, GenerationConfig, run
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Started
-from s2moe.engine.policies import UtilityStop
+from s2moe.engine.policies import UtilityStop, rule_cost
 from s2moe.engine.profiles import cost_for_model, validate_profile
 
 FINGERPRINT = "d09f3c78bdbddbd4"

@@ -114,6 +114,7 @@ def _bad_cases(lines):
     yield "exceeds", [lines[0], json.dumps({**step, "accepted": 99})] + lines[2:]
     yield "after the end record", lines + [lines[1]]
     yield "end record says", lines[:-1] + [json.dumps({"end": {"n_tokens": 999, "seconds": 1.0, "stop": "x"}})]
+    yield "field draft_experts must be one of", [json.dumps({**header, "draft_experts": "pinned"})] + lines[1:]
     yield "empty", []
 
 
@@ -155,3 +156,18 @@ def test_bench_records_a_trace_per_prompt_beside_its_timed_runs(tiny_models, tmp
     assert all(t.n_tokens == 8 and t.header.budget is None and t.header.mode == "s2moe" for t in traces)
     # the timed rows are the modes asked for; the trace generation is not one of them
     assert [r["mode"] for r in json.loads(out.read_text())["results"]] == ["ar", "s2moe"]
+
+
+def test_a_trace_says_what_its_drafts_read_and_older_traces_read_as_the_router_s(decoders, tmp_path):
+    """The header records what the draft passes read (without a budget: the router's choice); a header written
+    before it did reads as the router's."""
+    tr = record(decoders["olmoe"], n=8)
+    assert tr.header.draft_experts == "router"
+    lines = dumps(tr).splitlines()
+    older = {k: v for k, v in json.loads(lines[0]).items() if k != "draft_experts"}
+    path = tmp_path / "older.jsonl"
+    path.write_text("\n".join([json.dumps(older)] + lines[1:]) + "\n")
+    assert read_trace(path).header == tr.header
+    resident = replace(tr, header=replace(tr.header, draft_experts="resident"))
+    write_trace(path, resident)
+    assert read_trace(path).header.draft_experts == "resident"
