@@ -366,11 +366,12 @@ class Decoder:
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # What the rule learns (the first draft token's usual probability and expert cost, how often a
-        # probe pays) holds for this model and device, not for one request: kept across generations with
-        # the same constants, so that each prompt does not pay to learn it again. A trace's rule learns
-        # apart: what it sees is not what the mode's own generations see.
+        # probe pays, how often the target accepts its drafts) holds for this model and device, not for one
+        # request: kept across generations with the same constants, so that each prompt does not pay to learn
+        # it again; apart for another temperature, since sampling accepts otherwise than greedy decoding. A
+        # trace's rule learns apart: what it sees is not what the mode's own generations see.
         cost = rule_cost(cost, self.draft_experts(cfg))
-        key = ("utility", cfg.draft_topk, cfg.threshold, cost, cfg.trace)
+        key = ("utility", cfg.draft_topk, cfg.threshold, cost, cfg.trace, cfg.temperature)
         rule = self._rules.get(key)
         if rule is None:
             rule = self._rules[key] = UtilityStop(cost, cfg.threshold)

@@ -59,6 +59,7 @@ class DraftCandidate:
     new_experts: np.ndarray  # per layer: experts it adds to the verification batch's set
     kept: bool
     predicted: np.ndarray | None = None  # [n_layer, k] target experts its draft pass routed it to (-1: no MoE)
+    accept_chance: float | None = None   # p_i the rule priced it with: its learned acceptance through this token
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ class StopRule:
         return True
 
     def pre_reject(self, chain: float, prob: float) -> tuple[bool, float | None]:
-        """Reject before spending a draft pass on the candidate (its routing unknown)."""
+        """Reject before spending a draft pass on the candidate (its routing unknown). chain: p_i, the product
+        of acceptance() over the chain through this candidate; prob: the draft's probability of it."""
         return False, None
 
     def keep(self, chain: float, prob: float, new_experts: int) -> tuple[bool, float | None]:
@@ -54,6 +55,15 @@ class StopRule:
 
     def observe_first_experts(self, new_experts: int) -> None:
         """Sees how many experts each first draft token adds to the verification (when routed)."""
+
+    def observe_outcome(self, probs: list[float], accepted: int) -> None:
+        """Sees a verified chain: the draft probability of each token it kept, and how many the target
+        accepted."""
+
+    def acceptance(self, prob: float) -> float:
+        """The chance that the target accepts a draft token the draft gave probability `prob` (its
+        predecessors accepted): a chain's p_i is the product of these."""
+        return prob
 
 
 class FixedLength(StopRule):
@@ -95,6 +105,14 @@ class RecordingStop(StopRule):
         if self._open:
             self.rule.observe_first_experts(new_experts)
 
+    def acceptance(self, prob):
+        return self.rule.acceptance(prob)
+
+    def observe_outcome(self, probs, accepted):
+        kept = self.forced.would_keep if self.forced is not None else 0
+        if kept:
+            self.rule.observe_outcome(probs[:kept], min(accepted, kept))
+
     def pre_reject(self, chain, prob):
         if self._open and self.rule.pre_reject(chain, prob)[0]:
             self._open = False
@@ -109,17 +127,50 @@ class RecordingStop(StopRule):
         return True, None
 
 
+# Edges of the draft-probability bins in which the utility rule learns how often the target accepts a token.
+ACCEPTANCE_BINS = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9])
+
+
+class AcceptanceMap:
+    """How often the target accepts a draft token the draft gave probability q, learned from verifications:
+    per bin of q, the accepted share of the tokens verified there plus `prior` pseudo-tokens accepted at rate q
+    itself. With nothing seen the estimate is q; each bin moves to what the target does as its tokens are
+    verified. q understates it for the model's own drafts (engine/OFFLOAD_RESULTS.md: q < 0.3 accepted 71% of
+    the time on the shipped model), and by how much depends on the model and on what the drafts read."""
+
+    def __init__(self, prior: float = 4.0):
+        self.prior = prior
+        self.seen = np.zeros(len(ACCEPTANCE_BINS) + 1)
+        self.accepted = np.zeros(len(ACCEPTANCE_BINS) + 1)
+
+    def estimate(self, q: float) -> float:
+        b = int(np.searchsorted(ACCEPTANCE_BINS, q, side="right"))
+        return float((self.prior * q + self.accepted[b]) / (self.prior + self.seen[b]))
+
+    def learn(self, probs: list[float], accepted: int) -> None:
+        """A verified chain: its tokens up to the first the target rejected (the rest were never judged)."""
+        for i, q in enumerate(probs[:accepted + 1]):
+            b = int(np.searchsorted(ACCEPTANCE_BINS, q, side="right"))
+            self.seen[b] += 1
+            self.accepted[b] += i < accepted
+
+
 class UtilityStop(StopRule):
     """Routing-aware expansion: keep token i while U_i = p_i·T_AR / (ΔC_ver(i|S) + C_draft) ≥ threshold.
 
-    ΔC_ver = T_exp·(experts token i adds to the verification set, summed over layers) + T_tok.
+    ΔC_ver = T_exp·(experts token i adds to the verification set, summed over layers) + T_tok. p_i, the chance
+    that the target accepts a chain through token i, is the product of each token's learned acceptance
+    (AcceptanceMap: the draft's own probability until verifications say otherwise). A tree's nodes are priced
+    by the product of their draft probabilities: only chains feed the map.
     """
 
     needs_routing = True
 
-    def __init__(self, cost: CostConstants, threshold: float = 1.0, probe_every: int = 16, smoothing: float = 0.3):
+    def __init__(self, cost: CostConstants, threshold: float = 1.0, probe_every: int = 16, smoothing: float = 0.3,
+                 learned: AcceptanceMap | None = None):
         self.cost = cost
         self.threshold = threshold
+        self.learned = learned if learned is not None else AcceptanceMap()
         # Before drafting, the first token's probability and the experts it adds are unknown; running
         # estimates of both decide whether even one draft pass is likely to pay (judging by the
         # probability alone, an offloaded run drafted and discarded a first token on every iteration:
@@ -179,7 +230,7 @@ class UtilityStop(StopRule):
                                                                    self.max_probe_interval)
 
     def observe_first(self, prob: float) -> None:
-        self.expected_first += self.smoothing * (prob - self.expected_first)
+        self.expected_first += self.smoothing * (self.acceptance(prob) - self.expected_first)
 
     def observe_first_experts(self, new_experts: int) -> None:
         self.expected_first_experts += self.smoothing * (new_experts - self.expected_first_experts)
@@ -194,6 +245,12 @@ class UtilityStop(StopRule):
         u = self.utility(chain, new_experts)
         self._probe_outcome(u >= self.threshold)
         return u >= self.threshold, u
+
+    def acceptance(self, prob):
+        return self.learned.estimate(prob)
+
+    def observe_outcome(self, probs, accepted):
+        self.learned.learn(probs, accepted)
 
 
 def rule_cost(cost: CostConstants, draft_experts: str) -> CostConstants:
@@ -246,6 +303,10 @@ class SelfDrafter(Drafter):
         """Set the hook for the draft passes."""
         dec.rt.hook.draft(self.k_draft, None if self.allowed is None else self.allowed())
 
+    def feedback(self, it) -> None:
+        if it.drafted:
+            self.rule.observe_outcome([c.prob for c in it.candidates if c.kept], len(it.accepted))
+
     def propose(self, dec, committed, max_len, sample) -> Proposal:
         pending, pos = committed[-1], len(committed) - 1
         out = Proposal()
@@ -272,18 +333,20 @@ class SelfDrafter(Drafter):
         observer = dec.observer  # told each newly predicted expert as soon as it is known (prefetch)
         if observer is not None:
             observer.predicted(in_batch[:, :n_expert])
-        chain = 1.0
+        chain = survival = 1.0  # the product of draft probabilities; of the rule's acceptance (its p_i)
         out.stop = "cap"
         for i in range(max_len):
             token, q = sample(logits, committed + out.tokens)
             prob = float(q[token])
             chain *= prob
+            survival *= self.rule.acceptance(prob)
             if i == 0:
                 self.rule.observe_first(prob)
             text = dec.piece_text(token)
-            reject, bound = self.rule.pre_reject(chain, prob)
+            reject, bound = self.rule.pre_reject(survival, prob)
             if reject:
-                out.candidates.append(DraftCandidate(token, text, prob, chain, bound, np.zeros(n_layer, int), False))
+                out.candidates.append(DraftCandidate(token, text, prob, chain, bound, np.zeros(n_layer, int), False,
+                                                     accept_chance=survival))
                 out.stop = "utility" if isinstance(self.rule, UtilityStop) else "confidence"
                 break
             new = np.zeros(n_layer, int)
@@ -299,9 +362,9 @@ class SelfDrafter(Drafter):
                     self.rule.observe_first_experts(int(new.sum()))
             else:
                 predicted = None
-            keep, utility = self.rule.keep(chain, prob, int(new.sum()))
+            keep, utility = self.rule.keep(survival, prob, int(new.sum()))
             out.candidates.append(DraftCandidate(token, text, prob, chain, utility, new, keep,
-                                                 None if predicted is None else r.orig[:, 0, :]))
+                                                 None if predicted is None else r.orig[:, 0, :], survival))
             if not keep:
                 out.stop = "utility"
                 break

@@ -504,11 +504,11 @@ def propose(rule: StopRule, src: _Source, max_len: int, k_d: int, n_expert: int)
         return out
     in_batch = _mask(src.pending, n_expert)
     out.passes.append(src.pending[:, :k_d])
-    chain = 1.0
+    chain = 1.0  # p_i: the rule's acceptance of each token, multiplied
     out.stop = "cap"
     for i in range(max_len):
         d = src[i]
-        chain *= d.prob
+        chain *= rule.acceptance(d.prob)
         if i == 0:
             rule.observe_first(d.prob)
         if rule.pre_reject(chain, d.prob)[0]:
@@ -630,6 +630,8 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             n = len(draft.tokens)
             passes = getattr(draft, "passes", [])
             accepted = min(n, step.accepted - j)
+            if rule is not None and n:  # what SelfDrafter.feedback tells the rule of the verification
+                rule.observe_outcome([src[i].prob for i in range(n)], accepted)
             committed = min(accepted + 1, len(step.committed) - j)
             # reuse gating acts on a verification of drafted tokens only (a plain step reads the router's choice)
             rows = (step.gated if gated_rows and n else step.rows)[j: j + n + 1]

@@ -117,19 +117,65 @@ def test_utility_rule_stops_drafting_when_it_cannot_pay(decoders, arch):
     assert any(e.drafted for e in cheap if isinstance(e, Iteration))
 
 
+def test_the_rule_learns_how_often_its_drafts_are_accepted():
+    """With nothing verified a token's chance is its draft probability; verified chains move its bin toward what
+    the target did, and the tokens after the first rejection, never judged, teach nothing."""
+    from s2moe.engine.policies import AcceptanceMap
+
+    m = AcceptanceMap(prior=4.0)
+    assert m.estimate(0.2) == pytest.approx(0.2) and m.estimate(0.95) == pytest.approx(0.95)
+    m.learn([0.2, 0.22, 0.25], 3)  # all three accepted
+    assert m.estimate(0.2) == pytest.approx((4 * 0.2 + 3) / 7)
+    m.learn([0.6, 0.25, 0.95], 1)  # the second rejected, the third never judged
+    assert m.estimate(0.6) == pytest.approx((4 * 0.6 + 1) / 5)
+    assert m.estimate(0.25) == pytest.approx((4 * 0.25 + 3) / 8)
+    assert m.estimate(0.95) == pytest.approx(0.95)
+
+
+def test_a_rule_that_saw_its_unlikely_drafts_accepted_keeps_them():
+    """A 0.2-probability token is not worth a draft pass at face value; after verifications accepted such tokens
+    it is. The recording rule passes on only what its rule would have kept."""
+    from s2moe.engine.events import ForcedDraft
+    from s2moe.engine.policies import RecordingStop, UtilityStop
+
+    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.1, intercept=0.0, source="test"))
+    assert not rule.keep(rule.acceptance(0.2), 0.2, 0)[0]  # 0.2 / 0.4 = 0.5 < 1
+    for _ in range(10):
+        rule.observe_outcome([0.2, 0.2], 2)
+    assert rule.keep(rule.acceptance(0.2), 0.2, 0)[0]
+    inner = UtilityStop(CHEAP_DRAFT)
+    recording = RecordingStop(inner)
+    recording.forced = ForcedDraft(True, 1)  # its rule would have kept the first token only
+    recording.observe_outcome([0.05, 0.05, 0.05], 3)
+    assert inner.acceptance(0.05) == pytest.approx((4 * 0.05 + 1) / 5)
+
+
+def test_the_decoder_teaches_its_rule_from_each_verification(decoders, arch):
+    d = decoders[arch]
+    cost = CostConstants(t_ar=1.0, c_draft=0.01, t_exp=0.001, t_tok=0.01, intercept=0.0, source="test-learns")
+    events = run(d, PROMPTS[0], GenerationConfig(mode="s2moe", n_predict=24, cost=cost, stop_at_eos=False))
+    judged = sum(min(len(e.accepted) + 1, len(e.drafted)) for e in events if isinstance(e, Iteration))
+    rule = next(r for key, r in d._rules.items() if cost in key)
+    assert judged > 0 and rule.learned.seen.sum() == judged
+
+
 def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
-    """Utility = p_i·T_AR / (T_exp·new_i + T_tok + C_draft), with new_i from the candidate's own routing."""
+    """Utility = p_i·T_AR / (T_exp·new_i + T_tok + C_draft), with new_i from the candidate's own routing and p_i
+    the rule's learned acceptance through the candidate: the product of draft probabilities until a verification
+    has been seen."""
     d = decoders[arch]
     c = CostConstants(t_ar=1.0, c_draft=0.05, t_exp=0.02, t_tok=0.05, intercept=0.0, source="test")
     events = run(d, PROMPTS[2], GenerationConfig(mode="s2moe", n_predict=30, cost=c, stop_at_eos=False))
     seen = 0
+    first = next(e for e in events if isinstance(e, Iteration))
+    assert first.candidates and all(cand.accept_chance == pytest.approx(cand.chain_prob) for cand in first.candidates)
     for e in events:
         if not isinstance(e, Iteration):
             continue
         for cand in e.candidates:
             if cand.utility is None:
                 continue
-            expected = cand.chain_prob * c.t_ar / (c.t_exp * cand.new_experts.sum() + c.t_tok + c.c_draft)
+            expected = cand.accept_chance * c.t_ar / (c.t_exp * cand.new_experts.sum() + c.t_tok + c.c_draft)
             assert cand.utility == pytest.approx(expected, rel=1e-9)
             assert cand.kept == (cand.utility >= 1.0)
             seen += 1
