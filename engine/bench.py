@@ -239,6 +239,18 @@ def mode_config(name: str, base: GenerationConfig) -> GenerationConfig:
     return replace(cfg, draft_experts=reads)
 
 
+def balanced_order(n: int, i: int) -> list[int]:
+    """The i-th of a cycle of orders of n modes in which every mode takes every place, and follows every other
+    mode, equally often (a Williams design: n orders for even n, 2n for odd n, the second half mirrored)."""
+    first = [0]
+    for j in range(1, n):
+        first.append(j // 2 + 1 if j % 2 else n - j // 2)
+    rows = [[(m + r) % n for m in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows[i % len(rows)]
+
+
 def expected_lossless(name: str, cfg: GenerationConfig) -> bool:
     if cfg.temperature > 0:
         return False
@@ -475,11 +487,11 @@ def run_bench(
         tokens_of: dict[tuple[str, int], tuple[int, ...]] = {}
         for rep, pi in ((r, p) for r in range(repeats) for p in range(len(prompts))):
             prompt = prompts[pi]
-            # The order rotates from prompt to prompt (and on across repeats): a mode that always ran first
-            # (or always right after the independent draft's second context had churned the expert cache)
-            # would be measured under conditions of its own.
-            shift = (rep * len(prompts) + pi) % len(modes)
-            for name in list(modes[shift:]) + list(modes[:shift]):
+            # The order changes from prompt to prompt (and on across repeats), balanced so that each mode runs
+            # in each place and right after each other mode equally often: a mode that always ran first, or
+            # always right after one that churns the expert cache (a forced chain's verifications, the
+            # independent draft's second context), would be measured under conditions of its own.
+            for name in (modes[i] for i in balanced_order(len(modes), rep * len(prompts) + pi)):
                 if should_stop is not None and should_stop():
                     return
                 cfg = replace(configs[name], seed=prompt_seed(base.seed, pi))

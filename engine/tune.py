@@ -22,7 +22,7 @@ prompt (a k_d that makes drafting too dear, a threshold that stops it paying); h
 the contenders instead of measuring every candidate equally (a grid) and, unlike a model-based search
 (Bayesian optimisation), needs no surrogate over five mixed discrete settings whose response on a shared
 machine is noisier than any such model's resolution. Each rung runs plain decoding (ar) and the defaults on
-the same prompts, all interleaved per prompt with the order rotated as bench does, so that drifts of the
+the same prompts, all interleaved per prompt in bench's balanced order, so that drifts of the
 machine hit every candidate alike; scores are tokens over decoding seconds summed over a candidate's prompts.
 
 The final comparison is the best survivor against the defaults, paired per prompt: while their per-prompt
@@ -46,7 +46,7 @@ import random
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterator, Protocol
 
-from .bench import gating_quality
+from .bench import balanced_order, gating_quality
 from .decoder import Decoder, GenerationConfig
 from .errors import OPTION, ConfigError
 from .events import CostConstants, Finished, Iteration, Prefilled
@@ -355,8 +355,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         for j in range(n_prompts):
             p = prompt_cursor
             prompt_cursor += 1
-            shift = p % len(order_base)
-            for who in order_base[shift:] + order_base[:shift]:
+            for who in (order_base[i] for i in balanced_order(len(order_base), p)):
                 if stop():
                     return
                 measure(who, ar_cfg if who == "ar" else who.config(base), p)

@@ -55,16 +55,17 @@ def test_no_cost_model_without_verifications_of_different_sizes(decoders):
     assert done.cost_model == {}  # plain steps only: one token each, nothing to regress on
 
 
-def test_modes_are_interleaved_per_prompt_in_a_rotating_order(decoders):
+def test_modes_are_interleaved_per_prompt_in_a_balanced_order(decoders):
     events = _bench(decoders["olmoe"], ["ar", "conf", "lookup"], repeats=2)
     progress = [e for e in events if isinstance(e, BenchProgress)]
     # every mode is warmed up, untimed, before the first measured generation
     assert [(e.mode, e.done) for e in progress[:3]] == [("ar", 0), ("conf", 0), ("lookup", 0)]
     assert all(e.warmup for e in progress[:3]) and not any(e.warmup for e in progress[3:])
-    # the rotation carries on into the second repeat, so no mode always runs first
+    # the order carries on into the second repeat (balanced_order), so no mode always runs first, nor always
+    # after the same mode
     assert [(e.repeat, e.prompt_index, e.mode) for e in progress[3:]] == [
         (0, 0, "ar"), (0, 0, "conf"), (0, 0, "lookup"), (0, 1, "conf"), (0, 1, "lookup"), (0, 1, "ar"),
-        (1, 0, "lookup"), (1, 0, "ar"), (1, 0, "conf"), (1, 1, "ar"), (1, 1, "conf"), (1, 1, "lookup")]
+        (1, 0, "lookup"), (1, 0, "ar"), (1, 0, "conf"), (1, 1, "lookup"), (1, 1, "conf"), (1, 1, "ar")]
     assert [e.done for e in progress[3:]] == list(range(1, 13)) and {e.total for e in progress} == {12}
 
 
@@ -378,3 +379,21 @@ def test_a_sampled_bench_records_its_options_and_repeats_with_its_seed(tmp_path)
     assert _decoded(again) == _decoded(first)
     other = _sampled_bench(tmp_path, 12345, "other")
     assert _decoded(other) != _decoded(first)
+
+
+def test_bench_orders_its_modes_so_that_each_follows_each_other_equally_often():
+    """Over a cycle of prompts every mode runs in every place and right after every other mode equally often:
+    a mode that always followed one that churns the expert cache would be measured under conditions of its own."""
+    from collections import Counter
+
+    from s2moe.engine.bench import balanced_order
+
+    for n in range(2, 8):
+        cycle = n * (2 if n % 2 else 1)
+        rows = [balanced_order(n, i) for i in range(cycle)]
+        assert all(sorted(r) == list(range(n)) for r in rows)
+        places = Counter((m, p) for r in rows for p, m in enumerate(r))
+        follows = Counter((a, b) for r in rows for a, b in zip(r, r[1:]))
+        assert len(places) == n * n and len(set(places.values())) == 1
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+        assert balanced_order(n, cycle) == rows[0]
