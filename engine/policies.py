@@ -143,14 +143,18 @@ class AcceptanceMap:
         self.seen = np.zeros(len(ACCEPTANCE_BINS) + 1)
         self.accepted = np.zeros(len(ACCEPTANCE_BINS) + 1)
 
+    @staticmethod
+    def _bin(q: float) -> int:
+        return int(np.searchsorted(ACCEPTANCE_BINS, q, side="right"))
+
     def estimate(self, q: float) -> float:
-        b = int(np.searchsorted(ACCEPTANCE_BINS, q, side="right"))
+        b = self._bin(q)
         return float((self.prior * q + self.accepted[b]) / (self.prior + self.seen[b]))
 
     def learn(self, probs: list[float], accepted: int) -> None:
         """A verified chain: its tokens up to the first the target rejected (the rest were never judged)."""
         for i, q in enumerate(probs[:accepted + 1]):
-            b = int(np.searchsorted(ACCEPTANCE_BINS, q, side="right"))
+            b = self._bin(q)
             self.seen[b] += 1
             self.accepted[b] += i < accepted
 
@@ -166,11 +170,10 @@ class UtilityStop(StopRule):
 
     needs_routing = True
 
-    def __init__(self, cost: CostConstants, threshold: float = 1.0, probe_every: int = 16, smoothing: float = 0.3,
-                 learned: AcceptanceMap | None = None):
+    def __init__(self, cost: CostConstants, threshold: float = 1.0, probe_every: int = 16, smoothing: float = 0.3):
         self.cost = cost
         self.threshold = threshold
-        self.learned = learned if learned is not None else AcceptanceMap()
+        self.learned = AcceptanceMap()
         # Before drafting, the first token's probability and the experts it adds are unknown; running
         # estimates of both decide whether even one draft pass is likely to pay (judging by the
         # probability alone, an offloaded run drafted and discarded a first token on every iteration:

@@ -208,12 +208,13 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
     // Where the matmuls' order is known, every expert's part for the first matmul is asked for before any
     // expert's part for the second: a matmul runs its experts in id order, so it starts on the first while
     // the reads of the rest are still in flight (else, expert by expert). Parts of no matmul come first.
+    int stage_of[p->n_parts];
+    for (int j = 0; j < p->n_parts; ++j) stage_of[j] = part_stage(p, j);
     for (int s = -1; advise && s < 3; ++s)
         for (int e = 0; e < p->n_expert; ++e) {
             if (!p->mark[e]) continue;
             for (int j = 0; j < p->n_parts; ++j) {
-                const int q = part_stage(p, j);
-                if (q != s || (staged && p->staged[e] && q > 0)) continue;
+                if (stage_of[j] != s || (staged && p->staged[e] && s > 0)) continue;
                 advise_part(p, layer, e, j);
             }
         }
