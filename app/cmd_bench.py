@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 from ..engine.errors import ConfigError
@@ -164,36 +165,75 @@ def sampled_note(config: dict, reference: bool) -> str:
 
 def storage_line(storage: dict) -> str:
     """How the bound column was computed, from the storage figures the run measured."""
-    return (f"storage, cold reads of whole experts: {storage['qd1_gb_s']:.2f} GB/s at queue depth 1, "
-            f"{storage['qd8_gb_s']:.2f} GB/s at depth 8 ({storage['source']}); bound = experts fetched per token × "
-            f"{storage['expert_bytes'] / 2**20:.2f} MiB ÷ the depth-8 rate, plus the mode's resident compute "
+    if storage.get("qd8_range"):
+        lo1, hi1 = storage["qd1_range"]
+        lo8, hi8 = storage["qd8_range"]
+        rates = (f"{lo1:.2f}–{hi1:.2f} GB/s at queue depth 1, {lo8:.2f}–{hi8:.2f} GB/s at depth 8 "
+                 f"({storage['source']}, {storage['n_readings']} readings)")
+        which = "the median depth-8 rate read around that budget"
+    else:
+        rates = (f"{storage['qd1_gb_s']:.2f} GB/s at queue depth 1, {storage['qd8_gb_s']:.2f} GB/s at depth 8 "
+                 f"({storage['source']})")
+        which = "the depth-8 rate"
+    return (f"storage, cold reads of whole experts: {rates}; bound = experts fetched per token × "
+            f"{storage['expert_bytes'] / 2**20:.2f} MiB ÷ {which}, plus the mode's resident compute "
             "where this run measured it")
 
 
-def measure_storage(model: str, profile: dict | None, fingerprint: str) -> dict | None:
-    """Storage bandwidth at queue depth 1 and 8 for the bound column: the profile's for this model, else read
-    now (a rate measured on another model's experts, reads of another size, does not apply)."""
+# This disk's rate moves by ±20% from one pass to the next and drifts over minutes, so the bound is read
+# from passes just before and just after each budget ran, not from a calibration made hours earlier.
+STORAGE_PASSES = 3
+
+
+def read_storage(emap) -> list[tuple[float, float]]:
+    """Cold reads of this model's experts now, STORAGE_PASSES passes: [(bytes/s at queue depth 1, at depth 8)];
+    none where the file's pages stay in memory (another process maps them)."""
     from ..engine.calibrate import storage_bandwidth
-    from ..engine.offload import expert_map
+
+    out = []
+    for seed in range(STORAGE_PASSES):
+        gen = storage_bandwidth(emap, max_bytes=128 << 20, seed=seed)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                rates = stop.value[0]
+                break
+        if 1 in rates and 8 in rates:
+            out.append((rates[1], rates[8]))
+    return out
+
+
+def storage_record(around: dict[str, list[tuple[float, float]]], expert_bytes: float, profile: dict | None,
+                   fingerprint: str) -> dict | None:
+    """The bound's storage figures: for each budget label, the passes read around it (`around`); where none
+    could be read cold, the profile's rates for this model (a rate read on another model's experts, reads of
+    another size, does not apply); else None."""
     from ..engine.profiles import storage_rates
 
-    emap = expert_map(model)
-    expert_bytes = float(emap.expert_bytes[list(emap.moe_layers)].mean())
+    every = [r for rs in around.values() for r in rs]
+    if every:
+        def gb(values):
+            return statistics.median(values) / 1e9, [min(values) / 1e9, max(values) / 1e9]
+
+        qd1, qd1_range = gb([r[0] for r in every])
+        qd8, qd8_range = gb([r[1] for r in every])
+        by_budget = {}
+        for label, rs in around.items():
+            if rs:
+                mid, span = gb([r[1] for r in rs])
+                by_budget[label] = {"qd8_gb_s": mid, "qd8_range": span}
+            else:
+                by_budget[label] = {"qd8_gb_s": qd8, "qd8_range": qd8_range}
+        return {"qd1_gb_s": qd1, "qd8_gb_s": qd8, "qd1_range": qd1_range, "qd8_range": qd8_range,
+                "n_readings": len(every), "by_budget": by_budget, "expert_bytes": expert_bytes,
+                "source": "read by this run before and after each budget"}
     rates = storage_rates(profile, fingerprint) if profile else None
-    if rates:
-        return {"qd1_gb_s": rates[0], "qd8_gb_s": rates[1], "expert_bytes": expert_bytes,
-                "source": f"profile {profile.get('name')}"}
-    gen = storage_bandwidth(emap, max_bytes=128 << 20)
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            rates = stop.value[0]
-            break
-    if 1 not in rates or 8 not in rates:
+    if not rates:
         return None
-    return {"qd1_gb_s": rates[1] / 1e9, "qd8_gb_s": rates[8] / 1e9, "expert_bytes": expert_bytes,
-            "source": "measured by this run"}
+    return {"qd1_gb_s": rates[0], "qd8_gb_s": rates[1], "expert_bytes": expert_bytes,
+            "by_budget": {label: {"qd8_gb_s": rates[1], "qd8_range": [rates[1], rates[1]]} for label in around},
+            "source": f"profile {profile.get('name')}"}
 
 
 def _resident_verify_cost(resident_fit: dict, profile: dict | None, info):
@@ -219,8 +259,11 @@ def offloaded_fit_clauses(c: dict) -> list[str]:
     out = [f"counting fetched experts ({m['miss_share']:.0%} of those read): R² {m['r2']:.3f}, MAPE {m['mape']:.1%}, "
            f"T_exp cold {m['t_exp_cold_s'] * 1e3:.3f} ms, warm {m['t_exp_warm_s'] * 1e3:.3f} ms"]
     if m.get("bound_ratio"):
+        span = m.get("bound_ratio_range") or [None, None]
+        spread = (f"; {span[0]:.2f}–{span[1]:.2f}× at the slowest and fastest pass read around it"
+                  if None not in span and span[0] != span[1] else "")
         out.append(f"verifications took {m['bound_ratio']:.2f}× their bound (fetched experts at the depth-8 rate, "
-                   "the rest as resident)")
+                   f"the rest as resident{spread})")
     g = m.get("given_faults")
     if g:
         out.append(f"given the storage faults taken ({g['faults_per_verification']:.1f} per verification, known only "
@@ -441,14 +484,15 @@ def run(args) -> int:
         if b != "none":
             offload.Budget.parse(b)  # a bad size is a one-line error before anything runs
     inside = offload.current_budget()
-    extra_rows, budget_fits, storage = [], {}, None
-    if inside is None and budgets != ["none"]:
-        storage = measure_storage(model, profile if args.profile else None, info.fingerprint)
+    extra_rows, budget_fits, storage, around = [], {}, None, {}
     if inside is None:
         # the parent: each budget runs in its own cgroup, "none" resident in this process
+        emap = offload.expert_map(model) if budgets != ["none"] else None
         for b in budgets:
             if b != "none":
+                before = read_storage(emap)
                 rows, label, fit, size = _budget_rows(args, model, b)
+                around[label] = before + read_storage(emap)
                 extra_rows += rows
                 if args.reference:
                     extra_rows.append(_reference_row(args, model, set_name, label, size, rows))
@@ -505,14 +549,22 @@ def run(args) -> int:
         if here == "none" and args.reference:
             done.rows.append(_reference_row(args, model, set_name, "none", None, done.rows))
         done.rows.extend(extra_rows)
+        if around:
+            storage = storage_record(around, float(emap.expert_bytes[list(emap.moe_layers)].mean()),
+                                     profile if args.profile else None, info.fingerprint)
         if storage is not None:
-            storage_bound(done.rows, storage["expert_bytes"], storage["qd8_gb_s"] * 1e9)
+            rates = storage["by_budget"]
+            storage_bound(done.rows, storage["expert_bytes"], {k: v["qd8_gb_s"] * 1e9 for k, v in rates.items()})
             done.config["storage"] = storage
             resident_cost = _resident_verify_cost(done.cost_model, profile if args.profile else None, info)
-            for c in budget_fits.values():
+            for label, c in budget_fits.items():
                 if c.get("miss_aware") and resident_cost is not None:
-                    c["miss_aware"]["bound_ratio"] = verification_bound_ratio(
-                        c, resident_cost, storage["expert_bytes"], storage["qd8_gb_s"] * 1e9)
+                    def ratio(gb_s):
+                        return verification_bound_ratio(c, resident_cost, storage["expert_bytes"], gb_s * 1e9)
+                    lo, hi = rates[label]["qd8_range"]
+                    c["miss_aware"]["bound_ratio"] = ratio(rates[label]["qd8_gb_s"])
+                    # the slowest pass read around the budget gives the smallest ratio
+                    c["miss_aware"]["bound_ratio_range"] = [ratio(lo), ratio(hi)]
         done.cost_model_by_budget.update(budget_fits)
     done.config["placement"] = placement.as_dict()  # where the weights were: the report says what ran
     done.config["batch_size"] = args.batch_size  # what a budget counted for llama.cpp's compute buffers

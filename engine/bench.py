@@ -384,15 +384,16 @@ def reference_row(result: dict, budget: str, ar: BenchRow | None, prompt_set: st
                     t_verify=result["seconds"], identical_to_ar=None)
 
 
-def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: float) -> None:
-    """Fill each offloaded row's physical bound: the speed at which storage at `bandwidth` (bytes/s) delivers
-    the experts the mode fetched per token, plus the compute the same mode spends per token fully resident
-    where this run measured it (a row with budget "none")."""
+def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: dict[str, float]) -> None:
+    """Fill each offloaded row's physical bound: the speed at which storage at its budget's `bandwidth`
+    (budget label → bytes/s) delivers the experts the mode fetched per token, plus the compute the same mode
+    spends per token fully resident where this run measured it (a row with budget "none")."""
     resident = {r.mode: r.seconds / r.n_tokens for r in rows if r.budget == "none" and r.n_tokens}
     for r in rows:
-        if r.fetched_per_token is None or bandwidth <= 0:
+        rate = bandwidth.get(r.budget, 0.0)
+        if r.fetched_per_token is None or rate <= 0:
             continue
-        per_token = r.fetched_per_token * expert_bytes / bandwidth + resident.get(r.mode, 0.0)
+        per_token = r.fetched_per_token * expert_bytes / rate + resident.get(r.mode, 0.0)
         r.bound_tok_per_s = 1.0 / per_token if per_token > 0 else None
 
 
