@@ -586,7 +586,10 @@ def _step_under_budget(cal: _Calibration, index: int):
             skip = f"failed: {e}"
             res = None
         if res is not None:
-            yield _cold_result(cal, index, res)
+            # The disk again, now that the batches have run: a rate that moved while they ran is what a
+            # poor fit then comes from (faults per batch stay near zero), and the profile keeps the mean.
+            after, _, _ = yield from cal.live(storage_bandwidth(cal.emap, seed=1), index)
+            yield _cold_result(cal, index, res, after)
     if cal.cold is None:
         derived = "; cold T_exp derived from storage bandwidth" if cal.sto_bw else ""
         yield StepResult(index, STEPS[index - 1][0], f"{skip}{derived}", {"skipped": skip})
@@ -629,8 +632,25 @@ def _step_gpu(cal: _Calibration, index: int):
                       "fit_copy": _fit_dict(fit)})
 
 
-def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
-    """Fit what the cold worker measured; keep it on cal.cold."""
+# Readings of the disk before and after the budgeted batches further apart than this say that its rate
+# moved while they ran.
+STORAGE_DRIFT = 1.25
+
+
+def storage_drift_note(before: float | None, after: float | None) -> str:
+    """What the reading after the budgeted batches adds to their result (rates at queue depth 8, bytes/s)."""
+    if not before or not after:
+        return ""
+    note = f" · the disk read {before / 1e9:.2f} GB/s at depth 8 before these batches and {after / 1e9:.2f} after"
+    if max(before, after) / min(before, after) > STORAGE_DRIFT:
+        note += (": its rate moved while they ran, so the fit is noisier than this disk's usual (calibrate again "
+                 "when it is quiet)")
+    return note
+
+
+def _cold_result(cal: _Calibration, index: int, res: dict, after: dict) -> StepResult:
+    """Fit what the cold worker measured; keep it on cal.cold. after: the storage rates read once it was done
+    ({queue depth: bytes/s}); the profile keeps the mean of those and the first step's."""
     from .projection import decoding_fetch_price
 
     cal.budget_bytes = res["budget"]
@@ -655,6 +675,14 @@ def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
             "split": res["split"], "peak": res["peak"], "n_batch": res.get("n_batch"),
             "pinned": res["pinned"], "r2_given_faults": given["r2"], "faults": faults}
     miss_rate = sum(misses) / max(1.0, sum(experts))
+    deep = STORAGE_DEPTHS[-1]
+    drift = storage_drift_note(cal.sto_bw_deep, (after or {}).get(deep))
+    if after:
+        data["storage_after_gb_s"] = {str(d): bw / 1e9 for d, bw in after.items()}
+        if cal.sto_bw and after.get(1):
+            cal.sto_bw = (cal.sto_bw + after[1]) / 2
+        if cal.sto_bw_deep and after.get(deep):
+            cal.sto_bw_deep = (cal.sto_bw_deep + after[deep]) / 2
     plain = ""
     if cal.cache_fit and cal.cache_fit.get("step_ms"):
         held = cal.cache_fit
@@ -670,7 +698,7 @@ def _cold_result(cal: _Calibration, index: int, res: dict) -> StepResult:
                       f"{mfit.t_tok * 1e3:.2f} ms · R² {mfit.r2:.3f} · MAPE {mfit.mape:.1%} · "
                       f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
                       f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
-                      f"peak {fmt_bytes(res['peak'] or 0)}{plain}", data)
+                      f"peak {fmt_bytes(res['peak'] or 0)}{plain}{drift}", data)
 
 
 def _cache_fit(plain: dict, record: dict | None, n_expert: int, expert_bytes: float) -> dict | None:

@@ -141,6 +141,24 @@ def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
     held = block["cache_fit"]
     assert held["step_ms"] > 0 and held["tokens"] > 0
     assert f"plain decoding {held['step_ms']:.1f} ms a token" in budget.summary
+    # the disk is read again once the batches ran (where the file can be read cold): the profile keeps the mean
+    first = [e for e in events if isinstance(e, StepResult) and e.index == 1][0].data
+    after = budget.data.get("storage_after_gb_s") or {}
+    if first["storage_bandwidth_qd8_gb_s"] and after.get("8"):
+        mean = (first["storage_bandwidth_qd8_gb_s"] + after["8"]) / 2
+        assert block["storage_bandwidth_qd8_gb_s"] == pytest.approx(mean, abs=1e-3)
+        assert "before these batches" in budget.summary
+
+
+def test_a_disk_whose_rate_moved_during_the_budgeted_batches_is_named_as_the_fit_s_noise():
+    from s2moe.engine.calibrate import storage_drift_note
+
+    steady = storage_drift_note(1.2e9, 1.1e9)
+    assert steady == " · the disk read 1.20 GB/s at depth 8 before these batches and 1.10 after"
+    moved = storage_drift_note(0.7e9, 1.2e9)
+    assert moved.startswith(" · the disk read 0.70 GB/s") and "calibrate again" in moved
+    assert "calibrate again" in storage_drift_note(1.2e9, 0.7e9)
+    assert storage_drift_note(None, 1e9) == storage_drift_note(1e9, None) == ""
 
 
 @pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
