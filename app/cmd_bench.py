@@ -189,16 +189,11 @@ def read_storage(emap) -> list[tuple[float, float]]:
     """Cold reads of this model's experts now, STORAGE_PASSES passes: [(bytes/s at queue depth 1, at depth 8)];
     none where the file's pages stay in memory (another process maps them)."""
     from ..engine.calibrate import storage_bandwidth
+    from ..engine.costmodel import drive
 
     out = []
     for seed in range(STORAGE_PASSES):
-        gen = storage_bandwidth(emap, max_bytes=128 << 20, seed=seed)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                rates = stop.value[0]
-                break
+        rates = drive(storage_bandwidth(emap, max_bytes=128 << 20, seed=seed))[0]
         if 1 in rates and 8 in rates:
             out.append((rates[1], rates[8]))
     return out

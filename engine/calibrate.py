@@ -586,8 +586,8 @@ def _step_under_budget(cal: _Calibration, index: int):
             skip = f"failed: {e}"
             res = None
         if res is not None:
-            # The disk again, now that the batches have run: a rate that moved while they ran is what a
-            # poor fit then comes from (faults per batch stay near zero), and the profile keeps the mean.
+            # The disk again, now that the batches have run: its rate moving under them shows as a poorer
+            # fit that their storage faults do not explain, and the profile keeps the mean of both readings.
             after, _, _ = yield from cal.live(storage_bandwidth(cal.emap, seed=1), index)
             yield _cold_result(cal, index, res, after)
     if cal.cold is None:
@@ -676,7 +676,7 @@ def _cold_result(cal: _Calibration, index: int, res: dict, after: dict) -> StepR
             "pinned": res["pinned"], "r2_given_faults": given["r2"], "faults": faults}
     miss_rate = sum(misses) / max(1.0, sum(experts))
     deep = STORAGE_DEPTHS[-1]
-    drift = storage_drift_note(cal.sto_bw_deep, (after or {}).get(deep))
+    drift = storage_drift_note(cal.sto_bw_deep, after.get(deep))
     if after:
         data["storage_after_gb_s"] = {str(d): bw / 1e9 for d, bw in after.items()}
         if cal.sto_bw and after.get(1):
