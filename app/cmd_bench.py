@@ -180,8 +180,9 @@ def storage_line(storage: dict) -> str:
             "where this run measured it")
 
 
-# This disk's rate moves by ±20% from one pass to the next and drifts over minutes, so the bound is read
-# from passes just before and just after each budget ran, not from a calibration made hours earlier.
+# A disk's rate moves from one pass to the next and drifts over minutes (README, "Verification against its
+# bound"), so the bound is read from passes just before and just after each budget ran, not from a
+# calibration made hours earlier.
 STORAGE_PASSES = 3
 
 
