@@ -189,6 +189,11 @@ class RoutingHook:
         allows (each reads the router's own choice, which may have to be fetched)."""
         return int(self.lib.s2_hook_mask_fallbacks(self.handle))
 
+    def narrowed(self) -> int:
+        """Draft layers, since creation, whose expert matmuls ran on k_d slots instead of k (CPU only: the
+        dropped slots then cost no compute, where repeated ids would be computed again)."""
+        return int(self.lib.s2_hook_narrowed(self.handle))
+
     def mask_evicted(self) -> int:
         """Experts, since creation, that a draft's mask allowed but that were out of memory when their layer
         routed (pages evicted since the mask was made, or never in memory where the mask allows any)."""

@@ -12,7 +12,11 @@
 //            with a residency mask (s2_hook_draft_masked), the top-k_d of the router's ranking among
 //            the experts the mask allows and, with a residency callback (s2_hook_set_resident), that
 //            are in memory as the layer routes (a draft that fetches nothing), each with its router
-//            probability as weight; the router's own next choices where a layer has too few;
+//            probability as weight; the router's own next choices where a layer has too few.
+//            Repeated ids are not read again, but the CPU's MUL_MAT_ID computes every slot. Where it runs
+//            on the CPU, a draft also lowers the ids view's slot count to k_d until the layer's down
+//            matmul has run: MUL_MAT_ID loops over ids->ne[0] slots, so the dropped slots cost nothing,
+//            and their rows of the down output, never written, are zeroed before they are weighted;
 //   gate:    reuse-aware gating of a verification batch: bias each token's selection scores
 //            toward the batch's preferred experts E*, mix with the unbiased probabilities;
 //   skip:    layer skipping: in the layers marked, every slot reads one given expert with weight 0,
@@ -84,6 +88,9 @@ typedef struct s2_hook {
     int64_t n_hooked;    // weight nodes handled since creation
     int64_t n_skipped;   // weight nodes with unexpected shapes (left untouched)
     int64_t n_mask_fallback; // masked drafts: kept slots the mask could not fill (the router's choice instead)
+    int64_t n_narrowed;      // draft layers whose expert matmuls ran on k_d slots only
+    struct ggml_tensor **narrowed;  // [n_layer] the ids view narrowed for this decode, until its down matmul
+    int stage_pending;       // the node the scheduler stopped at was asked for by on_stage too
     int64_t n_mask_evicted;  // masked drafts: experts the mask allowed that were found out of memory
 
     // scratch
@@ -120,10 +127,11 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
     h->in_row = malloc(n_expert);
     h->pool = malloc(n_expert * sizeof(int32_t));
     h->allowed = malloc(n_expert);
+    h->narrowed = calloc((size_t)n_layer, sizeof(struct ggml_tensor *));
     if (!h->scores || !h->probs || !h->ranks || !h->w || !h->importance || !h->in_pref || !h->in_row || !h->pool ||
-        !h->allowed) {
+        !h->allowed || !h->narrowed) {
         free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-        free(h->in_row); free(h->pool); free(h->allowed);
+        free(h->in_row); free(h->pool); free(h->allowed); free(h->narrowed);
         free(h);
         return NULL;
     }
@@ -133,7 +141,7 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
 void s2_hook_free(s2_hook *h) {
     if (!h) return;
     free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-    free(h->in_row); free(h->pool); free(h->allowed); free(h->route_ids);
+    free(h->in_row); free(h->pool); free(h->allowed); free(h->route_ids); free(h->narrowed);
     free(h);
 }
 
@@ -201,6 +209,7 @@ void s2_hook_set_distinct_min_rows(s2_hook *h, int min_rows) { h->distinct_min_r
 int64_t s2_hook_hooked(const s2_hook *h) { return h->n_hooked; }
 int64_t s2_hook_skipped(const s2_hook *h) { return h->n_skipped; }
 int64_t s2_hook_mask_fallbacks(const s2_hook *h) { return h->n_mask_fallback; }
+int64_t s2_hook_narrowed(const s2_hook *h) { return h->n_narrowed; }
 int64_t s2_hook_mask_evicted(const s2_hook *h) { return h->n_mask_evicted; }
 
 // Masked drafts: whether expert e of layer may be read, i.e. the mask allows it and (with a residency
@@ -476,6 +485,11 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
                 used[(size_t)r * k + j] = used[(size_t)r * k + j % h->k_draft];
                 h->w[(size_t)r * k + j] = h->drop_weight;
             }
+        if (!distinct && host_ids && h->distinct_min_rows == 0) {  // no GPU its matmuls could run on
+            topk->ne[0] = h->k_draft;
+            h->narrowed[layer] = topk;
+            h->n_narrowed++;
+        }
         if (distinct) {
             int n_pool = 0;
             memset(h->in_row, 0, ne);
@@ -527,6 +541,18 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
     h->n_hooked++;
 }
 
+// A narrowed draft layer's down matmul has run on its k_d slots: zero the rows of the others (never
+// written: whatever the buffer held) and give the ids view its k slots back for the graph's next use.
+static void widen_after_down(s2_hook *h, struct ggml_tensor *down, int layer) {
+    struct ggml_tensor *topk = h->narrowed[layer];
+    const int kd = (int)topk->ne[0];
+    topk->ne[0] = h->k;
+    h->narrowed[layer] = NULL;
+    for (int64_t r = 0; r < down->ne[2]; ++r)
+        for (int j = kd; j < down->ne[1]; ++j)
+            memset((char *)down->data + r * down->nb[2] + j * down->nb[1], 0, (size_t)down->ne[0] * sizeof(float));
+}
+
 // The cb_eval. ask=true: do we want this node's data? ask=false: the node is computed.
 bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     s2_hook *h = user_data;
@@ -535,13 +561,18 @@ bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     const char *name = t->name;
     if (name[0] != 'f' || name[1] != 'f' || name[4] != 'm') return ask ? false : true;
     int layer;
-    for (int kind = 0; h->on_stage && kind < 3; ++kind) {
+    for (int kind = 0; kind < 3; ++kind) {
         layer = layer_of(name, STAGES[kind].prefix, STAGES[kind].len);
-        if (layer >= 0) {
-            if (ask) return h->on_stage(h->stage_ctx, layer, kind, 1) != 0;
-            h->on_stage(h->stage_ctx, layer, kind, 0);
-            return true;
+        if (layer < 0) continue;
+        const bool narrowed = STAGES[kind].prefix == DOWN && layer < h->n_layer && h->narrowed[layer];
+        if (ask) {
+            h->stage_pending = h->on_stage && h->on_stage(h->stage_ctx, layer, kind, 1) != 0;
+            return h->stage_pending || narrowed;
         }
+        if (narrowed) widen_after_down(h, t, layer);
+        if (h->stage_pending) h->on_stage(h->stage_ctx, layer, kind, 0);
+        h->stage_pending = 0;
+        return true;
     }
     layer = layer_of(name, WEIGHTS, sizeof(WEIGHTS) - 1);
     if (layer >= 0) {

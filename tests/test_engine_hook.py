@@ -242,10 +242,16 @@ def test_backend_copies_match_host_copies(decoders, arch, mode):
             rt.hook.force_backend_copy(False)
             _fresh(rt)
 
+    before = rt.hook.narrowed()
     host_logits, host = run(False)
+    narrowed = rt.hook.narrowed() - before
     dev_logits, dev = run(True)
     if mode != "observe":
         assert (host.used != host.orig).any()  # the rewrite path really ran
+    # On host buffers a draft's expert matmuls run on its k_d slots only (the device path repeats ids, which a
+    # GPU does not read twice): the logits must not change by a bit.
+    assert (narrowed == rt.info.n_layer) == (mode in ("draft", "masked"))
+    assert rt.hook.narrowed() - before == narrowed
     np.testing.assert_array_equal(host_logits, dev_logits)
     for field in ("orig", "used", "weight", "rows"):
         np.testing.assert_array_equal(getattr(host, field), getattr(dev, field))
