@@ -108,6 +108,10 @@ class RoutingHook:
         self.rows[:] = 0
         self.n_preferred[:] = 0
 
+    def end(self) -> None:
+        """After every decode, returned or failed: no ids view stays narrowed into the graph's next use."""
+        self.lib.s2_hook_end(self.handle)
+
     def off(self) -> None:
         self.lib.s2_hook_off(self.handle)
         self.mode = "off"
@@ -193,6 +197,10 @@ class RoutingHook:
         """Draft layers, since creation, whose expert matmuls ran on k_d slots instead of k (CPU only: the
         dropped slots then cost no compute, where repeated ids would be computed again)."""
         return int(self.lib.s2_hook_narrowed(self.handle))
+
+    def unwidened(self) -> int:
+        """Narrowed ids views, since creation, whose down matmul never reached the hook (restored by end())."""
+        return int(self.lib.s2_hook_unwidened(self.handle))
 
     def mask_evicted(self) -> int:
         """Experts, since creation, that a draft's mask allowed but that were out of memory when their layer

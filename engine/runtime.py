@@ -439,8 +439,12 @@ class LlamaRuntime:
         if self.hook is not None:
             self.hook.begin()
         logged = _log_count
-        with held_signals():  # a decode logs too (a graph reserved anew, a warning)
-            rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        try:
+            with held_signals():  # a decode logs too (a graph reserved anew, a warning)
+                rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        finally:
+            if self.hook is not None:
+                self.hook.end()
         if rc != 0:
             raise ModelError(f"llama.cpp could not decode a batch of {n} tokens (code {rc}): "
                              f"{first_llama_error(_log_count - logged)}")

@@ -134,6 +134,8 @@ def library() -> ctypes.CDLL:
         "s2_hook_mask_fallbacks": (ctypes.c_int64, [hp]),
         "s2_hook_mask_evicted": (ctypes.c_int64, [hp]),
         "s2_hook_narrowed": (ctypes.c_int64, [hp]),
+        "s2_hook_unwidened": (ctypes.c_int64, [hp]),
+        "s2_hook_end": (None, [hp]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -89,7 +89,9 @@ typedef struct s2_hook {
     int64_t n_skipped;   // weight nodes with unexpected shapes (left untouched)
     int64_t n_mask_fallback; // masked drafts: kept slots the mask could not fill (the router's choice instead)
     int64_t n_narrowed;      // draft layers whose expert matmuls ran on k_d slots only
+    int64_t n_unwidened;     // narrowed views whose down matmul never reached the hook (s2_hook_end)
     struct ggml_tensor **narrowed;  // [n_layer] the ids view narrowed for this decode, until its down matmul
+    uint8_t *down_seen;      // [n_layer] a node named ffn_moe_down-L was in a graph: only then is L narrowed
     int stage_pending;       // the node the scheduler stopped at was asked for by on_stage too
     int64_t n_mask_evicted;  // masked drafts: experts the mask allowed that were found out of memory
 
@@ -128,10 +130,11 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
     h->pool = malloc(n_expert * sizeof(int32_t));
     h->allowed = malloc(n_expert);
     h->narrowed = calloc((size_t)n_layer, sizeof(struct ggml_tensor *));
+    h->down_seen = calloc((size_t)n_layer, 1);
     if (!h->scores || !h->probs || !h->ranks || !h->w || !h->importance || !h->in_pref || !h->in_row || !h->pool ||
-        !h->allowed || !h->narrowed) {
+        !h->allowed || !h->narrowed || !h->down_seen) {
         free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-        free(h->in_row); free(h->pool); free(h->allowed); free(h->narrowed);
+        free(h->in_row); free(h->pool); free(h->allowed); free(h->narrowed); free(h->down_seen);
         free(h);
         return NULL;
     }
@@ -141,8 +144,19 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
 void s2_hook_free(s2_hook *h) {
     if (!h) return;
     free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-    free(h->in_row); free(h->pool); free(h->allowed); free(h->route_ids); free(h->narrowed);
+    free(h->in_row); free(h->pool); free(h->allowed); free(h->route_ids); free(h->narrowed); free(h->down_seen);
     free(h);
+}
+
+// After every decode, returned or failed: a view still narrowed (its down matmul never reached the hook) gets
+// its k slots back while the graph that holds it is still allocated, before the graph is used again.
+void s2_hook_end(s2_hook *h) {
+    for (int l = 0; l < h->n_layer; ++l)
+        if (h->narrowed[l]) {
+            h->narrowed[l]->ne[0] = h->k;
+            h->narrowed[l] = NULL;
+            h->n_unwidened++;
+        }
 }
 
 void s2_hook_bind(s2_hook *h, int32_t *orig, int32_t *used, float *weight, int32_t *rows,
@@ -210,6 +224,7 @@ int64_t s2_hook_hooked(const s2_hook *h) { return h->n_hooked; }
 int64_t s2_hook_skipped(const s2_hook *h) { return h->n_skipped; }
 int64_t s2_hook_mask_fallbacks(const s2_hook *h) { return h->n_mask_fallback; }
 int64_t s2_hook_narrowed(const s2_hook *h) { return h->n_narrowed; }
+int64_t s2_hook_unwidened(const s2_hook *h) { return h->n_unwidened; }
 int64_t s2_hook_mask_evicted(const s2_hook *h) { return h->n_mask_evicted; }
 
 // Masked drafts: whether expert e of layer may be read, i.e. the mask allows it and (with a residency
@@ -485,7 +500,8 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
                 used[(size_t)r * k + j] = used[(size_t)r * k + j % h->k_draft];
                 h->w[(size_t)r * k + j] = h->drop_weight;
             }
-        if (!distinct && host_ids && h->distinct_min_rows == 0) {  // no GPU its matmuls could run on
+        // no GPU its matmuls could run on, and a down matmul of a name the hook knows, seen in an earlier graph
+        if (!distinct && host_ids && h->distinct_min_rows == 0 && h->down_seen[layer]) {
             topk->ne[0] = h->k_draft;
             h->narrowed[layer] = topk;
             h->n_narrowed++;
@@ -564,8 +580,10 @@ bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     for (int kind = 0; kind < 3; ++kind) {
         layer = layer_of(name, STAGES[kind].prefix, STAGES[kind].len);
         if (layer < 0) continue;
-        const bool narrowed = STAGES[kind].prefix == DOWN && layer < h->n_layer && h->narrowed[layer];
+        const bool down = STAGES[kind].prefix == DOWN && layer < h->n_layer;
+        const bool narrowed = down && h->narrowed[layer];
         if (ask) {
+            if (down) h->down_seen[layer] = 1;
             h->stage_pending = h->on_stage && h->on_stage(h->stage_ctx, layer, kind, 1) != 0;
             return h->stage_pending || narrowed;
         }

@@ -242,6 +242,10 @@ def test_backend_copies_match_host_copies(decoders, arch, mode):
             rt.hook.force_backend_copy(False)
             _fresh(rt)
 
+    # a layer is narrowed only once a graph has shown the hook its down matmul's node
+    _fresh(rt)
+    rt.hook.observe()
+    rt.decode(batch, 0, "none")
     before = rt.hook.narrowed()
     host_logits, host = run(False)
     narrowed = rt.hook.narrowed() - before
@@ -252,6 +256,7 @@ def test_backend_copies_match_host_copies(decoders, arch, mode):
     # GPU does not read twice): the logits must not change by a bit.
     assert (narrowed == rt.info.n_layer) == (mode in ("draft", "masked"))
     assert rt.hook.narrowed() - before == narrowed
+    assert rt.hook.unwidened() == 0  # every narrowed view got its slots back at its own down matmul
     np.testing.assert_array_equal(host_logits, dev_logits)
     for field in ("orig", "used", "weight", "rows"):
         np.testing.assert_array_equal(getattr(host, field), getattr(dev, field))
