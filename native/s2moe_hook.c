@@ -566,7 +566,7 @@ static void widen_after_down(s2_hook *h, struct ggml_tensor *down, int layer) {
     h->narrowed[layer] = NULL;
     for (int64_t r = 0; r < down->ne[2]; ++r)
         for (int j = kd; j < down->ne[1]; ++j)
-            memset((char *)down->data + r * down->nb[2] + j * down->nb[1], 0, (size_t)down->ne[0] * sizeof(float));
+            memset((char *)down->data + r * down->nb[2] + j * down->nb[1], 0, (size_t)down->ne[0] * down->nb[0]);
 }
 
 // The cb_eval. ask=true: do we want this node's data? ask=false: the node is computed.
