@@ -398,19 +398,36 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     return reference_row(result, label, ar, set_name, args.n_prompts)
 
 
+def _trace_tag(budget_text: str) -> str:
+    """The name a budget's trace files start with: resident-000.jsonl, budget-auto-000.jsonl, …"""
+    import re
+
+    return "resident" if budget_text == "none" else "budget-" + re.sub(r"[^A-Za-z0-9.]+", "_", budget_text)
+
+
 def _write_trace(folder: str, budget_text: str, ev, off, hot) -> None:
     """DIR/resident-000.jsonl, DIR/budget-auto-000.jsonl, …: one file per prompt and budget."""
-    import re
     from pathlib import Path
 
     from ..engine.offload import Budget
     from ..engine.trace import budget_record, write_trace
 
-    tag = "resident" if budget_text == "none" else "budget-" + re.sub(r"[^A-Za-z0-9.]+", "_", budget_text)
     trace = ev.trace
     if off is not None:
         trace = trace.with_budget(budget_record(off, hot, Budget.parse(budget_text).auto))
-    write_trace(Path(folder) / f"{tag}-{ev.prompt_index:03d}.jsonl", trace)
+    write_trace(Path(folder) / f"{_trace_tag(budget_text)}-{ev.prompt_index:03d}.jsonl", trace)
+
+
+def _record_storage_in_traces(folder: str, budget_text: str, passes: list[tuple[float, float]]) -> None:
+    """Give the budget's traces the disk as read around their run (the median pass), for `project --disk trace`."""
+    from pathlib import Path
+
+    from ..engine.trace import record_storage
+
+    if passes:
+        record_storage(sorted(Path(folder).glob(f"{_trace_tag(budget_text)}-*.jsonl")),
+                       {"qd1_gb_s": statistics.median(r[0] for r in passes) / 1e9,
+                        "qd8_gb_s": statistics.median(r[1] for r in passes) / 1e9, "readings": len(passes)})
 
 
 def run(args) -> int:
@@ -489,6 +506,8 @@ def run(args) -> int:
                 before = read_storage(emap)
                 rows, label, fit, size = _budget_rows(args, model, b)
                 around[label] = before + read_storage(emap)
+                if args.trace is not None:
+                    _record_storage_in_traces(args.trace, b, around[label])
                 extra_rows += rows
                 if args.reference:
                     extra_rows.append(_reference_row(args, model, set_name, label, size, rows))

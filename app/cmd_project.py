@@ -38,6 +38,10 @@ def add_parser(sub) -> None:
                         "profile's, as calibrate measured them (default; a profile from before it did: fitted from "
                         "the traces, said so), fitted from the traces' own timings (in-sample, only where they "
                         "were recorded), or none")
+    p.add_argument("--disk", choices=("profile", "trace"), default="profile",
+                   help="price a fetch as calibrate measured it (default), or on the disk the traces' own run "
+                        "read around its budget (bench --trace records it): replaying on the device that recorded "
+                        "them, whose disk's rate moves from day to day")
     p.add_argument("--against", metavar="BENCH_JSON", type=nonempty,
                    help="a bench --json result of the same run: print measured tok/s and the projection's error")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -114,7 +118,7 @@ def run(args) -> int:
     profile = load_profile(args.profile)
     traces = [read_trace(f) for f in trace_files(args.traces)]
     p = project(traces, profile, budget=args.budget, modes=modes, threshold=args.threshold, policy=args.cache,
-                fit_cache=args.fit_cache, terms=args.terms, cache_size=args.cache_size)
+                fit_cache=args.fit_cache, terms=args.terms, cache_size=args.cache_size, disk=args.disk)
     measured = measured_rows(args.against, args.budget) if args.against else None
     if args.json:
         out = p.as_dict()

@@ -76,9 +76,11 @@ class DeviceCosts:
     terms: WorkloadTerms | None = None  # what calibrate measured beyond them (None: a profile from before it did)
 
 
-def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> DeviceCosts:
+def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool, disk_gb_s: float | None = None) -> DeviceCosts:
     """The profile's constants for the trace's model (its calibration for that model, else its reference
-    constants: then the trace stands in for the profile's model, whose expert size and costs apply)."""
+    constants: then the trace stands in for the profile's model, whose expert size and costs apply).
+    disk_gb_s: the depth-8 rate the traces' own run read; a fetch is then priced on that disk rather than on
+    the one calibrate read (the same device on another day: a fetch's time scales with the rate)."""
     name = profile.get("name", "?")
     rule = cost_for_model(profile, header.fingerprint, header.model, offloaded=offloaded)
     block = model_block(profile, header.fingerprint)
@@ -126,6 +128,17 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
         t_fetch, how = by_bandwidth, "fetch: expert bytes over the profile's storage bandwidth"
     else:
         t_fetch, how = 0.0, "fetch: free (the profile gives no cold cost or storage bandwidth)"
+    if disk_gb_s is not None:
+        if not measured:
+            raise ConfigError(f"profile {name} was not calibrated for model {header.model}: pricing fetches on the "
+                              f"disk the traces were recorded on needs a profile of that device and model")
+        if not storage:
+            raise ConfigError(f"profile {name} records no storage rate to price the traces' disk against: "
+                              f"calibrate again")
+        scale = storage / disk_gb_s
+        t_fetch *= scale
+        how += (f"; on the traces' disk, {disk_gb_s:.2f} GB/s at depth 8 against the profile's {storage:.2f} "
+                f"(×{scale:.2f})")
     if not measured:
         # A reference profile's T_exp is the paper's: the cost of fetching an expert. Resident, an expert costs
         # its bytes over the memory bandwidth, where the profile gives one.
@@ -135,6 +148,22 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool) -> Devi
              + how)
     return DeviceCosts(name, ms("t_ar_ms"), ms("c_draft_ms"), t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis,
                        measured, profile_terms(block))
+
+
+DISK_SOURCES = ("profile", "trace")
+
+
+def traces_disk(traces: list[Trace]) -> float:
+    """GB/s at depth 8: the median of the disk readings the traces carry (bench reads the disk around each
+    budget); ConfigError where one carries none."""
+    rates = []
+    for tr in traces:
+        storage = (tr.header.budget or {}).get("storage")
+        if not storage:
+            raise ConfigError(f"trace {tr.name} carries no reading of its disk (recorded by generate, resident, or "
+                              f"by a bench before bench read the disk around each budget)")
+        rates.append(float(storage["qd8_gb_s"]))
+    return float(np.median(rates))
 
 
 def decoding_fetch_price(step_ms: float | None, fetched_per_token: float | None, t_ar_ms: float) -> float | None:
@@ -754,7 +783,7 @@ def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[Worklo
 
 def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=RUNNABLE_MODES,
             threshold: float | None = None, policy: str = "lru", fit_cache: bool = False,
-            terms: str = "profile", cache_size: str = "plan") -> Projection:
+            terms: str = "profile", cache_size: str = "plan", disk: str = "profile") -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
     evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own
     reads (traces recorded under this same budget), instead of the budget plan's size. terms: what is charged
@@ -762,7 +791,11 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     (a profile without one: fitted from the traces where the profile was calibrated for their model, as before
     calibrate measured them, and said so), fitted from the traces (in-sample), or none. cache_size: "plan" keeps the
     plan's size; "calibrated" scales it by what the profile's calibration found the offloading held in effect
-    under its budget, where it measured that (not the default: it did not predict another budget's fetches)."""
+    under its budget, where it measured that (not the default: it did not predict another budget's fetches).
+    disk: "profile" prices a fetch as calibrate measured it; "trace" scales that price to the disk the traces'
+    own run read around its budget (bench --trace records it): a replay on the device that recorded them."""
+    if disk not in DISK_SOURCES:
+        raise ConfigError(f"unknown disk {disk!r} (choose from {', '.join(DISK_SOURCES)})")
     if terms not in TERM_SOURCES:
         raise ConfigError(f"unknown source of terms {terms!r} (choose from {', '.join(TERM_SOURCES)})")
     if policy not in CACHE_POLICIES:
@@ -779,7 +812,7 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
             raise ConfigError(f"trace {tr.name} drafted from {h.draft_experts} experts and {traces[0].name} from "
                               f"{h0.draft_experts} ones: project one kind of draft at a time")
     offloaded = budget not in (None, "none")
-    costs = device_costs(profile, h0, offloaded=offloaded)
+    costs = device_costs(profile, h0, offloaded=offloaded, disk_gb_s=traces_disk(traces) if disk == "trace" else None)
     plan = cache_plan(budget, h0, profile, costs.expert_bytes)
     charged, why = _terms(traces, costs, terms)
     out = Projection(costs.profile, plan.label, f"{costs.basis}; {why}", len(traces), charged.how)

@@ -65,7 +65,8 @@ class TraceHeader:
     temperature: float
     prompt_tokens: int
     cost: dict | None = None  # the constants the rule decided with (CostConstants fields, seconds)
-    # under a memory budget: {"auto": bool, "budget_bytes", "hot_bytes", "cache_bytes", "pinned": [[layer, expert]…]}
+    # under a memory budget: {"auto": bool, "budget_bytes", "hot_bytes", "cache_bytes", "pinned": [[layer, expert]…]},
+    # and where bench read the disk around that budget, "storage": {"qd1_gb_s", "qd8_gb_s", "readings"}
     budget: dict | None = None
     # what the draft passes read (GenerationConfig.draft_experts): "router", its top k_d, fetched where missing;
     # "resident", only experts in memory, so that they fetch nothing. Not recorded before the router's became
@@ -309,6 +310,14 @@ def _header(obj) -> TraceHeader:
                 isinstance(p, list) and len(p) == 2 and 0 <= _int(p[0], "pinned layer") < obj["n_layer"]
                 and 0 <= _int(p[1], "pinned expert") < obj["n_expert"] for p in pinned):
             raise _Bad("header budget field pinned must be a list of [layer, expert] pairs inside the model")
+        storage = budget.get("storage")
+        if storage is not None:
+            if not isinstance(storage, dict):
+                raise _Bad("header budget field storage must be a mapping")
+            for key in ("qd1_gb_s", "qd8_gb_s"):
+                if _num(storage.get(key), f"header storage field {key}") <= 0:
+                    raise _Bad(f"header storage field {key} must be above 0")
+            _int(storage.get("readings"), "header storage field readings", 1)
     if obj.get("draft_experts", "router") not in DRAFT_EXPERTS:
         raise _Bad(f"header field draft_experts must be one of {', '.join(DRAFT_EXPERTS)}")
     return TraceHeader(**{n: obj.get(n, TraceHeader.__dataclass_fields__[n].default) for n in names})
@@ -435,6 +444,15 @@ def check_trace_path(path: str | os.PathLike) -> Path:
     if not path.parent.is_dir():
         raise ConfigError(f"cannot write trace {path}: folder {path.parent} does not exist")
     return path
+
+
+def record_storage(paths, storage: dict) -> None:
+    """Add to traces recorded under a budget the disk as read around their run ({"qd1_gb_s", "qd8_gb_s",
+    "readings"}), so that a replay on the same device can price a fetch at the disk of that day."""
+    for path in paths:
+        trace = read_trace(path)
+        if trace.header.budget is not None:
+            write_trace(path, trace.with_budget({**trace.header.budget, "storage": storage}))
 
 
 def budget_record(offloader, hot_ranked, auto: bool) -> dict | None:

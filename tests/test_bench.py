@@ -193,7 +193,7 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(model),
                            "--prompts", "natural", "--n-prompts", "1", "-n", "8", "--threads", "1",
                            "--modes", "ar,naive,s2moe", "--budget", "none,auto", "--no-quality", "--json",
-                           str(out_json), "-b", "32"],
+                           str(out_json), "-b", "32", "--trace", str(tmp_path / "T")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     said = " ".join(done.stdout.split())  # the report wraps at the console's width
@@ -231,6 +231,14 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     assert all(r["fetched_per_token"] is None and r["bound_tok_per_s"] is None for r in rows[:4])
     assert all(r["fetched_per_token"] >= 0 and r["bound_tok_per_s"] > 0 for r in rows[4:7])
     assert "storage, cold reads of whole experts" in said
+    # the budget's traces carry the disk as read around it, for a replay that prices a fetch on that day's disk
+    from s2moe.engine.trace import read_trace
+
+    budgeted = [read_trace(p) for p in sorted((tmp_path / "T").glob("budget-auto-*.jsonl"))]
+    assert budgeted and all(t.header.budget["storage"]["readings"] == 2 * STORAGE_PASSES for t in budgeted)
+    assert all(t.header.budget["storage"]["qd8_gb_s"] == pytest.approx(storage["by_budget"][rows[4]["budget"]]["qd8_gb_s"])
+               for t in budgeted)
+    assert all(read_trace(p).header.budget is None for p in (tmp_path / "T").glob("resident-*.jsonl"))
 
 
 def test_the_bound_reads_the_disk_around_each_budget_and_falls_back_to_the_profile_s_rates_for_this_model(tiny_models):

@@ -133,6 +133,33 @@ def test_a_fetch_costs_what_plain_decoding_under_the_budget_paid_for_one():
         validate_profile(bad)
 
 
+def test_a_fetch_is_priced_on_the_disk_the_traces_run_read_when_asked():
+    """The same device on another day: calibrate's price of a fetch scales with its depth-8 rate over the one
+    bench read around the traces' budget."""
+    ran = {"auto": False, "budget_bytes": 1 << 20, "hot_bytes": 0, "cache_bytes": 0, "pinned": []}
+    read = dict(ran, storage={"qd1_gb_s": 0.5, "qd8_gb_s": 0.5, "readings": 6})
+    prof = profile()
+    prof["models"][FP].update(storage_bandwidth_gb_s=1.0, storage_bandwidth_qd8_gb_s=2.0)
+    as_calibrated = project([hand_trace().with_budget(read)], prof, budget="1M", modes=["ar"])
+    assert as_calibrated.modes["ar"].t_fetch == pytest.approx(24 * 4e-3)  # cold − warm, as calibrate read the disk
+    slower = project([hand_trace().with_budget(read)], prof, budget="1M", modes=["ar"], disk="trace")
+    assert slower.modes["ar"].t_fetch == pytest.approx(24 * 4e-3 * 2.0 / 0.5)
+    assert slower.modes["ar"].tok_per_s < as_calibrated.modes["ar"].tok_per_s
+    assert "0.50 GB/s at depth 8 against the profile's 2.00 (×4.00)" in slower.basis
+    # several traces: the median of their readings
+    faster = hand_trace().with_budget(dict(read, storage={"qd1_gb_s": 1.0, "qd8_gb_s": 4.0, "readings": 6}))
+    both = project([hand_trace().with_budget(read), faster, faster], prof, budget="1M", modes=["ar"], disk="trace")
+    assert both.modes["ar"].t_fetch == pytest.approx(3 * 24 * 4e-3 * 2.0 / 4.0)
+    with pytest.raises(ConfigError, match="carries no reading of its disk"):
+        project([hand_trace().with_budget(ran)], prof, budget="1M", modes=["ar"], disk="trace")
+    # a profile of another model (its reference constants) is another device: the traces' disk says nothing
+    other = dict(prof, models={}, reference={**prof["models"][FP], "t_exp_cold_ms": 5.0})
+    with pytest.raises(ConfigError, match="not calibrated for model hand"):
+        project([hand_trace().with_budget(read)], other, budget="1M", modes=["ar"], disk="trace")
+    with pytest.raises(ConfigError, match="unknown disk"):
+        project([hand_trace().with_budget(read)], prof, budget="1M", modes=["ar"], disk="today")
+
+
 def test_pinned_hot_experts_are_never_fetched():
     hot = [[0, 0], [0, 1], [1, 0], [1, 1]]
     p = project([hand_trace()], profile(hot=hot), budget="1G", modes=["ar"])
@@ -168,6 +195,11 @@ def test_project_cli_prints_a_labelled_table_and_json(tmp_path, capsys, monkeypa
     data = json.loads(capsys.readouterr().out)
     assert data["modes"]["ar"]["tok_per_s"] == pytest.approx(100.0)
     assert main(["project", str(tmp_path / "a.jsonl"), "--profile", "hand", "--modes", "naive"]) == 2
+    capsys.readouterr()
+    # a trace generate recorded carries no reading of the disk to price fetches on
+    assert main(["project", str(tmp_path / "a.jsonl"), "--profile", "hand", "--disk", "trace"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "carries no reading of its disk" in err
 
 
 def test_measured_rows_are_those_of_the_budget_projected(tmp_path):

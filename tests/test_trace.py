@@ -93,6 +93,22 @@ def test_round_trip(decoders, tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_budgeted_trace_takes_the_disk_read_around_its_run_and_keeps_the_rest(decoders, tmp_path):
+    from s2moe.engine.trace import record_storage
+
+    tr = record(decoders["olmoe"], mode="conf", n=8)
+    ran = {"auto": True, "budget_bytes": 1 << 30, "hot_bytes": 0, "cache_bytes": 0, "pinned": [[0, 1]]}
+    budgeted, resident = tmp_path / "budget-auto-000.jsonl", tmp_path / "resident-000.jsonl"
+    write_trace(budgeted, tr.with_budget(ran))
+    write_trace(resident, tr)
+    reading = {"qd1_gb_s": 0.7, "qd8_gb_s": 1.2, "readings": 6}
+    record_storage([budgeted, resident], reading)
+    back = read_trace(budgeted)
+    assert back.header.budget == {**ran, "storage": reading}
+    assert dumps(back) == dumps(tr.with_budget({**ran, "storage": reading}))
+    assert read_trace(resident).header.budget is None  # resident: no disk to price
+
+
 def test_a_trace_needs_a_drafting_mode():
     with pytest.raises(ConfigError, match="cannot record"):
         GenerationConfig(mode="ar", trace=True).validate()
@@ -115,6 +131,10 @@ def _bad_cases(lines):
     yield "after the end record", lines + [lines[1]]
     yield "end record says", lines[:-1] + [json.dumps({"end": {"n_tokens": 999, "seconds": 1.0, "stop": "x"}})]
     yield "field draft_experts must be one of", [json.dumps({**header, "draft_experts": "pinned"})] + lines[1:]
+    ran = {"auto": True, "budget_bytes": 1 << 30, "hot_bytes": 0, "cache_bytes": 0, "pinned": []}
+    yield "storage field qd8_gb_s must be above 0", [json.dumps(
+        {**header, "budget": {**ran, "storage": {"qd1_gb_s": 0.5, "qd8_gb_s": 0, "readings": 6}}})] + lines[1:]
+    yield "field storage must be a mapping", [json.dumps({**header, "budget": {**ran, "storage": 1.2}})] + lines[1:]
     yield "empty", []
 
 
