@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Protocol
 
@@ -71,6 +72,9 @@ TREE_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ
 TRACE_MODES = ("s2moe", "conf", "cascade")
 
 
+# A warm-up's constants (Decoder.untimed_costs): a token always pays for its draft pass and its verified row
+WARM_UP_COST = CostConstants(t_ar=1.0, c_draft=0.0, t_exp=0.0, t_tok=0.0, intercept=0.0,
+                             source="warm-up: drafting always pays, nothing timed")
 DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
 
 
@@ -206,6 +210,7 @@ class Decoder:
                                n_seq_max=min(TREE_SEQS, 4 * (max_draft + 1)))
         self.placement = placement
         self._measured: dict[tuple, CostConstants] = {}
+        self._untimed = False  # inside untimed_costs(): a warm-up, whose constants would be thrown away
         self._pieces: dict[int, str] = {}
         self._routing_checked = not self.info.is_moe
         self.n_threads = n_threads
@@ -298,6 +303,8 @@ class Decoder:
     def cost_constants(self, cfg: GenerationConfig) -> CostConstants:
         if cfg.cost is not None:
             return cfg.cost
+        if self._untimed:
+            return WARM_UP_COST
         key = (cfg.draft_topk, cfg.draft_max)
         if key not in self._measured:
             self._context = None
@@ -313,6 +320,18 @@ class Decoder:
         d = defaults_for(self.info)
         return self._measured.get((d.draft_topk if draft_topk is None else draft_topk,
                                    d.draft_max if draft_max is None else draft_max))
+
+    @contextmanager
+    def untimed_costs(self):
+        """Generations inside, given no constants, measure none: they draft as if drafting always paid, so
+        that they build the graphs of the longest drafts and verifications. For a warm-up before offloading is
+        in place, when what a step costs is not yet what it will cost (resident under an auto budget, or
+        faulting without the offloader's cache under a fixed limit, minutes of thrashing on a large model)."""
+        self._untimed = True
+        try:
+            yield
+        finally:
+            self._untimed = False
 
     def forget_cost_constants(self) -> None:
         """Measure again at the next generation (e.g. once the memory budget changed what a step costs)."""

@@ -635,6 +635,32 @@ def test_residency_snapshots_thin_out_when_the_walk_is_slow(tiny_models):
         d.close()
 
 
+def test_a_warm_up_before_offloading_times_nothing_and_the_run_measures_under_the_budget(tiny_models):
+    """Constants timed before the offloader is in place are not what a step costs under the budget (resident,
+    or faulting without its cache): the warm-up times none and drafts to the cap, building the longest graphs,
+    and whatever was measured before is measured again once offloading is in place."""
+    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.events import Iteration, Started
+    from s2moe.engine.offload import Budget, offload_decoder
+
+    d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, max_draft=8, use_extra_bufts=False)
+    try:
+        cfg = GenerationConfig(mode="s2moe", n_predict=12, stop_at_eos=False, draft_max=4)
+        resident = next(e for e in run(d, "hello", cfg) if isinstance(e, Started)).cost
+        assert resident.source == "measured at start-up" and d.measured_cost_constants(None, 4) is resident
+        warm = []
+        off = offload_decoder(d, Budget.parse("1G"), [], warm_up=lambda: warm.extend(run(d, "hello there", cfg)))
+        (started,) = [e for e in warm if isinstance(e, Started)]
+        assert started.cost.source.startswith("warm-up")
+        assert [e.draft_stop for e in warm if isinstance(e, Iteration)][0] == "cap"  # the longest drafts
+        assert d.measured_cost_constants(None, 4) is None  # nothing timed since the resident run was forgotten
+        again = next(e for e in run(d, "hello", cfg) if isinstance(e, Started)).cost
+        assert again.source == "measured at start-up" and again is not resident
+        off.close()
+    finally:
+        d.close()
+
+
 def test_closing_the_offloader_detaches_it_from_the_routing_hook(tiny_models):
     """The C hook calls the offloader's native prefetcher on every decode; once the offloader is closed
     (its prefetcher freed) the decoder must keep working without calling into freed memory."""

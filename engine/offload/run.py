@@ -117,7 +117,8 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     if budget is not None and warm_up is not None:
         # every mode's buffers and runtimes exist before the plan counts the process (a drafter with weights of
         # its own loads a second runtime: planned without it, a tight budget held more than it had)
-        warm_up()
+        with decoder.untimed_costs():
+            warm_up()
     if budget is not None:
         # what any prompt will need (its prefill chunks), before what the process holds is measured or planned
         decoder.rt.touch_largest_batch()
@@ -141,7 +142,8 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
                               "a size instead") from None
         if hot:
             off.pin(non_expert=False, code=False, hot=hot)  # read in under the limit, evicting cold experts
-        decoder.forget_cost_constants()  # the warm-up measured resident costs; measure again under the budget
+    if budget is not None:
+        decoder.forget_cost_constants()  # anything measured before (resident) is measured again under the budget
     off.budget_bytes = size
     return off
 
