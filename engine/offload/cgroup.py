@@ -162,6 +162,17 @@ class MemoryCgroup:
         text = self._read("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes").strip()
         return int(text) if text.isdigit() else 0
 
+    def reset_peak(self) -> bool:
+        """Start the peak afresh from what is held now; False where the kernel keeps no such reset for later
+        reads (cgroup v2 resets memory.peak only for the file descriptor written to)."""
+        if self.version == 2:
+            return False
+        try:
+            (self.path / "memory.max_usage_in_bytes").write_text("0")
+        except OSError:
+            return False
+        return True
+
     def limit(self) -> int:
         text = self._read("memory.max" if self.version == 2 else "memory.limit_in_bytes").strip()
         return int(text) if text.isdigit() else 0

@@ -140,6 +140,7 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
             raise ConfigError(f"cannot lower the memory limit to the auto budget {fmt_bytes(size)}: the process "
                               f"holds {fmt_bytes(cg.usage())} it cannot give back ({e.strerror}); give the budget "
                               "a size instead") from None
+        cg.reset_peak()  # the warm-up ran before the limit came down: a peak from then would read as a breach
         if hot:
             off.pin(non_expert=False, code=False, hot=hot)  # read in under the limit, evicting cold experts
     if budget is not None:
@@ -222,7 +223,10 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
 def split_line(cg: MemoryCgroup, offloader: Offloader | None = None) -> str:
     """One line on what the budget cgroup holds and what is pinned."""
     s = cg.split()
-    parts = [f"memory budget {fmt_bytes(cg.limit())}: peak {fmt_bytes(cg.peak())}, now anonymous "
+    limit, peak = cg.limit(), cg.peak()
+    # above the limit only where the limit came down after a warm-up (auto) and the kernel kept that peak
+    when = " (the warm-up's, before the auto budget was set)" if peak > limit else ""
+    parts = [f"memory budget {fmt_bytes(limit)}: peak {fmt_bytes(peak)}{when}, now anonymous "
              f"{fmt_bytes(s['anon'])} · file pages {fmt_bytes(s['file'])} (locked {fmt_bytes(s['locked'])})"]
     if offloader is not None:
         p = offloader.pinned_split
