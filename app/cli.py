@@ -518,6 +518,16 @@ def cmd_generate(args) -> int:
             plan = offloader.plan
             print(plan.describe() if plan is not None and not budget.auto else
                   f"budget {budget.describe(offloader.budget_bytes)}", file=sys.stderr)
+            if not hot:
+                # under a budget a profile of this model pins the experts routed most, and spares the start-up
+                # measurement, which fetches its experts too
+                import shlex
+
+                why = (f"profile {args.profile} has no hot experts for this model" if args.profile else
+                       "no profile: no hot experts are pinned and the cost constants are measured at start-up")
+                print(f"note: {why}; calibrate once under this budget (s2moe calibrate -m "
+                      f"{shlex.quote(str(decoder.info.path))} --budget {shlex.quote(args.budget)} --name NAME) and "
+                      f"pass --profile NAME", file=sys.stderr)
     if not decoder.info.is_moe and args.mode == "ar":
         print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
               file=sys.stderr)

@@ -225,11 +225,14 @@ def test_generate_under_a_real_budget(tiny_models, capfd):
     assert rc == 0
     assert "memory budget 400.0 MiB: peak" in out.err and "pinned: weights" in out.err
     assert re.search(r"expert cache kept here: [\d.]+ [KMG]iB of [\d.]+ [KMG]iB held, \d+ evicted", out.err)
+    # no profile: nothing pinned as hot, and the way to a profile that would pin some, for this very budget
+    assert f"calibrate once under this budget (s2moe calibrate -m {tiny_models['olmoe']} --budget 400M" in out.err
     # auto: the child sizes its own limit after a warm-up and reports it; same tokens as a resident run
     rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "6", "--threads", "1",
                "--budget", "auto", "--mode", "s2moe", "--ignore-eos", "--reuse-strength", "0", "--json"])
     out = capfd.readouterr()
     assert rc == 0, out.err
+    assert "calibrate once" not in out.err  # --json: only the result
     offloaded = json.loads(out.out.strip().splitlines()[-1])
     assert main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "6", "--threads", "1",
                  "--mode", "ar", "--ignore-eos", "--json"]) == 0
