@@ -126,6 +126,18 @@ def nonempty(text: str) -> str:
     return text
 
 
+def no_hot_experts_note(profile_name: str | None, model, budget: str) -> str:
+    """What a run under a budget pinning no hot experts misses, and the command that gives them: a profile of
+    the model calibrated under the budget pins the experts routed most, and spares the start-up measurement
+    (itself fetching experts under the budget)."""
+    import shlex
+
+    why = (f"profile {profile_name} has no hot experts for this model" if profile_name else
+           "no profile: no hot experts are pinned and the cost constants are measured at start-up")
+    return (f"note: {why}; calibrate once under this budget (s2moe calibrate -m {shlex.quote(str(model))} "
+            f"--budget {shlex.quote(budget)} --name NAME) and pass --profile NAME")
+
+
 def budget_text(text: str) -> str:
     """`auto` or a size that Budget.parse reads, checked when parsing the command line."""
     from ..engine.offload import Budget
@@ -519,15 +531,7 @@ def cmd_generate(args) -> int:
             print(plan.describe() if plan is not None and not budget.auto else
                   f"budget {budget.describe(offloader.budget_bytes)}", file=sys.stderr)
             if not hot:
-                # under a budget a profile of this model pins the experts routed most, and spares the start-up
-                # measurement, which fetches its experts too
-                import shlex
-
-                why = (f"profile {args.profile} has no hot experts for this model" if args.profile else
-                       "no profile: no hot experts are pinned and the cost constants are measured at start-up")
-                print(f"note: {why}; calibrate once under this budget (s2moe calibrate -m "
-                      f"{shlex.quote(str(decoder.info.path))} --budget {shlex.quote(args.budget)} --name NAME) and "
-                      f"pass --profile NAME", file=sys.stderr)
+                print(no_hot_experts_note(args.profile, decoder.info.path, args.budget), file=sys.stderr)
     if not decoder.info.is_moe and args.mode == "ar":
         print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
               file=sys.stderr)

@@ -498,6 +498,12 @@ def run(args) -> int:
             offload.Budget.parse(b)  # a bad size is a one-line error before anything runs
     inside = offload.current_budget()
     extra_rows, budget_fits, storage, around = [], {}, None, {}
+    budgeted = [b for b in budgets if b != "none"]
+    if inside is None and budgeted and not hot:
+        from .cli import no_hot_experts_note
+
+        console.print(no_hot_experts_note(args.profile, model, budgeted[0]), highlight=False, markup=False,
+                      soft_wrap=True)
     if inside is None:
         # the parent: each budget runs in its own cgroup, "none" resident in this process
         emap = offload.expert_map(model) if budgets != ["none"] else None

@@ -197,6 +197,8 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     said = " ".join(done.stdout.split())  # the report wraps at the console's width
+    # no profile: no hot experts pinned under the budget, and the command that would give them
+    assert f"calibrate once under this budget (s2moe calibrate -m {model} --budget auto" in done.stderr
     data = json.loads(out_json.read_text())
     rows = data["results"]
     budgets = [r["budget"] for r in rows]
