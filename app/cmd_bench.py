@@ -200,6 +200,16 @@ def read_storage(emap) -> list[tuple[float, float]]:
     return out
 
 
+def storage_reading(passes: list[tuple[float, float]]) -> dict:
+    """Passes read_storage read (bytes/s at depth 1 and 8): their medians and ranges in GB/s, and how many."""
+    def gb(values):
+        return statistics.median(values) / 1e9, [min(values) / 1e9, max(values) / 1e9]
+
+    (qd1, qd1_range), (qd8, qd8_range) = gb([r[0] for r in passes]), gb([r[1] for r in passes])
+    return {"qd1_gb_s": qd1, "qd8_gb_s": qd8, "qd1_range": qd1_range, "qd8_range": qd8_range,
+            "readings": len(passes)}
+
+
 def storage_record(around: dict[str, list[tuple[float, float]]], expert_bytes: float, profile: dict | None,
                    fingerprint: str) -> dict | None:
     """The bound's storage figures: for each budget label, the passes read around it (`around`); where none
@@ -209,21 +219,12 @@ def storage_record(around: dict[str, list[tuple[float, float]]], expert_bytes: f
 
     every = [r for rs in around.values() for r in rs]
     if every:
-        def gb(values):
-            return statistics.median(values) / 1e9, [min(values) / 1e9, max(values) / 1e9]
-
-        qd1, qd1_range = gb([r[0] for r in every])
-        qd8, qd8_range = gb([r[1] for r in every])
-        by_budget = {}
-        for label, rs in around.items():
-            if rs:
-                mid, span = gb([r[1] for r in rs])
-                by_budget[label] = {"qd8_gb_s": mid, "qd8_range": span}
-            else:
-                by_budget[label] = {"qd8_gb_s": qd8, "qd8_range": qd8_range}
-        return {"qd1_gb_s": qd1, "qd8_gb_s": qd8, "qd1_range": qd1_range, "qd8_range": qd8_range,
-                "n_readings": len(every), "by_budget": by_budget, "expert_bytes": expert_bytes,
-                "source": "read by this run before and after each budget"}
+        whole = storage_reading(every)
+        by_budget = {label: {key: (storage_reading(rs) if rs else whole)[key] for key in ("qd8_gb_s", "qd8_range")}
+                     for label, rs in around.items()}
+        return {"qd1_gb_s": whole["qd1_gb_s"], "qd8_gb_s": whole["qd8_gb_s"], "qd1_range": whole["qd1_range"],
+                "qd8_range": whole["qd8_range"], "n_readings": len(every), "by_budget": by_budget,
+                "expert_bytes": expert_bytes, "source": "read by this run before and after each budget"}
     rates = storage_rates(profile, fingerprint) if profile else None
     if not rates:
         return None
@@ -425,9 +426,9 @@ def _record_storage_in_traces(folder: str, budget_text: str, passes: list[tuple[
     from ..engine.trace import record_storage
 
     if passes:
+        reading = storage_reading(passes)
         record_storage(sorted(Path(folder).glob(f"{_trace_tag(budget_text)}-*.jsonl")),
-                       {"qd1_gb_s": statistics.median(r[0] for r in passes) / 1e9,
-                        "qd8_gb_s": statistics.median(r[1] for r in passes) / 1e9, "readings": len(passes)})
+                       {key: reading[key] for key in ("qd1_gb_s", "qd8_gb_s", "readings")})
 
 
 def run(args) -> int:
@@ -506,7 +507,7 @@ def run(args) -> int:
                       soft_wrap=True)
     if inside is None:
         # the parent: each budget runs in its own cgroup, "none" resident in this process
-        emap = offload.expert_map(model) if budgets != ["none"] else None
+        emap = offload.expert_map(model) if budgeted else None
         for b in budgets:
             if b != "none":
                 before = read_storage(emap)
