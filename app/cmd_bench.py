@@ -250,10 +250,13 @@ def _resident_verify_cost(resident_fit: dict, profile: dict | None, info):
 
 def offloaded_fit_clauses(c: dict) -> list[str]:
     """What a budgeted run's fit adds: the miss-aware form and the storage-fault diagnostic, if present."""
+    from ..engine.costmodel import r2_text
+
     m = c.get("miss_aware")
     if not m:
         return []
-    out = [f"counting fetched experts ({m['miss_share']:.0%} of those read): R² {m['r2']:.3f}, MAPE {m['mape']:.1%}, "
+    out = [f"counting fetched experts ({m['miss_share']:.0%} of those read): {r2_text(m['r2'], m.get('r2_ceiling'))}, "
+           f"MAPE {m['mape']:.1%}, "
            f"T_exp cold {m['t_exp_cold_s'] * 1e3:.3f} ms, warm {m['t_exp_warm_s'] * 1e3:.3f} ms"]
     if m.get("bound_ratio"):
         span = m.get("bound_ratio_range") or [None, None]
@@ -270,6 +273,8 @@ def offloaded_fit_clauses(c: dict) -> list[str]:
 
 def markdown(done) -> str:
     import plotext as plt
+
+    from ..engine.costmodel import r2_text
 
     lines = [f"# s2moe bench — {done.config.get('prompt_set')}", "",
              f"Model `{done.config.get('model')}`, {done.config.get('n_prompts')} prompts × "
@@ -310,8 +315,8 @@ def markdown(done) -> str:
     for label, c in fits:
         where = "fully resident" if label == "resident" else f"under budget {label}"
         lines += ["", f"{where}: latency ≈ {c['intercept_s'] * 1e3:.3f} ms + {c['t_exp_s'] * 1e3:.4f} ms·experts + "
-                      f"{c['t_tok_s'] * 1e3:.3f} ms·tokens over {c['n']} verifications: R² {c['r2']:.3f}, "
-                      f"MAPE {c['mape']:.1%}."]
+                      f"{c['t_tok_s'] * 1e3:.3f} ms·tokens over {c['n']} verifications: "
+                      f"{r2_text(c['r2'], c.get('r2_ceiling'))}, MAPE {c['mape']:.1%}."]
         for clause in offloaded_fit_clauses(c):
             lines += ["", clause[0].upper() + clause[1:] + "."]
         plt.clear_figure()
@@ -613,11 +618,14 @@ def run(args) -> int:
     if q.get("tokens"):
         say(f"gating quality: perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement {q['top1_agreement']:.3f}, "
             f"mean KL {q['mean_kl']:.4f}, reuse ratio {q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f}")
+    from ..engine.costmodel import r2_text
+
     if done.cost_model:
         c = done.cost_model
-        say(f"cost model: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications")
+        say(f"cost model: {r2_text(c['r2'], c.get('r2_ceiling'))}, MAPE {c['mape']:.1%} over {c['n']} verifications")
     for label, c in done.cost_model_by_budget.items():
-        line = f"cost model under budget {label}: R² {c['r2']:.3f}, MAPE {c['mape']:.1%} over {c['n']} verifications"
+        line = (f"cost model under budget {label}: {r2_text(c['r2'], c.get('r2_ceiling'))}, MAPE {c['mape']:.1%} "
+                f"over {c['n']} verifications")
         say("; ".join([line] + offloaded_fit_clauses(c)))
     broken = [r.mode for r in done.rows if r.identical_expected and not r.lossless_ok]
     ties = sum(r.near_tie_divergences for r in done.rows if r.identical_expected)

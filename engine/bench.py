@@ -577,7 +577,8 @@ def run_bench(
             measured = [s[2] for s in cost_samples]
             predicted = [float(x) for x in fit.predict([s[0] for s in cost_samples], [s[1] for s in cost_samples])]
             cost_model = {"intercept_s": fit.intercept, "t_exp_s": fit.t_exp, "t_tok_s": fit.t_tok, "r2": fit.r2,
-                          "mape": fit.mape, "n": fit.n, "measured_s": measured[:2000], "predicted_s": predicted[:2000]}
+                          "r2_ceiling": fit.r2_ceiling, "mape": fit.mape, "n": fit.n, "measured_s": measured[:2000],
+                          "predicted_s": predicted[:2000]}
             startup = dec.measured_cost_constants(base.draft_topk, base.draft_max)
             if startup is not None:
                 pred0 = np.array([startup.verify_cost(s[0], s[1]) for s in cost_samples])
@@ -589,6 +590,7 @@ def run_bench(
                 mfit = fit_miss_cost(e, m, t, y)
                 cost_model["miss_aware"] = {"intercept_s": mfit.intercept, "t_exp_warm_s": mfit.t_hit,
                                             "t_exp_cold_s": mfit.t_miss, "t_tok_s": mfit.t_tok, "r2": mfit.r2,
+                                            "r2_ceiling": mfit.r2_ceiling,
                                             "mape": mfit.mape, "n": mfit.n, "miss_share": float(m.sum() / max(1.0, e.sum())),
                                             "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000],
                                             "experts": e.tolist()[:2000], "fetched": m.tolist()[:2000],

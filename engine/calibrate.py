@@ -36,7 +36,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .costmodel import (Stopped, context_line, fault_explained_fit, fit_context, fit_miss_cost, fit_verify_cost,
-                        iter_context_steps, iter_time_steps, iter_verify_samples, time_steps, verify_samples)
+                        iter_context_steps, iter_time_steps, iter_verify_samples, r2_text, time_steps,
+                        verify_samples)
 from .decoder import defaults_for
 from .device import cpu_name, default_threads, memory_bytes
 from .errors import ConfigError, ModelError, S2MoEError
@@ -246,14 +247,18 @@ def _count(counts: np.ndarray, routing, n_expert: int) -> None:
 def _fit_dict(fit) -> dict:
     return {"intercept_ms": round(fit.intercept * 1e3, 6), "t_exp_ms": round(fit.t_exp * 1e3, 6),
             "t_tok_ms": round(fit.t_tok * 1e3, 6), "r2": round(float(fit.r2), 6), "mape": round(float(fit.mape), 6),
-            "n": int(fit.n)}
+            "n": int(fit.n)} | _ceiling_field(fit)
+
+
+def _ceiling_field(fit) -> dict:
+    return {} if fit.r2_ceiling is None else {"r2_ceiling": round(fit.r2_ceiling, 6)}
 
 
 def _fit_data(samples, fit) -> dict:
     measured = [s[2] * 1e3 for s in samples]
     predicted = [float(fit.predict(s[0], s[1])) * 1e3 for s in samples]
     return {"measured": measured, "predicted": predicted, "experts": [s[0] for s in samples],
-            "tokens": [s[1] for s in samples], "r2": fit.r2, "mape": fit.mape,
+            "tokens": [s[1] for s in samples], "r2": fit.r2, "r2_ceiling": fit.r2_ceiling, "mape": fit.mape,
             "intercept_ms": fit.intercept * 1e3, "t_exp_ms": fit.t_exp * 1e3, "t_tok_ms": fit.t_tok * 1e3}
 
 
@@ -536,7 +541,8 @@ def _step_cost_model(cal: _Calibration, index: int):
     cal.fit = fit = fit_verify_cost([s[0] for s in samples], [s[1] for s in samples], [s[2] for s in samples])
     yield StepResult(index, STEPS[index - 1][0],
                      f"T_exp {fit.t_exp * 1e3:.4f} ms · T_tok {fit.t_tok * 1e3:.3f} ms · intercept "
-                     f"{fit.intercept * 1e3:.2f} ms · R² {fit.r2:.3f} · MAPE {fit.mape:.1%} ({fit.n} batches)",
+                     f"{fit.intercept * 1e3:.2f} ms · {r2_text(fit.r2, fit.r2_ceiling)} · MAPE {fit.mape:.1%} "
+                     f"({fit.n} batches)",
                      _fit_data(samples, fit))
 
 
@@ -668,7 +674,7 @@ def _cold_result(cal: _Calibration, index: int, res: dict, after: dict) -> StepR
     data = {"measured": [x * 1e3 for x in seconds],
             "predicted": [float(mfit.predict(e, m, t)) * 1e3 for e, m, t in zip(experts, misses, tokens)],
             "experts": experts, "misses": misses, "tokens": tokens,
-            "r2": mfit.r2, "mape": mfit.mape, "t_exp_warm_ms": mfit.t_hit * 1e3,
+            "r2": mfit.r2, "r2_ceiling": mfit.r2_ceiling, "mape": mfit.mape, "t_exp_warm_ms": mfit.t_hit * 1e3,
             "t_exp_cold_ms": mfit.t_miss * 1e3, "t_tok_ms": mfit.t_tok * 1e3,
             "intercept_ms": mfit.intercept * 1e3, "paper_form": _fit_data(cs, cfit),
             "t_ar_ms": res["t_ar"] * 1e3, "c_draft_ms": res["c_draft"] * 1e3,
@@ -695,7 +701,7 @@ def _cold_result(cal: _Calibration, index: int, res: dict, after: dict) -> StepR
                       f"under {cal.budget.describe(cal.budget_bytes)}: T_AR {res['t_ar'] * 1e3:.1f} ms · draft step "
                       f"{res['c_draft'] * 1e3:.1f} ms · T_exp cold "
                       f"{mfit.t_miss * 1e3:.3f} ms, warm {mfit.t_hit * 1e3:.3f} ms · T_tok "
-                      f"{mfit.t_tok * 1e3:.2f} ms · R² {mfit.r2:.3f} · MAPE {mfit.mape:.1%} · "
+                      f"{mfit.t_tok * 1e3:.2f} ms · {r2_text(mfit.r2, mfit.r2_ceiling)} · MAPE {mfit.mape:.1%} · "
                       f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
                       f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
                       f"peak {fmt_bytes(res['peak'] or 0)}{plain}{drift}", data)
@@ -760,7 +766,7 @@ def _model_block(cal: _Calibration) -> dict:
                                     "mape": round(m.mape, 6), "n": m.n,
                                     # what the same batches fit given the storage faults they actually
                                     # took (known only afterwards): the ceiling a residency snapshot faces
-                                    "r2_given_faults": round(cold["given_faults"]["r2"], 6)}
+                                    "r2_given_faults": round(cold["given_faults"]["r2"], 6)} | _ceiling_field(m)
         if cal.cache_fit:
             block["cache_fit"] = cal.cache_fit
         block["t_ar_cold_ms"] = round(cold["t_ar"] * 1e3, 6)

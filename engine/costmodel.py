@@ -24,6 +24,7 @@ class Fit:
     r2: float
     mape: float
     n: int
+    r2_ceiling: float | None = None  # see r2_ceiling()
 
     def predict(self, experts, tokens):
         return self.intercept + self.t_exp * np.asarray(experts) + self.t_tok * np.asarray(tokens)
@@ -61,7 +62,32 @@ def fit_verify_cost(experts, tokens, seconds) -> Fit:
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
     mape = float(np.mean(np.abs(y - pred) / np.maximum(np.abs(y), 1e-12)))
-    return Fit(float(a), float(te), float(tt), r2, mape, len(y))
+    return Fit(float(a), float(te), float(tt), r2, mape, len(y), r2_ceiling(zip(e, s), y))
+
+
+def r2_ceiling(counts, seconds) -> float | None:
+    """The highest R² any cost model of these counts can reach on these timings: each distinct tuple of
+    counts predicted by the mean of the timings that share it. What that leaves unexplained is steps with
+    the same counts taking different times (on a disk, its own spread from read to read), which no further
+    term in a fit of the counts can remove. None unless at least half the timings share their counts with
+    another: timings alone in their tuple would count as explained and make the ceiling meaningless."""
+    y = np.asarray(seconds, float)
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(counts):
+        groups.setdefault(tuple(float(k) for k in key), []).append(i)
+    shared = sum(len(ix) for ix in groups.values() if len(ix) > 1)
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    if 2 * shared < len(y) or ss_tot <= 0:
+        return None
+    ss_within = sum(float(np.sum((y[ix] - y[ix].mean()) ** 2)) for ix in groups.values())
+    return 1.0 - ss_within / ss_tot
+
+
+def r2_text(r2: float, ceiling: float | None) -> str:
+    """A fit's R², and beside it the most any model of its counts could reach, where the timings say."""
+    if ceiling is None:
+        return f"R² {r2:.3f}"
+    return f"R² {r2:.3f} (≤ {ceiling:.3f} for any model of these counts)"
 
 
 @dataclass(frozen=True)
@@ -76,6 +102,7 @@ class MissFit:
     r2: float
     mape: float
     n: int
+    r2_ceiling: float | None = None  # see r2_ceiling()
 
     def predict(self, experts, misses, tokens):
         e, m = np.asarray(experts, float), np.asarray(misses, float)
@@ -116,7 +143,7 @@ def fit_miss_cost(experts, misses, tokens, seconds) -> MissFit:
     a, t_hit, t_miss, t_tok = _nonneg_lstsq([e - m, m, s], y)
     fit = MissFit(float(a), float(t_hit), float(t_miss), float(t_tok), 0.0, 0.0, len(y))
     r2, mape = _quality(y, fit.predict(e, m, s))
-    return MissFit(fit.intercept, fit.t_hit, fit.t_miss, fit.t_tok, r2, mape, len(y))
+    return MissFit(fit.intercept, fit.t_hit, fit.t_miss, fit.t_tok, r2, mape, len(y), r2_ceiling(zip(e, m, s), y))
 
 
 def fault_explained_fit(experts, faults, tokens, seconds) -> dict:

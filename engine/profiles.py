@@ -41,9 +41,12 @@ carries published figures and may hold `reference` constants that apply to any m
         copy_min_batch: 2          # ... from this verification batch size copying beats the CPU (null: never)
         fit_copy: {...}            # ... the fit T_exp_copy comes from, same fields as fit
         fit_cold: {...}            # optional, same fields, under the budget (per distinct expert)
-        fit_cold_misses: {intercept_ms, t_exp_warm_ms, t_exp_cold_ms, t_tok_ms, r2, mape, n, r2_given_faults}
+        fit_cold_misses: {intercept_ms, t_exp_warm_ms, t_exp_cold_ms, t_tok_ms, r2, mape, n, r2_given_faults,
+                          r2_ceiling}
                                    # optional: the same batches by resident vs fetched experts;
-                                   # r2_given_faults: refitted on the storage faults they took
+                                   # r2_given_faults: refitted on the storage faults they took;
+                                   # r2_ceiling (here and in any fit, optional): the most any model of the
+                                   # batches' counts reaches, given how the same counts' timings spread
         workload:                  # optional: what the constants above leave out at a workload's context,
                                    # timed in the engine's own runtime (s2moe calibrate, step 2)
           context_tokens: 32       # the context t_ar_ms, c_draft_ms and the fit were timed after
@@ -201,6 +204,7 @@ def _validate_fit(block, where: str) -> None:
             _r2(block, key, where)
         else:
             _number(block, key, where, integer=(key == "n"), signed=(key == "intercept_ms"))
+    _r2(block, "r2_ceiling", where)
 
 
 def _validate_constants(block, where: str, n_layer: int | None = None, n_expert: int | None = None) -> None:
@@ -226,7 +230,7 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
             _number(misses, key, mw)
         _number(misses, "intercept_ms", mw, signed=True)
         _number(misses, "n", mw, integer=True)
-        for key in ("r2", "r2_given_faults"):
+        for key in ("r2", "r2_given_faults", "r2_ceiling"):
             _r2(misses, key, mw)
     if block.get("workload") is not None:
         _validate_workload(block["workload"], f"{where}.workload")

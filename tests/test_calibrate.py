@@ -6,6 +6,7 @@ import pytest
 
 from s2moe.engine.calibrate import (CalibrationDone, StepProgress, StepResult, StepStarted, read_prompts,
                                     run_calibration)
+from s2moe.engine.costmodel import r2_ceiling
 from s2moe.engine.errors import ConfigError, ModelError
 from s2moe.engine.offload import Budget
 from s2moe.engine.profiles import cost_for_model, load_profile, save_profile
@@ -124,7 +125,7 @@ def test_no_save_and_bad_inputs(tiny_models, xdg, tmp_path):
 @pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
                     reason="no memory cgroup here")
 def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
-    events = _run(tiny_models["olmoe"], budget=Budget(400 << 20), name="cold", n_batch=64)
+    events = _run(tiny_models["olmoe"], budget=Budget(400 << 20), name="cold", n_batch=64, repeats=2)
     budget = [e for e in events if isinstance(e, StepResult) and e.index == 5][0]
     assert "skipped" not in budget.data, budget.summary
     assert budget.data["n_batch"] == 64  # the measured process runs the batch asked for (-b)
@@ -137,6 +138,15 @@ def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
     assert len(faults) == len(budget.data["measured"]) and all(f >= 0 and f == int(f) for f in faults)
     assert block["fit_cold_misses"]["r2_given_faults"] <= 1.0 and "given the storage faults taken" in budget.summary
     assert block["measured"]["prefetch"] == "just in time (routing hook)"
+    # each batch timed twice: beside R², the most any model of the batches' counts could explain, where the
+    # repeats' counts agree (their fetches may not), recorded in the profile too
+    d = budget.data
+    ceiling = r2_ceiling(zip(d["experts"], d["misses"], d["tokens"]), d["measured"])
+    assert d["r2_ceiling"] == (None if ceiling is None else pytest.approx(ceiling))
+    assert ("for any model of these counts" in budget.summary) == (ceiling is not None)
+    assert block["fit_cold_misses"].get("r2_ceiling") == (None if ceiling is None else pytest.approx(ceiling, abs=1e-6))
+    if ceiling is not None:
+        assert d["r2"] <= ceiling + 1e-9
     # plain decoding under the budget is timed beside its fetch count: what a projection charges a fetch from
     held = block["cache_fit"]
     assert held["step_ms"] > 0 and held["tokens"] > 0

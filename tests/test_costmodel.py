@@ -63,3 +63,29 @@ def test_bad_profiles_name_the_failing_field(tmp_path, body, needle):
     p.write_text(body)
     with pytest.raises(ConfigError, match=needle):
         cost_for_model(load_profile(str(p)), "fp")
+
+
+def test_the_r2_ceiling_is_what_the_same_counts_timed_again_leave_unexplained():
+    from s2moe.engine.costmodel import r2_ceiling, r2_text
+
+    rng = np.random.default_rng(1)
+    experts = np.repeat(rng.integers(8, 200, size=20), 3)  # 20 batches, each timed three times
+    tokens = np.repeat(rng.integers(1, 10, size=20), 3)
+    signal = 0.002 + 1.5e-4 * experts + 3e-3 * tokens
+    seconds = signal + rng.normal(0, 2e-3, size=60)
+    ceiling = r2_ceiling(zip(experts, tokens), seconds)
+    means = np.array([seconds[i - i % 3: i - i % 3 + 3].mean() for i in range(60)])
+    expected = 1 - np.sum((seconds - means) ** 2) / np.sum((seconds - seconds.mean()) ** 2)
+    assert ceiling == pytest.approx(expected) and 0.5 < ceiling < 0.99
+    # the linear fit is one model of these counts: it cannot explain more than the group means do
+    fit = fit_verify_cost(experts, tokens, seconds)
+    assert fit.r2_ceiling == pytest.approx(ceiling) and fit.r2 <= ceiling
+    assert "≤ " + f"{ceiling:.3f}" in r2_text(fit.r2, fit.r2_ceiling)
+    # counts nobody timed twice say nothing of the spread: no ceiling, and the text says only R²
+    assert r2_ceiling(zip(range(60), tokens), seconds) is None
+    assert r2_text(0.5, None) == "R² 0.500"
+    # under a budget the fetched experts are part of the counts
+    from s2moe.engine.costmodel import fit_miss_cost
+
+    misses = experts // 2
+    assert fit_miss_cost(experts, misses, tokens, seconds).r2_ceiling == pytest.approx(ceiling)
