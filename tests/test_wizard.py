@@ -72,6 +72,13 @@ def test_step_outcomes():
     budget = step_outcome(r[4], FIELDS)
     assert budget.state == "failed" and budget.reason == plain_words(WORKER_ERROR)
     assert budget.note == "cold T_exp derived from storage bandwidth"
+    # beside a poor fit, what the repeats' own spread allowed tells noise from a missing term
+    def fit_flag(ceiling):
+        return step_outcome(StepResult(5, "budget", "R² 0.5", {"r2": 0.5, "r2_ceiling": ceiling})).flags[0]
+
+    assert "the device was noisy" in fit_flag(0.6) and "no model of their counts gets past 0.60" in fit_flag(0.6)
+    assert "could reach 0.97, so the time follows something they do not count" in fit_flag(0.97)
+    assert fit_flag(None).endswith("explains little of the measured time")
     skipped = step_outcome(StepResult(5, "budget", "skipped: no memory budget given",
                                       {"skipped": "skipped: no memory budget given"}))
     assert skipped == Outcome("skipped", "no memory budget given")

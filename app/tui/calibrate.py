@@ -83,7 +83,15 @@ def step_outcome(result: StepResult, fields: dict[str, str] | None = None) -> Ou
     flags = []
     r2 = data.get("r2")
     if r2 is not None and r2 < FIT_R2_MIN:
-        flags.append(f"fit R² {r2:.2f} is below {FIT_R2_MIN}: the cost model explains little of the measured time")
+        flag = f"fit R² {r2:.2f} is below {FIT_R2_MIN}: the cost model explains little of the measured time"
+        ceiling = data.get("r2_ceiling")
+        if ceiling is not None and ceiling < FIT_R2_MIN:
+            flag += (f"; the same batches timed again spread so far that no model of their counts gets past "
+                     f"{ceiling:.2f}: the device was noisy, measure again when it is quiet")
+        elif ceiling is not None:
+            flag += (f"; a model of the batches' counts could reach {ceiling:.2f}, so the time follows something "
+                     f"they do not count")
+        flags.append(flag)
     for key, label in _CONSTANTS:
         v = data.get(key)
         if v is not None and v <= 0:
