@@ -44,7 +44,7 @@ import numpy as np
 from .errors import ConfigError
 from .events import CostConstants
 from .offload import Budget, fmt_bytes, plan_budget, rank_counts, select_hot_experts
-from .offload.budget import AUTO_EXPERT_SHARE
+from .offload.budget import AUTO_EXPERT_SHARE, plan_slack
 from .policies import CascadeDrafter, ConfidenceStop, FixedLength, Proposal, StopRule, UtilityStop, rule_cost
 from .profiles import cost_for_model, model_block, storage_rates
 from .trace import Trace, TraceHeader
@@ -405,7 +405,10 @@ class CachePlan:
 def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_bytes: float) -> CachePlan:
     """How a budget splits between pinned hot experts and the expert cache, as engine.offload plans it
     (plan_budget, select_hot_experts). The budget a trace was recorded under (auto, or the same size): the plan
-    that run made; else a third of the expert bytes (AUTO_EXPERT_SHARE), as `--budget auto` gives the expert cache."""
+    that run made. Another budget: the room the same process would leave for experts, where the trace was
+    recorded under a budget (what that run held beside its experts — its heap, llama.cpp's buffers, the pinned
+    weights — held again); else the budget less the non-expert weights. `auto` gives the experts a third of
+    their bytes (AUTO_EXPERT_SHARE), as `--budget auto` gives the expert cache."""
     if budget is None or budget == "none":
         return CachePlan(None, (), "none (all resident)")
     b = Budget.parse(budget)
@@ -418,11 +421,22 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
         return CachePlan(cap, tuple(tuple(p) for p in recorded["pinned"]),
                          f"{'auto' if b.auto else fmt_bytes(b.size)} as recorded ({fmt_bytes(recorded['budget_bytes'])}: "
                          f"{len(recorded['pinned'])} hot experts pinned, cache of {cap} experts)")
-    size = int(header.non_expert_bytes + AUTO_EXPERT_SHARE * total) if b.auto else b.size
     hot_ranked = [p for p in (model_block(profile, header.fingerprint) or {}).get("hot_experts") or []]
     sizes = SimpleNamespace(expert_bytes=np.full(header.n_layer, expert_bytes))  # all plan_budget reads of a map
-    plan = plan_budget(size, anon_bytes=0, base_bytes=header.non_expert_bytes, emap=sizes, k=header.k,
-                       pin_hot=bool(hot_ranked))
+    besides = ""
+    if recorded is not None:
+        held = max(0, recorded["budget_bytes"] - plan_slack(recorded["budget_bytes"])
+                   - recorded["hot_bytes"] - recorded["cache_bytes"])
+        room = int(AUTO_EXPERT_SHARE * total) if b.auto else max(0, b.size - plan_slack(b.size) - held)
+        size = held + room + plan_slack(held + room) if b.auto else b.size
+        plan = plan_budget(size, anon_bytes=held, base_bytes=0, emap=sizes, k=header.k, pin_hot=bool(hot_ranked),
+                           expert_room=room)
+        plan.check_room(int(header.k * expert_bytes))  # a budget the process would not run in, as decoding says
+        besides = f", beside the {fmt_bytes(held)} the recorded run held besides its experts"
+    else:
+        size = int(header.non_expert_bytes + AUTO_EXPERT_SHARE * total) if b.auto else b.size
+        plan = plan_budget(size, anon_bytes=0, base_bytes=header.non_expert_bytes, emap=sizes, k=header.k,
+                           pin_hot=bool(hot_ranked))
     pinned = ()
     if hot_ranked:
         counts = rank_counts(hot_ranked, SimpleNamespace(n_layer=header.n_layer, n_expert=header.n_expert))
@@ -430,7 +444,7 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
     plan = plan.with_pinned(int(len(pinned) * expert_bytes))
     cap = int(plan.cache_bytes // expert_bytes)
     label = (f"{'auto' if b.auto else fmt_bytes(size)}: {len(pinned)} hot experts pinned, cache of {cap} experts"
-             f" ({fmt_bytes(cap * expert_bytes)})")
+             f" ({fmt_bytes(cap * expert_bytes)}){besides}")
     return CachePlan(cap, pinned, label)
 
 

@@ -335,8 +335,26 @@ def test_a_trace_projected_at_the_budget_it_ran_under_brings_that_run_s_plan():
     tr = hand_trace().with_budget(ran)
     p = project([tr], profile(), budget="1M", modes=["ar"])
     assert p.budget.startswith("1.0 MiB as recorded") and "2 hot experts pinned, cache of 3 experts" in p.budget
-    # another size: the plan is modelled from the profile (here: no room for a cache, nothing pinned)
+    # another size: the plan is modelled on that run's (here its budget was all slack: no room, nothing pinned)
     assert project([tr], profile(), budget="2M", modes=["ar"]).modes["ar"].fetched == 6 * 4
+
+
+def test_another_budget_leaves_the_recorded_run_s_process_what_it_held():
+    """A budget other than the recorded one gives the experts what that run's process would leave of it: the
+    recorded room, plus the budget's growth less the slack's. Below the process and one layer's experts the
+    process would not run, and the projection says so as decoding would."""
+    from s2moe.engine.offload.budget import plan_slack
+
+    b1 = 100 << 20
+    ran = {"auto": False, "budget_bytes": b1, "hot_bytes": 0, "cache_bytes": 2000, "pinned": []}
+    tr = hand_trace().with_budget(ran)
+    assert "cache of 2 experts" in project([tr], profile(), budget=str(b1), modes=["ar"]).budget
+    wider = project([tr], profile(), budget=str(b1 + 4000), modes=["ar"])
+    grown = 2000 + 4000 - (plan_slack(b1 + 4000) - plan_slack(b1))
+    assert f"cache of {grown // 1000} experts" in wider.budget and "the recorded run held" in wider.budget
+    assert wider.modes["ar"].fetched < project([tr], profile(), budget=str(b1), modes=["ar"]).modes["ar"].fetched
+    with pytest.raises(ConfigError, match="give at least"):
+        project([tr], profile(), budget=str(b1 - plan_slack(b1) - 1), modes=["ar"])
 
 def test_the_cache_model_is_checked_against_the_recording_s_own_fetches():
     """A trace recorded under a budget counts the experts its run fetched; the projection puts the same run's
