@@ -405,10 +405,10 @@ class CachePlan:
 def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_bytes: float) -> CachePlan:
     """How a budget splits between pinned hot experts and the expert cache, as engine.offload plans it
     (plan_budget, select_hot_experts). The budget a trace was recorded under (auto, or the same size): the plan
-    that run made. Another budget: the room the same process would leave for experts, where the trace was
-    recorded under a budget (what that run held beside its experts — its heap, llama.cpp's buffers, the pinned
-    weights — held again); else the budget less the non-expert weights. `auto` gives the experts a third of
-    their bytes (AUTO_EXPERT_SHARE), as `--budget auto` gives the expert cache."""
+    that run made. Another budget: the room the process would leave for experts, with what a run under a budget
+    held beside its experts (heap, llama.cpp's buffers, pinned weights: process_held) held again; without such
+    a run, the budget less the non-expert weights. `auto` gives the experts a third of their bytes
+    (AUTO_EXPERT_SHARE), as `--budget auto` gives the expert cache."""
     if budget is None or budget == "none":
         return CachePlan(None, (), "none (all resident)")
     b = Budget.parse(budget)
@@ -421,22 +421,23 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
         return CachePlan(cap, tuple(tuple(p) for p in recorded["pinned"]),
                          f"{'auto' if b.auto else fmt_bytes(b.size)} as recorded ({fmt_bytes(recorded['budget_bytes'])}: "
                          f"{len(recorded['pinned'])} hot experts pinned, cache of {cap} experts)")
-    hot_ranked = [p for p in (model_block(profile, header.fingerprint) or {}).get("hot_experts") or []]
+    block = model_block(profile, header.fingerprint) or {}
+    hot_ranked = list(block.get("hot_experts") or [])
     sizes = SimpleNamespace(expert_bytes=np.full(header.n_layer, expert_bytes))  # all plan_budget reads of a map
-    besides = ""
-    if recorded is not None:
-        held = max(0, recorded["budget_bytes"] - plan_slack(recorded["budget_bytes"])
-                   - recorded["hot_bytes"] - recorded["cache_bytes"])
+    measured = process_held(header, block, expert_bytes)
+    if measured is not None:
+        held, whose = measured
         room = int(AUTO_EXPERT_SHARE * total) if b.auto else max(0, b.size - plan_slack(b.size) - held)
         size = held + room + plan_slack(held + room) if b.auto else b.size
         plan = plan_budget(size, anon_bytes=held, base_bytes=0, emap=sizes, k=header.k, pin_hot=bool(hot_ranked),
                            expert_room=room)
         plan.check_room(int(header.k * expert_bytes))  # a budget the process would not run in, as decoding says
-        besides = f", beside the {fmt_bytes(held)} the recorded run held besides its experts"
+        besides = f", beside the {fmt_bytes(held)} {whose} held besides its experts"
     else:
         size = int(header.non_expert_bytes + AUTO_EXPERT_SHARE * total) if b.auto else b.size
         plan = plan_budget(size, anon_bytes=0, base_bytes=header.non_expert_bytes, emap=sizes, k=header.k,
                            pin_hot=bool(hot_ranked))
+        besides = ", the process's own memory not counted (no run under a budget measured it)"
     pinned = ()
     if hot_ranked:
         counts = rank_counts(hot_ranked, SimpleNamespace(n_layer=header.n_layer, n_expert=header.n_expert))
@@ -446,6 +447,22 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
     label = (f"{'auto' if b.auto else fmt_bytes(size)}: {len(pinned)} hot experts pinned, cache of {cap} experts"
              f" ({fmt_bytes(cap * expert_bytes)}){besides}")
     return CachePlan(cap, pinned, label)
+
+
+def process_held(header: TraceHeader, block: dict, expert_bytes: float) -> tuple[int, str] | None:
+    """What a decoding process held under a budget beside its experts, and whose run measured it: the trace's
+    own run where it was recorded under a budget, else the profile's calibration under one (its cold
+    worker's plan: pinned and cached experts at the budget it measured). None where neither ran."""
+    recorded = header.budget
+    if recorded is not None:
+        experts, budget, whose = recorded["hot_bytes"] + recorded["cache_bytes"], recorded["budget_bytes"], \
+            "the recorded run"
+    else:
+        fit, budget = block.get("cache_fit"), (block.get("measured") or {}).get("budget_bytes")
+        if not fit or not budget:
+            return None
+        experts, whose = (fit["planned_experts"] + (fit.get("pinned") or 0)) * expert_bytes, "the calibrated run"
+    return max(0, int(budget - plan_slack(budget) - experts)), whose
 
 
 # -- replay ----------------------------------------------------------------------------------------------

@@ -355,6 +355,15 @@ def test_another_budget_leaves_the_recorded_run_s_process_what_it_held():
     assert wider.modes["ar"].fetched < project([tr], profile(), budget=str(b1), modes=["ar"]).modes["ar"].fetched
     with pytest.raises(ConfigError, match="give at least"):
         project([tr], profile(), budget=str(b1 - plan_slack(b1) - 1), modes=["ar"])
+    # a trace recorded without a budget: what the profile's calibration under one held (its plan's pinned and
+    # cached experts at its budget), else the process counts as nothing and the projection says so
+    calibrated = profile()
+    calibrated["models"][FP]["measured"] = {"budget_bytes": b1}
+    calibrated["models"][FP]["cache_fit"] = {"planned_experts": 2, "effective_experts": 2, "tokens": 8,
+                                             "fetched_per_token": 1.0, "pinned": 0}
+    assert project([hand_trace()], calibrated, budget=str(b1 + 4000), modes=["ar"]).budget == \
+        wider.budget.replace("the recorded run", "the calibrated run")
+    assert "own memory not counted" in project([hand_trace()], profile(), budget=str(b1), modes=["ar"]).budget
 
 def test_the_cache_model_is_checked_against_the_recording_s_own_fetches():
     """A trace recorded under a budget counts the experts its run fetched; the projection puts the same run's
