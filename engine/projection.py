@@ -432,7 +432,7 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
         plan = plan_budget(size, anon_bytes=held, base_bytes=0, emap=sizes, k=header.k, pin_hot=bool(hot_ranked),
                            expert_room=room)
         plan.check_room(int(header.k * expert_bytes))  # a budget the process would not run in, as decoding says
-        besides = f", beside the {fmt_bytes(held)} {whose} held besides its experts"
+        besides = f", the process holding {fmt_bytes(held)} beside its experts as {whose} did"
     else:
         size = int(header.non_expert_bytes + AUTO_EXPERT_SHARE * total) if b.auto else b.size
         plan = plan_budget(size, anon_bytes=0, base_bytes=header.non_expert_bytes, emap=sizes, k=header.k,
@@ -455,8 +455,8 @@ def process_held(header: TraceHeader, block: dict, expert_bytes: float) -> tuple
     worker's plan: pinned and cached experts at the budget it measured). None where neither ran."""
     recorded = header.budget
     if recorded is not None:
-        experts, budget, whose = recorded["hot_bytes"] + recorded["cache_bytes"], recorded["budget_bytes"], \
-            "the recorded run"
+        experts = recorded["hot_bytes"] + recorded["cache_bytes"]
+        budget, whose = recorded["budget_bytes"], "the recorded run"
     else:
         fit, budget = block.get("cache_fit"), (block.get("measured") or {}).get("budget_bytes")
         if not fit or not budget:

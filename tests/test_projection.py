@@ -351,7 +351,7 @@ def test_another_budget_leaves_the_recorded_run_s_process_what_it_held():
     assert "cache of 2 experts" in project([tr], profile(), budget=str(b1), modes=["ar"]).budget
     wider = project([tr], profile(), budget=str(b1 + 4000), modes=["ar"])
     grown = 2000 + 4000 - (plan_slack(b1 + 4000) - plan_slack(b1))
-    assert f"cache of {grown // 1000} experts" in wider.budget and "the recorded run held" in wider.budget
+    assert f"cache of {grown // 1000} experts" in wider.budget and "as the recorded run did" in wider.budget
     assert wider.modes["ar"].fetched < project([tr], profile(), budget=str(b1), modes=["ar"]).modes["ar"].fetched
     with pytest.raises(ConfigError, match="give at least"):
         project([tr], profile(), budget=str(b1 - plan_slack(b1) - 1), modes=["ar"])
