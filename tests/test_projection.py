@@ -353,6 +353,9 @@ def test_another_budget_leaves_the_recorded_run_s_process_what_it_held():
     grown = 2000 + 4000 - (plan_slack(b1 + 4000) - plan_slack(b1))
     assert f"cache of {grown // 1000} experts" in wider.budget and "as the recorded run did" in wider.budget
     assert wider.modes["ar"].fetched < project([tr], profile(), budget=str(b1), modes=["ar"]).modes["ar"].fetched
+    # a cache smaller than a layer's k experts: decoding stages every layer there, which the price may not know
+    assert "in stages" not in wider.budget
+    assert "do not fit the cache" in project([tr], profile(), budget=str(b1 - 1000), modes=["ar"]).budget
     with pytest.raises(ConfigError, match="give at least"):
         project([tr], profile(), budget=str(b1 - plan_slack(b1) - 1), modes=["ar"])
     # a trace recorded without a budget: what the profile's calibration under one held (its plan's pinned and
