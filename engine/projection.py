@@ -446,7 +446,8 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
     cap = int(plan.cache_bytes // expert_bytes)
     label = (f"{'auto' if b.auto else fmt_bytes(size)}: {len(pinned)} hot experts pinned, cache of {cap} experts"
              f" ({fmt_bytes(cap * expert_bytes)}){besides}")
-    if cap < header.k:
+    priced_staged = (block.get("cache_fit") or {}).get("planned_experts", header.k) < header.k
+    if cap < header.k and not priced_staged:
         # the fetches are still counted right; their price, measured where a layer fit, is not (README)
         label += (f"; a layer's {header.k} experts do not fit the cache, so decoding reads every layer in stages,"
                   f" each fetch dearer than where a layer fits (calibrate under this budget to price it)")

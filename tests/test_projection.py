@@ -356,6 +356,10 @@ def test_another_budget_leaves_the_recorded_run_s_process_what_it_held():
     # a cache smaller than a layer's k experts: decoding stages every layer there, which the price may not know
     assert "in stages" not in wider.budget
     assert "do not fit the cache" in project([tr], profile(), budget=str(b1 - 1000), modes=["ar"]).budget
+    staged = profile()
+    staged["models"][FP]["cache_fit"] = {"planned_experts": 1, "effective_experts": 1, "tokens": 8,
+                                         "fetched_per_token": 1.0, "pinned": 0}
+    assert "do not fit" not in project([tr], staged, budget=str(b1 - 1000), modes=["ar"]).budget  # priced so
     with pytest.raises(ConfigError, match="give at least"):
         project([tr], profile(), budget=str(b1 - plan_slack(b1) - 1), modes=["ar"])
     # a trace recorded without a budget: what the profile's calibration under one held (its plan's pinned and
