@@ -261,6 +261,8 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
     measured = block.get("measured")
     if measured is not None and not isinstance(measured, dict):
         raise ConfigError(f"{where}: field measured must be a mapping (when, how)")
+    if measured is not None:  # a projection sizes the process from it (with cache_fit)
+        _number(measured, "budget_bytes", f"{where}.measured", integer=True, positive=True)
     if block.get("tuned") is not None:
         _validate_tuned(block["tuned"], where)
 

@@ -94,6 +94,7 @@ def _bad(path, value):
     (("models", FP, "fit_cold_misses"), {"intercept_ms": 0.1, "t_exp_warm_ms": 0.01, "t_exp_cold_ms": 0.3,
                                          "t_tok_ms": 0.2, "mape": 0.2, "n": 9, "r2_ceiling": 1.5},
      "fit_cold_misses: field r2_ceiling must be a number ≤ 1"),
+    (("models", FP, "measured"), {"budget_bytes": "lots"}, "measured: field budget_bytes"),
     (("models", FP, "hot_experts"), [[0, 1], [9, 0]], r"hot_experts\[1\]"),
     (("models", FP, "hot_experts"), [[0, 1], [0, 1]], "listed twice"),
     (("models", FP, "hot_experts"), [[0, "x"]], r"hot_experts\[0\]"),
