@@ -17,7 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help="trace files, or folders of them (bench --trace DIR)")
     p.add_argument("--profile", required=True, type=nonempty, help="device profile name or YAML path")
     p.add_argument("--budget", type=_budget, default=None,
-                   help="memory budget to simulate: none (default: every expert resident), auto or a size")
+                   help="memory budget to simulate: none (default: every expert resident), auto or a size; "
+                        "the budget the traces ran under replays that run's plan, another leaves the process what "
+                        "the traces' run (or the profile's calibration under a budget) held beside its experts")
     p.add_argument("--modes", default=modes,
                    help=f"comma-separated modes (default {modes}; ceilings: oracle drafts exactly what the "
                         "target accepts, the best of any stopping rule; perfect verifies the next draft-cap tokens "
