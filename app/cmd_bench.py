@@ -220,8 +220,8 @@ def storage_record(around: dict[str, list[tuple[float, float]]], expert_bytes: f
     every = [r for rs in around.values() for r in rs]
     if every:
         whole = storage_reading(every)
-        by_budget = {label: {key: (storage_reading(rs) if rs else whole)[key] for key in ("qd8_gb_s", "qd8_range")}
-                     for label, rs in around.items()}
+        readings = {label: storage_reading(rs) if rs else whole for label, rs in around.items()}
+        by_budget = {label: {key: r[key] for key in ("qd8_gb_s", "qd8_range")} for label, r in readings.items()}
         return {"qd1_gb_s": whole["qd1_gb_s"], "qd8_gb_s": whole["qd8_gb_s"], "qd1_range": whole["qd1_range"],
                 "qd8_range": whole["qd8_range"], "n_readings": len(every), "by_budget": by_budget,
                 "expert_bytes": expert_bytes, "source": "read by this run before and after each budget"}

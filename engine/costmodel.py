@@ -57,11 +57,7 @@ def fit_verify_cost(experts, tokens, seconds) -> Fit:
             tt = 0.0
         if te < 0 or tt < 0:
             a, te, tt = float(np.mean(y)), 0.0, 0.0
-    pred = a + te * e + tt * s
-    ss_res = float(np.sum((y - pred) ** 2))
-    ss_tot = float(np.sum((y - y.mean()) ** 2))
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    mape = float(np.mean(np.abs(y - pred) / np.maximum(np.abs(y), 1e-12)))
+    r2, mape = _quality(y, a + te * e + tt * s)
     return Fit(float(a), float(te), float(tt), r2, mape, len(y), r2_ceiling(zip(e, s), y))
 
 

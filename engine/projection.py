@@ -427,7 +427,7 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
     measured = process_held(header, block, expert_bytes)
     if measured is not None:
         held, whose = measured
-        room = int(AUTO_EXPERT_SHARE * total) if b.auto else max(0, b.size - plan_slack(b.size) - held)
+        room = int(AUTO_EXPERT_SHARE * total) if b.auto else None  # else plan_budget's: what held and slack leave
         size = held + room + plan_slack(held + room) if b.auto else b.size
         plan = plan_budget(size, anon_bytes=held, base_bytes=0, emap=sizes, k=header.k, pin_hot=bool(hot_ranked),
                            expert_room=room)
