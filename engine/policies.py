@@ -514,6 +514,37 @@ class CascadeDrafter(Drafter):
             self._start_test()
 
 
+class NgramIndex:
+    """Where each n-gram (n ≤ max_ngram) of a growing token sequence last occurred, for prompt lookup: the
+    longest n-gram ending the sequence that occurred earlier in it, and what followed its most recent earlier
+    occurrence. Kept up to date as the sequence grows, so that a lookup costs a few dictionary reads rather than
+    a scan of the context on every step."""
+
+    def __init__(self, max_ngram: int, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.seq: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its latest indexed occurrence
+
+    def _index(self, seq: list[int]) -> None:
+        if seq[: len(self.seq)] != self.seq:  # not the sequence indexed so far, grown
+            self.seq, self.last = [], {}
+        # every n-gram ending before the sequence's last token: the one ending it must not find itself
+        for end in range(max(len(self.seq), 1), len(seq)):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self.last[tuple(seq[end - n : end])] = end
+        self.seq = list(seq[:-1])
+
+    def lookup(self, seq: list[int], max_len: int) -> tuple[int, list[int]]:
+        """(n, continuation): up to max_len tokens that followed the latest earlier occurrence of the longest
+        n-gram ending seq; (0, []) when none of its n-grams occurred before."""
+        self._index(seq)
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            end = self.last.get(tuple(seq[-n:]))
+            if end is not None:
+                return n, seq[end : end + max_len]
+        return 0, []
+
+
 class LookupDrafter(Drafter):
     """Prompt-lookup drafting: find the longest recent n-gram (n ≤ max_ngram) earlier in the context and
     propose the tokens that followed it. Costs no model pass; deterministic (one-hot) drafts."""
@@ -521,8 +552,7 @@ class LookupDrafter(Drafter):
     name = "lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
+        self.index = NgramIndex(max_ngram, min_ngram)
 
     def propose(self, dec, committed, max_len, sample) -> Proposal:
         out = Proposal()
@@ -530,20 +560,10 @@ class LookupDrafter(Drafter):
             out.stop = "limit"
             return out
         t0 = time.perf_counter()
-        seq = committed
-        n_vocab = dec.rt.n_vocab
-        found: list[int] = []
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            tail = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):  # most recent earlier occurrence first
-                if seq[start : start + n] == tail:
-                    found = seq[start + n : start + n + max_len]
-                    break
-            if found:
-                break
+        _, found = self.index.lookup(committed, max_len)
         n_layer = dec.info.n_layer
         for token in found:
-            q = np.zeros(n_vocab)
+            q = np.zeros(dec.rt.n_vocab)
             q[token] = 1.0
             out.tokens.append(token)
             out.dists.append(q)

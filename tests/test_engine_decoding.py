@@ -10,6 +10,7 @@ import pytest
 from s2moe.engine.decoder import GenerationConfig, VerifyObserver, run
 from s2moe.engine.events import CostConstants, Finished, Iteration, Summary
 from s2moe.engine.offload import Residency
+from s2moe.engine.policies import NgramIndex
 
 PROMPTS = ["hello there the world", "in the beginning", "once upon a time re"]
 
@@ -268,6 +269,38 @@ def test_every_baseline_is_lossless_in_greedy_mode(decoders, arch, mode):
             gap = ar_logits_gap(d, d.tokenize(prompt) + list(ar.tokens[:i]))
             assert gap < 1e-3, f"{mode} diverged from ar at token {i} (ar top-2 gap {gap:.3g})"
     assert drafted > 0
+
+
+def _scan_lookup(seq: list[int], max_ngram: int, min_ngram: int, max_len: int) -> tuple[int, list[int]]:
+    """Prompt lookup by its definition: the longest n-gram ending seq, searched backwards through the rest."""
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start : start + n] == seq[-n:]:
+                return n, seq[start + n : start + n + max_len]
+    return 0, []
+
+
+def test_the_ngram_index_finds_what_scanning_the_context_finds():
+    """The lookup drafter's index, kept as the context grows (and rebuilt when it is another context), against
+    a scan of the whole context at every step, on small vocabularies where n-grams recur often."""
+    rng = np.random.default_rng(7)
+    matched = 0
+    for trial in range(200):
+        vocab = int(rng.choice([2, 3, 5, 20]))
+        max_ngram = int(rng.integers(1, 5))
+        min_ngram = int(rng.integers(1, max_ngram + 1))
+        index = NgramIndex(max_ngram, min_ngram)
+        seq = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 6)))]
+        for _ in range(40):
+            max_len = int(rng.integers(1, 9))
+            found = index.lookup(seq, max_len)
+            assert found == _scan_lookup(seq, max_ngram, min_ngram, max_len), (trial, seq)
+            matched += found[0] > 0
+            if rng.random() < 0.05:
+                seq = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 9)))]
+            else:
+                seq = seq + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 4)))]
+    assert matched > 1000
 
 
 def test_cascade_tests_every_draft_length_then_settles(decoders):
