@@ -29,12 +29,14 @@ from .sampling import MAX_SEED
 
 DATA_DIR = Path(__file__).parent / "data"
 
-# The paper's progressive ladder: independent-context draft → shared KV → adaptive expansion → gating.
+# The paper's progressive ladder: independent-context draft → shared KV → adaptive expansion → gating; the last
+# rung, s2moe's defaults, adds drafts copied from the context where the rule says they pay.
 ABLATION = {
     "base": dict(mode="naive"),
     "+shared-kv": dict(mode="s2moe", utility=False, reuse_strength=0.0),
-    "+utility": dict(mode="s2moe", utility=True, reuse_strength=0.0),
-    "+gating": dict(mode="s2moe", utility=True),
+    "+utility": dict(mode="s2moe", utility=True, reuse_strength=0.0, lookup=False),
+    "+gating": dict(mode="s2moe", utility=True, lookup=False),
+    "+lookup": dict(mode="s2moe", utility=True, lookup=True),
 }
 LOSSLESS_LADDER = ("base", "+shared-kv", "+utility")
 # modes whose draft passes read the model's own experts, and so can read the router's or those in memory

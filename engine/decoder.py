@@ -23,7 +23,7 @@ from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnap
 from .hook import distinct_per_layer
 from .model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
 from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LayerSkipDrafter,
-                       LookupDrafter, RecordingStop, SelfDrafter, UtilityStop, rule_cost)
+                       LookupDrafter, LookupOrSelfDrafter, RecordingStop, SelfDrafter, UtilityStop, rule_cost)
 from .gpu import Placement
 from .runtime import DEFAULT_BATCH, LlamaRuntime
 from .sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, Sampling, check_seed, random_seed
@@ -120,6 +120,9 @@ class GenerationConfig:
     threshold: float = 1.0            # utility threshold
     reuse_strength: float = 0.5       # α of reuse-aware gating; 0 turns gating off (lossless)
     reuse_cap: int | None = None      # |E*|
+    # s2moe with the utility rule: where the context repeats itself, draft the tokens that followed the repeated
+    # n-gram (no draft pass) when the rule says they pay, else the model's own chain
+    lookup: bool = True
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
@@ -381,7 +384,9 @@ class Decoder:
             return TreeDrafter(cfg.draft_topk, rule, cfg.tree_width, cfg.tree_max_nodes, allowed)
         if not cfg.utility:
             return SelfDrafter(cfg.draft_topk, FixedLength(), allowed)
-        return SelfDrafter(cfg.draft_topk, self._utility_rule(cfg, cost), allowed)
+        rule = self._utility_rule(cfg, cost)
+        chain = SelfDrafter(cfg.draft_topk, rule, allowed)
+        return LookupOrSelfDrafter(chain, rule) if cfg.lookup and cfg.mode == "s2moe" else chain
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # What the rule learns (the first draft token's usual probability and expert cost, how often a

@@ -85,6 +85,7 @@ class DraftDecision:
     c_draft: float
     t_tok: float
     next_probe: int | None = None  # iterations until the next probe, when not drafting but drafting may pay
+    copied: bool = False  # the draft is a copy of what followed the context's last n-gram: no draft pass to pay
 
     @property
     def text(self) -> str:
@@ -96,6 +97,12 @@ class DraftDecision:
             return out if self.threshold == 1 else f"{out} (utility {self.utility:.2f} < {thr})"
         numbers = (f"(p {self.p_first:.2f} × T_AR {self.t_ar * 1e3:.2f} ms / cost {self.cost * 1e3:.2f} ms "
                    f"with {self.new_experts:.1f} new experts)")
+        if self.copied:
+            what = "the first copied token's expected utility"
+            if self.probing:
+                return (f"probing: {what} {self.utility:.2f} < {thr} {numbers}; verifying one copied token to see "
+                        "whether copies after this n-gram pay again")
+            return f"copying from the context: {what} {self.utility:.2f} ≥ {thr} {numbers}, no draft pass"
         if self.drafting and not self.probing:
             return f"drafting: the first token's expected utility {self.utility:.2f} ≥ {thr} {numbers}"
         head = f"the first token's expected utility {self.utility:.2f} < {thr} {numbers}"
@@ -114,7 +121,8 @@ class DraftDecision:
         if not self.can_pay:
             return (self.text, f"no draft: even a certain token's utility {self.utility:.2f} < {thr}",
                     f"no draft: utility {self.utility:.2f} < {thr}")
-        verb = "probing" if self.probing else "drafting" if self.drafting else "no draft"
+        verb = ("probing" if self.probing else "copying" if self.copied else "drafting" if self.drafting
+                else "no draft")
         head = f"{verb}: utility {self.utility:.2f} {'≥' if self.utility >= self.threshold else '<'} {thr}"
         return self.text, f"{head} (p {self.p_first:.2f}, cost {self.cost * 1e3:.2f} ms)", head
 

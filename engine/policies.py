@@ -188,6 +188,7 @@ class UtilityStop(StopRule):
         self.max_probe_interval = 16 * probe_every
         self._skipped = 0
         self._probing = False
+        self._copies: CopyLearner | None = None
 
     def start(self) -> None:
         """A new generation: keep the learned estimates and probe interval, drop a probe in flight."""
@@ -225,6 +226,24 @@ class UtilityStop(StopRule):
                              utility=utility, p_first=p, new_experts=experts, t_ar=c.t_ar,
                              cost=c.t_exp * experts + c.t_tok + c.c_draft, c_draft=c.c_draft, t_tok=c.t_tok,
                              next_probe=next_probe)
+
+    def copies(self, max_ngram: int) -> "CopyLearner":
+        """What this rule has learned of drafts copied from the context (LookupOrSelfDrafter), kept with its
+        other estimates across generations."""
+        if self._copies is None or len(self._copies.seen) != max_ngram + 1:
+            self._copies = CopyLearner(max_ngram)
+        return self._copies
+
+    def copy_price(self, new_experts: float) -> tuple[float, float]:
+        """(what a committed token saves, what a copied row adding new_experts costs) under the constants: a
+        copy needs no draft pass."""
+        c = self.cost
+        return c.t_ar, c.t_exp * new_experts + c.t_tok
+
+    def copy_decision(self, p: float, experts: float, saved: float, row: float, probing: bool = False) -> DraftDecision:
+        return DraftDecision(drafting=True, can_pay=True, probing=probing, threshold=self.threshold,
+                             utility=p * saved / max(row, 1e-12), p_first=p, new_experts=experts, t_ar=saved, cost=row,
+                             c_draft=0.0, t_tok=self.cost.t_tok, copied=True)
 
     def _probe_outcome(self, paid: bool) -> None:
         if self._probing:
@@ -515,24 +534,22 @@ class CascadeDrafter(Drafter):
 
 
 class NgramIndex:
-    """Where each n-gram (n ≤ max_ngram) of a growing token sequence last occurred, for prompt lookup: the
-    longest n-gram ending the sequence that occurred earlier in it, and what followed its most recent earlier
-    occurrence. Kept up to date as the sequence grows, so that a lookup costs a few dictionary reads rather than
-    a scan of the context on every step."""
+    """Where each n-gram (n ≤ max_ngram) of one growing token sequence (a generation's context) last occurred,
+    for prompt lookup: the longest n-gram ending the sequence that occurred earlier in it, and what followed its
+    most recent earlier occurrence. Kept up to date as the sequence grows, so that a lookup costs a few
+    dictionary reads rather than a scan of the context on every step."""
 
     def __init__(self, max_ngram: int, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.seq: list[int] = []
+        self.indexed = 1  # n-grams ending before this index are in `last`
         self.last: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its latest indexed occurrence
 
     def _index(self, seq: list[int]) -> None:
-        if seq[: len(self.seq)] != self.seq:  # not the sequence indexed so far, grown
-            self.seq, self.last = [], {}
         # every n-gram ending before the sequence's last token: the one ending it must not find itself
-        for end in range(max(len(self.seq), 1), len(seq)):
+        for end in range(self.indexed, len(seq)):
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self.last[tuple(seq[end - n : end])] = end
-        self.seq = list(seq[:-1])
+        self.indexed = max(self.indexed, len(seq))
 
     def lookup(self, seq: list[int], max_len: int) -> tuple[int, list[int]]:
         """(n, continuation): up to max_len tokens that followed the latest earlier occurrence of the longest
@@ -543,6 +560,13 @@ class NgramIndex:
             if end is not None:
                 return n, seq[end : end + max_len]
         return 0, []
+
+
+def one_hot(n_vocab: int, token: int) -> np.ndarray:
+    """The draft distribution of a token copied from the context: certain of it."""
+    q = np.zeros(n_vocab)
+    q[token] = 1.0
+    return q
 
 
 class LookupDrafter(Drafter):
@@ -563,13 +587,160 @@ class LookupDrafter(Drafter):
         _, found = self.index.lookup(committed, max_len)
         n_layer = dec.info.n_layer
         for token in found:
-            q = np.zeros(dec.rt.n_vocab)
-            q[token] = 1.0
             out.tokens.append(token)
-            out.dists.append(q)
+            out.dists.append(one_hot(dec.rt.n_vocab, token))
             out.chain.append(1.0)
             out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, None,
                                                  np.zeros(n_layer, int), True))
         out.stop = "lookup" if found else "no-match"
         out.seconds = time.perf_counter() - t0
         return out
+
+
+class CopyLearner:
+    """What s2moe learns of drafts copied from the context.
+
+    How often the target accepts a copied token after an n-gram match, per n: the accepted share of the copies
+    verified there (each judged only if those before it were accepted) plus `prior` pseudo-tokens at `rate`. A
+    copy the rule declines is verified anyway now and then (its first token only), so that an n the estimate
+    has written off is seen again when the text starts repeating itself; a rejected probe doubles the wait
+    before the next (up to 16×), an accepted one resets it.
+
+    And what copies cost, timed from one proposal to the next (drafting, verification, acceptance, the event's
+    consumer): a plain step, and each copied row beyond it. The constants price a row by T_tok and T_exp, which
+    leave out what makes a verification with drafts dearer than a plain step (the routing hook's stops, the
+    acceptance of each row); where a row costs nearly a plain step, as on a CPU with the model in memory, that
+    difference decides whether copies pay, so once `min_copies` copies were timed the measured prices replace
+    the constants'."""
+
+    def __init__(self, max_ngram: int, rate: float = 0.6, prior: float = 2.0, probe_every: int = 16,
+                 smoothing: float = 0.1, min_copies: int = 3):
+        self.rate, self.prior = rate, prior
+        self.seen = np.zeros(max_ngram + 1)
+        self.accepted = np.zeros(max_ngram + 1)
+        self.probe_every = probe_every
+        self.probe_interval = np.full(max_ngram + 1, probe_every)
+        self._declined = np.zeros(max_ngram + 1, int)
+        self.smoothing, self.min_copies = smoothing, min_copies
+        self.plain_s: float | None = None  # running means: a plain step's wall time
+        self.row_s: float | None = None    # … and what each copied row adds to it
+        self.copies_timed = 0
+
+    def estimate(self, n: int) -> float:
+        return float((self.prior * self.rate + self.accepted[n]) / (self.prior + self.seen[n]))
+
+    def probe(self, n: int, rarely: bool = False) -> bool:
+        """A copy after an n-gram was declined: whether to verify its first token anyway. rarely: as seldom as
+        the longest wait allows (a probe could only find the prices changed)."""
+        self._declined[n] += 1
+        if self._declined[n] < (16 * self.probe_every if rarely else self.probe_interval[n]):
+            return False
+        self._declined[n] = 0
+        return True
+
+    def learn(self, n: int, drafted: int, accepted: int, probe: bool = False) -> None:
+        self.seen[n] += min(accepted + 1, drafted)
+        self.accepted[n] += accepted
+        if probe:
+            self.probe_interval[n] = (self.probe_every if accepted else
+                                      min(2 * self.probe_interval[n], 16 * self.probe_every))
+
+    def timed(self, seconds: float, rows: int) -> None:
+        """An iteration's wall time: a plain step (rows 0) or a verification of `rows` copied tokens."""
+        if rows == 0:
+            self.plain_s = seconds if self.plain_s is None else self.plain_s + self.smoothing * (seconds - self.plain_s)
+        elif self.plain_s is not None:
+            per_row = (seconds - self.plain_s) / rows
+            self.row_s = per_row if self.row_s is None else self.row_s + self.smoothing * (per_row - self.row_s)
+            self.copies_timed += 1
+
+    def price(self) -> tuple[float, float] | None:
+        """(a plain step, a copied row beyond it) as measured; None until enough copies were timed. A row is
+        never priced under a twentieth of a plain step: timing noise must not make copies look free."""
+        if self.copies_timed < self.min_copies or self.plain_s is None or self.row_s is None:
+            return None
+        return self.plain_s, max(self.row_s, self.plain_s / 20)
+
+
+class LookupOrSelfDrafter(Drafter):
+    """s2moe's drafts: where the context repeats itself, the tokens that followed the repeated n-gram, kept while
+    the utility rule says they pay; otherwise the self-drafter's chain.
+
+    A copied token needs no draft pass: it pays when p·T_AR ≥ threshold·(what its row costs), p the learned
+    acceptance of copies after an n-gram of its length, chained over the copy. A row costs T_tok + T_exp·E under
+    the constants (E the experts a row adds to the verification, the rule's running estimate, which both kinds
+    of draft teach), and T_AR is the constants' plain step, until the rule has timed copies here (CopyLearner)."""
+
+    name = "s2moe"
+    drafts_in_context = True
+
+    def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop, max_ngram: int = 3):
+        self.self_drafter = self_drafter
+        self.rule = rule
+        self.index = NgramIndex(max_ngram)
+        self.learned = rule.copies(max_ngram)
+        # of the last proposal, when it was copied: (n, a probe, experts of the pending token's row)
+        self._copied: tuple[int, bool, int] | None = None
+        # when the last proposal began, and its rows when it was plain (0) or copied: what its iteration times
+        self._started: float | None = None
+        self._rows: int | None = None
+
+    def propose(self, dec, committed, max_len, sample) -> Proposal:
+        now = time.perf_counter()
+        if self._started is not None and self._rows is not None:
+            self.learned.timed(now - self._started, self._rows)
+        self._started, self._copied = now, None
+        out = self._copy(dec, committed, max_len)
+        if out is None:
+            out = self.self_drafter.propose(dec, committed, max_len, sample)
+            self._rows = None if out.tokens else 0
+        else:
+            self._rows = len(out.tokens)
+        return out
+
+    def _copy(self, dec, committed, max_len) -> Proposal | None:
+        rule = self.rule
+        saved, row = rule.copy_price(0.0)
+        # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
+        if max_len <= 0 or saved < rule.threshold * row:
+            return None
+        n, found = self.index.lookup(committed, max_len)
+        if not found:
+            return None
+        t0 = time.perf_counter()
+        p, experts = self.learned.estimate(n), rule.expected_first_experts
+        saved, row = self.learned.price() or rule.copy_price(experts)
+        probe = p * saved < rule.threshold * row
+        # a probe where even certain copies would not pay at the prices timed only re-times them, and rarely
+        if probe and not self.learned.probe(n, rarely=saved < rule.threshold * row):
+            return None
+        out = Proposal(stop="lookup: probe" if probe else "lookup")
+        survival = 1.0
+        for token in found:
+            survival *= p
+            u = survival * saved / max(row, 1e-12)  # free rows: the warm-up's constants, drafting to the cap
+            keep = u >= rule.threshold or (probe and not out.tokens)
+            out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, u,
+                                                 np.zeros(dec.info.n_layer, int), keep, None, survival))
+            if not keep:
+                out.stop = "lookup: utility"
+                break
+            out.tokens.append(token)
+            out.dists.append(one_hot(dec.rt.n_vocab, token))
+            out.chain.append(1.0)
+            if probe:
+                break
+        out.decision = rule.copy_decision(p, experts, saved, row, probing=probe)
+        out.seconds = time.perf_counter() - t0
+        self._copied = (n, probe, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
+        return out
+
+    def feedback(self, it) -> None:
+        if self._copied is None:
+            self.self_drafter.feedback(it)
+            return
+        n, probe, pending_experts = self._copied
+        self.learned.learn(n, len(it.drafted), len(it.accepted), probe)
+        rows = it.verify_tokens - 1
+        if rows > 0:
+            self.rule.observe_first_experts((float(it.verify_experts.sum()) - pending_experts) / rows)

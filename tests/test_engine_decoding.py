@@ -108,8 +108,10 @@ def test_kv_entries_are_target_computed(decoders, arch):
 
 
 def test_utility_rule_stops_drafting_when_it_cannot_pay(decoders, arch):
+    """Neither a draft pass nor a copy from the context can pay when a verified row costs more than the plain
+    step a token saves: nothing is drafted, copies not even probed."""
     d = decoders[arch]
-    expensive = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test")
+    expensive = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=1.2, intercept=0.0, source="test")
     events = run(d, PROMPTS[0], GenerationConfig(mode="s2moe", n_predict=16, cost=expensive, stop_at_eos=False))
     iters = [e for e in events if isinstance(e, Iteration)]
     assert all(not e.drafted and e.draft_stop in ("no-draft", "limit") for e in iters)
@@ -155,9 +157,13 @@ def test_the_decoder_teaches_its_rule_from_each_verification(decoders, arch):
     d = decoders[arch]
     cost = CostConstants(t_ar=1.0, c_draft=0.01, t_exp=0.001, t_tok=0.01, intercept=0.0, source="test-learns")
     events = run(d, PROMPTS[0], GenerationConfig(mode="s2moe", n_predict=24, cost=cost, stop_at_eos=False))
-    judged = sum(min(len(e.accepted) + 1, len(e.drafted)) for e in events if isinstance(e, Iteration))
+    judged = {False: 0, True: 0}  # tokens the target judged, of drafts from a pass and of copies
+    for e in events:
+        if isinstance(e, Iteration) and e.drafted:
+            judged[e.draft_decision.copied] += min(len(e.accepted) + 1, len(e.drafted))
     rule = next(r for key, r in d._rules.items() if cost in key)
-    assert judged > 0 and rule.learned.seen.sum() == judged
+    assert judged[False] > 0 and rule.learned.seen.sum() == judged[False]
+    assert rule.copies(3).seen.sum() == judged[True]
 
 
 def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
@@ -167,22 +173,25 @@ def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
     d = decoders[arch]
     c = CostConstants(t_ar=1.0, c_draft=0.05, t_exp=0.02, t_tok=0.05, intercept=0.0, source="test")
     events = run(d, PROMPTS[2], GenerationConfig(mode="s2moe", n_predict=30, cost=c, stop_at_eos=False))
-    seen = 0
-    first = next(e for e in events if isinstance(e, Iteration))
+    seen = {False: 0, True: 0}
+    iters = [e for e in events if isinstance(e, Iteration)]
+    first = next(e for e in iters if e.draft_decision is not None and not e.draft_decision.copied)
     assert first.candidates and all(cand.accept_chance == pytest.approx(cand.chain_prob) for cand in first.candidates)
-    for e in events:
-        if not isinstance(e, Iteration):
-            continue
+    for e in iters:
+        copied = e.draft_decision is not None and e.draft_decision.copied
         for cand in e.candidates:
             if cand.utility is None:
                 continue
-            expected = cand.accept_chance * c.t_ar / (c.t_exp * cand.new_experts.sum() + c.t_tok + c.c_draft)
+            if copied:  # no draft pass to pay; its row priced as its decision says (the constants, or as timed)
+                expected = cand.accept_chance * e.draft_decision.t_ar / e.draft_decision.cost
+            else:
+                expected = cand.accept_chance * c.t_ar / (c.t_exp * cand.new_experts.sum() + c.t_tok + c.c_draft)
             assert cand.utility == pytest.approx(expected, rel=1e-9)
             assert cand.kept == (cand.utility >= 1.0)
-            seen += 1
+            seen[copied] += 1
         kept = [cand.token for cand in e.candidates if cand.kept]
         assert kept == list(e.drafted)
-    assert seen > 0
+    assert seen[False] > 0 and seen[True] > 0
 
 
 def _chi2_critical(df: int, alpha_z: float = 3.09) -> float:
@@ -281,8 +290,8 @@ def _scan_lookup(seq: list[int], max_ngram: int, min_ngram: int, max_len: int) -
 
 
 def test_the_ngram_index_finds_what_scanning_the_context_finds():
-    """The lookup drafter's index, kept as the context grows (and rebuilt when it is another context), against
-    a scan of the whole context at every step, on small vocabularies where n-grams recur often."""
+    """The lookup drafter's index, kept as the context grows, against a scan of the whole context at every
+    step, on small vocabularies where n-grams recur often."""
     rng = np.random.default_rng(7)
     matched = 0
     for trial in range(200):
@@ -296,11 +305,80 @@ def test_the_ngram_index_finds_what_scanning_the_context_finds():
             found = index.lookup(seq, max_len)
             assert found == _scan_lookup(seq, max_ngram, min_ngram, max_len), (trial, seq)
             matched += found[0] > 0
-            if rng.random() < 0.05:
-                seq = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 9)))]
-            else:
-                seq = seq + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 4)))]
+            seq = seq + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 4)))]
     assert matched > 1000
+
+
+REPEATING = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat sat on the"
+
+
+def test_copies_from_the_context_pay_where_a_draft_pass_cannot(decoders, arch):
+    """With a draft pass too dear (C_draft + T_tok > T_AR) but a verified row cheap, s2moe drafts only the tokens
+    that followed the context's repeated n-grams, priced without a pass; without gating that stays lossless.
+    Without copies (--no-lookup) nothing at all is drafted."""
+    d = decoders[arch]
+    c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test-copies")
+    ar = summarize(run(d, REPEATING, GenerationConfig(mode="ar", n_predict=32, stop_at_eos=False)))
+    events = run(d, REPEATING, GenerationConfig(mode="s2moe", n_predict=32, cost=c, reuse_strength=0.0,
+                                                 stop_at_eos=False))
+    drafted = [e for e in events if isinstance(e, Iteration) and e.drafted]
+    assert drafted and all(e.draft_decision.copied and e.draft_stop.startswith("lookup") for e in drafted)
+    assert all(cand.prob == 1.0 and cand.predicted is None for e in drafted for cand in e.candidates)
+    assert summarize(events).tokens == ar.tokens
+    off = run(d, REPEATING, GenerationConfig(mode="s2moe", n_predict=32, cost=c, lookup=False, stop_at_eos=False))
+    assert not any(e.drafted for e in off if isinstance(e, Iteration))
+
+
+def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
+    from s2moe.engine.policies import CopyLearner
+
+    m = CopyLearner(3, rate=0.6, prior=2.0, probe_every=4)
+    assert m.estimate(1) == m.estimate(3) == pytest.approx(0.6)
+    m.learn(3, drafted=4, accepted=4)  # all four accepted
+    m.learn(1, drafted=4, accepted=1)  # the second rejected: two judged, the rest never were
+    assert m.estimate(3) == pytest.approx((1.2 + 4) / 6) and m.estimate(1) == pytest.approx((1.2 + 1) / 4)
+    assert m.estimate(2) == pytest.approx(0.6)
+
+    def declines_until_probe(n):
+        k = 1
+        while not m.probe(n):
+            k += 1
+        return k
+
+    assert declines_until_probe(1) == 4
+    m.learn(1, drafted=1, accepted=0, probe=True)  # rejected: the wait doubles
+    assert declines_until_probe(1) == 8
+    m.learn(1, drafted=1, accepted=0, probe=True)
+    assert declines_until_probe(1) == 16 and declines_until_probe(2) == 4  # each n waits on its own
+    m.learn(1, drafted=1, accepted=1, probe=True)  # accepted: back to the first wait
+    assert declines_until_probe(1) == 4
+    rarely = 1
+    while not m.probe(3, rarely=True):  # prices at which not even a certain copy pays: the longest wait
+        rarely += 1
+    assert rarely == 64
+
+
+def test_copies_are_priced_as_timed_once_enough_were():
+    """A plain step's and a copied row's wall time, as running means; the constants' price until three copies
+    were timed, and never a row priced as nearly free."""
+    from s2moe.engine.policies import CopyLearner
+
+    m = CopyLearner(3, smoothing=0.5, min_copies=3)
+    m.timed(0.010, 2)  # a copy before any plain step says nothing of a row
+    for _ in range(3):
+        m.timed(0.002, 0)
+    m.timed(0.006, 2)
+    m.timed(0.004, 1)
+    assert m.price() is None
+    m.timed(0.008, 2)
+    plain, row = m.price()
+    assert plain == pytest.approx(0.002) and row == pytest.approx(0.0025)  # rows of 2, 2 then 3 ms, half-way means
+    m.timed(0.001, 0)  # a plain step slower than the copies: a row would cost nothing
+    m.timed(0.0011, 1)
+    m.timed(0.0011, 1)
+    m.timed(0.0011, 1)
+    plain, row = m.price()
+    assert row == pytest.approx(plain / 20)
 
 
 def test_cascade_tests_every_draft_length_then_settles(decoders):
