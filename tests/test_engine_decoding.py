@@ -359,14 +359,16 @@ def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
 
 
 def test_copies_are_priced_as_timed_once_enough_were():
-    """A plain step's and a copied row's wall time, as running means; the constants' price until three copies
-    were timed, and never a row priced as nearly free."""
+    """A plain step's and a copied row's wall time, as running means, rows timed on copies rejected whole; the
+    constants' price until three were timed, and never a row priced as nearly free."""
     from s2moe.engine.policies import CopyLearner
 
     m = CopyLearner(3, smoothing=0.5, min_copies=3)
     m.timed(0.010, 2)  # a copy before any plain step says nothing of a row
     for _ in range(3):
         m.timed(0.002, 0)
+    m.timed(0.0021, 1, accepted=1)  # an accepted copy's row read what the next step needed: not its cost
+    m.timed(0.0030, 2, accepted=1)
     m.timed(0.006, 2)
     m.timed(0.004, 1)
     assert m.price() is None
