@@ -120,8 +120,8 @@ class GenerationConfig:
     threshold: float = 1.0            # utility threshold
     reuse_strength: float = 0.5       # α of reuse-aware gating; 0 turns gating off (lossless)
     reuse_cap: int | None = None      # |E*|
-    # s2moe with the utility rule: where the context repeats itself, draft the tokens that followed the repeated
-    # n-gram (no draft pass) when the rule says they pay, else the model's own chain
+    # s2moe with the utility rule, greedy: where the context repeats itself, draft the tokens that followed the
+    # repeated n-gram (no draft pass) when the rule says they pay, else the model's own chain
     lookup: bool = True
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
@@ -386,7 +386,10 @@ class Decoder:
             return SelfDrafter(cfg.draft_topk, FixedLength(), allowed)
         rule = self._utility_rule(cfg, cost)
         chain = SelfDrafter(cfg.draft_topk, rule, allowed)
-        return LookupOrSelfDrafter(chain, rule) if cfg.lookup and cfg.mode == "s2moe" else chain
+        # Not when sampling: whether a copy is drafted follows timings taken in this process, and each draft moves
+        # the sampler's random stream, so a seed would no longer repeat its text.
+        copies = cfg.lookup and cfg.mode == "s2moe" and cfg.sampling().greedy
+        return LookupOrSelfDrafter(chain, rule) if copies else chain
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # What the rule learns (the first draft token's usual probability and expert cost, how often a

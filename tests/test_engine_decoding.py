@@ -313,9 +313,9 @@ REPEATING = "the cat sat on the mat. the cat sat on the mat. the cat sat on the 
 
 
 def test_copies_from_the_context_pay_where_a_draft_pass_cannot(decoders, arch):
-    """With a draft pass too dear (C_draft + T_tok > T_AR) but a verified row cheap, s2moe drafts only the tokens
-    that followed the context's repeated n-grams, priced without a pass; without gating that stays lossless.
-    Without copies (--no-lookup) nothing at all is drafted."""
+    """With a draft pass too dear (C_draft + T_tok > T_AR) but a verified row cheap, greedy s2moe drafts only the
+    tokens that followed the context's repeated n-grams, priced without a pass; without gating that stays
+    lossless. Without copies (--no-lookup), or sampling, nothing at all is drafted."""
     d = decoders[arch]
     c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test-copies")
     ar = summarize(run(d, REPEATING, GenerationConfig(mode="ar", n_predict=32, stop_at_eos=False)))
@@ -327,6 +327,10 @@ def test_copies_from_the_context_pay_where_a_draft_pass_cannot(decoders, arch):
     assert summarize(events).tokens == ar.tokens
     off = run(d, REPEATING, GenerationConfig(mode="s2moe", n_predict=32, cost=c, lookup=False, stop_at_eos=False))
     assert not any(e.drafted for e in off if isinstance(e, Iteration))
+    # sampling copies nothing: drafts move the random stream, and copies follow timings, so a seed would not repeat
+    sampled = run(d, REPEATING, GenerationConfig(mode="s2moe", n_predict=32, cost=c, temperature=0.8, seed=3,
+                                                  stop_at_eos=False))
+    assert not any(e.drafted for e in sampled if isinstance(e, Iteration))
 
 
 def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
