@@ -230,7 +230,7 @@ class UtilityStop(StopRule):
     def copies(self, max_ngram: int) -> "CopyLearner":
         """What this rule has learned of drafts copied from the context (LookupOrSelfDrafter), kept with its
         other estimates across generations."""
-        if self._copies is None or len(self._copies.seen) != max_ngram + 1:
+        if self._copies is None:
             self._copies = CopyLearner(max_ngram)
         return self._copies
 
@@ -240,10 +240,15 @@ class UtilityStop(StopRule):
         c = self.cost
         return c.t_ar, c.t_exp * new_experts + c.t_tok
 
+    @staticmethod
+    def copy_utility(chain: float, saved: float, row: float) -> float:
+        """A copied token's utility: no draft pass to pay (rows free only under the warm-up's constants)."""
+        return chain * saved / max(row, 1e-12)
+
     def copy_decision(self, p: float, experts: float, saved: float, row: float, probing: bool = False) -> DraftDecision:
         return DraftDecision(drafting=True, can_pay=True, probing=probing, threshold=self.threshold,
-                             utility=p * saved / max(row, 1e-12), p_first=p, new_experts=experts, t_ar=saved, cost=row,
-                             c_draft=0.0, t_tok=self.cost.t_tok, copied=True)
+                             utility=self.copy_utility(p, saved, row), p_first=p, new_experts=experts, t_ar=saved,
+                             cost=row, c_draft=0.0, t_tok=self.cost.t_tok, copied=True)
 
     def _probe_outcome(self, paid: bool) -> None:
         if self._probing:
@@ -725,7 +730,7 @@ class LookupOrSelfDrafter(Drafter):
         survival = 1.0
         for token in found:
             survival *= p
-            u = survival * saved / max(row, 1e-12)  # free rows: the warm-up's constants, drafting to the cap
+            u = rule.copy_utility(survival, saved, row)
             keep = u >= rule.threshold or (probe and not out.tokens)
             out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, u,
                                                  np.zeros(dec.info.n_layer, int), keep, None, survival))
