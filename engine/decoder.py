@@ -376,11 +376,7 @@ class Decoder:
             # tree-prob: the same rule, blind to experts (T_exp = 0), a rule of its own
             base_cost = rule_cost(cost, self.draft_experts(cfg))
             tree_cost = base_cost if cfg.mode == "tree" else replace(base_cost, t_exp=0.0)
-            key = ("tree", cfg.draft_topk, cfg.threshold, tree_cost)
-            rule = self._rules.get(key)
-            if rule is None:
-                rule = self._rules[key] = UtilityStop(tree_cost, cfg.threshold)
-            rule.start()
+            rule = self._kept_rule(("tree", cfg.draft_topk, cfg.threshold, tree_cost), tree_cost, cfg)
             return TreeDrafter(cfg.draft_topk, rule, cfg.tree_width, cfg.tree_max_nodes, allowed)
         if not cfg.utility:
             return SelfDrafter(cfg.draft_topk, FixedLength(), allowed)
@@ -392,13 +388,19 @@ class Decoder:
         return LookupOrSelfDrafter(chain, rule) if copies else chain
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
-        # What the rule learns (the first draft token's usual probability and expert cost, how often a
-        # probe pays, how often the target accepts its drafts) holds for this model and device, not for one
-        # request: kept across generations with the same constants, so that each prompt does not pay to learn
-        # it again; apart for another temperature, since sampling accepts otherwise than greedy decoding. A
-        # trace's rule learns apart: what it sees is not what the mode's own generations see.
+        # A trace's rule learns apart: what it sees is not what the mode's own generations see.
         cost = rule_cost(cost, self.draft_experts(cfg))
-        key = ("utility", cfg.draft_topk, cfg.threshold, cost, cfg.trace, cfg.temperature)
+        return self._kept_rule(("utility", cfg.draft_topk, cfg.threshold, cost, cfg.trace), cost, cfg)
+
+    def _kept_rule(self, key: tuple, cost: CostConstants, cfg: GenerationConfig) -> UtilityStop:
+        """The utility rule for `key` with what it learned (the first draft token's usual probability and expert
+        cost, how often a probe pays, how often the target accepts its drafts): that holds for this model and
+        device, not for one request, so greedy generations with the same constants share it and a prompt does
+        not pay to learn it again. A sampled generation starts from a fresh rule: each draft moves the
+        sampler's random stream, so drafting decisions that followed earlier generations would make a seed
+        draw other text the second time."""
+        if not cfg.sampling().greedy:
+            return UtilityStop(cost, cfg.threshold)
         rule = self._rules.get(key)
         if rule is None:
             rule = self._rules[key] = UtilityStop(cost, cfg.threshold)

@@ -475,6 +475,22 @@ def test_what_the_utility_rule_learned_carries_over_to_the_next_generation(decod
     assert drafted_iterations(dear, threshold=1.01) == first
 
 
+def test_a_sampled_generation_repeats_with_its_seed_whatever_came_before(decoders):
+    """Drafting decisions move the sampler's random stream, so a sampled generation's rule starts fresh: the
+    same seed draws the same text after other generations taught a kept rule to draft otherwise."""
+    d = decoders["olmoe"]
+    pays = CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.3, intercept=0.0, source="test-seed")
+
+    def sampled(seed):
+        events = run(d, "hello", GenerationConfig(mode="s2moe", n_predict=12, temperature=1.0, top_k=0, top_p=1.0,
+                                                   min_p=0.0, seed=seed, cost=pays))
+        return summarize(events).tokens, sum(len(e.drafted) for e in events if isinstance(e, Iteration))
+
+    first, drafted = sampled(11)
+    sampled(22)
+    assert drafted > 0 and sampled(11)[0] == first
+
+
 def test_plain_steps_report_k_experts_per_layer_with_or_without_recording(decoders, arch):
     d = decoders[arch]
     k, n_layer = d.info.n_expert_used, d.info.n_layer
