@@ -298,8 +298,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-max", type=positive_int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--no-utility", action="store_true", help="fixed draft length instead of utility expansion")
     p.add_argument("--no-lookup", action="store_true",
-                   help="s2moe: never draft the tokens that followed a repeated n-gram of the context (drafted only "
-                        "in greedy decoding, where the utility rule says they pay)")
+                   help="s2moe: never draft the tokens that followed a repeated n-gram of the context (drafted "
+                        "where the utility rule says they pay)")
     add_draft_experts_option(p)
     add_tree_options(p)
     p.add_argument("--threshold", type=_non_negative_float, default=None, help="utility threshold (default 1)")

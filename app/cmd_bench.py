@@ -159,7 +159,7 @@ def sampled_note(config: dict, reference: bool) -> str:
     text = (f"sampled at T={config['temperature']:g} (top-k {config['top_k']}, top-p {config['top_p']:g}, min-p "
             f"{config['min_p']:g}, repeat penalty {config['repeat_penalty']:g}); prompt i uses seed "
             f"{config['seed']} + i in every mode and repeat; = ar: the same tokens as ar drew with that seed "
-            "(speculative sampling matches ar's distribution, not its draws)")
+            "(a draft is accepted only where it is ar's draw there, so a lossless mode matches ar token for token)")
     return text + ("; the llama.cpp row decodes greedily" if reference else "")
 
 

@@ -26,7 +26,8 @@ from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, Ind
                        LookupDrafter, LookupOrSelfDrafter, RecordingStop, SelfDrafter, UtilityStop, rule_cost)
 from .gpu import Placement
 from .runtime import DEFAULT_BATCH, LlamaRuntime
-from .sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, Sampling, check_seed, random_seed
+from .sampling import (MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, PositionNoise, Sampling,
+                       SeededSampler, check_seed, random_seed)
 from .modes import DRAFT_EXPERTS, MODES, MOE_MODES, TREE_MODES
 from .tree import TreeDrafter, verify_tree
 
@@ -120,7 +121,7 @@ class GenerationConfig:
     threshold: float = 1.0            # utility threshold
     reuse_strength: float = 0.5       # α of reuse-aware gating; 0 turns gating off (lossless)
     reuse_cap: int | None = None      # |E*|
-    # s2moe with the utility rule, greedy: where the context repeats itself, draft the tokens that followed the
+    # s2moe with the utility rule: where the context repeats itself, draft the tokens that followed the
     # repeated n-gram (no draft pass) when the rule says they pay, else the model's own chain
     lookup: bool = True
     conf_p_min: float = 0.5           # `conf` mode's stop probability
@@ -382,10 +383,7 @@ class Decoder:
             return SelfDrafter(cfg.draft_topk, FixedLength(), allowed)
         rule = self._utility_rule(cfg, cost)
         chain = SelfDrafter(cfg.draft_topk, rule, allowed)
-        # Not when sampling: whether a copy is drafted follows timings taken in this process, and each draft moves
-        # the sampler's random stream, so a seed would no longer repeat its text.
-        copies = cfg.lookup and cfg.mode == "s2moe" and cfg.sampling().greedy
-        return LookupOrSelfDrafter(chain, rule) if copies else chain
+        return LookupOrSelfDrafter(chain, rule) if cfg.lookup and cfg.mode == "s2moe" else chain
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # A trace's rule learns apart: what it sees is not what the mode's own generations see.
@@ -395,12 +393,10 @@ class Decoder:
     def _kept_rule(self, key: tuple, cost: CostConstants, cfg: GenerationConfig) -> UtilityStop:
         """The utility rule for `key` with what it learned (the first draft token's usual probability and expert
         cost, how often a probe pays, how often the target accepts its drafts): that holds for this model and
-        device, not for one request, so greedy generations with the same constants share it and a prompt does
-        not pay to learn it again. A sampled generation starts from a fresh rule: each draft moves the
-        sampler's random stream, so drafting decisions that followed earlier generations would make a seed
-        draw other text the second time."""
-        if not cfg.sampling().greedy:
-            return UtilityStop(cost, cfg.threshold)
+        device, not for one request, so generations with the same constants and sampler settings (drafts are
+        accepted less often at a higher temperature) share it and a prompt does not pay to learn it again.
+        What a rule drafts never changes which tokens a seed commits (engine.acceptance)."""
+        key = key + (cfg.sampling(),)
         rule = self._rules.get(key)
         if rule is None:
             rule = self._rules[key] = UtilityStop(cost, cfg.threshold)
@@ -448,12 +444,10 @@ class Decoder:
         gating = cfg.mode in ("s2moe", "tree") and cfg.reuse_strength > 0 and self.info.is_moe
         reuse_cap = cfg.reuse_cap
         k = max(self.info.n_expert_used, 1)
-        rng = np.random.default_rng(cfg.seed)
-        # one processing for the draft and the target (and so lossless sampling with these options)
+        # one processing for the draft and the target, one noise per position: plain sampling's tokens
         sampler = cfg.sampling(self.n_ctx)
-
-        def sample(logits, history):
-            return sampler.choose(logits, history, rng)
+        noise = PositionNoise(cfg.seed)
+        sample = SeededSampler(sampler, noise)
 
         yield Started(cfg.mode, self.info.name, tuple(prompt_tokens), self.info.n_layer, self.info.n_expert, k,
                       _config_dict(cfg, reuse_cap), cost)
@@ -502,11 +496,11 @@ class Decoder:
             gate = (cfg.reuse_strength, reuse_cap) if gating and drafted else None
             if proposal.tree is not None and drafted:
                 v, path, target_token = verify_tree(self, proposal, committed_all[-1], m - 1, gate, sampler,
-                                                    committed_all, rng)
+                                                    committed_all, noise)
                 accepted = len(path)
             else:
                 v = self._verify([committed_all[-1]] + drafted, m - 1, proposal, gate)
-                accepted, target_token = accept(drafted, v.logits, proposal.dists, sampler, rng, committed_all)
+                accepted, target_token = accept(drafted, v.logits, sampler, noise, committed_all)
                 path = list(range(accepted))  # indices into drafted
             committed = [drafted[i] for i in path] + [target_token]
             finished_eos = False

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from .events import CostConstants, DraftCandidate, DraftDecision, ForcedDraft
+from .sampling import SeededSampler
 
 
 @dataclass
@@ -294,9 +295,9 @@ class Drafter:
     name = "none"
     drafts_in_context = False  # its draft passes run in the decoder's own context, through the routing hook
 
-    def propose(self, dec, committed: list[int], max_len: int, sample) -> Proposal:
+    def propose(self, dec, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         """sample(logits, history) -> (token, distribution): the generation's sampler (engine.sampling),
-        given the tokens before the one it draws."""
+        given the tokens before the one it draws; sampled, it draws with the noise the target verifies with."""
         return Proposal()
 
     def feedback(self, iteration) -> None:

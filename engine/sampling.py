@@ -1,9 +1,16 @@
 """How a row of logits becomes the distribution a token is drawn from: llama.cpp's sampler chain.
 
-One processing for every mode and both sides of speculative decoding. A draft token is drawn from the
-processed draft distribution and verification accepts against the processed target distribution, each
-computed for the tokens before it (drafted ones included): speculative sampling then reproduces plain
-sampling with the same options exactly, and greedy decoding stays token-identical to `ar`.
+One processing for every mode and both sides of speculative decoding, each computed for the tokens before
+it (drafted ones included).
+
+A sampled token is the Gumbel-max draw: the kept token of largest log-probability plus noise that depends only
+on the seed, the token's position in the context and the token id (PositionNoise, as an exponential race). Given the tokens before it,
+that is an exact draw from the processed distribution, and a fresh one at every position. Because the noise
+is fixed per position, the token plain decoding would sample at a position is known to whoever holds the
+target's logits there: verification accepts a drafted token exactly when it is that token, so a speculative
+generation commits the very tokens plain sampling with the same seed commits, whatever was drafted, by
+which drafter, and whether a timing-driven rule drafted at all. The draft draws with the same noise, which
+couples its tokens to the target's (the closer the two distributions, the likelier they agree).
 
 The order and the rules are llama.cpp's default chain (common/sampling.cpp): repetition penalty over the
 last `repeat_last_n` tokens (the prompt included), top-k, top-p and min-p (both at temperature 1),
@@ -37,6 +44,55 @@ def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     z -= z.max()
     p = np.exp(z)
     return p / p.sum()
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: every output bit depends on every input bit (uint64, wrapping)."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+class PositionNoise:
+    """A seed's noise: one standard exponential value E per (position, token id), computed on demand from a
+    hash of the three, so that the same seed draws the same value for a token at a position in any process
+    and whatever else was drawn, and values at other positions or of other tokens are independent of it.
+
+    The draw from q at a position is the token of least E/q — the exponential race, the same as the
+    Gumbel-max draw (log q − log E is log q plus standard Gumbel noise), with one logarithm a token."""
+
+    def __init__(self, seed: int):
+        with np.errstate(over="ignore"):
+            self._key = _mix64(np.array([seed], dtype=np.uint64) * _GOLDEN + _GOLDEN)
+
+    def exponential(self, position: int, ids: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            row = _mix64(self._key ^ (np.uint64(position) * _GOLDEN))
+            h = _mix64(row + (np.asarray(ids, dtype=np.uint64) + np.uint64(1)) * _GOLDEN)
+        u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # in (0, 1), never 0 or 1
+        return -np.log(u)
+
+    def draw(self, q: np.ndarray, position: int) -> int:
+        ids = np.flatnonzero(q > 0)
+        return int(ids[np.argmin(self.exponential(position, ids) / q[ids])])
+
+    def order(self, q: np.ndarray, position: int) -> np.ndarray:
+        """The tokens q keeps in the order of their E/q: draws without replacement, the first the draw."""
+        ids = np.flatnonzero(q > 0)
+        return ids[np.argsort(self.exponential(position, ids) / q[ids], kind="stable")]
+
+    def perturbed(self, q: np.ndarray, position: int) -> np.ndarray:
+        """log q plus this position's Gumbel noise over the tokens q keeps, -inf elsewhere: the draw is its
+        argmax, and its top-2 gap how near a tie the draw was."""
+        ids = np.flatnonzero(q > 0)
+        out = np.full(len(q), -np.inf)
+        out[ids] = np.log(q[ids]) - np.log(self.exponential(position, ids))
+        return out
 
 
 def random_seed() -> int:
@@ -105,15 +161,50 @@ class Sampling:
         p[keep] = e / e.sum()
         return p
 
-    def choose(self, logits: np.ndarray, history: Sequence[int], rng: np.random.Generator) -> tuple[int, np.ndarray]:
-        """(the token, the distribution it was drawn from)."""
+    def choose(self, logits: np.ndarray, history: Sequence[int], noise: PositionNoise) -> tuple[int, np.ndarray]:
+        """(the token at position len(history), the distribution it was drawn from)."""
         q = self.distribution(logits, history)
         if self.greedy:
             return int(np.argmax(q)), q
-        return int(rng.choice(len(q), p=q)), q
+        return noise.draw(q, len(history)), q
+
+    def token(self, logits: np.ndarray, history: Sequence[int], noise: PositionNoise) -> int:
+        """The token plain decoding commits at position len(history) after `history`."""
+        if self.greedy:
+            return self.greedy_token(logits, history)
+        return noise.draw(self.distribution(logits, history), len(history))
+
+    def scores(self, logits: np.ndarray, history: Sequence[int], noise: PositionNoise) -> np.ndarray:
+        """What that token is the argmax of: the penalised logits (greedy), else the kept tokens'
+        log-probabilities plus the position's noise. Its top-2 gap says how near a tie the choice was."""
+        if self.greedy:
+            return np.asarray(self.penalized(logits, history), dtype=np.float64)
+        return noise.perturbed(self.distribution(logits, history), len(history))
 
     def greedy_token(self, logits: np.ndarray, history: Sequence[int]) -> int:
         return int(np.argmax(self.penalized(logits, history)))
+
+
+@dataclass(frozen=True)
+class SeededSampler:
+    """A generation's sampler: its chain and its seed's noise. Called as sample(logits, history), it gives
+    (the token at position len(history), the distribution it was drawn from) — what drafters draw with."""
+
+    sampling: Sampling
+    noise: PositionNoise
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> tuple[int, np.ndarray]:
+        return self.sampling.choose(logits, history, self.noise)
+
+    def ranked(self, logits: np.ndarray, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(the kept tokens, likeliest to be the one drawn first; the distribution). Greedy: by probability.
+        Sampled: by log-probability plus the position's noise — the tokens a draw without replacement gives
+        in turn, so the first is the token drawn, and a target close to the draft most likely draws one of
+        the first few."""
+        q = self.sampling.distribution(logits, history)
+        if self.sampling.greedy:
+            return np.argsort(-q, kind="stable")[: int(np.count_nonzero(q > 0))], q
+        return self.noise.order(q, len(history)), q
 
 
 def _kept(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:

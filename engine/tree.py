@@ -1,8 +1,10 @@
 """Draft trees: several candidates per position, drafted and verified in the one shared KV cache.
 
-Drafting. A node's children are the draft distribution's top-b tokens there; all of them are decoded in one
-pass, each on a sequence id of its own that first receives its parent's cells (llama_memory_seq_cp: the
-cells are shared, not copied), so that siblings never see each other. Each child's routing, recorded by the
+Drafting. A node's children are the draft's first b tokens there (SeededSampler.ranked: the most likely,
+or, sampled, the draft's draws without replacement under the seed's noise, so that a target close to the
+draft draws one of them); all of them are decoded in one pass, each on a sequence id of its own that first
+receives its parent's cells (llama_memory_seq_cp: the cells are shared, not copied), so that siblings never
+see each other. Each child's routing, recorded by the
 hook as in the chain, gives the target experts it would add to the verification. Best-first expansion then
 takes the frontier node of largest utility U = p_path·T_AR / (T_exp·ΔE(node | experts of the nodes already
 taken) + T_tok + C_draft) until none reaches the threshold or the node cap is hit, and expands each node it
@@ -13,10 +15,10 @@ cells are removed afterwards.
 Verification. One target pass over the pending token and every node taken. Each leaf gets a sequence id that
 first receives the committed prefix; a row belongs to the sequences of every leaf below it and attends
 through the first of them, which holds exactly its ancestors. Greedy: the longest path the target agrees
-with, plus its next token. Sampled: at each node its children are tried in turn, each accepted with the
-target's (residual) probability of its token, a rejected token's mass removed from the residual; if none is
-accepted the token is drawn from what remains — recursive rejection with one-hot proposals, lossless because
-the candidates are chosen deterministically. The accepted branch's cells then move to sequence 0 and every
+with, plus its next token; sampled, the same with the target's draw at each node (the seed's noise at its
+position, engine.sampling): a child is accepted when it is the token plain sampling would commit there, so
+the tree commits plain sampling's tokens, and a node's children together are accepted with the target's
+probability of their tokens. The accepted branch's cells then move to sequence 0 and every
 other cell is freed: the cache holds exactly the committed path.
 """
 
@@ -30,6 +32,7 @@ import numpy as np
 
 from .events import DraftCandidate
 from .policies import Drafter, Proposal, UtilityStop
+from .sampling import PositionNoise, Sampling
 
 
 @dataclass
@@ -114,11 +117,13 @@ class TreeDrafter(Drafter):
             rule); they join the frontier. Returns their indices."""
             kids = []
             for index, parent in parents:
-                q = sample(parent.logits, parent.history)[1]
-                for t in np.argsort(-q, kind="stable")[: self.width]:
+                order, q = sample.ranked(parent.logits, parent.history)
+                for t in order[: self.width]:
                     p = parent.path * float(q[t])
-                    if q[t] <= 0 or not free_seqs or rule is not None and rule.utility(p, 0.0) < rule.threshold:
-                        break  # siblings come in falling probability: the rest cannot pay either
+                    if not free_seqs:
+                        break
+                    if rule is not None and rule.utility(p, 0.0) < rule.threshold:
+                        continue  # sampled, siblings come in the noise's order: a later one may still pay
                     s = free_seqs.pop()
                     rt.seq_cp(parent.seq, s)
                     used_seqs.append(s)
@@ -223,8 +228,8 @@ def tree_layout(tree: DraftTree, pos: int) -> tuple[list[int], list[list[int]], 
     return positions, [[0] + list(leaf_seq.values())] + below, leaf_seq
 
 
-def verify_tree(dec, proposal: Proposal, pending: int, pos: int, gate, sampler, history: Sequence[int],
-                rng: np.random.Generator):
+def verify_tree(dec, proposal: Proposal, pending: int, pos: int, gate, sampler: Sampling, history: Sequence[int],
+                noise: PositionNoise):
     """One target pass over the pending token (at pos) and the tree; the accepted path (node indices) and the
     target's token after it. Leaves sequence 0 holding the committed path, and no other sequence."""
     rt, tree = dec.rt, proposal.tree
@@ -233,7 +238,7 @@ def verify_tree(dec, proposal: Proposal, pending: int, pos: int, gate, sampler, 
         rt.seq_cp(0, s, 0, pos)
     try:
         v = dec._verify([pending] + proposal.tokens, pos, proposal, gate, layout=(positions, seqs))
-        path, token = accept_tree(proposal.tokens, tree.parents, v.logits, sampler, rng, history)
+        path, token = accept_tree(proposal.tokens, tree.parents, v.logits, sampler, noise, history)
         if path:
             rt.seq_cp(seqs[path[-1] + 1][0], 0, pos + 1, pos + 1 + len(path))
     finally:
@@ -242,12 +247,12 @@ def verify_tree(dec, proposal: Proposal, pending: int, pos: int, gate, sampler, 
     return v, path, token
 
 
-def accept_tree(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, sampler,
-                rng: np.random.Generator, history: Sequence[int] = ()) -> tuple[list[int], int]:
-    """(indices of the accepted nodes from the pending token down, the target's token after them).
+def accept_tree(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, sampler: Sampling,
+                noise: PositionNoise, history: Sequence[int]) -> tuple[list[int], int]:
+    """(indices of the accepted nodes from the pending token down, the target's token after them): at each
+    node the target's own token (engine.acceptance) moves to the child that drafted it, if one did.
 
-    logits: [1 + len(tokens), n_vocab], row 0 the pending token's, row i + 1 node i's; siblings are tried in
-    the order given (the draft's most likely first)."""
+    logits: [1 + len(tokens), n_vocab], row 0 the pending token's, row i + 1 node i's."""
     children: dict[int, list[int]] = {-1: []}
     for i, p in enumerate(parents):
         children.setdefault(i, [])
@@ -256,30 +261,10 @@ def accept_tree(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarra
     context = list(history)
     node = -1
     while True:
-        row = logits[node + 1]
-        if sampler.greedy:
-            token = sampler.greedy_token(row, context)
-            nxt = next((c for c in children[node] if tokens[c] == token), None)
-            if nxt is None:
-                return path, token
-        else:
-            p = sampler.distribution(row, context)
-            nxt = None
-            for c in children[node]:
-                if rng.random() < p[tokens[c]]:
-                    nxt = c
-                    break
-                p = residual_without(p, tokens[c])
-            if nxt is None:
-                return path, int(rng.choice(len(p), p=p))
+        token = sampler.token(logits[node + 1], context, noise)
+        nxt = next((c for c in children[node] if tokens[c] == token), None)
+        if nxt is None:
+            return path, token
         path.append(nxt)
         context.append(tokens[nxt])
         node = nxt
-
-
-def residual_without(p: np.ndarray, token: int) -> np.ndarray:
-    """The target distribution once a candidate token is rejected: max(p − δ_token, 0), normalised."""
-    out = p.copy()
-    out[token] = 0.0
-    total = out.sum()
-    return out / total if total > 0 else p

@@ -306,7 +306,7 @@ def test_generate_cnv_chats_in_turns_from_standard_input(chat_model, tiny_models
     assert "--json and --trace record one generation" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("seed", [2, 3])  # the turn ends on an accepted draft (2), on the target's token (3)
+@pytest.mark.parametrize("seed", [1, 81])  # the turn ends on an accepted draft (1), on the target's token (81)
 def test_a_sampled_answer_stops_at_the_end_of_turn_token(chat_model, seed):
     """Sampled from a flat distribution until <|im_end|> comes: the answer stops there, without it, and the
     next turn still finds the conversation in the KV."""

@@ -315,7 +315,8 @@ REPEATING = "the cat sat on the mat. the cat sat on the mat. the cat sat on the 
 def test_copies_from_the_context_pay_where_a_draft_pass_cannot(decoders, arch):
     """With a draft pass too dear (C_draft + T_tok > T_AR) but a verified row cheap, greedy s2moe drafts only the
     tokens that followed the context's repeated n-grams, priced without a pass; without gating that stays
-    lossless. Without copies (--no-lookup), or sampling, nothing at all is drafted."""
+    lossless, and so does sampling: copies sampled commit plain sampling's tokens with the same seed. Without
+    copies (--no-lookup) nothing at all is drafted."""
     d = decoders[arch]
     c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test-copies")
     ar = summarize(run(d, REPEATING, GenerationConfig(mode="ar", n_predict=32, stop_at_eos=False)))
@@ -327,10 +328,12 @@ def test_copies_from_the_context_pay_where_a_draft_pass_cannot(decoders, arch):
     assert summarize(events).tokens == ar.tokens
     off = run(d, REPEATING, GenerationConfig(mode="s2moe", n_predict=32, cost=c, lookup=False, stop_at_eos=False))
     assert not any(e.drafted for e in off if isinstance(e, Iteration))
-    # sampling copies nothing: drafts move the random stream, and copies follow timings, so a seed would not repeat
-    sampled = run(d, REPEATING, GenerationConfig(mode="s2moe", n_predict=32, cost=c, temperature=0.8, seed=3,
-                                                  stop_at_eos=False))
-    assert not any(e.drafted for e in sampled if isinstance(e, Iteration))
+    sampling = dict(n_predict=32, temperature=0.8, seed=3, stop_at_eos=False)
+    plain = summarize(run(d, REPEATING, GenerationConfig(mode="ar", **sampling)))
+    sampled = run(d, REPEATING, GenerationConfig(mode="s2moe", cost=c, reuse_strength=0.0, **sampling))
+    copied = [e for e in sampled if isinstance(e, Iteration) and e.drafted]
+    assert copied and all(e.draft_decision.copied for e in copied)
+    assert summarize(sampled).tokens == plain.tokens
 
 
 def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
@@ -476,8 +479,8 @@ def test_what_the_utility_rule_learned_carries_over_to_the_next_generation(decod
 
 
 def test_a_sampled_generation_repeats_with_its_seed_whatever_came_before(decoders):
-    """Drafting decisions move the sampler's random stream, so a sampled generation's rule starts fresh: the
-    same seed draws the same text after other generations taught a kept rule to draft otherwise."""
+    """Sampled generations share a kept rule, which drafts otherwise after what earlier generations taught it;
+    what is drafted never moves what a seed commits, so the same seed draws the same text."""
     d = decoders["olmoe"]
     pays = CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.3, intercept=0.0, source="test-seed")
 

@@ -14,7 +14,7 @@ from s2moe.engine.acceptance import accept
 from s2moe.engine.decoder import GenerationConfig, run
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished, Iteration, Started
-from s2moe.engine.sampling import MAX_SEED, Sampling
+from s2moe.engine.sampling import MAX_SEED, PositionNoise, Sampling
 from test_engine_decoding import _chi2, _chi2_critical, ar_logits_gap
 
 # Options that change the distribution everywhere: a penalty strong enough to change greedy tokens, and
@@ -74,7 +74,7 @@ def test_greedy_is_the_argmax_after_the_penalty_as_llama_cpps_temperature_0():
         s = Sampling(temperature=0.0, **OPTIONS)
         token = s.greedy_token(logits, history)
         assert llama_cpp_chain(logits, history, s)[token] == 1.0
-        assert s.choose(logits, history, rng)[0] == token
+        assert s.choose(logits, history, PositionNoise(7))[0] == token == s.token(logits, history, PositionNoise(7))
         changed += token != int(np.argmax(logits))
     assert changed > 0  # the penalty did change some argmaxes: the test compares something
 
@@ -89,18 +89,16 @@ def test_an_option_that_is_off_leaves_the_distribution_alone():
                                 repeat_last_n=0).distribution(logits, [0, 1]), plain)
 
 
-def _two_tokens(target_logits, draft_logits, verify: Sampling, draft: Sampling, history, rng):
+def _two_tokens(target_logits, draft_logits, verify: Sampling, draft: Sampling, history, noise):
     """The first two tokens of a speculative generation on a toy model whose logits at each position do
     not depend on the tokens before (the penalty does): a draft of two tokens, then plain steps until two
     tokens are committed. verify: the chain the verification accepts against."""
-    q0 = draft.distribution(draft_logits[0], history)
-    d0 = int(rng.choice(len(q0), p=q0))
-    q1 = draft.distribution(draft_logits[1], history + [d0])
-    d1 = int(rng.choice(len(q1), p=q1))
-    n, token = accept([d0, d1], target_logits, [q0, q1], verify, rng, history)
+    d0 = draft.choose(draft_logits[0], history, noise)[0]
+    d1 = draft.choose(draft_logits[1], history + [d0], noise)[0]
+    n, token = accept([d0, d1], target_logits, verify, noise, history)
     out = [d0, d1][:n] + [token]
     while len(out) < 2:
-        out += [accept([], target_logits[len(out):], [], verify, rng, history + out)[1]]
+        out += [accept([], target_logits[len(out):], verify, noise, history + out)[1]]
     return tuple(out[:2])
 
 
@@ -115,10 +113,9 @@ def _pair_test(verify: Sampling, trials: int = 12000, seed: int = 0):
     p0 = chain.distribution(target[0], history)
     for a in range(6):
         expected[a] = p0[a] * chain.distribution(target[1], history + [a])
-    rng = np.random.default_rng(seed)
     counts: dict[int, int] = {}
-    for _ in range(trials):
-        a, b = _two_tokens(target, draft, verify, chain, history, rng)
+    for trial in range(trials):
+        a, b = _two_tokens(target, draft, verify, chain, history, PositionNoise(seed + trial))
         counts[6 * a + b] = counts.get(6 * a + b, 0) + 1
     return _chi2(counts, expected.ravel(), trials)
 
@@ -161,6 +158,35 @@ def test_greedy_modes_stay_identical_to_ar_with_the_options_on(decoders, mode):
         i = next(j for j, (a, b) in enumerate(zip(ar.tokens, spec.tokens)) if a != b)
         gap = ar_logits_gap(d, d.tokenize(prompt) + list(ar.tokens[:i]))
         assert gap < 1e-3, f"{mode} diverged from ar at token {i} (ar top-2 gap {gap:.3g})"
+
+
+@pytest.mark.parametrize("mode", ["s2moe", "naive", "conf", "cascade", "lookup", "tree", "tree-prob", "ls"])
+def test_sampled_modes_commit_ars_tokens_with_the_same_seed(decoders, mode):
+    """Sampled with the options on, every drafting mode (gating off) commits the tokens plain sampling with
+    the same seed commits: verification accepts a draft exactly when it is the token plain decoding draws
+    there. Speculative sampling by rejection would give other (equally distributed) text."""
+    d = decoders["olmoe"]
+    prompt = "the the the cat sat on the the mat"
+    options = dict(OPTIONS, temperature=0.9, top_k=12)
+    drafted = accepted = 0
+    for seed in (3, 4, 5):
+        base = dict(n_predict=32, stop_at_eos=False, seed=seed, **options)
+        ar = run(d, prompt, GenerationConfig(mode="ar", **base))[-1]
+        events = run(d, prompt, GenerationConfig(mode=mode, reuse_strength=0.0, utility=False, **base))
+        its = [e for e in events if isinstance(e, Iteration)]
+        drafted += sum(len(e.drafted) for e in its)
+        accepted += sum(len(e.accepted) for e in its)
+        if events[-1].tokens != ar.tokens:
+            i = next(j for j, (a, b) in enumerate(zip(ar.tokens, events[-1].tokens)) if a != b)
+            history = d.tokenize(prompt) + list(ar.tokens[:i])
+            rt = d.rt
+            rt.kv_clear()
+            rt.hook.off()
+            scores = Sampling(**options).scores(rt.decode(history, 0, "last")[0], history, PositionNoise(seed))
+            rt.kv_clear()
+            gap = float(np.diff(np.sort(scores)[-2:])[0])
+            assert gap < 1e-3, f"{mode} left ar's sampled tokens at token {i} (seed {seed}, score gap {gap:.3g})"
+    assert drafted > 0 and 0 < accepted < drafted  # drafts were verified, and some were rejected
 
 
 def test_speculative_sampling_with_the_options_matches_plain_sampling(decoders):
