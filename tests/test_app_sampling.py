@@ -238,6 +238,43 @@ def test_the_dialogs_switches_say_their_state_in_a_glyph():
     run(go())
 
 
+def test_the_copies_switch_reaches_the_generation_the_settings_bar_and_the_next_run():
+    async def first():
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            await type_prompt(pilot, "hello")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, what="generation")
+            assert app.fake_decoders[-1].configs[-1].lookup is True
+            await pilot.press("ctrl+o")
+            await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
+            copies = app.screen.query_one("#set-lookup")
+            assert copies.value
+            copies.focus()
+            await pilot.press("space")
+            await pilot.press("ctrl+s")
+            await pilot.pause()
+            assert "copies off" in " ".join(str(chat.query_one("#settings-bar").render()).split())
+            await type_prompt(pilot, "again")
+            await wait_for(pilot, lambda: not chat.generating and len(chat.transcript.turns) == 2, what="generation")
+            assert app.fake_decoders[-1].configs[-1].lookup is False
+            app.chat_action("toggle_lookup")  # the command palette's entry
+            assert chat.settings.lookup is True
+            app.chat_action("toggle_lookup")
+
+    async def second(seen):
+        app = fake_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            seen.append(app.screen.settings.lookup)
+
+    run(first())
+    seen = []
+    run(second(seen))
+    assert seen == [False]
+
+
 def test_the_apps_sampler_flags_override_the_remembered_settings_for_the_session():
     from s2moe.app.cmd_app import build_app
 

@@ -240,6 +240,11 @@ class ChatScreen(Screen):
         self.apply_settings(replace(self.settings, utility=not self.settings.utility))
         self.notify("utility expansion " + ("on" if self.settings.utility else "off (fixed draft length)"), timeout=2)
 
+    def action_toggle_lookup(self) -> None:
+        self.apply_settings(replace(self.settings, lookup=not self.settings.lookup))
+        self.notify("copies from the context " + ("on (s2moe, where the utility rule says they pay)"
+                                                  if self.settings.lookup else "off"), timeout=2)
+
     def action_toggle_gating(self) -> None:
         self.apply_settings(replace(self.settings, gating=not self.settings.gating))
         self.notify("reuse-aware gating " + ("on" if self.settings.gating else "off (lossless)"), timeout=2)

@@ -30,6 +30,8 @@ class S2MoECommands(Provider):
         cmds += [
             ("Toggle utility expansion", partial(chat, "toggle_utility"), "Routing-aware draft length on/off (F7)"),
             ("Toggle reuse-aware gating", partial(chat, "toggle_gating"), "Gating on/off; off is lossless (F8)"),
+            ("Toggle copies from the context", partial(chat, "toggle_lookup"),
+             "s2moe drafts what followed a repeated n-gram where it pays, or never (generate's --no-lookup)"),
             ("Next draft top-k", partial(chat, "cycle_topk"), "Experts per token in draft passes (F9)"),
             ("Show/hide rejected drafts", partial(chat, "toggle_rejected"), "Ctrl+R in the chat"),
             ("Toggle live panel", partial(chat, "toggle_live"), "Ctrl+L in the chat"),

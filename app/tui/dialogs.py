@@ -182,6 +182,9 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 yield TickBox("on", value=s.utility, id="set-utility")
                 yield Label("Reuse gating")
                 yield TickBox("on", value=s.gating, id="set-gating")
+                yield Label("Copies from context")
+                yield TickBox("on", value=s.lookup, id="set-lookup",
+                              tooltip="s2moe: draft what followed a repeated n-gram, where the rule says it pays")
                 yield Label("Gating strength α")
                 yield Input(str(s.reuse_strength), id="set-alpha", type="number")
                 yield Label("Draft experts k_d")
@@ -221,6 +224,7 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 mode=self.query_one("#set-mode", Select).value,
                 utility=self.query_one("#set-utility", TickBox).value,
                 gating=self.query_one("#set-gating", TickBox).value,
+                lookup=self.query_one("#set-lookup", TickBox).value,
                 reuse_strength=num("#set-alpha", float, 0.0, 100.0),
                 draft_topk=int(self.query_one("#set-topk", Select).value),
                 draft_max=num("#set-draftmax", int, 1, 16),

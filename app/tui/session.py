@@ -81,6 +81,8 @@ class ChatSettings:
     mode: str = "s2moe"
     utility: bool = True
     gating: bool = True
+    # s2moe: draft the tokens that followed a repeated n-gram of the context where the utility rule says they pay
+    lookup: bool = True
     # None: not set here — the active profile's tuned value (s2moe tune), else the default (DEFAULTS)
     reuse_strength: float | None = None   # α used when gating is on
     draft_topk: int | None = None  # None also: the model's default (see engine.decoder.routing_defaults)
@@ -140,6 +142,8 @@ class ChatSettings:
         if self.mode == "s2moe":
             parts.append("utility " + ("on" if self.utility else "off"))
             parts.append(f"gating {self.resolved(model, tuned).reuse_strength:g}" if self.gating else "gating off")
+            if not self.lookup:
+                parts.append("copies off")
         parts.append(f"n={self.n_predict}")
         if self.sampling_text():
             parts.append(self.sampling_text())
@@ -341,6 +345,7 @@ class EngineSession:
             draft_topk=settings.draft_topk,
             draft_max=settings.draft_max,
             utility=settings.utility,
+            lookup=settings.lookup,
             threshold=settings.threshold,
             reuse_strength=settings.reuse_strength if settings.gating else 0.0,
             cost=cost,
