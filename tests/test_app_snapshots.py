@@ -235,6 +235,9 @@ def test_bench_done(snap_compare, size):
             if screen.done is not None and not screen.running:
                 break
             await pilot.pause(0.01)
+        # where the focus sits when the last result lands races the run's end on a loaded machine (two full-suite
+        # runs drew the prompts without their cursor): the picture is of the prompts being edited
+        screen.query_one("#bench-prompts").focus()
         await settle(pilot)
 
     assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
