@@ -209,19 +209,20 @@ class SeededSampler:
 
 def _kept(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """Indices of the tokens top-k, then top-p, then min-p keep (each over what the one before kept; top-p
-    and min-p on probabilities at temperature 1), as llama.cpp's samplers do. At least one is kept."""
+    and min-p on probabilities at temperature 1), as llama.cpp's samplers do. At least one is kept. Only
+    top-p needs the kept tokens in order: without it nothing is sorted (a 150k vocabulary took 29 ms)."""
     n = len(z)
     idx = np.arange(n)
     if 0 < top_k < n:
         idx = np.argpartition(-z, top_k - 1)[:top_k]
-    # highest first; ties by token id, so that the same logits always keep the same tokens
-    order = idx[np.lexsort((idx, -z[idx]))]
     if top_p < 1.0:
+        # highest first; ties by token id, so that the same logits always keep the same tokens
+        order = idx[np.lexsort((idx, -z[idx]))]
         zz = z[order]
         p = np.exp(zz - zz[0])
         cum = np.cumsum(p / p.sum())
         # the first position where the mass reaches top_p is the last one kept
-        order = order[: min(int(np.searchsorted(cum, top_p, side="left")) + 1, len(order))]
+        idx = order[: min(int(np.searchsorted(cum, top_p, side="left")) + 1, len(order))]
     if min_p > 0.0:
-        order = order[z[order] >= z[order[0]] + math.log(min_p)]
-    return order
+        idx = idx[z[idx] >= z[idx].max() + math.log(min_p)]
+    return idx
