@@ -51,6 +51,13 @@ async def type_prompt(pilot, text):
     await pilot.press("enter")
 
 
+async def answered(pilot, chat, text) -> None:
+    """Send a prompt from the chat screen and wait until its answer is in the transcript."""
+    turns = len(chat.transcript.turns)
+    await type_prompt(pilot, text)
+    await wait_for(pilot, lambda: not chat.generating and len(chat.transcript.turns) > turns, what="generation")
+
+
 # -- view data (no UI) --------------------------------------------------------------------------------------------
 def test_segments_mark_how_each_token_was_produced():
     its = list(scripted_events())[2:-1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_app import fake_app, run, type_prompt, wait_for
+from test_app import answered, fake_app, run, type_prompt, wait_for
 from test_app_support import fake_run_bench
 
 from s2moe.app.cli import build_parser
@@ -244,8 +244,7 @@ def test_the_copies_switch_reaches_the_generation_the_settings_bar_and_the_next_
         async with app.run_test(size=(80, 24)) as pilot:
             await wait_for(pilot, lambda: app.session.model is not None, what="model")
             chat = app.screen
-            await type_prompt(pilot, "hello")
-            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, what="generation")
+            await answered(pilot, chat, "hello")
             assert app.fake_decoders[-1].configs[-1].lookup is True
             await pilot.press("ctrl+o")
             await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
@@ -256,8 +255,7 @@ def test_the_copies_switch_reaches_the_generation_the_settings_bar_and_the_next_
             await pilot.press("ctrl+s")
             await pilot.pause()
             assert "copies off" in " ".join(str(chat.query_one("#settings-bar").render()).split())
-            await type_prompt(pilot, "again")
-            await wait_for(pilot, lambda: not chat.generating and len(chat.transcript.turns) == 2, what="generation")
+            await answered(pilot, chat, "again")
             assert app.fake_decoders[-1].configs[-1].lookup is False
             app.chat_action("toggle_lookup")  # the command palette's entry
             assert chat.settings.lookup is True
