@@ -20,7 +20,6 @@ from .sampling import SeededSampler
 @dataclass
 class Proposal:
     tokens: list[int] = field(default_factory=list)
-    dists: list[np.ndarray] = field(default_factory=list)  # draft distribution each token was drawn from
     chain: list[float] = field(default_factory=list)       # p_i of each kept token
     candidates: list[DraftCandidate] = field(default_factory=list)
     stop: str = "no-draft"
@@ -401,7 +400,6 @@ class SelfDrafter(Drafter):
                     observer.predicted((predicted & ~in_batch)[:, :n_expert])
                 in_batch |= predicted
             out.tokens.append(token)
-            out.dists.append(q)
             out.chain.append(chain)
         out.seconds = time.perf_counter() - t0
         out.experts_read = read[:, :n_expert].sum(axis=1)
@@ -482,7 +480,6 @@ class IndependentDrafter(Drafter):
             out.candidates.append(DraftCandidate(token, dec.piece_text(token), prob, chain, None,
                                                  np.zeros(n_layer, int), True))
             out.tokens.append(token)
-            out.dists.append(q)
             out.chain.append(chain)
         out.stop = "cap"
         out.seconds = time.perf_counter() - t0
@@ -568,16 +565,9 @@ class NgramIndex:
         return 0, []
 
 
-def one_hot(n_vocab: int, token: int) -> np.ndarray:
-    """The draft distribution of a token copied from the context: certain of it."""
-    q = np.zeros(n_vocab)
-    q[token] = 1.0
-    return q
-
-
 class LookupDrafter(Drafter):
     """Prompt-lookup drafting: find the longest recent n-gram (n ≤ max_ngram) earlier in the context and
-    propose the tokens that followed it. Costs no model pass; deterministic (one-hot) drafts."""
+    propose the tokens that followed it. Costs no model pass; deterministic drafts."""
 
     name = "lookup"
 
@@ -594,7 +584,6 @@ class LookupDrafter(Drafter):
         n_layer = dec.info.n_layer
         for token in found:
             out.tokens.append(token)
-            out.dists.append(one_hot(dec.rt.n_vocab, token))
             out.chain.append(1.0)
             out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, None,
                                                  np.zeros(n_layer, int), True))
@@ -739,7 +728,6 @@ class LookupOrSelfDrafter(Drafter):
                 out.stop = "lookup: utility"
                 break
             out.tokens.append(token)
-            out.dists.append(one_hot(dec.rt.n_vocab, token))
             out.chain.append(1.0)
             if probe:
                 break

@@ -55,7 +55,6 @@ class _Node:
     prob: float        # draft probability of its token at the parent
     path: float        # product of draft probabilities from the pending token down to it
     seq: int           # draft sequence id
-    dist: np.ndarray | None   # the parent's draft distribution (what the token was chosen from)
     logits: np.ndarray | None  # draft logits at the node (its children's distribution)
     predicted: np.ndarray | None  # [n_layer, n_expert + 1] bool: the router's top-k, the target experts it predicts
     history: list[int]  # committed tokens and the path down to and including it
@@ -110,10 +109,10 @@ class TreeDrafter(Drafter):
         frontier: list[int] = []
         free_seqs = list(range(rt.n_seq_max - 1, 0, -1))
         used_seqs: list[int] = []
-        root = _Node(pending, -1, 0, 1.0, 1.0, 0, None, root_logits, None, list(committed))
+        root = _Node(pending, -1, 0, 1.0, 1.0, 0, root_logits, None, list(committed))
 
         def expand(parents: list[tuple[int, _Node]]) -> list[int]:
-            """Decode the top-b children of the given nodes in one pass (those that could still pay, under a
+            """Decode the first b children of the given nodes in one pass (those that could still pay, under a
             rule); they join the frontier. Returns their indices."""
             kids = []
             for index, parent in parents:
@@ -127,7 +126,7 @@ class TreeDrafter(Drafter):
                     s = free_seqs.pop()
                     rt.seq_cp(parent.seq, s)
                     used_seqs.append(s)
-                    kids.append(_Node(int(t), index, parent.depth + 1, float(q[t]), p, s, q, None, None,
+                    kids.append(_Node(int(t), index, parent.depth + 1, float(q[t]), p, s, None, None,
                                       parent.history + [int(t)]))
             if not kids:
                 return []
@@ -157,7 +156,6 @@ class TreeDrafter(Drafter):
             tree.parents.append(-1 if node.parent < 0 else nodes[node.parent].taken)
             tree.depths.append(node.depth)
             out.tokens.append(node.token)
-            out.dists.append(node.dist)
             out.chain.append(node.path)
             out.candidates.append(DraftCandidate(node.token, dec.piece_text(node.token), node.prob, node.path,
                                                  utility, added[:, :n_expert].sum(axis=1), True))
