@@ -3,14 +3,15 @@
 One processing for every mode and both sides of speculative decoding, each computed for the tokens before
 it (drafted ones included).
 
-A sampled token is the Gumbel-max draw: the kept token of largest log-probability plus noise that depends only
-on the seed, the token's position in the context and the token id (PositionNoise, as an exponential race). Given the tokens before it,
-that is an exact draw from the processed distribution, and a fresh one at every position. Because the noise
-is fixed per position, the token plain decoding would sample at a position is known to whoever holds the
-target's logits there: verification accepts a drafted token exactly when it is that token, so a speculative
-generation commits the very tokens plain sampling with the same seed commits, whatever was drafted, by
-which drafter, and whether a timing-driven rule drafted at all. The draft draws with the same noise, which
-couples its tokens to the target's (the closer the two distributions, the likelier they agree).
+A sampled token is the Gumbel-max draw: the kept token of largest log-probability plus noise that depends
+only on the seed, the token's position in the context and the token id (PositionNoise, as an exponential
+race). Given the tokens before it, that is an exact draw from the processed distribution, and a fresh one
+at every position. Because the noise is fixed per position, the token plain decoding would sample at a
+position is known to whoever holds the target's logits there: verification accepts a drafted token exactly
+when it is that token, so a speculative generation commits the very tokens plain sampling with the same
+seed commits, whatever was drafted, by which drafter, and whether a timing-driven rule drafted at all. The
+draft draws with the same noise, which couples its tokens to the target's (the closer the two
+distributions, the likelier they agree).
 
 The order and the rules are llama.cpp's default chain (common/sampling.cpp): repetition penalty over the
 last `repeat_last_n` tokens (the prompt included), top-k, top-p and min-p (both at temperature 1),
@@ -210,7 +211,7 @@ class SeededSampler:
 def _kept(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """Indices of the tokens top-k, then top-p, then min-p keep (each over what the one before kept; top-p
     and min-p on probabilities at temperature 1), as llama.cpp's samplers do. At least one is kept. Only
-    top-p needs the kept tokens in order: without it nothing is sorted (a 150k vocabulary took 29 ms)."""
+    top-p needs the kept tokens in order: without it nothing is sorted, which a large vocabulary notices."""
     n = len(z)
     idx = np.arange(n)
     if 0 < top_k < n:
