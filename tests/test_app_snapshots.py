@@ -60,9 +60,16 @@ async def settle(pilot) -> None:
     from textual.widgets import Input, TextArea
 
     app = pilot.app
+    # focus moves first: a cursor stops blinking visible only in the widget that holds the focus by then
+    await pilot.pause()
     for screen in app.screen_stack:
         for widget in list(screen.query(Input)) + list(screen.query(TextArea)):
             widget.cursor_blink = False
+        # a TextArea's line cache keys the cursor only while it blinks: a line cached in the blink's off phase
+        # would be drawn again without the cursor (seen under load); a style update empties that cache
+        for area in screen.query(TextArea):
+            area.notify_style_update()
+            area.refresh()
     app.clear_notifications()
     await pilot.pause()
     await pilot.wait_for_scheduled_animations()
@@ -235,8 +242,7 @@ def test_bench_done(snap_compare, size):
             if screen.done is not None and not screen.running:
                 break
             await pilot.pause(0.01)
-        # where the focus sits when the last result lands races the run's end on a loaded machine (two full-suite
-        # runs drew the prompts without their cursor): the picture is of the prompts being edited
+        # the picture is of the prompts being edited, wherever the run's end left the focus
         screen.query_one("#bench-prompts").focus()
         await settle(pilot)
 
