@@ -286,8 +286,7 @@ def near_tie(dec: Decoder, prompt: str, reference: tuple, other: tuple, cfg: Gen
     batched = rt.decode(history, 0, "last")[0]
     rt.kv_clear()
     head = len(prompt_tokens) - 1
-    for i in range(0, head, rt.n_batch):
-        rt.decode(history[i: min(i + rt.n_batch, head)], i, "none")
+    rt.prefill(history[:head])
     for i in range(head, len(history)):
         stepwise = rt.decode([history[i]], i, "last")[0]
     rt.kv_clear()

@@ -462,8 +462,7 @@ class Decoder:
             rt.kv_clear()
         if hook is not None:
             hook.off()
-        for i in range(kept, len(head), rt.n_batch):
-            rt.decode(head[i : i + rt.n_batch], i, "none")
+        rt.prefill(head[kept:], kept)
         yield Prefilled(len(prompt_tokens), time.perf_counter() - t_start, kept)
 
         committed_all = list(prompt_tokens)  # prompt + generated; the last one is pending

@@ -453,10 +453,8 @@ class IndependentDrafter(Drafter):
             self.rt.kv_remove_from(same)
             del self.tokens[same:]
         missing = want[same:]
-        for i in range(0, len(missing), self.rt.n_batch):
-            chunk = missing[i : i + self.rt.n_batch]
-            self.rt.decode(chunk, len(self.tokens), "none")
-            self.tokens.extend(chunk)
+        self.rt.prefill(missing, len(self.tokens))
+        self.tokens.extend(missing)
 
     def propose(self, dec, committed, max_len, sample) -> Proposal:
         out = Proposal()

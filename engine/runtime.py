@@ -391,6 +391,11 @@ class LlamaRuntime:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     # -- decoding --------------------------------------------------------------------------------
+    def prefill(self, tokens, pos0: int = 0) -> None:
+        """Decode `tokens` at positions pos0.. of sequence 0 for their KV entries alone, n_batch at a time."""
+        for i in range(0, len(tokens), self.n_batch):
+            self.decode(tokens[i : i + self.n_batch], pos0 + i, "none")
+
     def decode(self, tokens, pos0: int, outputs: str = "last") -> np.ndarray | None:
         """Decode `tokens` at positions pos0.. of sequence 0; return logits rows ('last', 'all' or 'none')."""
         n = len(tokens)

@@ -82,11 +82,6 @@ class PositionNoise:
         ids = np.flatnonzero(q > 0)
         return int(ids[np.argmin(self.exponential(position, ids) / q[ids])])
 
-    def order(self, q: np.ndarray, position: int) -> np.ndarray:
-        """The tokens q keeps in the order of their E/q: draws without replacement, the first the draw."""
-        ids = np.flatnonzero(q > 0)
-        return ids[np.argsort(self.exponential(position, ids) / q[ids], kind="stable")]
-
     def perturbed(self, q: np.ndarray, position: int) -> np.ndarray:
         """log q plus this position's Gumbel noise over the tokens q keeps, -inf elsewhere: the draw is its
         argmax, and its top-2 gap how near a tie the draw was."""
@@ -197,15 +192,18 @@ class SeededSampler:
     def __call__(self, logits: np.ndarray, history: Sequence[int]) -> tuple[int, np.ndarray]:
         return self.sampling.choose(logits, history, self.noise)
 
-    def ranked(self, logits: np.ndarray, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(the kept tokens, likeliest to be the one drawn first; the distribution). Greedy: by probability.
-        Sampled: by log-probability plus the position's noise — the tokens a draw without replacement gives
-        in turn, so the first is the token drawn, and a target close to the draft most likely draws one of
-        the first few."""
+    def ranked(self, logits: np.ndarray, history: Sequence[int], count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the first `count` kept tokens, likeliest to be the one drawn first; the distribution). Greedy: by
+        probability. Sampled: by log-probability plus the position's noise — the tokens a draw without
+        replacement gives in turn, so the first is the token drawn, and a target close to the draft most
+        likely draws one of the first few."""
         q = self.sampling.distribution(logits, history)
-        if self.sampling.greedy:
-            return np.argsort(-q, kind="stable")[: int(np.count_nonzero(q > 0))], q
-        return self.noise.order(q, len(history)), q
+        ids = np.flatnonzero(q > 0)
+        keys = -q[ids] if self.sampling.greedy else self.noise.exponential(len(history), ids) / q[ids]
+        if count < len(ids):  # the drafter takes a few: no sort of the whole vocabulary per node
+            part = np.argpartition(keys, count - 1)[:count]
+            ids, keys = ids[part], keys[part]
+        return ids[np.lexsort((ids, keys))], q
 
 
 def _kept(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:

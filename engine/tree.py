@@ -116,8 +116,8 @@ class TreeDrafter(Drafter):
             rule); they join the frontier. Returns their indices."""
             kids = []
             for index, parent in parents:
-                order, q = sample.ranked(parent.logits, parent.history)
-                for t in order[: self.width]:
+                order, q = sample.ranked(parent.logits, parent.history, self.width)
+                for t in order:
                     p = parent.path * float(q[t])
                     if not free_seqs:
                         break
