@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
                    help="price a fetch as calibrate measured it (default), or on the disk the traces' own run "
                         "read around its budget (bench --trace records it): replaying on the device that recorded "
                         "them, whose disk's rate moves from day to day")
+    p.add_argument("--no-lookup", dest="lookup", action="store_false",
+                   help="replay s2moe without its copies from the context (as generate --no-lookup decodes)")
     p.add_argument("--against", metavar="BENCH_JSON", type=nonempty,
                    help="a bench --json result of the same run: print measured tok/s and the projection's error")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -120,7 +122,8 @@ def run(args) -> int:
     profile = load_profile(args.profile)
     traces = [read_trace(f) for f in trace_files(args.traces)]
     p = project(traces, profile, budget=args.budget, modes=modes, threshold=args.threshold, policy=args.cache,
-                fit_cache=args.fit_cache, terms=args.terms, cache_size=args.cache_size, disk=args.disk)
+                fit_cache=args.fit_cache, terms=args.terms, cache_size=args.cache_size, disk=args.disk,
+                lookup=args.lookup)
     measured = measured_rows(args.against, args.budget) if args.against else None
     if args.json:
         out = p.as_dict()
@@ -133,6 +136,10 @@ def run(args) -> int:
           f"budget {p.budget}")
     print(p.basis)
     print("\n".join(table_lines(p, measured)))
+    s = p.modes.get("s2moe")
+    if s is not None and s.copied:
+        print(f"s2moe copied {s.copied} tokens from the context ({s.copies_accepted} accepted) of the "
+              f"{s.drafted} it drafted")
     if p.cache_fit:
         print("the recording's own fetches, counted by it vs through the simulated cache: " + ", ".join(
             f"{name} {sim} for {rec} ({sim / rec - 1:+.0%})" if rec else f"{name} {sim} for {rec}"

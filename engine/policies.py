@@ -658,9 +658,77 @@ class CopyLearner:
         return self.plain_s, max(self.row_s, self.plain_s / 20)
 
 
+@dataclass
+class CopyPlan:
+    """A copy from the context as the utility rule weighed it: the tokens to verify, each token weighed (kept or
+    the first declined) with its chained acceptance and utility, and the numbers the rule decided with."""
+
+    n: int                      # the length of the n-gram that matched
+    probe: bool                 # declined, verified anyway (its first token only)
+    p: float                    # the learned acceptance of a copied token after an n-gram of that length
+    experts: float              # the experts the rule expects a row to add
+    saved: float                # what a committed token saves (seconds)
+    row: float                  # what a copied row costs
+    tokens: list[int] = field(default_factory=list)
+    weighed: list[tuple[int, float, float, bool]] = field(default_factory=list)  # (token, survival, utility, kept)
+
+
+class CopyPlanner:
+    """What s2moe decides about drafts copied from the context, apart from any model: decoding asks it before
+    each step (LookupOrSelfDrafter), and a projection replays it on a recorded generation's tokens with projected
+    times (engine.projection). The prices it decides with come from its rule's CopyLearner, whose clock is the
+    caller's: wall time in decoding, projected seconds in a replay."""
+
+    # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's
+    # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
+    def __init__(self, rule: UtilityStop, max_ngram: int = 3, min_ngram: int = 2):
+        self.rule = rule
+        self.index = NgramIndex(max_ngram, min_ngram)
+        self.learned = rule.copies(max_ngram)
+
+    def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
+        """The copy to verify after `context` (prompt and generated tokens, the last one pending), or None: no
+        repeated n-gram, or a copy the rule declines and does not probe."""
+        rule = self.rule
+        saved, row = rule.copy_price(0.0)
+        # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
+        if max_len <= 0 or saved < rule.threshold * row:
+            return None
+        n, found = self.index.lookup(context, max_len)
+        if not found:
+            return None
+        p, experts = self.learned.estimate(n), rule.expected_first_experts
+        saved, row = self.learned.price() or rule.copy_price(experts)
+        probe = p * saved < rule.threshold * row
+        # a probe where even certain copies would not pay at the prices timed only re-times them, and rarely
+        if probe and not self.learned.probe(n, rarely=saved < rule.threshold * row):
+            return None
+        out = CopyPlan(n, probe, p, experts, saved, row)
+        survival = 1.0
+        for token in found:
+            survival *= p
+            u = rule.copy_utility(survival, saved, row)
+            keep = u >= rule.threshold or (probe and not out.tokens)
+            out.weighed.append((token, survival, u, keep))
+            if not keep:
+                break
+            out.tokens.append(token)
+            if probe:
+                break
+        return out
+
+    def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
+        """The verification of `plan`: the target accepted `accepted` of its tokens, and the verification read
+        `verify_experts` distinct experts summed over layers, `pending_experts` of them one row's."""
+        self.learned.learn(plan.n, len(plan.tokens), accepted, plan.probe)
+        rows = len(plan.tokens)
+        if rows > 0:
+            self.rule.observe_first_experts((verify_experts - pending_experts) / rows)
+
+
 class LookupOrSelfDrafter(Drafter):
     """s2moe's drafts: where the context repeats itself, the tokens that followed the repeated n-gram, kept while
-    the utility rule says they pay; otherwise the self-drafter's chain.
+    the utility rule says they pay (CopyPlanner); otherwise the self-drafter's chain.
 
     A copied token needs no draft pass: it pays when p·T_AR ≥ threshold·(what its row costs), p the learned
     acceptance of copies after an n-gram of its length, chained over the copy. A row costs T_tok + T_exp·E under
@@ -670,15 +738,11 @@ class LookupOrSelfDrafter(Drafter):
     name = "s2moe"
     drafts_in_context = True
 
-    # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's
-    # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
-    def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop, max_ngram: int = 3, min_ngram: int = 2):
+    def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop):
         self.self_drafter = self_drafter
-        self.rule = rule
-        self.index = NgramIndex(max_ngram, min_ngram)
-        self.learned = rule.copies(max_ngram)
-        # of the last proposal, when it was copied: (n, a probe, experts of the pending token's row)
-        self._copied: tuple[int, bool, int] | None = None
+        self.copies = CopyPlanner(rule)
+        # the last proposal's copy, and the experts of its pending token's row
+        self._copied: tuple[CopyPlan, int] | None = None
         # when the last proposal began, its rows when it was plain (0) or copied, and how many of those the
         # target accepted: what its iteration's time says
         self._started: float | None = None
@@ -688,59 +752,31 @@ class LookupOrSelfDrafter(Drafter):
     def propose(self, dec, committed, max_len, sample) -> Proposal:
         now = time.perf_counter()
         if self._started is not None and self._rows is not None:
-            self.learned.timed(now - self._started, self._rows, self._accepted)
+            self.copies.learned.timed(now - self._started, self._rows, self._accepted)
         self._started, self._copied, self._accepted = now, None, 0
-        out = self._copy(dec, committed, max_len)
-        if out is None:
+        plan = self.copies.plan(committed, max_len)
+        if plan is None:
             out = self.self_drafter.propose(dec, committed, max_len, sample)
             self._rows = None if out.tokens else 0
-        else:
-            self._rows = len(out.tokens)
-        return out
-
-    def _copy(self, dec, committed, max_len) -> Proposal | None:
-        rule = self.rule
-        saved, row = rule.copy_price(0.0)
-        # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
-        if max_len <= 0 or saved < rule.threshold * row:
-            return None
-        n, found = self.index.lookup(committed, max_len)
-        if not found:
-            return None
-        t0 = time.perf_counter()
-        p, experts = self.learned.estimate(n), rule.expected_first_experts
-        saved, row = self.learned.price() or rule.copy_price(experts)
-        probe = p * saved < rule.threshold * row
-        # a probe where even certain copies would not pay at the prices timed only re-times them, and rarely
-        if probe and not self.learned.probe(n, rarely=saved < rule.threshold * row):
-            return None
-        out = Proposal(stop="lookup: probe" if probe else "lookup")
-        survival = 1.0
-        for token in found:
-            survival *= p
-            u = rule.copy_utility(survival, saved, row)
-            keep = u >= rule.threshold or (probe and not out.tokens)
-            out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, u,
-                                                 np.zeros(dec.info.n_layer, int), keep, None, survival))
-            if not keep:
-                out.stop = "lookup: utility"
-                break
-            out.tokens.append(token)
-            out.chain.append(1.0)
-            if probe:
-                break
-        out.decision = rule.copy_decision(p, experts, saved, row, probing=probe)
-        out.seconds = time.perf_counter() - t0
-        self._copied = (n, probe, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
+            return out
+        out = Proposal(stop="lookup: probe" if plan.probe else
+                       "lookup: utility" if not plan.weighed[-1][3] else "lookup")
+        n_layer = dec.info.n_layer
+        for token, survival, u, keep in plan.weighed:
+            out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, u, np.zeros(n_layer, int),
+                                                 keep, None, survival))
+        out.tokens = list(plan.tokens)
+        out.chain = [1.0] * len(plan.tokens)
+        out.decision = self.copies.rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, probing=plan.probe)
+        out.seconds = time.perf_counter() - now
+        self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
+        self._rows = len(plan.tokens)
         return out
 
     def feedback(self, it) -> None:
         if self._copied is None:
             self.self_drafter.feedback(it)
             return
-        n, probe, pending_experts = self._copied
+        plan, pending_experts = self._copied
         self._accepted = len(it.accepted)
-        self.learned.learn(n, len(it.drafted), len(it.accepted), probe)
-        rows = it.verify_tokens - 1
-        if rows > 0:
-            self.rule.observe_first_experts((float(it.verify_experts.sum()) - pending_experts) / rows)
+        self.copies.learn(plan, len(it.accepted), float(it.verify_experts.sum()), pending_experts)

@@ -8,6 +8,14 @@ of the recorded draft tokens it would verify; the accepted prefix and the commit
 recorded acceptance, and the next iteration starts where they end (inside a recorded chain: that chain's tail,
 its probabilities and routing, stands in for the draft that would have been made there).
 
+s2moe also copies from the context, as decoding does (CopyPlanner, the same decisions): before each step it
+looks up the prompt and the tokens committed so far. A copied token is accepted while it is the token the
+recording went on to commit (greedy, and sampled too: a seed commits the same tokens whatever was drafted). Its
+rows read what the recording's target read for those tokens; a row past the first rejected token (whose input
+the recording never saw) is charged the target's row at that position. The rule prices copies by the replay's
+own clock once it timed some, as decoding does by the wall clock. Traces recorded before they held their
+prompts' token ids replay s2moe without copies.
+
 Time per iteration, from the device profile:
     draft   = passes · C_draft
     verify  = T_AR + T_tok·(tokens − 1) + T_exp·(distinct experts − one token's experts)
@@ -45,7 +53,8 @@ from .errors import ConfigError
 from .events import CostConstants
 from .offload import Budget, fmt_bytes, plan_budget, rank_counts, select_hot_experts
 from .offload.budget import AUTO_EXPERT_SHARE, plan_slack
-from .policies import CascadeDrafter, ConfidenceStop, FixedLength, Proposal, StopRule, UtilityStop, rule_cost
+from .policies import (CascadeDrafter, ConfidenceStop, CopyPlanner, FixedLength, Proposal, StopRule, UtilityStop,
+                       rule_cost)
 from .profiles import cost_for_model, model_block, storage_rates
 from .trace import Trace, TraceHeader
 
@@ -485,6 +494,8 @@ class ModeProjection:
     t_host: float = 0.0
     fetched: int = 0
     speedup: float | None = None
+    copied: int = 0            # tokens verified as copies from the context
+    copies_accepted: int = 0   # ... and accepted
 
     @property
     def seconds(self) -> float:
@@ -507,7 +518,8 @@ class ModeProjection:
                 "accepted": self.accepted, "draft_passes": self.draft_passes, "seconds": self.seconds,
                 "tok_per_s": self.tok_per_s, "speedup_vs_ar": self.speedup, "accept_len": self.accept_len,
                 "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch, "t_host_s": self.t_host,
-                "fetched": self.fetched, "fetched_per_token": self.fetched_per_token}
+                "fetched": self.fetched, "fetched_per_token": self.fetched_per_token, "copied": self.copied,
+                "copies_accepted": self.copies_accepted}
 
 
 @dataclass
@@ -621,15 +633,20 @@ def _verify_compute(costs: DeviceCosts, rows: np.ndarray) -> float:
 
 
 def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
-           threshold: float | None = None, policy: str = "lru", terms: WorkloadTerms = NO_TERMS) -> ModeProjection:
-    """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over)."""
+           threshold: float | None = None, policy: str = "lru", terms: WorkloadTerms = NO_TERMS,
+           lookup: bool = False) -> ModeProjection:
+    """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over).
+    lookup: s2moe copies from the context where its rule says they pay, as decoding does (the traces must hold
+    their prompts' ids: replays_copies)."""
     if mode not in PROJECT_MODES:
         raise ConfigError(f"cannot project mode {mode!r} (choose from {', '.join(PROJECT_MODES)})")
+    if lookup and not replays_copies(traces):
+        raise ConfigError("replaying copies from the context needs traces that hold their prompts' token ids")
 
     def run(cache: ExpertCache) -> ModeProjection:
         if mode == "perfect":
             return _perfect(traces, costs, cache, terms)
-        return _replay(traces, mode, costs, cache, threshold, terms)
+        return _replay(traces, mode, costs, cache, threshold, terms, lookup)
 
     return with_cache(run, plan, traces[0].header.n_expert, policy)
 
@@ -658,8 +675,13 @@ def _perfect(traces: list[Trace], costs: DeviceCosts, cache: ExpertCache, terms:
     return res
 
 
+def replays_copies(traces: list[Trace]) -> bool:
+    """Whether s2moe's copies from the context can be replayed on the traces: they hold their prompts' ids."""
+    return all(tr.header.prompt is not None for tr in traces)
+
+
 def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCache, threshold: float | None,
-            terms: WorkloadTerms) -> ModeProjection:
+            terms: WorkloadTerms, lookup: bool = False) -> ModeProjection:
     h0 = traces[0].header
     res = ModeProjection(mode)
     rule: StopRule | None = None
@@ -671,6 +693,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
     elif mode == "cascade":
         cascade = CascadeDrafter(h0.k_d, h0.draft_max)
         inner = cascade.inner = _ChainFromTrace(h0.k_d, h0.n_expert)
+    copying = lookup and mode == "s2moe"
     gated_rows = mode in ("s2moe", "oracle")  # the oracle's acceptance is the recording's, gated where it was
     # resident, a step without drafts is a plain one (under a budget the prefetcher needs its routing)
     plain_unobserved = terms.t_plain is not None and cache.capacity is None
@@ -678,12 +701,23 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
         h = tr.header
         if isinstance(rule, UtilityStop):
             rule.start()
-        generated, si, j = 0, 0, 0
-        while si < len(tr.steps) and generated < tr.n_tokens:
+        # per generated position: the recorded step and pending index inside it, the token, and the rows of the
+        # target's pass whose input is the token before it (router's and gated)
+        where = [(si, i) for si, s in enumerate(tr.steps) for i in range(len(s.committed))]
+        tokens = [s.committed[i] for s in tr.steps for i in range(len(s.committed))]
+        # as in decoding, a generation's copies look up its own context, with what the rule learned of them
+        planner = CopyPlanner(rule) if copying else None
+        context = list(h.prompt) if copying else None
+        generated = 0
+        while generated < tr.n_tokens:
+            si, j = where[generated]
             step = tr.steps[si]
             src = _Source(step, j)
             max_len = min(h.draft_max, h.n_predict - generated - 1)
-            if mode == "ar":
+            plan = planner.plan(context, max_len) if planner is not None else None
+            if plan is not None:
+                draft = _Draft(list(plan.tokens), stop="lookup")
+            elif mode == "ar":
                 draft = _Draft()
             elif cascade is not None:
                 inner.source = src
@@ -694,12 +728,21 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 draft = propose(rule, src, max_len, h.k_d, h.n_expert)
             n = len(draft.tokens)
             passes = getattr(draft, "passes", [])
-            accepted = min(n, step.accepted - j)
-            if rule is not None and n:  # what SelfDrafter.feedback tells the rule of the verification
-                rule.observe_outcome([src[i].prob for i in range(n)], accepted)
-            committed = min(accepted + 1, len(step.committed) - j)
-            # reuse gating acts on a verification of drafted tokens only (a plain step reads the router's choice)
-            rows = (step.gated if gated_rows and n else step.rows)[j: j + n + 1]
+            if plan is not None:
+                # a copied token is accepted while it is the token the target went on to commit; a row past the
+                # first rejected one read what the target's own row at that position read (the best record of it)
+                accepted = next((i for i, t in enumerate(draft.tokens)
+                                 if generated + i >= tr.n_tokens or t != tokens[generated + i]), n)
+                rows = np.stack([_row(tr, where, min(generated + i, tr.n_tokens - 1), gated_rows)
+                                 for i in range(n + 1)])
+                committed = min(accepted + 1, tr.n_tokens - generated)
+            else:
+                accepted = min(n, step.accepted - j)
+                if rule is not None and n:  # what SelfDrafter.feedback tells the rule of the verification
+                    rule.observe_outcome([src[i].prob for i in range(n)], accepted)
+                committed = min(accepted + 1, len(step.committed) - j)
+                # reuse gating acts on a verification of drafted tokens only (a plain step reads the router's choice)
+                rows = (step.gated if gated_rows and n else step.rows)[j: j + n + 1]
             beyond = terms.beyond(h.prompt_tokens - 1 + generated)  # context past the one the constants were timed at
             t_draft = len(passes) * terms.draft_pass(costs.c_draft, beyond)
             draft_misses = _draft_misses(cache, passes, h)
@@ -710,6 +753,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             else:
                 t_verify = _verify_compute(costs, rows) + (terms.ctx_step + terms.ctx_row * n) * beyond
             t_fetch = costs.t_fetch * (draft_misses + verify_misses)
+            t_host = 0.0 if plain else terms.host_row * (n + 1)
             res.iterations += 1
             res.tokens += committed
             res.drafted += n
@@ -718,7 +762,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             res.t_draft += t_draft
             res.t_verify += t_verify
             res.t_fetch += t_fetch
-            res.t_host += 0.0 if plain else terms.host_row * (n + 1)
+            res.t_host += t_host
             res.fetched += draft_misses + verify_misses
             if cascade is not None:
                 # what CascadeDrafter.feedback reads of an Iteration event: its tokens and its seconds
@@ -726,11 +770,24 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                                                  t_draft=t_draft + costs.t_fetch * draft_misses,
                                                  t_verify=t_verify + costs.t_fetch * verify_misses))
             generated += committed
-            if accepted >= step.accepted - j:
-                si, j = si + 1, 0
-            else:
-                j += committed
+            if planner is not None:
+                if plan is not None:
+                    res.copied += n
+                    res.copies_accepted += accepted
+                    planner.learn(plan, accepted, _distinct(rows), int((rows[0] >= 0).sum()))
+                # decoding times an iteration when the next one begins: a plain step, or a copy, as the prices of
+                # copies (the last iteration of a generation is never timed)
+                if generated < tr.n_tokens and (plan is not None or n == 0):
+                    planner.learned.timed(t_draft + t_verify + t_fetch + t_host, n, accepted)
+                context.extend(tokens[generated - committed: generated])
     return res
+
+
+def _row(tr: Trace, where: list[tuple[int, int]], position: int, gated: bool) -> np.ndarray:
+    """The experts the target read for the token at generated `position`: its recorded step's row of it."""
+    si, i = where[position]
+    step = tr.steps[si]
+    return (step.gated if gated else step.rows)[i]
 
 
 def _draft_misses(cache: ExpertCache, passes: list, header: TraceHeader) -> int:
@@ -819,7 +876,8 @@ def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[Worklo
 
 def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=RUNNABLE_MODES,
             threshold: float | None = None, policy: str = "lru", fit_cache: bool = False,
-            terms: str = "profile", cache_size: str = "plan", disk: str = "profile") -> Projection:
+            terms: str = "profile", cache_size: str = "plan", disk: str = "profile",
+            lookup: bool = True) -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
     evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own
     reads (traces recorded under this same budget), instead of the budget plan's size. terms: what is charged
@@ -829,7 +887,10 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     plan's size; "calibrated" scales it by what the profile's calibration found the offloading held in effect
     under its budget, where it measured that (not the default: it did not predict another budget's fetches).
     disk: "profile" prices a fetch as calibrate measured it; "trace" scales that price to the disk the traces'
-    own run read around its budget (bench --trace records it): a replay on the device that recorded them."""
+    own run read around its budget (bench --trace records it): a replay on the device that recorded them.
+    lookup: s2moe copies from the context as decoding does (`generate --no-lookup` turns them off there), where
+    the traces hold their prompts' ids; traces recorded before they did replay s2moe without copies, and the
+    basis says so."""
     if disk not in DISK_SOURCES:
         raise ConfigError(f"unknown disk {disk!r} (choose from {', '.join(DISK_SOURCES)})")
     if terms not in TERM_SOURCES:
@@ -851,6 +912,10 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     costs = device_costs(profile, h0, offloaded=offloaded, disk_gb_s=traces_disk(traces) if disk == "trace" else None)
     plan = cache_plan(budget, h0, profile, costs.expert_bytes)
     charged, why = _terms(traces, costs, terms)
+    copies = lookup and replays_copies(traces)
+    if lookup and not copies and "s2moe" in modes:
+        why += ("; s2moe without copies from the context: the traces do not hold their prompts' token ids "
+                "(recorded before traces did)")
     out = Projection(costs.profile, plan.label, f"{costs.basis}; {why}", len(traces), charged.how)
     held = (model_block(profile, h0.fingerprint) or {}).get("cache_fit")
     if cache_size == "calibrated" and plan.capacity is not None and held and held["planned_experts"] > 0:
@@ -874,7 +939,7 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
                                                 f"{size} experts")
             out.budget = plan.label
     for mode in (["ar"] + [m for m in modes if m != "ar"]):
-        out.modes[mode] = replay(traces, mode, costs, plan, threshold, policy, charged)
+        out.modes[mode] = replay(traces, mode, costs, plan, threshold, policy, charged, copies and mode == "s2moe")
     ar = out.modes["ar"].tok_per_s
     for r in out.modes.values():
         r.speedup = r.tok_per_s / ar if ar > 0 else None

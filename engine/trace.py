@@ -4,7 +4,8 @@ A trace is recorded with drafting forced to the cap (GenerationConfig.trace): ev
 draft chain the model's own experts proposed, so that any stopping rule (the utility rule under other
 constants, a confidence threshold, a fixed length) can be replayed on it (engine.projection). It is JSONL:
 
-    {"s2moe_trace": 1, "model": ..., "n_layer": 6, "n_expert": 64, "k": 8, "k_d": 2, "expert_bytes": ..., ...}
+    {"s2moe_trace": 1, "model": ..., "n_layer": 6, "n_expert": 64, "k": 8, "k_d": 2, "expert_bytes": ...,
+     "prompt": [token, ...], ...}
     {"committed": [..], "accepted": 3, "drafted": [[token, q, chain, IDS], ...], "pending": IDS,
      "rows": [IDS, ...], "gated": [IDS | null, ...], "t_draft": s, "t_verify": s, "t_host": s,
      "would": [true, 2] | null,
@@ -40,7 +41,7 @@ from .files import read_bounded
 from .modes import DRAFT_EXPERTS
 
 TRACE_VERSION = 1
-OPTIONAL_HEADER_FIELDS = ("cost", "budget", "draft_experts")  # absent: their defaults
+OPTIONAL_HEADER_FIELDS = ("cost", "budget", "draft_experts", "prompt")  # absent: their defaults
 # 10k tokens of a 48-layer, 128-expert model stay far below this; the bound keeps a wrong file from being read
 # into memory whole
 MAX_TRACE_BYTES = 1 << 30
@@ -72,6 +73,9 @@ class TraceHeader:
     # "resident", only experts in memory, so that they fetch nothing. Not recorded before the router's became
     # the default: such a trace reads as "router", though under a budget it drafted from resident experts.
     draft_experts: str = "router"
+    # the prompt's token ids, so that a replay can find where the text repeats itself (copies from the context);
+    # not recorded before copies were replayed
+    prompt: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ class TraceRecorder:
                 conf_p_min=float(c["conf_p_min"]), temperature=float(c["temperature"]),
                 prompt_tokens=len(event.prompt_tokens),
                 cost=None if event.cost is None else {k: v for k, v in asdict(event.cost).items()},
-                draft_experts=c.get("draft_experts") or "router"))
+                draft_experts=c.get("draft_experts") or "router", prompt=tuple(event.prompt_tokens)))
         elif isinstance(event, Prefilled):
             self.trace.prefill = event.seconds
         elif isinstance(event, Iteration):
@@ -320,7 +324,15 @@ def _header(obj) -> TraceHeader:
             _int(storage.get("readings"), "header storage field readings", 1)
     if obj.get("draft_experts", "router") not in DRAFT_EXPERTS:
         raise _Bad(f"header field draft_experts must be one of {', '.join(DRAFT_EXPERTS)}")
-    return TraceHeader(**{n: obj.get(n, TraceHeader.__dataclass_fields__[n].default) for n in names})
+    prompt = obj.get("prompt")
+    if prompt is not None:
+        if not isinstance(prompt, list) or len(prompt) != obj["prompt_tokens"]:
+            raise _Bad(f"header field prompt must list the prompt's {obj['prompt_tokens']} token ids")
+        for t in prompt:
+            _int(t, "a prompt token id")
+        prompt = tuple(prompt)
+    fields = {n: obj.get(n, TraceHeader.__dataclass_fields__[n].default) for n in names}
+    return TraceHeader(**{**fields, "prompt": prompt})
 
 
 def _iteration(obj, h: TraceHeader) -> TraceStep:

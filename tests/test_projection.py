@@ -13,6 +13,7 @@ from s2moe.engine.events import ForcedDraft
 from s2moe.engine.profiles import validate_profile
 from s2moe.engine.projection import ExpertCache, project
 from s2moe.engine.trace import Drafted, Trace, TraceHeader, TraceStep, write_trace
+from dataclasses import replace
 
 FP = "0123456789abcdef"
 # two layers of four experts, top-2; one expert per layer in a draft pass
@@ -584,3 +585,72 @@ def test_drafts_from_resident_experts_fetch_nothing_and_are_priced_as_in_memory(
 def test_traces_of_both_kinds_of_draft_are_not_projected_together():
     with pytest.raises(ConfigError, match="one kind of draft at a time"):
         project([hand_trace(), hand_trace(draft_experts="resident")], profile(), modes=["ar"])
+
+
+def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
+    """A traced generation replayed as s2moe makes the copies from the context s2moe's own decoding made on
+    that prompt: the same iterations, tokens copied and tokens accepted. The constants make a draft pass too dear
+    and a copied row cheap, T_exp 0 so that the experts a row adds do not enter the decisions. Decoding prices
+    copies by its wall clock once three copies were rejected whole, the replay by its projected one: the
+    generations end where decoding's third such copy is verified."""
+    from dataclasses import replace
+
+    from s2moe.engine.decoder import GenerationConfig, run
+    from s2moe.engine.events import CostConstants, Iteration
+    from s2moe.engine.trace import TraceRecorder
+
+    from test_engine_decoding import REPEATING
+
+    d = decoders[arch]
+    cfg = GenerationConfig(mode="s2moe", n_predict=48, reuse_strength=0.0, stop_at_eos=False)
+    runs = iter(range(1000))
+
+    def iterations(cfg):
+        # constants of their own name: a rule of its own, which no generation before taught (as the replay's)
+        c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source=f"replayed {next(runs)}")
+        return [e for e in run(d, REPEATING, replace(cfg, cost=c)) if isinstance(e, Iteration)]
+
+    its = iterations(cfg)
+    rejected = [i for i, e in enumerate(its) if e.drafted and not e.accepted]
+    if len(rejected) >= 3:
+        cfg = replace(cfg, n_predict=sum(len(e.committed) for e in its[: rejected[2] + 1]))
+        its = iterations(cfg)
+    rec = TraceRecorder(d.info)
+    for ev in d.generate(REPEATING, replace(cfg, trace=True, cost=CostConstants(1.0, 0.9, 0.0, 0.2, 0.0, "traced"))):
+        rec.add(ev)
+    prof = {"name": "copies", "kind": "measured", "device": {},
+            "models": {d.info.fingerprint: {"t_ar_ms": 1000.0, "c_draft_ms": 900.0, "t_exp_ms": 0.0, "t_tok_ms": 200.0,
+                                            "intercept_ms": 0.0, "expert_bytes": 1000}}}
+    copies = project([rec.trace], prof, modes=["s2moe"], terms="none").modes["s2moe"]
+    assert copies.copied == sum(len(e.drafted) for e in its) > 0
+    assert copies.copies_accepted == sum(len(e.accepted) for e in its)
+    assert copies.iterations == len(its) and copies.tokens == cfg.n_predict
+    assert copies.draft_passes == 0
+    # without copies s2moe does not draft at all here, as decoding with --no-lookup
+    off = project([rec.trace], prof, modes=["s2moe"], terms="none", lookup=False).modes["s2moe"]
+    assert off.drafted == 0 and off.iterations == cfg.n_predict
+    assert not any(e.drafted for e in iterations(replace(cfg, lookup=False)))
+
+
+def test_copies_are_priced_by_the_projected_clock_once_three_were_rejected_whole():
+    """The prompt and the generation repeat "1 2", never with the same token after it: three copies after that
+    bigram are rejected whole (the acceptance learned for bigrams falls, so a fourth is declined). Then a trigram
+    repeats, whose copy the constants would take (T_AR 10 ms saved, a row 2.5 ms). On a device whose plain
+    step the profile measured at 2 ms, the three rejected copies timed on the replay's clock price a row at
+    about 7 ms and a token saved at 2: no copy can pay, and the trigram is not copied. Where a plain step costs
+    the constants' 10 ms, the timed prices agree with the constants and it is."""
+    prompt = (1, 2, 9, 5)
+    generated = [20, 1, 2, 21, 22, 1, 2, 23, 24, 1, 2, 25, 26, 24, 1, 2, 25, 27, 28, 29]
+    steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
+    tr = Trace(header(draft_max=3, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt), steps,
+               n_tokens=len(generated), seconds=1.0, name="copies")
+    quiet = dict(ctx_plain_us=0.0, ctx_step_us=0.0, ctx_row_us=0.0, ctx_draft_us=0.0, host_draft_ms=0.0,
+                 host_row_ms=0.0)
+    cheap_plain = with_workload(profile(c_draft_ms=50.0, t_tok_ms=2.5), t_plain_ms=2.0, **quiet)
+    s = project([tr], cheap_plain, modes=["s2moe"]).modes["s2moe"]
+    assert (s.copied, s.copies_accepted, s.iterations, s.draft_passes) == (2 + 1 + 1, 0, len(generated), 0)
+    s = project([tr], profile(c_draft_ms=50.0, t_tok_ms=2.5), modes=["s2moe"], terms="none").modes["s2moe"]
+    assert (s.copied, s.copies_accepted, s.iterations) == (2 + 1 + 1 + 2, 1, len(generated) - 1)
+    # traces from before they held their prompts: s2moe without copies, and said so
+    old = project([replace(tr, header=replace(tr.header, prompt=None))], cheap_plain, modes=["s2moe"])
+    assert old.modes["s2moe"].copied == 0 and "without copies" in old.basis

@@ -81,6 +81,7 @@ def test_round_trip(decoders, tmp_path):
     write_trace(path, tr)
     back = read_trace(path)
     assert back.header == tr.header
+    assert back.header.prompt == tuple(decoders["olmoe"].tokenize("the cat sat on the mat and"))
     assert (back.n_tokens, back.stop, back.prefill) == (tr.n_tokens, tr.stop, tr.prefill) and tr.prefill > 0
     assert len(back.steps) == len(tr.steps)
     for a, b in zip(tr.steps, back.steps):
@@ -135,6 +136,8 @@ def _bad_cases(lines):
     yield "storage field qd8_gb_s must be above 0", [json.dumps(
         {**header, "budget": {**ran, "storage": {"qd1_gb_s": 0.5, "qd8_gb_s": 0, "readings": 6}}})] + lines[1:]
     yield "field storage must be a mapping", [json.dumps({**header, "budget": {**ran, "storage": 1.2}})] + lines[1:]
+    yield "prompt must list the prompt's", [json.dumps({**header, "prompt": header["prompt"][1:]})] + lines[1:]
+    yield "a prompt token id must be", [json.dumps({**header, "prompt": [-1] + header["prompt"][1:]})] + lines[1:]
     yield "empty", []
 
 
