@@ -297,9 +297,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     # the settings `s2moe tune` searches default to None, "not given": the profile's tuned value, else the model's
     p.add_argument("--draft-max", type=positive_int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--no-utility", action="store_true", help="fixed draft length instead of utility expansion")
-    p.add_argument("--no-lookup", action="store_true",
+    p.add_argument("--no-lookup", dest="lookup", action="store_const", const=False, default=None,
                    help="s2moe: never draft the tokens that followed a repeated n-gram of the context (drafted "
-                        "where the utility rule says they pay)")
+                        "where the utility rule says they pay, unless the profile's tuned settings turn them off)")
     add_draft_experts_option(p)
     add_tree_options(p)
     p.add_argument("--threshold", type=_non_negative_float, default=None, help="utility threshold (default 1)")
@@ -417,7 +417,6 @@ def generation_config(args, decoder):
         n_predict=args.n_predict,
         **sampling_settings(args),
         utility=not args.no_utility,
-        lookup=not args.no_lookup,
         stop_at_eos=not args.ignore_eos,
         cost=cost,
         draft_experts=args.draft_experts,

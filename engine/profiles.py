@@ -75,7 +75,7 @@ carries published figures and may hold `reference` constants that apply to any m
         measured: {at: 2026-01-01T00:00:00+00:00, by: s2moe calibrate, threads: 2, ...}
         tuned:                     # optional, written by s2moe tune (engine/tune.py), per condition
           resident:                # or budget: the model under a memory budget
-            settings: {draft_topk: 2, draft_max: 8, threshold: 1.0, reuse_strength: 0.5, reuse_cap: 16}
+            settings: {draft_topk: 2, draft_max: 8, threshold: 1.0, reuse_strength: 0.5, reuse_cap: 16, lookup: true}
             defaults: {...}        # the model's defaults, measured in the same run
             speed: {tuned_tok_s, defaults_tok_s, ar_tok_s, gain, per_prompt_ratios, separated, verdict, ...}
             quality: {ppl_ratio, top1_agreement, tokens}   # or {lossless: true}
@@ -118,7 +118,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _FP_RE = re.compile(r"^[0-9a-f]{16}$")
 # `s2moe tune`'s result per model, by where the model runs: fully resident, or under a memory budget
 TUNED_CONDITIONS = ("resident", "budget")
-TUNED_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap")
+TUNED_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap", "lookup")
 TUNED_DRAFT_MAX = 16  # a decoder's verification batch is sized for at most this many drafted tokens
 
 
@@ -311,6 +311,8 @@ def _validate_tuned(tuned, where: str) -> None:
             raise ConfigError(f"{sw}: field draft_max must be at most {TUNED_DRAFT_MAX}, got {settings['draft_max']!r}")
         for key in ("threshold", "reuse_strength"):
             _number(settings, key, sw, required=True)
+        if not isinstance(settings.get("lookup", True), bool):  # absent: tuned before tune searched copies
+            raise ConfigError(f"{sw}: field lookup must be true or false, got {settings['lookup']!r}")
 
 
 def validate_profile(data, where: str = "profile") -> dict:
@@ -643,7 +645,8 @@ def tuned_condition(offloaded: bool) -> str:
 
 def tuned_settings(profile: dict, fingerprint: str, *, offloaded: bool = False) -> dict:
     """The decoding settings `s2moe tune` chose for this model where it runs (resident or under a budget):
-    {draft_topk, draft_max, threshold, reuse_strength, reuse_cap}, or {} when it was not tuned there."""
+    {draft_topk, draft_max, threshold, reuse_strength, reuse_cap, lookup} (lookup only where tune searched it),
+    or {} when it was not tuned there."""
     block = model_block(profile, fingerprint) or {}
     section = (block.get("tuned") or {}).get(tuned_condition(offloaded)) or {}
     settings = section.get("settings") or {}

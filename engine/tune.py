@@ -8,8 +8,9 @@ run_tune() is a generator of typed events; `s2moe tune` and the app's calibratio
     TuneMeasured(index, settings, rung, tok_per_s, n_prompts)                       # a candidate's running score
     TuneDone(section)                                                                # the profile's tuned section
 
-What it searches: k_d (experts per draft step), the draft cap, the utility threshold, the reuse strength α
-and the preferred-expert cap |E*|. The objective is decoding tokens/s; the constraint is the quality of reuse
+What it searches: k_d (experts per draft step), the draft cap, the utility threshold, the reuse strength α,
+the preferred-expert cap |E*|, and whether s2moe copies from the context (where they rarely pay, their probes
+cost a little; on text that repeats itself they are most of the gain). The objective is decoding tokens/s; the constraint is the quality of reuse
 gating measured teacher-forced as `s2moe bench` measures it (bench.gating_quality): perplexity ratio
 ≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN. α = 0 is lossless and always allowed.
 
@@ -54,7 +55,7 @@ from .events import CostConstants, Finished, Iteration, Prefilled
 PPL_RATIO_MAX = 1.02
 TOP1_MIN = 0.9
 DEFAULT_TIME_BUDGET_S = 600.0
-SETTING_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap")
+SETTING_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap", "lookup")
 DRAFT_CAPS = (4, 8, 12)                 # below a decoder's usual verification limit of 16
 THRESHOLDS = (0.5, 0.75, 1.0, 1.5)
 STRENGTHS = (0.0, 0.25, 0.5, 1.0)
@@ -85,16 +86,19 @@ class Settings:
     threshold: float
     reuse_strength: float
     reuse_cap: int
+    lookup: bool = True  # s2moe copies from the context where its rule says they pay
 
     def config(self, base: GenerationConfig) -> GenerationConfig:
         return replace(base, mode="s2moe", utility=True, **asdict(self))
 
     def as_dict(self) -> dict:
-        return {k: (float(v) if isinstance(v, float) else int(v)) for k, v in asdict(self).items()}
+        return {k: (v if isinstance(v, bool) else float(v) if isinstance(v, float) else int(v))
+                for k, v in asdict(self).items()}
 
     def label(self) -> str:
         gating = f"α {self.reuse_strength:g} |E*| {self.reuse_cap}" if self.reuse_strength > 0 else "gating off"
-        return f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · {gating}"
+        copies = "" if self.lookup else " · copies off"
+        return f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · {gating}{copies}"
 
     @property
     def gating(self) -> tuple[float, int]:
@@ -105,7 +109,8 @@ class Settings:
 def default_settings(decoder: Decoder, base: GenerationConfig | None = None) -> Settings:
     """What a generation with no flag and no tuned profile runs: the model's routing defaults."""
     cfg = (base or GenerationConfig()).resolved(decoder.info)
-    return Settings(cfg.draft_topk, cfg.draft_max, float(cfg.threshold), float(cfg.reuse_strength), cfg.reuse_cap)
+    return Settings(cfg.draft_topk, cfg.draft_max, float(cfg.threshold), float(cfg.reuse_strength), cfg.reuse_cap,
+                    cfg.lookup)
 
 
 def search_space(n_expert: int, k: int, defaults: Settings) -> dict[str, tuple]:
@@ -115,7 +120,7 @@ def search_space(n_expert: int, k: int, defaults: Settings) -> dict[str, tuple]:
     return {"draft_topk": tuple(topk), "draft_max": tuple(sorted(set(DRAFT_CAPS) | {defaults.draft_max})),
             "threshold": tuple(sorted(set(THRESHOLDS) | {defaults.threshold})),
             "reuse_strength": tuple(sorted(set(STRENGTHS) | {defaults.reuse_strength})),
-            "reuse_cap": tuple(caps) or (defaults.reuse_cap,)}
+            "reuse_cap": tuple(caps) or (defaults.reuse_cap,), "lookup": (True, False)}
 
 
 def _canonical(s: Settings, defaults: Settings) -> Settings:

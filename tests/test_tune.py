@@ -71,9 +71,10 @@ def test_the_pool_starts_from_the_defaults_and_varies_each_setting(tiny):
     assert space["draft_topk"] == (1, 2) and max(space["reuse_cap"]) < 8
     pool = candidate_pool(space, d, 10)
     assert pool[0] == d and len(set(pool)) == len(pool) == 10
-    changed = {k for s in pool[1:6] for k in ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap")
-               if getattr(s, k) != getattr(d, k)}
-    assert len(changed) == 5  # the first variants change one setting each, a different one each time
+    keys = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap", "lookup")
+    changed = {k for s in pool[1:7] for k in keys if getattr(s, k) != getattr(d, k)}
+    assert len(changed) == 6  # the first variants change one setting each, a different one each time
+    assert d.lookup and space["lookup"] == (True, False)
     # without gating |E*| changes nothing: no candidate differs from another only there
     off = [s for s in candidate_pool(space, d, 500) if s.reuse_strength == 0]
     assert {s.reuse_cap for s in off} == {d.reuse_cap}
@@ -181,7 +182,8 @@ def _profile(fp: str) -> dict:
 
 
 def _section(**settings) -> dict:
-    s = {"draft_topk": 2, "draft_max": 12, "threshold": 0.5, "reuse_strength": 0.25, "reuse_cap": 6, **settings}
+    s = {"draft_topk": 2, "draft_max": 12, "threshold": 0.5, "reuse_strength": 0.25, "reuse_cap": 6, "lookup": False,
+         **settings}
     return {"settings": s, "defaults": dict(s), "speed": {"tuned_tok_s": 3.0, "defaults_tok_s": 2.0, "gain": 1.5},
             "quality": {"ppl_ratio": 1.001, "top1_agreement": 0.99, "tokens": 100},
             "log": [{"rung": 1, **s, "tok_s": 3.0, "prompts": 1, "kept": True}]}
@@ -197,11 +199,15 @@ def test_the_tuned_section_round_trips_per_condition(xdg):
     assert tuned_settings(back, fp) == _section()["settings"]
     assert tuned_settings(back, fp, offloaded=True)["draft_topk"] == 1
     assert tuned_settings(back, "fedcba9876543210") == {}
+    # tuned before tune searched copies: no lookup setting, so decoding keeps its default
+    older = {k: v for k, v in _section()["settings"].items() if k != "lookup"}
+    path = save_profile(with_tuned(_profile(fp), fp, {**_section(), "settings": older}, offloaded=False), "old")
+    assert "lookup" not in tuned_settings(load_profile("old"), fp)
     assert path.read_text().startswith("# s2moe device profile")
 
 
 @pytest.mark.parametrize("settings, field", [({"draft_max": 40}, "draft_max"), ({"draft_topk": 0}, "draft_topk"),
-                                             ({"threshold": "high"}, "threshold")])
+                                             ({"threshold": "high"}, "threshold"), ({"lookup": 1}, "lookup")])
 def test_a_bad_tuned_setting_is_named(xdg, settings, field):
     fp = "0123456789abcdef"
     prof = with_tuned(_profile(fp), fp, _section(**settings), offloaded=False)
@@ -224,6 +230,7 @@ def test_flags_override_tuned_settings_and_tuned_override_defaults(tiny, xdg):
     args = parser.parse_args(["generate", "-p", "x", "--profile", "dev"])
     cfg = generation_config(args, decoder)
     assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (2, 12, 0.5, 0.25, 6)
+    assert cfg.lookup is False  # tuned off
     args = parser.parse_args(["generate", "-p", "x", "--profile", "dev", "--draft-max", "8", "--threshold", "1",
                               "--reuse-strength", "0", "--draft-topk", "1", "--reuse-cap", "5"])
     cfg = generation_config(args, decoder)
@@ -231,6 +238,8 @@ def test_flags_override_tuned_settings_and_tuned_override_defaults(tiny, xdg):
     # no profile: the model's defaults, as before tuning existed
     cfg = generation_config(parser.parse_args(["generate", "-p", "x"]), decoder).resolved(info)
     assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (1, 8, 1.0, 0.5, 7)
+    assert cfg.lookup is True
+    assert generation_config(parser.parse_args(["generate", "-p", "x", "--no-lookup"]), decoder).lookup is False
     # bench resolves the same way
     bench = parser.parse_args(["bench", "--profile", "dev", "--draft-max", "4"])
     assert resolve_tuned(bench, _section()["settings"])["draft_max"] == 4
@@ -249,14 +258,16 @@ def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
     try:
         session.load()
         cfg = session.config(ChatSettings())
-        assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength) == (2, 12, 0.5, 0.25)
+        assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.lookup) == (2, 12, 0.5, 0.25, False)
+        assert "copies off" in ChatSettings().describe(session.model, session.tuned())
+        assert session.config(ChatSettings(lookup=True)).lookup is True
         cfg = session.config(ChatSettings(draft_max=4, reuse_strength=1.0, threshold=2.0, draft_topk=1))
         assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength) == (1, 4, 2.0, 1.0)
         cfg = session.config(ChatSettings(gating=False))
         assert cfg.reuse_strength == 0.0 and cfg.reuse_cap == 6
         session.profile_name = None
         cfg = session.config(ChatSettings())
-        assert (cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (8, 1.0, 0.5, None)
+        assert (cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap, cfg.lookup) == (8, 1.0, 0.5, None, True)
     finally:
         session.close()
 

@@ -241,7 +241,7 @@ class ChatScreen(Screen):
         self.notify("utility expansion " + ("on" if self.settings.utility else "off (fixed draft length)"), timeout=2)
 
     def action_toggle_lookup(self) -> None:
-        self.apply_settings(replace(self.settings, lookup=not self.settings.lookup))
+        self.apply_settings(replace(self.settings, lookup=not self.shown_settings().lookup))
         self.notify("copies from the context " + ("on (s2moe, where the utility rule says they pay)"
                                                   if self.settings.lookup else "off"), timeout=2)
 

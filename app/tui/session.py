@@ -71,7 +71,7 @@ def ui_default_threads() -> int:
 
 
 # What ChatSettings leaves open comes to without a tuned profile: GenerationConfig's defaults.
-DEFAULTS = {"reuse_strength": 0.5, "draft_max": 8, "threshold": 1.0}
+DEFAULTS = {"reuse_strength": 0.5, "draft_max": 8, "threshold": 1.0, "lookup": True}
 
 
 @dataclass
@@ -81,9 +81,9 @@ class ChatSettings:
     mode: str = "s2moe"
     utility: bool = True
     gating: bool = True
-    # s2moe: draft the tokens that followed a repeated n-gram of the context where the utility rule says they pay
-    lookup: bool = True
     # None: not set here — the active profile's tuned value (s2moe tune), else the default (DEFAULTS)
+    # s2moe: draft the tokens that followed a repeated n-gram of the context where the utility rule says they pay
+    lookup: bool | None = None
     reuse_strength: float | None = None   # α used when gating is on
     draft_topk: int | None = None  # None also: the model's default (see engine.decoder.routing_defaults)
     draft_max: int | None = None
@@ -142,7 +142,7 @@ class ChatSettings:
         if self.mode == "s2moe":
             parts.append("utility " + ("on" if self.utility else "off"))
             parts.append(f"gating {self.resolved(model, tuned).reuse_strength:g}" if self.gating else "gating off")
-            if not self.lookup:
+            if not self.resolved(model, tuned).lookup:
                 parts.append("copies off")
         parts.append(f"n={self.n_predict}")
         if self.sampling_text():
