@@ -701,8 +701,8 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
         h = tr.header
         if isinstance(rule, UtilityStop):
             rule.start()
-        # per generated position: the recorded step and pending index inside it, the token, and the rows of the
-        # target's pass whose input is the token before it (router's and gated)
+        # per generated position: the recorded step that committed it and its index there (that step's row of
+        # the same index is the target's pass that produced it), and the token
         where = [(si, i) for si, s in enumerate(tr.steps) for i in range(len(s.committed))]
         tokens = [s.committed[i] for s in tr.steps for i in range(len(s.committed))]
         # as in decoding, a generation's copies look up its own context, with what the rule learned of them
