@@ -20,8 +20,8 @@ def _minutes(text: str) -> float:
 def add_parser(sub) -> None:
     from .cli import add_batch_option, budget_text, nonempty, positive_int
 
-    p = sub.add_parser("tune", help="search k_d, the draft cap, the threshold, α and |E*| for this device and "
-                                    "model; record the fastest in the profile")
+    p = sub.add_parser("tune", help="search k_d, the draft cap, the threshold, α, |E*| and copies from the context "
+                                    "for this device and model; record the fastest in the profile")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF MoE model (default: the shipped model)")
     p.add_argument("--budget", type=budget_text,
                    help="memory budget, e.g. 800M or 2G, or auto (as generate --budget): tune the model offloaded "
@@ -48,7 +48,8 @@ def summary_lines(section: dict, path) -> list[str]:
 
     def fmt(s: dict) -> str:
         gating = f"α {s['reuse_strength']:g}, |E*| {s['reuse_cap']}" if s["reuse_strength"] > 0 else "gating off"
-        return f"k_d {s['draft_topk']}, draft cap {s['draft_max']}, threshold {s['threshold']:g}, {gating}"
+        copies = ", copies off" if s.get("lookup") is False else ""
+        return f"k_d {s['draft_topk']}, draft cap {s['draft_max']}, threshold {s['threshold']:g}, {gating}{copies}"
 
     ar = f" · ar {sp['ar_tok_s']:.2f} tok/s" if sp.get("ar_tok_s") else ""
     quality = ("lossless (no gating)" if q.get("lossless") else

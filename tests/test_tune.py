@@ -216,6 +216,17 @@ def test_a_bad_tuned_setting_is_named(xdg, settings, field):
     assert not (xdg / "dev.yaml").exists()
 
 
+def test_the_summary_says_when_the_tuned_settings_turn_copies_off():
+    from s2moe.app.cmd_tune import summary_lines
+
+    section = {**_section(), "defaults": {**_section()["settings"], "lookup": True}}
+    section["speed"]["verdict"] = "tuned"
+    section["search"] = {"method": "successive halving", "candidates": 2, "pool": 2, "feasible": 2, "rungs": 1,
+                         "runs": 2, "seconds": 1.0, "time_budget_s": 60.0}
+    defaults, tuned = summary_lines(section, None)[:2]
+    assert "copies off" in tuned and "copies" not in defaults
+
+
 def test_tuning_needs_the_models_constants():
     with pytest.raises(ConfigError, match="s2moe calibrate"):
         with_tuned(_profile("0123456789abcdef"), "fedcba9876543210", _section(), offloaded=False)
