@@ -138,8 +138,8 @@ def run(args) -> int:
     print("\n".join(table_lines(p, measured)))
     s = p.modes.get("s2moe")
     if s is not None and s.copied:
-        print(f"s2moe copied {s.copied} tokens from the context ({s.copies_accepted} accepted) of the "
-              f"{s.drafted} it drafted")
+        print(f"s2moe copied {s.copied} token{'s' if s.copied != 1 else ''} from the context "
+              f"({s.copies_accepted} accepted) of the {s.drafted} it drafted")
     if p.cache_fit:
         print("the recording's own fetches, counted by it vs through the simulated cache: " + ", ".join(
             f"{name} {sim} for {rec} ({sim / rec - 1:+.0%})" if rec else f"{name} {sim} for {rec}"

@@ -654,3 +654,22 @@ def test_copies_are_priced_by_the_projected_clock_once_three_were_rejected_whole
     # traces from before they held their prompts: s2moe without copies, and said so
     old = project([replace(tr, header=replace(tr.header, prompt=None))], cheap_plain, modes=["s2moe"])
     assert old.modes["s2moe"].copied == 0 and "without copies" in old.basis
+
+
+def test_project_cli_says_what_s2moe_copied_and_leaves_copies_out_when_asked(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    cfg = tmp_path / "config"
+    (cfg / "s2moe" / "profiles").mkdir(parents=True)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(cfg))
+    (cfg / "s2moe" / "profiles" / "hand.yaml").write_text(yaml.safe_dump(profile(c_draft_ms=50.0, t_tok_ms=2.5)))
+    # the generation (5 6 7 8 9 10) repeats the prompt's "5 6 7" and goes on otherwise: after "5 6" the copy
+    # "7 5" is right for its first token
+    tr = hand_trace(prompt=(5, 6, 7, 5), prompt_tokens=4)
+    write_trace(tmp_path / "t.jsonl", tr)
+    assert main(["project", str(tmp_path / "t.jsonl"), "--profile", "hand", "--modes", "ar,s2moe"]) == 0
+    out = capsys.readouterr().out
+    assert "s2moe copied 2 tokens from the context (1 accepted) of the 2 it drafted" in out
+    assert main(["project", str(tmp_path / "t.jsonl"), "--profile", "hand", "--modes", "ar,s2moe", "--no-lookup",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["modes"]["s2moe"]["copied"] == 0
