@@ -99,5 +99,6 @@ class ProjectionScreen(ModalScreen[None]):
         plot.show(f"projected speed-up over ar on {entry.name}", modes,
                   [r.speedup or 0.0 for r in p.modes.values()])
         lines = [f"{m:<8} {r.tok_per_s:>9.1f} tok/s  ×{r.speedup or 0:.2f}  fetched {r.fetched_per_token:.1f}/tok"
+                 + (f"  copied {r.copies_accepted}/{r.copied}" if r.copied else "")
                  for m, r in p.modes.items()]
         table.update("\n".join(lines + [p.budget, f"beyond the constants: {p.terms}"]))
