@@ -510,10 +510,8 @@ class Decoder:
                 rows = [0] + [i + 1 for i in path]
                 useful = distinct_per_layer(v.routing.used[:, rows], np.minimum(v.routing.rows, accepted + 1),
                                             self.info.n_expert)
-                committed_routing = v.routing.used[:, rows].transpose(1, 0, 2)
             else:
                 useful = v.experts.copy()
-                committed_routing = None
             rt.kv_remove_from(m + accepted)
             committed_all.extend(committed)
             generated.extend(committed)
@@ -539,7 +537,6 @@ class Decoder:
                 t_verify=v.seconds,
                 draft_experts=proposal.experts_read,
                 useful_experts=useful,
-                committed_routing=committed_routing,
                 verify_misses=v.misses,
                 verify_major_faults=v.major_faults,
                 draft_misses=draft_misses,

@@ -159,9 +159,6 @@ class Iteration:
     t_verify: float
     draft_experts: np.ndarray | None = None  # [n_layer] distinct experts read by the draft passes
     useful_experts: np.ndarray | None = None  # [n_layer] distinct experts of the committed rows only
-    # [rows, n_layer, k] the experts the committed rows read (the pending token's, then each accepted draft's),
-    # -1 where a layer has none; None where the step was not routed (a plain step nobody observes)
-    committed_routing: np.ndarray | None = None
     verify_misses: np.ndarray | None = None   # [n_layer] of verify_experts, those not in memory before it (offloading)
     verify_major_faults: int | None = None    # page faults of the verification that read storage (offloading)
     draft_misses: np.ndarray | None = None    # [n_layer] experts the draft passes read that were not in memory (offloading)

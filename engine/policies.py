@@ -552,21 +552,15 @@ class NgramIndex:
                 self.last[tuple(seq[end - n : end])] = end
         self.indexed = max(self.indexed, len(seq))
 
-    def find(self, seq: list[int]) -> tuple[int, int]:
-        """(n, end): the longest n-gram ending seq that occurred earlier in it, and the index just past its
-        latest earlier occurrence, where what followed it starts; (0, -1) when none of its n-grams did."""
+    def lookup(self, seq: list[int], max_len: int) -> tuple[int, list[int]]:
+        """(n, continuation): up to max_len tokens that followed the latest earlier occurrence of the longest
+        n-gram ending seq; (0, []) when none of its n-grams occurred before."""
         self._index(seq)
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             end = self.last.get(tuple(seq[-n:]))
             if end is not None:
-                return n, end
-        return 0, -1
-
-    def lookup(self, seq: list[int], max_len: int) -> tuple[int, list[int]]:
-        """(n, continuation): up to max_len tokens that followed the latest earlier occurrence of the longest
-        n-gram ending seq; (0, []) when none of its n-grams occurred before."""
-        n, end = self.find(seq)
-        return (n, seq[end : end + max_len]) if n else (0, [])
+                return n, seq[end : end + max_len]
+        return 0, []
 
 
 class LookupDrafter(Drafter):
@@ -670,7 +664,6 @@ class CopyPlan:
     the first declined) with its chained acceptance and utility, and the numbers the rule decided with."""
 
     n: int                      # the length of the n-gram that matched
-    source: int                 # where in the context the copied tokens start (just past that n-gram)
     probe: bool                 # declined, verified anyway (its first token only)
     p: float                    # the learned acceptance of a copied token after an n-gram of that length
     experts: float              # the experts the rule expects a row to add
@@ -701,8 +694,7 @@ class CopyPlanner:
         # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
         if max_len <= 0 or saved < rule.threshold * row:
             return None
-        n, source = self.index.find(context)
-        found = context[source : source + max_len] if n else []
+        n, found = self.index.lookup(context, max_len)
         if not found:
             return None
         p, experts = self.learned.estimate(n), rule.expected_first_experts
@@ -711,7 +703,7 @@ class CopyPlanner:
         # a probe where even certain copies would not pay at the prices timed only re-times them, and rarely
         if probe and not self.learned.probe(n, rarely=saved < rule.threshold * row):
             return None
-        out = CopyPlan(n, source, probe, p, experts, saved, row)
+        out = CopyPlan(n, probe, p, experts, saved, row)
         survival = 1.0
         for token in found:
             survival *= p
@@ -741,12 +733,7 @@ class LookupOrSelfDrafter(Drafter):
     A copied token needs no draft pass: it pays when p·T_AR ≥ threshold·(what its row costs), p the learned
     acceptance of copies after an n-gram of its length, chained over the copy. A row costs T_tok + T_exp·E under
     the constants (E the experts a row adds to the verification, the rule's running estimate, which both kinds
-    of draft teach), and T_AR is the constants' plain step, until the rule has timed copies here (CopyLearner).
-
-    A copy has no draft pass to predict the experts its verification will read, but the tokens it copies were
-    routed where they occurred before, in much the same context: under a budget (an observer that prefetches)
-    the experts those earlier rows read are the copy's prediction, fetched while the verification starts, as a
-    self-draft's are while it drafts."""
+    of draft teach), and T_AR is the constants' plain step, until the rule has timed copies here (CopyLearner)."""
 
     name = "s2moe"
     drafts_in_context = True
@@ -754,8 +741,6 @@ class LookupOrSelfDrafter(Drafter):
     def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop):
         self.self_drafter = self_drafter
         self.copies = CopyPlanner(rule)
-        # position in the context -> the experts [n_layer, k] its token's row read, where a step was routed
-        self._routed: dict[int, np.ndarray] = {}
         # the last proposal's copy, and the experts of its pending token's row
         self._copied: tuple[CopyPlan, int] | None = None
         # when the last proposal began, its rows when it was plain (0) or copied, and how many of those the
@@ -782,35 +767,13 @@ class LookupOrSelfDrafter(Drafter):
                                                  keep, None, survival))
         out.tokens = list(plan.tokens)
         out.chain = [1.0] * len(plan.tokens)
-        observer = dec.observer
-        if observer is not None:
-            # the pending token ended the n-gram, so its row repeats the one at source - 1; each copied token's,
-            # the row it had where it was copied from
-            out.predicted = self._predicted(range(plan.source - 1, plan.source + len(plan.tokens)), dec.info.n_expert)
-            if out.predicted is not None:
-                observer.predicted(out.predicted)
         out.decision = self.copies.rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, probing=plan.probe)
         out.seconds = time.perf_counter() - now
         self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
         self._rows = len(plan.tokens)
         return out
 
-    def _predicted(self, positions, n_expert: int) -> np.ndarray | None:
-        """[n_layer, n_expert] bool: the experts the rows at `positions` read, of those that were routed (None:
-        none was)."""
-        rows = [self._routed[p] for p in positions if p in self._routed]
-        if not rows:
-            return None
-        ids = np.stack(rows)                                   # [rows, n_layer, k]
-        mask = np.zeros((ids.shape[1], n_expert + 1), bool)
-        mask[np.arange(ids.shape[1])[None, :, None], np.where(ids >= 0, ids, n_expert)] = True
-        return mask[:, :n_expert]
-
     def feedback(self, it) -> None:
-        if it.committed_routing is not None:
-            pending = it.n_committed - len(it.committed) - 1
-            for r, ids in enumerate(it.committed_routing):
-                self._routed[pending + r] = ids
         if self._copied is None:
             self.self_drafter.feedback(it)
             return
