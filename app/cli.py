@@ -539,6 +539,14 @@ def cmd_generate(args) -> int:
         print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
               file=sys.stderr)
     cfg = generation_config(args, decoder)
+    if args.profile and not args.json and cfg.mode == "s2moe":
+        from ..engine.profiles import TUNED_KEYS, load_profile, tuned_settings
+        from .cmd_tune import settings_text
+
+        if tuned_settings(load_profile(args.profile), decoder.info.fingerprint, offloaded=budget is not None):
+            shown = cfg.resolved(decoder.info)
+            print(f"settings (profile {args.profile}'s tuned ones where no flag is given): "
+                  f"{settings_text({k: getattr(shown, k) for k in TUNED_KEYS})}", file=sys.stderr)
     recorder = None
     if args.trace is not None:
         from dataclasses import replace

@@ -42,14 +42,17 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def settings_text(s: dict) -> str:
+    """The settings `s2moe tune` searches, in words."""
+    gating = f"α {s['reuse_strength']:g}, |E*| {s['reuse_cap']}" if s["reuse_strength"] > 0 else "gating off"
+    copies = ", copies off" if s.get("lookup") is False else ""
+    return f"k_d {s['draft_topk']}, draft cap {s['draft_max']}, threshold {s['threshold']:g}, {gating}{copies}"
+
+
 def summary_lines(section: dict, path) -> list[str]:
     """What a tuning run found, in the words the profile records it."""
     sp, q, search = section["speed"], section["quality"], section["search"]
-
-    def fmt(s: dict) -> str:
-        gating = f"α {s['reuse_strength']:g}, |E*| {s['reuse_cap']}" if s["reuse_strength"] > 0 else "gating off"
-        copies = ", copies off" if s.get("lookup") is False else ""
-        return f"k_d {s['draft_topk']}, draft cap {s['draft_max']}, threshold {s['threshold']:g}, {gating}{copies}"
+    fmt = settings_text
 
     ar = f" · ar {sp['ar_tok_s']:.2f} tok/s" if sp.get("ar_tok_s") else ""
     quality = ("lossless (no gating)" if q.get("lossless") else

@@ -257,6 +257,20 @@ def test_flags_override_tuned_settings_and_tuned_override_defaults(tiny, xdg):
     assert resolve_tuned(bench, _section()["settings"])["threshold"] == 0.5
 
 
+def test_generate_says_which_tuned_settings_it_decodes_with(tiny_models, xdg, capsys):
+    model = str(tiny_models["olmoe"])
+    info = read_model_info(model)
+    save_profile(with_tuned(_profile(info.fingerprint), info.fingerprint, _section(), offloaded=False), "dev")
+    assert main(["generate", "-m", model, "-p", "hello", "-n", "4", "--profile", "dev", "--draft-max", "4"]) == 0
+    err = capsys.readouterr().err
+    assert ("settings (profile dev's tuned ones where no flag is given): k_d 2, draft cap 4, threshold 0.5, "
+            "α 0.25, |E*| 6, copies off") in err
+    # no tuned section for the model: nothing to say
+    save_profile(_profile(info.fingerprint), "plain")
+    assert main(["generate", "-m", model, "-p", "hello", "-n", "4", "--profile", "plain"]) == 0
+    assert "tuned ones" not in capsys.readouterr().err
+
+
 def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
     from s2moe.app.tui.session import DEFAULTS, ChatSettings, EngineSession
     from s2moe.engine.decoder import GenerationConfig
