@@ -9,7 +9,7 @@ from ..engine.errors import ConfigError
 
 def add_parser(sub) -> None:
     from ..engine.projection import CACHE_POLICIES, RUNNABLE_MODES
-    from .cli import nonempty
+    from .cli import nonempty, positive_int
 
     modes = ",".join(RUNNABLE_MODES)
 
@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
                    help="price a fetch as calibrate measured it (default), or on the disk the traces' own run "
                         "read around its budget (bench --trace records it): replaying on the device that recorded "
                         "them, whose disk's rate moves from day to day")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="replay the traces this many times over in one process, as bench --repeats runs each "
+                        "prompt again with what the rules learned and the cache held (default 1)")
     p.add_argument("--no-lookup", dest="lookup", action="store_false",
                    help="replay s2moe without its copies from the context (as generate --no-lookup decodes)")
     p.add_argument("--against", metavar="BENCH_JSON", type=nonempty,
@@ -123,7 +126,7 @@ def run(args) -> int:
     traces = [read_trace(f) for f in trace_files(args.traces)]
     p = project(traces, profile, budget=args.budget, modes=modes, threshold=args.threshold, policy=args.cache,
                 fit_cache=args.fit_cache, terms=args.terms, cache_size=args.cache_size, disk=args.disk,
-                lookup=args.lookup)
+                lookup=args.lookup, repeats=args.repeats)
     measured = measured_rows(args.against, args.budget) if args.against else None
     if args.json:
         out = p.as_dict()
@@ -132,7 +135,8 @@ def run(args) -> int:
         print(json.dumps(out))
         return 0
     tokens = next(iter(p.modes.values())).tokens
-    print(f"PROJECTION (not a measurement): {p.traces} trace(s), {tokens} tokens, on profile {p.profile}, "
+    times = f" × {p.repeats}" if p.repeats > 1 else ""
+    print(f"PROJECTION (not a measurement): {p.traces} trace(s){times}, {tokens} tokens, on profile {p.profile}, "
           f"budget {p.budget}")
     print(p.basis)
     print("\n".join(table_lines(p, measured)))

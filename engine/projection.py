@@ -529,13 +529,14 @@ class Projection:
     basis: str
     traces: int
     terms: str = "none"   # where the terms beyond the constants came from (WorkloadTerms.how)
+    repeats: int = 1      # times the traces were replayed over
     modes: dict[str, ModeProjection] = field(default_factory=dict)
     # under a budget, traces recorded under one: {policy: (fetched as the recording counted, as simulated)}
     cache_fit: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"profile": self.profile, "budget": self.budget, "basis": self.basis, "traces": self.traces,
-                "terms": self.terms,
+                "repeats": self.repeats, "terms": self.terms,
                 "modes": {m: r.as_dict() for m, r in self.modes.items()},
                 "cache_fit": {k: {"recorded": r, "simulated": s} for k, (r, s) in self.cache_fit.items()}}
 
@@ -877,7 +878,7 @@ def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[Worklo
 def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=RUNNABLE_MODES,
             threshold: float | None = None, policy: str = "lru", fit_cache: bool = False,
             terms: str = "profile", cache_size: str = "plan", disk: str = "profile",
-            lookup: bool = True) -> Projection:
+            lookup: bool = True, repeats: int = 1) -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
     evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own
     reads (traces recorded under this same budget), instead of the budget plan's size. terms: what is charged
@@ -890,7 +891,8 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     own run read around its budget (bench --trace records it): a replay on the device that recorded them.
     lookup: s2moe copies from the context as decoding does (`generate --no-lookup` turns them off there), where
     the traces hold their prompts' ids; traces recorded before they did replay s2moe without copies, and the
-    basis says so."""
+    basis says so. repeats: the traces replayed that many times over, one process, as bench --repeats runs
+    each prompt again with the rules and the cache as the earlier runs left them."""
     if disk not in DISK_SOURCES:
         raise ConfigError(f"unknown disk {disk!r} (choose from {', '.join(DISK_SOURCES)})")
     if terms not in TERM_SOURCES:
@@ -899,6 +901,8 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
         raise ConfigError(f"unknown cache policy {policy!r} (choose from {', '.join(CACHE_POLICIES)})")
     if not traces:
         raise ConfigError("no traces to project")
+    if repeats < 1:
+        raise ConfigError(f"repeats must be at least 1, got {repeats}")
     h0 = traces[0].header
     for tr in traces[1:]:
         h = tr.header
@@ -916,7 +920,7 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     if lookup and not copies and "s2moe" in modes:
         why += ("; s2moe without copies from the context: the traces do not hold their prompts' token ids "
                 "(recorded before traces did)")
-    out = Projection(costs.profile, plan.label, f"{costs.basis}; {why}", len(traces), charged.how)
+    out = Projection(costs.profile, plan.label, f"{costs.basis}; {why}", len(traces), charged.how, repeats)
     held = (model_block(profile, h0.fingerprint) or {}).get("cache_fit")
     if cache_size == "calibrated" and plan.capacity is not None and held and held["planned_experts"] > 0:
         cap = round(plan.capacity * held["effective_experts"] / held["planned_experts"])
@@ -939,7 +943,8 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
                                                 f"{size} experts")
             out.budget = plan.label
     for mode in (["ar"] + [m for m in modes if m != "ar"]):
-        out.modes[mode] = replay(traces, mode, costs, plan, threshold, policy, charged, copies and mode == "s2moe")
+        out.modes[mode] = replay(traces * repeats, mode, costs, plan, threshold, policy, charged,
+                                 copies and mode == "s2moe")
     ar = out.modes["ar"].tok_per_s
     for r in out.modes.values():
         r.speedup = r.tok_per_s / ar if ar > 0 else None

@@ -651,6 +651,14 @@ def test_copies_are_priced_by_the_projected_clock_once_three_were_rejected_whole
     assert (s.copied, s.copies_accepted, s.iterations, s.draft_passes) == (2 + 1 + 1, 0, len(generated), 0)
     s = project([tr], profile(c_draft_ms=50.0, t_tok_ms=2.5), modes=["s2moe"], terms="none").modes["s2moe"]
     assert (s.copied, s.copies_accepted, s.iterations) == (2 + 1 + 1 + 2, 1, len(generated) - 1)
+    # replayed twice over (bench --repeats): the second pass starts from what the first taught the rule, which
+    # by then prices copies as not paying, so it copies nothing; ar's tokens and time simply double
+    twice = project([tr], cheap_plain, modes=["ar", "s2moe"], repeats=2)
+    once = project([tr], cheap_plain, modes=["ar", "s2moe"])
+    assert (twice.repeats, twice.modes["s2moe"].copied, twice.modes["s2moe"].tokens) == (2, 4, 2 * len(generated))
+    assert twice.modes["ar"].seconds == pytest.approx(2 * once.modes["ar"].seconds)
+    with pytest.raises(ConfigError, match="repeats"):
+        project([tr], cheap_plain, repeats=0)
     # traces from before they held their prompts: s2moe without copies, and said so
     old = project([replace(tr, header=replace(tr.header, prompt=None))], cheap_plain, modes=["s2moe"])
     assert old.modes["s2moe"].copied == 0 and "without copies" in old.basis
