@@ -10,9 +10,10 @@ run_tune() is a generator of typed events; `s2moe tune` and the app's calibratio
 
 What it searches: k_d (experts per draft step), the draft cap, the utility threshold, the reuse strength α,
 the preferred-expert cap |E*|, and whether s2moe copies from the context (where they rarely pay, their probes
-cost a little; on text that repeats itself they are most of the gain). The objective is decoding tokens/s; the constraint is the quality of reuse
-gating measured teacher-forced as `s2moe bench` measures it (bench.gating_quality): perplexity ratio
-≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN. α = 0 is lossless and always allowed.
+cost a little; on text that repeats itself they are most of the gain). The objective is decoding tokens/s;
+the constraint is the quality of reuse gating measured teacher-forced as `s2moe bench` measures it
+(bench.gating_quality): perplexity ratio ≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN. α = 0 is lossless
+and always allowed.
 
 How: successive halving. The quality constraint depends on (α, |E*|) only, so it is checked once per pair
 before any speed is measured and the pairs that fail it never run. The candidates (the model's defaults,
