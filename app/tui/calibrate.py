@@ -338,8 +338,8 @@ class CalibrateScreen(Screen):
         mark = {"done": "✔", "failed": "✖", "stopped": "–"}.get(t.state, "▶")
         style = {"running": "bold", "failed": "bold red"}.get(t.state, "")
         text.append(f"{mark} tune\n", style=style)
-        text.append("   the fastest k_d, draft cap, threshold, α, |E*| and copies within the gating quality constraint "
-                    "(successive halving)\n", style="dim")
+        text.append("   the fastest k_d, draft cap, threshold, α, |E*| and copies within the gating quality "
+                    "constraint (successive halving)\n", style="dim")
         if t.state == "running" and t.total:
             text.append(f"   {t.phase}: {t.done}/{t.total}\n", style="dim")
         if t.state == "failed":
