@@ -239,7 +239,7 @@ def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_mo
             bench = app.screen
             bench.query_one("#bench-prompts").text = "hello there\nonce upon a time"
             bench.query_one("#bench-n").value = "8"
-            bench.query_one("#bench-repeats").value = "1"
+            bench.query_one("#bench-repeats").value = "2"
             await pilot.press("ctrl+r")
             await wait_for(pilot, lambda: bench.done is not None and not bench.running, 180, "bench")
             assert len(bench.traces) == 2
@@ -259,7 +259,8 @@ def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_mo
             await pilot.press("b")
             await pilot.pause()
             assert screen.budget == "auto" and "cache of" in str(screen.query_one("#projection-table").render())
-            assert "PROJECTION" in str(screen.query_one("#projection-title").render())
+            title = str(screen.query_one("#projection-title").render())
+            assert "PROJECTION" in title and "× 2 repeats" in title  # replayed as the bench ran them
             assert screen.query_one(ProjectionPlot).plt is not None
             await pilot.press("escape")
             await pilot.pause()

@@ -295,7 +295,8 @@ class BenchScreen(Screen):
     def action_project(self) -> None:
         from .projection import ProjectionScreen
 
-        self.app.push_screen(ProjectionScreen(self.traces))
+        repeats = int(self.done.config.get("repeats", 1)) if self.done is not None else 1
+        self.app.push_screen(ProjectionScreen(self.traces, repeats))
 
     def on_job_event(self, message: JobEvent) -> None:
         ev = message.event

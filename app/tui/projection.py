@@ -42,9 +42,10 @@ class ProjectionScreen(ModalScreen[None]):
     #projection-table { height: auto; }
     """
 
-    def __init__(self, traces: list, **kw):
+    def __init__(self, traces: list, repeats: int = 1, **kw):
         super().__init__(**kw)
         self.traces = traces
+        self.repeats = repeats  # as the bench ran each prompt: the replay learns across them as it did
         self.budget = BUDGETS[0]
         self.profiles = {e.name: e for e in list_profiles() if e.error is None}
         self.current: str | None = None
@@ -69,7 +70,8 @@ class ProjectionScreen(ModalScreen[None]):
     def update_title(self) -> None:
         tokens = sum(t.n_tokens for t in self.traces)
         self.query_one("#projection-title", Static).update(
-            f"PROJECTION, not a measurement: {len(self.traces)} trace(s) of the last bench, {tokens} tokens · "
+            f"PROJECTION, not a measurement: {len(self.traces)} trace(s) of the last bench"
+            f"{f' × {self.repeats} repeats' if self.repeats > 1 else ''}, {tokens} tokens · "
             f"budget {self.budget} (b) · ↑↓ profile · Esc close")
 
     def on_option_list_option_highlighted(self, event: OptionList.OptionHighlighted) -> None:
@@ -90,7 +92,8 @@ class ProjectionScreen(ModalScreen[None]):
             return
         entry = self.profiles[self.current]
         try:
-            p = project(self.traces, entry.data, budget=None if self.budget == "none" else self.budget)
+            p = project(self.traces, entry.data, budget=None if self.budget == "none" else self.budget,
+                        repeats=self.repeats)
         except S2MoEError as e:
             plot.show(f"{entry.name}: no projection", [], [])
             table.update(str(e))
