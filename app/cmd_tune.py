@@ -52,7 +52,6 @@ def settings_text(s: dict) -> str:
 def summary_lines(section: dict, path) -> list[str]:
     """What a tuning run found, in the words the profile records it."""
     sp, q, search = section["speed"], section["quality"], section["search"]
-    fmt = settings_text
 
     ar = f" · ar {sp['ar_tok_s']:.2f} tok/s" if sp.get("ar_tok_s") else ""
     quality = ("lossless (no gating)" if q.get("lossless") else
@@ -60,8 +59,8 @@ def summary_lines(section: dict, path) -> list[str]:
                "tokens (teacher-forced)")
     ratios = sp.get("per_prompt_ratios") or []
     spread = f", per-prompt ratios {min(ratios):.3f}–{max(ratios):.3f}" if ratios else ""
-    lines = [f"defaults: {fmt(section['defaults'])} → {sp['defaults_tok_s']:.2f} tok/s",
-             f"tuned:    {fmt(section['settings'])} → {sp['tuned_tok_s']:.2f} tok/s"
+    lines = [f"defaults: {settings_text(section['defaults'])} → {sp['defaults_tok_s']:.2f} tok/s",
+             f"tuned:    {settings_text(section['settings'])} → {sp['tuned_tok_s']:.2f} tok/s"
              + (f" ({sp['gain']:.3f}× the defaults{spread})" if sp.get("gain") else "") + ar,
              f"verdict: {sp['verdict']}",
              f"quality: {quality}",
