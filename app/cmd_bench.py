@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
                         "the model's own experts takes :resident or :router (what its drafts read under --budget), "
                         "so that both run interleaved: s2moe,s2moe:resident")
     p.add_argument("--ablation", action="store_true",
-                   help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating → +lookup (= s2moe)")
+                   help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating → +lookup → "
+                        "+session (= s2moe)")
     p.add_argument("--budget", default="none", help="memory budget(s): none (default), auto or SIZE[,SIZE…]")
     p.add_argument("--profile", type=nonempty, help="device profile for the cost constants (else measured at start-up)")
     p.add_argument("--draft-topk", type=int, default=None,
@@ -67,7 +68,7 @@ def add_parser(sub) -> None:
 
 def _modes(args) -> list[str]:
     if args.ablation:
-        return ["ar", "base", "+shared-kv", "+utility", "+gating", "+lookup"]
+        return ["ar", "base", "+shared-kv", "+utility", "+gating", "+lookup", "+session"]
     from ..engine.bench import mode_config
     from ..engine.decoder import GenerationConfig
 

@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
                         "prompt again with what the rules learned and the cache held (default 1)")
     p.add_argument("--no-lookup", dest="lookup", action="store_false",
                    help="replay s2moe without its copies from the context (as generate --no-lookup decodes)")
+    p.add_argument("--no-session-copies", dest="session", action="store_false",
+                   help="replay s2moe copying from each trace's own context only, not from the traces replayed "
+                        "before it (bench's +lookup rung)")
     p.add_argument("--against", metavar="BENCH_JSON", type=nonempty,
                    help="a bench --json result of the same run: print measured tok/s and the projection's error")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -126,7 +129,7 @@ def run(args) -> int:
     traces = [read_trace(f) for f in trace_files(args.traces)]
     p = project(traces, profile, budget=args.budget, modes=modes, threshold=args.threshold, policy=args.cache,
                 fit_cache=args.fit_cache, terms=args.terms, cache_size=args.cache_size, disk=args.disk,
-                lookup=args.lookup, repeats=args.repeats)
+                lookup=args.lookup, session=args.session, repeats=args.repeats)
     measured = measured_rows(args.against, args.budget) if args.against else None
     if args.json:
         out = p.as_dict()
@@ -142,8 +145,13 @@ def run(args) -> int:
     print("\n".join(table_lines(p, measured)))
     s = p.modes.get("s2moe")
     if s is not None and s.copied:
-        print(f"s2moe copied {s.copied} token{'s' if s.copied != 1 else ''} from the context "
-              f"({s.copies_accepted} accepted) of the {s.drafted} it drafted")
+        context, session = s.copied - s.copied_session, s.copied_session
+        where = [f"{context} from the context ({s.copies_accepted - s.session_accepted} accepted)"] if context else []
+        if session:
+            where.append(f"{session} from earlier traces ({s.session_accepted} accepted)")
+        what = " and ".join(where)
+        unit = "tokens" if s.copied != 1 else "token"
+        print(f"s2moe copied {what.replace(' ', f' {unit} ', 1)} of the {s.drafted} it drafted")
     if p.cache_fit:
         print("the recording's own fetches, counted by it vs through the simulated cache: " + ", ".join(
             f"{name} {sim} for {rec} ({sim / rec - 1:+.0%})" if rec else f"{name} {sim} for {rec}"

@@ -29,14 +29,16 @@ from .sampling import MAX_SEED, PositionNoise
 
 DATA_DIR = Path(__file__).parent / "data"
 
-# The paper's progressive ladder: independent-context draft → shared KV → adaptive expansion → gating; the last
-# rung, s2moe's defaults, adds drafts copied from the context where the rule says they pay.
+# The paper's progressive ladder: independent-context draft → shared KV → adaptive expansion → gating; then
+# drafts copied from the context where the rule says they pay, and the last rung, s2moe's defaults, copies from
+# the session's earlier generations of other prompts where the context has nothing to copy.
 ABLATION = {
     "base": dict(mode="naive"),
     "+shared-kv": dict(mode="s2moe", utility=False, reuse_strength=0.0),
     "+utility": dict(mode="s2moe", utility=True, reuse_strength=0.0, lookup=False),
     "+gating": dict(mode="s2moe", utility=True, lookup=False),
-    "+lookup": dict(mode="s2moe", utility=True, lookup=True),
+    "+lookup": dict(mode="s2moe", utility=True, lookup=True, lookup_session=False),
+    "+session": dict(mode="s2moe", utility=True, lookup=True, lookup_session=True),
 }
 LOSSLESS_LADDER = ("base", "+shared-kv", "+utility")
 # modes whose draft passes read the model's own experts, and so can read the router's or those in memory

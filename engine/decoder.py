@@ -22,8 +22,9 @@ from .errors import OPTION, ConfigError, ContextError, ModelError, held_steps
 from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnapshot, Started
 from .hook import distinct_per_layer
 from .model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
-from .policies import (CascadeDrafter, ConfidenceStop, Drafter, FixedLength, IndependentDrafter, LayerSkipDrafter,
-                       LookupDrafter, LookupOrSelfDrafter, RecordingStop, SelfDrafter, UtilityStop, rule_cost)
+from .policies import (CascadeDrafter, ConfidenceStop, Drafter, EarlierText, FixedLength, IndependentDrafter,
+                       LayerSkipDrafter, LookupDrafter, LookupOrSelfDrafter, RecordingStop, SelfDrafter, UtilityStop,
+                       rule_cost)
 from .gpu import Placement
 from .runtime import DEFAULT_BATCH, LlamaRuntime
 from .sampling import (MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, PositionNoise, Sampling,
@@ -124,6 +125,8 @@ class GenerationConfig:
     # s2moe with the utility rule: where the context repeats itself, draft the tokens that followed the
     # repeated n-gram (no draft pass) when the rule says they pay, else the model's own chain
     lookup: bool = True
+    # ... and where it does not, copy from this decoder's earlier generations of other prompts (with lookup)
+    lookup_session: bool = True
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
@@ -220,6 +223,7 @@ class Decoder:
         self.n_threads = n_threads
         self._aux: dict[tuple, Drafter] = {}  # drafters with their own context, kept across generations
         self._rules: dict[tuple, UtilityStop] = {}  # utility rules and what they learned, ditto
+        self.earlier = EarlierText()  # what this decoder's generations read and wrote, for s2moe's copies
         self._observer: VerifyObserver | None = None
         # Record routing on plain (single-token, undrafted) steps too; off by default because it costs a
         # graph stop per layer and a plain step's routing only matters to residency/prefetch consumers.
@@ -350,7 +354,7 @@ class Decoder:
             return "resident"
         return "router"
 
-    def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None) -> Drafter:
+    def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None, prompt: list[int]) -> Drafter:
         allowed = self._observer.draft_allowed if self.draft_experts(cfg) == "resident" else None
         if cfg.trace:
             rule = (ConfidenceStop(cfg.conf_p_min) if cfg.mode == "conf" else
@@ -383,7 +387,9 @@ class Decoder:
             return SelfDrafter(cfg.draft_topk, FixedLength(), allowed)
         rule = self._utility_rule(cfg, cost)
         chain = SelfDrafter(cfg.draft_topk, rule, allowed)
-        return LookupOrSelfDrafter(chain, rule) if cfg.lookup and cfg.mode == "s2moe" else chain
+        if not (cfg.lookup and cfg.mode == "s2moe"):
+            return chain
+        return LookupOrSelfDrafter(chain, rule, self.earlier if cfg.lookup_session else None, prompt)
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # A trace's rule learns apart: what it sees is not what the mode's own generations see.
@@ -440,7 +446,7 @@ class Decoder:
             self.check_routing_hook()
         needs_cost = cfg.mode in ("s2moe",) + TREE_MODES and cfg.utility and cfg.cost is None
         cost = self.cost_constants(cfg) if needs_cost else cfg.cost
-        drafter = self._drafter(cfg, cost)
+        drafter = self._drafter(cfg, cost, prompt_tokens)
         gating = cfg.mode in ("s2moe", "tree") and cfg.reuse_strength > 0 and self.info.is_moe
         reuse_cap = cfg.reuse_cap
         k = max(self.info.n_expert_used, 1)
@@ -560,6 +566,7 @@ class Decoder:
                 break
         seconds = time.perf_counter() - t_start
         self._keep(committed_all)
+        self.earlier.add(prompt_tokens, committed_all)
         yield Finished(tuple(generated), self.detokenize(generated), len(generated), seconds, stop_reason, iteration)
 
     def _kept_prefix(self, head: list[int]) -> int:

@@ -85,7 +85,9 @@ class DraftDecision:
     c_draft: float
     t_tok: float
     next_probe: int | None = None  # iterations until the next probe, when not drafting but drafting may pay
-    copied: bool = False  # the draft is a copy of what followed the context's last n-gram: no draft pass to pay
+    # where the draft was copied from, no draft pass to pay: what followed the context's last n-gram earlier in
+    # the context ("context") or in the session's earlier generations ("session"); None: not a copy
+    copied: str | None = None
 
     @property
     def text(self) -> str:
@@ -102,7 +104,8 @@ class DraftDecision:
             if self.probing:
                 return (f"probing: {what} {self.utility:.2f} < {thr} {numbers}; verifying one copied token to see "
                         "whether copies after this n-gram pay again")
-            return f"copying from the context: {what} {self.utility:.2f} ≥ {thr} {numbers}, no draft pass"
+            where = "the context" if self.copied == "context" else "an earlier generation"
+            return f"copying from {where}: {what} {self.utility:.2f} ≥ {thr} {numbers}, no draft pass"
         if self.drafting and not self.probing:
             return f"drafting: the first token's expected utility {self.utility:.2f} ≥ {thr} {numbers}"
         head = f"the first token's expected utility {self.utility:.2f} < {thr} {numbers}"

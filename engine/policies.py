@@ -8,8 +8,9 @@ how far a self-drafter goes.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -245,10 +246,11 @@ class UtilityStop(StopRule):
         """A copied token's utility: no draft pass to pay (rows free only under the warm-up's constants)."""
         return chain * saved / max(row, 1e-12)
 
-    def copy_decision(self, p: float, experts: float, saved: float, row: float, probing: bool = False) -> DraftDecision:
+    def copy_decision(self, p: float, experts: float, saved: float, row: float, probing: bool = False,
+                      source: str = "context") -> DraftDecision:
         return DraftDecision(drafting=True, can_pay=True, probing=probing, threshold=self.threshold,
                              utility=self.copy_utility(p, saved, row), p_first=p, new_experts=experts, t_ar=saved,
-                             cost=row, c_draft=0.0, t_tok=self.cost.t_tok, copied=True)
+                             cost=row, c_draft=0.0, t_tok=self.cost.t_tok, copied=source)
 
     def _probe_outcome(self, paid: bool) -> None:
         if self._probing:
@@ -563,6 +565,53 @@ class NgramIndex:
         return 0, []
 
 
+class EarlierText:
+    """The text of this session's earlier generations, prompt and output, for copies where a generation's own
+    context has no repeated n-gram: a model's completions repeat its habits from one prompt to the next.
+
+    One entry per prompt, the latest, and a generation never copies from an entry of its own prompt: a second
+    run of the same prompt (bench's interleaved modes and repeats, a retry) would copy its own answer. The longest
+    n-gram ending the context found in any entry wins, the latest entry among those of that length. At most
+    `keep` entries and `max_tokens` tokens in all (a long chat's every turn holds the whole conversation), the
+    oldest dropped first."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, keep: int = 64, max_tokens: int = 1 << 16):
+        self.max_ngram, self.min_ngram, self.keep, self.max_tokens = max_ngram, min_ngram, keep, max_tokens
+        self.tokens = 0
+        # prompt -> (prompt and output, n-gram -> the index just past its latest occurrence)
+        self.entries: OrderedDict[tuple[int, ...], tuple[list[int], dict[tuple[int, ...], int]]] = OrderedDict()
+
+    def add(self, prompt: Sequence[int], text: Sequence[int]) -> None:
+        """A generation ended: `text` is its prompt and what it committed."""
+        seq = list(text)
+        last: dict[tuple[int, ...], int] = {}
+        for end in range(1, len(seq)):  # only n-grams something follows
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                last[tuple(seq[end - n: end])] = end
+        key = tuple(prompt)
+        if key in self.entries:
+            self.tokens -= len(self.entries.pop(key)[0])
+        self.entries[key] = (seq, last)
+        self.tokens += len(seq)
+        while len(self.entries) > 1 and (len(self.entries) > self.keep or self.tokens > self.max_tokens):
+            self.tokens -= len(self.entries.popitem(last=False)[1][0])
+
+    def lookup(self, prompt: Sequence[int], seq: list[int], max_len: int) -> tuple[int, list[int]]:
+        """(n, continuation) for a generation of `prompt` whose context is `seq`: up to max_len tokens that
+        followed the longest n-gram ending seq in another prompt's entry; (0, []) where none holds one."""
+        own = tuple(prompt)
+        for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
+            gram = tuple(seq[-n:])
+            for key in reversed(self.entries):
+                if key == own:
+                    continue
+                text, last = self.entries[key]
+                end = last.get(gram)
+                if end is not None:
+                    return n, text[end: end + max_len]
+        return 0, []
+
+
 class LookupDrafter(Drafter):
     """Prompt-lookup drafting: find the longest recent n-gram (n ≤ max_ngram) earlier in the context and
     propose the tokens that followed it. Costs no model pass; deterministic drafts."""
@@ -590,14 +639,19 @@ class LookupDrafter(Drafter):
         return out
 
 
-class CopyLearner:
-    """What s2moe learns of drafts copied from the context.
+# where a copy comes from: the generation's own context, or the session's earlier generations (EarlierText)
+COPY_SOURCES = ("context", "session")
 
-    How often the target accepts a copied token after an n-gram match, per n: the accepted share of the copies
-    verified there (each judged only if those before it were accepted) plus `prior` pseudo-tokens at `rate`. A
-    copy the rule declines is verified anyway now and then (its first token only), so that an n the estimate
-    has written off is seen again when the text starts repeating itself; a rejected probe doubles the wait
-    before the next (up to 16×), an accepted one resets it.
+
+class CopyLearner:
+    """What s2moe learns of copied drafts.
+
+    How often the target accepts a copied token after an n-gram match, per n and per source (COPY_SOURCES: the
+    generation's own context, or the session's earlier generations): the accepted share of the copies verified
+    there (each judged only if those before it were accepted) plus `prior` pseudo-tokens at `rate`. A copy the
+    rule declines is verified anyway now and then (its first token only), so that an n the estimate has written
+    off is seen again when the text starts repeating itself; a rejected probe doubles the wait before the next
+    (up to 16×), an accepted one resets it.
 
     And what copies cost, timed from one proposal to the next (drafting, verification, acceptance, the event's
     consumer): a plain step, and each copied row beyond it, timed on copies the target rejected whole. An
@@ -611,34 +665,38 @@ class CopyLearner:
     def __init__(self, max_ngram: int, rate: float = 0.6, prior: float = 2.0, probe_every: int = 32,
                  smoothing: float = 0.1, min_copies: int = 3):
         self.rate, self.prior = rate, prior
-        self.seen = np.zeros(max_ngram + 1)
-        self.accepted = np.zeros(max_ngram + 1)
+        shape = (len(COPY_SOURCES), max_ngram + 1)
+        self.seen = np.zeros(shape)
+        self.accepted = np.zeros(shape)
         self.probe_every = probe_every
-        self.probe_interval = np.full(max_ngram + 1, probe_every)
-        self._declined = np.zeros(max_ngram + 1, int)
+        self.probe_interval = np.full(shape, probe_every)
+        self._declined = np.zeros(shape, int)
         self.smoothing, self.min_copies = smoothing, min_copies
         self.plain_s: float | None = None  # running means: a plain step's wall time
         self.row_s: float | None = None    # … and what each copied row adds to it
         self.copies_timed = 0
 
-    def estimate(self, n: int) -> float:
-        return float((self.prior * self.rate + self.accepted[n]) / (self.prior + self.seen[n]))
+    def estimate(self, n: int, source: str = "context") -> float:
+        at = COPY_SOURCES.index(source), n
+        return float((self.prior * self.rate + self.accepted[at]) / (self.prior + self.seen[at]))
 
-    def probe(self, n: int, rarely: bool = False) -> bool:
+    def probe(self, n: int, rarely: bool = False, source: str = "context") -> bool:
         """A copy after an n-gram was declined: whether to verify its first token anyway. rarely: as seldom as
         the longest wait allows (a probe could only find the prices changed)."""
-        self._declined[n] += 1
-        if self._declined[n] < (16 * self.probe_every if rarely else self.probe_interval[n]):
+        at = COPY_SOURCES.index(source), n
+        self._declined[at] += 1
+        if self._declined[at] < (16 * self.probe_every if rarely else self.probe_interval[at]):
             return False
-        self._declined[n] = 0
+        self._declined[at] = 0
         return True
 
-    def learn(self, n: int, drafted: int, accepted: int, probe: bool = False) -> None:
-        self.seen[n] += min(accepted + 1, drafted)
-        self.accepted[n] += accepted
+    def learn(self, n: int, drafted: int, accepted: int, probe: bool = False, source: str = "context") -> None:
+        at = COPY_SOURCES.index(source), n
+        self.seen[at] += min(accepted + 1, drafted)
+        self.accepted[at] += accepted
         if probe:
-            self.probe_interval[n] = (self.probe_every if accepted else
-                                      min(2 * self.probe_interval[n], 16 * self.probe_every))
+            self.probe_interval[at] = (self.probe_every if accepted else
+                                       min(2 * self.probe_interval[at], 16 * self.probe_every))
 
     def timed(self, seconds: float, rows: int, accepted: int = 0) -> None:
         """An iteration's wall time: a plain step (rows 0), or a verification of `rows` copied tokens of which
@@ -664,6 +722,7 @@ class CopyPlan:
     the first declined) with its chained acceptance and utility, and the numbers the rule decided with."""
 
     n: int                      # the length of the n-gram that matched
+    source: str                 # where it matched: one of COPY_SOURCES
     probe: bool                 # declined, verified anyway (its first token only)
     p: float                    # the learned acceptance of a copied token after an n-gram of that length
     experts: float              # the experts the rule expects a row to add
@@ -681,29 +740,37 @@ class CopyPlanner:
 
     # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's
     # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
-    def __init__(self, rule: UtilityStop, max_ngram: int = 3, min_ngram: int = 2):
+    def __init__(self, rule: UtilityStop, earlier: EarlierText | None = None, prompt: Sequence[int] = (),
+                 max_ngram: int = 3, min_ngram: int = 2):
+        """earlier: the session's earlier generations, copied from where the context has no repeated n-gram
+        (None: the context only); prompt: this generation's, whose own earlier runs are not copied."""
         self.rule = rule
         self.index = NgramIndex(max_ngram, min_ngram)
+        self.earlier, self.prompt = earlier, tuple(prompt)
         self.learned = rule.copies(max_ngram)
 
     def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
         """The copy to verify after `context` (prompt and generated tokens, the last one pending), or None: no
-        repeated n-gram, or a copy the rule declines and does not probe."""
+        n-gram found, or a copy the rule declines and does not probe."""
         rule = self.rule
         saved, row = rule.copy_price(0.0)
         # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
         if max_len <= 0 or saved < rule.threshold * row:
             return None
+        source = "context"
         n, found = self.index.lookup(context, max_len)
+        if not found and self.earlier is not None:
+            source = "session"
+            n, found = self.earlier.lookup(self.prompt, context, max_len)
         if not found:
             return None
-        p, experts = self.learned.estimate(n), rule.expected_first_experts
+        p, experts = self.learned.estimate(n, source), rule.expected_first_experts
         saved, row = self.learned.price() or rule.copy_price(experts)
         probe = p * saved < rule.threshold * row
         # a probe where even certain copies would not pay at the prices timed only re-times them, and rarely
-        if probe and not self.learned.probe(n, rarely=saved < rule.threshold * row):
+        if probe and not self.learned.probe(n, rarely=saved < rule.threshold * row, source=source):
             return None
-        out = CopyPlan(n, probe, p, experts, saved, row)
+        out = CopyPlan(n, source, probe, p, experts, saved, row)
         survival = 1.0
         for token in found:
             survival *= p
@@ -720,7 +787,7 @@ class CopyPlanner:
     def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
         """The verification of `plan`: the target accepted `accepted` of its tokens, and the verification read
         `verify_experts` distinct experts summed over layers, `pending_experts` of them one row's."""
-        self.learned.learn(plan.n, len(plan.tokens), accepted, plan.probe)
+        self.learned.learn(plan.n, len(plan.tokens), accepted, plan.probe, plan.source)
         rows = len(plan.tokens)
         if rows > 0:
             self.rule.observe_first_experts((verify_experts - pending_experts) / rows)
@@ -738,9 +805,10 @@ class LookupOrSelfDrafter(Drafter):
     name = "s2moe"
     drafts_in_context = True
 
-    def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop):
+    def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop, earlier: EarlierText | None = None,
+                 prompt: Sequence[int] = ()):
         self.self_drafter = self_drafter
-        self.copies = CopyPlanner(rule)
+        self.copies = CopyPlanner(rule, earlier, prompt)
         # the last proposal's copy, and the experts of its pending token's row
         self._copied: tuple[CopyPlan, int] | None = None
         # when the last proposal began, its rows when it was plain (0) or copied, and how many of those the
@@ -759,15 +827,17 @@ class LookupOrSelfDrafter(Drafter):
             out = self.self_drafter.propose(dec, committed, max_len, sample)
             self._rows = None if out.tokens else 0
             return out
-        out = Proposal(stop="lookup: probe" if plan.probe else
-                       "lookup: utility" if not plan.weighed[-1][3] else "lookup")
+        head = "lookup" if plan.source == "context" else "lookup: session"
+        out = Proposal(stop=f"{head}: probe" if plan.probe else
+                       f"{head}: utility" if not plan.weighed[-1][3] else head)
         n_layer = dec.info.n_layer
         for token, survival, u, keep in plan.weighed:
             out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, u, np.zeros(n_layer, int),
                                                  keep, None, survival))
         out.tokens = list(plan.tokens)
         out.chain = [1.0] * len(plan.tokens)
-        out.decision = self.copies.rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, probing=plan.probe)
+        out.decision = self.copies.rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, probing=plan.probe,
+                                                      source=plan.source)
         out.seconds = time.perf_counter() - now
         self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
         self._rows = len(plan.tokens)

@@ -9,7 +9,8 @@ recorded acceptance, and the next iteration starts where they end (inside a reco
 its probabilities and routing, stands in for the draft that would have been made there).
 
 s2moe also copies from the context, as decoding does (CopyPlanner, the same decisions): before each step it
-looks up the prompt and the tokens committed so far. A copied token is accepted while it is the token the
+looks up the prompt and the tokens committed so far, then, where they hold no repeated n-gram, the traces of
+other prompts replayed before it (decoding: its earlier generations). A copied token is accepted while it is the token the
 recording went on to commit (greedy, and sampled too: a seed commits the same tokens whatever was drafted). Its
 rows read what the recording's target read for those tokens; a row past the first rejected token (whose input
 the recording never saw) is charged the target's row at that position. The rule prices copies by the replay's
@@ -53,8 +54,8 @@ from .errors import ConfigError
 from .events import CostConstants
 from .offload import Budget, fmt_bytes, plan_budget, rank_counts, select_hot_experts
 from .offload.budget import AUTO_EXPERT_SHARE, plan_slack
-from .policies import (CascadeDrafter, ConfidenceStop, CopyPlanner, FixedLength, Proposal, StopRule, UtilityStop,
-                       rule_cost)
+from .policies import (CascadeDrafter, ConfidenceStop, CopyPlanner, EarlierText, FixedLength, Proposal, StopRule,
+                       UtilityStop, rule_cost)
 from .profiles import cost_for_model, model_block, storage_rates
 from .trace import Trace, TraceHeader
 
@@ -494,8 +495,10 @@ class ModeProjection:
     t_host: float = 0.0
     fetched: int = 0
     speedup: float | None = None
-    copied: int = 0            # tokens verified as copies from the context
+    copied: int = 0            # tokens verified as copies (from the context or earlier generations)
     copies_accepted: int = 0   # ... and accepted
+    copied_session: int = 0    # of those, copies from the session's earlier generations
+    session_accepted: int = 0  # ... and accepted
 
     @property
     def seconds(self) -> float:
@@ -519,7 +522,8 @@ class ModeProjection:
                 "tok_per_s": self.tok_per_s, "speedup_vs_ar": self.speedup, "accept_len": self.accept_len,
                 "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch, "t_host_s": self.t_host,
                 "fetched": self.fetched, "fetched_per_token": self.fetched_per_token, "copied": self.copied,
-                "copies_accepted": self.copies_accepted}
+                "copies_accepted": self.copies_accepted, "copied_session": self.copied_session,
+                "session_accepted": self.session_accepted}
 
 
 @dataclass
@@ -635,10 +639,11 @@ def _verify_compute(costs: DeviceCosts, rows: np.ndarray) -> float:
 
 def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
            threshold: float | None = None, policy: str = "lru", terms: WorkloadTerms = NO_TERMS,
-           lookup: bool = False) -> ModeProjection:
+           lookup: bool = False, session: bool = False) -> ModeProjection:
     """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over).
     lookup: s2moe copies from the context where its rule says they pay, as decoding does (the traces must hold
-    their prompts' ids: replays_copies)."""
+    their prompts' ids: replays_copies); session: and, where the context has nothing to copy, from the traces
+    replayed before of other prompts, as decoding copies from its earlier generations."""
     if mode not in PROJECT_MODES:
         raise ConfigError(f"cannot project mode {mode!r} (choose from {', '.join(PROJECT_MODES)})")
     if lookup and not replays_copies(traces):
@@ -647,7 +652,7 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
     def run(cache: ExpertCache) -> ModeProjection:
         if mode == "perfect":
             return _perfect(traces, costs, cache, terms)
-        return _replay(traces, mode, costs, cache, threshold, terms, lookup)
+        return _replay(traces, mode, costs, cache, threshold, terms, lookup, session)
 
     return with_cache(run, plan, traces[0].header.n_expert, policy)
 
@@ -682,7 +687,7 @@ def replays_copies(traces: list[Trace]) -> bool:
 
 
 def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCache, threshold: float | None,
-            terms: WorkloadTerms, lookup: bool = False) -> ModeProjection:
+            terms: WorkloadTerms, lookup: bool = False, session: bool = False) -> ModeProjection:
     h0 = traces[0].header
     res = ModeProjection(mode)
     rule: StopRule | None = None
@@ -695,6 +700,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
         cascade = CascadeDrafter(h0.k_d, h0.draft_max)
         inner = cascade.inner = _ChainFromTrace(h0.k_d, h0.n_expert)
     copying = lookup and mode == "s2moe"
+    earlier = EarlierText() if copying and session else None
     gated_rows = mode in ("s2moe", "oracle")  # the oracle's acceptance is the recording's, gated where it was
     # resident, a step without drafts is a plain one (under a budget the prefetcher needs its routing)
     plain_unobserved = terms.t_plain is not None and cache.capacity is None
@@ -706,8 +712,9 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
         # the same index is the target's pass that produced it), and the token
         where = [(si, i) for si, s in enumerate(tr.steps) for i in range(len(s.committed))]
         tokens = [s.committed[i] for s in tr.steps for i in range(len(s.committed))]
-        # as in decoding, a generation's copies look up its own context, with what the rule learned of them
-        planner = CopyPlanner(rule) if copying else None
+        # as in decoding, a generation's copies look up its own context, then the earlier generations, with what
+        # the rule learned of them
+        planner = CopyPlanner(rule, earlier, h.prompt) if copying else None
         context = list(h.prompt) if copying else None
         generated = 0
         while generated < tr.n_tokens:
@@ -775,12 +782,17 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 if plan is not None:
                     res.copied += n
                     res.copies_accepted += accepted
+                    if plan.source == "session":
+                        res.copied_session += n
+                        res.session_accepted += accepted
                     planner.learn(plan, accepted, _distinct(rows), int((rows[0] >= 0).sum()))
                 # decoding times an iteration when the next one begins: a plain step, or a copy, as the prices of
                 # copies (the last iteration of a generation is never timed)
                 if generated < tr.n_tokens and (plan is not None or n == 0):
                     planner.learned.timed(t_draft + t_verify + t_fetch + t_host, n, accepted)
                 context.extend(tokens[generated - committed: generated])
+        if earlier is not None:
+            earlier.add(h.prompt, context)
     return res
 
 
@@ -878,7 +890,7 @@ def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[Worklo
 def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=RUNNABLE_MODES,
             threshold: float | None = None, policy: str = "lru", fit_cache: bool = False,
             terms: str = "profile", cache_size: str = "plan", disk: str = "profile",
-            lookup: bool = True, repeats: int = 1) -> Projection:
+            lookup: bool = True, session: bool = True, repeats: int = 1) -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
     evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own
     reads (traces recorded under this same budget), instead of the budget plan's size. terms: what is charged
@@ -891,7 +903,9 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     own run read around its budget (bench --trace records it): a replay on the device that recorded them.
     lookup: s2moe copies from the context as decoding does (`generate --no-lookup` turns them off there), where
     the traces hold their prompts' ids; traces recorded before they did replay s2moe without copies, and the
-    basis says so. repeats: the traces replayed that many times over, one process, as bench --repeats runs
+    basis says so. session: with lookup, where the context has nothing to copy s2moe copies from the traces
+    replayed before of other prompts, as decoding does from its earlier generations (off: `bench`'s `+lookup`
+    rung). repeats: the traces replayed that many times over, one process, as bench --repeats runs
     each prompt again with the rules and the cache as the earlier runs left them."""
     if disk not in DISK_SOURCES:
         raise ConfigError(f"unknown disk {disk!r} (choose from {', '.join(DISK_SOURCES)})")
@@ -944,7 +958,7 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
             out.budget = plan.label
     for mode in (["ar"] + [m for m in modes if m != "ar"]):
         out.modes[mode] = replay(traces * repeats, mode, costs, plan, threshold, policy, charged,
-                                 copies and mode == "s2moe")
+                                 copies and mode == "s2moe", session)
     ar = out.modes["ar"].tok_per_s
     for r in out.modes.values():
         r.speedup = r.tok_per_s / ar if ar > 0 else None

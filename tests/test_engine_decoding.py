@@ -160,7 +160,7 @@ def test_the_decoder_teaches_its_rule_from_each_verification(decoders, arch):
     judged = {False: 0, True: 0}  # tokens the target judged, of drafts from a pass and of copies
     for e in events:
         if isinstance(e, Iteration) and e.drafted:
-            judged[e.draft_decision.copied] += min(len(e.accepted) + 1, len(e.drafted))
+            judged[e.draft_decision.copied is not None] += min(len(e.accepted) + 1, len(e.drafted))
     rule = next(r for key, r in d._rules.items() if cost in key)
     assert judged[False] > 0 and rule.learned.seen.sum() == judged[False]
     assert rule.copies(3).seen.sum() == judged[True]
@@ -178,7 +178,7 @@ def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
     first = next(e for e in iters if e.draft_decision is not None and not e.draft_decision.copied)
     assert first.candidates and all(cand.accept_chance == pytest.approx(cand.chain_prob) for cand in first.candidates)
     for e in iters:
-        copied = e.draft_decision is not None and e.draft_decision.copied
+        copied = e.draft_decision is not None and e.draft_decision.copied is not None
         for cand in e.candidates:
             if cand.utility is None:
                 continue
@@ -307,6 +307,52 @@ def test_the_ngram_index_finds_what_scanning_the_context_finds():
             matched += found[0] > 0
             seq = seq + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 4)))]
     assert matched > 1000
+
+
+def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
+    from s2moe.engine.policies import EarlierText
+
+    e = EarlierText(max_ngram=3, min_ngram=2, keep=3)
+    e.add((1,), [1, 5, 6, 7, 8])
+    e.add((2,), [2, 6, 7, 9, 5, 6, 10])
+    assert e.lookup((9,), [4, 5, 6], 3) == (2, [10])   # the latest entry holding the bigram
+    assert e.lookup((9,), [5, 6, 7], 3) == (3, [8])    # a trigram beats the latest entry's bigram "6 7"
+    assert e.lookup((2,), [4, 5, 6], 3) == (2, [7, 8])  # never the entry of the generation's own prompt
+    assert e.lookup((9,), [8, 3], 3) == (0, [])
+    assert e.lookup((9,), [3, 7, 8], 3) == (0, [])    # a last token nothing followed
+    e.add((1,), [1, 5, 6, 11])                          # a prompt run again replaces its entry
+    assert e.lookup((9,), [5, 6, 7], 3) == (2, [9, 5, 6])  # its trigram "5 6 7" gone with it
+    e.add((3,), [3])
+    e.add((4,), [4])
+    assert list(e.entries) == [(1,), (3,), (4,)]          # the oldest dropped past `keep`
+    e = EarlierText(keep=8, max_tokens=10)
+    for prompt, text in (((1,), [1, 2, 3, 4]), ((2,), [5, 6, 7]), ((3,), [8, 9, 10, 11])):
+        e.add(prompt, text)
+    assert list(e.entries) == [(2,), (3,)] and e.tokens == 7  # ... and past `max_tokens`
+    e.add((4,), list(range(20)))
+    assert list(e.entries) == [(4,)]                      # the latest entry stays, however long
+
+
+def test_s2moe_copies_from_an_earlier_generation_of_another_prompt(decoders, arch):
+    """Where its own context repeats nothing, s2moe copies what followed the context's last n-gram in an earlier
+    generation of another prompt: here a prompt that differs from an earlier one in its first token only, whose
+    last trigram that earlier generation continued. The copies keep ar's tokens; with lookup_session off
+    (bench's +lookup rung) none comes from an earlier generation."""
+    d = decoders[arch]
+    c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test-session")
+    earlier = d.tokenize(PROMPTS[1])
+    prompt = [earlier[0] + 1] + earlier[1:]
+    run(d, earlier, GenerationConfig(mode="ar", n_predict=16, stop_at_eos=False))
+    plain = summarize(run(d, prompt, GenerationConfig(mode="ar", n_predict=16, stop_at_eos=False)))
+    events = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0,
+                                             stop_at_eos=False))
+    from_session = [e for e in events if isinstance(e, Iteration) and e.draft_stop.startswith("lookup: session")]
+    assert from_session and all(e.draft_decision.copied == "session" for e in from_session)
+    assert "copying from an earlier generation" in from_session[0].draft_decision.text
+    assert summarize(events).tokens == plain.tokens
+    off = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0,
+                                          lookup_session=False, stop_at_eos=False))
+    assert not any(e.draft_stop.startswith("lookup: session") for e in off if isinstance(e, Iteration))
 
 
 REPEATING = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat sat on the"

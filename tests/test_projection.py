@@ -682,3 +682,38 @@ def test_project_cli_says_what_s2moe_copied_and_leaves_copies_out_when_asked(tmp
     assert main(["project", str(tmp_path / "t.jsonl"), "--profile", "hand", "--modes", "ar,s2moe", "--no-lookup",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["modes"]["s2moe"]["copied"] == 0
+    (tmp_path / "s").mkdir()
+    for i, t in enumerate(session_traces()):
+        write_trace(tmp_path / "s" / f"{i}.jsonl", t)
+    assert main(["project", str(tmp_path / "s"), "--profile", "hand", "--modes", "ar,s2moe", "--terms", "none"]) == 0
+    assert "s2moe copied 2 tokens from earlier traces (2 accepted) of the 2 it drafted" in capsys.readouterr().out
+    assert main(["project", str(tmp_path / "s"), "--profile", "hand", "--modes", "ar,s2moe", "--terms", "none",
+                 "--no-session-copies", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["modes"]["s2moe"]["copied"] == 0
+
+
+def session_traces() -> tuple[Trace, Trace]:
+    """Plain steps of two prompts: the second's prompt ends in "40 41", which the first generated, followed by
+    the "42 43" the second goes on with."""
+    def plain_trace(prompt, generated, name):
+        steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
+        return Trace(header(draft_max=3, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt), steps,
+                     n_tokens=len(generated), seconds=1.0, name=name)
+
+    return (plain_trace((1, 2, 3), [40, 41, 42, 43, 44, 45], "first"),
+            plain_trace((7, 8, 40, 41), [42, 43, 50, 51, 52, 53], "second"))
+
+
+def test_s2moe_copies_from_traces_of_other_prompts_replayed_before():
+    """A trace whose own context repeats nothing copies what followed its last bigram in a trace of another
+    prompt replayed before it, as decoding copies from its earlier generations: "40 41" is followed by "42 43 44"
+    there, and the rule (a prior of 0.6, T_AR 10 ms saved, a row 2.5 ms) keeps the first two copied tokens, both
+    of them the tokens the recording committed. Replayed alone, after a trace of its own prompt (bench's repeats
+    and interleaved modes), or without session copies (bench's +lookup rung), nothing is copied."""
+    first, second = session_traces()
+    prof = profile(c_draft_ms=50.0, t_tok_ms=2.5)
+    s = project([first, second], prof, modes=["s2moe"], terms="none").modes["s2moe"]
+    assert (s.copied, s.copies_accepted, s.copied_session, s.session_accepted) == (2, 2, 2, 2)
+    assert s.iterations == 6 + 4 and s.draft_passes == 0
+    for traces, kw in (([second], {}), ([second, second], {}), ([first, second], {"session": False})):
+        assert project(traces, prof, modes=["s2moe"], terms="none", **kw).modes["s2moe"].copied == 0
