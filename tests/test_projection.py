@@ -593,7 +593,8 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
     that prompt: the same iterations, tokens copied and tokens accepted. The constants make a draft pass too dear
     and a copied row cheap, T_exp 0 so that the experts a row adds do not enter the decisions. Decoding prices
     copies by its wall clock once three copies were rejected whole, the replay by its projected one: the
-    generations end where decoding's third such copy is verified."""
+    generations end where decoding's third such copy is verified. Decoding copies from the context only here:
+    this decoder's earlier generations are other tests', which the replay of one trace cannot know."""
     from dataclasses import replace
 
     from s2moe.engine.decoder import GenerationConfig, run
@@ -603,7 +604,7 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
     from test_engine_decoding import REPEATING
 
     d = decoders[arch]
-    cfg = GenerationConfig(mode="s2moe", n_predict=48, reuse_strength=0.0, stop_at_eos=False)
+    cfg = GenerationConfig(mode="s2moe", n_predict=48, reuse_strength=0.0, stop_at_eos=False, lookup_session=False)
     runs = iter(range(1000))
 
     def iterations(cfg):
@@ -623,6 +624,7 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
             "models": {d.info.fingerprint: {"t_ar_ms": 1000.0, "c_draft_ms": 900.0, "t_exp_ms": 0.0, "t_tok_ms": 200.0,
                                             "intercept_ms": 0.0, "expert_bytes": 1000}}}
     copies = project([rec.trace], prof, modes=["s2moe"], terms="none").modes["s2moe"]
+    assert copies.copied_session == 0
     assert copies.copied == sum(len(e.drafted) for e in its) > 0
     assert copies.copies_accepted == sum(len(e.accepted) for e in its)
     assert copies.iterations == len(its) and copies.tokens == cfg.n_predict
