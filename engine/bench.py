@@ -31,7 +31,7 @@ DATA_DIR = Path(__file__).parent / "data"
 
 # The paper's progressive ladder: independent-context draft → shared KV → adaptive expansion → gating; then
 # drafts copied from the context where the rule says they pay, and the last rung, s2moe's defaults, copies from
-# the session's earlier generations of other prompts where the context has nothing to copy.
+# the session's earlier generations of other prompts where they match longer than the context.
 ABLATION = {
     "base": dict(mode="naive"),
     "+shared-kv": dict(mode="s2moe", utility=False, reuse_strength=0.0),

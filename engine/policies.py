@@ -567,7 +567,8 @@ class NgramIndex:
 
 class EarlierText:
     """The text of this session's earlier generations, prompt and output, for copies where a generation's own
-    context has no repeated n-gram: a model's completions repeat its habits from one prompt to the next.
+    context has no repeated n-gram (or a shorter one): a model's completions repeat its habits from one prompt to
+    the next.
 
     One entry per prompt, the latest, and a generation never copies from an entry of its own prompt: a second
     run of the same prompt (bench's interleaved modes and repeats, a retry) would copy its own answer. The longest
@@ -742,8 +743,8 @@ class CopyPlanner:
     # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
     def __init__(self, rule: UtilityStop, earlier: EarlierText | None = None, prompt: Sequence[int] = (),
                  max_ngram: int = 3, min_ngram: int = 2):
-        """earlier: the session's earlier generations, copied from where the context has no repeated n-gram
-        (None: the context only); prompt: this generation's, whose own earlier runs are not copied."""
+        """earlier: the session's earlier generations, copied from where they match a longer n-gram than the
+        context (None: the context only); prompt: this generation's, whose own earlier runs are not copied."""
         self.rule = rule
         self.index = NgramIndex(max_ngram, min_ngram)
         self.earlier, self.prompt = earlier, tuple(prompt)
@@ -759,9 +760,10 @@ class CopyPlanner:
             return None
         source = "context"
         n, found = self.index.lookup(context, max_len)
-        if not found and self.earlier is not None:
-            source = "session"
-            n, found = self.earlier.lookup(self.prompt, context, max_len)
+        if self.earlier is not None:
+            n2, found2 = self.earlier.lookup(self.prompt, context, max_len)
+            if found2 and n2 > n:
+                source, n, found = "session", n2, found2
         if not found:
             return None
         p, experts = self.learned.estimate(n, source), rule.expected_first_experts

@@ -9,8 +9,8 @@ recorded acceptance, and the next iteration starts where they end (inside a reco
 its probabilities and routing, stands in for the draft that would have been made there).
 
 s2moe also copies from the context, as decoding does (CopyPlanner, the same decisions): before each step it
-looks up the prompt and the tokens committed so far, then, where they hold no repeated n-gram, the traces of
-other prompts replayed before it (decoding: its earlier generations). A copied token is accepted while it is the token the
+looks up the prompt and the tokens committed so far, and the traces of other prompts replayed before it
+(decoding: its earlier generations), which it copies from where they match a longer n-gram. A copied token is accepted while it is the token the
 recording went on to commit (greedy, and sampled too: a seed commits the same tokens whatever was drafted). Its
 rows read what the recording's target read for those tokens; a row past the first rejected token (whose input
 the recording never saw) is charged the target's row at that position. The rule prices copies by the replay's
@@ -642,8 +642,8 @@ def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
            lookup: bool = False, session: bool = False) -> ModeProjection:
     """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over).
     lookup: s2moe copies from the context where its rule says they pay, as decoding does (the traces must hold
-    their prompts' ids: replays_copies); session: and, where the context has nothing to copy, from the traces
-    replayed before of other prompts, as decoding copies from its earlier generations."""
+    their prompts' ids: replays_copies); session: and from the traces of other prompts replayed before, where they
+    match a longer n-gram than the context, as decoding copies from its earlier generations."""
     if mode not in PROJECT_MODES:
         raise ConfigError(f"cannot project mode {mode!r} (choose from {', '.join(PROJECT_MODES)})")
     if lookup and not replays_copies(traces):
@@ -903,9 +903,9 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     own run read around its budget (bench --trace records it): a replay on the device that recorded them.
     lookup: s2moe copies from the context as decoding does (`generate --no-lookup` turns them off there), where
     the traces hold their prompts' ids; traces recorded before they did replay s2moe without copies, and the
-    basis says so. session: with lookup, where the context has nothing to copy s2moe copies from the traces
-    replayed before of other prompts, as decoding does from its earlier generations (off: `bench`'s `+lookup`
-    rung). repeats: the traces replayed that many times over, one process, as bench --repeats runs
+    basis says so. session: with lookup, s2moe also copies from the traces of other prompts replayed before, where
+    they match a longer n-gram than the context, as decoding does from its earlier generations (off: `bench`'s
+    `+lookup` rung). repeats: the traces replayed that many times over, one process, as bench --repeats runs
     each prompt again with the rules and the cache as the earlier runs left them."""
     if disk not in DISK_SOURCES:
         raise ConfigError(f"unknown disk {disk!r} (choose from {', '.join(DISK_SOURCES)})")

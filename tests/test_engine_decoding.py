@@ -333,6 +333,25 @@ def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
     assert list(e.entries) == [(4,)]                      # the latest entry stays, however long
 
 
+def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
+    """The context's bigram against an earlier generation's trigram: the trigram's copy; on equal lengths the
+    context's; the acceptance each source learned is its own."""
+    from s2moe.engine.policies import CopyPlanner, EarlierText, UtilityStop
+
+    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source="test"))
+    earlier = EarlierText()
+    earlier.add((9,), [9, 1, 2, 3, 7, 7])
+    planner = CopyPlanner(rule, earlier, prompt=(5,))
+    # the context repeats "2 3" (followed by 4), the earlier text holds "1 2 3" (followed by 7)
+    plan = planner.plan([5, 2, 3, 4, 1, 2, 3], 2)
+    assert (plan.source, plan.n, plan.tokens) == ("session", 3, [7, 7])
+    planner.learn(plan, 0, 0.0, 0)
+    assert rule.copies(3).estimate(3, "session") < rule.copies(3).estimate(3, "context")
+    plan = CopyPlanner(rule, earlier, prompt=(5,)).plan([5, 1, 2, 3, 4, 1, 2, 3], 2)
+    assert (plan.source, plan.n, plan.tokens) == ("context", 3, [4, 1])
+    assert CopyPlanner(rule, None, prompt=(5,)).plan([5, 2, 3, 4, 1, 2, 3], 2).source == "context"
+
+
 def test_s2moe_copies_from_an_earlier_generation_of_another_prompt(decoders, arch):
     """Where its own context repeats nothing, s2moe copies what followed the context's last n-gram in an earlier
     generation of another prompt: here a prompt that differs from an earlier one in its first token only, whose
