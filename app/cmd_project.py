@@ -145,13 +145,11 @@ def run(args) -> int:
     print("\n".join(table_lines(p, measured)))
     s = p.modes.get("s2moe")
     if s is not None and s.copied:
-        context, session = s.copied - s.copied_session, s.copied_session
-        where = [f"{context} from the context ({s.copies_accepted - s.session_accepted} accepted)"] if context else []
-        if session:
-            where.append(f"{session} from earlier traces ({s.session_accepted} accepted)")
-        what = " and ".join(where)
-        unit = "tokens" if s.copied != 1 else "token"
-        print(f"s2moe copied {what.replace(' ', f' {unit} ', 1)} of the {s.drafted} it drafted")
+        parts = [(s.copied - s.copied_session, "the context", s.copies_accepted - s.session_accepted),
+                 (s.copied_session, "earlier traces", s.session_accepted)]
+        where = [f"{n} token{'s' if n != 1 else ''} from {source} ({accepted} accepted)"
+                 for n, source, accepted in parts if n]
+        print(f"s2moe copied {' and '.join(where)} of the {s.drafted} it drafted")
     if p.cache_fit:
         print("the recording's own fetches, counted by it vs through the simulated cache: " + ", ".join(
             f"{name} {sim} for {rec} ({sim / rec - 1:+.0%})" if rec else f"{name} {sim} for {rec}"

@@ -547,8 +547,9 @@ class NgramIndex:
         self.indexed = 1  # n-grams ending before this index are in `last`
         self.last: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its latest indexed occurrence
 
-    def _index(self, seq: list[int]) -> None:
-        # every n-gram ending before the sequence's last token: the one ending it must not find itself
+    def extend(self, seq: list[int]) -> None:
+        """Index the n-grams of seq not yet indexed: every one ending before its last token (the one ending it
+        must not find itself, and nothing follows it yet)."""
         for end in range(self.indexed, len(seq)):
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self.last[tuple(seq[end - n : end])] = end
@@ -557,7 +558,7 @@ class NgramIndex:
     def lookup(self, seq: list[int], max_len: int) -> tuple[int, list[int]]:
         """(n, continuation): up to max_len tokens that followed the latest earlier occurrence of the longest
         n-gram ending seq; (0, []) when none of its n-grams occurred before."""
-        self._index(seq)
+        self.extend(seq)
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             end = self.last.get(tuple(seq[-n:]))
             if end is not None:
@@ -585,14 +586,12 @@ class EarlierText:
     def add(self, prompt: Sequence[int], text: Sequence[int]) -> None:
         """A generation ended: `text` is its prompt and what it committed."""
         seq = list(text)
-        last: dict[tuple[int, ...], int] = {}
-        for end in range(1, len(seq)):  # only n-grams something follows
-            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                last[tuple(seq[end - n: end])] = end
+        index = NgramIndex(self.max_ngram, self.min_ngram)
+        index.extend(seq)
         key = tuple(prompt)
         if key in self.entries:
             self.tokens -= len(self.entries.pop(key)[0])
-        self.entries[key] = (seq, last)
+        self.entries[key] = (seq, index.last)
         self.tokens += len(seq)
         while len(self.entries) > 1 and (len(self.entries) > self.keep or self.tokens > self.max_tokens):
             self.tokens -= len(self.entries.popitem(last=False)[1][0])
@@ -760,7 +759,7 @@ class CopyPlanner:
             return None
         source = "context"
         n, found = self.index.lookup(context, max_len)
-        if self.earlier is not None:
+        if self.earlier is not None and n < self.index.max_ngram:  # else the earlier text cannot match longer
             n2, found2 = self.earlier.lookup(self.prompt, context, max_len)
             if found2 and n2 > n:
                 source, n, found = "session", n2, found2
