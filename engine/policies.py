@@ -190,6 +190,7 @@ class UtilityStop(StopRule):
         self._skipped = 0
         self._probing = False
         self._copies: CopyLearner | None = None
+        self._cannot_pay: DraftDecision | None = None
 
     def start(self) -> None:
         """A new generation: keep the learned estimates and probe interval, drop a probe in flight."""
@@ -203,7 +204,10 @@ class UtilityStop(StopRule):
         # Even a certain token that adds no expert must pay for its draft pass and its verify row.
         certain = self.utility(1.0, 0.0)
         if certain < self.threshold:
-            self.decision = self._decision(False, False, certain, 1.0, 0.0)
+            # the same every step (the constants and threshold are the rule's own), and a decision is not free
+            if self._cannot_pay is None:
+                self._cannot_pay = self._decision(False, False, certain, 1.0, 0.0)
+            self.decision = self._cannot_pay
             return False
         p, experts = self.expected_first, self.expected_first_experts
         expected = self.utility(p, experts)
@@ -580,8 +584,11 @@ class EarlierText:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2, keep: int = 64, max_tokens: int = 1 << 16):
         self.max_ngram, self.min_ngram, self.keep, self.max_tokens = max_ngram, min_ngram, keep, max_tokens
         self.tokens = 0
-        # prompt -> (prompt and output, n-gram -> the index just past its latest occurrence)
+        # prompt -> (prompt and output, n-gram -> the index just past its latest occurrence there)
         self.entries: OrderedDict[tuple[int, ...], tuple[list[int], dict[tuple[int, ...], int]]] = OrderedDict()
+        # n-gram -> the entries holding it, oldest first: a lookup on every decoding step reads one list rather
+        # than every entry's index
+        self.holders: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
 
     def add(self, prompt: Sequence[int], text: Sequence[int]) -> None:
         """A generation ended: `text` is its prompt and what it committed."""
@@ -590,11 +597,22 @@ class EarlierText:
         index.extend(seq)
         key = tuple(prompt)
         if key in self.entries:
-            self.tokens -= len(self.entries.pop(key)[0])
+            self._drop(key)
         self.entries[key] = (seq, index.last)
+        for gram in index.last:
+            self.holders.setdefault(gram, []).append(key)
         self.tokens += len(seq)
         while len(self.entries) > 1 and (len(self.entries) > self.keep or self.tokens > self.max_tokens):
-            self.tokens -= len(self.entries.popitem(last=False)[1][0])
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        seq, last = self.entries.pop(key)
+        self.tokens -= len(seq)
+        for gram in last:
+            holders = self.holders[gram]
+            holders.remove(key)
+            if not holders:
+                del self.holders[gram]
 
     def lookup(self, prompt: Sequence[int], seq: list[int], max_len: int) -> tuple[int, list[int]]:
         """(n, continuation) for a generation of `prompt` whose context is `seq`: up to max_len tokens that
@@ -602,12 +620,10 @@ class EarlierText:
         own = tuple(prompt)
         for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
             gram = tuple(seq[-n:])
-            for key in reversed(self.entries):
-                if key == own:
-                    continue
-                text, last = self.entries[key]
-                end = last.get(gram)
-                if end is not None:
+            for key in reversed(self.holders.get(gram, ())):
+                if key != own:
+                    text, last = self.entries[key]
+                    end = last[gram]
                     return n, text[end: end + max_len]
         return 0, []
 
@@ -660,7 +676,14 @@ class CopyLearner:
     pricing rows by every copy's timing left s2moe 3-4% behind plain decoding on HumanEval). The constants
     price a row by T_tok and T_exp, which also leave out what makes a verification with drafts dearer than a
     plain step (the routing hook's stops, the acceptance of each row); once `min_copies` rejected copies were
-    timed the measured prices replace the constants'."""
+    timed the measured prices replace the constants'.
+
+    llama.cpp reuses its last compute graph only for a batch of the same shape, so the step after a batch of
+    another shape (a prefill, a copy's verification, a draft) builds its graph anew. Resident, that rebuild is
+    a quarter of a plain step of the shipped model: it belongs to what came before. So a plain step is timed as
+    such only after a plain step, and a copy rejected whole is charged what the plain step after it paid beyond
+    one (timed against the previous plain step, plain steps being timed only after plain steps otherwise the
+    copy's own cost would inflate the plain step it is priced against)."""
 
     def __init__(self, max_ngram: int, rate: float = 0.6, prior: float = 2.0, probe_every: int = 32,
                  smoothing: float = 0.1, min_copies: int = 3):
@@ -671,24 +694,36 @@ class CopyLearner:
         self.probe_every = probe_every
         self.probe_interval = np.full(shape, probe_every)
         self._declined = np.zeros(shape, int)
+        self._hopeless_steps = 0
         self.smoothing, self.min_copies = smoothing, min_copies
         self.plain_s: float | None = None  # running means: a plain step's wall time
         self.row_s: float | None = None    # … and what each copied row adds to it
         self.copies_timed = 0
+        self._after_plain = False  # the iteration timed last was a plain step
+        self._rejected: tuple[float, int] | None = None  # a copy rejected whole, until the step after it is timed
 
     def estimate(self, n: int, source: str = "context") -> float:
         at = COPY_SOURCES.index(source), n
         return float((self.prior * self.rate + self.accepted[at]) / (self.prior + self.seen[at]))
 
-    def probe(self, n: int, rarely: bool = False, source: str = "context") -> bool:
-        """A copy after an n-gram was declined: whether to verify its first token anyway. rarely: as seldom as
-        the longest wait allows (a probe could only find the prices changed)."""
+    def probe(self, n: int, source: str = "context") -> bool:
+        """A copy after an n-gram was declined: whether to verify its first token anyway."""
         at = COPY_SOURCES.index(source), n
         self._declined[at] += 1
-        if self._declined[at] < (16 * self.probe_every if rarely else self.probe_interval[at]):
+        if self._declined[at] < self.probe_interval[at]:
             return False
         self._declined[at] = 0
         return True
+
+    def rare_probe_due(self) -> bool:
+        """A step at prices where not even a certain copy pays: whether the longest wait is over, so that a copy
+        is verified to find out whether the prices changed. Counted in steps, not declined copies: no n-gram
+        is looked up while it lasts (resident, that lookup is a few percent of a step)."""
+        self._hopeless_steps += 1
+        return self._hopeless_steps >= 16 * self.probe_every
+
+    def rare_probe_made(self) -> None:
+        self._hopeless_steps = 0
 
     def learn(self, n: int, drafted: int, accepted: int, probe: bool = False, source: str = "context") -> None:
         at = COPY_SOURCES.index(source), n
@@ -698,15 +733,27 @@ class CopyLearner:
             self.probe_interval[at] = (self.probe_every if accepted else
                                        min(2 * self.probe_interval[at], 16 * self.probe_every))
 
-    def timed(self, seconds: float, rows: int, accepted: int = 0) -> None:
-        """An iteration's wall time: a plain step (rows 0), or a verification of `rows` copied tokens of which
-        the target accepted `accepted`."""
+    def began(self) -> None:
+        """A generation begins: its first step follows the prefill, a batch of another shape."""
+        self._after_plain, self._rejected = False, None
+
+    def timed(self, seconds: float, rows: int | None, accepted: int = 0) -> None:
+        """An iteration's wall time: a plain step (rows 0), a verification of `rows` copied tokens of which the
+        target accepted `accepted`, or (rows None) a step of another kind, whose time says nothing of copies."""
+        rejected, self._rejected = self._rejected, None
         if rows == 0:
-            self.plain_s = seconds if self.plain_s is None else self.plain_s + self.smoothing * (seconds - self.plain_s)
-        elif self.plain_s is not None and accepted == 0:
-            per_row = (seconds - self.plain_s) / rows
-            self.row_s = per_row if self.row_s is None else self.row_s + self.smoothing * (per_row - self.row_s)
-            self.copies_timed += 1
+            if rejected is not None and self.plain_s is not None:
+                copy_s, copy_rows = rejected
+                self._time_row((copy_s + seconds - 2 * self.plain_s) / copy_rows)
+            elif self._after_plain:
+                self.plain_s = seconds if self.plain_s is None else self.plain_s + self.smoothing * (seconds - self.plain_s)
+        elif rows is not None and accepted == 0:
+            self._rejected = (seconds, rows)
+        self._after_plain = rows == 0
+
+    def _time_row(self, per_row: float) -> None:
+        self.row_s = per_row if self.row_s is None else self.row_s + self.smoothing * (per_row - self.row_s)
+        self.copies_timed += 1
 
     def price(self) -> tuple[float, float] | None:
         """(a plain step, a copied row beyond it) as measured; None until enough copies were timed. A row is
@@ -748,14 +795,21 @@ class CopyPlanner:
         self.index = NgramIndex(max_ngram, min_ngram)
         self.earlier, self.prompt = earlier, tuple(prompt)
         self.learned = rule.copies(max_ngram)
+        self.learned.began()
 
     def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
         """The copy to verify after `context` (prompt and generated tokens, the last one pending), or None: no
         n-gram found, or a copy the rule declines and does not probe."""
-        rule = self.rule
+        rule, learned = self.rule, self.learned
         saved, row = rule.copy_price(0.0)
         # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
         if max_len <= 0 or saved < rule.threshold * row:
+            return None
+        experts = rule.expected_first_experts
+        saved, row = learned.price() or rule.copy_price(experts)
+        # where not even a certain copy pays at the prices timed, a probe could only re-time them, and rarely
+        hopeless = saved < rule.threshold * row
+        if hopeless and not learned.rare_probe_due():
             return None
         source = "context"
         n, found = self.index.lookup(context, max_len)
@@ -765,11 +819,11 @@ class CopyPlanner:
                 source, n, found = "session", n2, found2
         if not found:
             return None
-        p, experts = self.learned.estimate(n, source), rule.expected_first_experts
-        saved, row = self.learned.price() or rule.copy_price(experts)
+        p = learned.estimate(n, source)
         probe = p * saved < rule.threshold * row
-        # a probe where even certain copies would not pay at the prices timed only re-times them, and rarely
-        if probe and not self.learned.probe(n, rarely=saved < rule.threshold * row, source=source):
+        if hopeless:
+            learned.rare_probe_made()
+        elif probe and not learned.probe(n, source=source):
             return None
         out = CopyPlan(n, source, probe, p, experts, saved, row)
         survival = 1.0
@@ -820,7 +874,7 @@ class LookupOrSelfDrafter(Drafter):
 
     def propose(self, dec, committed, max_len, sample) -> Proposal:
         now = time.perf_counter()
-        if self._started is not None and self._rows is not None:
+        if self._started is not None:
             self.copies.learned.timed(now - self._started, self._rows, self._accepted)
         self._started, self._copied, self._accepted = now, None, 0
         plan = self.copies.plan(committed, max_len)

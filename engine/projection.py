@@ -786,10 +786,11 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                         res.copied_session += n
                         res.session_accepted += accepted
                     planner.learn(plan, accepted, _distinct(rows), int((rows[0] >= 0).sum()))
-                # decoding times an iteration when the next one begins: a plain step, or a copy, as the prices of
-                # copies (the last iteration of a generation is never timed)
-                if generated < tr.n_tokens and (plan is not None or n == 0):
-                    planner.learned.timed(t_draft + t_verify + t_fetch + t_host, n, accepted)
+                # decoding times an iteration when the next one begins: a plain step, a copy, or a self-draft that
+                # prices nothing (the last iteration of a generation is never timed)
+                if generated < tr.n_tokens:
+                    planner.learned.timed(t_draft + t_verify + t_fetch + t_host,
+                                          n if plan is not None or n == 0 else None, accepted)
                 context.extend(tokens[generated - committed: generated])
         if earlier is not None:
             earlier.add(h.prompt, context)

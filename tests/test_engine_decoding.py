@@ -352,6 +352,34 @@ def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
     assert CopyPlanner(rule, None, prompt=(5,)).plan([5, 2, 3, 4, 1, 2, 3], 2).source == "context"
 
 
+def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and_probes_one_token():
+    """Timed rows dearer than a plain step: not even a certain copy pays. The planner then plans nothing for the
+    longest wait (no lookup), counting steps, and then probes one token where the context repeats."""
+    from s2moe.engine.policies import CopyPlanner, UtilityStop
+
+    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source="test"))
+    learned = rule.copies(3)
+    learned.probe_every = 2
+    learned.began()
+    for _ in range(2):
+        learned.timed(0.001, 0)
+    for _ in range(learned.min_copies):
+        learned.timed(0.003, 1)
+        learned.timed(0.001, 0)
+    saved, row = learned.price()
+    assert saved < row
+    wait = 16 * learned.probe_every
+    planner = CopyPlanner(rule, None, prompt=(5,))
+    context = [5, 1, 2, 3, 4, 1, 2, 3]
+    assert [planner.plan(context, 4) for _ in range(wait - 1)] == [None] * (wait - 1)
+    # the wait is over on a step whose context repeats nothing: the probe waits for a copy to make
+    assert CopyPlanner(rule, None, prompt=(6,)).plan([6, 1, 2, 3], 4) is None
+    plan = planner.plan(context, 4)
+    assert plan is not None and plan.probe and plan.tokens == [4]
+    assert [planner.plan(context, 4) for _ in range(wait - 1)] == [None] * (wait - 1)
+    assert planner.plan(context, 4).probe
+
+
 def test_s2moe_copies_from_an_earlier_generation_of_another_prompt(decoders, arch):
     """Where its own context repeats nothing, s2moe copies what followed the context's last n-gram in an earlier
     generation of another prompt: here a prompt that differs from an earlier one in its first token only, whose
@@ -424,33 +452,54 @@ def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
     assert declines_until_probe(1) == 16 and declines_until_probe(2) == 4  # each n waits on its own
     m.learn(1, drafted=1, accepted=1, probe=True)  # accepted: back to the first wait
     assert declines_until_probe(1) == 4
-    rarely = 1
-    while not m.probe(3, rarely=True):  # prices at which not even a certain copy pays: the longest wait
-        rarely += 1
-    assert rarely == 64
+    steps = 1
+    while not m.rare_probe_due():  # prices at which not even a certain copy pays: the longest wait, in steps
+        steps += 1
+    assert steps == 64
+    assert m.rare_probe_due()  # due until a probe is made (a step without an n-gram to copy makes none)
+    m.rare_probe_made()
+    assert not m.rare_probe_due()
 
 
 def test_copies_are_priced_as_timed_once_enough_were():
-    """A plain step's and a copied row's wall time, as running means, rows timed on copies rejected whole; the
-    constants' price until three were timed, and never a row priced as nearly free."""
+    """A plain step's and a copied row's wall time, as running means: plain steps timed only after plain steps,
+    rows on copies rejected whole, each charged what the plain step after it paid beyond one (llama.cpp builds
+    its graph anew after a batch of another shape); the constants' price until three were timed, and never a
+    row priced as nearly free."""
     from s2moe.engine.policies import CopyLearner
 
     m = CopyLearner(3, smoothing=0.5, min_copies=3)
-    m.timed(0.010, 2)  # a copy before any plain step says nothing of a row
+    m.began()
+    m.timed(0.010, 0)  # the step after the prefill rebuilds the graph: not a plain step's time
+    m.timed(0.010, 2)  # a copy before any plain step was timed says nothing of a row
+    m.timed(0.004, 0)  # nor the step after it
+    assert m.plain_s is None
     for _ in range(3):
         m.timed(0.002, 0)
+    assert m.plain_s == pytest.approx(0.002)
     m.timed(0.0021, 1, accepted=1)  # an accepted copy's row read what the next step needed: not its cost
+    m.timed(0.009, 0)  # ... and the step after it is not a plain step's time either
     m.timed(0.0030, 2, accepted=1)
     m.timed(0.006, 2)
+    m.timed(0.003, 0)  # 1 ms over a plain step: the first rejected copy's rows cost (4 + 1) / 2 ms
     m.timed(0.004, 1)
+    m.timed(0.008, 2)  # a copy after a copy: the first is not timed without its following step
+    m.timed(0.002, 0)  # rows of (8 + 2 - 2 * 2) / 2 = 3 ms
     assert m.price() is None
-    m.timed(0.008, 2)
+    m.timed(0.002, 0)
+    m.timed(0.004, 1)
+    m.timed(0.002, 0)  # 2 ms
     plain, row = m.price()
-    assert plain == pytest.approx(0.002) and row == pytest.approx(0.0025)  # rows of 2, 2 then 3 ms, half-way means
-    m.timed(0.001, 0)  # a plain step slower than the copies: a row would cost nothing
-    m.timed(0.0011, 1)
-    m.timed(0.0011, 1)
-    m.timed(0.0011, 1)
+    assert plain == pytest.approx(0.002) and row == pytest.approx(0.002375)  # 2.5, 3, 2 ms, half-way means
+    m.began()
+    m.timed(0.004, 1)
+    m.began()  # a copy whose next step is another generation's first is not timed
+    m.timed(0.002, 0)
+    assert m.price() == (pytest.approx(0.002), pytest.approx(0.002375))
+    m.timed(0.001, 0)  # plain steps slower than the copies: a row would cost nothing
+    for _ in range(3):
+        m.timed(0.0011, 1)
+        m.timed(0.001, 0)
     plain, row = m.price()
     assert row == pytest.approx(plain / 20)
 
