@@ -39,6 +39,8 @@ ABLATION = {
     "+gating": dict(mode="s2moe", utility=True, lookup=False),
     "+lookup": dict(mode="s2moe", utility=True, lookup=True, lookup_session=False),
     "+session": dict(mode="s2moe", utility=True, lookup=True, lookup_session=True),
+    # not a rung of the ladder: s2moe with gating off, which keeps ar's tokens (what exactness costs)
+    "-gating": dict(mode="s2moe", reuse_strength=0.0),
 }
 LOSSLESS_LADDER = ("base", "+shared-kv", "+utility")
 # modes whose draft passes read the model's own experts, and so can read the router's or those in memory

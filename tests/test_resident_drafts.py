@@ -118,6 +118,9 @@ def test_bench_modes_take_what_their_drafts_read():
     assert mode_config("conf:resident", base).mode == "conf" and mode_config("conf", base).draft_experts is None
     assert expected_lossless("conf:resident", mode_config("conf:resident", base))
     assert not expected_lossless("s2moe:resident", mode_config("s2moe:resident", base))  # gated verification
+    exact = mode_config("-gating", base)  # s2moe with gating off: its copies and drafts keep ar's tokens
+    assert (exact.mode, exact.reuse_strength, exact.lookup, exact.lookup_session) == ("s2moe", 0.0, True, True)
+    assert expected_lossless("-gating", exact) and not expected_lossless("s2moe", mode_config("s2moe", base))
     for bad in ("ar:router", "lookup:resident", "base:router", "s2moe:pinned", "s2moe:", "fast"):
         with pytest.raises(ConfigError, match="unknown mode"):
             mode_config(bad, base)
