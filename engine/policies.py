@@ -679,11 +679,10 @@ class CopyLearner:
     timed the measured prices replace the constants'.
 
     llama.cpp reuses its last compute graph only for a batch of the same shape, so the step after a batch of
-    another shape (a prefill, a copy's verification, a draft) builds its graph anew. Resident, that rebuild is
-    a quarter of a plain step of the shipped model: it belongs to what came before. So a plain step is timed as
-    such only after a plain step, and a copy rejected whole is charged what the plain step after it paid beyond
-    one (timed against the previous plain step, plain steps being timed only after plain steps otherwise the
-    copy's own cost would inflate the plain step it is priced against)."""
+    another shape (a prefill, a copy's verification, a draft) builds its graph anew; on a small model in memory
+    that rebuild is a sizeable part of a step, and it belongs to what came before. So a plain step is timed as
+    such only after a plain step, and a copy rejected whole is charged, beyond its own time, what the plain step
+    after it paid over a plain step's."""
 
     def __init__(self, max_ngram: int, rate: float = 0.6, prior: float = 2.0, probe_every: int = 32,
                  smoothing: float = 0.1, min_copies: int = 3):
@@ -718,7 +717,7 @@ class CopyLearner:
     def rare_probe_due(self) -> bool:
         """A step at prices where not even a certain copy pays: whether the longest wait is over, so that a copy
         is verified to find out whether the prices changed. Counted in steps, not declined copies: no n-gram
-        is looked up while it lasts (resident, that lookup is a few percent of a step)."""
+        is looked up while it lasts (on a small model in memory a lookup is a noticeable part of a step)."""
         self._hopeless_steps += 1
         return self._hopeless_steps >= 16 * self.probe_every
 
