@@ -371,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="FILE", type=nonempty,
                    help="write a decoding trace (JSONL) for `s2moe project`: drafts run to the cap, noting what the "
                         "mode's rule would have kept")
+    g.add_argument("--copy-cache", metavar="FILE", type=nonempty,
+                   help="s2moe: also copy drafts from the generations kept in FILE (earlier runs on this model), "
+                        "and keep this run's there (created if missing)")
     g.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
                    help="print only the generated text, not the prompt before it")
     from . import cmd_chat
@@ -483,6 +486,13 @@ def prompt_file_text(path: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
+def _keep_copies(args, decoder) -> None:
+    if args.copy_cache is not None:
+        from ..engine.copycache import save_copy_cache
+
+        save_copy_cache(args.copy_cache, decoder.info, decoder.earlier)
+
+
 def cmd_generate(args) -> int:
     from ..engine.decoder import Decoder, GenerationConfig
     import numpy as np
@@ -515,6 +525,10 @@ def cmd_generate(args) -> int:
             print(f"seed {args.seed} (random; -s {args.seed} repeats this run)", file=sys.stderr)
     decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max or 0),
                       use_extra_bufts=budget is None, placement=placement, n_batch=args.batch_size)
+    if args.copy_cache is not None:
+        from ..engine.copycache import load_copy_cache
+
+        load_copy_cache(args.copy_cache, decoder.info, decoder.earlier)
     offloader = None
     if budget is not None:
         from dataclasses import replace
@@ -556,7 +570,9 @@ def cmd_generate(args) -> int:
         cfg = replace(cfg, trace=True)
         recorder = TraceRecorder(decoder.info)
     if args.conversation:
-        return cmd_chat.run_conversation(args, decoder, cfg, _Output())
+        rc = cmd_chat.run_conversation(args, decoder, cfg, _Output())
+        _keep_copies(args, decoder)
+        return rc
     summary = Summary()
     streaming = not args.json and sys.stdout.isatty()
     out = _Output()
@@ -584,6 +600,7 @@ def cmd_generate(args) -> int:
                      f"{', '.join(f'{x:.2f}' for x in event.resident.mean(axis=1))}; hit rate {hit}")
         elif isinstance(event, Finished) and event.stop_reason == "context":
             out.line(f"note: the context window ({decoder.n_ctx} tokens) filled up after {event.n_tokens} tokens")
+    _keep_copies(args, decoder)
     if offloader is not None:
         out.line(offload.split_line(offload.current_budget_cgroup(), offloader))
     if recorder is not None:

@@ -605,6 +605,10 @@ class EarlierText:
         while len(self.entries) > 1 and (len(self.entries) > self.keep or self.tokens > self.max_tokens):
             self._drop(next(iter(self.entries)))
 
+    def generations(self) -> list[tuple[tuple[int, ...], list[int]]]:
+        """(prompt, prompt and output) of every entry kept, oldest first: add() them in this order to rebuild."""
+        return [(key, seq) for key, (seq, _) in self.entries.items()]
+
     def _drop(self, key: tuple[int, ...]) -> None:
         seq, last = self.entries.pop(key)
         self.tokens -= len(seq)

@@ -156,3 +156,29 @@ def test_a_budget_child_is_given_the_placement_it_was_asked_for(flags):
     parser = build_parser()
     asked = placement_from_args(parser.parse_args(["bench", *flags]))
     assert placement_from_args(parser.parse_args(["bench", *placement_flags(asked)])) == asked
+
+
+def test_a_copy_cache_carries_generations_from_one_run_to_the_next(tiny_models, tmp_path):
+    """--copy-cache: each run adds its prompt and text to the file (created by the first), the runs before kept;
+    a file of another model, or not a copy cache, is one clean error and stays as it was."""
+    cache = tmp_path / "copies.json"
+    runs = []
+    for prompt in ("hello there", "good morning"):
+        done = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", prompt, "-n", "12", "--json",
+                     "--threads", "1", "--ignore-eos", "--copy-cache", str(cache))
+        assert done.returncode == 0, done.stderr
+        runs.append(json.loads(done.stdout))
+    kept = json.loads(cache.read_text())
+    assert kept["format"] == "s2moe-copy-cache" and len(kept["generations"]) == 2
+    for g, out in zip(kept["generations"], runs):
+        assert g["text"][:len(g["prompt"])] == g["prompt"]
+        assert g["text"][len(g["prompt"]):] == out["tokens"]
+    other = s2moe("generate", "--model", str(tiny_models["qwen3moe"]), "-p", "hi", "-n", "4", "--threads", "1",
+                  "--copy-cache", str(cache))
+    assert_clean_error(other, "another model's tokens")
+    assert json.loads(cache.read_text()) == kept
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"format": "s2moe-copy-cache", "version": 1, "model": "x", "generations": [')
+    assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hi", "-n", "4",
+                             "--copy-cache", str(broken)), "not JSON")
+    assert broken.read_text().endswith("[")

@@ -739,3 +739,36 @@ def test_a_seed_below_minus_one_is_refused_by_the_engine_too():
 
     with pytest.raises(ConfigError, match="seed must be -1 .random. or a whole number from 0"):
         GenerationConfig(seed=-2).validate()
+
+
+def test_a_copy_cache_file_gives_a_new_session_the_generations_of_an_earlier_one(decoders, tmp_path):
+    """What one process kept (save_copy_cache) a fresh session loads (load_copy_cache) and copies from, as from
+    its own earlier generations, keeping ar's tokens; a file of another model is refused."""
+    from s2moe.engine.copycache import load_copy_cache, save_copy_cache
+    from s2moe.engine.errors import ConfigError
+    from s2moe.engine.policies import EarlierText
+
+    d = decoders["olmoe"]
+    c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test-copy-cache")
+    earlier = d.tokenize(PROMPTS[1])
+    prompt = [earlier[0] + 1] + earlier[1:]
+    kept = d.earlier
+    try:
+        d.earlier = EarlierText()
+        first = summarize(run(d, earlier, GenerationConfig(mode="ar", n_predict=16, stop_at_eos=False)))
+        path = tmp_path / "copies.json"
+        save_copy_cache(path, d.info, d.earlier)
+        d.earlier = EarlierText()  # a new process: nothing generated yet
+        assert load_copy_cache(path, d.info, d.earlier) == 1
+        assert d.earlier.generations() == [(tuple(earlier), earlier + list(first.tokens))]
+        plain = summarize(run(d, prompt, GenerationConfig(mode="ar", n_predict=16, stop_at_eos=False)))
+        d.earlier = EarlierText()
+        load_copy_cache(path, d.info, d.earlier)
+        events = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0,
+                                                 stop_at_eos=False))
+        assert any(e.draft_stop.startswith("lookup: session") for e in events if isinstance(e, Iteration))
+        assert summarize(events).tokens == plain.tokens
+        with pytest.raises(ConfigError, match="another model's tokens"):
+            load_copy_cache(path, decoders["qwen3moe"].info, EarlierText())
+    finally:
+        d.earlier = kept

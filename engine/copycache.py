@@ -1,0 +1,68 @@
+"""A file of earlier generations for s2moe's copies, kept across runs (`generate --copy-cache FILE`).
+
+s2moe copies drafts from the session's earlier generations of other prompts (EarlierText): a model's
+completions repeat its habits from one prompt to the next. Within one process the session is the decoder's
+own; a one-shot `generate` has none. The file carries the session over: loaded before the run, and written
+back (atomically) with this run's generations after it. It holds token ids, so it belongs to one model file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .bench import write_atomic
+from .errors import ConfigError
+from .files import read_bounded
+from .model_info import ModelInfo
+from .policies import EarlierText
+
+FORMAT = "s2moe-copy-cache"
+VERSION = 1
+# EarlierText keeps 65,536 tokens at most: a few hundred KiB of JSON; anything far larger is not one of ours
+MAX_FILE_BYTES = 16 << 20
+
+
+def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText) -> int:
+    """Add the generations kept in `path` to `earlier`, oldest first; how many. A file that does not exist yet
+    holds none (the run creates it); one that is not a copy cache of this model is a ConfigError."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    raw = read_bounded(path, "copy cache", MAX_FILE_BYTES)
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"copy cache {path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ConfigError(f"copy cache {path}: not an s2moe copy cache")
+    if data.get("version") != VERSION:
+        raise ConfigError(f"copy cache {path}: version {data.get('version')!r}, this s2moe reads {VERSION}")
+    if data.get("model") != info.fingerprint:
+        raise ConfigError(f"copy cache {path} holds another model's tokens (model {data.get('model')}, this one "
+                          f"{info.fingerprint}): give another file")
+    generations = data.get("generations")
+    if not isinstance(generations, list):
+        raise ConfigError(f"copy cache {path}: no list of generations")
+    for i, g in enumerate(generations):
+        prompt, text = (g.get("prompt"), g.get("text")) if isinstance(g, dict) else (None, None)
+        if not (_tokens(prompt, info.n_vocab) and _tokens(text, info.n_vocab)):
+            raise ConfigError(f"copy cache {path}: generation {i} is not two lists of this model's token ids")
+        earlier.add(prompt, text)
+    return len(generations)
+
+
+def save_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText) -> None:
+    """Write `earlier`'s generations to `path` in one step: a run stopped while writing leaves the old file."""
+    generations = [{"prompt": list(prompt), "text": text} for prompt, text in earlier.generations()]
+    data = {"format": FORMAT, "version": VERSION, "model": info.fingerprint, "generations": generations}
+    try:
+        write_atomic(path, json.dumps(data, separators=(",", ":")) + "\n")
+    except OSError as e:
+        raise ConfigError(f"cannot write copy cache {path}: {e.strerror}") from None
+
+
+def _tokens(value, n_vocab: int) -> bool:
+    return (isinstance(value, list) and len(value) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in value))
