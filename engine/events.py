@@ -366,6 +366,7 @@ class Summary(Totals):
             "mode": self.mode,
             "n_tokens": self.n_tokens,
             "seconds": self.seconds,
+            "prefill_seconds": self.prefill_seconds,
             "tok_per_s": self.tok_per_s,
             "accept_len": self.accept_len,
             "acceptance_rate": self.acceptance_rate,

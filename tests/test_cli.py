@@ -33,6 +33,7 @@ def test_generate_json_has_the_documented_fields(tiny_models):
     for key in ("mode", "tokens", "text", "n_tokens", "tok_per_s", "accept_len", "reuse_ratio", "rollbacks",
                 "iterations"):
         assert key in out
+    assert 0 < out["prefill_seconds"] < out["seconds"]
     assert out["mode"] == "s2moe" and out["n_tokens"] == 24 == len(out["tokens"])
     assert out["accept_len"] >= 1.0 and out["tok_per_s"] > 0 and 0 < out["reuse_ratio"] <= 1
 
