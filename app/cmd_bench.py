@@ -250,6 +250,10 @@ def _resident_verify_cost(resident_fit: dict, profile: dict | None, info):
     return None
 
 
+# what each kind of verification batch (engine.bench.VERIFY_KINDS) is called in the report
+KIND_WORDS = {"plain": "plain steps", "copy": "copied drafts", "draft": "self-drafted (experts predicted)"}
+
+
 def offloaded_fit_clauses(c: dict) -> list[str]:
     """What a budgeted run's fit adds: the miss-aware form and the storage-fault diagnostic, if present."""
     from ..engine.costmodel import r2_text
@@ -266,6 +270,9 @@ def offloaded_fit_clauses(c: dict) -> list[str]:
                   if None not in span and span[0] != span[1] else "")
         out.append(f"verifications took {m['bound_ratio']:.2f}× their bound (fetched experts at the depth-8 rate, "
                    f"the rest as resident{spread})")
+        kinds = m.get("bound_ratio_by_kind") or {}
+        if len(kinds) > 1:
+            out.append("by batch: " + ", ".join(f"{KIND_WORDS[k]} {r:.2f}×" for k, r in kinds.items()))
     g = m.get("given_faults")
     if g:
         out.append(f"given the storage faults taken ({g['faults_per_verification']:.1f} per verification, known only "
@@ -443,7 +450,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench, storage_bound,
-                                verification_bound_ratio, warm_up, write_atomic)
+                                VERIFY_KINDS, verification_bound_ratio, warm_up, write_atomic)
     from ..engine.decoder import Decoder, GenerationConfig
     from .cli import default_model, placement_from_args
 
@@ -592,6 +599,10 @@ def run(args) -> int:
                         return verification_bound_ratio(c, resident_cost, storage["expert_bytes"], gb_s * 1e9)
                     lo, hi = rates[label]["qd8_range"]
                     c["miss_aware"]["bound_ratio"] = ratio(rates[label]["qd8_gb_s"])
+                    by_kind = {kind: verification_bound_ratio(c, resident_cost, storage["expert_bytes"],
+                                                              rates[label]["qd8_gb_s"] * 1e9, kind)
+                               for kind in VERIFY_KINDS}
+                    c["miss_aware"]["bound_ratio_by_kind"] = {k: r for k, r in by_kind.items() if r is not None}
                     # the slowest pass read around the budget gives the smallest ratio
                     c["miss_aware"]["bound_ratio_range"] = [ratio(lo), ratio(hi)]
         done.cost_model_by_budget.update(budget_fits)

@@ -420,16 +420,38 @@ def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: dict[str
         r.bound_tok_per_s = 1.0 / per_token if per_token > 0 else None
 
 
-def verification_bound_ratio(cost_model: dict, resident_cost, expert_bytes: float, bandwidth: float) -> float | None:
+# What a verification batch held, for its bound: a plain step (no draft: its experts known a layer ahead at
+# most), copied tokens (no draft pass, so no prediction of the batch's experts), or self-drafted tokens (their
+# draft passes predicted the union, fetched while they ran).
+VERIFY_KINDS = ("plain", "copy", "draft")
+
+
+def verification_kind(it: Iteration) -> str:
+    if not it.drafted:
+        return "plain"
+    return "copy" if it.draft_decision is not None and it.draft_decision.copied else "draft"
+
+
+def verification_bound_ratio(cost_model: dict, resident_cost, expert_bytes: float, bandwidth: float,
+                             kind: str | None = None) -> float | None:
     """How many times their bound a budget's verifications took (cost_model: the run's fit with its
     miss-aware form): measured seconds over the seconds they would take with every fetched expert read at
     `bandwidth` (bytes/s) and everything else as with the model in memory, resident_cost(experts, rows)
-    (a resident fit: the profile's, or this run's). None without the per-verification counts."""
+    (a resident fit: the profile's, or this run's). kind: only the verifications of that kind
+    (VERIFY_KINDS). None without the per-verification counts, or without a verification of that kind."""
     f = cost_model.get("miss_aware") or {}
     e, m, t = (np.asarray(f.get(k) or [], float) for k in ("experts", "fetched", "tokens"))
     measured = np.asarray(cost_model.get("measured_s") or [], float)
     if not len(m) or len(measured) != len(m) or bandwidth <= 0:
         return None
+    if kind is not None:
+        kinds = np.asarray(f.get("kinds") or [])
+        if len(kinds) != len(m):
+            return None
+        chosen = kinds == kind
+        if not chosen.any():
+            return None
+        e, m, t, measured = e[chosen], m[chosen], t[chosen], measured[chosen]
     bound = sum(resident_cost(float(x), int(n)) for x, n in zip(e, t)) + float(m.sum()) * expert_bytes / bandwidth
     return float(measured.sum() / bound) if bound > 0 else None
 
@@ -525,7 +547,7 @@ def run_bench(
                     if isinstance(ev, Iteration):
                         misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
                         cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
-                                             misses, ev.verify_major_faults))
+                                             misses, ev.verify_major_faults, verification_kind(ev)))
                 if rep == 0:
                     tokens_of[(name, pi)] = summary.tokens
                 per.setdefault(name, _ModeRuns()).add(summary, rep)
@@ -617,7 +639,8 @@ def run_bench(
                                             "mape": mfit.mape, "n": mfit.n, "miss_share": float(m.sum() / max(1.0, e.sum())),
                                             "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000],
                                             "experts": e.tolist()[:2000], "fetched": m.tolist()[:2000],
-                                            "tokens": t.tolist()[:2000]}
+                                            "tokens": t.tolist()[:2000],
+                                            "kinds": [smp[5] for smp in cost_samples][:2000]}
                 if all(smp[4] is not None for smp in cost_samples):
                     faults = np.array([smp[4] for smp in cost_samples], float)
                     cost_model["miss_aware"]["given_faults"] = fault_explained_fit(e, faults, t, y)

@@ -224,6 +224,10 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     assert len(miss["fetched"]) == len(miss["experts"]) == len(miss["tokens"]) == miss["n"]
     assert "bound_ratio" in miss  # the verifications against the storage bound (None where the fit prices none)
     assert (miss["bound_ratio"] is None) == ("their bound" not in said)
+    # ar's plain steps and naive's drafted batches, each against its own bound
+    assert set(miss["kinds"]) <= {"plain", "copy", "draft"} and len(miss["kinds"]) == miss["n"]
+    if miss["bound_ratio"] is not None:
+        assert {"plain", "draft"} <= set(miss["bound_ratio_by_kind"]) and "by batch: plain steps" in said
     assert "miss_aware" not in data["cost_model"]  # resident: nothing is fetched
     # the physical bound: storage read at queue depth 1 and 8, and each offloaded mode's fetches per token
     storage = data["config"]["storage"]
@@ -303,6 +307,30 @@ def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_r
     assert verification_bound_ratio({"measured_s": measured, "miss_aware": fit}, resident, 1e6, 1e9) == pytest.approx(2.0)
     assert verification_bound_ratio({"measured_s": measured[:1], "miss_aware": fit}, resident, 1e6, 1e9) is None
     assert verification_bound_ratio({"measured_s": measured, "miss_aware": {}}, resident, 1e6, 1e9) is None
+    # each kind of batch against its own bound: the first a plain step, the second a copy
+    kinds = {"measured_s": [19e-3, 3 * 49e-3], "miss_aware": dict(fit, kinds=["plain", "copy"])}
+    assert verification_bound_ratio(kinds, resident, 1e6, 1e9, "plain") == pytest.approx(1.0)
+    assert verification_bound_ratio(kinds, resident, 1e6, 1e9, "copy") == pytest.approx(3.0)
+    assert verification_bound_ratio(kinds, resident, 1e6, 1e9, "draft") is None
+    assert verification_bound_ratio({"measured_s": measured, "miss_aware": fit}, resident, 1e6, 1e9, "plain") is None
+
+
+def test_a_verification_s_kind_is_what_its_batch_held():
+    from s2moe.engine.bench import verification_kind
+    from s2moe.engine.events import DraftDecision, Iteration
+
+    def iteration(drafted, copied=None):
+        decision = DraftDecision(drafting=bool(drafted), can_pay=True, probing=False, threshold=1.0, utility=1.0,
+                                 p_first=1.0, new_experts=0.0, t_ar=1.0, cost=1.0, c_draft=0.0, t_tok=0.1,
+                                 copied=copied)
+        fields = {f: None for f in Iteration.__dataclass_fields__}
+        fields.update(drafted=tuple(drafted), draft_decision=decision)
+        return Iteration(**fields)
+
+    assert verification_kind(iteration([])) == "plain"
+    assert verification_kind(iteration([5, 6], copied="session")) == "copy"
+    assert verification_kind(iteration([5], copied="context")) == "copy"
+    assert verification_kind(iteration([5])) == "draft"
 
 
 def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
