@@ -20,7 +20,7 @@ from .policies import EarlierText
 
 FORMAT = "s2moe-copy-cache"
 VERSION = 1
-# EarlierText keeps 65,536 tokens at most: a few hundred KiB of JSON; anything far larger is not one of ours
+# EarlierText keeps 16,384 tokens at most: about 100 KiB of JSON; anything far larger is not one of ours
 MAX_FILE_BYTES = 16 << 20
 
 
