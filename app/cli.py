@@ -284,6 +284,12 @@ def add_draft_experts_option(p: argparse.ArgumentParser) -> None:
                         "reads the router's top k_d")
 
 
+def add_copy_cache_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--copy-cache", metavar="FILE|DIR", type=nonempty,
+                   help="s2moe: also copy drafts from the generations kept in FILE (earlier runs on this model), "
+                        "and keep this run's there (created if missing); a directory keeps a file per model")
+
+
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
@@ -371,9 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="FILE", type=nonempty,
                    help="write a decoding trace (JSONL) for `s2moe project`: drafts run to the cap, noting what the "
                         "mode's rule would have kept")
-    g.add_argument("--copy-cache", metavar="FILE", type=nonempty,
-                   help="s2moe: also copy drafts from the generations kept in FILE (earlier runs on this model), "
-                        "and keep this run's there (created if missing)")
+    add_copy_cache_option(g)
     g.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
                    help="print only the generated text, not the prompt before it")
     from . import cmd_chat

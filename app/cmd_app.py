@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def add_parser(subparsers) -> None:
-    from .cli import add_batch_option, add_placement_options, add_sampling_options, budget_text, nonempty, positive_int
+    from .cli import (add_batch_option, add_copy_cache_option, add_placement_options, add_sampling_options, budget_text,
+                      nonempty, positive_int)
 
     p = subparsers.add_parser("app", help="open the terminal app (the default when s2moe has no arguments)")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -18,6 +19,7 @@ def add_parser(subparsers) -> None:
     add_batch_option(p)
     add_placement_options(p)
     add_sampling_options(p)
+    add_copy_cache_option(p)
     # Given, a sampler flag overrides the chat's remembered setting; not given, the remembered one stands.
     p.set_defaults(run=run, temp=None, seed=None, top_k=None, top_p=None, min_p=None, repeat_penalty=None,
                    repeat_last_n=None)
@@ -56,6 +58,7 @@ def build_app(args):
     return S2MoEApp(model, profile=profile, n_threads=args.threads, n_ctx=getattr(args, "ctx", 2048),
                     n_batch=getattr(args, "batch_size", None),
                     model_message=message, budget=getattr(args, "budget", None),
+                    copy_cache=getattr(args, "copy_cache", None),
                     placement=placement_from_args(args) if hasattr(args, "gpu_layers") else None,
                     sampling={k: v for k, v in sampling_settings(args).items() if v is not None}
                     if hasattr(args, "temp") else None)

@@ -1,9 +1,10 @@
-"""A file of earlier generations for s2moe's copies, kept across runs (`generate --copy-cache FILE`).
+"""A file of earlier generations for s2moe's copies, kept across runs (`--copy-cache FILE|DIR` of generate and app).
 
 s2moe copies drafts from the session's earlier generations of other prompts (EarlierText): a model's
 completions repeat its habits from one prompt to the next. Within one process the session is the decoder's
 own; a one-shot `generate` has none. The file carries the session over: loaded before the run, and written
-back (atomically) with this run's generations after it. It holds token ids, so it belongs to one model file.
+back (atomically) with this run's generations after it. It holds token ids, so it belongs to one model file;
+a directory holds one such file per model, named by the model's fingerprint.
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ VERSION = 1
 MAX_FILE_BYTES = 16 << 20
 
 
+def copy_cache_file(path: str | os.PathLike, info: ModelInfo) -> Path:
+    """The file `path` names for this model: the path itself, or in a directory the model's own file."""
+    path = Path(path).expanduser()
+    return path / f"{info.fingerprint}.json" if path.is_dir() else path
+
+
 def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText) -> int:
-    """Add the generations kept in `path` to `earlier`, oldest first; how many. A file that does not exist yet
-    holds none (the run creates it); one that is not a copy cache of this model is a ConfigError."""
-    path = Path(path)
+    """Add the generations kept at `path` (copy_cache_file) to `earlier`, oldest first; how many. A file that
+    does not exist yet holds none (the run creates it); one that is not a copy cache of this model is a
+    ConfigError."""
+    path = copy_cache_file(path, info)
     if not path.exists():
         return 0
     raw = read_bounded(path, "copy cache", MAX_FILE_BYTES)
@@ -54,7 +62,9 @@ def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierTe
 
 
 def save_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText) -> None:
-    """Write `earlier`'s generations to `path` in one step: a run stopped while writing leaves the old file."""
+    """Write `earlier`'s generations to `path` (copy_cache_file) in one step: a run stopped while writing leaves
+    the old file."""
+    path = copy_cache_file(path, info)
     generations = [{"prompt": list(prompt), "text": text} for prompt, text in earlier.generations()]
     data = {"format": FORMAT, "version": VERSION, "model": info.fingerprint, "generations": generations}
     try:

@@ -1093,3 +1093,39 @@ def test_a_mode_checkbox_says_its_state_without_colour():
             assert boxes()[first] != before[first]
 
     run(go())
+
+
+def test_the_app_keeps_its_copies_across_runs_in_a_file_per_model(tiny_models, tmp_path):
+    """`s2moe app --copy-cache DIR`: the session loads the model's file when it loads the model and writes it back,
+    this run's generations added, when the model closes; another model gets its own file; a file that is not a
+    copy cache stops the load with a ConfigError and stays as it was."""
+    import json
+
+    from s2moe.app.tui.session import EngineSession
+    from s2moe.engine.copycache import copy_cache_file
+    from s2moe.engine.model_info import read_model_info
+
+    def one_run(model, prompt):
+        session = EngineSession(str(model), n_threads=1, n_ctx=128, copy_cache=str(tmp_path))
+        try:
+            session.load()
+            session.generate(prompt, ChatSettings(mode="ar", n_predict=4), lambda e, v: None)
+            return [tuple(p) for p, _ in session.decoder.earlier.generations()]
+        finally:
+            session.close()
+
+    olmoe = copy_cache_file(tmp_path, read_model_info(str(tiny_models["olmoe"])))
+    assert not olmoe.exists()
+    ran = one_run(tiny_models["olmoe"], "hello")  # nothing kept yet: only this run's generation
+    first = json.loads(olmoe.read_text())["generations"]
+    assert len(ran) == len(first) == 1 and tuple(first[0]["prompt"]) == ran[0]
+    seen = one_run(tiny_models["olmoe"], "good morning")  # the earlier run's generation is there on load
+    assert seen[0] == tuple(first[0]["prompt"]) and len(seen) == 2
+    assert len(json.loads(olmoe.read_text())["generations"]) == 2
+    one_run(tiny_models["qwen3moe"], "hello")
+    qwen = copy_cache_file(tmp_path, read_model_info(str(tiny_models["qwen3moe"])))
+    assert qwen != olmoe and len(json.loads(qwen.read_text())["generations"]) == 1
+    qwen.write_text("not json")
+    with pytest.raises(ConfigError, match="not JSON"):
+        one_run(tiny_models["qwen3moe"], "hello")
+    assert qwen.read_text() == "not json"

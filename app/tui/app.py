@@ -52,12 +52,12 @@ class S2MoEApp(App):
     def __init__(self, model_path: str | None = None, *, profile: str | None = None, n_threads: int | None = None,
                  n_ctx: int = 2048, model_message: str | None = None, load_on_start: bool = True,
                  decoder_factory=None, budget: str | None = None, placement=None, sampling: dict | None = None,
-                 n_batch: int | None = None):
+                 n_batch: int | None = None, copy_cache: str | None = None):
         super().__init__()
         self.sampling_flags = dict(sampling or {})  # ChatSettings fields the command line set
         self.session = EngineSession(model_path, n_threads=n_threads, n_ctx=n_ctx, profile=profile,
                                      decoder_factory=decoder_factory, budget=budget, placement=placement,
-                                     n_batch=n_batch)
+                                     n_batch=n_batch, copy_cache=copy_cache)
         self.model_message = model_message
         self.load_on_start = load_on_start
         self._views: list = []

@@ -193,8 +193,12 @@ class EngineSession:
 
     def __init__(self, model_path: str | None, *, n_threads: int | None = None, n_ctx: int = 2048,
                  profile: str | None = None, decoder_factory: Callable | None = None, budget: str | None = None,
-                 placement=None, n_batch: int | None = None):
+                 placement=None, n_batch: int | None = None, copy_cache: str | None = None):
         self.model_path = str(model_path) if model_path else None
+        # s2moe's copies from earlier generations, kept across app runs (engine.copycache): a file, or a
+        # directory with a file per model
+        self.copy_cache = copy_cache
+        self._copies_loaded = False  # the decoder holds the file's generations: written back when it closes
         self.placement = placement  # engine.gpu.Placement; None: everything in host memory
         # "auto" or a size: the app runs inside a memory cgroup (s2moe app --budget) and offloads experts
         self.budget = budget
@@ -247,6 +251,15 @@ class EngineSession:
                     except BaseException:
                         self._close_decoder()
                         raise
+            if self.copy_cache is not None:
+                from ...engine.copycache import load_copy_cache
+
+                try:
+                    load_copy_cache(self.copy_cache, self.decoder.info, self.decoder.earlier)
+                except BaseException:
+                    self._close_decoder()
+                    raise
+                self._copies_loaded = True
             from ...engine.chat import Conversation
 
             self.template = self.decoder.chat_template
@@ -289,12 +302,19 @@ class EngineSession:
         return "budget " + Budget.parse(self.budget).describe(self.budget_bytes)
 
     def _close_decoder(self) -> None:
-        if self.offloader is not None:
-            self.offloader.close()
-            self.offloader = None
-        if self.decoder is not None:
-            self.decoder.close()
-            self.decoder = None
+        decoder, self.decoder = self.decoder, None
+        loaded, self._copies_loaded = self._copies_loaded, False
+        try:
+            if decoder is not None and loaded:
+                from ...engine.copycache import save_copy_cache
+
+                save_copy_cache(self.copy_cache, decoder.info, decoder.earlier)
+        finally:
+            if self.offloader is not None:
+                self.offloader.close()
+                self.offloader = None
+            if decoder is not None:
+                decoder.close()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop any job and free the decoder (waits for the job to reach its next stop check)."""
