@@ -37,6 +37,11 @@ def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierTe
     ConfigError."""
     path = copy_cache_file(path, info)
     if not path.exists():
+        # said now, not after the run has decoded everything it would keep there
+        if not path.parent.is_dir():
+            raise ConfigError(f"copy cache {path}: there is no directory {path.parent} to keep it in")
+        if not os.access(path.parent, os.W_OK):
+            raise ConfigError(f"copy cache {path}: cannot write in {path.parent}")
         return 0
     raw = read_bounded(path, "copy cache", MAX_FILE_BYTES)
     try:

@@ -183,3 +183,6 @@ def test_a_copy_cache_carries_generations_from_one_run_to_the_next(tiny_models, 
     assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hi", "-n", "4",
                              "--copy-cache", str(broken)), "not JSON")
     assert broken.read_text().endswith("[")
+    nowhere = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hi", "-n", "4",
+                    "--copy-cache", str(tmp_path / "missing" / "copies.json"))
+    assert_clean_error(nowhere, "there is no directory")
