@@ -524,137 +524,138 @@ def run_bench(
     done = 0
     per: dict[str, _ModeRuns] = {}
     cost_samples = []
-    try:
-        if warmup:
-            for name in warm_up(dec, base, prompts[0], modes):
-                if should_stop is not None and should_stop():
-                    return
-                yield BenchProgress(0, total, name, 0, budget, warmup=True)
-        tokens_of: dict[tuple[str, int], tuple[int, ...]] = {}
-        for rep, pi in ((r, p) for r in range(repeats) for p in range(len(prompts))):
-            prompt = prompts[pi]
-            # The order changes from prompt to prompt (and on across repeats), balanced so that each mode runs
-            # in each place and right after each other mode equally often: a mode that always ran first, or
-            # always right after one that churns the expert cache (a forced chain's verifications, the
-            # independent draft's second context), would be measured under conditions of its own.
-            for name in (modes[i] for i in balanced_order(len(modes), rep * len(prompts) + pi)):
-                if should_stop is not None and should_stop():
-                    return
-                cfg = replace(configs[name], seed=prompt_seed(base.seed, pi))
-                summary = Summary()
-                for ev in dec.generate(prompt, cfg):
-                    summary.add(ev)
-                    if isinstance(ev, Iteration):
-                        misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
-                        cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
-                                             misses, ev.verify_major_faults, verification_kind(ev)))
-                if rep == 0:
-                    tokens_of[(name, pi)] = summary.tokens
-                per.setdefault(name, _ModeRuns()).add(summary, rep)
-                done += 1
-                yield BenchProgress(done, total, name, pi, budget, repeat=rep)
-            if rep > 0:
-                continue
-            if trace_cfg is not None:
-                from .trace import TraceRecorder
-
-                recorder = TraceRecorder(dec.info)
-                for ev in dec.generate(prompt, replace(trace_cfg, seed=prompt_seed(base.seed, pi))):
-                    recorder.add(ev)
-                yield BenchTrace(pi, recorder.trace)
-            reference = tokens_of[("ar", pi)]
-            for name in modes:
-                if name == "ar":
+    with dec.apart_from_session():  # the same figures whatever the decoder's session generated before
+        try:
+            if warmup:
+                for name in warm_up(dec, base, prompts[0], modes):
+                    if should_stop is not None and should_stop():
+                        return
+                    yield BenchProgress(0, total, name, 0, budget, warmup=True)
+            tokens_of: dict[tuple[str, int], tuple[int, ...]] = {}
+            for rep, pi in ((r, p) for r in range(repeats) for p in range(len(prompts))):
+                prompt = prompts[pi]
+                # The order changes from prompt to prompt (and on across repeats), balanced so that each mode runs
+                # in each place and right after each other mode equally often: a mode that always ran first, or
+                # always right after one that churns the expert cache (a forced chain's verifications, the
+                # independent draft's second context), would be measured under conditions of its own.
+                for name in (modes[i] for i in balanced_order(len(modes), rep * len(prompts) + pi)):
+                    if should_stop is not None and should_stop():
+                        return
+                    cfg = replace(configs[name], seed=prompt_seed(base.seed, pi))
+                    summary = Summary()
+                    for ev in dec.generate(prompt, cfg):
+                        summary.add(ev)
+                        if isinstance(ev, Iteration):
+                            misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
+                            cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
+                                                 misses, ev.verify_major_faults, verification_kind(ev)))
+                    if rep == 0:
+                        tokens_of[(name, pi)] = summary.tokens
+                    per.setdefault(name, _ModeRuns()).add(summary, rep)
+                    done += 1
+                    yield BenchProgress(done, total, name, pi, budget, repeat=rep)
+                if rep > 0:
                     continue
+                if trace_cfg is not None:
+                    from .trace import TraceRecorder
+
+                    recorder = TraceRecorder(dec.info)
+                    for ev in dec.generate(prompt, replace(trace_cfg, seed=prompt_seed(base.seed, pi))):
+                        recorder.add(ev)
+                    yield BenchTrace(pi, recorder.trace)
+                reference = tokens_of[("ar", pi)]
+                for name in modes:
+                    if name == "ar":
+                        continue
+                    runs = per[name]
+                    same = tokens_of[(name, pi)] == reference
+                    runs.identical.append(same)
+                    if not same:
+                        runs.near_ties += near_tie(dec, prompt, reference, tokens_of[(name, pi)],
+                                                   replace(base, seed=prompt_seed(base.seed, pi)))
+            rows = []
+            ar_repeats = per["ar"].repeat_tok_per_s
+            for name in modes:
                 runs = per[name]
-                same = tokens_of[(name, pi)] == reference
-                runs.identical.append(same)
-                if not same:
-                    runs.near_ties += near_tie(dec, prompt, reference, tokens_of[(name, pi)],
-                                               replace(base, seed=prompt_seed(base.seed, pi)))
-        rows = []
-        ar_repeats = per["ar"].repeat_tok_per_s
-        for name in modes:
-            runs = per[name]
-            totals = runs.totals
-            reuse_layers = totals.reuse_per_layer
-            tps = runs.repeat_tok_per_s
-            ratios = [t / a for t, a in zip(tps, ar_repeats) if a > 0]
-            rows.append(BenchRow(
-                mode=name,
-                budget=budget,
-                prompt_set=prompt_set,
-                n_prompts=len(prompts),
-                n_tokens=runs.n_tokens,
-                seconds=runs.seconds,
-                tok_per_s=float(np.median(tps)),
-                speedup_vs_ar=float(np.median(ratios)) if len(ratios) == len(tps) else None,
-                accept_len=totals.accept_len,
-                draft_len=totals.mean_draft_len,
-                acceptance_rate=totals.acceptance_rate,
-                reuse_ratio=totals.reuse_ratio,
-                reuse_ratio_per_layer=[float(x) for x in reuse_layers] if reuse_layers is not None else None,
-                verify_experts=totals.mean_verify_experts,
-                effective_verify_cost=totals.useful_share,
-                experts_per_token=totals.experts_per_token,
-                rollbacks=totals.rollbacks,
-                t_draft=totals.t_draft,
-                t_verify=totals.t_verify,
-                identical_to_ar=float(np.mean(runs.identical)) if runs.identical else None,
-                near_tie_divergences=runs.near_ties,
-                fetched_per_token=((totals.experts_fetched + totals.draft_fetched) / runs.n_tokens
-                                   if totals.offloaded_steps and runs.n_tokens else None),
-                identical_expected=expected_lossless(name, configs[name]) and name != "ar",
-                tok_per_s_repeats=[float(t) for t in tps],
-                speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
-                draft_experts=dec.draft_experts(configs[name])
-                if configs[name].mode in SELF_DRAFTING else None,
-            ))
-        quality = {}
-        if dec.info.is_moe and quality_texts:
-            quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
-                                     window=base.draft_max + 1)
-        cost_model = {}
-        # a fit needs verifications of different sizes: with plain steps only (nothing drafted) the
-        # token count never varies and the regression would report a meaningless R² of 0
-        if len(cost_samples) >= 3 and len({smp[1] for smp in cost_samples}) >= 2:
-            fit = fit_verify_cost(*list(zip(*cost_samples))[:3])
-            measured = [s[2] for s in cost_samples]
-            predicted = [float(x) for x in fit.predict([s[0] for s in cost_samples], [s[1] for s in cost_samples])]
-            cost_model = {"intercept_s": fit.intercept, "t_exp_s": fit.t_exp, "t_tok_s": fit.t_tok, "r2": fit.r2,
-                          "r2_ceiling": fit.r2_ceiling, "mape": fit.mape, "n": fit.n, "measured_s": measured[:2000],
-                          "predicted_s": predicted[:2000]}
-            startup = dec.measured_cost_constants(base.draft_topk, base.draft_max)
-            if startup is not None:
-                pred0 = np.array([startup.verify_cost(s[0], s[1]) for s in cost_samples])
-                y = np.array(measured)
-                cost_model["startup_constants_mape"] = float(np.mean(np.abs(y - pred0) / np.maximum(y, 1e-12)))
-            if all(smp[3] is not None for smp in cost_samples) and len(cost_samples) >= 4:
-                # offloaded: what a verification costs depends on how many of its experts had to be fetched
-                e, t, y, m = (np.array(v, float) for v in list(zip(*cost_samples))[:4])
-                mfit = fit_miss_cost(e, m, t, y)
-                cost_model["miss_aware"] = {"intercept_s": mfit.intercept, "t_exp_warm_s": mfit.t_hit,
-                                            "t_exp_cold_s": mfit.t_miss, "t_tok_s": mfit.t_tok, "r2": mfit.r2,
-                                            "r2_ceiling": mfit.r2_ceiling,
-                                            "mape": mfit.mape, "n": mfit.n, "miss_share": float(m.sum() / max(1.0, e.sum())),
-                                            "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000],
-                                            "experts": e.tolist()[:2000], "fetched": m.tolist()[:2000],
-                                            "tokens": t.tolist()[:2000],
-                                            "kinds": [smp[5] for smp in cost_samples][:2000]}
-                if all(smp[4] is not None for smp in cost_samples):
-                    faults = np.array([smp[4] for smp in cost_samples], float)
-                    cost_model["miss_aware"]["given_faults"] = fault_explained_fit(e, faults, t, y)
-        yield BenchDone(rows, quality, cost_model, machine_info(n_threads),
-                        config={"model": str(dec.info.path), "n_tokens": n_tokens, "modes": list(modes),
-                                "budget": budget, "prompt_set": prompt_set, "n_prompts": len(prompts),
-                                "greedy": base.sampling().greedy, **sampling_record(base, len(prompts)),
-                                "draft_topk": base.draft_topk,
-                                "draft_max": base.draft_max, "reuse_strength": base.reuse_strength,
-                                "repeats": repeats, "warmup": warmup, "draft_experts": dec.draft_experts(base),
-                                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    finally:
-        if own_decoder:
-            dec.close()
+                totals = runs.totals
+                reuse_layers = totals.reuse_per_layer
+                tps = runs.repeat_tok_per_s
+                ratios = [t / a for t, a in zip(tps, ar_repeats) if a > 0]
+                rows.append(BenchRow(
+                    mode=name,
+                    budget=budget,
+                    prompt_set=prompt_set,
+                    n_prompts=len(prompts),
+                    n_tokens=runs.n_tokens,
+                    seconds=runs.seconds,
+                    tok_per_s=float(np.median(tps)),
+                    speedup_vs_ar=float(np.median(ratios)) if len(ratios) == len(tps) else None,
+                    accept_len=totals.accept_len,
+                    draft_len=totals.mean_draft_len,
+                    acceptance_rate=totals.acceptance_rate,
+                    reuse_ratio=totals.reuse_ratio,
+                    reuse_ratio_per_layer=[float(x) for x in reuse_layers] if reuse_layers is not None else None,
+                    verify_experts=totals.mean_verify_experts,
+                    effective_verify_cost=totals.useful_share,
+                    experts_per_token=totals.experts_per_token,
+                    rollbacks=totals.rollbacks,
+                    t_draft=totals.t_draft,
+                    t_verify=totals.t_verify,
+                    identical_to_ar=float(np.mean(runs.identical)) if runs.identical else None,
+                    near_tie_divergences=runs.near_ties,
+                    fetched_per_token=((totals.experts_fetched + totals.draft_fetched) / runs.n_tokens
+                                       if totals.offloaded_steps and runs.n_tokens else None),
+                    identical_expected=expected_lossless(name, configs[name]) and name != "ar",
+                    tok_per_s_repeats=[float(t) for t in tps],
+                    speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
+                    draft_experts=dec.draft_experts(configs[name])
+                    if configs[name].mode in SELF_DRAFTING else None,
+                ))
+            quality = {}
+            if dec.info.is_moe and quality_texts:
+                quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
+                                         window=base.draft_max + 1)
+            cost_model = {}
+            # a fit needs verifications of different sizes: with plain steps only (nothing drafted) the
+            # token count never varies and the regression would report a meaningless R² of 0
+            if len(cost_samples) >= 3 and len({smp[1] for smp in cost_samples}) >= 2:
+                fit = fit_verify_cost(*list(zip(*cost_samples))[:3])
+                measured = [s[2] for s in cost_samples]
+                predicted = [float(x) for x in fit.predict([s[0] for s in cost_samples], [s[1] for s in cost_samples])]
+                cost_model = {"intercept_s": fit.intercept, "t_exp_s": fit.t_exp, "t_tok_s": fit.t_tok, "r2": fit.r2,
+                              "r2_ceiling": fit.r2_ceiling, "mape": fit.mape, "n": fit.n, "measured_s": measured[:2000],
+                              "predicted_s": predicted[:2000]}
+                startup = dec.measured_cost_constants(base.draft_topk, base.draft_max)
+                if startup is not None:
+                    pred0 = np.array([startup.verify_cost(s[0], s[1]) for s in cost_samples])
+                    y = np.array(measured)
+                    cost_model["startup_constants_mape"] = float(np.mean(np.abs(y - pred0) / np.maximum(y, 1e-12)))
+                if all(smp[3] is not None for smp in cost_samples) and len(cost_samples) >= 4:
+                    # offloaded: what a verification costs depends on how many of its experts had to be fetched
+                    e, t, y, m = (np.array(v, float) for v in list(zip(*cost_samples))[:4])
+                    mfit = fit_miss_cost(e, m, t, y)
+                    cost_model["miss_aware"] = {"intercept_s": mfit.intercept, "t_exp_warm_s": mfit.t_hit,
+                                                "t_exp_cold_s": mfit.t_miss, "t_tok_s": mfit.t_tok, "r2": mfit.r2,
+                                                "r2_ceiling": mfit.r2_ceiling,
+                                                "mape": mfit.mape, "n": mfit.n, "miss_share": float(m.sum() / max(1.0, e.sum())),
+                                                "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000],
+                                                "experts": e.tolist()[:2000], "fetched": m.tolist()[:2000],
+                                                "tokens": t.tolist()[:2000],
+                                                "kinds": [smp[5] for smp in cost_samples][:2000]}
+                    if all(smp[4] is not None for smp in cost_samples):
+                        faults = np.array([smp[4] for smp in cost_samples], float)
+                        cost_model["miss_aware"]["given_faults"] = fault_explained_fit(e, faults, t, y)
+            yield BenchDone(rows, quality, cost_model, machine_info(n_threads),
+                            config={"model": str(dec.info.path), "n_tokens": n_tokens, "modes": list(modes),
+                                    "budget": budget, "prompt_set": prompt_set, "n_prompts": len(prompts),
+                                    "greedy": base.sampling().greedy, **sampling_record(base, len(prompts)),
+                                    "draft_topk": base.draft_topk,
+                                    "draft_max": base.draft_max, "reuse_strength": base.reuse_strength,
+                                    "repeats": repeats, "warmup": warmup, "draft_experts": dec.draft_experts(base),
+                                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        finally:
+            if own_decoder:
+                dec.close()
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:

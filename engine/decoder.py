@@ -281,6 +281,17 @@ class Decoder:
         measurement): the next generation prefills its whole prompt."""
         self._context = None
 
+    @contextmanager
+    def apart_from_session(self):
+        """Generations inside copy only from each other's text, not from what the session generated before (a
+        benchmark measures the same with whatever a chat or a copy cache left); the session's text is as it
+        was afterwards."""
+        session, self.earlier = self.earlier, EarlierText()
+        try:
+            yield
+        finally:
+            self.earlier = session
+
     def piece_text(self, token: int) -> str:
         text = self._pieces.get(token)
         if text is None:

@@ -458,3 +458,23 @@ def test_bench_orders_its_modes_so_that_each_follows_each_other_equally_often():
         assert len(places) == n * n and len(set(places.values())) == 1
         assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
         assert balanced_order(n, cycle) == rows[0]
+
+
+def test_a_bench_on_a_session_s_decoder_neither_copies_from_nor_adds_to_its_earlier_text(decoders):
+    """The app benches on its chat's decoder: its generations copy only from each other's (the same figures
+    whatever a chat or a copy cache left), and the session's earlier text is as it was afterwards."""
+    from s2moe.engine.policies import EarlierText
+
+    d = decoders["olmoe"]
+    kept = d.earlier
+    session = EarlierText()
+    session.add((1, 2, 3), [1, 2, 3, 4, 5])
+    seen = []
+    try:
+        d.earlier = session
+        _bench(d, ["ar", "s2moe"], should_stop=lambda: seen.append(d.earlier) or False)
+        assert seen and all(e is not session for e in seen)
+        assert max(len(e.entries) for e in seen) >= 2  # the bench's own prompts, copied from each other
+        assert d.earlier is session and session.generations() == [((1, 2, 3), [1, 2, 3, 4, 5])]
+    finally:
+        d.earlier = kept
