@@ -595,13 +595,11 @@ def run(args) -> int:
             resident_cost = _resident_verify_cost(done.cost_model, profile if args.profile else None, info)
             for label, c in budget_fits.items():
                 if c.get("miss_aware") and resident_cost is not None:
-                    def ratio(gb_s):
-                        return verification_bound_ratio(c, resident_cost, storage["expert_bytes"], gb_s * 1e9)
+                    def ratio(gb_s, kind=None):
+                        return verification_bound_ratio(c, resident_cost, storage["expert_bytes"], gb_s * 1e9, kind)
                     lo, hi = rates[label]["qd8_range"]
                     c["miss_aware"]["bound_ratio"] = ratio(rates[label]["qd8_gb_s"])
-                    by_kind = {kind: verification_bound_ratio(c, resident_cost, storage["expert_bytes"],
-                                                              rates[label]["qd8_gb_s"] * 1e9, kind)
-                               for kind in VERIFY_KINDS}
+                    by_kind = {kind: ratio(rates[label]["qd8_gb_s"], kind) for kind in VERIFY_KINDS}
                     c["miss_aware"]["bound_ratio_by_kind"] = {k: r for k, r in by_kind.items() if r is not None}
                     # the slowest pass read around the budget gives the smallest ratio
                     c["miss_aware"]["bound_ratio_range"] = [ratio(lo), ratio(hi)]
