@@ -641,7 +641,8 @@ def test_residency_snapshots_thin_out_when_the_walk_is_slow(tiny_models):
 def test_a_warm_up_before_offloading_times_nothing_and_the_run_measures_under_the_budget(tiny_models):
     """Constants timed before the offloader is in place are not what a step costs under the budget (resident,
     or faulting without its cache): the warm-up times none and drafts to the cap, building the longest graphs,
-    and whatever was measured before is measured again once offloading is in place."""
+    and whatever was measured before is measured again once offloading is in place. Nor does its text join
+    the session's earlier generations, which copies draw on and a copy cache keeps."""
     from s2moe.engine.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.events import Iteration, Started
     from s2moe.engine.offload import Budget, offload_decoder
@@ -652,7 +653,9 @@ def test_a_warm_up_before_offloading_times_nothing_and_the_run_measures_under_th
         resident = next(e for e in run(d, "hello", cfg) if isinstance(e, Started)).cost
         assert resident.source == "measured at start-up" and d.measured_cost_constants(None, 4) is resident
         warm = []
+        session_text = d.earlier.generations()
         off = offload_decoder(d, Budget.parse("1G"), [], warm_up=lambda: warm.extend(run(d, "hello there", cfg)))
+        assert d.earlier.generations() == session_text  # the warm-up's text is not the session's
         (started,) = [e for e in warm if isinstance(e, Started)]
         assert started.cost.source.startswith("warm-up")
         assert [e.draft_stop for e in warm if isinstance(e, Iteration)][0] == "cap"  # the longest drafts
