@@ -3,14 +3,17 @@
 s2moe copies drafts from the session's earlier generations of other prompts (EarlierText): a model's
 completions repeat its habits from one prompt to the next. Within one process the session is the decoder's
 own; a one-shot `generate` has none. The file carries the session over: loaded before the run, and written
-back (atomically) with this run's generations after it. It holds token ids, so it belongs to one model file;
-a directory holds one such file per model, named by the model's fingerprint.
+back (atomically) with this run's generations after it, merged with what other runs wrote there meanwhile. It
+holds token ids, so it belongs to one model file; a directory holds one such file per model, named by the
+model's fingerprint.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from .bench import write_atomic
@@ -43,6 +46,47 @@ def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierTe
         if not os.access(path.parent, os.W_OK):
             raise ConfigError(f"copy cache {path}: cannot write in {path.parent}")
         return 0
+    generations = _read(path, info)
+    for prompt, text in generations:
+        earlier.add(prompt, text)
+    return len(generations)
+
+
+def save_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText) -> None:
+    """Write `earlier`'s generations to `path` (copy_cache_file) in one step: a run stopped while writing leaves
+    the old file. Runs that share the file (two apps, generate in a loop beside a chat) each started from what
+    it held then: what another wrote since is kept too, the file's generations first and this run's after
+    them (this run's text where both hold a prompt), within EarlierText's caps."""
+    path = copy_cache_file(path, info)
+    with _locked(path.parent):
+        merged = EarlierText(earlier.max_ngram, earlier.min_ngram, earlier.keep, earlier.max_tokens)
+        for prompt, text in (_read(path, info) if path.exists() else []) + earlier.generations():
+            merged.add(prompt, text)
+        generations = [{"prompt": list(prompt), "text": text} for prompt, text in merged.generations()]
+        data = {"format": FORMAT, "version": VERSION, "model": info.fingerprint, "generations": generations}
+        try:
+            write_atomic(path, json.dumps(data, separators=(",", ":")) + "\n")
+        except OSError as e:
+            raise ConfigError(f"cannot write copy cache {path}: {e.strerror}") from None
+
+
+@contextmanager
+def _locked(directory: Path):
+    """Writers of one directory's copy caches one at a time, between reading the file and replacing it (a
+    lock on the file itself would go with the inode the replacement unlinks)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise ConfigError(f"cannot write copy cache in {directory}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read(path: Path, info: ModelInfo) -> list[tuple[list[int], list[int]]]:
+    """The (prompt, text) generations of a copy cache of this model, oldest first; else a ConfigError."""
     raw = read_bounded(path, "copy cache", MAX_FILE_BYTES)
     try:
         data = json.loads(raw)
@@ -58,24 +102,13 @@ def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierTe
     generations = data.get("generations")
     if not isinstance(generations, list):
         raise ConfigError(f"copy cache {path}: no list of generations")
+    out = []
     for i, g in enumerate(generations):
         prompt, text = (g.get("prompt"), g.get("text")) if isinstance(g, dict) else (None, None)
         if not (_tokens(prompt, info.n_vocab) and _tokens(text, info.n_vocab)):
             raise ConfigError(f"copy cache {path}: generation {i} is not two lists of this model's token ids")
-        earlier.add(prompt, text)
-    return len(generations)
-
-
-def save_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText) -> None:
-    """Write `earlier`'s generations to `path` (copy_cache_file) in one step: a run stopped while writing leaves
-    the old file."""
-    path = copy_cache_file(path, info)
-    generations = [{"prompt": list(prompt), "text": text} for prompt, text in earlier.generations()]
-    data = {"format": FORMAT, "version": VERSION, "model": info.fingerprint, "generations": generations}
-    try:
-        write_atomic(path, json.dumps(data, separators=(",", ":")) + "\n")
-    except OSError as e:
-        raise ConfigError(f"cannot write copy cache {path}: {e.strerror}") from None
+        out.append((prompt, text))
+    return out
 
 
 def _tokens(value, n_vocab: int) -> bool:

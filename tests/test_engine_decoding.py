@@ -741,6 +741,37 @@ def test_a_seed_below_minus_one_is_refused_by_the_engine_too():
         GenerationConfig(seed=-2).validate()
 
 
+def test_runs_sharing_a_copy_cache_keep_each_others_generations(decoders, tmp_path):
+    """Two runs load the same file, each generates for a prompt of its own, and both write it back: the file
+    then holds both generations (the second writer merges what the first wrote since it loaded), and the text
+    of the run that wrote last where both generated for one prompt."""
+    from s2moe.engine.copycache import load_copy_cache, save_copy_cache
+    from s2moe.engine.policies import EarlierText
+
+    d = decoders["olmoe"]
+    path = tmp_path / "copies.json"
+    shared, mine, theirs = (d.tokenize(p) for p in PROMPTS[:3])
+    kept = d.earlier
+    try:
+        d.earlier = EarlierText()
+        d.earlier.add(shared, shared + [1, 2, 3])
+        save_copy_cache(path, d.info, d.earlier)
+        a, b = EarlierText(), EarlierText()
+        load_copy_cache(path, d.info, a)
+        load_copy_cache(path, d.info, b)
+        a.add(mine, mine + [4, 5])
+        a.add(shared, shared + [6])
+        b.add(theirs, theirs + [7, 8])
+        save_copy_cache(path, d.info, b)
+        save_copy_cache(path, d.info, a)
+        again = EarlierText()
+        assert load_copy_cache(path, d.info, again) == 3
+        assert dict(again.generations()) == {tuple(shared): shared + [6], tuple(mine): mine + [4, 5],
+                                             tuple(theirs): theirs + [7, 8]}
+    finally:
+        d.earlier = kept
+
+
 def test_a_copy_cache_file_gives_a_new_session_the_generations_of_an_earlier_one(decoders, tmp_path):
     """What one process kept (save_copy_cache) a fresh session loads (load_copy_cache) and copies from, as from
     its own earlier generations, keeping ar's tokens; a file of another model is refused."""
