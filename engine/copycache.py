@@ -56,12 +56,18 @@ def save_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierTe
     """Write `earlier`'s generations to `path` (copy_cache_file) in one step: a run stopped while writing leaves
     the old file. Runs that share the file (two apps, generate in a loop beside a chat) each started from what
     it held then: what another wrote since is kept too, the file's generations first and this run's after
-    them (this run's text where both hold a prompt), within EarlierText's caps."""
+    them (this run's text where both hold a prompt), within EarlierText's caps. What this run holds as the file
+    does (most of what it loaded) keeps the file's place: re-added as newest, a full cache's loaded entries would
+    push out what another run added since."""
     path = copy_cache_file(path, info)
     with _locked(path.parent):
         merged = EarlierText(earlier.max_ngram, earlier.min_ngram, earlier.keep, earlier.max_tokens)
-        for prompt, text in (_read(path, info) if path.exists() else []) + earlier.generations():
+        kept = {tuple(prompt): text for prompt, text in (_read(path, info) if path.exists() else [])}
+        for prompt, text in kept.items():
             merged.add(prompt, text)
+        for prompt, text in earlier.generations():
+            if kept.get(prompt) != text:
+                merged.add(prompt, text)
         generations = [{"prompt": list(prompt), "text": text} for prompt, text in merged.generations()]
         data = {"format": FORMAT, "version": VERSION, "model": info.fingerprint, "generations": generations}
         try:

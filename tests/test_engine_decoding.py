@@ -768,6 +768,22 @@ def test_runs_sharing_a_copy_cache_keep_each_others_generations(decoders, tmp_pa
         assert load_copy_cache(path, d.info, again) == 3
         assert dict(again.generations()) == {tuple(shared): shared + [6], tuple(mine): mine + [4, 5],
                                              tuple(theirs): theirs + [7, 8]}
+        # a full cache (three entries): each run adds one, dropping the oldest; the other's survives the merge
+        full = [(tuple(t), t + [9]) for t in ([5, 6, 7], [8, 9, 10], [11, 12, 13])]
+        start = EarlierText(keep=3)
+        for prompt, text in full:
+            start.add(prompt, text)
+        save_copy_cache(path, d.info, start)
+        a, b = EarlierText(keep=3), EarlierText(keep=3)
+        load_copy_cache(path, d.info, a)
+        load_copy_cache(path, d.info, b)
+        b.add(theirs, theirs + [1])
+        a.add(mine, mine + [2])
+        save_copy_cache(path, d.info, b)
+        save_copy_cache(path, d.info, a)
+        again = EarlierText(keep=3)
+        load_copy_cache(path, d.info, again)
+        assert [p for p, _ in again.generations()] == [full[2][0], tuple(theirs), tuple(mine)]
     finally:
         d.earlier = kept
 
