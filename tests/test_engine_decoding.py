@@ -333,6 +333,26 @@ def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
     assert list(e.entries) == [(4,)]                      # the latest entry stays, however long
 
 
+def test_earlier_text_votes_among_the_entries_holding_the_ngram():
+    """Where several other prompts' entries hold the longest n-gram, what followed it votes token by token: the
+    commonest next token among the continuations that agree so far, ties to the latest entry; at most `vote` of
+    the latest entries take part."""
+    from s2moe.engine.policies import EarlierText
+
+    e = EarlierText(max_ngram=3, min_ngram=2)
+    e.add((1,), [1, 5, 6, 7, 8, 9])
+    e.add((2,), [2, 5, 6, 7, 8, 4])
+    e.add((3,), [3, 5, 6, 10, 11])   # the latest entry, outvoted at the first token
+    assert e.lookup((9,), [0, 5, 6], 4) == (2, [7, 8, 4])  # 7 8 by two to one, then a tie: the later entry's 4
+    assert e.lookup((1,), [0, 5, 6], 4) == (2, [10, 11])   # its own entry does not vote: a tie, the latest wins
+    e.add((4,), [4, 5, 6, 10, 12])
+    assert e.lookup((9,), [0, 5, 6], 4) == (2, [10, 12])   # two to two: ties to the latest
+    few = EarlierText(max_ngram=3, min_ngram=2, vote=2)
+    for prompt, text in (((1,), [1, 5, 6, 7]), ((2,), [2, 5, 6, 7]), ((3,), [3, 5, 6, 10]), ((4,), [4, 5, 6, 11])):
+        few.add(prompt, text)
+    assert few.lookup((9,), [0, 5, 6], 4) == (2, [11])      # only the two latest vote
+
+
 def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
     """The context's bigram against an earlier generation's trigram: the trigram's copy; on equal lengths the
     context's; the acceptance each source learned is its own."""
