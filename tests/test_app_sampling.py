@@ -197,7 +197,9 @@ def test_a_random_seed_is_named_in_the_answer_and_repeats_it(tiny_models):
             chat = app.screen
             await fill_settings(pilot, app, {"temperature": "1.0", "seed": "-1", "top_k": "0", "top_p": "1",
                                              "min_p": "0"})
-            chat.apply_settings(replace(chat.settings, n_predict=12, mode="s2moe"))
+            # gating off: a seed fixes the text wherever decoding is lossless; with gating on a verification's
+            # routing depends on what was drafted with it, and whether to draft follows this process's timings
+            chat.apply_settings(replace(chat.settings, n_predict=12, mode="s2moe", gating=False))
             answers = []
             for _ in range(2):
                 await type_prompt(pilot, "hello")

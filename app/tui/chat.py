@@ -421,7 +421,8 @@ class ChatScreen(Screen):
             live.start(event, message.t, session.stats)
             live.budget = session.budget_label()
             if turn is not None and "seed random" in turn.settings_text:
-                # -1 draws a seed per answer: name the one drawn, which repeats this answer (the export keeps it)
+                # -1 draws a seed per answer: name the one drawn, which repeats this answer in a lossless mode
+                # (the export keeps it)
                 turn.settings_text = turn.settings_text.replace("seed random", f"seed {event.config['seed']}")
             self.app.model_changed()
             self.adapt_to_model()
