@@ -698,15 +698,10 @@ class LookupDrafter(Drafter):
         return out
 
 
-# where a copy comes from: the generation's own context, or the session's earlier generations (EarlierText)
-COPY_SOURCES = ("context", "session")
-# what the rule learns a copied token's acceptance by, beside n: its source, and for the session's whether two
-# or more of its entries voted and all agreed on it
+# what the rule learns a copied token's acceptance by, beside n: where it was copied from (the generation's own
+# context, or the session's earlier generations, EarlierText), and for the session's whether two or more of its
+# entries voted and all agreed on it
 COPY_KINDS = ("context", "session", "session, agreed")
-
-
-def copy_kind(source: str, agreed: bool) -> str:
-    return "session, agreed" if source == "session" and agreed else source
 
 
 class CopyLearner:
@@ -822,7 +817,7 @@ class CopyPlan:
     the first declined) with its chained acceptance and utility, and the numbers the rule decided with."""
 
     n: int                      # the length of the n-gram that matched
-    source: str                 # where it matched: one of COPY_SOURCES
+    source: str                 # where it matched: "context" or "session"
     probe: bool                 # declined, verified anyway (its first token only)
     p: float                    # the learned acceptance of its first token (its kind, after an n-gram of that length)
     experts: float              # the experts the rule expects a row to add
@@ -874,8 +869,9 @@ class CopyPlanner:
                 source, n, found, agreed = "session", n2, found2, agreed2
         if not found:
             return None
-        kinds = [copy_kind(source, a) for a in agreed]
-        p = learned.estimate(n, kinds[0])
+        kinds = ["session, agreed" if a else source for a in agreed]
+        rates = {kind: learned.estimate(n, kind) for kind in set(kinds)}
+        p = rates[kinds[0]]
         probe = p * saved < rule.threshold * row
         if hopeless:
             learned.rare_probe_made()
@@ -884,7 +880,7 @@ class CopyPlanner:
         out = CopyPlan(n, source, probe, p, experts, saved, row)
         survival = 1.0
         for token, kind in zip(found, kinds):
-            survival *= learned.estimate(n, kind)
+            survival *= rates[kind]
             u = rule.copy_utility(survival, saved, row)
             keep = u >= rule.threshold or (probe and not out.tokens)
             out.weighed.append((token, survival, u, keep))
