@@ -273,6 +273,11 @@ def offloaded_fit_clauses(c: dict) -> list[str]:
         kinds = m.get("bound_ratio_by_kind") or {}
         if len(kinds) > 1:
             out.append("by batch: " + ", ".join(f"{KIND_WORDS[k]} {r:.2f}×" for k, r in kinds.items()))
+    d = m.get("disk_tracked")
+    if d:
+        lo, hi = d["t_exp_cold_range_s"]
+        out.append(f"with T_exp cold followed through the run (each verification at the rate per fetch of those "
+                   f"before it; it went {lo * 1e3:.2f}–{hi * 1e3:.2f} ms): R² {d['r2']:.3f}")
     g = m.get("given_faults")
     if g:
         out.append(f"given the storage faults taken ({g['faults_per_verification']:.1f} per verification, known only "

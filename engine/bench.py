@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .costmodel import fault_explained_fit, fit_miss_cost, fit_verify_cost
+from .costmodel import drift_tracked_fit, fault_explained_fit, fit_miss_cost, fit_verify_cost
 from .decoder import Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
 from .files import MAX_PROMPT_FILE_BYTES, read_bounded
@@ -641,7 +641,8 @@ def run_bench(
                                                 "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000],
                                                 "experts": e.tolist()[:2000], "fetched": m.tolist()[:2000],
                                                 "tokens": t.tolist()[:2000],
-                                                "kinds": [smp[5] for smp in cost_samples][:2000]}
+                                                "kinds": [smp[5] for smp in cost_samples][:2000],
+                                                "disk_tracked": drift_tracked_fit(mfit, e, m, t, y)}
                     if all(smp[4] is not None for smp in cost_samples):
                         faults = np.array([smp[4] for smp in cost_samples], float)
                         cost_model["miss_aware"]["given_faults"] = fault_explained_fit(e, faults, t, y)

@@ -142,6 +142,25 @@ def fit_miss_cost(experts, misses, tokens, seconds) -> MissFit:
     return MissFit(fit.intercept, fit.t_hit, fit.t_miss, fit.t_tok, r2, mape, len(y), r2_ceiling(zip(e, m, s), y))
 
 
+def drift_tracked_fit(fit: MissFit, experts, misses, tokens, seconds, alpha: float = 0.1) -> dict:
+    """The miss-aware fit with T_exp cold followed through the run: each verification priced at the rate
+    per fetch that the verifications before it took (an exponential average, weight alpha on the latest),
+    its other constants the fit's. A storage device's rate wanders over minutes, and one T_exp cold for a
+    whole run charges the slow stretches at the fast ones' rate; how far this R² rises above the fit's shows
+    how much of what the counts leave unexplained is that wander. Causal, so the rule could price with it."""
+    e, m, s, y = (np.asarray(v, float) for v in (experts, misses, tokens, seconds))
+    rate = fit.t_miss
+    rates, pred = [], np.empty_like(y)
+    for i in range(len(y)):
+        rest = fit.intercept + fit.t_hit * (e[i] - m[i]) + fit.t_tok * s[i]
+        pred[i] = rest + rate * m[i]
+        rates.append(rate)
+        if m[i] > 0:
+            rate += alpha * (max(0.0, (y[i] - rest) / m[i]) - rate)
+    r2, mape = _quality(y, pred)
+    return {"r2": r2, "mape": mape, "alpha": alpha, "t_exp_cold_range_s": [float(min(rates)), float(max(rates))]}
+
+
 def fault_explained_fit(experts, faults, tokens, seconds) -> dict:
     """Diagnostic, not a predictor: seconds on (1, experts, storage page faults actually taken, tokens).
     The faults are known only after a verification ran; how far this fit's R² rises above the miss-aware

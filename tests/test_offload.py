@@ -272,6 +272,26 @@ def test_fault_explained_fit_recovers_what_a_fault_costs():
     assert g["r2"] > 0.99 and g["faults_per_verification"] == pytest.approx(faults.mean())
 
 
+def test_a_drifting_disk_is_followed_by_the_tracked_rate_and_a_steady_one_costs_little():
+    from s2moe.engine.costmodel import drift_tracked_fit, fit_miss_cost
+
+    rng = np.random.default_rng(3)
+    n = 400
+    experts = rng.integers(40, 140, size=n)
+    misses = (experts * rng.uniform(0.5, 0.9, size=n)).astype(int)
+    tokens = rng.integers(1, 10, size=n)
+    noise = rng.normal(0, 2e-3, size=n)
+    for rate, expect_gain in ((np.linspace(1.6e-3, 2.6e-3, n), True), (np.full(n, 2e-3), False)):
+        seconds = 0.002 + 2e-4 * (experts - misses) + rate * misses + 1.5e-3 * tokens + noise
+        fit = fit_miss_cost(experts, misses, tokens, seconds)
+        tracked = drift_tracked_fit(fit, experts, misses, tokens, seconds)
+        lo, hi = tracked["t_exp_cold_range_s"]
+        if expect_gain:
+            assert tracked["r2"] > fit.r2 + 0.03 and lo < 1.9e-3 and hi > 2.3e-3
+        else:
+            assert tracked["r2"] > fit.r2 - 0.01 and hi - lo < 4e-4
+
+
 @contextmanager
 def _cold_prefetcher(model, *, advise: bool):
     """(expert map, our mapping, native prefetcher) over `model`, with the file dropped from the page cache
