@@ -148,16 +148,15 @@ def drift_tracked_fit(fit: MissFit, experts, misses, tokens, seconds, alpha: flo
     its other constants the fit's. A storage device's rate wanders over minutes, and one T_exp cold for a
     whole run charges the slow stretches at the fast ones' rate; how far this R² rises above the fit's shows
     how much of what the counts leave unexplained is that wander. Causal, so the rule could price with it."""
-    e, m, s, y = (np.asarray(v, float) for v in (experts, misses, tokens, seconds))
+    m, y = np.asarray(misses, float), np.asarray(seconds, float)
+    rest = fit.predict(experts, m, tokens) - fit.t_miss * m
     rate = fit.t_miss
-    rates, pred = [], np.empty_like(y)
+    rates = np.empty_like(y)
     for i in range(len(y)):
-        rest = fit.intercept + fit.t_hit * (e[i] - m[i]) + fit.t_tok * s[i]
-        pred[i] = rest + rate * m[i]
-        rates.append(rate)
+        rates[i] = rate
         if m[i] > 0:
-            rate += alpha * (max(0.0, (y[i] - rest) / m[i]) - rate)
-    r2, mape = _quality(y, pred)
+            rate += alpha * (max(0.0, (y[i] - rest[i]) / m[i]) - rate)
+    r2, mape = _quality(y, rest + rates * m)
     return {"r2": r2, "mape": mape, "alpha": alpha, "t_exp_cold_range_s": [float(min(rates)), float(max(rates))]}
 
 
