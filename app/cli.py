@@ -20,7 +20,7 @@ from ..engine.modes import DRAFT_EXPERTS, MODES
 FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk", "draft_max": "--draft-max",
          "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
          "repeat_last_n": "--repeat-last-n",
-         "reuse_strength": "--reuse-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
+         "reuse_strength": "--reuse-strength", "memory_strength": "--memory-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
          "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed", "n_gpu_layers": "-ngl",
          "n_cpu_moe": "--n-cpu-moe", "op_offload_min_batch": "--op-offload-min-batch", "time_budget": "--time-budget",
          "tree_width": "--tree-width", "tree_max_nodes": "--tree-max-nodes", "draft_experts": "--draft-experts"}
@@ -290,6 +290,12 @@ def add_copy_cache_option(p: argparse.ArgumentParser) -> None:
                         "and keep this run's there (created if missing); a directory keeps a file per model")
 
 
+def add_memory_strength_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-strength", type=_non_negative_float, default=0.3,
+                   help="under --budget, with gating on: strength of every step's bias toward the experts in memory "
+                        "(borderline choices move onto experts that need no fetch; 0 = off; default 0.3)")
+
+
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--mode", default="s2moe", choices=list(MODES), help="decoding mode (default s2moe)")
@@ -313,6 +319,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="reuse-aware gating strength α (0 = off, lossless; default 0.5)")
     p.add_argument("--reuse-cap", type=positive_int, default=None,
                    help="preferred experts |E*| (default: twice the model's experts per token, below its expert count)")
+    add_memory_strength_option(p)
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=positive_int, default=2048,
                    help="context window in tokens")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
@@ -427,6 +434,7 @@ def generation_config(args, decoder):
         stop_at_eos=not args.ignore_eos,
         cost=cost,
         draft_experts=args.draft_experts,
+        memory_strength=args.memory_strength,
     )
     cfg.validate(decoder.info)
     return cfg

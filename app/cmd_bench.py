@@ -14,8 +14,8 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import (add_batch_option, add_draft_experts_option, add_placement_options, add_sampling_options,
-                      add_tree_shape_options, nonempty, positive_int)
+    from .cli import (add_batch_option, add_draft_experts_option, add_memory_strength_option, add_placement_options,
+                      add_sampling_options, add_tree_shape_options, nonempty, positive_int)
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -37,6 +37,7 @@ def add_parser(sub) -> None:
     # None: not given, the profile's tuned value (s2moe tune), else the default
     p.add_argument("--draft-max", type=int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--reuse-strength", type=float, default=None, help="reuse-aware gating strength α (default 0.5)")
+    add_memory_strength_option(p)
     p.add_argument("--threshold", type=float, default=None, help="utility threshold of s2moe and the tree modes (default 1)")
     p.add_argument("--no-utility", action="store_true",
                    help="s2moe and the tree modes without the utility rule: the chain drafts to --draft-max, a tree "
@@ -323,6 +324,8 @@ def markdown(done) -> str:
                   f"α={q['alpha']}, |E*|={q['cap']}, {q['tokens']} tokens: perplexity ratio {q['ppl_ratio']:.4f}, "
                   f"top-1 agreement {q['top1_agreement']:.3f}, mean KL {q['mean_kl']:.4f}, reuse ratio "
                   f"{q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f} ({q['reuse_reduction']:.0%} lower)."]
+    for label, mq in done.memory_quality_by_budget.items():
+        lines += ["", memory_quality_text(label, mq) + "."]
     fits = ([("resident", done.cost_model)] if done.cost_model else []) + list(done.cost_model_by_budget.items())
     if fits:
         lines += ["", "## Verification cost model"]
@@ -342,9 +345,17 @@ def markdown(done) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int]:
+def memory_quality_text(label: str, q: dict) -> str:
+    return (f"gating toward the experts in memory under budget {label} (α {q['alpha']:g}, teacher-forced, "
+            f"{q['tokens']} tokens one a step): perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement "
+            f"{q['top1_agreement']:.3f}, mean KL {q['mean_kl']:.4f}, experts fetched a token "
+            f"{q['fetched_per_token_plain']:.1f} → {q['fetched_per_token_gated']:.1f}")
+
+
+def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict]:
     """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
-    the budget's label, its verification cost-model fit and the budget in bytes (auto: as sized)."""
+    the budget's label, its verification cost-model fit, the budget in bytes (auto: as sized) and what gating
+    toward the experts in memory cost there (bench.memory_gating_quality; {} with --no-quality)."""
     import tempfile
     from pathlib import Path
 
@@ -356,10 +367,13 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, "-m", "s2moe.app.cli", "bench", "--model", model, "--prompts", args.prompts,
                 "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--budget", budget_text,
-                "--repeats", str(args.repeats), "--no-quality", "--json", str(out)]
+                "--repeats", str(args.repeats), "--json", str(out)]
+        if args.no_quality:
+            argv.append("--no-quality")
         # settings not given are resolved there: the profile's tuning under a budget, not the resident one
         for flag, value in (("--draft-topk", args.draft_topk), ("--draft-max", args.draft_max),
                             ("--reuse-strength", args.reuse_strength), ("--threshold", args.threshold),
+                            ("--memory-strength", args.memory_strength),
                             ("--tree-width", args.tree_width), ("--draft-experts", args.draft_experts),
                             ("--tree-max-nodes", args.tree_max_nodes)):
             if value is not None:
@@ -384,7 +398,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
             raise ConfigError(f"the benchmark under budget {budget_text} failed (exit {rc})")
         data = json.loads(out.read_text())
     rows = [BenchRow(**r) for r in data["results"]]
-    return rows, (rows[0].budget if rows else budget_text), data.get("cost_model") or {}, data["config"]["budget_bytes"]
+    return (rows, (rows[0].budget if rows else budget_text), data.get("cost_model") or {},
+            data["config"]["budget_bytes"], data.get("quality") or {})
 
 
 def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: int | None, rows):
@@ -504,6 +519,7 @@ def run(args) -> int:
         tuned = tuned_settings(profile, info.fingerprint, offloaded=current_budget() is not None)
     base = GenerationConfig(**resolve_tuned(args, tuned), tree_width=args.tree_width,
                             tree_max_nodes=args.tree_max_nodes, utility=not args.no_utility,
+                            memory_strength=args.memory_strength,
                             draft_experts=args.draft_experts,
                             **sampling_settings(args)).resolved(info)
     if args.profile:
@@ -517,7 +533,7 @@ def run(args) -> int:
         if b != "none":
             offload.Budget.parse(b)  # a bad size is a one-line error before anything runs
     inside = offload.current_budget()
-    extra_rows, budget_fits, storage, around = [], {}, None, {}
+    extra_rows, budget_fits, budget_quality, storage, around = [], {}, {}, None, {}
     budgeted = [b for b in budgets if b != "none"]
     if inside is None and budgeted and not hot:
         from .cli import no_hot_experts_note
@@ -530,7 +546,9 @@ def run(args) -> int:
         for b in budgets:
             if b != "none":
                 before = read_storage(emap)
-                rows, label, fit, size = _budget_rows(args, model, b)
+                rows, label, fit, size, memory_quality = _budget_rows(args, model, b)
+                if memory_quality.get("tokens"):
+                    budget_quality[label] = memory_quality
                 around[label] = before + read_storage(emap)
                 if args.trace is not None:
                     _record_storage_in_traces(args.trace, b, around[label])
@@ -609,6 +627,7 @@ def run(args) -> int:
                     # the slowest pass read around the budget gives the smallest ratio
                     c["miss_aware"]["bound_ratio_range"] = [ratio(lo), ratio(hi)]
         done.cost_model_by_budget.update(budget_fits)
+        done.memory_quality_by_budget.update(budget_quality)
     done.config["placement"] = placement.as_dict()  # where the weights were: the report says what ran
     done.config["batch_size"] = args.batch_size  # what a budget counted for llama.cpp's compute buffers
     if args.json_out:
@@ -634,6 +653,8 @@ def run(args) -> int:
     if q.get("tokens"):
         say(f"gating quality: perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement {q['top1_agreement']:.3f}, "
             f"mean KL {q['mean_kl']:.4f}, reuse ratio {q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f}")
+    for label, mq in done.memory_quality_by_budget.items():
+        say(memory_quality_text(label, mq))
     from ..engine.costmodel import r2_text
 
     if done.cost_model:

@@ -39,8 +39,10 @@ ABLATION = {
     "+gating": dict(mode="s2moe", utility=True, lookup=False),
     "+lookup": dict(mode="s2moe", utility=True, lookup=True, lookup_session=False),
     "+session": dict(mode="s2moe", utility=True, lookup=True, lookup_session=True),
-    # not a rung of the ladder: s2moe with gating off, which keeps ar's tokens (what exactness costs)
+    # not rungs of the ladder: s2moe with gating off, which keeps ar's tokens (what exactness costs), and s2moe
+    # whose gating leaves the experts in memory out (what moving choices onto them adds under a budget)
     "-gating": dict(mode="s2moe", reuse_strength=0.0),
+    "-memory": dict(mode="s2moe", memory_strength=0.0),
 }
 LOSSLESS_LADDER = ("base", "+shared-kv", "+utility")
 # modes whose draft passes read the model's own experts, and so can read the router's or those in memory
@@ -150,10 +152,14 @@ class BenchDone:
     config: dict = field(default_factory=dict)
     # the verification cost model fitted in each budgeted child run, by budget label
     cost_model_by_budget: dict = field(default_factory=dict)
+    # what gating toward the experts in memory cost in each budgeted child run (memory_gating_quality)
+    memory_quality_by_budget: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"results": [asdict(r) for r in self.rows], "quality": self.quality, "cost_model": self.cost_model,
-                "cost_model_by_budget": self.cost_model_by_budget, "machine": self.machine, "config": self.config}
+                "cost_model_by_budget": self.cost_model_by_budget,
+                "memory_quality_by_budget": self.memory_quality_by_budget, "machine": self.machine,
+                "config": self.config}
 
 
 @dataclass
@@ -378,6 +384,61 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
         "reuse_ratio_plain": rp_mean,
         "reuse_ratio_gated": rg_mean,
         "reuse_reduction": 1.0 - rg_mean / rp_mean if rp_mean > 0 else 0.0,
+    }
+
+
+def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float, max_tokens: int = 128) -> dict:
+    """Teacher-forced, one token a step under the budget the decoder runs in, what gating toward the experts
+    in memory costs: each text decoded plainly and with every step's row biased toward the experts in memory
+    (strength alpha), the two in turn (which goes first alternates, as each leaves the other a cache):
+    perplexity ratio, top-1 agreement and mean KL(plain ‖ gated) of the next-token distributions, and the
+    experts each fetched a token. Needs a prefetcher routed to the hook (offloading); {} without one."""
+    rt, observer = dec.rt, dec.observer
+    if rt.hook is None or rt.hook.route is None or observer is None:
+        return {}
+    k = dec.info.n_expert_used
+    nll = {"plain": 0.0, "gated": 0.0}
+    fetched = {"plain": 0.0, "gated": 0.0}
+    agree = n = 0
+    kl_sum = 0.0
+    for index, text in enumerate(texts):
+        tokens = dec.tokenize(text)[: max_tokens + 1]
+        if len(tokens) < 2:
+            continue
+        targets = np.array(tokens[1:])
+        logp = {}
+        for arm in (("plain", "gated") if index % 2 == 0 else ("gated", "plain")):
+            rt.kv_clear()
+            rows = []
+            for pos, token in enumerate(tokens[:-1]):
+                if arm == "gated":
+                    rt.hook.gate(0.0, k, [1.0], memory=alpha)
+                else:
+                    rt.hook.observe()
+                observer.start_counting()
+                rows.append(rt.decode([token], pos, "last")[0].astype(np.float64))
+                fetched[arm] += float(observer.misses().sum())
+            z = np.array(rows)
+            z -= z.max(axis=1, keepdims=True)
+            logp[arm] = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+            nll[arm] -= float(logp[arm][np.arange(len(targets)), targets].sum())
+        kl_sum += float((np.exp(logp["plain"]) * (logp["plain"] - logp["gated"])).sum())
+        agree += int((logp["plain"].argmax(axis=1) == logp["gated"].argmax(axis=1)).sum())
+        n += len(targets)
+    rt.kv_clear()
+    rt.hook.observe()
+    if n == 0:
+        return {"tokens": 0}
+    return {
+        "tokens": n,
+        "alpha": alpha,
+        "ppl_plain": float(np.exp(nll["plain"] / n)),
+        "ppl_gated": float(np.exp(nll["gated"] / n)),
+        "ppl_ratio": float(np.exp((nll["gated"] - nll["plain"]) / n)),
+        "top1_agreement": agree / n,
+        "mean_kl": kl_sum / n,
+        "fetched_per_token_plain": fetched["plain"] / n,
+        "fetched_per_token_gated": fetched["gated"] / n,
     }
 
 
@@ -612,7 +673,11 @@ def run_bench(
                     if configs[name].mode in SELF_DRAFTING else None,
                 ))
             quality = {}
-            if dec.info.is_moe and quality_texts:
+            if dec.info.is_moe and quality_texts and dec.observer is not None:
+                # under a budget: what a batch's gating costs is the same as without one (measured there), what
+                # moving choices onto the experts in memory costs is measured only here
+                quality = memory_gating_quality(dec, quality_texts, base.memory_strength or 0.3)
+            elif dec.info.is_moe and quality_texts:
                 quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
                                          window=base.draft_max + 1)
             cost_model = {}

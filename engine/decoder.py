@@ -121,6 +121,10 @@ class GenerationConfig:
     utility: bool = True              # routing-aware expansion; False: fixed draft length
     threshold: float = 1.0            # utility threshold
     reuse_strength: float = 0.5       # α of reuse-aware gating; 0 turns gating off (lossless)
+    # with gating on and under a memory budget, every verification's rows, a plain step's one row too, are also
+    # biased toward the experts in memory by this strength (the same margin rule as α's): borderline choices move
+    # onto experts that cost no fetch. 0: off.
+    memory_strength: float = 0.3
     reuse_cap: int | None = None      # |E*|
     # s2moe with the utility rule: where the context repeats itself, draft the tokens that followed the
     # repeated n-gram (no draft pass) when the rule says they pay, else the model's own chain
@@ -168,6 +172,8 @@ class GenerationConfig:
             raise ConfigError(f"{OPTION} must be ≥ 1", option="draft_topk")
         if self.reuse_strength < 0:
             raise ConfigError(f"{OPTION} must be ≥ 0", option="reuse_strength")
+        if self.memory_strength < 0:
+            raise ConfigError(f"{OPTION} must be ≥ 0", option="memory_strength")
         if self.threshold < 0:
             raise ConfigError(f"{OPTION} must be ≥ 0", option="threshold")
         if self.reuse_cap is not None and self.reuse_cap < 1:
@@ -460,6 +466,7 @@ class Decoder:
         drafter = self._drafter(cfg, cost, prompt_tokens)
         gating = cfg.mode in ("s2moe", "tree") and cfg.reuse_strength > 0 and self.info.is_moe
         reuse_cap = cfg.reuse_cap
+        gate = Gating(cfg.reuse_strength, reuse_cap, cfg.memory_strength) if gating else None
         k = max(self.info.n_expert_used, 1)
         # one processing for the draft and the target, one noise per position: plain sampling's tokens
         sampler = cfg.sampling(self.n_ctx)
@@ -509,7 +516,6 @@ class Decoder:
             drafted = proposal.tokens
             rt.kv_remove_from(m - 1)
 
-            gate = (cfg.reuse_strength, reuse_cap) if gating and drafted else None
             if proposal.tree is not None and drafted:
                 v, path, target_token = verify_tree(self, proposal, committed_all[-1], m - 1, gate, sampler,
                                                     committed_all, noise)
@@ -606,7 +612,7 @@ class Decoder:
         self.rt.kv_remove_from(n)
         self._context = committed_all[:n]
 
-    def _verify(self, batch: list[int], pos: int, proposal, gate: tuple[float, int] | None,
+    def _verify(self, batch: list[int], pos: int, proposal, gate: "Gating | None",
                 layout: tuple[list[int], list[list[int]]] | None = None) -> "_Verified":
         """One target pass over the pending token and the drafted ones, with what its routing read.
         layout: the rows' positions and sequence ids where they form a tree (engine.tree), not a chain."""
@@ -616,9 +622,13 @@ class Decoder:
         # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
         plain_unobserved = (hook is not None and len(batch) == 1 and self._moe_layers is not None
                             and not self.observe_plain and not self._tracing and hook.route is None)
+        # experts in memory are known only where a prefetcher is routed (under a memory budget)
+        memory = gate is not None and gate.memory > 0 and hook is not None and hook.route is not None
+        batch_gate = gate is not None and len(batch) > 1
         if hook is not None:
-            if gate is not None:
-                hook.gate(gate[0], gate[1], [1.0] + proposal.chain)
+            if batch_gate or memory:
+                hook.gate(gate.strength if batch_gate else 0.0, gate.cap, [1.0] + proposal.chain,
+                          memory=gate.memory if memory else 0.0)
             elif plain_unobserved:
                 hook.off()
             else:
@@ -656,6 +666,16 @@ class Decoder:
             aux.close()
         self._aux.clear()
         self.rt.close()
+
+
+@dataclass(frozen=True)
+class Gating:
+    """Reuse-aware gating of a generation's verifications: toward the batch's E* (strength α, cap experts)
+    where tokens were drafted and, with memory > 0 (its strength), toward the experts in memory in every one."""
+
+    strength: float
+    cap: int
+    memory: float
 
 
 @dataclass

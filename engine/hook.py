@@ -72,6 +72,7 @@ class RoutingHook:
         self.row_weight = np.ones(max_rows, np.float32)
         self.skip_expert = np.full(self.n_layer, -1, np.int32)
         self.draft_mask = np.ones((self.n_layer, self.n_expert), np.uint8)  # the C side reads it in draft passes
+        self.memory_mask = np.zeros((self.n_layer, self.n_expert), np.uint8)  # read in gated decodes, when given
         self.handle = self.lib.s2_hook_new(self.n_layer, self.n_expert, self.k, max_rows, self.cap_max)
         if not self.handle:
             raise MemoryError("native routing hook: allocation failed")
@@ -140,10 +141,21 @@ class RoutingHook:
         self.lib.s2_hook_skip(self.handle, _ptr(self.skip_expert, ctypes.c_int32))
         self.mode = "skip"
 
-    def gate(self, alpha: float, cap: int, row_weights) -> None:
+    def gate(self, alpha: float, cap: int, row_weights, memory: float = 0.0,
+             in_memory: np.ndarray | None = None) -> None:
+        """Reuse-aware gating: bias each row's selection toward the batch's E* (cap experts; batches of two
+        rows or more) by alpha times the row's margin, and with memory > 0 toward the experts in memory by
+        memory times it, in every gated decode, a single row's too. `in_memory` ([n_layer, n_expert] bool)
+        names those; without it the routed prefetcher is asked as each layer routes (set_route), and with
+        neither nothing counts as in memory."""
         n = len(row_weights)
         self.row_weight[:n] = row_weights
         self.row_weight[n:] = 0.0
+        if in_memory is None:
+            self.lib.s2_hook_prefer_memory(self.handle, float(memory), None)
+        else:
+            self.memory_mask[:] = in_memory
+            self.lib.s2_hook_prefer_memory(self.handle, float(memory), _ptr(self.memory_mask, ctypes.c_uint8))
         self.lib.s2_hook_gate(self.handle, float(alpha), int(cap), _ptr(self.row_weight, ctypes.c_float))
         self.mode = "gate"
 

@@ -18,7 +18,9 @@
 //            matmul has run: MUL_MAT_ID loops over ids->ne[0] slots, so the dropped slots cost nothing,
 //            and their rows of the down output, never written, are zeroed before they are weighted;
 //   gate:    reuse-aware gating of a verification batch: bias each token's selection scores
-//            toward the batch's preferred experts E*, mix with the unbiased probabilities;
+//            toward the batch's preferred experts E*, mix with the unbiased probabilities; with a
+//            memory preference (s2_hook_prefer_memory), also toward the experts already in memory,
+//            which under a budget cost nothing to read, in every decode, a single row's too;
 //   skip:    layer skipping: in the layers marked, every slot reads one given expert with weight 0,
 //            so that the routed experts add nothing and no expert beyond that one is read.
 // Buffers are owned by the caller (numpy) and filled in place.
@@ -61,6 +63,8 @@ typedef struct s2_hook {
     const float *row_weight;  // [max_rows] confidence weight of each verification row
     const int32_t *skip_expert;  // [n_layer] skip mode: the expert a skipped layer reads; -1: layer kept
     const uint8_t *draft_mask;   // [n_layer][n_expert] masked draft mode: the experts a draft may read; NULL: any
+    float memory_alpha;          // gate mode: strength of the bias toward experts in memory (0: none)
+    const uint8_t *memory_mask;  // [n_layer][n_expert] experts that count as in memory; NULL: ask is_resident
 
     // caller-owned outputs
     int32_t *orig;       // [n_layer][max_rows][k] the router's own top-k
@@ -106,6 +110,7 @@ typedef struct s2_hook {
     unsigned char *in_row;  // [n_expert] distinct ids: experts already named in the row being filled
     int32_t *pool;          // [n_expert] distinct ids: the experts a layer's batch reads, in first-use order
     int8_t *allowed;        // [n_expert] masked drafts: one layer's answers (-1: not asked yet)
+    int8_t *in_memory;      // [n_expert] memory preference: one layer's answers (-1: not asked yet)
     int32_t *route_ids;     // [route_cap] ids of a batch routed without the hook acting on it
     size_t route_cap;
 } s2_hook;
@@ -129,12 +134,13 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
     h->in_row = malloc(n_expert);
     h->pool = malloc(n_expert * sizeof(int32_t));
     h->allowed = malloc(n_expert);
+    h->in_memory = malloc(n_expert);
     h->narrowed = calloc((size_t)n_layer, sizeof(struct ggml_tensor *));
     h->down_seen = calloc((size_t)n_layer, 1);
     if (!h->scores || !h->probs || !h->ranks || !h->w || !h->importance || !h->in_pref || !h->in_row || !h->pool ||
-        !h->allowed || !h->narrowed || !h->down_seen) {
+        !h->allowed || !h->in_memory || !h->narrowed || !h->down_seen) {
         free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-        free(h->in_row); free(h->pool); free(h->allowed); free(h->narrowed); free(h->down_seen);
+        free(h->in_row); free(h->pool); free(h->allowed); free(h->in_memory); free(h->narrowed); free(h->down_seen);
         free(h);
         return NULL;
     }
@@ -144,7 +150,8 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
 void s2_hook_free(s2_hook *h) {
     if (!h) return;
     free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-    free(h->in_row); free(h->pool); free(h->allowed); free(h->route_ids); free(h->narrowed); free(h->down_seen);
+    free(h->in_row); free(h->pool); free(h->allowed); free(h->in_memory); free(h->route_ids); free(h->narrowed);
+    free(h->down_seen);
     free(h);
 }
 
@@ -197,6 +204,14 @@ void s2_hook_gate(s2_hook *h, float alpha, int cap, const float *row_weight) {
     h->row_weight = row_weight;
 }
 
+// Gate mode's bias toward experts in memory: alpha 0 turns it off. mask ([n_layer][n_expert], caller-owned,
+// read at every gated decode) names them; without one, the residency callback (s2_hook_set_resident) is asked,
+// and without that nothing counts as in memory.
+void s2_hook_prefer_memory(s2_hook *h, float alpha, const uint8_t *mask) {
+    h->memory_alpha = alpha > 0.0f ? alpha : 0.0f;
+    h->memory_mask = mask;
+}
+
 void s2_hook_skip(s2_hook *h, const int32_t *skip_expert) {
     h->mode = S2_SKIP;
     h->skip_expert = skip_expert;
@@ -239,6 +254,18 @@ static bool draft_allows(s2_hook *h, int layer, int e) {
     }
     return h->allowed[e];
 }
+
+// Memory preference: whether expert e of layer is in memory now. Asked at most once per expert and decode of
+// a layer, and only about experts the bias could move into a row's top-k.
+static bool in_memory(s2_hook *h, int layer, int e) {
+    if (h->in_memory[e] < 0) {
+        if (h->memory_mask) h->in_memory[e] = h->memory_mask[(size_t)layer * h->n_expert + e] != 0;
+        else h->in_memory[e] = h->is_resident && h->is_resident(h->resident_ctx, layer, e);
+    }
+    return h->in_memory[e];
+}
+
+static bool prefers_memory(const s2_hook *h) { return h->memory_alpha > 0.0f && (h->memory_mask || h->is_resident); }
 
 // Returns the layer index if name is exactly prefix followed by a decimal number, else -1.
 static int layer_of(const char *name, const char *prefix, size_t prefix_len) {
@@ -300,14 +327,17 @@ static float to_logit_space(const s2_hook *h, float s) {
     }
 }
 
-// Reuse-aware gating of one layer of a verification batch (rows = tokens).
+// Reuse-aware gating of one layer of a verification batch (rows = tokens): toward E*, the experts the batch
+// needs most (batches of two rows or more, alpha > 0), and toward the experts in memory (memory_alpha > 0).
 static void gate_layer(s2_hook *h, int layer, int n_rows, int32_t *ids /* [n_rows][k] in/out */) {
     const int ne = h->n_expert, k = h->k;
     const bool own_scores = h->hook_argsort && h->scores_layer == layer && h->scores_rows == n_rows;
+    const bool batch = h->alpha > 0.0f && n_rows > 1;
+    const bool memory = prefers_memory(h);
 
     // Importance of each expert to the batch: confidence-weighted, per-token-normalised probabilities.
     memset(h->importance, 0, ne * sizeof(float));
-    for (int r = 0; r < n_rows; ++r) {
+    for (int r = 0; batch && r < n_rows; ++r) {
         const float *p = h->probs + (size_t)r * ne;
         float total = 0.0f;
         for (int e = 0; e < ne; ++e) total += p[e] > 0.0f ? p[e] : 0.0f;
@@ -320,7 +350,7 @@ static void gate_layer(s2_hook *h, int layer, int n_rows, int32_t *ids /* [n_row
     memset(h->in_pref, 0, ne);
     int n_pref = 0;
     int32_t *pref = h->preferred + (size_t)layer * h->cap_max;
-    for (; n_pref < h->cap; ++n_pref) {
+    for (; batch && n_pref < h->cap; ++n_pref) {
         int best = -1;
         for (int e = 0; e < ne; ++e)
             if (!h->in_pref[e] && (best < 0 || h->importance[e] > h->importance[best])) best = e;
@@ -329,6 +359,7 @@ static void gate_layer(s2_hook *h, int layer, int n_rows, int32_t *ids /* [n_row
         pref[n_pref] = best;
     }
     h->n_preferred[layer] = n_pref;
+    memset(h->in_memory, -1, ne);
 
     for (int r = 0; r < n_rows; ++r) {
         const int32_t *rank = h->ranks + (size_t)r * ne;
@@ -337,8 +368,13 @@ static void gate_layer(s2_hook *h, int layer, int n_rows, int32_t *ids /* [n_row
             for (int e = 0; e < ne; ++e) ell[e] = to_logit_space(h, h->probs[(size_t)r * ne + e]);
         if (k >= ne) continue;
         const float margin = ell[rank[0]] - ell[rank[k]];
-        const float lambda = h->alpha * margin;
-        if (!isfinite(lambda) || lambda <= 0.0f) continue;
+        const float lambda = batch ? h->alpha * margin : 0.0f;
+        const float lambda_memory = memory ? h->memory_alpha * margin : 0.0f;
+        const float reach = lambda > lambda_memory ? lambda : lambda_memory;
+        if (!isfinite(reach) || reach <= 0.0f) continue;
+        // No bias lifts an expert scored below the row's k-th by more than the largest bias into the top-k:
+        // the others are never asked about (a residency check costs a system call).
+        const float floor = ell[rank[k - 1]] - reach;
 
         // top-k of the biased scores, ties resolved by the router's own order
         int32_t chosen[64];
@@ -353,8 +389,11 @@ static void gate_layer(s2_hook *h, int layer, int n_rows, int32_t *ids /* [n_row
             float best_score = -INFINITY;
             for (int q = 0; q < ne; ++q) {
                 const int e = rank[q];
-                if (taken[e] || !isfinite(ell[e])) continue;
-                const float s = ell[e] + (h->in_pref[e] ? lambda : 0.0f);
+                if (!(ell[e] >= floor)) break;  // rank order: every later expert scores lower still
+                if (taken[e]) continue;
+                float bias = h->in_pref[e] ? lambda : 0.0f;
+                if (memory && bias < lambda_memory && in_memory(h, layer, e)) bias = lambda_memory;
+                const float s = ell[e] + bias;
                 if (best < 0 || s > best_score) { best = e; best_score = s; }
             }
             if (best < 0) break;
@@ -530,7 +569,7 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
         // One shared set for every row: the skipped layer reads k experts instead of one.
         if (distinct) fill_distinct(h, used, used, n_rows, 1, NULL, 0);
         rewrite = true;
-    } else if (h->mode == S2_GATE && h->alpha > 0.0f && n_rows > 1) {
+    } else if (h->mode == S2_GATE && ((h->alpha > 0.0f && n_rows > 1) || prefers_memory(h))) {
         read_f32_rows(h, probs, ne, n_rows, probs->nb[2], h->probs);
         gate_layer(h, layer, n_rows, used);
         for (int r = 0; r < n_rows; ++r)

@@ -489,3 +489,71 @@ def test_masked_draft_with_distinct_ids_names_no_expert_twice(decoders, arch):
     np.testing.assert_array_equal(dis.used[:, :, :2], rep.used[:, :, :2])
     moe = dis.rows > 0
     assert allowed[np.nonzero(moe)[0][:, None, None], dis.used[moe]].all()  # fillers from the allowed too
+
+
+# -- gating toward the experts in memory -------------------------------------------------------------------
+def _one_row_decodes(rt, tokens, gate):
+    """Each token decoded alone at position 0 (so every row sees the same inputs in both arms)."""
+    routes, logits = [], []
+    for t in tokens:
+        _fresh(rt)
+        gate()
+        logits.append(rt.decode([t], 0, "all"))
+        routes.append(rt.hook.snapshot(1))
+    _fresh(rt)
+    return routes, logits
+
+
+def test_memory_gating_moves_a_single_row_only_onto_experts_in_memory(decoders, arch):
+    """A plain step's one row has no batch to share experts with: its borderline choices move onto the
+    experts the mask says are in memory, only those outside it are given up, and fewer are read from outside."""
+    rt = decoders[arch].rt
+    info = rt.info
+    rng = np.random.default_rng(3)
+    in_memory = rng.random((info.n_layer, info.n_expert)) < 0.5
+    tokens = rng.integers(0, 256, size=12).tolist()
+    plain, _ = _one_row_decodes(rt, tokens, rt.hook.observe)
+    gated, logits = _one_row_decodes(rt, tokens, lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0], memory=1.0,
+                                                                      in_memory=in_memory))
+    moved = outside_plain = outside_gated = 0
+    for p, g in zip(plain, gated):
+        np.testing.assert_array_equal(g.orig[0], p.orig[0])  # layer 0 routes identical inputs
+        for layer in range(info.n_layer):
+            before, after = set(g.orig[layer, 0].tolist()), set(g.used[layer, 0].tolist())
+            mem = set(np.flatnonzero(in_memory[layer]).tolist())
+            assert len(after) == info.n_expert_used
+            assert after - before <= mem  # new choices are in memory
+            assert before - after <= before - mem  # only experts out of memory are given up
+            moved += len(after - before)
+            outside_gated += len(after - mem)
+        outside_plain += sum(len(set(p.used[layer, 0].tolist()) - set(np.flatnonzero(in_memory[layer]).tolist()))
+                             for layer in range(info.n_layer))
+    assert all(np.isfinite(x).all() for x in logits)
+    assert moved > 0
+    assert outside_gated < outside_plain
+
+
+@pytest.mark.parametrize("mask", ["all", "none", "unknown"])
+def test_memory_gating_with_every_expert_or_none_in_memory_is_bit_identical_to_observe(decoders, arch, mask):
+    """All in memory (nothing to prefer), none, or no way to tell (no mask, no prefetcher routed): unchanged."""
+    rt = decoders[arch].rt
+    info = rt.info
+    in_memory = {"all": np.ones((info.n_layer, info.n_expert), bool),
+                 "none": np.zeros((info.n_layer, info.n_expert), bool), "unknown": None}[mask]
+    _, plain = _one_row_decodes(rt, TOKENS[:6], rt.hook.observe)
+    _, gated = _one_row_decodes(rt, TOKENS[:6], lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0], memory=2.0,
+                                                                     in_memory=in_memory))
+    for a, b in zip(plain, gated):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_gate_without_memory_forgets_the_previous_memory_preference(decoders, arch):
+    rt = decoders[arch].rt
+    info = rt.info
+    in_memory = np.random.default_rng(4).random((info.n_layer, info.n_expert)) < 0.5
+    _, plain = _one_row_decodes(rt, TOKENS[:6], rt.hook.observe)
+    _one_row_decodes(rt, TOKENS[:6], lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0], memory=1.0,
+                                                          in_memory=in_memory))
+    _, again = _one_row_decodes(rt, TOKENS[:6], lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0]))
+    for a, b in zip(plain, again):
+        np.testing.assert_array_equal(a, b)

@@ -1294,3 +1294,44 @@ def test_a_smaller_batch_needs_a_smaller_budget_and_decodes_the_same(tmp_path):
     assert runs[512]["n_batch"] == 512 and runs[32]["n_batch"] == 32
     assert runs[32]["budget"] < runs[512]["budget"] - (4 << 20)
     assert runs[32]["tokens"] == runs[512]["tokens"] and len(runs[32]["tokens"]) == 8
+
+
+AUTO_MEMORY_GATING = """
+import json, sys
+import numpy as np
+from s2moe.engine import offload
+from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.events import Iteration
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=256, max_draft=8, use_extra_bufts=False)
+warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=8, stop_at_eos=False)))
+off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
+out = {0.3: [0, 0.0, 0], 0.0: [0, 0.0, 0]}
+for memory in (0.0, 0.3, 0.0, 0.3):
+    # a threshold no draft reaches: plain steps, one row each
+    cfg = GenerationConfig(mode="s2moe", n_predict=32, threshold=1e9, lookup=False, stop_at_eos=False,
+                           memory_strength=memory)
+    for e in dec.generate("the quick brown fox jumps over the lazy dog", cfg):
+        if isinstance(e, Iteration) and not e.drafted and e.verify_misses is not None:
+            out[memory][0] += 1
+            out[memory][1] += float(np.sum(e.verify_misses))
+            out[memory][2] += e.gated_moves
+from s2moe.engine.bench import memory_gating_quality
+quality = memory_gating_quality(dec, ["the quick brown fox jumps over the lazy dog and the cat", "hello there world"], 0.3)
+print(json.dumps({"on": out[0.3], "off": out[0.0], "quality": quality}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_under_a_budget_memory_gating_moves_plain_steps_onto_experts_in_memory(tmp_path):
+    """Under a budget s2moe's gating also acts on a plain step's one row: borderline choices move onto experts
+    in memory (the prefetcher asked as each layer routes), and fewer of the experts read are fetched."""
+    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
+                                                         n_ff=256, seed=2))
+    r = _run_under_auto_budget(AUTO_MEMORY_GATING, model, tmp_path)
+    (steps_on, misses_on, moves_on), (steps_off, misses_off, moves_off) = r["on"], r["off"]
+    assert steps_on > 20 and steps_off > 20
+    assert moves_off == 0 and moves_on > 0
+    assert misses_on / steps_on < 0.8 * misses_off / steps_off
+    q = r["quality"]  # bench's teacher-forced check of the same, one token a step under the budget
+    assert q["tokens"] > 10 and np.isfinite(q["ppl_ratio"]) and 0 < q["top1_agreement"] <= 1 and q["mean_kl"] >= 0
+    assert q["fetched_per_token_gated"] < q["fetched_per_token_plain"]
