@@ -348,8 +348,7 @@ def markdown(done) -> str:
 def memory_quality_text(label: str, q: dict) -> str:
     return (f"gating toward the experts in memory under budget {label} (α {q['alpha']:g}, teacher-forced, "
             f"{q['tokens']} tokens one a step): perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement "
-            f"{q['top1_agreement']:.3f}, mean KL {q['mean_kl']:.4f}, experts fetched a token "
-            f"{q['fetched_per_token_plain']:.1f} → {q['fetched_per_token_gated']:.1f}")
+            f"{q['top1_agreement']:.3f}, mean KL {q['mean_kl']:.4f}")
 
 
 def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict]:

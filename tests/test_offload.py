@@ -1316,8 +1316,9 @@ for memory in (0.0, 0.3, 0.0, 0.3):
             out[memory][1] += float(np.sum(e.verify_misses))
             out[memory][2] += e.gated_moves
 from s2moe.engine.bench import memory_gating_quality
-quality = memory_gating_quality(dec, ["the quick brown fox jumps over the lazy dog and the cat", "hello there world"], 0.3)
-print(json.dumps({"on": out[0.3], "off": out[0.0], "quality": quality}))
+texts = ["the quick brown fox jumps over the lazy dog and the cat", "hello there world"]
+quality = {a: memory_gating_quality(dec, texts, a) for a in (0.3, 0.0)}
+print(json.dumps({"on": out[0.3], "off": out[0.0], "quality": quality[0.3], "quality_off": quality[0.0]}))
 """
 
 
@@ -1332,6 +1333,8 @@ def test_under_a_budget_memory_gating_moves_plain_steps_onto_experts_in_memory(t
     assert steps_on > 20 and steps_off > 20
     assert moves_off == 0 and moves_on > 0
     assert misses_on / steps_on < 0.8 * misses_off / steps_off
-    q = r["quality"]  # bench's teacher-forced check of the same, one token a step under the budget
-    assert q["tokens"] > 10 and np.isfinite(q["ppl_ratio"]) and 0 < q["top1_agreement"] <= 1 and q["mean_kl"] >= 0
-    assert q["fetched_per_token_gated"] < q["fetched_per_token_plain"]
+    # bench's teacher-forced check of the same, one token a step under the budget: moved choices change the
+    # distributions; with strength 0 the gated pass is the plain one
+    q, q0 = r["quality"], r["quality_off"]
+    assert q["tokens"] > 10 and np.isfinite(q["ppl_ratio"]) and 0 < q["top1_agreement"] <= 1 and q["mean_kl"] > 0
+    assert q0["tokens"] == q["tokens"] and q0["ppl_ratio"] == 1.0 and q0["mean_kl"] == 0.0
