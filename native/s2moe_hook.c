@@ -389,8 +389,8 @@ static void gate_layer(s2_hook *h, int layer, int n_rows, int32_t *ids /* [n_row
             float best_score = -INFINITY;
             for (int q = 0; q < ne; ++q) {
                 const int e = rank[q];
-                if (!(ell[e] >= floor)) break;  // rank order: every later expert scores lower still
-                if (taken[e]) continue;
+                // (not a break: where the router selects by biased scores, rank need not follow ell)
+                if (taken[e] || !(ell[e] >= floor)) continue;
                 float bias = h->in_pref[e] ? lambda : 0.0f;
                 if (memory && bias < lambda_memory && in_memory(h, layer, e)) bias = lambda_memory;
                 const float s = ell[e] + bias;
