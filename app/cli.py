@@ -20,7 +20,8 @@ from ..engine.modes import DRAFT_EXPERTS, MODES
 FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk", "draft_max": "--draft-max",
          "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
          "repeat_last_n": "--repeat-last-n",
-         "reuse_strength": "--reuse-strength", "memory_strength": "--memory-strength", "threshold": "--threshold", "reuse_cap": "--reuse-cap",
+         "reuse_strength": "--reuse-strength", "memory_strength": "--memory-strength", "threshold": "--threshold",
+         "reuse_cap": "--reuse-cap",
          "n_ctx": "--ctx", "n_threads": "--threads", "seed": "--seed", "n_gpu_layers": "-ngl",
          "n_cpu_moe": "--n-cpu-moe", "op_offload_min_batch": "--op-offload-min-batch", "time_budget": "--time-budget",
          "tree_width": "--tree-width", "tree_max_nodes": "--tree-max-nodes", "draft_experts": "--draft-experts"}

@@ -313,6 +313,13 @@ def near_tie(dec: Decoder, prompt: str, reference: tuple, other: tuple, cfg: Gen
 
 
 # -- quality of reuse gating ------------------------------------------------------------------------
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of each row of logits (the last axis), in float64."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
 def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None, window: int = 9,
                    max_tokens: int = 512) -> dict:
     """Teacher-forced comparison of verification batches with and without reuse gating.
@@ -348,9 +355,7 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
             plain = rt.decode(batch, pos, "all")
             rp = rt.hook.snapshot(window)
             for logits, acc in ((plain, "p"), (gated, "g")):
-                z = logits.astype(np.float64)
-                z -= z.max(axis=1, keepdims=True)
-                logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+                logp = log_softmax(logits)
                 nll = -logp[np.arange(window), targets].sum()
                 if acc == "p":
                     nll_plain += nll
@@ -405,9 +410,7 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float, max_toke
             rt.hook.gate(0.0, k, [1.0], memory=alpha)
         else:
             rt.hook.observe()
-        z = rt.decode([token], pos, "last")[0].astype(np.float64)
-        z -= z.max()
-        return z - np.log(np.exp(z).sum())
+        return log_softmax(rt.decode([token], pos, "last")[0])
 
     nll_plain = nll_gated = kl_sum = 0.0
     agree = n = 0
