@@ -292,9 +292,10 @@ def add_copy_cache_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_memory_strength_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--memory-strength", type=_non_negative_float, default=0.3,
+    p.add_argument("--memory-strength", type=_non_negative_float, default=None,
                    help="under --budget, with gating on: strength of every step's bias toward the experts in memory "
-                        "(borderline choices move onto experts that need no fetch; 0 = off; default 0.3)")
+                        "(borderline choices move onto experts that need no fetch; 0 = off; default: the profile's "
+                        "tuned value under a budget, else 0.3)")
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
@@ -435,7 +436,6 @@ def generation_config(args, decoder):
         stop_at_eos=not args.ignore_eos,
         cost=cost,
         draft_experts=args.draft_experts,
-        memory_strength=args.memory_strength,
     )
     cfg.validate(decoder.info)
     return cfg
@@ -573,7 +573,8 @@ def cmd_generate(args) -> int:
         if tuned_settings(load_profile(args.profile), decoder.info.fingerprint, offloaded=budget is not None):
             shown = cfg.resolved(decoder.info)
             print(f"settings (profile {args.profile}'s tuned ones where no flag is given): "
-                  f"{settings_text({k: getattr(shown, k) for k in TUNED_KEYS})}", file=sys.stderr)
+                  f"{settings_text({k: getattr(shown, k) for k in TUNED_KEYS}, budget is not None)}",
+                  file=sys.stderr)
     recorder = None
     if args.trace is not None:
         from dataclasses import replace

@@ -518,7 +518,6 @@ def run(args) -> int:
         tuned = tuned_settings(profile, info.fingerprint, offloaded=current_budget() is not None)
     base = GenerationConfig(**resolve_tuned(args, tuned), tree_width=args.tree_width,
                             tree_max_nodes=args.tree_max_nodes, utility=not args.no_utility,
-                            memory_strength=args.memory_strength,
                             draft_experts=args.draft_experts,
                             **sampling_settings(args)).resolved(info)
     if args.profile:

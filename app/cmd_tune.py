@@ -20,8 +20,9 @@ def _minutes(text: str) -> float:
 def add_parser(sub) -> None:
     from .cli import add_batch_option, budget_text, nonempty, positive_int
 
-    p = sub.add_parser("tune", help="search k_d, the draft cap, the threshold, α, |E*| and copies from the context "
-                                    "for this device and model; record the fastest in the profile")
+    p = sub.add_parser("tune", help="search k_d, the draft cap, the threshold, α, |E*|, copies from the context and "
+                                    "(under --budget) α_m for this device and model; record the fastest in the "
+                                    "profile")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF MoE model (default: the shipped model)")
     p.add_argument("--budget", type=budget_text,
                    help="memory budget, e.g. 800M or 2G, or auto (as generate --budget): tune the model offloaded "
@@ -42,16 +43,20 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def settings_text(s: dict) -> str:
-    """The settings `s2moe tune` searches, in words."""
+def settings_text(s: dict, memory_shown: bool = False) -> str:
+    """The settings `s2moe tune` searches, in words; memory_shown: with the strength toward the experts in
+    memory (where it acts: under a budget, with gating on)."""
     gating = f"α {s['reuse_strength']:g}, |E*| {s['reuse_cap']}" if s["reuse_strength"] > 0 else "gating off"
+    memory = (f", memory α {s['memory_strength']:g}"
+              if memory_shown and s["reuse_strength"] > 0 and s.get("memory_strength") is not None else "")
     copies = ", copies off" if s.get("lookup") is False else ""
-    return f"k_d {s['draft_topk']}, draft cap {s['draft_max']}, threshold {s['threshold']:g}, {gating}{copies}"
+    return f"k_d {s['draft_topk']}, draft cap {s['draft_max']}, threshold {s['threshold']:g}, {gating}{memory}{copies}"
 
 
 def summary_lines(section: dict, path) -> list[str]:
     """What a tuning run found, in the words the profile records it."""
     sp, q, search = section["speed"], section["quality"], section["search"]
+    budgeted = (section.get("measured") or {}).get("budget") not in (None, "none")
 
     ar = f" · ar {sp['ar_tok_s']:.2f} tok/s" if sp.get("ar_tok_s") else ""
     quality = ("lossless (no gating)" if q.get("lossless") else
@@ -59,16 +64,35 @@ def summary_lines(section: dict, path) -> list[str]:
                "tokens (teacher-forced)")
     ratios = sp.get("per_prompt_ratios") or []
     spread = f", per-prompt ratios {min(ratios):.3f}–{max(ratios):.3f}" if ratios else ""
-    lines = [f"defaults: {settings_text(section['defaults'])} → {sp['defaults_tok_s']:.2f} tok/s",
-             f"tuned:    {settings_text(section['settings'])} → {sp['tuned_tok_s']:.2f} tok/s"
+    lines = [f"defaults: {settings_text(section['defaults'], budgeted)} → {sp['defaults_tok_s']:.2f} tok/s",
+             f"tuned:    {settings_text(section['settings'], budgeted)} → {sp['tuned_tok_s']:.2f} tok/s"
              + (f" ({sp['gain']:.3f}× the defaults{spread})" if sp.get("gain") else "") + ar,
              f"verdict: {sp['verdict']}",
              f"quality: {quality}",
+             *([f"quality in memory: {memory_quality_words(q['memory'])}"] if q.get("memory") else []),
              f"search: {search['method']} from {search['candidates']} of {search['pool']} candidates "
              f"({search['feasible']} within the quality constraint), {search['rungs']} rungs, {search['runs']} runs, "
              f"{search['seconds']:.0f} s of {search['time_budget_s']:.0f} s"]
     lines.append(f"profile written: {path}" if path else "not saved (--no-save)")
     return lines
+
+
+def quality_check_text(ev) -> str:
+    """One quality check of the search (TuneQuality or TuneMemoryQuality), in a line."""
+    from ..engine.tune import TuneQuality
+
+    verdict = ("ok" if ev.ok else "✖ fails the constraint") + (" (an earlier run's)" if getattr(ev, "reused", False)
+                                                               else "")
+    ppl = "–" if ev.ppl_ratio is None else f"{ev.ppl_ratio:.4f}"
+    top1 = "–" if ev.top1_agreement is None else f"{ev.top1_agreement:.3f}"
+    what = (f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}" if isinstance(ev, TuneQuality)
+            else f"quality in memory α_m {ev.memory_strength:g}")
+    return f"{what}: perplexity ratio {ppl}, top-1 {top1}: {verdict}"
+
+
+def memory_quality_words(m: dict) -> str:
+    return (f"α_m {m['memory_strength']:g}: perplexity ratio {m['ppl_ratio']:.4f}, top-1 agreement "
+            f"{m['top1_agreement']:.3f} over {m['tokens']} tokens (teacher-forced, one a step under the budget)")
 
 
 def earlier_quality(profile: dict, fingerprint: str, prompt_set: str) -> list[dict]:
@@ -97,7 +121,8 @@ def run(args) -> int:
     from ..engine.profiles import (check_name, check_writable, cost_for_model, hot_experts_for_model, load_profile,
                                    model_block, save_profile, with_tuned)
     from ..engine.runtime import check_threads
-    from ..engine.tune import TuneDone, TuneMeasured, TuneProgress, TuneQuality, TuneStarted, run_tune
+    from ..engine.tune import (TuneDone, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality, TuneStarted,
+                               run_tune)
     from .cli import default_model, run_cli_in_budget
 
     model = args.model if args.model is not None else default_model()
@@ -146,18 +171,14 @@ def run(args) -> int:
                                time_budget_s=args.time_budget * 60, seed=args.seed, context=context,
                                known_quality=earlier_quality(profile, info.fingerprint, set_name)):
                 if isinstance(ev, TuneStarted):
-                    progress.console.print(f"{ev.candidates} candidates; defaults {ev.defaults.label()}")
-                elif isinstance(ev, TuneQuality):
-                    verdict = ("ok" if ev.ok else "✖ fails the constraint") + (" (an earlier run's)" if ev.reused else "")
-                    ppl = "–" if ev.ppl_ratio is None else f"{ev.ppl_ratio:.4f}"
-                    top1 = "–" if ev.top1_agreement is None else f"{ev.top1_agreement:.3f}"
-                    progress.console.print(f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}: perplexity ratio "
-                                           f"{ppl}, top-1 {top1}: {verdict}")
+                    progress.console.print(f"{ev.candidates} candidates; defaults {ev.defaults.label(offloaded)}")
+                elif isinstance(ev, (TuneQuality, TuneMemoryQuality)):
+                    progress.console.print(quality_check_text(ev))
                 elif isinstance(ev, TuneProgress):
                     progress.update(task, description=ev.phase, completed=ev.done, total=ev.total)
                 elif isinstance(ev, TuneMeasured):
                     where = "final" if ev.rung < 0 else f"rung {ev.rung + 1}"
-                    progress.console.print(f"  {where}: {ev.settings.label()}: {ev.tok_per_s:.2f} tok/s "
+                    progress.console.print(f"  {where}: {ev.settings.label(offloaded)}: {ev.tok_per_s:.2f} tok/s "
                                            f"over {ev.n_prompts} prompt{'s' if ev.n_prompts > 1 else ''}")
                 elif isinstance(ev, TuneDone):
                     done = ev

@@ -400,9 +400,9 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float, max_toke
     here (the plain pass finds the gated one's experts in memory): bench's rows measure that. Nothing is kept
     beyond a position's two distributions: under a tight budget what this holds comes out of the expert
     cache. Needs a prefetcher routed to the hook (offloading); {} without one."""
-    rt = dec.rt
-    if rt.hook is None or rt.hook.route is None:
+    if not dec.knows_memory:
         return {}
+    rt = dec.rt
     k = dec.info.n_expert_used
 
     def step(token: int, pos: int, gated: bool) -> np.ndarray:
@@ -673,7 +673,7 @@ def run_bench(
                     if configs[name].mode in SELF_DRAFTING else None,
                 ))
             quality = {}
-            if dec.info.is_moe and quality_texts and dec.rt.hook is not None and dec.rt.hook.route is not None:
+            if dec.info.is_moe and quality_texts and dec.knows_memory:
                 # under a budget: what a batch's gating costs is the same as without one (measured there), what
                 # moving choices onto the experts in memory costs is measured only here
                 quality = memory_gating_quality(dec, quality_texts, base.memory_strength or 0.3)

@@ -362,6 +362,13 @@ class Decoder:
         """Measure again at the next generation (e.g. once the memory budget changed what a step costs)."""
         self._measured.clear()
 
+    @property
+    def knows_memory(self) -> bool:
+        """Whether the routing hook can ask which experts are in memory: a prefetcher is routed to it (under
+        a memory budget). Gating toward the experts in memory acts only then."""
+        hook = self.rt.hook
+        return hook is not None and hook.route is not None
+
     def draft_experts(self, cfg: GenerationConfig) -> str:
         """What cfg's self-drafts (chain or tree) read here: "resident" where cfg asks for it under a budget
         (an observer that knows what is in memory); the router's own top-k_d otherwise, by default too: drafts
@@ -622,8 +629,7 @@ class Decoder:
         # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
         plain_unobserved = (hook is not None and len(batch) == 1 and self._moe_layers is not None
                             and not self.observe_plain and not self._tracing and hook.route is None)
-        # experts in memory are known only where a prefetcher is routed (under a memory budget)
-        memory = gate is not None and gate.memory > 0 and hook is not None and hook.route is not None
+        memory = gate is not None and gate.memory > 0 and self.knows_memory
         batch_gate = gate is not None and len(batch) > 1
         if hook is not None:
             if batch_gate or memory:

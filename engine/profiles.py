@@ -75,10 +75,12 @@ carries published figures and may hold `reference` constants that apply to any m
         measured: {at: 2026-01-01T00:00:00+00:00, by: s2moe calibrate, threads: 2, ...}
         tuned:                     # optional, written by s2moe tune (engine/tune.py), per condition
           resident:                # or budget: the model under a memory budget
-            settings: {draft_topk: 2, draft_max: 8, threshold: 1.0, reuse_strength: 0.5, reuse_cap: 16, lookup: true}
+            settings: {draft_topk: 2, draft_max: 8, threshold: 1.0, reuse_strength: 0.5, reuse_cap: 16, lookup: true,
+                       memory_strength: 0.3}   # searched under a budget only
+            memory_quality_checked: [{memory_strength, ppl_ratio, top1_agreement, tokens, ok}, ...]  # budget
             defaults: {...}        # the model's defaults, measured in the same run
             speed: {tuned_tok_s, defaults_tok_s, ar_tok_s, gain, per_prompt_ratios, separated, verdict, ...}
-            quality: {ppl_ratio, top1_agreement, tokens}   # or {lossless: true}
+            quality: {ppl_ratio, top1_agreement, tokens}   # or {lossless: true}; + memory: {...} under a budget
             search: {method, candidates, rungs, seconds, time_budget_s, ...}
             log: [{rung, draft_topk, ..., tok_s, prompts, kept}, ...]
             measured: {at, by: s2moe tune, budget, prompts, threads}
@@ -118,7 +120,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _FP_RE = re.compile(r"^[0-9a-f]{16}$")
 # `s2moe tune`'s result per model, by where the model runs: fully resident, or under a memory budget
 TUNED_CONDITIONS = ("resident", "budget")
-TUNED_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap", "lookup")
+TUNED_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap", "lookup", "memory_strength")
 TUNED_DRAFT_MAX = 16  # a decoder's verification batch is sized for at most this many drafted tokens
 
 
@@ -313,6 +315,7 @@ def _validate_tuned(tuned, where: str) -> None:
             _number(settings, key, sw, required=True)
         if not isinstance(settings.get("lookup", True), bool):  # absent: tuned before tune searched copies
             raise ConfigError(f"{sw}: field lookup must be true or false, got {settings['lookup']!r}")
+        _number(settings, "memory_strength", sw)  # absent: tuned before tune searched it
 
 
 def validate_profile(data, where: str = "profile") -> dict:
@@ -645,7 +648,8 @@ def tuned_condition(offloaded: bool) -> str:
 
 def tuned_settings(profile: dict, fingerprint: str, *, offloaded: bool = False) -> dict:
     """The decoding settings `s2moe tune` chose for this model where it runs (resident or under a budget):
-    {draft_topk, draft_max, threshold, reuse_strength, reuse_cap, lookup} (lookup only where tune searched it),
+    {draft_topk, draft_max, threshold, reuse_strength, reuse_cap, lookup, memory_strength} (the last two only
+    where tune searched them),
     or {} when it was not tuned there."""
     block = model_block(profile, fingerprint) or {}
     section = (block.get("tuned") or {}).get(tuned_condition(offloaded)) or {}

@@ -4,19 +4,22 @@ run_tune() is a generator of typed events; `s2moe tune` and the app's calibratio
 
     TuneStarted(candidates, defaults, time_budget_s)
     TuneQuality(reuse_strength, reuse_cap, ppl_ratio, top1_agreement, tokens, ok)   # one per gating setting
+    TuneMemoryQuality(memory_strength, ppl_ratio, top1_agreement, mean_kl, tokens, ok)  # under a budget, one each
     TuneProgress(done, total, phase)                                                 # any number
     TuneMeasured(index, settings, rung, tok_per_s, n_prompts)                       # a candidate's running score
     TuneDone(section)                                                                # the profile's tuned section
 
 What it searches: k_d (experts per draft step), the draft cap, the utility threshold, the reuse strength α,
-the preferred-expert cap |E*|, and whether s2moe copies from the context (where they rarely pay, their probes
-cost a little; on text that repeats itself they are most of the gain). The objective is decoding tokens/s;
-the constraint is the quality of reuse gating measured teacher-forced as `s2moe bench` measures it
-(bench.gating_quality): perplexity ratio ≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN. α = 0 is lossless
-and always allowed.
+the preferred-expert cap |E*|, whether s2moe copies from the context (where they rarely pay, their probes
+cost a little; on text that repeats itself they are most of the gain), and under a memory budget the strength
+of gating toward the experts in memory α_m. The objective is decoding tokens/s; the constraint is the quality
+of reuse gating measured teacher-forced as `s2moe bench` measures it (bench.gating_quality): perplexity ratio
+≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN; α_m meets the same bounds on its own check, one token a step
+under the budget (bench.memory_gating_quality). The two biases are checked apart: where both reach a row it
+takes the larger, not their sum. α = 0 is lossless and always allowed (it turns both off).
 
-How: successive halving. The quality constraint depends on (α, |E*|) only, so it is checked once per pair
-before any speed is measured and the pairs that fail it never run. The candidates (the model's defaults,
+How: successive halving. The quality constraint depends on (α, |E*|) and α_m only, so it is checked once per
+pair and once per α_m before any speed is measured, and the settings that fail it never run. The candidates (the model's defaults,
 every one-setting change of them, then random combinations, as many as the time budget allows) each decode
 one prompt; the better half goes on to twice as many new prompts, and so on until one is left. Why: a
 speed measurement is noisy and costs a whole generation, and most settings are plainly worse after one
@@ -48,7 +51,7 @@ import random
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterator, Protocol
 
-from .bench import balanced_order, gating_quality
+from .bench import balanced_order, gating_quality, memory_gating_quality
 from .decoder import Decoder, GenerationConfig
 from .errors import OPTION, ConfigError
 from .events import CostConstants, Finished, Iteration, Prefilled
@@ -56,10 +59,11 @@ from .events import CostConstants, Finished, Iteration, Prefilled
 PPL_RATIO_MAX = 1.02
 TOP1_MIN = 0.9
 DEFAULT_TIME_BUDGET_S = 600.0
-SETTING_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap", "lookup")
+SETTING_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap", "lookup", "memory_strength")
 DRAFT_CAPS = (4, 8, 12)                 # below a decoder's usual verification limit of 16
 THRESHOLDS = (0.5, 0.75, 1.0, 1.5)
 STRENGTHS = (0.0, 0.25, 0.5, 1.0)
+MEMORY_STRENGTHS = (0.0, 0.15, 0.3, 0.5)  # searched only under a memory budget
 MAX_CANDIDATES = 32
 QUALITY_TEXTS = 4
 QUALITY_TOKENS = 96
@@ -88,6 +92,8 @@ class Settings:
     reuse_strength: float
     reuse_cap: int
     lookup: bool = True  # s2moe copies from the context where its rule says they pay
+    # gating toward the experts in memory: acts under a memory budget, with gating on
+    memory_strength: float = GenerationConfig.memory_strength
 
     def config(self, base: GenerationConfig) -> GenerationConfig:
         return replace(base, mode="s2moe", utility=True, **asdict(self))
@@ -96,37 +102,49 @@ class Settings:
         return {k: (v if isinstance(v, bool) else float(v) if isinstance(v, float) else int(v))
                 for k, v in asdict(self).items()}
 
-    def label(self) -> str:
+    def label(self, memory_shown: bool = False) -> str:
+        """In words; memory_shown: with the memory strength (where it acts: under a budget)."""
         gating = f"α {self.reuse_strength:g} |E*| {self.reuse_cap}" if self.reuse_strength > 0 else "gating off"
+        memory = f" · memory α {self.memory_strength:g}" if memory_shown and self.reuse_strength > 0 else ""
         copies = "" if self.lookup else " · copies off"
-        return f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · {gating}{copies}"
+        return f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · {gating}{memory}{copies}"
 
     @property
     def gating(self) -> tuple[float, int]:
         """The part the quality constraint depends on (|E*| means nothing without gating)."""
         return (self.reuse_strength, self.reuse_cap if self.reuse_strength > 0 else 0)
 
+    @property
+    def memory(self) -> float:
+        """The part the memory-gating quality constraint depends on (nothing is gated without gating)."""
+        return self.memory_strength if self.reuse_strength > 0 else 0.0
+
 
 def default_settings(decoder: Decoder, base: GenerationConfig | None = None) -> Settings:
     """What a generation with no flag and no tuned profile runs: the model's routing defaults."""
     cfg = (base or GenerationConfig()).resolved(decoder.info)
     return Settings(cfg.draft_topk, cfg.draft_max, float(cfg.threshold), float(cfg.reuse_strength), cfg.reuse_cap,
-                    cfg.lookup)
+                    cfg.lookup, float(cfg.memory_strength))
 
 
-def search_space(n_expert: int, k: int, defaults: Settings) -> dict[str, tuple]:
-    """The values searched for each setting on a model with n_expert experts, k per token."""
+def search_space(n_expert: int, k: int, defaults: Settings, knows_memory: bool = False) -> dict[str, tuple]:
+    """The values searched for each setting on a model with n_expert experts, k per token; the memory
+    strength only where the decoder knows what is in memory (under a budget): elsewhere it changes nothing."""
     topk = sorted({max(1, k // 8), max(1, k // 4), max(1, k // 2), defaults.draft_topk} & set(range(1, k)))
     caps = sorted({c for c in {max(k, 3 * k // 2), 2 * k, 3 * k, defaults.reuse_cap} if k <= c < n_expert})
     return {"draft_topk": tuple(topk), "draft_max": tuple(sorted(set(DRAFT_CAPS) | {defaults.draft_max})),
             "threshold": tuple(sorted(set(THRESHOLDS) | {defaults.threshold})),
             "reuse_strength": tuple(sorted(set(STRENGTHS) | {defaults.reuse_strength})),
-            "reuse_cap": tuple(caps) or (defaults.reuse_cap,), "lookup": (True, False)}
+            "reuse_cap": tuple(caps) or (defaults.reuse_cap,), "lookup": (True, False),
+            "memory_strength": (tuple(sorted(set(MEMORY_STRENGTHS) | {defaults.memory_strength})) if knows_memory
+                                else (defaults.memory_strength,))}
 
 
 def _canonical(s: Settings, defaults: Settings) -> Settings:
-    # without gating |E*| changes nothing: one candidate, not one per cap
-    return replace(s, reuse_cap=defaults.reuse_cap) if s.reuse_strength == 0 else s
+    # without gating neither |E*| nor the memory strength changes anything: one candidate, not one per value
+    if s.reuse_strength == 0:
+        return replace(s, reuse_cap=defaults.reuse_cap, memory_strength=defaults.memory_strength)
+    return s
 
 
 def candidate_pool(space: dict[str, tuple], defaults: Settings, n: int, seed: int = 0) -> list[Settings]:
@@ -175,6 +193,16 @@ class TuneQuality:
     tokens: int
     ok: bool
     reused: bool = False  # from an earlier run's record, not measured again
+
+
+@dataclass(frozen=True)
+class TuneMemoryQuality:
+    memory_strength: float
+    ppl_ratio: float | None
+    top1_agreement: float | None
+    mean_kl: float | None
+    tokens: int
+    ok: bool
 
 
 @dataclass(frozen=True)
@@ -279,7 +307,8 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     info = decoder.info
     base = GenerationConfig(n_predict=n_tokens, stop_at_eos=False, cost=cost)
     defaults = default_settings(decoder, base)
-    space = search_space(info.n_expert, info.n_expert_used, defaults)
+    knows_memory = decoder.knows_memory
+    space = search_space(info.n_expert, info.n_expert_used, defaults, knows_memory)
     runner = _Runner(decoder, base, clock, stop)
     ar_cfg = replace(base, mode="ar")
 
@@ -317,7 +346,25 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         yield TuneQuality(alpha, cap, q.get("ppl_ratio"), q.get("top1_agreement"), int(q.get("tokens", 0)), ok,
                           bool(q.get("reused")))
         yield TuneProgress(i + 1, len(pairs), "quality")
-    feasible = [s for s in pool_all if s.reuse_strength == 0 or quality[s.gating]["ok"]]
+    # the memory strengths' own constraint, once each: measured under this budget, so never reused from an
+    # earlier run (what is in memory depends on the device and the budget)
+    memory_quality: dict[float, dict] = {}
+    strengths = sorted({s.memory for s in pool_all if s.memory > 0}) if knows_memory else []
+    for i, strength in enumerate(strengths):
+        if stop():
+            return
+        q = memory_gating_quality(decoder, texts, strength, max_tokens=QUALITY_TOKENS)
+        ok = bool(q.get("tokens")) and q["ppl_ratio"] <= PPL_RATIO_MAX and q["top1_agreement"] >= TOP1_MIN
+        memory_quality[strength] = {**q, "ok": ok}
+        yield TuneMemoryQuality(strength, q.get("ppl_ratio"), q.get("top1_agreement"), q.get("mean_kl"),
+                                int(q.get("tokens", 0)), ok)
+        yield TuneProgress(i + 1, len(strengths), "quality in memory")
+
+    def within_quality(s: Settings) -> bool:
+        return ((s.reuse_strength == 0 or quality[s.gating]["ok"])
+                and (s.memory == 0 or not knows_memory or memory_quality[s.memory]["ok"]))
+
+    feasible = [s for s in pool_all if within_quality(s)]
     if defaults not in feasible:
         feasible = [defaults] + feasible  # measured as the reference; chosen only if feasible
     index_of = {s: i for i, s in enumerate(pool_all)}
@@ -408,7 +455,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         s = sum(runs[who][p][1] for p in shared)
         return n / s if s > 0 else 0.0
 
-    defaults_feasible = defaults.reuse_strength == 0 or quality.get(defaults.gating, {}).get("ok", False)
+    defaults_feasible = within_quality(defaults)
     if best != defaults and shared:
         best_tps, def_tps = paired_speed(best), paired_speed(defaults)
     else:
@@ -418,6 +465,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         else defaults
     tuned_tps = best_tps if tuned == best else def_tps
     q = quality.get(tuned.gating) if tuned.reuse_strength > 0 else None
+    mq = memory_quality.get(tuned.memory) if knows_memory and tuned.memory > 0 else None
     ar_tps = scores["ar"].tok_per_s
     elapsed = clock.now() - t0
     section = {
@@ -436,7 +484,15 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             "verdict": _verdict(tuned, best, defaults, ratios, defaults_feasible),
         },
         "quality": ({"ppl_ratio": round(q["ppl_ratio"], 5), "top1_agreement": round(q["top1_agreement"], 4),
-                     "tokens": int(q["tokens"])} if q else {"lossless": True}),
+                     "tokens": int(q["tokens"])} if q else {"lossless": True})
+        | ({"memory": {"memory_strength": tuned.memory, "ppl_ratio": round(mq["ppl_ratio"], 5),
+                       "top1_agreement": round(mq["top1_agreement"], 4), "mean_kl": round(mq["mean_kl"], 6),
+                       "tokens": int(mq["tokens"])}} if mq else {}),
+        "memory_quality_checked": [{"memory_strength": a,
+                                    "ppl_ratio": None if not v.get("tokens") else round(v["ppl_ratio"], 5),
+                                    "top1_agreement": None if not v.get("tokens") else round(v["top1_agreement"], 4),
+                                    "tokens": int(v.get("tokens") or 0), "ok": bool(v["ok"])}
+                                   for a, v in sorted(memory_quality.items())],
         "quality_checked": [{"reuse_strength": a, "reuse_cap": c,
                              "ppl_ratio": None if not v.get("tokens") else round(v["ppl_ratio"], 5),
                              "top1_agreement": None if not v.get("tokens") else round(v["top1_agreement"], 4),

@@ -316,6 +316,33 @@ def test_k_d_follows_the_model_until_the_user_picks_one():
     run(go())
 
 
+def test_the_memory_strength_is_set_in_the_settings_form_and_reaches_the_generation():
+    from s2moe.app.tui.dialogs import SettingsDialog
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            await pilot.press("ctrl+o")
+            await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
+            dialog = app.screen
+            assert dialog.query_one("#set-memory").value == "0.3"  # the default, shown
+            dialog.query_one("#set-memory").value = "-1"
+            await pilot.press("ctrl+s")
+            await pilot.pause()
+            assert app.screen is dialog  # refused: the form stays open
+            dialog.query_one("#set-memory").value = "0.15"
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: app.screen is chat, what="dialog closed")
+            assert chat.settings.memory_strength == 0.15
+            await type_prompt(pilot, "x")
+            await wait_for(pilot, lambda: not chat.generating and app.fake_decoders, what="generation")
+            assert app.fake_decoders[0].configs[-1].memory_strength == 0.15
+
+    run(go())
+
+
 def test_stop_key_interrupts_between_iterations():
     async def go():
         app = fake_app(delay=0.01, endless=True)

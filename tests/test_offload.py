@@ -1338,3 +1338,62 @@ def test_under_a_budget_memory_gating_moves_plain_steps_onto_experts_in_memory(t
     q, q0 = r["quality"], r["quality_off"]
     assert q["tokens"] > 10 and np.isfinite(q["ppl_ratio"]) and 0 < q["top1_agreement"] <= 1 and q["mean_kl"] > 0
     assert q0["tokens"] == q["tokens"] and q0["ppl_ratio"] == 1.0 and q0["mean_kl"] == 0.0
+
+
+AUTO_TUNE = """
+import json, sys
+from s2moe.engine import offload
+from s2moe.engine.bench import load_prompts
+from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.events import CostConstants
+from s2moe.engine.tune import TuneDone, TuneMeasured, TuneMemoryQuality, TuneStarted, run_tune
+
+class IterationClock:  # as tests/test_tune.py's: a run's time is its iteration count
+    t = 0.0
+    def now(self):
+        self.t += 1.0
+        return self.t
+
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=512, max_draft=16, use_extra_bufts=False)
+warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", utility=False, draft_max=16, n_predict=8,
+                                                           stop_at_eos=False)))
+off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
+cost = CostConstants(t_ar=0.01, c_draft=0.0005, t_exp=1e-6, t_tok=1e-5, intercept=0.0, source="test")
+out = {"knows_memory": dec.knows_memory, "checked": [], "measured": []}
+for ev in run_tune(dec, load_prompts("natural", 12)[1], cost=cost, n_tokens=16, time_budget_s=3000,
+                   clock=IterationClock()):
+    if isinstance(ev, TuneStarted):
+        out["space"] = list(ev.space["memory_strength"])
+        out["defaults"] = ev.defaults.memory_strength
+    elif isinstance(ev, TuneMemoryQuality):
+        out["checked"].append([ev.memory_strength, ev.ok, ev.tokens, ev.ppl_ratio, ev.top1_agreement])
+    elif isinstance(ev, TuneMeasured):
+        out["measured"].append(ev.settings.memory)
+    elif isinstance(ev, TuneDone):
+        out["section"] = ev.section
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_under_a_budget_tune_searches_the_memory_strength_within_its_quality_check(tmp_path):
+    """Under a budget `s2moe tune` also searches α_m: each strength is checked teacher-forced one token a step in
+    the budget's process before any speed is measured, and a strength that fails the check is never timed."""
+    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
+                                                         n_ff=256, seed=2))
+    r = _run_under_auto_budget(AUTO_TUNE, model, tmp_path)
+    assert r["knows_memory"] and r["space"] == [0.0, 0.15, 0.3, 0.5] and r["defaults"] == 0.3
+    checked = {strength: (ok, tokens, ppl, top1) for strength, ok, tokens, ppl, top1 in r["checked"]}
+    assert sorted(checked) == [0.15, 0.3, 0.5]  # each strength the pool holds, once; 0 needs no check
+    assert all(tokens > 50 for _, tokens, _, _ in checked.values())
+    for strength, (ok, _, ppl, top1) in checked.items():
+        assert ok == (ppl <= 1.02 and top1 >= 0.9)
+    section = r["section"]
+    defaults = section["defaults"]
+    for memory in r["measured"]:
+        assert memory == 0 or checked[memory][0] or memory == defaults["memory_strength"]
+    assert [e["memory_strength"] for e in section["memory_quality_checked"]] == [0.15, 0.3, 0.5]
+    tuned = section["settings"]
+    if tuned["reuse_strength"] > 0 and tuned["memory_strength"] > 0:
+        assert section["quality"]["memory"]["memory_strength"] == tuned["memory_strength"]
+        assert checked[tuned["memory_strength"]][0] or not section["constraint"]["defaults_meet_it"]

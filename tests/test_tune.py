@@ -14,8 +14,9 @@ from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import CostConstants
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
-from s2moe.engine.tune import (Clock, MonotonicClock, Settings, TuneDone, TuneMeasured, TuneProgress, TuneQuality,
-                               TuneStarted, candidate_pool, default_settings, run_tune, search_space, separated)
+from s2moe.engine.tune import (Clock, MonotonicClock, Settings, TuneDone, TuneMeasured, TuneMemoryQuality,
+                               TuneProgress, TuneQuality, TuneStarted, candidate_pool, default_settings, run_tune,
+                               search_space, separated)
 
 # Constants under which the utility rule drafts on the tiny model (a plain step dear, a draft step cheap), so
 # that candidates differ in how many tokens an iteration commits.
@@ -78,6 +79,14 @@ def test_the_pool_starts_from_the_defaults_and_varies_each_setting(tiny):
     # without gating |E*| changes nothing: no candidate differs from another only there
     off = [s for s in candidate_pool(space, d, 500) if s.reuse_strength == 0]
     assert {s.reuse_cap for s in off} == {d.reuse_cap}
+    # the memory strength acts only where the decoder knows what is in memory (under a budget)
+    assert not tiny.knows_memory and space["memory_strength"] == (d.memory_strength,) == (0.3,)
+    budgeted = search_space(8, 4, d, knows_memory=True)
+    assert budgeted["memory_strength"] == (0.0, 0.15, 0.3, 0.5)
+    pool = candidate_pool(budgeted, d, 500)
+    assert {s.memory_strength for s in pool} == set(budgeted["memory_strength"])
+    assert {s.memory_strength for s in pool if s.reuse_strength == 0} == {d.memory_strength}  # gating off: no bias
+    assert d.label() == d.label(memory_shown=False) and "memory α 0.3" in d.label(memory_shown=True)
 
 
 def test_separated_needs_a_consistent_difference():
@@ -91,6 +100,9 @@ def test_successive_halving_finds_the_candidate_that_commits_most_per_iteration(
     events, clock = _tune(tiny, prompts, 5000)
     assert isinstance(events[0], TuneStarted) and isinstance(events[-1], TuneDone)
     assert any(isinstance(e, TuneProgress) for e in events)
+    # resident: nothing is in memory to gate toward, so its strength is neither searched nor checked
+    assert events[0].space["memory_strength"] == (0.3,) and not any(isinstance(e, TuneMemoryQuality) for e in events)
+    assert events[-1].section["memory_quality_checked"] == [] and "memory" not in events[-1].section["quality"]
     quality = {(q.reuse_strength, q.reuse_cap): q for q in events if isinstance(q, TuneQuality)}
     measured = [e for e in events if isinstance(e, TuneMeasured)]
     # nothing that fails the quality constraint is ever timed
@@ -203,11 +215,16 @@ def test_the_tuned_section_round_trips_per_condition(xdg):
     older = {k: v for k, v in _section()["settings"].items() if k != "lookup"}
     path = save_profile(with_tuned(_profile(fp), fp, {**_section(), "settings": older}, offloaded=False), "old")
     assert "lookup" not in tuned_settings(load_profile("old"), fp)
+    # tuned under a budget with the memory strength searched: decoding there takes it
+    save_profile(with_tuned(_profile(fp), fp, _section(memory_strength=0.15), offloaded=True), "mem")
+    assert tuned_settings(load_profile("mem"), fp, offloaded=True)["memory_strength"] == 0.15
+    assert "memory_strength" not in tuned_settings(load_profile("old"), fp)
     assert path.read_text().startswith("# s2moe device profile")
 
 
 @pytest.mark.parametrize("settings, field", [({"draft_max": 40}, "draft_max"), ({"draft_topk": 0}, "draft_topk"),
-                                             ({"threshold": "high"}, "threshold"), ({"lookup": 1}, "lookup")])
+                                             ({"threshold": "high"}, "threshold"), ({"lookup": 1}, "lookup"),
+                                             ({"memory_strength": -0.1}, "memory_strength")])
 def test_a_bad_tuned_setting_is_named(xdg, settings, field):
     fp = "0123456789abcdef"
     prof = with_tuned(_profile(fp), fp, _section(**settings), offloaded=False)
@@ -225,6 +242,14 @@ def test_the_summary_says_when_the_tuned_settings_turn_copies_off():
                          "runs": 2, "seconds": 1.0, "time_budget_s": 60.0}
     defaults, tuned = summary_lines(section, None)[:2]
     assert "copies off" in tuned and "copies" not in defaults
+    assert "memory α" not in tuned  # tuned resident: α_m acts nowhere there
+    budgeted = {**section, "settings": {**section["settings"], "memory_strength": 0.15},
+                "measured": {"budget": "auto (496.5 MiB)"},
+                "quality": {**section["quality"], "memory": {"memory_strength": 0.15, "ppl_ratio": 1.004,
+                                                             "top1_agreement": 0.95, "mean_kl": 0.003, "tokens": 384}}}
+    lines = summary_lines(budgeted, None)
+    assert "memory α 0.15" in lines[1]
+    assert any(line.startswith("quality in memory: α_m 0.15: perplexity ratio 1.0040") for line in lines)
 
 
 def test_tuning_needs_the_models_constants():
@@ -246,6 +271,14 @@ def test_flags_override_tuned_settings_and_tuned_override_defaults(tiny, xdg):
                               "--reuse-strength", "0", "--draft-topk", "1", "--reuse-cap", "5"])
     cfg = generation_config(args, decoder)
     assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (1, 8, 1.0, 0.0, 5)
+    # the memory strength: the flag, else the tuned value of the condition decoding runs in, else 0.3
+    save_profile(with_tuned(load_profile("dev"), info.fingerprint, _section(memory_strength=0.15), offloaded=True),
+                 "dev")
+    assert resolve_tuned(parser.parse_args(["generate", "-p", "x"]),
+                         tuned_settings(load_profile("dev"), info.fingerprint, offloaded=True))["memory_strength"] == 0.15
+    assert generation_config(args, decoder).memory_strength == 0.3  # resident: the resident tuning has none
+    flagged = parser.parse_args(["generate", "-p", "x", "--memory-strength", "0.5"])
+    assert resolve_tuned(flagged, {"memory_strength": 0.15})["memory_strength"] == 0.5
     # no profile: the model's defaults, as before tuning existed
     cfg = generation_config(parser.parse_args(["generate", "-p", "x"]), decoder).resolved(info)
     assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (1, 8, 1.0, 0.5, 7)
@@ -290,6 +323,10 @@ def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
         assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength) == (1, 4, 2.0, 1.0)
         cfg = session.config(ChatSettings(gating=False))
         assert cfg.reuse_strength == 0.0 and cfg.reuse_cap == 6
+        assert session.config(ChatSettings()).memory_strength == 0.3
+        assert session.config(ChatSettings(memory_strength=0.1)).memory_strength == 0.1
+        assert "memory" not in ChatSettings().describe(session.model, session.tuned())
+        assert "gating 0.25 · memory 0.3" in ChatSettings().describe(session.model, session.tuned(), budgeted=True)
         session.profile_name = None
         cfg = session.config(ChatSettings())
         assert (cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap, cfg.lookup) == (8, 1.0, 0.5, None, True)

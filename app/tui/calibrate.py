@@ -24,7 +24,7 @@ from ...engine.errors import S2MoEError
 from ...engine.gpu import Placement
 from ...engine.offload import Budget
 from ...engine.profiles import cost_for_model, save_profile, tuned_condition
-from ...engine.tune import TuneDone, TuneMeasured, TuneProgress, TuneQuality, TuneStarted
+from ...engine.tune import TuneDone, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality, TuneStarted
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .widgets import NavBar
 
@@ -441,13 +441,12 @@ class CalibrateScreen(Screen):
         if t is None:
             return
         if isinstance(ev, TuneStarted):
-            t.lines.append(f"{ev.candidates} candidates; defaults {ev.defaults.label()}")
-        elif isinstance(ev, TuneQuality):
-            verdict = "ok" if ev.ok else "✖ fails the constraint"
-            ppl = "–" if ev.ppl_ratio is None else f"{ev.ppl_ratio:.4f}"
-            top1 = "–" if ev.top1_agreement is None else f"{ev.top1_agreement:.3f}"
-            t.lines.append(f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}: perplexity ratio {ppl}, "
-                           f"top-1 {top1}: {verdict}")
+            t.lines.append(f"{ev.candidates} candidates; defaults "
+                           f"{ev.defaults.label(self.app.session.budget is not None)}")
+        elif isinstance(ev, (TuneQuality, TuneMemoryQuality)):
+            from ..cmd_tune import quality_check_text
+
+            t.lines.append(quality_check_text(ev))
         elif isinstance(ev, TuneProgress):
             t.done, t.total, t.phase = ev.done, ev.total, ev.phase
         elif isinstance(ev, TuneMeasured):
@@ -465,7 +464,7 @@ class CalibrateScreen(Screen):
             self.saved_path = None  # what was saved before lacks the tuning
     def on_job_event(self, message: JobEvent) -> None:
         ev = message.event
-        if isinstance(ev, (TuneStarted, TuneQuality, TuneProgress, TuneMeasured, TuneDone)):
+        if isinstance(ev, (TuneStarted, TuneQuality, TuneMemoryQuality, TuneProgress, TuneMeasured, TuneDone)):
             self.on_tune_event(ev)
         elif isinstance(ev, StepStarted):
             first = not self.steps

@@ -198,7 +198,8 @@ class ChatScreen(Screen):
             self.notify(template.status, timeout=6)
 
     def update_settings_bar(self) -> None:
-        text = self.settings.describe(self.app.session.model, self.app.session.tuned())
+        session = self.app.session
+        text = self.settings.describe(session.model, session.tuned(), session.budget is not None)
         if self.app.session.profile_name:
             text += f" · profile {self.app.session.profile_name}"
         if self._status:
@@ -378,7 +379,8 @@ class ChatScreen(Screen):
         self._turn_index += 1
         session = self.app.session
         chat = session.template.name if session.conversation is not None else None
-        turn = ChatTurn(self._turn_index, prompt, self.settings.describe(session.model, session.tuned()), chat)
+        turn = ChatTurn(self._turn_index, prompt, self.settings.describe(session.model, session.tuned(),
+                                                                       session.budget is not None), chat)
         turn.show_rejected = self.show_rejected
         turn.status = "starting…"
         self._turn = turn

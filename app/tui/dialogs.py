@@ -187,6 +187,10 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                               tooltip="s2moe: draft what followed a repeated n-gram, where the rule says it pays")
                 yield Label("Gating strength α")
                 yield Input(str(s.reuse_strength), id="set-alpha", type="number")
+                yield Label("Memory strength α_m")
+                yield Input(str(s.memory_strength), id="set-memory", type="number",
+                            tooltip="under a memory budget, with gating on: every step's bias toward the experts "
+                                    "in memory (0 = off)")
                 yield Label("Draft experts k_d")
                 yield Select([(str(v), v) for v in topk], value=s.draft_topk, allow_blank=False, id="set-topk")
                 yield Label("Draft cap")
@@ -226,6 +230,7 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 gating=self.query_one("#set-gating", TickBox).value,
                 lookup=self.query_one("#set-lookup", TickBox).value,
                 reuse_strength=num("#set-alpha", float, 0.0, 100.0),
+                memory_strength=num("#set-memory", float, 0.0, 100.0),
                 draft_topk=int(self.query_one("#set-topk", Select).value),
                 draft_max=num("#set-draftmax", int, 1, 16),
                 threshold=num("#set-threshold", float, 0.0, 1e6),

@@ -8,6 +8,7 @@ from ...engine.errors import S2MoEError
 
 # The engine's names for the settings its errors are about → what the app calls them (the settings bar).
 SETTING_NAMES = {"draft_topk": "k_d", "draft_max": "the draft cap", "reuse_strength": "gating α",
+                 "memory_strength": "memory α_m",
                  "threshold": "the utility threshold", "n_predict": "n (tokens per reply)", "temperature": "T",
                  "reuse_cap": "|E*|", "n_ctx": "the context (s2moe app --ctx)", "seed": "the seed"}
 

@@ -71,7 +71,7 @@ def ui_default_threads() -> int:
 
 
 # What ChatSettings leaves open comes to without a tuned profile: GenerationConfig's defaults.
-DEFAULTS = {"reuse_strength": 0.5, "draft_max": 8, "threshold": 1.0, "lookup": True}
+DEFAULTS = {"reuse_strength": 0.5, "draft_max": 8, "threshold": 1.0, "lookup": True, "memory_strength": 0.3}
 
 
 @dataclass
@@ -85,6 +85,7 @@ class ChatSettings:
     # s2moe: draft the tokens that followed a repeated n-gram of the context where the utility rule says they pay
     lookup: bool | None = None
     reuse_strength: float | None = None   # α used when gating is on
+    memory_strength: float | None = None  # α_m toward the experts in memory: under a budget, when gating is on
     draft_topk: int | None = None  # None also: the model's default (see engine.decoder.routing_defaults)
     draft_max: int | None = None
     threshold: float | None = None
@@ -134,7 +135,8 @@ class ChatSettings:
 
         return replace(s, draft_topk=routing_defaults(model.n_expert, model.k).draft_topk)
 
-    def describe(self, model: ModelSummary | None = None, tuned: dict | None = None) -> str:
+    def describe(self, model: ModelSummary | None = None, tuned: dict | None = None, budgeted: bool = False) -> str:
+        """The settings in a line; budgeted: under a memory budget, where α_m acts (shown with gating)."""
         parts = [self.mode]
         if self.mode != "ar":
             k_d = self.resolved(model, tuned).draft_topk
@@ -142,6 +144,8 @@ class ChatSettings:
         if self.mode == "s2moe":
             parts.append("utility " + ("on" if self.utility else "off"))
             parts.append(f"gating {self.resolved(model, tuned).reuse_strength:g}" if self.gating else "gating off")
+            if self.gating and budgeted:
+                parts.append(f"memory {self.resolved(model, tuned).memory_strength:g}")
             if not self.resolved(model, tuned).lookup:
                 parts.append("copies off")
         parts.append(f"n={self.n_predict}")
@@ -368,6 +372,7 @@ class EngineSession:
             lookup=settings.lookup,
             threshold=settings.threshold,
             reuse_strength=settings.reuse_strength if settings.gating else 0.0,
+            memory_strength=settings.memory_strength,
             cost=cost,
         )
         if self.decoder is not None:
