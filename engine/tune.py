@@ -19,13 +19,13 @@ under the budget (bench.memory_gating_quality). The two biases are checked apart
 takes the larger, not their sum. α = 0 is lossless and always allowed (it turns both off).
 
 How: successive halving. The quality constraint depends on (α, |E*|) and α_m only, so it is checked once per
-pair and once per α_m before any speed is measured, and the settings that fail it never run. The candidates (the model's defaults,
-every one-setting change of them, then random combinations, as many as the time budget allows) each decode
-one prompt; the better half goes on to twice as many new prompts, and so on until one is left. Why: a
-speed measurement is noisy and costs a whole generation, and most settings are plainly worse after one
-prompt (a k_d that makes drafting too dear, a threshold that stops it paying); halving spends the time on
-the contenders instead of measuring every candidate equally (a grid) and, unlike a model-based search
-(Bayesian optimisation), needs no surrogate over five mixed discrete settings whose response on a shared
+pair and once per α_m before any speed is measured, and the settings that fail it never run. The candidates
+(the model's defaults, every one-setting change of them, then random combinations, as many as the time budget
+allows) each decode one prompt; the better half goes on to twice as many new prompts, and so on until one
+is left. Why: a speed measurement is noisy and costs a whole generation, and most settings are plainly worse
+after one prompt (a k_d that makes drafting too dear, a threshold that stops it paying); halving spends the
+time on the contenders instead of measuring every candidate equally (a grid) and, unlike a model-based search
+(Bayesian optimisation), needs no surrogate over seven mixed discrete settings whose response on a shared
 machine is noisier than any such model's resolution. Each rung runs plain decoding (ar) and the defaults on
 the same prompts, all interleaved per prompt in bench's balanced order, so that drifts of the
 machine hit every candidate alike; scores are tokens over decoding seconds summed over a candidate's prompts.
@@ -107,7 +107,8 @@ class Settings:
         gating = f"α {self.reuse_strength:g} |E*| {self.reuse_cap}" if self.reuse_strength > 0 else "gating off"
         memory = f" · memory α {self.memory_strength:g}" if memory_shown and self.reuse_strength > 0 else ""
         copies = "" if self.lookup else " · copies off"
-        return f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · {gating}{memory}{copies}"
+        return (f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · "
+                f"{gating}{memory}{copies}")
 
     @property
     def gating(self) -> tuple[float, int]:
