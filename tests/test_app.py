@@ -51,6 +51,15 @@ async def type_prompt(pilot, text):
     await pilot.press("enter")
 
 
+async def open_settings(pilot, app):
+    """Open the settings form (Ctrl+O) from the chat; the form."""
+    from s2moe.app.tui.dialogs import SettingsDialog
+
+    await pilot.press("ctrl+o")
+    await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
+    return app.screen
+
+
 async def answered(pilot, chat, text) -> None:
     """Send a prompt from the chat screen and wait until its answer is in the transcript."""
     turns = len(chat.transcript.turns)
@@ -292,8 +301,6 @@ def test_switching_mode_and_components_reaches_the_engine():
 
 
 def test_k_d_follows_the_model_until_the_user_picks_one():
-    from s2moe.app.tui.dialogs import SettingsDialog
-
     async def go():
         app = fake_app()  # top-4: the model's default k_d is 1
         async with app.run_test(size=(120, 40)) as pilot:
@@ -301,8 +308,7 @@ def test_k_d_follows_the_model_until_the_user_picks_one():
             chat = app.screen
             assert chat.settings.draft_topk is None
             assert "k_d=1 " in str(chat.query_one("#settings-bar").render())
-            await pilot.press("ctrl+o")  # the form shows the default; applying it unchanged keeps it a default
-            await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
+            await open_settings(pilot, app)  # the form shows the default; applying it unchanged keeps it a default
             assert app.screen.settings.draft_topk == 1
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: app.screen is chat, what="dialog closed")
@@ -317,16 +323,12 @@ def test_k_d_follows_the_model_until_the_user_picks_one():
 
 
 def test_the_memory_strength_is_set_in_the_settings_form_and_reaches_the_generation():
-    from s2moe.app.tui.dialogs import SettingsDialog
-
     async def go():
         app = fake_app()
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_for(pilot, lambda: app.session.model is not None, what="model")
             chat = app.screen
-            await pilot.press("ctrl+o")
-            await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
-            dialog = app.screen
+            dialog = await open_settings(pilot, app)
             assert dialog.query_one("#set-memory").value == "0.3"  # the default, shown
             dialog.query_one("#set-memory").value = "-1"
             await pilot.press("ctrl+s")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_app import answered, fake_app, run, type_prompt, wait_for
+from test_app import answered, fake_app, open_settings, run, type_prompt, wait_for
 from test_app_support import fake_run_bench
 
 from s2moe.app.cli import build_parser
@@ -20,9 +20,7 @@ SAMPLED = {"temperature": "0.7", "seed": "42", "top_k": "20", "top_p": "0.9", "m
 
 
 async def fill_settings(pilot, app, values: dict) -> SettingsDialog:
-    await pilot.press("ctrl+o")
-    await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
-    dialog = app.screen
+    dialog = await open_settings(pilot, app)
     for key, value in values.items():
         dialog.query_one(f"#sample-{key}").value = value
     await pilot.press("ctrl+s")
@@ -226,8 +224,7 @@ def test_the_dialogs_switches_say_their_state_in_a_glyph():
         app = fake_app()
         async with app.run_test(size=(60, 20)) as pilot:
             await wait_for(pilot, lambda: app.session.model is not None, what="model")
-            await pilot.press("ctrl+o")
-            await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
+            await open_settings(pilot, app)
             gating = app.screen.query_one("#set-gating")
             assert "✓" in str(gating.render())
             gating.focus()
@@ -248,8 +245,7 @@ def test_the_copies_switch_reaches_the_generation_the_settings_bar_and_the_next_
             chat = app.screen
             await answered(pilot, chat, "hello")
             assert app.fake_decoders[-1].configs[-1].lookup is True
-            await pilot.press("ctrl+o")
-            await wait_for(pilot, lambda: isinstance(app.screen, SettingsDialog), what="settings dialog")
+            await open_settings(pilot, app)
             copies = app.screen.query_one("#set-lookup")
             assert copies.value
             copies.focus()
