@@ -81,12 +81,13 @@ def quality_check_text(ev) -> str:
     """One quality check of the search (TuneQuality or TuneMemoryQuality), in a line."""
     from ..engine.tune import TuneQuality
 
-    verdict = ("ok" if ev.ok else "✖ fails the constraint") + (" (an earlier run's)" if getattr(ev, "reused", False)
-                                                               else "")
+    if isinstance(ev, TuneQuality):
+        what, reused = f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}", ev.reused
+    else:  # memory checks are never reused: they depend on the device and the budget
+        what, reused = f"quality in memory α_m {ev.memory_strength:g}", False
+    verdict = ("ok" if ev.ok else "✖ fails the constraint") + (" (an earlier run's)" if reused else "")
     ppl = "–" if ev.ppl_ratio is None else f"{ev.ppl_ratio:.4f}"
     top1 = "–" if ev.top1_agreement is None else f"{ev.top1_agreement:.3f}"
-    what = (f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}" if isinstance(ev, TuneQuality)
-            else f"quality in memory α_m {ev.memory_strength:g}")
     return f"{what}: perplexity ratio {ppl}, top-1 {top1}: {verdict}"
 
 

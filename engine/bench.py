@@ -676,7 +676,8 @@ def run_bench(
             if dec.info.is_moe and quality_texts and dec.knows_memory:
                 # under a budget: what a batch's gating costs is the same as without one (measured there), what
                 # moving choices onto the experts in memory costs is measured only here
-                quality = memory_gating_quality(dec, quality_texts, base.memory_strength or 0.3)
+                quality = memory_gating_quality(dec, quality_texts,
+                                                base.memory_strength or GenerationConfig.memory_strength)
             elif dec.info.is_moe and quality_texts:
                 quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
                                          window=base.draft_max + 1)

@@ -342,7 +342,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             q = {k: earlier[(alpha, cap)][k] for k in ("ppl_ratio", "top1_agreement", "tokens")} | {"reused": True}
         else:
             q = gating_quality(decoder, texts, alpha, cap, window=window, max_tokens=QUALITY_TOKENS)
-        ok = bool(q.get("tokens")) and q["ppl_ratio"] <= PPL_RATIO_MAX and q["top1_agreement"] >= TOP1_MIN
+        ok = within_bounds(q)
         quality[(alpha, cap)] = {**q, "ok": ok}
         yield TuneQuality(alpha, cap, q.get("ppl_ratio"), q.get("top1_agreement"), int(q.get("tokens", 0)), ok,
                           bool(q.get("reused")))
@@ -355,7 +355,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         if stop():
             return
         q = memory_gating_quality(decoder, texts, strength, max_tokens=QUALITY_TOKENS)
-        ok = bool(q.get("tokens")) and q["ppl_ratio"] <= PPL_RATIO_MAX and q["top1_agreement"] >= TOP1_MIN
+        ok = within_bounds(q)
         memory_quality[strength] = {**q, "ok": ok}
         yield TuneMemoryQuality(strength, q.get("ppl_ratio"), q.get("top1_agreement"), q.get("mean_kl"),
                                 int(q.get("tokens", 0)), ok)
@@ -509,6 +509,11 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                      "by": "s2moe tune", **(context or {})},
     }
     yield TuneDone(section, tuned, defaults)
+
+
+def within_bounds(q: dict) -> bool:
+    """Whether a teacher-forced quality check (bench's) meets the constraint."""
+    return bool(q.get("tokens")) and q["ppl_ratio"] <= PPL_RATIO_MAX and q["top1_agreement"] >= TOP1_MIN
 
 
 def _check_time(needed: float, left: float, time_budget_s: float, t_run: float) -> None:
