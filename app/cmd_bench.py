@@ -346,9 +346,15 @@ def markdown(done) -> str:
 
 
 def memory_quality_text(label: str, q: dict) -> str:
-    return (f"gating toward the experts in memory under budget {label} (α {q['alpha']:g}, teacher-forced, "
+    text = (f"gating toward the experts in memory under budget {label} (α {q['alpha']:g}, teacher-forced, "
             f"{q['tokens']} tokens one a step): perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement "
             f"{q['top1_agreement']:.3f}, mean KL {q['mean_kl']:.4f}")
+    b = q.get("batches") or {}
+    if b.get("tokens"):
+        text += (f"; with reuse gating too (α {b['alpha']:g} |E*| {b['cap']}, batches of {b['window']}, "
+                 f"{b['tokens']} tokens): perplexity ratio {b['ppl_ratio']:.4f}, top-1 agreement "
+                 f"{b['top1_agreement']:.3f}, mean KL {b['mean_kl']:.4f}")
+    return text
 
 
 def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict]:

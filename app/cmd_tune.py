@@ -70,6 +70,7 @@ def summary_lines(section: dict, path) -> list[str]:
              f"verdict: {sp['verdict']}",
              f"quality: {quality}",
              *([f"quality in memory: {memory_quality_words(q['memory'])}"] if q.get("memory") else []),
+             *([f"quality of both biases: {both_quality_words(q['both'])}"] if q.get("both") else []),
              f"search: {search['method']} from {search['candidates']} of {search['pool']} candidates "
              f"({search['feasible']} within the quality constraint), {search['rungs']} rungs, {search['runs']} runs, "
              f"{search['seconds']:.0f} s of {search['time_budget_s']:.0f} s"]
@@ -78,11 +79,14 @@ def summary_lines(section: dict, path) -> list[str]:
 
 
 def quality_check_text(ev) -> str:
-    """One quality check of the search (TuneQuality or TuneMemoryQuality), in a line."""
-    from ..engine.tune import TuneQuality
+    """One quality check of the search (TuneQuality, TuneMemoryQuality or TuneJointQuality), in a line."""
+    from ..engine.tune import TuneJointQuality, TuneQuality
 
     if isinstance(ev, TuneQuality):
         what, reused = f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}", ev.reused
+    elif isinstance(ev, TuneJointQuality):  # as the memory checks, never reused
+        what = f"quality of both, α {ev.reuse_strength:g} |E*| {ev.reuse_cap} α_m {ev.memory_strength:g}"
+        reused = False
     else:  # memory checks are never reused: they depend on the device and the budget
         what, reused = f"quality in memory α_m {ev.memory_strength:g}", False
     verdict = ("ok" if ev.ok else "✖ fails the constraint") + (" (an earlier run's)" if reused else "")
@@ -94,6 +98,11 @@ def quality_check_text(ev) -> str:
 def memory_quality_words(m: dict) -> str:
     return (f"α_m {m['memory_strength']:g}: perplexity ratio {m['ppl_ratio']:.4f}, top-1 agreement "
             f"{m['top1_agreement']:.3f} over {m['tokens']} tokens (teacher-forced, one a step under the budget)")
+
+
+def both_quality_words(m: dict) -> str:
+    return (f"α_m {m['memory_strength']:g} with reuse gating: perplexity ratio {m['ppl_ratio']:.4f}, top-1 agreement "
+            f"{m['top1_agreement']:.3f} over {m['tokens']} tokens (teacher-forced, batches under the budget)")
 
 
 def earlier_quality(profile: dict, fingerprint: str, prompt_set: str) -> list[dict]:
@@ -122,8 +131,8 @@ def run(args) -> int:
     from ..engine.profiles import (check_name, check_writable, cost_for_model, hot_experts_for_model, load_profile,
                                    model_block, save_profile, with_tuned)
     from ..engine.runtime import check_threads
-    from ..engine.tune import (TuneDone, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality, TuneStarted,
-                               run_tune)
+    from ..engine.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
+                               TuneStarted, run_tune)
     from .cli import default_model, run_cli_in_budget
 
     model = args.model if args.model is not None else default_model()
@@ -173,7 +182,7 @@ def run(args) -> int:
                                known_quality=earlier_quality(profile, info.fingerprint, set_name)):
                 if isinstance(ev, TuneStarted):
                     progress.console.print(f"{ev.candidates} candidates; defaults {ev.defaults.label(offloaded)}")
-                elif isinstance(ev, (TuneQuality, TuneMemoryQuality)):
+                elif isinstance(ev, (TuneQuality, TuneMemoryQuality, TuneJointQuality)):
                     progress.console.print(quality_check_text(ev))
                 elif isinstance(ev, TuneProgress):
                     progress.update(task, description=ev.phase, completed=ev.done, total=ev.total)

@@ -313,6 +313,10 @@ def near_tie(dec: Decoder, prompt: str, reference: tuple, other: tuple, cfg: Gen
 
 
 # -- quality of reuse gating ------------------------------------------------------------------------
+# tokens of each text the checks under a budget decode: every position twice, each read fetched there
+MEMORY_CHECK_TOKENS = 128
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Log-probabilities of each row of logits (the last axis), in float64."""
     z = logits.astype(np.float64)
@@ -321,13 +325,19 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None, window: int = 9,
-                   max_tokens: int = 512) -> dict:
+                   max_tokens: int = 512, memory: float = 0.0) -> dict:
     """Teacher-forced comparison of verification batches with and without reuse gating.
 
     Each window of `window` tokens is decoded twice at the same positions (gated, then plain, which
     stays in the cache): perplexity ratio, top-1 agreement and mean KL(plain ‖ gated) of next-token
     distributions, plus the reuse ratio (distinct experts / tokens·k) of both.
+    memory: the gated batches are also biased toward the experts in memory with this strength, as a
+    drafted batch's verification is under a budget (needs a prefetcher routed to the hook: {} without one).
+    The two biases meet in the same routing, so what they cost together is measured, not inferred from
+    the checks of each alone.
     """
+    if memory > 0 and not dec.knows_memory:
+        return {}
     rt = dec.rt
     info = dec.info
     k = info.n_expert_used
@@ -347,7 +357,7 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
         while pos + window < len(tokens):
             batch = tokens[pos : pos + window]
             targets = tokens[pos + 1 : pos + window + 1]
-            rt.hook.gate(alpha, cap, np.ones(window))
+            rt.hook.gate(alpha, cap, np.ones(window), memory=memory)
             gated = rt.decode(batch, pos, "all")
             rg = rt.hook.snapshot(window)
             rt.kv_remove_from(pos)
@@ -381,6 +391,7 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
         "alpha": alpha,
         "cap": cap,
         "window": window,
+        "memory": memory,
         "ppl_plain": ppl_plain,
         "ppl_gated": ppl_gated,
         "ppl_ratio": ppl_gated / ppl_plain,
@@ -392,7 +403,8 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
     }
 
 
-def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float, max_tokens: int = 128) -> dict:
+def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
+                          max_tokens: int = MEMORY_CHECK_TOKENS) -> dict:
     """Teacher-forced, one token a step under the budget the decoder runs in, what gating toward the experts
     in memory costs: each position decoded with its row biased toward the experts in memory (strength alpha),
     then again plainly, which stays in the KV cache (as gating_quality's windows): perplexity ratio, top-1
@@ -676,8 +688,13 @@ def run_bench(
             if dec.info.is_moe and quality_texts and dec.knows_memory:
                 # under a budget: what a batch's gating costs is the same as without one (measured there), what
                 # moving choices onto the experts in memory costs is measured only here
-                quality = memory_gating_quality(dec, quality_texts,
-                                                base.memory_strength or GenerationConfig.memory_strength)
+                memory = base.memory_strength or GenerationConfig.memory_strength
+                quality = memory_gating_quality(dec, quality_texts, memory)
+                if quality.get("tokens") and base.reuse_strength > 0:
+                    # a drafted batch's verification meets both biases: checked together, on the same text
+                    quality["batches"] = gating_quality(dec, quality_texts, base.reuse_strength, base.reuse_cap,
+                                                        window=base.draft_max + 1, max_tokens=MEMORY_CHECK_TOKENS,
+                                                        memory=memory)
             elif dec.info.is_moe and quality_texts:
                 quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
                                          window=base.draft_max + 1)

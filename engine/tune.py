@@ -5,6 +5,8 @@ run_tune() is a generator of typed events; `s2moe tune` and the app's calibratio
     TuneStarted(candidates, defaults, time_budget_s)
     TuneQuality(reuse_strength, reuse_cap, ppl_ratio, top1_agreement, tokens, ok)   # one per gating setting
     TuneMemoryQuality(memory_strength, ppl_ratio, top1_agreement, mean_kl, tokens, ok)  # under a budget, one each
+    TuneJointQuality(reuse_strength, reuse_cap, memory_strength, ppl_ratio, top1_agreement, mean_kl, tokens, ok)
+                                                             # under a budget, one per pair and α_m that pass alone
     TuneProgress(done, total, phase)                                                 # any number
     TuneMeasured(index, settings, rung, tok_per_s, n_prompts)                       # a candidate's running score
     TuneDone(section)                                                                # the profile's tuned section
@@ -15,14 +17,16 @@ cost a little; on text that repeats itself they are most of the gain), and under
 of gating toward the experts in memory α_m. The objective is decoding tokens/s; the constraint is the quality
 of reuse gating measured teacher-forced as `s2moe bench` measures it (bench.gating_quality): perplexity ratio
 ≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN; α_m meets the same bounds on its own check, one token a step
-under the budget (bench.memory_gating_quality). The two biases are checked apart: where both reach a row it
-takes the larger, not their sum. α = 0 is lossless and always allowed (it turns both off).
+under the budget (bench.memory_gating_quality), which is what a plain step meets. A drafted batch's verification
+meets both biases at once, so under a budget each pair (α, |E*|) and α_m that pass alone are checked together
+on the same batches, in the budget's process, and must pass that too: each bias alone near the bounds says
+little of the two together. α = 0 is lossless and always allowed (it turns both off).
 
 How: successive halving. The quality constraint depends on (α, |E*|) and α_m only, so it is checked once per
-pair and once per α_m before any speed is measured, and the settings that fail it never run. The candidates
-(the model's defaults, every one-setting change of them, then random combinations, as many as the time budget
-allows) each decode one prompt; the better half goes on to twice as many new prompts, and so on until one
-is left. Why: a speed measurement is noisy and costs a whole generation, and most settings are plainly worse
+pair, once per α_m and once per combination before any speed is measured, and the settings that fail it never
+run. The candidates (the model's defaults, every one-setting change of them, then random combinations, as many
+as the time budget allows) each decode one prompt; the better half goes on to twice as many new prompts, and
+so on until one is left. Why: a speed measurement is noisy and costs a whole generation, and most settings are plainly worse
 after one prompt (a k_d that makes drafting too dear, a threshold that stops it paying); halving spends the
 time on the contenders instead of measuring every candidate equally (a grid) and, unlike a model-based search
 (Bayesian optimisation), needs no surrogate over seven mixed discrete settings whose response on a shared
@@ -207,6 +211,18 @@ class TuneMemoryQuality:
 
 
 @dataclass(frozen=True)
+class TuneJointQuality:
+    reuse_strength: float
+    reuse_cap: int
+    memory_strength: float
+    ppl_ratio: float | None
+    top1_agreement: float | None
+    mean_kl: float | None
+    tokens: int
+    ok: bool
+
+
+@dataclass(frozen=True)
 class TuneProgress:
     done: int
     total: int
@@ -361,9 +377,28 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                                 int(q.get("tokens", 0)), ok)
         yield TuneProgress(i + 1, len(strengths), "quality in memory")
 
-    def within_quality(s: Settings) -> bool:
+    def alone_within(s: Settings) -> bool:
         return ((s.reuse_strength == 0 or quality[s.gating]["ok"])
                 and (s.memory == 0 or not knows_memory or memory_quality[s.memory]["ok"]))
+
+    def both_biases(s: Settings) -> bool:
+        return knows_memory and s.reuse_strength > 0 and s.memory > 0
+
+    # both biases in one batch: measured under this budget, like α_m's own check, and never reused
+    joint_quality: dict[tuple[float, int, float], dict] = {}
+    joint = sorted({(*s.gating, s.memory) for s in pool_all if both_biases(s) and alone_within(s)})
+    for i, (alpha, cap, strength) in enumerate(joint):
+        if stop():
+            return
+        q = gating_quality(decoder, texts, alpha, cap, window=window, max_tokens=QUALITY_TOKENS, memory=strength)
+        ok = within_bounds(q)
+        joint_quality[(alpha, cap, strength)] = {**q, "ok": ok}
+        yield TuneJointQuality(alpha, cap, strength, q.get("ppl_ratio"), q.get("top1_agreement"), q.get("mean_kl"),
+                               int(q.get("tokens", 0)), ok)
+        yield TuneProgress(i + 1, len(joint), "quality of both biases")
+
+    def within_quality(s: Settings) -> bool:
+        return alone_within(s) and (not both_biases(s) or joint_quality[(*s.gating, s.memory)]["ok"])
 
     feasible = [s for s in pool_all if within_quality(s)]
     if defaults not in feasible:
@@ -467,6 +502,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     tuned_tps = best_tps if tuned == best else def_tps
     q = quality.get(tuned.gating) if tuned.reuse_strength > 0 else None
     mq = memory_quality.get(tuned.memory) if knows_memory and tuned.memory > 0 else None
+    jq = joint_quality.get((*tuned.gating, tuned.memory)) if both_biases(tuned) else None
     ar_tps = scores["ar"].tok_per_s
     elapsed = clock.now() - t0
     section = {
@@ -488,12 +524,20 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                      "tokens": int(q["tokens"])} if q else {"lossless": True})
         | ({"memory": {"memory_strength": tuned.memory, "ppl_ratio": round(mq["ppl_ratio"], 5),
                        "top1_agreement": round(mq["top1_agreement"], 4), "mean_kl": round(mq["mean_kl"], 6),
-                       "tokens": int(mq["tokens"])}} if mq else {}),
+                       "tokens": int(mq["tokens"])}} if mq else {})
+        | ({"both": {"memory_strength": tuned.memory, "ppl_ratio": round(jq["ppl_ratio"], 5),
+                     "top1_agreement": round(jq["top1_agreement"], 4), "mean_kl": round(jq["mean_kl"], 6),
+                     "tokens": int(jq["tokens"])}} if jq and jq.get("tokens") else {}),
         "memory_quality_checked": [{"memory_strength": a,
                                     "ppl_ratio": None if not v.get("tokens") else round(v["ppl_ratio"], 5),
                                     "top1_agreement": None if not v.get("tokens") else round(v["top1_agreement"], 4),
                                     "tokens": int(v.get("tokens") or 0), "ok": bool(v["ok"])}
                                    for a, v in sorted(memory_quality.items())],
+        "joint_quality_checked": [{"reuse_strength": a, "reuse_cap": c, "memory_strength": m,
+                                   "ppl_ratio": None if not v.get("tokens") else round(v["ppl_ratio"], 5),
+                                   "top1_agreement": None if not v.get("tokens") else round(v["top1_agreement"], 4),
+                                   "tokens": int(v.get("tokens") or 0), "ok": bool(v["ok"])}
+                                  for (a, c, m), v in sorted(joint_quality.items())],
         "quality_checked": [{"reuse_strength": a, "reuse_cap": c,
                              "ppl_ratio": None if not v.get("tokens") else round(v["ppl_ratio"], 5),
                              "top1_agreement": None if not v.get("tokens") else round(v["top1_agreement"], 4),

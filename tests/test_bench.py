@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from s2moe.engine.bench import BenchDone, BenchProgress, load_prompts, run_bench, write_atomic
+from s2moe.engine.bench import (BenchDone, BenchProgress, gating_quality, load_prompts, memory_gating_quality,
+                                run_bench, write_atomic)
 from s2moe.engine.decoder import GenerationConfig
 from s2moe.engine.errors import ConfigError
 
@@ -48,6 +49,16 @@ def test_every_figure_is_present_and_finite(decoders):
     assert c["n"] > 0 and math.isfinite(c["r2"]) and math.isfinite(c["mape"])
     assert done.machine["cores"] >= 1
     json.dumps(done.as_dict())  # serialisable
+
+
+def test_checks_of_gating_toward_memory_need_a_decoder_that_knows_what_is_in_memory(decoders):
+    # resident, nothing is in memory in the offloader's sense: no check says it measured a bias that cannot act
+    dec = decoders["olmoe"]
+    assert not dec.knows_memory
+    texts = ["def add(a, b):\n    return a + b\n"]
+    assert memory_gating_quality(dec, texts, 0.3) == {}
+    assert gating_quality(dec, texts, 0.5, None, window=4, memory=0.3) == {}
+    assert gating_quality(dec, texts, 0.5, None, window=4)["memory"] == 0.0
 
 
 def test_no_cost_model_without_verifications_of_different_sizes(decoders):

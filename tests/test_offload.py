@@ -1326,10 +1326,12 @@ for memory in (0.0, 0.3, 0.0, 0.3):
             out[memory][0] += 1
             out[memory][1] += float(np.sum(e.verify_misses))
             out[memory][2] += e.gated_moves
-from s2moe.engine.bench import memory_gating_quality
+from s2moe.engine.bench import gating_quality, memory_gating_quality
 texts = ["the quick brown fox jumps over the lazy dog and the cat", "hello there world"]
 quality = {a: memory_gating_quality(dec, texts, a) for a in (0.3, 0.0)}
-print(json.dumps({"on": out[0.3], "off": out[0.0], "quality": quality[0.3], "quality_off": quality[0.0]}))
+batches = {a: gating_quality(dec, texts, 0.5, 8, window=4, memory=a) for a in (0.3, 0.0)}
+print(json.dumps({"on": out[0.3], "off": out[0.0], "quality": quality[0.3], "quality_off": quality[0.0],
+                  "batches": batches[0.3], "batches_off": batches[0.0]}))
 """
 
 
@@ -1349,6 +1351,10 @@ def test_under_a_budget_memory_gating_moves_plain_steps_onto_experts_in_memory(t
     q, q0 = r["quality"], r["quality_off"]
     assert q["tokens"] > 10 and np.isfinite(q["ppl_ratio"]) and 0 < q["top1_agreement"] <= 1 and q["mean_kl"] > 0
     assert q0["tokens"] == q["tokens"] and q0["ppl_ratio"] == 1.0 and q0["mean_kl"] == 0.0
+    # the batch check with both biases: the memory bias moves choices reuse gating alone leaves
+    b, b0 = r["batches"], r["batches_off"]
+    assert b["tokens"] == b0["tokens"] > 10 and b["memory"] == 0.3 and b0["memory"] == 0.0
+    assert b["mean_kl"] != b0["mean_kl"]
 
 
 AUTO_TUNE = """
@@ -1357,7 +1363,8 @@ from s2moe.engine import offload
 from s2moe.engine.bench import load_prompts
 from s2moe.engine.decoder import Decoder, GenerationConfig
 from s2moe.engine.events import CostConstants
-from s2moe.engine.tune import TuneDone, TuneMeasured, TuneMemoryQuality, TuneStarted, run_tune
+from s2moe.engine.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneQuality, TuneStarted,
+                               run_tune)
 
 class IterationClock:  # as tests/test_tune.py's: a run's time is its iteration count
     t = 0.0
@@ -1370,7 +1377,7 @@ warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", utility
                                                            stop_at_eos=False)))
 off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
 cost = CostConstants(t_ar=0.01, c_draft=0.0005, t_exp=1e-6, t_tok=1e-5, intercept=0.0, source="test")
-out = {"knows_memory": dec.knows_memory, "checked": [], "measured": []}
+out = {"knows_memory": dec.knows_memory, "checked": [], "measured": [], "pairs": [], "joint": []}
 for ev in run_tune(dec, load_prompts("natural", 12)[1], cost=cost, n_tokens=16, time_budget_s=3000,
                    clock=IterationClock()):
     if isinstance(ev, TuneStarted):
@@ -1378,8 +1385,13 @@ for ev in run_tune(dec, load_prompts("natural", 12)[1], cost=cost, n_tokens=16, 
         out["defaults"] = ev.defaults.memory_strength
     elif isinstance(ev, TuneMemoryQuality):
         out["checked"].append([ev.memory_strength, ev.ok, ev.tokens, ev.ppl_ratio, ev.top1_agreement])
+    elif isinstance(ev, TuneQuality):
+        out["pairs"].append([ev.reuse_strength, ev.reuse_cap, ev.ok])
+    elif isinstance(ev, TuneJointQuality):
+        out["joint"].append([ev.reuse_strength, ev.reuse_cap, ev.memory_strength, ev.ok, ev.tokens, ev.ppl_ratio,
+                             ev.top1_agreement])
     elif isinstance(ev, TuneMeasured):
-        out["measured"].append(ev.settings.memory)
+        out["measured"].append([ev.settings.reuse_strength, ev.settings.reuse_cap, ev.settings.memory])
     elif isinstance(ev, TuneDone):
         out["section"] = ev.section
 print(json.dumps(out))
@@ -1399,12 +1411,25 @@ def test_under_a_budget_tune_searches_the_memory_strength_within_its_quality_che
     assert all(tokens > 50 for _, tokens, _, _ in checked.values())
     for strength, (ok, _, ppl, top1) in checked.items():
         assert ok == (ppl <= 1.02 and top1 >= 0.9)
+    # both biases together, on batches in the same process: every pair and strength that passed alone, once
+    pairs_ok = {(a, c) for a, c, ok in r["pairs"] if ok}
+    joint = {(a, c, m): (ok, tokens, ppl, top1) for a, c, m, ok, tokens, ppl, top1 in r["joint"]}
+    assert len(joint) == len(r["joint"]) and joint
+    assert all((a, c) in pairs_ok and checked[m][0] for a, c, m in joint)
+    for ok, tokens, ppl, top1 in joint.values():
+        assert tokens > 50 and ok == (ppl <= 1.02 and top1 >= 0.9)
     section = r["section"]
     defaults = section["defaults"]
-    for memory in r["measured"]:
-        assert memory == 0 or checked[memory][0] or memory == defaults["memory_strength"]
+    is_defaults = lambda a, c, m: (a, c, m) == (defaults["reuse_strength"], defaults["reuse_cap"],
+                                                 defaults["memory_strength"])
+    for alpha, cap, memory in r["measured"]:
+        assert memory == 0 or checked[memory][0] or is_defaults(alpha, cap, memory)
+        assert alpha == 0 or memory == 0 or joint[(alpha, cap, memory)][0] or is_defaults(alpha, cap, memory)
     assert [e["memory_strength"] for e in section["memory_quality_checked"]] == [0.15, 0.3, 0.5]
+    assert len(section["joint_quality_checked"]) == len(joint)
     tuned = section["settings"]
     if tuned["reuse_strength"] > 0 and tuned["memory_strength"] > 0:
         assert section["quality"]["memory"]["memory_strength"] == tuned["memory_strength"]
-        assert checked[tuned["memory_strength"]][0] or not section["constraint"]["defaults_meet_it"]
+        assert section["quality"]["both"]["memory_strength"] == tuned["memory_strength"]
+        key = (tuned["reuse_strength"], tuned["reuse_cap"], tuned["memory_strength"])
+        assert (checked[tuned["memory_strength"]][0] and joint[key][0]) or not section["constraint"]["defaults_meet_it"]

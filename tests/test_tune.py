@@ -246,10 +246,14 @@ def test_the_summary_says_when_the_tuned_settings_turn_copies_off():
     budgeted = {**section, "settings": {**section["settings"], "memory_strength": 0.15},
                 "measured": {"budget": "auto (496.5 MiB)"},
                 "quality": {**section["quality"], "memory": {"memory_strength": 0.15, "ppl_ratio": 1.004,
-                                                             "top1_agreement": 0.95, "mean_kl": 0.003, "tokens": 384}}}
+                                                             "top1_agreement": 0.95, "mean_kl": 0.003, "tokens": 384},
+                            "both": {"memory_strength": 0.15, "ppl_ratio": 1.011, "top1_agreement": 0.912,
+                                     "mean_kl": 0.006, "tokens": 360}}}
     lines = summary_lines(budgeted, None)
     assert "memory α 0.15" in lines[1]
     assert any(line.startswith("quality in memory: α_m 0.15: perplexity ratio 1.0040") for line in lines)
+    assert any(line.startswith("quality of both biases: α_m 0.15 with reuse gating: perplexity ratio 1.0110, "
+                               "top-1 agreement 0.912 over 360 tokens") for line in lines)
 
 
 def test_tuning_needs_the_models_constants():

@@ -24,7 +24,8 @@ from ...engine.errors import S2MoEError
 from ...engine.gpu import Placement
 from ...engine.offload import Budget
 from ...engine.profiles import cost_for_model, save_profile, tuned_condition
-from ...engine.tune import TuneDone, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality, TuneStarted
+from ...engine.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
+                            TuneStarted)
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .widgets import NavBar
 
@@ -443,7 +444,7 @@ class CalibrateScreen(Screen):
         if isinstance(ev, TuneStarted):
             t.lines.append(f"{ev.candidates} candidates; defaults "
                            f"{ev.defaults.label(self.app.session.budget is not None)}")
-        elif isinstance(ev, (TuneQuality, TuneMemoryQuality)):
+        elif isinstance(ev, (TuneQuality, TuneMemoryQuality, TuneJointQuality)):
             from ..cmd_tune import quality_check_text
 
             t.lines.append(quality_check_text(ev))
@@ -464,7 +465,8 @@ class CalibrateScreen(Screen):
             self.saved_path = None  # what was saved before lacks the tuning
     def on_job_event(self, message: JobEvent) -> None:
         ev = message.event
-        if isinstance(ev, (TuneStarted, TuneQuality, TuneMemoryQuality, TuneProgress, TuneMeasured, TuneDone)):
+        if isinstance(ev, (TuneStarted, TuneQuality, TuneMemoryQuality, TuneJointQuality, TuneProgress, TuneMeasured,
+                           TuneDone)):
             self.on_tune_event(ev)
         elif isinstance(ev, StepStarted):
             first = not self.steps
