@@ -92,7 +92,8 @@ def quality_check_text(ev) -> str:
     verdict = ("ok" if ev.ok else "✖ fails the constraint") + (" (an earlier run's)" if reused else "")
     ppl = "–" if ev.ppl_ratio is None else f"{ev.ppl_ratio:.4f}"
     top1 = "–" if ev.top1_agreement is None else f"{ev.top1_agreement:.3f}"
-    return f"{what}: perplexity ratio {ppl}, top-1 {top1}: {verdict}"
+    # the tokens say how much text settled it: twice the first texts' where those could not
+    return f"{what}: perplexity ratio {ppl}, top-1 {top1} over {ev.tokens} tokens: {verdict}"
 
 
 def memory_quality_words(m: dict) -> str:

@@ -15,7 +15,8 @@ from s2moe.engine.events import CostConstants
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
 from s2moe.engine.tune import (Clock, MonotonicClock, Settings, TuneDone, TuneMeasured, TuneMemoryQuality,
-                               TuneProgress, TuneQuality, TuneStarted, candidate_pool, default_settings, run_tune,
+                               TuneProgress, TuneQuality, TuneStarted, candidate_pool, decided, default_settings,
+                               run_tune, too_close_to_call,
                                search_space, separated)
 
 # Constants under which the utility rule drafts on the tiny model (a plain step dear, a draft step cheap), so
@@ -147,6 +148,33 @@ def test_a_budget_too_short_to_compare_anything_is_one_clear_error(tiny, prompts
     assert e.value.worded({"time_budget": "--time-budget"}).startswith("--time-budget of 10 s")
 
 
+def test_a_check_too_close_to_its_bound_to_call_is_settled_on_twice_the_text():
+    # top-1 over 360 tokens moves by ~0.016 (one standard error): 0.903 could be either side of 0.9
+    assert too_close_to_call({"tokens": 360, "top1_agreement": 0.903})
+    assert too_close_to_call({"tokens": 360, "top1_agreement": 0.894})
+    assert not too_close_to_call({"tokens": 360, "top1_agreement": 0.94})
+    assert not too_close_to_call({"tokens": 360, "top1_agreement": 0.85})
+    assert not too_close_to_call({"tokens": 3600, "top1_agreement": 0.92})  # more text, a narrower band
+    assert not too_close_to_call({"tokens": 0}) and not too_close_to_call({})
+    first, more = ["a", "b"], ["a", "b", "c", "d"]
+    calls = []
+
+    def check(top1_by_texts):
+        def run(texts):
+            calls.append(list(texts))
+            return {"tokens": 180 * len(texts), "top1_agreement": top1_by_texts[len(texts)], "ppl_ratio": 1.0}
+        return run
+
+    assert decided(check({2: 0.95}), first, more) == {"tokens": 360, "top1_agreement": 0.95, "ppl_ratio": 1.0}
+    assert calls == [first]
+    calls.clear()
+    q = decided(check({2: 0.903, 4: 0.921}), first, more)
+    assert calls == [first, more] and q["extended"] and q["tokens"] == 720 and q["top1_agreement"] == 0.921
+    calls.clear()
+    q = decided(check({2: 0.903}), first, first)  # nothing more to check on: the first verdict stands
+    assert calls == [first] and "extended" not in q
+
+
 def test_quality_checked_once_is_not_checked_again(tiny, prompts, xdg):
     from s2moe.app.cmd_tune import earlier_quality
 
@@ -158,6 +186,12 @@ def test_quality_checked_once_is_not_checked_again(tiny, prompts, xdg):
     assert reused and all(q.reused for q in reused)
     assert [(q.reuse_strength, q.reuse_cap, q.ok) for q in reused] == \
         [(e["reuse_strength"], e["reuse_cap"], e["ok"]) for e in checked]
+    # an earlier verdict too close to call on the first texts alone is settled on twice the text now
+    close = [dict(e, top1_agreement=0.9, tokens=360, extended=False) for e in checked]
+    settled, _ = _tune(tiny, prompts, 5000, known_quality=close)
+    rechecked = [q for q in settled if isinstance(q, TuneQuality)]
+    assert rechecked and not any(q.reused for q in rechecked)
+    assert all(e["extended"] for e in settled[-1].section["quality_checked"])
     # another window (draft cap) is another measurement
     other = [dict(e, window=e["window"] + 1) for e in checked]
     fresh, _ = _tune(tiny, prompts, 5000, known_quality=other)
