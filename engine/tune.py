@@ -26,10 +26,10 @@ How: successive halving. The quality constraint depends on (α, |E*|) and α_m o
 pair, once per α_m and once per combination before any speed is measured, and the settings that fail it never
 run. A check whose top-1 agreement lands within two standard errors of its bound (too_close_to_call) is done
 again on twice the text, and that verdict stands. The candidates (the model's defaults, every one-setting change
-of them, then random combinations, as many as the time budget allows) each decode one prompt; the better half goes on to twice as many new prompts, and
-so on until one is left. Why: a speed measurement is noisy and costs a whole generation, and most settings are plainly worse
-after one prompt (a k_d that makes drafting too dear, a threshold that stops it paying); halving spends the
-time on the contenders instead of measuring every candidate equally (a grid) and, unlike a model-based search
+of them, then random combinations, as many as the time budget allows) each decode one prompt; the better half
+goes on to twice as many new prompts, and so on until one is left. Why: a speed measurement is noisy and costs a
+whole generation, and most settings are plainly worse after one prompt (a k_d that makes drafting too dear, a
+threshold that stops it paying); halving spends the time on the contenders instead of measuring every candidate equally (a grid) and, unlike a model-based search
 (Bayesian optimisation), needs no surrogate over seven mixed discrete settings whose response on a shared
 machine is noisier than any such model's resolution. Each rung runs plain decoding (ar) and the defaults on
 the same prompts, all interleaved per prompt in bench's balanced order, so that drifts of the

@@ -232,7 +232,8 @@ def test_tuning_after_calibration_plots_the_candidates_and_saves_the_result(monk
             assert screen.tune.points == {0: (0, 24.0), 1: (-1, 30.0), 2: (0, 27.0)}
             text = screen.steps_text().plain
             assert "✔ tune" in text and "✖ fails the constraint" in text and "tuned 1.250× the defaults" in text
-            assert "quality of both, α 0.25 |E*| 6 α_m 0.3: perplexity ratio 1.0120, top-1 0.930 over 280 tokens: ok" in text
+            assert ("quality of both, α 0.25 |E*| 6 α_m 0.3: perplexity ratio 1.0120, top-1 0.930 over 280 tokens: ok"
+                    in text)
             assert "k_d 2, draft cap 12, threshold 0.5, α 0.25, |E*| 6 → 30.00 tok/s" in text
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmSave), "the question")
