@@ -31,9 +31,10 @@ goes on to twice as many new prompts, and so on until one is left. Why: a speed 
 whole generation, and most settings are plainly worse after one prompt (a k_d that makes drafting too dear, a
 threshold that stops it paying); halving spends the time on the contenders instead of measuring every candidate
 equally (a grid) and, unlike a model-based search (Bayesian optimisation), needs no surrogate over seven mixed
-discrete settings whose response on a shared machine is noisier than any such model's resolution. Each rung runs plain decoding (ar) and the defaults on
-the same prompts, all interleaved per prompt in bench's balanced order, so that drifts of the
-machine hit every candidate alike; scores are tokens over decoding seconds summed over a candidate's prompts.
+discrete settings whose response on a shared machine is noisier than any such model's resolution. Each rung
+runs plain decoding (ar) and the defaults on the same prompts, all interleaved per prompt in bench's balanced
+order, so that drifts of the machine hit every candidate alike; scores are tokens over decoding seconds summed
+over a candidate's prompts.
 
 The final comparison is the best survivor against the defaults, paired per prompt: while their per-prompt
 speed ratios cannot tell them apart (the mean log ratio within two standard errors of zero), both run again
