@@ -54,6 +54,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import random
+from functools import partial
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterator, Protocol
 
@@ -357,10 +358,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     for i, (alpha, cap) in enumerate(pairs):
         if stop():
             return
-
-        def check(on: list[str], alpha=alpha, cap=cap) -> dict:
-            return gating_quality(decoder, on, alpha, cap, window=window, max_tokens=QUALITY_TOKENS)
-
+        check = partial(gating_quality, decoder, alpha=alpha, cap=cap, window=window, max_tokens=QUALITY_TOKENS)
         record = earlier.get((alpha, cap))
         if record is not None and (record.get("extended") or not too_close_to_call(record)
                                    or len(more_texts) <= len(texts)):
@@ -382,8 +380,8 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     for i, strength in enumerate(strengths):
         if stop():
             return
-        q = decided(lambda on, strength=strength: memory_gating_quality(decoder, on, strength,
-                                                                        max_tokens=QUALITY_TOKENS), texts, more_texts)
+        q = decided(partial(memory_gating_quality, decoder, alpha=strength, max_tokens=QUALITY_TOKENS),
+                    texts, more_texts)
         ok = within_bounds(q)
         memory_quality[strength] = {**q, "ok": ok}
         yield TuneMemoryQuality(strength, q.get("ppl_ratio"), q.get("top1_agreement"), q.get("mean_kl"),
@@ -403,8 +401,8 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     for i, (alpha, cap, strength) in enumerate(joint):
         if stop():
             return
-        q = decided(lambda on, alpha=alpha, cap=cap, strength=strength: gating_quality(
-            decoder, on, alpha, cap, window=window, max_tokens=QUALITY_TOKENS, memory=strength), texts, more_texts)
+        q = decided(partial(gating_quality, decoder, alpha=alpha, cap=cap, window=window, max_tokens=QUALITY_TOKENS,
+                            memory=strength), texts, more_texts)
         ok = within_bounds(q)
         joint_quality[(alpha, cap, strength)] = {**q, "ok": ok}
         yield TuneJointQuality(alpha, cap, strength, q.get("ppl_ratio"), q.get("top1_agreement"), q.get("mean_kl"),
