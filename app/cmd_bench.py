@@ -319,11 +319,7 @@ def markdown(done) -> str:
     plt.theme("clear")
     lines += ["", "```", plt.build(), "```"]
     if done.quality.get("tokens"):
-        q = done.quality
-        lines += ["", "## Reuse gating quality (teacher-forced)", "",
-                  f"α={q['alpha']}, |E*|={q['cap']}, {q['tokens']} tokens: perplexity ratio {q['ppl_ratio']:.4f}, "
-                  f"top-1 agreement {q['top1_agreement']:.3f}, mean KL {q['mean_kl']:.4f}, reuse ratio "
-                  f"{q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f} ({q['reuse_reduction']:.0%} lower)."]
+        lines += ["", "## Reuse gating quality (teacher-forced)", "", gating_quality_text(done.quality) + "."]
     for label, mq in done.memory_quality_by_budget.items():
         lines += ["", memory_quality_text(label, mq) + "."]
     fits = ([("resident", done.cost_model)] if done.cost_model else []) + list(done.cost_model_by_budget.items())
@@ -345,15 +341,36 @@ def markdown(done) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_words(f, kl: bool = True) -> str:
+    """A quality check's figures (bench.CheckFigures) in words, each ± its standard error where the check has one
+    (batch means over its tokens; the perplexity ratio's from that of its log)."""
+    def with_error(value, se, digits: int) -> str:
+        if value is None:
+            return "–"
+        return f"{value:.{digits}f}" + ("" if se is None else f" ± {se:.{digits}f}")
+
+    ppl_se = None if f.ppl_ratio is None or f.log_ppl_ratio_se is None else f.ppl_ratio * f.log_ppl_ratio_se
+    text = (f"perplexity ratio {with_error(f.ppl_ratio, ppl_se, 4)}, "
+            f"top-1 agreement {with_error(f.top1_agreement, f.top1_se, 3)}")
+    return text + (f", mean KL {f.mean_kl:.4f}" if kl and f.mean_kl is not None else "")
+
+
+def gating_quality_text(q: dict) -> str:
+    from ..engine.bench import CheckFigures
+
+    return (f"α {q['alpha']:g} |E*| {q['cap']}, {q['tokens']} tokens: {check_words(CheckFigures.of(q))}, reuse ratio "
+            f"{q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f} ({q['reuse_reduction']:.0%} lower)")
+
+
 def memory_quality_text(label: str, q: dict) -> str:
+    from ..engine.bench import CheckFigures
+
     text = (f"gating toward the experts in memory under budget {label} (α {q['alpha']:g}, teacher-forced, "
-            f"{q['tokens']} tokens one a step): perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement "
-            f"{q['top1_agreement']:.3f}, mean KL {q['mean_kl']:.4f}")
+            f"{q['tokens']} tokens one a step): {check_words(CheckFigures.of(q))}")
     b = q.get("batches") or {}
     if b.get("tokens"):
         text += (f"; with reuse gating too (α {b['alpha']:g} |E*| {b['cap']}, batches of {b['window']}, "
-                 f"{b['tokens']} tokens): perplexity ratio {b['ppl_ratio']:.4f}, top-1 agreement "
-                 f"{b['top1_agreement']:.3f}, mean KL {b['mean_kl']:.4f}")
+                 f"{b['tokens']} tokens): {check_words(CheckFigures.of(b))}")
     return text
 
 
@@ -653,10 +670,8 @@ def run(args) -> int:
         say(sampled_note(done.config, any(r.mode == "llama.cpp" for r in done.rows)))
     if done.config.get("storage"):
         say(storage_line(done.config["storage"]))
-    q = done.quality
-    if q.get("tokens"):
-        say(f"gating quality: perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement {q['top1_agreement']:.3f}, "
-            f"mean KL {q['mean_kl']:.4f}, reuse ratio {q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f}")
+    if done.quality.get("tokens"):
+        say("gating quality: " + gating_quality_text(done.quality))
     for label, mq in done.memory_quality_by_budget.items():
         say(memory_quality_text(label, mq))
     from ..engine.costmodel import r2_text

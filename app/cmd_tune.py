@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cmd_bench import check_words
+
 
 def _minutes(text: str) -> float:
     try:
@@ -55,15 +57,18 @@ def settings_text(s: dict, memory_shown: bool = False) -> str:
 
 def summary_lines(section: dict, path) -> list[str]:
     """What a tuning run found, in the words the profile records it."""
+    from ..engine.bench import CheckFigures
+
     sp, q, search = section["speed"], section["quality"], section["search"]
     budgeted = (section.get("measured") or {}).get("budget") not in (None, "none")
 
     ar = f" · ar {sp['ar_tok_s']:.2f} tok/s" if sp.get("ar_tok_s") else ""
     quality = ("lossless (no gating)" if q.get("lossless") else
-               f"perplexity ratio {q['ppl_ratio']:.4f}, top-1 agreement {q['top1_agreement']:.3f} over {q['tokens']} "
-               "tokens (teacher-forced)")
+               f"{check_words(CheckFigures.of(q), kl=False)} over {q['tokens']} tokens (teacher-forced)")
     ratios = sp.get("per_prompt_ratios") or []
     spread = f", per-prompt ratios {min(ratios):.3f}–{max(ratios):.3f}" if ratios else ""
+    checks_s = search.get("quality_checks_s")  # recorded since the checks could take most of the time
+    checks = "" if checks_s is None else f", {checks_s:.0f} s of it the quality checks"
     lines = [f"defaults: {settings_text(section['defaults'], budgeted)} → {sp['defaults_tok_s']:.2f} tok/s",
              f"tuned:    {settings_text(section['settings'], budgeted)} → {sp['tuned_tok_s']:.2f} tok/s"
              + (f" ({sp['gain']:.3f}× the defaults{spread})" if sp.get("gain") else "") + ar,
@@ -73,7 +78,12 @@ def summary_lines(section: dict, path) -> list[str]:
              *([f"quality of both biases: {both_quality_words(q['both'])}"] if q.get("both") else []),
              f"search: {search['method']} from {search['candidates']} of {search['pool']} candidates "
              f"({search['feasible']} within the quality constraint), {search['rungs']} rungs, {search['runs']} runs, "
-             f"{search['seconds']:.0f} s of {search['time_budget_s']:.0f} s"]
+             f"{search['seconds']:.0f} s of {search['time_budget_s']:.0f} s" + checks]
+    if search.get("unchecked"):
+        lines.append(f"{search['unchecked']} of {search['pool']} candidates were not run: the quality checks had used "
+                     "their share of the time budget before reaching them. A longer time budget checks more (checks "
+                     "of reuse gating alone are kept in the profile for later runs; those under a budget are made "
+                     "anew each run)")
     lines.append(f"profile written: {path}" if path else "not saved (--no-save)")
     return lines
 
@@ -90,20 +100,22 @@ def quality_check_text(ev) -> str:
     else:  # memory checks are never reused: they depend on the device and the budget
         what, reused = f"quality in memory α_m {ev.memory_strength:g}", False
     verdict = ("ok" if ev.ok else "✖ fails the constraint") + (" (an earlier run's)" if reused else "")
-    ppl = "–" if ev.ppl_ratio is None else f"{ev.ppl_ratio:.4f}"
-    top1 = "–" if ev.top1_agreement is None else f"{ev.top1_agreement:.3f}"
     # the tokens say how much text settled it: twice the first texts' where those could not
-    return f"{what}: perplexity ratio {ppl}, top-1 {top1} over {ev.tokens} tokens: {verdict}"
+    return f"{what}: {check_words(ev.figures, kl=False)} over {ev.figures.tokens} tokens: {verdict}"
 
 
 def memory_quality_words(m: dict) -> str:
-    return (f"α_m {m['memory_strength']:g}: perplexity ratio {m['ppl_ratio']:.4f}, top-1 agreement "
-            f"{m['top1_agreement']:.3f} over {m['tokens']} tokens (teacher-forced, one a step under the budget)")
+    from ..engine.bench import CheckFigures
+
+    return (f"α_m {m['memory_strength']:g}: {check_words(CheckFigures.of(m), kl=False)} over {m['tokens']} tokens "
+            "(teacher-forced, one a step under the budget)")
 
 
 def both_quality_words(m: dict) -> str:
-    return (f"α_m {m['memory_strength']:g} with reuse gating: perplexity ratio {m['ppl_ratio']:.4f}, top-1 agreement "
-            f"{m['top1_agreement']:.3f} over {m['tokens']} tokens (teacher-forced, batches under the budget)")
+    from ..engine.bench import CheckFigures
+
+    return (f"α_m {m['memory_strength']:g} with reuse gating: {check_words(CheckFigures.of(m), kl=False)} over "
+            f"{m['tokens']} tokens (teacher-forced, batches under the budget)")
 
 
 def earlier_quality(profile: dict, fingerprint: str, prompt_set: str) -> list[dict]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import platform
 import time
@@ -315,6 +316,9 @@ def near_tie(dec: Decoder, prompt: str, reference: tuple, other: tuple, cfg: Gen
 # -- quality of reuse gating ------------------------------------------------------------------------
 # tokens of each text the checks under a budget decode: every position twice, each read fetched there
 MEMORY_CHECK_TOKENS = 128
+# contiguous stretches of a check's tokens whose means give its standard errors (batch means)
+ERROR_BATCHES = 16
+ERROR_KEYS = ("top1_se", "log_ppl_ratio_se")
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -324,13 +328,54 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
+def batch_means_se(values, n_batches: int = ERROR_BATCHES) -> float | None:
+    """Standard error of the mean of a series whose neighbours are correlated (a check's per-token agreement
+    or log-likelihood change: the tokens of one passage move together): the spread of the means of n_batches
+    contiguous stretches, over the square root of their number. Where neighbours are independent this is the
+    usual error of a mean; where they move together it is larger, as it should be. None below two stretches
+    of two tokens."""
+    x = np.asarray(values, float)
+    b = min(n_batches, len(x) // 2)
+    if b < 2:
+        return None
+    means = np.array([part.mean() for part in np.array_split(x, b)])
+    return float(means.std(ddof=1) / math.sqrt(b))
+
+
+def _error_bars(agreements: list, log_ratios: list) -> dict:
+    """A check's standard errors: of its top-1 agreement, and of the log of its perplexity ratio (the mean of
+    the per-token log-likelihood changes), both by batch means over its tokens in order."""
+    return dict(zip(ERROR_KEYS, (batch_means_se(agreements), batch_means_se(log_ratios))))
+
+
+@dataclass(frozen=True)
+class CheckFigures:
+    """What one teacher-forced quality check measured (gating_quality, memory_gating_quality): its figures and
+    their standard errors, None where it measured nothing (or, for the errors, too few tokens)."""
+    tokens: int
+    ppl_ratio: float | None = None
+    top1_agreement: float | None = None
+    mean_kl: float | None = None
+    top1_se: float | None = None
+    log_ppl_ratio_se: float | None = None
+
+    @classmethod
+    def of(cls, q: dict) -> CheckFigures:
+        tokens = int(q.get("tokens") or 0)
+        if not tokens:
+            return cls(0)
+        return cls(tokens, q.get("ppl_ratio"), q.get("top1_agreement"), q.get("mean_kl"),
+                   *(q.get(k) for k in ERROR_KEYS))
+
+
 def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None, window: int = 9,
                    max_tokens: int = 512, memory: float = 0.0) -> dict:
     """Teacher-forced comparison of verification batches with and without reuse gating.
 
     Each window of `window` tokens is decoded twice at the same positions (gated, then plain, which
     stays in the cache): perplexity ratio, top-1 agreement and mean KL(plain ‖ gated) of next-token
-    distributions, plus the reuse ratio (distinct experts / tokens·k) of both.
+    distributions, plus the reuse ratio (distinct experts / tokens·k) of both, and the standard errors of
+    top-1 and of log(perplexity ratio) (_error_bars).
     memory: the gated batches are also biased toward the experts in memory with this strength, as a
     drafted batch's verification is under a budget (needs a prefetcher routed to the hook: {} without one).
     The two biases meet in the same routing, so what they cost together is measured, not inferred from
@@ -345,6 +390,7 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
     nll_plain = nll_gated = 0.0
     agree = n = 0
     kl_sum = 0.0
+    agreements, log_ratios = [], []
     reuse_plain, reuse_gated = [], []
     for text in texts:
         tokens = dec.tokenize(text)[: max_tokens + 1]
@@ -364,17 +410,16 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
             rt.hook.observe()
             plain = rt.decode(batch, pos, "all")
             rp = rt.hook.snapshot(window)
-            for logits, acc in ((plain, "p"), (gated, "g")):
-                logp = log_softmax(logits)
-                nll = -logp[np.arange(window), targets].sum()
-                if acc == "p":
-                    nll_plain += nll
-                    lp_plain = logp
-                else:
-                    nll_gated += nll
-                    lp_gated = logp
+            lp_plain, lp_gated = log_softmax(plain), log_softmax(gated)
+            ll_plain = lp_plain[np.arange(window), targets]
+            ll_gated = lp_gated[np.arange(window), targets]
+            nll_plain -= float(ll_plain.sum())
+            nll_gated -= float(ll_gated.sum())
+            log_ratios.extend((ll_plain - ll_gated).tolist())
             kl_sum += float((np.exp(lp_plain) * (lp_plain - lp_gated)).sum())
-            agree += int((plain.argmax(axis=1) == gated.argmax(axis=1)).sum())
+            same = plain.argmax(axis=1) == gated.argmax(axis=1)
+            agreements.extend(same.tolist())
+            agree += int(same.sum())
             n += window
             denom = np.maximum(rp.rows, 1) * k
             reuse_plain.append(float((rp.distinct_used(info.n_expert) / denom)[rp.rows > 0].mean()))
@@ -400,6 +445,7 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
         "reuse_ratio_plain": rp_mean,
         "reuse_ratio_gated": rg_mean,
         "reuse_reduction": 1.0 - rg_mean / rp_mean if rp_mean > 0 else 0.0,
+        **_error_bars(agreements, log_ratios),
     }
 
 
@@ -408,7 +454,8 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
     """Teacher-forced, one token a step under the budget the decoder runs in, what gating toward the experts
     in memory costs: each position decoded with its row biased toward the experts in memory (strength alpha),
     then again plainly, which stays in the KV cache (as gating_quality's windows): perplexity ratio, top-1
-    agreement and mean KL(plain ‖ gated) of the next-token distributions. What each fetches is not compared
+    agreement and mean KL(plain ‖ gated) of the next-token distributions, and their standard errors
+    (_error_bars). What each fetches is not compared
     here (the plain pass finds the gated one's experts in memory): bench's rows measure that. Nothing is kept
     beyond a position's two distributions: under a tight budget what this holds comes out of the expert
     cache. Needs a prefetcher routed to the hook (offloading); {} without one."""
@@ -426,6 +473,7 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
 
     nll_plain = nll_gated = kl_sum = 0.0
     agree = n = 0
+    agreements, log_ratios = [], []
     for text in texts:
         tokens = dec.tokenize(text)[: max_tokens + 1]
         rt.kv_clear()
@@ -436,8 +484,11 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
             target = tokens[pos + 1]
             nll_plain -= plain[target]
             nll_gated -= gated[target]
+            log_ratios.append(float(plain[target] - gated[target]))
             kl_sum += float((np.exp(plain) * (plain - gated)).sum())
-            agree += int(np.argmax(plain) == np.argmax(gated))
+            same = bool(np.argmax(plain) == np.argmax(gated))
+            agreements.append(same)
+            agree += int(same)
             n += 1
     rt.kv_clear()
     rt.hook.observe()
@@ -451,6 +502,7 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
         "ppl_ratio": float(np.exp((nll_gated - nll_plain) / n)),
         "top1_agreement": agree / n,
         "mean_kl": kl_sum / n,
+        **_error_bars(agreements, log_ratios),
     }
 
 

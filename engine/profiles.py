@@ -77,12 +77,13 @@ carries published figures and may hold `reference` constants that apply to any m
           resident:                # or budget: the model under a memory budget
             settings: {draft_topk: 2, draft_max: 8, threshold: 1.0, reuse_strength: 0.5, reuse_cap: 16, lookup: true,
                        memory_strength: 0.3}   # searched under a budget only
-            memory_quality_checked: [{memory_strength, ppl_ratio, top1_agreement, tokens, ok}, ...]  # budget
+            memory_quality_checked: [{memory_strength, ppl_ratio, top1_agreement, top1_se, log_ppl_ratio_se,
+                                      tokens, ok, extended}, ...]  # budget; the errors: bench.batch_means_se
             joint_quality_checked: [{reuse_strength, reuse_cap, memory_strength, ppl_ratio, ...}, ...]  # budget
             defaults: {...}        # the model's defaults, measured in the same run
             speed: {tuned_tok_s, defaults_tok_s, ar_tok_s, gain, per_prompt_ratios, separated, verdict, ...}
             quality: {ppl_ratio, top1_agreement, tokens}   # or {lossless: true}; + memory, both: {...} under a budget
-            search: {method, candidates, rungs, seconds, time_budget_s, ...}
+            search: {method, candidates, rungs, seconds, time_budget_s, quality_checks_s, unchecked, ...}
             log: [{rung, draft_topk, ..., tok_s, prompts, kept}, ...]
             measured: {at, by: s2moe tune, budget, prompts, threads}
     reference:                     # optional: constants for any model (reference profiles)

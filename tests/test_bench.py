@@ -6,10 +6,11 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
-from s2moe.engine.bench import (BenchDone, BenchProgress, gating_quality, load_prompts, memory_gating_quality,
-                                run_bench, write_atomic)
+from s2moe.engine.bench import (ERROR_KEYS, BenchDone, BenchProgress, batch_means_se, gating_quality, load_prompts,
+                                memory_gating_quality, run_bench, write_atomic)
 from s2moe.engine.decoder import GenerationConfig
 from s2moe.engine.errors import ConfigError
 
@@ -42,13 +43,25 @@ def test_every_figure_is_present_and_finite(decoders):
         if r.identical_expected:
             assert r.identical_to_ar == 1.0, r.mode
     q = done.quality
-    for key in ("ppl_ratio", "top1_agreement", "mean_kl", "reuse_ratio_plain", "reuse_ratio_gated"):
+    for key in ("ppl_ratio", "top1_agreement", "mean_kl", "reuse_ratio_plain", "reuse_ratio_gated", *ERROR_KEYS):
         assert math.isfinite(q[key])
+    assert q["top1_se"] > 0 and q["log_ppl_ratio_se"] > 0  # gating moved some tokens, so the figures have noise
     assert q["reuse_ratio_gated"] < q["reuse_ratio_plain"]
     c = done.cost_model
     assert c["n"] > 0 and math.isfinite(c["r2"]) and math.isfinite(c["mape"])
     assert done.machine["cores"] >= 1
     json.dumps(done.as_dict())  # serialisable
+
+
+def test_a_checks_error_grows_where_neighbouring_tokens_move_together():
+    rng = np.random.default_rng(0)
+    independent = (rng.random(720) < 0.9).astype(float)
+    binomial = math.sqrt(0.9 * 0.1 / 720)
+    assert 0.7 * binomial < batch_means_se(independent) < 1.3 * binomial
+    # the same agreement rate, but whole passages agree or disagree together: the mean is far less certain
+    together = np.repeat((rng.random(30) < 0.9).astype(float), 24)
+    assert batch_means_se(together) > 2 * math.sqrt(together.mean() * (1 - together.mean()) / 720)
+    assert batch_means_se([1.0, 0.0, 1.0]) is None  # too few tokens for two stretches
 
 
 def test_checks_of_gating_toward_memory_need_a_decoder_that_knows_what_is_in_memory(decoders):

@@ -1384,12 +1384,13 @@ for ev in run_tune(dec, load_prompts("natural", 12)[1], cost=cost, n_tokens=16, 
         out["space"] = list(ev.space["memory_strength"])
         out["defaults"] = ev.defaults.memory_strength
     elif isinstance(ev, TuneMemoryQuality):
-        out["checked"].append([ev.memory_strength, ev.ok, ev.tokens, ev.ppl_ratio, ev.top1_agreement])
+        out["checked"].append([ev.memory_strength, ev.ok, ev.figures.tokens, ev.figures.ppl_ratio,
+                               ev.figures.top1_agreement])
     elif isinstance(ev, TuneQuality):
         out["pairs"].append([ev.reuse_strength, ev.reuse_cap, ev.ok])
     elif isinstance(ev, TuneJointQuality):
-        out["joint"].append([ev.reuse_strength, ev.reuse_cap, ev.memory_strength, ev.ok, ev.tokens, ev.ppl_ratio,
-                             ev.top1_agreement])
+        out["joint"].append([ev.reuse_strength, ev.reuse_cap, ev.memory_strength, ev.ok, ev.figures.tokens,
+                             ev.figures.ppl_ratio, ev.figures.top1_agreement])
     elif isinstance(ev, TuneMeasured):
         out["measured"].append([ev.settings.reuse_strength, ev.settings.reuse_cap, ev.settings.memory])
     elif isinstance(ev, TuneDone):

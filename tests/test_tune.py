@@ -14,10 +14,9 @@ from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import CostConstants
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
-from s2moe.engine.tune import (Clock, MonotonicClock, Settings, TuneDone, TuneMeasured, TuneMemoryQuality,
-                               TuneProgress, TuneQuality, TuneStarted, candidate_pool, decided, default_settings,
-                               run_tune, too_close_to_call,
-                               search_space, separated)
+from s2moe.engine.tune import (QUALITY_SHARE, BenchChecks, Clock, MonotonicClock, Settings, TuneDone, TuneMeasured,
+                               TuneMemoryQuality, TuneProgress, TuneQuality, TuneStarted, candidate_pool, decided,
+                               default_settings, run_tune, search_space, separated, too_close_to_call)
 
 # Constants under which the utility rule drafts on the tiny model (a plain step dear, a draft step cheap), so
 # that candidates differ in how many tokens an iteration commits.
@@ -57,6 +56,49 @@ def _tune(dec, prompts, budget, **kw):
     clock = IterationClock()
     events = list(run_tune(dec, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=budget, clock=clock, **kw))
     return events, clock
+
+
+class SlowChecks:
+    """bench's checks (QualityChecks), each taking `cost` units of the test's clock, as a check under a budget
+    takes minutes: what they measure is the tiny model's, what they take is scripted."""
+
+    def __init__(self, decoder, clock: IterationClock, cost: float) -> None:
+        self.real, self.clock, self.cost = BenchChecks(decoder), clock, cost
+        self.made: list[tuple] = []
+
+    def _took(self, q: dict, *key) -> dict:
+        self.clock.t += self.cost
+        self.made.append(key)
+        return q
+
+    def reuse(self, texts, alpha, cap, window):
+        return self._took(self.real.reuse(texts, alpha, cap, window), alpha, cap)
+
+    def memory(self, texts, alpha):
+        return self._took(self.real.memory(texts, alpha), alpha)
+
+    def both(self, texts, alpha, cap, window, memory):
+        return self._took(self.real.both(texts, alpha, cap, window, memory), alpha, cap, memory)
+
+
+def test_quality_checks_take_at_most_their_share_of_the_time_and_the_defaults_come_first(tiny, prompts):
+    clock = IterationClock()
+    checks = SlowChecks(tiny, clock, cost=400.0)
+    events = list(run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=3000, clock=clock,
+                           checks=checks))
+    sec = events[-1].section
+    defaults = default_settings(tiny)
+    assert checks.made[0] == defaults.gating  # the defaults' check first, whatever the time
+    started = [e for e in events if isinstance(e, TuneStarted)][0]
+    # checks stop once the next would overrun their share: at most one check past half of the time left
+    assert 0 < sec["search"]["quality_checks_s"] <= QUALITY_SHARE * 3000 + 400 + 10
+    assert sec["search"]["unchecked"] > 0 and len(checks.made) < started.candidates
+    checked = {(e["reuse_strength"], e["reuse_cap"]) for e in sec["quality_checked"]}
+    assert checked == set(checks.made)
+    # a candidate whose check was not made is never run, and the search still ends within its budget
+    measured = [e.settings for e in events if isinstance(e, TuneMeasured) and e.settings.reuse_strength > 0]
+    assert measured and all(s.gating in checked for s in measured)
+    assert sec["search"]["seconds"] <= 3000
 
 
 def test_the_clock_is_a_typed_interface():
@@ -138,6 +180,7 @@ def test_the_search_ends_within_its_time_budget(tiny, prompts, budget):
     events, clock = _tune(tiny, prompts, budget)
     sec = events[-1].section
     assert sec["search"]["seconds"] <= budget and clock.t - 1 <= budget
+    assert 0 < sec["search"]["quality_checks_s"] < sec["search"]["seconds"]
     assert sec["search"]["candidates"] < sec["search"]["pool"]  # the budget, not the pool, set how many ran
 
 
@@ -156,6 +199,11 @@ def test_a_check_too_close_to_its_bound_to_call_is_settled_on_twice_the_text():
     assert not too_close_to_call({"tokens": 360, "top1_agreement": 0.85})
     assert not too_close_to_call({"tokens": 3600, "top1_agreement": 0.92})  # more text, a narrower band
     assert not too_close_to_call({"tokens": 0}) and not too_close_to_call({})
+    # the check's own error where it is larger than the binomial one (tokens of a passage move together)
+    assert too_close_to_call({"tokens": 3600, "top1_agreement": 0.92, "top1_se": 0.015})
+    # a perplexity ratio near its bound is taken as measured: more text would not settle it (its error over 720
+    # tokens is about its margin), and doubling every check would double their time
+    assert not too_close_to_call({"tokens": 720, "top1_agreement": 0.95, "ppl_ratio": 1.015, "log_ppl_ratio_se": 0.01})
     first, more = ["a", "b"], ["a", "b", "c", "d"]
     calls = []
 
@@ -181,6 +229,7 @@ def test_quality_checked_once_is_not_checked_again(tiny, prompts, xdg):
     first, _ = _tune(tiny, prompts, 5000)
     checked = first[-1].section["quality_checked"]
     assert checked and not any(e["reused"] for e in checked)
+    assert all(e["top1_se"] >= 0 and e["log_ppl_ratio_se"] >= 0 for e in checked if e["tokens"])
     again, _ = _tune(tiny, prompts, 5000, known_quality=checked)
     reused = [e for e in again if isinstance(e, TuneQuality)]
     assert reused and all(q.reused for q in reused)
@@ -276,18 +325,27 @@ def test_the_summary_says_when_the_tuned_settings_turn_copies_off():
                          "runs": 2, "seconds": 1.0, "time_budget_s": 60.0}
     defaults, tuned = summary_lines(section, None)[:2]
     assert "copies off" in tuned and "copies" not in defaults
+    assert not any("quality checks" in line for line in summary_lines(section, None))  # an earlier version's record
+    for unchecked in (0, 1):
+        search = {**section["search"], "quality_checks_s": 20.0, "unchecked": unchecked}
+        lines = summary_lines({**section, "search": search}, None)
+        assert any(line.endswith("1 s of 60 s, 20 s of it the quality checks") for line in lines)
+        assert any(line.startswith("1 of 2 candidates were not run: the quality checks had used their share")
+                   for line in lines) == bool(unchecked)
     assert "memory α" not in tuned  # tuned resident: α_m acts nowhere there
     budgeted = {**section, "settings": {**section["settings"], "memory_strength": 0.15},
                 "measured": {"budget": "auto (496.5 MiB)"},
                 "quality": {**section["quality"], "memory": {"memory_strength": 0.15, "ppl_ratio": 1.004,
                                                              "top1_agreement": 0.95, "mean_kl": 0.003, "tokens": 384},
                             "both": {"memory_strength": 0.15, "ppl_ratio": 1.011, "top1_agreement": 0.912,
-                                     "mean_kl": 0.006, "tokens": 360}}}
+                                     "mean_kl": 0.006, "tokens": 360, "top1_se": 0.0143, "log_ppl_ratio_se": 0.008}}}
     lines = summary_lines(budgeted, None)
     assert "memory α 0.15" in lines[1]
-    assert any(line.startswith("quality in memory: α_m 0.15: perplexity ratio 1.0040") for line in lines)
-    assert any(line.startswith("quality of both biases: α_m 0.15 with reuse gating: perplexity ratio 1.0110, "
-                               "top-1 agreement 0.912 over 360 tokens") for line in lines)
+    # a record of an earlier version has no standard errors; one of this version gives them
+    assert any(line.startswith("quality in memory: α_m 0.15: perplexity ratio 1.0040, top-1 agreement 0.950 over")
+               for line in lines)
+    assert any(line.startswith("quality of both biases: α_m 0.15 with reuse gating: perplexity ratio 1.0110 ± 0.0081, "
+                               "top-1 agreement 0.912 ± 0.014 over 360 tokens") for line in lines)
 
 
 def test_tuning_needs_the_models_constants():

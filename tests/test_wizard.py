@@ -12,6 +12,7 @@ from test_app_support import FakeDecoder
 
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.calibrate import FIELDS, ConfirmSave, Outcome, plain_words, step_outcome
+from s2moe.engine.bench import CheckFigures
 from s2moe.engine.calibrate import CalibrationDone, StepResult, StepStarted
 from s2moe.engine.calibrate import run_calibration as REAL_RUN_CALIBRATION
 from s2moe.engine.tune import (Settings, TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality,
@@ -186,9 +187,9 @@ def scripted_tune(calls: list, *, fail: bool = False, until_stopped: bool = Fals
         calls.append(call.arguments)
         stop = call.arguments["should_stop"]
         yield TuneStarted(4, DEFAULTS, call.arguments["time_budget_s"], {})
-        yield TuneQuality(0.25, 6, 1.004, 0.97, 300, True)
-        yield TuneQuality(1.0, 6, 1.05, 0.85, 300, False)
-        yield TuneJointQuality(0.25, 6, 0.3, 1.012, 0.93, 0.004, 280, True)
+        yield TuneQuality(0.25, 6, CheckFigures(300, 1.004, 0.97, None, 0.011, 0.006), True)
+        yield TuneQuality(1.0, 6, CheckFigures(300, 1.05, 0.85), False)
+        yield TuneJointQuality(0.25, 6, 0.3, CheckFigures(280, 1.012, 0.93, 0.004, 0.015, 0.007), True)
         for i, (s, tps) in enumerate([(DEFAULTS, 24.0), (TUNED, 30.0), (Settings(2, 8, 1.0, 0.5, 8), 27.0)]):
             yield TuneMeasured(i, s, 0, tps, 1)
         if fail:
@@ -232,8 +233,8 @@ def test_tuning_after_calibration_plots_the_candidates_and_saves_the_result(monk
             assert screen.tune.points == {0: (0, 24.0), 1: (-1, 30.0), 2: (0, 27.0)}
             text = screen.steps_text().plain
             assert "✔ tune" in text and "✖ fails the constraint" in text and "tuned 1.250× the defaults" in text
-            assert ("quality of both, α 0.25 |E*| 6 α_m 0.3: perplexity ratio 1.0120, top-1 0.930 over 280 tokens: ok"
-                    in text)
+            assert ("quality of both, α 0.25 |E*| 6 α_m 0.3: perplexity ratio 1.0120 ± 0.0071, top-1 agreement "
+                    "0.930 ± 0.015 over 280 tokens: ok" in text)
             assert "k_d 2, draft cap 12, threshold 0.5, α 0.25, |E*| 6 → 30.00 tok/s" in text
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmSave), "the question")
