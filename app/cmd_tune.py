@@ -79,7 +79,7 @@ def summary_lines(section: dict, path) -> list[str]:
              f"search: {search['method']} from {search['candidates']} of {search['pool']} candidates "
              f"({search['feasible']} within the quality constraint), {search['rungs']} rungs, {search['runs']} runs, "
              f"{search['seconds']:.0f} s of {search['time_budget_s']:.0f} s" + checks]
-    if search.get("unchecked"):
+    if search.get("unchecked") and search.get("stopped_checking") == "time":
         lines.append(f"{search['unchecked']} of {search['pool']} candidates were not run: the quality checks had used "
                      "their share of the time budget before reaching them. A longer time budget checks more (checks "
                      "of reuse gating alone are kept in the profile for later runs; those under a budget are made "

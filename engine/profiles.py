@@ -83,7 +83,8 @@ carries published figures and may hold `reference` constants that apply to any m
             defaults: {...}        # the model's defaults, measured in the same run
             speed: {tuned_tok_s, defaults_tok_s, ar_tok_s, gain, per_prompt_ratios, separated, verdict, ...}
             quality: {ppl_ratio, top1_agreement, tokens}   # or {lossless: true}; + memory, both: {...} under a budget
-            search: {method, candidates, rungs, seconds, time_budget_s, quality_checks_s, unchecked, ...}
+            search: {method, candidates, rungs, seconds, time_budget_s, quality_checks_s, unchecked,
+                    stopped_checking, ...}
             log: [{rung, draft_topk, ..., tok_s, prompts, kept}, ...]
             measured: {at, by: s2moe tune, budget, prompts, threads}
     reference:                     # optional: constants for any model (reference profiles)

@@ -28,7 +28,8 @@ pair, once per α_m and once per combination before any speed is measured, and t
 run. A check whose top-1 agreement lands within two standard errors of its bound (too_close_to_call) is done
 again on twice the text, and that verdict stands. Under a budget the checks cost minutes (each decodes its
 texts in the budget's process), so they get at most QUALITY_SHARE of the time: the defaults' checks always,
-then each candidate's in the pool's order while that share lasts; a candidate left unchecked is not run.
+then each candidate's in the pool's order while that share lasts, and only while those that passed do not
+already fill what the halving can afford; a candidate left unchecked is not run.
 The candidates (the model's defaults, every one-setting change of them, then random combinations, as many as the
 time budget allows) each decode one prompt; the better half goes on to twice as many new prompts, and so on until
 one is left. Why: a speed measurement is noisy and costs a whole generation, and most settings are plainly worse
@@ -430,15 +431,19 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
 
     planned = len({c for s in pool_all for c in checks_of(s) if c[0] != "reuse" or c[1] not in quality})
     slowest = 0.0
-    for s in pool_all:  # the defaults first
-        out_of_time = False
+    stopped_checking = None  # "time": the checks' share was spent; "enough": the halving could run no more
+    for i, s in enumerate(pool_all):  # the defaults first
+        if s != defaults and sum(verdict(c) is True for c in pool_all[:i]) >= _affordable(
+                len(pool_all), t_run, (deadline - clock.now() - slowest) * SH_SHARE):
+            stopped_checking = "enough"  # those before it fill the halving: it would not run if it passed
+            break
         for kind, key in checks_of(s):
             if key in made[kind]:
                 if made[kind][key]["ok"]:
                     continue
                 break  # fails a check: it needs no more
             if s != defaults and clock.now() + slowest > checks_deadline:
-                out_of_time = True
+                stopped_checking = "time"
                 break
             if stop():
                 return
@@ -451,7 +456,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                                planned, "quality")
             if not event.ok:
                 break
-        if out_of_time:
+        if stopped_checking:
             break
     checks_s = clock.now() - t_checks
     unchecked = sum(verdict(s) is None for s in pool_all)
@@ -594,7 +599,8 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                    "feasible": len(feasible), "rungs": rungs_run, "final_rounds": extra,
                    "stopped_for_time": stopped_for_time, "n_tokens": n_tokens, "runs": done_runs,
                    "seconds": round(elapsed, 3), "time_budget_s": float(time_budget_s),
-                   "quality_checks_s": round(checks_s, 3), "unchecked": unchecked},
+                   "quality_checks_s": round(checks_s, 3), "unchecked": unchecked,
+                   "stopped_checking": stopped_checking},
         "log": log,
         "measured": {"at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
                      "by": "s2moe tune", **(context or {})},

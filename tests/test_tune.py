@@ -93,12 +93,24 @@ def test_quality_checks_take_at_most_their_share_of_the_time_and_the_defaults_co
     # checks stop once the next would overrun their share: at most one check past half of the time left
     assert 0 < sec["search"]["quality_checks_s"] <= QUALITY_SHARE * 3000 + 400 + 10
     assert sec["search"]["unchecked"] > 0 and len(checks.made) < started.candidates
+    assert sec["search"]["stopped_checking"] == "time"
     checked = {(e["reuse_strength"], e["reuse_cap"]) for e in sec["quality_checked"]}
     assert checked == set(checks.made)
     # a candidate whose check was not made is never run, and the search still ends within its budget
     measured = [e.settings for e in events if isinstance(e, TuneMeasured) and e.settings.reuse_strength > 0]
     assert measured and all(s.gating in checked for s in measured)
     assert sec["search"]["seconds"] <= 3000
+
+
+def test_no_candidate_is_checked_once_those_that_passed_fill_the_halving(tiny, prompts):
+    clock = IterationClock()
+    checks = SlowChecks(tiny, clock, cost=1.0)  # cheap checks: time is not what stops them
+    events = list(run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=400, clock=clock, checks=checks))
+    search = events[-1].section["search"]
+    # the pool is twice what the halving affords (some fail their checks): here enough passed before its end
+    assert search["stopped_checking"] == "enough" and search["quality_checks_s"] < 0.1 * 400
+    run = {e.settings for e in events if isinstance(e, TuneMeasured)}
+    assert all(s.reuse_strength == 0 or s.gating in {key[:2] for key in checks.made} for s in run)
 
 
 def test_the_clock_is_a_typed_interface():
@@ -326,12 +338,13 @@ def test_the_summary_says_when_the_tuned_settings_turn_copies_off():
     defaults, tuned = summary_lines(section, None)[:2]
     assert "copies off" in tuned and "copies" not in defaults
     assert not any("quality checks" in line for line in summary_lines(section, None))  # an earlier version's record
-    for unchecked in (0, 1):
-        search = {**section["search"], "quality_checks_s": 20.0, "unchecked": unchecked}
+    for unchecked, stopped in ((0, None), (1, "time"), (1, "enough")):
+        search = {**section["search"], "quality_checks_s": 20.0, "unchecked": unchecked, "stopped_checking": stopped}
         lines = summary_lines({**section, "search": search}, None)
         assert any(line.endswith("1 s of 60 s, 20 s of it the quality checks") for line in lines)
+        # said only where time cut the checks short: unchecked because the halving was full loses nothing
         assert any(line.startswith("1 of 2 candidates were not run: the quality checks had used their share")
-                   for line in lines) == bool(unchecked)
+                   for line in lines) == (stopped == "time")
     assert "memory α" not in tuned  # tuned resident: α_m acts nowhere there
     budgeted = {**section, "settings": {**section["settings"], "memory_strength": 0.15},
                 "measured": {"budget": "auto (496.5 MiB)"},
