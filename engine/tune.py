@@ -456,6 +456,9 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                                planned, "quality")
             if not event.ok:
                 break
+            if s == defaults:  # a check is timed now: say at once if the defaults' own cannot fit
+                _defaults_fit(sum(k not in made[c] for c, k in checks_of(defaults)), slowest, t_run,
+                              deadline - clock.now(), time_budget_s, clock.now() - t0)
         if stopped_checking:
             break
     checks_s = clock.now() - t_checks
@@ -656,6 +659,19 @@ def _check_time(needed: float, left: float, time_budget_s: float, t_run: float) 
         raise ConfigError(f"{OPTION} of {time_budget_s:g} s is too short: one generation takes about {t_run:.1f} s "
                           f"here and comparing two candidates with the defaults needs about {needed:.0f} s more",
                           option="time_budget")
+
+
+def _defaults_fit(n_left: int, check_s: float, t_run: float, left: float, time_budget_s: float,
+                  elapsed: float) -> None:
+    """Raise where the defaults' remaining quality checks and one comparison of two candidates cannot fit in the
+    time left: said as soon as a check has been timed, rather than once the whole budget is gone."""
+    compare = _sh_cost(2, t_run)
+    needed = n_left * check_s + compare
+    if needed > left:
+        more = f" and the defaults need {n_left} more before any speed is timed" if n_left else ""
+        raise ConfigError(f"{OPTION} of {time_budget_s:g} s is too short: a quality check takes about {check_s:.0f} s "
+                          f"here{more}; comparing two candidates then takes about {compare:.0f} s: that alone needs "
+                          f"{math.ceil((elapsed + needed) / 60)} min, a search more", option="time_budget")
 
 
 def _rungs(n: int) -> int:

@@ -102,6 +102,20 @@ def test_quality_checks_take_at_most_their_share_of_the_time_and_the_defaults_co
     assert sec["search"]["seconds"] <= 3000
 
 
+def test_a_budget_the_defaults_checks_overrun_is_said_once_a_check_is_timed(tiny, prompts):
+    clock = IterationClock()
+    checks = SlowChecks(tiny, clock, cost=389.0)  # and one reading of the clock: 390
+    events = []
+    with pytest.raises(ConfigError) as e:
+        for ev in run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=400, clock=clock, checks=checks):
+            events.append(ev)
+    words = e.value.worded({"time_budget": "--time-budget"})
+    assert words.startswith("--time-budget of 400 s is too short: a quality check takes about 390 s here; "
+                            "comparing two candidates then takes about")
+    assert words.endswith("min, a search more")
+    assert len(checks.made) == 1 and not any(isinstance(ev, TuneMeasured) for ev in events)
+
+
 def test_no_candidate_is_checked_once_those_that_passed_fill_the_halving(tiny, prompts):
     clock = IterationClock()
     checks = SlowChecks(tiny, clock, cost=1.0)  # cheap checks: time is not what stops them
