@@ -457,7 +457,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             if not event.ok:
                 break
             if s == defaults:  # a check is timed now: say at once if the defaults' own cannot fit
-                _defaults_fit(sum(k not in made[c] for c, k in checks_of(defaults)), slowest, t_run,
+                ensure_defaults_fit(sum(k not in made[c] for c, k in checks_of(defaults)), slowest, t_run,
                               deadline - clock.now(), time_budget_s, clock.now() - t0)
         if stopped_checking:
             break
@@ -661,8 +661,8 @@ def _check_time(needed: float, left: float, time_budget_s: float, t_run: float) 
                           option="time_budget")
 
 
-def _defaults_fit(n_left: int, check_s: float, t_run: float, left: float, time_budget_s: float,
-                  elapsed: float) -> None:
+def ensure_defaults_fit(n_left: int, check_s: float, t_run: float, left: float, time_budget_s: float,
+                        elapsed: float) -> None:
     """Raise where the defaults' remaining quality checks and one comparison of two candidates cannot fit in the
     time left: said as soon as a check has been timed, rather than once the whole budget is gone."""
     compare = _sh_cost(2, t_run)

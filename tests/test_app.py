@@ -811,6 +811,13 @@ def test_engine_errors_reach_the_user_in_the_apps_own_words():
         GenerationConfig(draft_max=0).validate()
     assert failure_text(caught.value) == "the draft cap must be between 1 and 64"
     assert failure_text(ValueError("boom")) == "ValueError: boom"
+    # tune's time budget is the wizard's Tuning minutes field, not a flag of the command
+    from s2moe.engine.tune import ensure_defaults_fit
+
+    with pytest.raises(ConfigError) as caught:
+        ensure_defaults_fit(2, 45.0, 2.5, 100.0, 180, 75.0)
+    assert failure_text(caught.value).startswith("the tuning time (Tuning minutes) of 180 s is too short: a quality "
+                                                 "check takes about 45 s here and the defaults need 2 more")
 
 
 def test_the_active_profile_is_remembered_across_runs(tmp_path, monkeypatch):

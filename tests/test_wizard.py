@@ -11,7 +11,7 @@ import yaml
 from test_app_support import FakeDecoder
 
 from s2moe.app.tui.app import S2MoEApp
-from s2moe.app.tui.calibrate import FIELDS, ConfirmSave, Outcome, plain_words, step_outcome
+from s2moe.app.tui.calibrate import FIELDS, ConfirmSave, Outcome, plain_words, step_outcome, tune_minutes
 from s2moe.engine.bench import CheckFigures
 from s2moe.engine.calibrate import CalibrationDone, StepResult, StepStarted
 from s2moe.engine.calibrate import run_calibration as REAL_RUN_CALIBRATION
@@ -203,6 +203,13 @@ def scripted_tune(calls: list, *, fail: bool = False, until_stopped: bool = Fals
         yield TuneDone(tune_section(), TUNED, DEFAULTS)
 
     return run_tune
+
+
+def test_the_tuning_minutes_default_to_more_under_a_budget_and_refuse_what_is_no_duration():
+    assert tune_minutes("", offloaded=False) == 3 and tune_minutes("  ", offloaded=True) == 10
+    assert tune_minutes("2.5", offloaded=True) == 2.5  # typed, it wins
+    assert tune_minutes("0", offloaded=False) is None and tune_minutes("abc", offloaded=True) is None
+    assert tune_minutes("1441", offloaded=False) is None
 
 
 async def calibrated(pilot, app):

@@ -38,13 +38,24 @@ INTRO = (
 
 
 TUNE_PROMPTS = "humaneval"  # the workload `s2moe tune` tunes for by default
-TUNE_MINUTES = 3.0          # the wizard's default: a first tuning, shorter than the command's 10 minutes
+TUNE_MINUTES = 3.0          # the wizard's default: a first tuning, shorter than the command's 10 minutes …
+TUNE_MINUTES_BUDGETED = 10.0  # … but under a budget a quality check alone takes a minute or two
 FIT_R2_MIN = 0.8  # a cost-model fit below this explains too little of the measured time to decide with
 # The wizard's fields, for engine messages that name the flag setting the same thing.
 FIELDS = {"--budget": "the Memory budget field", "--name": "the Profile name field"}
 _CLASS_PREFIX = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Unavailable|Exit|Interrupt)\w*: ")
 _CONSTANTS = (("t_ar_ms", "T_AR"), ("c_draft_ms", "C_draft"), ("t_exp_ms", "T_exp"), ("t_tok_ms", "T_tok"),
               ("t_exp_cold_ms", "T_exp cold"))
+
+
+def tune_minutes(raw: str, offloaded: bool) -> float | None:
+    """The Tuning minutes field's value: what was typed, else the default for the session (more under a budget,
+    where each quality check reads its experts from storage); None where it is no number of minutes."""
+    try:
+        minutes = float(raw) if raw.strip() else (TUNE_MINUTES_BUDGETED if offloaded else TUNE_MINUTES)
+    except ValueError:
+        return None
+    return minutes if 0 < minutes <= 24 * 60 else None
 
 
 def plain_words(text: str, fields: dict[str, str] | None = None) -> str:
@@ -257,7 +268,8 @@ class CalibrateScreen(Screen):
                     yield Input(placeholder="e.g. auto, 800M", id="cal-budget")
                 with Horizontal(classes="form-row"):
                     yield Label("Tuning minutes", classes="form-label")
-                    yield Input(placeholder=f"{TUNE_MINUTES:g}", id="cal-tune-minutes", type="number")
+                    yield Input(placeholder=f"{TUNE_MINUTES:g}, {TUNE_MINUTES_BUDGETED:g} under a budget",
+                                id="cal-tune-minutes", type="number")
                 with Horizontal(classes="button-row"):
                     yield Button("Run", variant="primary", id="cal-run")
                     yield Button("Tune", id="cal-tune")
@@ -396,15 +408,12 @@ class CalibrateScreen(Screen):
         if not engine_ready(self):
             return
         session = self.app.session
+        offloaded = session.budget is not None
         raw = self.query_one("#cal-tune-minutes", Input).value.strip()
-        try:
-            minutes = float(raw) if raw else TUNE_MINUTES
-        except ValueError:
-            minutes = -1.0
-        if not 0 < minutes <= 24 * 60:
+        minutes = tune_minutes(raw, offloaded)
+        if minutes is None:
             self.notify(f"Tuning minutes must be a number of minutes above 0, got {raw!r}", severity="error")
             return
-        offloaded = session.budget is not None
         try:
             cost = cost_for_model(self.result, self.result_fingerprint(), offloaded=offloaded)
         except S2MoEError as e:

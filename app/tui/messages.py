@@ -10,7 +10,8 @@ from ...engine.errors import S2MoEError
 SETTING_NAMES = {"draft_topk": "k_d", "draft_max": "the draft cap", "reuse_strength": "gating α",
                  "memory_strength": "memory α_m",
                  "threshold": "the utility threshold", "n_predict": "n (tokens per reply)", "temperature": "T",
-                 "reuse_cap": "|E*|", "n_ctx": "the context (s2moe app --ctx)", "seed": "the seed"}
+                 "reuse_cap": "|E*|", "n_ctx": "the context (s2moe app --ctx)", "seed": "the seed",
+                 "time_budget": "the tuning time (Tuning minutes)"}
 
 
 def failure_text(e: BaseException) -> str:
