@@ -388,7 +388,7 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
     k = info.n_expert_used
     cap = cap or default_reuse_cap(info)
     nll_plain = nll_gated = 0.0
-    agree = n = 0
+    n = 0
     kl_sum = 0.0
     agreements, log_ratios = [], []
     reuse_plain, reuse_gated = [], []
@@ -417,9 +417,7 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
             nll_gated -= float(ll_gated.sum())
             log_ratios.extend((ll_plain - ll_gated).tolist())
             kl_sum += float((np.exp(lp_plain) * (lp_plain - lp_gated)).sum())
-            same = plain.argmax(axis=1) == gated.argmax(axis=1)
-            agreements.extend(same.tolist())
-            agree += int(same.sum())
+            agreements.extend((plain.argmax(axis=1) == gated.argmax(axis=1)).tolist())
             n += window
             denom = np.maximum(rp.rows, 1) * k
             reuse_plain.append(float((rp.distinct_used(info.n_expert) / denom)[rp.rows > 0].mean()))
@@ -440,7 +438,7 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
         "ppl_plain": ppl_plain,
         "ppl_gated": ppl_gated,
         "ppl_ratio": ppl_gated / ppl_plain,
-        "top1_agreement": agree / n,
+        "top1_agreement": sum(agreements) / n,
         "mean_kl": kl_sum / n,
         "reuse_ratio_plain": rp_mean,
         "reuse_ratio_gated": rg_mean,
@@ -472,7 +470,7 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
         return log_softmax(rt.decode([token], pos, "last")[0])
 
     nll_plain = nll_gated = kl_sum = 0.0
-    agree = n = 0
+    n = 0
     agreements, log_ratios = [], []
     for text in texts:
         tokens = dec.tokenize(text)[: max_tokens + 1]
@@ -486,9 +484,7 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
             nll_gated -= gated[target]
             log_ratios.append(float(plain[target] - gated[target]))
             kl_sum += float((np.exp(plain) * (plain - gated)).sum())
-            same = bool(np.argmax(plain) == np.argmax(gated))
-            agreements.append(same)
-            agree += int(same)
+            agreements.append(bool(np.argmax(plain) == np.argmax(gated)))
             n += 1
     rt.kv_clear()
     rt.hook.observe()
@@ -500,7 +496,7 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
         "ppl_plain": float(np.exp(nll_plain / n)),
         "ppl_gated": float(np.exp(nll_gated / n)),
         "ppl_ratio": float(np.exp((nll_gated - nll_plain) / n)),
-        "top1_agreement": agree / n,
+        "top1_agreement": sum(agreements) / n,
         "mean_kl": kl_sum / n,
         **_error_bars(agreements, log_ratios),
     }
