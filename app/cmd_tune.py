@@ -40,6 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--n-prompts", type=positive_int, default=32, help="prompts to draw from the set (default 32)")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
     add_batch_option(p)
+    p.add_argument("--copy-cache", metavar="FILE|DIR", type=nonempty,
+                   help="s2moe: also copy drafts from the generations kept there (as generate --copy-cache and the "
+                        "app do), so that copies are measured as your sessions get them; read only: tune adds "
+                        "nothing to it")
     p.add_argument("--seed", type=positive_int, default=1, help="seed of the random candidates (default 1)")
     p.add_argument("--no-save", action="store_true", help="search and print, write nothing")
     p.set_defaults(run=run)
@@ -170,6 +174,11 @@ def run(args) -> int:
                       n_batch=args.batch_size)
     off = None
     try:
+        kept = 0
+        if args.copy_cache is not None:
+            from ..engine.copycache import load_copy_cache
+
+            kept = load_copy_cache(args.copy_cache, decoder.info, decoder.earlier)
         label = "none"
         if offloaded:
             def warm_up():  # the largest verification batch the search can ask for, so that auto counts it
@@ -184,8 +193,12 @@ def run(args) -> int:
             label = budget.describe(off.budget_bytes)
         console.print(f"tuning {info.path.name} on {set_name} prompts, budget {label}, for at most "
                       f"{args.time_budget:g} min; the result goes to profile {name}")
+        if args.copy_cache is not None:
+            console.print(f"s2moe also copies from the {kept} earlier generation{'s' * (kept != 1)} kept in "
+                          f"{args.copy_cache}")
         context = {"budget": label, "budget_bytes": off.budget_bytes if off else None, "prompts": set_name,
-                   "threads": args.threads or default_threads()}
+                   "threads": args.threads or default_threads(),
+                   **({"copy_cache_generations": kept} if args.copy_cache is not None else {})}
         done = None
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=not console.is_terminal) as progress:

@@ -86,7 +86,7 @@ carries published figures and may hold `reference` constants that apply to any m
             search: {method, candidates, rungs, seconds, time_budget_s, quality_checks_s, unchecked,
                     stopped_checking, ...}
             log: [{rung, draft_topk, ..., tok_s, prompts, kept}, ...]
-            measured: {at, by: s2moe tune, budget, prompts, threads}
+            measured: {at, by: s2moe tune, budget, prompts, threads}  # + copy_cache_generations with --copy-cache
     reference:                     # optional: constants for any model (reference profiles)
       t_ar_ms: 100
       c_draft_ms: 7.5

@@ -486,3 +486,20 @@ def test_cli_tune_writes_the_profile_and_refuses_bad_input(tiny_models, xdg, cap
     assert section["speed"]["defaults_tok_s"] > 0 and section["measured"]["by"] == "s2moe tune"
     assert "fedcba9876543210" in data["models"]  # the other model's block is kept
     assert not list(xdg.glob(".*.tmp"))
+    assert "copy_cache_generations" not in section["measured"]
+    # with the generations a copy cache keeps: measured as a session that has them, and the cache left as it was
+    cache = tmp_path / "copies.json"
+    assert main(["generate", "-m", model, "-p", "def add(a, b):", "-n", "8", "-t", "1", "--copy-cache",
+                 str(cache)]) == 0
+    kept = cache.read_text()
+    assert main(["tune", "-m", model, "--profile", "dev", "--prompts", "natural", "--n-prompts", "4", "-n", "8",
+                 "--time-budget", "0.5", "-t", "1", "--copy-cache", str(cache)]) == 0
+    assert "s2moe also copies from the 1 earlier generation kept in" in capsys.readouterr().err
+    assert cache.read_text() == kept
+    data = yaml.safe_load((xdg / "dev.yaml").read_text())
+    assert data["models"][info.fingerprint]["tuned"]["resident"]["measured"]["copy_cache_generations"] == 1
+    broken = tmp_path / "broken.json"
+    broken.write_text("[]")
+    assert main(["tune", "-m", model, "--profile", "dev", "--time-budget", "0.5", "--copy-cache", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "copy cache" in err
