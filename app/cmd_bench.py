@@ -342,8 +342,14 @@ def markdown(done) -> str:
 
 
 def check_words(f, kl: bool = True) -> str:
-    """A quality check's figures (bench.CheckFigures) in words, each ± its standard error where the check has one
-    (batch means over its tokens; the perplexity ratio's from that of its log)."""
+    """A quality check's figures (bench.CheckFigures, or a check's dict as bench and profiles hold it) in words,
+    each ± its standard error where the check has one (batch means over its tokens; the perplexity ratio's from
+    that of its log)."""
+    if isinstance(f, dict):
+        from ..engine.bench import CheckFigures
+
+        f = CheckFigures.of(f)
+
     def with_error(value, se, digits: int) -> str:
         if value is None:
             return "–"
@@ -356,21 +362,17 @@ def check_words(f, kl: bool = True) -> str:
 
 
 def gating_quality_text(q: dict) -> str:
-    from ..engine.bench import CheckFigures
-
-    return (f"α {q['alpha']:g} |E*| {q['cap']}, {q['tokens']} tokens: {check_words(CheckFigures.of(q))}, reuse ratio "
+    return (f"α {q['alpha']:g} |E*| {q['cap']}, {q['tokens']} tokens: {check_words(q)}, reuse ratio "
             f"{q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f} ({q['reuse_reduction']:.0%} lower)")
 
 
 def memory_quality_text(label: str, q: dict) -> str:
-    from ..engine.bench import CheckFigures
-
     text = (f"gating toward the experts in memory under budget {label} (α {q['alpha']:g}, teacher-forced, "
-            f"{q['tokens']} tokens one a step): {check_words(CheckFigures.of(q))}")
+            f"{q['tokens']} tokens one a step): {check_words(q)}")
     b = q.get("batches") or {}
     if b.get("tokens"):
         text += (f"; with reuse gating too (α {b['alpha']:g} |E*| {b['cap']}, batches of {b['window']}, "
-                 f"{b['tokens']} tokens): {check_words(CheckFigures.of(b))}")
+                 f"{b['tokens']} tokens): {check_words(b)}")
     return text
 
 

@@ -61,14 +61,12 @@ def settings_text(s: dict, memory_shown: bool = False) -> str:
 
 def summary_lines(section: dict, path) -> list[str]:
     """What a tuning run found, in the words the profile records it."""
-    from ..engine.bench import CheckFigures
-
     sp, q, search = section["speed"], section["quality"], section["search"]
     budgeted = (section.get("measured") or {}).get("budget") not in (None, "none")
 
     ar = f" · ar {sp['ar_tok_s']:.2f} tok/s" if sp.get("ar_tok_s") else ""
     quality = ("lossless (no gating)" if q.get("lossless") else
-               f"{check_words(CheckFigures.of(q), kl=False)} over {q['tokens']} tokens (teacher-forced)")
+               f"{check_words(q, kl=False)} over {q['tokens']} tokens (teacher-forced)")
     ratios = sp.get("per_prompt_ratios") or []
     spread = f", per-prompt ratios {min(ratios):.3f}–{max(ratios):.3f}" if ratios else ""
     checks_s = search.get("quality_checks_s")  # recorded since the checks could take most of the time
@@ -109,16 +107,12 @@ def quality_check_text(ev) -> str:
 
 
 def memory_quality_words(m: dict) -> str:
-    from ..engine.bench import CheckFigures
-
-    return (f"α_m {m['memory_strength']:g}: {check_words(CheckFigures.of(m), kl=False)} over {m['tokens']} tokens "
+    return (f"α_m {m['memory_strength']:g}: {check_words(m, kl=False)} over {m['tokens']} tokens "
             "(teacher-forced, one a step under the budget)")
 
 
 def both_quality_words(m: dict) -> str:
-    from ..engine.bench import CheckFigures
-
-    return (f"α_m {m['memory_strength']:g} with reuse gating: {check_words(CheckFigures.of(m), kl=False)} over "
+    return (f"α_m {m['memory_strength']:g} with reuse gating: {check_words(m, kl=False)} over "
             f"{m['tokens']} tokens (teacher-forced, batches under the budget)")
 
 

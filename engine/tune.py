@@ -429,7 +429,8 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         q = decided(lambda t: checks.both(t, alpha, cap, window, strength), texts, more_texts)
         return q, TuneJointQuality(alpha, cap, strength, CheckFigures.of(q), within_bounds(q))
 
-    planned = len({c for s in pool_all for c in checks_of(s) if c[0] != "reuse" or c[1] not in quality})
+    checks_planned = len({c for s in pool_all for c in checks_of(s) if c[0] != "reuse" or c[1] not in quality})
+    checks_made = 0
     slowest = 0.0
     stopped_checking = None  # "time": the checks' share was spent; "enough": the halving could run no more
     for i, s in enumerate(pool_all):  # the defaults first
@@ -451,14 +452,14 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             q, event = make(kind, key)
             slowest = max(slowest, clock.now() - started)
             made[kind][key] = {**q, "ok": event.ok}
+            checks_made += 1
             yield event
-            yield TuneProgress(sum(map(len, made.values())) - sum(bool(v.get("reused")) for v in quality.values()),
-                               planned, "quality")
+            yield TuneProgress(checks_made, checks_planned, "quality")
             if not event.ok:
                 break
             if s == defaults:  # a check is timed now: say at once if the defaults' own cannot fit
                 ensure_defaults_fit(sum(k not in made[c] for c, k in checks_of(defaults)), slowest, t_run,
-                              deadline - clock.now(), time_budget_s, clock.now() - t0)
+                                    deadline - clock.now(), time_budget_s, clock.now() - t0)
         if stopped_checking:
             break
     checks_s = clock.now() - t_checks
@@ -529,9 +530,8 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         rung += 1
 
     if not rungs_run:
-        raise ConfigError(f"{OPTION} of {time_budget_s:g} s is too short: the quality checks took "
-                          f"{clock.now() - t0:.0f} s and left no room for a rung of runs of about {t_run:.1f} s",
-                          option="time_budget")
+        raise _too_short(time_budget_s, f"the quality checks took {clock.now() - t0:.0f} s and left no room for a "
+                                        f"rung of runs of about {t_run:.1f} s")
     # the final comparison: the best survivor against the defaults, repeated while within noise
     best = max(survivors, key=lambda s: scores[s].tok_per_s) if survivors and scores[survivors[0]].runs else defaults
     extra = 0
@@ -654,11 +654,14 @@ def within_bounds(q: dict) -> bool:
     return bool(q.get("tokens")) and q["ppl_ratio"] <= PPL_RATIO_MAX and q["top1_agreement"] >= TOP1_MIN
 
 
+def _too_short(time_budget_s: float, why: str) -> ConfigError:
+    return ConfigError(f"{OPTION} of {time_budget_s:g} s is too short: {why}", option="time_budget")
+
+
 def _check_time(needed: float, left: float, time_budget_s: float, t_run: float) -> None:
     if needed > left:
-        raise ConfigError(f"{OPTION} of {time_budget_s:g} s is too short: one generation takes about {t_run:.1f} s "
-                          f"here and comparing two candidates with the defaults needs about {needed:.0f} s more",
-                          option="time_budget")
+        raise _too_short(time_budget_s, f"one generation takes about {t_run:.1f} s here and comparing two "
+                                        f"candidates with the defaults needs about {needed:.0f} s more")
 
 
 def ensure_defaults_fit(n_left: int, check_s: float, t_run: float, left: float, time_budget_s: float,
@@ -669,9 +672,9 @@ def ensure_defaults_fit(n_left: int, check_s: float, t_run: float, left: float, 
     needed = n_left * check_s + compare
     if needed > left:
         more = f" and the defaults need {n_left} more before any speed is timed" if n_left else ""
-        raise ConfigError(f"{OPTION} of {time_budget_s:g} s is too short: a quality check takes about {check_s:.0f} s "
-                          f"here{more}; comparing two candidates then takes about {compare:.0f} s: that alone needs "
-                          f"{math.ceil((elapsed + needed) / 60)} min, a search more", option="time_budget")
+        raise _too_short(time_budget_s, f"a quality check takes about {check_s:.0f} s here{more}; comparing two "
+                                        f"candidates then takes about {compare:.0f} s: that alone needs "
+                                        f"{math.ceil((elapsed + needed) / 60)} min, a search more")
 
 
 def _rungs(n: int) -> int:
