@@ -23,8 +23,9 @@ def add_parser(sub) -> None:
     p.add_argument("--n-prompts", type=int, default=8, help="prompts to use from the set (default 8)")
     p.add_argument("-n", "--n-tokens", type=int, default=64, help="tokens generated per prompt and mode")
     p.add_argument("--modes", default=DEFAULT_MODES,
-                   help=f"comma-separated modes or ladder rungs (default {DEFAULT_MODES}), or -gating (s2moe with gating "
-                        "off, on ar's tokens); a mode that drafts from "
+                   help=f"comma-separated modes or ladder rungs (default {DEFAULT_MODES}), or s2moe less one part: "
+                        "-gating (gating off, on ar's tokens), -memory (no bias toward the experts in memory), "
+                        "-periodic (copies stop at the context's end); a mode that drafts from "
                         "the model's own experts takes :resident or :router (what its drafts read under --budget), "
                         "so that both run interleaved: s2moe,s2moe:resident")
     p.add_argument("--ablation", action="store_true",

@@ -131,6 +131,9 @@ class GenerationConfig:
     lookup: bool = True
     # ... and where it does not, copy from this decoder's earlier generations of other prompts (with lookup)
     lookup_session: bool = True
+    # ... and where a copy from the context runs into the context's end (a loop), it goes on round the loop; False:
+    # it stops there, as prompt lookup does
+    lookup_periodic: bool = True
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
@@ -413,7 +416,8 @@ class Decoder:
         chain = SelfDrafter(cfg.draft_topk, rule, allowed)
         if not (cfg.lookup and cfg.mode == "s2moe"):
             return chain
-        return LookupOrSelfDrafter(chain, rule, self.earlier if cfg.lookup_session else None, prompt)
+        return LookupOrSelfDrafter(chain, rule, self.earlier if cfg.lookup_session else None, prompt,
+                                   periodic=cfg.lookup_periodic)
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # A trace's rule learns apart: what it sees is not what the mode's own generations see.

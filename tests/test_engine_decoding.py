@@ -10,7 +10,7 @@ import pytest
 from s2moe.engine.decoder import GenerationConfig, VerifyObserver, run
 from s2moe.engine.events import CostConstants, Finished, Iteration, Summary
 from s2moe.engine.offload import Residency
-from s2moe.engine.policies import NgramIndex
+from s2moe.engine.policies import COPY_KINDS, NgramIndex
 
 PROMPTS = ["hello there the world", "in the beginning", "once upon a time re"]
 
@@ -280,16 +280,22 @@ def test_every_baseline_is_lossless_in_greedy_mode(decoders, arch, mode):
     assert drafted > 0
 
 
-def _scan_lookup(seq: list[int], max_ngram: int, min_ngram: int, max_len: int) -> tuple[int, list[int]]:
-    """Prompt lookup by its definition: the longest n-gram ending seq, searched backwards through the rest."""
+def _scan_lookup(seq: list[int], max_ngram: int, min_ngram: int, max_len: int,
+                 periodic: bool) -> tuple[int, list[int], int]:
+    """Prompt lookup by its definition: the longest n-gram ending seq, searched backwards through the rest; periodic,
+    what followed it taken again from its start each time it reaches the end of seq."""
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
         for start in range(len(seq) - n - 1, -1, -1):
             if seq[start : start + n] == seq[-n:]:
-                return n, seq[start + n : start + n + max_len]
-    return 0, []
+                followed = seq[start + n :]
+                if not periodic:
+                    return n, followed[:max_len], len(followed)
+                return n, (followed * max_len)[:max_len], len(followed)
+    return 0, [], 0
 
 
-def test_the_ngram_index_finds_what_scanning_the_context_finds():
+@pytest.mark.parametrize("periodic", [False, True])
+def test_the_ngram_index_finds_what_scanning_the_context_finds(periodic):
     """The lookup drafter's index, kept as the context grows, against a scan of the whole context at every
     step, on small vocabularies where n-grams recur often."""
     rng = np.random.default_rng(7)
@@ -298,15 +304,36 @@ def test_the_ngram_index_finds_what_scanning_the_context_finds():
         vocab = int(rng.choice([2, 3, 5, 20]))
         max_ngram = int(rng.integers(1, 5))
         min_ngram = int(rng.integers(1, max_ngram + 1))
-        index = NgramIndex(max_ngram, min_ngram)
+        index = NgramIndex(max_ngram, min_ngram, periodic)
         seq = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 6)))]
         for _ in range(40):
             max_len = int(rng.integers(1, 9))
             found = index.lookup(seq, max_len)
-            assert found == _scan_lookup(seq, max_ngram, min_ngram, max_len), (trial, seq)
+            assert found == _scan_lookup(seq, max_ngram, min_ngram, max_len, periodic), (trial, seq)
             matched += found[0] > 0
             seq = seq + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 4)))]
     assert matched > 1000
+
+
+def test_a_periodic_lookup_goes_on_round_the_loop_the_context_is_in():
+    """A context in a loop of period 3 ("1 2 3"): its latest trigram's continuation meets the end of the context
+    after 3 tokens, and goes on round the loop to the length asked for. s2moe's copies do, and learn the tokens
+    taken round the loop apart from the others."""
+    assert NgramIndex(3, 2).lookup([5, 1, 2, 3, 1, 2, 3], 7) == (3, [1, 2, 3], 3)
+    assert NgramIndex(3, 2, periodic=True).lookup([5, 1, 2, 3, 1, 2, 3], 7) == (3, [1, 2, 3, 1, 2, 3, 1], 3)
+    assert NgramIndex(3, 2, periodic=True).lookup([5, 1, 2, 3, 4, 1, 2, 3], 2) == (3, [4, 1], 4)
+    from s2moe.engine.policies import CopyPlanner, UtilityStop
+
+    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source="test"))
+    planner = CopyPlanner(rule, None, prompt=(5,))
+    plan = planner.plan([5, 1, 2, 3, 1, 2, 3], 6)
+    assert plan.tokens == [1, 2, 3, 1, 2, 3] and plan.kinds == ["context"] * 3 + ["context, looped"] * 3
+    learned = rule.copies(3)
+    planner.learn(plan, 4, 0.0, 0)  # the fifth token, the loop's second, rejected
+    context, looped = COPY_KINDS.index("context"), COPY_KINDS.index("context, looped")
+    assert (learned.seen[context, 3], learned.accepted[context, 3]) == (3, 3)
+    assert (learned.seen[looped, 3], learned.accepted[looped, 3]) == (2, 1)
+    assert learned.estimate(3, "context, looped") < learned.estimate(3, "context")
 
 
 def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
