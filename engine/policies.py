@@ -569,9 +569,8 @@ class NgramIndex:
             end = self.last.get(tuple(seq[-n:]))
             if end is not None:
                 period = len(seq) - end
-                if not self.periodic:
-                    return n, seq[end : end + max_len], period
-                return n, [seq[end + i % period] for i in range(max_len)], period
+                reach = max_len if self.periodic else min(max_len, period)
+                return n, [seq[end + i % period] for i in range(reach)], period
         return 0, [], 0
 
 
