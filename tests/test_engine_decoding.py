@@ -10,7 +10,7 @@ import pytest
 from s2moe.engine.decoder import GenerationConfig, VerifyObserver, run
 from s2moe.engine.events import CostConstants, Finished, Iteration, Summary
 from s2moe.engine.offload import Residency
-from s2moe.engine.policies import COPY_KINDS, NgramIndex
+from s2moe.engine.policies import COPY_KINDS, CopyPlanner, NgramIndex, UtilityStop
 
 PROMPTS = ["hello there the world", "in the beginning", "once upon a time re"]
 
@@ -139,7 +139,7 @@ def test_a_rule_that_saw_its_unlikely_drafts_accepted_keeps_them():
     """A 0.2-probability token is not worth a draft pass at face value; after verifications accepted such tokens
     it is. The recording rule passes on only what its rule would have kept."""
     from s2moe.engine.events import ForcedDraft
-    from s2moe.engine.policies import RecordingStop, UtilityStop
+    from s2moe.engine.policies import RecordingStop
 
     rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.1, intercept=0.0, source="test"))
     assert not rule.keep(rule.acceptance(0.2), 0.2, 0)[0]  # 0.2 / 0.4 = 0.5 < 1
@@ -322,7 +322,6 @@ def test_a_periodic_lookup_goes_on_round_the_loop_the_context_is_in():
     assert NgramIndex(3, 2).lookup([5, 1, 2, 3, 1, 2, 3], 7) == (3, [1, 2, 3], 3)
     assert NgramIndex(3, 2, periodic=True).lookup([5, 1, 2, 3, 1, 2, 3], 7) == (3, [1, 2, 3, 1, 2, 3, 1], 3)
     assert NgramIndex(3, 2, periodic=True).lookup([5, 1, 2, 3, 4, 1, 2, 3], 2) == (3, [4, 1], 4)
-    from s2moe.engine.policies import CopyPlanner, UtilityStop
 
     rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source="test"))
     planner = CopyPlanner(rule, None, prompt=(5,))
@@ -388,7 +387,7 @@ def test_earlier_text_votes_among_the_entries_holding_the_ngram():
 def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
     """The context's bigram against an earlier generation's trigram: the trigram's copy; on equal lengths the
     context's; the acceptance each source learned is its own."""
-    from s2moe.engine.policies import CopyPlanner, EarlierText, UtilityStop
+    from s2moe.engine.policies import EarlierText
 
     rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source="test"))
     earlier = EarlierText()
