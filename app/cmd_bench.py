@@ -278,8 +278,9 @@ def offloaded_fit_clauses(c: dict) -> list[str]:
     d = m.get("disk_tracked")
     if d:
         lo, hi = d["t_exp_cold_range_s"]
-        out.append(f"with T_exp cold followed through the run (each verification at the rate per fetch of those "
-                   f"before it; it went {lo * 1e3:.2f}–{hi * 1e3:.2f} ms): R² {d['r2']:.3f}")
+        out.append(f"with T_exp cold followed through the run (each verification at the rate the fetches before it "
+                   f"took, the latest {d['half_life_fetches']:.0f} weighing half; it went {lo * 1e3:.2f}–"
+                   f"{hi * 1e3:.2f} ms): R² {d['r2']:.3f}")
     g = m.get("given_faults")
     if g:
         out.append(f"given the storage faults taken ({g['faults_per_verification']:.1f} per verification, known only "

@@ -142,22 +142,31 @@ def fit_miss_cost(experts, misses, tokens, seconds) -> MissFit:
     return MissFit(fit.intercept, fit.t_hit, fit.t_miss, fit.t_tok, r2, mape, len(y), r2_ceiling(zip(e, m, s), y))
 
 
-def drift_tracked_fit(fit: MissFit, experts, misses, tokens, seconds, alpha: float = 0.1) -> dict:
-    """The miss-aware fit with T_exp cold followed through the run: each verification priced at the rate
-    per fetch that the verifications before it took (an exponential average, weight alpha on the latest),
-    its other constants the fit's. A storage device's rate wanders over minutes, and one T_exp cold for a
-    whole run charges the slow stretches at the fast ones' rate; how far this R² rises above the fit's shows
-    how much of what the counts leave unexplained is that wander. Causal, so the rule could price with it."""
+def drift_tracked_fit(fit: MissFit, experts, misses, tokens, seconds, half_life: float = 100.0,
+                      prior: float = 20.0) -> dict:
+    """The miss-aware fit with T_exp cold followed through the run: each verification priced at the rate per
+    fetch that the fetches before it took, its other constants the fit's. That rate is the time the earlier
+    verifications took beyond the fit's other terms over the fetches they made, each fetch's weight halving
+    every `half_life` fetches after it, starting from the fit's T_exp cold as `prior` fetches' worth.
+    Counted in fetches rather than verifications, a verification that fetched one expert says as little of the
+    rate as one fetch does: a running mean of each verification's own rate lets those few-fetch ones, whose
+    time beyond the other terms is mostly noise, swing it. A storage device's rate wanders over minutes, and
+    one T_exp cold for a whole run charges the slow stretches at the fast ones' rate; how far this R² rises
+    above the fit's shows how much of what the counts leave unexplained is that wander. Causal, so the rule
+    could price with it."""
     m, y = np.asarray(misses, float), np.asarray(seconds, float)
     rest = fit.predict(experts, m, tokens) - fit.t_miss * m
-    rate = fit.t_miss
+    keep = 0.5 ** (1.0 / half_life)  # per fetch
+    time_s, fetches = prior * fit.t_miss, prior
     rates = np.empty_like(y)
     for i in range(len(y)):
-        rates[i] = rate
+        rates[i] = max(0.0, time_s / fetches)
         if m[i] > 0:
-            rate += alpha * (max(0.0, (y[i] - rest[i]) / m[i]) - rate)
+            fade = keep ** m[i]
+            time_s, fetches = fade * time_s + (y[i] - rest[i]), fade * fetches + m[i]
     r2, mape = _quality(y, rest + rates * m)
-    return {"r2": r2, "mape": mape, "alpha": alpha, "t_exp_cold_range_s": [float(min(rates)), float(max(rates))]}
+    return {"r2": r2, "mape": mape, "half_life_fetches": half_life,
+            "t_exp_cold_range_s": [float(min(rates)), float(max(rates))]}
 
 
 def fault_explained_fit(experts, faults, tokens, seconds) -> dict:

@@ -245,6 +245,8 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     given = miss["given_faults"]  # the diagnostic fit on the storage faults the verifications really took
     assert math.isfinite(given["r2"]) and given["faults_per_verification"] >= 0
     assert "given the storage faults taken" in said
+    tracked = miss["disk_tracked"]  # the same fit with T_exp cold followed through the run
+    assert math.isfinite(tracked["r2"]) and "weighing half; it went" in said
     assert len(miss["fetched"]) == len(miss["experts"]) == len(miss["tokens"]) == miss["n"]
     assert "bound_ratio" in miss  # the verifications against the storage bound (None where the fit prices none)
     assert (miss["bound_ratio"] is None) == ("their bound" not in said)

@@ -292,6 +292,25 @@ def test_a_drifting_disk_is_followed_by_the_tracked_rate_and_a_steady_one_costs_
             assert tracked["r2"] > fit.r2 - 0.01 and hi - lo < 4e-4
 
 
+def test_the_tracked_rate_is_not_swung_by_verifications_that_fetched_little():
+    """Under a roomier budget most verifications fetch a handful of experts, and their time beyond the fit's
+    other terms is mostly noise: divided by one or two fetches it says nothing of the rate, and must not move
+    it more than those fetches' share of the run."""
+    from s2moe.engine.costmodel import drift_tracked_fit, fit_miss_cost
+
+    rng = np.random.default_rng(4)
+    n = 600
+    experts = rng.integers(40, 70, size=n)
+    misses = np.where(rng.random(n) < 0.7, rng.integers(0, 3, size=n), rng.integers(10, 40, size=n))
+    tokens = rng.integers(1, 4, size=n)
+    rate = np.linspace(0.7e-3, 1.1e-3, n)
+    seconds = 0.003 + 2e-4 * (experts - misses) + rate * misses + 3.5e-3 * tokens + rng.normal(0, 1.5e-3, size=n)
+    fit = fit_miss_cost(experts, misses, tokens, seconds)
+    tracked = drift_tracked_fit(fit, experts, misses, tokens, seconds)
+    lo, hi = tracked["t_exp_cold_range_s"]
+    assert tracked["r2"] >= fit.r2 - 0.005 and lo > 0.4e-3 and hi < 1.5e-3
+
+
 @contextmanager
 def _cold_prefetcher(model, *, advise: bool):
     """(expert map, our mapping, native prefetcher) over `model`, with the file dropped from the page cache
