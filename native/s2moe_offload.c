@@ -53,6 +53,11 @@ typedef struct s2_prefetch {
     int staged_layer;     // the layer being read part by part, or -1
     uint8_t *staged;      // [n_expert] its experts read part by part
     int64_t n_staged;     // layers read part by part
+    // Parts that alone outgrow stage_room (a prompt's prefill routes nearly every expert) are streamed: see
+    // ask_part. Only where a fault reads single pages (MADV_RANDOM), the advice restored after them.
+    int stream;
+    size_t stream_lo, stream_hi;  // the span streamed in llama.cpp's mapping (file offsets), lo == hi: none
+    int64_t n_streamed;           // spans streamed
 } s2_prefetch;
 
 s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert, int n_parts, const int64_t *ranges) {
@@ -170,6 +175,7 @@ void s2_prefetch_free(s2_prefetch *p) {
 
 static void cache_use(s2_prefetch *p, int layer);
 static int stage_layer(s2_prefetch *p, int layer);
+static void ask_part(s2_prefetch *p, int layer, int j);
 
 static void advise_part(s2_prefetch *p, int layer, int e, int j) {
     size_t a, len;
@@ -204,20 +210,23 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
         }
     }
     if (cached) cache_use(p, layer);
-    const int staged = cached && advise && stage_layer(p, layer);
+    const int staged = cached && advise ? stage_layer(p, layer) : 0;
     // Where the matmuls' order is known, every expert's part for the first matmul is asked for before any
     // expert's part for the second: a matmul runs its experts in id order, so it starts on the first while
-    // the reads of the rest are still in flight (else, expert by expert). Parts of no matmul come first.
+    // the reads of the rest are still in flight (else, expert by expert). Parts of no matmul come first; a
+    // staged layer's experts get their first matmul's part from ask_part, the others' once it ran.
     int stage_of[p->n_parts];
     for (int j = 0; j < p->n_parts; ++j) stage_of[j] = part_stage(p, j);
-    for (int s = -1; advise && s < 3; ++s)
+    if (staged) ask_part(p, layer, staged == 1 ? p->stage_part[0] : -1);
+    for (int s = -1; advise && s < 3; ++s) {
         for (int e = 0; e < p->n_expert; ++e) {
             if (!p->mark[e]) continue;
             for (int j = 0; j < p->n_parts; ++j) {
-                if (stage_of[j] != s || (staged && p->staged[e] && s > 0)) continue;
+                if (stage_of[j] != s || (staged && p->staged[e] && (s >= 0 || staged == 2))) continue;
                 advise_part(p, layer, e, j);
             }
         }
+    }
     p->n_calls++;
     p->n_advised += advised;
     return advised;
@@ -350,14 +359,58 @@ static void cache_use(s2_prefetch *p, int layer) {
     }
 }
 
+// Part j (-1: every part) of the staged experts of a layer. Where those parts together outgrow stage_room (a
+// prompt's prefill routes nearly every expert), WILLNEED on all of them at once has reclaim take the first ones
+// before the matmul reaches them, and the matmul faults them back a page at a time. A matmul reads its experts
+// in id order, each part one contiguous range, so their span gets MADV_SEQUENTIAL instead: each fault reads a
+// read-ahead window ahead of the matmul, and the pages it has read are the first reclaim takes. WILLNEED asks
+// for the first half-room only.
+static void ask_part(s2_prefetch *p, int layer, int j) {
+    const int j0 = j < 0 ? 0 : j, j1 = j < 0 ? p->n_parts : j + 1;
+    s2_cache *c = p->cache;
+    int64_t bytes = 0;
+    size_t lo = SIZE_MAX, hi = 0;
+    for (int e = 0; e < p->n_expert; ++e)
+        for (int k = j0; k < j1; ++k) {
+            size_t a, len;
+            if (!p->staged[e] || !part_pages(p, layer, e, k, &a, &len)) continue;
+            bytes += (int64_t)len;
+            if (a < lo) lo = a;
+            if (a + len > hi) hi = a + len;
+        }
+    const int stream = p->stream && c && bytes > p->stage_room && lo < hi && lo >= c->lo && hi <= c->hi &&
+                       madvise(c->base + lo, hi - lo, MADV_SEQUENTIAL) == 0;
+    if (stream) {
+        p->stream_lo = lo;
+        p->stream_hi = hi;
+        p->n_streamed++;
+    }
+    int64_t asked = 0;
+    for (int k = j0; k < j1; ++k)
+        for (int e = 0; e < p->n_expert && !(stream && asked >= p->stage_room / 2); ++e) {
+            size_t a, len;
+            if (!p->staged[e] || !part_pages(p, layer, e, k, &a, &len)) continue;
+            advise_part(p, layer, e, k);
+            asked += (int64_t)len;
+        }
+}
+
+// A streamed span's pages fault one at a time again (its used pages were dropped with the stage).
+static void end_stream(s2_prefetch *p) {
+    if (p->stream_hi > p->stream_lo) madvise(p->cache->base + p->stream_lo, p->stream_hi - p->stream_lo, MADV_RANDOM);
+    p->stream_lo = p->stream_hi = 0;
+}
+
 // Staged reads. The layer just routed (p->mark: 2 = not in memory) is read part by part when what it must
 // fetch exceeds stage_room: asked for all at once, a reclaim that has to make room takes pages WILLNEED
 // brought in and no matmul has mapped yet, and the matmuls fault them back a page at a time.
 // kind_part: the part indices of the up, gate and down matrices (the order their matmuls run in is
 // llama.cpp's graph's: it is learned from the stage callbacks of the first layer that runs). A room below
 // zero: the order is learned and parts are asked for in it (advise_layer), but no layer is read in stages.
-void s2_prefetch_set_stages(s2_prefetch *p, const int32_t *kind_part, int64_t room) {
+void s2_prefetch_set_stages(s2_prefetch *p, const int32_t *kind_part, int64_t room, int stream) {
     if (!p) return;
+    end_stream(p);
+    p->stream = stream;
     int ok = kind_part != NULL;
     for (int k = 0; ok && k < 3; ++k) ok = kind_part[k] >= 0 && kind_part[k] < p->n_parts;
     if (ok && !p->staged) p->staged = calloc((size_t)p->n_expert, 1);
@@ -395,9 +448,12 @@ int s2_prefetch_stage_order(const s2_prefetch *p, int32_t *out) {
 
 // A layer routing ends the staging of one whose last matmul never came (a decode stopped midway): its stage
 // calls would otherwise drop the parts of experts this layer reads.
+// Returns 1 where the layer is read part by part, 2 where it must be but the matmuls' order is still being
+// learned (from this layer's stage calls): its fetched experts are then asked for whole, streamed (ask_part).
 static int stage_layer(s2_prefetch *p, int layer) {
+    end_stream(p);
     p->staged_layer = -1;
-    if (p->stage_part[0] < 0 || p->stage_room < 0) return 0;
+    if (p->kind_part[0] < 0 || p->stage_room < 0) return 0;
     int64_t fetch = 0;
     for (int e = 0; e < p->n_expert; ++e) {
         const size_t i = (size_t)layer * p->n_expert + e;
@@ -405,6 +461,7 @@ static int stage_layer(s2_prefetch *p, int layer) {
         if (p->staged[e]) fetch += p->cache->bytes[i];
     }
     if (fetch <= p->stage_room) return 0;
+    if (p->stage_part[0] < 0) return 2;
     p->staged_layer = layer;
     p->n_staged++;
     return 1;
@@ -424,11 +481,12 @@ int s2_prefetch_stage(s2_prefetch *p, int layer, int kind, int ask) {
         if (!p->staged[e]) continue;
         const int32_t i = layer * p->n_expert + e;
         drop_part(p, i, p->stage_part[q], p->staged);
-        if (q < 2) advise_part(p, layer, e, p->stage_part[q + 1]);
-        else cache_forget(p->cache, i);
+        if (q == 2) cache_forget(p->cache, i);
         ++n;
     }
-    if (q == 2) p->staged_layer = -1;
+    end_stream(p);
+    if (q < 2) ask_part(p, layer, p->stage_part[q + 1]);
+    else p->staged_layer = -1;
     return n;
 }
 
@@ -565,6 +623,7 @@ void s2_cache_stats(const s2_prefetch *p, int64_t *out) {
     out[2] = c ? c->n_refused : 0;
     out[3] = c ? c->n_lost : 0;
     out[4] = c ? p->n_staged : 0;
+    out[5] = c ? p->n_streamed : 0;
 }
 
 // WILLNEED the predicted experts of one layer that are not wholly resident yet.

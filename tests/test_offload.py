@@ -380,7 +380,7 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             # an expert it has just asked for)
             assert _wait_for(lambda: resident()[0, [1, 2]].all())
             pf.layer(1, [3, 4])  # four held: (0, 1), routed longest ago, goes
-            assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0, "staged": 0}
+            assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0, "staged": 0, "streamed": 0}
             assert _wait_for(lambda: resident()[0, 2] and resident()[1, 3] and resident()[1, 4])
             assert not resident()[0, 1]
             pf.layer(0, [0])  # pinned: never counted
@@ -398,7 +398,7 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             pf.layer(1, [7])
             assert pf.cache_stats()["lost"] == 1
             pf.keep_cache(0, 0, 0, -1, pinned)
-            assert pf.cache_stats() == {"held": 0, "evicted": 0, "refused": 0, "lost": 0, "staged": 0}
+            assert pf.cache_stats() == {"held": 0, "evicted": 0, "refused": 0, "lost": 0, "staged": 0, "streamed": 0}
         finally:
             llama.close()
 
@@ -481,10 +481,88 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
             llama.close()
 
 
-@pytest.mark.parametrize("stage_room", [0, None])
-def test_decoding_learns_llama_cpp_s_matmul_order_and_reads_parts_in_it(wide_model, stage_room):
+def _vm_flags(addr: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds `addr` (/proc/self/smaps): "sr" where sequential reads
+    were advised, "rr" random."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if head == "VmFlags:":
+                if inside:
+                    return set(line.split()[1:])
+            elif "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_parts_that_alone_outgrow_the_stage_room_are_streamed_behind_the_matmul(wide_model, stream):
+    """A prompt's prefill routes nearly every expert of a layer, and then one part of its fetched experts alone
+    outgrows the stage room: asked for all at once, the first would be reclaimed before the matmul reached
+    them. Where faults read single pages (stream), the span of that part gets sequential read-ahead instead
+    (the matmul reads its experts in id order), only its first half-room is asked for, and once the matmul ran
+    the span faults single pages again. While the matmuls' order is still being learned the whole layer's
+    span is streamed so. Without stream every part is asked for whole, as before."""
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        llama = ModelMapping(em)
+        try:
+            names = em.parts[0]
+            part = {kind: next(j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n) for kind in ("up", "gate", "down")}
+            one = int(em.expert_bytes[0])
+            pf.keep_cache(llama.addr, 0, llama.size, 8 * one, np.zeros((2, 8), np.uint8))
+            pf.set_stages((part["up"], part["gate"], part["down"]), room=2 * one, stream=stream)
+
+            def at(layer, e, kind):  # an address inside that part in llama.cpp's mapping
+                offset, length = (int(x) for x in em.ranges[layer, e, part[kind]])
+                return llama.addr + offset + length // 2
+
+            def resident(layer, experts, kind):
+                return [m.range_resident(*(int(x) for x in em.ranges[layer, e, part[kind]])) for e in experts]
+
+            def read(layer, experts, kind):
+                return _wait_for(lambda: min(resident(layer, experts, kind)) == 1.0)
+
+            pf.layer(1, list(range(8)))  # the order is not known yet: past the room, the whole layer
+            if stream:
+                assert all("sr" in _vm_flags(at(1, e, kind)) for e in (0, 7) for kind in part)
+                first = min(part.values())  # parts asked in file order, experts in id order, up to half the room
+                assert read(1, [0], next(k for k in part if part[k] == first))
+                # not asked (a page it shares with a neighbour that was may be in)
+                assert max(resident(1, [7], "down") + resident(1, [7], "gate") + resident(1, [7], "up")) < 0.5
+            else:
+                assert read(1, range(8), "gate") and read(1, range(8), "up") and read(1, range(8), "down")
+            for kind in (1, 0, 2):  # gate, up, down: the order learned on layer 1
+                pf.stage(1, kind)
+            pf.layer(0, [0])  # the next layer routing ends that stream: single pages again
+            assert not any("sr" in _vm_flags(at(1, e, kind)) for e in (0, 7) for kind in part)
+            assert pf.cache_stats()["streamed"] == (1 if stream else 0)
+
+            pf.layer(0, list(range(8)))  # seven to fetch: their gate parts alone outgrow the room
+            assert pf.cache_stats()["staged"] == 1
+            if stream:
+                assert "sr" in _vm_flags(at(0, 7, "gate")) and "sr" not in _vm_flags(at(0, 7, "up"))
+                assert read(0, [1], "gate") and resident(0, [7], "gate")[0] < 0.5
+            else:
+                assert read(0, range(1, 8), "gate")
+            pf.stage(0, 1)  # the gate's matmul ran: its span faults single pages again, up's is streamed
+            assert "sr" not in _vm_flags(at(0, 7, "gate"))
+            assert ("sr" in _vm_flags(at(0, 7, "up"))) == stream
+            assert ("rr" in _vm_flags(at(0, 7, "gate"))) == stream
+            pf.stage(0, 0)
+            pf.stage(0, 2)
+            assert not any("sr" in _vm_flags(at(0, 7, kind)) for kind in part)
+            assert pf.cache_stats()["streamed"] == (4 if stream else 0)
+        finally:
+            llama.close()
+
+
+@pytest.mark.parametrize("stage_room, single_pages", [(0, False), (0, True), (None, False)])
+def test_decoding_learns_llama_cpp_s_matmul_order_and_reads_parts_in_it(wide_model, stage_room, single_pages):
     """The routing hook calls the prefetcher as each expert matmul of a layer completes; the order it learns
-    is the one parts are asked for in, and staged reads follow (only past a stage room: None, never)."""
+    is the one parts are asked for in, and staged reads follow (only past a stage room: None, never), streamed
+    where faults read single pages."""
     from s2moe.engine.decoder import Decoder, GenerationConfig, run
 
     d = Decoder(str(wide_model), n_ctx=128, n_threads=1, use_extra_bufts=False)
@@ -493,13 +571,16 @@ def test_decoding_learns_llama_cpp_s_matmul_order_and_reads_parts_in_it(wide_mod
     try:
         assert off.keep_expert_cache(4 * int(off.emap.expert_bytes.max()), (), d.rt.file_mappings)
         drop_file_cache(wide_model)
+        if single_pages:
+            off.advise_fault_readahead(random=True)
         assert off.read_parts_in_order(stage_room)
         off.attach(d, jit_prefetch=True)
         tokens = [e.token for e in run(d, "hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False))
                   if hasattr(e, "token")]
         assert off.native.stage_order == (1, 0, 2)  # gate, up, down
-        staged = off.native.cache_stats()["staged"]
-        assert staged > 0 if stage_room == 0 else staged == 0
+        stats = off.native.cache_stats()
+        assert stats["staged"] > 0 if stage_room == 0 else stats["staged"] == 0
+        assert stats["streamed"] > 0 if single_pages else stats["streamed"] == 0
         off.close()
         plain = [e.token for e in run(d, "hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False))
                  if hasattr(e, "token")]

@@ -44,7 +44,7 @@ class NativePrefetch:
                                              u8p]),
             "s2_cache_stats": (None, [vp, i64p]),
             "s2_cache_drop_mapping": (None, [vp, vp, ctypes.c_size_t, ctypes.c_size_t]),
-            "s2_prefetch_set_stages": (None, [vp, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]),
+            "s2_prefetch_set_stages": (None, [vp, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64, ctypes.c_int]),
             "s2_prefetch_stage_order": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_int32)]),
             "s2_prefetch_stage": (ctypes.c_int, [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]),
         }
@@ -111,13 +111,16 @@ class NativePrefetch:
         matmuls run."""
         return ctypes.cast(self.lib.s2_prefetch_stage, ctypes.c_void_p).value
 
-    def set_stages(self, kind_part: tuple[int, int, int] | None, room: int | None) -> None:
+    def set_stages(self, kind_part: tuple[int, int, int] | None, room: int | None, stream: bool = False) -> None:
         """Ask for a layer's parts in the order its matmuls run (learned from the routing hook's stage calls),
         and read a layer whose fetched experts take more than `room` bytes one part at a time (None: none).
-        kind_part: the part indices of its up, gate and down matrices; None: neither."""
+        kind_part: the part indices of its up, gate and down matrices; None: neither. stream: the expert
+        ranges of llama.cpp's mapping fault single pages (MADV_RANDOM), so that a part that alone outgrows
+        `room` is read by the kernel's sequential read-ahead as the matmul goes (native/s2moe_offload.c)."""
         i32p = ctypes.POINTER(ctypes.c_int32)
         kp = np.ascontiguousarray(kind_part if kind_part is not None else (-1, -1, -1), np.int32)
-        self.lib.s2_prefetch_set_stages(self.handle, kp.ctypes.data_as(i32p), -1 if room is None else int(room))
+        self.lib.s2_prefetch_set_stages(self.handle, kp.ctypes.data_as(i32p), -1 if room is None else int(room),
+                                        int(stream))
         self.staging = kind_part is not None
         self.stage_room = room if kind_part is not None else None
 
@@ -198,11 +201,11 @@ class NativePrefetch:
     def cache_stats(self) -> dict:
         """Bytes the kept expert cache holds, experts evicted from it, evictions the kernel refused part of,
         experts it held that the kernel had reclaimed all the same when they were routed (the budget's
-        reclaim reaching into the cache), and layers read part by part (set_stages)."""
-        out = (ctypes.c_int64 * 5)()
+        reclaim reaching into the cache), layers read part by part and parts of theirs streamed (set_stages)."""
+        out = (ctypes.c_int64 * 6)()
         self.lib.s2_cache_stats(self.handle, out)
         return {"held": int(out[0]), "evicted": int(out[1]), "refused": int(out[2]), "lost": int(out[3]),
-                "staged": int(out[4])}
+                "staged": int(out[4]), "streamed": int(out[5])}
 
     @property
     def bytes_advised(self) -> int:

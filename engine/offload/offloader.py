@@ -156,15 +156,16 @@ class Offloader:
         from the first layer): a matmul runs its experts in id order, so it starts on the first expert's part
         while the others' are still read. Past `stage_room` bytes (None: never), a layer's fetched experts
         are read one part at a time, each part dropped once used: asked for all at once, what does not fit is
-        reclaimed before its matmul reads it, and faulted back a page at a time. False where the experts are
-        not separate up, gate and down tensors alike in every layer."""
+        reclaimed before its matmul reads it, and faulted back a page at a time; a part that alone is larger
+        (a prompt's prefill) is streamed where faults read single pages (advise_fault_readahead first). False
+        where the experts are not separate up, gate and down tensors alike in every layer."""
         kinds = set()
         for names in self.emap.parts:
             kinds.add(tuple(next((j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n), None)
                             for kind in ("up", "gate", "down")))
         if len(kinds) != 1 or None in next(iter(kinds)):
             return False
-        self.native.set_stages(next(iter(kinds)), stage_room)
+        self.native.set_stages(next(iter(kinds)), stage_room, stream=self.fault_readahead == "off")
         return True
 
     @property

@@ -238,7 +238,8 @@ def split_line(cg: MemoryCgroup, offloader: Offloader | None = None) -> str:
             c = offloader.native.cache_stats()
             parts.append(f"expert cache kept here: {fmt_bytes(c['held'])} of {fmt_bytes(cap)} held, "
                          f"{c['evicted']} evicted, {c['lost']} reclaimed by the kernel before reuse"
-                         + (f", {c['staged']} layers read part by part" if offloader.native.stage_room is not None else ""))
+                         + (f", {c['staged']} layers read part by part ({c['streamed']} parts streamed)"
+                            if offloader.native.stage_room is not None else ""))
         hr = offloader.stats.hit_rate()
         if np.isfinite(hr).any():
             parts.append(f"predicted-expert hit rate {np.nanmean(hr):.0%}")
