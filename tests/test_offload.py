@@ -380,7 +380,8 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             # an expert it has just asked for)
             assert _wait_for(lambda: resident()[0, [1, 2]].all())
             pf.layer(1, [3, 4])  # four held: (0, 1), routed longest ago, goes
-            assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0, "staged": 0, "streamed": 0}
+            assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0, "staged": 0,
+                                        "streamed": 0}
             assert _wait_for(lambda: resident()[0, 2] and resident()[1, 3] and resident()[1, 4])
             assert not resident()[0, 1]
             pf.layer(0, [0])  # pinned: never counted
@@ -508,8 +509,8 @@ def test_parts_that_alone_outgrow_the_stage_room_are_streamed_behind_the_matmul(
     with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
         llama = ModelMapping(em)
         try:
-            names = em.parts[0]
-            part = {kind: next(j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n) for kind in ("up", "gate", "down")}
+            part = {kind: next(j for j, n in enumerate(em.parts[0]) if f"ffn_{kind}_exps" in n)
+                    for kind in ("up", "gate", "down")}
             one = int(em.expert_bytes[0])
             pf.keep_cache(llama.addr, 0, llama.size, 8 * one, np.zeros((2, 8), np.uint8))
             pf.set_stages((part["up"], part["gate"], part["down"]), room=2 * one, stream=stream)
