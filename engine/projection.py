@@ -38,7 +38,9 @@ resident.
 
 Two replays are ceilings rather than forecasts: the cache policy `opt` (Belady's: evict what is read
 furthest ahead, the fewest fetches any cache of that size could make) and the mode `oracle` (draft exactly
-the tokens the target goes on to accept, what no stopping rule can better for the recorded drafter).
+the tokens the target goes on to accept, what no stopping rule can better for the recorded drafter; with
+copies, s2moe's drafter: a copy wherever one is found and the target accepts its first token, cut where the
+target rejects it, the recorded chain elsewhere).
 """
 
 from __future__ import annotations
@@ -699,7 +701,12 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
     elif mode == "cascade":
         cascade = CascadeDrafter(h0.k_d, h0.draft_max)
         inner = cascade.inner = _ChainFromTrace(h0.k_d, h0.n_expert)
-    copying = lookup and mode == "s2moe"
+    # the oracle's drafter is s2moe's: copies where the context (or an earlier trace) holds one, the recorded
+    # chain elsewhere. Its rule copies whatever is found (threshold 0), and each copy is cut below where the
+    # target rejects it
+    copying = lookup and mode in ("s2moe", "oracle")
+    if copying and mode == "oracle":
+        rule = UtilityStop(rule_cost(costs.rule, h0.draft_experts), 0.0)
     earlier = EarlierText() if copying and session else None
     gated_rows = mode in ("s2moe", "oracle")  # the oracle's acceptance is the recording's, gated where it was
     # resident, a step without drafts is a plain one (under a budget the prefetcher needs its routing)
@@ -723,6 +730,12 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             src = _Source(step, j)
             max_len = min(h.draft_max, h.n_predict - generated - 1)
             plan = planner.plan(context, max_len) if planner is not None else None
+            if plan is not None and mode == "oracle":
+                right = next((i for i, t in enumerate(plan.tokens)
+                              if generated + i >= tr.n_tokens or t != tokens[generated + i]), len(plan.tokens))
+                del plan.tokens[right:], plan.kinds[right:]
+                if not right:
+                    plan = None
             if plan is not None:
                 draft = _Draft(list(plan.tokens), stop="lookup")
             elif mode == "ar":
@@ -959,7 +972,7 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
             out.budget = plan.label
     for mode in (["ar"] + [m for m in modes if m != "ar"]):
         out.modes[mode] = replay(traces * repeats, mode, costs, plan, threshold, policy, charged,
-                                 copies and mode == "s2moe", session)
+                                 copies and mode in ("s2moe", "oracle"), session)
     ar = out.modes["ar"].tok_per_s
     for r in out.modes.values():
         r.speedup = r.tok_per_s / ar if ar > 0 else None

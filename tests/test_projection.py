@@ -317,6 +317,25 @@ def test_the_oracle_drafts_exactly_what_the_target_accepts():
     assert conf.drafted > conf.accepted  # a rule that cannot see ahead verifies what the target rejects
 
 
+def test_the_oracle_copies_as_s2moe_does_and_cuts_each_copy_where_the_target_rejects_it():
+    """s2moe drafts copies from the context where it finds them: the oracle, the best any stopping rule could do
+    with s2moe's drafter, copies wherever the first copied token would be accepted, only as far as the target
+    accepts, and drafts from the recorded chain elsewhere (here plain steps, which draft nothing). After the
+    prompt 5 6 7 5 the generation 6 7 8 9 10 11 repeats "5 6 7": s2moe copies "7 5" after "5 6", of which the
+    target accepts "7"; the oracle copies "7" alone. Without copies the oracle drafts nothing here."""
+    generated = [6, 7, 8, 9, 10, 11]
+    steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
+    tr = Trace(header(draft_max=3, n_predict=len(generated), prompt_tokens=4, prompt=(5, 6, 7, 5)), steps,
+               n_tokens=len(generated), seconds=1.0, name="repeats")
+    p = project([tr], profile(c_draft_ms=50.0, t_tok_ms=2.5), modes=["s2moe", "oracle"])
+    s, o = p.modes["s2moe"], p.modes["oracle"]
+    assert (s.copied, s.copies_accepted) == (2, 1)
+    assert (o.copied, o.copies_accepted) == (1, 1)
+    assert o.drafted == o.accepted and o.tokens == s.tokens
+    plain = project([tr], profile(c_draft_ms=50.0, t_tok_ms=2.5), modes=["oracle"], lookup=False).modes["oracle"]
+    assert plain.copied == plain.drafted == 0 and plain.iterations == len(generated)
+
+
 def test_perfect_drafts_verify_the_committed_tokens_a_batch_at_a_time_for_free():
     """Draft cap 2: the six committed tokens in two batches of three, no draft pass, nothing rejected; a
     batch costs a verification of its rows."""
