@@ -701,12 +701,12 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
     elif mode == "cascade":
         cascade = CascadeDrafter(h0.k_d, h0.draft_max)
         inner = cascade.inner = _ChainFromTrace(h0.k_d, h0.n_expert)
-    # the oracle's drafter is s2moe's: copies where the context (or an earlier trace) holds one, the recorded
-    # chain elsewhere. Its rule copies whatever is found (threshold 0), and each copy is cut below where the
-    # target rejects it
-    copying = lookup and mode in ("s2moe", "oracle")
-    if copying and mode == "oracle":
+    elif mode == "oracle" and lookup:
+        # the oracle's drafter is s2moe's: copies where the context (or an earlier trace) holds one, the
+        # recorded chain elsewhere; its rule copies whatever is found (threshold 0), each copy cut below where
+        # the target rejects it
         rule = UtilityStop(rule_cost(costs.rule, h0.draft_experts), 0.0)
+    copying = lookup and mode in ("s2moe", "oracle")
     earlier = EarlierText() if copying and session else None
     gated_rows = mode in ("s2moe", "oracle")  # the oracle's acceptance is the recording's, gated where it was
     # resident, a step without drafts is a plain one (under a budget the prefetcher needs its routing)

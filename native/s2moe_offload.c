@@ -173,6 +173,10 @@ void s2_prefetch_free(s2_prefetch *p) {
     free(p);
 }
 
+// How a routed layer is read (stage_layer): whole, part by part, or whole but streamed (ask_part) while the
+// matmuls' order is still being learned.
+enum { READ_WHOLE, READ_BY_PART, READ_STREAMED };
+
 static void cache_use(s2_prefetch *p, int layer);
 static int stage_layer(s2_prefetch *p, int layer);
 static void ask_part(s2_prefetch *p, int layer, int j);
@@ -210,19 +214,20 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
         }
     }
     if (cached) cache_use(p, layer);
-    const int staged = cached && advise ? stage_layer(p, layer) : 0;
+    const int staged = cached && advise ? stage_layer(p, layer) : READ_WHOLE;
     // Where the matmuls' order is known, every expert's part for the first matmul is asked for before any
     // expert's part for the second: a matmul runs its experts in id order, so it starts on the first while
     // the reads of the rest are still in flight (else, expert by expert). Parts of no matmul come first; a
     // staged layer's experts get their first matmul's part from ask_part, the others' once it ran.
     int stage_of[p->n_parts];
     for (int j = 0; j < p->n_parts; ++j) stage_of[j] = part_stage(p, j);
-    if (staged) ask_part(p, layer, staged == 1 ? p->stage_part[0] : -1);
+    if (staged != READ_WHOLE) ask_part(p, layer, staged == READ_BY_PART ? p->stage_part[0] : -1);
     for (int s = -1; advise && s < 3; ++s) {
         for (int e = 0; e < p->n_expert; ++e) {
             if (!p->mark[e]) continue;
             for (int j = 0; j < p->n_parts; ++j) {
-                if (stage_of[j] != s || (staged && p->staged[e] && (s >= 0 || staged == 2))) continue;
+                if (stage_of[j] != s || (staged != READ_WHOLE && p->staged[e] && (s >= 0 || staged == READ_STREAMED)))
+                    continue;
                 advise_part(p, layer, e, j);
             }
         }
@@ -448,23 +453,23 @@ int s2_prefetch_stage_order(const s2_prefetch *p, int32_t *out) {
 
 // A layer routing ends the staging of one whose last matmul never came (a decode stopped midway): its stage
 // calls would otherwise drop the parts of experts this layer reads.
-// Returns 1 where the layer is read part by part, 2 where it must be but the matmuls' order is still being
-// learned (from this layer's stage calls): its fetched experts are then asked for whole, streamed (ask_part).
+// Returns how the layer is read: READ_STREAMED where it must be read part by part but the matmuls' order is
+// still being learned (from this layer's stage calls).
 static int stage_layer(s2_prefetch *p, int layer) {
     end_stream(p);
     p->staged_layer = -1;
-    if (p->kind_part[0] < 0 || p->stage_room < 0) return 0;
+    if (p->kind_part[0] < 0 || p->stage_room < 0) return READ_WHOLE;
     int64_t fetch = 0;
     for (int e = 0; e < p->n_expert; ++e) {
         const size_t i = (size_t)layer * p->n_expert + e;
         p->staged[e] = p->mark[e] == 2 && !p->cache->pinned[i];
         if (p->staged[e]) fetch += p->cache->bytes[i];
     }
-    if (fetch <= p->stage_room) return 0;
-    if (p->stage_part[0] < 0) return 2;
+    if (fetch <= p->stage_room) return READ_WHOLE;
+    if (p->stage_part[0] < 0) return READ_STREAMED;
     p->staged_layer = layer;
     p->n_staged++;
-    return 1;
+    return READ_BY_PART;
 }
 
 // The routing hook's stage callback: the layer's matmul of one kind (0 up, 1 gate, 2 down) has run. With ask,

@@ -483,18 +483,11 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
 
 
 def _vm_flags(addr: int) -> set[str]:
-    """The VmFlags of this process's mapping that holds `addr` (/proc/self/smaps): "sr" where sequential reads
-    were advised, "rr" random."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if head == "VmFlags:":
-                if inside:
-                    return set(line.split()[1:])
-            elif "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
+    """The VmFlags of this process's mapping that holds `addr`: "sr" where sequential reads were advised, "rr"
+    random."""
+    for start, end, _, _, flags in _vmas():
+        if start <= addr < end:
+            return flags
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
@@ -991,26 +984,30 @@ def test_offloading_adds_residency_snapshots_to_the_event_stream(tiny_models):
         d.close()
 
 
-def _random_read_flags(path, offsets):
-    """For each file offset: does llama.cpp's mapping of `path` carry MADV_RANDOM ("rr") there?"""
-    import os
+def _vmas() -> list[tuple[int, int, int, str, set[str]]]:
+    """This process's mappings (/proc/self/smaps): start, end, file offset, the file's path ("" for none), and
+    VmFlags."""
     from pathlib import Path
 
-    target, vmas, cur = os.path.realpath(path), [], None
+    vmas = []
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()
         if "-" in head[0] and len(head) >= 5 and ":" in head[3]:
             a, b = (int(x, 16) for x in head[0].split("-"))
-            cur = [a, b, int(head[2], 16), head[-1] == target, ""]
-            vmas.append(cur)
-        elif line.startswith("VmFlags:") and cur is not None:
-            cur[4] = line
-    mine = [v for v in vmas if v[3]]
-    out = []
-    for off in offsets:
-        hits = [" rr" in v[4] for v in mine if v[2] <= off < v[2] + (v[1] - v[0])]
-        out.append(any(hits))
-    return out
+            vmas.append((a, b, int(head[2], 16), " ".join(head[5:]), set()))
+        elif head[0] == "VmFlags:" and vmas:
+            vmas[-1][4].update(head[1:])
+    return vmas
+
+
+def _random_read_flags(path, offsets):
+    """For each file offset: does llama.cpp's mapping of `path` carry MADV_RANDOM ("rr") there?"""
+    import os
+
+    target = os.path.realpath(path)
+    mine = [v for v in _vmas() if v[3] == target]
+    return [any("rr" in flags for start, end, foff, _, flags in mine if foff <= off < foff + (end - start))
+            for off in offsets]
 
 
 def test_a_fault_in_the_embedding_table_reads_one_page_not_a_window(decoders, tiny_models):
