@@ -575,15 +575,17 @@ def _mask(ids: np.ndarray, n_expert: int) -> np.ndarray:
     return m
 
 
-def propose(rule: StopRule, src: _Source, max_len: int, k_d: int, n_expert: int) -> _Draft:
+def propose(rule: StopRule, src: _Source, max_len: int, k_d: int, n_expert: int,
+            first_made: bool = False) -> _Draft:
     """What SelfDrafter.propose does with `rule`, on the recorded chain instead of draft passes: the same calls
-    into the rule, in the same order, with the same numbers."""
+    into the rule, in the same order, with the same numbers. first_made: the first pass was made already (a
+    copy's check), so the rule is not asked whether to make it."""
     out = _Draft()
     max_len = min(max_len, len(src))
     if max_len <= 0:
         out.stop = "limit"
         return out
-    if not rule.worth_drafting():
+    if not first_made and not rule.worth_drafting():
         out.stop = "no-draft"
         return out
     in_batch = _mask(src.pending, n_expert)
@@ -736,8 +738,15 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 del plan.tokens[right:], plan.kinds[right:]
                 if not right:
                     plan = None
+            # s2moe's check of a copy's first token (LookupOrSelfDrafter): the draft pass over the pending token is
+            # the recorded chain's at this position, over the same tokens (past a step's start, with the KV entries
+            # of the chain's own draft passes for the tokens before it rather than the target's)
+            check = None
+            if plan is not None and mode == "s2moe" and len(src) and planner.worth_checking(plan):
+                check = src.pending[:, :h.k_d]
+                plan = planner.agreed(plan) if src[0].token == plan.tokens[0] else None
             if plan is not None:
-                draft = _Draft(list(plan.tokens), stop="lookup")
+                draft = _Draft(list(plan.tokens), stop="lookup", passes=[] if check is None else [check])
             elif mode == "ar":
                 draft = _Draft()
             elif cascade is not None:
@@ -746,7 +755,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             elif mode == "oracle":
                 draft = propose(FixedLength(), src, min(max_len, step.accepted - j), h.k_d, h.n_expert)
             else:
-                draft = propose(rule, src, max_len, h.k_d, h.n_expert)
+                draft = propose(rule, src, max_len, h.k_d, h.n_expert, first_made=check is not None)
             n = len(draft.tokens)
             passes = getattr(draft, "passes", [])
             if plan is not None:
@@ -802,8 +811,8 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 # decoding times an iteration when the next one begins: a plain step, a copy, or a self-draft that
                 # prices nothing (the last iteration of a generation is never timed)
                 if generated < tr.n_tokens:
-                    planner.learned.timed(t_draft + t_verify + t_fetch + t_host,
-                                          n if plan is not None or n == 0 else None, accepted)
+                    timed_rows = n if plan is not None or (n == 0 and check is None) else None
+                    planner.learned.timed(t_draft + t_verify + t_fetch + t_host, timed_rows, accepted)
                 context.extend(tokens[generated - committed: generated])
         if earlier is not None:
             earlier.add(h.prompt, context)

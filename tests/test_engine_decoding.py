@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -166,13 +167,45 @@ def test_the_decoder_teaches_its_rule_from_each_verification(decoders, arch):
     assert rule.copies(3).seen.sum() == judged[True]
 
 
+def test_a_checked_copy_is_verified_only_where_a_draft_pass_drew_its_first_token(decoders, arch):
+    """Checks priced as nearly free: every copy not certain is checked. Where the draft pass over the pending
+    token draws the copy's first token the copy is verified, that pass's reads counted; elsewhere the copy is
+    dropped and the chain drafts from that pass, its first token the one the pass drew. Gating off, what is
+    committed is plain decoding's either way."""
+    d = decoders[arch]
+    cost = CostConstants(t_ar=1.0, c_draft=1e-6, t_exp=0.05, t_tok=0.1, intercept=0.0, source="test-check")
+    checks = {"agreed": 0, "disagreed": 0}
+    for prompt in PROMPTS:
+        ar = summarize(run(d, prompt, GenerationConfig(mode="ar", n_predict=48, stop_at_eos=False)))
+        events = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=48, cost=cost, stop_at_eos=False,
+                                                 reuse_strength=0.0, lookup_session=False))
+        assert summarize(events).tokens == ar.tokens
+        context = list(events[0].prompt_tokens)
+        for e in events:
+            if not isinstance(e, Iteration):
+                continue
+            check = e.draft_decision.check if e.draft_decision is not None else None
+            if check is not None:
+                checks[check] += 1
+                copied = NgramIndex(3, 2, periodic=True).lookup(context, 1)[1]
+                assert e.t_draft > 0 and e.draft_experts.sum() > 0
+                if check == "agreed":
+                    assert e.draft_decision.copied == "context" and e.drafted[0] == copied[0]
+                else:
+                    assert e.draft_decision.copied is None and e.candidates[0].token != copied[0]
+            context += e.committed
+    assert checks["agreed"] > 0 and checks["disagreed"] > 0
+
+
 def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
     """Utility = p_i·T_AR / (T_exp·new_i + T_tok + C_draft), with new_i from the candidate's own routing and p_i
     the rule's learned acceptance through the candidate: the product of draft probabilities until a verification
     has been seen."""
     d = decoders[arch]
     c = CostConstants(t_ar=1.0, c_draft=0.05, t_exp=0.02, t_tok=0.05, intercept=0.0, source="test")
-    events = run(d, PROMPTS[2], GenerationConfig(mode="s2moe", n_predict=30, cost=c, stop_at_eos=False))
+    # unchecked copies: a checked one's first token is priced at what checked tokens were accepted at
+    events = run(d, PROMPTS[2], GenerationConfig(mode="s2moe", n_predict=30, cost=c, stop_at_eos=False,
+                                                 lookup_check=False))
     seen = {False: 0, True: 0}
     iters = [e for e in events if isinstance(e, Iteration)]
     first = next(e for e in iters if e.draft_decision is not None and not e.draft_decision.copied)
@@ -427,6 +460,36 @@ def test_copied_tokens_the_session_agreed_on_are_learned_and_weighed_apart():
     assert plan.tokens == [20] and plan.kinds == ["session, agreed"]  # 22 does not pay at its kind's rate
     planner.learn(plan, 0, 0.0, 0)
     assert learned.estimate(3, "session, agreed") < agreed and learned.estimate(3, "session") == other
+
+
+def test_a_copy_is_checked_where_its_rows_would_cost_more_than_a_draft_pass_and_reweighed_once_agreed():
+    """Were the target to reject a copy's first token, all its rows would be wasted: the planner has a draft pass
+    check that token when the chance of that times the rows' price reaches the pass's. Once the pass agreed, the
+    copy is weighed again with its first token at the rate learned of checked tokens, and that rate learns
+    apart from the rest."""
+    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.2, t_exp=0.0, t_tok=0.1, intercept=0.0, source="test"))
+    planner = CopyPlanner(rule, None, prompt=(5,))
+    plan = planner.plan([5, 1, 2, 3, 4, 1, 2, 3], 6)
+    rate = planner.learned.estimate(3, "context")
+    assert plan.tokens == [4, 1, 2, 3] and not plan.probe    # the fifth copied token, rate⁵·T_AR < a row
+    wasted = (1 - rate) * 4 * 0.1                            # the rows' price where the first token is rejected
+    assert planner.check_cost == 0.2 and not planner.worth_checking(plan)
+    rule.cost = replace(rule.cost, c_draft_resident=wasted * 0.99)  # a draft from the experts in memory
+    assert planner.check_cost == wasted * 0.99 and planner.worth_checking(plan)
+    rule.cost = replace(rule.cost, c_draft_resident=wasted * 1.01)
+    assert not planner.worth_checking(plan)
+    for _ in range(8):
+        planner.learned.learn(3, ["checked"], accepted=1)
+    checked = planner.learned.estimate(3, "checked")
+    assert checked > 0.9 > rate
+    agreed = planner.agreed(plan)
+    assert agreed.checked and agreed.p == pytest.approx(checked) and not planner.worth_checking(agreed)
+    assert agreed.tokens == [4, 1, 2, 3, 4] and agreed.kinds == ["checked"] + ["context"] * 3 + ["context, looped"]
+    assert [w[1] for w in agreed.weighed] == pytest.approx([checked * rate ** i for i in range(6)])
+    planner.learn(agreed, 0, 0.0, 0)
+    checked_at = COPY_KINDS.index("checked"), 3
+    assert (planner.learned.seen[checked_at], planner.learned.accepted[checked_at]) == (9, 8)
+    assert planner.learned.estimate(3, "context") == rate
 
 
 def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and_probes_one_token():
