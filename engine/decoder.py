@@ -421,7 +421,8 @@ class Decoder:
         if not (cfg.lookup and cfg.mode == "s2moe"):
             return chain
         return LookupOrSelfDrafter(chain, rule, self.earlier if cfg.lookup_session else None, prompt,
-                                   periodic=cfg.lookup_periodic, check=cfg.lookup_check)
+                                   periodic=cfg.lookup_periodic, check=cfg.lookup_check,
+                                   resident=None if self._observer is None else self._observer.draft_allowed)
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # A trace's rule learns apart: what it sees is not what the mode's own generations see.

@@ -262,13 +262,12 @@ class UtilityStop(StopRule):
 
     def copy_decision(self, p: float, experts: float, saved: float, row: float, probing: bool = False,
                       source: str = "context", check: str | None = None, check_cost: float = 0.0) -> DraftDecision:
-        """check: "agreed" or "disagreed", what a draft pass costing check_cost drew for the copy's first token
-        (None: unchecked); disagreed, the copy was dropped for the self-drafter's chain, which the decision then
-        stands for."""
+        """check: what a draft pass costing check_cost made of the copy (events.DraftDecision.check; None:
+        unchecked); "dropped", the decision stands for the self-drafter's chain that went on instead."""
         return DraftDecision(drafting=True, can_pay=True, probing=probing, threshold=self.threshold,
                              utility=self.copy_utility(p, saved, row), p_first=p, new_experts=experts, t_ar=saved,
                              cost=row, c_draft=0.0 if check is None else check_cost, t_tok=self.cost.t_tok,
-                             copied=None if check == "disagreed" else source, check=check)
+                             copied=None if check == "dropped" else source, check=check)
 
     def _probe_outcome(self, paid: bool) -> None:
         if self._probing:
@@ -354,10 +353,14 @@ class SelfDrafter(Drafter):
         if it.drafted:
             self.rule.observe_outcome([c.prob for c in it.candidates if c.kept], len(it.accepted))
 
-    def first_pass(self, dec, committed) -> FirstPass:
-        """The draft pass over the pending token, the one every chain begins with."""
+    def first_pass(self, dec, committed, allowed: Callable[[], np.ndarray] | None = None) -> FirstPass:
+        """The draft pass over the pending token, the one every chain begins with; allowed: the experts it may
+        read (as the constructor's), where not the chain's own."""
         t0 = time.perf_counter()
-        self.route_drafts(dec)
+        if allowed is None:
+            self.route_drafts(dec)
+        else:
+            dec.rt.hook.draft(self.k_draft, allowed())
         logits = dec.rt.decode([committed[-1]], len(committed) - 1, "last")[0]
         return FirstPass(logits, dec.rt.hook.snapshot(1), time.perf_counter() - t0)
 
@@ -382,6 +385,7 @@ class SelfDrafter(Drafter):
             first = self.first_pass(dec, committed)
         else:
             t0 -= first.seconds
+            self.route_drafts(dec)  # the pass given may have read other experts than the chain's
         logits, routing = first.logits, first.routing
         in_batch = np.zeros((n_layer, n_expert + 1), bool)   # predicted target experts of the batch
         read = np.zeros((n_layer, n_expert + 1), bool)       # experts the draft passes read
@@ -733,10 +737,10 @@ class LookupDrafter(Drafter):
 # loop the context is in, past the context's end (once the target has accepted a whole period it nearly always
 # goes on: on the shipped model's greedy HumanEval completions 96-99.6% of such tokens against 77-88% of the
 # other copied tokens after the first); and for the session's whether two or more of its entries voted and all
-# agreed on it; and a copy's first token, of either source, that a draft pass over the pending token drew too
-# (LookupOrSelfDrafter's check: the target accepts copied tokens a draft agrees with far more often than the
-# others, README "Widened models")
-COPY_KINDS = ("context", "context, looped", "session", "session, agreed", "checked")
+# agreed on it; and a copy's first token, of either source, checked by a draft pass over the pending token, by
+# whether the pass drew it too (LookupOrSelfDrafter: the target accepts copied tokens a draft agrees with far
+# more often than those it does not, README "Widened models")
+COPY_KINDS = ("context", "context, looped", "session", "session, agreed", "draft agreed", "draft disagreed")
 
 
 class CopyLearner:
@@ -863,7 +867,7 @@ class CopyPlan:
     weighed: list[tuple[int, float, float, bool]] = field(default_factory=list)  # (token, survival, utility, kept)
     found: list[int] = field(default_factory=list)   # what followed the n-gram, as far as the copy may go
     found_kinds: list[str] = field(default_factory=list)
-    checked: bool = False       # its first token was checked by a draft pass, which agreed
+    check: str | None = None    # its first token checked by a draft pass: "agreed", "disagreed"; None: unchecked
 
 
 class CopyPlanner:
@@ -936,8 +940,8 @@ class CopyPlanner:
 
     @property
     def check_cost(self) -> float:
-        """What a check costs: a draft pass's compute, what the pass costs with the model in memory. The experts
-        it fetches are the pending token's own, which its verification reads anyway."""
+        """What a check costs: a draft pass's compute, what the pass costs with the model in memory (under a
+        budget it reads only the experts in memory, LookupOrSelfDrafter)."""
         cost = self.rule.cost
         return cost.c_draft_resident or cost.c_draft
 
@@ -945,16 +949,18 @@ class CopyPlanner:
         """Whether a draft pass should check `plan`'s first token before its rows are verified: where the target
         rejects that token every row is wasted, so the check pays when the rows' price times the chance of that
         reaches the pass's. A probe is verified as it is: it is there to learn the rate."""
-        if plan.probe or plan.checked or not plan.tokens:
+        if plan.probe or plan.check or not plan.tokens:
             return False
         return (1.0 - plan.weighed[0][1]) * len(plan.tokens) * plan.row >= self.rule.threshold * self.check_cost
 
-    def agreed(self, plan: CopyPlan) -> CopyPlan:
-        """`plan` after a draft pass drew its first token too: weighed again with that token at the rate learned
-        of checked first tokens, which may keep more of what followed the n-gram than the plan kept."""
-        kinds = ["checked"] + plan.found_kinds[1:]
-        out = CopyPlan(plan.n, plan.source, False, self.learned.estimate(plan.n, "checked"), plan.experts,
-                       plan.saved, plan.row, found=plan.found, found_kinds=kinds, checked=True)
+    def checked(self, plan: CopyPlan, drawn: int) -> CopyPlan:
+        """`plan` after a draft pass checking it drew `drawn`: weighed again with its first token at the rate
+        learned of first tokens the draft agreed with, or of those it did not, which may keep more of what
+        followed the n-gram than the plan kept, or nothing."""
+        check = "agreed" if drawn == plan.found[0] else "disagreed"
+        kind = f"draft {check}"
+        out = CopyPlan(plan.n, plan.source, False, self.learned.estimate(plan.n, kind), plan.experts, plan.saved,
+                       plan.row, found=plan.found, found_kinds=[kind] + plan.found_kinds[1:], check=check)
         return self._weighed(out)
 
     def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
@@ -976,18 +982,23 @@ class LookupOrSelfDrafter(Drafter):
     of draft teach), and T_AR is the constants' plain step, until the rule has timed copies here (CopyLearner).
 
     check: where the rows a copy would waste if the target rejected its first token cost more than a draft pass
-    (CopyPlanner.worth_checking), the self-drafter's pass over the pending token comes first. Where it draws the
-    copy's first token the copy is verified, weighed again at the rate of such tokens; where it draws another,
-    the copy is dropped and the chain goes on from that pass, so the pass is not wasted. A draft pass over all
-    the copied rows would tell the rejected ones apart as well, but it costs a row's compute each, about what a
-    row it saves costs (README, "Widened models")."""
+    (CopyPlanner.worth_checking), the self-drafter's pass over the pending token comes first, and the copy is
+    weighed again by whether the pass drew its first token too: at the rate learned of such tokens, higher
+    where it did, lower where it did not. Where then no copied token pays, the copy is dropped and the chain
+    goes on from that pass, so the pass is not wasted. A draft pass over all the copied rows would tell the
+    rejected ones apart as well, but it costs a row's compute each, about what a row it saves costs (README,
+    "Widened models")."""
 
     name = "s2moe"
     drafts_in_context = True
 
     def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop, earlier: EarlierText | None = None,
-                 prompt: Sequence[int] = (), periodic: bool = True, check: bool = True):
+                 prompt: Sequence[int] = (), periodic: bool = True, check: bool = True,
+                 resident: Callable[[], np.ndarray] | None = None):
+        """resident: under a memory budget, the experts in memory, which a check's pass reads only (so that it
+        costs its compute and fetches nothing, as it is priced), whatever the chain's own passes read."""
         self.self_drafter = self_drafter
+        self.resident = resident
         self.copies = CopyPlanner(rule, earlier, prompt, periodic=periodic)
         self.check = check
         # the last proposal's copy, and the experts of its pending token's row
@@ -1011,17 +1022,17 @@ class LookupOrSelfDrafter(Drafter):
         rule = self.copies.rule
         first = None
         if self.check and self.copies.worth_checking(plan):
-            first = self.self_drafter.first_pass(dec, committed)
+            first = self.self_drafter.first_pass(dec, committed, self.resident)
             drawn, _ = sample(first.logits, committed)
-            if drawn != plan.tokens[0]:
+            plan = self.copies.checked(plan, drawn)
+            if not plan.tokens:
                 out = self.self_drafter.propose(dec, committed, max_len, sample, first)
                 out.decision = rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, source=plan.source,
-                                                  check="disagreed", check_cost=self.copies.check_cost)
+                                                  check="dropped", check_cost=self.copies.check_cost)
                 out.stop = f"copy dropped: {out.stop}"
                 self._rows = None  # a step with a draft pass in it, plain or not: it says nothing of copies
                 return out
-            plan = self.copies.agreed(plan)
-        head = ("lookup" if plan.source == "context" else "lookup: session") + (", checked" if plan.checked else "")
+        head = ("lookup" if plan.source == "context" else "lookup: session") + (", checked" if plan.check else "")
         out = Proposal(stop=f"{head}: probe" if plan.probe else
                        f"{head}: utility" if not plan.weighed[-1][3] else head)
         n_layer = dec.info.n_layer
@@ -1042,8 +1053,7 @@ class LookupOrSelfDrafter(Drafter):
         out.tokens = list(plan.tokens)
         out.chain = [1.0] * len(plan.tokens)
         out.decision = rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, probing=plan.probe,
-                                          source=plan.source, check="agreed" if plan.checked else None,
-                                          check_cost=self.copies.check_cost)
+                                          source=plan.source, check=plan.check, check_cost=self.copies.check_cost)
         out.seconds = time.perf_counter() - now
         self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
         self._rows = len(plan.tokens)

@@ -501,6 +501,9 @@ class ModeProjection:
     copies_accepted: int = 0   # ... and accepted
     copied_session: int = 0    # of those, copies from the session's earlier generations
     session_accepted: int = 0  # ... and accepted
+    checks: int = 0            # copies whose first token a draft pass checked
+    checks_agreed: int = 0     # ... where the pass drew that token too
+    checks_dropped: int = 0    # ... where it did not and no copied token paid then
 
     @property
     def seconds(self) -> float:
@@ -525,7 +528,8 @@ class ModeProjection:
                 "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch, "t_host_s": self.t_host,
                 "fetched": self.fetched, "fetched_per_token": self.fetched_per_token, "copied": self.copied,
                 "copies_accepted": self.copies_accepted, "copied_session": self.copied_session,
-                "session_accepted": self.session_accepted}
+                "session_accepted": self.session_accepted, "checks": self.checks, "checks_agreed": self.checks_agreed,
+                "checks_dropped": self.checks_dropped}
 
 
 @dataclass
@@ -740,11 +744,18 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                     plan = None
             # s2moe's check of a copy's first token (LookupOrSelfDrafter): the draft pass over the pending token is
             # the recorded chain's at this position, over the same tokens (past a step's start, with the KV entries
-            # of the chain's own draft passes for the tokens before it rather than the target's)
+            # of the chain's own draft passes for the tokens before it rather than the target's, and with the
+            # experts the recording's drafts read, where under a budget the check reads those in memory only, so
+            # that it fetches nothing here)
             check = None
             if plan is not None and mode == "s2moe" and len(src) and planner.worth_checking(plan):
                 check = src.pending[:, :h.k_d]
-                plan = planner.agreed(plan) if src[0].token == plan.tokens[0] else None
+                plan = planner.checked(plan, src[0].token)
+                res.checks += 1
+                res.checks_agreed += plan.check == "agreed"
+                if not plan.tokens:  # dropped: the chain goes on from the check's pass
+                    res.checks_dropped += 1
+                    plan = None
             if plan is not None:
                 draft = _Draft(list(plan.tokens), stop="lookup", passes=[] if check is None else [check])
             elif mode == "ar":
@@ -775,7 +786,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 rows = (step.gated if gated_rows and n else step.rows)[j: j + n + 1]
             beyond = terms.beyond(h.prompt_tokens - 1 + generated)  # context past the one the constants were timed at
             t_draft = len(passes) * terms.draft_pass(costs.c_draft, beyond)
-            draft_misses = _draft_misses(cache, passes, h)
+            draft_misses = _draft_misses(cache, passes if check is None else passes[1:], h)
             verify_misses = cache.access(rows)
             plain = n == 0 and plain_unobserved
             if plain:  # the whole iteration, the loop's own work with it

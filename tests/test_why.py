@@ -75,7 +75,9 @@ def test_a_checked_copy_says_what_its_draft_pass_drew_and_costs():
     assert agreed.copied == "context" and agreed.c_draft == 0.2 * MS
     assert agreed.text.endswith("with 4.0 new experts), checked by a draft pass (0.20 ms) that drew it too")
     assert agreed.wordings[-1] == "checked copy: utility 2.67 ≥ 1"
-    dropped = rule.copy_decision(0.8, 4.0, saved, row, source="session", check="disagreed", check_cost=0.2 * MS)
+    disagreed = rule.copy_decision(0.3, 4.0, saved, row, check="disagreed", check_cost=0.2 * MS)
+    assert disagreed.copied == "context" and disagreed.text.endswith("a draft pass (0.20 ms) that drew another")
+    dropped = rule.copy_decision(0.8, 4.0, saved, row, source="session", check="dropped", check_cost=0.2 * MS)
     assert dropped.copied is None and dropped.drafting
     assert dropped.text == ("drafting: a copy dropped, its first token (acceptance 0.80) not the one a draft pass "
                             "(0.20 ms) drew; the chain goes on from that pass")
