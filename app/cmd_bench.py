@@ -25,8 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help=f"comma-separated modes or ladder rungs (default {DEFAULT_MODES}), or s2moe less one part: "
                         "-gating (gating off, on ar's tokens), -memory (no bias toward the experts in memory), "
-                        "-periodic (copies stop at the context's end), -check (copies verified unchecked by a draft "
-                        "pass); a mode that drafts from "
+                        "-periodic (copies stop at the context's end); a mode that drafts from "
                         "the model's own experts takes :resident or :router (what its drafts read under --budget), "
                         "so that both run interleaved: s2moe,s2moe:resident")
     p.add_argument("--ablation", action="store_true",

@@ -150,9 +150,6 @@ def run(args) -> int:
         where = [f"{n} token{'s' if n != 1 else ''} from {source} ({accepted} accepted)"
                  for n, source, accepted in parts if n]
         print(f"s2moe copied {' and '.join(where)} of the {s.drafted} it drafted")
-    if s is not None and s.checks:
-        print(f"s2moe checked {s.checks} cop{'y' if s.checks == 1 else 'ies'} with a draft pass: it drew the copied token "
-              f"in {s.checks_agreed}, and {s.checks_dropped} were dropped")
     if p.cache_fit:
         print("the recording's own fetches, counted by it vs through the simulated cache: " + ", ".join(
             f"{name} {sim} for {rec} ({sim / rec - 1:+.0%})" if rec else f"{name} {sim} for {rec}"

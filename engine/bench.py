@@ -42,12 +42,10 @@ ABLATION = {
     "+session": dict(mode="s2moe", utility=True, lookup=True, lookup_session=True),
     # not rungs of the ladder: s2moe with gating off, which keeps ar's tokens (what exactness costs); s2moe
     # whose gating leaves the experts in memory out (what moving choices onto them adds under a budget); and
-    # s2moe whose copies from the context stop at its end, as prompt lookup's do (what going round a loop adds);
-    # and s2moe verifying its copies unchecked by a draft pass
+    # s2moe whose copies from the context stop at its end, as prompt lookup's do (what going round a loop adds)
     "-gating": dict(mode="s2moe", reuse_strength=0.0),
     "-memory": dict(mode="s2moe", memory_strength=0.0),
     "-periodic": dict(mode="s2moe", lookup_periodic=False),
-    "-check": dict(mode="s2moe", lookup_check=False),
 }
 LOSSLESS_LADDER = ("base", "+shared-kv", "+utility")
 # modes whose draft passes read the model's own experts, and so can read the router's or those in memory

@@ -134,10 +134,6 @@ class GenerationConfig:
     # ... and where a copy from the context runs into the context's end (a loop), it goes on round the loop; False:
     # it stops there, as prompt lookup does
     lookup_periodic: bool = True
-    # ... and a copy whose wasted rows would cost more than a draft pass, were the target to reject its first token,
-    # is verified only if a draft pass over the pending token draws that token too (else the chain drafts from
-    # that pass); False: copies are verified unchecked
-    lookup_check: bool = True
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
@@ -421,8 +417,7 @@ class Decoder:
         if not (cfg.lookup and cfg.mode == "s2moe"):
             return chain
         return LookupOrSelfDrafter(chain, rule, self.earlier if cfg.lookup_session else None, prompt,
-                                   periodic=cfg.lookup_periodic, check=cfg.lookup_check,
-                                   resident=None if self._observer is None else self._observer.draft_allowed)
+                                   periodic=cfg.lookup_periodic)
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # A trace's rule learns apart: what it sees is not what the mode's own generations see.

@@ -88,11 +88,6 @@ class DraftDecision:
     # where the draft was copied from, no draft pass to pay: what followed the context's last n-gram earlier in
     # the context ("context") or in the session's earlier generations ("session"); None: not a copy
     copied: str | None = None
-    # a copy's first token checked by a draft pass over the pending token (c_draft then that pass's cost), the
-    # copy weighed again by whether the pass drew that token: "agreed" or "disagreed", the copy verified as
-    # weighed then; "dropped", the pass drew another and no copied token paid then, so the draft chain went on
-    # from that pass (copied None); None: not checked
-    check: str | None = None
 
     @property
     def text(self) -> str:
@@ -110,14 +105,7 @@ class DraftDecision:
                 return (f"probing: {what} {self.utility:.2f} < {thr} {numbers}; verifying one copied token to see "
                         "whether copies after this n-gram pay again")
             where = "the context" if self.copied == "context" else "an earlier generation"
-            if self.check:
-                drew = "it too" if self.check == "agreed" else "another"
-                return (f"copying from {where}: {what} {self.utility:.2f} ≥ {thr} {numbers}, checked by a draft "
-                        f"pass ({self.c_draft * 1e3:.2f} ms) that drew {drew}")
             return f"copying from {where}: {what} {self.utility:.2f} ≥ {thr} {numbers}, no draft pass"
-        if self.check == "dropped":
-            return (f"drafting: a copy dropped, its first token (acceptance {self.p_first:.2f}) not the one a draft "
-                    f"pass ({self.c_draft * 1e3:.2f} ms) drew; the chain goes on from that pass")
         if self.drafting and not self.probing:
             return f"drafting: the first token's expected utility {self.utility:.2f} ≥ {thr} {numbers}"
         head = f"the first token's expected utility {self.utility:.2f} < {thr} {numbers}"
@@ -136,10 +124,8 @@ class DraftDecision:
         if not self.can_pay:
             return (self.text, f"no draft: even a certain token's utility {self.utility:.2f} < {thr}",
                     f"no draft: utility {self.utility:.2f} < {thr}")
-        if self.check == "dropped":
-            return self.text, "drafting: copy dropped, the draft disagreed", "copy dropped"
-        verb = ("probing" if self.probing else "checked copy" if self.check else "copying" if self.copied
-                else "drafting" if self.drafting else "no draft")
+        verb = ("probing" if self.probing else "copying" if self.copied else "drafting" if self.drafting
+                else "no draft")
         head = f"{verb}: utility {self.utility:.2f} {'≥' if self.utility >= self.threshold else '<'} {thr}"
         return self.text, f"{head} (p {self.p_first:.2f}, cost {self.cost * 1e3:.2f} ms)", head
 

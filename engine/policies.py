@@ -15,17 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .events import CostConstants, DraftCandidate, DraftDecision, ForcedDraft
-from .hook import Routing
 from .sampling import SeededSampler
-
-
-@dataclass
-class FirstPass:
-    """A draft pass over the pending token: its logits, its routing, and what it took."""
-
-    logits: np.ndarray
-    routing: Routing
-    seconds: float
 
 
 @dataclass
@@ -261,13 +251,10 @@ class UtilityStop(StopRule):
         return chain * saved / max(row, 1e-12)
 
     def copy_decision(self, p: float, experts: float, saved: float, row: float, probing: bool = False,
-                      source: str = "context", check: str | None = None, check_cost: float = 0.0) -> DraftDecision:
-        """check: what a draft pass costing check_cost made of the copy (events.DraftDecision.check; None:
-        unchecked); "dropped", the decision stands for the self-drafter's chain that went on instead."""
+                      source: str = "context") -> DraftDecision:
         return DraftDecision(drafting=True, can_pay=True, probing=probing, threshold=self.threshold,
                              utility=self.copy_utility(p, saved, row), p_first=p, new_experts=experts, t_ar=saved,
-                             cost=row, c_draft=0.0 if check is None else check_cost, t_tok=self.cost.t_tok,
-                             copied=None if check == "dropped" else source, check=check)
+                             cost=row, c_draft=0.0, t_tok=self.cost.t_tok, copied=source)
 
     def _probe_outcome(self, paid: bool) -> None:
         if self._probing:
@@ -353,40 +340,23 @@ class SelfDrafter(Drafter):
         if it.drafted:
             self.rule.observe_outcome([c.prob for c in it.candidates if c.kept], len(it.accepted))
 
-    def first_pass(self, dec, committed, allowed: Callable[[], np.ndarray] | None = None) -> FirstPass:
-        """The draft pass over the pending token, the one every chain begins with; allowed: the experts it may
-        read (as the constructor's), where not the chain's own."""
-        t0 = time.perf_counter()
-        if allowed is None:
-            self.route_drafts(dec)
-        else:
-            dec.rt.hook.draft(self.k_draft, allowed())
-        logits = dec.rt.decode([committed[-1]], len(committed) - 1, "last")[0]
-        return FirstPass(logits, dec.rt.hook.snapshot(1), time.perf_counter() - t0)
-
-    def propose(self, dec, committed, max_len, sample, first: FirstPass | None = None) -> Proposal:
-        """first: the pending token's draft pass, made already (a copy's check): the chain goes on from it,
-        its rule weighing the first token as it weighs every other."""
-        pos = len(committed) - 1
+    def propose(self, dec, committed, max_len, sample) -> Proposal:
+        pending, pos = committed[-1], len(committed) - 1
         out = Proposal()
         if max_len <= 0:
             out.stop = "limit"
             return out
-        if first is None:
-            drafting = self.rule.worth_drafting()
-            out.decision = self.rule.decision
-            if not drafting:
-                out.stop = "no-draft"
-                return out
+        drafting = self.rule.worth_drafting()
+        out.decision = self.rule.decision
+        if not drafting:
+            out.stop = "no-draft"
+            return out
         rt, hook = dec.rt, dec.rt.hook
         n_layer, n_expert = rt.info.n_layer, rt.info.n_expert
         t0 = time.perf_counter()
-        if first is None:
-            first = self.first_pass(dec, committed)
-        else:
-            t0 -= first.seconds
-            self.route_drafts(dec)  # the pass given may have read other experts than the chain's
-        logits, routing = first.logits, first.routing
+        self.route_drafts(dec)
+        logits = rt.decode([pending], pos, "last")[0]
+        routing = hook.snapshot(1)
         in_batch = np.zeros((n_layer, n_expert + 1), bool)   # predicted target experts of the batch
         read = np.zeros((n_layer, n_expert + 1), bool)       # experts the draft passes read
         layers = np.arange(n_layer)[:, None]
@@ -737,10 +707,8 @@ class LookupDrafter(Drafter):
 # loop the context is in, past the context's end (once the target has accepted a whole period it nearly always
 # goes on: on the shipped model's greedy HumanEval completions 96-99.6% of such tokens against 77-88% of the
 # other copied tokens after the first); and for the session's whether two or more of its entries voted and all
-# agreed on it; and a copy's first token, of either source, checked by a draft pass over the pending token, by
-# whether the pass drew it too (LookupOrSelfDrafter: the target accepts copied tokens a draft agrees with far
-# more often than those it does not, README "Widened models")
-COPY_KINDS = ("context", "context, looped", "session", "session, agreed", "draft agreed", "draft disagreed")
+# agreed on it
+COPY_KINDS = ("context", "context, looped", "session", "session, agreed")
 
 
 class CopyLearner:
@@ -865,9 +833,6 @@ class CopyPlan:
     tokens: list[int] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # each token's, one of COPY_KINDS
     weighed: list[tuple[int, float, float, bool]] = field(default_factory=list)  # (token, survival, utility, kept)
-    found: list[int] = field(default_factory=list)   # what followed the n-gram, as far as the copy may go
-    found_kinds: list[str] = field(default_factory=list)
-    check: str | None = None    # its first token checked by a draft pass: "agreed", "disagreed"; None: unchecked
 
 
 class CopyPlanner:
@@ -912,56 +877,27 @@ class CopyPlanner:
                 kinds = ["session, agreed" if a else "session" for a in agreed2]
         if not found:
             return None
-        p = learned.estimate(n, kinds[0])
+        rates = {kind: learned.estimate(n, kind) for kind in set(kinds)}
+        p = rates[kinds[0]]
         probe = p * saved < rule.threshold * row
         if hopeless:
             learned.rare_probe_made()
         elif probe and not learned.probe(n, kinds[0]):
             return None
-        return self._weighed(CopyPlan(n, source, probe, p, experts, saved, row, found=found, found_kinds=kinds))
-
-    def _weighed(self, out: CopyPlan) -> CopyPlan:
-        """`out` with its tokens weighed one by one, each at its kind's learned rate, kept while they pay."""
-        rule, learned = self.rule, self.learned
-        rates = {kind: learned.estimate(out.n, kind) for kind in set(out.found_kinds)}
+        out = CopyPlan(n, source, probe, p, experts, saved, row)
         survival = 1.0
-        for token, kind in zip(out.found, out.found_kinds):
+        for token, kind in zip(found, kinds):
             survival *= rates[kind]
-            u = rule.copy_utility(survival, out.saved, out.row)
-            keep = u >= rule.threshold or (out.probe and not out.tokens)
+            u = rule.copy_utility(survival, saved, row)
+            keep = u >= rule.threshold or (probe and not out.tokens)
             out.weighed.append((token, survival, u, keep))
             if not keep:
                 break
             out.tokens.append(token)
             out.kinds.append(kind)
-            if out.probe:
+            if probe:
                 break
         return out
-
-    @property
-    def check_cost(self) -> float:
-        """What a check costs: a draft pass's compute, what the pass costs with the model in memory (under a
-        budget it reads only the experts in memory, LookupOrSelfDrafter)."""
-        cost = self.rule.cost
-        return cost.c_draft_resident or cost.c_draft
-
-    def worth_checking(self, plan: CopyPlan) -> bool:
-        """Whether a draft pass should check `plan`'s first token before its rows are verified: where the target
-        rejects that token every row is wasted, so the check pays when the rows' price times the chance of that
-        reaches the pass's. A probe is verified as it is: it is there to learn the rate."""
-        if plan.probe or plan.check or not plan.tokens:
-            return False
-        return (1.0 - plan.weighed[0][1]) * len(plan.tokens) * plan.row >= self.rule.threshold * self.check_cost
-
-    def checked(self, plan: CopyPlan, drawn: int) -> CopyPlan:
-        """`plan` after a draft pass checking it drew `drawn`: weighed again with its first token at the rate
-        learned of first tokens the draft agreed with, or of those it did not, which may keep more of what
-        followed the n-gram than the plan kept, or nothing."""
-        check = "agreed" if drawn == plan.found[0] else "disagreed"
-        kind = f"draft {check}"
-        out = CopyPlan(plan.n, plan.source, False, self.learned.estimate(plan.n, kind), plan.experts, plan.saved,
-                       plan.row, found=plan.found, found_kinds=[kind] + plan.found_kinds[1:], check=check)
-        return self._weighed(out)
 
     def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
         """The verification of `plan`: the target accepted `accepted` of its tokens, and the verification read
@@ -979,28 +915,15 @@ class LookupOrSelfDrafter(Drafter):
     A copied token needs no draft pass: it pays when p·T_AR ≥ threshold·(what its row costs), p the learned
     acceptance of copies after an n-gram of its length, chained over the copy. A row costs T_tok + T_exp·E under
     the constants (E the experts a row adds to the verification, the rule's running estimate, which both kinds
-    of draft teach), and T_AR is the constants' plain step, until the rule has timed copies here (CopyLearner).
-
-    check: where the rows a copy would waste if the target rejected its first token cost more than a draft pass
-    (CopyPlanner.worth_checking), the self-drafter's pass over the pending token comes first, and the copy is
-    weighed again by whether the pass drew its first token too: at the rate learned of such tokens, higher
-    where it did, lower where it did not. Where then no copied token pays, the copy is dropped and the chain
-    goes on from that pass, so the pass is not wasted. A draft pass over all the copied rows would tell the
-    rejected ones apart as well, but it costs a row's compute each, about what a row it saves costs (README,
-    "Widened models")."""
+    of draft teach), and T_AR is the constants' plain step, until the rule has timed copies here (CopyLearner)."""
 
     name = "s2moe"
     drafts_in_context = True
 
     def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop, earlier: EarlierText | None = None,
-                 prompt: Sequence[int] = (), periodic: bool = True, check: bool = True,
-                 resident: Callable[[], np.ndarray] | None = None):
-        """resident: under a memory budget, the experts in memory, which a check's pass reads only (so that it
-        costs its compute and fetches nothing, as it is priced), whatever the chain's own passes read."""
+                 prompt: Sequence[int] = (), periodic: bool = True):
         self.self_drafter = self_drafter
-        self.resident = resident
         self.copies = CopyPlanner(rule, earlier, prompt, periodic=periodic)
-        self.check = check
         # the last proposal's copy, and the experts of its pending token's row
         self._copied: tuple[CopyPlan, int] | None = None
         # when the last proposal began, its rows when it was plain (0) or copied, and how many of those the
@@ -1019,41 +942,17 @@ class LookupOrSelfDrafter(Drafter):
             out = self.self_drafter.propose(dec, committed, max_len, sample)
             self._rows = None if out.tokens else 0
             return out
-        rule = self.copies.rule
-        first = None
-        if self.check and self.copies.worth_checking(plan):
-            first = self.self_drafter.first_pass(dec, committed, self.resident)
-            drawn, _ = sample(first.logits, committed)
-            plan = self.copies.checked(plan, drawn)
-            if not plan.tokens:
-                out = self.self_drafter.propose(dec, committed, max_len, sample, first)
-                out.decision = rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, source=plan.source,
-                                                  check="dropped", check_cost=self.copies.check_cost)
-                out.stop = f"copy dropped: {out.stop}"
-                self._rows = None  # a step with a draft pass in it, plain or not: it says nothing of copies
-                return out
-        head = ("lookup" if plan.source == "context" else "lookup: session") + (", checked" if plan.check else "")
+        head = "lookup" if plan.source == "context" else "lookup: session"
         out = Proposal(stop=f"{head}: probe" if plan.probe else
                        f"{head}: utility" if not plan.weighed[-1][3] else head)
         n_layer = dec.info.n_layer
-        if first is not None:
-            # the check routed the pending token: its experts can be fetched while the verification is set up
-            layers, n_expert = np.arange(n_layer)[:, None], dec.info.n_expert
-            predicted = np.zeros((n_layer, n_expert + 1), bool)
-            predicted[layers, first.routing.orig[:, 0, :]] = True
-            read = np.zeros((n_layer, n_expert + 1), bool)
-            read[layers, first.routing.used[:, 0, :]] = True
-            out.predicted, out.pending_predicted = predicted[:, :n_expert], first.routing.orig[:, 0, :]
-            out.experts_read = read[:, :n_expert].sum(axis=1)
-            if dec.observer is not None:
-                dec.observer.predicted(out.predicted)
         for token, survival, u, keep in plan.weighed:
             out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, u, np.zeros(n_layer, int),
                                                  keep, None, survival))
         out.tokens = list(plan.tokens)
         out.chain = [1.0] * len(plan.tokens)
-        out.decision = rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, probing=plan.probe,
-                                          source=plan.source, check=plan.check, check_cost=self.copies.check_cost)
+        out.decision = self.copies.rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, probing=plan.probe,
+                                                      source=plan.source)
         out.seconds = time.perf_counter() - now
         self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
         self._rows = len(plan.tokens)

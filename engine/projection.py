@@ -501,9 +501,6 @@ class ModeProjection:
     copies_accepted: int = 0   # ... and accepted
     copied_session: int = 0    # of those, copies from the session's earlier generations
     session_accepted: int = 0  # ... and accepted
-    checks: int = 0            # copies whose first token a draft pass checked
-    checks_agreed: int = 0     # ... where the pass drew that token too
-    checks_dropped: int = 0    # ... where it did not and no copied token paid then
 
     @property
     def seconds(self) -> float:
@@ -528,8 +525,7 @@ class ModeProjection:
                 "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch, "t_host_s": self.t_host,
                 "fetched": self.fetched, "fetched_per_token": self.fetched_per_token, "copied": self.copied,
                 "copies_accepted": self.copies_accepted, "copied_session": self.copied_session,
-                "session_accepted": self.session_accepted, "checks": self.checks, "checks_agreed": self.checks_agreed,
-                "checks_dropped": self.checks_dropped}
+                "session_accepted": self.session_accepted}
 
 
 @dataclass
@@ -579,17 +575,15 @@ def _mask(ids: np.ndarray, n_expert: int) -> np.ndarray:
     return m
 
 
-def propose(rule: StopRule, src: _Source, max_len: int, k_d: int, n_expert: int,
-            first_made: bool = False) -> _Draft:
+def propose(rule: StopRule, src: _Source, max_len: int, k_d: int, n_expert: int) -> _Draft:
     """What SelfDrafter.propose does with `rule`, on the recorded chain instead of draft passes: the same calls
-    into the rule, in the same order, with the same numbers. first_made: the first pass was made already (a
-    copy's check), so the rule is not asked whether to make it."""
+    into the rule, in the same order, with the same numbers."""
     out = _Draft()
     max_len = min(max_len, len(src))
     if max_len <= 0:
         out.stop = "limit"
         return out
-    if not first_made and not rule.worth_drafting():
+    if not rule.worth_drafting():
         out.stop = "no-draft"
         return out
     in_batch = _mask(src.pending, n_expert)
@@ -742,22 +736,8 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 del plan.tokens[right:], plan.kinds[right:]
                 if not right:
                     plan = None
-            # s2moe's check of a copy's first token (LookupOrSelfDrafter): the draft pass over the pending token is
-            # the recorded chain's at this position, over the same tokens (past a step's start, with the KV entries
-            # of the chain's own draft passes for the tokens before it rather than the target's, and with the
-            # experts the recording's drafts read, where under a budget the check reads those in memory only, so
-            # that it fetches nothing here)
-            check = None
-            if plan is not None and mode == "s2moe" and len(src) and planner.worth_checking(plan):
-                check = src.pending[:, :h.k_d]
-                plan = planner.checked(plan, src[0].token)
-                res.checks += 1
-                res.checks_agreed += plan.check == "agreed"
-                if not plan.tokens:  # dropped: the chain goes on from the check's pass
-                    res.checks_dropped += 1
-                    plan = None
             if plan is not None:
-                draft = _Draft(list(plan.tokens), stop="lookup", passes=[] if check is None else [check])
+                draft = _Draft(list(plan.tokens), stop="lookup")
             elif mode == "ar":
                 draft = _Draft()
             elif cascade is not None:
@@ -766,7 +746,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             elif mode == "oracle":
                 draft = propose(FixedLength(), src, min(max_len, step.accepted - j), h.k_d, h.n_expert)
             else:
-                draft = propose(rule, src, max_len, h.k_d, h.n_expert, first_made=check is not None)
+                draft = propose(rule, src, max_len, h.k_d, h.n_expert)
             n = len(draft.tokens)
             passes = getattr(draft, "passes", [])
             if plan is not None:
@@ -786,7 +766,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 rows = (step.gated if gated_rows and n else step.rows)[j: j + n + 1]
             beyond = terms.beyond(h.prompt_tokens - 1 + generated)  # context past the one the constants were timed at
             t_draft = len(passes) * terms.draft_pass(costs.c_draft, beyond)
-            draft_misses = _draft_misses(cache, passes if check is None else passes[1:], h)
+            draft_misses = _draft_misses(cache, passes, h)
             verify_misses = cache.access(rows)
             plain = n == 0 and plain_unobserved
             if plain:  # the whole iteration, the loop's own work with it
@@ -822,8 +802,8 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 # decoding times an iteration when the next one begins: a plain step, a copy, or a self-draft that
                 # prices nothing (the last iteration of a generation is never timed)
                 if generated < tr.n_tokens:
-                    timed_rows = n if plan is not None or (n == 0 and check is None) else None
-                    planner.learned.timed(t_draft + t_verify + t_fetch + t_host, timed_rows, accepted)
+                    planner.learned.timed(t_draft + t_verify + t_fetch + t_host,
+                                          n if plan is not None or n == 0 else None, accepted)
                 context.extend(tokens[generated - committed: generated])
         if earlier is not None:
             earlier.add(h.prompt, context)

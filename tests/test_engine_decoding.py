@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -167,57 +166,13 @@ def test_the_decoder_teaches_its_rule_from_each_verification(decoders, arch):
     assert rule.copies(3).seen.sum() == judged[True]
 
 
-def test_a_checked_copy_is_weighed_by_what_a_draft_pass_drew(decoders, arch):
-    """Checks priced as nearly free: every copy not certain is checked, that pass's reads counted. Where the draft
-    pass over the pending token draws the copy's first token the copy is verified at the rate of such tokens;
-    where it draws another, at the rate of those, which starts at the 0.6 prior. Once the rule has learned that
-    the target rejects those, such a copy is dropped and the chain drafts from that pass, its first token the one
-    the pass drew. Gating off, what is committed is plain decoding's either way."""
-    d = decoders[arch]
-    cost = CostConstants(t_ar=1.0, c_draft=1e-6, t_exp=0.05, t_tok=0.1, intercept=0.0, source="test-check")
-
-    def checks() -> dict[str, int]:
-        seen = {"agreed": 0, "disagreed": 0, "dropped": 0}
-        for prompt in PROMPTS:
-            ar = summarize(run(d, prompt, GenerationConfig(mode="ar", n_predict=48, stop_at_eos=False)))
-            events = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=48, cost=cost, stop_at_eos=False,
-                                                     reuse_strength=0.0, lookup_session=False))
-            assert summarize(events).tokens == ar.tokens
-            context = list(events[0].prompt_tokens)
-            for e in events:
-                if not isinstance(e, Iteration):
-                    continue
-                check = e.draft_decision.check if e.draft_decision is not None else None
-                if check is not None:
-                    seen[check] += 1
-                    copied = NgramIndex(3, 2, periodic=True).lookup(context, 1)[1]
-                    assert e.t_draft > 0 and e.draft_experts.sum() > 0
-                    if check == "dropped":
-                        assert e.draft_decision.copied is None and e.candidates[0].token != copied[0]
-                    else:
-                        assert e.draft_decision.copied == "context" and e.drafted[0] == copied[0]
-                context += e.committed
-        return seen
-
-    first = checks()
-    assert first["agreed"] > 0 and first["disagreed"] > 0
-    learned = next(r for key, r in d._rules.items() if cost in key).copies(3)
-    for n in (2, 3):
-        for _ in range(40):
-            learned.learn(n, ["draft disagreed"], accepted=0)
-    then = checks()
-    assert then["dropped"] > 0 and then["disagreed"] == 0
-
-
 def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
     """Utility = p_i·T_AR / (T_exp·new_i + T_tok + C_draft), with new_i from the candidate's own routing and p_i
     the rule's learned acceptance through the candidate: the product of draft probabilities until a verification
     has been seen."""
     d = decoders[arch]
     c = CostConstants(t_ar=1.0, c_draft=0.05, t_exp=0.02, t_tok=0.05, intercept=0.0, source="test")
-    # unchecked copies: a checked one's first token is priced at what checked tokens were accepted at
-    events = run(d, PROMPTS[2], GenerationConfig(mode="s2moe", n_predict=30, cost=c, stop_at_eos=False,
-                                                 lookup_check=False))
+    events = run(d, PROMPTS[2], GenerationConfig(mode="s2moe", n_predict=30, cost=c, stop_at_eos=False))
     seen = {False: 0, True: 0}
     iters = [e for e in events if isinstance(e, Iteration)]
     first = next(e for e in iters if e.draft_decision is not None and not e.draft_decision.copied)
@@ -472,41 +427,6 @@ def test_copied_tokens_the_session_agreed_on_are_learned_and_weighed_apart():
     assert plan.tokens == [20] and plan.kinds == ["session, agreed"]  # 22 does not pay at its kind's rate
     planner.learn(plan, 0, 0.0, 0)
     assert learned.estimate(3, "session, agreed") < agreed and learned.estimate(3, "session") == other
-
-
-def test_a_copy_is_checked_where_its_rows_would_cost_more_than_a_draft_pass_and_weighed_again_by_it():
-    """Were the target to reject a copy's first token, all its rows would be wasted: the planner has a draft pass
-    check that token when the chance of that times the rows' price reaches the pass's. The copy is then weighed
-    again with its first token at the rate learned of first tokens the draft agreed with, or of those it did
-    not, each learning apart from the rest."""
-    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.2, t_exp=0.0, t_tok=0.1, intercept=0.0, source="test"))
-    planner = CopyPlanner(rule, None, prompt=(5,))
-    plan = planner.plan([5, 1, 2, 3, 4, 1, 2, 3], 6)
-    rate = planner.learned.estimate(3, "context")
-    assert plan.tokens == [4, 1, 2, 3] and not plan.probe    # the fifth copied token, rate⁵·T_AR < a row
-    wasted = (1 - rate) * 4 * 0.1                            # the rows' price where the first token is rejected
-    assert planner.check_cost == 0.2 and not planner.worth_checking(plan)
-    rule.cost = replace(rule.cost, c_draft_resident=wasted * 0.99)  # a draft from the experts in memory
-    assert planner.check_cost == wasted * 0.99 and planner.worth_checking(plan)
-    rule.cost = replace(rule.cost, c_draft_resident=wasted * 1.01)
-    assert not planner.worth_checking(plan)
-    for _ in range(8):
-        planner.learned.learn(3, ["draft agreed"], accepted=1)
-    for _ in range(16):
-        planner.learned.learn(3, ["draft disagreed"], accepted=0)
-    checked = planner.learned.estimate(3, "draft agreed")
-    assert checked > 0.9 > rate
-    agreed = planner.checked(plan, 4)
-    assert agreed.check == "agreed" and agreed.p == pytest.approx(checked) and not planner.worth_checking(agreed)
-    assert agreed.tokens == [4, 1, 2, 3, 4]
-    assert agreed.kinds == ["draft agreed"] + ["context"] * 3 + ["context, looped"]
-    assert [w[1] for w in agreed.weighed] == pytest.approx([checked * rate ** i for i in range(6)])
-    disagreed = planner.checked(plan, 7)  # the draft drew another token: at 1.2 / 18 the first does not pay
-    assert disagreed.check == "disagreed" and disagreed.tokens == [] and len(disagreed.weighed) == 1
-    planner.learn(agreed, 0, 0.0, 0)
-    checked_at = COPY_KINDS.index("draft agreed"), 3
-    assert (planner.learned.seen[checked_at], planner.learned.accepted[checked_at]) == (9, 8)
-    assert planner.learned.estimate(3, "context") == rate
 
 
 def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and_probes_one_token():

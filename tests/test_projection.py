@@ -686,34 +686,6 @@ def test_copies_are_priced_by_the_projected_clock_once_three_were_rejected_whole
     assert old.modes["s2moe"].copied == 0 and "without copies" in old.basis
 
 
-def test_s2moe_checks_a_copy_with_the_recorded_draft_at_its_position_where_the_check_pays():
-    """The prompt "7", then ten times "1 2 3" and a new token, one token a step, each step's chain one recorded
-    draft. After "1 2" the copy is "3" and what followed "1 2 3" last, always wrong here. A draft pass costs 1 ms
-    with the experts in memory, and no chain can pay for its own (900 ms under the budget), so a check pays for
-    a copy but no chain does. Recorded drafts that are the text itself agree with every checked copy's "3"; drafts
-    of another token agree with none, and the copies are weighed at that kind's rate instead. Where a check costs
-    more than the rows it could save (100 ms), copies are verified unchecked: more copied rows, no more accepted."""
-    prompt = (7,)
-    generated = [t for i in range(10) for t in (1, 2, 3, 20 + i)]
-
-    def replayed(drafts, check_ms):
-        steps = [TraceStep((t,), 0, (Drafted(d, 0.5, 0.5, R0),), R0, np.stack([R0, R0]), np.stack([R0, R0]), 0.0,
-                           0.0, ForcedDraft(False, 0)) for t, d in zip(generated, drafts)]
-        tr = Trace(header(draft_max=2, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt), steps,
-                   n_tokens=len(generated), seconds=1.0, name="checks")
-        prof = profile(c_draft_ms=check_ms, t_tok_ms=3.0, t_exp_ms=0.0)
-        prof["models"][FP]["c_draft_cold_ms"] = 900.0
-        return project([tr], prof, budget="1G", modes=["s2moe"], terms="none").modes["s2moe"]
-
-    agreeing, other, unchecked = replayed(generated, 1.0), replayed([99] * len(generated), 1.0), \
-        replayed(generated, 100.0)
-    assert agreeing.draft_passes == agreeing.checks == agreeing.checks_agreed > 0 == agreeing.checks_dropped
-    assert other.checks == agreeing.checks and other.checks_agreed == 0
-    assert unchecked.draft_passes == unchecked.checks == 0
-    assert agreeing.copies_accepted == unchecked.copies_accepted > 0 and agreeing.copied < unchecked.copied
-    assert agreeing.tokens == unchecked.tokens == len(generated)
-
-
 def test_project_cli_says_what_s2moe_copied_and_leaves_copies_out_when_asked(tmp_path, capsys, monkeypatch):
     import yaml
 

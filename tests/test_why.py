@@ -68,22 +68,6 @@ def test_a_copy_from_the_context_is_priced_without_a_draft_pass():
     assert probe.text.startswith("probing: the first copied token's expected utility 0.67 < threshold 1")
 
 
-def test_a_checked_copy_says_what_its_draft_pass_drew_and_costs():
-    rule = UtilityStop(CAN_PAY, 1.0)
-    saved, row = rule.copy_price(4.0)
-    agreed = rule.copy_decision(0.8, 4.0, saved, row, check="agreed", check_cost=0.2 * MS)
-    assert agreed.copied == "context" and agreed.c_draft == 0.2 * MS
-    assert agreed.text.endswith("with 4.0 new experts), checked by a draft pass (0.20 ms) that drew it too")
-    assert agreed.wordings[-1] == "checked copy: utility 2.67 ≥ 1"
-    disagreed = rule.copy_decision(0.3, 4.0, saved, row, check="disagreed", check_cost=0.2 * MS)
-    assert disagreed.copied == "context" and disagreed.text.endswith("a draft pass (0.20 ms) that drew another")
-    dropped = rule.copy_decision(0.8, 4.0, saved, row, source="session", check="dropped", check_cost=0.2 * MS)
-    assert dropped.copied is None and dropped.drafting
-    assert dropped.text == ("drafting: a copy dropped, its first token (acceptance 0.80) not the one a draft pass "
-                            "(0.20 ms) drew; the chain goes on from that pass")
-    assert dropped.wordings[1:] == ("drafting: copy dropped, the draft disagreed", "copy dropped")
-
-
 def test_not_drafting_while_the_first_token_is_unlikely_then_probing():
     rule = UtilityStop(CAN_PAY, 1.0, probe_every=4)
     for _ in range(12):
