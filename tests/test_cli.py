@@ -122,6 +122,14 @@ def test_bad_profile_yaml(tiny_models, tmp_path):
                        "invalid YAML")
 
 
+def test_a_mode_list_that_starts_with_a_dash_is_told_how_to_pass_it(capsys):
+    from s2moe.app.cli import main
+
+    assert main(["bench", "--modes", "-gating,ar"]) == 2
+    err = capsys.readouterr().err
+    assert "--modes=-gating,ar" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv", [["bench", "-m", ""], ["bench", "--profile", " "], ["app", "-m", ""],
                                   ["app", "--profile", ""], ["app", "--budget", "9" * 400],
                                   ["bench", "--budget", "9" * 400]])
