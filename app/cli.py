@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):  # one line, exit 2, no usage dump
-        if message == "argument --modes: expected one argument":
+        if self.prog.endswith(" bench") and message == "argument --modes: expected one argument":
             # argparse reads a list that starts with bench's `-gating` and its kin as an option
             message += " (a list that starts with a '-' mode takes =: --modes=-gating,ar)"
         raise ConfigError(f"{self.prog}: {message}")

@@ -404,7 +404,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
                             ("--tree-max-nodes", args.tree_max_nodes)):
             if value is not None:
                 argv += [flag, str(value)]
-        argv += ["--modes", ",".join(_modes(args))] if not args.ablation else ["--ablation"]
+        # one word: a list that starts with `-gating` or its kin would read as an option
+        argv.append("--modes=" + ",".join(_modes(args)) if not args.ablation else "--ablation")
         if args.no_utility:
             argv.append("--no-utility")
         for key, value in sampling_settings(args).items():  # the seed drawn already where it was -1

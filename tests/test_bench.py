@@ -275,6 +275,28 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     assert all(read_trace(p).header.budget is None for p in (tmp_path / "T").glob("resident-*.jsonl"))
 
 
+def test_a_mode_list_that_starts_with_a_dash_reaches_the_budget_s_child_whole(tiny_models, tmp_path):
+    """The child process under a budget gets the modes as one word: `--modes -gating,ar` would read as an option
+    there."""
+    import shutil
+    import subprocess
+    import sys
+
+    from s2moe.engine.offload import MemoryCgroup
+
+    reason = MemoryCgroup.unavailable_reason()
+    if reason:
+        pytest.skip(f"no memory cgroup here: {reason}")
+    out_json = tmp_path / "b.json"
+    model = shutil.copy(tiny_models["olmoe"], tmp_path / "model.gguf")
+    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(model), "--prompts",
+                           "natural", "--n-prompts", "1", "-n", "4", "--threads", "1", "--modes=-gating,ar",
+                           "--budget", "auto", "--no-quality", "--no-reference", "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [r["mode"] for r in json.loads(out_json.read_text())["results"]] == ["-gating", "ar"]
+
+
 def test_the_bound_reads_the_disk_around_each_budget_and_falls_back_to_the_profile_s_rates_for_this_model(tiny_models):
     """The disk's rate drifts within a run: each budget's bound uses the passes read just before and after it.
     Where no pass could read cold, the profile's rates measured on this model's experts stand in, never the
