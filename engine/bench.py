@@ -296,7 +296,10 @@ def near_tie(dec: Decoder, prompt: str, reference: tuple, other: tuple, cfg: Gen
     rt.kv_clear()
     if rt.hook is not None:
         rt.hook.off()
-    batched = rt.decode(history, 0, "last")[0]
+    # the tail a batch holds is decoded as one, what comes before it prefilled as a long prompt is
+    tail = min(len(history), rt.n_batch)
+    rt.prefill(history[:-tail])
+    batched = rt.decode(history[-tail:], len(history) - tail, "last")[0]
     rt.kv_clear()
     head = len(prompt_tokens) - 1
     rt.prefill(history[:head])

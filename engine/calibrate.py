@@ -322,7 +322,7 @@ def _plain_fetches(rt, counter, text: list[int], n: int) -> dict:
     hook.off()
     context, forced = text[:PLAIN_FETCH_CONTEXT], text[PLAIN_FETCH_CONTEXT:]
     if len(context) > 1:
-        rt.decode(context[:-1], 0, "none")
+        rt.prefill(context[:-1])
     t, pos, ids, misses, seconds, tokens = context[-1], len(context) - 1, [], [], [], []
     try:
         for i in range(n):

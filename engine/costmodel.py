@@ -200,7 +200,7 @@ def _prepare(rt, seed: int, context: int, cap: int):
     prefix = rng.integers(0, rt.n_vocab, size=context).tolist()
     if rt.hook is not None:
         rt.hook.off()
-    rt.decode(prefix, 0, "none")
+    rt.prefill(prefix)
     return rng, context
 
 
@@ -411,7 +411,7 @@ def iter_context_steps(rt, k_draft: int, cap: int, n: int, *, contexts=WORKLOAD_
             if c > have:
                 if rt.hook is not None:
                     rt.hook.off()
-                rt.decode(rng.integers(0, rt.n_vocab, size=c - have).tolist(), have, "none")
+                rt.prefill(rng.integers(0, rt.n_vocab, size=c - have).tolist(), have)
                 have = c
             times = {}
             for kind in CONTEXT_KINDS:

@@ -526,3 +526,24 @@ def test_a_bench_on_a_session_s_decoder_neither_copies_from_nor_adds_to_its_earl
         assert d.earlier is session and session.generations() == [((1, 2, 3), [1, 2, 3, 4, 5])]
     finally:
         d.earlier = kept
+
+
+def test_the_near_tie_check_reads_a_context_longer_than_one_batch(tiny_models):
+    """A mode that left ar's tokens is checked by decoding the context batched and token by token; with a
+    small -b the context outgrows one batch, and the batched side prefills what comes before its last batch
+    (it raised ValueError, and bench under a budget at -b 64 died on HumanEval's prompts)."""
+    from s2moe.engine.bench import near_tie
+    from s2moe.engine.decoder import Decoder
+
+    dec = Decoder(str(tiny_models["olmoe"]), n_ctx=256, n_threads=1, max_draft=8, n_batch=32)
+    try:
+        prompt = " ".join(f"word{i}" for i in range(12))
+        assert len(dec.tokenize(prompt)) > dec.rt.n_batch
+        cfg = GenerationConfig(mode="ar", n_predict=6, stop_at_eos=False)
+        reference = tuple(t for ev in dec.generate(prompt, cfg) for t in getattr(ev, "committed", ()))
+        assert len(reference) == 6
+        other = reference[:3] + ((reference[3] + 1) % dec.rt.n_vocab,) + reference[4:]
+        assert near_tie(dec, prompt, reference, other, cfg) in (True, False)
+        assert near_tie(dec, prompt, reference, reference, cfg) is False
+    finally:
+        dec.close()
