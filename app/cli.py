@@ -237,10 +237,11 @@ def tree_mode(args) -> str:
 
 def add_batch_option(p: argparse.ArgumentParser) -> None:
     """llama.cpp's batch size, for every command that decodes prompts through our engine."""
-    p.add_argument("-b", "--batch-size", dest="batch_size", type=positive_int, default=512, metavar="N",
+    p.add_argument("-b", "--batch-size", dest="batch_size", type=positive_int, default=None, metavar="N",
                    help="tokens per llama.cpp batch: a prompt is prefilled in chunks of N, and the compute buffers "
-                        "are sized for one (default 512). Under --budget they count against it: a smaller N needs "
-                        "less memory and prefills in more passes")
+                        "are sized for one (default 512; under a --budget of a given size, the largest of 512, 256, "
+                        "… down to 32 whose buffers take at most an eighth of it). Under --budget they count against "
+                        "it: a smaller N needs less memory and prefills in more passes")
 
 
 def add_placement_options(p: argparse.ArgumentParser) -> None:
@@ -560,9 +561,14 @@ def cmd_generate(args) -> int:
 
         offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up)
         if not args.json:
+            from ..engine.offload.sizes import fmt_bytes
+
             plan = offloader.plan
-            print(plan.describe() if plan is not None and not budget.auto else
-                  f"budget {budget.describe(offloader.budget_bytes)}", file=sys.stderr)
+            rt = decoder.rt
+            print((plan.describe() if plan is not None and not budget.auto else
+                   f"budget {budget.describe(offloader.budget_bytes)}")
+                  + f" · prefill in batches of {rt.n_batch} ({fmt_bytes(rt.compute_buffer_bytes)} of compute buffers)",
+                  file=sys.stderr)
             if not hot:
                 print(no_hot_experts_note(args.profile, decoder.info.path, args.budget), file=sys.stderr)
     if not decoder.info.is_moe and args.mode == "ar":

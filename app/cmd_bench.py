@@ -167,6 +167,12 @@ def sampled_note(config: dict, reference: bool) -> str:
     return text + ("; the llama.cpp row decodes greedily" if reference else "")
 
 
+def batch_line(batches: dict) -> str:
+    """The prefill batch each budget's process ran: where -b is not given, a budget of a given size chooses it."""
+    each = ", ".join(f"{n} tokens under {label}" for label, n in batches.items())
+    return f"llama.cpp's batch (a prompt's prefill chunk, its compute buffers sized for it): {each}"
+
+
 def storage_line(storage: dict) -> str:
     """How the bound column was computed, from the storage figures the run measured."""
     if storage.get("qd8_range"):
@@ -378,7 +384,7 @@ def memory_quality_text(label: str, q: dict) -> str:
     return text
 
 
-def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict]:
+def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict, int]:
     """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
     the budget's label, its verification cost-model fit, the budget in bytes (auto: as sized) and what gating
     toward the experts in memory cost there (bench.memory_gating_quality; {} with --no-quality)."""
@@ -412,7 +418,9 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
             argv += [SAMPLING_VALUES[key][0], str(value)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
-        argv += ["--batch-size", str(args.batch_size), *placement_flags(placement_from_args(args))]
+        if args.batch_size is not None:  # else the budget's process chooses its own (engine.decoder.Decoder)
+            argv += ["--batch-size", str(args.batch_size)]
+        argv += placement_flags(placement_from_args(args))
         if not args.warmup:
             argv.append("--no-warmup")
         if args.profile:
@@ -426,7 +434,7 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
         data = json.loads(out.read_text())
     rows = [BenchRow(**r) for r in data["results"]]
     return (rows, (rows[0].budget if rows else budget_text), data.get("cost_model") or {},
-            data["config"]["budget_bytes"], data.get("quality") or {})
+            data["config"]["budget_bytes"], data.get("quality") or {}, data["config"]["batch_size"])
 
 
 def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: int | None, rows):
@@ -445,7 +453,9 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
         out = Path(tmp) / "ref.json"
         argv = [sys.executable, "-m", "s2moe.engine.reference", "--model", model, "--prompts", args.prompts,
                 "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out),
-                "--placement", json.dumps(placement_from_args(args).as_dict()), "--batch-size", str(args.batch_size)]
+                "--placement", json.dumps(placement_from_args(args).as_dict())]
+        if args.batch_size is not None:  # else llama.cpp's default, as its users get it
+            argv += ["--batch-size", str(args.batch_size)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
         if budget_bytes is None:
@@ -559,7 +569,7 @@ def run(args) -> int:
         if b != "none":
             offload.Budget.parse(b)  # a bad size is a one-line error before anything runs
     inside = offload.current_budget()
-    extra_rows, budget_fits, budget_quality, storage, around = [], {}, {}, None, {}
+    extra_rows, budget_fits, budget_quality, storage, around, batches = [], {}, {}, None, {}, {}
     budgeted = [b for b in budgets if b != "none"]
     if inside is None and budgeted and not hot:
         from .cli import no_hot_experts_note
@@ -572,7 +582,8 @@ def run(args) -> int:
         for b in budgets:
             if b != "none":
                 before = read_storage(emap)
-                rows, label, fit, size, memory_quality = _budget_rows(args, model, b)
+                rows, label, fit, size, memory_quality, batch = _budget_rows(args, model, b)
+                batches[label] = batch
                 if memory_quality.get("tokens"):
                     budget_quality[label] = memory_quality
                 around[label] = before + read_storage(emap)
@@ -619,9 +630,11 @@ def run(args) -> int:
                     done = ev
         if off is not None:
             off.close()
+        batch = decoder.rt.n_batch
         decoder.close()
         if done is None:
             return 1
+        done.config["batch_size"] = batch  # what a budget counted for llama.cpp's compute buffers
         if off is not None:
             done.config["budget_bytes"] = off.budget_bytes
     else:
@@ -655,7 +668,8 @@ def run(args) -> int:
         done.cost_model_by_budget.update(budget_fits)
         done.memory_quality_by_budget.update(budget_quality)
     done.config["placement"] = placement.as_dict()  # where the weights were: the report says what ran
-    done.config["batch_size"] = args.batch_size  # what a budget counted for llama.cpp's compute buffers
+    if batches:
+        done.config["batch_by_budget"] = batches
     if args.json_out:
         write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n")
     if inside is not None:
@@ -675,6 +689,8 @@ def run(args) -> int:
         say(sampled_note(done.config, any(r.mode == "llama.cpp" for r in done.rows)))
     if done.config.get("storage"):
         say(storage_line(done.config["storage"]))
+    if done.config.get("batch_by_budget"):
+        say(batch_line(done.config["batch_by_budget"]))
     if done.quality.get("tokens"):
         say("gating quality: " + gating_quality_text(done.quality))
     for label, mq in done.memory_quality_by_budget.items():

@@ -275,9 +275,10 @@ def _cold_worker(cfg: dict) -> int:
         sys.stdout.flush()
 
     # a context of at least one batch, so that llama.cpp does not cap the batch a budget is sized with
-    n_batch = cfg.get("n_batch", DEFAULT_BATCH)
-    decoder = Decoder(cfg["model"], n_ctx=max(256, n_batch), n_threads=cfg.get("threads"), max_draft=cfg["cap"],
-                      use_extra_bufts=False, placement=Placement(**cfg.get("placement", {})), n_batch=n_batch)
+    n_batch = cfg.get("n_batch")  # None: llama.cpp's, or what fits the budget's prefill share
+    decoder = Decoder(cfg["model"], n_ctx=max(256, n_batch or DEFAULT_BATCH), n_threads=cfg.get("threads"),
+                      max_draft=cfg["cap"], use_extra_bufts=False, placement=Placement(**cfg.get("placement", {})),
+                      n_batch=n_batch)
     rt = decoder.rt
 
     def warm_up():  # every graph shape this worker times, so that an auto budget counts them
@@ -379,10 +380,11 @@ class _Calibration:
     """What the steps share: the model, the settings, the runtime, and each step's results."""
 
     def __init__(self, info, emap, *, budget, prompts, threads, repeats, draft_topk, draft_cap, stop,
-                 placement=Placement(), n_batch: int = DEFAULT_BATCH):
+                 placement=Placement(), n_batch: int | None = None):
         self.info, self.emap, self.budget, self.prompts = info, emap, budget, prompts
         self.placement = placement
-        self.n_batch = n_batch  # the batch the budget step's process runs: a budget counts its compute buffers
+        # the batch the budget step's process runs (a budget counts its compute buffers): -b, else chosen there
+        self.n_batch = n_batch
         self.gpu = None  # what the gpu step measured
         self.threads, self.repeats, self.draft_topk, self.draft_cap = threads, repeats, draft_topk, draft_cap
         self.stop = stop
@@ -667,6 +669,7 @@ def _cold_result(cal: _Calibration, index: int, res: dict, after: dict) -> StepR
     given = fault_explained_fit(experts, faults, tokens, seconds)
     cal.cache_fit = _cache_fit(res["plain"], res["record"], cal.info.n_expert,
                                float(cal.emap.expert_bytes[list(cal.emap.moe_layers)].mean()))
+    cal.n_batch = res.get("n_batch", cal.n_batch)
     cal.cold = {"fit": cfit, "miss_fit": mfit, "given_faults": given, "t_ar": res["t_ar"],
                 "c_draft": res["c_draft"], "split": res["split"], "peak": res["peak"], "pinned": res["pinned"],
                 "samples": cs}
@@ -836,7 +839,7 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
     prompts: list of strings, a path to a prompts file, or None for the built-in prompts.
     placement: where the weights go for the plain, draft and verification timings (-ngl, --cpu-moe…).
     n_batch: llama.cpp's batch of the process measured under the budget (its compute buffers count there;
-    None: its default).
+    None: llama.cpp's default, or under a budget of a given size what fits its prefill share).
     should_stop: polled between measurements; when it returns True the generator returns without
     yielding anything more and without writing a profile (see the module docstring)."""
     name = check_name(DEFAULT_NAME if name is None else name)
@@ -853,7 +856,7 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
                        prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
                        threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,
                        draft_cap=draft_cap, stop=should_stop or (lambda: False), placement=placement,
-                       n_batch=DEFAULT_BATCH if n_batch is None else n_batch)
+                       n_batch=n_batch)
     steps = (_step_bandwidth, _step_plain_and_draft, _step_cost_model, _step_hot_experts, _step_under_budget,
              _step_gpu, lambda cal, index: _step_profile(cal, index, name, save))
     try:

@@ -26,6 +26,7 @@ from .policies import (CascadeDrafter, ConfidenceStop, Drafter, EarlierText, Fix
                        LayerSkipDrafter, LookupDrafter, LookupOrSelfDrafter, RecordingStop, SelfDrafter, UtilityStop,
                        rule_cost)
 from .gpu import Placement
+from .offload.budget import prefill_batch_room
 from .runtime import DEFAULT_BATCH, LlamaRuntime
 from .sampling import (MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, PositionNoise, Sampling,
                        SeededSampler, check_seed, random_seed)
@@ -220,7 +221,10 @@ class Decoder:
         self.info = read_model_info(model)  # refuses what llama.cpp would assert on (expert counts among it)
         self.max_draft = max_draft
         # a draft tree takes a sequence id per drafted node (up to the verification batch times a width)
+        # n_batch None: llama.cpp's default, or inside a budget of a given size the largest batch (halving from
+        # it) whose compute buffers fit that budget's prefill share
         self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_batch=DEFAULT_BATCH if n_batch is None else n_batch,
+                               batch_room=prefill_batch_room() if n_batch is None else None,
                                n_threads=n_threads, max_verify_rows=max_draft + 1,
                                use_extra_bufts=use_extra_bufts, placement=placement,
                                n_seq_max=min(TREE_SEQS, 4 * (max_draft + 1)))

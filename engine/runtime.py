@@ -31,6 +31,9 @@ from .offload.sizes import fmt_bytes
 
 _log_tail: deque[str] = deque(maxlen=20)
 _log_count = 0  # lines logged so far: which of the tail a call wrote
+# llama.cpp says how large a context's compute buffers are only in its log, one line a backend buffer
+_COMPUTE_BUFFER = re.compile(r"(\S+) compute buffer size = +([0-9.]+) MiB")
+_compute_buffers: list[tuple[str, int]] = []  # (buffer type, bytes) logged since the list was last cleared
 _log = logging.getLogger("s2moe.llama")
 
 # llama.cpp keeps n_ctx in 32 bits and rounds it up; far below that, a context this large is a typo.
@@ -57,6 +60,9 @@ def _log_sink(level, text, user_data):
         if msg:
             _log_tail.append(msg)
             _log_count += 1
+            sized = _COMPUTE_BUFFER.search(msg)
+            if sized:
+                _compute_buffers.append((sized[1], int(float(sized[2]) * (1 << 20))))
             _log.debug(msg)
 
 
@@ -246,6 +252,7 @@ class LlamaRuntime:
         *,
         n_ctx: int = 2048,
         n_batch: int = DEFAULT_BATCH,
+        batch_room: int | None = None,
         n_threads: int | None = None,
         max_verify_rows: int = 16,
         cap_max: int = 64,
@@ -302,13 +309,8 @@ class LlamaRuntime:
         n_threads = n_threads or default_threads()
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
-        cparams.n_batch = max(n_batch, max_verify_rows)
-        cparams.n_ubatch = max(n_batch, max_verify_rows)
         # Draft trees put each branch on a sequence of its own. One unified cache holds them all, so that a
         # token can belong to several branches at once (its cell shared, not copied).
-        # llama.cpp reserves one output per sequence in a batch: no more sequences than a batch holds
-        n_seq_max = max(1, min(n_seq_max, n_ctx, cparams.n_batch))
-        cparams.n_seq_max = n_seq_max
         cparams.kv_unified = True
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
@@ -319,12 +321,31 @@ class LlamaRuntime:
         if self.hook is not None:
             cparams.cb_eval = ctypes.cast(ctypes.c_void_p(self.hook.callback), llama_cpp.ggml_backend_sched_eval_callback)
             cparams.cb_eval_user_data = ctypes.c_void_p(self.hook.user_data)
-        with held_signals():
-            self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            llama_cpp.llama_model_free(self.model)
-            self.model = None
-            raise ModelError(f"llama.cpp could not create a context for {info.path.name}: {last_llama_error()}")
+        # llama.cpp sizes its compute buffers for one batch; where they may take only batch_room bytes of host
+        # memory (a memory budget's share), the batch is halved until they fit, down to MIN_CTX tokens
+        n_batch = max(n_batch, max_verify_rows)
+        floor = max(MIN_CTX, max_verify_rows)
+        while True:
+            cparams.n_batch = cparams.n_ubatch = n_batch
+            # llama.cpp reserves one output per sequence in a batch: no more sequences than a batch holds
+            cparams.n_seq_max = max(1, min(n_seq_max, n_ctx, n_batch))
+            _compute_buffers.clear()
+            with held_signals():
+                self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+            if not self.ctx:
+                llama_cpp.llama_model_free(self.model)
+                self.model = None
+                raise ModelError(f"llama.cpp could not create a context for {info.path.name}: {last_llama_error()}")
+            # host memory only: a GPU's own buffers are not the process's
+            self.compute_buffer_bytes = sum(size for kind, size in _compute_buffers
+                                            if kind == "CPU" or kind.endswith("_Host"))
+            if batch_room is None or self.compute_buffer_bytes <= batch_room or n_batch <= floor:
+                break
+            with held_signals():
+                llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+            n_batch = max(floor, n_batch // 2)
+        n_seq_max = cparams.n_seq_max
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)  # llama.cpp caps n_batch at n_ctx
         if self.n_batch < max_verify_rows:

@@ -232,6 +232,10 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     assert [r["mode"] for r in rows] == ["ar", "naive", "s2moe", "llama.cpp"] * 2
     assert budgets[:4] == ["none"] * 4 and all(b.startswith("auto (") for b in budgets[4:])
     assert all(r["n_tokens"] == 8 for r in rows) and data["config"]["batch_size"] == 32
+    # -b reaches the budget's process, which says what it ran
+    assert data["config"]["batch_by_budget"] == {budgets[4]: 32}
+    assert ("llama.cpp's batch (a prompt's prefill chunk, its compute buffers sized for it): "
+            f"32 tokens under {budgets[4]}") in said
     # the child's own cost-model fit comes back, keyed by its budget label (naive always drafts, so the
     # verifications vary in size)
     assert list(data["cost_model_by_budget"]) == [budgets[4]]

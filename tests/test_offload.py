@@ -1405,6 +1405,66 @@ def test_a_smaller_batch_needs_a_smaller_budget_and_decodes_the_same(tmp_path):
     assert runs[32]["tokens"] == runs[512]["tokens"] and len(runs[32]["tokens"]) == 8
 
 
+def test_a_batch_room_halves_the_batch_until_llama_s_compute_buffers_fit(tmp_path):
+    """llama.cpp sizes its compute buffers for one batch (here ~24 MiB at 512 tokens, a wide expert FFN): with
+    room for fewer bytes the runtime halves the batch until they fit, down to 32 tokens, and reports them."""
+    from s2moe.engine.model_info import read_model_info
+    from s2moe.engine.runtime import LlamaRuntime
+
+    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="olmoe", n_layer=1, n_expert=4, k=4, n_ff=1024, seed=1))
+    info = read_model_info(model)
+
+    def made(**kw):
+        rt = LlamaRuntime(info, n_ctx=512, n_batch=512, n_threads=1, max_verify_rows=9, **kw)
+        rt.close()
+        return rt.n_batch, rt.compute_buffer_bytes
+
+    full, at_64 = made(), made(batch_room=4 << 20)
+    assert full[0] == 512 and full[1] > 16 << 20
+    assert at_64[0] == 64 and 0 < at_64[1] <= 4 << 20 and at_64[1] < full[1] / 4
+    assert made(batch_room=1)[0] == 32  # the floor: a room no batch fits still decodes
+
+
+FIXED_BATCH = """
+import json, sys
+from s2moe.engine.decoder import Decoder
+from s2moe.engine.offload.budget import prefill_batch_room
+chosen = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False)
+asked = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False, n_batch=512)
+print(json.dumps({"room": prefill_batch_room(), "chosen": [chosen.rt.n_batch, chosen.rt.compute_buffer_bytes],
+                  "asked": [asked.rt.n_batch, asked.rt.compute_buffer_bytes]}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_inside_a_budget_of_a_given_size_llama_s_batch_fits_an_eighth_of_it(tmp_path):
+    """Without -b, a process inside a budget of a given size takes the largest batch whose compute buffers
+    fit an eighth of the budget (the rest stays for experts); -b is taken as given, and under auto, which
+    is sized around the process, llama.cpp's 512 stays."""
+    import subprocess
+    import sys
+
+    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="olmoe", n_layer=1, n_expert=4, k=4, n_ff=4096, seed=1))
+    script = tmp_path / "script.py"
+    script.write_text(FIXED_BATCH)
+    out = {}
+    for budget in (300 << 20, None):
+        cg = MemoryCgroup.create(1 << 30 if budget is None else budget, "test-batch")
+        try:
+            proc = cg.popen([sys.executable, str(script), str(model)], "auto" if budget is None else str(budget),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            cg.remove()
+        assert proc.returncode == 0, stderr[-2000:]
+        out[budget] = json.loads(stdout.strip().splitlines()[-1])
+    fixed = out[300 << 20]
+    assert fixed["room"] == (300 << 20) // 8
+    assert fixed["asked"][0] == 512 and fixed["asked"][1] > fixed["room"]
+    assert 32 <= fixed["chosen"][0] < 512 and fixed["chosen"][1] <= fixed["room"]
+    assert out[None]["room"] is None and out[None]["chosen"][0] == 512
+
+
 AUTO_MEMORY_GATING = """
 import json, sys
 import numpy as np

@@ -17,6 +17,11 @@ from .sizes import fmt_bytes, parse_size
 AUTO_START_LIMIT = 64 << 30
 AUTO_EXPERT_SHARE = 1 / 3
 AUTO_MIN_SLACK = 8 << 20
+# Under a budget of a given size llama.cpp's compute buffers may take at most this share of it. They are sized
+# for one prefill batch, and where experts are wide that is hundreds of MiB (the widened ×32 model: 195 MiB at
+# 512 tokens) that the expert cache would otherwise hold; a smaller batch only prefills a prompt in more passes,
+# while decoding runs batches of a few tokens either way.
+PREFILL_BUFFER_SHARE = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,16 @@ def current_budget() -> tuple[MemoryCgroup, Budget] | None:
     if cg is None:
         return None
     return cg, Budget.parse(os.environ.get(ENV_BUDGET) or str(cg.limit()))
+
+
+def prefill_batch_room() -> int | None:
+    """The most bytes llama.cpp's compute buffers may take in this process: PREFILL_BUFFER_SHARE of the budget
+    it runs under where that has a size; None (no limit) outside a budget and under auto, which is sized around
+    the process as it is."""
+    inside = current_budget()
+    if inside is None or inside[1].auto:
+        return None
+    return int(inside[1].size * PREFILL_BUFFER_SHARE)
 
 
 @dataclass(frozen=True)
