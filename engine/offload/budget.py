@@ -18,8 +18,8 @@ AUTO_START_LIMIT = 64 << 30
 AUTO_EXPERT_SHARE = 1 / 3
 AUTO_MIN_SLACK = 8 << 20
 # Under a budget of a given size llama.cpp's compute buffers may take at most this share of it. They are sized
-# for one prefill batch, and where experts are wide that is hundreds of MiB (the widened ×32 model: 195 MiB at
-# 512 tokens) that the expert cache would otherwise hold; a smaller batch only prefills a prompt in more passes,
+# for one prefill batch, and where experts are wide that can be hundreds of MiB the expert cache would otherwise
+# hold (README, "The prefill batch under a budget"); a smaller batch only prefills a prompt in more passes,
 # while decoding runs batches of a few tokens either way.
 PREFILL_BUFFER_SHARE = 1 / 8
 
