@@ -729,8 +729,7 @@ class CopyLearner:
     pricing rows by every copy's timing left s2moe 3-4% behind plain decoding on HumanEval). The constants
     price a row by T_tok and T_exp, which also leave out what makes a verification with drafts dearer than a
     plain step (the routing hook's stops, the acceptance of each row); once `min_copies` rejected copies were
-    timed the measured prices replace the constants'. Before that a row keeps the constants' price, but what a
-    copied token saves is already the plain step as timed here (CopyPlanner).
+    timed the measured prices replace the constants'.
 
     llama.cpp reuses its last compute graph only for a batch of the same shape, so the step after a batch of
     another shape (a prefill, a copy's verification, a draft) builds its graph anew; on a small model in memory
@@ -863,13 +862,7 @@ class CopyPlanner:
         if max_len <= 0 or saved < rule.threshold * row:
             return None
         experts = rule.expected_first_experts
-        timed = learned.price()
-        saved, row = timed or rule.copy_price(experts)
-        if timed is None and learned.plain_s is not None:
-            # what a copied token saves is a plain step, timed here on every one of them, where the constants
-            # were measured on another day of the disk or at another split of the budget; only a row waits for
-            # copies to be timed
-            saved = learned.plain_s
+        saved, row = learned.price() or rule.copy_price(experts)
         # where not even a certain copy pays at the prices timed, a probe could only re-time them, and rarely
         hopeless = saved < rule.threshold * row
         if hopeless and not learned.rare_probe_due():

@@ -457,30 +457,6 @@ def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and
     assert planner.plan(context, 4).probe
 
 
-def test_until_copies_are_timed_a_copied_token_saves_the_plain_step_as_timed_here():
-    """What a copied token saves is a plain step. Timed on the plain steps of this run, it replaces the
-    constants' T_AR before any copy was (a profile's T_AR was read on another day of the disk, or at another
-    split of the budget); a row keeps the constants' price until copies were rejected whole and timed."""
-    from s2moe.engine.policies import CopyPlanner, UtilityStop
-
-    context = [5, 1, 2, 3, 4, 1, 2, 3]
-
-    def planned(plain_s):
-        rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.002, intercept=0.0,
-                                         source="test"))
-        learned = rule.copies(3)
-        learned.began()
-        for _ in range(3 if plain_s else 0):
-            learned.timed(plain_s, 0)
-        return CopyPlanner(rule, None, prompt=(5,)).plan(context, 4)
-
-    untimed, slow = planned(None), planned(0.030)
-    assert (untimed.saved, untimed.row) == pytest.approx((0.010, 0.002))
-    assert (slow.saved, slow.row) == pytest.approx((0.030, 0.002))
-    assert len(slow.tokens) >= len(untimed.tokens) > 0
-    assert planned(0.001) is None  # plain steps cheaper than a row: not even a certain copy pays
-
-
 def test_s2moe_copies_from_an_earlier_generation_of_another_prompt(decoders, arch):
     """Where its own context repeats nothing, s2moe copies what followed the context's last n-gram in an earlier
     generation of another prompt: here a prompt that differs from an earlier one in its first token only, whose

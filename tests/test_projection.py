@@ -610,11 +610,10 @@ def test_traces_of_both_kinds_of_draft_are_not_projected_together():
 def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
     """A traced generation replayed as s2moe makes the copies from the context s2moe's own decoding made on
     that prompt: the same iterations, tokens copied and tokens accepted. The constants make a draft pass too dear
-    and a copied row free (T_tok and T_exp 0), so that what a copied token saves does not enter the decisions:
-    decoding takes that from plain steps timed on its wall clock, the replay from its projected one. Both price
-    a row by their clocks once three copies were rejected whole: the generations end where decoding's third
-    such copy is verified. Decoding copies from the context only here: this decoder's earlier generations are
-    other tests', which the replay of one trace cannot know."""
+    and a copied row cheap, T_exp 0 so that the experts a row adds do not enter the decisions. Decoding prices
+    copies by its wall clock once three copies were rejected whole, the replay by its projected one: the
+    generations end where decoding's third such copy is verified. Decoding copies from the context only here:
+    this decoder's earlier generations are other tests', which the replay of one trace cannot know."""
     from dataclasses import replace
 
     from s2moe.engine.decoder import GenerationConfig, run
@@ -629,7 +628,7 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
 
     def iterations(cfg):
         # constants of their own name: a rule of its own, which no generation before taught (as the replay's)
-        c = CostConstants(t_ar=1.0, c_draft=2.0, t_exp=0.0, t_tok=0.0, intercept=0.0, source=f"replayed {next(runs)}")
+        c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source=f"replayed {next(runs)}")
         return [e for e in run(d, REPEATING, replace(cfg, cost=c)) if isinstance(e, Iteration)]
 
     its = iterations(cfg)
@@ -638,10 +637,10 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
         cfg = replace(cfg, n_predict=sum(len(e.committed) for e in its[: rejected[2] + 1]))
         its = iterations(cfg)
     rec = TraceRecorder(d.info)
-    for ev in d.generate(REPEATING, replace(cfg, trace=True, cost=CostConstants(1.0, 2.0, 0.0, 0.0, 0.0, "traced"))):
+    for ev in d.generate(REPEATING, replace(cfg, trace=True, cost=CostConstants(1.0, 0.9, 0.0, 0.2, 0.0, "traced"))):
         rec.add(ev)
     prof = {"name": "copies", "kind": "measured", "device": {},
-            "models": {d.info.fingerprint: {"t_ar_ms": 1000.0, "c_draft_ms": 2000.0, "t_exp_ms": 0.0, "t_tok_ms": 0.0,
+            "models": {d.info.fingerprint: {"t_ar_ms": 1000.0, "c_draft_ms": 900.0, "t_exp_ms": 0.0, "t_tok_ms": 200.0,
                                             "intercept_ms": 0.0, "expert_bytes": 1000}}}
     copies = project([rec.trace], prof, modes=["s2moe"], terms="none").modes["s2moe"]
     assert copies.copied_session == 0
@@ -658,34 +657,32 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
 def test_copies_are_priced_by_the_projected_clock_once_three_were_rejected_whole():
     """The prompt and the generation repeat "1 2", never with the same token after it: three copies after that
     bigram are rejected whole (the acceptance learned for bigrams falls, so a fourth is declined). Then a trigram
-    repeats, whose copy the constants would take (T_AR 10 ms saved, a row 2.5 ms). Where a plain step costs the
-    constants' 10 ms but a verified row 5 ms more on the replay's clock, the three rejected copies price a row
-    at about 7.5 ms: the trigram's copy does not pay and is not made. Where rows cost what the constants say, it
-    is. And on a device whose plain step the profile measured at 2 ms, what a copied token saves is timed on the
-    plain steps before any copy: a row at 2.5 ms never pays, and nothing is copied."""
+    repeats, whose copy the constants would take (T_AR 10 ms saved, a row 2.5 ms). On a device whose plain
+    step the profile measured at 2 ms, the three rejected copies timed on the replay's clock price a row at
+    about 7 ms and a token saved at 2: no copy can pay, and the trigram is not copied. Where a plain step costs
+    the constants' 10 ms, the timed prices agree with the constants and it is."""
     prompt = (1, 2, 9, 5)
     generated = [20, 1, 2, 21, 22, 1, 2, 23, 24, 1, 2, 25, 26, 24, 1, 2, 25, 27, 28, 29]
     steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
     tr = Trace(header(draft_max=3, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt), steps,
                n_tokens=len(generated), seconds=1.0, name="copies")
-    quiet = dict(ctx_plain_us=0.0, ctx_step_us=0.0, ctx_row_us=0.0, ctx_draft_us=0.0, host_draft_ms=0.0)
-    dear_rows = with_workload(profile(c_draft_ms=50.0, t_tok_ms=2.5), t_plain_ms=10.0, host_row_ms=5.0, **quiet)
-    s = project([tr], dear_rows, modes=["s2moe"]).modes["s2moe"]
+    quiet = dict(ctx_plain_us=0.0, ctx_step_us=0.0, ctx_row_us=0.0, ctx_draft_us=0.0, host_draft_ms=0.0,
+                 host_row_ms=0.0)
+    cheap_plain = with_workload(profile(c_draft_ms=50.0, t_tok_ms=2.5), t_plain_ms=2.0, **quiet)
+    s = project([tr], cheap_plain, modes=["s2moe"]).modes["s2moe"]
     assert (s.copied, s.copies_accepted, s.iterations, s.draft_passes) == (2 + 1 + 1, 0, len(generated), 0)
     s = project([tr], profile(c_draft_ms=50.0, t_tok_ms=2.5), modes=["s2moe"], terms="none").modes["s2moe"]
     assert (s.copied, s.copies_accepted, s.iterations) == (2 + 1 + 1 + 2, 1, len(generated) - 1)
-    cheap_plain = with_workload(profile(c_draft_ms=50.0, t_tok_ms=2.5), t_plain_ms=2.0, host_row_ms=0.0, **quiet)
-    assert project([tr], cheap_plain, modes=["s2moe"]).modes["s2moe"].copied == 0
     # replayed twice over (bench --repeats): the second pass starts from what the first taught the rule, which
     # by then prices copies as not paying, so it copies nothing; ar's tokens and time simply double
-    twice = project([tr], dear_rows, modes=["ar", "s2moe"], repeats=2)
-    once = project([tr], dear_rows, modes=["ar", "s2moe"])
+    twice = project([tr], cheap_plain, modes=["ar", "s2moe"], repeats=2)
+    once = project([tr], cheap_plain, modes=["ar", "s2moe"])
     assert (twice.repeats, twice.modes["s2moe"].copied, twice.modes["s2moe"].tokens) == (2, 4, 2 * len(generated))
     assert twice.modes["ar"].seconds == pytest.approx(2 * once.modes["ar"].seconds)
     with pytest.raises(ConfigError, match="repeats"):
-        project([tr], dear_rows, repeats=0)
+        project([tr], cheap_plain, repeats=0)
     # traces from before they held their prompts: s2moe without copies, and said so
-    old = project([replace(tr, header=replace(tr.header, prompt=None))], dear_rows, modes=["s2moe"])
+    old = project([replace(tr, header=replace(tr.header, prompt=None))], cheap_plain, modes=["s2moe"])
     assert old.modes["s2moe"].copied == 0 and "without copies" in old.basis
 
 
