@@ -386,8 +386,9 @@ def memory_quality_text(label: str, q: dict) -> str:
 
 def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict, int]:
     """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
-    the budget's label, its verification cost-model fit, the budget in bytes (auto: as sized) and what gating
-    toward the experts in memory cost there (bench.memory_gating_quality; {} with --no-quality)."""
+    the budget's label, its verification cost-model fit, the budget in bytes (auto: as sized), what gating
+    toward the experts in memory cost there (bench.memory_gating_quality; {} with --no-quality) and the prefill
+    batch its process ran (-b, else chosen there)."""
     import tempfile
     from pathlib import Path
 

@@ -221,8 +221,8 @@ class Decoder:
         self.info = read_model_info(model)  # refuses what llama.cpp would assert on (expert counts among it)
         self.max_draft = max_draft
         # n_batch None: llama.cpp's default, or inside a budget of a given size the largest batch (halving from
-        # it) whose compute buffers fit that budget's prefill share;
-        # a draft tree takes a sequence id per drafted node (up to the verification batch times a width)
+        # it) whose compute buffers fit that budget's prefill share.
+        # A draft tree takes a sequence id per drafted node (up to the verification batch times a width)
         self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_batch=DEFAULT_BATCH if n_batch is None else n_batch,
                                batch_room=prefill_batch_room() if n_batch is None else None,
                                n_threads=n_threads, max_verify_rows=max_draft + 1,
