@@ -42,9 +42,13 @@ class VerifyObserver(Protocol):
         """Experts [n_layer, n_expert] (bool) the coming verification will read as a draft pass just predicted
         them (each told once, as soon as it is known, while the draft goes on)."""
 
-    def verifying(self, predicted: np.ndarray | None) -> None:
+    def verifying(self, predicted: np.ndarray | None, first_row_ids: int) -> None:
         """A verification is about to run; predicted: the experts [n_layer, n_expert] its draft predicted it
-        will read (None for a plain step)."""
+        will read (None for a plain step). first_row_ids: how many of each layer's routed ids belong to its
+        first row, the one whose output is kept whatever it decides (0 for a plain step: all of them)."""
+
+    def verified(self) -> None:
+        """The verification told by `verifying` ran (or failed)."""
 
     def start_counting(self) -> None:
         """Decodes that route through the hook start (the draft passes, then the verification)."""
@@ -649,12 +653,16 @@ class Decoder:
                 hook.observe()
         counting = observer is not None and hook is not None and not plain_unobserved
         if observer is not None:
-            observer.verifying(proposal.predicted if len(batch) > 1 else None)
+            observer.verifying(proposal.predicted if len(batch) > 1 else None, k if len(batch) > 1 else 0)
         if counting:
             observer.start_counting()
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if counting else 0
         t0 = time.perf_counter()
-        logits = rt.decode(batch, pos, "all") if layout is None else rt.decode_tree(batch, *layout)
+        try:
+            logits = rt.decode(batch, pos, "all") if layout is None else rt.decode_tree(batch, *layout)
+        finally:
+            if observer is not None:
+                observer.verified()
         seconds = time.perf_counter() - t0
         # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
         # the fact) but it tells how much of the latency the residency snapshot could not foresee.

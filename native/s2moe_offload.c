@@ -31,6 +31,9 @@ typedef struct s2_prefetch {
     int n_layer, n_expert, n_parts;
     int64_t *ranges;      // [n_layer][n_expert][n_parts][2] (file offset, length); a copy
     uint8_t *mark;        // [n_expert] scratch: ids already advised in this call
+    uint8_t *front;       // [n_expert] scratch: ids among the call's first `lead` (the row sure to be kept)
+    int lead;             // ids of a call read by the row whose output is kept whatever the verification
+                          // decides (its first row); 0: every id (a plain step, a prompt's prefill)
     size_t page;
     int64_t n_calls, n_advised, bytes_advised;
     int advise;           // madvise(WILLNEED) the experts; 0: only count misses
@@ -67,9 +70,11 @@ s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert,
     const size_t n = (size_t)n_layer * n_expert * n_parts * 2;
     p->ranges = malloc(n * sizeof(int64_t));
     p->mark = calloc((size_t)n_expert, 1);
-    if (!p->ranges || !p->mark) {
+    p->front = calloc((size_t)n_expert, 1);
+    if (!p->ranges || !p->mark || !p->front) {
         free(p->ranges);
         free(p->mark);
+        free(p->front);
         free(p);
         return NULL;
     }
@@ -92,6 +97,7 @@ s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert,
     if (!p->vec) {
         free(p->ranges);
         free(p->mark);
+        free(p->front);
         free(p);
         return NULL;
     }
@@ -169,6 +175,7 @@ void s2_prefetch_free(s2_prefetch *p) {
     free(p->staged);
     free(p->ranges);
     free(p->mark);
+    free(p->front);
     free(p->vec);
     free(p);
 }
@@ -201,10 +208,12 @@ static int part_stage(const s2_prefetch *p, int j) {
 static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, int count, int advise, int used) {
     if (!p || layer < 0 || layer >= p->n_layer || !ids || n <= 0) return 0;
     memset(p->mark, 0, (size_t)p->n_expert);
+    memset(p->front, 0, (size_t)p->n_expert);
     const int cached = used && p->cache != NULL;
     int advised = 0;
     for (int i = 0; i < n; ++i) {
         const int32_t e = ids[i];
+        if (e >= 0 && e < p->n_expert && (p->lead <= 0 || i < p->lead)) p->front[e] = 1;
         if (e < 0 || e >= p->n_expert || p->mark[e]) continue;
         p->mark[e] = 1;
         ++advised;
@@ -278,6 +287,7 @@ struct s2_cache {
     int fd;                 // the model file, for posix_fadvise
     int64_t n_evicted, n_refused, n_lost;  // n_refused: drops the kernel refused; n_lost: experts it held
                                            // that were not in memory when routed
+    int64_t n_behind;       // experts entered at the least recent end (read by a verification's drafts only)
 };
 
 static void cache_unlink(s2_cache *c, int32_t i) {
@@ -292,6 +302,14 @@ static void cache_push_front(s2_cache *c, int32_t i) {
     if (c->head >= 0) c->prev[c->head] = i;
     c->head = i;
     if (c->tail < 0) c->tail = i;
+}
+
+static void cache_push_back(s2_cache *c, int32_t i) {
+    c->next[i] = -1;
+    c->prev[i] = c->tail;
+    if (c->tail >= 0) c->next[c->tail] = i;
+    c->tail = i;
+    if (c->head < 0) c->head = i;
 }
 
 // A held expert whose pages left memory some other way (a layer read part by part drops each part once used).
@@ -339,6 +357,11 @@ static void cache_evict(s2_prefetch *p, int32_t i) {
 // The layer's distinct experts (p->mark) were just routed: they become the most recently used, and what
 // the cache then holds beyond its capacity is paged out, least recently used first, never one of the
 // layer's own (a layer that needs more than the whole cache keeps them until a later layer routes).
+// In a verification only the first row's experts (p->front) count as used: the other rows are drafted
+// tokens, rejected often, and a batch of them routes to more experts than the cache holds. Made the most
+// recent, they would page out the experts the plain steps around the verification keep reading (measured:
+// plain steps between copies fetched twice the experts). So an expert only they read enters at the least
+// recent end, and one held already keeps its place.
 static void cache_use(s2_prefetch *p, int layer) {
     s2_cache *c = p->cache;
     for (int e = 0; e < p->n_expert; ++e) {
@@ -347,20 +370,28 @@ static void cache_use(s2_prefetch *p, int layer) {
         if (c->pinned[i]) continue;
         if (c->held[i]) {
             if (p->mark[e] == 2) ++c->n_lost;
+            if (!p->front[e]) continue;
             cache_unlink(c, i);
         } else {
             c->held[i] = 1;
             c->used += c->bytes[i];
+            if (!p->front[e]) {
+                cache_push_back(c, i);
+                ++c->n_behind;
+                continue;
+            }
         }
         cache_push_front(c, i);
     }
-    while (c->used > c->capacity && c->tail >= 0) {
-        const int32_t i = c->tail;
-        if (i / p->n_expert == layer && p->mark[i % p->n_expert]) break;
-        cache_unlink(c, i);
-        c->held[i] = 0;
-        c->used -= c->bytes[i];
-        cache_evict(p, i);
+    for (int32_t i = c->tail; i >= 0 && c->used > c->capacity;) {
+        const int32_t newer = c->prev[i];
+        if (i / p->n_expert != layer || !p->mark[i % p->n_expert]) {
+            cache_unlink(c, i);
+            c->held[i] = 0;
+            c->used -= c->bytes[i];
+            cache_evict(p, i);
+        }
+        i = newer;
     }
 }
 
@@ -620,7 +651,8 @@ void s2_cache_drop_mapping(s2_prefetch *p, void *base, size_t lo, size_t hi) {
 }
 
 // out: bytes held, experts evicted, evictions the kernel refused part of, experts held that the kernel
-// had reclaimed all the same, layers read part by part (0 each without a cache)
+// had reclaimed all the same, layers read part by part, spans streamed, experts entered at the least recent
+// end (0 each without a cache)
 void s2_cache_stats(const s2_prefetch *p, int64_t *out) {
     const s2_cache *c = p ? p->cache : NULL;
     out[0] = c ? c->used : 0;
@@ -629,6 +661,13 @@ void s2_cache_stats(const s2_prefetch *p, int64_t *out) {
     out[3] = c ? c->n_lost : 0;
     out[4] = c ? p->n_staged : 0;
     out[5] = c ? p->n_streamed : 0;
+    out[6] = c ? c->n_behind : 0;
+}
+
+// Of the ids a routed layer hands over next, the first `lead` are the row whose output is kept whatever
+// the verification decides (cache_use); lead <= 0: every one is.
+void s2_cache_lead(s2_prefetch *p, int lead) {
+    if (p) p->lead = lead;
 }
 
 // WILLNEED the predicted experts of one layer that are not wholly resident yet.

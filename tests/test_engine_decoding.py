@@ -712,14 +712,18 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
 
     class Counter(VerifyObserver):
         def __init__(self):
-            self.log, self.n, self.verified = [], 0, []
+            self.log, self.n, self.told, self.first_rows = [], 0, [], []
 
         def predicted(self, experts):
             assert experts.shape == (n_layer, d.info.n_expert) and experts.dtype == bool
             self.log.append("predicted")
 
-        def verifying(self, predicted):
-            self.verified.append(predicted)
+        def verifying(self, predicted, first_row_ids):
+            self.told.append(predicted)
+            self.first_rows.append(first_row_ids)
+
+        def verified(self):
+            self.log.append("verified")
 
         def start_counting(self):
             self.log.append("begin")
@@ -744,13 +748,16 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
     # drafts are counted apart from the verification that follows them, and tell what they predict as
     # they go (at least the pending token's experts, from the first pass)
     counting = [x for x in counter.log if x != "predicted"]
-    assert events and counting == ["begin", "counted", "begin", "counted"] * len(events)
+    assert events and counting == ["begin", "counted", "begin", "verified", "counted"] * len(events)
     segments = " ".join(counter.log).split("begin ")[1:]  # per iteration: the draft's, then the verification's
     drafts, verifications = segments[0::2], segments[1::2]
-    assert all(v.strip() == "counted" for v in verifications)
+    assert all(v.strip() == "verified counted" for v in verifications)
     assert [("predicted" in seg) for seg in drafts] == [bool(e.drafted) for e in events]
-    # before each verification: what its draft predicted, nothing for a plain step
-    assert [p is not None for p in counter.verified] == [bool(e.drafted) for e in events]
+    # before each verification: what its draft predicted, nothing for a plain step; and which of its routed
+    # ids are its first row's (all of a plain step's)
+    assert [p is not None for p in counter.told] == [bool(e.drafted) for e in events]
+    k = d.info.n_expert_used
+    assert counter.first_rows == [k if e.drafted else 0 for e in events]
     assert [int(e.draft_misses[0]) for e in events] == list(range(1, 2 * len(events), 2))
     assert [int(e.verify_misses[0]) for e in events] == list(range(2, 2 * len(events) + 1, 2))
     assert all(isinstance(e.verify_major_faults, int) and e.verify_major_faults >= 0 for e in events)
@@ -769,7 +776,7 @@ def test_a_draft_on_weights_of_its_own_is_told_to_the_observer(decoders, arch):
         def predicted(self, experts):
             pass
 
-        def verifying(self, predicted):
+        def verifying(self, predicted, first_row_ids):
             pass
 
         def start_counting(self):

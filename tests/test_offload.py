@@ -381,7 +381,7 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             assert _wait_for(lambda: resident()[0, [1, 2]].all())
             pf.layer(1, [3, 4])  # four held: (0, 1), routed longest ago, goes
             assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0, "staged": 0,
-                                        "streamed": 0}
+                                        "streamed": 0, "behind": 0}
             assert _wait_for(lambda: resident()[0, 2] and resident()[1, 3] and resident()[1, 4])
             assert not resident()[0, 1]
             pf.layer(0, [0])  # pinned: never counted
@@ -399,7 +399,40 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             pf.layer(1, [7])
             assert pf.cache_stats()["lost"] == 1
             pf.keep_cache(0, 0, 0, -1, pinned)
-            assert pf.cache_stats() == {"held": 0, "evicted": 0, "refused": 0, "lost": 0, "staged": 0, "streamed": 0}
+            assert pf.cache_stats() == {"held": 0, "evicted": 0, "refused": 0, "lost": 0, "staged": 0, "streamed": 0,
+                                        "behind": 0}
+        finally:
+            llama.close()
+
+
+def test_experts_only_a_verifications_drafted_rows_read_are_the_first_the_kept_cache_evicts(wide_model):
+    """In a verification only the first row's experts become the cache's most recent: an expert only the
+    drafted rows read enters at the least recent end, and one already held keeps its place, so that the
+    experts the plain steps around it read stay."""
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        llama = ModelMapping(em)
+        try:
+            one = int(em.expert_bytes[0])
+            pf.keep_cache(llama.addr, 0, llama.size, 3 * one, np.zeros((2, 8), np.uint8))
+
+            def resident():
+                return m.expert_residency() >= 1.0
+
+            pf.lead(2)  # two rows of two ids: experts 1 and 2 the first row's, 3 and 4 the drafted row's
+            pf.layer(0, [1, 2, 3, 4])  # past the capacity, but a layer keeps its own while it routes
+            assert pf.cache_stats()["held"] == 4 * one and pf.cache_stats()["behind"] == 2
+            assert _wait_for(lambda: resident()[0, [1, 2, 3, 4]].all())
+            pf.lead(0)  # a plain step
+            pf.layer(1, [5])  # the drafted row's experts go first, though stamped after the first row's
+            assert pf.cache_stats()["held"] == 3 * one and pf.cache_stats()["evicted"] == 2
+            assert _wait_for(lambda: resident()[0, [1, 2]].all() and resident()[1, 5])
+            assert not resident()[0, 3] and not resident()[0, 4]
+            pf.lead(1)
+            pf.layer(0, [2, 1])  # (0, 2) the first row's, made the most recent; (0, 1) the drafted row's stays last
+            pf.lead(0)
+            pf.layer(1, [6])
+            assert not resident()[0, 1] and resident()[0, 2] and resident()[1, 5]
+            assert pf.cache_stats()["behind"] == 2  # (0, 1) was held: it kept its place, it did not enter
         finally:
             llama.close()
 

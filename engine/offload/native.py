@@ -43,6 +43,7 @@ class NativePrefetch:
             "s2_cache_keep": (ctypes.c_int, [vp, ctypes.c_char_p, vp, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64,
                                              u8p]),
             "s2_cache_stats": (None, [vp, i64p]),
+            "s2_cache_lead": (None, [vp, ctypes.c_int]),
             "s2_cache_drop_mapping": (None, [vp, vp, ctypes.c_size_t, ctypes.c_size_t]),
             "s2_prefetch_set_stages": (None, [vp, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64, ctypes.c_int]),
             "s2_prefetch_stage_order": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_int32)]),
@@ -201,11 +202,18 @@ class NativePrefetch:
     def cache_stats(self) -> dict:
         """Bytes the kept expert cache holds, experts evicted from it, evictions the kernel refused part of,
         experts it held that the kernel had reclaimed all the same when they were routed (the budget's
-        reclaim reaching into the cache), layers read part by part and parts of theirs streamed (set_stages)."""
-        out = (ctypes.c_int64 * 6)()
+        reclaim reaching into the cache), layers read part by part and parts of theirs streamed (set_stages),
+        experts entered at the least recent end (read only by a verification's drafted rows: lead)."""
+        out = (ctypes.c_int64 * 7)()
         self.lib.s2_cache_stats(self.handle, out)
         return {"held": int(out[0]), "evicted": int(out[1]), "refused": int(out[2]), "lost": int(out[3]),
-                "staged": int(out[4]), "streamed": int(out[5])}
+                "staged": int(out[4]), "streamed": int(out[5]), "behind": int(out[6])}
+
+    def lead(self, ids: int) -> None:
+        """The first `ids` of each routed layer's ids from now on are a verification's first row, whose output
+        is kept whatever it decides: only the experts they read become the kept cache's most recent; those
+        only the drafted rows read enter at its least recent end. 0: every id counts (a plain step)."""
+        self.lib.s2_cache_lead(self.handle, int(ids))
 
     @property
     def bytes_advised(self) -> int:

@@ -208,11 +208,15 @@ class Offloader:
             self.stats.prefetch_calls += 1
         self.stats.prefetch_seconds += time.perf_counter() - t0
 
-    def verifying(self, predicted: np.ndarray | None) -> None:
+    def verifying(self, predicted: np.ndarray | None, first_row_ids: int) -> None:
         if self.native.fetching:
             self.native.verification_starts()
         if self.lookahead:
             self.native.set_ahead(predicted)
+        self.native.lead(first_row_ids)
+
+    def verified(self) -> None:
+        self.native.lead(0)
 
     def start_counting(self) -> None:
         self.native.begin()
