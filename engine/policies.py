@@ -729,7 +729,18 @@ class CopyLearner:
     pricing rows by every copy's timing left s2moe 3-4% behind plain decoding on HumanEval). The constants
     price a row by T_tok and T_exp, which also leave out what makes a verification with drafts dearer than a
     plain step (the routing hook's stops, the acceptance of each row); once `min_copies` rejected copies were
-    timed the measured prices replace the constants'.
+    timed the measured prices replace the constants'. Before that a row keeps the constants' price, but what a
+    copied token saves is already the plain step as timed here (CopyPlanner).
+
+    Under a memory budget copies also change which experts stay in memory, and the steps timed around them
+    show the cache as copies leave it, not as plain decoding would keep it: on the widened model at 350 MiB
+    the plain steps between copies fetched 6.6 experts against 3.6 where nothing was copied, and the copies
+    took 32 ms per token they committed against an undisturbed plain step's 26 ms while their own and their
+    neighbours' timings said they paid. What copies can disturb is what plain steps find in memory, so the
+    experts a plain step reads and fetches are counted too (`fetched`), and the plain step as timed prices a
+    copied token before copies were timed only where plain steps fetch most of what they read
+    (`cache_serves_little`): at 150 MiB they fetched 69% of it, and copies paid; at 350 MiB and under `auto`
+    8-14%, and copies lost.
 
     llama.cpp reuses its last compute graph only for a batch of the same shape, so the step after a batch of
     another shape (a prefill, a copy's verification, a draft) builds its graph anew; on a small model in memory
@@ -753,6 +764,7 @@ class CopyLearner:
         self.copies_timed = 0
         self._after_plain = False  # the iteration timed last was a plain step
         self._rejected: tuple[float, int] | None = None  # a copy rejected whole, until the step after it is timed
+        self._plain_fetched = np.zeros(2)  # decayed sums over plain steps: experts fetched, experts read
 
     def estimate(self, n: int, kind: str = "context") -> float:
         at = COPY_KINDS.index(kind), n
@@ -810,6 +822,17 @@ class CopyLearner:
         self.row_s = per_row if self.row_s is None else self.row_s + self.smoothing * (per_row - self.row_s)
         self.copies_timed += 1
 
+    def fetched(self, fetched: int, read: int) -> None:
+        """A plain step under a memory budget fetched `fetched` of the `read` experts it read."""
+        self._plain_fetched *= 1.0 - self.smoothing
+        self._plain_fetched += (fetched, read)
+
+    def cache_serves_little(self) -> bool:
+        """Whether plain steps fetched at least half the experts they read (False where nothing was counted:
+        without a memory budget, or before a plain step)."""
+        fetched, read = self._plain_fetched
+        return read > 0 and fetched >= read / 2
+
     def price(self) -> tuple[float, float] | None:
         """(a plain step, a copied row beyond it) as measured; None until enough copies were timed. A row is
         never priced under a twentieth of a plain step: timing noise must not make copies look free."""
@@ -862,7 +885,14 @@ class CopyPlanner:
         if max_len <= 0 or saved < rule.threshold * row:
             return None
         experts = rule.expected_first_experts
-        saved, row = learned.price() or rule.copy_price(experts)
+        timed = learned.price()
+        saved, row = timed or rule.copy_price(experts)
+        if timed is None and learned.plain_s is not None and learned.cache_serves_little():
+            # what a copied token saves is a plain step, timed here on every one of them, where the constants
+            # were measured on another day of the disk or at another split of the budget; only a row waits for
+            # copies to be timed. Not where the cache serves plain steps most of their experts: copies would
+            # disturb it, and the steps timed around them would show it disturbed (CopyLearner)
+            saved = learned.plain_s
         # where not even a certain copy pays at the prices timed, a probe could only re-time them, and rarely
         hopeless = saved < rule.threshold * row
         if hopeless and not learned.rare_probe_due():
@@ -959,6 +989,8 @@ class LookupOrSelfDrafter(Drafter):
         return out
 
     def feedback(self, it) -> None:
+        if it.verify_misses is not None and self._copied is None and not it.drafted:
+            self.copies.learned.fetched(int(np.sum(it.verify_misses)), int(np.sum(it.verify_experts)))
         if self._copied is None:
             self.self_drafter.feedback(it)
             return

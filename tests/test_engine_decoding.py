@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -455,6 +456,85 @@ def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and
     assert plan is not None and plan.probe and plan.tokens == [4]
     assert [planner.plan(context, 4) for _ in range(wait - 1)] == [None] * (wait - 1)
     assert planner.plan(context, 4).probe
+
+
+def test_until_copies_are_timed_a_copied_token_saves_the_plain_step_as_timed_where_the_cache_serves_little():
+    """What a copied token saves is a plain step. Where plain steps fetch at least half the experts they read
+    (the cache serves them little, so copies have little to disturb), the plain step timed in this run replaces
+    the constants' T_AR before any copy was timed (a profile's T_AR was read on another day of the disk, or at
+    another split of the budget); a row keeps the constants' price until copies were rejected whole and timed.
+    Where the cache serves most, or nothing was counted (no budget), the constants price it."""
+    from s2moe.engine.policies import CopyPlanner, UtilityStop
+
+    context = [5, 1, 2, 3, 4, 1, 2, 3]
+
+    def planned(plain_s, fetched=None):
+        rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.002, intercept=0.0,
+                                         source="test"))
+        learned = rule.copies(3)
+        learned.began()
+        for _ in range(3 if plain_s else 0):
+            learned.timed(plain_s, 0)
+            if fetched is not None:
+                learned.fetched(fetched, 48)
+        return CopyPlanner(rule, None, prompt=(5,)).plan(context, 4)
+
+    untimed, slow = planned(None), planned(0.030, fetched=33)
+    assert (untimed.saved, untimed.row) == pytest.approx((0.010, 0.002))
+    assert (slow.saved, slow.row) == pytest.approx((0.030, 0.002))
+    assert len(slow.tokens) >= len(untimed.tokens) > 0
+    assert planned(0.001, fetched=33) is None  # plain steps cheaper than a row: not even a certain copy pays
+    for served in (planned(0.030, fetched=23), planned(0.030)):  # 23 of 48 fetched; nothing counted
+        assert (served.saved, served.row) == pytest.approx((0.010, 0.002))
+
+
+def test_s2moe_counts_what_its_plain_steps_read_and_fetched_where_an_observer_counts_misses(decoders, arch):
+    """The experts each plain step read and fetched reach the copies' learner (copies and drafts of the model's
+    own are not plain steps); without an observer nothing is counted."""
+    d = decoders[arch]
+    n_layer = d.info.n_layer
+    cfg = GenerationConfig(mode="s2moe", n_predict=24, reuse_strength=0.0, stop_at_eos=False)
+
+    class Misses(VerifyObserver):
+        def __init__(self, per_layer):
+            self.per_layer = per_layer
+
+        def predicted(self, experts):
+            pass
+
+        def verifying(self, predicted, first_row_ids):
+            pass
+
+        def start_counting(self):
+            pass
+
+        def misses(self):
+            return np.full(n_layer, self.per_layer)
+
+        def residency(self):
+            shape = (n_layer, d.info.n_expert)
+            return Residency(np.zeros(shape), np.zeros(shape, bool), np.full(n_layer, np.nan), 0, 0, 0)
+
+    def learned_after(observer, name):
+        c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source=name)
+        if observer is not None:
+            d.attach(observer)
+            d.observe_plain = True
+        try:
+            events = [e for e in run(d, REPEATING, replace(cfg, cost=c)) if isinstance(e, Iteration)]
+        finally:
+            if observer is not None:
+                d.detach(observer)
+                d.observe_plain = False
+        assert any(not e.drafted for e in events)
+        return next(r for key, r in d._rules.items() if c in key).copies(3)
+
+    k = d.info.n_expert_used  # a plain step reads k experts in each MoE layer
+    n_moe = int(d.moe_layers().sum())
+    assert learned_after(Misses(k), "fetch all").cache_serves_little()
+    fetched, read = learned_after(Misses(1), "fetch one")._plain_fetched
+    assert fetched / read == pytest.approx(n_layer / (k * n_moe))
+    assert not learned_after(None, "no budget").cache_serves_little()
 
 
 def test_s2moe_copies_from_an_earlier_generation_of_another_prompt(decoders, arch):
