@@ -733,14 +733,13 @@ class CopyLearner:
     copied token saves is already the plain step as timed here (CopyPlanner).
 
     Under a memory budget copies also change which experts stay in memory, and the steps timed around them
-    show the cache as copies leave it, not as plain decoding would keep it: on the widened model at 350 MiB
-    the plain steps between copies fetched 6.6 experts against 3.6 where nothing was copied, and the copies
-    took 32 ms per token they committed against an undisturbed plain step's 26 ms while their own and their
-    neighbours' timings said they paid. What copies can disturb is what plain steps find in memory, so the
-    experts a plain step reads and fetches are counted too (`fetched`), and the plain step as timed prices a
-    copied token before copies were timed only where plain steps fetch most of what they read
-    (`cache_serves_little`): at 150 MiB they fetched 69% of it, and copies paid; at 350 MiB and under `auto`
-    8-14%, and copies lost.
+    show the cache as copies leave it, not as plain decoding would keep it: where the kept cache serves plain
+    steps most of their experts, copies leave the plain steps between them fetching more, and both the copies
+    and their neighbours then look as if they paid while the session runs slower than without copies. What
+    copies can disturb is what plain steps find in memory, so the experts a plain step reads and fetches are
+    counted too (`fetched`), and the plain step as timed prices a copied token before copies were timed only
+    where plain steps fetch most of what they read (`cache_serves_little`; README, "The prefill batch under
+    a budget", has the measurements at three budgets).
 
     llama.cpp reuses its last compute graph only for a batch of the same shape, so the step after a batch of
     another shape (a prefill, a copy's verification, a draft) builds its graph anew; on a small model in memory
@@ -945,7 +944,8 @@ class LookupOrSelfDrafter(Drafter):
     A copied token needs no draft pass: it pays when p·T_AR ≥ threshold·(what its row costs), p the learned
     acceptance of copies after an n-gram of its length, chained over the copy. A row costs T_tok + T_exp·E under
     the constants (E the experts a row adds to the verification, the rule's running estimate, which both kinds
-    of draft teach), and T_AR is the constants' plain step, until the rule has timed copies here (CopyLearner)."""
+    of draft teach), and T_AR is the constants' plain step, until the rule has timed copies here; where plain
+    steps under a memory budget fetch most of the experts they read, the plain step as timed here (CopyLearner)."""
 
     name = "s2moe"
     drafts_in_context = True

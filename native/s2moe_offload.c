@@ -359,9 +359,9 @@ static void cache_evict(s2_prefetch *p, int32_t i) {
 // layer's own (a layer that needs more than the whole cache keeps them until a later layer routes).
 // In a verification only the first row's experts (p->front) count as used: the other rows are drafted
 // tokens, rejected often, and a batch of them routes to more experts than the cache holds. Made the most
-// recent, they would page out the experts the plain steps around the verification keep reading (measured:
-// plain steps between copies fetched twice the experts). So an expert only they read enters at the least
-// recent end, and one held already keeps its place.
+// recent, they would page out the experts the plain steps around the verification keep reading, and those
+// steps would fetch them again. So an expert only they read enters at the least recent end, and one held
+// already keeps its place.
 static void cache_use(s2_prefetch *p, int layer) {
     s2_cache *c = p->cache;
     for (int e = 0; e < p->n_expert; ++e) {
