@@ -458,6 +458,30 @@ def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and
     assert planner.plan(context, 4).probe
 
 
+class QuietObserver(VerifyObserver):
+    """An observer of a decoder's verifications that counts nothing and sees nothing in memory: tests override
+    what they watch."""
+
+    def __init__(self, decoder):
+        self.shape = (decoder.info.n_layer, decoder.info.n_expert)
+
+    def predicted(self, experts):
+        pass
+
+    def verifying(self, predicted, first_row_ids):
+        pass
+
+    def start_counting(self):
+        pass
+
+    def misses(self):
+        return np.zeros(self.shape[0])
+
+    def residency(self):
+        n_layer = self.shape[0]
+        return Residency(np.zeros(self.shape), np.zeros(self.shape, bool), np.full(n_layer, np.nan), 0, 0, 0)
+
+
 def test_until_copies_are_timed_a_copied_token_saves_the_plain_step_as_timed_where_the_cache_serves_little():
     """What a copied token saves is a plain step. Where plain steps fetch at least half the experts they read
     (the cache serves them little, so copies have little to disturb), the plain step timed in this run replaces
@@ -495,25 +519,13 @@ def test_s2moe_counts_what_its_plain_steps_read_and_fetched_where_an_observer_co
     n_layer = d.info.n_layer
     cfg = GenerationConfig(mode="s2moe", n_predict=24, reuse_strength=0.0, stop_at_eos=False)
 
-    class Misses(VerifyObserver):
+    class Misses(QuietObserver):
         def __init__(self, per_layer):
+            super().__init__(d)
             self.per_layer = per_layer
-
-        def predicted(self, experts):
-            pass
-
-        def verifying(self, predicted, first_row_ids):
-            pass
-
-        def start_counting(self):
-            pass
 
         def misses(self):
             return np.full(n_layer, self.per_layer)
-
-        def residency(self):
-            shape = (n_layer, d.info.n_expert)
-            return Residency(np.zeros(shape), np.zeros(shape, bool), np.full(n_layer, np.nan), 0, 0, 0)
 
     def learned_after(observer, name):
         c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source=name)
@@ -847,26 +859,11 @@ def test_a_draft_on_weights_of_its_own_is_told_to_the_observer(decoders, arch):
     """The independent drafter (naive: bench's base rung) maps the model file a second time, outside the routing hook: after each
     of its drafts the observer is told, so that offloading lets go of what it read; self-drafts never are."""
     d = decoders[arch]
-    shape = (d.info.n_layer, d.info.n_expert)
 
-    class Watcher(VerifyObserver):
+    class Watcher(QuietObserver):
         def __init__(self):
+            super().__init__(d)
             self.elsewhere = 0
-
-        def predicted(self, experts):
-            pass
-
-        def verifying(self, predicted, first_row_ids):
-            pass
-
-        def start_counting(self):
-            pass
-
-        def misses(self):
-            return np.zeros(shape[0])
-
-        def residency(self):
-            return Residency(np.zeros(shape), np.zeros(shape, bool), np.full(shape[0], np.nan), 0, 0, 0)
 
         def drafted_elsewhere(self, mappings):
             assert mappings and all(length > 0 for _, length, _ in mappings)
