@@ -208,12 +208,12 @@ static int part_stage(const s2_prefetch *p, int j) {
 static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, int count, int advise, int used) {
     if (!p || layer < 0 || layer >= p->n_layer || !ids || n <= 0) return 0;
     memset(p->mark, 0, (size_t)p->n_expert);
-    memset(p->front, 0, (size_t)p->n_expert);
     const int cached = used && p->cache != NULL;
+    if (cached) memset(p->front, 0, (size_t)p->n_expert);
     int advised = 0;
     for (int i = 0; i < n; ++i) {
         const int32_t e = ids[i];
-        if (e >= 0 && e < p->n_expert && (p->lead <= 0 || i < p->lead)) p->front[e] = 1;
+        if (cached && e >= 0 && e < p->n_expert && (p->lead <= 0 || i < p->lead)) p->front[e] = 1;
         if (e < 0 || e >= p->n_expert || p->mark[e]) continue;
         p->mark[e] = 1;
         ++advised;

@@ -72,6 +72,7 @@ class Offloader:
         self._decoder = None                  # the decoder it is attached to
         self._cache_mapping: tuple[int, int] | None = None  # (address, length): the mapping the kept cache manages
         self._every: np.ndarray | None = None  # every expert: what a draft may read if in memory
+        self._lead = False  # the native cache was told a verification's first row (NativePrefetch.lead)
 
     def attach(self, decoder, *, jit_prefetch: bool) -> None:
         """Observe decoder's verifications; the routing hook hands every layer's final ids to the native
@@ -213,10 +214,14 @@ class Offloader:
             self.native.verification_starts()
         if self.lookahead:
             self.native.set_ahead(predicted)
-        self.native.lead(first_row_ids)
+        if first_row_ids:
+            self.native.lead(first_row_ids)
+            self._lead = True
 
     def verified(self) -> None:
-        self.native.lead(0)
+        if self._lead:  # a plain step never set it
+            self.native.lead(0)
+            self._lead = False
 
     def start_counting(self) -> None:
         self.native.begin()
