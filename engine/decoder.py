@@ -416,7 +416,8 @@ class Decoder:
             # tree-prob: the same rule, blind to experts (T_exp = 0), a rule of its own
             base_cost = rule_cost(cost, self.draft_experts(cfg))
             tree_cost = base_cost if cfg.mode == "tree" else replace(base_cost, t_exp=0.0)
-            rule = self._kept_rule(("tree", cfg.draft_topk, cfg.threshold, tree_cost), tree_cost, cfg)
+            key = ("tree", cfg.draft_topk, cfg.threshold, tree_cost, cfg.tree_width, cfg.tree_max_nodes)
+            rule = self._kept_rule(key, tree_cost, cfg)
             return TreeDrafter(cfg.draft_topk, rule, cfg.tree_width, cfg.tree_max_nodes, allowed)
         if not cfg.utility:
             return SelfDrafter(cfg.draft_topk, FixedLength(), allowed)
@@ -437,8 +438,11 @@ class Decoder:
         cost, how often a probe pays, how often the target accepts its drafts): that holds for this model and
         device, not for one request, so generations with the same constants and sampler settings (drafts are
         accepted less often at a higher temperature) share it and a prompt does not pay to learn it again.
+        Generations that gate or copy differently (bench's ablation rows beside s2moe in one process, tune's
+        trials) see other steps, timings and acceptance, so each keeps a rule of its own.
         What a rule drafts never changes which tokens a seed commits (engine.acceptance)."""
-        key = key + (cfg.sampling(),)
+        key = key + (cfg.sampling(), cfg.reuse_strength, cfg.memory_strength, cfg.reuse_cap, cfg.draft_max,
+                     cfg.lookup, cfg.lookup_session, cfg.lookup_periodic)
         rule = self._rules.get(key)
         if rule is None:
             rule = self._rules[key] = UtilityStop(cost, cfg.threshold)

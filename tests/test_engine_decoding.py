@@ -167,6 +167,26 @@ def test_the_decoder_teaches_its_rule_from_each_verification(decoders, arch):
     assert rule.copies(3).seen.sum() == judged[True]
 
 
+def test_generations_that_gate_or_copy_differently_keep_rules_of_their_own(decoders, arch):
+    """A rule learns from the steps it sees: generations with the same settings share one across prompts, while
+    s2moe without its memory bias, without copies, or with copies that stop at the context's end (bench's
+    ablation rows in s2moe's process) learn apart from s2moe."""
+    d = decoders[arch]
+    cost = CostConstants(t_ar=1.0, c_draft=0.01, t_exp=0.001, t_tok=0.01, intercept=0.0, source="test-apart")
+    base = GenerationConfig(mode="s2moe", n_predict=4, cost=cost, stop_at_eos=False)
+
+    def rules():
+        return [r for key, r in d._rules.items() if cost in key]
+
+    run(d, PROMPTS[0], base)
+    run(d, PROMPTS[1], base)
+    assert len(rules()) == 1
+    for i, other in enumerate([replace(base, memory_strength=0.0), replace(base, lookup=False),
+                               replace(base, lookup_periodic=False)]):
+        run(d, PROMPTS[0], other)
+        assert len(rules()) == 2 + i
+
+
 def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
     """Utility = p_i·T_AR / (T_exp·new_i + T_tok + C_draft), with new_i from the candidate's own routing and p_i
     the rule's learned acceptance through the candidate: the product of draft probabilities until a verification
