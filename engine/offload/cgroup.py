@@ -130,11 +130,20 @@ class MemoryCgroup:
             except OSError:
                 pass
         else:
+            # No swapping either (memsw, where swap accounting is on). v1 refuses a memory limit above the
+            # memsw one, so a raise writes memsw first and a cut writes it last.
+            raising = limit_bytes > self.limit()
+            if raising:
+                self._set_memsw(limit_bytes)
             (self.path / "memory.limit_in_bytes").write_text(str(int(limit_bytes)))
-            try:  # no swapping either (when swap accounting is on)
-                (self.path / "memory.memsw.limit_in_bytes").write_text(str(int(limit_bytes)))
-            except OSError:
-                pass
+            if not raising:
+                self._set_memsw(limit_bytes)
+
+    def _set_memsw(self, limit_bytes: int) -> None:
+        try:
+            (self.path / "memory.memsw.limit_in_bytes").write_text(str(int(limit_bytes)))
+        except OSError:
+            pass
 
     @property
     def procs_file(self) -> Path:
