@@ -51,8 +51,9 @@ class BudgetRun:
 def run_in_budget(argv: list[str], budget: Budget, model_path, *, tag: str = "run",
                   **popen_kw) -> Iterator[BudgetRun]:
     """Run argv in a fresh memory cgroup limited to the budget (an auto budget starts under a generous
-    limit and lowers it itself; one of a given size that warms up raises it for the warm-up: offload_decoder), with the model file dropped from the page cache.
-    On leaving, a child still running is terminated and the cgroup removed, also on Ctrl-C or SIGTERM.
+    limit and lowers it itself; one of a given size that warms up raises it for the warm-up: see
+    offload_decoder), with the model file dropped from the page cache. On leaving, a child still running
+    is terminated and the cgroup removed, also on Ctrl-C or SIGTERM.
     Raises BudgetUnavailable (a ConfigError) when no cgroup can be made here."""
     from ... import native
 
@@ -107,8 +108,8 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     the cgroup holds after the warm-up (auto_budget_bytes), and the limit lowered to it once pinning is in
     place. A budget of a given size, inside its cgroup, warms up the same way, under the generous limit an
     auto budget starts with: under its own limit, with nothing yet pinned or cached, the warm-up decoded as
-    llama.cpp alone would (a token a second at a tight budget), seconds before every run. The offloader's
-    budget_bytes says what the budget came to."""
+    llama.cpp alone would, slowly and before every run. The offloader's budget_bytes says what the budget
+    came to."""
     emap = expert_map(decoder.info.path)
     size = None if budget is None else budget.size
     inside = current_budget() if budget is not None else None
