@@ -88,6 +88,9 @@ class DraftDecision:
     # where the draft was copied from, no draft pass to pay: what followed the context's last n-gram earlier in
     # the context ("context") or in the session's earlier generations ("session"); None: not a copy
     copied: str | None = None
+    # a copy is weighed whole: p_first is then the tokens the target is expected to accept of its `rows`,
+    # new_experts and cost are the whole copy's
+    rows: int = 1
 
     @property
     def text(self) -> str:
@@ -97,15 +100,17 @@ class DraftDecision:
             out = (f"not drafting: a certain token saves T_AR {self.t_ar * 1e3:.2f} ms but costs "
                    f"C_draft {self.c_draft * 1e3:.2f} + T_tok {self.t_tok * 1e3:.2f} ms")
             return out if self.threshold == 1 else f"{out} (utility {self.utility:.2f} < {thr})"
+        if self.copied:
+            numbers = (f"({self.p_first:.2f} expected accepted × T_AR {self.t_ar * 1e3:.2f} ms / cost "
+                       f"{self.cost * 1e3:.2f} ms for {self.rows} rows with {self.new_experts:.1f} new experts)")
+            if self.probing:
+                return (f"probing: the best copy's expected utility {self.utility:.2f} < {thr} {numbers}; verifying "
+                        "one copied token to see whether copies after this n-gram pay again")
+            where = "the context" if self.copied == "context" else "an earlier generation"
+            return (f"copying {self.rows} tokens from {where}: the copy's expected utility {self.utility:.2f} ≥ {thr} "
+                    f"{numbers}, no draft pass")
         numbers = (f"(p {self.p_first:.2f} × T_AR {self.t_ar * 1e3:.2f} ms / cost {self.cost * 1e3:.2f} ms "
                    f"with {self.new_experts:.1f} new experts)")
-        if self.copied:
-            what = "the first copied token's expected utility"
-            if self.probing:
-                return (f"probing: {what} {self.utility:.2f} < {thr} {numbers}; verifying one copied token to see "
-                        "whether copies after this n-gram pay again")
-            where = "the context" if self.copied == "context" else "an earlier generation"
-            return f"copying from {where}: {what} {self.utility:.2f} ≥ {thr} {numbers}, no draft pass"
         if self.drafting and not self.probing:
             return f"drafting: the first token's expected utility {self.utility:.2f} ≥ {thr} {numbers}"
         head = f"the first token's expected utility {self.utility:.2f} < {thr} {numbers}"
@@ -127,7 +132,8 @@ class DraftDecision:
         verb = ("probing" if self.probing else "copying" if self.copied else "drafting" if self.drafting
                 else "no draft")
         head = f"{verb}: utility {self.utility:.2f} {'≥' if self.utility >= self.threshold else '<'} {thr}"
-        return self.text, f"{head} (p {self.p_first:.2f}, cost {self.cost * 1e3:.2f} ms)", head
+        expected = f"{self.p_first:.2f} of {self.rows} accepted" if self.copied else f"p {self.p_first:.2f}"
+        return self.text, f"{head} ({expected}, cost {self.cost * 1e3:.2f} ms)", head
 
 
 @dataclass(frozen=True)

@@ -239,22 +239,23 @@ class UtilityStop(StopRule):
             self._copies = CopyLearner(max_ngram)
         return self._copies
 
-    def copy_price(self, new_experts: float) -> tuple[float, float]:
-        """(what a committed token saves, what a copied row adding new_experts costs) under the constants: a
-        copy needs no draft pass."""
+    def copy_cost(self, rows: int, added_experts: float) -> float:
+        """What verifying `rows` copied rows costs under the constants, given the experts they add to the
+        pending row's: no draft pass to pay."""
         c = self.cost
-        return c.t_ar, c.t_exp * new_experts + c.t_tok
+        return c.t_exp * added_experts + c.t_tok * rows
 
     @staticmethod
-    def copy_utility(chain: float, saved: float, row: float) -> float:
-        """A copied token's utility: no draft pass to pay (rows free only under the warm-up's constants)."""
-        return chain * saved / max(row, 1e-12)
+    def copy_utility(expected: float, saved: float, cost: float) -> float:
+        """A copy's utility: the tokens the target is expected to accept of it, each saving a plain step, over
+        what it costs (rows free only under the warm-up's constants)."""
+        return expected * saved / max(cost, 1e-12)
 
-    def copy_decision(self, p: float, experts: float, saved: float, row: float, probing: bool = False,
-                      source: str = "context") -> DraftDecision:
+    def copy_decision(self, expected: float, experts: float, saved: float, cost: float, rows: int,
+                      probing: bool = False, source: str = "context") -> DraftDecision:
         return DraftDecision(drafting=True, can_pay=True, probing=probing, threshold=self.threshold,
-                             utility=self.copy_utility(p, saved, row), p_first=p, new_experts=experts, t_ar=saved,
-                             cost=row, c_draft=0.0, t_tok=self.cost.t_tok, copied=source)
+                             utility=self.copy_utility(expected, saved, cost), p_first=expected, new_experts=experts,
+                             t_ar=saved, cost=cost, c_draft=0.0, t_tok=self.cost.t_tok, copied=source, rows=rows)
 
     def _probe_outcome(self, paid: bool) -> None:
         if self._probing:
@@ -722,15 +723,24 @@ class CopyLearner:
     when the text starts repeating itself; a rejected probe doubles the wait before the next (up to 16×), an
     accepted one resets it. Probes are counted by the kind of a copy's first token.
 
+    What a copy's rows add to the verification's experts, by their number (`added`): consecutive tokens share
+    experts, so a verification's distinct experts grow ever more slowly with its rows, and a copy of eight rows
+    adds far less than eight times what a copy of one adds. The rows are modelled as drawing their experts from a
+    pool, each repeating a share q of the one before's (over layers, the pending row's K experts): r rows add
+    (K/q)(1 − (1 − q)^(r+1)) − K. Every verified copy, whatever its length, gives an estimate of q, and the
+    running mean prices copies of every length. Priced by a mean row instead, what a copy teaches would depend
+    on its length: long copies would make rows look cheap, short ones (a probe is one row) dear.
+
     And what copies cost, timed from one proposal to the next (drafting, verification, acceptance, the event's
-    consumer): a plain step, and each copied row beyond it, timed on copies the target rejected whole. An
+    consumer): a plain step, and what a copy costs beyond it, timed on copies the target rejected whole. An
     accepted copy's row reads what the next step would have read anyway, so it looks nearly free; a rejected
-    one shows what a row costs on its own (and it evicts experts plain steps would have kept: under `auto`,
+    one shows what its rows cost on their own (and they evict experts plain steps would have kept: under `auto`,
     pricing rows by every copy's timing left s2moe 3-4% behind plain decoding on HumanEval). The constants
-    price a row by T_tok and T_exp, which also leave out what makes a verification with drafts dearer than a
-    plain step (the routing hook's stops, the acceptance of each row); once `min_copies` rejected copies were
-    timed the measured prices replace the constants'. Before that a row keeps the constants' price, but what a
-    copied token saves is already the plain step as timed here (CopyPlanner).
+    price a copy by T_tok per row and T_exp per expert it adds, which leaves out what makes a verification with
+    drafts dearer than a plain step (the routing hook's stops, the acceptance of each row): a timed copy's cost
+    over the constants' price of the same copy (its own rows and experts) is a factor, and once `min_copies`
+    rejected copies were timed its running mean scales the constants' prices. Before that the constants price a
+    copy, but what a copied token saves is already the plain step as timed here (CopyPlanner).
 
     Under a memory budget copies also change which experts stay in memory, and the steps timed around them
     show the cache as copies leave it, not as plain decoding would keep it: where the kept cache serves plain
@@ -756,13 +766,18 @@ class CopyLearner:
         self.probe_every = probe_every
         self.probe_interval = np.full(shape, probe_every)
         self._declined = np.zeros(shape, int)
+        self.likeliest = rate  # the highest estimate of any n and kind
         self._hopeless_steps = 0
         self.smoothing, self.min_copies = smoothing, min_copies
         self.plain_s: float | None = None  # running means: a plain step's wall time
-        self.row_s: float | None = None    # … and what each copied row adds to it
+        self.scale: float | None = None    # … and a copy's timed cost over the constants' price of it
         self.copies_timed = 0
+        self.overlap: float | None = None  # running mean of q, the share of a row's experts the next repeats
+        self.pending_experts = 0.0          # K: the experts a verification's pending row reads, over layers
+        self._priced: float | None = None   # the constants' price of the copy verified last, until it is timed
         self._after_plain = False  # the iteration timed last was a plain step
-        self._rejected: tuple[float, int] | None = None  # a copy rejected whole, until the step after it is timed
+        self._rejected: tuple[float, float] | None = None  # a copy rejected whole (seconds, price), until the step
+        # after it is timed
         self._plain_fetched = np.zeros(2)  # decayed sums over plain steps: experts fetched, experts read
 
     def estimate(self, n: int, kind: str = "context") -> float:
@@ -794,6 +809,7 @@ class CopyLearner:
             at = COPY_KINDS.index(kind), n
             self.seen[at] += 1
             self.accepted[at] += k < accepted
+        self.likeliest = float(((self.prior * self.rate + self.accepted) / (self.prior + self.seen)).max())
         if probe and kinds:
             at = COPY_KINDS.index(kinds[0]), n
             self.probe_interval[at] = (self.probe_every if accepted else
@@ -801,24 +817,41 @@ class CopyLearner:
 
     def began(self) -> None:
         """A generation begins: its first step follows the prefill, a batch of another shape."""
-        self._after_plain, self._rejected = False, None
+        self._after_plain, self._rejected, self._priced = False, None, None
+
+    def verified(self, rows: int, added: float, pending: float, priced: float) -> None:
+        """A copy of `rows` rows was verified: they added `added` experts (over layers) to the `pending` ones of
+        its pending row, and the constants price such a copy at `priced` seconds."""
+        if pending > 0:
+            q = copy_overlap(rows, added, pending)
+            self.overlap = q if self.overlap is None else self.overlap + self.smoothing * (q - self.overlap)
+            self.pending_experts = float(pending)
+        self._priced = priced
+
+    def added(self, rows: int, per_row: float) -> float:
+        """The experts a copy of `rows` rows is expected to add to its pending row's, over layers: by the pool
+        of experts the verified copies share; before any was verified, `per_row` each."""
+        if self.overlap is None:
+            return rows * per_row
+        return copy_added(self.overlap, rows, self.pending_experts)
 
     def timed(self, seconds: float, rows: int | None, accepted: int = 0) -> None:
         """An iteration's wall time: a plain step (rows 0), a verification of `rows` copied tokens of which the
         target accepted `accepted`, or (rows None) a step of another kind, whose time says nothing of copies."""
         rejected, self._rejected = self._rejected, None
+        priced, self._priced = self._priced, None
         if rows == 0:
             if rejected is not None and self.plain_s is not None:
-                copy_s, copy_rows = rejected
-                self._time_row((copy_s + seconds - 2 * self.plain_s) / copy_rows)
+                copy_s, copy_priced = rejected
+                self._time_copy((copy_s + seconds - 2 * self.plain_s) / copy_priced)
             elif self._after_plain:
                 self.plain_s = seconds if self.plain_s is None else self.plain_s + self.smoothing * (seconds - self.plain_s)
-        elif rows is not None and accepted == 0:
-            self._rejected = (seconds, rows)
+        elif rows is not None and accepted == 0 and priced:
+            self._rejected = (seconds, priced)
         self._after_plain = rows == 0
 
-    def _time_row(self, per_row: float) -> None:
-        self.row_s = per_row if self.row_s is None else self.row_s + self.smoothing * (per_row - self.row_s)
+    def _time_copy(self, factor: float) -> None:
+        self.scale = factor if self.scale is None else self.scale + self.smoothing * (factor - self.scale)
         self.copies_timed += 1
 
     def fetched(self, fetched: int, read: int) -> None:
@@ -833,25 +866,53 @@ class CopyLearner:
         return read > 0 and fetched >= read / 2
 
     def price(self) -> tuple[float, float] | None:
-        """(a plain step, a copied row beyond it) as measured; None until enough copies were timed. A row is
-        never priced under a twentieth of a plain step: timing noise must not make copies look free."""
-        if self.copies_timed < self.min_copies or self.plain_s is None or self.row_s is None:
+        """(a plain step, the factor on the constants' price of a copy) as measured; None until enough copies
+        were timed."""
+        if self.copies_timed < self.min_copies or self.plain_s is None or self.scale is None:
             return None
-        return self.plain_s, max(self.row_s, self.plain_s / 20)
+        return self.plain_s, self.scale
+
+
+def copy_added(overlap: float, rows: int, pending: float) -> float:
+    """The experts `rows` rows add to a pending row's `pending` ones, each row repeating a share `overlap` of
+    the one before's experts from a pool they share (CopyLearner)."""
+    if overlap < 1e-9:
+        return rows * pending
+    return pending / overlap * (1.0 - (1.0 - overlap) ** (rows + 1)) - pending
+
+
+def copy_overlap(rows: int, added: float, pending: float) -> float:
+    """The share q for which `rows` rows add `added` experts to the pending row's (copy_added's inverse: it
+    falls from rows·pending at q = 0 to 0 at q = 1)."""
+    if added >= rows * pending:
+        return 0.0
+    if added <= 0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if copy_added(mid, rows, pending) > added:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 @dataclass
 class CopyPlan:
     """A copy from the context as the utility rule weighed it: the tokens to verify, each token weighed (kept or
-    the first declined) with its chained acceptance and utility, and the numbers the rule decided with."""
+    the first declined) with its chained acceptance and the utility of the copy through it, and the numbers the
+    rule decided with (for a probe, those of the best copy it declined)."""
 
     n: int                      # the length of the n-gram that matched
     source: str                 # where it matched: "context" or "session"
     probe: bool                 # declined, verified anyway (its first token only)
     p: float                    # the learned acceptance of its first token (its kind, after an n-gram of that length)
-    experts: float              # the experts the rule expects a row to add
+    rows: int                   # the copy's length as the rule priced it
+    expected: float             # the tokens the target is expected to accept of those rows
+    experts: float              # the experts the rule expects the rows to add to the pending row's
     saved: float                # what a committed token saves (seconds)
-    row: float                  # what a copied row costs
+    cost: float                 # what verifying the rows costs
     tokens: list[int] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # each token's, one of COPY_KINDS
     weighed: list[tuple[int, float, float, bool]] = field(default_factory=list)  # (token, survival, utility, kept)
@@ -874,26 +935,41 @@ class CopyPlanner:
         self.earlier, self.prompt = earlier, tuple(prompt)
         self.learned = rule.copies(max_ngram)
         self.learned.began()
+        self._costs_key: tuple | None = None
+        self._cost_table: list[tuple[float, float]] = []
 
     def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
         """The copy to verify after `context` (prompt and generated tokens, the last one pending), or None: no
-        n-gram found, or a copy the rule declines and does not probe."""
+        n-gram found, or a copy the rule declines and does not probe.
+
+        A copy is weighed whole: of the lengths its match allows, the one that saves most, its expected accepted
+        tokens times what each saves less the threshold times its cost; declined where none saves anything.
+        Its first row adds the most experts and each further one fewer (CopyLearner), so a copy can pay
+        where its first token alone would not."""
         rule, learned = self.rule, self.learned
-        saved, row = rule.copy_price(0.0)
         # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
-        if max_len <= 0 or saved < rule.threshold * row:
+        if max_len <= 0 or rule.cost.t_ar < rule.threshold * rule.copy_cost(1, 0.0):
             return None
-        experts = rule.expected_first_experts
         timed = learned.price()
-        saved, row = timed or rule.copy_price(experts)
+        saved, scale = timed or (rule.cost.t_ar, 1.0)
         if timed is None and learned.plain_s is not None and learned.cache_serves_little():
             # what a copied token saves is a plain step, timed here on every one of them, where the constants
-            # were measured on another day of the disk or at another split of the budget; only a row waits for
-            # copies to be timed. Not where the cache serves plain steps most of their experts: copies would
-            # disturb it, and the steps timed around them would show it disturbed (CopyLearner)
+            # were measured on another day of the disk or at another split of the budget; only a copy's cost
+            # waits for copies to be timed. Not where the cache serves plain steps most of their experts: copies
+            # would disturb it, and the steps timed around them would show it disturbed (CopyLearner)
             saved = learned.plain_s
-        # where not even a certain copy pays at the prices timed, a probe could only re-time them, and rarely
-        hopeless = saved < rule.threshold * row
+        # timing noise must not make copies look free: a row is never priced under a twentieth of a plain step
+        least_row = timed[0] / 20 if timed else 0.0
+        costs = self._costs(scale, max_len)
+        # where not even a copy of the likeliest kind pays at the prices timed, whatever its length, a probe could
+        # only re-time them, and rarely
+        chain, expected, hopeless = 1.0, 0.0, True
+        for rows, (_, cost) in enumerate(costs, 1):
+            chain *= learned.likeliest
+            expected += chain
+            if expected * saved >= rule.threshold * max(cost, rows * least_row):
+                hopeless = False
+                break
         if hopeless and not learned.rare_probe_due():
             return None
         source = "context"
@@ -907,45 +983,70 @@ class CopyPlanner:
         if not found:
             return None
         rates = {kind: learned.estimate(n, kind) for kind in set(kinds)}
-        p = rates[kinds[0]]
-        probe = p * saved < rule.threshold * row
+        weighed, survival, expected = [], 1.0, 0.0
+        best, best_gain = 0, -np.inf
+        for rows, kind in enumerate(kinds, 1):
+            survival *= rates[kind]
+            expected += survival
+            added, cost = costs[rows - 1]
+            cost = max(cost, rows * least_row)
+            weighed.append((survival, expected, added, cost))
+            gain = expected * saved - rule.threshold * cost
+            if gain > best_gain:
+                best, best_gain = rows, gain
+        probe = best_gain < 0
         if hopeless:
             learned.rare_probe_made()
         elif probe and not learned.probe(n, kinds[0]):
             return None
-        out = CopyPlan(n, source, probe, p, experts, saved, row)
-        survival = 1.0
-        for token, kind in zip(found, kinds):
-            survival *= rates[kind]
-            u = rule.copy_utility(survival, saved, row)
-            keep = u >= rule.threshold or (probe and not out.tokens)
-            out.weighed.append((token, survival, u, keep))
-            if not keep:
-                break
-            out.tokens.append(token)
-            out.kinds.append(kind)
-            if probe:
-                break
+        _, expected, added, cost = weighed[best - 1]
+        out = CopyPlan(n, source, probe, rates[kinds[0]], best, expected, added, saved, cost)
+        keep = 1 if probe else best
+        for i, (survival, expected, added, cost) in enumerate(weighed[:keep if probe else keep + 1]):
+            kept = i < keep
+            out.weighed.append((found[i], survival, rule.copy_utility(expected, saved, cost), kept))
+            if kept:
+                out.tokens.append(found[i])
+                out.kinds.append(kinds[i])
         return out
+
+    def _costs(self, scale: float, max_len: int) -> list[tuple[float, float]]:
+        """(experts added, cost before the least row's floor) of copies of 1..max_len rows at these prices. Kept
+        while the prices stay: every step asks, and they change only as copies and drafts are verified or timed."""
+        rule, learned = self.rule, self.learned
+        per_row = rule.expected_first_experts
+        key = (scale, max_len, per_row, learned.overlap, learned.pending_experts)
+        if key != self._costs_key:
+            added = [learned.added(rows, per_row) for rows in range(1, max_len + 1)]
+            self._costs_key = key
+            self._cost_table = [(a, scale * rule.copy_cost(rows, a)) for rows, a in enumerate(added, 1)]
+        return self._cost_table
 
     def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
         """The verification of `plan`: the target accepted `accepted` of its tokens, and the verification read
         `verify_experts` distinct experts summed over layers, `pending_experts` of them one row's."""
         self.learned.learn(plan.n, plan.kinds, accepted, plan.probe)
         rows = len(plan.tokens)
-        if rows > 0:
-            self.rule.observe_first_experts((verify_experts - pending_experts) / rows)
+        if rows == 0:
+            return
+        added = max(verify_experts - pending_experts, 0.0)
+        self.learned.verified(rows, added, pending_experts, self.rule.copy_cost(rows, added))
+        # what the rule expects a self-draft's first token to add: a copy's first row, as the pool has it
+        first = (copy_added(copy_overlap(rows, added, pending_experts), 1, pending_experts) if pending_experts > 0
+                 else added / rows)
+        self.rule.observe_first_experts(first)
 
 
 class LookupOrSelfDrafter(Drafter):
     """s2moe's drafts: where the context repeats itself, the tokens that followed the repeated n-gram, kept while
     the utility rule says they pay (CopyPlanner); otherwise the self-drafter's chain.
 
-    A copied token needs no draft pass: it pays when p·T_AR ≥ threshold·(what its row costs), p the learned
-    acceptance of copies after an n-gram of its length, chained over the copy. A row costs T_tok + T_exp·E under
-    the constants (E the experts a row adds to the verification, the rule's running estimate, which both kinds
-    of draft teach), and T_AR is the constants' plain step, until the rule has timed copies here; where plain
-    steps under a memory budget fetch most of the experts they read, the plain step as timed here (CopyLearner)."""
+    A copied token needs no draft pass. A copy of r rows pays when (Σ p_i)·T_AR ≥ threshold·(T_tok·r + T_exp·E(r)),
+    p_i the learned acceptance of copies after an n-gram of its length, chained over the copy, and E(r) the
+    experts r rows add to the verification, by the pool the verified copies share (before any, r times the rule's
+    running estimate of what a first draft token adds). Once copies were rejected whole and timed here, the cost
+    is scaled by what they took over their constants' price, and T_AR is the plain step as timed here; before
+    that, so is T_AR where plain steps under a memory budget fetch most of the experts they read (CopyLearner)."""
 
     name = "s2moe"
     drafts_in_context = True
@@ -981,8 +1082,8 @@ class LookupOrSelfDrafter(Drafter):
                                                  keep, None, survival))
         out.tokens = list(plan.tokens)
         out.chain = [1.0] * len(plan.tokens)
-        out.decision = self.copies.rule.copy_decision(plan.p, plan.experts, plan.saved, plan.row, probing=plan.probe,
-                                                      source=plan.source)
+        out.decision = self.copies.rule.copy_decision(plan.expected, plan.experts, plan.saved, plan.cost, plan.rows,
+                                                      probing=plan.probe, source=plan.source)
         out.seconds = time.perf_counter() - now
         self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
         self._rows = len(plan.tokens)

@@ -199,19 +199,26 @@ def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
     first = next(e for e in iters if e.draft_decision is not None and not e.draft_decision.copied)
     assert first.candidates and all(cand.accept_chance == pytest.approx(cand.chain_prob) for cand in first.candidates)
     for e in iters:
-        copied = e.draft_decision is not None and e.draft_decision.copied is not None
+        decision = e.draft_decision
+        copied = decision is not None and decision.copied is not None
+        kept = [cand for cand in e.candidates if cand.kept]
+        assert [cand.token for cand in kept] == list(e.drafted)
+        if copied:
+            # weighed whole (CopyPlanner): each token's utility is the copy's through it, and the one verified is
+            # the decision's, its expected accepted tokens the survivals summed
+            assert len(kept) == decision.rows or decision.probing
+            if not decision.probing:
+                assert kept[-1].utility == pytest.approx(decision.utility, rel=1e-9) and decision.utility >= 1.0
+                assert decision.p_first == pytest.approx(sum(cand.accept_chance for cand in kept), rel=1e-9)
+            seen[True] += 1
+            continue
         for cand in e.candidates:
             if cand.utility is None:
                 continue
-            if copied:  # no draft pass to pay; its row priced as its decision says (the constants, or as timed)
-                expected = cand.accept_chance * e.draft_decision.t_ar / e.draft_decision.cost
-            else:
-                expected = cand.accept_chance * c.t_ar / (c.t_exp * cand.new_experts.sum() + c.t_tok + c.c_draft)
+            expected = cand.accept_chance * c.t_ar / (c.t_exp * cand.new_experts.sum() + c.t_tok + c.c_draft)
             assert cand.utility == pytest.approx(expected, rel=1e-9)
             assert cand.kept == (cand.utility >= 1.0)
-            seen[copied] += 1
-        kept = [cand.token for cand in e.candidates if cand.kept]
-        assert kept == list(e.drafted)
+            seen[False] += 1
     assert seen[False] > 0 and seen[True] > 0
 
 
@@ -462,10 +469,11 @@ def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and
     for _ in range(2):
         learned.timed(0.001, 0)
     for _ in range(learned.min_copies):
+        learned.verified(1, 0.0, 0, rule.copy_cost(1, 0.0))
         learned.timed(0.003, 1)
         learned.timed(0.001, 0)
-    saved, row = learned.price()
-    assert saved < row
+    saved, scale = learned.price()
+    assert saved * 4 < scale * rule.copy_cost(4, 0.0)  # a row dearer than a plain step
     wait = 16 * learned.probe_every
     planner = CopyPlanner(rule, None, prompt=(5,))
     context = [5, 1, 2, 3, 4, 1, 2, 3]
@@ -524,12 +532,12 @@ def test_until_copies_are_timed_a_copied_token_saves_the_plain_step_as_timed_whe
         return CopyPlanner(rule, None, prompt=(5,)).plan(context, 4)
 
     untimed, slow = planned(None), planned(0.030, fetched=33)
-    assert (untimed.saved, untimed.row) == pytest.approx((0.010, 0.002))
-    assert (slow.saved, slow.row) == pytest.approx((0.030, 0.002))
+    assert (untimed.saved, untimed.cost / untimed.rows) == pytest.approx((0.010, 0.002))
+    assert (slow.saved, slow.cost / slow.rows) == pytest.approx((0.030, 0.002))
     assert len(slow.tokens) >= len(untimed.tokens) > 0
     assert planned(0.001, fetched=33) is None  # plain steps cheaper than a row: not even a certain copy pays
     for served in (planned(0.030, fetched=23), planned(0.030)):  # 23 of 48 fetched; nothing counted
-        assert (served.saved, served.row) == pytest.approx((0.010, 0.002))
+        assert (served.saved, served.cost / served.rows) == pytest.approx((0.010, 0.002))
 
 
 def test_s2moe_counts_what_its_plain_steps_read_and_fetched_where_an_observer_counts_misses(decoders, arch):
@@ -584,7 +592,7 @@ def test_s2moe_copies_from_an_earlier_generation_of_another_prompt(decoders, arc
                                              stop_at_eos=False))
     from_session = [e for e in events if isinstance(e, Iteration) and e.draft_stop.startswith("lookup: session")]
     assert from_session and all(e.draft_decision.copied == "session" for e in from_session)
-    assert "copying from an earlier generation" in from_session[0].draft_decision.text
+    assert from_session[0].draft_decision.text.startswith(f"copying {len(from_session[0].drafted)} tokens from an earlier generation:")
     assert summarize(events).tokens == plain.tokens
     off = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0,
                                           lookup_session=False, stop_at_eos=False))
@@ -651,46 +659,98 @@ def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
 
 
 def test_copies_are_priced_as_timed_once_enough_were():
-    """A plain step's and a copied row's wall time, as running means: plain steps timed only after plain steps,
-    rows on copies rejected whole, each charged what the plain step after it paid beyond one (llama.cpp builds
-    its graph anew after a batch of another shape); the constants' price until three were timed, and never a
-    row priced as nearly free."""
-    from s2moe.engine.policies import CopyLearner
+    """A plain step's wall time, and a copy's over the constants' price of it, as running means: plain steps
+    timed only after plain steps, copies on those rejected whole, each charged what the plain step after it paid
+    beyond one (llama.cpp builds its graph anew after a batch of another shape); the constants' price until three
+    were timed, and never a row priced as nearly free."""
+    from s2moe.engine.policies import CopyPlanner, UtilityStop
 
-    m = CopyLearner(3, smoothing=0.5, min_copies=3)
+    rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.001, intercept=0.0,
+                                     source="test"))
+    m = rule.copies(3)
+    m.smoothing = 0.5
     m.began()
+
+    def copy(rows, seconds, accepted=0):
+        m.verified(rows, 4.0 * rows, 48, rule.copy_cost(rows, 4.0 * rows))  # priced at 1 ms a row
+        m.timed(seconds, rows, accepted)
+
     m.timed(0.010, 0)  # the step after the prefill rebuilds the graph: not a plain step's time
-    m.timed(0.010, 2)  # a copy before any plain step was timed says nothing of a row
+    copy(2, 0.010)  # a copy before any plain step was timed says nothing of a copy's price
     m.timed(0.004, 0)  # nor the step after it
     assert m.plain_s is None
     for _ in range(3):
         m.timed(0.002, 0)
     assert m.plain_s == pytest.approx(0.002)
-    m.timed(0.0021, 1, accepted=1)  # an accepted copy's row read what the next step needed: not its cost
+    copy(1, 0.0021, accepted=1)  # an accepted copy's rows read what the next step needed: not their cost
     m.timed(0.009, 0)  # ... and the step after it is not a plain step's time either
-    m.timed(0.0030, 2, accepted=1)
-    m.timed(0.006, 2)
-    m.timed(0.003, 0)  # 1 ms over a plain step: the first rejected copy's rows cost (4 + 1) / 2 ms
-    m.timed(0.004, 1)
-    m.timed(0.008, 2)  # a copy after a copy: the first is not timed without its following step
-    m.timed(0.002, 0)  # rows of (8 + 2 - 2 * 2) / 2 = 3 ms
+    copy(2, 0.0030, accepted=1)
+    copy(2, 0.006)
+    m.timed(0.003, 0)  # 5 ms over two plain steps, for a copy priced at 2 ms: 2.5 times its price
+    copy(1, 0.004)
+    copy(2, 0.008)  # a copy after a copy: the first is not timed without its following step
+    m.timed(0.002, 0)  # 6 ms over 2 ms: 3
     assert m.price() is None
     m.timed(0.002, 0)
-    m.timed(0.004, 1)
-    m.timed(0.002, 0)  # 2 ms
-    plain, row = m.price()
-    assert plain == pytest.approx(0.002) and row == pytest.approx(0.002375)  # 2.5, 3, 2 ms, half-way means
+    copy(1, 0.004)
+    m.timed(0.002, 0)  # 2 ms over 1 ms: 2
+    plain, scale = m.price()
+    assert plain == pytest.approx(0.002) and scale == pytest.approx(2.375)  # 2.5, 3, 2: half-way means
     m.began()
-    m.timed(0.004, 1)
+    copy(1, 0.004)
     m.began()  # a copy whose next step is another generation's first is not timed
     m.timed(0.002, 0)
-    assert m.price() == (pytest.approx(0.002), pytest.approx(0.002375))
-    m.timed(0.001, 0)  # plain steps slower than the copies: a row would cost nothing
+    m.timed(0.004, 1)  # nor one the learner was not told of: it has no price to compare with
+    m.timed(0.002, 0)
+    assert m.price() == (pytest.approx(0.002), pytest.approx(2.375))
+    m.timed(0.001, 0)  # plain steps slower than the copies: a copy would cost nothing
     for _ in range(3):
-        m.timed(0.0011, 1)
+        copy(1, 0.0011)
         m.timed(0.001, 0)
-    plain, row = m.price()
-    assert row == pytest.approx(plain / 20)
+    assert m.price()[1] < 0.1
+    plan = CopyPlanner(rule, None, prompt=(5,)).plan([5, 1, 2, 3, 4, 1, 2, 3], 4)
+    assert plan.cost == pytest.approx(plan.rows * m.plain_s / 20)
+
+
+def test_a_copys_experts_grow_ever_more_slowly_with_its_rows_and_any_length_teaches_every_length():
+    """Rows drawn from a pool, each repeating a share q of the one before's experts: what r rows add is
+    concave in r, and copy_overlap inverts it. A learner that verified only one-row copies (probes) prices every
+    length as one that verified only eight-row copies does: the length of the copies made does not teach the
+    rule to keep making copies of that length."""
+    from s2moe.engine.policies import CopyLearner, copy_added, copy_overlap
+
+    k = 48.0
+    for q in (0.0, 0.2, 0.45, 0.9):
+        for rows in (1, 3, 8):
+            assert copy_overlap(rows, copy_added(q, rows, k), k) == pytest.approx(q, abs=1e-6)
+    added = np.array([copy_added(0.45, rows, k) for rows in range(9)])
+    assert added[0] == pytest.approx(0.0) and added[1] == pytest.approx(k * 0.55)
+    assert (np.diff(added) > 0).all() and (np.diff(added, 2) < 0).all()
+    assert CopyLearner(3).added(5, 7.0) == 35.0  # before any copy was verified: the per-row estimate, each row
+    short, long = CopyLearner(3), CopyLearner(3)
+    for _ in range(20):
+        short.verified(1, copy_added(0.45, 1, k), k, 0.0)
+        long.verified(8, copy_added(0.45, 8, k), k, 0.0)
+    for rows in range(1, 9):
+        assert short.added(rows, 0.0) == pytest.approx(long.added(rows, 0.0), rel=1e-6)
+    assert long.added(8, 0.0) < 3 * long.added(1, 0.0)
+
+
+def test_a_copy_that_pays_whole_is_made_where_its_first_token_alone_would_not_pay():
+    """A first row adds the most experts; priced whole, a copy of eight rows pays where its first token alone
+    costs more than it saves, even after the rule saw only one-row copies."""
+    from s2moe.engine.policies import CopyPlanner, UtilityStop, copy_added
+
+    rule = UtilityStop(CostConstants(t_ar=0.060, c_draft=0.02, t_exp=0.00233, t_tok=0.005, intercept=0.0,
+                                     source="test"))
+    learned = rule.copies(3)
+    for _ in range(8):  # copies round a loop, accepted whole
+        learned.learn(3, ["context"] * 3 + ["context, looped"] * 5, accepted=8)
+    for _ in range(10):
+        learned.verified(1, copy_added(0.45, 1, 48), 48, 0.0)
+    plan = CopyPlanner(rule, None, prompt=(5,)).plan([5, 1, 2, 3, 1, 2, 3], 8)
+    assert plan.weighed[0][2] < 1.0 < plan.weighed[-1][2]
+    assert plan.tokens == [1, 2, 3, 1, 2, 3, 1, 2] and plan.rows == 8 and not plan.probe
 
 
 def test_cascade_tests_every_draft_length_then_settles(decoders):

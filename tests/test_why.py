@@ -55,17 +55,19 @@ def test_drafting_states_the_expected_utility():
                       f"(p {p:.2f} × T_AR 1.00 ms / cost {d.cost / MS:.2f} ms with {e:.1f} new experts)")
 
 
-def test_a_copy_from_the_context_is_priced_without_a_draft_pass():
+def test_a_copy_from_the_context_is_priced_whole_without_a_draft_pass():
     rule = UtilityStop(CAN_PAY, 1.0)
-    saved, row = rule.copy_price(4.0)
-    assert (saved, row) == (CAN_PAY.t_ar, pytest.approx(CAN_PAY.t_tok + CAN_PAY.t_exp * 4.0))
-    d = rule.copy_decision(0.8, 4.0, saved, row)
-    assert d.copied and d.drafting and d.c_draft == 0.0 and d.utility == pytest.approx(0.8 * saved / row)
-    assert d.text == ("copying from the context: the first copied token's expected utility 2.67 ≥ threshold 1 "
-                      "(p 0.80 × T_AR 1.00 ms / cost 0.30 ms with 4.0 new experts), no draft pass")
-    assert d.wordings[1:] == ("copying: utility 2.67 ≥ 1 (p 0.80, cost 0.30 ms)", "copying: utility 2.67 ≥ 1")
-    probe = rule.copy_decision(0.2, 4.0, saved, row, probing=True)
-    assert probe.text.startswith("probing: the first copied token's expected utility 0.67 < threshold 1")
+    cost = rule.copy_cost(3, 6.0)
+    assert cost == pytest.approx(3 * CAN_PAY.t_tok + CAN_PAY.t_exp * 6.0)
+    d = rule.copy_decision(2.4, 6.0, CAN_PAY.t_ar, cost, 3)
+    assert d.copied and d.drafting and d.c_draft == 0.0 and d.utility == pytest.approx(2.4 * CAN_PAY.t_ar / cost)
+    assert d.text == ("copying 3 tokens from the context: the copy's expected utility 4.00 ≥ threshold 1 "
+                      "(2.40 expected accepted × T_AR 1.00 ms / cost 0.60 ms for 3 rows with 6.0 new experts), "
+                      "no draft pass")
+    assert d.wordings[1:] == ("copying: utility 4.00 ≥ 1 (2.40 of 3 accepted, cost 0.60 ms)",
+                              "copying: utility 4.00 ≥ 1")
+    probe = rule.copy_decision(0.2, 4.0, CAN_PAY.t_ar, rule.copy_cost(1, 4.0), 1, probing=True)
+    assert probe.text.startswith("probing: the best copy's expected utility 0.67 < threshold 1")
 
 
 def test_not_drafting_while_the_first_token_is_unlikely_then_probing():
