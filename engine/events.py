@@ -107,8 +107,8 @@ class DraftDecision:
                 return (f"probing: the best copy's expected utility {self.utility:.2f} < {thr} {numbers}; verifying "
                         "one copied token to see whether copies after this n-gram pay again")
             where = "the context" if self.copied == "context" else "an earlier generation"
-            return (f"copying {self.rows} tokens from {where}: the copy's expected utility {self.utility:.2f} ≥ {thr} "
-                    f"{numbers}, no draft pass")
+            return (f"copying {self.rows} tokens from {where}: the copy's expected utility {self.utility:.2f} "
+                    f"≥ {thr} {numbers}, no draft pass")
         numbers = (f"(p {self.p_first:.2f} × T_AR {self.t_ar * 1e3:.2f} ms / cost {self.cost * 1e3:.2f} ms "
                    f"with {self.new_experts:.1f} new experts)")
         if self.drafting and not self.probing:

@@ -819,14 +819,17 @@ class CopyLearner:
         """A generation begins: its first step follows the prefill, a batch of another shape."""
         self._after_plain, self._rejected, self._priced = False, None, None
 
-    def verified(self, rows: int, added: float, pending: float, priced: float) -> None:
+    def verified(self, rows: int, added: float, pending: float, priced: float) -> float:
         """A copy of `rows` rows was verified: they added `added` experts (over layers) to the `pending` ones of
-        its pending row, and the constants price such a copy at `priced` seconds."""
-        if pending > 0:
-            q = copy_overlap(rows, added, pending)
-            self.overlap = q if self.overlap is None else self.overlap + self.smoothing * (q - self.overlap)
-            self.pending_experts = float(pending)
+        its pending row, and the constants price such a copy at `priced` seconds. Returns what its first row
+        added, as the pool it teaches has it (without a pending row's count, the rows' mean)."""
         self._priced = priced
+        if pending <= 0:
+            return added / rows
+        q = copy_overlap(rows, added, pending)
+        self.overlap = q if self.overlap is None else self.overlap + self.smoothing * (q - self.overlap)
+        self.pending_experts = float(pending)
+        return copy_added(q, 1, pending)
 
     def added(self, rows: int, per_row: float) -> float:
         """The experts a copy of `rows` rows is expected to add to its pending row's, over layers: by the pool
@@ -1030,23 +1033,22 @@ class CopyPlanner:
         if rows == 0:
             return
         added = max(verify_experts - pending_experts, 0.0)
-        self.learned.verified(rows, added, pending_experts, self.rule.copy_cost(rows, added))
-        # what the rule expects a self-draft's first token to add: a copy's first row, as the pool has it
-        first = (copy_added(copy_overlap(rows, added, pending_experts), 1, pending_experts) if pending_experts > 0
-                 else added / rows)
-        self.rule.observe_first_experts(first)
+        # what the rule expects a self-draft's first token to add: a copy's first row
+        self.rule.observe_first_experts(self.learned.verified(rows, added, pending_experts,
+                                                              self.rule.copy_cost(rows, added)))
 
 
 class LookupOrSelfDrafter(Drafter):
     """s2moe's drafts: where the context repeats itself, the tokens that followed the repeated n-gram, kept while
     the utility rule says they pay (CopyPlanner); otherwise the self-drafter's chain.
 
-    A copied token needs no draft pass. A copy of r rows pays when (Σ p_i)·T_AR ≥ threshold·(T_tok·r + T_exp·E(r)),
-    p_i the learned acceptance of copies after an n-gram of its length, chained over the copy, and E(r) the
-    experts r rows add to the verification, by the pool the verified copies share (before any, r times the rule's
-    running estimate of what a first draft token adds). Once copies were rejected whole and timed here, the cost
-    is scaled by what they took over their constants' price, and T_AR is the plain step as timed here; before
-    that, so is T_AR where plain steps under a memory budget fetch most of the experts they read (CopyLearner)."""
+    A copied token needs no draft pass. A copy of r rows pays when (Σ p_i)·T_AR ≥ threshold·(T_tok·r +
+    T_exp·E(r)), p_i the learned acceptance of copies after an n-gram of its length, chained over the copy, and
+    E(r) the experts r rows add to the verification, by the pool the verified copies share (before any, r times
+    the rule's running estimate of what a first draft token adds). Once copies were rejected whole and timed
+    here, the cost is scaled by what they took over their constants' price, and T_AR is the plain step as timed
+    here; before that, so is T_AR where plain steps under a memory budget fetch most of the experts they read
+    (CopyLearner)."""
 
     name = "s2moe"
     drafts_in_context = True

@@ -592,7 +592,8 @@ def test_s2moe_copies_from_an_earlier_generation_of_another_prompt(decoders, arc
                                              stop_at_eos=False))
     from_session = [e for e in events if isinstance(e, Iteration) and e.draft_stop.startswith("lookup: session")]
     assert from_session and all(e.draft_decision.copied == "session" for e in from_session)
-    assert from_session[0].draft_decision.text.startswith(f"copying {len(from_session[0].drafted)} tokens from an earlier generation:")
+    first = from_session[0]
+    assert first.draft_decision.text.startswith(f"copying {len(first.drafted)} tokens from an earlier generation:")
     assert summarize(events).tokens == plain.tokens
     off = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0,
                                           lookup_session=False, stop_at_eos=False))
