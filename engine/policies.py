@@ -1005,7 +1005,8 @@ class CopyPlanner:
         _, expected, added, cost = weighed[best - 1]
         out = CopyPlan(n, source, probe, rates[kinds[0]], best, expected, added, saved, cost)
         keep = 1 if probe else best
-        for i, (survival, expected, added, cost) in enumerate(weighed[:keep if probe else keep + 1]):
+        shown = keep if probe else keep + 1  # a copy's tokens, and the first one declined after them
+        for i, (survival, expected, added, cost) in enumerate(weighed[:shown]):
             kept = i < keep
             out.weighed.append((found[i], survival, rule.copy_utility(expected, saved, cost), kept))
             if kept:
