@@ -716,12 +716,18 @@ class CopyLearner:
     """What s2moe learns of copied drafts.
 
     How often the target accepts a copied token after an n-gram match, per n and per kind (COPY_KINDS: from the
-    generation's own context, those taken round its loop apart, or from the session's earlier generations, those
-    all voters agreed on apart): the accepted share of the copied tokens of that kind verified there (each judged
-    only if those before it were accepted) plus `prior` pseudo-tokens at `rate`. A copy the rule declines is
-    verified anyway now and then (its first token only), so that an n the estimate has written off is seen again
-    when the text starts repeating itself; a rejected probe doubles the wait before the next (up to 16×), an
-    accepted one resets it. Probes are counted by the kind of a copy's first token.
+    generation's own context, those taken round its loop apart, or from the session's earlier generations, those all
+    voters agreed on apart): the accepted share of the copied tokens of that kind verified there (each judged only
+    if those before it were accepted) plus `prior` pseudo-tokens at `rate`. A copy's tokens are priced by the chain
+    of their estimates, and the prior's rate chained over a long copy expects little of it: a rule that had seen few
+    copies made short ones only, and so never learned that the long ones were accepted. So where plain steps fetch
+    most of the experts they read (`cache_serves_little`), an estimate is raised by its share's standard error: seen
+    little, it hopes for more, and it comes down to the share as copies are verified. Not where the cache serves
+    plain steps most of theirs: there the copies that hope buys evict what the plain steps between them would have
+    found, a cost no timing of the copies shows (below). A copy the rule declines is verified anyway now and then
+    (its first token only), so that an n the estimate has written off is seen again when the text starts repeating
+    itself; a rejected probe doubles the wait before the next (up to 16×), an accepted one resets it. Probes are
+    counted by the kind of a copy's first token.
 
     What a copy's rows add to the verification's experts, by their number (`added`): consecutive tokens share
     experts, so a verification's distinct experts grow ever more slowly with its rows, and a copy of eight rows
@@ -766,7 +772,7 @@ class CopyLearner:
         self.probe_every = probe_every
         self.probe_interval = np.full(shape, probe_every)
         self._declined = np.zeros(shape, int)
-        self.likeliest = rate  # the highest estimate of any n and kind
+        self._likeliest = (rate, self._raised(np.full(1, rate), np.zeros(1)).item())  # of any n and kind
         self._hopeless_steps = 0
         self.smoothing, self.min_copies = smoothing, min_copies
         self.plain_s: float | None = None  # running means: a plain step's wall time
@@ -782,7 +788,19 @@ class CopyLearner:
 
     def estimate(self, n: int, kind: str = "context") -> float:
         at = COPY_KINDS.index(kind), n
-        return float((self.prior * self.rate + self.accepted[at]) / (self.prior + self.seen[at]))
+        share = self._share(self.accepted[at], self.seen[at])
+        return float(self._raised(share, self.seen[at]) if self.cache_serves_little() else share)
+
+    @property
+    def likeliest(self) -> float:
+        """The highest estimate of any n and kind."""
+        return self._likeliest[self.cache_serves_little()]
+
+    def _share(self, accepted, seen):
+        return (self.prior * self.rate + accepted) / (self.prior + seen)
+
+    def _raised(self, share, seen):
+        return np.minimum(1.0, share + np.sqrt(share * (1 - share) / (self.prior + seen)))
 
     def probe(self, n: int, kind: str = "context") -> bool:
         """A copy after an n-gram, its first token of this kind, was declined: whether to verify that token anyway."""
@@ -809,7 +827,8 @@ class CopyLearner:
             at = COPY_KINDS.index(kind), n
             self.seen[at] += 1
             self.accepted[at] += k < accepted
-        self.likeliest = float(((self.prior * self.rate + self.accepted) / (self.prior + self.seen)).max())
+        share = self._share(self.accepted, self.seen)
+        self._likeliest = (float(share.max()), float(self._raised(share, self.seen).max()))
         if probe and kinds:
             at = COPY_KINDS.index(kinds[0]), n
             self.probe_interval[at] = (self.probe_every if accepted else
@@ -866,7 +885,7 @@ class CopyLearner:
         """Whether plain steps fetched at least half the experts they read (False where nothing was counted:
         without a memory budget, or before a plain step)."""
         fetched, read = self._plain_fetched
-        return read > 0 and fetched >= read / 2
+        return bool(read > 0 and fetched >= read / 2)
 
     def price(self) -> tuple[float, float] | None:
         """(a plain step, the factor on the constants' price of a copy) as measured; None until enough copies

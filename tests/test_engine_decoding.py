@@ -659,6 +659,34 @@ def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
     assert not m.rare_probe_due()
 
 
+def test_a_copy_seen_little_is_hoped_above_its_share_where_plain_steps_fetch_most_of_their_experts():
+    """Few verified tokens say little of an n's acceptance: where plain steps fetch most of what they read, its
+    estimate is raised by the share's standard error, so that a rule which saw few long copies still makes them,
+    and the raise shrinks as copies are seen. Where the cache serves plain steps, or nothing was counted, the share
+    alone: the copies hope would buy there evict what plain steps find."""
+    from s2moe.engine.policies import CopyLearner
+
+    def hoped(accepted, seen):  # with the prior's 2 tokens at 0.6, raised by one standard error
+        share = (1.2 + accepted) / (2 + seen)
+        return min(1.0, share + math.sqrt(share * (1 - share) / (2 + seen)))
+
+    m = CopyLearner(3, rate=0.6, prior=2.0)
+    m.learn(1, ["context"] * 4, accepted=3)
+    for _ in range(10):
+        m.learn(2, ["context"] * 4, accepted=3)
+    assert m.estimate(1) == pytest.approx((1.2 + 3) / 6) and m.likeliest == pytest.approx((1.2 + 30) / 42)
+    m.fetched(40, 48)  # a plain step under a tight budget
+    assert m.estimate(1) == pytest.approx(hoped(3, 4)) and m.estimate(2) == pytest.approx(hoped(30, 40))
+    assert m.estimate(1) > m.estimate(2) > (1.2 + 30) / 42 > (1.2 + 3) / 6  # the lower share, seen less, hopes more
+    assert m.estimate(3, "session") == m.estimate(3) == m.likeliest == pytest.approx(hoped(0, 0))  # never seen
+    for _ in range(1000):
+        m.learn(2, ["context"] * 4, accepted=3)
+    assert 0.75 < m.estimate(2) < 0.76
+    for _ in range(40):
+        m.fetched(4, 48)  # the cache now serves plain steps
+    assert m.estimate(1) == pytest.approx((1.2 + 3) / 6) and m.estimate(3) == pytest.approx(0.6)
+
+
 def test_copies_are_priced_as_timed_once_enough_were():
     """A plain step's wall time, and a copy's over the constants' price of it, as running means: plain steps
     timed only after plain steps, copies on those rejected whole, each charged what the plain step after it paid
