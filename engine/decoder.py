@@ -361,8 +361,9 @@ class Decoder:
     def untimed_costs(self):
         """Generations inside, given no constants, measure none: they draft as if drafting always paid, so
         that they build the graphs of the longest drafts and verifications. For a warm-up before offloading is
-        in place, when what a step costs is not yet what it will cost (resident under an auto budget, or
-        faulting without the offloader's cache under a fixed limit, minutes of thrashing on a large model)."""
+        in place, when what a step costs is not yet what it will cost (the budget's limit not yet down, nothing
+        pinned or cached). Given constants, they draft by rules of their own, so that what they time never
+        teaches the rules of the generations after them."""
         self._untimed = True
         try:
             yield
@@ -442,7 +443,7 @@ class Decoder:
         trials) see other steps, timings and acceptance, so each keeps a rule of its own.
         What a rule drafts never changes which tokens a seed commits (engine.acceptance)."""
         key = key + (cfg.sampling(), cfg.reuse_strength, cfg.memory_strength, cfg.reuse_cap, cfg.draft_max,
-                     cfg.lookup, cfg.lookup_session, cfg.lookup_periodic)
+                     cfg.lookup, cfg.lookup_session, cfg.lookup_periodic, self._untimed)
         rule = self._rules.get(key)
         if rule is None:
             rule = self._rules[key] = UtilityStop(cost, cfg.threshold)

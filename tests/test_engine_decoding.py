@@ -167,6 +167,22 @@ def test_the_decoder_teaches_its_rule_from_each_verification(decoders, arch):
     assert rule.copies(3).seen.sum() == judged[True]
 
 
+def test_a_warm_up_teaches_nothing_to_the_rule_of_the_generations_after_it(decoders, arch):
+    """A warm-up runs before offloading is in place, so what it times is not what a step will cost: given
+    constants, it drafts by a rule of its own, and the rule a later generation gets has seen only that one."""
+    d = decoders[arch]
+    cost = CostConstants(t_ar=1.0, c_draft=0.01, t_exp=0.001, t_tok=0.01, intercept=0.0, source="test-warm")
+    cfg = GenerationConfig(mode="s2moe", n_predict=12, cost=cost, stop_at_eos=False)
+    with d.untimed_costs():
+        warm = [e for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration)]
+    assert any(e.drafted for e in warm)
+    events = [e for e in run(d, PROMPTS[1], cfg) if isinstance(e, Iteration)]
+    judged = sum(min(len(e.accepted) + 1, len(e.drafted)) for e in events
+                 if e.drafted and e.draft_decision.copied is None)
+    (rule,) = [r for key, r in d._rules.items() if cost in key and not key[-1]]
+    assert rule.learned.seen.sum() == judged
+
+
 def test_generations_that_gate_or_copy_differently_keep_rules_of_their_own(decoders, arch):
     """A rule learns from the steps it sees: generations with the same settings share one across prompts, while
     s2moe without its memory bias, without copies, or with copies that stop at the context's end (bench's

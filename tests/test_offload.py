@@ -216,9 +216,10 @@ def test_generate_budget_without_cgroups_is_a_clear_error(tiny_models, monkeypat
 
 
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
-def test_a_budget_cgroup_limit_goes_up_and_down_again():
-    """A budget cgroup's limit moves both ways. Where swap is accounted (cgroup v1's memsw) the kernel refuses
-    a memory limit above the memory+swap one, so each direction must write the two in its own order."""
+def test_a_budget_cgroup_limit_goes_up_for_a_warm_up_and_down_again():
+    """A run of a given size warms up under a raised limit, then lowers it to its budget. Where swap is
+    accounted (cgroup v1's memsw) the kernel refuses a memory limit above the memory+swap one, so each
+    direction must write the two in its own order."""
     cg = MemoryCgroup.create(256 << 20, "test-raise")
     try:
         cg.set_limit(1 << 30)

@@ -13,7 +13,8 @@ from .mapping import ModelMapping
 from .sizes import fmt_bytes, parse_size
 
 # An `auto` run starts under this limit (a guard against runaways only), then sizes its own budget once
-# loaded and warmed up, and lowers the limit to it.
+# loaded and warmed up, and lowers the limit to it. A run of a given size that warms up raises its limit to
+# this for the warm-up (offload.run.offload_decoder).
 AUTO_START_LIMIT = 64 << 30
 AUTO_EXPERT_SHARE = 1 / 3
 AUTO_MIN_SLACK = 8 << 20

@@ -2,8 +2,8 @@
 
 - run_in_budget: start a command in a fresh memory cgroup limited to the budget, after dropping the
   model file from the page cache, so that its experts page in from storage;
-- offload_decoder: inside that process, pin, plan and attach offloading to a decoder (and for `auto`,
-  size the budget from what the warmed-up process holds, then lower the limit to it).
+- offload_decoder: inside that process, warm up, pin, plan and attach offloading to a decoder, then lower
+  the limit to the budget (for `auto`, sized from what the warmed-up process holds).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..errors import ConfigError, sigterm_raises_terminated
-from .budget import AUTO_EXPERT_SHARE, Budget, BudgetPlan, auto_budget_bytes, current_budget, plan_budget
+from .budget import (AUTO_EXPERT_SHARE, AUTO_START_LIMIT, Budget, BudgetPlan, auto_budget_bytes, current_budget,
+                     plan_budget)
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
 from .libc import drop_file_cache
@@ -50,8 +51,9 @@ class BudgetRun:
 def run_in_budget(argv: list[str], budget: Budget, model_path, *, tag: str = "run",
                   **popen_kw) -> Iterator[BudgetRun]:
     """Run argv in a fresh memory cgroup limited to the budget (an auto budget starts under a generous
-    limit and lowers it itself, see offload_decoder), with the model file dropped from the page cache.
-    On leaving, a child still running is terminated and the cgroup removed, also on Ctrl-C or SIGTERM.
+    limit and lowers it itself; one of a given size that warms up raises it for the warm-up: see
+    offload_decoder), with the model file dropped from the page cache. On leaving, a child still running
+    is terminated and the cgroup removed, also on Ctrl-C or SIGTERM.
     Raises BudgetUnavailable (a ConfigError) when no cgroup can be made here."""
     from ... import native
 
@@ -104,17 +106,20 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     `warm_up` runs every graph shape, buffer and runtime the run will need, before the budget is planned.
     An auto budget needs the process to run inside its budget cgroup (run_in_budget): it is sized from what
     the cgroup holds after the warm-up (auto_budget_bytes), and the limit lowered to it once pinning is in
-    place. The offloader's budget_bytes says what the budget came to."""
-    cg = None
+    place. A budget of a given size, inside its cgroup, warms up the same way, under the generous limit an
+    auto budget starts with: under its own limit, with nothing yet pinned or cached, the warm-up decoded as
+    llama.cpp alone would, slowly and before every run. The offloader's budget_bytes says what the budget
+    came to."""
     emap = expert_map(decoder.info.path)
     size = None if budget is None else budget.size
-    if budget is not None and budget.auto:
-        inside = current_budget()
-        if inside is None:
-            raise ConfigError("an auto memory budget is sized inside its own memory cgroup, and this process "
-                              "runs in none")
-        cg = inside[0]
+    inside = current_budget() if budget is not None else None
+    if budget is not None and budget.auto and inside is None:
+        raise ConfigError("an auto memory budget is sized inside its own memory cgroup, and this process runs in none")
+    # the cgroup whose limit this process lowers itself once warmed up and planned
+    cg = inside[0] if inside is not None and (budget.auto or warm_up is not None) else None
     if budget is not None and warm_up is not None:
+        if cg is not None and not budget.auto:
+            cg.set_limit(AUTO_START_LIMIT)
         # every mode's buffers and runtimes exist before the plan counts the process (a drafter with weights of
         # its own loads a second runtime: planned without it, a tight budget held more than it had); its text is
         # machinery, not the session's, so later copies never draw on it nor a copy cache keep it
@@ -123,24 +128,25 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     if budget is not None:
         # what any prompt will need (its prefill chunks), before what the process holds is measured or planned
         decoder.rt.touch_largest_batch()
-    if cg is not None:
+    if cg is not None and budget.auto:
         size = auto_budget_bytes(cg, emap)  # provisional: sizes the hot-expert plan
-    # Under an auto budget the hot experts are pinned only once the limit is lowered: pinned while the
-    # warm-up's whole model is still cached, they left the kernel (cgroup v1) unable to reclaim that
+    # Where the limit comes down after the warm-up the hot experts are pinned only once it has: pinned while
+    # the warm-up's whole model is still cached, they left the kernel (cgroup v1) unable to reclaim that
     # cache down to the limit (EBUSY at any step, measured), although the plan had room for them.
-    room = int(AUTO_EXPERT_SHARE * emap.total_expert_bytes) if cg is not None else None
+    room = int(AUTO_EXPERT_SHARE * emap.total_expert_bytes) if cg is not None and budget.auto else None
     off, hot = _attach(decoder, emap, size, hot_ranked, pinning, pin_hot=cg is None, expert_room=room)
     if cg is not None:
-        # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
-        # buffers) would otherwise come out of the expert cache.
-        size = auto_budget_bytes(cg, emap, experts_stay=off.keeps_expert_cache)
+        if budget.auto:
+            # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
+            # buffers) would otherwise come out of the expert cache.
+            size = auto_budget_bytes(cg, emap, experts_stay=off.keeps_expert_cache)
         try:
             cg.set_limit(size)  # reclaims the warm-up's expert pages down to the budget
         except OSError as e:  # EBUSY: the kernel could not reclaim down to it
             off.close()
-            raise ConfigError(f"cannot lower the memory limit to the auto budget {fmt_bytes(size)}: the process "
-                              f"holds {fmt_bytes(cg.usage())} it cannot give back ({e.strerror}); give the budget "
-                              "a size instead") from None
+            raise ConfigError(f"cannot lower the memory limit to the budget {fmt_bytes(size)}: the process "
+                              f"holds {fmt_bytes(cg.usage())} it cannot give back ({e.strerror}); "
+                              + ("give the budget a size instead" if budget.auto else "raise the budget")) from None
         cg.reset_peak()  # the warm-up ran before the limit came down: a peak from then would read as a breach
         if hot:
             off.pin(non_expert=False, code=False, hot=hot)  # read in under the limit, evicting cold experts
@@ -225,8 +231,8 @@ def split_line(cg: MemoryCgroup, offloader: Offloader | None = None) -> str:
     """One line on what the budget cgroup holds and what is pinned."""
     s = cg.split()
     limit, peak = cg.limit(), cg.peak()
-    # above the limit only where the limit came down after a warm-up (auto) and the kernel kept that peak
-    when = " (the warm-up's, before the auto budget was set)" if peak > limit else ""
+    # above the limit only where the limit came down after a warm-up and the kernel kept that peak
+    when = " (the warm-up's, before the limit came down)" if peak > limit else ""
     parts = [f"memory budget {fmt_bytes(limit)}: peak {fmt_bytes(peak)}{when}, now anonymous "
              f"{fmt_bytes(s['anon'])} · file pages {fmt_bytes(s['file'])} (locked {fmt_bytes(s['locked'])})"]
     if offloader is not None:
