@@ -1153,8 +1153,9 @@ def test_offload_bench_runs_every_arm_under_the_probed_auto_budget(tiny_models, 
     assert res["results"]["spec/hot"][0]["tokens"] == res["results"]["ar/base"][0]["tokens"]
 
 
-def _run_under_auto_budget(script_text: str, model, tmp_path) -> dict:
-    """Run a script in a memory cgroup as `--budget auto` would, and read the JSON line it prints last."""
+def _run_under_budget(script_text: str, model, tmp_path, budget: str = "auto") -> dict:
+    """Run a script in a memory cgroup as `--budget` would (auto, or a size), with the model's path and the
+    budget as its arguments, and read the JSON line it prints last."""
     import subprocess
     import sys
 
@@ -1164,9 +1165,10 @@ def _run_under_auto_budget(script_text: str, model, tmp_path) -> dict:
     script.write_text(script_text)
     native.build()  # as run_in_budget does: a build inside the cgroup would be counted in its auto budget
     drop_file_cache(model)  # ditto: pages another cgroup holds (a file just written) are not the process's
-    cg = MemoryCgroup.create(1 << 30, "test-auto")
+    limit = 1 << 30 if budget == "auto" else Budget.parse(budget).size
+    cg = MemoryCgroup.create(limit, "test-budget")
     try:
-        proc = cg.popen([sys.executable, str(script), str(model)], "auto",
+        proc = cg.popen([sys.executable, str(script), str(model), budget], budget,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -1195,7 +1197,7 @@ print(json.dumps({"budget": budget, "limit": cg.limit(), "usage": cg.usage(), "r
 def test_auto_budget_leaves_the_expert_cache_its_share_after_offloading(tiny_models, tmp_path):
     """What the offloader itself allocates (the GGUF tensor table, residency buffers) is measured into
     `held`, so it does not come out of the third of the expert bytes reserved as the cache."""
-    r = _run_under_auto_budget(AUTO_HEADROOM, tiny_models["olmoe"], tmp_path)
+    r = _run_under_budget(AUTO_HEADROOM, tiny_models["olmoe"], tmp_path)
     assert r["limit"] == r["budget"]
     held_now = r["usage"] - r["resident"]  # everything but expert pages, after a real generation
     assert r["budget"] - held_now >= r["experts"] / 3
@@ -1208,11 +1210,37 @@ def test_the_peak_reported_under_an_auto_budget_is_not_the_warm_up_s(tiny_models
     from s2moe.engine.zoo.widen import widen
 
     model = widen(tiny_models["olmoe"], tmp_path / "wide.gguf", 16)
-    r = _run_under_auto_budget(AUTO_HEADROOM, model, tmp_path)
+    r = _run_under_budget(AUTO_HEADROOM, model, tmp_path)
     # cgroup v1 starts the peak afresh; where the kernel keeps the warm-up's (v2), the line says whose it is
     if r["version"] == 1:
         assert r["peak"] <= r["limit"], r
-    assert ("the warm-up's, before the auto budget" in r["line"]) == (r["peak"] > r["limit"]), r["line"]
+    assert ("the warm-up's, before the limit came down" in r["line"]) == (r["peak"] > r["limit"]), r["line"]
+
+
+SIZED_WARM_UP = """
+import json, sys
+from s2moe.engine import offload
+from s2moe.engine.decoder import Decoder, GenerationConfig
+cg = offload.current_budget_cgroup()
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, max_draft=8, use_extra_bufts=False)
+limits = []
+def warm():
+    limits.append(cg.limit())
+    list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
+off = offload.offload_decoder(dec, offload.Budget.parse(sys.argv[2]), [], warm_up=warm)
+list(dec.generate("hello there", GenerationConfig(mode="ar", n_predict=8, stop_at_eos=False)))
+print(json.dumps({"warm_up": limits, "limit": cg.limit(), "budget": off.budget_bytes}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_a_budget_of_a_given_size_warms_up_under_a_raised_limit_then_runs_under_its_own(tiny_models, tmp_path):
+    """Under its own limit, with nothing pinned or cached yet, a warm-up decodes as llama.cpp alone would
+    (slowly, on a model larger than the budget): it runs under the limit an auto budget starts with, and the
+    run after it under the budget."""
+    r = _run_under_budget(SIZED_WARM_UP, tiny_models["olmoe"], tmp_path, "512M")
+    assert r["warm_up"] == [AUTO_START_LIMIT]
+    assert r["limit"] == r["budget"] == 512 << 20
 
 
 AUTO_HOT = """
@@ -1236,7 +1264,7 @@ def test_an_auto_budget_pins_the_hot_experts_its_plan_has_room_for_under_the_low
     """Hot experts are pinned once the limit is lowered (pinned before, while the warm-up's whole model
     was cached, the kernel could not reclaim down to the limit): they are pinned, in memory, and within
     the plan."""
-    r = _run_under_auto_budget(AUTO_HOT, tiny_models["olmoe"], tmp_path)
+    r = _run_under_budget(AUTO_HOT, tiny_models["olmoe"], tmp_path)
     assert r["limit"] == r["budget"]
     n_pinned = len(r["pinned_resident"])
     assert r["hot"] > 0 and 0 < n_pinned * r["eb"] <= r["plan_hot"]  # pinned bytes are rounded to pages
@@ -1318,7 +1346,7 @@ def test_under_a_budget_drafts_read_only_the_experts_in_memory(tmp_path):
     model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
                                                          n_ff=256, seed=2))
     drop_file_cache(model)  # pages the writer left cached count against no budget: as run_in_budget does
-    r = _run_under_auto_budget(AUTO_RESIDENT_DRAFTS, model, tmp_path)
+    r = _run_under_budget(AUTO_RESIDENT_DRAFTS, model, tmp_path)
     res, router = r["resident"], r["router"]
     assert res["config"] == "resident" and router["config"] == "router"
     assert res["masks"] == res["iterations"] > 0 and router["masks"] == 0
@@ -1375,7 +1403,7 @@ def test_under_a_budget_reader_threads_fetch_for_verifications_and_change_no_tok
     model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
                                                          n_ff=256, seed=2))
     drop_file_cache(model)
-    r = _run_under_auto_budget(AUTO_FETCH, model, tmp_path)
+    r = _run_under_budget(AUTO_FETCH, model, tmp_path)
     assert r["same"]
     assert r["fetched"]["read"] + r["fetched"]["resident"] > 0 and r["fetched"]["bytes"] > 0
 
@@ -1402,7 +1430,7 @@ def test_an_auto_budget_is_sized_with_the_largest_batch_a_prompt_will_run(tmp_pa
     model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=2, n_expert=8, k=2, n_embd=256,
                                                          n_ff=512, seed=3))
     drop_file_cache(model)
-    r = _run_under_auto_budget(AUTO_LONG_PROMPT, model, tmp_path)
+    r = _run_under_budget(AUTO_LONG_PROMPT, model, tmp_path)
     assert r["n_batch"] >= 512 and r["grew"] < 1 << 20
 
 
@@ -1447,7 +1475,7 @@ def test_a_smaller_batch_needs_a_smaller_budget_and_decodes_the_same(tmp_path):
     for n_batch in (512, 32):
         drop_file_cache(model)
         script = AUTO_BATCH.replace("int(sys.argv[2])", str(n_batch))
-        runs[n_batch] = _run_under_auto_budget(script, model, tmp_path)
+        runs[n_batch] = _run_under_budget(script, model, tmp_path)
     assert runs[512]["n_batch"] == 512 and runs[32]["n_batch"] == 32
     assert runs[32]["budget"] < runs[512]["budget"] - (4 << 20)
     assert runs[32]["tokens"] == runs[512]["tokens"] and len(runs[32]["tokens"]) == 8
@@ -1547,7 +1575,7 @@ def test_under_a_budget_memory_gating_moves_plain_steps_onto_experts_in_memory(t
     in memory (the prefetcher asked as each layer routes), and fewer of the experts read are fetched."""
     model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
                                                          n_ff=256, seed=2))
-    r = _run_under_auto_budget(AUTO_MEMORY_GATING, model, tmp_path)
+    r = _run_under_budget(AUTO_MEMORY_GATING, model, tmp_path)
     (steps_on, misses_on, moves_on), (steps_off, misses_off, moves_off) = r["on"], r["off"]
     assert steps_on > 20 and steps_off > 20
     assert moves_off == 0 and moves_on > 0
@@ -1611,7 +1639,7 @@ def test_under_a_budget_tune_searches_the_memory_strength_within_its_quality_che
     the budget's process before any speed is measured, and a strength that fails the check is never timed."""
     model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
                                                          n_ff=256, seed=2))
-    r = _run_under_auto_budget(AUTO_TUNE, model, tmp_path)
+    r = _run_under_budget(AUTO_TUNE, model, tmp_path)
     assert r["knows_memory"] and r["space"] == [0.0, 0.15, 0.3, 0.5] and r["defaults"] == 0.3
     checked = {strength: (ok, tokens, ppl, top1) for strength, ok, tokens, ppl, top1 in r["checked"]}
     assert sorted(checked) == [0.15, 0.3, 0.5]  # each strength the pool holds, once; 0 needs no check
