@@ -772,7 +772,7 @@ class CopyLearner:
         self.probe_every = probe_every
         self.probe_interval = np.full(shape, probe_every)
         self._declined = np.zeros(shape, int)
-        self._likeliest = (rate, self._raised(np.full(1, rate), np.zeros(1)).item())  # of any n and kind
+        self._likeliest = (rate, float(self._raised(rate, 0.0)))  # of any n and kind: as seen, and raised
         self._hopeless_steps = 0
         self.smoothing, self.min_copies = smoothing, min_copies
         self.plain_s: float | None = None  # running means: a plain step's wall time
@@ -985,9 +985,9 @@ class CopyPlanner:
         costs = self._costs(scale, max_len)
         # where not even a copy of the likeliest kind pays at the prices timed, whatever its length, a probe could
         # only re-time them, and rarely
-        chain, expected, hopeless = 1.0, 0.0, True
+        chain, expected, hopeless, likeliest = 1.0, 0.0, True, learned.likeliest
         for rows, (_, cost) in enumerate(costs, 1):
-            chain *= learned.likeliest
+            chain *= likeliest
             expected += chain
             if expected * saved >= rule.threshold * max(cost, rows * least_row):
                 hopeless = False
