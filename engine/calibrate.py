@@ -45,7 +45,7 @@ from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .gpu import Placement
 from .model_info import read_model_info
 from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
-                      plan_budget, process_anon_bytes, rank_counts, run_in_budget, select_hot_experts)
+                      process_anon_bytes, run_in_budget, select_hot_experts)
 from .profiles import SCHEMA_VERSION, check_name, check_writable, find_profile, load_profile, save_profile
 from .runtime import DEFAULT_BATCH
 from .trace import budget_record
@@ -555,23 +555,16 @@ def _step_hot_experts(cal: _Calibration, index: int):
     # The ranking: most routed first, up to half of the expert bytes. A decoding process under a budget
     # pins the longest prefix that fits its own plan (offload.offload_decoder).
     cal.hot = hot = select_hot_experts(counts, eb, emap.total_expert_bytes // 2)
-    plan = None
-    fit_text = ""
-    if cal.budget is not None and cal.budget.auto:
-        fit_text = " · how many fit is decided in the next step, once the budget is sized"
-    elif cal.budget is not None:
-        code = ModelMapping.resident_code_bytes()
-        plan = plan_budget(cal.budget.size, anon_bytes=process_anon_bytes(),
-                           base_bytes=sum(n for _, n in emap.pinnable()) + code, emap=emap, k=info.n_expert_used)
-        n_fit = len(select_hot_experts(rank_counts(hot, emap), eb, plan.hot_bytes))
-        fit_text = f" · {n_fit} of them fit {plan.describe()} (this process)"
+    # How many of them fit is the budget process's to say (next step): its batch and buffers, not this
+    # process's, decide the room its plan leaves the hot experts.
+    fit_text = " · how many fit is decided under the budget, in the next step" if cal.budget is not None else ""
     routed = counts.sum()
     share = float(sum(counts[l, e] for l, e in hot) / routed) if routed else 0.0
     yield StepResult(index, STEPS[index - 1][0],
                      f"{len(hot)} most routed experts ({fmt_bytes(sum(int(eb[l]) for l, _ in hot))}, half of the "
                      f"expert bytes) take {share:.0%} of {int(routed)} routings over {n_tok} tokens{fit_text}",
                      {"hot_experts": [list(p) for p in hot], "counts": counts.tolist(), "routed_share": share,
-                      "plan": plan.__dict__ if plan else None, "tokens": n_tok})
+                      "tokens": n_tok})
 
 
 def _step_under_budget(cal: _Calibration, index: int):
@@ -692,6 +685,7 @@ def _cold_result(cal: _Calibration, index: int, res: dict, after: dict) -> StepR
             cal.sto_bw = (cal.sto_bw + after[1]) / 2
         if cal.sto_bw_deep and after.get(deep):
             cal.sto_bw_deep = (cal.sto_bw_deep + after[deep]) / 2
+    pinned = (res.get("record") or {}).get("pinned") or []
     plain = ""
     if cal.cache_fit and cal.cache_fit.get("step_ms"):
         held = cal.cache_fit
@@ -707,7 +701,8 @@ def _cold_result(cal: _Calibration, index: int, res: dict, after: dict) -> StepR
                       f"{mfit.t_tok * 1e3:.2f} ms · {r2_text(mfit.r2, mfit.r2_ceiling)} · MAPE {mfit.mape:.1%} · "
                       f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
                       f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
-                      f"peak {fmt_bytes(res['peak'] or 0)}{plain}{drift}", data)
+                      f"peak {fmt_bytes(res['peak'] or 0)} · {len(pinned)} of the {len(cal.hot)} hot experts pinned "
+                      f"({fmt_bytes(res['pinned']['hot_experts'])}){plain}{drift}", data)
 
 
 def _cache_fit(plain: dict, record: dict | None, n_expert: int, expert_bytes: float) -> dict | None:

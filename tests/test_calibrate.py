@@ -151,6 +151,10 @@ def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
     held = block["cache_fit"]
     assert held["step_ms"] > 0 and held["tokens"] > 0
     assert f"plain decoding {held['step_ms']:.1f} ms a token" in budget.summary
+    # how many hot experts fit is said by the process that pins them, not guessed from the parent's size
+    hot = [e for e in events if isinstance(e, StepResult) and e.index == 4][0]
+    assert "decided under the budget, in the next step" in hot.summary
+    assert f" · {held['pinned']} of the {len(block['hot_experts'])} hot experts pinned (" in budget.summary
     # the disk is read again once the batches ran (where the file can be read cold): the profile keeps the mean
     first = [e for e in events if isinstance(e, StepResult) and e.index == 1][0].data
     after = budget.data.get("storage_after_gb_s") or {}
