@@ -431,11 +431,11 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
 
     checks_planned = len({c for s in pool_all for c in checks_of(s) if c[0] != "reuse" or c[1] not in quality})
     checks_made = 0
-    slowest = 0.0
+    took: dict[str, float] = {}  # the slowest check of each kind so far
     stopped_checking = None  # "time": the checks' share was spent; "enough": the halving could run no more
     for i, s in enumerate(pool_all):  # the defaults first
         if s != defaults and sum(verdict(c) is True for c in pool_all[:i]) >= _affordable(
-                len(pool_all), t_run, (deadline - clock.now() - slowest) * SH_SHARE):
+                len(pool_all), t_run, (deadline - clock.now() - max(took.values(), default=0.0)) * SH_SHARE):
             stopped_checking = "enough"  # those before it fill the halving: it would not run if it passed
             break
         for kind, key in checks_of(s):
@@ -443,14 +443,14 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                 if made[kind][key]["ok"]:
                     continue
                 break  # fails a check: it needs no more
-            if s != defaults and clock.now() + slowest > checks_deadline:
+            if s != defaults and clock.now() + expected_check_s(took, kind) > checks_deadline:
                 stopped_checking = "time"
                 break
             if stop():
                 return
             started = clock.now()
             q, event = make(kind, key)
-            slowest = max(slowest, clock.now() - started)
+            took[kind] = max(took.get(kind, 0.0), clock.now() - started)
             made[kind][key] = {**q, "ok": event.ok}
             checks_made += 1
             yield event
@@ -458,8 +458,9 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             if not event.ok:
                 break
             if s == defaults:  # a check is timed now: say at once if the defaults' own cannot fit
-                ensure_defaults_fit(sum(k not in made[c] for c, k in checks_of(defaults)), slowest, t_run,
-                                    deadline - clock.now(), time_budget_s, clock.now() - t0)
+                left = [expected_check_s(took, c) for c, k in checks_of(defaults) if k not in made[c]]
+                ensure_defaults_fit(left, took[kind], t_run, deadline - clock.now(), time_budget_s,
+                                    clock.now() - t0)
         if stopped_checking:
             break
     checks_s = clock.now() - t_checks
@@ -664,14 +665,31 @@ def _check_time(needed: float, left: float, time_budget_s: float, t_run: float) 
                                         f"candidates with the defaults needs about {needed:.0f} s more")
 
 
-def ensure_defaults_fit(n_left: int, check_s: float, t_run: float, left: float, time_budget_s: float,
-                        elapsed: float) -> None:
-    """Raise where the defaults' remaining quality checks and one comparison of two candidates cannot fit in the
-    time left: said as soon as a check has been timed, rather than once the whole budget is gone."""
+# A check of a kind not timed yet is expected to take what the kind it runs like took: both biases together are
+# checked on batches of tokens as reuse gating alone is, where the memory check runs one token a step.
+CHECK_RUNS_LIKE = {"both": "reuse"}
+
+
+def expected_check_s(took: dict[str, float], kind: str) -> float:
+    """Seconds a quality check of `kind` is expected to take, from the slowest of each kind so far (`took`): its
+    own kind's, else the kind it runs like, else the slowest of any."""
+    if kind in took:
+        return took[kind]
+    like = CHECK_RUNS_LIKE.get(kind)
+    return took[like] if like in took else max(took.values(), default=0.0)
+
+
+def ensure_defaults_fit(checks_left_s: list[float], check_s: float, t_run: float, left: float,
+                        time_budget_s: float, elapsed: float) -> None:
+    """Raise where the defaults' remaining quality checks (the seconds each is expected to take) and one comparison
+    of two candidates cannot fit in the time left: said as soon as a check has been timed (check_s), rather than
+    once the whole budget is gone."""
     compare = _sh_cost(2, t_run)
-    needed = n_left * check_s + compare
+    needed = sum(checks_left_s) + compare
     if needed > left:
-        more = f" and the defaults need {n_left} more before any speed is timed" if n_left else ""
+        n_left = len(checks_left_s)
+        more = (f" and the defaults need {n_left} more (about {sum(checks_left_s):.0f} s) before any speed is timed"
+                if n_left else "")
         raise _too_short(time_budget_s, f"a quality check takes about {check_s:.0f} s here{more}; comparing two "
                                         f"candidates then takes about {compare:.0f} s: that alone needs "
                                         f"{math.ceil((elapsed + needed) / 60)} min, a search more")

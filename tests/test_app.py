@@ -815,7 +815,7 @@ def test_engine_errors_reach_the_user_in_the_apps_own_words():
     from s2moe.engine.tune import ensure_defaults_fit
 
     with pytest.raises(ConfigError) as caught:
-        ensure_defaults_fit(2, 45.0, 2.5, 100.0, 180, 75.0)
+        ensure_defaults_fit([45.0, 45.0], 45.0, 2.5, 100.0, 180, 75.0)
     assert failure_text(caught.value).startswith("the tuning time (Tuning minutes) of 180 s is too short: a quality "
                                                  "check takes about 45 s here and the defaults need 2 more")
 

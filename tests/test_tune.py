@@ -16,7 +16,8 @@ from s2moe.engine.model_info import read_model_info
 from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
 from s2moe.engine.tune import (QUALITY_SHARE, BenchChecks, Clock, MonotonicClock, Settings, TuneDone, TuneMeasured,
                                TuneMemoryQuality, TuneProgress, TuneQuality, TuneStarted, candidate_pool, decided,
-                               default_settings, run_tune, search_space, separated, too_close_to_call)
+                               default_settings, expected_check_s, run_tune, search_space, separated,
+                               too_close_to_call)
 
 # Constants under which the utility rule drafts on the tiny model (a plain step dear, a draft step cheap), so
 # that candidates differ in how many tokens an iteration commits.
@@ -59,26 +60,26 @@ def _tune(dec, prompts, budget, **kw):
 
 
 class SlowChecks:
-    """bench's checks (QualityChecks), each taking `cost` units of the test's clock, as a check under a budget
-    takes minutes: what they measure is the tiny model's, what they take is scripted."""
+    """bench's checks (QualityChecks), each taking `cost` units of the test's clock (or cost[kind]), as a check under
+    a budget takes minutes: what they measure is the tiny model's, what they take is scripted."""
 
-    def __init__(self, decoder, clock: IterationClock, cost: float) -> None:
+    def __init__(self, decoder, clock: IterationClock, cost: float | dict[str, float]) -> None:
         self.real, self.clock, self.cost = BenchChecks(decoder), clock, cost
         self.made: list[tuple] = []
 
-    def _took(self, q: dict, *key) -> dict:
-        self.clock.t += self.cost
+    def _took(self, kind: str, q: dict, *key) -> dict:
+        self.clock.t += self.cost[kind] if isinstance(self.cost, dict) else self.cost
         self.made.append(key)
         return q
 
     def reuse(self, texts, alpha, cap, window):
-        return self._took(self.real.reuse(texts, alpha, cap, window), alpha, cap)
+        return self._took("reuse", self.real.reuse(texts, alpha, cap, window), alpha, cap)
 
     def memory(self, texts, alpha):
-        return self._took(self.real.memory(texts, alpha), alpha)
+        return self._took("memory", self.real.memory(texts, alpha), alpha)
 
     def both(self, texts, alpha, cap, window, memory):
-        return self._took(self.real.both(texts, alpha, cap, window, memory), alpha, cap, memory)
+        return self._took("both", self.real.both(texts, alpha, cap, window, memory), alpha, cap, memory)
 
 
 def test_quality_checks_take_at_most_their_share_of_the_time_and_the_defaults_come_first(tiny, prompts):
@@ -114,6 +115,36 @@ def test_a_budget_the_defaults_checks_overrun_is_said_once_a_check_is_timed(tiny
                             "comparing two candidates then takes about")
     assert words.endswith("min, a search more")
     assert len(checks.made) == 1 and not any(isinstance(ev, TuneMeasured) for ev in events)
+
+
+def test_a_check_not_yet_timed_is_expected_to_take_what_its_own_kind_or_the_kind_it_runs_like_took():
+    assert expected_check_s({}, "memory") == 0.0
+    assert expected_check_s({"reuse": 100.0}, "memory") == 100.0  # no check like it timed: the slowest of any
+    took = {"reuse": 100.0, "memory": 400.0}
+    assert expected_check_s(took, "both") == 100.0  # batches, as reuse's: not the one-token-a-step memory check
+    assert expected_check_s(took, "memory") == 400.0 and expected_check_s({"memory": 400.0}, "both") == 400.0
+
+
+def test_the_defaults_memory_check_taking_long_does_not_make_their_batched_check_look_as_long(tiny_models, prompts):
+    from s2moe.engine.decoder import Decoder
+    from s2moe.engine.offload import Pinning, offload_decoder
+
+    dec = Decoder(str(tiny_models["olmoe"]), n_ctx=512, n_threads=1, use_extra_bufts=False)
+    off = offload_decoder(dec, None, pinning=Pinning(base=False, hot=False))
+    try:
+        assert dec.knows_memory
+        clock = IterationClock()
+        # one token a step, the memory check takes four times the batched ones: the time left after it holds the
+        # joint check and a comparison, not another check as long as the memory one
+        checks = SlowChecks(dec, clock, cost={"reuse": 1000.0, "memory": 4000.0, "both": 1000.0})
+        events = list(run_tune(dec, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=9000, clock=clock,
+                               checks=checks))
+        defaults = default_settings(dec)
+        assert checks.made[:3] == [defaults.gating, (defaults.memory,), (*defaults.gating, defaults.memory)]
+        assert isinstance(events[-1], TuneDone) and events[-1].section["search"]["seconds"] <= 9000
+    finally:
+        off.close()
+        dec.close()
 
 
 def test_no_candidate_is_checked_once_those_that_passed_fill_the_halving(tiny, prompts):
