@@ -199,6 +199,30 @@ def test_a_cgroup_named_in_the_environment_must_be_this_process_own(tmp_path, mo
     assert current_budget_cgroup() is None and current_budget() is None
 
 
+def test_a_budget_cgroup_left_by_a_killed_run_is_removed_by_the_next(monkeypatch, tmp_path):
+    """SIGKILL leaves no time to remove a run's cgroup: the next run removes those whose process is gone and
+    that hold nothing, and leaves the others (a plain folder stands in for the hierarchy)."""
+    import shutil
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(tmp_path))
+    stale = tmp_path / f"s2moe-bench-{gone.pid}-123"
+    busy = tmp_path / f"s2moe-run-{gone.pid}-456"  # not empty: a cgroup that still holds a process
+    alive = tmp_path / f"s2moe-run-{os.getppid()}-789"
+    other = tmp_path / "someone-else-1-2"
+    for d in (stale, busy, alive, other):
+        d.mkdir()
+    (busy / "cgroup.procs").write_text("1\n")
+    cg = MemoryCgroup.create(200 << 20, tag="bench")
+    try:
+        assert not stale.exists() and busy.exists() and alive.exists() and other.exists()
+    finally:
+        shutil.rmtree(cg.path)  # the plain folder took the limits as plain files
+
+
 def test_no_cgroup_gives_a_one_line_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(tmp_path / "missing"))
     reason = MemoryCgroup.unavailable_reason()

@@ -108,6 +108,7 @@ class MemoryCgroup:
     @classmethod
     def create(cls, limit_bytes: int, tag: str = "run") -> "MemoryCgroup":
         version, parent = cls.locate()
+        _remove_stale(parent)
         path = parent / f"s2moe-{tag}-{os.getpid()}-{int(time.time() * 1000) % 100000}"
         try:
             path.mkdir()
@@ -224,6 +225,27 @@ class MemoryCgroup:
                 return
             except OSError:
                 time.sleep(0.02)  # the last process may still be exiting
+
+
+def _remove_stale(parent: Path) -> None:
+    """Remove the budget cgroups that processes now gone left behind (SIGKILL leaves no time to remove them):
+    only an empty cgroup can be removed, so one that still holds a process stays whatever its name says."""
+    for child in parent.glob("s2moe-*-*-*"):
+        try:
+            pid = int(child.name.rsplit("-", 2)[-2])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or reused by another process): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            child.rmdir()
+        except OSError:
+            pass
 
 
 def current_budget_cgroup() -> MemoryCgroup | None:
