@@ -24,6 +24,7 @@
 
 typedef struct s2_fetcher s2_fetcher;
 typedef struct s2_cache s2_cache;
+typedef struct s2_streamer s2_streamer;
 
 typedef struct s2_prefetch {
     uint8_t *base;        // start of our mapping of the model file
@@ -56,10 +57,10 @@ typedef struct s2_prefetch {
     int staged_layer;     // the layer being read part by part, or -1
     uint8_t *staged;      // [n_expert] its experts read part by part
     int64_t n_staged;     // layers read part by part
-    // Parts that alone outgrow stage_room (a prompt's prefill routes nearly every expert) are streamed: see
-    // ask_part. Only where a fault reads single pages (MADV_RANDOM), the advice restored after them.
+    // Parts that alone outgrow stage_room (a prompt's prefill routes nearly every expert) are streamed by a
+    // thread of ours (see ask_part). Only where a fault reads single pages (MADV_RANDOM).
     int stream;
-    size_t stream_lo, stream_hi;  // the span streamed in llama.cpp's mapping (file offsets), lo == hi: none
+    s2_streamer *streamer;        // NULL until the first span is streamed
     int64_t n_streamed;           // spans streamed
 } s2_prefetch;
 
@@ -167,10 +168,12 @@ int s2_prefetch_resident(s2_prefetch *p, const uint8_t *mask, uint8_t *out) {
 void s2_fetch_stop(s2_prefetch *p);
 
 static void cache_free(s2_cache *c);
+static void streamer_free(s2_prefetch *p);
 
 void s2_prefetch_free(s2_prefetch *p) {
     if (!p) return;
     s2_fetch_stop(p);
+    streamer_free(p);
     cache_free(p->cache);
     free(p->staged);
     free(p->ranges);
@@ -395,46 +398,220 @@ static void cache_use(s2_prefetch *p, int layer) {
     }
 }
 
-// Part j (-1: every part) of the staged experts of a layer. Where those parts together outgrow stage_room (a
-// prompt's prefill routes nearly every expert), WILLNEED on all of them at once has reclaim take the first ones
-// before the matmul reaches them, and the matmul faults them back a page at a time. A matmul reads its experts
-// in id order, each part one contiguous range, so their span gets MADV_SEQUENTIAL instead: each fault reads a
-// read-ahead window ahead of the matmul, and the pages it has read are the first reclaim takes. WILLNEED asks
-// for the first half-room only.
+// Streaming. Where the staged experts' part alone outgrows stage_room (a prompt's prefill routes nearly every
+// expert), WILLNEED on all of it at once has reclaim take the first experts before the matmul reaches them,
+// and the matmul faults them back a page at a time. The kernel's sequential read-ahead does no better under
+// a tight budget: it keeps two read-ahead windows in flight (read_ahead_kb, 8 MiB on some disks), reclaim
+// takes one before the matmul reaches it, and the same window is read again and again (a prefill that never
+// ended, measured). So a thread of ours streams the span: a matmul
+// reads its experts in id order, each part one contiguous range, and the pages it has read are the ones this
+// process maps (/proc/self/pagemap: under MADV_RANDOM a fault maps the page it needs and at most the
+// fault-around pages next to it). The thread keeps `ahead` bytes asked for past the furthest page mapped,
+// and drops the parts the matmul has left behind (as a stage's end would), so that what the stream holds
+// stays within the room whatever else has grown.
+
+typedef struct {
+    size_t a, len;  // whole pages of one staged part, file offsets
+    int32_t i;      // layer * n_expert + expert
+    int j;          // the part
+} stream_item;
+
+struct s2_streamer {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int active, busy, quit;
+    int pagemap;             // /proc/self/pagemap
+    stream_item *items;      // the span's parts in the order the matmul reads them
+    int n;
+    int used;                // the furthest item the matmul has mapped pages of
+    int dropped;             // items before this one are dropped
+    int next;                // the next item to ask for, and how much of it is asked
+    size_t next_done;
+    int64_t ahead;
+    int drop_behind;         // the matmul's order is known: what it left behind is not read again
+    uint64_t *entries;       // pagemap scratch, one entry per page of the longest item
+    int64_t n_dropped;       // items dropped behind the matmul
+};
+
+// The bytes of item k the matmul has mapped pages of, up to and including the furthest one (0: none). An
+// item's first and last page may be shared with an expert beside it that is mapped already: they are not
+// looked at (where the item has other pages).
+static size_t item_read(const s2_prefetch *p, s2_streamer *s, int k) {
+    const stream_item *it = &s->items[k];
+    const size_t pages = it->len / p->page;
+    const uintptr_t first = (uintptr_t)(p->cache->base + it->a) / p->page;
+    const ssize_t got = pread(s->pagemap, s->entries, pages * sizeof(uint64_t), (off_t)(first * sizeof(uint64_t)));
+    if (got <= 0) return 0;
+    const size_t n = (size_t)got / sizeof(uint64_t), lo = n > 2 ? 1 : 0, hi = n > 2 ? n - 1 : n;
+    for (size_t q = hi; q-- > lo;)
+        if (s->entries[q] >> 63) return (q + 1) * p->page;
+    return 0;
+}
+
+// One look at the matmul's progress: drop what it left behind, ask for what comes within `ahead` of it.
+// Returns 0 once everything is asked for.
+static int stream_step(s2_prefetch *p, s2_streamer *s) {
+    size_t at = 0;  // the matmul's position: bytes of the span up to its furthest mapped page
+    for (int k = s->next < s->n ? s->next : s->n - 1; k >= s->used; --k) {
+        const size_t got = item_read(p, s, k);
+        if (got) {
+            s->used = k;
+            at = got;
+            break;
+        }
+    }
+    // an expert's part may be read again for the next block of tokens: the one before the matmul's stays
+    for (; s->drop_behind && s->dropped < s->used - 1; ++s->dropped) {
+        drop_part(p, s->items[s->dropped].i, s->items[s->dropped].j, NULL);
+        __atomic_fetch_add(&s->n_dropped, 1, __ATOMIC_RELAXED);
+    }
+    int64_t asked = (int64_t)s->next_done - (int64_t)at;  // asked for beyond the matmul
+    for (int k = s->used; k < s->next && k < s->n; ++k) asked += (int64_t)s->items[k].len;
+    while (s->next < s->n && asked < s->ahead) {
+        const stream_item *it = &s->items[s->next];
+        size_t len = it->len - s->next_done;
+        if ((int64_t)len > s->ahead - asked) len = (size_t)(s->ahead - asked + p->page - 1) / p->page * p->page;
+        if (len > it->len - s->next_done) len = it->len - s->next_done;
+        if (madvise(p->base + it->a + s->next_done, len, MADV_WILLNEED) == 0)
+            __atomic_fetch_add(&p->bytes_advised, (int64_t)len, __ATOMIC_RELAXED);
+        asked += (int64_t)len;
+        s->next_done += len;
+        if (s->next_done >= it->len) {
+            s->next++;
+            s->next_done = 0;
+        }
+    }
+    return s->next < s->n;
+}
+
+static void *stream_thread(void *arg) {
+    s2_prefetch *p = arg;
+    s2_streamer *s = p->streamer;
+    pthread_mutex_lock(&s->mu);
+    while (!s->quit) {
+        if (!s->active) {
+            pthread_cond_wait(&s->cv, &s->mu);
+            continue;
+        }
+        s->busy = 1;
+        pthread_mutex_unlock(&s->mu);
+        const int more = stream_step(p, s);
+        pthread_mutex_lock(&s->mu);
+        s->busy = 0;
+        if (!more) s->active = 0;
+        pthread_cond_broadcast(&s->cv);
+        if (s->active && !s->quit) {
+            // a read of `ahead` takes milliseconds; a look every half of one keeps the disk busy
+            struct timespec t;
+            clock_gettime(CLOCK_REALTIME, &t);
+            t.tv_nsec += 500000;
+            if (t.tv_nsec >= 1000000000) {
+                t.tv_sec++;
+                t.tv_nsec -= 1000000000;
+            }
+            pthread_cond_timedwait(&s->cv, &s->mu, &t);
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static s2_streamer *streamer_start(s2_prefetch *p) {
+    s2_streamer *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    int64_t longest = 0;
+    for (size_t k = 1; k < (size_t)p->n_layer * p->n_expert * p->n_parts * 2; k += 2)
+        if (p->ranges[k] > longest) longest = p->ranges[k];
+    s->items = malloc((size_t)p->n_expert * p->n_parts * sizeof *s->items);
+    s->entries = malloc(((size_t)longest / p->page + 2) * sizeof(uint64_t));
+    s->pagemap = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+    if (!s->items || !s->entries || s->pagemap < 0) goto fail;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    p->streamer = s;
+    if (pthread_create(&s->thread, NULL, stream_thread, p) == 0) return s;
+    p->streamer = NULL;
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+fail:
+    if (s->pagemap >= 0) close(s->pagemap);
+    free(s->items);
+    free(s->entries);
+    free(s);
+    return NULL;
+}
+
+// The stream stops (the matmul it fed has run, or the layer ends): the thread is idle when this returns.
+static void end_stream(s2_prefetch *p) {
+    s2_streamer *s = p->streamer;
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->active = 0;
+    while (s->busy) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void streamer_free(s2_prefetch *p) {
+    s2_streamer *s = p->streamer;
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->quit = 1;
+    s->active = 0;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thread, NULL);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    close(s->pagemap);
+    free(s->items);
+    free(s->entries);
+    free(s);
+    p->streamer = NULL;
+}
+
+// Part j (-1: every part) of the staged experts of a layer: asked for at once where it fits stage_room,
+// else streamed (above), a quarter of the room kept asked for ahead of the matmul.
 static void ask_part(s2_prefetch *p, int layer, int j) {
     const int j0 = j < 0 ? 0 : j, j1 = j < 0 ? p->n_parts : j + 1;
     s2_cache *c = p->cache;
     int64_t bytes = 0;
-    size_t lo = SIZE_MAX, hi = 0;
-    for (int e = 0; e < p->n_expert; ++e)
-        for (int k = j0; k < j1; ++k) {
+    int inside = c != NULL;
+    for (int k = j0; k < j1; ++k)
+        for (int e = 0; e < p->n_expert; ++e) {
             size_t a, len;
             if (!p->staged[e] || !part_pages(p, layer, e, k, &a, &len)) continue;
             bytes += (int64_t)len;
-            if (a < lo) lo = a;
-            if (a + len > hi) hi = a + len;
+            inside = inside && a >= c->lo && a + len <= c->hi;
         }
-    const int stream = p->stream && c && bytes > p->stage_room && lo < hi && lo >= c->lo && hi <= c->hi &&
-                       madvise(c->base + lo, hi - lo, MADV_SEQUENTIAL) == 0;
-    if (stream) {
-        p->stream_lo = lo;
-        p->stream_hi = hi;
-        p->n_streamed++;
+    s2_streamer *s = p->streamer;
+    if (p->stream && inside && bytes > p->stage_room && !s) s = streamer_start(p);
+    if (!(p->stream && inside && bytes > p->stage_room && s)) {
+        for (int k = j0; k < j1; ++k)
+            for (int e = 0; e < p->n_expert; ++e)
+                if (p->staged[e]) advise_part(p, layer, e, k);
+        return;
     }
-    int64_t asked = 0;
+    // the thread is idle (end_stream came first): its items are ours to fill. Pages of them still mapped (an
+    // expert the kernel reclaimed in part) are unmapped, so that a mapped page says the matmul has been there.
+    s->n = 0;
     for (int k = j0; k < j1; ++k)
-        for (int e = 0; e < p->n_expert && !(stream && asked >= p->stage_room / 2); ++e) {
+        for (int e = 0; e < p->n_expert; ++e) {
             size_t a, len;
             if (!p->staged[e] || !part_pages(p, layer, e, k, &a, &len)) continue;
-            advise_part(p, layer, e, k);
-            asked += (int64_t)len;
+            s->items[s->n++] = (stream_item){a, len, (int32_t)(layer * p->n_expert + e), k};
+            madvise(c->base + a, len, MADV_DONTNEED);
         }
-}
-
-// A streamed span's pages fault one at a time again (its used pages were dropped with the stage).
-static void end_stream(s2_prefetch *p) {
-    if (p->stream_hi > p->stream_lo) madvise(p->cache->base + p->stream_lo, p->stream_hi - p->stream_lo, MADV_RANDOM);
-    p->stream_lo = p->stream_hi = 0;
+    s->drop_behind = j >= 0;
+    s->used = s->dropped = s->next = 0;
+    s->next_done = 0;
+    s->ahead = p->stage_room / 4 > (int64_t)p->page ? p->stage_room / 4 : (int64_t)p->page;
+    p->n_streamed++;
+    stream_step(p, s);  // the first reads start before the matmul does
+    pthread_mutex_lock(&s->mu);
+    s->active = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
 }
 
 // Staged reads. The layer just routed (p->mark: 2 = not in memory) is read part by part when what it must
@@ -512,6 +689,7 @@ int s2_prefetch_stage(s2_prefetch *p, int layer, int kind, int ask) {
     if (p->n_order < 3) learn_order(p, layer, kind);
     if (layer != p->staged_layer) return 0;
     const int q = p->kind_stage[kind];
+    end_stream(p);  // before the drops: the thread drops parts of the same experts
     int n = 0;
     for (int e = 0; e < p->n_expert; ++e) {
         if (!p->staged[e]) continue;
@@ -520,7 +698,6 @@ int s2_prefetch_stage(s2_prefetch *p, int layer, int kind, int ask) {
         if (q == 2) cache_forget(p->cache, i);
         ++n;
     }
-    end_stream(p);
     if (q < 2) ask_part(p, layer, p->stage_part[q + 1]);
     else p->staged_layer = -1;
     return n;
@@ -652,7 +829,7 @@ void s2_cache_drop_mapping(s2_prefetch *p, void *base, size_t lo, size_t hi) {
 
 // out: bytes held, experts evicted, evictions the kernel refused part of, experts held that the kernel
 // had reclaimed all the same, layers read part by part, spans streamed, experts entered at the least recent
-// end (0 each without a cache)
+// end, streamed parts dropped behind the matmul (0 each without a cache)
 void s2_cache_stats(const s2_prefetch *p, int64_t *out) {
     const s2_cache *c = p ? p->cache : NULL;
     out[0] = c ? c->used : 0;
@@ -662,6 +839,7 @@ void s2_cache_stats(const s2_prefetch *p, int64_t *out) {
     out[4] = c ? p->n_staged : 0;
     out[5] = c ? p->n_streamed : 0;
     out[6] = c ? c->n_behind : 0;
+    out[7] = c && p->streamer ? __atomic_load_n(&p->streamer->n_dropped, __ATOMIC_RELAXED) : 0;
 }
 
 // Of the ids a routed layer hands over next, the first `lead` are the row whose output is kept whatever

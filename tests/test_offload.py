@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from s2moe.engine.errors import ConfigError, ModelError
 from s2moe.engine.offload import (MemoryCgroup, ModelMapping, Offloader, code_ranges, drop_file_cache,
                                   expert_map, parse_size, plan_budget, select_hot_experts)
 from s2moe.engine.offload import (AUTO_MIN_SLACK, AUTO_START_LIMIT, Budget, current_budget, current_budget_cgroup, fmt_bytes)
+from s2moe.engine.offload.libc import MADV_RANDOM
 from tinygguf import TinySpec, write_tiny
 
 
@@ -420,7 +422,7 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             assert _wait_for(lambda: resident()[0, [1, 2]].all())
             pf.layer(1, [3, 4])  # four held: (0, 1), routed longest ago, goes
             assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0, "staged": 0,
-                                        "streamed": 0, "behind": 0}
+                                        "streamed": 0, "behind": 0, "dropped_behind": 0}
             assert _wait_for(lambda: resident()[0, 2] and resident()[1, 3] and resident()[1, 4])
             assert not resident()[0, 1]
             pf.layer(0, [0])  # pinned: never counted
@@ -439,7 +441,7 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             assert pf.cache_stats()["lost"] == 1
             pf.keep_cache(0, 0, 0, -1, pinned)
             assert pf.cache_stats() == {"held": 0, "evicted": 0, "refused": 0, "lost": 0, "staged": 0, "streamed": 0,
-                                        "behind": 0}
+                                        "behind": 0, "dropped_behind": 0}
         finally:
             llama.close()
 
@@ -567,22 +569,21 @@ def _vm_flags(addr: int) -> set[str]:
 def test_parts_that_alone_outgrow_the_stage_room_are_streamed_behind_the_matmul(wide_model, stream):
     """A prompt's prefill routes nearly every expert of a layer, and then one part of its fetched experts alone
     outgrows the stage room: asked for all at once, the first would be reclaimed before the matmul reached
-    them. Where faults read single pages (stream), the span of that part gets sequential read-ahead instead
-    (the matmul reads its experts in id order), only its first half-room is asked for, and once the matmul ran
-    the span faults single pages again. While the matmuls' order is still being learned the whole layer's
-    span is streamed so. Without stream every part is asked for whole, as before."""
+    them. Where faults read single pages (stream), a thread streams that part instead: it keeps a quarter of
+    the room asked for past the furthest page the matmul has mapped (it reads its experts in id order), and
+    drops the experts' parts the matmul has gone past. Here the test is the matmul: it reads the pages
+    through the mapping llama.cpp would. While the matmuls' order is still being learned the whole layer is
+    streamed, nothing dropped. Without stream every part is asked for whole, as before."""
     with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
         llama = ModelMapping(em)
         try:
+            assert llama.c.lib.madvise(llama.addr, llama.size, MADV_RANDOM) == 0  # what offloading sets
             part = {kind: next(j for j, n in enumerate(em.parts[0]) if f"ffn_{kind}_exps" in n)
                     for kind in ("up", "gate", "down")}
             one = int(em.expert_bytes[0])
             pf.keep_cache(llama.addr, 0, llama.size, 8 * one, np.zeros((2, 8), np.uint8))
             pf.set_stages((part["up"], part["gate"], part["down"]), room=2 * one, stream=stream)
-
-            def at(layer, e, kind):  # an address inside that part in llama.cpp's mapping
-                offset, length = (int(x) for x in em.ranges[layer, e, part[kind]])
-                return llama.addr + offset + length // 2
+            assert 2 * one // 4 < 2 * int(em.ranges[0, 0, part["gate"], 1])  # a quarter room: under two parts
 
             def resident(layer, experts, kind):
                 return [m.range_resident(*(int(x) for x in em.ranges[layer, e, part[kind]])) for e in experts]
@@ -590,36 +591,47 @@ def test_parts_that_alone_outgrow_the_stage_room_are_streamed_behind_the_matmul(
             def read(layer, experts, kind):
                 return _wait_for(lambda: min(resident(layer, experts, kind)) == 1.0)
 
+            def matmul_reads(layer, experts, kind):
+                for e in experts:
+                    offset, length = (int(x) for x in em.ranges[layer, e, part[kind]])
+                    ctypes.string_at(llama.addr + offset, length)
+
+            first = min(part, key=part.get)  # the layer's parts in file order, each in expert id order
             pf.layer(1, list(range(8)))  # the order is not known yet: past the room, the whole layer
             if stream:
-                assert all("sr" in _vm_flags(at(1, e, kind)) for e in (0, 7) for kind in part)
-                first = min(part.values())  # parts asked in file order, experts in id order, up to half the room
-                assert read(1, [0], next(k for k in part if part[k] == first))
-                # not asked (a page it shares with a neighbour that was may be in)
+                assert read(1, [0], first)
                 assert max(resident(1, [7], "down") + resident(1, [7], "gate") + resident(1, [7], "up")) < 0.5
+                matmul_reads(1, range(7), first)
+                assert read(1, [7], first)  # asked for as the matmul went
+                assert min(resident(1, range(7), first)) == 1.0  # nothing dropped while the order is unknown
             else:
                 assert read(1, range(8), "gate") and read(1, range(8), "up") and read(1, range(8), "down")
             for kind in (1, 0, 2):  # gate, up, down: the order learned on layer 1
                 pf.stage(1, kind)
-            pf.layer(0, [0])  # the next layer routing ends that stream: single pages again
-            assert not any("sr" in _vm_flags(at(1, e, kind)) for e in (0, 7) for kind in part)
+            pf.layer(0, [0])
+            assert all(read(0, [0], kind) for kind in part)  # in memory before the next layer counts it
             assert pf.cache_stats()["streamed"] == (1 if stream else 0)
 
             pf.layer(0, list(range(8)))  # seven to fetch: their gate parts alone outgrow the room
             assert pf.cache_stats()["staged"] == 1
             if stream:
-                assert "sr" in _vm_flags(at(0, 7, "gate")) and "sr" not in _vm_flags(at(0, 7, "up"))
                 assert read(0, [1], "gate") and resident(0, [7], "gate")[0] < 0.5
+                assert max(resident(0, [1], "up")) < 0.5  # the next stage's part waits for it
+                matmul_reads(0, range(1, 7), "gate")
+                assert read(0, [7], "gate")
+                assert _wait_for(lambda: pf.cache_stats()["dropped_behind"] >= 4)
+                assert max(resident(0, range(1, 5), "gate")) < 0.5  # gone behind the matmul
+                assert min(resident(0, [6], "gate")) == 1.0
             else:
                 assert read(0, range(1, 8), "gate")
-            pf.stage(0, 1)  # the gate's matmul ran: its span faults single pages again, up's is streamed
-            assert "sr" not in _vm_flags(at(0, 7, "gate"))
-            assert ("sr" in _vm_flags(at(0, 7, "up"))) == stream
-            assert ("rr" in _vm_flags(at(0, 7, "gate"))) == stream
+            pf.stage(0, 1)  # the gate's matmul ran: its parts go, up's is streamed
+            assert max(resident(0, range(1, 8), "gate")) < 0.5
+            if stream:
+                assert read(0, [1], "up") and resident(0, [7], "up")[0] < 0.5
             pf.stage(0, 0)
             pf.stage(0, 2)
-            assert not any("sr" in _vm_flags(at(0, 7, kind)) for kind in part)
             assert pf.cache_stats()["streamed"] == (4 if stream else 0)
+            assert "sr" not in _vm_flags(llama.addr + int(em.ranges[0, 7, part["up"], 0]))
         finally:
             llama.close()
 

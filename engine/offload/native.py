@@ -117,7 +117,8 @@ class NativePrefetch:
         and read a layer whose fetched experts take more than `room` bytes one part at a time (None: none).
         kind_part: the part indices of its up, gate and down matrices; None: neither. stream: the expert
         ranges of llama.cpp's mapping fault single pages (MADV_RANDOM), so that a part that alone outgrows
-        `room` is read by the kernel's sequential read-ahead as the matmul goes (native/s2moe_offload.c)."""
+        `room` can be streamed: a thread of ours reads it a little ahead of the matmul and drops what the
+        matmul has gone past (native/s2moe_offload.c)."""
         i32p = ctypes.POINTER(ctypes.c_int32)
         kp = np.ascontiguousarray(kind_part if kind_part is not None else (-1, -1, -1), np.int32)
         self.lib.s2_prefetch_set_stages(self.handle, kp.ctypes.data_as(i32p), -1 if room is None else int(room),
@@ -203,11 +204,13 @@ class NativePrefetch:
         """Bytes the kept expert cache holds, experts evicted from it, evictions the kernel refused part of,
         experts it held that the kernel had reclaimed all the same when they were routed (the budget's
         reclaim reaching into the cache), layers read part by part and parts of theirs streamed (set_stages),
-        experts entered at the least recent end (read only by a verification's drafted rows: lead)."""
-        out = (ctypes.c_int64 * 7)()
+        experts entered at the least recent end (read only by a verification's drafted rows: lead), streamed
+        parts dropped once the matmul had gone past them."""
+        out = (ctypes.c_int64 * 8)()
         self.lib.s2_cache_stats(self.handle, out)
         return {"held": int(out[0]), "evicted": int(out[1]), "refused": int(out[2]), "lost": int(out[3]),
-                "staged": int(out[4]), "streamed": int(out[5]), "behind": int(out[6])}
+                "staged": int(out[4]), "streamed": int(out[5]), "behind": int(out[6]),
+                "dropped_behind": int(out[7])}
 
     def lead(self, ids: int) -> None:
         """The first `ids` of each routed layer's ids from now on are a verification's first row, whose output
