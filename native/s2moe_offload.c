@@ -357,6 +357,22 @@ static void cache_evict(s2_prefetch *p, int32_t i) {
     ++p->cache->n_evicted;
 }
 
+// What the cache holds beyond its capacity leaves memory, least recently used first, never the experts of
+// `layer` that it just routed (p->mark; -1: no layer).
+static void cache_trim(s2_prefetch *p, int layer) {
+    s2_cache *c = p->cache;
+    for (int32_t i = c->tail; i >= 0 && c->used > c->capacity;) {
+        const int32_t newer = c->prev[i];
+        if (i / p->n_expert != layer || !p->mark[i % p->n_expert]) {
+            cache_unlink(c, i);
+            c->held[i] = 0;
+            c->used -= c->bytes[i];
+            cache_evict(p, i);
+        }
+        i = newer;
+    }
+}
+
 // The layer's distinct experts (p->mark) were just routed: they become the most recently used, and what
 // the cache then holds beyond its capacity is paged out, least recently used first, never one of the
 // layer's own (a layer that needs more than the whole cache keeps them until a later layer routes).
@@ -386,16 +402,7 @@ static void cache_use(s2_prefetch *p, int layer) {
         }
         cache_push_front(c, i);
     }
-    for (int32_t i = c->tail; i >= 0 && c->used > c->capacity;) {
-        const int32_t newer = c->prev[i];
-        if (i / p->n_expert != layer || !p->mark[i % p->n_expert]) {
-            cache_unlink(c, i);
-            c->held[i] = 0;
-            c->used -= c->bytes[i];
-            cache_evict(p, i);
-        }
-        i = newer;
-    }
+    cache_trim(p, layer);
 }
 
 // Streaming. Where the staged experts' part alone outgrows stage_room (a prompt's prefill routes nearly every
@@ -816,6 +823,18 @@ int s2_cache_keep(s2_prefetch *p, const char *path, void *llama_base, size_t lo,
     // their pages are mapped (mlock), and the page cache never drops a mapped page.
     drop_expert_span(c, c->base, lo, hi);
     return 0;
+}
+
+// The process grew past what the budget's plan counted (a Python heap that fragments, a longer context's
+// buffers): the cache gives way, as the budget holds the rest. Its least recent experts leave memory until it
+// holds `capacity` bytes, and layers are read in stages past `stage_room` (where they are staged at all).
+void s2_cache_resize(s2_prefetch *p, int64_t capacity, int64_t stage_room) {
+    s2_cache *c = p ? p->cache : NULL;
+    if (!c || capacity < 0) return;
+    end_stream(p);
+    c->capacity = capacity;
+    cache_trim(p, -1);
+    if (p->stage_room >= 0 && stage_room >= 0) p->stage_room = stage_room;
 }
 
 // A draft that ran on another mapping of the model file (a drafter that loaded the weights a second time,

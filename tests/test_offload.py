@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
+import mmap
 import os
 import re
 from contextlib import contextmanager
@@ -553,6 +555,51 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
             pf.layer(0, [2])  # the next decode: a layer routing ends that staging
             assert not pf.wants_stage(1, 0) and pf.stage(1, 0) == 0
         finally:
+            llama.close()
+
+
+def test_the_kept_cache_gives_way_to_what_the_process_grows_past_its_plan(wide_model):
+    """A budget is fixed, and a process grows past what its plan counted: the kept cache gives up as many whole
+    MiBs as the process grew (its least recent experts leave memory at once), the stage room with it, and takes
+    them back once the process shrinks. Decoding looks at most every `fit_every_s` (here: every step)."""
+    from s2moe.engine.offload import BudgetPlan, process_anon_bytes
+
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        off = Offloader(wide_model, emap=em)
+        llama = ModelMapping(em)  # stands in for llama.cpp's mapping of the file
+        try:
+            mib, one = 1 << 20, int(em.expert_bytes[0])
+            assert off.keep_expert_cache(6 * mib, (), [(llama.addr, llama.size, 0)])
+            assert off.read_parts_in_order(4 * mib)
+            off.fit_every_s = 0.0
+            off.native.advise = True  # as attach(jit_prefetch=True) sets it
+            off.native.layer(0, list(range(8)))
+            off.native.layer(1, list(range(8)))
+            assert off.native.cache_stats()["held"] == 16 * one and 16 * one > 2 * mib
+            assert _wait_for(lambda: m.expert_residency().min() == 1.0)
+            gc.collect()  # what the tests before left settles before the plan counts the process
+            off.plan = BudgetPlan(64 * mib, anon_bytes=process_anon_bytes(), base_bytes=0, hot_bytes=0,
+                                  cache_bytes=6 * mib)
+            off.verifying(None, 0)
+            assert off.native.cache_capacity == 6 * mib  # nothing grown yet (less than a MiB)
+
+            # private and anonymous (shared would count as shmem), a mapping of its own that no allocator keeps
+            grown = mmap.mmap(-1, 4 * mib + mib // 2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            for page in range(0, len(grown), 4096):
+                grown[page] = 1  # written: resident
+            off.verifying(None, 0)
+            capacity = off.native.cache_capacity
+            assert mib <= capacity <= 2 * mib and capacity % mib == 0
+            assert off.native.stage_room == 4 * mib - (6 * mib - capacity)
+            held, evicted = off.native.cache_stats()["held"], off.native.cache_stats()["evicted"]
+            assert held <= capacity and evicted == 16 - held // one
+            res = m.expert_residency()
+            assert res[0, :evicted].max() < 0.5 and res[1].min() == 1.0  # the least recent went: layer 0's first
+            grown.close()
+            off.verifying(None, 0)
+            assert off.native.cache_capacity == 6 * mib and off.native.stage_room == 4 * mib
+        finally:
+            off.close()
             llama.close()
 
 

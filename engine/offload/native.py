@@ -43,6 +43,7 @@ class NativePrefetch:
             "s2_cache_keep": (ctypes.c_int, [vp, ctypes.c_char_p, vp, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64,
                                              u8p]),
             "s2_cache_stats": (None, [vp, i64p]),
+            "s2_cache_resize": (None, [vp, ctypes.c_int64, ctypes.c_int64]),
             "s2_cache_lead": (None, [vp, ctypes.c_int]),
             "s2_cache_drop_mapping": (None, [vp, vp, ctypes.c_size_t, ctypes.c_size_t]),
             "s2_prefetch_set_stages": (None, [vp, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64, ctypes.c_int]),
@@ -194,6 +195,17 @@ class NativePrefetch:
                                   mask.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))) != 0:
             raise OSError(f"cannot keep an expert cache over {self.mapping.emap.path}")
         self.cache_capacity = int(capacity)
+
+    def resize_cache(self, capacity: int, stage_room: int | None) -> None:
+        """The kept cache holds `capacity` bytes from now on (its least recent experts leave memory at once), and
+        a layer is read in stages past `stage_room` bytes (where layers are staged at all)."""
+        if self.cache_capacity is None:
+            return
+        room = -1 if stage_room is None or self.stage_room is None else int(stage_room)
+        self.lib.s2_cache_resize(self.handle, int(capacity), room)
+        self.cache_capacity = int(capacity)
+        if room >= 0:
+            self.stage_room = room
 
     def drop_mapping(self, addr: int, file_lo: int, file_hi: int) -> None:
         """Unmap the experts from another mapping of the model file (at addr, covering file offsets

@@ -16,7 +16,7 @@ from .experts import ExpertMap, expert_map
 from .libc import MADV_NORMAL, MADV_RANDOM, raise_memlock_limit
 from .mapping import ModelMapping
 from .native import NativePrefetch
-from .procfs import model_mappings
+from .procfs import model_mappings, process_anon_bytes
 from .sizes import PAGE
 
 
@@ -73,6 +73,9 @@ class Offloader:
         self._cache_mapping: tuple[int, int] | None = None  # (address, length): the mapping the kept cache manages
         self._every: np.ndarray | None = None  # every expert: what a draft may read if in memory
         self._lead = False  # the native cache was told a verification's first row (NativePrefetch.lead)
+        self._planned_stage_room: int | None = None  # read in stages past it, as planned (read_parts_in_order)
+        self.fit_every_s = 0.5  # how often a decode step looks at what the process holds (fit_cache_to_process)
+        self._fitted_at = float("-inf")
 
     def attach(self, decoder, *, jit_prefetch: bool) -> None:
         """Observe decoder's verifications; the routing hook hands every layer's final ids to the native
@@ -167,7 +170,26 @@ class Offloader:
         if len(kinds) != 1 or None in next(iter(kinds)):
             return False
         self.native.set_stages(next(iter(kinds)), stage_room, stream=self.fault_readahead == "off")
+        self._planned_stage_room = stage_room
         return True
+
+    def fit_cache_to_process(self) -> None:
+        """Under a budget plan whose expert cache is kept here, the cache gives way to what the process has
+        grown past the plan's count of it, in whole MiBs (the stage room with it). The budget is fixed, and the
+        process does grow: its heap fragments over a run's generations, and the slack is largely taken by file
+        pages the plan does not count. Left as planned, the cache and the reads asked for would outgrow the
+        budget, and its reclaim would take pages asked for before their matmuls read them, each then faulted
+        again a page at a time."""
+        plan = self.plan
+        if plan is None or self.native.cache_capacity is None:
+            return
+        grown = max(0, process_anon_bytes() - plan.anon_bytes) >> 20 << 20
+        capacity = max(0, plan.cache_bytes - grown)
+        if capacity == self.native.cache_capacity:
+            return
+        given = plan.cache_bytes - capacity
+        stage_room = None if self._planned_stage_room is None else max(0, self._planned_stage_room - given)
+        self.native.resize_cache(capacity, stage_room)
 
     @property
     def keeps_expert_cache(self) -> bool:
@@ -210,6 +232,10 @@ class Offloader:
         self.stats.prefetch_seconds += time.perf_counter() - t0
 
     def verifying(self, predicted: np.ndarray | None, first_row_ids: int) -> None:
+        now = time.monotonic()
+        if now - self._fitted_at >= self.fit_every_s:
+            self._fitted_at = now
+            self.fit_cache_to_process()
         if self.native.fetching:
             self.native.verification_starts()
         if self.lookahead:
