@@ -410,12 +410,11 @@ static void cache_use(s2_prefetch *p, int layer) {
 // and the matmul faults them back a page at a time. The kernel's sequential read-ahead does no better under
 // a tight budget: it keeps two read-ahead windows in flight (read_ahead_kb, 8 MiB on some disks), reclaim
 // takes one before the matmul reaches it, and the same window is read again and again (a prefill that never
-// ended, measured). So a thread of ours streams the span: a matmul
-// reads its experts in id order, each part one contiguous range, and the pages it has read are the ones this
-// process maps (/proc/self/pagemap: under MADV_RANDOM a fault maps the page it needs and at most the
-// fault-around pages next to it). The thread keeps `ahead` bytes asked for past the furthest page mapped,
-// and drops the parts the matmul has left behind (as a stage's end would), so that what the stream holds
-// stays within the room whatever else has grown.
+// ended, measured). So a thread of ours streams the span: a matmul reads its experts in id order, each part
+// one contiguous range, and the pages it has read are the ones this process maps (/proc/self/pagemap: under
+// MADV_RANDOM a fault maps the page it needs and at most the fault-around pages next to it). The thread keeps
+// `ahead` bytes asked for past the furthest page mapped, and drops the parts the matmul has left behind (as a
+// stage's end would), so that what the stream holds stays within the room whatever else has grown.
 
 typedef struct {
     size_t a, len;  // whole pages of one staged part, file offsets
