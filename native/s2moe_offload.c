@@ -590,9 +590,9 @@ static void ask_part(s2_prefetch *p, int layer, int j) {
             bytes += (int64_t)len;
             inside = inside && a >= c->lo && a + len <= c->hi;
         }
-    s2_streamer *s = p->streamer;
-    if (p->stream && inside && bytes > p->stage_room && !s) s = streamer_start(p);
-    if (!(p->stream && inside && bytes > p->stage_room && s)) {
+    const int streams = p->stream && inside && bytes > p->stage_room;
+    s2_streamer *s = streams && !p->streamer ? streamer_start(p) : p->streamer;
+    if (!streams || !s) {
         for (int k = j0; k < j1; ++k)
             for (int e = 0; e < p->n_expert; ++e)
                 if (p->staged[e]) advise_part(p, layer, e, k);
