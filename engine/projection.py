@@ -799,6 +799,11 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                         res.copied_session += n
                         res.session_accepted += accepted
                     planner.learn(plan, accepted, _distinct(rows), int((rows[0] >= 0).sum()))
+                elif n == 0 and cache.capacity is not None:
+                    # what LookupOrSelfDrafter.feedback tells the planner of a plain step under a budget: where
+                    # such steps fetch most of what they read, copies are hoped for and a copied token saves
+                    # the plain step as timed
+                    planner.learned.fetched(verify_misses, _distinct(rows))
                 # decoding times an iteration when the next one begins: a plain step, a copy, or a self-draft that
                 # prices nothing (the last iteration of a generation is never timed)
                 if generated < tr.n_tokens:

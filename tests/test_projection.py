@@ -686,6 +686,29 @@ def test_copies_are_priced_by_the_projected_clock_once_three_were_rejected_whole
     assert old.modes["s2moe"].copied == 0 and "without copies" in old.basis
 
 
+def test_copies_are_hoped_for_where_the_replayed_plain_steps_fetch_what_they_read():
+    """Decoding tells its copy planner what each plain step fetched of the experts it read
+    (LookupOrSelfDrafter.feedback): where plain steps fetch most of them, it raises its estimates of a copy's
+    acceptance by their uncertainty and prices a copied token at the plain step as timed (CopyLearner). The replay
+    tells it the same. The generation repeats its prompt after "1 2"; with a copied row at 8 ms against a 10 ms
+    plain step a copy pays only on those hopes: it is made where the recorded run's cache held nothing, and not
+    where it held every expert (plain steps then fetch nothing)."""
+    prompt = (1, 2, 3, 4, 5, 6)
+    generated = [9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12]
+    steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
+    tr = Trace(header(draft_max=4, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt), steps,
+               n_tokens=len(generated), seconds=1.0, name="budget")
+
+    def s2moe(cache_bytes):
+        ran = {"auto": False, "budget_bytes": 1 << 20, "hot_bytes": 0, "cache_bytes": cache_bytes, "pinned": []}
+        return project([tr.with_budget(ran)], profile(t_tok_ms=8.0), budget="1M", modes=["s2moe"],
+                       terms="none").modes["s2moe"]
+
+    empty, everything = s2moe(0), s2moe(8000)
+    assert (empty.copied, empty.copies_accepted, empty.iterations) == (4, 4, len(generated) - 4)
+    assert (everything.copied, everything.iterations) == (0, len(generated))
+
+
 def test_project_cli_says_what_s2moe_copied_and_leaves_copies_out_when_asked(tmp_path, capsys, monkeypatch):
     import yaml
 
