@@ -836,6 +836,23 @@ void s2_cache_resize(s2_prefetch *p, int64_t capacity, int64_t stage_room) {
     if (p->stage_room >= 0 && stage_room >= 0) p->stage_room = stage_room;
 }
 
+// A pinned expert gives way (pinned 0: the process grew past what the cache could give up; the caller unlocked
+// and unmapped it in its own mapping first), its pages leaving memory as an eviction's would; or it is pinned
+// again (pinned 1: the caller reads and locks it next), no longer counted by the cache if it held it.
+void s2_cache_pin(s2_prefetch *p, int layer, int e, int pinned) {
+    s2_cache *c = p ? p->cache : NULL;
+    if (!c || layer < 0 || layer >= p->n_layer || e < 0 || e >= p->n_expert) return;
+    const int32_t i = layer * p->n_expert + e;
+    end_stream(p);
+    if (pinned) {
+        cache_forget(c, i);
+        c->pinned[i] = 1;
+    } else if (c->pinned[i]) {
+        c->pinned[i] = 0;
+        for (int j = 0; j < p->n_parts; ++j) drop_part(p, i, j, NULL);
+    }
+}
+
 // A draft that ran on another mapping of the model file (a drafter that loaded the weights a second time,
 // without the routing hook) read experts this cache never saw routed, and that mapping keeps them in memory
 // beside the cache, uncounted, until the kernel's reclaim takes the cache's own. They are unmapped there and

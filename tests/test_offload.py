@@ -603,6 +603,52 @@ def test_the_kept_cache_gives_way_to_what_the_process_grows_past_its_plan(wide_m
             llama.close()
 
 
+def test_past_the_kept_cache_the_pinned_hot_experts_give_way_the_least_routed_first(wide_model):
+    """Where the process grows past all the kept cache can give up, the pinned hot experts give way next: as
+    many whole experts as the rest of the growth takes, the least routed first. Unlocked, they leave memory
+    at once; the others stay pinned and resident. Once the process shrinks they are read and pinned again."""
+    from s2moe.engine.offload import BudgetPlan, process_anon_bytes
+
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        off = Offloader(wide_model, emap=em)
+        llama = ModelMapping(em)  # stands in for llama.cpp's mapping of the file
+        try:
+            mib, one = 1 << 20, int(em.expert_bytes[0])
+            hot = [(layer, e) for e in range(6) for layer in range(2)]  # most routed first
+            off.pin(non_expert=False, code=False, hot=hot)
+            pinned_bytes = off.pinned_split["hot_experts"]
+            assert off.keep_expert_cache(mib, hot, [(llama.addr, llama.size, 0)])
+            off.fit_every_s = 0.0
+            gc.collect()  # what the tests before left settles before the plan counts the process
+            off.plan = BudgetPlan(64 * mib, anon_bytes=process_anon_bytes(), base_bytes=0, hot_bytes=len(hot) * one,
+                                  cache_bytes=mib)
+            off.verifying(None, 0)
+            assert off.hot_given == 0 and m.expert_residency()[tuple(np.array(hot).T)].min() == 1.0
+
+            # private and anonymous (shared would count as shmem), a mapping of its own that no allocator keeps
+            grown = mmap.mmap(-1, 2 * mib + mib // 2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            for page in range(0, len(grown), 4096):
+                grown[page] = 1  # written: resident
+            off.verifying(None, 0)
+            assert off.native.cache_capacity == 0
+            beyond = 2 * mib - mib  # what the cache could not give
+            given = -(-beyond // one)
+            assert off.hot_given == given < len(hot)
+            gone, kept = hot[len(hot) - given:], hot[:len(hot) - given]
+            res, pinned = m.expert_residency(), off.map.pinned
+            assert max(res[p] for p in gone) < 0.5 and min(res[p] for p in kept) == 1.0
+            assert not any(pinned[p] for p in gone) and all(pinned[p] for p in kept)
+            assert off.pinned_split["hot_experts"] < pinned_bytes
+            grown.close()
+            off.verifying(None, 0)
+            assert off.hot_given == 0 and off.native.cache_capacity == mib
+            assert _wait_for(lambda: min(m.expert_residency()[p] for p in hot) == 1.0)
+            assert off.map.pinned[tuple(np.array(hot).T)].all() and off.pinned_split["hot_experts"] == pinned_bytes
+        finally:
+            off.close()
+            llama.close()
+
+
 def _vm_flags(addr: int) -> set[str]:
     """The VmFlags of this process's mapping that holds `addr`: "sr" where sequential reads were advised, "rr"
     random."""

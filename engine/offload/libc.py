@@ -7,7 +7,7 @@ import ctypes.util
 import os
 
 PROT_READ, MAP_SHARED = 0x1, 0x01
-MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED = 0, 1, 3
+MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 3, 4
 
 
 class _Libc:

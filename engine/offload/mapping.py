@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from .experts import ExpertMap
-from .libc import MADV_RANDOM, MADV_WILLNEED, MAP_SHARED, PROT_READ, libc
+from .libc import MADV_DONTNEED, MADV_RANDOM, MADV_WILLNEED, MAP_SHARED, PROT_READ, libc
 from .procfs import code_ranges
 from .sizes import PAGE, fmt_bytes
 
@@ -117,6 +117,24 @@ class ModelMapping:
                 total += self.lock_range(o, n)
             self._pinned[layer, expert] = True
         return total
+
+    def unpin_expert(self, layer: int, expert: int) -> int:
+        """Unlock one pinned expert and unmap it here, so that it can leave memory; returns the bytes unlocked.
+        Its parts share their first and last pages with the experts beside them in each tensor: those still
+        pinned are locked again."""
+        spans = [self._span(o, n) for o, n in self.emap.expert_ranges(layer, expert)]
+        for a, n in spans:
+            self.c.lib.munlock(a, n)
+            self.c.lib.madvise(a, n, MADV_DONTNEED)
+            if (a, n) in self.locked:
+                self.locked.remove((a, n))
+                self.locked_bytes -= n
+        self._pinned[layer, expert] = False
+        for e in (expert - 1, expert + 1):
+            if 0 <= e < self.emap.n_expert and self._pinned[layer, e]:
+                for o, n in self.emap.expert_ranges(layer, e):
+                    self.c.lib.mlock(*self._span(o, n))
+        return sum(n for _, n in spans)
 
     def unpin_all(self) -> None:
         for a, n in self.locked:

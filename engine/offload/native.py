@@ -44,6 +44,7 @@ class NativePrefetch:
                                              u8p]),
             "s2_cache_stats": (None, [vp, i64p]),
             "s2_cache_resize": (None, [vp, ctypes.c_int64, ctypes.c_int64]),
+            "s2_cache_pin": (None, [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]),
             "s2_cache_lead": (None, [vp, ctypes.c_int]),
             "s2_cache_drop_mapping": (None, [vp, vp, ctypes.c_size_t, ctypes.c_size_t]),
             "s2_prefetch_set_stages": (None, [vp, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64, ctypes.c_int]),
@@ -206,6 +207,12 @@ class NativePrefetch:
         self.cache_capacity = int(capacity)
         if room >= 0:
             self.stage_room = room
+
+    def set_pinned(self, layer: int, expert: int, pinned: bool) -> None:
+        """A pinned expert gives way to the process's growth (its pages leave memory here, once the caller's
+        own mapping no longer locks them), or is pinned again (the cache stops counting it)."""
+        if self.cache_capacity is not None:
+            self.lib.s2_cache_pin(self.handle, int(layer), int(expert), int(pinned))
 
     def drop_mapping(self, addr: int, file_lo: int, file_hi: int) -> None:
         """Unmap the experts from another mapping of the model file (at addr, covering file offsets

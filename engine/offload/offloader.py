@@ -76,6 +76,8 @@ class Offloader:
         self._planned_stage_room: int | None = None  # read in stages past it, as planned (read_parts_in_order)
         self.fit_every_s = 0.5  # how often a decode step looks at what the process holds (fit_cache_to_process)
         self._fitted_at = float("-inf")
+        self.hot: list[tuple[int, int]] = []  # the pinned hot experts, most routed first
+        self.hot_given = 0  # how many of the last of them gave way to the process's growth
 
     def attach(self, decoder, *, jit_prefetch: bool) -> None:
         """Observe decoder's verifications; the routing hook hands every layer's final ids to the native
@@ -103,6 +105,7 @@ class Offloader:
             self.pinned_split["code"] += self.map.pin_code()
         if hot:
             self.pinned_split["hot_experts"] += self.map.pin_experts(hot)
+            self.hot += [(int(layer), int(e)) for layer, e in hot]
         return dict(self.pinned_split)
 
     def unpinned_non_expert(self) -> list[tuple[int, int]]:
@@ -179,17 +182,41 @@ class Offloader:
         process does grow: its heap fragments over a run's generations, and the slack is largely taken by file
         pages the plan does not count. Left as planned, the cache and the reads asked for would outgrow the
         budget, and its reclaim would take pages asked for before their matmuls read them, each then faulted
-        again a page at a time."""
+        again a page at a time. Past what the cache holds the pinned hot experts give way, the least routed
+        first, whole experts; they are pinned again once the process has shrunk a MiB below the room they need
+        (so that a process at the edge does not read one in and out every look)."""
         plan = self.plan
         if plan is None or self.native.cache_capacity is None:
             return
         grown = max(0, process_anon_bytes() - plan.anon_bytes) >> 20 << 20
+        self._give_hot(grown - plan.cache_bytes)
         capacity = max(0, plan.cache_bytes - grown)
         if capacity == self.native.cache_capacity:
             return
         given = plan.cache_bytes - capacity
         stage_room = None if self._planned_stage_room is None else max(0, self._planned_stage_room - given)
         self.native.resize_cache(capacity, stage_room)
+
+    def _give_hot(self, beyond: int) -> None:
+        """As many of the last pinned hot experts give way as free `beyond` bytes (none where it is not positive)."""
+        def last_freeing(n_bytes: int) -> int:
+            n = freed = 0
+            while freed < n_bytes and n < len(self.hot):
+                n += 1
+                freed += int(self.emap.expert_bytes[self.hot[-n][0]])
+            return n
+
+        want = max(last_freeing(beyond), min(self.hot_given, last_freeing(beyond + (1 << 20))))
+        while self.hot_given < want:
+            self.hot_given += 1
+            layer, e = self.hot[-self.hot_given]
+            self.pinned_split["hot_experts"] -= self.map.unpin_expert(layer, e)
+            self.native.set_pinned(layer, e, False)
+        while self.hot_given > want:
+            layer, e = self.hot[-self.hot_given]
+            self.hot_given -= 1
+            self.native.set_pinned(layer, e, True)
+            self.pinned_split["hot_experts"] += self.map.pin_experts([(layer, e)])
 
     @property
     def keeps_expert_cache(self) -> bool:
