@@ -526,7 +526,8 @@ def cmd_generate(args) -> int:
     cmd_chat.check_options(args)
     # Validate flags that need no model before loading one.
     GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, draft_topk=args.draft_topk,
-                     draft_max=args.draft_max, tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes, **sampling_settings(args)).validate()
+                     draft_max=args.draft_max, tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,
+                     **sampling_settings(args)).validate()
     if args.trace is not None:
         from ..engine.trace import check_trace_path
 
@@ -642,9 +643,9 @@ def cmd_generate(args) -> int:
         return 0
     out.text(prompt_echo if streaming else prompt_echo + summary.text)
     reuse = f"{summary.reuse_ratio:.3f}" if summary.reuse_ratio is not None else "n/a"
-    print(f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({summary.tok_per_s:.1f} tok/s) · mode {summary.mode}"
-          f" · accept length {summary.accept_len:.2f} · reuse ratio {reuse} · rollbacks {summary.rollbacks}"
-          f" · stop: {summary.stop_reason}")
+    print(f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({summary.tok_per_s:.1f} tok/s)"
+          f" · mode {summary.mode} · accept length {summary.accept_len:.2f} · reuse ratio {reuse}"
+          f" · rollbacks {summary.rollbacks} · stop: {summary.stop_reason}")
     return 0
 
 

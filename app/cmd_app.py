@@ -11,11 +11,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
     p.add_argument("--profile", type=nonempty,
                    help="device profile name or YAML path (cost constants); measured at start-up if absent")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads for the engine (default: all cores but one, which the UI needs)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None,
+                   help="CPU threads for the engine (default: all cores but one, which the UI needs)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=positive_int, default=2048,
                    help="context window in tokens")
-    p.add_argument("--budget", type=budget_text, help="memory budget (SIZE such as 80M, or auto = what the app holds + a third of "
-                                    "the expert bytes): run inside a memory cgroup of that size, experts offloaded")
+    p.add_argument("--budget", type=budget_text,
+                   help="memory budget (SIZE such as 80M, or auto = what the app holds + a third of the expert "
+                        "bytes): run inside a memory cgroup of that size, experts offloaded")
     add_batch_option(p)
     add_placement_options(p)
     add_sampling_options(p)

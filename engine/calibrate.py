@@ -442,7 +442,8 @@ def _step_plain_and_draft(cal: _Calibration, index: int):
                      f"T_AR {t_ar * 1e3:.2f} ms · draft step (k_d={cal.draft_topk}) {c_draft * 1e3:.2f} ms "
                      f"({c_draft / t_ar:.2f}× T_AR) · in the engine: plain step {w['t_plain_ms']:.2f} ms + "
                      f"{w['ctx_plain_us']:.2f} µs per token of context beyond {w['context_tokens']}, draft pass "
-                     f"+{w['ctx_draft_us']:.2f} µs, verification {w['ctx_step_us']:.2f} µs + {w['ctx_row_us']:.2f} µs "
+                     f"+{w['ctx_draft_us']:.2f} µs, verification {w['ctx_step_us']:.2f} µs + "
+                     f"{w['ctx_row_us']:.2f} µs "
                      f"a further row · host {w['host_draft_ms']:.3f} ms a draft pass, {w['host_row_ms']:.3f} ms a "
                      f"verified row",
                      {"t_ar_ms": t_ar * 1e3, "c_draft_ms": c_draft * 1e3, "draft_topk": cal.draft_topk,

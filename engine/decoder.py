@@ -481,7 +481,8 @@ class Decoder:
             raise ConfigError("the prompt is empty")
         if len(prompt_tokens) >= self.n_ctx:
             raise ContextError(
-                f"prompt has {len(prompt_tokens)} tokens but the context holds {self.n_ctx}; shorten it or raise {OPTION}",
+                f"prompt has {len(prompt_tokens)} tokens but the context holds {self.n_ctx}; "
+                f"shorten it or raise {OPTION}",
                 option="n_ctx")
         if cfg.mode != "ar":
             self.check_routing_hook()

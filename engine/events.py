@@ -170,7 +170,8 @@ class Iteration:
     useful_experts: np.ndarray | None = None  # [n_layer] distinct experts of the committed rows only
     verify_misses: np.ndarray | None = None   # [n_layer] of verify_experts, those not in memory before it (offloading)
     verify_major_faults: int | None = None    # page faults of the verification that read storage (offloading)
-    draft_misses: np.ndarray | None = None    # [n_layer] experts the draft passes read that were not in memory (offloading)
+    # [n_layer] experts the draft passes read that were not in memory (offloading)
+    draft_misses: np.ndarray | None = None
     draft_decision: DraftDecision | None = None  # the utility rule's decision this iteration (s2moe with the rule)
     # a draft tree: each drafted token's parent (index into drafted; -1: the pending token); None: a chain
     tree_parents: tuple[int, ...] | None = None

@@ -867,7 +867,8 @@ class CopyLearner:
                 copy_s, copy_priced = rejected
                 self._time_copy((copy_s + seconds - 2 * self.plain_s) / copy_priced)
             elif self._after_plain:
-                self.plain_s = seconds if self.plain_s is None else self.plain_s + self.smoothing * (seconds - self.plain_s)
+                self.plain_s = (seconds if self.plain_s is None
+                                else self.plain_s + self.smoothing * (seconds - self.plain_s))
         elif rows is not None and accepted == 0 and priced:
             self._rejected = (seconds, priced)
         self._after_plain = rows == 0

@@ -183,10 +183,9 @@ def _number(block: dict, key: str, where: str, *, required: bool = False, positi
             raise ConfigError(f"{where}: field {key} must be a number, got {v!r}")
         return v
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)) \
-            or (isinstance(v, float) and not math.isfinite(v)):
-        raise ConfigError(f"{where}: field {key} must be a {'positive' if positive else 'non-negative'} {kind}, got {v!r}")
-    if v < 0 or (positive and v == 0):
-        raise ConfigError(f"{where}: field {key} must be a {'positive' if positive else 'non-negative'} {kind}, got {v!r}")
+            or (isinstance(v, float) and not math.isfinite(v)) or v < 0 or (positive and v == 0):
+        sign = "positive" if positive else "non-negative"
+        raise ConfigError(f"{where}: field {key} must be a {sign} {kind}, got {v!r}")
     return v
 
 
@@ -256,7 +255,8 @@ def _validate_constants(block, where: str, n_layer: int | None = None, n_expert:
             ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)
             if not ok:
-                raise ConfigError(f"{where}: field hot_experts[{i}] must be a [layer, expert] pair of whole numbers, got {pair!r}")
+                raise ConfigError(f"{where}: field hot_experts[{i}] must be a [layer, expert] pair of whole numbers, "
+                                  f"got {pair!r}")
             if (n_layer is not None and pair[0] >= n_layer) or (n_expert is not None and pair[1] >= n_expert):
                 raise ConfigError(f"{where}: field hot_experts[{i}] = {list(pair)} is outside the model "
                                   f"({n_layer} layers × {n_expert} experts)")

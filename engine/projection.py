@@ -10,12 +10,13 @@ its probabilities and routing, stands in for the draft that would have been made
 
 s2moe also copies from the context, as decoding does (CopyPlanner, the same decisions): before each step it
 looks up the prompt and the tokens committed so far, and the traces of other prompts replayed before it
-(decoding: its earlier generations), which it copies from where they match a longer n-gram. A copied token is accepted while it is the token the
-recording went on to commit (greedy, and sampled too: a seed commits the same tokens whatever was drafted). Its
-rows read what the recording's target read for those tokens; a row past the first rejected token (whose input
-the recording never saw) is charged the target's row at that position. The rule prices copies by the replay's
-own clock once it timed some, as decoding does by the wall clock. Traces recorded before they held their
-prompts' token ids replay s2moe without copies.
+(decoding: its earlier generations), which it copies from where they match a longer n-gram. A copied token is
+accepted while it is the token the recording went on to commit (greedy, and sampled too: a seed commits the same
+tokens whatever was drafted). Its rows read what the recording's target read for those tokens; a row past the
+first rejected token (whose input the recording never saw) is charged the target's row at that position. The
+rule prices copies by the replay's own clock once it timed some, as decoding does by the wall clock, and learns
+what plain steps fetch of what they read, as decoding does. Traces recorded before they held their prompts'
+token ids replay s2moe without copies.
 
 Time per iteration, from the device profile:
     draft   = passes · C_draft
@@ -28,13 +29,13 @@ T_AR, C_draft, T_tok and T_exp are the profile's resident constants (its fit's s
 measured plain step, so that an undrafted step costs exactly what a plain one does). Those are timed at one
 short context on llama.cpp's decode alone; what they leave out (WorkloadTerms: attention growing with the
 context, the engine's host work per draft pass and verified row, a plain iteration as decoding runs it) comes
-from the profile, where `s2moe calibrate` measured it on the device, and is added to each pass. T_fetch is what an expert
-fetched from storage costs beyond a resident one: where calibrate timed plain decoding under the profile's
-budget, what that decoding paid per fetch (its mean step beyond the resident one, over its fetches a token:
-page faults and stalls included, which a read rate leaves out); else the profile's cold-minus-warm cost where it
-measured both, else the expert's bytes over its storage bandwidth. The expert cache is simulated for the budget: the plan
-engine.offload makes (pinned hot experts from the profile, the rest an LRU of experts); no budget: all
-resident.
+from the profile, where `s2moe calibrate` measured it on the device, and is added to each pass. T_fetch is what
+an expert fetched from storage costs beyond a resident one: where calibrate timed plain decoding under the
+profile's budget, what that decoding paid per fetch (its mean step beyond the resident one, over its fetches a
+token: page faults and stalls included, which a read rate leaves out); else the profile's cold-minus-warm cost
+where it measured both, else the expert's bytes over its storage bandwidth. The expert cache is simulated for the
+budget: the plan engine.offload makes (pinned hot experts from the profile, the rest an LRU of experts); no
+budget: all resident.
 
 Two replays are ceilings rather than forecasts: the cache policy `opt` (Belady's: evict what is read
 furthest ahead, the fewest fetches any cache of that size could make) and the mode `oracle` (draft exactly
@@ -156,8 +157,8 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool, disk_gb
         # its bytes over the memory bandwidth, where the profile gives one.
         memory = device.get("memory_bandwidth_gb_s")
         t_exp = expert_bytes / (memory * 1e9) if memory else 0.0
-    basis = (f"profile {name}: {'calibrated for this model' if measured else 'reference constants, the trace standing in for its model'}; "
-             + how)
+    whose = "calibrated for this model" if measured else "reference constants, the trace standing in for its model"
+    basis = f"profile {name}: {whose}; " + how
     return DeviceCosts(name, ms("t_ar_ms"), ms("c_draft_ms"), t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis,
                        measured, profile_terms(block))
 
@@ -380,7 +381,8 @@ class ExpertCache:
                 self.held[key] = self._next_read(key, now) if self.policy == "opt" else 0
         while len(self.held) > self.capacity:
             others = (k for k in self.held if k not in group)
-            victim = max(others, key=self.held.__getitem__, default=None) if self.policy == "opt" else next(others, None)
+            victim = (max(others, key=self.held.__getitem__, default=None) if self.policy == "opt"
+                      else next(others, None))
             if victim is None:
                 break
             del self.held[victim]
@@ -431,7 +433,8 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
         # the budget the trace ran under: the plan that run made (for the process it measured, not a model of it)
         cap = int(recorded["cache_bytes"] // header.expert_bytes)
         return CachePlan(cap, tuple(tuple(p) for p in recorded["pinned"]),
-                         f"{'auto' if b.auto else fmt_bytes(b.size)} as recorded ({fmt_bytes(recorded['budget_bytes'])}: "
+                         f"{'auto' if b.auto else fmt_bytes(b.size)} as recorded "
+                         f"({fmt_bytes(recorded['budget_bytes'])}: "
                          f"{len(recorded['pinned'])} hot experts pinned, cache of {cap} experts)")
     block = model_block(profile, header.fingerprint) or {}
     hot_ranked = list(block.get("hot_experts") or [])
@@ -522,7 +525,8 @@ class ModeProjection:
         return {"mode": self.mode, "tokens": self.tokens, "iterations": self.iterations, "drafted": self.drafted,
                 "accepted": self.accepted, "draft_passes": self.draft_passes, "seconds": self.seconds,
                 "tok_per_s": self.tok_per_s, "speedup_vs_ar": self.speedup, "accept_len": self.accept_len,
-                "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch, "t_host_s": self.t_host,
+                "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch,
+                "t_host_s": self.t_host,
                 "fetched": self.fetched, "fetched_per_token": self.fetched_per_token, "copied": self.copied,
                 "copies_accepted": self.copies_accepted, "copied_session": self.copied_session,
                 "session_accepted": self.session_accepted}
@@ -939,7 +943,8 @@ def project(traces: list[Trace], profile: dict, *, budget: str | None = None, mo
     h0 = traces[0].header
     for tr in traces[1:]:
         h = tr.header
-        if (h.fingerprint, h.n_layer, h.n_expert, h.k, h.k_d) != (h0.fingerprint, h0.n_layer, h0.n_expert, h0.k, h0.k_d):
+        shape = (h.fingerprint, h.n_layer, h.n_expert, h.k, h.k_d)
+        if shape != (h0.fingerprint, h0.n_layer, h0.n_expert, h0.k, h0.k_d):
             raise ConfigError(f"trace {tr.name} was recorded on another model or k_d than {traces[0].name}: "
                               "project one model's traces at a time")
         if h.draft_experts != h0.draft_experts:

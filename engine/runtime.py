@@ -319,7 +319,8 @@ class LlamaRuntime:
         # tokens, copying only the experts the batch routes to: the GPU regime depends on it being on.
         cparams.op_offload = True
         if self.hook is not None:
-            cparams.cb_eval = ctypes.cast(ctypes.c_void_p(self.hook.callback), llama_cpp.ggml_backend_sched_eval_callback)
+            cparams.cb_eval = ctypes.cast(ctypes.c_void_p(self.hook.callback),
+                                          llama_cpp.ggml_backend_sched_eval_callback)
             cparams.cb_eval_user_data = ctypes.c_void_p(self.hook.user_data)
         # llama.cpp sizes its compute buffers for one batch; where they may take only batch_room bytes of host
         # memory (a memory budget's share), the batch is halved until they fit, down to MIN_CTX tokens
@@ -358,7 +359,8 @@ class LlamaRuntime:
         self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
         self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
         self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
-        self._logits_flag = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(self.n_batch,))
+        self._logits_flag = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)),
+                                                  shape=(self.n_batch,))
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
         self._nseq[:] = 1

@@ -479,5 +479,5 @@ def budget_record(offloader, hot_ranked, auto: bool) -> dict | None:
     if hot_ranked and plan.hot_bytes > 0:
         emap = offloader.emap
         pinned = [list(p) for p in select_hot_experts(rank_counts(hot_ranked, emap), emap.expert_bytes, plan.hot_bytes)]
-    return {"auto": auto, "budget_bytes": int(offloader.budget_bytes or plan.budget_bytes), "hot_bytes": int(plan.hot_bytes),
-            "cache_bytes": int(plan.cache_bytes), "pinned": pinned}
+    return {"auto": auto, "budget_bytes": int(offloader.budget_bytes or plan.budget_bytes),
+            "hot_bytes": int(plan.hot_bytes), "cache_bytes": int(plan.cache_bytes), "pinned": pinned}

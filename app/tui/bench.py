@@ -24,8 +24,9 @@ DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):
 DEFAULT_MODES = ("ar", "s2moe")
 PROMPT_SETS = ("natural", "humaneval")  # the named sets engine.bench.load_prompts knows
 # fixed widths, so the table looks the same however rows arrive; at 80 columns the last ones give way
-TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2), Column("tok_range", "tok/s range", 11, 8),
-                 Column("x_ar", "× ar", 5, 1), Column("x_range", "× ar range", 10, 3), Column("accept", "accept", 6, 4),
+TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2),
+                 Column("tok_range", "tok/s range", 11, 8), Column("x_ar", "× ar", 5, 1),
+                 Column("x_range", "× ar range", 10, 3), Column("accept", "accept", 6, 4),
                  Column("draft", "draft", 5, 5), Column("reuse", "reuse", 5, 6), Column("rollbacks", "rollb.", 6, 9),
                  Column("same", "= ar", 4, 7))
 DEFAULT_REPEATS = 3

@@ -14,7 +14,8 @@ class S2MoECommands(Provider):
         app = self.app
         cmds: list[tuple[str, object, str]] = [
             ("Go to Chat", partial(app.action_switch_mode, "chat"), "Chat with the model (F2)"),
-            ("Go to Calibrate", partial(app.action_switch_mode, "calibrate"), "Measure this device's cost constants (F3)"),
+            ("Go to Calibrate", partial(app.action_switch_mode, "calibrate"),
+             "Measure this device's cost constants (F3)"),
             ("Go to Profiles", partial(app.action_switch_mode, "profiles"), "List and select device profiles (F4)"),
             ("Go to Bench", partial(app.action_switch_mode, "bench"), "Compare decoding modes on a prompt set (F5)"),
             ("Go to Device", partial(app.action_switch_mode, "device"),

@@ -33,7 +33,8 @@ from .run import BudgetRun, Pinning, offload_decoder, run_in_budget, split_line
 from .sizes import PAGE, fmt_bytes, parse_size
 
 __all__ = [
-    "AUTO_MIN_SLACK", "AUTO_START_LIMIT", "Budget", "BudgetPlan", "BudgetRun", "BudgetUnavailable", "ExpertMap", "MemoryCgroup",
+    "AUTO_MIN_SLACK", "AUTO_START_LIMIT", "Budget", "BudgetPlan", "BudgetRun", "BudgetUnavailable", "ExpertMap",
+    "MemoryCgroup",
     "ModelMapping", "NativePrefetch", "OffloadStats", "Offloader", "PAGE", "PinError", "Pinning", "Residency",
     "auto_budget_bytes", "code_ranges", "current_budget", "current_budget_cgroup", "drop_file_cache",
     "expert_map", "fmt_bytes", "model_mappings", "offload_decoder", "parse_size", "plan_budget",

@@ -151,8 +151,8 @@ class NativePrefetch:
 
     def layer(self, layer: int, ids) -> int:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
-        return int(self.lib.s2_prefetch_layer(self.handle, int(layer), ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
-                                              len(ids)))
+        return int(self.lib.s2_prefetch_layer(self.handle, int(layer),
+                                              ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(ids)))
 
     def mask(self, mask: np.ndarray) -> int:
         m = np.ascontiguousarray(mask, dtype=np.uint8)
