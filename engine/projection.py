@@ -526,8 +526,8 @@ class ModeProjection:
                 "accepted": self.accepted, "draft_passes": self.draft_passes, "seconds": self.seconds,
                 "tok_per_s": self.tok_per_s, "speedup_vs_ar": self.speedup, "accept_len": self.accept_len,
                 "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch,
-                "t_host_s": self.t_host,
-                "fetched": self.fetched, "fetched_per_token": self.fetched_per_token, "copied": self.copied,
+                "t_host_s": self.t_host, "fetched": self.fetched, "fetched_per_token": self.fetched_per_token,
+                "copied": self.copied,
                 "copies_accepted": self.copies_accepted, "copied_session": self.copied_session,
                 "session_accepted": self.session_accepted}
 

@@ -352,8 +352,12 @@ static void drop_part(s2_prefetch *p, int32_t i, int j, const uint8_t *done) {
 }
 
 // One expert leaves memory, all its parts.
-static void cache_evict(s2_prefetch *p, int32_t i) {
+static void drop_expert(s2_prefetch *p, int32_t i) {
     for (int j = 0; j < p->n_parts; ++j) drop_part(p, i, j, NULL);
+}
+
+static void cache_evict(s2_prefetch *p, int32_t i) {
+    drop_expert(p, i);
     ++p->cache->n_evicted;
 }
 
@@ -849,7 +853,7 @@ void s2_cache_pin(s2_prefetch *p, int layer, int e, int pinned) {
         c->pinned[i] = 1;
     } else if (c->pinned[i]) {
         c->pinned[i] = 0;
-        for (int j = 0; j < p->n_parts; ++j) drop_part(p, i, j, NULL);
+        drop_expert(p, i);
     }
 }
 

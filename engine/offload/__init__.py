@@ -34,8 +34,8 @@ from .sizes import PAGE, fmt_bytes, parse_size
 
 __all__ = [
     "AUTO_MIN_SLACK", "AUTO_START_LIMIT", "Budget", "BudgetPlan", "BudgetRun", "BudgetUnavailable", "ExpertMap",
-    "MemoryCgroup",
-    "ModelMapping", "NativePrefetch", "OffloadStats", "Offloader", "PAGE", "PinError", "Pinning", "Residency",
+    "MemoryCgroup", "ModelMapping", "NativePrefetch", "OffloadStats", "Offloader", "PAGE", "PinError", "Pinning",
+    "Residency",
     "auto_budget_bytes", "code_ranges", "current_budget", "current_budget_cgroup", "drop_file_cache",
     "expert_map", "fmt_bytes", "model_mappings", "offload_decoder", "parse_size", "plan_budget",
     "process_anon_bytes", "rank_counts", "read_ahead_bytes", "run_in_budget", "select_hot_experts", "split_line",
