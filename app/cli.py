@@ -344,6 +344,31 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 SUBCOMMAND_MODULES = ("cmd_app", "cmd_models", "cmd_profiles", "cmd_calibrate", "cmd_tune", "cmd_bench", "cmd_project")
 
 
+def cpu_buffers_for(model: str, wanted: bool, *, quiet: bool = False):
+    """The path `model`'s CPU weights take (engine.cpu_buffers.choose; `wanted`: not under a memory budget),
+    said on stderr in one line where it is not the usual one, and before a first decode checked in a child."""
+    from ..engine.cpu_buffers import choose
+    from ..engine.model_info import read_model_info
+
+    cpu = choose(read_model_info(model), wanted, on_probe=None if quiet else _say)
+    if not quiet and cpu.reason in ("amx", "crashed"):
+        _say(cpu.line())
+    return cpu
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def say_child_death(returncode: int) -> None:
+    """A child that a signal killed (a crash in native code, say) has its report said here at once."""
+    if returncode < 0:
+        from ..engine.crashes import earlier_crashes
+
+        for line in earlier_crashes():
+            _say(line)
+
+
 def _subcommand_modules():
     import importlib
 
@@ -358,7 +383,9 @@ def run_cli_in_budget(cli_argv: list[str], budget, model: str, *, tag: str) -> i
 
     with offload.run_in_budget([sys.executable, "-m", "s2moe.app.cli", *cli_argv], budget, model, tag=tag) as run:
         try:
-            return run.wait()
+            rc = run.wait()
+            say_child_death(rc)
+            return 128 - rc if rc < 0 else rc
         except KeyboardInterrupt as e:
             # Ctrl-C at the terminal reaches the child too (one process group); SIGTERM, or a signal to
             # this pid alone, does not: make sure it has the same, and let it say so itself.
@@ -399,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(run=cmd_generate)
     for module in _subcommand_modules():
         module.add_parser(sub)
+    for name in LLAMA_COMMANDS:
+        sub.choices[name].add_argument(
+            "--amx", action="store_true",
+            help="let llama.cpp use its AMX kernels where it has them (off by default: they crash on some models)")
     return parser
 
 
@@ -541,8 +572,9 @@ def cmd_generate(args) -> int:
         args.seed = random_seed()
         if not args.json:
             print(f"seed {args.seed} (random; -s {args.seed} repeats this run)", file=sys.stderr)
+    cpu = cpu_buffers_for(model, budget is None, quiet=args.json)
     decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max or 0),
-                      use_extra_bufts=budget is None, placement=placement, n_batch=args.batch_size)
+                      use_extra_bufts=cpu.extra, placement=placement, n_batch=args.batch_size)
     if args.copy_cache is not None:
         from ..engine.copycache import load_copy_cache
 
@@ -636,7 +668,8 @@ def cmd_generate(args) -> int:
         write_trace(args.trace, trace)
     if args.json:
         out = summary.as_dict()
-        out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path), seed=cfg.seed)
+        out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path), seed=cfg.seed,
+                   cpu_buffers=cpu.as_dict())
         if summary.cost is not None:
             out["cost"] = {k: v for k, v in summary.cost.__dict__.items()}
         print(json.dumps(out))
@@ -683,7 +716,9 @@ def _say_interrupted(word: str = "interrupted") -> None:
 
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, watch: bool = False) -> int:
+    """The CLI; `watch`: record the run so that a crash in native code is reported by the next one
+    (engine.crashes), for a process of its own (the console script), not a caller's."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         # Inside an import CPython can drop a Ctrl-C (engine.errors.held_signals): every import is held, and
@@ -704,9 +739,20 @@ def main(argv=None) -> int:
                     parser.print_help()
                     return 2
                 if args.command in LLAMA_COMMANDS:
+                    from ..engine.cpu_buffers import AMX_ENV
+                    from ..engine.crashes import earlier_crashes
                     from ..engine.runtime import on_llama_abort
 
                     on_llama_abort(_abort_line)
+                    if args.amx:
+                        os.environ[AMX_ENV] = "1"  # the budget's and bench's child processes inherit it
+                    for line in earlier_crashes():
+                        _say(line)
+            if watch and args.command in LLAMA_COMMANDS:
+                from ..engine.crashes import watched
+
+                with watched(args.command, getattr(args, "model", None)):
+                    return args.run(args)
             return args.run(args)
     except S2MoEError as e:
         print(f"error: {one_line(e.worded(FLAGS))}", file=sys.stderr)
@@ -724,7 +770,7 @@ def main(argv=None) -> int:
 def entry() -> None:
     """The console script: main's exit code, which a Ctrl-C that Python gets round to only while the
     interpreter shuts down must not turn into death by SIGINT."""
-    code = main()
+    code = main(watch=True)
     if code in (130, 143):
         # A KeyboardInterrupt that passed through a module run from C (an import in the middle of a Ctrl-C)
         # leaves CPython marked as interrupted even though main caught it: its shutdown would then end the

@@ -397,7 +397,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
 
     from ..engine import offload
     from ..engine.bench import BenchRow
-    from .cli import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings
+    from ..engine.crashes import exit_text
+    from .cli import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings, say_child_death
 
     with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
         out = Path(tmp) / "rows.json"
@@ -434,7 +435,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
         with offload.run_in_budget(argv, offload.Budget.parse(budget_text), model, tag="bench") as run:
             rc = run.wait()
         if rc != 0 or not out.exists():
-            raise ConfigError(f"the benchmark under budget {budget_text} failed (exit {rc})")
+            say_child_death(rc)
+            raise ConfigError(f"the benchmark under budget {budget_text} failed ({exit_text(rc)})")
         data = json.loads(out.read_text())
     rows = [BenchRow(**r) for r in data["results"]]
     return (rows, (rows[0].budget if rows else budget_text), data.get("cost_model") or {},
@@ -451,7 +453,8 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
 
     from ..engine import offload
     from ..engine.bench import reference_row
-    from .cli import placement_from_args
+    from ..engine.crashes import exit_text
+    from .cli import cpu_buffers_for, placement_from_args, say_child_death
 
     with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
         out = Path(tmp) / "ref.json"
@@ -463,12 +466,14 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
         if args.threads:
             argv += ["--threads", str(args.threads)]
         if budget_bytes is None:
-            rc = subprocess.run(argv).returncode
+            # llama.cpp as its users get it, but not into a crash that stock llama.cpp has (AMX, say)
+            rc = subprocess.run(argv + ([] if cpu_buffers_for(model, True).extra else ["--no-repack"])).returncode
         else:
             with offload.run_in_budget(argv + ["--no-repack"], offload.Budget(budget_bytes), model, tag="ref") as run:
                 rc = run.wait()
         if rc != 0 or not out.exists():
-            raise ConfigError(f"llama.cpp's plain decoding under budget {label} failed (exit {rc})")
+            say_child_death(rc)
+            raise ConfigError(f"llama.cpp's plain decoding under budget {label} failed ({exit_text(rc)})")
         result = json.loads(out.read_text())
     ar = next((r for r in rows if r.mode == "ar" and r.budget == label), None)
     return reference_row(result, label, ar, set_name, args.n_prompts)
@@ -512,6 +517,7 @@ def run(args) -> int:
 
     from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench,
                                 storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up, write_atomic)
+    from ..engine.cpu_buffers import REASONS
     from ..engine.decoder import Decoder, GenerationConfig
     from .cli import default_model, placement_from_args
 
@@ -528,6 +534,12 @@ def run(args) -> int:
         except OSError as e:
             raise ConfigError(f"cannot make trace folder {args.trace}: {e.strerror}") from None
     if args.overhead:
+        from .cli import cpu_buffers_for
+
+        cpu = cpu_buffers_for(model, True)
+        if not cpu.extra:
+            raise ConfigError("--overhead times llama-cpp-python's own Llama, which loads with llama.cpp's extra CPU "
+                              f"buffer types and cannot turn them off: here they are off ({REASONS[cpu.reason]})")
         set_name, prompts = load_prompts(args.prompts, 1)
         result = measure_hook_overhead(model, prompts[0], args.n_tokens, args.rounds, args.threads)
         print(json.dumps(result, indent=2))
@@ -540,7 +552,7 @@ def run(args) -> int:
     from ..engine.model_info import read_model_info
     from ..engine.offload import current_budget
     from ..engine.sampling import RANDOM_SEED, random_seed
-    from .cli import resolve_tuned, sampling_settings
+    from .cli import cpu_buffers_for, resolve_tuned, sampling_settings
 
     # the flags given, checked before a model is read (those not given are checked once resolved)
     GenerationConfig(**resolve_tuned(args, {}), tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,
@@ -606,8 +618,9 @@ def run(args) -> int:
 
     done = None
     if here is not None:
+        cpu = cpu_buffers_for(model, inside is None)
         decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, base.draft_max), n_batch=args.batch_size,
-                          use_extra_bufts=inside is None, placement=placement)
+                          use_extra_bufts=cpu.extra, placement=placement)
         if inside is not None:
             budget = inside[1]
             off = offload.offload_decoder(decoder, budget, hot,
@@ -640,6 +653,7 @@ def run(args) -> int:
         if done is None:
             return 1
         done.config["batch_size"] = batch  # what a budget counted for llama.cpp's compute buffers
+        done.config["cpu_buffers"] = cpu.as_dict()
         if off is not None:
             done.config["budget_bytes"] = off.budget_bytes
     else:

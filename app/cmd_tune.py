@@ -164,7 +164,10 @@ def run(args) -> int:
     offloaded = budget is not None
     cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=offloaded)
     console = Console(stderr=True, highlight=False)
-    decoder = Decoder(model, n_threads=args.threads, max_draft=16, use_extra_bufts=not offloaded,
+    from .cli import cpu_buffers_for
+
+    cpu = cpu_buffers_for(model, not offloaded)
+    decoder = Decoder(model, n_threads=args.threads, max_draft=16, use_extra_bufts=cpu.extra,
                       n_batch=args.batch_size)
     off = None
     try:

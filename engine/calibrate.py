@@ -38,6 +38,8 @@ import numpy as np
 from .costmodel import (Stopped, context_line, fault_explained_fit, fit_context, fit_miss_cost, fit_verify_cost,
                         iter_context_steps, iter_time_steps, iter_verify_samples, r2_text, time_steps,
                         verify_samples)
+from .cpu_buffers import CpuBuffers
+from .cpu_buffers import choose as choose_cpu_buffers
 from .decoder import defaults_for
 from .device import cpu_name, default_threads, memory_bytes
 from .errors import ConfigError, ModelError, S2MoEError
@@ -380,8 +382,9 @@ class _Calibration:
     """What the steps share: the model, the settings, the runtime, and each step's results."""
 
     def __init__(self, info, emap, *, budget, prompts, threads, repeats, draft_topk, draft_cap, stop,
-                 placement=Placement(), n_batch: int | None = None):
+                 placement=Placement(), n_batch: int | None = None, cpu: CpuBuffers = CpuBuffers(False, "asked")):
         self.info, self.emap, self.budget, self.prompts = info, emap, budget, prompts
+        self.cpu = cpu  # the path the CPU weights take in every timing of this model
         self.placement = placement
         # the batch the budget step's process runs (a budget counts its compute buffers): -b, else chosen there
         self.n_batch = n_batch
@@ -434,7 +437,7 @@ def _step_plain_and_draft(cal: _Calibration, index: int):
     from .runtime import LlamaRuntime
 
     cal.rt = LlamaRuntime(cal.info, n_ctx=512, n_threads=cal.threads, max_verify_rows=max(16, cal.draft_cap + 1),
-                          use_extra_bufts=cal.budget is None, placement=cal.placement)
+                          use_extra_bufts=cal.cpu.extra, placement=cal.placement)
     ar, draft = yield from cal.live(iter_time_steps(cal.rt, cal.draft_topk, 8 * cal.repeats), index)
     cal.t_ar, cal.c_draft = t_ar, c_draft = float(np.median(ar)), float(np.median(draft))
     cal.workload = w = yield from _workload_terms(cal, index)
@@ -465,7 +468,7 @@ def _workload_terms(cal: _Calibration, index: int):
     from .trace import TraceRecorder
 
     decoder = Decoder(str(cal.info.path), n_ctx=512, n_threads=cal.threads, max_draft=cal.draft_cap,
-                      use_extra_bufts=cal.budget is None, placement=cal.placement)
+                      use_extra_bufts=cal.cpu.extra, placement=cal.placement)
     traces, n = [], 2 * cal.repeats
     try:
         timings = yield from cal.live(iter_context_steps(decoder.rt, cal.draft_topk, cal.draft_cap, n, seed=2), index)
@@ -785,7 +788,8 @@ def _model_block(cal: _Calibration) -> dict:
         "budget_bytes": cal.budget_bytes,
         "budget_rule": None if cal.budget is None else ("auto" if cal.budget.auto else "given"),
         "batch_size": None if cal.budget is None else cal.n_batch,
-        "load": "mmap, no CPU repacking" if cal.budget is not None else "mmap, default buffers",
+        "load": "mmap, llama.cpp's extra CPU buffer types" if cal.cpu.extra else "mmap, no CPU repacking",
+        "cpu_buffers": cal.cpu.as_dict(),
         "prompts": len(cal.prompts),
         "t_exp_cold": cold_how,
         "verify_batches": fit.n,
@@ -848,11 +852,12 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
     if save:
         check_writable(name)  # before minutes of measurements, not after them
     _check_loads(info, n_threads, draft_cap, placement)
+    cpu = choose_cpu_buffers(info, budget is None)
     cal = _Calibration(info, expert_map(info.path), budget=budget,
                        prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
                        threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,
                        draft_cap=draft_cap, stop=should_stop or (lambda: False), placement=placement,
-                       n_batch=n_batch)
+                       n_batch=n_batch, cpu=cpu)
     steps = (_step_bandwidth, _step_plain_and_draft, _step_cost_model, _step_hot_experts, _step_under_budget,
              _step_gpu, lambda cal, index: _step_profile(cal, index, name, save))
     try:

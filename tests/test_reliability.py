@@ -341,6 +341,11 @@ def widened_model(tmp_path_factory):
     done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "make-synthetic", "--from", "olmoe-64x8",
                            "--widen", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    # Decoded once, as a user's model has been: the first run's check of llama.cpp's buffer types (in a
+    # child, said when slow) is behind it, and the signals below land in the load itself.
+    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", str(out), "-p", "hello",
+                           "-n", "1", "--mode", "ar", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
     return out
 
 

@@ -45,6 +45,9 @@ class TinySpec:
     # tokenizer.chat_template; its turn markers (e.g. ChatML's <|im_start|>, <|im_end|>) as control tokens
     chat_template: str | None = None
     chat_specials: tuple[str, ...] = ()
+    # "f32", or "q8_0": attention and expert weights in Q8_0 and the token embedding in F16, as quantized
+    # Mixtral-style files are (the weights llama.cpp's CPU extra buffer types, AMX among them, take)
+    weights: str = "f32"
 
 
 def _tokenizer(w: gguf.GGUFWriter, spec: TinySpec) -> int:
@@ -107,7 +110,15 @@ def write_tiny(path: str | Path, spec: TinySpec | None = None, **overrides) -> P
     def rand(*shape, scale=1.0):
         return (rng.standard_normal(shape) * scale / np.sqrt(shape[-1])).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", (rng.standard_normal((n_vocab, d)) * 0.5).astype(np.float32))
+    def add_weight(name: str, data: np.ndarray) -> None:
+        if spec.weights == "q8_0":
+            qt = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, data)
+
+    embd = (rng.standard_normal((n_vocab, d)) * 0.5).astype(np.float32)
+    w.add_tensor("token_embd.weight", embd.astype(np.float16) if spec.weights == "q8_0" else embd)
     w.add_tensor("output_norm.weight", np.ones(d, np.float32))
     w.add_tensor("output.weight", rand(n_vocab, d, scale=spec.output_scale * np.sqrt(d) / 4))
     qk_norm = d if spec.arch == "olmoe" else hd
@@ -115,7 +126,7 @@ def write_tiny(path: str | Path, spec: TinySpec | None = None, **overrides) -> P
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(d, np.float32))
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(p + name + ".weight", rand(d, d))
+            add_weight(p + name + ".weight", rand(d, d))
         if spec.arch in ("olmoe", "qwen3moe", "dots1"):
             w.add_tensor(p + "attn_q_norm.weight", np.ones(qk_norm, np.float32))
             w.add_tensor(p + "attn_k_norm.weight", np.ones(qk_norm, np.float32))
@@ -134,9 +145,9 @@ def write_tiny(path: str | Path, spec: TinySpec | None = None, **overrides) -> P
                 gate[expert] = np.nan
                 up[expert] = np.nan
                 down[expert] = np.nan
-        w.add_tensor(p + "ffn_gate_exps.weight", gate)
-        w.add_tensor(p + "ffn_up_exps.weight", up)
-        w.add_tensor(p + "ffn_down_exps.weight", down)
+        add_weight(p + "ffn_gate_exps.weight", gate)
+        add_weight(p + "ffn_up_exps.weight", up)
+        add_weight(p + "ffn_down_exps.weight", down)
         if spec.arch == "dots1" and spec.selection_bias:
             # a bias large enough to reorder the selection, so that paths that ignore it show
             w.add_tensor(p + "exp_probs_b.bias", (rng.standard_normal(spec.n_expert) * 0.5).astype(np.float32))

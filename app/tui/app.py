@@ -115,6 +115,9 @@ class S2MoEApp(App):
 
     def on_model_ready(self, message: ModelReady) -> None:
         self.model_changed()
+        cpu = self.session.cpu_buffers
+        if cpu is not None and cpu.reason in ("amx", "crashed"):
+            self.notify(cpu.line(), title="CPU weights", timeout=12)
 
     def on_model_failed(self, message: ModelFailed) -> None:
         self.model_loading = False

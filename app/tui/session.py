@@ -213,6 +213,7 @@ class EngineSession:
         self.n_batch = n_batch  # llama.cpp's batch size (None: the engine's default)
         self.profile_name = profile
         self.decoder = None
+        self.cpu_buffers = None  # engine.cpu_buffers.CpuBuffers: the path the loaded model's CPU weights took
         self.model: ModelSummary | None = None
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -243,11 +244,14 @@ class EngineSession:
             if self._factory is not None:
                 self.decoder = self._factory(self.model_path)
             else:
+                from ...engine.cpu_buffers import choose
                 from ...engine.decoder import Decoder
                 from ...engine.gpu import Placement
+                from ...engine.model_info import read_model_info
 
+                self.cpu_buffers = choose(read_model_info(self.model_path), self.budget is None)
                 self.decoder = Decoder(self.model_path, n_ctx=self.n_ctx, n_threads=self.n_threads,
-                                       max_draft=16, use_extra_bufts=self.budget is None,
+                                       max_draft=16, use_extra_bufts=self.cpu_buffers.extra,
                                        placement=self.placement or Placement(), n_batch=self.n_batch)
                 if self.budget is not None:
                     try:
