@@ -620,7 +620,8 @@ def _step_gpu(cal: _Calibration, index: int):
         cal.close()  # the timing processes load the model onto the GPU themselves
         layers = cal.placement.n_gpu_layers or -1
         mode = yield from cal.live(measure_copy_mode(cal.info.path, sizes=_sizes(cal.draft_cap), n_gpu_layers=layers,
-                                                     threads=cal.threads, repeats=cal.repeats), index)
+                                                     threads=cal.threads, repeats=cal.repeats,
+                                                     use_extra_bufts=cal.cpu.extra), index)
     except RuntimeError as e:
         why = f"failed: {e}"
         yield StepResult(index, name, why, {"skipped": why})

@@ -229,7 +229,8 @@ def _time_batches(cfg: dict) -> dict:
 
     placement = Placement(**cfg["placement"])
     rt = LlamaRuntime(read_model_info(cfg["model"]), n_ctx=256, n_threads=cfg.get("threads"),
-                      max_verify_rows=max(cfg["sizes"]), placement=placement)
+                      max_verify_rows=max(cfg["sizes"]), placement=placement,
+                      use_extra_bufts=cfg.get("extra_buffers", True))
     try:
         gen = iter_verify_samples(rt, max(cfg["sizes"]) - 1, seed=cfg.get("seed", 3), repeats=cfg["repeats"],
                                   sizes=cfg["sizes"], variants=("random",))
@@ -284,7 +285,7 @@ def crossover(sizes: list[int], copy_s: list[float], cpu_s: list[float]) -> int 
 
 
 def measure_copy_mode(model: str, *, sizes: list[int], n_gpu_layers: int = -1, threads: int | None = None,
-                      repeats: int = 3):
+                      repeats: int = 3, use_extra_bufts: bool = True):
     """Generator (yields (done, 2)); returns a CopyMode. Times verification batches of `sizes` tokens on
     `model` loaded with `n_gpu_layers` on the GPU and every expert in host memory, twice, each in a process
     of its own (the threshold is read once per process): with op offload from batch size 1 (each batch
@@ -294,7 +295,7 @@ def measure_copy_mode(model: str, *, sizes: list[int], n_gpu_layers: int = -1, t
     for min_batch in (1, NEVER):
         placement = Placement(n_gpu_layers=n_gpu_layers, cpu_moe=True, op_offload_min_batch=min_batch)
         runs.append(_run_timing({"model": str(model), "threads": threads, "sizes": list(sizes), "repeats": repeats,
-                                 "placement": placement.as_dict()})["samples"])
+                                 "placement": placement.as_dict(), "extra_buffers": use_extra_bufts})["samples"])
         yield len(runs), 2
     copied, on_cpu = runs
 

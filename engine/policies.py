@@ -442,6 +442,7 @@ class IndependentDrafter(Drafter):
         info = dec.info
         self.rt = LlamaRuntime(info, n_ctx=dec.n_ctx, n_threads=n_threads, install_hook=False,
                                max_verify_rows=dec.max_draft + 1, placement=dec.placement,
+                               use_extra_bufts=dec.rt.use_extra_bufts,
                                int_overrides={f"{info.arch}.expert_used_count": k_draft})
         self.tokens: list[int] = []  # what this context's KV holds
 

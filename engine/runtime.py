@@ -269,6 +269,7 @@ class LlamaRuntime:
         _init_backend(placement.op_offload_min_batch)
         self.info = info
         self.placement = placement
+        self.use_extra_bufts = use_extra_bufts  # a second load of the same weights takes the same path
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = placement.n_gpu_layers
         mparams.use_mmap = True
