@@ -192,8 +192,8 @@ def storage_line(storage: dict) -> str:
             "where this run measured it")
 
 
-# A disk's rate moves from one pass to the next and drifts over minutes (README, "Verification against its
-# bound"), so the bound is read from passes just before and just after each budget ran, not from a
+# A disk's rate moves from one pass to the next and drifts over minutes (docs/offloading.md, "What bench
+# measures under a budget"), so the bound is read from passes just before and just after each budget ran, not from a
 # calibration made hours earlier.
 STORAGE_PASSES = 3
 

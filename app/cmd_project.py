@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
                         "the fewest fetches any cache could make: a ceiling, not a forecast)")
     p.add_argument("--cache-size", choices=("plan", "calibrated"), default="plan",
                    help="the simulated expert cache: the budget plan's size (default), or that scaled by what "
-                        "calibrate --budget found the offloading held in effect there (see the README)")
+                        "calibrate --budget found the offloading held in effect there (see docs/calibration.md)")
     p.add_argument("--fit-cache", action="store_true",
                    help="size the simulated cache to fetch what the traces' own run fetched (traces recorded under "
                         "this budget) rather than by the budget's plan")

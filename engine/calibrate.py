@@ -115,7 +115,7 @@ NAMED_SET_PROMPTS = 32  # enough to rank the experts a workload uses; a few seco
 def read_prompts(path: str | os.PathLike | None) -> list[str]:
     """Calibration prompts: the built-in mix (None), a named set bench also uses ('humaneval' for code
     models: hot experts ranked from the workload's own kind of text cover more of its routings, see
-    README), or a text file with prompts separated by blank lines (or one per line)."""
+    docs/calibration.md), or a text file with prompts separated by blank lines (or one per line)."""
     if path is None:
         return list(DEFAULT_PROMPTS)
     if str(path) in NAMED_PROMPT_SETS and not Path(path).exists():

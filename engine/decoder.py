@@ -385,7 +385,7 @@ class Decoder:
         """What cfg's self-drafts (chain or tree) read here: "resident" where cfg asks for it under a budget
         (an observer that knows what is in memory); the router's own top-k_d otherwise, by default too: drafts
         confined to memory are accepted less often, and each rejection costs a verification that fetches
-        (README, "Drafts from resident experts, or the router's")."""
+        (docs/results.md, "Drafts from the router's experts or from memory")."""
         if self._observer is not None and cfg.draft_experts == "resident":
             return "resident"
         return "router"

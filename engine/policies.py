@@ -136,7 +136,7 @@ class AcceptanceMap:
     """How often the target accepts a draft token the draft gave probability q, learned from verifications:
     per bin of q, the accepted share of the tokens verified there plus `prior` pseudo-tokens accepted at rate q
     itself. With nothing seen the estimate is q; each bin moves to what the target does as its tokens are
-    verified. q understates it for the model's own drafts (engine/OFFLOAD_RESULTS.md: q < 0.3 accepted 71% of
+    verified. q understates it for the model's own drafts (docs/method.md: q < 0.3 accepted 71% of
     the time on the shipped model), and by how much depends on the model and on what the drafts read."""
 
     def __init__(self, prior: float = 4.0):
@@ -755,8 +755,8 @@ class CopyLearner:
     and their neighbours then look as if they paid while the session runs slower than without copies. What
     copies can disturb is what plain steps find in memory, so the experts a plain step reads and fetches are
     counted too (`fetched`), and the plain step as timed prices a copied token before copies were timed only
-    where plain steps fetch most of what they read (`cache_serves_little`; README, "The prefill batch under
-    a budget", has the measurements at three budgets).
+    where plain steps fetch most of what they read (`cache_serves_little`; docs/results.md, "Copies priced where
+    the cache serves little", has the measurements at three budgets).
 
     llama.cpp reuses its last compute graph only for a batch of the same shape, so the step after a batch of
     another shape (a prefill, a copy's verification, a draft) builds its graph anew; on a small model in memory

@@ -463,7 +463,7 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict, expert_by
              f" ({fmt_bytes(cap * expert_bytes)}){besides}")
     priced_staged = (block.get("cache_fit") or {}).get("planned_experts", header.k) < header.k
     if cap < header.k and not priced_staged:
-        # the fetches are still counted right; their price, measured where a layer fit, is not (README)
+        # the fetches are still counted right; their price, measured where a layer fit, is not (docs/calibration.md)
         label += (f"; a layer's {header.k} experts do not fit the cache, so decoding reads every layer in stages,"
                   f" each fetch dearer than where a layer fits (calibrate under this budget to price it)")
     return CachePlan(cap, pinned, label)

@@ -28,7 +28,7 @@ from tinygguf import TinySpec, write_tiny
 from s2moe.app.cli import main
 
 EXPLORE = os.environ.get("S2MOE_FUZZ") == "explore"
-# Examples per property in one run of the suite (README: Reliability).
+# Examples per property in one run of the suite (docs/reliability.md).
 EXAMPLES = {"gguf": 400, "profile_engine": 1000, "profile_cli": 100, "flags": 300, "n_predict": 30, "budget": 300}
 HANG_SECONDS = 60  # one example; a tiny model's slowest finishes in about a second
 

@@ -1,4 +1,4 @@
-"""What the README promises for bad input, signals and the filesystem: one line on stderr and exit code 2
+"""What docs/reliability.md promises for bad input, signals and the filesystem: one line on stderr and exit code 2
 for bad input, exit code 130 for Ctrl-C and 143 for SIGTERM, no hang, no half-written or left-behind file."""
 
 from __future__ import annotations
@@ -512,7 +512,7 @@ def test_llama_cpp_calls_finish_before_a_ctrl_c_is_raised(decoders, monkeypatch,
 
 
 def test_a_generation_swaps_the_signal_handlers_once_per_step(decoders, monkeypatch):
-    """Swapping the handlers costs a measurable share of a small model's decode (README): a generation
+    """Swapping the handlers costs a measurable share of a small model's decode (docs/reliability.md): a generation
     swaps them once per step, not around each llama.cpp call (a speculative step drafts and verifies)."""
     from s2moe.engine import errors
     from s2moe.engine.decoder import GenerationConfig

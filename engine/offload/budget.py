@@ -20,7 +20,7 @@ AUTO_EXPERT_SHARE = 1 / 3
 AUTO_MIN_SLACK = 8 << 20
 # Under a budget of a given size llama.cpp's compute buffers may take at most this share of it. They are sized
 # for one prefill batch, and where experts are wide that can be hundreds of MiB the expert cache would otherwise
-# hold (README, "The prefill batch under a budget"); a smaller batch only prefills a prompt in more passes,
+# hold (docs/offloading.md, "The plan"); a smaller batch only prefills a prompt in more passes,
 # while decoding runs batches of a few tokens either way.
 PREFILL_BUFFER_SHARE = 1 / 8
 
@@ -156,7 +156,7 @@ def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXP
     experts_stay: the expert pages in memory now stay there and count as held. So it is once the offloader
     keeps the expert cache: starting, the cache dropped every expert page it could, and what remains shares
     the page cache's large folios with pinned weights. Left out, those pages ate the slack, and the budget's
-    reclaim took a verification's experts as it read them (engine/OFFLOAD_RESULTS.md).
+    reclaim took a verification's experts as it read them (docs/offloading.md).
 
     Counting what the cgroup really holds matters: a budget built from the anonymous memory alone left
     the expert cache near zero (every expert missed on every token, measured) because the interpreter's

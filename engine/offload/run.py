@@ -88,7 +88,7 @@ class Pinning:
     hot: bool = True            # the ranked hot experts that fit the budget's plan
     jit_prefetch: bool = True   # the routing hook asks for each layer's experts as soon as its ids are final
     predicted_prefetch: bool = False  # WILLNEED each draft pass's predicted experts while the draft goes on
-                                      # (measured slower: OFFLOAD_RESULTS.md)
+                                      # (measured slower: docs/results.md)
     lookahead: bool = False     # in a verification, ask for layer L+1's predicted experts when layer L routes
     fetch_workers: int = 0      # threads that read each verification's predicted experts while the draft goes on
     fetch_room_share: float = 0.5  # of the expert cache, what they may read ahead of the verification
