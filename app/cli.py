@@ -521,6 +521,30 @@ class _Output:
         print(line, file=sys.stderr)
 
 
+class MeasuringLine:
+    """What a slow start-up measurement of the cost constants has done: one line, rewritten in place on a
+    terminal, said once elsewhere."""
+
+    TEXT = "measuring what a step costs under this budget (once per model and budget, then remembered)"
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.shown = False
+
+    def show(self, event) -> None:
+        if self.tty:
+            sys.stderr.write(f"\r{self.TEXT}: {event.fraction:.0%} · {event.seconds:.0f} s")
+        elif not self.shown:
+            sys.stderr.write(f"{self.TEXT}…\n")
+        sys.stderr.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        if self.shown and self.tty:
+            sys.stderr.write("\n")
+        self.shown = False
+
+
 def prompt_file_text(path: str) -> str:
     """A prompt from a file, as llama.cpp's -f reads it: the whole file but one final newline. A regular
     UTF-8 file of at most the prompt-file limit; anything else is one line."""
@@ -546,7 +570,7 @@ def cmd_generate(args) -> int:
     import numpy as np
 
     from ..engine import offload
-    from ..engine.events import Finished, Iteration, ResidencySnapshot, Started, Summary
+    from ..engine.events import Finished, Iteration, MeasuringCosts, ResidencySnapshot, Started, Summary
     from ..engine.sampling import RANDOM_SEED, random_seed
 
     model = args.model if args.model is not None else default_model()
@@ -635,10 +659,16 @@ def cmd_generate(args) -> int:
     # As llama-cli does, the prompt comes before the text; with the first of it, so that on a terminal the
     # lines printed before any text do not split the prompt from its continuation.
     prompt_echo = args.prompt if args.display_prompt and not args.json else ""
+    measuring = MeasuringLine()
     for event in decoder.generate(args.prompt, cfg):
         summary.add(event)
         if recorder is not None:
             recorder.add(event)
+        if isinstance(event, MeasuringCosts):
+            if not args.json:
+                measuring.show(event)
+            continue
+        measuring.done()
         if isinstance(event, Started) and event.cost is not None and not args.json:
             c = event.cost
             fit = f", fit R² {c.r2:.2f}" if c.r2 is not None else ""

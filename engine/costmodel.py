@@ -341,20 +341,50 @@ def verify_samples(rt, cap: int, *, progress=None, should_stop=None, **kw):
     return drive(iter_verify_samples(rt, cap, **kw), progress, should_stop)
 
 
-def measure_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32,
-                           draft_allowed=None):
-    """Time plain steps, draft steps and verification batches of varied size and reuse on `rt`.
+def measure_cost_constants(rt, k_draft: int, cap: int, **kw):
+    """iter_cost_constants run to its end: (CostConstants, samples)."""
+    gen = iter_cost_constants(rt, k_draft, cap, **kw)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as e:
+            return e.value
+
+
+def _share(gen, start: float, share: float):
+    """A measurement part's (done, of) as the fraction done of the whole, the part being `share` of it."""
+    while True:
+        try:
+            done, of = next(gen)
+        except StopIteration as e:
+            return e.value
+        yield start + share * done / of
+
+
+def iter_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32,
+                        draft_allowed=None, seconds: float | None = None):
+    """Generator: yields the fraction done; returns (CostConstants, samples) where samples are (experts,
+    tokens, s). Times plain steps, draft steps and verification batches of varied size and reuse on `rt`.
     draft_allowed: under a memory budget, a function returning the experts in memory; draft steps that read
     only those are timed too (c_draft_resident). Without it the model is in memory and a draft step fetches
     nothing anyway.
-
-    Leaves the KV cache empty. Returns (CostConstants, samples) where samples are (experts, tokens, s).
-    """
-    ar, draft = time_steps(rt, k_draft, 4 * repeats, seed=seed, context=context)
-    resident = (float(np.median(drive(iter_resident_draft_steps(rt, k_draft, 4 * repeats, draft_allowed, seed=seed,
-                                                                context=context))))
-                if draft_allowed is not None else float(np.median(draft)))
-    samples = verify_samples(rt, cap, seed=seed + 1, repeats=repeats, context=context)
+    seconds: about as long as the measurement may take. Under a memory budget a step of a model many times
+    the budget reads its experts from storage (seconds a step for gigabytes of experts): the measurement
+    then takes fewer repeats and fewer batch shapes (sample_plan), priced from a first plain step.
+    Leaves the KV cache empty."""
+    sizes, variants = batch_sizes(cap), VARIANTS
+    if seconds is not None:
+        repeats, sizes, variants = sample_plan(_first_plain_step(rt, k_draft, seed, context), cap, seconds, repeats)
+    verify_share = 0.6 if draft_allowed is None else 0.4
+    ar, draft = yield from _share(iter_time_steps(rt, k_draft, 4 * repeats, seed=seed, context=context), 0.0, 0.4)
+    if draft_allowed is not None:
+        resident = float(np.median((yield from _share(
+            iter_resident_draft_steps(rt, k_draft, 4 * repeats, draft_allowed, seed=seed, context=context),
+            0.4, 0.2))))
+    else:
+        resident = float(np.median(draft))
+    samples = yield from _share(iter_verify_samples(rt, cap, seed=seed + 1, repeats=repeats, context=context,
+                                                    sizes=sizes, variants=variants), 1.0 - verify_share, verify_share)
     fit = fit_verify_cost([x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
     cost = CostConstants(
         t_ar=float(np.median(ar)),
@@ -369,6 +399,33 @@ def measure_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats
         c_draft_resident=resident,
     )
     return cost, samples
+
+
+# A short measurement's batches: little and full reuse (mixed lies between them), at one token, two, and the
+# most a verification runs (sample_plan).
+SHORT_VARIANTS = ("random", "repeat")
+
+
+def sample_plan(step_s: float, cap: int, seconds: float, repeats: int = 3) -> tuple[int, list[int], tuple]:
+    """(repeats, batch sizes, variants) of a cost measurement that takes about `seconds` where a plain step
+    takes `step_s`: a repeat costs about 12 steps and each batch shape about two, all three repeats where
+    they fit, else one repeat of the fewest shapes that still separate experts from tokens."""
+    sizes, variants = batch_sizes(cap), VARIANTS
+    for n in range(repeats, 0, -1):
+        if n * (12 + 2 * len(sizes) * len(variants)) * step_s <= seconds:
+            return n, sizes, variants
+    return 1, sorted({1, 2, cap + 1}), SHORT_VARIANTS
+
+
+def _first_plain_step(rt, k_draft: int, seed: int, context: int) -> float:
+    """The seconds of one plain step after the measurement's context (the second of two: the first builds
+    the graph)."""
+    rng, base = _prepare(rt, seed + 7, context, 2)
+    try:
+        _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)
+        return _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)[0]
+    finally:
+        rt.kv_clear()
 
 
 # -- context: how a step's cost grows with the tokens it attends to --------------------------------------

@@ -78,14 +78,6 @@ def amx_opted_in() -> bool:
     return os.environ.get(AMX_ENV, "") not in ("", "0")
 
 
-@lru_cache(maxsize=1)
-def _build_id() -> str:
-    import llama_cpp
-
-    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
-    return f"{getattr(llama_cpp, '__version__', '?')}|{' '.join(info.split())}"
-
-
 @dataclass(frozen=True)
 class ProbeOutcome:
     returncode: int | None  # None: stopped after PROBE_TIMEOUT_S
@@ -174,7 +166,9 @@ def choose(info: ModelInfo, wanted: bool, *, probe: Probe = probe_in_child,
     key = (info.fingerprint, opted)
     if key in _chosen:
         return _chosen[key]
-    record_key = f"{info.fingerprint}|{_build_id()}"
+    from .runtime import llama_build_id
+
+    record_key = f"{info.fingerprint}|{llama_build_id()}"
     record = _load_records().get(record_key)
     if not isinstance(record, dict) or not isinstance(record.get("clean"), bool):
         outcome = probe(info.path, on_probe)

@@ -17,9 +17,9 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from .acceptance import accept
-from .costmodel import measure_cost_constants
+from .costmodel import iter_cost_constants
 from .errors import OPTION, ConfigError, ContextError, ModelError, held_steps
-from .events import CostConstants, Finished, Iteration, Prefilled, ResidencySnapshot, Started
+from .events import CostConstants, Finished, Iteration, MeasuringCosts, Prefilled, ResidencySnapshot, Started
 from .hook import distinct_per_layer
 from .model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
 from .policies import (CascadeDrafter, ConfidenceStop, Drafter, EarlierText, FixedLength, IndependentDrafter,
@@ -82,6 +82,10 @@ TRACE_MODES = ("s2moe", "conf", "cascade")
 # A warm-up's constants (Decoder.untimed_costs): a token always pays for its draft pass and its verified row
 WARM_UP_COST = CostConstants(t_ar=1.0, c_draft=0.0, t_exp=0.0, t_tok=0.0, intercept=0.0,
                              source="warm-up: drafting always pays, nothing timed")
+# Under a memory budget the start-up measurement takes about this long (fewer samples where a step is slow),
+# and says how it goes once it has taken SLOW_MEASURE_S.
+BUDGET_MEASURE_S = 20.0
+SLOW_MEASURE_S = 2.0
 DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
 
 
@@ -235,6 +239,7 @@ class Decoder:
         self.placement = placement
         self._measured: dict[tuple, CostConstants] = {}
         self._untimed = False  # inside untimed_costs(): a warm-up, whose constants would be thrown away
+        self._remember_as: str | None = None  # see forget_cost_constants
         self._pieces: dict[int, str] = {}
         self._routing_checked = not self.info.is_moe
         self.n_threads = n_threads
@@ -336,19 +341,46 @@ class Decoder:
             )
         self._routing_checked = True
 
-    def cost_constants(self, cfg: GenerationConfig) -> CostConstants:
+    def _cost_constants(self, cfg: GenerationConfig) -> Iterator[MeasuringCosts]:
+        """Generator: returns the constants a generation decides with; yields MeasuringCosts while it measures
+        them, once that has taken SLOW_MEASURE_S."""
         if cfg.cost is not None:
             return cfg.cost
         if self._untimed:
             return WARM_UP_COST
         key = (cfg.draft_topk, cfg.draft_max)
         if key not in self._measured:
-            self._context = None
-            # under a budget, also what a draft from resident experts costs (it fetches nothing)
-            allowed = None if self._observer is None else self._observer.draft_allowed
-            self._measured[key], _ = measure_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed,
-                                                            draft_allowed=allowed)
+            self._measured[key] = yield from self._measure_costs(cfg)
         return self._measured[key]
+
+    def _measure_costs(self, cfg: GenerationConfig) -> Iterator[MeasuringCosts]:
+        from . import remembered_costs
+        from .runtime import llama_build_id
+
+        self._context = None
+        under_budget = self._remember_as is not None
+        if under_budget:
+            recall_key = "|".join((self.info.fingerprint, f"k_d {cfg.draft_topk}", f"cap {cfg.draft_max}",
+                                   self._remember_as, f"threads {self.n_threads}", llama_build_id()))
+            cost = remembered_costs.recall(recall_key)
+            if cost is not None:
+                return cost
+        # under a budget, also what a draft from resident experts costs (it fetches nothing)
+        allowed = None if self._observer is None else self._observer.draft_allowed
+        gen = iter_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed, draft_allowed=allowed,
+                                  seconds=BUDGET_MEASURE_S if under_budget else None)
+        t0 = time.perf_counter()
+        while True:
+            try:
+                fraction = next(gen)
+            except StopIteration as e:
+                cost = e.value[0]
+                break
+            if time.perf_counter() - t0 >= SLOW_MEASURE_S:
+                yield MeasuringCosts(fraction, time.perf_counter() - t0)
+        if under_budget:
+            remembered_costs.remember(recall_key, cost)
+        return cost
 
     def measured_cost_constants(self, draft_topk: int | None, draft_max: int | None) -> CostConstants | None:
         """The constants this decoder measured at start-up for (k_d, draft cap), if it did (None: the
@@ -370,9 +402,12 @@ class Decoder:
         finally:
             self._untimed = False
 
-    def forget_cost_constants(self) -> None:
-        """Measure again at the next generation (e.g. once the memory budget changed what a step costs)."""
+    def forget_cost_constants(self, remember_as: str | None = None) -> None:
+        """Measure again at the next generation (e.g. once the memory budget changed what a step costs).
+        remember_as: the setting (a memory budget's) under which a measurement is remembered between runs
+        (engine.remembered_costs), and measured in about BUDGET_MEASURE_S."""
         self._measured.clear()
+        self._remember_as = remember_as
 
     @property
     def knows_memory(self) -> bool:
@@ -487,7 +522,7 @@ class Decoder:
         if cfg.mode != "ar":
             self.check_routing_hook()
         needs_cost = cfg.mode in ("s2moe",) + TREE_MODES and cfg.utility and cfg.cost is None
-        cost = self.cost_constants(cfg) if needs_cost else cfg.cost
+        cost = (yield from self._cost_constants(cfg)) if needs_cost else cfg.cost
         drafter = self._drafter(cfg, cost, prompt_tokens)
         gating = cfg.mode in ("s2moe", "tree") and cfg.reuse_strength > 0 and self.info.is_moe
         reuse_cap = cfg.reuse_cap

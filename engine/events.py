@@ -29,6 +29,15 @@ class CostConstants:
 
 
 @dataclass(frozen=True)
+class MeasuringCosts:
+    """The cost constants are being measured before a generation starts (under a memory budget, a model
+    many times its size: about a minute): said once it has taken a few seconds, then as it goes."""
+
+    fraction: float  # of the measurement done
+    seconds: float   # since it began
+
+
+@dataclass(frozen=True)
 class Started:
     mode: str
     model: str

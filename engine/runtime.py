@@ -12,6 +12,7 @@ import platform
 import re
 from collections import deque
 from dataclasses import replace
+from functools import lru_cache
 from typing import Callable
 
 import llama_cpp
@@ -160,6 +161,14 @@ def _cxx_exception_text(cxx) -> str:
     vtable = ctypes.c_void_p.from_address(slot[0]).value
     what = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(ctypes.c_void_p.from_address(vtable + 2 * word).value)
     return f"{name}: {(what(slot[0]) or b'').decode('utf-8', 'replace')}"
+
+
+@lru_cache(maxsize=1)
+def llama_build_id() -> str:
+    """llama-cpp-python's version and llama.cpp's system line: what a measurement made with this llama.cpp
+    is only valid for."""
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+    return f"{getattr(llama_cpp, '__version__', '?')}|{' '.join(info.split())}"
 
 
 def last_llama_error() -> str:

@@ -89,3 +89,60 @@ def test_the_r2_ceiling_is_what_the_same_counts_timed_again_leave_unexplained():
 
     misses = experts // 2
     assert fit_miss_cost(experts, misses, tokens, seconds).r2_ceiling == pytest.approx(ceiling)
+
+
+def test_a_slow_step_shortens_the_measurement_to_fit_its_time():
+    from s2moe.engine.costmodel import SHORT_VARIANTS, VARIANTS, batch_sizes, sample_plan
+
+    assert sample_plan(0.001, 8, 20.0) == (3, batch_sizes(8), VARIANTS)  # a resident small model: all of it
+    assert sample_plan(0.15, 8, 20.0) == (2, batch_sizes(8), VARIANTS)  # a repeat is 54 steps' worth
+    assert sample_plan(0.2, 8, 20.0) == (1, batch_sizes(8), VARIANTS)
+    # two seconds a step (gigabytes of experts from storage): one repeat of the fewest shapes
+    assert sample_plan(2.0, 8, 20.0) == (1, [1, 2, 9], SHORT_VARIANTS)
+
+
+def test_a_short_measurement_still_fits_experts_apart_from_tokens(decoders):
+    from s2moe.engine.costmodel import iter_cost_constants
+
+    rt = decoders["olmoe"].rt
+    gen = iter_cost_constants(rt, 2, 4, seconds=1e-6)  # too short for anything: the shortest plan
+    fractions = []
+    while True:
+        try:
+            fractions.append(next(gen))
+        except StopIteration as e:
+            cost, samples = e.value
+            break
+    assert fractions == sorted(fractions) and 0 < fractions[0] and fractions[-1] == pytest.approx(1.0)
+    assert {s[1] for s in samples} == {1, 2, 5} and len(samples) == 6
+    assert cost.t_exp > 0 and cost.t_ar > 0 and rt.kv_end() == 0
+
+
+def test_a_measurement_under_a_budget_is_said_when_slow_and_remembered(tiny_models, monkeypatch):
+    from s2moe.engine import decoder as decoder_module
+    from s2moe.engine.decoder import Decoder, GenerationConfig
+    from s2moe.engine.events import MeasuringCosts, Started
+
+    monkeypatch.setattr(decoder_module, "SLOW_MEASURE_S", 0.0)
+    cfg = GenerationConfig(mode="s2moe", n_predict=2, stop_at_eos=False)
+
+    def run(remember_as):
+        dec = Decoder(str(tiny_models["olmoe"]), n_ctx=256, n_threads=1)
+        try:
+            dec.forget_cost_constants(remember_as=remember_as)
+            events = list(dec.generate("hello", cfg))
+        finally:
+            dec.close()
+        started = next(e for e in events if isinstance(e, Started))
+        return [e for e in events if isinstance(e, MeasuringCosts)], started.cost
+
+    said, cost = run("budget 64 MiB")
+    assert said and cost.source == "measured at start-up"
+    assert [e.fraction for e in said] == sorted(e.fraction for e in said)
+    again, recalled = run("budget 64 MiB")
+    assert not again and "remembered" in recalled.source
+    assert (recalled.t_ar, recalled.t_exp, recalled.t_tok) == (cost.t_ar, cost.t_exp, cost.t_tok)
+    other, fresh = run("budget 96 MiB")  # another budget is measured for itself
+    assert other and fresh.source == "measured at start-up"
+    resident, _ = run(None)  # resident runs are measured each time, and said as well once slow
+    assert resident

@@ -151,7 +151,9 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         if hot:
             off.pin(non_expert=False, code=False, hot=hot)  # read in under the limit, evicting cold experts
     if budget is not None:
-        decoder.forget_cost_constants()  # anything measured before (resident) is measured again under the budget
+        # anything measured before (resident) is measured again under the budget, and remembered for it
+        setting = "auto" if budget.auto else f"{size} B"
+        decoder.forget_cost_constants(remember_as=f"budget {setting}, {len(hot)} hot experts, batch {decoder.rt.n_batch}")
     off.budget_bytes = size
     return off
 
