@@ -443,6 +443,18 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
             data["config"]["budget_bytes"], data.get("quality") or {}, data["config"]["batch_size"])
 
 
+class _ChangedLine:
+    """A progress line on stderr, said when its key changes (a prompt, a repeat, a budget)."""
+
+    def __init__(self):
+        self.last = None
+
+    def say(self, key, line: str) -> None:
+        if key != self.last:
+            print(line, file=sys.stderr, flush=True)
+            self.last = key
+
+
 def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: int | None, rows):
     """llama.cpp's own plain decoding of the same prompts (s2moe.engine.reference) in a process of its own:
     under the same budget in bytes, in a fresh cgroup with nothing pinned or prefetched; resident
@@ -629,6 +641,7 @@ def run(args) -> int:
         else:
             off = None
         quality_texts = None if args.no_quality else prompts
+        prompt_line = _ChangedLine()
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=not console.is_terminal) as progress:
             task = progress.add_task("bench", total=None)
@@ -644,6 +657,9 @@ def run(args) -> int:
                         where += f" · repeat {ev.repeat + 1}/{args.repeats}"
                     progress.update(task, total=ev.total, completed=ev.done,
                                     description=f"{ev.mode} · {where} · budget {ev.budget}")
+                    if not console.is_terminal:  # piped or in a log: a line per prompt, not minutes of silence
+                        prompt_line.say((where, ev.budget), f"bench: {where} of {len(prompts)} · budget {ev.budget} "
+                                                            f"· {ev.done}/{ev.total} generations done")
                 elif isinstance(ev, BenchDone):
                     done = ev
         if off is not None:
