@@ -1461,7 +1461,10 @@ its = [e for e in events if isinstance(e, Iteration) and e.drafted]
 out["tree"] = {"config": next(e for e in events if isinstance(e, Started)).config["draft_experts"],
                "masks": len(masks), "iterations": len(its),
                "draft_misses": float(sum(e.draft_misses.sum() for e in its)),
-               "fallbacks": dec.rt.hook.mask_fallbacks() - fallbacks, "refused": dec.rt.hook.mask_evicted() - evicted}
+               "fallbacks": dec.rt.hook.mask_fallbacks() - fallbacks, "refused": dec.rt.hook.mask_evicted() - evicted,
+               "tokens": [t for e in events if isinstance(e, Iteration) for t in e.committed]}
+out["plain"] = list(dec.generate("the quick brown fox jumps over the lazy dog",
+                                 GenerationConfig(mode="ar", n_predict=24, stop_at_eos=False)))[-1].tokens
 print(json.dumps(out))
 """
 
@@ -1487,6 +1490,9 @@ def test_under_a_budget_drafts_read_only_the_experts_in_memory(tmp_path):
     tree = r["tree"]  # a tree's draft passes (several rows each) read from memory the same way
     assert tree["config"] == "resident" and tree["masks"] == tree["iterations"] > 0 and tree["refused"] > 0
     assert tree["draft_misses"] <= tree["fallbacks"] + router["draft_misses"] / 10
+    # what the mask restricts is the drafts alone: every verification reads the router's experts, so the
+    # committed tokens are plain decoding's whichever experts the drafts read
+    assert len(r["plain"]) == 24 and res["tokens"] == router["tokens"] == tree["tokens"] == r["plain"]
 
 
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
