@@ -1080,6 +1080,7 @@ def test_bench_results_save_as_json_and_csv(monkeypatch, tmp_path):
             rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
             assert [r["mode"] for r in rows] == [r.mode for r in screen.rows]
             assert rows[1]["tok_per_s_repeats"] == " ".join(f"{x:g}" for x in screen.rows[1].tok_per_s_repeats)
+            assert rows[0]["tokens"] == " | ".join(["1 2"] * len(screen.rows[0].tokens)) and rows[1]["tokens"] == ""
 
     run(go())
 

@@ -207,7 +207,7 @@ def fake_run_bench(model, **kw):
                      accept_len=1.0 + i, draft_len=float(i), acceptance_rate=0.0 if m == "ar" else 0.8,
                      reuse_ratio=None if m == "ar" else 0.5, reuse_ratio_per_layer=None, verify_experts=None,
                      effective_verify_cost=None, rollbacks=3 * i, t_draft=0.0, t_verify=0.0,
-                     identical_to_ar=None if m == "ar" else 1.0,
+                     identical_to_ar=None if m == "ar" else 1.0, tokens=[[1, 2]] * len(prompts) if m == "ar" else None,
                      tok_per_s_repeats=[100.0 + 20 * i + d for d in (-4.0, 0.0, 6.0)[:repeats]],
                      speedup_repeats=[1.0 + (0.2 * i + d if m != "ar" else 0.0) for d in (-0.05, 0.0, 0.1)[:repeats]])
             for i, m in enumerate(modes)]
