@@ -286,7 +286,7 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
 NEAR_TIE = 1e-3  # a score gap under which any two ways of computing the logits may pick differently
 
 
-def near_tie(dec: Decoder, prompt: str, reference: tuple, other: tuple, cfg: GenerationConfig) -> bool:
+def near_tie(dec: Decoder, prompt: str | list[int], reference: tuple, other: tuple, cfg: GenerationConfig) -> bool:
     """Whether `other` leaves ar's tokens (`reference`) at a token the arithmetic could decide: ar's two best
     scores there (Sampling.scores: penalised logits, or sampled log-probabilities plus cfg's seed's noise) lie
     within NEAR_TIE, or within twice what they move by between decoding the context in one batch, as a
@@ -295,7 +295,7 @@ def near_tie(dec: Decoder, prompt: str, reference: tuple, other: tuple, cfg: Gen
     if j is None:
         return False
     rt = dec.rt
-    prompt_tokens = dec.tokenize(prompt)
+    prompt_tokens = dec.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     history = prompt_tokens + list(reference[:j])
     rt.kv_clear()
     if rt.hook is not None:

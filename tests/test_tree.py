@@ -13,7 +13,7 @@ from s2moe.engine.sampling import PositionNoise, Sampling, softmax
 from s2moe.engine.tree import DraftTree, accept_tree, tree_layout
 
 from test_cli import assert_clean_error, s2moe
-from test_engine_decoding import PROMPTS, _chi2, _chi2_critical, ar_logits_gap, summarize
+from test_engine_decoding import PROMPTS, _chi2, _chi2_critical, assert_matches_ar, summarize
 
 # Drafting always pays, and a wide tree: exercises branching, not only chains.
 CHEAP_DRAFT = CostConstants(t_ar=1.0, c_draft=0.01, t_exp=0.001, t_tok=0.01, intercept=0.0, source="test")
@@ -94,10 +94,7 @@ def test_greedy_trees_match_ar(decoders, arch, mode, width):
                 # an accepted node that is not its parent's first child: the tree found what a chain missed
                 firsts = {p: i for i, p in reversed(list(enumerate(e.tree_parents)))}
                 off_first += any(firsts[e.tree_parents[i]] != i for i in e.accepted_path)
-        if spec.tokens != ar.tokens:
-            i = next(j for j, (a, b) in enumerate(zip(ar.tokens, spec.tokens)) if a != b)
-            gap = ar_logits_gap(d, d.tokenize(prompt) + list(ar.tokens[:i]))
-            assert gap < 1e-3, f"{mode} diverged from ar at token {i} where ar's top-2 gap is {gap:.3g}"
+        assert_matches_ar(d, prompt, spec.tokens, GenerationConfig(), mode, ar=ar.tokens)
     assert branched and accepted and rolled_back and off_first, (branched, accepted, rolled_back, off_first)
 
 
