@@ -284,12 +284,18 @@ def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
     has been seen."""
     d = decoders[arch]
     c = CostConstants(t_ar=1.0, c_draft=0.05, t_exp=0.02, t_tok=0.05, intercept=0.0, source="test")
-    events = run(d, PROMPTS[2], GenerationConfig(mode="s2moe", n_predict=30, cost=c, stop_at_eos=False))
+    told = PendingExperts(d)
+    d.attach(told)
+    try:
+        events = run(d, PROMPTS[2], GenerationConfig(mode="s2moe", n_predict=30, cost=c, stop_at_eos=False))
+    finally:
+        d.detach(told)
     seen = {False: 0, True: 0}
     iters = [e for e in events if isinstance(e, Iteration)]
+    assert len(told.rounds) == len(iters)
     first = next(e for e in iters if e.draft_decision is not None and not e.draft_decision.copied)
     assert first.candidates and all(cand.accept_chance == pytest.approx(cand.chain_prob) for cand in first.candidates)
-    for e in iters:
+    for e, in_batch in zip(iters, told.rounds):
         decision = e.draft_decision
         copied = decision is not None and decision.copied is not None
         kept = [cand for cand in e.candidates if cand.kept]
@@ -306,11 +312,16 @@ def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
         for cand in e.candidates:
             if cand.utility is None:
                 continue
-            expected = cand.accept_chance * c.t_ar / (c.t_exp * cand.new_experts.sum() + c.t_tok + c.c_draft)
+            routed = routed_experts(cand.predicted, in_batch.shape)  # its draft pass's routing
+            new = int((routed & ~in_batch).sum())  # against the batch's experts so far
+            expected = cand.accept_chance * c.t_ar / (c.t_exp * new + c.t_tok + c.c_draft)
             assert cand.utility == pytest.approx(expected, rel=1e-9)
             assert cand.kept == (cand.utility >= 1.0)
+            if cand.kept:
+                in_batch |= routed
             seen[False] += 1
     assert seen[False] > 0 and seen[True] > 0
+
 
 
 def _chi2_critical(df: int, alpha_z: float = 3.09) -> float:
@@ -596,6 +607,34 @@ class QuietObserver(VerifyObserver):
     def residency(self):
         n_layer = self.shape[0]
         return Residency(np.zeros(self.shape), np.zeros(self.shape, bool), np.full(n_layer, np.nan), 0, 0, 0)
+
+
+class PendingExperts(QuietObserver):
+    """Records, for each verification, the experts the pending token's draft pass routed to: the first set a
+    drafter tells its observer (a copy of it, None where nothing was drafted)."""
+
+    def __init__(self, decoder):
+        super().__init__(decoder)
+        self.rounds: list[np.ndarray | None] = []
+        self._first = None
+
+    def predicted(self, experts):
+        if self._first is None:
+            self._first = experts.copy()
+
+    def verifying(self, predicted, first_row_ids):
+        self.rounds.append(self._first)
+        self._first = None
+
+
+def routed_experts(routed, shape) -> np.ndarray:
+    """[n_layer, n_expert] bool of a row's routed ids ([n_layer, k], -1 where a layer has none; None: the row
+    was not routed, nothing)."""
+    out = np.zeros(shape, bool)
+    if routed is not None:
+        for layer, row in enumerate(routed):
+            out[layer, row[row >= 0]] = True
+    return out
 
 
 def test_until_copies_are_timed_a_copied_token_saves_the_plain_step_as_timed_where_the_cache_serves_little():

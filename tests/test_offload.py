@@ -1086,8 +1086,11 @@ def test_pinning_skips_the_embedding_table_when_the_output_matrix_is_separate(ti
 
 
 def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_models):
+    from s2moe.engine.decoder import GenerationConfig, run
     from s2moe.engine.offload import model_mappings, read_ahead_bytes
 
+    cfg = GenerationConfig(mode="ar", n_predict=3, stop_at_eos=False)
+    before = run(decoders["olmoe"], "hello", cfg)[-1].tokens
     assert read_ahead_bytes(tiny_models["olmoe"]) >= 4096
     off = Offloader(tiny_models["olmoe"])
     try:
@@ -1101,11 +1104,8 @@ def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_mo
         assert off.advise_fault_readahead(random=False) > 0 and off.fault_readahead == "embeddings-off"
     finally:
         off.close()
-    assert decoders["olmoe"].generate is not None  # the decoder still works after the advice
-    from s2moe.engine.decoder import GenerationConfig, run
-
-    events = run(decoders["olmoe"], "hello", GenerationConfig(mode="ar", n_predict=3, stop_at_eos=False))
-    assert events[-1].n_tokens == 3
+    # the advice changes how llama.cpp's mapping faults, not what the decoder reads from it
+    assert len(before) == 3 and run(decoders["olmoe"], "hello", cfg)[-1].tokens == before
 
 
 def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
