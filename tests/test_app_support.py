@@ -15,6 +15,7 @@ from s2moe.engine.bench import run_bench as REAL_RUN_BENCH
 from s2moe.engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.calibrate import run_calibration as REAL_RUN_CALIBRATION
 from s2moe.engine.chat import Template
+from s2moe.engine.decoder import GenerationConfig
 from s2moe.engine.events import (CostConstants, DraftCandidate, Finished, Iteration, Prefilled, ResidencySnapshot,
                                  Started)
 
@@ -116,7 +117,8 @@ class FakeDecoder:
     def piece_text(self, token: int) -> str:
         return VOCAB[token]
 
-    def generate(self, prompt, cfg, should_stop=None):
+    def generate(self, prompt, cfg=None, should_stop=None, keep_context=False):
+        cfg = cfg or GenerationConfig()
         self.configs.append(cfg)
         cfg.validate(self.info)
         t0 = time.perf_counter()
