@@ -887,10 +887,11 @@ def test_reader_threads_fetch_the_predicted_experts_in_layer_order_within_their_
         assert res[0, 2] == 1.0 and res[1, 5] == 0.0  # the room holds one expert: layer 0's, first
         pf.verification_starts()
         pf.layer(0, [2])
-        assert not _wait_for(lambda: pf.fetch_stats()["read"] == 2, 0.3)  # layer 0 still computing
         pf.layer(1, [5])  # layer 0 is done: its expert's room is free
         assert _wait_for(lambda: pf.fetch_stats()["read"] == 2)
         assert m.expert_residency()[1, 5] == 1.0
+        taken = pf.fetch_taken_at()  # when each was taken, whatever the timing: layer 1's once two layers routed
+        assert taken[0, 2] == -1 and taken[1, 5] == 2 and (taken == -2).sum() == taken.size - 2
         res = m.expert_residency()
         # exact ranges, no read-ahead: a neighbour has at most the pages it shares with the expert read
         assert max(res[0, 1], res[0, 3], res[1, 4], res[1, 6]) <= 2 / 13
