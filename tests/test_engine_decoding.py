@@ -105,33 +105,37 @@ def test_greedy_s2moe_without_gating_matches_ar(decoders, arch, utility):
     assert total_accepted > 0 and total_rollbacks > 0
 
 
-def test_ar_with_the_hook_installed_gives_llama_cpp_s_own_greedy_tokens(decoders, tiny_models, arch):
-    """Every lossless test compares a mode with our ar; this holds our ar to llama.cpp itself: llama-cpp-python's
-    own greedy generation of the same model, nothing of ours loaded, gives ar's tokens, with the routing hook
-    installed as ar leaves it for plain steps and with it reading every layer's routing (observe_plain)."""
+def assert_ar_is_llama_cpp(decoder, prompts, n: int) -> None:
+    """Our ar gives llama-cpp-python's own greedy tokens of the decoder's model (loaded apart, nothing of ours
+    in it): with the routing hook as ar leaves it for plain steps, and with it reading every layer's routing
+    (observe_plain)."""
     import itertools
 
     import llama_cpp
 
-    d = decoders[arch]
-    n = 24
-    llm = llama_cpp.Llama(model_path=str(tiny_models[arch]), n_ctx=d.n_ctx, n_threads=1, n_threads_batch=1,
+    llm = llama_cpp.Llama(model_path=str(decoder.info.path), n_ctx=decoder.n_ctx, n_threads=1, n_threads_batch=1,
                           verbose=False)
     try:
-        for prompt in PROMPTS:
-            theirs = tuple(itertools.islice(llm.generate(d.tokenize(prompt), temp=0.0, top_k=1, reset=True), n))
+        for prompt in prompts:
+            theirs = tuple(itertools.islice(llm.generate(decoder.tokenize(prompt), temp=0.0, top_k=1, reset=True), n))
             for observe in (False, True):
-                hooked = d.rt.hook.hooked()
-                d.observe_plain = observe
+                hooked = decoder.rt.hook.hooked()
+                decoder.observe_plain = observe
                 try:
-                    ours = run(d, prompt, GenerationConfig(mode="ar", n_predict=n, stop_at_eos=False))[-1].tokens
+                    ours = run(decoder, prompt, GenerationConfig(mode="ar", n_predict=n, stop_at_eos=False))[-1].tokens
                 finally:
-                    d.observe_plain = False
+                    decoder.observe_plain = False
                 if observe:  # the hook read the routing of every plain step
-                    assert d.rt.hook.hooked() - hooked >= n
+                    assert decoder.rt.hook.hooked() - hooked >= n
                 assert len(ours) == n and ours == theirs, f"ar left llama.cpp's greedy tokens (observe_plain {observe})"
     finally:
         llm.close()
+
+
+def test_ar_with_the_hook_installed_gives_llama_cpp_s_own_greedy_tokens(decoders, arch):
+    """Every lossless test compares a mode with our ar; this holds our ar to llama.cpp itself, on each routing
+    variant."""
+    assert_ar_is_llama_cpp(decoders[arch], PROMPTS, 24)
 
 
 @pytest.mark.parametrize("mode,temp", [("ar", 0.0), ("s2moe", 0.0), ("s2moe", 0.8), ("conf", 0.0)])
