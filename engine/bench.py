@@ -104,6 +104,9 @@ class BenchRow:
     speedup_repeats: list[float] | None = None
     # self-drafting modes (chains, trees): what the draft passes read (resident | router)
     draft_experts: str | None = None
+    # ar's row where it decoded by the argmax of the logits (greedy, no penalty): each prompt's tokens, which
+    # llama.cpp's own greedy decoding (the reference row) must give too
+    tokens: list[list[int]] | None = None
 
     @property
     def repeats(self) -> int:
@@ -283,7 +286,7 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
 NEAR_TIE = 1e-3  # a score gap under which any two ways of computing the logits may pick differently
 
 
-def near_tie(dec: Decoder, prompt: str, reference: tuple, other: tuple, cfg: GenerationConfig) -> bool:
+def near_tie(dec: Decoder, prompt: str | list[int], reference: tuple, other: tuple, cfg: GenerationConfig) -> bool:
     """Whether `other` leaves ar's tokens (`reference`) at a token the arithmetic could decide: ar's two best
     scores there (Sampling.scores: penalised logits, or sampled log-probabilities plus cfg's seed's noise) lie
     within NEAR_TIE, or within twice what they move by between decoding the context in one batch, as a
@@ -292,7 +295,7 @@ def near_tie(dec: Decoder, prompt: str, reference: tuple, other: tuple, cfg: Gen
     if j is None:
         return False
     rt = dec.rt
-    prompt_tokens = dec.tokenize(prompt)
+    prompt_tokens = dec.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     history = prompt_tokens + list(reference[:j])
     rt.kv_clear()
     if rt.hook is not None:
@@ -524,14 +527,19 @@ def machine_info(n_threads: int | None) -> dict:
 
 
 def reference_row(result: dict, budget: str, ar: BenchRow | None, prompt_set: str, n_prompts: int) -> BenchRow:
-    """The bench row of llama.cpp's own plain decoding (s2moe.engine.reference.plain_decoding's result)."""
+    """The bench row of llama.cpp's own plain decoding (s2moe.engine.reference.plain_decoding's result). Where
+    ar decoded by the argmax too (its row holds its tokens), the share of prompts on which llama.cpp's tokens are
+    ar's: all of them, or our ar is not llama.cpp's decoding."""
     tps = result["tok_per_s"]
+    same = None
+    if ar is not None and ar.tokens is not None:
+        same = float(np.mean([list(a) == list(b) for a, b in zip(ar.tokens, result["tokens"])]))
     return BenchRow(mode="llama.cpp", budget=budget, prompt_set=prompt_set, n_prompts=n_prompts,
                     n_tokens=result["n_tokens"], seconds=result["seconds"], tok_per_s=tps,
                     speedup_vs_ar=tps / ar.tok_per_s if ar is not None and ar.tok_per_s > 0 else None,
                     accept_len=1.0, draft_len=0.0, acceptance_rate=0.0, reuse_ratio=None, reuse_ratio_per_layer=None,
                     verify_experts=None, effective_verify_cost=None, rollbacks=0, t_draft=0.0,
-                    t_verify=result["seconds"], identical_to_ar=None)
+                    t_verify=result["seconds"], identical_to_ar=same, identical_expected=same is not None)
 
 
 def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: dict[str, float]) -> None:
@@ -737,6 +745,8 @@ def run_bench(
                     speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
                     draft_experts=dec.draft_experts(configs[name])
                     if configs[name].mode in SELF_DRAFTING else None,
+                    tokens=[list(tokens_of[("ar", pi)]) for pi in range(len(prompts))]
+                    if name == "ar" and configs[name].sampling(dec.n_ctx).argmax_of_logits else None,
                 ))
             quality = {}
             if dec.info.is_moe and quality_texts and dec.knows_memory:

@@ -117,6 +117,11 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def argmax_of_logits(self) -> bool:
+        """Greedy with nothing changing the logits: the token llama.cpp's own greedy sampler picks."""
+        return self.greedy and (self.repeat_penalty == 1.0 or self.repeat_last_n == 0)
+
     def validate(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ConfigError(f"{OPTION} must be a finite number ≥ 0", option="temperature")

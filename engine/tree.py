@@ -59,6 +59,7 @@ class _Node:
     predicted: np.ndarray | None  # [n_layer, n_expert + 1] bool: the router's top-k, the target experts it predicts
     history: list[int]  # committed tokens and the path down to and including it
     taken: int = -1    # its index in the tree once taken
+    routed: np.ndarray | None = None  # [n_layer, k] the router's ids in its draft pass (-1: no MoE)
 
 
 class TreeDrafter(Drafter):
@@ -137,6 +138,7 @@ class TreeDrafter(Drafter):
                 kid.logits = kid_logits[j]
                 kid.predicted = np.zeros((n_layer, n_expert + 1), bool)
                 kid.predicted[layers, r.orig[:, j, :]] = True
+                kid.routed = r.orig[:, j, :].copy()
                 read[layers, r.used[:, j, :]] = True
                 added.append(len(nodes))
                 nodes.append(kid)
@@ -158,7 +160,7 @@ class TreeDrafter(Drafter):
             out.tokens.append(node.token)
             out.chain.append(node.path)
             out.candidates.append(DraftCandidate(node.token, dec.piece_text(node.token), node.prob, node.path,
-                                                 utility, added[:, :n_expert].sum(axis=1), True))
+                                                 utility, added[:, :n_expert].sum(axis=1), True, node.routed))
 
         expand([(-1, root)])
         if rule is None:
@@ -201,7 +203,7 @@ class TreeDrafter(Drafter):
             added = (n.predicted & ~in_batch)[:, :n_expert].sum(axis=1)
             utility = None if rule is None else rule.utility(n.path, float(added.sum()))
             out.candidates.append(DraftCandidate(n.token, dec.piece_text(n.token), n.prob, n.path, utility, added,
-                                                 False))
+                                                 False, n.routed))
         for s in used_seqs:
             rt.seq_rm(s)
         out.tree = tree

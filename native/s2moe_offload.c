@@ -949,8 +949,11 @@ struct s2_fetcher {
     uint8_t *state;       // [n_layer][n_expert] WANT_*
     int64_t *bytes;       // [n_layer][n_expert] an expert's bytes (sum of its parts' page spans)
     int64_t room;         // bytes that may be read ahead of the verification
+    int32_t *taken_at;    // [n_layer][n_expert] layers the verification had routed when a worker took the
+                          // expert (-1: before it started; -2: not taken since queued)
     int verifying;        // the verification runs: progress follows its layers
     int layer;            // experts of layers below this one have been used
+    int routed;           // layers the verification has routed so far
     int stop;
     int64_t n_read, n_resident, n_late, bytes_read;
     double read_seconds;  // summed over workers
@@ -996,6 +999,7 @@ static void *fetch_worker(void *arg) {
             continue;
         }
         f->state[i] = WANT_TAKEN;
+        f->taken_at[i] = f->verifying ? f->routed : -1;
         pthread_mutex_unlock(&f->mu);
 
         const int layer = i / p->n_expert, e = i % p->n_expert;
@@ -1042,9 +1046,11 @@ int s2_fetch_start(s2_prefetch *p, const char *path, int n_workers, int64_t room
     f->room = room;
     f->state = calloc(n, 1);
     f->bytes = calloc(n, sizeof(int64_t));
+    f->taken_at = malloc(n * sizeof(int32_t));
     f->threads = calloc((size_t)n_workers, sizeof(pthread_t));
     f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (!f->state || !f->bytes || !f->threads || f->fd < 0) goto fail;
+    if (!f->state || !f->bytes || !f->taken_at || !f->threads || f->fd < 0) goto fail;
+    for (size_t i = 0; i < n; ++i) f->taken_at[i] = -2;
     posix_fadvise(f->fd, 0, 0, POSIX_FADV_RANDOM);
     for (size_t i = 0; i < n; ++i)
         for (int j = 0; j < p->n_parts; ++j) {
@@ -1068,6 +1074,7 @@ fail:
     if (f->fd >= 0) close(f->fd);
     free(f->state);
     free(f->bytes);
+    free(f->taken_at);
     free(f->threads);
     free(f);
     return -1;
@@ -1086,6 +1093,7 @@ void s2_fetch_stop(s2_prefetch *p) {
     close(f->fd);
     free(f->state);
     free(f->bytes);
+    free(f->taken_at);
     free(f->threads);
     free(f);
     p->fetcher = NULL;
@@ -1108,7 +1116,10 @@ void s2_fetch_want(s2_prefetch *p, const uint8_t *mask) {
         f->layer = 0;
     }
     for (size_t i = 0; i < n; ++i)
-        if (mask[i] && f->state[i] == WANT_NONE) f->state[i] = WANT_QUEUED;
+        if (mask[i] && f->state[i] == WANT_NONE) {
+            f->state[i] = WANT_QUEUED;
+            f->taken_at[i] = -2;
+        }
     pthread_cond_broadcast(&f->cv);
     pthread_mutex_unlock(&f->mu);
 }
@@ -1120,15 +1131,28 @@ void s2_fetch_verify(s2_prefetch *p) {
     pthread_mutex_lock(&f->mu);
     f->verifying = 1;
     f->layer = 0;
+    f->routed = 0;
     pthread_mutex_unlock(&f->mu);
 }
 
 static void fetch_progress(s2_fetcher *f, int layer) {
     pthread_mutex_lock(&f->mu);
+    f->routed += f->verifying;
     if (f->verifying && layer > f->layer) {
         f->layer = layer;
         pthread_cond_broadcast(&f->cv);  // room freed: the experts of the layers passed are used
     }
+    pthread_mutex_unlock(&f->mu);
+}
+
+// For each expert ([n_layer][n_expert] into out), how many layers the verification had routed when a worker
+// took it (-1: before the verification started; -2: not taken since it was queued): the order reads and the
+// verification's progress came in, whatever the timing.
+void s2_fetch_taken_at(s2_prefetch *p, int32_t *out) {
+    s2_fetcher *f = p ? p->fetcher : NULL;
+    if (!f || !out) return;
+    pthread_mutex_lock(&f->mu);
+    memcpy(out, f->taken_at, (size_t)p->n_layer * p->n_expert * sizeof(int32_t));
     pthread_mutex_unlock(&f->mu);
 }
 

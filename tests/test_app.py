@@ -68,6 +68,22 @@ async def answered(pilot, chat, text) -> None:
 
 
 # -- view data (no UI) --------------------------------------------------------------------------------------------
+def test_the_fake_decoder_takes_what_the_real_one_takes():
+    """The app's tests drive a FakeDecoder: each method the app calls on it is called as the real Decoder's
+    would be, by the same names, order and defaults, so that a call the real one refuses fails here too."""
+    import inspect
+
+    from s2moe.engine.decoder import Decoder
+
+    def params(method):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(method).parameters.values()]
+
+    shared = [name for name in vars(FakeDecoder) if callable(getattr(FakeDecoder, name)) and not name.startswith("_")]
+    assert {"generate", "detokenize", "piece_text", "forget_context", "close"} <= set(shared)
+    for name in shared:
+        assert params(getattr(FakeDecoder, name)) == params(getattr(Decoder, name)), name
+
+
 def test_segments_mark_how_each_token_was_produced():
     its = list(scripted_events())[2:-1]
     dec = FakeDecoder()
@@ -386,7 +402,7 @@ def test_an_engine_error_is_a_notification_not_a_crash():
     from s2moe.engine.errors import ContextError
 
     class Failing(FakeDecoder):
-        def generate(self, prompt, cfg, should_stop=None):
+        def generate(self, prompt, cfg=None, should_stop=None, keep_context=False):
             raise ContextError("prompt has 9999 tokens but the context holds 2048")
 
     async def go():
@@ -1080,6 +1096,7 @@ def test_bench_results_save_as_json_and_csv(monkeypatch, tmp_path):
             rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
             assert [r["mode"] for r in rows] == [r.mode for r in screen.rows]
             assert rows[1]["tok_per_s_repeats"] == " ".join(f"{x:g}" for x in screen.rows[1].tok_per_s_repeats)
+            assert rows[0]["tokens"] == " | ".join(["1 2"] * len(screen.rows[0].tokens)) and rows[1]["tokens"] == ""
 
     run(go())
 

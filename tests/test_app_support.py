@@ -15,6 +15,7 @@ from s2moe.engine.bench import run_bench as REAL_RUN_BENCH
 from s2moe.engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.calibrate import run_calibration as REAL_RUN_CALIBRATION
 from s2moe.engine.chat import Template
+from s2moe.engine.decoder import GenerationConfig
 from s2moe.engine.events import (CostConstants, DraftCandidate, Finished, Iteration, Prefilled, ResidencySnapshot,
                                  Started)
 
@@ -116,7 +117,8 @@ class FakeDecoder:
     def piece_text(self, token: int) -> str:
         return VOCAB[token]
 
-    def generate(self, prompt, cfg, should_stop=None):
+    def generate(self, prompt, cfg=None, should_stop=None, keep_context=False):
+        cfg = cfg or GenerationConfig()
         self.configs.append(cfg)
         cfg.validate(self.info)
         t0 = time.perf_counter()
@@ -207,7 +209,7 @@ def fake_run_bench(model, **kw):
                      accept_len=1.0 + i, draft_len=float(i), acceptance_rate=0.0 if m == "ar" else 0.8,
                      reuse_ratio=None if m == "ar" else 0.5, reuse_ratio_per_layer=None, verify_experts=None,
                      effective_verify_cost=None, rollbacks=3 * i, t_draft=0.0, t_verify=0.0,
-                     identical_to_ar=None if m == "ar" else 1.0,
+                     identical_to_ar=None if m == "ar" else 1.0, tokens=[[1, 2]] * len(prompts) if m == "ar" else None,
                      tok_per_s_repeats=[100.0 + 20 * i + d for d in (-4.0, 0.0, 6.0)[:repeats]],
                      speedup_repeats=[1.0 + (0.2 * i + d if m != "ar" else 0.0) for d in (-0.05, 0.0, 0.1)[:repeats]])
             for i, m in enumerate(modes)]

@@ -9,6 +9,7 @@ import json
 import pytest
 from conftest import variant_spec
 from test_cli import assert_clean_error, s2moe
+from test_engine_decoding import assert_ar_is_llama_cpp
 from tinygguf import write_tiny
 
 from s2moe.engine.decoder import Decoder, GenerationConfig, RoutingDefaults, defaults_for, routing_defaults, run
@@ -63,6 +64,15 @@ def test_given_values_win_over_the_defaults(routed_models):
     info = read_model_info(routed_models[(16, 8)])
     cfg = GenerationConfig(draft_topk=3, draft_max=5, reuse_cap=9).resolved(info)
     assert (cfg.draft_topk, cfg.draft_max, cfg.reuse_cap) == (3, 5, 9)
+
+
+def test_ar_gives_llama_cpp_s_own_greedy_tokens_for_every_top_k(routed_models):
+    for path in routed_models.values():
+        d = Decoder(str(path), n_ctx=256, n_threads=1)
+        try:
+            assert_ar_is_llama_cpp(d, ["hello there"], 12)
+        finally:
+            d.close()
 
 
 @pytest.mark.parametrize("mode", MODES)

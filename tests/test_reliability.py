@@ -553,8 +553,8 @@ def test_a_signal_held_inside_an_import_waits_for_the_outermost_import(tmp_path,
 
 
 def _app_in_a_pty(model: str, tmp_path, act, after_s: float) -> tuple[int | None, str, bool]:
-    """`s2moe app` on a pseudo-terminal of 80×24: a prompt typed and Enter pressed once it is up, then
-    act(proc, terminal) after_s later. Its exit code (None: it had not exited 15 s later), what it wrote,
+    """`s2moe app` on a pseudo-terminal of 80×24: a prompt typed and Enter pressed once it is up (its prompt
+    box drawn), then act(proc, terminal) after_s later. Its exit code (None: it had not exited 15 s later), what it wrote,
     and whether the terminal's modes came back as they were."""
     import fcntl
     import pty
@@ -580,8 +580,16 @@ def _app_in_a_pty(model: str, tmp_path, act, after_s: float) -> tuple[int | None
                 except OSError:  # the app has exited and closed its side
                     return
 
+    def read_until(text: str, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            read_for(0.05)
+            if text in re.sub(r"\x1b\[[0-9;?<>]*[A-Za-z]", "", out.decode("utf-8", "replace")):
+                return True
+        return False
+
     try:
-        read_for(3)
+        assert read_until("Type a prompt", 30), out.decode("utf-8", "replace")[-2000:]
         os.write(terminal, b"tell me a long story\r")
         read_for(after_s)
         act(proc, terminal)

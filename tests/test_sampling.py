@@ -15,7 +15,7 @@ from s2moe.engine.decoder import GenerationConfig, run
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished, Iteration, Started
 from s2moe.engine.sampling import MAX_SEED, PositionNoise, Sampling
-from test_engine_decoding import _chi2, _chi2_critical, ar_logits_gap
+from test_engine_decoding import _chi2, _chi2_critical, assert_matches_ar
 
 # Options that change the distribution everywhere: a penalty strong enough to change greedy tokens, and
 # filters that cut the tail.
@@ -154,10 +154,7 @@ def test_greedy_modes_stay_identical_to_ar_with_the_options_on(decoders, mode):
     spec = events[-1]
     assert isinstance(spec, Finished)
     assert sum(len(e.drafted) for e in events if isinstance(e, Iteration)) > 0
-    if spec.tokens != ar.tokens:
-        i = next(j for j, (a, b) in enumerate(zip(ar.tokens, spec.tokens)) if a != b)
-        gap = ar_logits_gap(d, d.tokenize(prompt) + list(ar.tokens[:i]))
-        assert gap < 1e-3, f"{mode} diverged from ar at token {i} (ar top-2 gap {gap:.3g})"
+    assert_matches_ar(d, prompt, spec.tokens, GenerationConfig(**base), mode, ar=ar.tokens)
 
 
 @pytest.mark.parametrize("mode", ["s2moe", "naive", "conf", "cascade", "lookup", "tree", "tree-prob", "ls"])
@@ -176,16 +173,8 @@ def test_sampled_modes_commit_ars_tokens_with_the_same_seed(decoders, mode):
         its = [e for e in events if isinstance(e, Iteration)]
         drafted += sum(len(e.drafted) for e in its)
         accepted += sum(len(e.accepted) for e in its)
-        if events[-1].tokens != ar.tokens:
-            i = next(j for j, (a, b) in enumerate(zip(ar.tokens, events[-1].tokens)) if a != b)
-            history = d.tokenize(prompt) + list(ar.tokens[:i])
-            rt = d.rt
-            rt.kv_clear()
-            rt.hook.off()
-            scores = Sampling(**options).scores(rt.decode(history, 0, "last")[0], history, PositionNoise(seed))
-            rt.kv_clear()
-            gap = float(np.diff(np.sort(scores)[-2:])[0])
-            assert gap < 1e-3, f"{mode} left ar's sampled tokens at token {i} (seed {seed}, score gap {gap:.3g})"
+        assert_matches_ar(d, prompt, events[-1].tokens, GenerationConfig(**base), f"{mode} (seed {seed})",
+                          ar=ar.tokens)
     assert drafted > 0 and 0 < accepted < drafted  # drafts were verified, and some were rejected
 
 

@@ -13,7 +13,8 @@ from s2moe.engine.sampling import PositionNoise, Sampling, softmax
 from s2moe.engine.tree import DraftTree, accept_tree, tree_layout
 
 from test_cli import assert_clean_error, s2moe
-from test_engine_decoding import PROMPTS, _chi2, _chi2_critical, ar_logits_gap, summarize
+from test_engine_decoding import (PROMPTS, PendingExperts, _chi2, _chi2_critical, assert_matches_ar, routed_experts,
+                                  summarize)
 
 # Drafting always pays, and a wide tree: exercises branching, not only chains.
 CHEAP_DRAFT = CostConstants(t_ar=1.0, c_draft=0.01, t_exp=0.001, t_tok=0.01, intercept=0.0, source="test")
@@ -94,10 +95,7 @@ def test_greedy_trees_match_ar(decoders, arch, mode, width):
                 # an accepted node that is not its parent's first child: the tree found what a chain missed
                 firsts = {p: i for i, p in reversed(list(enumerate(e.tree_parents)))}
                 off_first += any(firsts[e.tree_parents[i]] != i for i in e.accepted_path)
-        if spec.tokens != ar.tokens:
-            i = next(j for j, (a, b) in enumerate(zip(ar.tokens, spec.tokens)) if a != b)
-            gap = ar_logits_gap(d, d.tokenize(prompt) + list(ar.tokens[:i]))
-            assert gap < 1e-3, f"{mode} diverged from ar at token {i} where ar's top-2 gap is {gap:.3g}"
+        assert_matches_ar(d, prompt, spec.tokens, GenerationConfig(), mode, ar=ar.tokens)
     assert branched and accepted and rolled_back and off_first, (branched, accepted, rolled_back, off_first)
 
 
@@ -155,19 +153,31 @@ def test_cost_aware_tree_prefers_nodes_adding_fewer_experts(decoders):
     d = decoders["olmoe"]
     c = CostConstants(t_ar=1.0, c_draft=0.01, t_exp=0.05, t_tok=0.01, intercept=0.0, source="test")
     seen = 0
+    told = PendingExperts(d)
     for mode in ("tree", "tree-prob"):
         t_exp = c.t_exp if mode == "tree" else 0.0
-        events = run(d, PROMPTS[2], GenerationConfig(mode=mode, n_predict=30, cost=c, stop_at_eos=False,
-                                                    reuse_strength=0.0, tree_width=3))
-        for e in events:
-            if not isinstance(e, Iteration):
-                continue
+        told.rounds.clear()
+        d.attach(told)
+        try:
+            events = run(d, PROMPTS[2], GenerationConfig(mode=mode, n_predict=30, cost=c, stop_at_eos=False,
+                                                        reuse_strength=0.0, tree_width=3))
+        finally:
+            d.detach(told)
+        iters = [e for e in events if isinstance(e, Iteration)]
+        assert len(told.rounds) == len(iters)
+        for e, in_batch in zip(iters, told.rounds):
             kept = [cand for cand in e.candidates if cand.kept]
             assert [cand.token for cand in kept] == list(e.drafted)
+            # taken nodes come first, in the order taken, each adding its routing to the batch's experts; the
+            # nodes never taken are weighed against the whole batch
             for cand in e.candidates:
-                expected = cand.chain_prob * c.t_ar / (t_exp * cand.new_experts.sum() + c.t_tok + c.c_draft)
+                routed = routed_experts(cand.predicted, in_batch.shape)
+                new = int((routed & ~in_batch).sum())
+                expected = cand.chain_prob * c.t_ar / (t_exp * new + c.t_tok + c.c_draft)
                 assert cand.utility == pytest.approx(expected, rel=1e-9)
                 assert cand.kept or cand.utility < 1.0 or len(e.drafted) == 8
+                if cand.kept:
+                    in_batch |= routed
                 seen += 1
     assert seen
 

@@ -60,16 +60,24 @@ def transcript_jsonl(turns) -> str:
 
 
 def bench_csv(done: BenchDone) -> str:
-    """One row per mode with every field of its BenchRow; lists (per layer, per repeat) joined by spaces."""
+    """One row per mode with every field of its BenchRow; lists (per layer, per repeat) joined by spaces, a list
+    of lists (ar's tokens of each prompt) each joined by spaces and the lists by " | "."""
     rows = [asdict(r) for r in done.rows]
     buf = io.StringIO()
     if not rows:
         return ""
+
+    def cell(v):
+        if v is None:
+            return ""
+        if isinstance(v, list):
+            return " | ".join(cell(x) for x in v) if v and isinstance(v[0], list) else " ".join(f"{x:g}" for x in v)
+        return v
+
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: " ".join(f"{x:g}" for x in v) if isinstance(v, list) else ("" if v is None else v)
-                         for k, v in row.items()})
+        writer.writerow({k: cell(v) for k, v in row.items()})
     return buf.getvalue()
 
 

@@ -40,6 +40,7 @@ class NativePrefetch:
             "s2_fetch_want": (None, [vp, u8p]),
             "s2_fetch_verify": (None, [vp]),
             "s2_fetch_stats": (None, [vp, i64p, ctypes.POINTER(ctypes.c_double)]),
+            "s2_fetch_taken_at": (None, [vp, ctypes.POINTER(ctypes.c_int32)]),
             "s2_cache_keep": (ctypes.c_int, [vp, ctypes.c_char_p, vp, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64,
                                              u8p]),
             "s2_cache_stats": (None, [vp, i64p]),
@@ -184,6 +185,13 @@ class NativePrefetch:
         self.lib.s2_fetch_stats(self.handle, out, ctypes.byref(seconds))
         return {"read": int(out[0]), "resident": int(out[1]), "late": int(out[2]), "bytes": int(out[3]),
                 "seconds": float(seconds.value)}
+
+    def fetch_taken_at(self) -> np.ndarray:
+        """[n_layer, n_expert]: how many layers the verification had routed when a reader thread took each
+        expert (-1: before the verification started; -2: not taken since it was wanted)."""
+        out = np.full(self._shape, -2, np.int32)
+        self.lib.s2_fetch_taken_at(self.handle, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+        return out
 
     def keep_cache(self, llama_addr: int, file_lo: int, file_hi: int, capacity: int, pinned: np.ndarray) -> None:
         """Keep the expert cache here instead of leaving it to the kernel: the routed experts in a
