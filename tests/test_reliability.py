@@ -895,6 +895,48 @@ def test_sigterm_during_calibrate_budget_auto_removes_its_cgroup_and_worker(tiny
     assert not list(tmp_path.rglob("*.yaml")) and not list(tmp_path.rglob(".*.tmp"))
 
 
+@pytest.mark.skipif(_unavailable() is not None, reason="no memory cgroup here")
+def test_sigkill_of_a_budgeted_run_takes_its_worker_and_the_next_run_removes_its_cgroup(tiny_models):
+    """SIGKILL leaves the parent no clean-up: the worker must die with it all the same (else it decodes on,
+    re-parented to init, holding the budget cgroup), and the next run removes the cgroup left behind."""
+    from s2moe.engine.offload import MemoryCgroup
+
+    model = os.path.realpath(tiny_models["olmoe"])
+    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hello",
+                             "-n", "100000", "--ignore-eos", "--threads", "1", "--ctx", "16384", "--budget", "auto",
+                             "--json"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = None
+    try:
+        cg, worker = _budget_run_started(proc, model, time.monotonic() + 60)
+        time.sleep(0.5)
+        proc.kill()
+        proc.wait()
+        assert _gone(worker), "the worker outlived its parent's SIGKILL"
+    finally:
+        proc.kill()
+        if worker is not None:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        time.sleep(0.05)  # a zombie still counts in its cgroup until init reaps it
+    MemoryCgroup.create(64 << 20, "test-next").remove()
+    assert not cg.exists()
+
+
+def test_a_budget_worker_whose_parent_is_gone_before_it_starts_exits_at_once():
+    """The parent can die between the fork and the child's asking to die with it; the child sees that its
+    parent is no longer the one recorded before the fork, and ends there."""
+    from s2moe.engine.offload.libc import dies_with_parent
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    started = time.monotonic()
+    rc = subprocess.run(["sleep", "30"], preexec_fn=dies_with_parent(gone.pid), timeout=20).returncode
+    assert rc == -signal.SIGKILL and time.monotonic() - started < 10
+
 # -- temporary files a killed profile write left are removed by the next one ----------------------------------
 PROFILE = {"schema": 1, "kind": "measured", "models": {}}
 
