@@ -937,6 +937,63 @@ def test_a_budget_worker_whose_parent_is_gone_before_it_starts_exits_at_once():
     rc = subprocess.run(["sleep", "30"], preexec_fn=dies_with_parent(gone.pid), timeout=20).returncode
     assert rc == -signal.SIGKILL and time.monotonic() - started < 10
 
+
+# -- `--budget auto` beside other runs: never refuses the budget it chose ------------------------------------
+HOLD_IN_MEMORY = """
+import mmap, sys, time
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+sum(m[i] for i in range(0, len(m), mmap.PAGESIZE))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _wide_model(tmp_path) -> str:
+    """Experts large beside the slack: pages of them another process read are charged to that one."""
+    spec = variant_spec("olmoe", n_layer=3, n_expert=8, k=4, n_embd=128, n_ff=512, seed=7)
+    return os.path.realpath(write_tiny(tmp_path / "wide.gguf", spec))
+
+
+def _auto_argv(model: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "--threads", "1", "--budget", "auto",
+            "--ignore-eos", "--json", *args]
+
+
+@pytest.mark.skipif(_unavailable() is not None, reason="no memory cgroup here")
+def test_two_auto_budgets_at_once_both_run(tmp_path):
+    """Of two `--budget auto` runs started together one or both sized themselves from a cgroup that was not
+    charged for the pages the other had read first (model, libraries): short of what its own plan counts, it
+    refused the budget it had chosen itself (4 pairs in 5). Three pairs, each run a real process."""
+    model = _wide_model(tmp_path)
+    for _ in range(3):
+        pair = [subprocess.Popen(_auto_argv(model, "-p", prompt, "-n", "32"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for prompt in ("a", "b")]
+        try:
+            done = [(run.communicate(timeout=120), run.returncode) for run in pair]
+        finally:
+            for run in pair:
+                run.kill()
+        for (out, err), rc in done:
+            assert rc == 0, err
+            assert json.loads(out.splitlines()[-1])["tokens"]
+
+
+@pytest.mark.skipif(_unavailable() is not None, reason="no memory cgroup here")
+def test_an_auto_budget_runs_while_another_process_holds_the_model_in_memory(tmp_path):
+    """Whatever else runs: a process holding the model's pages (a resident run, a copy, a backup) leaves them
+    charged to its own cgroup, and an auto budget counted them out of its own."""
+    model = _wide_model(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_IN_MEMORY, model], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        run = subprocess.run(_auto_argv(model, "-p", "b", "-n", "16"), capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1])["tokens"]
+
 # -- temporary files a killed profile write left are removed by the next one ----------------------------------
 PROFILE = {"schema": 1, "kind": "measured", "models": {}}
 

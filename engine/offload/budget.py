@@ -94,14 +94,11 @@ class BudgetPlan:
         held = self.anon_bytes + self.base_bytes + one_layer_bytes
         if self.budget_bytes >= held:
             return
-        need = held
-        for _ in range(8):  # the slack grows with the budget: its fixed point, from below
-            need = held + plan_slack(need)
         raise ConfigError(f"the memory budget {fmt_bytes(self.budget_bytes)} leaves "
                           f"{fmt_bytes(self.hot_bytes + self.cache_bytes)} for experts (the process holds "
                           f"{fmt_bytes(self.anon_bytes)} with its largest batches, pinned weights "
                           f"{fmt_bytes(self.base_bytes)}, slack {fmt_bytes(self.slack_bytes)}): give at least "
-                          f"{fmt_bytes(need)}")
+                          f"{fmt_bytes(budget_holding(held))}")
 
     def with_pinned(self, pinned_bytes: int) -> "BudgetPlan":
         """The plan once `pinned_bytes` of hot experts are chosen: what they leave of their room (fewer ranked
@@ -118,6 +115,28 @@ class BudgetPlan:
 def plan_slack(budget_bytes: int) -> int:
     """What a planned budget keeps free for the process's memory to grow."""
     return min(32 << 20, max(4 << 20, budget_bytes // 20))
+
+
+def budget_holding(held_bytes: int) -> int:
+    """The least budget, in whole pages, that holds `held_bytes` and keeps its slack (plan_slack) free besides."""
+    need = held_bytes
+    for _ in range(8):  # the slack grows with the budget: its fixed point, from below
+        need = held_bytes + plan_slack(need)
+    while need - plan_slack(need) < held_bytes:  # the last bytes short of it
+        need += 1
+    page = os.sysconf("SC_PAGE_SIZE")
+    return -(-need // page) * page
+
+
+def auto_floor(*, anon_bytes: int, base_bytes: int, expert_room: int, one_layer_bytes: int) -> int:
+    """The least an auto budget comes to, counted from the process (its anonymous memory, what it pinned) where
+    auto_budget_bytes counts from its cgroup, with the room for experts (at least one layer's k) and the slack.
+    A cgroup is charged for a page by the process that brought it into memory first: where another process
+    had read the model or the libraries (a second auto run started beside the first, a resident run, a copy),
+    those pages are charged to it, and the experts among them were counted out of this cgroup although it
+    never held them. Sized from its cgroup alone, such a budget fell short of what its own plan counts, and
+    refused itself (BudgetPlan.check_room)."""
+    return budget_holding(anon_bytes + base_bytes + max(expert_room, one_layer_bytes))
 
 
 def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: ExpertMap, k: int,
