@@ -244,6 +244,23 @@ def test_generate_budget_without_cgroups_is_a_clear_error(tiny_models, monkeypat
 
 
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_the_least_budget_a_refusal_names_runs_and_a_little_less_is_refused(tiny_models, capfd):
+    """`--budget 62M` named 68.2 MiB as the least while 66M ran: the size named is the least that runs."""
+    from s2moe.app.cli import main
+
+    argv = ["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "4", "--threads", "1",
+            "--ignore-eos", "--budget"]
+    assert main(argv + ["40M"]) == 2
+    err = capfd.readouterr().err
+    least = parse_size("".join(re.search(r"give at least (\S+) (\S+)", err).groups()))
+    # a run measures its own process: the margins are for what one run's measure differs from another's
+    assert main(argv + [str(least + (256 << 10))]) == 0, capfd.readouterr().err
+    capfd.readouterr()
+    assert main(argv + [str(least - (512 << 10))]) == 2
+    assert "give at least" in capfd.readouterr().err
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
 def test_a_budget_cgroup_limit_goes_up_for_a_warm_up_and_down_again():
     """A run of a given size warms up under a raised limit, then lowers it to its budget. Where swap is
     accounted (cgroup v1's memsw) the kernel refuses a memory limit above the memory+swap one, so each
@@ -1563,21 +1580,31 @@ def test_an_auto_budget_is_sized_with_the_largest_batch_a_prompt_will_run(tmp_pa
     assert r["n_batch"] >= 512 and r["grew"] < 1 << 20
 
 
-def test_a_budget_without_room_for_one_layers_experts_is_refused_with_a_size_that_has_it(tiny_models):
+def test_a_budget_without_room_for_one_layers_experts_is_refused_with_the_least_size_that_has_it(tiny_models):
     """A budget that cannot hold the process, its pinned weights and one layer's k experts would have the
-    cgroup kill the process at its first decode: refused, naming a budget that holds them and the slack."""
+    cgroup kill the process at its first decode: refused, naming the least budget accepted (as printed: never
+    a hair below it), and the one that keeps the slack free besides. The least once named one with the slack,
+    and a budget below that was accepted all the same."""
     emap = expert_map(tiny_models["olmoe"])
     one_layer = int(4 * emap.expert_bytes.max())
     kw = dict(anon_bytes=200 << 20, base_bytes=10 << 20, emap=emap, k=4)
     tight = plan_budget(210 << 20, **kw)
     with pytest.raises(ConfigError, match=r"leaves .* for experts .* give at least") as e:
         tight.check_room(one_layer)
-    need = parse_size(re.search(r"give at least (\S+ \S+)", str(e.value)).group(1).replace(" ", ""))
-    roomy = plan_budget(need + (1 << 20), **kw)  # rounding of the printed size aside
-    roomy.check_room(one_layer)
-    assert roomy.cache_bytes + roomy.hot_bytes >= one_layer  # with the slack kept
+    named = re.search(r"give at least (\S+ \S+) \((\S+ \S+) keeps", str(e.value))
+    least, roomy = (parse_size(named.group(i).replace(" ", "")) for i in (1, 2))
+    plan_budget(least, **kw).check_room(one_layer)
+    with pytest.raises(ConfigError):
+        plan_budget(least - (100 << 10), **kw).check_room(one_layer)  # one step of the printed size below it
     with pytest.raises(ConfigError):
         plan_budget((200 << 20) + (10 << 20) + one_layer - 1, **kw).check_room(one_layer)
+    kept = plan_budget(roomy, **kw)
+    assert kept.cache_bytes + kept.hot_bytes >= one_layer  # with the slack kept
+
+
+@pytest.mark.parametrize("n", [1023.96 * 1024, 45.04 * (1 << 20), 45 << 20, 1.01 * (1 << 30), 4095])
+def test_a_size_printed_rounded_up_is_never_less(n):
+    assert parse_size(fmt_bytes(n, round_up=True).replace(" ", "")) >= int(n)
 
 
 AUTO_BATCH = """

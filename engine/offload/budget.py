@@ -94,11 +94,13 @@ class BudgetPlan:
         held = self.anon_bytes + self.base_bytes + one_layer_bytes
         if self.budget_bytes >= held:
             return
+        roomy = budget_holding(held)
         raise ConfigError(f"the memory budget {fmt_bytes(self.budget_bytes)} leaves "
                           f"{fmt_bytes(self.hot_bytes + self.cache_bytes)} for experts (the process holds "
                           f"{fmt_bytes(self.anon_bytes)} with its largest batches, pinned weights "
                           f"{fmt_bytes(self.base_bytes)}, slack {fmt_bytes(self.slack_bytes)}): give at least "
-                          f"{fmt_bytes(budget_holding(held))}")
+                          f"{fmt_bytes(held, round_up=True)} ({fmt_bytes(roomy, round_up=True)} keeps "
+                          f"{fmt_bytes(roomy - held)} free for the process to grow)")
 
     def with_pinned(self, pinned_bytes: int) -> "BudgetPlan":
         """The plan once `pinned_bytes` of hot experts are chosen: what they leave of their room (fewer ranked
