@@ -243,6 +243,25 @@ def test_generate_budget_without_cgroups_is_a_clear_error(tiny_models, monkeypat
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("command", [["generate", "-p", "hi", "-n", "2"], ["calibrate", "--no-save"],
+                                     ["bench", "-n", "2", "--n-prompts", "1", "--modes", "ar"]])
+def test_a_budget_beyond_the_machine_s_memory_is_refused_in_one_line_before_any_work(tiny_models, capsys, command):
+    """A limit larger than the machine never binds: the run would look budgeted and be nothing of the kind (1T
+    typed for 1G). Refused before any work: calibrate and bench would have measured for minutes first."""
+    from s2moe.app.cli import main
+    from s2moe.engine.offload.procfs import meminfo
+
+    too_much = f"{-(-4 * meminfo()['MemTotal'] // (1 << 30))}G"
+    rc = main([command[0], "--model", str(tiny_models["olmoe"]), *command[1:], "--budget", too_much])
+    out = capsys.readouterr()
+    assert rc == 2 and out.out == "" and out.err.count("\n") == 1, out.err
+    assert "more than this machine's memory" in out.err and "limits nothing" in out.err
+    # a projection is not run here: its budget may be another device's
+    from s2moe.app.cmd_project import _budget
+
+    assert _budget(too_much) == too_much
+
+
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
 def test_the_least_budget_a_refusal_names_runs_and_a_little_less_is_refused(tiny_models, capfd):
     """`--budget 62M` named 68.2 MiB as the least while 66M ran: the size named is the least that runs."""
@@ -1321,6 +1340,33 @@ def _run_under_budget(script_text: str, model, tmp_path, budget: str = "auto") -
         cg.remove()
     assert proc.returncode == 0, stderr[-2000:]
     return json.loads(stdout.strip().splitlines()[-1])
+
+AUTO_BEYOND_MEMORY = """
+import json, sys
+from s2moe.engine import offload
+from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.errors import ConfigError
+from s2moe.engine.offload import budget
+budget.meminfo = lambda: {"MemTotal": 16 << 20}  # a machine smaller than what the process holds
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, use_extra_bufts=False)
+warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=2, stop_at_eos=False)))
+try:
+    offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
+    print(json.dumps({"error": None}))
+except ConfigError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_an_auto_budget_beyond_the_machine_s_memory_says_what_it_saw(tiny_models, tmp_path):
+    """Where the process and its share of the experts do not fit the machine, no auto budget works there: one
+    line says what it counted, rather than a limit that binds nothing."""
+    error = _run_under_budget(AUTO_BEYOND_MEMORY, tiny_models["olmoe"], tmp_path)["error"]
+    assert error and "\n" not in error
+    assert re.match(r"an auto budget here comes to [\d.]+ MiB \(the process holds [\d.]+ MiB, pinned .*, the cgroup "
+                    r".*, a third of the experts .*\) is more than this machine's memory \(16.0 MiB\)", error), error
+
 
 AUTO_HEADROOM = """
 import json, sys

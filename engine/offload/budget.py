@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from .cgroup import ENV_BUDGET, MemoryCgroup, current_budget_cgroup
 from .experts import ExpertMap
 from .mapping import ModelMapping
+from .procfs import meminfo
 from .sizes import fmt_bytes, parse_size
 
 # An `auto` run starts under this limit (a guard against runaways only), then sizes its own budget once
@@ -50,6 +51,13 @@ class Budget:
     def __str__(self) -> str:
         """The form `parse` reads back (handed to the process started inside the budget)."""
         return "auto" if self.size is None else str(self.size)
+
+    def check_fits_machine(self) -> None:
+        """ConfigError where the size is more than this machine's memory (check_within_memory). Auto is sized
+        in its process, and checked there."""
+        if self.size is not None:
+            check_within_memory(self.size, f"the memory budget {fmt_bytes(self.size)}",
+                                "give a smaller one, or run without a budget")
 
     def describe(self, sized: int | None = None) -> str:
         """'auto (83.3 MiB)' once an auto budget is sized, else the size."""
@@ -139,6 +147,16 @@ def auto_floor(*, anon_bytes: int, base_bytes: int, expert_room: int, one_layer_
     never held them. Sized from its cgroup alone, such a budget fell short of what its own plan counts, and
     refused itself (BudgetPlan.check_room)."""
     return budget_holding(anon_bytes + base_bytes + max(expert_room, one_layer_bytes))
+
+
+def check_within_memory(size: int, what: str, instead: str) -> None:
+    """ConfigError where a budget is more than the machine's memory: a limit that large never binds, and its
+    plan counts on memory that is not there (an expert cache and hot experts as large as it allows).
+    `what` says what the budget is, `instead` what to do."""
+    total = meminfo().get("MemTotal", 0)
+    if total and size > total:
+        raise ConfigError(f"{what} is more than this machine's memory ({fmt_bytes(total)}): a budget that large "
+                          f"limits nothing; {instead}")
 
 
 def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: ExpertMap, k: int,

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ConfigError, sigterm_raises_terminated
 from .budget import (AUTO_EXPERT_SHARE, AUTO_START_LIMIT, Budget, BudgetPlan, auto_budget_bytes, auto_floor,
-                     current_budget, plan_budget)
+                     check_within_memory, current_budget, plan_budget)
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
 from .libc import drop_file_cache
@@ -139,9 +139,18 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         if budget.auto:
             # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
             # buffers) would otherwise come out of the expert cache.
+            anon, pinned = process_anon_bytes(), off.map.locked_bytes
             size = max(auto_budget_bytes(cg, emap, experts_stay=off.keeps_expert_cache),
-                       auto_floor(anon_bytes=process_anon_bytes(), base_bytes=off.map.locked_bytes, expert_room=room,
+                       auto_floor(anon_bytes=anon, base_bytes=pinned, expert_room=room,
                                   one_layer_bytes=_one_layer_bytes(emap, decoder.info.n_expert_used)))
+            try:
+                check_within_memory(size, f"an auto budget here comes to {fmt_bytes(size)} (the process holds "
+                                          f"{fmt_bytes(anon)}, pinned {fmt_bytes(pinned)}, the cgroup "
+                                          f"{fmt_bytes(cg.usage())}, a third of the experts {fmt_bytes(room)})",
+                                    "give a size, or run without a budget")
+            except ConfigError:
+                off.close()
+                raise
         try:
             cg.set_limit(size)  # reclaims the warm-up's expert pages down to the budget
         except OSError as e:  # EBUSY: the kernel could not reclaim down to it
