@@ -142,12 +142,15 @@ def no_hot_experts_note(profile_name: str | None, model, budget: str) -> str:
             f"--budget {shlex.quote(budget)} --name NAME) and pass --profile NAME")
 
 
-def budget_text(text: str) -> str:
-    """`auto` or a size that Budget.parse reads, checked when parsing the command line."""
+def budget_text(text: str, *, to_run: bool = True) -> str:
+    """`auto` or a size that Budget.parse reads, checked when parsing the command line; to_run: a budget to run
+    under here, so none beyond this machine's memory (refused before any work rather than when it starts)."""
     from ..engine.offload import Budget
 
     try:
-        Budget.parse(nonempty(text))
+        budget = Budget.parse(nonempty(text))
+        if to_run:
+            budget.check_fits_machine()
     except S2MoEError as e:
         raise argparse.ArgumentTypeError(e.message) from None
     return text

@@ -560,6 +560,11 @@ def run(args) -> int:
         return 0
     modes = _modes(args)
     budgets = [b.strip() for b in args.budget.split(",") if b.strip()] or ["none"]
+    from ..engine.offload import Budget
+
+    for text in budgets:  # each checked before the first runs: a bad one would otherwise fail only in its turn
+        if text.lower() != "none":
+            Budget.parse(text).check_fits_machine()
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
     from ..engine.model_info import read_model_info
     from ..engine.offload import current_budget

@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
 def _budget(text: str) -> str | None:
     from .cli import budget_text
 
-    return None if text.strip().lower() == "none" else budget_text(text)
+    # projected, not run: the profile's device may have more memory than this machine
+    return None if text.strip().lower() == "none" else budget_text(text, to_run=False)
 
 
 def _modes(text: str) -> list[str]:

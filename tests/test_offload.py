@@ -243,6 +243,42 @@ def test_generate_budget_without_cgroups_is_a_clear_error(tiny_models, monkeypat
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("command", [["generate", "-p", "hi", "-n", "2"], ["calibrate", "--no-save"],
+                                     ["bench", "-n", "2", "--n-prompts", "1", "--modes", "ar"]])
+def test_a_budget_beyond_the_machine_s_memory_is_refused_in_one_line_before_any_work(tiny_models, capsys, command):
+    """A limit larger than the machine never binds: the run would look budgeted and be nothing of the kind (1T
+    typed for 1G). Refused before any work: calibrate and bench would have measured for minutes first."""
+    from s2moe.app.cli import main
+    from s2moe.engine.offload.procfs import meminfo
+
+    too_much = f"{-(-4 * meminfo()['MemTotal'] // (1 << 30))}G"
+    rc = main([command[0], "--model", str(tiny_models["olmoe"]), *command[1:], "--budget", too_much])
+    out = capsys.readouterr()
+    assert rc == 2 and out.out == "" and out.err.count("\n") == 1, out.err
+    assert "more than this machine's memory" in out.err and "limits nothing" in out.err
+    # a projection is not run here: its budget may be another device's
+    from s2moe.app.cmd_project import _budget
+
+    assert _budget(too_much) == too_much
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_the_least_budget_a_refusal_names_runs_and_a_little_less_is_refused(tiny_models, capfd):
+    """`--budget 62M` named 68.2 MiB as the least while 66M ran: the size named is the least that runs."""
+    from s2moe.app.cli import main
+
+    argv = ["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "4", "--threads", "1",
+            "--ignore-eos", "--budget"]
+    assert main(argv + ["40M"]) == 2
+    err = capfd.readouterr().err
+    least = parse_size("".join(re.search(r"give at least (\S+) (\S+)", err).groups()))
+    # a run measures its own process: the margins are for what one run's measure differs from another's
+    assert main(argv + [str(least + (256 << 10))]) == 0, capfd.readouterr().err
+    capfd.readouterr()
+    assert main(argv + [str(least - (512 << 10))]) == 2
+    assert "give at least" in capfd.readouterr().err
+
+
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
 def test_a_budget_cgroup_limit_goes_up_for_a_warm_up_and_down_again():
     """A run of a given size warms up under a raised limit, then lowers it to its budget. Where swap is
@@ -1305,6 +1341,33 @@ def _run_under_budget(script_text: str, model, tmp_path, budget: str = "auto") -
     assert proc.returncode == 0, stderr[-2000:]
     return json.loads(stdout.strip().splitlines()[-1])
 
+AUTO_BEYOND_MEMORY = """
+import json, sys
+from s2moe.engine import offload
+from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.errors import ConfigError
+from s2moe.engine.offload import budget
+budget.meminfo = lambda: {"MemTotal": 16 << 20}  # a machine smaller than what the process holds
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, use_extra_bufts=False)
+warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=2, stop_at_eos=False)))
+try:
+    offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
+    print(json.dumps({"error": None}))
+except ConfigError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_an_auto_budget_beyond_the_machine_s_memory_says_what_it_saw(tiny_models, tmp_path):
+    """Where the process and its share of the experts do not fit the machine, no auto budget works there: one
+    line says what it counted, rather than a limit that binds nothing."""
+    error = _run_under_budget(AUTO_BEYOND_MEMORY, tiny_models["olmoe"], tmp_path)["error"]
+    assert error and "\n" not in error
+    assert re.match(r"an auto budget here comes to [\d.]+ MiB \(the process holds [\d.]+ MiB, pinned .*, the cgroup "
+                    r".*, a third of the experts .*\) is more than this machine's memory \(16.0 MiB\)", error), error
+
+
 AUTO_HEADROOM = """
 import json, sys
 from s2moe.engine import offload
@@ -1569,21 +1632,31 @@ def test_an_auto_budget_is_sized_with_the_largest_batch_a_prompt_will_run(tmp_pa
     assert r["n_batch"] >= 512 and r["grew"] < 1 << 20
 
 
-def test_a_budget_without_room_for_one_layers_experts_is_refused_with_a_size_that_has_it(tiny_models):
+def test_a_budget_without_room_for_one_layers_experts_is_refused_with_the_least_size_that_has_it(tiny_models):
     """A budget that cannot hold the process, its pinned weights and one layer's k experts would have the
-    cgroup kill the process at its first decode: refused, naming a budget that holds them and the slack."""
+    cgroup kill the process at its first decode: refused, naming the least budget accepted (as printed: never
+    a hair below it), and the one that keeps the slack free besides. The least once named one with the slack,
+    and a budget below that was accepted all the same."""
     emap = expert_map(tiny_models["olmoe"])
     one_layer = int(4 * emap.expert_bytes.max())
     kw = dict(anon_bytes=200 << 20, base_bytes=10 << 20, emap=emap, k=4)
     tight = plan_budget(210 << 20, **kw)
     with pytest.raises(ConfigError, match=r"leaves .* for experts .* give at least") as e:
         tight.check_room(one_layer)
-    need = parse_size(re.search(r"give at least (\S+ \S+)", str(e.value)).group(1).replace(" ", ""))
-    roomy = plan_budget(need + (1 << 20), **kw)  # rounding of the printed size aside
-    roomy.check_room(one_layer)
-    assert roomy.cache_bytes + roomy.hot_bytes >= one_layer  # with the slack kept
+    named = re.search(r"give at least (\S+ \S+) \((\S+ \S+) keeps", str(e.value))
+    least, roomy = (parse_size(named.group(i).replace(" ", "")) for i in (1, 2))
+    plan_budget(least, **kw).check_room(one_layer)
+    with pytest.raises(ConfigError):
+        plan_budget(least - (100 << 10), **kw).check_room(one_layer)  # one step of the printed size below it
     with pytest.raises(ConfigError):
         plan_budget((200 << 20) + (10 << 20) + one_layer - 1, **kw).check_room(one_layer)
+    kept = plan_budget(roomy, **kw)
+    assert kept.cache_bytes + kept.hot_bytes >= one_layer  # with the slack kept
+
+
+@pytest.mark.parametrize("n", [1023.96 * 1024, 45.04 * (1 << 20), 45 << 20, 1.01 * (1 << 30), 4095])
+def test_a_size_printed_rounded_up_is_never_less(n):
+    assert parse_size(fmt_bytes(n, round_up=True).replace(" ", "")) >= int(n)
 
 
 AUTO_BATCH = """

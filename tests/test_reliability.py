@@ -908,6 +908,105 @@ def test_sigterm_during_calibrate_budget_auto_removes_its_cgroup_and_worker(tiny
     assert not list(tmp_path.rglob("*.yaml")) and not list(tmp_path.rglob(".*.tmp"))
 
 
+@pytest.mark.skipif(_unavailable() is not None, reason="no memory cgroup here")
+def test_sigkill_of_a_budgeted_run_takes_its_worker_and_the_next_run_removes_its_cgroup(tiny_models):
+    """SIGKILL leaves the parent no clean-up: the worker must die with it all the same (else it decodes on,
+    re-parented to init, holding the budget cgroup), and the next run removes the cgroup left behind."""
+    from s2moe.engine.offload import MemoryCgroup
+
+    model = os.path.realpath(tiny_models["olmoe"])
+    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hello",
+                             "-n", "100000", "--ignore-eos", "--threads", "1", "--ctx", "16384", "--budget", "auto",
+                             "--json"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = None
+    try:
+        cg, worker = _budget_run_started(proc, model, time.monotonic() + 60)
+        time.sleep(0.5)
+        proc.kill()
+        proc.wait()
+        assert _gone(worker), "the worker outlived its parent's SIGKILL"
+    finally:
+        proc.kill()
+        if worker is not None:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        time.sleep(0.05)  # a zombie still counts in its cgroup until init reaps it
+    MemoryCgroup.create(64 << 20, "test-next").remove()
+    assert not cg.exists()
+
+
+def test_a_budget_worker_whose_parent_is_gone_before_it_starts_exits_at_once():
+    """The parent can die between the fork and the child's asking to die with it; the child sees that its
+    parent is no longer the one recorded before the fork, and ends there."""
+    from s2moe.engine.offload.libc import dies_with_parent
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    started = time.monotonic()
+    rc = subprocess.run(["sleep", "30"], preexec_fn=dies_with_parent(gone.pid), timeout=20).returncode
+    assert rc == -signal.SIGKILL and time.monotonic() - started < 10
+
+
+# -- `--budget auto` beside other runs: never refuses the budget it chose ------------------------------------
+HOLD_IN_MEMORY = """
+import mmap, sys, time
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+sum(m[i] for i in range(0, len(m), mmap.PAGESIZE))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _wide_model(tmp_path) -> str:
+    """Experts large beside the slack: pages of them another process read are charged to that one."""
+    spec = variant_spec("olmoe", n_layer=3, n_expert=8, k=4, n_embd=128, n_ff=512, seed=7)
+    return os.path.realpath(write_tiny(tmp_path / "wide.gguf", spec))
+
+
+def _auto_argv(model: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "--threads", "1", "--budget", "auto",
+            "--ignore-eos", "--json", *args]
+
+
+@pytest.mark.skipif(_unavailable() is not None, reason="no memory cgroup here")
+def test_two_auto_budgets_at_once_both_run(tmp_path):
+    """Of two `--budget auto` runs started together one or both sized themselves from a cgroup that was not
+    charged for the pages the other had read first (model, libraries): short of what its own plan counts, it
+    refused the budget it had chosen itself (4 pairs in 5). Three pairs, each run a real process."""
+    model = _wide_model(tmp_path)
+    for _ in range(3):
+        pair = [subprocess.Popen(_auto_argv(model, "-p", prompt, "-n", "32"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for prompt in ("a", "b")]
+        try:
+            done = [(run.communicate(timeout=120), run.returncode) for run in pair]
+        finally:
+            for run in pair:
+                run.kill()
+        for (out, err), rc in done:
+            assert rc == 0, err
+            assert json.loads(out.splitlines()[-1])["tokens"]
+
+
+@pytest.mark.skipif(_unavailable() is not None, reason="no memory cgroup here")
+def test_an_auto_budget_runs_while_another_process_holds_the_model_in_memory(tmp_path):
+    """Whatever else runs: a process holding the model's pages (a resident run, a copy, a backup) leaves them
+    charged to its own cgroup, and an auto budget counted them out of its own."""
+    model = _wide_model(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_IN_MEMORY, model], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        run = subprocess.run(_auto_argv(model, "-p", "b", "-n", "16"), capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1])["tokens"]
+
 # -- temporary files a killed profile write left are removed by the next one ----------------------------------
 PROFILE = {"schema": 1, "kind": "measured", "models": {}}
 

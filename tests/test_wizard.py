@@ -332,3 +332,30 @@ def test_the_tuning_step_snapshot(snap_compare, monkeypatch, tmp_path):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
+
+
+def test_a_budget_beyond_the_machine_s_memory_is_refused_before_calibrating(monkeypatch, tmp_path):
+    """As on the command line: a limit larger than the machine binds nothing, and the steps before the budget's
+    would have run for minutes first."""
+    from s2moe.engine.offload.procfs import meminfo
+
+    calls = []
+
+    def calibration(model_path, **kw):
+        calls.append(kw)
+        yield from ()
+
+    app = wizard(monkeypatch, tmp_path, calibration)
+
+    async def go():
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, "model")
+            await pilot.press("f3")
+            screen = app.screen
+            screen.query_one("#cal-budget").value = f"{-(-4 * meminfo()['MemTotal'] // (1 << 30))}G"
+            await pilot.press("ctrl+r")
+            await pilot.pause(0.5)
+            assert calls == []
+            assert any("more than this machine's memory" in n.message for n in app._notifications)
+
+    asyncio.run(go())

@@ -374,6 +374,8 @@ class CalibrateScreen(Screen):
             raw = self.query_one("#cal-budget", Input).value
             # auto: the engine sizes it inside the cgroup, as bench and the app do
             budget = Budget.parse(raw) if raw.strip() else None
+            if budget is not None:
+                budget.check_fits_machine()
         except S2MoEError as e:
             self.notify(str(e), severity="error")
             return

@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from .cgroup import ENV_BUDGET, MemoryCgroup, current_budget_cgroup
 from .experts import ExpertMap
 from .mapping import ModelMapping
+from .procfs import meminfo
 from .sizes import fmt_bytes, parse_size
 
 # An `auto` run starts under this limit (a guard against runaways only), then sizes its own budget once
@@ -50,6 +51,13 @@ class Budget:
     def __str__(self) -> str:
         """The form `parse` reads back (handed to the process started inside the budget)."""
         return "auto" if self.size is None else str(self.size)
+
+    def check_fits_machine(self) -> None:
+        """ConfigError where the size is more than this machine's memory (check_within_memory). Auto is sized
+        in its process, and checked there."""
+        if self.size is not None:
+            check_within_memory(self.size, f"the memory budget {fmt_bytes(self.size)}",
+                                "give a smaller one, or run without a budget")
 
     def describe(self, sized: int | None = None) -> str:
         """'auto (83.3 MiB)' once an auto budget is sized, else the size."""
@@ -94,14 +102,13 @@ class BudgetPlan:
         held = self.anon_bytes + self.base_bytes + one_layer_bytes
         if self.budget_bytes >= held:
             return
-        need = held
-        for _ in range(8):  # the slack grows with the budget: its fixed point, from below
-            need = held + plan_slack(need)
+        roomy = budget_holding(held)
         raise ConfigError(f"the memory budget {fmt_bytes(self.budget_bytes)} leaves "
                           f"{fmt_bytes(self.hot_bytes + self.cache_bytes)} for experts (the process holds "
                           f"{fmt_bytes(self.anon_bytes)} with its largest batches, pinned weights "
                           f"{fmt_bytes(self.base_bytes)}, slack {fmt_bytes(self.slack_bytes)}): give at least "
-                          f"{fmt_bytes(need)}")
+                          f"{fmt_bytes(held, round_up=True)} ({fmt_bytes(roomy, round_up=True)} keeps "
+                          f"{fmt_bytes(roomy - held)} free for the process to grow)")
 
     def with_pinned(self, pinned_bytes: int) -> "BudgetPlan":
         """The plan once `pinned_bytes` of hot experts are chosen: what they leave of their room (fewer ranked
@@ -118,6 +125,38 @@ class BudgetPlan:
 def plan_slack(budget_bytes: int) -> int:
     """What a planned budget keeps free for the process's memory to grow."""
     return min(32 << 20, max(4 << 20, budget_bytes // 20))
+
+
+def budget_holding(held_bytes: int) -> int:
+    """The least budget, in whole pages, that holds `held_bytes` and keeps its slack (plan_slack) free besides."""
+    need = held_bytes
+    for _ in range(8):  # the slack grows with the budget: its fixed point, from below
+        need = held_bytes + plan_slack(need)
+    while need - plan_slack(need) < held_bytes:  # the last bytes short of it
+        need += 1
+    page = os.sysconf("SC_PAGE_SIZE")
+    return -(-need // page) * page
+
+
+def auto_floor(*, anon_bytes: int, base_bytes: int, expert_room: int, one_layer_bytes: int) -> int:
+    """The least an auto budget comes to, counted from the process (its anonymous memory, what it pinned) where
+    auto_budget_bytes counts from its cgroup, with the room for experts (at least one layer's k) and the slack.
+    A cgroup is charged for a page by the process that brought it into memory first: where another process
+    had read the model or the libraries (a second auto run started beside the first, a resident run, a copy),
+    those pages are charged to it, and the experts among them were counted out of this cgroup although it
+    never held them. Sized from its cgroup alone, such a budget fell short of what its own plan counts, and
+    refused itself (BudgetPlan.check_room)."""
+    return budget_holding(anon_bytes + base_bytes + max(expert_room, one_layer_bytes))
+
+
+def check_within_memory(size: int, what: str, instead: str) -> None:
+    """ConfigError where a budget is more than the machine's memory: a limit that large never binds, and its
+    plan counts on memory that is not there (an expert cache and hot experts as large as it allows).
+    `what` says what the budget is, `instead` what to do."""
+    total = meminfo().get("MemTotal", 0)
+    if total and size > total:
+        raise ConfigError(f"{what} is more than this machine's memory ({fmt_bytes(total)}): a budget that large "
+                          f"limits nothing; {instead}")
 
 
 def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: ExpertMap, k: int,

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
+from .libc import dies_with_parent
 
 ENV_CGROUP = "S2MOE_BUDGET_CGROUP"  # set in a process started inside a budget cgroup
 ENV_BUDGET = "S2MOE_BUDGET"         # the budget it was started with: "auto" or bytes
@@ -209,12 +210,15 @@ class MemoryCgroup:
 
     def popen(self, argv, budget: str, **kw) -> subprocess.Popen:
         """Start argv inside this cgroup (the shell joins it, then execs argv: all its memory counts).
-        `budget` ("auto" or bytes) tells the process what it was started with (current_budget)."""
+        `budget` ("auto" or bytes) tells the process what it was started with (current_budget).
+        The process dies with the thread that calls this (libc.dies_with_parent), which must therefore wait
+        for it, as run_in_budget does."""
         env = dict(kw.pop("env", None) or os.environ)
         env[ENV_CGROUP] = str(self.path)
         env[ENV_BUDGET] = budget
         script = 'echo $$ > "$0" && exec "$@"'
-        return subprocess.Popen(["/bin/sh", "-c", script, str(self.procs_file), *argv], env=env, **kw)
+        return subprocess.Popen(["/bin/sh", "-c", script, str(self.procs_file), *argv], env=env,
+                                preexec_fn=dies_with_parent(os.getpid()), **kw)
 
     def remove(self) -> None:
         for _ in range(50):

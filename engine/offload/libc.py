@@ -1,13 +1,17 @@
-"""ctypes bindings to the libc calls offloading steers the page cache with: mmap, mlock, madvise, mincore."""
+"""ctypes bindings to the libc calls offloading steers the page cache with (mmap, mlock, madvise, mincore), and
+to prctl, with which a budget's worker dies with the process that started it."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
+import signal
+from typing import Callable
 
 PROT_READ, MAP_SHARED = 0x1, 0x01
 MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 3, 4
+PR_SET_PDEATHSIG = 1
 
 
 class _Libc:
@@ -26,6 +30,9 @@ class _Libc:
         lib.madvise.argtypes = [vp, sz, ctypes.c_int]
         lib.mincore.restype = ctypes.c_int
         lib.mincore.argtypes = [vp, sz, ctypes.POINTER(ctypes.c_ubyte)]
+        ul = ctypes.c_ulong
+        lib.prctl.restype = ctypes.c_int
+        lib.prctl.argtypes = [ctypes.c_int, ul, ul, ul, ul]
         self.lib = lib
 
     def check(self, rc: int, what: str) -> None:
@@ -42,6 +49,23 @@ def libc() -> _Libc:
     if _libc is None:
         _libc = _Libc()
     return _libc
+
+
+def dies_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn for a child of `parent_pid` (this process, recorded before the fork): the kernel kills the
+    child when the thread that started it dies, however it dies (a SIGKILL leaves the parent no clean-up of
+    its own), and a child whose parent died before it could ask that kills itself at once. SIGKILL, not a
+    signal the child could catch: a worker busy in llama.cpp would not see another for as long as a prefill
+    runs, and a worker that outlives its parent decodes on for no one, holding its budget's cgroup.
+    libc is loaded here, before the fork: the child must not dlopen between fork and exec."""
+    prctl = libc().lib.prctl
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return in_child
 
 
 def drop_file_cache(path: str | os.PathLike) -> None:

@@ -17,8 +17,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..errors import ConfigError, sigterm_raises_terminated
-from .budget import (AUTO_EXPERT_SHARE, AUTO_START_LIMIT, Budget, BudgetPlan, auto_budget_bytes, current_budget,
-                     plan_budget)
+from .budget import (AUTO_EXPERT_SHARE, AUTO_START_LIMIT, Budget, BudgetPlan, auto_budget_bytes, auto_floor,
+                     check_within_memory, current_budget, plan_budget)
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
 from .libc import drop_file_cache
@@ -139,7 +139,18 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         if budget.auto:
             # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
             # buffers) would otherwise come out of the expert cache.
-            size = auto_budget_bytes(cg, emap, experts_stay=off.keeps_expert_cache)
+            anon, pinned = process_anon_bytes(), off.map.locked_bytes
+            size = max(auto_budget_bytes(cg, emap, experts_stay=off.keeps_expert_cache),
+                       auto_floor(anon_bytes=anon, base_bytes=pinned, expert_room=room,
+                                  one_layer_bytes=_one_layer_bytes(emap, decoder.info.n_expert_used)))
+            try:
+                check_within_memory(size, f"an auto budget here comes to {fmt_bytes(size)} (the process holds "
+                                          f"{fmt_bytes(anon)}, pinned {fmt_bytes(pinned)}, the cgroup "
+                                          f"{fmt_bytes(cg.usage())}, a third of the experts {fmt_bytes(room)})",
+                                    "give a size, or run without a budget")
+            except ConfigError:
+                off.close()
+                raise
         try:
             cg.set_limit(size)  # reclaims the warm-up's expert pages down to the budget
         except OSError as e:  # EBUSY: the kernel could not reclaim down to it
@@ -156,6 +167,12 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         decoder.forget_cost_constants(remember_as=f"budget {setting}, {len(hot)} hot experts, batch {decoder.rt.n_batch}")
     off.budget_bytes = size
     return off
+
+
+def _one_layer_bytes(emap, k: int) -> int:
+    """What the k experts a layer computes with take at most: a budget holds them, or nothing can be evicted for
+    them."""
+    return int(k * emap.expert_bytes.max())
 
 
 def _stage_room(plan: BudgetPlan) -> int:
@@ -184,9 +201,14 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
     plan = None
     hot = []
     k = decoder.info.n_expert_used
+    anon = process_anon_bytes()
+    if budget_bytes is not None and expert_room is not None:
+        # sized around the process: never below what the plan counts it holds, or check_room would refuse it
+        budget_bytes = max(budget_bytes, auto_floor(anon_bytes=anon, base_bytes=off.map.locked_bytes,
+                                                    expert_room=expert_room, one_layer_bytes=_one_layer_bytes(emap, k)))
     if pinning.hot and hot_ranked:
         if budget_bytes is not None:
-            plan = plan_budget(budget_bytes, anon_bytes=process_anon_bytes(), base_bytes=off.map.locked_bytes,
+            plan = plan_budget(budget_bytes, anon_bytes=anon, base_bytes=off.map.locked_bytes,
                                emap=emap, k=k, expert_room=expert_room)
             room = plan.hot_bytes
         else:
@@ -197,12 +219,12 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
         if pin_hot:
             off.pin(non_expert=False, code=False, hot=hot)
     elif budget_bytes is not None:
-        plan = plan_budget(budget_bytes, anon_bytes=process_anon_bytes(), base_bytes=off.map.locked_bytes,
+        plan = plan_budget(budget_bytes, anon_bytes=anon, base_bytes=off.map.locked_bytes,
                            emap=emap, k=k, pin_hot=False, expert_room=expert_room)
     off.plan = plan
     if plan is not None:
         try:
-            plan.check_room(int(k * emap.expert_bytes.max()))
+            plan.check_room(_one_layer_bytes(emap, k))
         except ConfigError:
             off.close()
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -31,11 +32,14 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float, *, round_up: bool = False) -> str:
+    """'83.3 MiB'; round_up: never less than n (a least size stated must be enough as printed)."""
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            if unit == "B":
+                return f"{math.ceil(n) if round_up else n:.0f} B"
+            return f"{math.ceil(n * 10) / 10 if round_up else n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
 
