@@ -627,6 +627,7 @@ def cmd_generate(args) -> int:
             rt = decoder.rt
             print((plan.describe() if plan is not None and not budget.auto else
                    f"budget {budget.describe(offloader.budget_bytes)}")
+                  + (f", {offloader.budget_note}" if offloader.budget_note else "")
                   + f" · prefill in batches of {rt.n_batch} ({fmt_bytes(rt.compute_buffer_bytes)} of compute buffers)",
                   file=sys.stderr)
             if not hot:

@@ -1876,3 +1876,45 @@ def test_under_a_budget_tune_searches_the_memory_strength_within_its_quality_che
         assert section["quality"]["both"]["memory_strength"] == tuned["memory_strength"]
         key = (tuned["reuse_strength"], tuned["reuse_cap"], tuned["memory_strength"])
         assert (checked[tuned["memory_strength"]][0] and joint[key][0]) or not section["constraint"]["defaults_meet_it"]
+
+
+def test_an_auto_budget_is_fitted_to_the_memory_available(monkeypatch):
+    """On a device smaller than a third of the file's experts, auto takes what the machine has (less what
+    the rest keeps), out of the expert room; where everything fits it is left alone."""
+    from s2moe.engine.offload import budget
+
+    gib = 1 << 30
+    monkeypatch.setattr(budget, "meminfo", lambda: {"MemTotal": 8 * gib, "MemAvailable": 6 * gib})
+    keep = max(budget.AUTO_KEEP_FREE, 8 * gib // 20)
+    # the process holds 1.5 GiB anonymous; a third of a 17 GB file's experts is ~5.3 GiB
+    size, room, seen = budget.fit_to_available(9 * gib, int(5.3 * gib), int(1.5 * gib))
+    assert seen == 6 * gib and size == 6 * gib + int(1.5 * gib) - keep
+    assert room == int(5.3 * gib) - (9 * gib - size)
+    assert budget.fit_to_available(4 * gib, gib, gib) == (4 * gib, gib, None)
+    monkeypatch.setattr(budget, "meminfo", lambda: {"MemTotal": 8 * gib})  # no MemAvailable (old kernels)
+    assert budget.fit_to_available(70 * gib, gib, 0) == (70 * gib, gib, None)
+
+
+AUTO_NO_ROOM = """
+import json, sys
+from s2moe.engine import offload
+from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.errors import ConfigError
+from s2moe.engine.offload import budget
+budget.meminfo = lambda: {"MemTotal": 64 << 30, "MemAvailable": 1 << 20}  # nothing to spare
+dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, use_extra_bufts=False)
+warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=2, stop_at_eos=False)))
+try:
+    offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
+    print(json.dumps({"error": None}))
+except ConfigError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+@pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
+def test_an_auto_budget_with_no_room_for_a_layer_s_experts_says_so(tiny_models, tmp_path):
+    error = _run_under_budget(AUTO_NO_ROOM, tiny_models["olmoe"], tmp_path)["error"]
+    assert error and "\n" not in error
+    assert re.match(r"an auto budget does not fit here: the memory available \(1.0 MiB\) holds what this process "
+                    r"needs but not [\d.]+ [KM]iB of experts beside it", error), error

@@ -68,6 +68,7 @@ class Offloader:
         self._room = prefetch_bytes if prefetch_bytes is not None else 1 << 62
         self.lookahead = False  # as each layer of a verification routes, ask for the next layer's predicted experts
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
+        self.budget_note: str | None = None  # how an auto budget was sized where it is not the usual way
         self.plan = None                      # BudgetPlan, when a budget was given
         self._decoder = None                  # the decoder it is attached to
         self._cache_mapping: tuple[int, int] | None = None  # (address, length): the mapping the kept cache manages

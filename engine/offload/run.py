@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ConfigError, sigterm_raises_terminated
 from .budget import (AUTO_EXPERT_SHARE, AUTO_START_LIMIT, Budget, BudgetPlan, auto_budget_bytes, auto_floor,
-                     check_within_memory, current_budget, plan_budget)
+                     check_within_memory, current_budget, fit_to_available, plan_budget)
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
 from .libc import drop_file_cache
@@ -128,19 +128,30 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     if budget is not None:
         # what any prompt will need (its prefill chunks), before what the process holds is measured or planned
         decoder.rt.touch_largest_batch()
+    room, share, fitted = None, AUTO_EXPERT_SHARE, None
     if cg is not None and budget.auto:
         size = auto_budget_bytes(cg, emap)  # provisional: sizes the hot-expert plan
+        room = int(AUTO_EXPERT_SHARE * emap.total_expert_bytes)
+        size, room, fitted = fit_to_available(size, room, process_anon_bytes())
+        floor = _one_layer_bytes(emap, decoder.info.n_expert_used)
+        if fitted is not None and room < floor:
+            raise ConfigError(f"an auto budget does not fit here: the memory available ({fmt_bytes(fitted)}) holds "
+                              f"what this process needs but not {fmt_bytes(floor)} of experts beside it (one "
+                              "layer's); free some memory, or give a size")
+        share = room / emap.total_expert_bytes
     # Where the limit comes down after the warm-up the hot experts are pinned only once it has: pinned while
     # the warm-up's whole model is still cached, they left the kernel (cgroup v1) unable to reclaim that
     # cache down to the limit (EBUSY at any step, measured), although the plan had room for them.
-    room = int(AUTO_EXPERT_SHARE * emap.total_expert_bytes) if cg is not None and budget.auto else None
     off, hot = _attach(decoder, emap, size, hot_ranked, pinning, pin_hot=cg is None, expert_room=room)
+    if fitted is not None:
+        off.budget_note = (f"fitted to the {fmt_bytes(fitted)} of memory available: {fmt_bytes(room)} for experts "
+                           f"instead of a third of them ({fmt_bytes(int(AUTO_EXPERT_SHARE * emap.total_expert_bytes))})")
     if cg is not None:
         if budget.auto:
             # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
             # buffers) would otherwise come out of the expert cache.
             anon, pinned = process_anon_bytes(), off.map.locked_bytes
-            size = max(auto_budget_bytes(cg, emap, experts_stay=off.keeps_expert_cache),
+            size = max(auto_budget_bytes(cg, emap, share, experts_stay=off.keeps_expert_cache),
                        auto_floor(anon_bytes=anon, base_bytes=pinned, expert_room=room,
                                   one_layer_bytes=_one_layer_bytes(emap, decoder.info.n_expert_used)))
             try:
