@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,6 +141,16 @@ class RoutingHook:
         self.skip_expert[list(layers)] = expert
         self.lib.s2_hook_skip(self.handle, _ptr(self.skip_expert, ctypes.c_int32))
         self.mode = "skip"
+
+    @contextmanager
+    def uniform(self):
+        """Inside, whatever the mode, every slot of every layer reads expert 0 with weight 0: for a warm-up
+        that builds graphs and touches buffers, without reading a model larger than memory whole."""
+        self.lib.s2_hook_uniform(self.handle, 1)
+        try:
+            yield
+        finally:
+            self.lib.s2_hook_uniform(self.handle, 0)
 
     def gate(self, alpha: float, cap: int, row_weights, memory: float = 0.0,
              in_memory: np.ndarray | None = None) -> None:

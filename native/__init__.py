@@ -123,6 +123,7 @@ def library() -> ctypes.CDLL:
         "s2_hook_draft": (None, [hp, ctypes.c_int]),
         "s2_hook_draft_masked": (None, [hp, ctypes.c_int, ctypes.POINTER(ctypes.c_uint8)]),
         "s2_hook_skip": (None, [hp, i32p]),
+        "s2_hook_uniform": (None, [hp, ctypes.c_int]),
         "s2_hook_prefer_memory": (None, [hp, ctypes.c_float, ctypes.POINTER(ctypes.c_uint8)]),
         "s2_hook_gate": (None, [hp, ctypes.c_float, ctypes.c_int, f32p]),
         "s2_hook_set_route": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),

@@ -23,6 +23,9 @@
 //            which under a budget cost nothing to read, in every decode, a single row's too;
 //   skip:    layer skipping: in the layers marked, every slot reads one given expert with weight 0,
 //            so that the routed experts add nothing and no expert beyond that one is read.
+// Uniform routing (s2_hook_uniform), over whatever mode is set: every slot of every layer reads expert 0
+// with weight 0. For a warm-up that only builds graphs and touches buffers: the graphs are the same, and a
+// model many times a memory budget is not read whole from storage for output that is thrown away.
 // Buffers are owned by the caller (numpy) and filled in place.
 //
 // Distinct ids: CUDA's MUL_MAT_ID counts each expert at most once per token while it sorts a batch's rows
@@ -57,6 +60,7 @@ typedef struct s2_hook {
     int distinct_min_rows; // from this many rows a batch may run on a GPU: no id twice in a row (top of file)
     int backend_copy;    // copy through ggml_backend_tensor_get/set even for host buffers (tests the
                          // path device buffers take on a machine that has none)
+    int uniform;         // every slot reads expert 0 with weight 0, whatever the mode (top of file)
 
     float alpha;
     int cap;
@@ -216,6 +220,8 @@ void s2_hook_skip(s2_hook *h, const int32_t *skip_expert) {
     h->mode = S2_SKIP;
     h->skip_expert = skip_expert;
 }
+
+void s2_hook_uniform(s2_hook *h, int on) { h->uniform = on != 0; }
 
 void s2_hook_set_route(s2_hook *h, int (*fn)(void *, int, const int32_t *, int), void *ctx) {
     h->on_route = fn;
@@ -491,9 +497,10 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
     }
     const int n_rows = (int)topk->ne[1];
     const size_t id_stride = topk->nb[1];
-    const bool drafting = h->mode == S2_DRAFT && h->k_draft > 0 && h->k_draft < k;
+    const bool uniform = h->uniform;
+    const bool drafting = !uniform && h->mode == S2_DRAFT && h->k_draft > 0 && h->k_draft < k;
     const bool masked = drafting && h->draft_mask;
-    const bool need_ranks = h->mode == S2_GATE || masked;
+    const bool need_ranks = !uniform && (h->mode == S2_GATE || masked);
     // Full argsort rows when gating (the (k+1)-th choice sets the margin) or drafting among a mask (its
     // best allowed experts may rank anywhere), else only the top-k slots.
     const int id_cols = need_ranks && id_stride >= (size_t)ne * sizeof(int32_t) ? ne : k;
@@ -559,17 +566,18 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
             fill_distinct(h, used, orig, n_rows, h->k_draft, h->pool, n_pool);
         }
         rewrite = true;
-    } else if (h->mode == S2_SKIP && h->skip_expert[layer] >= 0 && h->skip_expert[layer] < ne) {
+    } else if (uniform || (h->mode == S2_SKIP && h->skip_expert[layer] >= 0 && h->skip_expert[layer] < ne)) {
+        const int32_t only = uniform ? 0 : h->skip_expert[layer];
         // weight 0 (not drop_weight: a softmax over all-(-inf) weights has no value)
         for (int r = 0; r < n_rows; ++r)
             for (int j = 0; j < k; ++j) {
-                used[(size_t)r * k + j] = h->skip_expert[layer];
+                used[(size_t)r * k + j] = only;
                 h->w[(size_t)r * k + j] = 0.0f;
             }
         // One shared set for every row: the skipped layer reads k experts instead of one.
         if (distinct) fill_distinct(h, used, used, n_rows, 1, NULL, 0);
         rewrite = true;
-    } else if (h->mode == S2_GATE && ((h->alpha > 0.0f && n_rows > 1) || prefers_memory(h))) {
+    } else if (!uniform && h->mode == S2_GATE && ((h->alpha > 0.0f && n_rows > 1) || prefers_memory(h))) {
         read_f32_rows(h, probs, ne, n_rows, probs->nb[2], h->probs);
         gate_layer(h, layer, n_rows, used);
         for (int r = 0; r < n_rows; ++r)
@@ -612,7 +620,7 @@ static void widen_after_down(s2_hook *h, struct ggml_tensor *down, int layer) {
 bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     s2_hook *h = user_data;
     // off, the hook still passes each layer's ids to an offloading helper (route_only)
-    if (h->mode == S2_OFF && !h->on_route) return ask ? false : true;
+    if (h->mode == S2_OFF && !h->on_route && !h->uniform) return ask ? false : true;
     const char *name = t->name;
     if (name[0] != 'f' || name[1] != 'f' || name[4] != 'm') return ask ? false : true;
     int layer;
@@ -634,7 +642,7 @@ bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     layer = layer_of(name, WEIGHTS, sizeof(WEIGHTS) - 1);
     if (layer >= 0) {
         if (!ask) {
-            if (h->mode == S2_OFF) route_only(h, t, layer);
+            if (h->mode == S2_OFF && !h->uniform) route_only(h, t, layer);
             else on_weights(h, t, layer);
         }
         return true;

@@ -557,3 +557,29 @@ def test_a_gate_without_memory_forgets_the_previous_memory_preference(decoders, 
     _, again = _one_row_decodes(rt, TOKENS[:6], lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0]))
     for a, b in zip(plain, again):
         np.testing.assert_array_equal(a, b)
+
+
+def test_uniform_routing_reads_expert_zero_alone_whatever_the_mode(tmp_path, arch):
+    """A warm-up's uniform routing: with every expert but 0 NaN-poisoned in every layer, decodes in every mode
+    stay finite inside it (no other expert is read) and the poison shows the moment it ends."""
+    spec = variant_spec(arch, n_layer=2, n_expert=8, k=4, seed=3)
+    spec.poison = [(layer, e) for layer in range(spec.n_layer) for e in range(1, spec.n_expert)]
+    rt = LlamaRuntime(read_model_info(write_tiny(tmp_path / "poisoned.gguf", spec)), n_ctx=128, n_threads=1)
+    try:
+        with rt.hook.uniform():
+            for mode in ("off", "observe", "draft", "gate"):
+                rt.kv_clear()
+                if mode == "draft":
+                    rt.hook.draft(2)
+                elif mode == "gate":
+                    rt.hook.gate(1.0, 4, np.ones(16, np.float32))
+                else:
+                    getattr(rt.hook, mode)()
+                assert np.isfinite(rt.decode(TOKENS[:6], 0, "all")).all(), mode
+            assert (rt.hook.snapshot(6).used == 0).all()
+        rt.kv_clear()
+        rt.hook.observe()
+        with pytest.raises(ModelError, match="not numbers"):
+            rt.decode(TOKENS[:6], 0, "all")
+    finally:
+        rt.close()

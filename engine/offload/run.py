@@ -123,7 +123,8 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         # every mode's buffers and runtimes exist before the plan counts the process (a drafter with weights of
         # its own loads a second runtime: planned without it, a tight budget held more than it had); its text is
         # machinery, not the session's, so later copies never draw on it nor a copy cache keep it
-        with decoder.untimed_costs(), decoder.apart_from_session():
+        # one expert a layer: a model larger than memory is not read whole for output thrown away
+        with decoder.untimed_costs(), decoder.apart_from_session(), decoder.rt.hook.uniform():
             warm_up()
     if budget is not None:
         # what any prompt will need (its prefill chunks), before what the process holds is measured or planned
