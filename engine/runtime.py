@@ -281,7 +281,9 @@ class LlamaRuntime:
         self.use_extra_bufts = use_extra_bufts  # a second load of the same weights takes the same path
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = placement.n_gpu_layers
-        mparams.use_mmap = True
+        # Mapped from the file, whose pages offloading manages; not left to llama.cpp's AUTO. (This struct has
+        # load_mode, not use_mmap: assigning use_mmap only made a Python attribute.)
+        mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
         mparams.use_extra_bufts = use_extra_bufts
         # llama.cpp keeps this pointer in the model and reads it again when a context is made: the array
         # lives as long as the runtime

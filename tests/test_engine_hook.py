@@ -583,3 +583,12 @@ def test_uniform_routing_reads_expert_zero_alone_whatever_the_mode(tmp_path, arc
             rt.decode(TOKENS[:6], 0, "all")
     finally:
         rt.close()
+
+
+def test_the_weights_are_mapped_from_the_file(tiny_models):
+    """Offloading manages the file's pages: the load maps the file."""
+    rt = LlamaRuntime(read_model_info(tiny_models["olmoe"]), n_ctx=64, n_threads=1, install_hook=False)
+    try:
+        assert rt.file_mappings and sum(length for _, length, _ in rt.file_mappings) > 0
+    finally:
+        rt.close()
