@@ -382,7 +382,7 @@ class _Calibration:
     """What the steps share: the model, the settings, the runtime, and each step's results."""
 
     def __init__(self, info, emap, *, budget, prompts, threads, repeats, draft_topk, draft_cap, stop,
-                 placement=Placement(), n_batch: int | None = None, cpu: CpuBuffers = CpuBuffers(False, "asked")):
+                 placement=Placement(), n_batch: int | None = None, cpu: CpuBuffers):
         self.info, self.emap, self.budget, self.prompts = info, emap, budget, prompts
         self.cpu = cpu  # the path the CPU weights take in every timing of this model
         self.placement = placement

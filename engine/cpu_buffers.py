@@ -61,7 +61,7 @@ REASONS = {
     "amx": f"this llama.cpp has AMX, whose matmul crashes on some models; --amx (or {AMX_ENV}=1) opts in",
     "crashed": "a first decode with them died in llama.cpp on this machine",
     "checked": "a first decode with them ran cleanly on this machine",
-    "asked": "as asked",
+    "unchecked": "the check in a child refused the model before decoding: on, as in stock llama.cpp",
 }
 
 
@@ -175,7 +175,7 @@ def choose(info: ModelInfo, wanted: bool, *, probe: Probe = probe_in_child,
         if outcome.returncode is not None and outcome.returncode > 0:
             # The child refused the model or a setting in words: the run below will say the same, and
             # nothing was learnt about the buffer types.
-            return CpuBuffers(True, "asked")
+            return CpuBuffers(True, "unchecked")
         record = {"clean": outcome.clean, "outcome": outcome.describe(), "model": info.path.name,
                   "when": time.strftime("%Y-%m-%d %H:%M")}
         _save_record(record_key, record)

@@ -82,7 +82,7 @@ def test_the_real_first_decode_runs_cleanly_and_leaves_them_on(own_cache):
 
 def test_a_child_that_refuses_the_model_in_words_teaches_nothing(own_cache, tiny_models):
     info = read_model_info(str(tiny_models["olmoe"]))
-    assert choose(info, True, probe=lambda path, on_slow: ProbeOutcome(2, "error: bad")) == CpuBuffers(True, "asked")
+    assert choose(info, True, probe=lambda path, on_slow: ProbeOutcome(2, "error: bad")) == CpuBuffers(True, "unchecked")
     assert not (own_cache / "s2moe" / "cpu-buffers.json").exists()
 
 
