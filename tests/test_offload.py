@@ -1918,3 +1918,26 @@ def test_an_auto_budget_with_no_room_for_a_layer_s_experts_says_so(tiny_models, 
     assert error and "\n" not in error
     assert re.match(r"an auto budget does not fit here: the memory available \(1.0 MiB\) holds what this process "
                     r"needs but not [\d.]+ [KM]iB of experts beside it", error), error
+
+
+def test_the_non_expert_weights_are_asked_for_before_a_first_decode(tiny_models, tmp_path):
+    """Out of the page cache, the tensors every step reads come back in on one request (no decode needed)."""
+    import shutil
+    import time
+
+    from s2moe.engine.offload import ModelMapping, drop_file_cache, expert_map
+
+    model = shutil.copy(tiny_models["olmoe"], tmp_path / "m.gguf")
+    emap = expert_map(model)
+    mapping = ModelMapping(emap)
+    try:
+        drop_file_cache(model)
+        spans = [(o, n) for o, n in emap.pinnable() if n > 0]
+        assert min(mapping.range_resident(o, n) for o, n in spans) < 1.0  # dropped: the test can fail
+        assert mapping.willneed_non_expert() >= sum(n for _, n in spans)
+        deadline = time.monotonic() + 5
+        while min(mapping.range_resident(o, n) for o, n in spans) < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert min(mapping.range_resident(o, n) for o, n in spans) == 1.0
+    finally:
+        mapping.close()

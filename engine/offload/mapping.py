@@ -143,6 +143,18 @@ class ModelMapping:
         self.locked_bytes = 0
         self._pinned[:] = False
 
+    def willneed_non_expert(self) -> int:
+        """Ask the kernel to read the non-expert tensors (those pin_non_expert locks) now, in large requests:
+        a first decode would otherwise fault them in a read-around window at a time (1.4 GiB of the 8.2 GB
+        olmoe-1b-7b preset took ~10 s that way). Returns the bytes asked for."""
+        total = 0
+        for o, n in self.emap.pinnable():
+            if n > 0:
+                a, m = self._span(o, n)
+                self.c.lib.madvise(a, m, MADV_WILLNEED)
+                total += m
+        return total
+
     def willneed(self, layer: int, expert: int) -> int:
         total = 0
         for o, n in self.emap.expert_ranges(layer, expert):

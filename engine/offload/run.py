@@ -22,6 +22,7 @@ from .budget import (AUTO_EXPERT_SHARE, AUTO_START_LIMIT, Budget, BudgetPlan, au
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
 from .libc import drop_file_cache
+from .mapping import ModelMapping
 from .offloader import Offloader
 from .procfs import process_anon_bytes, read_ahead_bytes
 from .sizes import fmt_bytes
@@ -117,6 +118,12 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         raise ConfigError("an auto memory budget is sized inside its own memory cgroup, and this process runs in none")
     # the cgroup whose limit this process lowers itself once warmed up and planned
     cg = inside[0] if inside is not None and (budget.auto or warm_up is not None) else None
+    if budget is not None:
+        mapping = ModelMapping(emap)
+        try:
+            mapping.willneed_non_expert()  # before the warm-up's first decode faults them in
+        finally:
+            mapping.close()
     if budget is not None and warm_up is not None:
         if cg is not None and not budget.auto:
             cg.set_limit(AUTO_START_LIMIT)
