@@ -10,7 +10,7 @@ import hashlib
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ModelError
@@ -201,17 +201,34 @@ def gguf_reader(path: str | os.PathLike):
 _KV_TENSOR = re.compile(r"blk\.\d+\.attn_[kv]\.weight")
 
 
+# What this process has read of model files: gguf-py parses every metadata array into Python objects, ~2 s
+# for a 50k-token vocabulary, and a run reads its model several times (the CPU path, the decoder, ...).
+_read: dict[tuple, ModelInfo] = {}
+
+
 def read_model_info(path: str | os.PathLike) -> ModelInfo:
     path = Path(path)
     with open_regular(path, "model file", ModelError) as f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         try:
             head = f.read(_MAX_HEADER_BYTES)
         except OSError as e:
             raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
     if head[:4] != GGUF_MAGIC:
         raise ModelError(f"not a GGUF file (bad magic): {path}")
+    # the same file, unchanged: its identity, size, time and the bytes that hold its metadata
+    key = (st.st_dev, st.st_ino, size, st.st_mtime_ns, hashlib.sha256(head).digest())
+    if key in _read:
+        return replace(_read[key], path=path)
+    info = _parse(path, head, size)
+    if len(_read) >= 16:
+        _read.clear()
+    _read[key] = info
+    return info
 
+
+def _parse(path: Path, head: bytes, size: int) -> ModelInfo:
     try:
         reader = gguf_reader(path)
     except Exception:  # gguf-py raises ValueError/IndexError/struct errors on damaged files

@@ -148,3 +148,19 @@ def test_app_settings_follow_the_model(routed_models):
             session.config(ChatSettings(draft_topk=2))
     finally:
         session.close()
+
+
+def test_a_model_read_again_is_not_parsed_again_unless_it_changed(tmp_path, monkeypatch):
+    from s2moe.engine import model_info
+    from s2moe.engine.model_info import read_model_info
+    from tinygguf import TinySpec, write_tiny
+
+    path = write_tiny(tmp_path / "m.gguf", TinySpec(arch="olmoe", n_expert=8, k=4, seed=1))
+    first = read_model_info(path)
+    parsed = []
+    with monkeypatch.context() as m:
+        m.setattr(model_info, "_parse", lambda *a: parsed.append(a) or first)
+        assert read_model_info(str(path)) == first and not parsed  # read again: the same, from memory
+    # rewritten in place with other metadata of the same size: parsed afresh
+    write_tiny(path, TinySpec(arch="olmoe", n_expert=8, k=2, seed=1))
+    assert read_model_info(path).n_expert_used == 2
