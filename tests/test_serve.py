@@ -325,7 +325,7 @@ def test_requests_queue_in_order_up_to_the_bound_and_a_client_that_leaves_stops_
 
 @pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
 def test_a_signal_answers_the_request_in_flight_and_exits(chat_model, own_dirs, sig, code, word):
-    s = Server(chat_model, cli_env(own_dirs))
+    s = Server(chat_model, cli_env(own_dirs), "--ignore-eos")
     try:
         client = s.client()
         stream = iter(client.completions.create(model="m", prompt="for i in", max_tokens=LONG, stream=True))
