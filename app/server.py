@@ -146,7 +146,17 @@ class Job:
         # set by the decoding thread as the generation ends (None: it failed, and its handler said so)
         self.summary = None
         self.prompt_tokens = 0
+        self.reused = 0  # prompt tokens whose KV entries the generation before left
         self.stopped_by_text = False
+
+    @property
+    def stop_word(self) -> str:
+        """Why the generation ended: the engine's word, or what stopped it from outside."""
+        if self.stopped_by_text:
+            return "stop string"
+        if self.summary.stop_reason == "interrupted":
+            return "client gone" if self.client_gone else "server stopping"
+        return self.summary.stop_reason
 
     def give_up(self) -> None:
         """The client went away: the generation stops at its next step."""
@@ -246,8 +256,11 @@ class Service:
 
     async def chat_completions(self, request, t0):
         req = chat_request(await self._body(request))
-        if not self.decoder.chat_template.usable:
-            raise ApiError(400, f"{self.decoder.chat_template.status}: use /v1/completions", param="messages")
+        template = self.decoder.chat_template
+        if not template.usable:
+            why = ("the model has no chat template" if template.text is None else
+                   "llama.cpp does not know the model's chat template")
+            raise ApiError(400, f"{why}: send a plain prompt to /v1/completions", param="messages")
         return await self._generate(request, t0, req)
 
     async def _body(self, request) -> dict:
@@ -300,10 +313,9 @@ class Service:
             kind, value = await job.items.get()
             if kind == "error":
                 raise self._api_error(value)
-            prompt_tokens = value
             reply = Reply(req.chat, self.alias)
             if req.stream:
-                return self._streaming(job, reply, prompt_tokens)
+                return self._streaming(job, reply)
             text = []
             while True:
                 kind, value = await job.items.get()
@@ -313,9 +325,7 @@ class Service:
                     raise self._api_error(value)
                 else:
                     break
-            summary, reused, stopped_by_text = value
-            body = reply.whole("".join(text), *self._closing_fields(summary, reused, stopped_by_text, prompt_tokens))
-            return JSONResponse(body)
+            return JSONResponse(reply.whole("".join(text), *self._closing_fields(job)))
         except asyncio.CancelledError:  # the server gave up on this request (a shutdown's time ran out)
             job.give_up()
             raise
@@ -337,9 +347,11 @@ class Service:
         self.loop.run_in_executor(self.executor, self._decode, job).add_done_callback(ended)
         return job
 
-    def _closing_fields(self, summary, reused, stopped_by_text, prompt_tokens):
-        return (finish_reason(summary.stop_reason, stopped_by_text), usage(prompt_tokens, summary.n_tokens),
-                figures(summary, reused))
+    def _closing_fields(self, job: Job) -> tuple[str, dict, dict]:
+        """An ended generation's finish_reason, usage and figures."""
+        summary = job.summary
+        return (finish_reason(summary.stop_reason, job.stopped_by_text), usage(job.prompt_tokens, summary.n_tokens),
+                figures(summary, job.reused, job.stop_word))
 
     def _api_error(self, error):
         if isinstance(error, ContextError):
@@ -348,7 +360,7 @@ class Service:
             return ApiError(400, error.worded(FIELDS))
         return ApiError(500, f"internal error: {one_line(repr(error))}", kind="server_error")
 
-    def _streaming(self, job: Job, reply, prompt_tokens: int):
+    def _streaming(self, job: Job, reply):
         async def events():
             done = False
             try:
@@ -364,8 +376,7 @@ class Service:
                         self._log(job.http, error.status, job.t0, error.message)
                         yield sse(error.body())
                         break
-                    summary, reused, stopped_by_text = value
-                    reason, use, extra = self._closing_fields(summary, reused, stopped_by_text, prompt_tokens)
+                    reason, use, extra = self._closing_fields(job)
                     last = reply.chunk(None, reason)
                     last["s2moe"] = extra
                     yield sse(last)
@@ -386,14 +397,9 @@ class Service:
         summary = job.summary
         fetched = (f" · {int(summary.experts_fetched + summary.draft_fetched)} experts fetched"
                    if summary.offloaded_steps else "")
-        why = summary.stop_reason
-        if job.stopped_by_text:
-            why = "stop string"
-        elif why == "interrupted":
-            why = "client gone" if job.client_gone else "server stopping"
         self._log(job.http, 499 if job.client_gone else 200, job.t0,
                   f"{job.prompt_tokens} prompt + {summary.n_tokens} tokens ({summary.tok_per_s:.1f} tok/s) · mode "
-                  f"{summary.mode} · accept length {summary.accept_len:.2f}{fetched} · stop: {why}")
+                  f"{summary.mode} · accept length {summary.accept_len:.2f}{fetched} · stop: {job.stop_word}")
 
     # -- the decoding thread -----------------------------------------------------------------------------------------
     def _decode(self, job: Job) -> None:
@@ -406,14 +412,14 @@ class Service:
             else:
                 prompt = req.prompt
             out = TextOut(decoder.rt.piece, req.stops)
-            summary, reused = Summary(), 0
+            summary = Summary()
             for event in decoder.generate(prompt, job.cfg, should_stop=job.stop.is_set, keep_context=True):
                 summary.add(event)
                 if isinstance(event, Started):
                     job.prompt_tokens = len(event.prompt_tokens)
-                    job.put("started", job.prompt_tokens)
+                    job.put("started")
                 elif isinstance(event, Prefilled):
-                    reused = event.reused
+                    job.reused = event.reused
                 elif isinstance(event, Iteration):
                     text = out.add(event.committed)
                     if text:
@@ -424,7 +430,7 @@ class Service:
             if text:
                 job.put("text", text)
             job.summary, job.stopped_by_text = summary, out.stopped
-            job.put("done", (summary, reused, out.stopped))
+            job.put("done")
         except Exception as e:  # the handler answers it (an error object); the thread goes on to the next request
             job.put("error", e)
 
