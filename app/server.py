@@ -366,9 +366,16 @@ class Service:
             try:
                 if reply.chat:
                     yield sse(reply.chunk(None, first=True))
+                after = None  # an item taken while gathering text, the next one to handle
                 while True:
-                    kind, value = await job.items.get()
+                    kind, value = after or await job.items.get()
+                    after = None
                     if kind == "text":
+                        # the steps decoded while the last chunk went out leave in one chunk, not one each
+                        while after is None and not job.items.empty():
+                            after = job.items.get_nowait()
+                            if after[0] == "text":
+                                value, after = value + after[1], None
                         yield sse(reply.chunk(value))
                         continue
                     if kind == "error":

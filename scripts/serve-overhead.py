@@ -59,12 +59,11 @@ def start_server(argv: list[str], env: dict) -> tuple[subprocess.Popen, str]:
     return proc, found[0]
 
 
-def through_api(url: str, prompt: str, n: int) -> tuple[float, float]:
+def through_api(http: httpx.Client, prompt: str, n: int) -> tuple[float, float]:
     """(tok/s a streaming client sees, the server's own decoding tok/s) for one prompt."""
     figures = None
     t0 = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=600,
-                      json={"prompt": prompt, "max_tokens": n, "stream": True}) as r:
+    with http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": n, "stream": True}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -99,18 +98,21 @@ def main() -> None:
     state = tempfile.TemporaryDirectory(prefix="serve-overhead-")
     env = {**os.environ, "XDG_STATE_HOME": state.name}
     proc, url = start_server(cli("serve", "-m", model, "--port", "0", *flags), env)
+    # one connection kept open, as a client that sends request after request keeps it
+    http = httpx.Client(base_url=url, timeout=600)
     try:
-        through_api(url, prompts[0], 8)  # the server's first request pays for its start-up measurement
+        through_api(http, prompts[0], 8)  # the server's first request pays for its start-up measurement
         rows = []
         print(f"{'round':>5} {'generate':>10} {'API':>10} {'server':>10} {'API/generate':>13}")
         for i, prompt in enumerate(prompts):
             gen = through_generate(model, prompt, a.n_tokens, flags, env)
-            api, own = through_api(url, prompt, a.n_tokens)
+            api, own = through_api(http, prompt, a.n_tokens)
             rows.append(api / gen)
             print(f"{i + 1:>5} {gen:>10.1f} {api:>10.1f} {own:>10.1f} {api / gen:>13.3f}")
         print(f"API / generate: median {statistics.median(rows):.3f} (range {min(rows):.3f}–{max(rows):.3f}, "
               f"{len(rows)} rounds of {a.n_tokens} tokens, streamed)")
     finally:
+        http.close()
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
