@@ -58,7 +58,7 @@ def serve(service: "Service", sock: socket.socket, host: str) -> None:
         service.loop = asyncio.get_running_loop()
         port = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
-        _say(f"s2moe serve: {service.alias} · mode {service.base.mode} · {service.decoder.chat_template.status} · "
+        _say(f"s2moe serve: {service.alias} · mode {service.base.mode} · {service.template.status} · "
              f"listening on http://{shown}:{port}/v1 · Ctrl-C stops")
         if service.api_key is None and not _loopback(host):
             _say(f"note: {host} is reachable from other machines and no --api-key is set: anyone who reaches it can "
@@ -179,6 +179,9 @@ class Service:
     def __init__(self, decoder, base, *, alias: str, queue: int, api_key: str | None, default_tokens: int | None):
         self.decoder, self.base, self.alias, self.api_key = decoder, base, alias, api_key
         self.default_tokens = default_tokens
+        # read here, on the thread that starts the server: reading it calls llama.cpp, which must not run beside
+        # a generation's decoding
+        self.template = decoder.chat_template
         self.slot = Slot(queue)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s2moe-generate")
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -248,7 +251,7 @@ class Service:
                  "owned_by": "s2moe",
                  "meta": {"arch": info.arch, "n_layer": info.n_layer, "n_expert": info.n_expert,
                           "n_expert_used": info.n_expert_used, "n_ctx": self.decoder.n_ctx, "mode": self.base.mode,
-                          "chat_template": self.decoder.chat_template.name}}
+                          "chat_template": self.template.name}}
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def completions(self, request, t0):
@@ -256,7 +259,7 @@ class Service:
 
     async def chat_completions(self, request, t0):
         req = chat_request(await self._body(request))
-        template = self.decoder.chat_template
+        template = self.template
         if not template.usable:
             why = ("the model has no chat template" if template.text is None else
                    "llama.cpp does not know the model's chat template")
@@ -414,7 +417,7 @@ class Service:
         try:
             if req.chat:
                 *history, (_, user) = req.messages
-                conversation = Conversation(decoder.chat_template, messages=[Message(r, c) for r, c in history])
+                conversation = Conversation(self.template, messages=[Message(r, c) for r, c in history])
                 prompt = chat_tokens(decoder, conversation, user)
             else:
                 prompt = req.prompt
