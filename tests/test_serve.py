@@ -4,6 +4,7 @@ goes away) and by raw HTTP for what a client library would never send; every wai
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -366,3 +367,41 @@ def test_under_a_budget_the_server_runs_in_its_cgroup_and_counts_fetched_experts
         assert s.stop() == 143
     finally:
         s.kill()
+
+
+def test_the_slot_takes_requests_in_order_and_a_place_given_up_goes_to_the_next():
+    from s2moe.app.server import ServerClosing, Slot
+
+    async def scenario():
+        slot = Slot(bound=3)
+        running = slot.reserve()
+        first, second, third = slot.reserve(), slot.reserve(), slot.reserve()
+        assert running.done() and not any(t.done() for t in (first, second, third))
+        assert slot.reserve() is None  # over the bound
+        slot.give_up(first)  # its client went away while it waited
+        assert len(slot.waiting) == 2
+        slot.leave()
+        assert second.done() and not third.done()
+        slot.give_up(second)  # its turn came, and its handler did not take it: the next one's
+        assert third.done()
+        late = slot.reserve()
+        slot.close()  # the server stops: those still waiting are told so
+        with pytest.raises(ServerClosing):
+            late.result()
+        slot.leave()
+        assert not slot.busy
+
+    asyncio.run(scenario())
+
+
+def test_text_out_joins_split_characters_and_cuts_at_a_stop_string_split_over_tokens():
+    from s2moe.app.openai_api import TextOut
+
+    euro = "€".encode()
+    out = TextOut(lambda token: token, ("</s", "END"))
+    shown = [out.add([b"a <"]), out.add([b"/"]), out.add([b"x", euro[:1]]), out.add([euro[1:2]]), out.add([euro[2:]]),
+             out.add([b" E"]), out.add([b"N"]), out.add([b"D tail"])]
+    assert shown == ["a ", "", "</x", "", "€", " ", "", ""]
+    assert out.stopped and out.flush() == ""
+    unfinished = TextOut(lambda token: token, ("END",))
+    assert unfinished.add([b"xEN"]) == "x" and unfinished.flush() == "EN"  # no stop came: the held text is shown
