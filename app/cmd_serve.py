@@ -35,9 +35,11 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (llama-server's endpoints)")
     add_generation_options(p)
+    # as llama-server's: a request that sets no seed samples with one of its own (the response says which)
+    helps = {"n_predict": "tokens a request generates when it sets no max_tokens (default: until the context is full)",
+             "seed": "seed of a request that sets none (default -1: a random one each, said in its response)"}
     for action in p._actions:
-        if action.dest == "n_predict":
-            action.help = "tokens a request generates when it sets no max_tokens (default: until the context is full)"
+        action.help = helps.get(action.dest, action.help)
     p.add_argument("--host", type=nonempty, default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1, this machine only: reach it from another over "
                         "`ssh -L`; another address is open to the network, so give it an --api-key)")
@@ -50,7 +52,7 @@ def add_parser(sub) -> None:
                    help="the model's name in /v1/models and responses (default: the file's name without .gguf)")
     p.add_argument("--queue", type=_non_negative_int, default=8,
                    help="requests that may wait behind the one generating (default 8); more get 503 with Retry-After")
-    p.set_defaults(run=run, n_predict=None)
+    p.set_defaults(run=run, n_predict=None, seed=-1)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

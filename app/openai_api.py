@@ -263,15 +263,16 @@ def finish_reason(stop_reason: str, stopped_by_text: bool) -> str:
     return "length" if stop_reason in ("length", "context") else "stop"
 
 
-def figures(summary, prefilled_reused: int, stop: str) -> dict:
-    """The decoding's own figures, every response's extension field; stop: why it ended, in words."""
+def figures(summary, prefilled_reused: int, stop: str, seed: int) -> dict:
+    """The decoding's own figures, every response's extension field; stop: why it ended, in words; seed: the one
+    it sampled with (drawn where the request gave none), which repeats it."""
     offloaded = summary.offloaded_steps > 0
     return {"mode": summary.mode, "tokens": summary.n_tokens, "drafted": summary.drafted,
             "accepted": summary.accepted, "accept_length": round(summary.accept_len, 3),
             "experts_fetched": int(summary.experts_fetched + summary.draft_fetched) if offloaded else None,
             "tok_per_s": round(summary.tok_per_s, 2), "seconds": round(summary.seconds, 4),
             "prefill_seconds": round(summary.prefill_seconds, 4), "prompt_tokens_reused": prefilled_reused,
-            "stop": stop}
+            "stop": stop, "seed": seed}
 
 
 @dataclass

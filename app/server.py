@@ -147,6 +147,7 @@ class Job:
         self.summary = None
         self.prompt_tokens = 0
         self.reused = 0  # prompt tokens whose KV entries the generation before left
+        self.seed = 0    # the seed it sampled with
         self.stopped_by_text = False
 
     @property
@@ -354,7 +355,7 @@ class Service:
         """An ended generation's finish_reason, usage and figures."""
         summary = job.summary
         return (finish_reason(summary.stop_reason, job.stopped_by_text), usage(job.prompt_tokens, summary.n_tokens),
-                figures(summary, job.reused, job.stop_word))
+                figures(summary, job.reused, job.stop_word, job.seed))
 
     def _api_error(self, error):
         if isinstance(error, ContextError):
@@ -426,7 +427,7 @@ class Service:
             for event in decoder.generate(prompt, job.cfg, should_stop=job.stop.is_set, keep_context=True):
                 summary.add(event)
                 if isinstance(event, Started):
-                    job.prompt_tokens = len(event.prompt_tokens)
+                    job.prompt_tokens, job.seed = len(event.prompt_tokens), event.config["seed"]
                     job.put("started")
                 elif isinstance(event, Prefilled):
                     job.reused = event.reused

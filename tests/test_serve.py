@@ -176,9 +176,17 @@ def test_a_seeded_sampled_completion_is_the_text_generate_gives(server, chat_mod
     assert figures["mode"] == "s2moe" and figures["tokens"] == 40
     assert 0 <= figures["accepted"] <= figures["drafted"] and figures["accept_length"] >= 1
     assert figures["tok_per_s"] > 0 and figures["experts_fetched"] is None  # nothing offloaded without a budget
+    assert figures["seed"] == 11
     other = server.client().completions.create(model="tiny-chat", prompt=prompt, max_tokens=40,
                                                **{**SAMPLED, "seed": 12}, extra_body=SAMPLED_EXTRA)
     assert other.choices[0].text != done.choices[0].text  # the seed reaches the sampler
+    # as llama-server's: a request without a seed samples with one of its own, said so that it can be repeated
+    unseeded = [server.client().completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0.9)
+                for _ in range(2)]
+    seeds = [u.model_extra["s2moe"]["seed"] for u in unseeded]
+    assert seeds[0] != seeds[1]
+    again = server.client().completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0.9, seed=seeds[0])
+    assert again.choices[0].text == unseeded[0].choices[0].text
     server.wait_for(r"POST /v1/completions 200 .* \d+ prompt \+ 40 tokens .* mode s2moe .* stop: length", 10)
 
 
@@ -332,16 +340,24 @@ def test_requests_queue_in_order_up_to_the_bound_and_a_client_that_leaves_stops_
 
 @pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
 def test_a_signal_answers_the_request_in_flight_and_exits(chat_model, own_dirs, sig, code, word):
+    """The generation in flight stops at its next step and is answered; one waiting behind it gets 503."""
     s = Server(chat_model, cli_env(own_dirs), "--ignore-eos")
     try:
         client = s.client()
         stream = iter(client.completions.create(model="m", prompt="for i in", max_tokens=LONG, stream=True))
         next(stream)
+        waiting: dict = {}
+        behind = threading.Thread(target=lambda: waiting.setdefault("answer", httpx.post(
+            f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60)), daemon=True)
+        behind.start()
+        _wait_health(s, 10, generating=True, waiting=1)
         s.proc.send_signal(sig)
         text, chunks = stream_text(stream, chat=False)  # the stream ends, answered, with its figures
         assert chunks[-1].choices[0].finish_reason == "stop"
         assert chunks[-1].model_extra["s2moe"]["stop"] == "server stopping"
         assert chunks[-1].model_extra["s2moe"]["tokens"] < LONG
+        behind.join(timeout=STOP_SECONDS)
+        assert waiting["answer"].status_code == 503 and "shutting down" in waiting["answer"].json()["error"]["message"]
         assert s.proc.wait(timeout=STOP_SECONDS) == code
         assert s.wait_for(r"stop: server stopping", 5)
         assert s.wait_for(rf"^{word}$", 5)
