@@ -211,7 +211,8 @@ def chat_request(body: dict) -> Request:
     if turns[-1][0] != "user":
         raise _bad("the last message must be the user's (the reply comes after it)", "messages")
     for name in ("tools", "functions", "response_format"):
-        if _given(body, name):
+        value = _given(body, name)
+        if value and value != {"type": "text"}:  # plain text, the only format there is here, may be asked for
             raise _bad(f"{name} is not supported by this server", name)
     return Request(chat=True, messages=tuple(turns),
                    max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens", "n_predict")),

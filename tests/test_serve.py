@@ -219,7 +219,8 @@ def test_chat_renders_the_models_template(server, chat_model):
         decoder.close()
     assert "<|im_start|>assistant" in rendered
     client = server.client()
-    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=32, **SAMPLED)
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=32,
+                                          response_format={"type": "text"}, **SAMPLED)
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == len(tokens)
     plain = client.completions.create(model="m", prompt=tokens, max_tokens=32, **SAMPLED)
@@ -276,6 +277,9 @@ BAD_CHAT = [
     (b'{"messages": [{"role": "robot", "content": "hi"}]}', 400, "messages"),
     (b'{"messages": [{"role": "user", "content": 7}]}', 400, "messages"),
     (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}', 400, "messages"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}', 400,
+     "response_format"),
     (json.dumps({"messages": [{"role": "user", "content": "hello " * N_CTX}]}).encode(), 413, None),
 ]
 
