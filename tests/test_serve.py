@@ -94,10 +94,15 @@ class Server:
                 self.log.append(line)
         return "\n".join(self.log)
 
-    def wait_for(self, pattern: str, seconds: float) -> re.Match:
-        """The first line from now on (or already read) that matches, waiting at most `seconds` for it."""
+    def mark(self) -> int:
+        """Where the log stands now: wait_for(after=mark()) sees only the lines said after it."""
+        self.text()
+        return len(self.log)
+
+    def wait_for(self, pattern: str, seconds: float, after: int = 0) -> re.Match:
+        """The first line said after line `after` that matches, waiting at most `seconds` for it."""
         deadline = time.monotonic() + seconds
-        for line in self.log:
+        for line in self.log[after:]:
             if m := re.search(pattern, line):
                 return m
         while True:
@@ -166,6 +171,7 @@ def test_health_is_public_and_models_names_the_alias(server):
 
 def test_a_seeded_sampled_completion_is_the_text_generate_gives(server, chat_model, own_dirs):
     prompt = "def add(a, b):"
+    mark = server.mark()
     done = server.client().completions.create(model="tiny-chat", prompt=prompt, max_tokens=40, **SAMPLED,
                                               extra_body=SAMPLED_EXTRA)
     expected = generate(chat_model, cli_env(own_dirs), prompt, 40, *SAMPLED_FLAGS)
@@ -187,7 +193,7 @@ def test_a_seeded_sampled_completion_is_the_text_generate_gives(server, chat_mod
     assert seeds[0] != seeds[1]
     again = server.client().completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0.9, seed=seeds[0])
     assert again.choices[0].text == unseeded[0].choices[0].text
-    server.wait_for(r"POST /v1/completions 200 .* \d+ prompt \+ 40 tokens .* mode s2moe .* stop: length", 10)
+    server.wait_for(r"POST /v1/completions 200 .* \d+ prompt \+ 40 tokens .* mode s2moe .* stop: length", 10, mark)
 
 
 def test_a_stream_is_the_same_text_in_server_sent_events(server):
@@ -316,6 +322,7 @@ def test_requests_queue_in_order_up_to_the_bound_and_a_client_that_leaves_stops_
     """One generation runs, one request (--queue 1) waits, the next gets 503 with Retry-After; the streaming client
     that goes away stops its generation at once, and the waiting request then runs."""
     client = server.client()
+    mark = server.mark()
     stream = client.completions.create(model="m", prompt="while True:", max_tokens=LONG, stream=True)
     first = next(iter(stream))
     assert first.choices[0].text is not None
@@ -338,8 +345,18 @@ def test_requests_queue_in_order_up_to_the_bound_and_a_client_that_leaves_stops_
     behind.join(timeout=60)
     assert not behind.is_alive() and "error" not in waiting, waiting
     assert waiting["done"].usage.completion_tokens == 8
-    gone = server.wait_for(r"POST /v1/completions 499 .* (\d+) tokens .* stop: client gone", 10)
+    gone = server.wait_for(r"POST /v1/completions 499 .* (\d+) tokens .* stop: client gone", 10, mark)
     assert int(gone.group(1)) < LONG
+
+
+def test_a_client_that_leaves_before_a_whole_answer_stops_its_generation(server):
+    mark = server.mark()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes its connection
+        httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5,
+                   json={"prompt": "if x:", "max_tokens": LONG})
+    gone = server.wait_for(r"POST /v1/completions 499 .* (\d+) tokens .* stop: client gone", 10, mark)
+    assert int(gone.group(1)) < LONG
+    _wait_health(server, 10, generating=False)
 
 
 @pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
