@@ -9,7 +9,7 @@ the seconds from sending the request to its last event, as a client sees them). 
 (--ignore-eos) and draft without copies (--no-lookup): the server's decoder would otherwise copy from the rounds
 before it, which a fresh `generate` cannot. FLAGs after -- go to both (--mode ar, --budget 1G, ...).
 Prints each round's tok/s both ways, the server's own decoding tok/s beside them (what it measured, HTTP left out),
-and the median ratio API / generate with its range. The issue's target: at least 0.95.
+and the median ratio API / generate with its range (the aim: at least 0.95).
 """
 
 from __future__ import annotations
