@@ -344,7 +344,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 # Other subcommands live in their own modules (s2moe.app.cmd_*), each with add_parser(sub) and
 # run(args) -> int, registered here in the order `s2moe --help` lists them. Modules import heavy
 # dependencies inside run(), so building the parser stays fast.
-SUBCOMMAND_MODULES = ("cmd_app", "cmd_models", "cmd_profiles", "cmd_calibrate", "cmd_tune", "cmd_bench", "cmd_project")
+SUBCOMMAND_MODULES = ("cmd_app", "cmd_serve", "cmd_models", "cmd_profiles", "cmd_calibrate", "cmd_tune", "cmd_bench",
+                      "cmd_project")
 
 
 def cpu_buffers_for(model: str, wanted: bool, *, quiet: bool = False):
@@ -568,6 +569,30 @@ def _keep_copies(args, decoder) -> None:
         save_copy_cache(args.copy_cache, decoder.info, decoder.earlier)
 
 
+def offload_under_budget(args, decoder, budget, warm_up, *, quiet: bool = False):
+    """Offload `decoder` under `budget` (this process inside its cgroup) with the hot experts of --profile, said
+    on stderr in a line or two unless quiet: the budget's split and batch size, and what a profile would add.
+    Returns the offloader and the hot experts it was given."""
+    from ..engine import offload
+    from ..engine.profiles import hot_experts_for_model, load_profile
+
+    hot = hot_experts_for_model(load_profile(args.profile), decoder.info.fingerprint) if args.profile else []
+    offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up)
+    if not quiet:
+        from ..engine.offload.sizes import fmt_bytes
+
+        plan = offloader.plan
+        rt = decoder.rt
+        print((plan.describe() if plan is not None and not budget.auto else
+               f"budget {budget.describe(offloader.budget_bytes)}")
+              + (f", {offloader.budget_note}" if offloader.budget_note else "")
+              + f" · prefill in batches of {rt.n_batch} ({fmt_bytes(rt.compute_buffer_bytes)} of compute buffers)",
+              file=sys.stderr)
+        if not hot:
+            print(no_hot_experts_note(args.profile, decoder.info.path, args.budget), file=sys.stderr)
+    return offloader, hot
+
+
 def cmd_generate(args) -> int:
     from ..engine.decoder import Decoder, GenerationConfig
     import numpy as np
@@ -610,28 +635,12 @@ def cmd_generate(args) -> int:
     if budget is not None:
         from dataclasses import replace
 
-        from ..engine.profiles import hot_experts_for_model, load_profile
-
-        hot = hot_experts_for_model(load_profile(args.profile), decoder.info.fingerprint) if args.profile else []
-
         def warm_up():  # every graph shape of this run, so that an auto budget counts them
             short = replace(generation_config(args, decoder), n_predict=8, stop_at_eos=False)
             for _ in decoder.generate(args.prompt, short):
                 pass
 
-        offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up)
-        if not args.json:
-            from ..engine.offload.sizes import fmt_bytes
-
-            plan = offloader.plan
-            rt = decoder.rt
-            print((plan.describe() if plan is not None and not budget.auto else
-                   f"budget {budget.describe(offloader.budget_bytes)}")
-                  + (f", {offloader.budget_note}" if offloader.budget_note else "")
-                  + f" · prefill in batches of {rt.n_batch} ({fmt_bytes(rt.compute_buffer_bytes)} of compute buffers)",
-                  file=sys.stderr)
-            if not hot:
-                print(no_hot_experts_note(args.profile, decoder.info.path, args.budget), file=sys.stderr)
+        offloader, hot = offload_under_budget(args, decoder, budget, warm_up, quiet=args.json)
     if not decoder.info.is_moe and args.mode == "ar":
         print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
               file=sys.stderr)
@@ -723,7 +732,7 @@ def one_line(text: str) -> str:
 
 
 # The commands that run llama.cpp: a failed check inside it ends them with one line (_abort_line).
-LLAMA_COMMANDS = ("generate", "calibrate", "tune", "bench", "app")
+LLAMA_COMMANDS = ("generate", "calibrate", "tune", "bench", "app", "serve")
 
 
 def _abort_line(message: str) -> None:
