@@ -14,6 +14,7 @@ import threading
 from ..engine.errors import (OPTION, ConfigError, S2MoEError, Terminated, held_signals, imports_held,
                              sigterm_raises_terminated)
 from ..engine.modes import DRAFT_EXPERTS, MODES
+from ..engine.slow import said_if_slow
 
 
 # The engine's names for the settings its errors are about → the flags that set them.
@@ -577,7 +578,7 @@ def offload_under_budget(args, decoder, budget, warm_up, *, quiet: bool = False)
     from ..engine.profiles import hot_experts_for_model, load_profile
 
     hot = hot_experts_for_model(load_profile(args.profile), decoder.info.fingerprint) if args.profile else []
-    offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up)
+    offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up, say=None if quiet else _say)
     if not quiet:
         from ..engine.offload.sizes import fmt_bytes
 
@@ -625,8 +626,9 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(f"seed {args.seed} (random; -s {args.seed} repeats this run)", file=sys.stderr)
     cpu = cpu_buffers_for(model, budget is None, quiet=args.json)
-    decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max or 0),
-                      use_extra_bufts=cpu.extra, placement=placement, n_batch=args.batch_size)
+    with said_if_slow(None if args.json else _say, f"loading {os.path.basename(model)}…"):
+        decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max or 0),
+                          use_extra_bufts=cpu.extra, placement=placement, n_batch=args.batch_size)
     if args.copy_cache is not None:
         from ..engine.copycache import load_copy_cache
 

@@ -1095,3 +1095,19 @@ def test_profiles_list_shows_messages_with_brackets_as_written(tmp_path, capsys,
     rc, out, err = run_cli(capsys, "profiles", "list")
     assert rc == 0, err
     assert "field hot_experts[0] must be a [layer, expert] pair of whole numbers, got [0, 1, 2]" in out
+
+
+def test_a_stage_is_said_once_it_turns_out_slow_and_not_before():
+    import threading
+
+    from s2moe.engine.slow import said_if_slow
+
+    said = []
+    with said_if_slow(said.append, "quick…", after=0.5):
+        pass
+    with said_if_slow(said.append, "slow…", after=0.05):
+        done = threading.Event()
+        assert done.wait(0.5) is False  # the body outlasts `after`: the line comes while it runs
+    assert said == ["slow…"]
+    with said_if_slow(None, "nobody listens", after=0.0):
+        pass

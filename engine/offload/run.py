@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..errors import ConfigError, sigterm_raises_terminated
+from ..slow import said_if_slow
 from .budget import (AUTO_EXPERT_SHARE, AUTO_START_LIMIT, Budget, BudgetPlan, auto_budget_bytes, auto_floor,
                      check_within_memory, current_budget, fit_to_available, plan_budget)
 from .cgroup import MemoryCgroup
@@ -101,7 +102,7 @@ class Pinning:
 
 
 def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
-                    pinning: Pinning = Pinning()) -> Offloader:
+                    pinning: Pinning = Pinning(), say: Callable[[str], None] | None = None) -> Offloader:
     """Set a decoder up for offloading under `budget` (None: pin and observe without a budget plan).
 
     `warm_up` runs every graph shape, buffer and runtime the run will need, before the budget is planned.
@@ -110,7 +111,7 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     place. A budget of a given size, inside its cgroup, warms up the same way, under the generous limit an
     auto budget starts with: under its own limit, with nothing yet pinned or cached, the warm-up decoded as
     llama.cpp alone would, slowly and before every run. The offloader's budget_bytes says what the budget
-    came to."""
+    came to. `say` hears a line for each stage that takes a while (engine.slow)."""
     emap = expert_map(decoder.info.path)
     size = None if budget is None else budget.size
     inside = current_budget() if budget is not None else None
@@ -131,11 +132,14 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         # its own loads a second runtime: planned without it, a tight budget held more than it had); its text is
         # machinery, not the session's, so later copies never draw on it nor a copy cache keep it
         # one expert a layer: a model larger than memory is not read whole for output thrown away
-        with decoder.untimed_costs(), decoder.apart_from_session(), decoder.rt.hook.uniform():
+        with decoder.untimed_costs(), decoder.apart_from_session(), decoder.rt.hook.uniform(), \
+                said_if_slow(say, "warming up: every graph shape and buffer this run needs, before the budget is "
+                                  "planned…"):
             warm_up()
     if budget is not None:
         # what any prompt will need (its prefill chunks), before what the process holds is measured or planned
-        decoder.rt.touch_largest_batch()
+        with said_if_slow(say, f"touching the compute buffers of a {decoder.rt.n_batch}-token batch…"):
+            decoder.rt.touch_largest_batch()
     room, share, fitted = None, AUTO_EXPERT_SHARE, None
     if cg is not None and budget.auto:
         size = auto_budget_bytes(cg, emap)  # provisional: sizes the hot-expert plan
@@ -150,7 +154,8 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     # Where the limit comes down after the warm-up the hot experts are pinned only once it has: pinned while
     # the warm-up's whole model is still cached, they left the kernel (cgroup v1) unable to reclaim that
     # cache down to the limit (EBUSY at any step, measured), although the plan had room for them.
-    off, hot = _attach(decoder, emap, size, hot_ranked, pinning, pin_hot=cg is None, expert_room=room)
+    with said_if_slow(say, f"pinning the weights every step reads ({fmt_bytes(sum(n for _, n in emap.pinnable()))})…"):
+        off, hot = _attach(decoder, emap, size, hot_ranked, pinning, pin_hot=cg is None, expert_room=room)
     if fitted is not None:
         off.budget_note = (f"fitted to the {fmt_bytes(fitted)} of memory available: {fmt_bytes(room)} for experts "
                            f"instead of a third of them ({fmt_bytes(int(AUTO_EXPERT_SHARE * emap.total_expert_bytes))})")
