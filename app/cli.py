@@ -709,10 +709,18 @@ def cmd_generate(args) -> int:
         return 0
     out.text(prompt_echo if streaming else prompt_echo + summary.text)
     reuse = f"{summary.reuse_ratio:.3f}" if summary.reuse_ratio is not None else "n/a"
-    print(f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({summary.tok_per_s:.1f} tok/s)"
+    print(f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({speed_text(summary)})"
           f" · mode {summary.mode} · accept length {summary.accept_len:.2f} · reuse ratio {reuse}"
           f" · rollbacks {summary.rollbacks} · stop: {summary.stop_reason}")
     return 0
+
+
+def speed_text(summary) -> str:
+    """A generation's speed as every command words it: decoding first, counted as bench and tune count it
+    (from the step that makes the first token to the last, the prompt's prefill left out, wall time), then
+    overall, the prefill included (what a long prompt makes the user wait)."""
+    return (f"{summary.decode_tok_per_s:.1f} tok/s decoding, {summary.tok_per_s:.1f} with the "
+            f"{summary.prefill_seconds:.2f} s prefill")
 
 
 def one_line(text: str) -> str:

@@ -48,7 +48,7 @@ def run_conversation(args, decoder, cfg, out) -> int:
     """The turns of a conversation (out: the CLI's text and note streams)."""
     from ..engine.chat import Conversation, chat_tokens
     from ..engine.events import Finished, Iteration, Prefilled, Summary
-    from .cli import event_line
+    from .cli import event_line, speed_text
 
     template = decoder.chat_template
     conversation = Conversation(template, system=args.system_prompt) if template.usable else None
@@ -77,6 +77,6 @@ def run_conversation(args, decoder, cfg, out) -> int:
                 conversation.add_turn(user, event.text)
         out.text(("" if streaming else summary.text) + "\n")
         kept = f" · {prefilled.reused} of {prefilled.n_tokens} prompt tokens kept" if prefilled.reused else ""
-        out.line(f"-- {summary.n_tokens} tokens ({summary.tok_per_s:.1f} tok/s) · accept length "
+        out.line(f"-- {summary.n_tokens} tokens ({speed_text(summary)}) · accept length "
                  f"{summary.accept_len:.2f}{kept} · stop: {summary.stop_reason}")
     return 0

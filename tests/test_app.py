@@ -278,6 +278,9 @@ def test_prompt_streams_tokens_and_feeds_the_plots():
             assert points["plot-reuse"] == 4 and points["plot-accept"] == len(SCRIPT)
             assert points["plot-rollback"] == len(SCRIPT) and points["plot-utility"] > 0
             assert "stop: length" in turn.summary
+            # decoding speed, as bench and tune count it, then the speed with the prompt's prefill
+            assert f"{state.summary.decode_tok_per_s:.1f} tok/s decoding, " in turn.summary
+            assert " s prefill · " in turn.summary
             # rejected drafts: shown struck through, hidden with Ctrl+R
             shown = turn.render_text().plain
             await pilot.press("ctrl+r")
