@@ -487,12 +487,28 @@ def draft_stop_text(event) -> str:
     return d.text if d.can_pay else f"{d.text}; --no-utility drafts anyway"
 
 
-def event_line(event) -> str:
-    """One iteration, as `generate --events` prints it."""
+def _decision_kind(event) -> tuple | None:
+    """What the utility rule decided at an iteration that drafted nothing, without its numbers (None: not
+    such an iteration)."""
+    d = event.draft_decision
+    if event.draft_stop != "no-draft" or d is None:
+        return None
+    return d.can_pay, d.drafting, d.probing, d.copied
+
+
+def event_line(event, before=None) -> str:
+    """One iteration, as `generate --events` prints it; `before`: the iteration printed just before it. Why
+    nothing was drafted is said in full where that reason starts; while the same reason goes on, its few
+    words where its numbers moved, else "as above"."""
     fetched = ("" if event.verify_misses is None else
                f" ({int(event.verify_misses.sum())} fetched, {event.verify_major_faults} storage faults)")
+    why = draft_stop_text(event)
+    kind = _decision_kind(event)
+    if kind is not None and before is not None and _decision_kind(before) == kind:
+        short = event.draft_decision.wordings[-1]
+        why = "as above" if short == before.draft_decision.wordings[-1] else short
     return (f"[{event.index}] drafted {len(event.drafted)} accepted {len(event.accepted)} "
-            f"({draft_stop_text(event)}) rollback {event.rollback} verify {event.verify_tokens} tok "
+            f"({why}) rollback {event.rollback} verify {event.verify_tokens} tok "
             f"{int(event.verify_experts.sum())} experts{fetched}")
 
 
@@ -663,6 +679,7 @@ def cmd_generate(args) -> int:
     # lines printed before any text do not split the prompt from its continuation.
     prompt_echo = args.prompt if args.display_prompt and not args.json else ""
     measuring = MeasuringLine()
+    last_iteration = None
     for event in decoder.generate(args.prompt, cfg):
         summary.add(event)
         if recorder is not None:
@@ -679,7 +696,8 @@ def cmd_generate(args) -> int:
                      f"T_exp {c.t_exp * 1e3:.4f} ms, T_tok {c.t_tok * 1e3:.3f} ms{fit}")
         elif isinstance(event, Iteration):
             if args.events:
-                out.line(event_line(event))
+                out.line(event_line(event, last_iteration))
+                last_iteration = event
             if streaming:
                 out.text(prompt_echo + event.committed_text)
                 prompt_echo = ""

@@ -63,14 +63,15 @@ def run_conversation(args, decoder, cfg, out) -> int:
             events = decoder.generate(user, cfg)
         else:
             events = decoder.generate(chat_tokens(decoder, conversation, user), cfg, keep_context=True)
-        summary, prefilled = Summary(), None
+        summary, prefilled, last_iteration = Summary(), None, None
         for event in events:
             summary.add(event)
             if isinstance(event, Prefilled):
                 prefilled = event
             elif isinstance(event, Iteration):
                 if args.events:
-                    out.line(event_line(event))
+                    out.line(event_line(event, last_iteration))
+                    last_iteration = event
                 if streaming:
                     out.text(event.committed_text)
             elif isinstance(event, Finished) and conversation is not None:
