@@ -312,7 +312,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     add_sampling_options(p)
     p.add_argument("--profile", type=nonempty,
-                   help="device profile name or YAML path (cost constants); measured at start-up if absent")
+                   help="device profile name or YAML path (cost constants, tuned settings); default: the app's "
+                        "active profile where it holds this model's constants; none: no profile, the constants "
+                        "measured at start-up")
     p.add_argument("--draft-topk", type=positive_int, default=None,
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
     # the settings `s2moe tune` searches default to None, "not given": the profile's tuned value, else the model's
@@ -577,6 +579,38 @@ def prompt_file_text(path: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
+NO_PROFILE = "none"
+
+
+def choose_profile(args, model: str, quiet: bool = False) -> None:
+    """generate's profile, into args.profile: --profile as given; --profile none: none, the constants measured
+    at start-up (a word rather than an empty value, as --budget none: a script that must not depend on what
+    the app last chose says so); not given: the app's active profile (the one its Profiles screen set), said in
+    a line, where it holds this model's constants: another model's would only be an error here."""
+    if args.profile == NO_PROFILE:
+        args.profile = None
+        return
+    if args.profile is not None:
+        return
+    from ..engine.model_info import read_model_info
+    from ..engine.profiles import load_profile, model_block
+    from .tui.state import remembered_profile
+
+    name = remembered_profile()
+    if name is None:
+        return
+    info = read_model_info(model)
+    if model_block(load_profile(name), info.fingerprint) is None:
+        if not quiet:
+            print(f"profile: none — the app's active profile {name} has no constants for {info.path.name}, so they "
+                  "are measured at start-up", file=sys.stderr)
+        return
+    args.profile = name
+    if not quiet:
+        print(f"profile {name}: the app's active one (--profile none: no profile, the constants measured at start-up)",
+              file=sys.stderr)
+
+
 def _keep_copies(args, decoder) -> None:
     if args.copy_cache is not None:
         from ..engine.copycache import save_copy_cache
@@ -611,6 +645,7 @@ def cmd_generate(args) -> int:
     budget = offload.Budget.parse(args.budget) if args.budget is not None else None
     if budget is not None and offload.current_budget() is None:
         return run_cli_in_budget(args._argv, budget, model, tag="run")
+    choose_profile(args, model, quiet=args.json)
     if args.seed == RANDOM_SEED:  # drawn here, so that the warm-up under a budget and the run share it
         args.seed = random_seed()
         if not args.json:

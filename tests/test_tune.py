@@ -4,6 +4,7 @@ flag says otherwise."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -229,7 +230,8 @@ def test_successive_halving_finds_the_candidate_that_commits_most_per_iteration(
     # and against plain decoding too, prompt by prompt: both faster than ar on this clock
     defaults_vs_ar, tuned_vs_ar = sec["speed"]["versus_ar"]
     paired = 2 ** sec["search"]["rungs"] - 1  # ar runs beside the defaults on every prompt of every rung
-    assert defaults_vs_ar.startswith("the defaults ") and defaults_vs_ar.endswith(f"× ar ({paired} paired runs): faster")
+    assert defaults_vs_ar.startswith("the defaults ")
+    assert defaults_vs_ar.endswith(f"× ar ({paired} paired runs): faster")
     # the tuned settings survived every rung: beside ar on the same prompts
     assert tuned_vs_ar.startswith("tuned ") and tuned_vs_ar.endswith(f"× ar ({paired} paired runs): faster")
     assert sec["speed"]["machine"]["cpus"] >= 1 and "warning" in sec["speed"]
@@ -480,6 +482,41 @@ def test_generate_says_which_tuned_settings_it_decodes_with(tiny_models, xdg, ca
     save_profile(_profile(info.fingerprint), "plain")
     assert main(["generate", "-m", model, "-p", "hello", "-n", "4", "--profile", "plain"]) == 0
     assert "tuned ones" not in capsys.readouterr().err
+
+
+def test_generate_takes_the_app_s_active_profile_unless_told_otherwise(tiny_models, xdg, capsys):
+    from s2moe.app.tui.state import remember_profile
+
+    model = str(tiny_models["olmoe"])
+    info = read_model_info(model)
+    save_profile(with_tuned(_profile(info.fingerprint), info.fingerprint, _section(), offloaded=False), "dev")
+    argv = ["generate", "-m", model, "-p", "hello", "-n", "4", "--draft-max", "4"]
+    # no active profile: nothing to say, the constants measured at start-up
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "profile" not in err.split("cost constants")[0] and "cost constants (measured at start-up)" in err
+    remember_profile("dev")  # as the app's Profiles screen does
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("profile dev: the app's active one (--profile none: no profile, the constants measured at "
+                      "start-up)")
+    assert any(line.startswith("settings (profile dev's tuned ones") for line in err)
+    assert any(line.startswith("cost constants (profile:dev)") for line in err)
+    # --profile none: as before there was an app, and not a word about it
+    assert main(argv + ["--profile", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "profile dev" not in err and "cost constants (measured at start-up)" in err
+    # --json says nothing on stderr of the profile, and still decodes with it
+    assert main(argv + ["--json"]) == 0
+    said = capsys.readouterr()
+    assert "profile" not in said.err and json.loads(said.out)["n_tokens"] == 4
+    # an active profile without this model's constants is not used, and that is said
+    save_profile(_profile("0123456789abcdef"), "other")
+    remember_profile("other")
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert ("profile: none — the app's active profile other has no constants for olmoe.gguf, so they are measured "
+            "at start-up") in err and "cost constants (measured at start-up)" in err
 
 
 def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
