@@ -333,13 +333,17 @@ def markdown(done) -> str:
                  "| rollbacks | = ar | fetched/tok | bound tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in done.rows:
-        same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}"
+        same = ("–" if r.identical_to_ar is None
+                else f"{r.identical_to_ar:.0%}" + ("" if r.identical_expected else "\\*"))
         tps = f"{r.tok_per_s:.1f}" + (f" ({r.tok_per_s_range})" if r.tok_per_s_range else "")
         ratio = r.speedup_text + (f" ({r.speedup_range})" if r.speedup_range else "")
         lines.append(f"| {r.mode} | {r.budget} | {tps} | {ratio} | {r.accept_len:.2f} | "
                      f"{r.draft_len:.2f} | {_fmt(r.reuse_ratio, '.3f')} | {_fmt(r.verify_experts, '.1f')} | "
                      f"{_fmt(r.effective_verify_cost)} | {r.rollbacks} | {same} | {_fmt(r.fetched_per_token, '.1f')} | "
                      f"{_fmt(r.bound_tok_per_s, '.1f')} |")
+    lines.append("")
+    for note in footnotes(done):
+        lines.append("- " + ("\\" + note if note.startswith("*") else note))  # a bare * would start emphasis
     if not done.config.get("greedy", True):
         lines += ["", sampled_note(done.config, any(r.mode == "llama.cpp" for r in done.rows)) + "."]
     if done.config.get("storage"):

@@ -197,6 +197,8 @@ def test_bench_cli_writes_json_and_markdown(tiny_models, tmp_path):
     assert [len(t) for t in data["results"][0]["tokens"]] == [16, 16]
     assert ref["identical_to_ar"] == 1.0 and ref["identical_expected"]
     assert "| llama.cpp |" in out_md.read_text()
+    # the report says what the terminal said under the table
+    assert "\n- fastest: " in out_md.read_text() and "\n- \\*: not lossless by design" in out_md.read_text()
     for key in ("mode", "budget", "prompt_set", "tok_per_s", "speedup_vs_ar", "accept_len", "draft_len",
                 "reuse_ratio", "verify_experts", "effective_verify_cost", "rollbacks"):
         assert key in data["results"][0]
