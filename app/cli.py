@@ -313,7 +313,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     add_sampling_options(p)
     p.add_argument("--profile", type=nonempty,
-                   help="device profile name or YAML path (cost constants); measured at start-up if absent")
+                   help="device profile name or YAML path (cost constants, tuned settings); default: the app's "
+                        "active profile where it holds this model's constants; none: no profile, the constants "
+                        "measured at start-up")
     p.add_argument("--draft-topk", type=positive_int, default=None,
                    help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
     # the settings `s2moe tune` searches default to None, "not given": the profile's tuned value, else the model's
@@ -489,12 +491,28 @@ def draft_stop_text(event) -> str:
     return d.text if d.can_pay else f"{d.text}; --no-utility drafts anyway"
 
 
-def event_line(event) -> str:
-    """One iteration, as `generate --events` prints it."""
+def _decision_kind(event) -> tuple | None:
+    """What the utility rule decided at an iteration that drafted nothing, without its numbers (None: not
+    such an iteration)."""
+    d = event.draft_decision
+    if event.draft_stop != "no-draft" or d is None:
+        return None
+    return d.can_pay, d.drafting, d.probing, d.copied
+
+
+def event_line(event, before=None) -> str:
+    """One iteration, as `generate --events` prints it; `before`: the iteration printed just before it. Why
+    nothing was drafted is said in full where that reason starts; while the same reason goes on, its few
+    words where its numbers moved, else "as above"."""
     fetched = ("" if event.verify_misses is None else
                f" ({int(event.verify_misses.sum())} fetched, {event.verify_major_faults} storage faults)")
+    why = draft_stop_text(event)
+    kind = _decision_kind(event)
+    if kind is not None and before is not None and _decision_kind(before) == kind:
+        short = event.draft_decision.wordings[-1]
+        why = "as above" if short == before.draft_decision.wordings[-1] else short
     return (f"[{event.index}] drafted {len(event.drafted)} accepted {len(event.accepted)} "
-            f"({draft_stop_text(event)}) rollback {event.rollback} verify {event.verify_tokens} tok "
+            f"({why}) rollback {event.rollback} verify {event.verify_tokens} tok "
             f"{int(event.verify_experts.sum())} experts{fetched}")
 
 
@@ -563,6 +581,38 @@ def prompt_file_text(path: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
+NO_PROFILE = "none"
+
+
+def choose_profile(args, model: str, quiet: bool = False) -> None:
+    """generate's profile, into args.profile: --profile as given; --profile none: none, the constants measured
+    at start-up (a word rather than an empty value, as --budget none: a script that must not depend on what
+    the app last chose says so); not given: the app's active profile (the one its Profiles screen set), said in
+    a line, where it holds this model's constants: another model's would only be an error here."""
+    if args.profile == NO_PROFILE:
+        args.profile = None
+        return
+    if args.profile is not None:
+        return
+    from ..engine.model_info import read_model_info
+    from ..engine.profiles import load_profile, model_block
+    from .tui.state import remembered_profile
+
+    name = remembered_profile()
+    if name is None:
+        return
+    info = read_model_info(model)
+    if model_block(load_profile(name), info.fingerprint) is None:
+        if not quiet:
+            print(f"profile: none — the app's active profile {name} has no constants for {info.path.name}, so they "
+                  "are measured at start-up", file=sys.stderr)
+        return
+    args.profile = name
+    if not quiet:
+        print(f"profile {name}: the app's active one (--profile none: no profile, the constants measured at start-up)",
+              file=sys.stderr)
+
+
 def _keep_copies(args, decoder) -> None:
     if args.copy_cache is not None:
         from ..engine.copycache import save_copy_cache
@@ -621,6 +671,7 @@ def cmd_generate(args) -> int:
     budget = offload.Budget.parse(args.budget) if args.budget is not None else None
     if budget is not None and offload.current_budget() is None:
         return run_cli_in_budget(args._argv, budget, model, tag="run")
+    choose_profile(args, model, quiet=args.json)
     if args.seed == RANDOM_SEED:  # drawn here, so that the warm-up under a budget and the run share it
         args.seed = random_seed()
         if not args.json:
@@ -675,6 +726,7 @@ def cmd_generate(args) -> int:
     # lines printed before any text do not split the prompt from its continuation.
     prompt_echo = args.prompt if args.display_prompt and not args.json else ""
     measuring = MeasuringLine()
+    last_iteration = None
     for event in decoder.generate(args.prompt, cfg):
         summary.add(event)
         if recorder is not None:
@@ -691,7 +743,8 @@ def cmd_generate(args) -> int:
                      f"T_exp {c.t_exp * 1e3:.4f} ms, T_tok {c.t_tok * 1e3:.3f} ms{fit}")
         elif isinstance(event, Iteration):
             if args.events:
-                out.line(event_line(event))
+                out.line(event_line(event, last_iteration))
+                last_iteration = event
             if streaming:
                 out.text(prompt_echo + event.committed_text)
                 prompt_echo = ""
@@ -721,10 +774,18 @@ def cmd_generate(args) -> int:
         return 0
     out.text(prompt_echo if streaming else prompt_echo + summary.text)
     reuse = f"{summary.reuse_ratio:.3f}" if summary.reuse_ratio is not None else "n/a"
-    print(f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({summary.tok_per_s:.1f} tok/s)"
+    print(f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({speed_text(summary)})"
           f" · mode {summary.mode} · accept length {summary.accept_len:.2f} · reuse ratio {reuse}"
           f" · rollbacks {summary.rollbacks} · stop: {summary.stop_reason}")
     return 0
+
+
+def speed_text(summary) -> str:
+    """A generation's speed as every command words it: decoding first, counted as bench and tune count it
+    (from the step that makes the first token to the last, the prompt's prefill left out, wall time), then
+    overall, the prefill included (what a long prompt makes the user wait)."""
+    return (f"{summary.decode_tok_per_s:.1f} tok/s decoding, {summary.tok_per_s:.1f} with the "
+            f"{summary.prefill_seconds:.2f} s prefill")
 
 
 def one_line(text: str) -> str:

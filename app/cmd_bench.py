@@ -160,6 +160,27 @@ def tables(done, width: int) -> list:
     return out
 
 
+def footnotes(done) -> list[str]:
+    """What the table's marks mean, the fastest mode and each mode's verdict against ar (engine.speed), and a
+    warning where the machine was busy or the runs unsteady."""
+    from ..engine.bench import judgements
+
+    out = []
+    if any(r.decoded_as_ar for r in done.rows):
+        out.append("≈: drafted nothing and decoded ar's tokens — the same decoding as ar, so the ratio is noise")
+    if any(r.within_noise and not r.decoded_as_ar and r.mode != "ar" for r in done.rows):
+        out.append("≈: not significant — within the run-to-run spread: the ratio to ar give or take two standard "
+                   "errors over the paired runs (each prompt in each repeat) includes 1")
+    if any(r.identical_to_ar is not None and not r.identical_expected for r in done.rows):
+        out.append("*: not lossless by design (its gating changes which experts verify a draft), so = ar may be "
+                   "under 100%; without * a mode must match ar token for token")
+    judged = judgements(done.rows, done.config.get("load"), done.config.get("load_by_budget"))
+    for budget, judgement in judged:
+        where = f"budget {budget}: " if len(judged) > 1 else ""
+        out += [where + line for line in judgement.lines()]
+    return out
+
+
 def sampled_note(config: dict, reference: bool) -> str:
     """What a sampled bench's figures mean: the settings, the seeds, and what = ar compares."""
     text = (f"sampled at T={config['temperature']:g} (top-k {config['top_k']}, top-p {config['top_p']:g}, min-p "
@@ -312,13 +333,17 @@ def markdown(done) -> str:
                  "| rollbacks | = ar | fetched/tok | bound tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in done.rows:
-        same = "–" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}"
+        same = ("–" if r.identical_to_ar is None
+                else f"{r.identical_to_ar:.0%}" + ("" if r.identical_expected else "\\*"))
         tps = f"{r.tok_per_s:.1f}" + (f" ({r.tok_per_s_range})" if r.tok_per_s_range else "")
         ratio = r.speedup_text + (f" ({r.speedup_range})" if r.speedup_range else "")
         lines.append(f"| {r.mode} | {r.budget} | {tps} | {ratio} | {r.accept_len:.2f} | "
                      f"{r.draft_len:.2f} | {_fmt(r.reuse_ratio, '.3f')} | {_fmt(r.verify_experts, '.1f')} | "
                      f"{_fmt(r.effective_verify_cost)} | {r.rollbacks} | {same} | {_fmt(r.fetched_per_token, '.1f')} | "
                      f"{_fmt(r.bound_tok_per_s, '.1f')} |")
+    lines.append("")
+    for note in footnotes(done):
+        lines.append("- " + ("\\" + note if note.startswith("*") else note))  # a bare * would start emphasis
     if not done.config.get("greedy", True):
         lines += ["", sampled_note(done.config, any(r.mode == "llama.cpp" for r in done.rows)) + "."]
     if done.config.get("storage"):
@@ -387,11 +412,11 @@ def memory_quality_text(label: str, q: dict) -> str:
     return text
 
 
-def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict, int]:
+def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict, int, dict | None]:
     """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
     the budget's label, its verification cost-model fit, the budget in bytes (auto: as sized), what gating
     toward the experts in memory cost there (bench.memory_gating_quality; {} with --no-quality) and the prefill
-    batch its process ran (-b, else chosen there)."""
+    batch its process ran (-b, else chosen there), and what else used the CPUs while it measured (speed.Load)."""
     import tempfile
     from pathlib import Path
 
@@ -440,7 +465,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
         data = json.loads(out.read_text())
     rows = [BenchRow(**r) for r in data["results"]]
     return (rows, (rows[0].budget if rows else budget_text), data.get("cost_model") or {},
-            data["config"]["budget_bytes"], data.get("quality") or {}, data["config"]["batch_size"])
+            data["config"]["budget_bytes"], data.get("quality") or {}, data["config"]["batch_size"],
+            data["config"].get("load"))
 
 
 class _ChangedLine:
@@ -602,7 +628,7 @@ def run(args) -> int:
         if b != "none":
             offload.Budget.parse(b)  # a bad size is a one-line error before anything runs
     inside = offload.current_budget()
-    extra_rows, budget_fits, budget_quality, storage, around, batches = [], {}, {}, None, {}, {}
+    extra_rows, budget_fits, budget_quality, storage, around, batches, loads = [], {}, {}, None, {}, {}, {}
     budgeted = [b for b in budgets if b != "none"]
     if inside is None and budgeted and not hot:
         from .cli import no_hot_experts_note
@@ -615,8 +641,9 @@ def run(args) -> int:
         for b in budgets:
             if b != "none":
                 before = read_storage(emap)
-                rows, label, fit, size, memory_quality, batch = _budget_rows(args, model, b)
+                rows, label, fit, size, memory_quality, batch, load = _budget_rows(args, model, b)
                 batches[label] = batch
+                loads[label] = load
                 if memory_quality.get("tokens"):
                     budget_quality[label] = memory_quality
                 around[label] = before + read_storage(emap)
@@ -684,6 +711,8 @@ def run(args) -> int:
                                                                          "n_prompts": len(prompts),
                                                                          "n_tokens": args.n_tokens})
     if inside is None:
+        if loads:
+            done.config["load_by_budget"] = loads
         if here == "none" and args.reference:
             done.rows.append(_reference_row(args, model, set_name, "none", None, done.rows))
         done.rows.extend(extra_rows)
@@ -723,8 +752,8 @@ def run(args) -> int:
 
     for t in tables(done, out.width):
         out.print(t)
-    if any(r.decoded_as_ar for r in done.rows):
-        say("≈: drafted nothing and decoded ar's tokens — the same decoding as ar, so the ratio is noise")
+    for line in footnotes(done):
+        say(line)
     if not done.config.get("greedy", True):
         say(sampled_note(done.config, any(r.mode == "llama.cpp" for r in done.rows)))
     if done.config.get("storage"):

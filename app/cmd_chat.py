@@ -48,7 +48,7 @@ def run_conversation(args, decoder, cfg, out) -> int:
     """The turns of a conversation (out: the CLI's text and note streams)."""
     from ..engine.chat import Conversation, chat_tokens
     from ..engine.events import Finished, Iteration, Prefilled, Summary
-    from .cli import event_line
+    from .cli import event_line, speed_text
 
     template = decoder.chat_template
     conversation = Conversation(template, system=args.system_prompt) if template.usable else None
@@ -63,20 +63,21 @@ def run_conversation(args, decoder, cfg, out) -> int:
             events = decoder.generate(user, cfg)
         else:
             events = decoder.generate(chat_tokens(decoder, conversation, user), cfg, keep_context=True)
-        summary, prefilled = Summary(), None
+        summary, prefilled, last_iteration = Summary(), None, None
         for event in events:
             summary.add(event)
             if isinstance(event, Prefilled):
                 prefilled = event
             elif isinstance(event, Iteration):
                 if args.events:
-                    out.line(event_line(event))
+                    out.line(event_line(event, last_iteration))
+                    last_iteration = event
                 if streaming:
                     out.text(event.committed_text)
             elif isinstance(event, Finished) and conversation is not None:
                 conversation.add_turn(user, event.text)
         out.text(("" if streaming else summary.text) + "\n")
         kept = f" · {prefilled.reused} of {prefilled.n_tokens} prompt tokens kept" if prefilled.reused else ""
-        out.line(f"-- {summary.n_tokens} tokens ({summary.tok_per_s:.1f} tok/s) · accept length "
+        out.line(f"-- {summary.n_tokens} tokens ({speed_text(summary)}) · accept length "
                  f"{summary.accept_len:.2f}{kept} · stop: {summary.stop_reason}")
     return 0

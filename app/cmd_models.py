@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -61,6 +62,45 @@ def _size(n: int) -> str:
     return str(n)
 
 
+class WriteProgress:
+    """What has been written so far, on stderr: a line as soon as the writing starts (what, where, how much),
+    then a bar on a terminal, or a line at each tenth elsewhere (a log, a pipe). Called as the engine's
+    progress(done_bytes, total_bytes)."""
+
+    def __init__(self, what: str):
+        from rich.console import Console
+
+        self.what = what
+        self.console = Console(stderr=True, highlight=False)
+        self.started = False
+        self.bar = None
+        self.next_tenth = 1  # off a terminal: the tenth of the total whose passing is said next
+
+    def __enter__(self) -> "WriteProgress":
+        return self
+
+    def __call__(self, done: int, total: int | None) -> None:
+        if not self.started:
+            self.started = True
+            print(f"{self.what}{f' ({_size(total)})' if total else ''}…", file=sys.stderr, flush=True)
+            if self.console.is_terminal:
+                from rich.progress import BarColumn, DownloadColumn, Progress
+
+                # transient: an error while writing is then the only line left after this one
+                self.bar = Progress(BarColumn(), DownloadColumn(), console=self.console, transient=True)
+                self.bar.start()
+                self.task = self.bar.add_task("write", total=total)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total)
+        elif total and done * 10 >= self.next_tenth * total:
+            self.next_tenth = done * 10 // total + 1
+            print(f"  {done * 100 // total}% ({_size(done)} of {_size(total)})", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 def run_models(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -101,9 +141,7 @@ def run_make_synthetic(args) -> int:
     if args.widen is not None:
         raise ConfigError("--widen applies to --from NAME|PATH, not to --preset")
 
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-    from ..engine.zoo.synthetic import PRESETS, estimate_bytes, preset_hparams, write_synthetic
+    from ..engine.zoo.synthetic import PRESETS, preset_hparams, write_synthetic
 
     args.dtype = args.dtype or "f16"
     if args.preset not in PRESETS:
@@ -118,14 +156,10 @@ def run_make_synthetic(args) -> int:
     if hp["k"] > hp["n_expert"]:
         raise ConfigError("--k cannot exceed the number of experts")
     out = _writable_out(args.out)
-    total = estimate_bytes(hp, args.dtype)
-    # transient: an error while writing is then the only line left
-    with Progress(TextColumn("writing {task.fields[name]}"), BarColumn(), DownloadColumn(), transient=True) as progress:
-        task = progress.add_task("write", total=total, name=out.name)
+    with WriteProgress(f"writing {out.name}: random {args.dtype} weights, preset {args.preset}") as progress:
         try:
             write_synthetic(args.arch, args.preset, out, dtype=args.dtype, seed=args.seed, n_layer=args.n_layer,
-                            n_expert=args.n_expert, k=args.k,
-                            progress=lambda done, _total: progress.update(task, completed=done))
+                            n_expert=args.n_expert, k=args.k, progress=progress)
         except OSError as e:  # the disk filled up, the folder went away
             raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote {out} ({_size(out.stat().st_size)}; {hp['arch']}, {hp['n_layer']} layers, "
@@ -134,8 +168,6 @@ def run_make_synthetic(args) -> int:
 
 
 def _run_widen(args) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
     from ..engine.model_info import read_model_info
     from ..engine.zoo import list_models, model_path
     from ..engine.zoo.widen import widen
@@ -157,11 +189,8 @@ def _run_widen(args) -> int:
         raise ConfigError(f"--from: no file {args.source!r} and no shipped model of that name "
                           f"(shipped: {', '.join(shipped) or 'none'})")
     out = _writable_out(args.out)
-    with Progress(TextColumn("widening into {task.fields[name]}"), BarColumn(), DownloadColumn(),
-                  transient=True) as progress:
-        task = progress.add_task("widen", total=None, name=out.name)
-        widen(source, out, args.widen, seed=args.seed,
-              progress=lambda done, total: progress.update(task, completed=done, total=total))
+    with WriteProgress(f"widening {source.name} {args.widen}× into {out.name}") as progress:
+        widen(source, out, args.widen, seed=args.seed, progress=progress)
     before, after = read_model_info(source), read_model_info(out)
     print(f"wrote {out} ({_size(after.file_bytes)}; {after.arch}, {after.n_layer} layers, {after.n_expert} experts "
           f"top-{after.n_expert_used}; one expert {_size(before.expert_bytes)} → {_size(after.expert_bytes)})")

@@ -75,6 +75,8 @@ def summary_lines(section: dict, path) -> list[str]:
              f"tuned:    {settings_text(section['settings'], budgeted)} → {sp['tuned_tok_s']:.2f} tok/s"
              + (f" ({sp['gain']:.3f}× the defaults{spread})" if sp.get("gain") else "") + ar,
              f"verdict: {sp['verdict']}",
+             *(f"against plain decoding: {line}" for line in sp.get("versus_ar") or []),
+             *([f"warning: {sp['warning']}"] if sp.get("warning") else []),
              f"quality: {quality}",
              *([f"quality in memory: {memory_quality_words(q['memory'])}"] if q.get("memory") else []),
              *([f"quality of both biases: {both_quality_words(q['both'])}"] if q.get("both") else []),

@@ -27,6 +27,7 @@ from .files import MAX_PROMPT_FILE_BYTES, read_bounded
 from .events import Iteration, Summary, Totals
 from .modes import CHAIN_DRAFT_MODES, DRAFT_EXPERTS, LOSSLESS_MODES, MODES, TREE_MODES
 from .sampling import MAX_SEED, PositionNoise
+from .speed import MIN_PAIRS, Judgement, Load, LoadWatch, compare, judge
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -104,6 +105,11 @@ class BenchRow:
     speedup_repeats: list[float] | None = None
     # self-drafting modes (chains, trees): what the draft passes read (resident | router)
     draft_experts: str | None = None
+    # tok/s of each generation, in the order they ran (by repeat, then prompt): the same place in every mode's
+    # list is the same prompt and repeat, run next to each other (speed.judge pairs them)
+    run_tok_per_s: list[float] | None = None
+    # the ratio to ar's two-standard-error range over those pairs (speed.compare; None: too few pairs)
+    speedup_interval: list[float] | None = None
     # ar's row where it decoded by the argmax of the logits (greedy, no penalty): each prompt's tokens, which
     # llama.cpp's own greedy decoding (the reference row) must give too
     tokens: list[list[int]] | None = None
@@ -129,11 +135,18 @@ class BenchRow:
         return self.mode != "ar" and self.draft_len == 0 and self.identical_to_ar == 1.0
 
     @property
+    def within_noise(self) -> bool:
+        """Its speed cannot be told from ar's: it decoded as ar did, or its range against ar includes 1."""
+        if self.decoded_as_ar:
+            return True
+        return self.speedup_interval is not None and self.speedup_interval[0] <= 1.0 <= self.speedup_interval[1]
+
+    @property
     def speedup_text(self) -> str:
-        """× ar as a table shows it: marked with ≈ where the row decoded as ar did."""
+        """× ar as a table shows it: marked with ≈ where it is within the noise of ar's speed."""
         if self.speedup_vs_ar is None:
             return "–"
-        return f"{self.speedup_vs_ar:.2f}" + ("≈" if self.decoded_as_ar else "")
+        return f"{self.speedup_vs_ar:.2f}" + ("≈" if self.mode != "ar" and self.within_noise else "")
 
     @property
     def lossless_ok(self) -> bool:
@@ -141,6 +154,19 @@ class BenchRow:
         if self.identical_to_ar is None:
             return True
         return round((1.0 - self.identical_to_ar) * self.n_prompts) <= self.near_tie_divergences
+
+
+def judgements(rows: list[BenchRow], load: dict | None = None,
+               load_by_budget: dict | None = None) -> list[tuple[str, Judgement]]:
+    """The rows' speeds judged against ar's (speed.judge): (budget, judgement) for each budget that has an ar
+    row with its runs and another to compare with; `load`: what else used the CPUs meanwhile (speed.Load as a
+    dict), by budget where each ran in a process of its own."""
+    out = []
+    for budget in dict.fromkeys(r.budget for r in rows):
+        runs = {r.mode: r.run_tok_per_s for r in rows if r.budget == budget and r.run_tok_per_s}
+        if "ar" in runs and len(runs) > 1:
+            out.append((budget, judge(runs, "ar", Load.from_dict((load_by_budget or {}).get(budget, load)))))
+    return out
 
 
 def spread_text(values: list[float] | None, spec: str) -> str:
@@ -180,9 +206,11 @@ class _ModeRuns:
     near_ties: int = 0  # divergences from ar at a near-tie of ar's scores (near_tie)
     repeat_tokens: list[int] = field(default_factory=list)
     repeat_seconds: list[float] = field(default_factory=list)
+    run_tok_per_s: list[float] = field(default_factory=list)
 
     def add(self, summary: Summary, repeat: int) -> None:
         self.totals.merge(summary)
+        self.run_tok_per_s.append(summary.decode_tok_per_s)
         self.n_tokens += summary.n_tokens
         self.seconds += summary.decode_seconds
         while len(self.repeat_tokens) <= repeat:
@@ -657,6 +685,7 @@ def run_bench(
         trace_cfg.validate(dec.info)
     total = repeats * len(prompts) * len(modes)
     done = 0
+    watch = LoadWatch()
     per: dict[str, _ModeRuns] = {}
     cost_samples = []
     with dec.apart_from_session():  # the same figures whatever the decoder's session generated before
@@ -708,6 +737,7 @@ def run_bench(
                     if not same:
                         runs.near_ties += near_tie(dec, prompt, reference, tokens_of[(name, pi)],
                                                    replace(base, seed=prompt_seed(base.seed, pi)))
+            load = watch.stop()  # the timed runs are over: what the checks below take is not theirs
             rows = []
             ar_repeats = per["ar"].repeat_tok_per_s
             for name in modes:
@@ -716,6 +746,8 @@ def run_bench(
                 reuse_layers = totals.reuse_per_layer
                 tps = runs.repeat_tok_per_s
                 ratios = [t / a for t, a in zip(tps, ar_repeats) if a > 0]
+                versus_ar = compare(name, "ar", [t / a for t, a in zip(runs.run_tok_per_s, per["ar"].run_tok_per_s)
+                                                 if a > 0])
                 rows.append(BenchRow(
                     mode=name,
                     budget=budget,
@@ -743,6 +775,9 @@ def run_bench(
                     identical_expected=expected_lossless(name, configs[name]) and name != "ar",
                     tok_per_s_repeats=[float(t) for t in tps],
                     speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
+                    run_tok_per_s=[float(t) for t in runs.run_tok_per_s],
+                    speedup_interval=[versus_ar.low, versus_ar.high]
+                    if name != "ar" and versus_ar.n >= MIN_PAIRS else None,
                     draft_experts=dec.draft_experts(configs[name])
                     if configs[name].mode in SELF_DRAFTING else None,
                     tokens=[list(tokens_of[("ar", pi)]) for pi in range(len(prompts))]
@@ -801,6 +836,7 @@ def run_bench(
                                     "draft_topk": base.draft_topk,
                                     "draft_max": base.draft_max, "reuse_strength": base.reuse_strength,
                                     "repeats": repeats, "warmup": warmup, "draft_experts": dec.draft_experts(base),
+                                    "load": load.as_dict(),
                                     "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")})
         finally:
             if own_decoder:

@@ -370,12 +370,20 @@ class Summary(Totals):
 
     @property
     def tok_per_s(self) -> float:
+        """Tokens generated over the whole generation's wall time, the prompt's prefill included: what a user
+        waited for."""
         return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def decode_seconds(self) -> float:
-        """The generation's time without its prefill."""
+        """The generation's wall time without its prefill: from the step that makes the first token to the end."""
         return self.seconds - self.prefill_seconds
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        """Tokens generated over the decoding time, the prefill left out (the first token counted): the speed
+        bench and tune measure, which a prompt's length does not move."""
+        return self.n_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {
@@ -384,6 +392,7 @@ class Summary(Totals):
             "seconds": self.seconds,
             "prefill_seconds": self.prefill_seconds,
             "tok_per_s": self.tok_per_s,
+            "decode_tok_per_s": self.decode_tok_per_s,
             "accept_len": self.accept_len,
             "acceptance_rate": self.acceptance_rate,
             "draft_len": self.mean_draft_len,

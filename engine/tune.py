@@ -65,6 +65,7 @@ from .bench import CheckFigures, balanced_order, gating_quality, memory_gating_q
 from .decoder import Decoder, GenerationConfig
 from .errors import OPTION, ConfigError
 from .events import CostConstants, Finished, Iteration, Prefilled
+from .speed import LoadWatch, compare, judge, separated
 
 PPL_RATIO_MAX = 1.02
 TOP1_MIN = 0.9
@@ -317,17 +318,6 @@ def _log_ratios(a: dict[int, tuple[int, float]], b: dict[int, tuple[int, float]]
     return out
 
 
-def separated(log_ratios: list[float]) -> bool:
-    """Whether paired per-prompt speed ratios tell two settings apart: the mean log ratio more than two
-    standard errors from zero (at least three pairs)."""
-    n = len(log_ratios)
-    if n < 3:
-        return False
-    mean = sum(log_ratios) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in log_ratios) / (n - 1))
-    return abs(mean) > 2 * sd / math.sqrt(n)
-
-
 def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None = None, n_tokens: int = 48,
              time_budget_s: float = DEFAULT_TIME_BUDGET_S, clock: Clock | None = None,
              should_stop: Callable[[], bool] | None = None, seed: int = 0, max_candidates: int = MAX_CANDIDATES,
@@ -489,6 +479,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     prompt_cursor = 0
     rung = 0
     done_runs = 0
+    watch = LoadWatch()
     planned = sum(_rung_runs(max(1, len(survivors) >> r), r) for r in range(_rungs(len(survivors))))
 
     def measure(who, cfg, p):
@@ -572,6 +563,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     mq = memory_quality.get(tuned.memory) if knows_memory and tuned.memory > 0 else None
     jq = joint_quality.get((*tuned.gating, tuned.memory)) if both_biases(tuned) else None
     ar_tps = scores["ar"].tok_per_s
+    judgement = _judged(runs, tuned, defaults, watch)
     elapsed = clock.now() - t0
     section = {
         "settings": tuned.as_dict(),
@@ -587,6 +579,9 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             "best_candidate": best.as_dict(),
             "best_tok_s": round(best_tps, 4),
             "verdict": _verdict(tuned, best, defaults, ratios, defaults_feasible),
+            "versus_ar": [c.text() for c in judgement.versus_baseline],
+            "machine": judgement.load.as_dict(),
+            "warning": judgement.warning,
         },
         "quality": (_figures_record(q) if q else {"lossless": True})
         | ({"memory": {"memory_strength": tuned.memory, **_figures_record(mq)}} if mq else {})
@@ -716,13 +711,29 @@ def _sh_cost(n0: int, t_run: float) -> float:
     return sum(_rung_runs(max(1, n0 >> r), r) for r in range(_rungs(n0))) * t_run
 
 
+def _judged(runs: dict, tuned: Settings, defaults: Settings, watch: LoadWatch):
+    """The defaults' and the tuned settings' speeds against plain decoding's, prompt by prompt (speed.judge)."""
+    def speeds(who) -> list[float | None]:
+        out = []
+        for p in shown:
+            n, s = runs[who].get(p, (0, 0.0))
+            out.append(n / s if n and s > 0 else None)
+        return out
+
+    shown = sorted(set(runs["ar"]))
+    named = {"ar": speeds("ar"), "the defaults": speeds(defaults)}
+    if tuned != defaults:
+        named["tuned"] = speeds(tuned)
+    return judge(named, "ar", watch.stop())
+
+
 def _verdict(tuned: Settings, best: Settings, defaults: Settings, ratios: list[float], defaults_ok: bool) -> str:
     if best == defaults:
         return "the defaults were the fastest candidate"
-    mean = math.exp(sum(ratios) / len(ratios)) if ratios else 1.0
-    noise = "" if separated(ratios) else ", within the noise of this machine"
+    c = compare("best", "defaults", [math.exp(x) for x in ratios])
+    noise = "" if c.significant else ", within the noise of this machine (not significant)"
     if tuned == defaults:
-        return f"the defaults are best: the fastest other candidate ran at {mean:.3f}× their speed{noise}"
+        return f"the defaults are best: the fastest other candidate ran at {c.ratio_text} their speed{noise}"
     if not defaults_ok:
-        return f"the defaults fail the quality constraint; the best candidate that meets it: {mean:.3f}×{noise}"
-    return f"tuned {mean:.3f}× the defaults (geometric mean of per-prompt ratios){noise}"
+        return f"the defaults fail the quality constraint; the best candidate that meets it: {c.ratio_text}{noise}"
+    return f"tuned {c.ratio_text} the defaults (geometric mean of per-prompt ratios){noise}"

@@ -197,11 +197,19 @@ def test_bench_cli_writes_json_and_markdown(tiny_models, tmp_path):
     assert [len(t) for t in data["results"][0]["tokens"]] == [16, 16]
     assert ref["identical_to_ar"] == 1.0 and ref["identical_expected"]
     assert "| llama.cpp |" in out_md.read_text()
+    # the report says what the terminal said under the table
+    assert "\n- fastest: " in out_md.read_text() and "\n- \\*: not lossless by design" in out_md.read_text()
     for key in ("mode", "budget", "prompt_set", "tok_per_s", "speedup_vs_ar", "accept_len", "draft_len",
                 "reuse_ratio", "verify_experts", "effective_verify_cost", "rollbacks"):
         assert key in data["results"][0]
     assert set(data) >= {"results", "quality", "cost_model", "machine"}
     assert "| lookup |" in out_md.read_text()
+    # each generation's speed, paired by prompt and repeat, judges every mode against ar
+    assert all(len(r["run_tok_per_s"]) == 4 for r in data["results"] if r["mode"] != "llama.cpp")
+    assert data["config"]["load"]["cpus"] >= 1
+    said = " ".join(done.stdout.split())
+    assert "fastest: " in said and "× ar (4 paired runs): " in said
+    assert "*: not lossless by design" in said  # s2moe's default gating: its = ar cell is marked
 
 
 def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_path):
@@ -401,6 +409,39 @@ def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
     assert row("s2moe", 0.5, 1.0).speedup_text == "1.05"   # it drafted: a real comparison
     assert row("s2moe", 0.0, 0.5).speedup_text == "1.05"   # different tokens (gating): not the same decoding
     assert row("ar", 0.0, None).speedup_text == "1.05"
+
+
+def test_the_footnotes_explain_the_marks_name_the_fastest_and_warn_of_a_busy_machine():
+    from s2moe.app.cmd_bench import _cells, footnotes
+    from s2moe.engine.bench import BenchDone, BenchRow
+    from s2moe.engine.speed import Load
+
+    def row(mode, runs, lossless=True, interval=None):
+        return BenchRow(mode, "none", "natural", 4, 256, 1.0, sum(runs) / 4, 1.0, 1.5, 1.0, 0.5, None, None, None,
+                        None, 0, 0.0, 0.0, None if mode == "ar" else 1.0, lossless, run_tok_per_s=runs,
+                        speedup_interval=interval)
+
+    ar = [100.0, 101.0, 99.0, 100.0]
+    noisy = [92.0, 121.0, 99.0, 95.0]
+    rows = [row("ar", ar), row("lookup", noisy, interval=[0.9, 1.12]),
+            row("s2moe", [130.0, 128.0, 131.0, 133.0], lossless=False, interval=[1.28, 1.33])]
+    busy = Load(cpus=2, load_at_start=1.6, other_cpus=0.9, busiest=[("python", 0.9)], seconds=20.0)
+    done = BenchDone(rows, {}, {}, {}, config={"load": busy.as_dict()})
+    _, cells = _cells(done)
+    assert cells[1]["x_ar"] == "1.00≈" and cells[2]["x_ar"] == "1.00"  # inside the noise, and outside it
+    assert cells[2]["same"] == "100%*"
+    notes = footnotes(done)
+    assert any(n.startswith("≈: not significant") for n in notes)
+    assert any(n.startswith("*: not lossless by design") for n in notes)
+    assert notes[2] == "fastest: s2moe — 1.30 ± 0.03× ar; 1.29 ± 0.18× lookup"
+    assert any(n.startswith("lookup ") and "not significant" in n for n in notes)
+    assert notes[-1].startswith("warning: other processes used 0.9 of 2 CPUs")
+    # a quiet machine, every mode lossless: no warning, no asterisk to explain
+    quiet = BenchDone([row("ar", ar), row("lookup", noisy, interval=[0.9, 1.12])], {}, {}, {},
+                      config={"load": Load(2, 0.1, 0.0).as_dict()})
+    notes = footnotes(quiet)
+    assert not any(n.startswith(("*", "warning")) for n in notes)
+    assert notes[-1] == "fastest: lookup — 1.01 ± 0.12× ar (not significant)"
 
 
 def _done_with_rows(offloaded: bool, repeats: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,10 @@ def test_generate_json_has_the_documented_fields(tiny_models):
                 "iterations"):
         assert key in out
     assert 0 < out["prefill_seconds"] < out["seconds"]
+    # both speeds, each named: over the whole generation, and decoding alone as bench and tune count it
+    assert out["decode_tok_per_s"] == pytest.approx(out["n_tokens"] / (out["seconds"] - out["prefill_seconds"]))
+    assert out["tok_per_s"] == pytest.approx(out["n_tokens"] / out["seconds"])
+    assert out["tok_per_s"] < out["decode_tok_per_s"]
     assert out["mode"] == "s2moe" and out["n_tokens"] == 24 == len(out["tokens"])
     assert out["accept_len"] >= 1.0 and out["tok_per_s"] > 0 and 0 < out["reuse_ratio"] <= 1
 
@@ -43,6 +48,7 @@ def test_generate_prints_text_then_summary(tiny_models):
                  "--ignore-eos")
     assert done.returncode == 0, done.stderr
     assert "tok/s" in done.stdout and "accept length" in done.stdout and "rollbacks" in done.stdout
+    assert re.search(r"\(\d+\.\d tok/s decoding, \d+\.\d with the \d+\.\d\d s prefill\)", done.stdout)
     assert "cost constants (measured at start-up)" in done.stderr
 
 

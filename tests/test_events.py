@@ -72,6 +72,8 @@ def test_a_generation_is_totalled_as_worked_out_by_hand():
     assert s.acceptance_rate == 0.4 and s.mean_draft_len == pytest.approx(5 / 3)
     assert (s.mode, s.cost, s.n_tokens, s.stop_reason) == ("s2moe", COST, 5, "length")
     assert (s.tok_per_s, s.decode_seconds) == (2.5, 1.875)
+    # decoding speed, as bench and tune count it: the prefill left out, the first token's step kept
+    assert s.decode_tok_per_s == pytest.approx(5 / 1.875) and s.as_dict()["decode_tok_per_s"] == s.decode_tok_per_s
     assert s.as_dict()["reuse_ratio_per_layer"] == [0.625, 0.375]
 
 

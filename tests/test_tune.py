@@ -4,6 +4,7 @@ flag says otherwise."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -17,7 +18,7 @@ from s2moe.engine.model_info import read_model_info
 from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
 from s2moe.engine.tune import (QUALITY_SHARE, BenchChecks, Clock, MonotonicClock, Settings, TuneDone, TuneMeasured,
                                TuneMemoryQuality, TuneProgress, TuneQuality, TuneStarted, candidate_pool, decided,
-                               default_settings, expected_check_s, run_tune, search_space, separated,
+                               default_settings, expected_check_s, run_tune, search_space,
                                too_close_to_call)
 
 # Constants under which the utility rule drafts on the tiny model (a plain step dear, a draft step cheap), so
@@ -199,13 +200,6 @@ def test_the_pool_starts_from_the_defaults_and_varies_each_setting(tiny):
     assert d.label() == d.label(memory_shown=False) and "memory α 0.3" in d.label(memory_shown=True)
 
 
-def test_separated_needs_a_consistent_difference():
-    assert not separated([0.1, 0.2])                 # too few pairs
-    assert not separated([0.3, -0.3, 0.25, -0.2])    # differences either way
-    assert separated([0.2, 0.25, 0.22, 0.18])
-    assert not separated([0.0, 0.0, 0.0])
-
-
 def test_successive_halving_finds_the_candidate_that_commits_most_per_iteration(tiny, prompts):
     events, clock = _tune(tiny, prompts, 5000)
     assert isinstance(events[0], TuneStarted) and isinstance(events[-1], TuneDone)
@@ -233,6 +227,14 @@ def test_successive_halving_finds_the_candidate_that_commits_most_per_iteration(
     assert {k: best[k] for k in Settings.__dataclass_fields__} == sec["speed"]["best_candidate"]
     # drafting pays on this clock: the tuned settings beat the defaults, measured in the same run
     assert done.tuned != done.defaults and sec["speed"]["separated"]
+    # and against plain decoding too, prompt by prompt: both faster than ar on this clock
+    defaults_vs_ar, tuned_vs_ar = sec["speed"]["versus_ar"]
+    paired = 2 ** sec["search"]["rungs"] - 1  # ar runs beside the defaults on every prompt of every rung
+    assert defaults_vs_ar.startswith("the defaults ")
+    assert defaults_vs_ar.endswith(f"× ar ({paired} paired runs): faster")
+    # the tuned settings survived every rung: beside ar on the same prompts
+    assert tuned_vs_ar.startswith("tuned ") and tuned_vs_ar.endswith(f"× ar ({paired} paired runs): faster")
+    assert sec["speed"]["machine"]["cpus"] >= 1 and "warning" in sec["speed"]
     assert sec["speed"]["tuned_tok_s"] > sec["speed"]["defaults_tok_s"] > 1.0
     assert sec["speed"]["gain"] == pytest.approx(sec["speed"]["tuned_tok_s"] / sec["speed"]["defaults_tok_s"],
                                                  abs=1e-3)
@@ -397,6 +399,15 @@ def test_the_summary_says_when_the_tuned_settings_turn_copies_off():
                          "runs": 2, "seconds": 1.0, "time_budget_s": 60.0}
     defaults, tuned = summary_lines(section, None)[:2]
     assert "copies off" in tuned and "copies" not in defaults
+    # against plain decoding as well as the defaults, and a warning where the machine was busy
+    assert not any(line.startswith(("against plain decoding", "warning")) for line in summary_lines(section, None))
+    judged = {**section, "speed": {**section["speed"], "versus_ar": ["the defaults 0.96 ± 0.02× ar (7 paired runs): "
+                                                                    "slower"],
+                                   "warning": "other processes used 1.1 of 2 CPUs (cc1 1.1) — differences may "
+                                              "be noise; rerun on a quiet machine"}}
+    lines = summary_lines(judged, None)
+    assert lines[3] == "against plain decoding: the defaults 0.96 ± 0.02× ar (7 paired runs): slower"
+    assert lines[4].startswith("warning: other processes used 1.1 of 2 CPUs")
     assert not any("quality checks" in line for line in summary_lines(section, None))  # an earlier version's record
     for unchecked, stopped in ((0, None), (1, "time"), (1, "enough")):
         search = {**section["search"], "quality_checks_s": 20.0, "unchecked": unchecked, "stopped_checking": stopped}
@@ -471,6 +482,41 @@ def test_generate_says_which_tuned_settings_it_decodes_with(tiny_models, xdg, ca
     save_profile(_profile(info.fingerprint), "plain")
     assert main(["generate", "-m", model, "-p", "hello", "-n", "4", "--profile", "plain"]) == 0
     assert "tuned ones" not in capsys.readouterr().err
+
+
+def test_generate_takes_the_app_s_active_profile_unless_told_otherwise(tiny_models, xdg, capsys):
+    from s2moe.app.tui.state import remember_profile
+
+    model = str(tiny_models["olmoe"])
+    info = read_model_info(model)
+    save_profile(with_tuned(_profile(info.fingerprint), info.fingerprint, _section(), offloaded=False), "dev")
+    argv = ["generate", "-m", model, "-p", "hello", "-n", "4", "--draft-max", "4"]
+    # no active profile: nothing to say, the constants measured at start-up
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "profile" not in err.split("cost constants")[0] and "cost constants (measured at start-up)" in err
+    remember_profile("dev")  # as the app's Profiles screen does
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("profile dev: the app's active one (--profile none: no profile, the constants measured at "
+                      "start-up)")
+    assert any(line.startswith("settings (profile dev's tuned ones") for line in err)
+    assert any(line.startswith("cost constants (profile:dev)") for line in err)
+    # --profile none: as before there was an app, and not a word about it
+    assert main(argv + ["--profile", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "profile dev" not in err and "cost constants (measured at start-up)" in err
+    # --json says nothing on stderr of the profile, and still decodes with it
+    assert main(argv + ["--json"]) == 0
+    said = capsys.readouterr()
+    assert "profile" not in said.err and json.loads(said.out)["n_tokens"] == 4
+    # an active profile without this model's constants is not used, and that is said
+    save_profile(_profile("0123456789abcdef"), "other")
+    remember_profile("other")
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert ("profile: none — the app's active profile other has no constants for olmoe.gguf, so they are measured "
+            "at start-up") in err and "cost constants (measured at start-up)" in err
 
 
 def test_the_app_session_takes_tuned_settings(tiny_models, xdg):

@@ -111,6 +111,40 @@ def test_generate_events_print_the_reason(tiny_models, tmp_path):
     assert lines and "(no-draft)" not in done.stderr
     assert ("[1] drafted 0 accepted 0 (not drafting: a certain token saves T_AR 0.51 ms but costs C_draft 0.46 + "
             "T_tok 0.24 ms; --no-utility drafts anyway) rollback 0 verify 1 tok") in lines[0]
+    # the same reason goes on: said once, then "as above" rather than the sentence again on every line
+    # (the last step stops at -n, the token limit, not for the rule)
+    assert len(lines) >= 3 and all("(as above) rollback 0 verify 1 tok" in line for line in lines[1:-1])
+    assert "(limit)" in lines[-1]
+    assert done.stderr.count("not drafting") == 1
+
+
+def test_event_lines_say_a_reason_in_full_where_it_changes_and_its_numbers_where_they_move():
+    from s2moe.app.cli import event_line
+
+    def iteration(index, decision, stop="no-draft"):
+        return replace(scripted_events("ar")[2], index=index, draft_decision=decision, draft_stop=stop)
+
+    rule = UtilityStop(CAN_PAY, 1.0)
+    for _ in range(12):
+        rule.observe_first(0.05)
+    rule.worth_drafting()
+    waiting = rule.decision  # not drafting: it can pay, but not at this p
+    rule.observe_first(0.04)
+    rule.worth_drafting()
+    lower = rule.decision
+    assert waiting.wordings[-1] != lower.wordings[-1]
+    cannot = decide(UtilityStop(CANNOT_PAY, 1.0))[1]
+    first = iteration(1, waiting)
+    assert f"({waiting.text})" in event_line(first)                      # the first line: in full
+    assert f"({waiting.text})" in event_line(first, None)
+    assert "(as above)" in event_line(iteration(2, waiting), first)       # the same, word for word
+    moved = event_line(iteration(2, lower), first)
+    assert f"({lower.wordings[-1]})" in moved and "not drafting:" not in moved  # its numbers moved
+    # another reason: in full again, and so after an iteration that drafted
+    assert f"({cannot.text}; --no-utility drafts anyway)" in event_line(iteration(3, cannot), first)
+    drafted = iteration(3, None, stop="utility")
+    assert "(utility)" in event_line(drafted, first)
+    assert f"({waiting.text})" in event_line(iteration(4, waiting), drafted)
 
 
 def test_event_line_of_a_rule_that_waits_for_a_probe():

@@ -207,5 +207,18 @@ def test_cli_out_is_a_directory(tiny_models, tmp_path, capsys):
 def test_preset_mode_still_works(tmp_path, capsys):
     out = tmp_path / "s.gguf"
     assert main(["make-synthetic", "--preset", "tiny", "--n-layer", "1", "--out", str(out)]) == 0
-    assert out.exists() and "wrote" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert out.exists() and "wrote" in said.out
+    # not a terminal: what is being written as the writing starts, then a line at each tenth, on stderr
+    err = said.err.splitlines()
+    assert err[0].startswith("writing s.gguf: random f16 weights, preset tiny (") and err[0].endswith(" MB)…")
+    percents = [int(line.split("%")[0]) for line in err[1:]]
+    assert len(percents) >= 5 and percents == sorted(percents) and percents[-1] == 100
+
+
+def test_widening_says_what_it_writes_as_it_starts(tiny_models, tmp_path, capsys):
+    out = tmp_path / "w.gguf"
+    assert main(["make-synthetic", "--from", str(tiny_models["olmoe"]), "--widen", "2", "--out", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("widening olmoe.gguf 2× into w.gguf (") and err[-1].startswith("  100% (")
 

@@ -156,6 +156,7 @@ class BenchScreen(Screen):
                 yield ProgressBar(total=1, show_eta=False, id="bench-progress")
                 yield Static("", id="bench-status")
                 yield FittedTable(TABLE_COLUMNS, id="bench-table", zebra_stripes=True, cursor_type="row")
+                yield Static("", id="bench-verdict")
                 yield BenchPlot(id="bench-plot")
                 yield BenchAcceptPlot(id="bench-accept-plot")
         yield Footer()
@@ -246,6 +247,7 @@ class BenchScreen(Screen):
             plot.show_rows([])
         self.query_one("#bench-progress", ProgressBar).update(total=1, progress=0)
         self.query_one("#bench-status", Static).update("starting…")
+        self.query_one("#bench-verdict", Static).update("")
         self.running = True
         self.update_state()
         self.bench(prompts, modes, n, prompt_set, repeats, sampling)
@@ -316,6 +318,7 @@ class BenchScreen(Screen):
             self.done = ev
             self.rows = list(ev.rows)
             self.show_rows()
+            self.show_verdict(ev)
             status = "done"
             repeats = max((r.repeats for r in self.rows), default=1)
             if repeats > 1:
@@ -325,10 +328,20 @@ class BenchScreen(Screen):
                 status += f" · verification cost fit R² {fit:.3f}"
             if any(r.decoded_as_ar for r in self.rows):
                 status += " · ≈ decoded as ar (no drafts, same tokens): that ratio is noise"
+            elif any(r.within_noise and r.mode != "ar" for r in self.rows):
+                status += " · ≈ not significant: within the run-to-run spread of ar's speed"
             if ev.config.get("greedy") is False:
                 status += (f" · sampled at T={ev.config['temperature']:g}, prompt i with seed {ev.config['seed']} + i "
                            "in every mode (= ar: ar's tokens)")
             self.query_one("#bench-status", Static).update(status)
+
+    def show_verdict(self, done: BenchDone) -> None:
+        """The fastest mode, each mode against ar, and a warning where the machine was busy (engine.speed)."""
+        lines = [line for budget, judgement in engine_bench.judgements(done.rows, done.config.get("load"))
+                 for line in judgement.lines()]
+        verdict = self.query_one("#bench-verdict", Static)
+        verdict.update("\n".join(lines))
+        verdict.set_class(any(line.startswith("warning:") for line in lines), "-warning")
 
     def show_rows(self) -> None:
         self.query_one(FittedTable).set_rows([(None, {

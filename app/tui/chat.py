@@ -13,6 +13,7 @@ from textual.screen import Screen
 from textual.widgets import Static
 
 from ...engine.errors import S2MoEError
+from ..cli import speed_text
 from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
 from .session import MODE_HELP, ChatSettings, engine_modes, mode_help, moe_modes
@@ -446,7 +447,7 @@ class ChatScreen(Screen):
             live.finish(event)
             summary = live.summary
             if turn is not None:
-                turn.summary = (f"{summary.n_tokens} tokens · {summary.tok_per_s:.1f} tok/s · "
+                turn.summary = (f"{summary.n_tokens} tokens · {speed_text(summary)} · "
                                 f"accept len {summary.accept_len:.2f} · rollbacks {summary.rollbacks} · "
                                 f"stop: {summary.stop_reason}")
                 prefilled = self._prefilled
@@ -454,7 +455,7 @@ class ChatScreen(Screen):
                     turn.summary += f" · {prefilled.reused} of {prefilled.n_tokens} prompt tokens kept in KV"
                 turn.dirty = True
             if summary.mode == "ar" and summary.n_tokens >= 4 and summary.stop_reason != "interrupted":
-                session.stats.ar_tok_per_s = summary.tok_per_s
+                session.stats.ar_tok_per_s = summary.decode_tok_per_s  # as the live panel's figure
             mean = summary.reuse_per_layer
             if mean is not None and summary.mode == "s2moe":
                 session.stats.reuse_by_gating[live.gating] = [float(x) for x in mean]

@@ -132,9 +132,10 @@ class LiveState:
 
     @property
     def tok_per_s(self) -> float:
-        """The finished generation's speed, or the latest measured while it runs."""
+        """The finished generation's decoding speed (as bench and tune count it: the prefill left out), or the
+        latest measured while it runs."""
         if self.summary.seconds > 0:
-            return self.summary.tok_per_s
+            return self.summary.decode_tok_per_s
         return self.speed[-1][1] if self.speed else 0.0
 
     def stats_text(self) -> str:

@@ -45,8 +45,9 @@ class _ChunkedTensor:
     """Looks enough like an ndarray for GGUFWriter.write_tensor_data (nbytes, tofile), but generates and
     writes its data chunk by chunk."""
 
-    def __init__(self, shape, kind, qt, rng, std=0.02):
+    def __init__(self, shape, kind, qt, rng, advance, std=0.02):
         self.shape, self.kind, self.qt, self.rng, self.std = tuple(shape), kind, qt, rng, std
+        self.advance = advance  # called with each chunk's bytes as it is written
         self.nbytes = encoded_nbytes(self.shape, qt)
 
     def _chunks(self):
@@ -68,6 +69,7 @@ class _ChunkedTensor:
             b = encode(c, self.qt)
             b.tofile(fout)
             written += b.nbytes
+            self.advance(b.nbytes)
         assert written == self.nbytes, (written, self.nbytes)
 
 
@@ -88,7 +90,8 @@ def estimate_bytes(hp: dict, dtype: str = "f16") -> int:
 def write_synthetic(arch: str | None, preset: str, out_path, *, dtype: str = "f16", seed: int = 0,
                     n_layer: int | None = None, n_expert: int | None = None, k: int | None = None,
                     ctx: int | None = None, progress=None) -> Path:
-    """Write a random-weight GGUF; returns the path. `progress(done_bytes, total_bytes)` is optional."""
+    """Write a random-weight GGUF; returns the path. `progress(done_bytes, total_bytes)` is optional: called
+    with 0 once the file is planned, then as each chunk of tensor data is written (an expert, 2048 rows)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
     hp = preset_hparams(preset, arch, n_layer=n_layer, n_expert=n_expert, k=k, ctx=ctx)
@@ -105,21 +108,28 @@ def write_synthetic(arch: str | None, preset: str, out_path, *, dtype: str = "f1
         write_metadata(w, hp, vocab, f"synthetic-{preset}-{hp['arch']}", dtype)
         w.add_string("s2moe.synthetic", "random weights; real architecture dimensions")
         tensors = []
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress:
+                progress(done, total)
+
         for i, (name, shape, kind) in enumerate(layout):
             qt = storage_type(kind, shape, dtype)
-            t = _ChunkedTensor(shape, kind, qt, np.random.default_rng([seed, i]))
+            t = _ChunkedTensor(shape, kind, qt, np.random.default_rng([seed, i]), advance)
             # a non-uint8 dtype makes gguf-py take `shape` as the element shape for any raw_dtype
             w.add_tensor_info(name, shape, np.dtype(np.float32), t.nbytes, raw_dtype=qt)
             tensors.append(t)
+        total = sum(t.nbytes for t in tensors)
+        if progress:
+            progress(0, total)
         w.write_header_to_file(tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        total, done = sum(t.nbytes for t in tensors), 0
         for t in tensors:
             w.write_tensor_data(t)
-            done += t.nbytes
-            if progress:
-                progress(done, total)
         w.close()
         os.replace(tmp, out_path)
     except BaseException:

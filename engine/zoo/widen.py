@@ -210,7 +210,8 @@ def _plan(reader, arch: str) -> tuple[dict[str, str], int, list[str]]:
 def widen(source: str | os.PathLike, out: str | os.PathLike, factor: int, *, seed: int = 0,
           progress: Progress | None = None) -> Path:
     """Write `source` with every expert FFN `factor` times as wide (inert neurons) to `out`; returns out.
-    `progress(done_bytes, total_bytes)` is called as tensor data is written."""
+    `progress(done_bytes, total_bytes)` is called with 0 once the source is checked and the file planned, then
+    as tensor data is written."""
     if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
         raise ConfigError(f"widening factor must be a whole number of at least 2, got {factor!r}")
     source, out = Path(source), Path(out)
@@ -287,6 +288,8 @@ def widen(source: str | os.PathLike, out: str | os.PathLike, factor: int, *, see
         streams.append(_Stream(nbytes, chunks, advance))
         total += nbytes
 
+    if progress:
+        progress(0, total)  # planned and checked: the writing starts
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         w.write_header_to_file(tmp)
