@@ -61,6 +61,7 @@ class DeviceSample:
     model_cached: tuple[int, int] | None   # (bytes of the model file in the page cache, its size)
     cgroup: dict[str, int] | None          # the budget cgroup: total, anon, file, locked, limit
     jetson: dict | None                    # jtop or tegrastats: gpu_load (%), temps (°C), power (mW), source
+    process: dict[str, int] | None = None  # this process's memory (/proc/self/status: VmRSS, RssAnon, RssFile, …)
 
 
 class DeviceMonitor:
@@ -82,7 +83,8 @@ class DeviceMonitor:
 
         from .errors import ConfigError
         from .offload.cgroup import current_budget_cgroup
-        from .offload.procfs import cpu_times, disk_read_bytes, file_cached_bytes, meminfo, process_read_bytes
+        from .offload.procfs import (cpu_times, disk_read_bytes, file_cached_bytes, meminfo, process_memory,
+                                     process_read_bytes)
 
         t = time.monotonic()
         cpu = cpu_times()
@@ -111,7 +113,8 @@ class DeviceMonitor:
         if cg is not None:
             group = dict(cg.split(), limit=cg.limit())
         jetson = self.jetson.latest() if self.jetson is not None else None
-        return DeviceSample(t, meminfo(), shares, rate, self.disk, disk_rate, cached, group, jetson)
+        return DeviceSample(t, meminfo(), shares, rate, self.disk, disk_rate, cached, group, jetson,
+                            process_memory() or None)
 
     def close(self) -> None:
         if self.jetson is not None:
