@@ -69,7 +69,8 @@ class ChatScreen(Screen):
         Binding("f6", "cycle_mode", "Mode", tooltip="Next decoding mode (s2moe, ar, baselines)"),
         Binding("shift+f6", "cycle_mode(-1)", "Previous mode", show=False, tooltip="Previous decoding mode"),
         Binding("f7", "toggle_utility", "Utility", tooltip="Routing-aware expansion on/off (off: fixed draft length)"),
-        Binding("f8", "toggle_gating", "Gating", tooltip="Reuse-aware gating on/off (off: lossless)"),
+        Binding("f8", "toggle_gating", "Gating",
+                tooltip="Reuse-aware gating on/off (on, the default: lossy; off: lossless)"),
         Binding("f9", "cycle_topk", "k_d", tooltip="Next number of experts per token in draft passes"),
         Binding("shift+f9", "cycle_topk(-1)", "Fewer k_d", show=False,
                 tooltip="Previous number of experts per token in draft passes"),
@@ -255,7 +256,8 @@ class ChatScreen(Screen):
 
     def action_toggle_gating(self) -> None:
         self.apply_settings(replace(self.settings, gating=not self.settings.gating))
-        self.notify("reuse-aware gating " + ("on" if self.settings.gating else "off (lossless)"), timeout=2)
+        self.notify("reuse-aware gating " + ("on (lossy: answers can differ from plain decoding's)"
+                                             if self.settings.gating else "off (lossless)"), timeout=3)
 
     def action_cycle_topk(self, step: int = 1) -> None:
         model = self.app.session.model

@@ -42,7 +42,7 @@ class S2MoECommands(Provider):
             cmds.append((f"Mode: {mode}", partial(chat, "set_mode", mode), mode_help(mode) or f"Decode with {mode}"))
         cmds += [
             ("Toggle utility expansion", partial(chat, "toggle_utility"), "Routing-aware draft length on/off (F7)"),
-            ("Toggle reuse-aware gating", partial(chat, "toggle_gating"), "Gating on/off; off is lossless (F8)"),
+            ("Toggle reuse-aware gating", partial(chat, "toggle_gating"), "Gating on/off; on (the default) is lossy, off lossless (F8)"),
             ("Toggle copies from the context", partial(chat, "toggle_lookup"),
              "s2moe drafts what followed a repeated n-gram where it pays, or never (generate's --no-lookup)"),
             ("Next draft top-k", partial(chat, "cycle_topk"), "Experts per token in draft passes (F9)"),
