@@ -62,6 +62,7 @@ class DeviceSample:
     cgroup: dict[str, int] | None          # the budget cgroup: total, anon, file, locked, limit
     jetson: dict | None                    # jtop or tegrastats: gpu_load (%), temps (°C), power (mW), source
     process: dict[str, int] | None = None  # this process's memory (/proc/self/status: VmRSS, RssAnon, RssFile, …)
+    temps: dict[str, float] | None = None  # °C by thermal zone, where no Jetson source gives temperatures
 
 
 class DeviceMonitor:
@@ -114,12 +115,29 @@ class DeviceMonitor:
             group = dict(cg.split(), limit=cg.limit())
         jetson = self.jetson.latest() if self.jetson is not None else None
         return DeviceSample(t, meminfo(), shares, rate, self.disk, disk_rate, cached, group, jetson,
-                            process_memory() or None)
+                            process_memory() or None, None if jetson is not None else thermal_zones() or None)
 
     def close(self) -> None:
         if self.jetson is not None:
             self.jetson.stop()
             self.jetson = None
+
+
+def thermal_zones(root: str = "/sys/class/thermal") -> dict[str, float]:
+    """°C of each thermal zone the kernel exposes, by its type (x86_pkg_temp, acpitz, …); a zone that cannot
+    be read (some fail while their device sleeps) is left out."""
+    from pathlib import Path
+
+    out = {}
+    for zone in sorted(Path(root).glob("thermal_zone*")):
+        try:
+            name = (zone / "type").read_text().strip() or zone.name
+            value = int((zone / "temp").read_text().strip()) / 1000
+        except (OSError, ValueError):
+            continue
+        if -50 < value < 200:  # outside: a sensor that is off or unplugged reports nonsense
+            out[name if name not in out else f"{name} {zone.name[12:]}"] = value
+    return out
 
 
 def parse_jtop_stats(stats: dict) -> dict:

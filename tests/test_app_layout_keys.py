@@ -339,14 +339,18 @@ def readings(jetson: bool):
     return device_samples() if jetson else plain_pc_samples()
 
 
-@pytest.mark.parametrize("jetson", [True, False], ids=["jetson", "pc"])
-def test_device_view_has_history_this_process_and_says_what_it_lacks(jetson):
+@pytest.mark.parametrize("jetson, thermal", [(True, False), (False, False), (False, True)],
+                         ids=["jetson", "pc", "pc-with-thermal-zones"])
+def test_device_view_has_history_this_process_and_says_what_it_lacks(jetson, thermal):
     from collections import deque
+    from dataclasses import replace
 
     from s2moe.app.tui.device import HISTORY, record
 
     history = {k: deque(maxlen=HISTORY) for k in ("disk", "cpu", "memory", "gpu", "temp", "power")}
     samples = readings(jetson)
+    if thermal:
+        samples = [replace(s, temps={"x86_pkg_temp": 40.0 + i, "acpitz": 27.8}) for i, s in enumerate(samples)]
     for sample in samples:
         record(history, sample)
     lines = [line.plain for line in DeviceView(samples[-1], history, height=22).lines(78)]
@@ -357,6 +361,9 @@ def test_device_view_has_history_this_process_and_says_what_it_lacks(jetson):
     assert {"CPU", "Memory"} <= labels
     if jetson:
         assert {"GPU", "Temp", "Power"} <= labels
+    elif thermal:
+        assert "x86_pkg_temp 47.0°C" in text and "47°C max" in text  # the zones now, the hottest in history
+        assert "no GPU or power source" in text and "Power" not in labels
     else:
         assert "no GPU, temperature or power source" in text
         assert "Temp" not in labels and "Power" not in labels

@@ -125,9 +125,15 @@ class DeviceView:
         out += self._cpu(width, s.cpu)
         if s.jetson is not None:
             out += self._jetson(width, s.jetson)
+        elif s.temps:
+            out += self._rows(width, "Temp", None, [f"{name} {value:.1f}°C" for name, value in s.temps.items()]
+                              + ["from /sys/class/thermal"])
+            out += self._rows(width, "GPU", None, ["no GPU or power source here: they come from a Jetson's jtop "
+                                                   "service or tegrastats"])
         else:
             out += self._rows(width, "GPU", None, ["no GPU, temperature or power source here: they come from a "
-                                                   "Jetson's jtop service or tegrastats"])
+                                                   "Jetson's jtop service or tegrastats, temperatures also from "
+                                                   "/sys/class/thermal"])
         return out + self._history(width, s, len(out))
 
     def _process(self, width: int, s: DeviceSample, bar: int) -> list[Text]:
@@ -153,8 +159,9 @@ class DeviceView:
         j = s.jetson or {}
         if j.get("gpu_load") is not None:
             out.append(("gpu", "GPU", 100.0, f"{j['gpu_load']}% load"))
-        if j.get("temps"):
-            out.append(("temp", "Temp", 100.0, f"{max(j['temps'].values()):.0f}°C max"))
+        temps = j.get("temps") or s.temps
+        if temps:
+            out.append(("temp", "Temp", 100.0, f"{max(temps.values()):.0f}°C max"))
         if j.get("power"):
             power = self.history.get("power") or [0.0]
             out.append(("power", "Power", max(power), f"{total_mw(j['power']) / 1000:.1f} W"))
@@ -219,6 +226,7 @@ class DeviceScreen(Screen):
                     ("CPU", "busy share of each core over the last second"),
                     ("History", "CPU (mean of the cores), memory used and, where a source exists, GPU load, the "
                                 "hottest temperature and total power: one column a second"),
+                    ("Temp", "where no Jetson source runs: each thermal zone of /sys/class/thermal"),
                     ("Jetson", "GPU load, temperatures and power rails from jtop's service (jetson-stats) where "
                                "it runs, else from tegrastats")]),
     ]
@@ -293,8 +301,9 @@ def record(history: dict[str, deque], s: DeviceSample) -> None:
     j = s.jetson or {}
     if j.get("gpu_load") is not None:
         history["gpu"].append(float(j["gpu_load"]))
-    if j.get("temps"):
-        history["temp"].append(max(j["temps"].values()))
+    temps = j.get("temps") or s.temps
+    if temps:
+        history["temp"].append(max(temps.values()))
     if j.get("power"):
         history["power"].append(total_mw(j["power"]))
 
