@@ -173,7 +173,8 @@ def storage_bandwidth(emap, *, max_bytes: int = 256 << 20, seed: int = 0, depths
     rng = np.random.default_rng(seed)
     pairs = [(l, e) for l in emap.moe_layers for e in range(emap.n_expert) if resident[l, e] < 0.01]
     if len(pairs) < len(depths):
-        return {}, 0, "the model file stays in the page cache (mapped by another process?)"
+        return {}, 0, ("the model file could not be dropped from memory (another program may hold it open), "
+                       "so its reads would not reach storage")
     rng.shuffle(pairs)
     per_expert = int(emap.expert_bytes.max())
     n_each = max(1, min(len(pairs) // len(depths), max_bytes // len(depths) // max(per_expert, 1)))
@@ -822,7 +823,7 @@ def _step_profile(cal: _Calibration, index: int, name: str, save: bool):
         },
     }, cal.info.fingerprint, _model_block(cal))
     path = save_profile(profile, name) if save else None
-    where = f"wrote {path}" if path else "not saved (save=False)"
+    where = f"wrote {path}" if path else "not written to a file yet"
     yield StepResult(index, STEPS[index - 1][0], f"{where} · model {cal.info.fingerprint}",
                      {"path": str(path) if path else None})
     yield CalibrationDone(profile, path)

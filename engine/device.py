@@ -61,6 +61,8 @@ class DeviceSample:
     model_cached: tuple[int, int] | None   # (bytes of the model file in the page cache, its size)
     cgroup: dict[str, int] | None          # the budget cgroup: total, anon, file, locked, limit
     jetson: dict | None                    # jtop or tegrastats: gpu_load (%), temps (°C), power (mW), source
+    process: dict[str, int] | None = None  # this process's memory (/proc/self/status: VmRSS, RssAnon, RssFile, …)
+    temps: dict[str, float] | None = None  # °C by thermal zone, where no Jetson source gives temperatures
 
 
 class DeviceMonitor:
@@ -82,7 +84,8 @@ class DeviceMonitor:
 
         from .errors import ConfigError
         from .offload.cgroup import current_budget_cgroup
-        from .offload.procfs import cpu_times, disk_read_bytes, file_cached_bytes, meminfo, process_read_bytes
+        from .offload.procfs import (cpu_times, disk_read_bytes, file_cached_bytes, meminfo, process_memory,
+                                     process_read_bytes)
 
         t = time.monotonic()
         cpu = cpu_times()
@@ -111,12 +114,30 @@ class DeviceMonitor:
         if cg is not None:
             group = dict(cg.split(), limit=cg.limit())
         jetson = self.jetson.latest() if self.jetson is not None else None
-        return DeviceSample(t, meminfo(), shares, rate, self.disk, disk_rate, cached, group, jetson)
+        return DeviceSample(t, meminfo(), shares, rate, self.disk, disk_rate, cached, group, jetson,
+                            process_memory() or None, None if jetson is not None else thermal_zones() or None)
 
     def close(self) -> None:
         if self.jetson is not None:
             self.jetson.stop()
             self.jetson = None
+
+
+def thermal_zones(root: str = "/sys/class/thermal") -> dict[str, float]:
+    """°C of each thermal zone the kernel exposes, by its type (x86_pkg_temp, acpitz, …); a zone that cannot
+    be read (some fail while their device sleeps) is left out."""
+    from pathlib import Path
+
+    out = {}
+    for zone in sorted(Path(root).glob("thermal_zone*")):
+        try:
+            name = (zone / "type").read_text().strip() or zone.name
+            value = int((zone / "temp").read_text().strip()) / 1000
+        except (OSError, ValueError):
+            continue
+        if -50 < value < 200:  # outside: a sensor that is off or unplugged reports nonsense
+            out[name if name not in out else f"{name} {zone.name[12:]}"] = value
+    return out
 
 
 def parse_jtop_stats(stats: dict) -> dict:

@@ -193,7 +193,7 @@ def test_live_plots_full_screen(snap_compare):
 def test_chat_light_theme(snap_compare):
     async def run_before(pilot):
         await ready(pilot)
-        await pilot.press("ctrl+t")
+        await pilot.press("f12")
         feed_generation(pilot.app.screen, "The cat")
         await settle(pilot)
 
@@ -292,15 +292,26 @@ def device_samples():
                               "VDD_CPU_CV 400mW/400mW")
     cgroup = {"total": int(1.4 * gib), "limit": int(1.5 * gib), "anon": int(0.3 * gib), "file": int(1.0 * gib),
               "locked": int(0.1 * gib)}
+    process = {"VmRSS": int(1.2 * gib), "RssAnon": int(0.4 * gib), "RssFile": int(0.8 * gib), "VmSwap": 0}
     return [DeviceSample(float(i), memory, [((i + c) % 10) / 10 for c in range(12)] if i else [],
                          None if i == 0 else 1e6 * (40 + 20 * (i % 3)), "nvme0n1",
-                         None if i == 0 else 1e6 * (50 + 30 * (i % 4)), (int(8.1 * gib), 13 * gib), cgroup, jetson)
+                         None if i == 0 else 1e6 * (50 + 30 * (i % 4)), (int(8.1 * gib), 13 * gib), cgroup,
+                         dict(jetson, gpu_load=20 + 9 * i), process)
             for i in range(8)]
 
 
+def plain_pc_samples():
+    """Readings of a PC with no Jetson: no GPU, temperature or power source."""
+    from dataclasses import replace
+
+    return [replace(s, jetson=None, cgroup=None) for s in device_samples()]
+
+
 @pytest.mark.parametrize("size", [pytest.param((80, 24), id="80x24"), SMALL])
-def test_device(snap_compare, size, monkeypatch):
-    samples = device_samples()
+@pytest.mark.parametrize("readings", [pytest.param(device_samples, id="jetson"),
+                                      pytest.param(plain_pc_samples, id="pc")])
+def test_device(snap_compare, size, readings, monkeypatch):
+    samples = readings()
     monkeypatch.setattr("s2moe.app.tui.device.DeviceScreen.INTERVAL", 3600.0)  # no reading of this machine
     monkeypatch.setattr("s2moe.engine.device.DeviceMonitor.sample", lambda self: samples[0])
 

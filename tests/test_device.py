@@ -205,6 +205,32 @@ def test_a_monitor_gives_rates_from_the_second_reading_on(tiny_models):
     assert DeviceMonitor(str(tiny_models["olmoe"].parent / "missing.gguf")).sample().model_cached is None
 
 
+def test_this_process_memory_grows_with_what_it_touches():
+    from s2moe.engine.offload.procfs import process_memory
+
+    before = process_memory()
+    assert 0 < before["RssAnon"] <= before["VmRSS"]
+    block = bytearray(64 << 20)  # zero-filled: every page written, so resident
+    after = process_memory()
+    assert after["RssAnon"] - before["RssAnon"] >= (48 << 20)
+    del block
+    assert DeviceMonitor(None).sample().process["VmRSS"] > 0
+
+
+def test_thermal_zones_by_type_leave_out_what_cannot_be_read(tmp_path):
+    from s2moe.engine.device import thermal_zones
+
+    for i, (kind, milli) in enumerate([("x86_pkg_temp", "47000"), ("acpitz", "27800"), ("acpitz", "30000"),
+                                        ("iwlwifi_1", "-274000"), ("broken", "n/a")]):
+        zone = tmp_path / f"thermal_zone{i}"
+        zone.mkdir()
+        (zone / "type").write_text(kind + "\n")
+        (zone / "temp").write_text(milli + "\n")
+    (tmp_path / "thermal_zone9").mkdir()  # no files: a zone whose driver went away
+    assert thermal_zones(str(tmp_path)) == {"x86_pkg_temp": 47.0, "acpitz": 27.8, "acpitz 2": 30.0}
+    assert thermal_zones(str(tmp_path / "none")) == {}
+
+
 INSIDE = """
 from s2moe.engine.device import DeviceMonitor
 g = DeviceMonitor(None).sample().cgroup

@@ -216,7 +216,7 @@ def test_measured_rows_are_those_of_the_budget_projected(tmp_path):
 
 
 def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_models, tmp_path, monkeypatch):
-    """Bench on a tiny model records a trace per prompt; F6 projects them; arrows pick the profile, b the budget."""
+    """Bench on a tiny model records a trace per prompt; Ctrl+F projects them; arrows pick the profile, b the budget."""
     import asyncio
     import time
 
@@ -243,7 +243,7 @@ def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_mo
             await pilot.press("ctrl+r")
             await wait_for(pilot, lambda: bench.done is not None and not bench.running, 180, "bench")
             assert len(bench.traces) == 2
-            await pilot.press("f6")
+            await pilot.press("ctrl+f")
             await wait_for(pilot, lambda: isinstance(app.screen, ProjectionScreen), 10, "projection screen")
             screen = app.screen
             profiles = list(screen.profiles)

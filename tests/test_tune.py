@@ -541,7 +541,7 @@ def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
         assert session.config(ChatSettings()).memory_strength == 0.3
         assert session.config(ChatSettings(memory_strength=0.1)).memory_strength == 0.1
         assert "memory" not in ChatSettings().describe(session.model, session.tuned())
-        assert "gating 0.25 · memory 0.3" in ChatSettings().describe(session.model, session.tuned(), budgeted=True)
+        assert "gating 0.25 (lossy) · memory 0.3" in ChatSettings().describe(session.model, session.tuned(), budgeted=True)
         session.profile_name = None
         cfg = session.config(ChatSettings())
         assert (cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap, cfg.lookup) == (8, 1.0, 0.5, None, True)

@@ -52,7 +52,7 @@ def scripted_calibration(fail_in_step: int | None = None):
         profile = {"schema": 1, "name": name, "kind": "measured", "device": {"name": "test cpu", "kind": "cpu"},
                    "models": {FP: {"model": "fake-moe.gguf", "t_ar_ms": 0.51, "c_draft_ms": 0.46, "t_exp_ms": 0.0,
                                    "t_tok_ms": 0.1, "intercept_ms": 0.4, "measured": {"by": "s2moe calibrate"}}}}
-        yield StepResult(6, "profile", "not saved (save=False)", {"path": None})
+        yield StepResult(6, "profile", "not written to a file yet", {"path": None})
         yield CalibrationDone(profile, None)
 
     return run_calibration

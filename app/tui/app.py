@@ -45,7 +45,8 @@ class S2MoEApp(App):
         Binding("f5", "switch_mode('bench')", "Bench", show=False, tooltip="Compare modes"),
         Binding("f10", "switch_mode('device')", "Device", show=False,
                 tooltip="Memory, page cache, storage reads, CPU, the budget; a Jetson's GPU"),
-        Binding("ctrl+t", "toggle_theme", "Theme", show=False, tooltip="Light / dark theme"),
+        # not Ctrl+T: on Calibrate that key starts a tuning run, and no key may mean two things
+        Binding("f12", "toggle_theme", "Theme", show=False, tooltip="Light / dark theme"),
         Binding("ctrl+p", "command_palette", "Palette", show=False, tooltip="Command palette: every action by name"),
     ]
 
@@ -188,6 +189,11 @@ class S2MoEApp(App):
         """Save the bench results (the command palette): from the Bench screen, where they are."""
         self.switch_mode("bench")
         self.call_after_refresh(lambda: self.screen.action_export())
+
+    def bench_project(self) -> None:
+        """Project the last bench's traces (the command palette): from the Bench screen, where they are."""
+        self.switch_mode("bench")
+        self.call_after_refresh(lambda: self.screen.action_project())
 
     @property
     def chat_screen(self) -> ChatScreen | None:

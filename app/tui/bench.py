@@ -94,16 +94,16 @@ class BenchAcceptPlot(BenchPlot):
 
 class BenchScreen(Screen):
     HELP_TITLE = "Bench"
-    # Under 80 columns the form and the results stack: side by side the form keeps its 30 columns and the
-    # plots get what is left, too narrow for their labels.
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (80, "-wide")]
+    # Under 100 columns the form and the results stack: side by side the form keeps its 30 columns and the
+    # results get what is left, too narrow for the table's columns (fewer than a stacked 60 would show).
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
     AUTO_FOCUS = "#bench-prompts"
     BINDINGS = [
         Binding("ctrl+r", "start", "Run", tooltip="Run the selected modes on the prompts"),
         Binding("escape", "stop", "Stop", tooltip="Stop after the current generation"),
         Binding("ctrl+s", "export", "Save", tooltip="Save the results as JSON (.json) or CSV (.csv)"),
-        # priority: a text area with the focus would take the key for itself
-        Binding("f6", "project", "Project", priority=True,
+        # not F6, the chat's Mode key: no key means two things across the screens
+        Binding("ctrl+f", "project", "Project",
                 tooltip="Project the last bench's traces onto a device profile"),
     ]
 
@@ -124,7 +124,7 @@ class BenchScreen(Screen):
     def compose(self) -> ComposeResult:
         yield NavBar("bench", id="navbar")
         with Horizontal(id="bench-body"):
-            with VerticalScroll(id="bench-form"):
+            with VerticalScroll(id="bench-form", can_focus=False):  # its fields take the focus and scroll it
                 yield Static("", id="bench-intro")
                 yield Label("Prompt set")
                 yield Select([("typed below", "custom")] + [(s, s) for s in PROMPT_SETS], value="custom",

@@ -251,6 +251,7 @@ class CalibrateScreen(Screen):
         self.running = False
         self.result: dict | None = None
         self.saved_path = None
+        self.profile_step: StepState | None = None  # the step that reports where the profile was written
         self.fit: dict | None = None
         self.n_steps = 0
         self.tune: TuneState | None = None
@@ -258,23 +259,23 @@ class CalibrateScreen(Screen):
     def compose(self) -> ComposeResult:
         yield NavBar("calibrate", id="navbar")
         with Horizontal(id="cal-body"):
-            with VerticalScroll(id="cal-left"):
+            with VerticalScroll(id="cal-left", can_focus=False):  # its fields take the focus and scroll it
                 yield Static(INTRO, id="cal-intro")
                 with Horizontal(classes="form-row"):
                     yield Label("Profile name", classes="form-label")
                     yield Input(placeholder="e.g. my-laptop", id="cal-name")
                 with Horizontal(classes="form-row"):
                     yield Label("Memory budget", classes="form-label")
-                    yield Input(placeholder="e.g. auto, 800M", id="cal-budget")
+                    yield Input(placeholder="auto or 800M", id="cal-budget")
                 with Horizontal(classes="form-row"):
                     yield Label("Tuning minutes", classes="form-label")
-                    yield Input(placeholder=f"{TUNE_MINUTES:g}, {TUNE_MINUTES_BUDGETED:g} under a budget",
+                    yield Input(placeholder=f"{TUNE_MINUTES:g} ({TUNE_MINUTES_BUDGETED:g} budgeted)",
                                 id="cal-tune-minutes", type="number")
                 with Horizontal(classes="button-row"):
                     yield Button("Run", variant="primary", id="cal-run")
                     yield Button("Tune", id="cal-tune")
                     yield Button("Stop", id="cal-stop")
-                    yield Button("Save profile", variant="success", id="cal-save")
+                    yield Button("Save", variant="success", id="cal-save", tooltip="Save as a named profile (Ctrl+S)")
                 yield ProgressBar(total=1, show_eta=False, id="cal-progress")
                 yield Static("", id="cal-steps")
             with Vertical(id="cal-right"):
@@ -342,7 +343,7 @@ class CalibrateScreen(Screen):
                             "Ctrl+S saves what was measured: it asks first, and the profile says what is missing."
                             + then, style="bold")
             else:
-                text.append("\nDone. Press Ctrl+S (or Save profile) to save it as a named profile." + then,
+                text.append("\nDone. Press Ctrl+S (or the Save button) to save it as a named profile." + then,
                             style="bold")
         return text
 
@@ -497,6 +498,8 @@ class CalibrateScreen(Screen):
             outcome = step_outcome(ev, FIELDS)
             step.state, step.reason, step.flags = outcome.state, outcome.reason, list(outcome.flags)
             step.summary = ev.summary if outcome.state == "done" else outcome.note
+            if "path" in ev.data:
+                self.profile_step = step
             data = ev.data
             if "measured" in data and "predicted" in data:
                 self.fit = data
@@ -598,6 +601,8 @@ class CalibrateScreen(Screen):
             self.notify(f"cannot write the profile: {e.strerror}", title="Not saved", severity="error")
             return
         self.app.set_profile(name)
+        if self.profile_step is not None:
+            self.profile_step.summary = f"saved as {name}: {self.saved_path}"
         self.notify(f"saved profile {name}: {self.saved_path}", timeout=6)
         self.update_state()
 

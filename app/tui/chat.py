@@ -64,11 +64,17 @@ class ChatScreen(Screen):
 
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the generation after the current iteration"),
-        Binding("ctrl+r", "toggle_rejected", "Drafts", show=False, tooltip="Show or hide rejected draft tokens"),
+        # not Ctrl+R, which runs on Calibrate and Bench: a letter that works off the prompt, as q and ? do
+        Binding("d", "toggle_rejected", "Drafts", show=False,
+                tooltip="Show or hide rejected draft tokens (when not typing; Tab leaves the prompt)"),
         Binding("f6", "cycle_mode", "Mode", tooltip="Next decoding mode (s2moe, ar, baselines)"),
+        Binding("shift+f6", "cycle_mode(-1)", "Previous mode", show=False, tooltip="Previous decoding mode"),
         Binding("f7", "toggle_utility", "Utility", tooltip="Routing-aware expansion on/off (off: fixed draft length)"),
-        Binding("f8", "toggle_gating", "Gating", tooltip="Reuse-aware gating on/off (off: lossless)"),
+        Binding("f8", "toggle_gating", "Gating",
+                tooltip="Reuse-aware gating on/off (on, the default: lossy; off: lossless)"),
         Binding("f9", "cycle_topk", "k_d", tooltip="Next number of experts per token in draft passes"),
+        Binding("shift+f9", "cycle_topk(-1)", "Fewer k_d", show=False,
+                tooltip="Previous number of experts per token in draft passes"),
         Binding("ctrl+o", "settings", "Settings", show=False, tooltip="All generation settings in one form"),
         Binding("ctrl+s", "export", "Save", show=False,
                 tooltip="Save the transcript as Markdown (.md) or JSONL (.jsonl); the path is shown after"),
@@ -80,28 +86,30 @@ class ChatScreen(Screen):
         Binding("i", "focus_prompt", "Prompt", show=False, tooltip="Focus the prompt (when not typing)"),
     ]
 
-    PROMPT_HELP = [("Up / Down", "earlier prompts of this session"),
-                   ("Tab / Shift+Tab", "move focus: prompt, transcript, live panel (q and ? work off the prompt)")]
+    PROMPT_HELP = [("Up / Down", "earlier prompts of this session"), ("Ctrl+U", "clear the prompt"),
+                   ("Tab / Shift+Tab", "move focus: prompt, transcript, live panel (q, ?, d work off the prompt)")]
     COMPLETION_HELP = [("Enter", "generate (each prompt is a fresh completion; the transcript keeps them all)")]
     OTHER_HELP = [
-        ("Modes (F6)", list(MODE_HELP.items())),
+        ("Modes (F6 next, Shift+F6 back)", list(MODE_HELP.items())),
         ("Answer colours", [("accepted", "draft token the target accepted"),
                             ("correction", "the target's token replacing the first rejected draft"),
                             ("bonus", "the target's extra token after every draft was accepted"),
-                            ("rejected", "draft token the target rejected (struck through; Ctrl+R hides)"),
+                            ("rejected", "draft token the target rejected (struck through; d hides, off the prompt)"),
                             ("plain", "a plain decoding step (no draft)")]),
         ("Live panel", [("Ctrl+G", "the panel full-screen with every plot; Ctrl+G or Esc returns"),
                         ("tiles", "one line per figure: value, recent iterations as a sparkline, note; reuse and "
                                   "memory draw one bar per layer, utility marks the rule's cut with |"),
                         ("accept len", "tokens committed per target pass (1.0 = plain decoding)"),
                         ("accepted", "share of draft tokens the target accepted"),
-                        ("rollbacks", "KV entries of rejected drafts removed after verification"),
-                        ("reuse", "distinct experts / (tokens × k) per layer; 1/tokens is perfect reuse"),
+                        ("rollbacks", "rejected draft tokens undone after verification (removed from the model's KV cache)"),
+                        ("reuse", "distinct experts / (tokens × k) per layer: lower means the tokens shared more experts; "
+                                  "1/tokens is perfect reuse"),
                         ("useful", "share of the verification's experts that committed tokens needed"),
                         ("moved", "expert selections reuse-aware gating moved onto shared experts"),
                         ("no draft", "the utility rule's decision (or drafting, probing) with its numbers; "
                                      "F7 turns the rule off"),
-                        ("fetched", "under --budget: experts per step not in memory as their layer routed / read"),
+                        ("per step", "under --budget: experts a verification read over all layers, those fetched from "
+                                     "storage (not in memory when their layer routed), page faults"),
                         ("faults", "under --budget: page faults per step that waited for storage")]),
     ]
 
@@ -136,9 +144,9 @@ class ChatScreen(Screen):
                 yield Static(id="legend")
                 yield Transcript(id="transcript")
                 yield Static(id="settings-bar")
-                yield PromptInput(placeholder="Type a prompt, Enter to generate (Esc stops)", id="prompt")
+                yield PromptInput(placeholder="Prompt: Enter runs, Esc stops", id="prompt")
             yield LivePanel(id="live")
-        # F1 Help must stay on the line at 80 columns: Ctrl+R and Ctrl+O are in the help and the palette
+        # F1 Help must stay on the line at 80 columns: d and Ctrl+O are in the help and the palette
         yield FittedFooter(compact=True, first=("stop", "cycle_mode", "full_live"))
 
     def on_mount(self) -> None:
@@ -226,10 +234,10 @@ class ChatScreen(Screen):
             s = replace(s, draft_topk=routing_defaults(64, 8).draft_topk)
         return s
 
-    def action_cycle_mode(self) -> None:
+    def action_cycle_mode(self, step: int = 1) -> None:
         modes = self.available_modes()
-        i = modes.index(self.settings.mode) if self.settings.mode in modes else -1
-        self.apply_settings(replace(self.settings, mode=modes[(i + 1) % len(modes)]))
+        i = modes.index(self.settings.mode) if self.settings.mode in modes else -step
+        self.apply_settings(replace(self.settings, mode=modes[(i + step) % len(modes)]))
         self.notify(f"{self.settings.mode}: {mode_help(self.settings.mode)}".rstrip(": "), timeout=3)
 
     def action_set_mode(self, mode: str) -> None:
@@ -249,15 +257,16 @@ class ChatScreen(Screen):
 
     def action_toggle_gating(self) -> None:
         self.apply_settings(replace(self.settings, gating=not self.settings.gating))
-        self.notify("reuse-aware gating " + ("on" if self.settings.gating else "off (lossless)"), timeout=2)
+        self.notify("reuse-aware gating " + ("on (lossy: answers can differ from plain decoding's)"
+                                             if self.settings.gating else "off (lossless)"), timeout=3)
 
-    def action_cycle_topk(self) -> None:
+    def action_cycle_topk(self, step: int = 1) -> None:
         model = self.app.session.model
         k = model.k if model is not None and model.is_moe else 8
         choices = list(range(1, max(2, k)))
         current = self.shown_settings().draft_topk
-        i = choices.index(current) if current in choices else -1
-        self.apply_settings(replace(self.settings, draft_topk=choices[(i + 1) % len(choices)]))
+        i = choices.index(current) if current in choices else -step
+        self.apply_settings(replace(self.settings, draft_topk=choices[(i + step) % len(choices)]))
         self.notify(f"draft experts per token k_d = {self.settings.draft_topk}", timeout=2)
 
     def action_settings(self) -> None:

@@ -35,6 +35,8 @@ def key_label(key: str) -> str:
             parts.append(KEY_NAMES[k])
         elif k.startswith("ctrl+"):
             parts.append("Ctrl+" + k[5:].upper())
+        elif k.startswith("shift+"):
+            parts.append("Shift+" + key_label(k[6:]))
         elif k.startswith("f") and k[1:].isdigit():
             parts.append(k.upper())
         else:
@@ -181,7 +183,7 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 yield Label("Utility expansion")
                 yield TickBox("on", value=s.utility, id="set-utility")
                 yield Label("Reuse gating")
-                yield TickBox("on", value=s.gating, id="set-gating")
+                yield TickBox("on (lossy; off is lossless)", value=s.gating, id="set-gating")
                 yield Label("Copies from context")
                 yield TickBox("on", value=s.lookup, id="set-lookup",
                               tooltip="s2moe: draft what followed a repeated n-gram, where the rule says it pays")

@@ -149,9 +149,10 @@ class LiveState:
             lines.append(f"useful {s.useful_share:.0%} of the verified experts")
         if s.offloaded_steps:
             n = s.offloaded_steps
-            # per verification: experts fetched / experts read, and page faults that waited for storage
-            lines.append(f"fetched {s.experts_fetched / n:.1f}/{s.experts_read / n:.0f} experts  "
-                         f"faults {s.storage_faults / n:.1f}")
+            # per verification, over all layers (so more than a layer's expert count): experts read, those not
+            # in memory when their layer routed, and page faults that waited for storage
+            lines.append(f"per step: {s.experts_read / n:.0f} experts read (all layers), "
+                         f"{s.experts_fetched / n:.1f} fetched from storage, {s.storage_faults / n:.1f} faults")
         if s.cost is not None and s.cost.source:
             lines.append(f"cost: {s.cost.source}")
         return "\n".join(lines)
@@ -227,7 +228,7 @@ class Tiles:
         out.append(self._series(width, "tok/s", f"{s.tok_per_s:.1f}", speeds, note))
         rate = f"{su.acceptance_rate:.0%} accepted" if su.drafted else "no drafts"
         out.append(self._series(width, "accept", f"{su.accept_len:.2f}", s.accept, rate, max(s.accept, default=1)))
-        out.append(self._series(width, "rollb.", str(su.rollbacks), s.rollbacks, "KV entries"))
+        out.append(self._series(width, "rollb.", str(su.rollbacks), s.rollbacks, "tok undone"))
         out += self._reuse(width, room)
         out.append(self._utility(width, room))
         out += self._memory(width, room)
@@ -428,16 +429,16 @@ def layer_bars(plt, first: list[float], second: list[float] | None = None) -> No
 
 
 class ReusePlot(LivePlot):
-    TITLE = "Reuse ratio per layer"
+    TITLE = "Distinct experts per layer"
 
     def plot_data(self, s):
         plt = self.plt
         if not s.reuse_last:
             return 0
         if s.reuse_other:
-            plt.title(f"Reuse per layer: last █, {s.reuse_other_label} {SECOND}")
+            plt.title(f"Distinct experts: last █, {s.reuse_other_label} {SECOND}")
         layer_bars(plt, s.reuse_last, s.reuse_other)
-        plt.xlabel("layer (lower = more reuse)")
+        plt.xlabel("layer (fewer = more shared)")
         return len(s.reuse_last)
 
 

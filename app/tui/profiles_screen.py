@@ -26,7 +26,7 @@ class ProfilesScreen(Screen):
     BINDINGS = [
         Binding("space,u", "activate", "Use", tooltip="Make the highlighted profile the active one (or Enter)"),
         Binding("delete,backspace,n", "clear", "No profile", tooltip="No profile: measure cost constants at start-up"),
-        Binding("ctrl+r,r", "reload", "Reload", tooltip="Read the profile folders again"),
+        Binding("r", "reload", "Reload", tooltip="Read the profile folders again"),
         Binding("c", "calibrate", "Calibrate", show=False, tooltip="Calibrate a new profile (F3)"),
     ]
 
@@ -116,12 +116,6 @@ class ProfilesScreen(Screen):
         out.add_column(style="bold")
         out.add_column(overflow="fold")  # a file name is folded onto the next line, never cut
         out.add_row("profile", entry.name)
-        out.add_row("kind", entry.kind)
-        out.add_row("from", f"{entry.where} ({entry.path.name})")
-        if entry.device:
-            out.add_row("device", entry.device)
-        if data.get("description"):
-            out.add_row("about", str(data["description"]))
         if entry.error:
             out.add_row("status", Text(entry.error, style="red"))
         covers = entry.covers(fp) if fp else ""
@@ -134,7 +128,22 @@ class ProfilesScreen(Screen):
         else:
             self.model_note = "not calibrated for it (selecting it falls back to measuring)"
         out.add_row("this model", Text(self.model_note, style="" if covers else "yellow"))
-        consts = Table(title="constants (ms)", box=None, padding=(0, 1), title_justify="left")
+        # what the calibration could not measure or doubted, saved with the profile: near the top, where the
+        # eye is before the profile is used
+        checks = model_block(entry, fp).get("measured") or {}
+        for flag in checks.get("flagged") or ():
+            out.add_row("⚠ doubt", Text(str(flag), style="yellow"))
+        for missing in checks.get("missing") or ():
+            out.add_row("✖ missing", Text(str(missing), style="red"))
+        out.add_row("kind", entry.kind)
+        out.add_row("from", f"{entry.where} ({entry.path.name})")
+        if entry.device:
+            out.add_row("device", entry.device)
+        if data.get("description"):
+            out.add_row("about", str(data["description"]))
+        # one space between columns and none at the edges: at 80 columns the pane has about 30 cells
+        consts = Table(title="constants (ms)", box=None, padding=(0, 1), collapse_padding=True, pad_edge=False,
+                       title_justify="left")
         consts.add_column("constant")
         consts.add_column("measured", justify="right")
         consts.add_column("reference", justify="right")
@@ -173,10 +182,8 @@ class ProfilesScreen(Screen):
 def constants_table(entry: ProfileEntry, fingerprint: str | None) -> list[tuple[str, str, str]]:
     """Rows (constant, measured for this model, reference) in milliseconds, for the profile inspector."""
     keys = ("t_ar_ms", "c_draft_ms", "t_exp_ms", "t_tok_ms", "intercept_ms")
-    data = entry.data or {}
-    models = data.get("models") or {}
-    measured = models.get(fingerprint) if isinstance(models, dict) and fingerprint else None
-    reference = data.get("reference")
+    measured = model_block(entry, fingerprint) or None
+    reference = (entry.data or {}).get("reference")
     rows = []
 
     def fmt(block, key):
@@ -186,9 +193,16 @@ def constants_table(entry: ProfileEntry, fingerprint: str | None) -> list[tuple[
         return f"{v:.4g}" if isinstance(v, (int, float)) else str(v)
 
     for key in keys:
-        rows.append((key, fmt(measured, key), fmt(reference, key)))
-    for key in ("r2", "mape"):
+        rows.append((key.removesuffix("_ms"), fmt(measured, key), fmt(reference, key)))  # the title says ms
+    for key, label in (("r2", "fit R²"), ("mape", "fit MAPE")):
         mfit = (measured or {}).get("fit") if isinstance(measured, dict) else None
         rfit = (reference or {}).get("fit") if isinstance(reference, dict) else None
-        rows.append((f"fit {key}", fmt(mfit, key), fmt(rfit, key)))
+        rows.append((label, fmt(mfit, key), fmt(rfit, key)))
     return rows
+
+
+def model_block(entry: ProfileEntry, fingerprint: str | None) -> dict:
+    """The profile's block for the model with this fingerprint ({} where it has none)."""
+    models = (entry.data or {}).get("models") or {}
+    block = models.get(fingerprint) if isinstance(models, dict) and fingerprint else None
+    return block if isinstance(block, dict) else {}

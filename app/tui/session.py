@@ -143,7 +143,9 @@ class ChatSettings:
             parts.append(f"k_d={'auto' if k_d is None else k_d}")
         if self.mode == "s2moe":
             parts.append("utility " + ("on" if self.utility else "off"))
-            parts.append(f"gating {self.resolved(model, tuned).reuse_strength:g}" if self.gating else "gating off")
+            strength = self.resolved(model, tuned).reuse_strength
+            # gating changes which experts a token uses, so its answers can differ from plain decoding's
+            parts.append(f"gating {strength:g} (lossy)" if self.gating and strength else "gating off (lossless)")
             if self.gating and budgeted:
                 parts.append(f"memory {self.resolved(model, tuned).memory_strength:g}")
             if not self.resolved(model, tuned).lookup:

@@ -21,6 +21,9 @@ SCREENS = (("chat", "Chat", "f2"), ("calibrate", "Calibrate", "f3"), ("profiles"
            ("bench", "Bench", "f5"), ("device", "Device", "f10"))
 
 
+SHORT_LABELS = {"Calibrate": "Calib", "Profiles": "Prof", "Device": "Dev"}
+
+
 class NavBar(Static):
     """One line at the top: the screens with their keys, the current one highlighted, and the model."""
 
@@ -40,17 +43,34 @@ class NavBar(Static):
 
     def refresh_bar(self) -> None:
         app = self.app
-        text = Text(no_wrap=True, overflow="ellipsis")
-        if self.size.width >= 100:
-            text.append("S²-MoE ", style="bold")
-        for mode, label, key in SCREENS:
-            style = "reverse bold" if mode == self.current else ""
-            text.append(f" {key.upper()} {label} ", style=style)
         model = getattr(app, "model_short_label", "") or getattr(app, "model_label", "")
+        room = self.size.width - len("  │ ") - len(model) if model else self.size.width
+        # the screens as wide as the model's name leaves room for: in full, then with short names, then the
+        # other screens by their keys alone, then the current one alone (F1 lists them all) rather than the
+        # model's name cut off
+        for form in ("full", "short", "keys", "current", "current short"):
+            tabs = self._tabs(form)
+            if tabs.cell_len <= room:
+                break
+        text = Text(no_wrap=True, overflow="ellipsis")
+        if form == "full" and self.size.width >= 100:
+            text.append("S²-MoE ", style="bold")
+        text.append_text(tabs)
         if model:
             text.append("  │ ", style="dim")
             text.append(model, style="italic")
         self.update(text)
+
+    def _tabs(self, form: str) -> Text:
+        text = Text()
+        for mode, label, key in SCREENS:
+            current = mode == self.current
+            if form.startswith("current") and not current:
+                continue
+            if form in ("short", "current short") or (form == "keys" and not current):
+                label = "" if form == "keys" else SHORT_LABELS.get(label, label)
+            text.append(f" {key.upper()} {label} ".replace("  ", " "), style="reverse bold" if current else "")
+        return text
 
 
 def segment_styles(app) -> dict[str, str]:
@@ -132,9 +152,11 @@ class Transcript(VerticalScroll):
 
 
 class PromptInput(Input):
-    """The prompt line; Up/Down recall earlier prompts of this session."""
+    """The prompt line; Up/Down recall earlier prompts of this session, Ctrl+U clears it (Input's own Ctrl+U
+    deletes only what is left of the cursor)."""
 
     BINDINGS = [
+        Binding("ctrl+u", "clear", "Clear the prompt", show=False),
         Binding("up", "history(-1)", "Previous prompt", show=False),
         Binding("down", "history(1)", "Next prompt", show=False),
     ]
@@ -148,6 +170,9 @@ class PromptInput(Input):
         if not self.history or self.history[-1] != prompt:
             self.history.append(prompt)
         self._pos = len(self.history)
+
+    def action_clear(self) -> None:
+        self.value = ""
 
     def action_history(self, step: int) -> None:
         if not self.history:

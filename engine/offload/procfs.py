@@ -143,9 +143,19 @@ def process_read_bytes(pid: int | str = "self") -> int | None:
 
 def meminfo() -> dict[str, int]:
     """/proc/meminfo in bytes, by its own names (MemTotal, MemAvailable, Cached, SwapTotal, …)."""
+    return _numbers("/proc/meminfo")
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """A process's memory in bytes from /proc/PID/status, by its own names (VmRSS, RssAnon, RssFile, VmSwap, …)."""
+    return {k: v for k, v in _numbers(f"/proc/{pid}/status").items() if k.startswith(("Vm", "Rss"))}
+
+
+def _numbers(path: str) -> dict[str, int]:
+    """The `Name: number [kB]` lines of a /proc file, in bytes where the unit is kB."""
     out = {}
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             key, _, rest = line.partition(":")
             f = rest.split()
             if f and f[0].isdigit():
