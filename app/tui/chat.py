@@ -143,7 +143,13 @@ class ChatScreen(Screen):
     def on_mount(self) -> None:
         self.app.register_view(self)
         self.query_one("#legend", Static).update(legend(self.app))
-        self.settings = replace(settings_from_state(remembered_settings()), **self.app.sampling_flags)
+        try:
+            remembered = remembered_settings()
+        except S2MoEError as e:
+            remembered = {}
+            self.notify(f"{failure_text(e)}: the chat starts from the default settings, which replace the file "
+                        "when a setting changes", title="Settings not restored", severity="warning", timeout=12)
+        self.settings = replace(settings_from_state(remembered), **self.app.sampling_flags)
         self.adapt_to_model()
         self.set_interval(0.1, self.flush_text)
         self.set_interval(0.3, self.flush_live)  # plots cost more to draw than text
