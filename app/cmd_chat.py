@@ -1,9 +1,10 @@
 """`s2moe generate -cnv`: a conversation in turns under the model's chat template, as llama-cli's -cnv.
 
 The first turn is the prompt (-p or -f); each further line of standard input is the next turn, until its
-end (Ctrl+D on a terminal). A turn that cannot be sent (longer than the context holds, not UTF-8) is refused
-in a line and the conversation goes on; the exit code then says that one was (2). The KV cache keeps the turns before, so that each turn decodes only its own
-tokens. A model without a chat template llama.cpp applies gets a plain completion per turn, said once.
+end (Ctrl+D on a terminal). The KV cache keeps the turns before, so that each turn decodes only its own
+tokens. A model without a chat template llama.cpp applies gets a plain completion per turn, said once. A
+turn that cannot be sent (longer than the context holds, not UTF-8) is refused in a line and the
+conversation goes on; the exit code then says that one was (2).
 """
 
 from __future__ import annotations

@@ -234,14 +234,25 @@ class _Bad(Exception):
 
 def _int(v, what: str, lo: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise _Bad(f"{what} must be a whole number ≥ {lo}, got {v!r}")
+        raise _Bad(f"{what} must be a whole number ≥ {lo}, got {_shown(v)}")
     return v
 
 
 def _num(v, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-        raise _Bad(f"{what} must be a number in [{lo:g}, {hi:g}], got {v!r}")
-    return float(v)
+    try:
+        # an integer of a few thousand digits is JSON too: beyond a float, and math.isfinite cannot take it
+        x = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:
+        x = math.nan
+    if not math.isfinite(x) or not lo <= x <= hi:
+        raise _Bad(f"{what} must be a number in [{lo:g}, {hi:g}], got {_shown(v)}")
+    return x
+
+
+def _shown(v) -> str:
+    """A value in an error's one line: a list or a number of thousands of characters, cut."""
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"a number of {len(str(abs(v)))} digits"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _decode(text, h: TraceHeader, what: str) -> np.ndarray:

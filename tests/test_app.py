@@ -1004,6 +1004,9 @@ def test_remembered_settings_keep_only_what_still_applies():
     assert s == ChatSettings()
     # values the engine refuses: the defaults, not an error at start-up
     assert settings_from_state({"n_predict": 0, "mode": "ar"}) == ChatSettings()
+    # JSON's whole number for a float is that float; one of hundreds of digits is none
+    assert settings_from_state({"temperature": 1}).temperature == 1.0
+    assert settings_from_state({"temperature": 10 ** 400, "mode": "ar"}) == ChatSettings(mode="ar")
     remember_settings({"mode": "ar"})
     assert remembered_settings() == {"mode": "ar"}
     (state_dir() / "chat-settings.json").write_text("[1, 2")
@@ -1200,8 +1203,8 @@ def test_a_copy_cache_that_stops_the_load_is_named_not_the_model(tiny_models, tm
     async def go():
         app = S2MoEApp(str(tiny_models["olmoe"]), n_threads=1, n_ctx=256, copy_cache=str(cache))
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: isinstance(app.screen, ModelPathDialog) and app.screen.query("#model-message"),
-                           what="dialog")
+            await wait_for(pilot, lambda: isinstance(app.screen, ModelPathDialog)
+                           and app.screen.query("#model-message"), what="dialog")
             said = str(app.screen.query_one("#model-message").render())
             assert said.startswith("Could not use the copy cache") and f"copy cache {cache}" in said, said
             assert "Could not load the model" not in said and "ValueError" not in said

@@ -40,9 +40,14 @@ def settings_from_state(data: dict) -> ChatSettings:
             continue
         v = data[f.name]
         allowed = {t.strip() for t in str(f.type).split("|")}
+        if isinstance(v, int) and not isinstance(v, bool) and "float" in allowed and "int" not in allowed:
+            try:
+                v = float(v)  # JSON's 2 for 2.0; one of hundreds of digits is no float
+            except OverflowError:
+                continue
         if ((v is None and "None" in allowed) or (isinstance(v, bool) and "bool" in allowed)
                 or (isinstance(v, str) and "str" in allowed)
-                or (isinstance(v, int) and not isinstance(v, bool) and allowed & {"int", "float"})
+                or (isinstance(v, int) and not isinstance(v, bool) and "int" in allowed)
                 or (isinstance(v, float) and "float" in allowed)):
             kept[f.name] = v
     settings = replace(ChatSettings(), **kept)
