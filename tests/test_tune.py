@@ -572,3 +572,17 @@ def test_ctrl_c_as_tune_renames_the_profile_says_whether_it_was_written(tiny_mod
     err = capsys.readouterr().err.splitlines()
     assert err[-2:] == [f"profile written: {xdg / 'dev.yaml'}", "interrupted"], err
     assert load_profile("dev")["models"][info.fingerprint]["tuned"]["resident"]["settings"] == section["settings"]
+    # a Ctrl-C before the write begins: nothing written, and said
+    import s2moe.engine.profiles as profiles
+
+    before = (xdg / "dev.yaml").read_bytes()
+    real_with_tuned = profiles.with_tuned
+
+    def with_tuned_signalled(*args, **kw):
+        signal.raise_signal(signal.SIGINT)
+        return real_with_tuned(*args, **kw)
+
+    monkeypatch.setattr(profiles, "with_tuned", with_tuned_signalled)
+    assert main(["tune", "-m", model, "--profile", "dev", "--prompts", "natural", "--n-prompts", "1", "-t", "1"]) == 130
+    assert capsys.readouterr().err.splitlines()[-2:] == ["profile dev left as it was", "interrupted"]
+    assert (xdg / "dev.yaml").read_bytes() == before
