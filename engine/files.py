@@ -134,8 +134,9 @@ def write_atomic(path: str | os.PathLike, text: str, what: str = "file",
     _remove_stale_tmp(target)
     tmp = None
     try:
-        tmp = _tmp_name(target)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        name = _tmp_name(target)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        tmp = name  # ours to remove from here on
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             try:
                 os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
