@@ -78,9 +78,9 @@ def parse_json(data: bytes | str, what: str, error: type[S2MoEError] = ConfigErr
     except json.JSONDecodeError as e:
         raise error(f"{what}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
-        raise error(f"{what}: not valid JSON here (nested too deeply)") from None
+        raise error(f"{what}: nested too deeply") from None
     except ValueError:
-        raise error(f"{what}: not valid JSON here (a number too long to read)") from None
+        raise error(f"{what}: a number too long to read") from None
 
 
 def read_json(path: str | os.PathLike, what: str, limit: int, error: type[S2MoEError] = ConfigError):
