@@ -36,7 +36,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .events import Finished, ForcedDraft, Iteration, Prefilled, Started
-from .files import parse_json, read_bounded, write_atomic
+from .files import check_writable, parse_json, read_bounded, write_atomic
 from .modes import DRAFT_EXPERTS
 
 TRACE_VERSION = 1
@@ -440,12 +440,14 @@ def trace_files(paths) -> list[Path]:
 
 
 def check_trace_path(path: str | os.PathLike) -> Path:
-    """Where a trace will be written, checked before minutes of decoding: its folder exists, it is no folder."""
+    """Where a trace will be written, checked before minutes of decoding: its folder exists and takes a new
+    file (files.check_writable), it is no folder."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"trace {path} is a folder: name a file")
     if not path.parent.is_dir():
         raise ConfigError(f"cannot write trace {path}: folder {path.parent} does not exist")
+    check_writable(path, "trace")
     return path
 
 

@@ -1144,3 +1144,11 @@ def test_an_existing_copy_cache_in_a_read_only_folder_is_refused_before_decoding
                       "-n", "8", "-t", "1", "--ignore-eos", "--events", "--copy-cache", cache)
     assert_one_line(done.returncode, done.stderr, f"cannot write copy cache {cache}: Read-only file system")
     assert done.stdout == "" and cache.read_bytes() == kept
+
+
+def test_a_trace_for_a_read_only_folder_is_refused_before_decoding(tiny_models, tmp_path):
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    done = _read_only(folder, sys.executable, "-m", "s2moe.app.cli", "generate", "-m", tiny_models["olmoe"], "-p",
+                      "hi", "-n", "8", "-t", "1", "--ignore-eos", "--events", "--trace", folder / "t.jsonl")
+    assert_one_line(done.returncode, done.stderr, f"cannot write trace {folder / 't.jsonl'}: Read-only file system")
