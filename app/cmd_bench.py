@@ -512,8 +512,8 @@ def run(args) -> int:
 
     from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench,
                                 storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up)
-    from ..engine.files import write_atomic
     from ..engine.decoder import Decoder, GenerationConfig
+    from ..engine.files import write_atomic
     from .cli import default_model, placement_from_args
 
     model = args.model or default_model()
