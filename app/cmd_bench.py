@@ -554,9 +554,10 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench,
-                                storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up, write_atomic)
+                                storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up)
     from ..engine.cpu_buffers import REASONS
     from ..engine.decoder import Decoder, GenerationConfig
+    from ..engine.files import write_atomic
     from .cli import default_model, placement_from_args
 
     model = args.model or default_model()
@@ -582,7 +583,7 @@ def run(args) -> int:
         result = measure_hook_overhead(model, prompts[0], args.n_tokens, args.rounds, args.threads)
         print(json.dumps(result, indent=2))
         if args.json_out:
-            write_atomic(args.json_out, json.dumps(result, indent=2) + "\n")
+            write_atomic(args.json_out, json.dumps(result, indent=2) + "\n", "bench result")
         return 0
     modes = _modes(args)
     budgets = [b.strip() for b in args.budget.split(",") if b.strip()] or ["none"]
@@ -740,7 +741,7 @@ def run(args) -> int:
     if batches:
         done.config["batch_by_budget"] = batches
     if args.json_out:
-        write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n")
+        write_atomic(args.json_out, json.dumps(done.as_dict(), indent=2) + "\n", "bench result")
     if inside is not None:
         return 0  # the parent prints
     out = Console()
@@ -778,7 +779,7 @@ def run(args) -> int:
     if ties:
         say(f"note: {ties} divergence(s) from ar at numerical near-ties (ar's top-2 logits within 1e-3)")
     if args.md_out:
-        write_atomic(args.md_out, markdown(done))
+        write_atomic(args.md_out, markdown(done), "bench table")
     if broken:
         print(f"warning: lossless modes differ from ar on some prompts: {', '.join(broken)}", file=sys.stderr)
         return 1

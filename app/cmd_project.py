@@ -92,13 +92,13 @@ def measured_rows(path: str, budget: str | None) -> dict[str, float]:
     auto rows; a size: the rows of that size), as bench labels them."""
     from pathlib import Path
 
-    from ..engine.files import read_bounded
+    from ..engine.files import read_json
 
+    data = read_json(Path(path), "bench result", 64 << 20)
     try:
-        data = json.loads(read_bounded(Path(path), "bench result", 64 << 20).decode("utf-8"))
         return {r["mode"]: float(r["tok_per_s"]) for r in data["results"]
                 if _rows_of(budget, r["budget"]) and r["mode"] != "llama.cpp"}
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise ConfigError(f"--against {path}: not a bench --json result") from None
 
 

@@ -139,7 +139,7 @@ def run(args) -> int:
     from ..engine.calibrate import DEFAULT_NAME
     from ..engine.decoder import Decoder, GenerationConfig
     from ..engine.device import default_threads
-    from ..engine.errors import ConfigError
+    from ..engine.errors import ConfigError, held_signals
     from ..engine.model_info import read_model_info
     from ..engine.profiles import (check_name, check_writable, cost_for_model, hot_experts_for_model, load_profile,
                                    model_block, save_profile, with_tuned)
@@ -177,7 +177,7 @@ def run(args) -> int:
         if args.copy_cache is not None:
             from ..engine.copycache import load_copy_cache
 
-            kept = load_copy_cache(args.copy_cache, decoder.info, decoder.earlier)
+            kept = load_copy_cache(args.copy_cache, decoder.info, decoder.earlier, write_back=False)
         label = "none"
         if offloaded:
             def warm_up():  # the largest verification batch the search can ask for, so that auto counts it
@@ -225,8 +225,15 @@ def run(args) -> int:
         print("tuning stopped: nothing written", file=sys.stderr)
         return 1
     path = None
-    if not args.no_save:
-        path = save_profile(with_tuned(load_profile(name), info.fingerprint, done.section, offloaded=offloaded), name)
-    for line in summary_lines(done.section, path):
-        print(line)
+    try:
+        if not args.no_save:
+            profile = with_tuned(load_profile(name), info.fingerprint, done.section, offloaded=offloaded)
+            # a signal during the write waits for its end, so that `path` says whether the profile was written
+            with held_signals():
+                path = save_profile(profile, name)
+        for line in summary_lines(done.section, path):
+            print(line)
+    except KeyboardInterrupt:
+        print(f"profile written: {path}" if path else f"profile {name} left as it was", file=sys.stderr)
+        raise
     return 0

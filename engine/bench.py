@@ -23,7 +23,7 @@ import numpy as np
 from .costmodel import drift_tracked_fit, fault_explained_fit, fit_miss_cost, fit_verify_cost
 from .decoder import Decoder, GenerationConfig, default_reuse_cap
 from .errors import ConfigError
-from .files import MAX_PROMPT_FILE_BYTES, read_bounded
+from .files import MAX_PROMPT_FILE_BYTES, parse_json, read_bounded
 from .events import Iteration, Summary, Totals
 from .modes import CHAIN_DRAFT_MODES, DRAFT_EXPERTS, LOSSLESS_MODES, MODES, TREE_MODES
 from .sampling import MAX_SEED, PositionNoise
@@ -253,10 +253,7 @@ def load_prompts(spec: str, n: int | None = None) -> tuple[str, list[str]]:
         for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise ConfigError(f"{path.name} line {i}: not valid JSON") from None
+            obj = parse_json(line, f"{path} line {i}")
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise ConfigError(f"{path.name} line {i}: expected an object with a string field \"prompt\"")
             prompts.append(obj["prompt"])
@@ -841,17 +838,6 @@ def run_bench(
         finally:
             if own_decoder:
                 dec.close()
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def measure_hook_overhead(model: str, prompt: str, n_tokens: int = 64, rounds: int = 5,

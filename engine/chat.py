@@ -130,6 +130,6 @@ def chat_tokens(decoder, conversation: Conversation, user: str) -> list[int]:
     template's turn markers) read as such, and BOS where the model adds one, as llama-cli tokenizes it."""
     tokens = decoder.tokenize(conversation.prompt(user), special=True)
     if len(tokens) >= decoder.n_ctx:
-        raise ContextError(f"the conversation has grown to {len(tokens)} tokens and the context holds "
-                           f"{decoder.n_ctx}: start a new one")
+        raise ContextError(f"the conversation with this turn comes to {len(tokens)} tokens and the context holds "
+                           f"{decoder.n_ctx}: send a shorter turn or start a new conversation")
     return tokens

@@ -16,9 +16,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from .bench import write_atomic
 from .errors import ConfigError
-from .files import read_bounded
+from .files import check_writable, read_json, write_atomic, write_target
 from .model_info import ModelInfo
 from .policies import EarlierText
 
@@ -28,23 +27,31 @@ VERSION = 1
 MAX_FILE_BYTES = 16 << 20
 
 
+class CopyCacheError(ConfigError):
+    """A copy cache that cannot be used: the app says so in its own words, not as a model that failed to load."""
+
+
 def copy_cache_file(path: str | os.PathLike, info: ModelInfo) -> Path:
-    """The file `path` names for this model: the path itself, or in a directory the model's own file."""
+    """The file `path` names for this model: the path itself, or in a directory the model's own file. A
+    path written as a directory (a final slash) must be one: `nodir/` is no file named nodir."""
+    text = os.fspath(path)
     path = Path(path).expanduser()
-    return path / f"{info.fingerprint}.json" if path.is_dir() else path
+    if path.is_dir():
+        return path / f"{info.fingerprint}.json"
+    if text.endswith(os.sep) or (os.altsep and text.endswith(os.altsep)):
+        raise CopyCacheError(f"copy cache {text}: there is no directory {path}")
+    return path
 
 
-def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText) -> int:
+def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText, write_back: bool = True) -> int:
     """Add the generations kept at `path` (copy_cache_file) to `earlier`, oldest first; how many. A file that
     does not exist yet holds none (the run creates it); one that is not a copy cache of this model is a
-    ConfigError."""
+    CopyCacheError. write_back: the run will save_copy_cache there, so that its place is checked now (a
+    folder that takes no new file, a link looping), not after the run has decoded everything it would keep."""
     path = copy_cache_file(path, info)
+    if write_back:
+        check_writable(path, "copy cache", CopyCacheError)
     if not path.exists():
-        # said now, not after the run has decoded everything it would keep there
-        if not path.parent.is_dir():
-            raise ConfigError(f"copy cache {path}: there is no directory {path.parent} to keep it in")
-        if not os.access(path.parent, os.W_OK):
-            raise ConfigError(f"copy cache {path}: cannot write in {path.parent}")
         return 0
     generations = _read(path, info)
     for prompt, text in generations:
@@ -53,16 +60,18 @@ def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierTe
 
 
 def save_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText) -> None:
-    """Write `earlier`'s generations to `path` (copy_cache_file) in one step: a run stopped while writing leaves
-    the old file. Runs that share the file (two apps, generate in a loop beside a chat) each started from what
-    it held then: what another wrote since is kept too, the file's generations first and this run's after
-    them (this run's text where both hold a prompt), within EarlierText's caps. What this run holds as the file
-    does (most of what it loaded) keeps the file's place: re-added as newest, a full cache's loaded entries would
-    push out what another run added since."""
+    """Write `earlier`'s generations to `path` (copy_cache_file) in one step (files.write_atomic: a run stopped
+    while writing leaves the old file; a symbolic link is written through). Runs that share the file (two
+    apps, generate in a loop beside a chat) each started from what it held then: what another wrote since is
+    kept too, the file's generations first and this run's after them (this run's text where both hold a
+    prompt), within EarlierText's caps. What this run holds as the file does (most of what it loaded) keeps
+    the file's place: re-added as newest, a full cache's loaded entries would push out what another run added
+    since."""
     path = copy_cache_file(path, info)
-    with _locked(path.parent):
+    target = write_target(path, "copy cache", CopyCacheError)
+    with _locked(target.parent):
         merged = EarlierText(earlier.max_ngram, earlier.min_ngram, earlier.keep, earlier.max_tokens)
-        kept = {tuple(prompt): text for prompt, text in (_read(path, info) if path.exists() else [])}
+        kept = {tuple(prompt): text for prompt, text in (_read(path, info) if target.exists() else [])}
         for prompt, text in kept.items():
             merged.add(prompt, text)
         for prompt, text in earlier.generations():
@@ -70,10 +79,7 @@ def save_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierTe
                 merged.add(prompt, text)
         generations = [{"prompt": list(prompt), "text": text} for prompt, text in merged.generations()]
         data = {"format": FORMAT, "version": VERSION, "model": info.fingerprint, "generations": generations}
-        try:
-            write_atomic(path, json.dumps(data, separators=(",", ":")) + "\n")
-        except OSError as e:
-            raise ConfigError(f"cannot write copy cache {path}: {e.strerror}") from None
+        write_atomic(path, json.dumps(data, separators=(",", ":")) + "\n", "copy cache", CopyCacheError)
 
 
 @contextmanager
@@ -83,7 +89,7 @@ def _locked(directory: Path):
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
-        raise ConfigError(f"cannot write copy cache in {directory}: {e.strerror}") from None
+        raise CopyCacheError(f"cannot write copy cache in {directory}: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -92,27 +98,23 @@ def _locked(directory: Path):
 
 
 def _read(path: Path, info: ModelInfo) -> list[tuple[list[int], list[int]]]:
-    """The (prompt, text) generations of a copy cache of this model, oldest first; else a ConfigError."""
-    raw = read_bounded(path, "copy cache", MAX_FILE_BYTES)
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"copy cache {path}: not JSON ({e})") from None
+    """The (prompt, text) generations of a copy cache of this model, oldest first; else a CopyCacheError."""
+    data = read_json(path, "copy cache", MAX_FILE_BYTES, CopyCacheError)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ConfigError(f"copy cache {path}: not an s2moe copy cache")
+        raise CopyCacheError(f"copy cache {path}: not an s2moe copy cache")
     if data.get("version") != VERSION:
-        raise ConfigError(f"copy cache {path}: version {data.get('version')!r}, this s2moe reads {VERSION}")
+        raise CopyCacheError(f"copy cache {path}: version {data.get('version')!r}, this s2moe reads {VERSION}")
     if data.get("model") != info.fingerprint:
-        raise ConfigError(f"copy cache {path} holds another model's tokens (model {data.get('model')}, this one "
-                          f"{info.fingerprint}): give another file")
+        raise CopyCacheError(f"copy cache {path} holds another model's tokens (model {data.get('model')}, this one "
+                             f"{info.fingerprint}): give another file")
     generations = data.get("generations")
     if not isinstance(generations, list):
-        raise ConfigError(f"copy cache {path}: no list of generations")
+        raise CopyCacheError(f"copy cache {path}: no list of generations")
     out = []
     for i, g in enumerate(generations):
         prompt, text = (g.get("prompt"), g.get("text")) if isinstance(g, dict) else (None, None)
         if not (_tokens(prompt, info.n_vocab) and _tokens(text, info.n_vocab)):
-            raise ConfigError(f"copy cache {path}: generation {i} is not two lists of this model's token ids")
+            raise CopyCacheError(f"copy cache {path}: generation {i} is not two lists of this model's token ids")
         out.append((prompt, text))
     return out
 

@@ -26,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+from .errors import S2MoEError
 from .model_info import ModelInfo
 
 AMX_ENV = "S2MOE_AMX"
@@ -130,24 +131,24 @@ def _records_file() -> Path:
 
 def _load_records() -> dict:
     # A cache of outcomes: one unreadable is checked again rather than trusted or reported.
-    from .files import read_bounded
+    from .files import read_json
 
     try:
-        records = json.loads(read_bounded(_records_file(), "record", _RECORDS_MAX_BYTES))
-    except Exception:
+        records = read_json(_records_file(), "record", _RECORDS_MAX_BYTES)
+    except S2MoEError:
         return {}
     return records if isinstance(records, dict) else {}
 
 
 def _save_record(key: str, record: dict) -> None:
-    from .bench import write_atomic
+    from .files import write_atomic
 
     records = _load_records()
     records[key] = record
     try:
         _records_file().parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(_records_file(), json.dumps(records, indent=1, sort_keys=True) + "\n")
-    except OSError:
+        write_atomic(_records_file(), json.dumps(records, indent=1, sort_keys=True) + "\n", "record")
+    except (OSError, S2MoEError):
         pass  # a read-only cache only means the next run checks again
 
 
@@ -206,8 +207,6 @@ def first_decode(path: str) -> None:
 
 
 if __name__ == "__main__":
-    from .errors import S2MoEError
-
     try:
         first_decode(sys.argv[1])
     except S2MoEError as e:

@@ -15,14 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from .files import state_dir
+
 _FATAL = re.compile(r"Fatal Python error: (.+)")
 _MAX_REPORT_BYTES = 1 << 20
-
-
-def state_dir() -> Path:
-    """XDG state of s2moe: what it remembers between runs."""
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "s2moe"
 
 
 def _crash_dir() -> Path:

@@ -35,8 +35,8 @@ import statistics
 import sys
 import time
 
-from .bench import write_atomic
 from .errors import ConfigError, S2MoEError
+from .files import write_atomic
 
 ARMS = {
     "ar/none": dict(mode="ar", pin_base=False, pin_hot=False, prefetch=False),

@@ -96,18 +96,16 @@ carries published figures and may hold `reference` constants that apply to any m
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import re
 import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from . import files
 from .errors import ConfigError
 from .events import CostConstants
 from .files import read_bounded
@@ -478,49 +476,34 @@ _Dumper.add_representer(list, _represent_list)
 # Room a profile write asks for: a profile is a few kilobytes, hot_experts of a 100-layer, 256-expert model
 # stays under 1 MiB.
 PROFILE_ROOM_BYTES = 1 << 20
-# A save takes milliseconds; a temporary file of a save this much older was left by a killed process.
-STALE_TMP_SECONDS = 600
 
 
 def check_writable(name: str, folder: Path | None = None) -> Path:
-    """Where save_profile(name, folder) would write, checked by doing it: the folder can be made, a file
-    created in it (a read-only mount or a missing permission; root ignores permission bits, so they are
-    not asked), the room for a profile is free, and the target is not a folder. ConfigError otherwise.
-    Calibration asks before it measures, not after minutes of measurements."""
+    """Where save_profile(name, folder) would write, checked by doing it (files.check_writable): the folder
+    can be made and takes a new file, the room for a profile is free, and the target is not a folder.
+    ConfigError otherwise. Calibration asks before it measures, not after minutes of measurements."""
     check_name(name)
     folder = Path(folder) if folder is not None else user_profile_dir()
     target = folder / f"{name}.yaml"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-        free = shutil.disk_usage(folder).free
+    except OSError as e:
+        raise ConfigError(f"cannot write profile {target}: {e.strerror}") from None
+    written = files.check_writable(target, "profile")
+    try:
+        free = shutil.disk_usage(written.parent).free
     except OSError as e:
         raise ConfigError(f"cannot write profile {target}: {e.strerror}") from None
     if free < PROFILE_ROOM_BYTES:
         raise ConfigError(f"cannot write profile {target}: {free >> 10} KiB free, a profile needs up to "
                           f"{PROFILE_ROOM_BYTES >> 20} MiB")
-    if target.is_dir() and not target.is_symlink():
-        raise ConfigError(f"cannot write profile {target}: it is a folder")
     return target
 
 
-def _remove_stale_tmp(folder: Path, name: str) -> None:
-    """Temporary files of earlier saves of this profile that a killed process left behind."""
-    cutoff = time.time() - STALE_TMP_SECONDS
-    for tmp in folder.glob(f".{glob.escape(name)}.*.tmp"):
-        try:
-            if tmp.is_file() and not tmp.is_symlink() and tmp.stat().st_mtime < cutoff:
-                tmp.unlink()
-        except OSError:  # gone already, or not ours to remove
-            pass
-
-
 def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
-    """Validate and write `profile` as <folder or user dir>/<name>.yaml atomically (tmp + os.replace):
-    an interruption leaves either the old file or the new one, never a partial one, and the next save
-    removes a temporary file that a killed one left."""
+    """Validate and write `profile` as <folder or user dir>/<name>.yaml in one step (files.write_atomic): an
+    interruption leaves either the old file or the new one, never a partial one, a symbolic link is written
+    through, and the next save removes a temporary file that a killed one left."""
     check_name(name)
     data = {k: v for k, v in profile.items() if not k.startswith("_")}
     data["name"] = name
@@ -529,25 +512,11 @@ def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
     target = folder / f"{name}.yaml"
     text = "# s2moe device profile (written by s2moe calibrate; schema in engine/profiles.py)\n"
     text += yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
-    tmp = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp(folder, name)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException as e:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        if isinstance(e, OSError):
-            raise ConfigError(f"cannot write profile {target}: {e.strerror or e}") from None
-        raise
+    except OSError as e:
+        raise ConfigError(f"cannot write profile {target}: {e.strerror}") from None
+    files.write_atomic(target, text, "profile")
     return target
 
 

@@ -14,8 +14,9 @@ import json
 import time
 from dataclasses import asdict, replace
 
-from .crashes import state_dir
+from .errors import S2MoEError
 from .events import CostConstants
+from .files import read_json, state_dir, write_atomic
 
 _MAX_BYTES = 4 << 20
 _KEEP = 64  # entries: one per model, budget and setting a user runs
@@ -26,11 +27,9 @@ def _file():
 
 
 def _entries() -> dict:
-    from .files import read_bounded
-
     try:
-        entries = json.loads(read_bounded(_file(), "record", _MAX_BYTES))
-    except Exception:  # a record that cannot be read is measured again, not reported
+        entries = read_json(_file(), "record", _MAX_BYTES)
+    except S2MoEError:  # a record that cannot be read is measured again, not reported
         return {}
     return entries if isinstance(entries, dict) else {}
 
@@ -47,8 +46,6 @@ def recall(key: str) -> CostConstants | None:
 
 
 def remember(key: str, cost: CostConstants) -> None:
-    from .bench import write_atomic
-
     entries = _entries()
     entries.pop(key, None)
     entries[key] = {"cost": asdict(cost), "when": time.strftime("%Y-%m-%d %H:%M")}
@@ -56,6 +53,6 @@ def remember(key: str, cost: CostConstants) -> None:
         entries.pop(next(iter(entries)))
     try:
         _file().parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(_file(), json.dumps(entries, indent=1) + "\n")
-    except OSError:
+        write_atomic(_file(), json.dumps(entries, indent=1) + "\n", "record")
+    except (OSError, S2MoEError):
         pass  # an unwritable state folder only means the next run measures again

@@ -28,7 +28,6 @@ import binascii
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -37,7 +36,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .events import Finished, ForcedDraft, Iteration, Prefilled, Started
-from .files import read_bounded
+from .files import check_writable, parse_json, read_bounded, write_atomic
 from .modes import DRAFT_EXPERTS
 
 TRACE_VERSION = 1
@@ -109,7 +108,7 @@ class Trace:
     n_tokens: int = 0
     seconds: float = 0.0      # the whole generation, prefill included
     stop: str = "length"
-    name: str = ""
+    name: str = ""            # the file read, as given (a folder's file with the folder): what errors call it
     prefill: float = 0.0      # seconds of the prompt's prefill
 
 
@@ -223,24 +222,9 @@ def dumps(trace: Trace) -> str:
 
 
 def write_trace(path: str | os.PathLike, trace: Trace) -> None:
-    """Write atomically: an interruption leaves the old file or the new one, never half of one."""
-    path = Path(path)
-    text = dumps(trace)
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as e:
-        raise ConfigError(f"cannot write trace {path}: {e.strerror or e}") from None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+    """Write atomically (files.write_atomic): an interruption leaves the old file or the new one, never half of
+    one."""
+    write_atomic(path, dumps(trace), "trace")
 
 
 # -- reading ---------------------------------------------------------------------------------------------
@@ -250,14 +234,25 @@ class _Bad(Exception):
 
 def _int(v, what: str, lo: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise _Bad(f"{what} must be a whole number ≥ {lo}, got {v!r}")
+        raise _Bad(f"{what} must be a whole number ≥ {lo}, got {_shown(v)}")
     return v
 
 
 def _num(v, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-        raise _Bad(f"{what} must be a number in [{lo:g}, {hi:g}], got {v!r}")
-    return float(v)
+    try:
+        # an integer of a few thousand digits is JSON too: beyond a float, and math.isfinite cannot take it
+        x = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:
+        x = math.nan
+    if not math.isfinite(x) or not lo <= x <= hi:
+        raise _Bad(f"{what} must be a number in [{lo:g}, {hi:g}], got {_shown(v)}")
+    return x
+
+
+def _shown(v) -> str:
+    """A value in an error's one line: a list or a number of thousands of characters, cut."""
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"a number of {len(str(abs(v)))} digits"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _decode(text, h: TraceHeader, what: str) -> np.ndarray:
@@ -387,30 +382,26 @@ def _iteration(obj, h: TraceHeader) -> TraceStep:
 
 
 def read_trace(path: str | os.PathLike) -> Trace:
-    """A trace file, checked line by line; ConfigError naming the file and line of the first problem."""
+    """A trace file, checked line by line; ConfigError naming the file (as given: a folder's file with the
+    folder) and line of the first problem."""
     path = Path(path)
     try:
         text = read_bounded(path, "trace", MAX_TRACE_BYTES).decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"trace {path.name}: not UTF-8 text") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"trace {path}: not UTF-8 text (an invalid byte at offset {e.start})") from None
     lines = text.splitlines()
     trace = None
     ended = False
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"trace {path.name} line {n}"
+        where = f"trace {path} line {n}"
         if ended:
             raise ConfigError(f"{where}: text after the end record")
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            raise ConfigError(f"{where}: not valid JSON") from None
-        except ValueError:  # an integer of more digits than Python converts
-            raise ConfigError(f"{where}: a number too long to read") from None
+        obj = parse_json(line, where)
         try:
             if trace is None:
-                trace = Trace(_header(obj), name=path.name)
+                trace = Trace(_header(obj), name=str(path))
             elif isinstance(obj, dict) and "end" in obj:
                 end = obj["end"]
                 if not isinstance(end, dict):
@@ -425,11 +416,11 @@ def read_trace(path: str | os.PathLike) -> Trace:
         except _Bad as e:
             raise ConfigError(f"{where}: {e}") from None
     if trace is None:
-        raise ConfigError(f"trace {path.name}: empty")
+        raise ConfigError(f"trace {path}: empty")
     if not ended:
-        raise ConfigError(f"trace {path.name}: no end record (cut short?)")
+        raise ConfigError(f"trace {path}: no end record (cut short?)")
     if sum(len(s.committed) for s in trace.steps) != trace.n_tokens:
-        raise ConfigError(f"trace {path.name}: its iterations commit {sum(len(s.committed) for s in trace.steps)} "
+        raise ConfigError(f"trace {path}: its iterations commit {sum(len(s.committed) for s in trace.steps)} "
                           f"tokens, its end record says {trace.n_tokens}")
     return trace
 
@@ -449,12 +440,14 @@ def trace_files(paths) -> list[Path]:
 
 
 def check_trace_path(path: str | os.PathLike) -> Path:
-    """Where a trace will be written, checked before minutes of decoding: its folder exists, it is no folder."""
+    """Where a trace will be written, checked before minutes of decoding: its folder exists and takes a new
+    file (files.check_writable), it is no folder."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"trace {path} is a folder: name a file")
     if not path.parent.is_dir():
         raise ConfigError(f"cannot write trace {path}: folder {path.parent} does not exist")
+    check_writable(path, "trace")
     return path
 
 

@@ -1068,10 +1068,19 @@ def test_remembered_settings_keep_only_what_still_applies():
     assert s == ChatSettings()
     # values the engine refuses: the defaults, not an error at start-up
     assert settings_from_state({"n_predict": 0, "mode": "ar"}) == ChatSettings()
+    # JSON's whole number for a float is that float; one of hundreds of digits is none
+    assert settings_from_state({"temperature": 1}).temperature == 1.0
+    assert settings_from_state({"temperature": 10 ** 400, "mode": "ar"}) == ChatSettings(mode="ar")
     remember_settings({"mode": "ar"})
     assert remembered_settings() == {"mode": "ar"}
     (state_dir() / "chat-settings.json").write_text("[1, 2")
-    assert remembered_settings() == {}
+    with pytest.raises(ConfigError, match="chat settings .*chat-settings.json: not valid JSON"):
+        remembered_settings()
+    (state_dir() / "chat-settings.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        remembered_settings()
+    (state_dir() / "chat-settings.json").unlink()
+    assert remembered_settings() == {}  # none yet: nothing to say
 
 
 def test_the_transcript_saves_as_markdown_and_jsonl(tmp_path):
@@ -1227,6 +1236,44 @@ def test_the_app_keeps_its_copies_across_runs_in_a_file_per_model(tiny_models, t
     qwen = copy_cache_file(tmp_path, read_model_info(str(tiny_models["qwen3moe"])))
     assert qwen != olmoe and len(json.loads(qwen.read_text())["generations"]) == 1
     qwen.write_text("not json")
-    with pytest.raises(ConfigError, match="not JSON"):
+    with pytest.raises(ConfigError, match="not valid JSON"):
         one_run(tiny_models["qwen3moe"], "hello")
     assert qwen.read_text() == "not json"
+
+
+def test_a_settings_file_that_cannot_be_read_is_said_once_and_the_app_runs():
+    """Nested 100,000 deep (json.loads raises RecursionError), the chat starts from the defaults and says so in
+    one notification rather than dying at start-up or forgetting the settings without a word."""
+    from s2moe.app.tui.state import state_dir
+
+    state_dir().mkdir(parents=True, exist_ok=True)
+    (state_dir() / "chat-settings.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+
+    async def go():
+        app = fake_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None and list(app._notifications),
+                           what="model and notification")
+            said = [n for n in app._notifications if "chat settings" in n.message]
+            assert len(said) == 1 and "nested too deeply" in said[0].message and said[0].severity == "warning"
+            assert app.chat_screen.settings == ChatSettings()
+
+    run(go())
+
+
+def test_a_copy_cache_that_stops_the_load_is_named_not_the_model(tiny_models, tmp_path):
+    cache = tmp_path / "copies.json"
+    cache.write_bytes(b'{"version": ' + b"9" * 5000 + b"}")
+
+    async def go():
+        app = S2MoEApp(str(tiny_models["olmoe"]), n_threads=1, n_ctx=256, copy_cache=str(cache))
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, ModelPathDialog)
+                           and app.screen.query("#model-message"), what="dialog")
+            said = str(app.screen.query_one("#model-message").render())
+            assert said.startswith("Could not use the copy cache") and f"copy cache {cache}" in said, said
+            assert "Could not load the model" not in said and "ValueError" not in said
+            await wait_for(pilot, lambda: list(app._notifications), what="notification")
+            assert [n.title for n in app._notifications] == ["Could not use the copy cache"]
+
+    run(go())

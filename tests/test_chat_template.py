@@ -288,7 +288,7 @@ def test_generate_cnv_chats_in_turns_from_standard_input(chat_model, tiny_models
     from s2moe.engine.errors import ConfigError
 
     common = ["generate", "-n", "6", "-t", "1", "-c", "256", "--mode", "s2moe", "--no-utility", "-cnv"]
-    monkeypatch.setattr("sys.stdin", io.StringIO("and then?\n\nwhat else\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"and then?\n\nwhat else\n")))
     assert main([*common, "-m", str(chat_model), "-sys", "Be brief.", "-p", "hello"]) == 0
     out, err = capsys.readouterr()
     assert [line for line in out.splitlines() if line.startswith("> ")] == ["> hello", "> and then?", "> what else"]
@@ -296,7 +296,7 @@ def test_generate_cnv_chats_in_turns_from_standard_input(chat_model, tiny_models
     assert len(lines) == 3 and "kept" not in lines[0] and all("prompt tokens kept" in x for x in lines[1:])
     assert "chatml" in err
     # a base model: a completion per turn, said once
-    monkeypatch.setattr("sys.stdin", io.StringIO("more\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"more\n")))
     assert main([*common, "-m", str(tiny_models["olmoe"]), "-p", "hello"]) == 0
     out, err = capsys.readouterr()
     assert err.count("note: no chat template") == 1 and "kept" not in err and out.count("> ") == 2
@@ -304,6 +304,36 @@ def test_generate_cnv_chats_in_turns_from_standard_input(chat_model, tiny_models
         cmd_generate(build_parser().parse_args(["generate", "-m", str(chat_model), "-sys", "x", "-p", "hi"]))
     assert main(["generate", "-m", str(chat_model), "-cnv", "--json", "-p", "hi"]) == 2
     assert "--json and --trace record one generation" in capsys.readouterr().err
+
+
+def test_a_turn_that_cannot_be_sent_is_refused_and_the_chat_goes_on(chat_model, tiny_models, monkeypatch, capsys):
+    """A line of bytes that are not UTF-8, one longer than the context holds and one longer than any turn may
+    be: each refused in a line, the turns around them answered, exit code 2 for what was refused."""
+    import io
+
+    from s2moe.app.cli import main
+    from s2moe.app.cmd_chat import MAX_TURN_BYTES
+
+    lines = [b"caf\xe9 au lait", b"word " * 2000, b"x" * (MAX_TURN_BYTES + 10), b"and then?"]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n".join(lines) + b"\n")))
+    assert main(["generate", "-m", str(chat_model), "-n", "4", "-t", "1", "-c", "256", "-cnv", "-p", "hello"]) == 2
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("> ")][0::2] == ["> hello", "> and then?"]
+    refused = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(refused) == 3 and all(line.endswith(": not sent; the conversation goes on") for line in refused)
+    assert refused[0].startswith("error: the line is not UTF-8 text (an invalid byte at offset 3)")
+    assert refused[1].startswith("error: the conversation with this turn comes to ")
+    assert "the context holds 256: send a shorter turn" in refused[1]
+    assert refused[2].startswith("error: a line of more than 1 MiB is no turn")
+    assert len([line for line in err.splitlines() if line.startswith("-- ")]) == 2 and "Traceback" not in err
+    # a base model's completion per turn: a prompt longer than the context is refused as well
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"word " * 2000 + b"\nmore\n")))
+    assert main(["generate", "-m", str(tiny_models["olmoe"]), "-n", "4", "-t", "1", "-c", "256", "-cnv",
+                 "-p", "hello"]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("> ") == 3 and err.count("-- ") == 2
+    (refused,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert "but the context holds 256; shorten it or raise --ctx: not sent" in refused
 
 
 @pytest.mark.parametrize("seed", [1, 81])  # the turn ends on an accepted draft (1), on the target's token (81)

@@ -195,8 +195,8 @@ def test_a_copy_cache_carries_generations_from_one_run_to_the_next(tiny_models, 
     broken = tmp_path / "broken.json"
     broken.write_text('{"format": "s2moe-copy-cache", "version": 1, "model": "x", "generations": [')
     assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hi", "-n", "4",
-                             "--copy-cache", str(broken)), "not JSON")
+                             "--copy-cache", str(broken)), "not valid JSON")
     assert broken.read_text().endswith("[")
     nowhere = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hi", "-n", "4",
                     "--copy-cache", str(tmp_path / "missing" / "copies.json"))
-    assert_clean_error(nowhere, "there is no directory")
+    assert_clean_error(nowhere, "there is no folder")

@@ -1,6 +1,7 @@
-"""Property-based fuzzing (Hypothesis) of what a user hands s2moe: GGUF metadata, device profiles and flag
-values. Whatever the input, a command ends in success or in one line on stderr with exit code 2: never a
-traceback, an abort (which would end this very process: the runs are in-process) or a hang.
+"""Property-based fuzzing (Hypothesis) of what a user hands s2moe: GGUF metadata, device profiles, flag
+values and the JSON s2moe reads (copy caches, the app's chat settings, traces). Whatever the input, a
+command ends in success or in one line on stderr with exit code 2: never a traceback, an abort (which would
+end this very process: the runs are in-process) or a hang.
 
 In the suite the inputs are drawn derandomized, a fixed number per property (EXAMPLES), so that every run
 tries the same ones and stays within its time. S2MOE_FUZZ=explore draws fresh random inputs, twenty times
@@ -14,6 +15,7 @@ import io
 import itertools
 import json
 import os
+import re
 import signal
 from datetime import timedelta
 
@@ -29,7 +31,8 @@ from s2moe.app.cli import main
 
 EXPLORE = os.environ.get("S2MOE_FUZZ") == "explore"
 # Examples per property in one run of the suite (docs/reliability.md).
-EXAMPLES = {"gguf": 400, "profile_engine": 1000, "profile_cli": 100, "flags": 300, "n_predict": 30, "budget": 300}
+EXAMPLES = {"gguf": 400, "profile_engine": 1000, "profile_cli": 100, "flags": 300, "n_predict": 30, "budget": 300,
+            "json_engine": 300, "json_cli": 30, "json_trace": 100}
 HANG_SECONDS = 60  # one example; a tiny model's slowest finishes in about a second
 
 
@@ -322,3 +325,111 @@ def test_budget_values_parse_or_say_why(text):
         assert str(e.value) and "\n" not in str(e.value)
     else:
         assert budget_text(text) == text  # and hands on as it came, for Budget.parse to read again
+
+
+# -- JSON: copy caches, the app's chat settings, traces -----------------------------------------------------------
+def _nested(depth: int, kind: str) -> bytes:
+    return b"[" * depth + b"]" * depth if kind == "array" else b'{"a":' * depth + b"0" + b"}" * depth
+
+
+# What json.loads cannot take (nesting past the recursion limit, integers past 4,300 digits, bytes that are not
+# UTF-8) or takes but a reader must not trust (non-finite numbers, lone surrogates, the wrong type).
+HOSTILE = st.one_of(
+    st.builds(_nested, st.one_of(st.integers(1, 3000), st.sampled_from([100_000, 120_000])),
+              st.sampled_from(["array", "object"])),
+    st.integers(4000, 6000).map(lambda n: b"9" * n),
+    st.integers(4000, 6000).map(lambda n: b"-" + b"1" * n),
+    st.sampled_from([b"1e400", b"-1e400", b"NaN", b"Infinity", b"-0", b"1.5", b"true", b"null", b'"\\ud800"',
+                     b'"x"', b"[]", b"{}", b"\xff", b"\xc3", b"\xed\xa0\x80"]),
+    st.integers(-(10 ** 30), 10 ** 30).map(lambda v: str(v).encode()),
+    st.binary(min_size=1, max_size=8),
+)
+
+
+@st.composite
+def hostile_json(draw, document: bytes):
+    """`document` (valid JSON) with a number or the whole of it replaced by HOSTILE, a byte put in, or cut."""
+    how = draw(st.sampled_from(["value", "value", "value", "whole", "cut", "byte"]))
+    numbers = [m.span() for m in re.finditer(rb"-?[0-9]+(\.[0-9]+)?", document)]
+    if how == "whole" or not numbers:
+        return draw(HOSTILE)
+    if how == "cut":
+        return document[:draw(st.integers(0, len(document)))]
+    if how == "byte":
+        at = draw(st.integers(0, len(document)))
+        return document[:at] + draw(st.binary(min_size=1, max_size=3)) + document[at:]
+    start, end = draw(st.sampled_from(numbers))
+    return document[:start] + draw(HOSTILE) + document[end:]
+
+
+def _copy_cache(fingerprint: str) -> bytes:
+    return json.dumps({"format": "s2moe-copy-cache", "version": 1, "model": fingerprint,
+                       "generations": [{"prompt": [1, 2, 3], "text": [1, 2, 3, 4, 5]}]}).encode()
+
+
+SETTINGS = json.dumps({"mode": "s2moe", "n_predict": 64, "draft_topk": 2, "temperature": 0.0, "seed": 1,
+                       "reuse_strength": 0.5, "reuse_cap": 6}).encode()
+
+
+@pytest.fixture(scope="module")
+def olmoe_info(tiny_models):
+    from s2moe.engine.model_info import read_model_info
+
+    return read_model_info(tiny_models["olmoe"])
+
+
+@fuzz("json_engine")
+@given(data=st.data())
+def test_copy_caches_and_app_settings_read_or_say_why(scratch, olmoe_info, data):
+    """The engine's copy-cache reader and the app's settings reader: the generations or the settings, or a
+    ConfigError of one line (which the CLI prints and the app shows), never another exception."""
+    from s2moe.app.tui.chat import settings_from_state
+    from s2moe.app.tui.state import remembered_settings, state_dir
+    from s2moe.engine.copycache import load_copy_cache
+    from s2moe.engine.errors import ConfigError
+    from s2moe.engine.policies import EarlierText
+
+    path = scratch(".json")
+    path.write_bytes(data.draw(hostile_json(_copy_cache(olmoe_info.fingerprint))))
+    try:
+        assert load_copy_cache(path, olmoe_info, EarlierText(), write_back=False) >= 0
+    except ConfigError as e:
+        assert str(e) and "\n" not in str(e)
+    state_dir().mkdir(parents=True, exist_ok=True)
+    (state_dir() / "chat-settings.json").write_bytes(data.draw(hostile_json(SETTINGS)))
+    try:
+        settings_from_state(remembered_settings())
+    except ConfigError as e:
+        assert str(e) and "\n" not in str(e)
+
+
+@fuzz("json_cli")
+@given(data=st.data())
+def test_copy_caches_through_generate(scratch, tiny_models, olmoe_info, data):
+    path = scratch(".json")
+    written = data.draw(hostile_json(_copy_cache(olmoe_info.fingerprint)))
+    path.write_bytes(written)
+    rc, out, err = run_cli("generate", "-m", tiny_models["olmoe"], "-p", "hello", "-n", "3", "--threads", "1",
+                           "--ctx", "64", "--copy-cache", path, "--json")
+    assert_clean(rc, out, err, json_out=True)
+    if rc != 0:
+        assert path.read_bytes() == written  # a file refused is left as it was
+
+
+@pytest.fixture(scope="module")
+def recorded_trace(tiny_models, tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("trace") / "t.jsonl"
+    assert main(["generate", "-m", str(tiny_models["olmoe"]), "-p", "hello there", "-n", "6", "--threads", "1",
+                 "--ignore-eos", "--trace", str(path)]) == 0
+    return path.read_bytes()
+
+
+@fuzz("json_trace")
+@given(data=st.data())
+def test_traces_through_project(scratch, recorded_trace, data):
+    lines = recorded_trace.splitlines()
+    at = data.draw(st.integers(0, len(lines) - 1))
+    lines[at] = data.draw(hostile_json(lines[at]))
+    path = scratch(".jsonl")
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    assert_clean(*run_cli("project", path, "--profile", "cpu-generic", "--json"), json_out=True)

@@ -589,7 +589,7 @@ def _app_in_a_pty(model: str, tmp_path, act, after_s: float) -> tuple[int | None
         return False
 
     try:
-        assert read_until("Type a prompt", 30), out.decode("utf-8", "replace")[-2000:]
+        assert read_until("Enter runs, Esc stops", 30), out.decode("utf-8", "replace")[-2000:]
         os.write(terminal, b"tell me a long story\r")
         read_for(after_s)
         act(proc, terminal)
@@ -1025,7 +1025,8 @@ profiles.save_profile(profile, "local", folder=sys.argv[1])
 
 
 def test_a_save_removes_the_temporary_file_a_killed_save_left(tmp_path):
-    from s2moe.engine.profiles import STALE_TMP_SECONDS, load_profile, save_profile
+    from s2moe.engine.files import STALE_TMP_SECONDS
+    from s2moe.engine.profiles import load_profile, save_profile
 
     target = save_profile(dict(PROFILE, description="old"), "local", folder=tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -1111,3 +1112,171 @@ def test_a_stage_is_said_once_it_turns_out_slow_and_not_before():
     assert said == ["slow…"]
     with said_if_slow(None, "nobody listens", after=0.0):
         pass
+
+
+# -- JSON a user can hand s2moe, copy caches, the app's settings --------------------------------------------
+DEEP = b"[" * 100_000 + b"]" * 100_000
+LONG_NUMBER = b'{"format": "s2moe-copy-cache", "version": ' + b"9" * 5000 + b"}"
+NOT_UTF8 = b'{"format": "s2moe-copy-cache\xff"}'
+BAD_JSON = [(DEEP, "nested too deeply"), (LONG_NUMBER, "a number too long to read"),
+            (NOT_UTF8, "not UTF-8 text (an invalid byte at offset 28)")]
+
+
+@pytest.mark.parametrize("data,needle", BAD_JSON, ids=["deep", "long-number", "not-utf8"])
+def test_a_copy_cache_of_json_that_json_loads_cannot_take_is_one_line(tiny_models, tmp_path, capsys, data, needle):
+    cache = tmp_path / "copies.json"
+    cache.write_bytes(data)
+    rc, out, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "-t", "1",
+                           "--copy-cache", cache)
+    assert_one_line(rc, err, f"copy cache {cache}: ", needle)
+    assert out == "" and cache.read_bytes() == data
+
+
+@pytest.mark.parametrize("data,needle", BAD_JSON + [(b"[1, 2]", "not a JSON object")],
+                         ids=["deep", "long-number", "not-utf8", "a-list"])
+def test_app_settings_that_cannot_be_read_are_a_config_error(data, needle):
+    from s2moe.app.tui.state import remembered_settings, state_dir
+
+    state_dir().mkdir(parents=True, exist_ok=True)
+    (state_dir() / "chat-settings.json").write_bytes(data)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        remembered_settings()
+
+
+def test_a_fifo_as_the_apps_state_is_refused_without_opening_it(make_fifo):
+    """The app reads its settings and active profile at start-up: a FIFO there would block it for good."""
+    from s2moe.app.tui.state import remembered_profile, remembered_settings, state_dir
+
+    state_dir().mkdir(parents=True, exist_ok=True)
+    make_fifo(state_dir() / "chat-settings.json")
+    make_fifo(state_dir() / "active-profile")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="chat settings .* is not a regular file"):
+        remembered_settings()
+    assert remembered_profile() is None
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_trace_in_a_folder_is_named_with_the_folder_as_given(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "deep.jsonl").write_bytes(DEEP + b"\n")
+    rc, _, err = run_cli(capsys, "project", "runs", "--profile", "cpu-generic")
+    assert_one_line(rc, err, "trace runs/deep.jsonl line 1: nested too deeply")
+
+
+def test_a_copy_cache_named_as_a_missing_folder_is_refused_not_made_a_file(tiny_models, tmp_path, capsys,
+                                                                            monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "-t", "1",
+                         "--copy-cache", "nodir/")
+    assert_one_line(rc, err, "copy cache nodir/: there is no directory nodir")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_symlinked_copy_cache_or_profile_is_written_through(tiny_models, tmp_path, capsys):
+    from s2moe.engine.profiles import load_profile, save_profile
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    link, dangling, loop = tmp_path / "copies.json", tmp_path / "new.json", tmp_path / "loop.json"
+    link.symlink_to(kept / "copies.json")
+    dangling.symlink_to(kept / "new.json")  # its file is made by the first run
+    loop.symlink_to(loop)
+    for prompt in ("hello", "good morning"):
+        for cache in (link, dangling):
+            rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", prompt, "-n", "4", "-t", "1",
+                                 "--copy-cache", cache)
+            assert rc == 0, err
+    for cache in (link, dangling):
+        assert cache.is_symlink()
+        assert len(json.loads(cache.resolve().read_text())["generations"]) == 2
+    assert sorted(p.name for p in kept.iterdir()) == ["copies.json", "new.json"]
+    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "-t", "1",
+                         "--copy-cache", loop)
+    assert_one_line(rc, err, f"cannot write copy cache {loop}: its symbolic link leads round in a loop")
+    # profiles go through the same writer
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "local.yaml").symlink_to(kept / "local.yaml")
+    save_profile(dict(PROFILE, description="through"), "local", folder=tmp_path / "profiles")
+    assert (tmp_path / "profiles" / "local.yaml").is_symlink()
+    assert load_profile(str(kept / "local.yaml"))["description"] == "through"
+
+
+KILLED_COPY_CACHE_SAVE = """
+import os, sys, time
+from s2moe.engine.copycache import save_copy_cache
+from s2moe.engine.model_info import read_model_info
+from s2moe.engine.policies import EarlierText
+
+def stuck(src, dst):  # the temporary file written, not yet renamed
+    print("writing", flush=True)
+    time.sleep(60)
+
+os.replace = stuck
+earlier = EarlierText()
+earlier.add([1, 2, 3], [1, 2, 3, 4, 5, 6])
+save_copy_cache(sys.argv[2], read_model_info(sys.argv[1]), earlier)
+"""
+
+
+def test_a_copy_cache_save_removes_the_temporary_file_a_killed_save_left(tiny_models, tmp_path):
+    from s2moe.engine.copycache import load_copy_cache, save_copy_cache
+    from s2moe.engine.files import STALE_TMP_SECONDS
+    from s2moe.engine.model_info import read_model_info
+    from s2moe.engine.policies import EarlierText
+
+    model, cache = str(tiny_models["olmoe"]), tmp_path / "copies.json"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_COPY_CACHE_SAVE, model, str(cache)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "writing\n"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    (left,) = tmp_path.glob(".copies.json*tmp*")
+    long_ago = time.time() - STALE_TMP_SECONDS - 60
+    os.utime(left, (long_ago, long_ago))
+    info = read_model_info(model)
+    earlier = EarlierText()
+    earlier.add([4, 5], [4, 5, 6, 7])
+    save_copy_cache(cache, info, earlier)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copies.json"]
+    assert load_copy_cache(cache, info, EarlierText()) == 1
+
+
+def _read_only(folder, *argv, env=None) -> subprocess.CompletedProcess:
+    """argv run with `folder` mounted read-only for it alone (a mount namespace of its own): root ignores
+    permission bits, a read-only mount it does not. Skipped where this machine cannot make one."""
+    mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    try:
+        probe = subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(folder), "touch", str(folder / "probe")],
+                               capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if "Read-only file system" not in probe.stderr:
+        pytest.skip(f"cannot mount a folder read-only here: {probe.stderr.strip()}")
+    return subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(folder), *map(str, argv)],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_an_existing_copy_cache_in_a_read_only_folder_is_refused_before_decoding(tiny_models, tmp_path, capsys):
+    cache = tmp_path / "kept" / "copies.json"
+    cache.parent.mkdir()
+    model = str(tiny_models["olmoe"])
+    rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hello", "-n", "4", "-t", "1", "--copy-cache", cache)
+    assert rc == 0, err
+    kept = cache.read_bytes()
+    # --events prints a line per decoding iteration: a refusal after decoding would come after them
+    done = _read_only(cache.parent, sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hi",
+                      "-n", "8", "-t", "1", "--ignore-eos", "--events", "--copy-cache", cache)
+    assert_one_line(done.returncode, done.stderr, f"cannot write copy cache {cache}: Read-only file system")
+    assert done.stdout == "" and cache.read_bytes() == kept
+
+
+def test_a_trace_for_a_read_only_folder_is_refused_before_decoding(tiny_models, tmp_path):
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    done = _read_only(folder, sys.executable, "-m", "s2moe.app.cli", "generate", "-m", tiny_models["olmoe"], "-p",
+                      "hi", "-n", "8", "-t", "1", "--ignore-eos", "--events", "--trace", folder / "t.jsonl")
+    assert_one_line(done.returncode, done.stderr, f"cannot write trace {folder / 't.jsonl'}: Read-only file system")

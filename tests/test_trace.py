@@ -129,6 +129,9 @@ def _bad_cases(lines):
     yield "holds", [lines[0], json.dumps({**step, "rows": ["AAAA"] + step["rows"][1:]})] + lines[2:]
     yield "not base64", [lines[0], json.dumps({**step, "pending": "!!"})] + lines[2:]
     yield "exceeds", [lines[0], json.dumps({**step, "accepted": 99})] + lines[2:]
+    # JSON's integers of thousands of digits (below Python's 4,300) are no float, nor shown whole
+    yield "field t_draft must be a number in [0, inf], got a number of 4001 digits", [
+        lines[0], json.dumps({**step, "t_draft": 10 ** 4000})] + lines[2:]
     yield "after the end record", lines + [lines[1]]
     yield "end record says", lines[:-1] + [json.dumps({"end": {"n_tokens": 999, "seconds": 1.0, "stop": "x"}})]
     yield "field draft_experts must be one of", [json.dumps({**header, "draft_experts": "pinned"})] + lines[1:]

@@ -595,3 +595,55 @@ def test_cli_tune_writes_the_profile_and_refuses_bad_input(tiny_models, xdg, cap
     assert main(["tune", "-m", model, "--profile", "dev", "--time-budget", "0.5", "--copy-cache", str(broken)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "copy cache" in err
+
+
+@pytest.mark.parametrize("moment", ["before", "after"])
+def test_ctrl_c_as_tune_renames_the_profile_says_whether_it_was_written(tiny_models, xdg, capsys, monkeypatch,
+                                                                       moment):
+    """A real SIGINT raised just before or just after the rename that puts the new profile in place: either way
+    the write, once begun, completes, and the run says so beside "interrupted" (exit code 130)."""
+    import os
+    import signal
+
+    import s2moe.engine.tune as tune
+
+    model = str(tiny_models["olmoe"])
+    info = read_model_info(model)
+    save_profile(_profile(info.fingerprint), "dev")
+    section = {**_section(), "search": {"method": "successive halving", "candidates": 2, "pool": 2, "feasible": 2,
+                                        "rungs": 1, "runs": 2, "seconds": 1.0, "time_budget_s": 60.0}}
+    section["speed"]["verdict"] = "tuned"
+
+    def searched(decoder, prompts, **kw):
+        settings = Settings(**section["settings"])
+        yield TuneDone(section, settings, settings)
+
+    real_replace = os.replace
+
+    def replace_signalled(src, dst):
+        if str(dst).endswith("dev.yaml") and moment == "before":
+            signal.raise_signal(signal.SIGINT)
+        real_replace(src, dst)
+        if str(dst).endswith("dev.yaml") and moment == "after":
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(tune, "run_tune", searched)
+    monkeypatch.setattr(os, "replace", replace_signalled)
+    assert main(["tune", "-m", model, "--profile", "dev", "--prompts", "natural", "--n-prompts", "1", "-t", "1"]) == 130
+    err = capsys.readouterr().err.splitlines()
+    assert err[-2:] == [f"profile written: {xdg / 'dev.yaml'}", "interrupted"], err
+    assert load_profile("dev")["models"][info.fingerprint]["tuned"]["resident"]["settings"] == section["settings"]
+    # a Ctrl-C before the write begins: nothing written, and said
+    import s2moe.engine.profiles as profiles
+
+    before = (xdg / "dev.yaml").read_bytes()
+    real_with_tuned = profiles.with_tuned
+
+    def with_tuned_signalled(*args, **kw):
+        signal.raise_signal(signal.SIGINT)
+        return real_with_tuned(*args, **kw)
+
+    monkeypatch.setattr(profiles, "with_tuned", with_tuned_signalled)
+    assert main(["tune", "-m", model, "--profile", "dev", "--prompts", "natural", "--n-prompts", "1", "-t", "1"]) == 130
+    assert capsys.readouterr().err.splitlines()[-2:] == ["profile dev left as it was", "interrupted"]
+    assert (xdg / "dev.yaml").read_bytes() == before

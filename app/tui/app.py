@@ -110,7 +110,9 @@ class S2MoEApp(App):
                 session.lock.release()
             post(self, ModelReady(model))
         except Exception as e:  # noqa: BLE001 - a model llama.cpp cannot load is a message, not a crash
-            post(self, ModelFailed(failure_text(e)))
+            from ...engine.copycache import CopyCacheError
+
+            post(self, ModelFailed(failure_text(e), copy_cache=isinstance(e, CopyCacheError)))
         finally:
             self.model_loading = False
 
@@ -122,10 +124,13 @@ class S2MoEApp(App):
 
     def on_model_failed(self, message: ModelFailed) -> None:
         self.model_loading = False
-        self.notify(message.text, title="Could not load the model", severity="error", timeout=12)
+        # a copy cache that stops the load is no fault of the model: said as what it is
+        title = "Could not use the copy cache" if message.copy_cache else "Could not load the model"
+        self.notify(message.text, title=title, severity="error", timeout=12)
         self.session.model_path = None
         self.model_changed()
-        self.push_screen(ModelPathDialog(f"Could not load the model: {message.text}"), self._model_chosen)
+        said = f"{title}, so the model was not loaded" if message.copy_cache else title
+        self.push_screen(ModelPathDialog(f"{said}: {message.text}"), self._model_chosen)
 
     @property
     def model_label(self) -> str:

@@ -41,9 +41,14 @@ def settings_from_state(data: dict) -> ChatSettings:
             continue
         v = data[f.name]
         allowed = {t.strip() for t in str(f.type).split("|")}
+        if isinstance(v, int) and not isinstance(v, bool) and "float" in allowed and "int" not in allowed:
+            try:
+                v = float(v)  # JSON's 2 for 2.0; one of hundreds of digits is no float
+            except OverflowError:
+                continue
         if ((v is None and "None" in allowed) or (isinstance(v, bool) and "bool" in allowed)
                 or (isinstance(v, str) and "str" in allowed)
-                or (isinstance(v, int) and not isinstance(v, bool) and allowed & {"int", "float"})
+                or (isinstance(v, int) and not isinstance(v, bool) and "int" in allowed)
                 or (isinstance(v, float) and "float" in allowed)):
             kept[f.name] = v
     settings = replace(ChatSettings(), **kept)
@@ -152,7 +157,13 @@ class ChatScreen(Screen):
     def on_mount(self) -> None:
         self.app.register_view(self)
         self.query_one("#legend", Static).update(legend(self.app))
-        self.settings = replace(settings_from_state(remembered_settings()), **self.app.sampling_flags)
+        try:
+            remembered = remembered_settings()
+        except S2MoEError as e:
+            remembered = {}
+            self.notify(f"{failure_text(e)}: the chat starts from the default settings, which replace the file "
+                        "when a setting changes", title="Settings not restored", severity="warning", timeout=12)
+        self.settings = replace(settings_from_state(remembered), **self.app.sampling_flags)
         self.adapt_to_model()
         self.set_interval(0.1, self.flush_text)
         self.set_interval(0.3, self.flush_live)  # plots cost more to draw than text

@@ -17,8 +17,9 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from ...engine.bench import BenchDone, write_atomic
+from ...engine.bench import BenchDone
 from ...engine.errors import ConfigError
+from ...engine.files import write_atomic
 
 TRANSCRIPT_FORMATS = {".md": "Markdown", ".markdown": "Markdown", ".jsonl": "JSONL"}
 BENCH_FORMATS = {".json": "JSON", ".csv": "CSV"}
@@ -85,7 +86,7 @@ def export_transcript(path: str, turns) -> Path:
     target, kind = _target(path, TRANSCRIPT_FORMATS)
     if not turns:
         raise ConfigError("nothing to save yet: the transcript is empty")
-    write_atomic(target, transcript_markdown(turns) if kind == "Markdown" else transcript_jsonl(turns))
+    write_atomic(target, transcript_markdown(turns) if kind == "Markdown" else transcript_jsonl(turns), "transcript")
     return target
 
 
@@ -93,7 +94,8 @@ def export_bench(path: str, done: BenchDone | None) -> Path:
     target, kind = _target(path, BENCH_FORMATS)
     if done is None:
         raise ConfigError("nothing to save yet: run the bench first")
-    write_atomic(target, json.dumps(done.as_dict(), indent=2) + "\n" if kind == "JSON" else bench_csv(done))
+    write_atomic(target, json.dumps(done.as_dict(), indent=2) + "\n" if kind == "JSON" else bench_csv(done),
+                 "bench results")
     return target
 
 

@@ -62,11 +62,12 @@ class JobEnded(Message, bubble=False):
 
 
 class ModelFailed(Message, bubble=False):
-    """The model could not be loaded."""
+    """The model could not be loaded (copy_cache: its copy cache stopped the load)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, copy_cache: bool = False) -> None:
         super().__init__()
         self.text = text
+        self.copy_cache = copy_cache
 
 
 class ModelReady(Message, bubble=False):

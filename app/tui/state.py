@@ -6,13 +6,11 @@ import json
 import os
 from pathlib import Path
 
-from ...engine.bench import write_atomic
-from ...engine.errors import S2MoEError
+from ...engine.errors import ConfigError, S2MoEError
+from ...engine.files import read_bounded, read_json, state_dir, write_atomic
 
-
-def state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "s2moe"
+# What the app keeps here is a few hundred bytes; the bound keeps a wrong file from being read whole.
+MAX_STATE_BYTES = 1 << 20
 
 
 def _active_file() -> Path:
@@ -25,8 +23,8 @@ def remembered_profile() -> str | None:
     from ...engine.profiles import load_profile
 
     try:
-        name = _active_file().read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+        name = read_bounded(_active_file(), "active profile", MAX_STATE_BYTES).decode("utf-8").strip()
+    except (S2MoEError, UnicodeDecodeError):
         return None
     if not name:
         return None
@@ -41,8 +39,8 @@ def remember_profile(name: str | None) -> None:
     """Keep the active profile for the next run; a state folder that cannot be written only loses that."""
     try:
         state_dir().mkdir(parents=True, exist_ok=True)
-        write_atomic(_active_file(), (name or "") + "\n")
-    except OSError:
+        write_atomic(_active_file(), (name or "") + "\n", "active profile")
+    except (OSError, S2MoEError):
         pass
 
 
@@ -54,16 +52,20 @@ def remember_settings(values: dict) -> None:
     """Keep the chat's settings (mode, k_d, n, …) for the next run; unwritable state only loses that."""
     try:
         state_dir().mkdir(parents=True, exist_ok=True)
-        write_atomic(_settings_file(), json.dumps(values, indent=1, sort_keys=True) + "\n")
-    except OSError:
+        write_atomic(_settings_file(), json.dumps(values, indent=1, sort_keys=True) + "\n", "chat settings")
+    except (OSError, S2MoEError):
         pass
 
 
 def remembered_settings() -> dict:
-    """The chat's settings as last remembered ({} when there are none or the file is not a JSON object:
-    forgotten, never an error at start-up). The caller keeps only the values it still accepts."""
-    try:
-        data = json.loads(_settings_file().read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    """The chat's settings as last remembered ({} when there are none yet). A file that is not a JSON object
+    (not JSON, not a regular file, nested too deep, …) is a ConfigError saying so: the caller starts from the
+    defaults and tells the user once, rather than forgetting the settings without a word. The caller keeps only
+    the values it still accepts."""
+    path = _settings_file()
+    if not os.path.lexists(path):
         return {}
-    return data if isinstance(data, dict) else {}
+    data = read_json(path, "chat settings", MAX_STATE_BYTES)
+    if not isinstance(data, dict):
+        raise ConfigError(f"chat settings {path}: not a JSON object")
+    return data
