@@ -247,6 +247,31 @@ def add_batch_option(p: argparse.ArgumentParser) -> None:
                         "it: a smaller N needs less memory and prefills in more passes")
 
 
+def _pregate_depth(text: str) -> int:
+    from ..engine.hook import PREGATE_MAX
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= PREGATE_MAX:
+        raise argparse.ArgumentTypeError(f"layers ahead, 0 to {PREGATE_MAX}, not {text!r}")
+    return n
+
+
+def add_pregate_option(p: argparse.ArgumentParser) -> None:
+    """Pre-gating under a budget: every command that decodes plainly under --budget for a user to time."""
+    p.add_argument("--pregate", type=_pregate_depth, default=0, metavar="N",
+                   help="under --budget: as each layer of a one-token step routes, apply the next N layers' routers "
+                        "to its hidden state and read the experts they predict while it computes (pre-gating; "
+                        "reads ahead only, the tokens stay the same; default 0: off)")
+
+
+def check_pregate(args) -> None:
+    if args.pregate and args.budget in (None, "none"):
+        raise ConfigError("--pregate reads experts ahead of their layers under a memory budget: give --budget too")
+
+
 def add_placement_options(p: argparse.ArgumentParser) -> None:
     """Where llama.cpp keeps the weights (engine.gpu.Placement): every command that loads a model."""
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=_gpu_layers, default=0,
@@ -334,6 +359,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
     add_batch_option(p)
     add_placement_options(p)
+    add_pregate_option(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--budget", type=budget_text,
                    help="memory budget, e.g. 800M or 2G, or auto (what the process holds + a third of the expert "
@@ -582,6 +608,7 @@ def cmd_generate(args) -> int:
     from . import cmd_chat
 
     cmd_chat.check_options(args)
+    check_pregate(args)
     # Validate flags that need no model before loading one.
     GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, draft_topk=args.draft_topk,
                      draft_max=args.draft_max, tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,
@@ -619,7 +646,8 @@ def cmd_generate(args) -> int:
             for _ in decoder.generate(args.prompt, short):
                 pass
 
-        offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up)
+        offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up,
+                                            pinning=offload.Pinning(pregate=args.pregate))
         if not args.json:
             from ..engine.offload.sizes import fmt_bytes
 

@@ -17,7 +17,7 @@ from .libc import MADV_NORMAL, MADV_RANDOM, raise_memlock_limit
 from .mapping import ModelMapping
 from .native import NativePrefetch
 from .procfs import model_mappings, process_anon_bytes
-from .sizes import PAGE
+from .sizes import PAGE, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,19 @@ class Offloader:
             self.hot_given -= 1
             self.native.set_pinned(layer, e, True)
             self.pinned_split["hot_experts"] += self.map.pin_experts([(layer, e)])
+
+    def pregate_text(self) -> str:
+        """One phrase on pre-gating (the routing hook's pregate): its recall at each distance, what it read and
+        what of that for nothing, a token; empty where it is off."""
+        hook = self._decoder.rt.hook if self._decoder is not None else None
+        if hook is None or not hook.pregate_depth:
+            return ""
+        stats, read = hook.pregate_stats(), self.native.pregate_stats()
+        recall = ", ".join(f"{d} ahead {stats.recall(d):.0%}" for d in range(1, hook.pregate_depth + 1))
+        tokens = max(stats.decodes, 1)
+        return (f"pre-gating {hook.pregate_depth} layers ahead: recall {recall}; read {fmt_bytes(read['read_bytes'])}"
+                f" ahead, {fmt_bytes(read['wasted_bytes'])} of it for nothing "
+                f"({fmt_bytes(read['wasted_bytes'] // tokens)} a token over {stats.decodes} one-row decodes)")
 
     @property
     def keeps_expert_cache(self) -> bool:
