@@ -1943,4 +1943,4 @@ def test_pregating_changes_no_token_and_says_what_it_predicted(tiny_models):
         d.close()
     assert pregated == plain
     assert stats.decodes == cfg.n_predict and stats.total[1] > 0 and stats.total[2] > 0  # the prompt's last token, then each generated one but the last
-    assert text.startswith("pre-gating 2 layers ahead: recall 1 ahead ") and "2 ahead" in text
+    assert text.startswith("pre-gating 2 layers ahead: recall 1 ahead ") and ", 2 ahead " in text and "a token" in text

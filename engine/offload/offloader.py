@@ -225,11 +225,12 @@ class Offloader:
         if hook is None or not hook.pregate_depth:
             return ""
         stats, read = hook.pregate_stats(), self.native.pregate_stats()
-        recall = ", ".join(f"{d} ahead {stats.recall(d):.0%}" for d in range(1, hook.pregate_depth + 1))
+        depth = hook.pregate_depth
+        recall = ", ".join(f"{d} ahead {stats.recall(d):.0%}" for d in range(1, depth + 1))
         tokens = max(stats.decodes, 1)
-        return (f"pre-gating {hook.pregate_depth} layers ahead: recall {recall}; read {fmt_bytes(read['read_bytes'])}"
-                f" ahead, {fmt_bytes(read['wasted_bytes'])} of it for nothing "
-                f"({fmt_bytes(read['wasted_bytes'] // tokens)} a token over {stats.decodes} one-row decodes)")
+        return (f"pre-gating {depth} layer{'s' if depth > 1 else ''} ahead: recall {recall}; read ahead "
+                f"{fmt_bytes(read['read_bytes'] / tokens)} a token, {fmt_bytes(read['wasted_bytes'] / tokens)} of it "
+                f"for nothing ({stats.decodes} one-row decodes)")
 
     @property
     def keeps_expert_cache(self) -> bool:
