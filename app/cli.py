@@ -247,28 +247,38 @@ def add_batch_option(p: argparse.ArgumentParser) -> None:
                         "it: a smaller N needs less memory and prefills in more passes")
 
 
-def _pregate_depth(text: str) -> int:
+def _pregate(text: str) -> tuple[int, int]:
+    """N or N:M: layers ahead, and the best ranked experts read of each layer's predicted ones (0 or none: all)."""
     from ..engine.hook import PREGATE_MAX
 
+    depth, _, width = text.partition(":")
     try:
-        n = int(text)
+        n, m = int(depth), int(width or 0)
     except ValueError:
-        n = -1
-    if not 0 <= n <= PREGATE_MAX:
-        raise argparse.ArgumentTypeError(f"layers ahead, 0 to {PREGATE_MAX}, not {text!r}")
-    return n
+        n = m = -1
+    if not 0 <= n <= PREGATE_MAX or m < 0:
+        raise argparse.ArgumentTypeError(f"N or N:M, N layers ahead (0 to {PREGATE_MAX}), M experts read of each "
+                                         f"layer's predicted ones, not {text!r}")
+    return n, m
 
 
 def add_pregate_option(p: argparse.ArgumentParser) -> None:
     """Pre-gating under a budget: every command that decodes plainly under --budget for a user to time."""
-    p.add_argument("--pregate", type=_pregate_depth, default=0, metavar="N",
+    p.add_argument("--pregate", type=_pregate, default=(0, 0), metavar="N[:M]",
                    help="under --budget: as each layer of a one-token step routes, apply the next N layers' routers "
-                        "to its hidden state and read the experts they predict while it computes (pre-gating; "
-                        "reads ahead only, the tokens stay the same; default 0: off)")
+                        "to its hidden state and read the experts they predict (the best ranked M of each layer's, "
+                        "default all) while it computes (pre-gating; reads ahead only, the tokens stay the same; "
+                        "default 0: off)")
+
+
+def pregate_pinning(args):
+    from ..engine.offload import Pinning
+
+    return Pinning(pregate=args.pregate[0], pregate_width=args.pregate[1])
 
 
 def check_pregate(args) -> None:
-    if args.pregate and args.budget in (None, "none"):
+    if args.pregate[0] and args.budget in (None, "none"):
         raise ConfigError("--pregate reads experts ahead of their layers under a memory budget: give --budget too")
 
 
@@ -647,7 +657,7 @@ def cmd_generate(args) -> int:
                 pass
 
         offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up,
-                                            pinning=offload.Pinning(pregate=args.pregate))
+                                            pinning=pregate_pinning(args))
         if not args.json:
             from ..engine.offload.sizes import fmt_bytes
 

@@ -408,8 +408,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
                 "--repeats", str(args.repeats), "--json", str(out)]
         if args.no_quality:
             argv.append("--no-quality")
-        if args.pregate:
-            argv += ["--pregate", str(args.pregate)]
+        if args.pregate[0]:
+            argv += ["--pregate", "%d:%d" % args.pregate]
         # settings not given are resolved there: the profile's tuning under a budget, not the resident one
         for flag, value in (("--draft-topk", args.draft_topk), ("--draft-max", args.draft_max),
                             ("--reuse-strength", args.reuse_strength), ("--threshold", args.threshold),
@@ -534,7 +534,7 @@ def run(args) -> int:
                                 storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up, write_atomic)
     from ..engine.cpu_buffers import REASONS
     from ..engine.decoder import Decoder, GenerationConfig
-    from .cli import check_pregate, default_model, placement_from_args
+    from .cli import check_pregate, default_model, placement_from_args, pregate_pinning
 
     model = args.model or default_model()
     console = Console(stderr=True)
@@ -646,7 +646,7 @@ def run(args) -> int:
             budget = inside[1]
             off = offload.offload_decoder(decoder, budget, hot,
                                           warm_up=lambda: list(warm_up(decoder, base, prompts[0], modes)),
-                                          pinning=offload.Pinning(pregate=args.pregate))
+                                          pinning=pregate_pinning(args))
             here = budget.describe(off.budget_bytes)
         else:
             off = None

@@ -91,6 +91,7 @@ class RoutingHook:
         # [distance, layer, k] the experts pre-gating predicted for each layer in the last decode (-1: none)
         self.predicted = np.full((PREGATE_MAX + 1, self.n_layer, self.k), -1, np.int32)
         self.pregate_depth = 0
+        self.pregate_width = self.k
         self.handle = self.lib.s2_hook_new(self.n_layer, self.n_expert, self.k, max_rows, self.cap_max)
         if not self.handle:
             raise MemoryError("native routing hook: allocation failed")
@@ -179,16 +180,21 @@ class RoutingHook:
         self.lib.s2_hook_gate(self.handle, float(alpha), int(cap), _ptr(self.row_weight, ctypes.c_float))
         self.mode = "gate"
 
-    def pregate(self, depth: int, check_self: bool = False) -> None:
+    def pregate(self, depth: int, width: int = 0, check_self: bool = False) -> None:
         """Pre-gating: in one-row decodes (not drafts), as each layer routes, apply the routers of the next
-        `depth` layers to its input hidden state and hand their choices to the routed prefetcher (set_route),
-        which reads them while this layer computes; 0 turns it off. check_self: each layer's own router too
-        (distance 0), a check that the prediction is computed as the router computes. Never changes routing."""
+        `depth` layers to its input hidden state and hand the `width` best ranked of each one's k predicted
+        experts (0: all k) to the routed prefetcher (set_route), which reads them while this layer computes; depth
+        0 turns it off. The recall counts all k. check_self: each layer's own router too (distance 0), a check
+        that the prediction is computed as the router computes. Never changes routing."""
         if not 0 <= depth <= PREGATE_MAX:
             raise ValueError(f"pre-gating looks 0 to {PREGATE_MAX} layers ahead, not {depth}")
+        if not 0 <= width <= self.k:
+            raise ValueError(f"pre-gating reads 1 to {self.k} predicted experts a layer (0: all), not {width}")
         self.pregate_depth = depth
+        self.pregate_width = width or self.k
         self.predicted[:] = -1
-        self.lib.s2_hook_pregate(self.handle, int(depth), int(check_self), _ptr(self.predicted, ctypes.c_int32))
+        self.lib.s2_hook_pregate(self.handle, int(depth), int(width), int(check_self),
+                                 _ptr(self.predicted, ctypes.c_int32))
 
     def pregate_stats(self) -> "PregateStats":
         """Since creation: per distance, the predicted experts the layer then read and the experts it read."""

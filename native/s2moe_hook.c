@@ -123,6 +123,7 @@ typedef struct s2_hook {
     // pre-gating (top of file); what it needs of each layer is learned from the nodes of the graphs it sees
     int pregate;            // layers ahead (0: off)
     int pregate_self;       // also the layer's own router (distance 0): checks the prediction itself
+    int pregate_width;      // of a layer's k predicted experts, the first this many (best ranked) are read
     const struct ggml_tensor **router;   // [n_layer] ffn_gate_inp (the matmul ffn_moe_logits-L)
     const struct ggml_tensor **norm_w;   // [n_layer] ffn_norm's weight (NULL: none)
     float *norm_eps;                     // [n_layer] its rms_norm's eps (< 0: no rms_norm before it)
@@ -272,10 +273,12 @@ void s2_hook_set_stage(s2_hook *h, int (*fn)(void *, int, int, int), void *ctx) 
     h->stage_ctx = ctx;
 }
 
-// Pre-gating `depth` layers ahead (0: off, at most PREGATE_MAX), and with `self` each layer's own router too (a
+// Pre-gating `depth` layers ahead (0: off, at most PREGATE_MAX), reading the `width` best ranked of each layer's k
+// predicted experts (the first ranks are right far more often), and with `self` each layer's own router too (a
 // check of the prediction: it must name what the layer then reads). predicted: caller-owned (top of file).
-void s2_hook_pregate(s2_hook *h, int depth, int self, int32_t *predicted) {
+void s2_hook_pregate(s2_hook *h, int depth, int width, int self, int32_t *predicted) {
     h->pregate = depth < 0 ? 0 : depth > PREGATE_MAX ? PREGATE_MAX : depth;
+    h->pregate_width = width < 1 || width > h->k ? h->k : width;
     h->pregate_self = self != 0;
     h->predicted = predicted;
     if (!h->pregate) memset(h->hidden, 0, (size_t)h->n_layer * sizeof(*h->hidden));
@@ -557,7 +560,7 @@ static bool router_usable(const s2_hook *h, int layer) {
            (w->type == GGML_TYPE_F32 || ggml_get_type_traits(w->type)->to_float != NULL);
 }
 
-// The k experts layer's router ranks first for the hidden state in pg_x, into out.
+// The k experts layer's router ranks first for the hidden state in pg_x, into out, best first.
 static void predict_layer(s2_hook *h, int layer, int32_t *out) {
     const int n = h->pg_embd, ne = h->n_expert, k = h->k;
     float scale = 1.0f;
@@ -636,7 +639,7 @@ static void pregate_layer(s2_hook *h, int layer, const int32_t *ids) {
             if ((distance == 0 && !h->pregate_self) || target >= h->n_layer || !router_usable(h, target)) continue;
             int32_t *out = predicted_for(h, distance, target);
             predict_layer(h, target, out);
-            if (distance > 0 && h->on_predict) h->on_predict(h->predict_ctx, target, out, h->k);
+            if (distance > 0 && h->on_predict) h->on_predict(h->predict_ctx, target, out, h->pregate_width);
         }
         h->pregated_now = 1;
     }

@@ -146,6 +146,7 @@ def test_empty_paths_and_absurd_budgets_are_one_line_errors(argv, capsys):
     (["bench", "--pregate", "1"], "give --budget too"),
     (["generate", "-p", "x", "--budget", "1G", "--pregate", "5"], "0 to 4"),
     (["bench", "--pregate", "two"], "0 to 4"),
+    (["bench", "--pregate", "1:-1"], "0 to 4"),
 ])
 def test_pregate_is_a_depth_under_a_budget(argv, needle, capsys):
     from s2moe.app.cli import main

@@ -1923,7 +1923,7 @@ def test_a_wrong_pregate_guess_is_read_for_nothing_and_the_first_expert_the_kept
 
 def test_pregating_changes_no_token_and_says_what_it_predicted(tiny_models):
     """Pre-gating only reads ahead: a generation decodes the same tokens with it, and the offloader's line
-    says its recall and what it read."""
+    says its recall and what it read. It reads at most the experts a layer routes to."""
     from s2moe.engine.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.events import Finished
     from s2moe.engine.offload import Pinning, offload_decoder
@@ -1932,7 +1932,9 @@ def test_pregating_changes_no_token_and_says_what_it_predicted(tiny_models):
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
     try:
         plain = [e for e in run(d, "hello there", cfg) if isinstance(e, Finished)][0].tokens
-        off = offload_decoder(d, None, pinning=Pinning(base=False, hot=False, pregate=2))
+        with pytest.raises(ConfigError, match="at most the 4 experts"):
+            offload_decoder(d, None, pinning=Pinning(base=False, hot=False, pregate=2, pregate_width=5))
+        off = offload_decoder(d, None, pinning=Pinning(base=False, hot=False, pregate=2, pregate_width=3))
         try:
             pregated = [e for e in run(d, "hello there", cfg) if isinstance(e, Finished)][0].tokens
             stats = d.rt.hook.pregate_stats()
@@ -1943,4 +1945,5 @@ def test_pregating_changes_no_token_and_says_what_it_predicted(tiny_models):
         d.close()
     assert pregated == plain
     assert stats.decodes == cfg.n_predict and stats.total[1] > 0 and stats.total[2] > 0  # the prompt's last token, then each generated one but the last
-    assert text.startswith("pre-gating 2 layers ahead: recall 1 ahead ") and ", 2 ahead " in text and "a token" in text
+    assert text.startswith("pre-gating 2 layers ahead, the best 3 of 4 read: recall 1 ahead ") and ", 2 ahead " in text
+    assert "a token" in text

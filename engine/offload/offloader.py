@@ -228,7 +228,8 @@ class Offloader:
         depth = hook.pregate_depth
         recall = ", ".join(f"{d} ahead {stats.recall(d):.0%}" for d in range(1, depth + 1))
         tokens = max(stats.decodes, 1)
-        return (f"pre-gating {depth} layer{'s' if depth > 1 else ''} ahead: recall {recall}; read ahead "
+        width = f", the best {hook.pregate_width} of {hook.k} read" if hook.pregate_width < hook.k else ""
+        return (f"pre-gating {depth} layer{'s' if depth > 1 else ''} ahead{width}: recall {recall}; read ahead "
                 f"{fmt_bytes(read['read_bytes'] / tokens)} a token, {fmt_bytes(read['wasted_bytes'] / tokens)} of it "
                 f"for nothing ({stats.decodes} one-row decodes)")
 

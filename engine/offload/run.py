@@ -100,6 +100,7 @@ class Pinning:
     pregate: int = 0            # in a one-row decode, as each layer routes, apply the next this many layers' routers
                                 # to its hidden state and read the experts they predict while it computes (off until
                                 # measured faster: docs/offloading.md)
+    pregate_width: int = 0      # of each layer's k predicted experts, read the best ranked this many (0: all k)
 
 
 def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
@@ -113,6 +114,9 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     auto budget starts with: under its own limit, with nothing yet pinned or cached, the warm-up decoded as
     llama.cpp alone would, slowly and before every run. The offloader's budget_bytes says what the budget
     came to."""
+    if pinning.pregate_width > decoder.info.n_expert_used:
+        raise ConfigError(f"pre-gating reads at most the {decoder.info.n_expert_used} experts a layer of this model "
+                          f"routes to, not {pinning.pregate_width}")
     emap = expert_map(decoder.info.path)
     size = None if budget is None else budget.size
     inside = current_budget() if budget is not None else None
@@ -225,7 +229,7 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
         plan = plan_budget(budget_bytes, anon_bytes=anon, base_bytes=off.map.locked_bytes,
                            emap=emap, k=k, pin_hot=False, expert_room=expert_room)
     if plan is not None and pinning.pregate:
-        plan = _reserve_read_ahead(plan, pinning.pregate * _one_layer_bytes(emap, k))
+        plan = _reserve_read_ahead(plan, pinning.pregate * _one_layer_bytes(emap, pinning.pregate_width or k))
     off.plan = plan
     if plan is not None:
         try:
@@ -254,7 +258,7 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
         off.start_fetching(pinning.fetch_workers, int(pinning.fetch_room_share * plan.cache_bytes))
     off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
     if pinning.pregate and decoder.rt.hook is not None:
-        decoder.rt.hook.pregate(pinning.pregate)
+        decoder.rt.hook.pregate(pinning.pregate, pinning.pregate_width)
     return off, hot
 
 
