@@ -132,9 +132,10 @@ typedef struct s2_hook {
     struct ggml_tensor **hidden;         // [n_layer] ffn_inp-L of the graph running now (NULL: none yet)
     int32_t *predicted;     // caller-owned [PREGATE_MAX + 1][n_layer][k]: the experts predicted for layer l at
                             // distance d in this decode; -1 where none (the caller resets it before a decode)
-    int64_t pg_hits[PREGATE_MAX + 1], pg_total[PREGATE_MAX + 1];     // per distance: predicted experts the layer read / experts it read
+    int64_t pg_hits[PREGATE_MAX + 1];    // per distance: predicted experts the layer then read
+    int64_t pg_total[PREGATE_MAX + 1];   // per distance: experts read by layers that had a prediction
     int64_t n_pregate_decodes;           // decodes that pre-gated
-    int pregated_now;
+    int pregated_now;                    // the decode running now has (counted at s2_hook_end)
     int pg_embd;
     float *pg_x, *pg_xn, *pg_row, *pg_score;  // scratch: [pg_embd] x3, [n_expert]
     int (*on_predict)(void *ctx, int layer, const int32_t *ids, int n);
@@ -541,7 +542,8 @@ static void pregate_learn(s2_hook *h, struct ggml_tensor *t) {
             h->router[l] = t->src[0];
     } else if ((l = layer_of(name, PROBS_BIASED, sizeof(PROBS_BIASED) - 1)) >= 0) {
         const struct ggml_tensor *b = t->src[1];
-        if (l >= h->n_layer || t->op != GGML_OP_ADD || !b || b->type != GGML_TYPE_F32 || b->ne[0] != h->n_expert) return;
+        if (l >= h->n_layer || t->op != GGML_OP_ADD || !b || b->type != GGML_TYPE_F32 || b->ne[0] != h->n_expert)
+            return;
         h->sel_bias[l] = b;
         h->sel_softmax[l] = t->src[0] && t->src[0]->op == GGML_OP_SOFT_MAX;
     }
@@ -596,7 +598,8 @@ static void predict_layer(s2_hook *h, int layer, int32_t *out) {
             h->pg_score[e] = h->sel_softmax[layer] ? expf(h->pg_score[e] - top) : 1.0f / (1.0f + expf(-h->pg_score[e]));
             sum += h->pg_score[e];
         }
-        for (int e = 0; e < ne; ++e) h->pg_score[e] = (h->sel_softmax[layer] ? h->pg_score[e] / sum : h->pg_score[e]) + bias[e];
+        for (int e = 0; e < ne; ++e)
+            h->pg_score[e] = (h->sel_softmax[layer] ? h->pg_score[e] / sum : h->pg_score[e]) + bias[e];
     }
     memset(h->in_row, 0, ne);
     for (int j = 0; j < k; ++j) {
@@ -614,10 +617,12 @@ static int32_t *predicted_for(const s2_hook *h, int distance, int layer) {
 
 static bool scratch_for(s2_hook *h, int n_embd) {
     if (h->pg_embd == n_embd) return true;
-    float *x = realloc(h->pg_x, (size_t)n_embd * sizeof(float)), *xn = x ? realloc(h->pg_xn, (size_t)n_embd * sizeof(float)) : NULL;
+    const size_t bytes = (size_t)n_embd * sizeof(float);
+    float *x = realloc(h->pg_x, bytes);
     if (x) h->pg_x = x;
+    float *xn = x ? realloc(h->pg_xn, bytes) : NULL;
     if (xn) h->pg_xn = xn;
-    float *row = xn ? realloc(h->pg_row, (size_t)n_embd * sizeof(float)) : NULL;
+    float *row = xn ? realloc(h->pg_row, bytes) : NULL;
     if (row) h->pg_row = row;
     h->pg_embd = row ? n_embd : 0;
     return row != NULL;
@@ -662,7 +667,8 @@ static void pregate_layer(s2_hook *h, int layer, const int32_t *ids) {
 static void route_only(s2_hook *h, struct ggml_tensor *t, int layer) {
     struct ggml_tensor *topk = t->src[1];
     const int k = h->k;
-    if ((!h->on_route && !h->pregate) || !topk || layer < 0 || layer >= h->n_layer || topk->type != GGML_TYPE_I32 || topk->ne[0] != k)
+    if ((!h->on_route && !h->pregate) || !topk || layer < 0 || layer >= h->n_layer || topk->type != GGML_TYPE_I32 ||
+        topk->ne[0] != k)
         return;
     const int n_rows = (int)topk->ne[1];
     const size_t need = (size_t)n_rows * k;
