@@ -646,7 +646,8 @@ static void pregate_layer(s2_hook *h, int layer, const int32_t *ids) {
     if (!h->pregate || !h->predicted || h->mode == S2_DRAFT || h->mode == S2_SKIP || layer >= h->n_layer) return;
     const struct ggml_tensor *x = h->hidden[layer];
     h->hidden[layer] = NULL;
-    if (x && x->type == GGML_TYPE_F32 && x->ne[1] == 1 && scratch_for(h, (int)x->ne[0])) {
+    const bool readable = x && (on_host(h, x) ? x->data != NULL : buffer_of(x) != NULL);
+    if (readable && x->type == GGML_TYPE_F32 && x->ne[1] == 1 && scratch_for(h, (int)x->ne[0])) {
         if (on_host(h, x)) memcpy(h->pg_x, x->data, (size_t)h->pg_embd * sizeof(float));
         else ggml_backend_tensor_get(x, h->pg_x, 0, (size_t)h->pg_embd * sizeof(float));
         for (int d = 1; d <= h->pregate + 1; ++d) {

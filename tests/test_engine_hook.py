@@ -559,12 +559,15 @@ def test_a_gate_without_memory_forgets_the_previous_memory_preference(decoders, 
         np.testing.assert_array_equal(a, b)
 
 
-def test_pregating_predicts_with_each_router_and_its_recall_is_the_recorded_routings(decoders, arch):
+@pytest.mark.parametrize("backend_copy", [False, True])
+def test_pregating_predicts_with_each_router_and_its_recall_is_the_recorded_routings(decoders, arch, backend_copy):
     """Pre-gating applies later layers' routers to a layer's input hidden state. Applied to the layer's own
     router (distance 0) it must name exactly what the layer then reads: the hidden state, the norm before the
     router, the router and any selection bias are the ones llama.cpp uses. Its running recall at every distance
-    is the one computed here from each step's recorded routing and predictions, and it changes no logit."""
+    is the one computed here from each step's recorded routing and predictions, and it changes no logit. Also
+    where the hidden state is read as from a device buffer."""
     rt = decoders[arch].rt
+    rt.hook.force_backend_copy(backend_copy)
     k, n_layer = rt.info.n_expert_used, rt.info.n_layer
     steps = TOKENS[4:12]
 
@@ -586,6 +589,7 @@ def test_pregating_predicts_with_each_router_and_its_recall_is_the_recorded_rout
         after = rt.hook.pregate_stats()
     finally:
         rt.hook.pregate(0)
+        rt.hook.force_backend_copy(False)
         _fresh(rt)
     np.testing.assert_array_equal(plain, pregated)
     hits, total = np.zeros(3, int), np.zeros(3, int)
