@@ -1941,6 +1941,7 @@ def test_pregating_changes_no_token_and_says_what_it_predicted(tiny_models):
             text = off.pregate_text()
         finally:
             off.close()
+        assert d.rt.hook.pregate_depth == 0  # an offloader's pre-gating ends with it
     finally:
         d.close()
     assert pregated == plain

@@ -94,6 +94,13 @@ class Offloader:
         most room_bytes ahead of the verification's progress (see native/s2moe_offload.c)."""
         self.native.start_fetching(workers, room_bytes)
 
+    def pregate(self, depth: int, width: int = 0) -> None:
+        """Pre-gate the attached decoder's one-row decodes `depth` layers ahead, reading the `width` best ranked
+        of each layer's predicted experts (RoutingHook.pregate), until this offloader closes."""
+        hook = self._decoder.rt.hook if self._decoder is not None else None
+        if hook is not None:
+            hook.pregate(depth, width)
+
     def fetch_stats(self) -> dict | None:
         return self.native.fetch_stats() if self.native.fetching else None
 
@@ -320,6 +327,7 @@ class Offloader:
         if decoder is not None:
             if decoder.rt.hook is not None:
                 decoder.rt.hook.clear_route(self.native)
+                decoder.rt.hook.pregate(0)  # its predictions would go nowhere
             decoder.detach(self)
         self.native.close()
         self.map.close()

@@ -257,8 +257,8 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
     if plan is not None and pinning.fetch_workers > 0:
         off.start_fetching(pinning.fetch_workers, int(pinning.fetch_room_share * plan.cache_bytes))
     off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
-    if pinning.pregate and decoder.rt.hook is not None:
-        decoder.rt.hook.pregate(pinning.pregate, pinning.pregate_width)
+    if pinning.pregate:
+        off.pregate(pinning.pregate, pinning.pregate_width)
     return off, hot
 
 
