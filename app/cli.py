@@ -248,6 +248,41 @@ def add_batch_option(p: argparse.ArgumentParser) -> None:
                         "it: a smaller N needs less memory and prefills in more passes")
 
 
+def _pregate(text: str) -> tuple[int, int]:
+    """N or N:M: layers ahead, and the best ranked experts read of each layer's predicted ones (0 or none: all)."""
+    from ..engine.hook import PREGATE_MAX
+
+    depth, _, width = text.partition(":")
+    try:
+        n, m = int(depth), int(width or 0)
+    except ValueError:
+        n = m = -1
+    if not 0 <= n <= PREGATE_MAX or m < 0:
+        raise argparse.ArgumentTypeError(f"N or N:M, N layers ahead (0 to {PREGATE_MAX}), M experts read of each "
+                                         f"layer's predicted ones, not {text!r}")
+    return n, m
+
+
+def add_pregate_option(p: argparse.ArgumentParser) -> None:
+    """Pre-gating under a budget: every command that decodes plainly under --budget for a user to time."""
+    p.add_argument("--pregate", type=_pregate, default=(0, 0), metavar="N[:M]",
+                   help="under --budget: as each layer of a one-token step routes, apply the next N layers' routers "
+                        "to its hidden state and read the experts they predict (the best ranked M of each layer's, "
+                        "default all) while it computes (pre-gating; reads ahead only, the tokens stay the same; "
+                        "default 0: off)")
+
+
+def pregate_pinning(args):
+    from ..engine.offload import Pinning
+
+    return Pinning(pregate=args.pregate[0], pregate_width=args.pregate[1])
+
+
+def check_pregate(args) -> None:
+    if args.pregate[0] and args.budget in (None, "none"):
+        raise ConfigError("--pregate reads experts ahead of their layers under a memory budget: give --budget too")
+
+
 def add_placement_options(p: argparse.ArgumentParser) -> None:
     """Where llama.cpp keeps the weights (engine.gpu.Placement): every command that loads a model."""
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=_gpu_layers, default=0,
@@ -337,6 +372,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
     add_batch_option(p)
     add_placement_options(p)
+    add_pregate_option(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--budget", type=budget_text,
                    help="memory budget, e.g. 800M or 2G, or auto (what the process holds + a third of the expert "
@@ -628,7 +664,8 @@ def offload_under_budget(args, decoder, budget, warm_up, *, quiet: bool = False)
     from ..engine.profiles import hot_experts_for_model, load_profile
 
     hot = hot_experts_for_model(load_profile(args.profile), decoder.info.fingerprint) if args.profile else []
-    offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up, say=None if quiet else _say)
+    offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up, pinning=pregate_pinning(args),
+                                        say=None if quiet else _say)
     if not quiet:
         from ..engine.offload.sizes import fmt_bytes
 
@@ -658,6 +695,7 @@ def cmd_generate(args) -> int:
     from . import cmd_chat
 
     cmd_chat.check_options(args)
+    check_pregate(args)
     # Validate flags that need no model before loading one.
     GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, draft_topk=args.draft_topk,
                      draft_max=args.draft_max, tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,

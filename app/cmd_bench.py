@@ -15,7 +15,7 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 def add_parser(sub) -> None:
     from .cli import (add_batch_option, add_draft_experts_option, add_memory_strength_option, add_placement_options,
-                      add_sampling_options, add_tree_shape_options, nonempty, positive_int)
+                      add_pregate_option, add_sampling_options, add_tree_shape_options, nonempty, positive_int)
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -52,6 +52,7 @@ def add_parser(sub) -> None:
     add_tree_shape_options(p)
     add_batch_option(p)
     add_placement_options(p)
+    add_pregate_option(p)
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="times the whole prompt set is run, modes interleaved throughout; tok/s and × ar are the "
                         "medians and the table shows their range (default 1)")
@@ -432,6 +433,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
                 "--repeats", str(args.repeats), "--json", str(out)]
         if args.no_quality:
             argv.append("--no-quality")
+        if args.pregate[0]:
+            argv += ["--pregate", "%d:%d" % args.pregate]
         # settings not given are resolved there: the profile's tuning under a budget, not the resident one
         for flag, value in (("--draft-topk", args.draft_topk), ("--draft-max", args.draft_max),
                             ("--reuse-strength", args.reuse_strength), ("--threshold", args.threshold),
@@ -558,12 +561,13 @@ def run(args) -> int:
     from ..engine.cpu_buffers import REASONS
     from ..engine.decoder import Decoder, GenerationConfig
     from ..engine.files import write_atomic
-    from .cli import default_model, placement_from_args
+    from .cli import check_pregate, default_model, placement_from_args, pregate_pinning
 
     model = args.model or default_model()
     console = Console(stderr=True)
     if args.n_tokens < 1 or args.n_prompts < 1:
         raise ConfigError("-n and --n-prompts must be at least 1")
+    check_pregate(args)
     placement = placement_from_args(args)
     if args.trace is not None:
         from pathlib import Path
@@ -669,7 +673,8 @@ def run(args) -> int:
         if inside is not None:
             budget = inside[1]
             off = offload.offload_decoder(decoder, budget, hot,
-                                          warm_up=lambda: list(warm_up(decoder, base, prompts[0], modes)))
+                                          warm_up=lambda: list(warm_up(decoder, base, prompts[0], modes)),
+                                          pinning=pregate_pinning(args))
             here = budget.describe(off.budget_bytes)
         else:
             off = None

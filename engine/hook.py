@@ -12,6 +12,7 @@ from .. import native
 from .model_info import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelInfo
 
 SCORE_RAW, SCORE_LOG, SCORE_LOGIT = 0, 1, 2
+PREGATE_MAX = 4  # layers ahead pre-gating may look (native/s2moe_hook.c)
 
 
 def _ptr(array: np.ndarray, ctype):
@@ -39,6 +40,20 @@ class Routing:
     def used_mask(self, n_expert: int) -> np.ndarray:
         """[n_layer, n_expert] bool: the experts read in each layer."""
         return used_mask(self.used, self.rows, n_expert)
+
+
+@dataclass(frozen=True)
+class PregateStats:
+    """Pre-gating's predictions, counted as their layers routed. Index: the distance (layers ahead; 0: a
+    layer's own router, counted only with check_self)."""
+
+    hits: np.ndarray    # predicted experts the layer then read
+    total: np.ndarray   # experts read by layers that had a prediction at that distance
+    decodes: int        # decodes that pre-gated
+
+    def recall(self, distance: int) -> float:
+        """Of the experts layers read, the share predicted `distance` layers ahead (nan: no prediction)."""
+        return float(self.hits[distance] / self.total[distance]) if self.total[distance] else float("nan")
 
 
 def used_mask(ids: np.ndarray, rows: np.ndarray, n_expert: int) -> np.ndarray:
@@ -74,6 +89,10 @@ class RoutingHook:
         self.skip_expert = np.full(self.n_layer, -1, np.int32)
         self.draft_mask = np.ones((self.n_layer, self.n_expert), np.uint8)  # the C side reads it in draft passes
         self.memory_mask = np.zeros((self.n_layer, self.n_expert), np.uint8)  # read in gated decodes, when given
+        # [distance, layer, k] the experts pre-gating predicted for each layer in the last decode (-1: none)
+        self.predicted = np.full((PREGATE_MAX + 1, self.n_layer, self.k), -1, np.int32)
+        self.pregate_depth = 0
+        self.pregate_width = self.k
         self.handle = self.lib.s2_hook_new(self.n_layer, self.n_expert, self.k, max_rows, self.cap_max)
         if not self.handle:
             raise MemoryError("native routing hook: allocation failed")
@@ -109,6 +128,8 @@ class RoutingHook:
     def begin(self) -> None:
         self.rows[:] = 0
         self.n_preferred[:] = 0
+        if self.pregate_depth:
+            self.predicted[:] = -1
 
     def end(self) -> None:
         """After every decode, returned or failed: no ids view stays narrowed into the graph's next use."""
@@ -170,6 +191,29 @@ class RoutingHook:
         self.lib.s2_hook_gate(self.handle, float(alpha), int(cap), _ptr(self.row_weight, ctypes.c_float))
         self.mode = "gate"
 
+    def pregate(self, depth: int, width: int = 0, check_self: bool = False) -> None:
+        """Pre-gating: in one-row decodes (not drafts), as each layer routes, apply the routers of the next
+        `depth` layers to its input hidden state and hand the `width` best ranked of each one's k predicted
+        experts (0: all k) to the routed prefetcher (set_route), which reads them while this layer computes; depth
+        0 turns it off. The recall counts all k. check_self: each layer's own router too (distance 0), a check
+        that the prediction is computed as the router computes. Never changes routing."""
+        if not 0 <= depth <= PREGATE_MAX:
+            raise ValueError(f"pre-gating looks 0 to {PREGATE_MAX} layers ahead, not {depth}")
+        if not 0 <= width <= self.k:
+            raise ValueError(f"pre-gating reads 1 to {self.k} predicted experts a layer (0: all), not {width}")
+        self.pregate_depth = depth
+        self.pregate_width = width or self.k
+        self.predicted[:] = -1
+        self.lib.s2_hook_pregate(self.handle, int(depth), int(width), int(check_self),
+                                 _ptr(self.predicted, ctypes.c_int32))
+
+    def pregate_stats(self) -> "PregateStats":
+        """Since creation: per distance, the predicted experts the layer then read and the experts it read."""
+        hits = (ctypes.c_int64 * (PREGATE_MAX + 1))()
+        total = (ctypes.c_int64 * (PREGATE_MAX + 1))()
+        decodes = self.lib.s2_hook_pregate_stats(self.handle, hits, total)
+        return PregateStats(np.array(hits[:], np.int64), np.array(total[:], np.int64), int(decodes))
+
     def set_route(self, prefetcher) -> None:
         """Have the C hook call prefetcher's native layer function with each layer's final expert ids.
         The hook keeps the prefetcher alive for as long as it may call it."""
@@ -178,6 +222,7 @@ class RoutingHook:
         self.lib.s2_hook_set_resident(self.handle, prefetcher.resident_fn_address, prefetcher.handle)
         self.lib.s2_hook_set_stage(self.handle, prefetcher.stage_fn_address if prefetcher.staging else None,
                                    prefetcher.handle)
+        self.lib.s2_hook_set_predict(self.handle, prefetcher.predict_fn_address, prefetcher.handle)
 
     def clear_route(self, prefetcher=None) -> None:
         """Stop calling the prefetcher (only `prefetcher`'s route, when one is named)."""
@@ -187,6 +232,7 @@ class RoutingHook:
             self.lib.s2_hook_set_route(self.handle, None, None)
             self.lib.s2_hook_set_resident(self.handle, None, None)
             self.lib.s2_hook_set_stage(self.handle, None, None)
+            self.lib.s2_hook_set_predict(self.handle, None, None)
         self._route = None
 
     @property

@@ -138,6 +138,9 @@ def library() -> ctypes.CDLL:
         "s2_hook_narrowed": (ctypes.c_int64, [hp]),
         "s2_hook_unwidened": (ctypes.c_int64, [hp]),
         "s2_hook_end": (None, [hp]),
+        "s2_hook_pregate": (None, [hp, ctypes.c_int, ctypes.c_int, ctypes.c_int, i32p]),
+        "s2_hook_set_predict": (None, [hp, ctypes.c_void_p, ctypes.c_void_p]),
+        "s2_hook_pregate_stats": (ctypes.c_int64, [hp, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -26,6 +26,10 @@
 // Uniform routing (s2_hook_uniform), over whatever mode is set: every slot of every layer reads expert 0
 // with weight 0. For a warm-up that only builds graphs and touches buffers: the graphs are the same, and a
 // model many times a memory budget is not read whole from storage for output that is thrown away.
+// Pre-gating (s2_hook_pregate), in any mode but draft and skip, for one-row decodes: as layer L routes, the
+// routers of layers L+1..L+depth are applied to L's input hidden state (ffn_inp-L, the residual stream after
+// L's attention), and the experts they rank first go to on_predict, so that their reads are in flight while L
+// computes. It reads ahead only: the ids the matmuls read are the router's (or the mode's) as before.
 // Buffers are owned by the caller (numpy) and filled in place.
 //
 // Distinct ids: CUDA's MUL_MAT_ID counts each expert at most once per token while it sorts a batch's rows
@@ -48,6 +52,8 @@
 enum { S2_OFF = 0, S2_OBSERVE = 1, S2_DRAFT = 2, S2_GATE = 3, S2_SKIP = 4 };
 // How the selection scores relate to the logits, so that gating margins are measured in logit space.
 enum { S2_SCORE_RAW = 0, S2_SCORE_LOG = 1, S2_SCORE_LOGIT = 2 };
+
+enum { PREGATE_MAX = 4 };  // layers ahead pre-gating may look
 
 typedef struct s2_hook {
     int mode;
@@ -117,7 +123,30 @@ typedef struct s2_hook {
     int8_t *in_memory;      // [n_expert] memory preference: one layer's answers (-1: not asked yet)
     int32_t *route_ids;     // [route_cap] ids of a batch routed without the hook acting on it
     size_t route_cap;
+
+    // pre-gating (top of file); what it needs of each layer is learned from the nodes of the graphs it sees
+    int pregate;            // layers ahead (0: off)
+    int pregate_self;       // also the layer's own router (distance 0): checks the prediction itself
+    int pregate_width;      // of a layer's k predicted experts, the first this many (best ranked) are read
+    const struct ggml_tensor **router;   // [n_layer] ffn_gate_inp (the matmul ffn_moe_logits-L)
+    const struct ggml_tensor **norm_w;   // [n_layer] ffn_norm's weight (NULL: none)
+    float *norm_eps;                     // [n_layer] its rms_norm's eps (< 0: no rms_norm before it)
+    const struct ggml_tensor **sel_bias; // [n_layer] selection bias added to the probabilities (NULL: none)
+    uint8_t *sel_softmax;                // [n_layer] those probabilities are a softmax (else a sigmoid)
+    struct ggml_tensor **hidden;         // [n_layer] ffn_inp-L of the graph running now (NULL: none yet)
+    int32_t *predicted;     // caller-owned [PREGATE_MAX + 1][n_layer][k]: the experts predicted for layer l at
+                            // distance d in this decode; -1 where none (the caller resets it before a decode)
+    int64_t pg_hits[PREGATE_MAX + 1];    // per distance: predicted experts the layer then read
+    int64_t pg_total[PREGATE_MAX + 1];   // per distance: experts read by layers that had a prediction
+    int64_t n_pregate_decodes;           // decodes that pre-gated
+    int pregated_now;                    // the decode running now has (counted at s2_hook_end)
+    int pg_embd;
+    float *pg_x, *pg_xn, *pg_row, *pg_score;  // scratch: [pg_embd] x3, [n_expert]
+    int (*on_predict)(void *ctx, int layer, const int32_t *ids, int n);
+    void *predict_ctx;
 } s2_hook;
+
+void s2_hook_free(s2_hook *h);
 
 s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max) {
     s2_hook *h = calloc(1, sizeof(*h));
@@ -141,13 +170,20 @@ s2_hook *s2_hook_new(int n_layer, int n_expert, int k, int max_rows, int cap_max
     h->in_memory = malloc(n_expert);
     h->narrowed = calloc((size_t)n_layer, sizeof(struct ggml_tensor *));
     h->down_seen = calloc((size_t)n_layer, 1);
+    h->router = calloc((size_t)n_layer, sizeof(*h->router));
+    h->norm_w = calloc((size_t)n_layer, sizeof(*h->norm_w));
+    h->norm_eps = malloc((size_t)n_layer * sizeof(float));
+    h->sel_bias = calloc((size_t)n_layer, sizeof(*h->sel_bias));
+    h->sel_softmax = calloc((size_t)n_layer, 1);
+    h->hidden = calloc((size_t)n_layer, sizeof(*h->hidden));
+    h->pg_score = malloc((size_t)n_expert * sizeof(float));
     if (!h->scores || !h->probs || !h->ranks || !h->w || !h->importance || !h->in_pref || !h->in_row || !h->pool ||
-        !h->allowed || !h->in_memory || !h->narrowed || !h->down_seen) {
-        free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
-        free(h->in_row); free(h->pool); free(h->allowed); free(h->in_memory); free(h->narrowed); free(h->down_seen);
-        free(h);
+        !h->allowed || !h->in_memory || !h->narrowed || !h->down_seen || !h->router || !h->norm_w || !h->norm_eps ||
+        !h->sel_bias || !h->sel_softmax || !h->hidden || !h->pg_score) {
+        s2_hook_free(h);
         return NULL;
     }
+    for (int l = 0; l < n_layer; ++l) h->norm_eps[l] = -1.0f;
     return h;
 }
 
@@ -156,12 +192,18 @@ void s2_hook_free(s2_hook *h) {
     free(h->scores); free(h->probs); free(h->ranks); free(h->w); free(h->importance); free(h->in_pref);
     free(h->in_row); free(h->pool); free(h->allowed); free(h->in_memory); free(h->route_ids); free(h->narrowed);
     free(h->down_seen);
+    free(h->router); free(h->norm_w); free(h->norm_eps); free(h->sel_bias); free(h->sel_softmax); free(h->hidden);
+    free(h->pg_x); free(h->pg_xn); free(h->pg_row); free(h->pg_score);
     free(h);
 }
 
 // After every decode, returned or failed: a view still narrowed (its down matmul never reached the hook) gets
 // its k slots back while the graph that holds it is still allocated, before the graph is used again.
 void s2_hook_end(s2_hook *h) {
+    // a graph's ffn_inp tensors are its own: the next graph names its own
+    memset(h->hidden, 0, (size_t)h->n_layer * sizeof(*h->hidden));
+    h->n_pregate_decodes += h->pregated_now;
+    h->pregated_now = 0;
     for (int l = 0; l < h->n_layer; ++l)
         if (h->narrowed[l]) {
             h->narrowed[l]->ne[0] = h->k;
@@ -236,6 +278,30 @@ void s2_hook_set_resident(s2_hook *h, int (*fn)(void *, int, int), void *ctx) {
 void s2_hook_set_stage(s2_hook *h, int (*fn)(void *, int, int, int), void *ctx) {
     h->on_stage = fn;
     h->stage_ctx = ctx;
+}
+
+// Pre-gating `depth` layers ahead (0: off, at most PREGATE_MAX), reading the `width` best ranked of each layer's k
+// predicted experts (the first ranks are right far more often), and with `self` each layer's own router too (a
+// check of the prediction: it must name what the layer then reads). predicted: caller-owned (top of file).
+void s2_hook_pregate(s2_hook *h, int depth, int width, int self, int32_t *predicted) {
+    h->pregate = depth < 0 ? 0 : depth > PREGATE_MAX ? PREGATE_MAX : depth;
+    h->pregate_width = width < 1 || width > h->k ? h->k : width;
+    h->pregate_self = self != 0;
+    h->predicted = predicted;
+    if (!h->pregate) memset(h->hidden, 0, (size_t)h->n_layer * sizeof(*h->hidden));
+}
+
+void s2_hook_set_predict(s2_hook *h, int (*fn)(void *, int, const int32_t *, int), void *ctx) {
+    h->on_predict = fn;
+    h->predict_ctx = ctx;
+}
+
+// Per distance (PREGATE_MAX + 1 each): predicted experts the layer then read, experts read where a prediction
+// was made. Returns the decodes that pre-gated.
+int64_t s2_hook_pregate_stats(const s2_hook *h, int64_t *hits, int64_t *total) {
+    memcpy(hits, h->pg_hits, sizeof h->pg_hits);
+    memcpy(total, h->pg_total, sizeof h->pg_total);
+    return h->n_pregate_decodes;
 }
 
 void s2_hook_set_backend_copy(s2_hook *h, int on) { h->backend_copy = on; }
@@ -457,13 +523,170 @@ static bool mask_layer(s2_hook *h, int layer, int n_rows, int32_t *used) {
     return changed;
 }
 
+// Pre-gating learns what it needs of each layer from the graph's own nodes as the scheduler asks about them:
+// the router (ffn_moe_logits-L is its matmul), the norm before it (ffn_norm-L: rms_norm then its weight), a
+// selection bias (ffn_moe_probs_biased-L: the probabilities plus the bias), and, in every graph, the input
+// hidden state (ffn_inp-L). Weights stay where llama.cpp keeps them (pinned with the other non-expert weights);
+// ffn_inp-L stays allocated until the residual add after the layer's experts, so it is read as the layer routes,
+// without a graph stop of its own.
+static const char FFN_INP[] = "ffn_inp-", FFN_NORM[] = "ffn_norm-", LOGITS[] = "ffn_moe_logits-",
+                  PROBS_BIASED[] = "ffn_moe_probs_biased-";
+
+static void pregate_learn(s2_hook *h, struct ggml_tensor *t) {
+    const char *name = t->name;
+    int l;
+    if ((l = layer_of(name, FFN_INP, sizeof(FFN_INP) - 1)) >= 0) {
+        if (l < h->n_layer) h->hidden[l] = t;
+    } else if ((l = layer_of(name, FFN_NORM, sizeof(FFN_NORM) - 1)) >= 0) {
+        const struct ggml_tensor *w = t->src[1], *norm = t->src[0];
+        if (l >= h->n_layer || t->op != GGML_OP_MUL || !w || !norm || w->type != GGML_TYPE_F32 || w->ne[0] != t->ne[0])
+            return;
+        h->norm_w[l] = w;
+        if (norm->op == GGML_OP_RMS_NORM) memcpy(&h->norm_eps[l], norm->op_params, sizeof(float));
+    } else if ((l = layer_of(name, LOGITS, sizeof(LOGITS) - 1)) >= 0) {
+        if (l < h->n_layer && t->op == GGML_OP_MUL_MAT && t->src[0] && t->src[0]->ne[1] == h->n_expert)
+            h->router[l] = t->src[0];
+    } else if ((l = layer_of(name, PROBS_BIASED, sizeof(PROBS_BIASED) - 1)) >= 0) {
+        const struct ggml_tensor *b = t->src[1];
+        if (l >= h->n_layer || t->op != GGML_OP_ADD || !b || b->type != GGML_TYPE_F32 || b->ne[0] != h->n_expert)
+            return;
+        h->sel_bias[l] = b;
+        h->sel_softmax[l] = t->src[0] && t->src[0]->op == GGML_OP_SOFT_MAX;
+    }
+}
+
+// A weight read in place: llama.cpp's own host copy (a device copy would cost a transfer per token).
+static bool host_weight(const struct ggml_tensor *t) {
+    struct ggml_backend_buffer *b = buffer_of(t);
+    return b && ggml_backend_buffer_is_host(b) && t->data;
+}
+
+// Whether layer's router can be applied here: learned, on the host, one row per expert of pg_embd values.
+static bool router_usable(const s2_hook *h, int layer) {
+    const struct ggml_tensor *w = h->router[layer];
+    return w && host_weight(w) && w->ne[0] == h->pg_embd && w->ne[1] == h->n_expert &&
+           (w->type == GGML_TYPE_F32 || ggml_get_type_traits(w->type)->to_float != NULL);
+}
+
+// Eight sums side by side: the compiler vectorises them (one sum it may not reorder), 17x faster on a 2048 x 128
+// router, which a large model applies to two layers ahead in each of its 48.
+static float dot(const float *a, const float *b, int n) {
+    float part[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
+    float sum = 0.0f;
+    for (; i < n; ++i) sum += a[i] * b[i];
+    for (int j = 0; j < 8; ++j) sum += part[j];
+    return sum;
+}
+
+// The k experts layer's router ranks first for the hidden state in pg_x, into out, best first.
+static void predict_layer(s2_hook *h, int layer, int32_t *out) {
+    const int n = h->pg_embd, ne = h->n_expert, k = h->k;
+    float scale = 1.0f;
+    if (h->norm_eps[layer] >= 0.0f) {
+        double ss = 0.0;
+        for (int i = 0; i < n; ++i) ss += (double)h->pg_x[i] * h->pg_x[i];
+        scale = 1.0f / sqrtf((float)(ss / n) + h->norm_eps[layer]);
+    }
+    const struct ggml_tensor *g = h->norm_w[layer];
+    const float *gamma = g && host_weight(g) && g->ne[0] == n ? g->data : NULL;
+    for (int i = 0; i < n; ++i) h->pg_xn[i] = h->pg_x[i] * scale * (gamma ? gamma[i] : 1.0f);
+    const struct ggml_tensor *w = h->router[layer];
+    const ggml_to_float_t to_float = w->type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(w->type)->to_float;
+    for (int e = 0; e < ne; ++e) {
+        const void *row = (const char *)w->data + (size_t)e * w->nb[1];
+        const float *r = row;
+        if (to_float) {
+            to_float(row, h->pg_row, n);
+            r = h->pg_row;
+        }
+        h->pg_score[e] = dot(r, h->pg_xn, n);
+    }
+    // Without a bias the ranking is the logits' (softmax and sigmoid keep their order); with one, the selection
+    // adds it to the probabilities.
+    const struct ggml_tensor *b = h->sel_bias[layer];
+    if (b && host_weight(b)) {
+        const float *bias = b->data;
+        float top = -INFINITY, sum = 0.0f;
+        for (int e = 0; e < ne; ++e) top = h->pg_score[e] > top ? h->pg_score[e] : top;
+        for (int e = 0; e < ne; ++e) {
+            h->pg_score[e] = h->sel_softmax[layer] ? expf(h->pg_score[e] - top) : 1.0f / (1.0f + expf(-h->pg_score[e]));
+            sum += h->pg_score[e];
+        }
+        for (int e = 0; e < ne; ++e)
+            h->pg_score[e] = (h->sel_softmax[layer] ? h->pg_score[e] / sum : h->pg_score[e]) + bias[e];
+    }
+    memset(h->in_row, 0, ne);
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        for (int e = 0; e < ne; ++e)
+            if (!h->in_row[e] && (best < 0 || h->pg_score[e] > h->pg_score[best])) best = e;
+        h->in_row[best] = 1;
+        out[j] = best;
+    }
+}
+
+static int32_t *predicted_for(const s2_hook *h, int distance, int layer) {
+    return h->predicted + ((size_t)distance * h->n_layer + layer) * h->k;
+}
+
+static bool scratch_for(s2_hook *h, int n_embd) {
+    if (h->pg_embd == n_embd) return true;
+    const size_t bytes = (size_t)n_embd * sizeof(float);
+    float *x = realloc(h->pg_x, bytes);
+    if (x) h->pg_x = x;
+    float *xn = x ? realloc(h->pg_xn, bytes) : NULL;
+    if (xn) h->pg_xn = xn;
+    float *row = xn ? realloc(h->pg_row, bytes) : NULL;
+    if (row) h->pg_row = row;
+    h->pg_embd = row ? n_embd : 0;
+    return row != NULL;
+}
+
+// A one-row decode's layer has routed (ids: the k experts its matmuls read, just handed to on_route): the next
+// layers' routers are applied to its input hidden state and their choices handed to on_predict; then this
+// layer's ids are scored against what earlier layers predicted for it.
+static void pregate_layer(s2_hook *h, int layer, const int32_t *ids) {
+    if (!h->pregate || !h->predicted || h->mode == S2_DRAFT || h->mode == S2_SKIP || layer >= h->n_layer) return;
+    const struct ggml_tensor *x = h->hidden[layer];
+    h->hidden[layer] = NULL;
+    const bool readable = x && (on_host(h, x) ? x->data != NULL : buffer_of(x) != NULL);
+    if (readable && x->type == GGML_TYPE_F32 && x->ne[1] == 1 && scratch_for(h, (int)x->ne[0])) {
+        if (on_host(h, x)) memcpy(h->pg_x, x->data, (size_t)h->pg_embd * sizeof(float));
+        else ggml_backend_tensor_get(x, h->pg_x, 0, (size_t)h->pg_embd * sizeof(float));
+        for (int d = 1; d <= h->pregate + 1; ++d) {
+            const int distance = d <= h->pregate ? d : 0;  // its own router last: a check, not a read
+            const int target = layer + distance;
+            if ((distance == 0 && !h->pregate_self) || target >= h->n_layer || !router_usable(h, target)) continue;
+            int32_t *out = predicted_for(h, distance, target);
+            predict_layer(h, target, out);
+            if (distance > 0 && h->on_predict) h->on_predict(h->predict_ctx, target, out, h->pregate_width);
+        }
+        h->pregated_now = 1;
+    }
+    for (int d = 0; d <= PREGATE_MAX; ++d) {
+        const int32_t *p = predicted_for(h, d, layer);
+        if (p[0] < 0) continue;
+        for (int j = 0; j < h->k; ++j)
+            for (int q = 0; q < h->k; ++q)
+                if (p[q] == ids[j]) {
+                    h->pg_hits[d]++;
+                    break;
+                }
+        h->pg_total[d] += h->k;
+    }
+}
+
 // A batch the hook does not act on (the hook off, or more rows than it records: a prompt's prefill) reads
 // experts all the same: its ids go to the offloading helper too, so that every expert read passes through it
 // (its just-in-time reads, its miss count, the expert cache it keeps).
 static void route_only(s2_hook *h, struct ggml_tensor *t, int layer) {
     struct ggml_tensor *topk = t->src[1];
     const int k = h->k;
-    if (!h->on_route || !topk || layer < 0 || layer >= h->n_layer || topk->type != GGML_TYPE_I32 || topk->ne[0] != k)
+    if ((!h->on_route && !h->pregate) || !topk || layer < 0 || layer >= h->n_layer || topk->type != GGML_TYPE_I32 ||
+        topk->ne[0] != k)
         return;
     const int n_rows = (int)topk->ne[1];
     const size_t need = (size_t)n_rows * k;
@@ -481,7 +704,8 @@ static void route_only(s2_hook *h, struct ggml_tensor *t, int layer) {
         if (host_ids) memcpy(dst, (const char *)topk->data + r * topk->nb[1], k * sizeof(int32_t));
         else ggml_backend_tensor_get(src, dst, offs + r * topk->nb[1], k * sizeof(int32_t));
     }
-    h->on_route(h->route_ctx, layer, h->route_ids, n_rows * k);
+    if (h->on_route) h->on_route(h->route_ctx, layer, h->route_ids, n_rows * k);
+    if (n_rows == 1) pregate_layer(h, layer, h->route_ids);
 }
 
 static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
@@ -600,6 +824,7 @@ static void on_weights(s2_hook *h, struct ggml_tensor *t, int layer) {
     }
     memcpy(weight, h->w, (size_t)n_rows * k * sizeof(float));
     if (h->on_route) h->on_route(h->route_ctx, layer, used, n_rows * k);
+    if (n_rows == 1) pregate_layer(h, layer, used);
     h->rows[layer] = n_rows;
     h->n_hooked++;
 }
@@ -619,9 +844,10 @@ static void widen_after_down(s2_hook *h, struct ggml_tensor *down, int layer) {
 // The cb_eval. ask=true: do we want this node's data? ask=false: the node is computed.
 bool s2_hook_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     s2_hook *h = user_data;
-    // off, the hook still passes each layer's ids to an offloading helper (route_only)
-    if (h->mode == S2_OFF && !h->on_route && !h->uniform) return ask ? false : true;
+    // off, the hook still passes each layer's ids to an offloading helper and pre-gates (route_only)
+    if (h->mode == S2_OFF && !h->on_route && !h->pregate && !h->uniform) return ask ? false : true;
     const char *name = t->name;
+    if (h->pregate && ask && name[0] == 'f' && name[1] == 'f') pregate_learn(h, t);
     if (name[0] != 'f' || name[1] != 'f' || name[4] != 'm') return ask ? false : true;
     int layer;
     for (int kind = 0; kind < 3; ++kind) {

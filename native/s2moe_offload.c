@@ -62,6 +62,10 @@ typedef struct s2_prefetch {
     int stream;
     s2_streamer *streamer;        // NULL until the first span is streamed
     int64_t n_streamed;           // spans streamed
+    // Pre-gating (s2_prefetch_predicted): experts read because a layer's router, applied early, predicted them
+    uint8_t *pending;             // [n_layer][n_expert] read on a prediction, their layer not routed since (NULL
+                                  // until the first prediction)
+    int64_t pg_read, pg_read_bytes, pg_used, pg_used_bytes, pg_wasted, pg_wasted_bytes;
 } s2_prefetch;
 
 s2_prefetch *s2_prefetch_new(void *base, size_t size, int n_layer, int n_expert, int n_parts, const int64_t *ranges) {
@@ -176,6 +180,7 @@ void s2_prefetch_free(s2_prefetch *p) {
     streamer_free(p);
     cache_free(p->cache);
     free(p->staged);
+    free(p->pending);
     free(p->ranges);
     free(p->mark);
     free(p->front);
@@ -204,6 +209,8 @@ static int part_stage(const s2_prefetch *p, int j) {
     return -1;
 }
 
+static void settle_predicted(s2_prefetch *p, int layer);
+
 // madvise(WILLNEED) the ranges of the distinct experts among ids[0..n) of one layer (ids < 0 or out of
 // range are ignored), first counting those not wholly in memory if misses are bound and, for a layer
 // routing (used), making them the expert cache's most recent, its evictions done before the reads that
@@ -225,6 +232,7 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
             if (count) p->misses[layer]++;
         }
     }
+    if (used && p->pending) settle_predicted(p, layer);
     if (cached) cache_use(p, layer);
     const int staged = cached && advise ? stage_layer(p, layer) : READ_WHOLE;
     // Where the matmuls' order is known, every expert's part for the first matmul is asked for before any
@@ -885,6 +893,77 @@ void s2_cache_stats(const s2_prefetch *p, int64_t *out) {
 // the verification decides (cache_use); lead <= 0: every one is.
 void s2_cache_lead(s2_prefetch *p, int lead) {
     if (p) p->lead = lead;
+}
+
+// An expert's bytes as read: its parts' whole pages.
+static int64_t expert_pages(const s2_prefetch *p, int layer, int e) {
+    int64_t total = 0;
+    for (int j = 0; j < p->n_parts; ++j) {
+        size_t a, n;
+        if (part_pages(p, layer, e, j, &a, &n)) total += (int64_t)n;
+    }
+    return total;
+}
+
+// The routing hook's pre-gating callback: a later layer's router, applied to the hidden state of a layer routing
+// now, predicts that layer's experts. Those not in memory are asked for now (WILLNEED: the kernel's reads run at
+// queue depth while the layers before theirs compute) and remembered until their layer routes (settle_predicted).
+// Held by the kept cache or pinned counts as in memory (a mincore per expert would cost more than the rare expert
+// the kernel took from the cache). Returns the experts asked for.
+int s2_prefetch_predicted(void *vp, int layer, const int32_t *ids, int n) {
+    s2_prefetch *p = vp;
+    if (!p || !p->advise || layer < 0 || layer >= p->n_layer || !ids) return 0;
+    if (!p->pending && !(p->pending = calloc((size_t)p->n_layer * p->n_expert, 1))) return 0;
+    int asked = 0;
+    for (int q = 0; q < n; ++q) {
+        const int32_t e = ids[q];
+        if (e < 0 || e >= p->n_expert) continue;
+        const size_t i = (size_t)layer * p->n_expert + e;
+        if (p->pending[i]) continue;
+        if (p->cache ? p->cache->held[i] || p->cache->pinned[i] : expert_resident(p, layer, e)) continue;
+        for (int j = 0; j < p->n_parts; ++j) advise_part(p, layer, e, j);
+        p->pending[i] = 1;
+        p->pg_read++;
+        p->pg_read_bytes += expert_pages(p, layer, e);
+        ++asked;
+    }
+    return asked;
+}
+
+// The layer routed (p->mark: its experts): what pre-gating read for it was used or was read for nothing. A wrong
+// guess enters the kept cache at its least recent end, counted there like any expert in memory: the cache's trim
+// that follows pages it out first, unless the cache has room to spare.
+static void settle_predicted(s2_prefetch *p, int layer) {
+    s2_cache *c = p->cache;
+    for (int e = 0; e < p->n_expert; ++e) {
+        const size_t i = (size_t)layer * p->n_expert + e;
+        if (!p->pending[i]) continue;
+        p->pending[i] = 0;
+        const int64_t bytes = expert_pages(p, layer, e);
+        if (p->mark[e]) {
+            p->pg_used++;
+            p->pg_used_bytes += bytes;
+            continue;
+        }
+        p->pg_wasted++;
+        p->pg_wasted_bytes += bytes;
+        if (c && !c->held[i] && !c->pinned[i]) {
+            c->held[i] = 1;
+            c->used += c->bytes[i];
+            cache_push_back(c, (int32_t)i);
+        }
+    }
+}
+
+// out: experts pre-gating read and their bytes, of those the ones their layer then used, and the ones it did not
+// (read for nothing), with their bytes.
+void s2_prefetch_pregate_stats(const s2_prefetch *p, int64_t *out) {
+    out[0] = p ? p->pg_read : 0;
+    out[1] = p ? p->pg_read_bytes : 0;
+    out[2] = p ? p->pg_used : 0;
+    out[3] = p ? p->pg_used_bytes : 0;
+    out[4] = p ? p->pg_wasted : 0;
+    out[5] = p ? p->pg_wasted_bytes : 0;
 }
 
 // WILLNEED the predicted experts of one layer that are not wholly resident yet.

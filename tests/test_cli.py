@@ -147,6 +147,21 @@ def test_empty_paths_and_absurd_budgets_are_one_line_errors(argv, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "-p", "x", "--pregate", "2"], "give --budget too"),
+    (["bench", "--pregate", "1"], "give --budget too"),
+    (["generate", "-p", "x", "--budget", "1G", "--pregate", "5"], "0 to 4"),
+    (["bench", "--pregate", "two"], "0 to 4"),
+    (["bench", "--pregate", "1:-1"], "0 to 4"),
+])
+def test_pregate_is_a_depth_under_a_budget(argv, needle, capsys):
+    from s2moe.app.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err
+
+
 def test_models_lists_whole_paths_and_json(capsys):
     from s2moe.app.cli import main
     from s2moe.engine.zoo import list_models

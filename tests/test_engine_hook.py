@@ -592,3 +592,51 @@ def test_the_weights_are_mapped_from_the_file(tiny_models):
         assert rt.file_mappings and sum(length for _, length, _ in rt.file_mappings) > 0
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("backend_copy", [False, True])
+def test_pregating_predicts_with_each_router_and_its_recall_is_the_recorded_routings(decoders, arch, backend_copy):
+    """Pre-gating applies later layers' routers to a layer's input hidden state. Applied to the layer's own
+    router (distance 0) it must name exactly what the layer then reads: the hidden state, the norm before the
+    router, the router and any selection bias are the ones llama.cpp uses. Its running recall at every distance
+    is the one computed here from each step's recorded routing and predictions, and it changes no logit. Also
+    where the hidden state is read as from a device buffer."""
+    rt = decoders[arch].rt
+    rt.hook.force_backend_copy(backend_copy)
+    k, n_layer = rt.info.n_expert_used, rt.info.n_layer
+    steps = TOKENS[4:12]
+
+    def run(pregate: bool):
+        _fresh(rt)
+        rt.hook.pregate(2 if pregate else 0, check_self=pregate)
+        rt.hook.observe()
+        rt.decode(TOKENS[:4], 0, "all")
+        logits, recorded = [], []
+        for i, token in enumerate(steps):
+            logits.append(rt.decode([token], 4 + i, "all"))
+            recorded.append((rt.hook.snapshot(1).used[:, 0, :], rt.hook.predicted.copy()))
+        return np.concatenate(logits), recorded
+
+    try:
+        plain, _ = run(False)
+        before = rt.hook.pregate_stats()
+        pregated, recorded = run(True)
+        after = rt.hook.pregate_stats()
+    finally:
+        rt.hook.pregate(0)
+        rt.hook.force_backend_copy(False)
+        _fresh(rt)
+    np.testing.assert_array_equal(plain, pregated)
+    hits, total = np.zeros(3, int), np.zeros(3, int)
+    for used, predicted in recorded:
+        for d in range(3):
+            for layer in range(n_layer):
+                if predicted[d, layer, 0] >= 0:
+                    hits[d] += len(set(predicted[d, layer]) & set(used[layer]))
+                    total[d] += k
+    assert after.decodes - before.decodes == len(steps)
+    # every layer predicts itself; the first layer cannot be predicted ahead, nor the first two two ahead
+    assert list(total) == [len(steps) * n_layer * k, len(steps) * (n_layer - 1) * k, len(steps) * (n_layer - 2) * k]
+    np.testing.assert_array_equal(after.hits[:3] - before.hits[:3], hits)
+    np.testing.assert_array_equal(after.total[:3] - before.total[:3], total)
+    assert hits[0] == total[0]

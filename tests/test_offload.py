@@ -17,7 +17,8 @@ import pytest
 from s2moe.engine.errors import ConfigError, ModelError
 from s2moe.engine.offload import (MemoryCgroup, ModelMapping, Offloader, code_ranges, drop_file_cache,
                                   expert_map, parse_size, plan_budget, select_hot_experts)
-from s2moe.engine.offload import (AUTO_MIN_SLACK, AUTO_START_LIMIT, Budget, current_budget, current_budget_cgroup, fmt_bytes)
+from s2moe.engine.offload import (AUTO_MIN_SLACK, AUTO_START_LIMIT, PAGE, Budget, current_budget,
+                                  current_budget_cgroup, fmt_bytes)
 from s2moe.engine.offload.libc import MADV_RANDOM
 from tinygguf import TinySpec, write_tiny
 
@@ -1941,3 +1942,74 @@ def test_the_non_expert_weights_are_asked_for_before_a_first_decode(tiny_models,
         assert min(mapping.range_resident(o, n) for o, n in spans) == 1.0
     finally:
         mapping.close()
+
+
+def _page_span_bytes(em, layer: int, e: int) -> int:
+    """An expert's bytes as a read brings them in: its parts' whole pages."""
+    total = 0
+    for off, length in em.ranges[layer, e]:
+        if length > 0:
+            total += -(-(int(off) + int(length)) // PAGE) * PAGE - int(off) // PAGE * PAGE
+    return total
+
+
+def test_a_wrong_pregate_guess_is_read_for_nothing_and_the_first_expert_the_kept_cache_evicts(wide_model):
+    """Pre-gating reads the experts a later layer's router predicts for it, those not in memory only. When that
+    layer routes, those it reads count as used and the others as read for nothing; these enter the kept cache at
+    its least recent end, so that they leave memory before any expert a layer did read."""
+    with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
+        llama = ModelMapping(em)
+        try:
+            one = int(em.expert_bytes[0])
+            pf.keep_cache(llama.addr, 0, llama.size, 3 * one, np.zeros((2, 8), np.uint8))
+
+            def resident():
+                return m.expert_residency() >= 1.0
+
+            pf.layer(0, [1, 2])
+            assert pf.predicted(0, [2, 3]) == 1  # (0, 2) is held: only (0, 3) is read
+            assert pf.predicted(1, [5, 6]) == 2
+            assert pf.predicted(1, [6, 5]) == 0  # asked for already
+            assert _wait_for(lambda: resident()[1, [5, 6]].all() and resident()[0, 3])
+            pf.layer(1, [5, 7])  # (1, 5) used, (1, 6) read for nothing
+            assert pf.pregate_stats() == {"read": 3, "read_bytes": sum(_page_span_bytes(em, *x) for x in
+                                                                       [(0, 3), (1, 5), (1, 6)]),
+                                          "used": 1, "used_bytes": _page_span_bytes(em, 1, 5),
+                                          "wasted": 1, "wasted_bytes": _page_span_bytes(em, 1, 6)}
+            # held: (1, 7), (1, 5), (0, 2), (0, 1) and, last, (1, 6): the two least recent leave
+            assert pf.cache_stats()["held"] == 3 * one and pf.cache_stats()["evicted"] == 2
+            assert not resident()[1, 6] and not resident()[0, 1]
+            assert _wait_for(lambda: resident()[1, [5, 7]].all() and resident()[0, 2])
+            pf.layer(0, [3])  # its layer routes it: used, though read before its layer's previous routing
+            assert pf.pregate_stats()["used"] == 2 and pf.pregate_stats()["wasted"] == 1
+        finally:
+            llama.close()
+
+
+def test_pregating_changes_no_token_and_says_what_it_predicted(tiny_models):
+    """Pre-gating only reads ahead: a generation decodes the same tokens with it, and the offloader's line
+    says its recall and what it read. It reads at most the experts a layer routes to."""
+    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.events import Finished
+    from s2moe.engine.offload import Pinning, offload_decoder
+
+    cfg = GenerationConfig(mode="ar", n_predict=12, stop_at_eos=False)
+    d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
+    try:
+        plain = [e for e in run(d, "hello there", cfg) if isinstance(e, Finished)][0].tokens
+        with pytest.raises(ConfigError, match="at most the 4 experts"):
+            offload_decoder(d, None, pinning=Pinning(base=False, hot=False, pregate=2, pregate_width=5))
+        off = offload_decoder(d, None, pinning=Pinning(base=False, hot=False, pregate=2, pregate_width=3))
+        try:
+            pregated = [e for e in run(d, "hello there", cfg) if isinstance(e, Finished)][0].tokens
+            stats = d.rt.hook.pregate_stats()
+            text = off.pregate_text()
+        finally:
+            off.close()
+        assert d.rt.hook.pregate_depth == 0  # an offloader's pre-gating ends with it
+    finally:
+        d.close()
+    assert pregated == plain
+    assert stats.decodes == cfg.n_predict and stats.total[1] > 0 and stats.total[2] > 0  # the prompt's last token, then each generated one but the last
+    assert text.startswith("pre-gating 2 layers ahead, the best 3 of 4 read: recall 1 ahead ") and ", 2 ahead " in text
+    assert "a token" in text

@@ -51,6 +51,8 @@ class NativePrefetch:
             "s2_prefetch_set_stages": (None, [vp, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64, ctypes.c_int]),
             "s2_prefetch_stage_order": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_int32)]),
             "s2_prefetch_stage": (ctypes.c_int, [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]),
+            "s2_prefetch_predicted": (ctypes.c_int, [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int32), ctypes.c_int]),
+            "s2_prefetch_pregate_stats": (None, [vp, i64p]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -144,6 +146,27 @@ class NativePrefetch:
     def wants_stage(self, layer: int, kind: int) -> bool:
         """The routing hook's question before it stops the graph for that call."""
         return bool(self.lib.s2_prefetch_stage(self.handle, int(layer), int(kind), 1))
+
+    @property
+    def predict_fn_address(self) -> int:
+        """s2_prefetch_predicted(handle, layer, ids, n): the routing hook's pre-gating call with the experts a
+        later layer's router predicts for it."""
+        return ctypes.cast(self.lib.s2_prefetch_predicted, ctypes.c_void_p).value
+
+    def predicted(self, layer: int, ids) -> int:
+        """As the routing hook's pre-gating calls it: ask for the experts among ids predicted for layer that
+        are not in memory. Returns how many were asked for."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        return int(self.lib.s2_prefetch_predicted(self.handle, int(layer),
+                                                  ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(ids)))
+
+    def pregate_stats(self) -> dict:
+        """Experts pre-gating read (and bytes), of them those their layer then used and those it did not
+        (read for nothing: a wrong guess, which enters the kept cache at its least recent end)."""
+        out = (ctypes.c_int64 * 6)()
+        self.lib.s2_prefetch_pregate_stats(self.handle, out)
+        return {"read": int(out[0]), "read_bytes": int(out[1]), "used": int(out[2]), "used_bytes": int(out[3]),
+                "wasted": int(out[4]), "wasted_bytes": int(out[5])}
 
     @property
     def resident_fn_address(self) -> int:

@@ -17,7 +17,7 @@ from .libc import MADV_NORMAL, MADV_RANDOM, raise_memlock_limit
 from .mapping import ModelMapping
 from .native import NativePrefetch
 from .procfs import model_mappings, process_anon_bytes
-from .sizes import PAGE
+from .sizes import PAGE, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,13 @@ class Offloader:
         """Have `workers` threads read each verification's predicted experts as the draft predicts them, at
         most room_bytes ahead of the verification's progress (see native/s2moe_offload.c)."""
         self.native.start_fetching(workers, room_bytes)
+
+    def pregate(self, depth: int, width: int = 0) -> None:
+        """Pre-gate the attached decoder's one-row decodes `depth` layers ahead, reading the `width` best ranked
+        of each layer's predicted experts (RoutingHook.pregate), until this offloader closes."""
+        hook = self._decoder.rt.hook if self._decoder is not None else None
+        if hook is not None:
+            hook.pregate(depth, width)
 
     def fetch_stats(self) -> dict | None:
         return self.native.fetch_stats() if self.native.fetching else None
@@ -219,6 +226,21 @@ class Offloader:
             self.native.set_pinned(layer, e, True)
             self.pinned_split["hot_experts"] += self.map.pin_experts([(layer, e)])
 
+    def pregate_text(self) -> str:
+        """One phrase on pre-gating (the routing hook's pregate): its recall at each distance, what it read and
+        what of that for nothing, a token; empty where it is off."""
+        hook = self._decoder.rt.hook if self._decoder is not None else None
+        if hook is None or not hook.pregate_depth:
+            return ""
+        stats, read = hook.pregate_stats(), self.native.pregate_stats()
+        depth = hook.pregate_depth
+        recall = ", ".join(f"{d} ahead {stats.recall(d):.0%}" for d in range(1, depth + 1))
+        tokens = max(stats.decodes, 1)
+        width = f", the best {hook.pregate_width} of {hook.k} read" if hook.pregate_width < hook.k else ""
+        return (f"pre-gating {depth} layer{'s' if depth > 1 else ''} ahead{width}: recall {recall}; read ahead "
+                f"{fmt_bytes(read['read_bytes'] / tokens)} a token, {fmt_bytes(read['wasted_bytes'] / tokens)} of it "
+                f"for nothing ({stats.decodes} one-row decodes)")
+
     @property
     def keeps_expert_cache(self) -> bool:
         return self._cache_mapping is not None
@@ -306,6 +328,7 @@ class Offloader:
         if decoder is not None:
             if decoder.rt.hook is not None:
                 decoder.rt.hook.clear_route(self.native)
+                decoder.rt.hook.pregate(0)  # its predictions would go nowhere
             decoder.detach(self)
         self.native.close()
         self.map.close()

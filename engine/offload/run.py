@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -99,6 +99,10 @@ class Pinning:
     parts_in_order: bool = True # ask for a layer's experts part by part in the order its matmuls use them
     staged_reads: bool = True   # with that and the kept cache, read a layer that does not fit one part at a
                                 # time (_stage_room)
+    pregate: int = 0            # in a one-row decode, as each layer routes, apply the next this many layers' routers
+                                # to its hidden state and read the experts they predict while it computes (off until
+                                # measured faster: docs/offloading.md)
+    pregate_width: int = 0      # of each layer's k predicted experts, read the best ranked this many (0: all k)
 
 
 def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
@@ -112,6 +116,9 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     auto budget starts with: under its own limit, with nothing yet pinned or cached, the warm-up decoded as
     llama.cpp alone would, slowly and before every run. The offloader's budget_bytes says what the budget
     came to. `say` hears a line for each stage that takes a while (engine.slow)."""
+    if pinning.pregate_width > decoder.info.n_expert_used:
+        raise ConfigError(f"pre-gating reads at most the {decoder.info.n_expert_used} experts a layer of this model "
+                          f"routes to, not {pinning.pregate_width}")
     emap = expert_map(decoder.info.path)
     size = None if budget is None else budget.size
     inside = current_budget() if budget is not None else None
@@ -245,6 +252,8 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
     elif budget_bytes is not None:
         plan = plan_budget(budget_bytes, anon_bytes=anon, base_bytes=off.map.locked_bytes,
                            emap=emap, k=k, pin_hot=False, expert_room=expert_room)
+    if plan is not None and pinning.pregate:
+        plan = _reserve_read_ahead(plan, pinning.pregate * _one_layer_bytes(emap, pinning.pregate_width or k))
     off.plan = plan
     if plan is not None:
         try:
@@ -272,7 +281,16 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
     if plan is not None and pinning.fetch_workers > 0:
         off.start_fetching(pinning.fetch_workers, int(pinning.fetch_room_share * plan.cache_bytes))
     off.attach(decoder, jit_prefetch=pinning.jit_prefetch)
+    if pinning.pregate:
+        off.pregate(pinning.pregate, pinning.pregate_width)
     return off, hot
+
+
+def _reserve_read_ahead(plan: BudgetPlan, read_ahead: int) -> BudgetPlan:
+    """Pre-gating's reads sit in memory from their prediction until their layer routes, counted by no cache: the
+    expert cache gives them room, as slack."""
+    given = min(read_ahead, plan.cache_bytes)
+    return replace(plan, cache_bytes=plan.cache_bytes - given, slack_bytes=plan.slack_bytes + given)
 
 
 def split_line(cg: MemoryCgroup, offloader: Offloader | None = None) -> str:
@@ -294,6 +312,9 @@ def split_line(cg: MemoryCgroup, offloader: Offloader | None = None) -> str:
                          f"{c['evicted']} evicted, {c['lost']} reclaimed by the kernel before reuse"
                          + (f", {c['staged']} layers read part by part ({c['streamed']} parts streamed)"
                             if offloader.native.stage_room is not None else ""))
+        pregating = offloader.pregate_text()
+        if pregating:
+            parts.append(pregating)
         hr = offloader.stats.hit_rate()
         if np.isfinite(hr).any():
             parts.append(f"predicted-expert hit rate {np.nanmean(hr):.0%}")
