@@ -711,7 +711,8 @@ def test_a_profile_for_another_model_warns_and_falls_back(tmp_path, monkeypatch)
             assert app.fake_decoders[0].configs[-1].cost is None  # measured at start-up instead
             await pilot.pause(0.1)
             messages = [n.message for n in app._notifications]
-            assert any("measuring cost constants at start-up instead" in m for m in messages)
+            assert any("F3 (Calibrate) measures it; until then cost constants are measured at start-up" in m
+                       for m in messages)
 
     run(go())
 

@@ -172,6 +172,9 @@ class S2MoEApp(App):
     def set_profile(self, name: str | None) -> None:
         self.session.profile_name = name
         remember_profile(name)
+        chat = self.chat_screen
+        if chat is not None and name is not None:
+            chat.profile_activated()
         self.model_changed()
         self.notify(f"active profile: {name}" if name else "no profile: cost constants are measured at start-up",
                     timeout=4)

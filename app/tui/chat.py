@@ -15,7 +15,8 @@ from textual.widgets import Static
 from ...engine.errors import S2MoEError
 from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
-from .session import MODE_HELP, ChatSettings, engine_modes, mode_help, moe_modes
+from .session import (MODE_HELP, OPEN_KEYS, SHORT_NAMES, ChatSettings, engine_modes, mode_help, moe_modes,
+                      value_text)
 from .state import remember_settings, remembered_settings
 from .widgets import FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend
 
@@ -126,6 +127,7 @@ class ChatScreen(Screen):
         self._status = ""
         self._told_template = None  # the model whose chat template the user was told about
         self._prefilled = None  # the running turn's Prefilled event
+        self._profile_pending = False  # a profile was made active before a model was loaded to tune for
 
     # -- layout ------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -191,6 +193,8 @@ class ChatScreen(Screen):
         if model is not None and model.is_moe and s.draft_topk is not None and s.draft_topk >= model.k:
             s = replace(s, draft_topk=None)
         self.settings = s
+        if self._profile_pending and model is not None:
+            self.profile_activated()
         self.update_settings_bar()
         template = self.app.session.template
         if model is not None and template is not None and template.text is not None and self._told_template != model:
@@ -199,9 +203,14 @@ class ChatScreen(Screen):
 
     def update_settings_bar(self) -> None:
         session = self.app.session
-        text = self.settings.describe(session.model, session.tuned(), session.budget is not None)
-        if self.app.session.profile_name:
-            text += f" · profile {self.app.session.profile_name}"
+        tuned = session.tuned()
+        # the user's own values where the profile tuned others are marked, so that a mix is never silent
+        text = self.settings.describe(session.model, tuned, session.budget is not None,
+                                      self.settings.overrides(tuned))
+        if session.profile_name:
+            text += f" · profile {session.profile_name}"
+            if session.profile_problem():
+                text += " (not for this model: F3)"
         if self._status:
             text += f"   {self._status}"
         self.query_one("#settings-bar", Static).update(text)
@@ -262,16 +271,45 @@ class ChatScreen(Screen):
     def action_settings(self) -> None:
         from .dialogs import SettingsDialog
 
-        model = self.app.session.model
+        session = self.app.session
         shown = self.shown_settings()
+        reset = self.settings.left_to_profile()
 
         def done(result):
-            if result is not None:
-                if self.settings.draft_topk is None and result.draft_topk == shown.draft_topk:
-                    result = replace(result, draft_topk=None)  # still the model's default, for the next model too
-                self.apply_settings(result)
+            if result is None:
+                return
+            if result is not reset:
+                # a value the form showed unchanged stays open: the profile's (or the default) still decides
+                # it, for another profile or model too
+                result = result.left_to_profile([key for key in OPEN_KEYS if getattr(self.settings, key) is None
+                                                 and getattr(result, key) == getattr(shown, key)])
+            self.apply_settings(result)
 
-        self.app.push_screen(SettingsDialog(shown, self.available_modes(), model), done)
+        sources = self.settings.sources(session.tuned(), self.app.sampling_flags)
+        self.app.push_screen(SettingsDialog(shown, self.available_modes(), session.model, sources=sources,
+                                            profile=session.profile_name, reset=reset), done)
+
+    def action_reset_to_profile(self) -> None:
+        """Leave every value a profile can tune to the active profile again (else to the defaults)."""
+        self.apply_settings(self.settings.left_to_profile())
+        self.notify("the profile's values apply" if self.app.session.profile_name else "the default values apply",
+                    timeout=3)
+
+    def profile_activated(self) -> None:
+        """A profile was made active: its tuned values win over the user's remembered ones (the user changed
+        them before this tuning existed), and the user is told which of theirs gave way."""
+        session = self.app.session
+        if session.model is None:
+            self._profile_pending = True
+            return
+        self._profile_pending = False
+        tuned = session.tuned()
+        replaced = self.settings.overrides(tuned)
+        self.apply_settings(self.settings.left_to_profile([key for key in OPEN_KEYS if key in tuned]))
+        if replaced:
+            self.notify("the profile's tuned values replace yours: "
+                        + ", ".join(f"{SHORT_NAMES[key]} {value_text(theirs)} (was {value_text(mine)})"
+                                    for key, (mine, theirs) in replaced.items()), timeout=8)
 
     # -- view actions ----------------------------------------------------------------------------------
     def action_toggle_rejected(self) -> None:

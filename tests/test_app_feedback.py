@@ -1,0 +1,163 @@
+"""What the app tells a first-time user: where each chat setting comes from (and that a profile made active wins),
+what a budgeted start-up is doing while it loads, and what a stopped tuning kept. Pilot tests and snapshots at
+80×24 and 60×20."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_app import fake_app, open_settings, type_prompt, wait_for
+from test_app_snapshots import fixed_profile_folders, make_app, ready, scripted_engine_runs, settle  # noqa: F401 (fixtures)
+from test_app_support import FakeDecoder
+from test_wizard import DEFAULTS, FP, TUNED, calibrated, scripted_calibration, scripted_tune, wizard
+
+from s2moe.app.tui.calibrate import ConfirmSave
+from s2moe.app.tui.session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, ChatSettings
+from s2moe.app.tui.state import remember_settings
+
+SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((60, 20), id="60x20")]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# -- where each setting comes from -----------------------------------------------------------------------------
+def test_each_value_says_whether_it_is_the_flags_the_users_the_profiles_or_the_default():
+    settings = ChatSettings(draft_topk=3, temperature=0.7, n_predict=64)
+    sources = settings.sources({"draft_topk": 2, "threshold": 0.5}, {"temperature": 0.7})
+    assert sources["draft_topk"] == FROM_USER and sources["threshold"] == FROM_PROFILE
+    assert sources["temperature"] == FROM_FLAG and sources["n_predict"] == FROM_USER
+    assert sources["draft_max"] == FROM_DEFAULT and sources["mode"] == FROM_DEFAULT
+    assert settings.overrides({"draft_topk": 2, "threshold": 0.5}) == {"draft_topk": (3, 2)}
+    assert settings.overrides({"draft_topk": 3}) == {}  # the same value is no mix
+    assert settings.left_to_profile().draft_topk is None and settings.left_to_profile().n_predict == 64
+
+
+def test_a_profile_saved_after_tuning_wins_over_the_remembered_k_d(monkeypatch, tmp_path):
+    """The reported flow: k_d chosen with F9 (remembered), then calibrate → tune → save from F3, back to F2:
+    the chat drafts with the profile's tuned k_d, and says whose values it uses."""
+    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune([]))
+    remember_settings({"draft_topk": 3})  # an earlier run's F9
+    app = wizard(monkeypatch, tmp_path, scripted_calibration())
+    decoders = []
+
+    def factory(path):
+        decoders.append(FakeDecoder(path))
+        return decoders[-1]
+
+    app.session._factory = factory
+
+    async def go():
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            assert chat.settings.draft_topk == 3
+            screen = await calibrated(pilot, app)
+            await pilot.press("ctrl+t")
+            await wait_for(pilot, lambda: screen.tune is not None and screen.tune.state == "done"
+                           and not screen.running, "tuning")
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmSave), "the question")
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: app.session.profile_name == "my-box", "the active profile")
+            messages = [n.message for n in app._notifications]
+            assert any("the profile's tuned values replace yours: k_d 2 (was 3)" in m for m in messages)
+            await pilot.press("f2")
+            assert chat.settings.draft_topk is None and chat.shown_settings().draft_topk == TUNED.draft_topk
+            bar = str(chat.query_one("#settings-bar").render())
+            assert "k_d=2" in bar and "yours" not in bar
+            await type_prompt(pilot, "hi")
+            await wait_for(pilot, lambda: not chat.generating and decoders[-1].configs, what="generation")
+            cfg = decoders[-1].configs[-1]
+            assert (cfg.draft_topk, cfg.draft_max, cfg.threshold) == (TUNED.draft_topk, TUNED.draft_max,
+                                                                     TUNED.threshold)
+            # picked again after the profile: the user's, and the bar says over what
+            await pilot.press("f9")
+            bar = str(chat.query_one("#settings-bar").render())
+            assert chat.settings.draft_topk == 3 and "k_d=3 (yours; profile 2)" in bar
+
+    run(go())
+
+
+def test_the_settings_form_names_each_values_source_and_resets_to_the_profile(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    write_tuned_profile(tmp_path)
+    remember_settings({"draft_topk": 3, "threshold": 0.5})
+    app = fake_app(profile="tuned-box", sampling={"temperature": 0.7})
+
+    async def go():
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.session.model is not None, what="model")
+            chat = app.screen
+            form = await open_settings(pilot, app)
+            assert form.sources["draft_topk"] == FROM_USER and form.sources["draft_max"] == FROM_PROFILE
+            assert form.sources["temperature"] == FROM_FLAG and form.sources["n_predict"] == FROM_DEFAULT
+            assert "from profile tuned-box" in str(form.query_one(".source-profile").render())
+            # applied unchanged, the profile's values stay the profile's
+            await pilot.click("#apply")
+            await wait_for(pilot, lambda: app.screen is chat, what="the form closed")
+            assert chat.settings.draft_max is None and chat.settings.draft_topk == 3
+            form = await open_settings(pilot, app)
+            await pilot.click("#reset")
+            await wait_for(pilot, lambda: app.screen is chat, what="the form closed")
+            assert chat.settings.draft_topk is None and chat.settings.threshold is None
+            assert chat.shown_settings().draft_topk == 1 and chat.settings.temperature == 0.7
+            form = await open_settings(pilot, app)
+            assert form.query_one("#reset").disabled  # nothing of the user's left to reset
+
+    run(go())
+
+
+TUNED_PROFILE = f"""\
+schema: 1
+name: tuned-box
+kind: measured
+device: {{name: test cpu, kind: cpu}}
+models:
+  {FP}:
+    model: fake-moe.gguf
+    t_ar_ms: 10.0
+    c_draft_ms: 4.0
+    t_exp_ms: 0.1
+    t_tok_ms: 1.0
+    intercept_ms: 2.0
+    tuned:
+      resident:
+        settings: {{draft_topk: 1, draft_max: 6, threshold: 0.75, reuse_strength: 0.25, reuse_cap: 6}}
+"""
+
+
+def write_tuned_profile(config_home):
+    folder = config_home / "s2moe" / "profiles"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tuned-box.yaml").write_text(TUNED_PROFILE)
+
+
+def provenance_app(tmp_path):
+    write_tuned_profile(tmp_path / "config")  # beside the snapshots' profiles
+    remember_settings({"draft_topk": 3})
+    return make_app(profile="tuned-box", sampling={"temperature": 0.7, "seed": 5})
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_snapshot_the_settings_bar_names_the_users_values_over_the_profile(snap_compare, size, tmp_path):
+    async def run_before(pilot):
+        await ready(pilot)
+        await settle(pilot)
+
+    assert snap_compare(provenance_app(tmp_path), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_snapshot_the_settings_form_names_each_values_source(snap_compare, size, tmp_path):
+    app = provenance_app(tmp_path)
+
+    async def run_before(pilot):
+        await ready(pilot)
+        form = await open_settings(pilot, app)
+        form.query_one("#set-topk").focus()  # the values of the user's and of the profile's in view
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
