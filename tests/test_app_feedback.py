@@ -5,6 +5,8 @@ what a budgeted start-up is doing while it loads, and what a stopped tuning kept
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 from test_app import fake_app, open_settings, type_prompt, wait_for
@@ -15,7 +17,9 @@ from test_wizard import DEFAULTS, FP, TUNED, calibrated, scripted_calibration, s
 from s2moe.app.tui.calibrate import ConfirmSave
 from s2moe.app.tui.session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, ChatSettings
 from s2moe.app.tui.state import remember_settings
+from s2moe.engine.tune import Settings, TuneMeasured, TuneProgress, TuneStarted
 
+SLOWER = Settings(2, 8, 1.0, 0.5, 8)
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((60, 20), id="60x20")]
 
 
@@ -57,11 +61,11 @@ def test_a_profile_saved_after_tuning_wins_over_the_remembered_k_d(monkeypatch, 
             screen = await calibrated(pilot, app)
             await pilot.press("ctrl+t")
             await wait_for(pilot, lambda: screen.tune is not None and screen.tune.state == "done"
-                           and not screen.running, "tuning")
+                           and not screen.running, what="tuning")
             await pilot.press("ctrl+s")
-            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmSave), "the question")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmSave), what="the question")
             await pilot.press("ctrl+s")
-            await wait_for(pilot, lambda: app.session.profile_name == "my-box", "the active profile")
+            await wait_for(pilot, lambda: app.session.profile_name == "my-box", what="the active profile")
             messages = [n.message for n in app._notifications]
             assert any("the profile's tuned values replace yours: k_d 2 (was 3)" in m for m in messages)
             await pilot.press("f2")
@@ -159,5 +163,98 @@ def test_snapshot_the_settings_form_names_each_values_source(snap_compare, size,
         form = await open_settings(pilot, app)
         form.query_one("#set-topk").focus()  # the values of the user's and of the profile's in view
         await settle(pilot)
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+# -- a stopped tuning ------------------------------------------------------------------------------------------
+def held_tune(clock_now: list, go: threading.Event, release: threading.Event):
+    """A tuning that measures a rung, waits for `go`, then runs until stopped and finishes its measurement
+    only on `release` (a slow measurement, as under a budget)."""
+    def run_tune(decoder, prompts, **kw):
+        stop = kw["should_stop"]
+        yield TuneStarted(3, DEFAULTS, kw["time_budget_s"], {})
+        for i, (s, tps) in enumerate([(DEFAULTS, 24.0), (TUNED, 30.0), (SLOWER, 27.0)]):
+            yield TuneMeasured(i, s, 0, tps, 1)
+        go.wait(10)
+        yield TuneProgress(4, 10, "rung 2")
+        while not stop() and not release.is_set():
+            time.sleep(0.01)
+        release.wait(10)
+
+    return run_tune
+
+
+def test_stopping_a_tuning_says_how_long_it_waits_and_keeps_the_best_so_far(monkeypatch, tmp_path):
+    now, go, release = [0.0], threading.Event(), threading.Event()
+    monkeypatch.setattr("s2moe.app.tui.calibrate.clock", lambda: now[0])
+    monkeypatch.setattr("s2moe.engine.tune.run_tune", held_tune(now, go, release))
+    app = wizard(monkeypatch, tmp_path, scripted_calibration())
+
+    async def go_():
+        async with app.run_test(size=(80, 24)) as pilot:
+            try:
+                await stop_a_held_tuning(pilot)
+            finally:
+                go.set()
+                release.set()
+
+    async def stop_a_held_tuning(pilot):
+        screen = await calibrated(pilot, app)
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: screen.tune is not None and len(screen.tune.points) == 3, what="rung 1")
+        now[0] = 40.0  # the next measurement takes 40 s
+        go.set()
+        await wait_for(pilot, lambda: screen.tune.done == 4, what="the measurement")
+        bar = screen.query_one("#cal-progress")
+        assert (bar.progress, bar.total) == (4, 10)  # the tuning's progress, not the calibration's 100 %
+        now[0] = 50.0
+        await pilot.press("escape")
+        text = screen.steps_text().plain
+        assert text.rstrip().endswith("stopping after the current measurement: up to ~30 s more (the longest so "
+                                      "far took 40 s; this one began 10 s ago)…")
+        assert "Done. Press Ctrl+S" not in text
+        release.set()
+        await wait_for(pilot, lambda: not screen.running, what="the stop")
+        await pilot.pause()
+        text = screen.steps_text().plain
+        assert ("stopped after rung 1 — partial: best so far k_d 2 · cap 12 · threshold 0.5 · α 0.25 |E*| 6 → "
+                "30.00 tok/s, the defaults 24.00 tok/s (1.250×)" in text)
+        assert text.rstrip().endswith("Ctrl+S saves the calibration alone.") and "Done. Press" not in text
+        assert (bar.progress, bar.total) == (4, 10)
+        left = screen.query_one("#cal-left")
+        assert left.scroll_y == left.max_scroll_y  # the final status in view, not above it
+        assert screen.profile_to_save()["models"][FP].get("tuned") is None  # partial: not in the profile
+
+    run(go_())
+
+
+def test_a_tuning_stopped_before_a_rung_ended_says_nothing_was_compared():
+    from s2moe.app.tui.calibrate import TuneState, stopping_text
+
+    t = TuneState(state="stopped")
+    assert t.best_so_far() is None
+    t.points, t.settings = {0: (0, 24.0), 1: (0, 30.0)}, {0: DEFAULTS, 1: TUNED}
+    assert t.best_so_far() == (TUNED, 30.0, 24.0, 0)
+    # a later rung's figures only compare with each other: the candidate dropped at rung 1 is no longer best
+    t.points.update({0: (1, 25.0), 2: (1, 26.0)})
+    t.settings[2] = SLOWER
+    assert t.best_so_far() == (SLOWER, 26.0, 25.0, 1)
+    assert stopping_text(None, 3.2) == "stopping after the current measurement (running for 3 s)…"
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_snapshot_a_stopped_tuning(snap_compare, size, monkeypatch, tmp_path):
+    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune([], until_stopped=True))
+    app = wizard(monkeypatch, tmp_path, scripted_calibration())
+
+    async def run_before(pilot):
+        screen = await calibrated(pilot, app)
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: screen.tune is not None and screen.tune.total == 10, what="the search")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not screen.running, what="the stop")
+        await settle(pilot)
+        await pilot.pause(0.1)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
