@@ -258,3 +258,156 @@ def test_snapshot_a_stopped_tuning(snap_compare, size, monkeypatch, tmp_path):
         await pilot.pause(0.1)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+# -- loading under a budget --------------------------------------------------------------------------------------
+def test_a_budgeted_load_says_each_step_it_takes(monkeypatch):
+    """Loading, warming every mode up, sizing the budget: each said as it starts, step of steps."""
+    from s2moe.app.tui.session import EngineSession
+    from s2moe.engine import offload
+
+    steps = []
+    session = EngineSession("fake-moe.gguf", budget="auto")
+    session.decoder = decoder = FakeDecoder()
+
+    class Offloader:
+        budget_bytes = 123 << 20
+
+    def offload_decoder(decoder_, budget, hot, warm_up):
+        assert decoder_ is decoder and budget.auto
+        warm_up()
+        steps.append("planned")
+        return Offloader()
+
+    monkeypatch.setattr(offload, "current_budget", lambda: (object(), 1 << 30))
+    monkeypatch.setattr(offload, "offload_decoder", offload_decoder)
+    session._offload(lambda step, n, what: steps.append((step, n, what)))
+    assert steps == [(2, 4, "warming up ar"), (3, 4, "warming up s2moe"), (4, 4, "sizing the budget"), "planned"]
+    assert [cfg.mode for cfg in decoder.configs] == ["ar", "s2moe"] and session.budget_bytes == 123 << 20
+
+
+def slow_loading_app(loaded: threading.Event, **kw):
+    """The app on a scripted decoder whose load waits for `loaded` (a budgeted load's minute)."""
+    decoders = []
+
+    def factory(path):
+        loaded.wait(20)
+        if app.fail_load:
+            raise OSError("cannot read the model")
+        decoders.append(FakeDecoder(path))
+        return decoders[-1]
+
+    app = make_app(**kw)
+    app.fail_load = False
+    app.session._factory = factory
+    app.fake_decoders = decoders
+    return app
+
+
+def test_a_prompt_sent_while_the_model_loads_is_queued_and_starts_once_it_has(monkeypatch):
+    loaded = threading.Event()
+    app = slow_loading_app(loaded)
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            try:
+                await wait_for(pilot, lambda: app.load_progress is not None, what="the load's first step")
+                chat = app.screen
+                await type_prompt(pilot, "hi")
+                assert chat.query_one("#prompt").value == ""  # taken, not dropped
+                assert chat._queued == "hi" and len(chat.transcript.turns) == 1
+                assert chat.transcript.turns[0].status.startswith("queued: starts when the model has loaded")
+                bar = str(chat.query_one("#settings-bar").render())
+                assert "loading ▰ 1/1: loading the model" in bar and "your prompt is queued" in bar
+            finally:
+                loaded.set()
+            await wait_for(pilot, lambda: app.fake_decoders and app.fake_decoders[0].configs and not chat.generating,
+                           what="the queued generation")
+            assert chat._queued is None and "tok/s" in chat.transcript.turns[0].summary
+
+    run(go())
+
+
+def test_a_queued_prompt_can_be_taken_back_and_returns_to_the_box_if_the_load_fails(monkeypatch):
+    loaded = threading.Event()
+    app = slow_loading_app(loaded)
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            try:
+                await wait_for(pilot, lambda: app.model_loading, what="the load")
+                chat = app.screen
+                await type_prompt(pilot, "hi")
+                await pilot.press("escape")
+                assert chat._queued is None and not chat.generating
+                assert chat.query_one("#prompt").value == "hi"
+                assert chat.transcript.turns[0].summary == "taken back before the model had loaded"
+                await pilot.press("enter")  # queued again
+                assert chat._queued == "hi"
+                app.fail_load = True
+            finally:
+                loaded.set()
+            await wait_for(pilot, lambda: not app.model_loading and chat._queued is None, what="the failed load")
+            assert chat.query_one("#prompt").value == "hi" and not chat.generating
+            assert chat.transcript.turns[-1].summary == "not sent: the model did not load"
+
+    run(go())
+
+
+def test_the_first_generation_says_it_measures_cost_constants():
+    from s2moe.app.tui.messages import EngineEvent
+    from s2moe.engine.events import MeasuringCosts
+
+    app = make_app()
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await ready(pilot)
+            chat = app.screen
+            chat.begin_turn("hi")
+            chat.on_engine_event(EngineEvent(1, MeasuringCosts(0.4, 12.3), None, 0.0))
+            status = "measuring cost constants ▰▰▰▰▱▱▱▱▱▱ 40% · 12 s"
+            assert status in str(chat.query_one("#settings-bar").render()) and status in chat._turn.status
+
+    run(go())
+
+
+def test_a_profile_that_does_not_cover_the_model_is_said_at_start_pointing_to_f3(tmp_path):
+    (tmp_path / "config" / "s2moe" / "profiles" / "other-box.yaml").write_text(
+        "schema: 1\nname: other-box\nkind: measured\nmodels:\n"
+        "  ffffffffffffffff: {t_ar_ms: 5.0, c_draft_ms: 2.0, t_exp_ms: 0.1}\n")
+    app = make_app(profile="other-box")
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await ready(pilot)
+            messages = [n.message for n in app._notifications]
+            assert any("profile other-box was not calibrated for this model: F3 (Calibrate) measures it" in m
+                       for m in messages)
+            assert "profile other-box (not for this model: F3)" in str(app.screen.query_one("#settings-bar").render())
+
+    run(go())
+
+
+def loading_app(step: int, steps: int, what: str, queued: str | None):
+    """The app as a budgeted load shows itself at `step`, 14 s in (no load runs: the snapshot is fixed)."""
+    from s2moe.app.tui.messages import LoadProgress
+
+    app = make_app(load_on_start=False, budget="auto")
+
+    async def run_before(pilot):
+        chat = app.screen
+        app.model_loading, app.load_started = True, 100.0
+        app.on_load_progress(LoadProgress(step, steps, what))
+        if queued:
+            await type_prompt(pilot, queued)
+        await settle(pilot)
+
+    return app, run_before
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_snapshot_a_budgeted_load_with_a_queued_prompt(snap_compare, size, monkeypatch):
+    monkeypatch.setattr("s2moe.app.tui.messages.clock", lambda: 114.0)
+    app, run_before = loading_app(3, 4, "warming up s2moe", "def fib(n):")
+    assert snap_compare(app, terminal_size=size, run_before=run_before)

@@ -287,11 +287,16 @@ class EngineSession:
         self.stats = SessionStats()
         self.conversation = self.template = None
 
-    def load(self) -> ModelSummary:
-        """Load the model if needed (call from a worker thread holding the lock)."""
+    def load(self, progress: Callable[[int, int, str], None] | None = None) -> ModelSummary:
+        """Load the model if needed (call from a worker thread holding the lock). progress(step, steps, what)
+        says what the load does as it goes: under a budget it warms up every mode and sizes the budget, which
+        takes many times as long as loading."""
+        say = progress or (lambda step, steps, what: None)
         if self.model_path is None:
             raise ModelError("no model: open one with Ctrl+P → “Open model…” (or start with --model PATH)")
         if self.decoder is None:
+            steps = 1 if self.budget is None else 2 + len(self.warm_up_modes())
+            say(1, steps, "loading the model")
             if self._factory is not None:
                 self.decoder = self._factory(self.model_path)
             else:
@@ -306,7 +311,7 @@ class EngineSession:
                                        placement=self.placement or Placement(), n_batch=self.n_batch)
                 if self.budget is not None:
                     try:
-                        self._offload()
+                        self._offload(say)
                     except BaseException:
                         self._close_decoder()
                         raise
@@ -329,7 +334,12 @@ class EngineSession:
                                       info.fingerprint, info.file_bytes)
         return self.model
 
-    def _offload(self) -> None:
+    def warm_up_modes(self) -> tuple[str, ...]:
+        """The modes a budgeted load warms up: plain decoding and one that drafts."""
+        k = self.decoder.info.n_expert_used if self.decoder is not None else 2
+        return ("ar", "s2moe" if k >= 2 else "lookup")
+
+    def _offload(self, say: Callable[[int, int, str], None]) -> None:
         """Inside the app's memory cgroup: pin, prefetch, and size the budget (auto: after a warm-up)."""
         from ...engine import offload
         from ...engine.decoder import GenerationConfig
@@ -344,11 +354,16 @@ class EngineSession:
 
             hot = hot_experts_for_model(load_profile(self.profile_name), decoder.info.fingerprint)
 
+        modes = self.warm_up_modes()
+        steps = 2 + len(modes)
+
         def warm_up():
-            for mode in ("ar", "s2moe" if decoder.info.n_expert_used >= 2 else "lookup"):
+            for i, mode in enumerate(modes):
+                say(2 + i, steps, f"warming up {mode}")
                 for _ in decoder.generate("def add(a, b):\n    return",
                                           GenerationConfig(mode=mode, n_predict=8, stop_at_eos=False)):
                     pass
+            say(steps, steps, "sizing the budget")
 
         self.offloader = offload.offload_decoder(decoder, offload.Budget.parse(self.budget), hot, warm_up=warm_up)
         self.budget_bytes = self.offloader.budget_bytes

@@ -53,6 +53,12 @@ class NavBar(Static):
         self.update(text)
 
 
+def progress_bar(done: int, total: int) -> str:
+    """A few cells of progress for a line of text: ▰ done, ▱ to do."""
+    done = max(0, min(done, total))
+    return "▰" * done + "▱" * (total - done)
+
+
 def segment_styles(app) -> dict[str, str]:
     """Rich styles of the token kinds, from the current theme's colours (readable in light and dark)."""
     v = app.theme_variables
