@@ -225,6 +225,9 @@ import sys
 from s2moe.app.tui.session import ChatSettings, EngineSession
 from s2moe.engine.events import ResidencySnapshot
 session = EngineSession(sys.argv[1], n_threads=1, n_ctx=128, budget=sys.argv[2])
+steps = []
+session.load(lambda step, n, what: steps.append(f"{step}/{n}:{what.replace(' ', '_')}"))
+print(",".join(steps))
 events = []
 session.generate("hello", ChatSettings(mode="s2moe", n_predict=20), lambda ev, view: events.append(ev))
 snaps = [e for e in events if isinstance(e, ResidencySnapshot)]
@@ -250,8 +253,12 @@ def test_the_apps_engine_session_offloads_inside_a_real_cgroup(tiny_models, tmp_
         cg.remove()
     assert proc.returncode == 0, stderr[-2000:]
     label, n_snaps, hooked, offloaded = stdout.split()[-4:]
-    assert stdout.startswith("budget ") and (stdout.startswith("budget auto (") == (budget == "auto"))
+    steps, line = stdout.splitlines()[0], stdout.splitlines()[-1]
+    assert line.startswith("budget ") and (line.startswith("budget auto (") == (budget == "auto"))
     assert int(n_snaps) >= 1 and offloaded == "True"
+    # the load said each of its steps, in order, as it came to it
+    assert steps == ("1/4:loading_the_model,2/4:warming_up_ar,3/4:warming_up_s2moe,"
+                                      "4/4:sizing_the_budget")
 
 
 # -- chat ----------------------------------------------------------------------------------------------------

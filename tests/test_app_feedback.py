@@ -110,6 +110,14 @@ def test_the_settings_form_names_each_values_source_and_resets_to_the_profile(mo
             assert chat.shown_settings().draft_topk == 1 and chat.settings.temperature == 0.7
             form = await open_settings(pilot, app)
             assert form.query_one("#reset").disabled  # nothing of the user's left to reset
+            await pilot.press("escape")
+            await pilot.press("f9")  # the user's again; the palette resets it too
+            assert chat.settings.draft_topk == 2
+            await pilot.press("ctrl+p")
+            await pilot.press(*"reset settings")
+            await pilot.pause(0.3)
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: chat.settings.draft_topk is None, what="the palette's reset")
 
     run(go())
 
