@@ -419,3 +419,17 @@ def test_snapshot_a_budgeted_load_with_a_queued_prompt(snap_compare, size, monke
     monkeypatch.setattr("s2moe.app.tui.messages.clock", lambda: 114.0)
     app, run_before = loading_app(3, 4, "warming up s2moe", "def fib(n):")
     assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+def test_an_enter_typed_before_the_terminal_was_raw_still_sends(monkeypatch):
+    """Keys typed while the app starts reach it through the terminal's cooked mode, Enter as a line feed."""
+    app = make_app()
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await ready(pilot)
+            chat = app.screen
+            await pilot.press(*"hi", "ctrl+j")
+            await wait_for(pilot, lambda: len(chat.transcript.turns) == 1 and not chat.generating, what="the answer")
+
+    run(go())

@@ -143,6 +143,8 @@ class PromptInput(Input):
     BINDINGS = [
         Binding("up", "history(-1)", "Previous prompt", show=False),
         Binding("down", "history(1)", "Next prompt", show=False),
+        # an Enter typed while the app starts, before the terminal is in raw mode, arrives as a line feed
+        Binding("ctrl+j", "submit", "Send", show=False),
     ]
 
     def __init__(self, **kw):
