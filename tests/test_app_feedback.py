@@ -10,7 +10,8 @@ import time
 
 import pytest
 from test_app import fake_app, open_settings, type_prompt, wait_for
-from test_app_snapshots import fixed_profile_folders, make_app, ready, scripted_engine_runs, settle  # noqa: F401 (fixtures)
+from test_app_snapshots import (fixed_profile_folders, make_app, ready,  # noqa: F401 (autouse fixtures)
+                                scripted_engine_runs, settle)
 from test_app_support import FakeDecoder
 from test_wizard import DEFAULTS, FP, TUNED, calibrated, scripted_calibration, scripted_tune, wizard
 
@@ -176,7 +177,7 @@ def test_snapshot_the_settings_form_names_each_values_source(snap_compare, size,
 
 
 # -- a stopped tuning ------------------------------------------------------------------------------------------
-def held_tune(clock_now: list, go: threading.Event, release: threading.Event):
+def held_tune(go: threading.Event, release: threading.Event):
     """A tuning that measures a rung, waits for `go`, then runs until stopped and finishes its measurement
     only on `release` (a slow measurement, as under a budget)."""
     def run_tune(decoder, prompts, **kw):
@@ -196,7 +197,7 @@ def held_tune(clock_now: list, go: threading.Event, release: threading.Event):
 def test_stopping_a_tuning_says_how_long_it_waits_and_keeps_the_best_so_far(monkeypatch, tmp_path):
     now, go, release = [0.0], threading.Event(), threading.Event()
     monkeypatch.setattr("s2moe.app.tui.calibrate.clock", lambda: now[0])
-    monkeypatch.setattr("s2moe.engine.tune.run_tune", held_tune(now, go, release))
+    monkeypatch.setattr("s2moe.engine.tune.run_tune", held_tune(go, release))
     app = wizard(monkeypatch, tmp_path, scripted_calibration())
 
     async def go_():
@@ -312,7 +313,7 @@ def slow_loading_app(loaded: threading.Event, **kw):
     return app
 
 
-def test_a_prompt_sent_while_the_model_loads_is_queued_and_starts_once_it_has(monkeypatch):
+def test_a_prompt_sent_while_the_model_loads_is_queued_and_starts_once_it_has():
     loaded = threading.Event()
     app = slow_loading_app(loaded)
 
@@ -336,7 +337,7 @@ def test_a_prompt_sent_while_the_model_loads_is_queued_and_starts_once_it_has(mo
     run(go())
 
 
-def test_a_queued_prompt_can_be_taken_back_and_returns_to_the_box_if_the_load_fails(monkeypatch):
+def test_a_queued_prompt_can_be_taken_back_and_returns_to_the_box_if_the_load_fails():
     loaded = threading.Event()
     app = slow_loading_app(loaded)
 
@@ -404,7 +405,6 @@ def loading_app(step: int, steps: int, what: str, queued: str | None):
     app = make_app(load_on_start=False, budget="auto")
 
     async def run_before(pilot):
-        chat = app.screen
         app.model_loading, app.load_started = True, 100.0
         app.on_load_progress(LoadProgress(step, steps, what))
         if queued:
@@ -421,7 +421,7 @@ def test_snapshot_a_budgeted_load_with_a_queued_prompt(snap_compare, size, monke
     assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
-def test_an_enter_typed_before_the_terminal_was_raw_still_sends(monkeypatch):
+def test_an_enter_typed_before_the_terminal_was_raw_still_sends():
     """Keys typed while the app starts reach it through the terminal's cooked mode, Enter as a line feed."""
     app = make_app()
 

@@ -487,7 +487,8 @@ class CalibrateScreen(Screen):
         self.tune = TuneState()
         self.running = True
         self.job_started()
-        self.query_one("#cal-progress", ProgressBar).update(total=1, progress=0)  # the tuning's own, not the calibration's
+        # the bar follows the tuning now, not the calibration that ended at 100 %
+        self.query_one("#cal-progress", ProgressBar).update(total=1, progress=0)
         self.update_state()
         self.tune_worker(cost, minutes * 60, offloaded)
 

@@ -13,8 +13,8 @@ from textual.screen import Screen
 from textual.widgets import Static
 
 from ...engine.errors import S2MoEError
-from .live import LivePanel
 from . import messages
+from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
 from .session import (MODE_HELP, OPEN_KEYS, SHORT_NAMES, ChatSettings, engine_modes, mode_help, moe_modes,
                       value_text)
@@ -521,7 +521,7 @@ class ChatScreen(Screen):
         live = self.live.state
         session = self.app.session
         if isinstance(event, MeasuringCosts):
-            # the first generation under a budget measures its cost constants for a minute or so: say so
+            # without a profile's constants the first generation measures them, under a budget for many seconds
             status = (f"measuring cost constants {progress_bar(round(event.fraction * 10), 10)} "
                       f"{event.fraction:.0%} · {event.seconds:.0f} s (once for this model and k_d; a profile "
                       "calibrated on F3 skips it)")
