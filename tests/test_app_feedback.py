@@ -433,3 +433,21 @@ def test_an_enter_typed_before_the_terminal_was_raw_still_sends():
             await wait_for(pilot, lambda: len(chat.transcript.turns) == 1 and not chat.generating, what="the answer")
 
     run(go())
+
+
+def test_a_profile_made_active_before_the_model_loads_wins_once_it_has(tmp_path):
+    write_tuned_profile(tmp_path / "config")
+    remember_settings({"draft_topk": 3, "n_predict": 64})
+    app = make_app(load_on_start=False)
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            chat = app.screen
+            app.set_profile("tuned-box")  # F4 while nothing is loaded: what the profile tunes is not known yet
+            assert chat.settings.draft_topk == 3
+            app.load_model()
+            await ready(pilot)
+            assert chat.settings.draft_topk is None and chat.shown_settings().draft_topk == 1
+            assert chat.settings.n_predict == 64  # not something a profile tunes: the user's stays
+
+    run(go())
