@@ -226,6 +226,9 @@ import sys
 from s2moe.app.tui.session import ChatSettings, EngineSession
 from s2moe.engine.events import ResidencySnapshot
 session = EngineSession(sys.argv[1], n_threads=1, n_ctx=128, budget=sys.argv[2])
+steps = []
+session.load(lambda step, n, what: steps.append(f"{step}/{n}:{what.replace(' ', '_')}"))
+print(",".join(steps))
 events = []
 session.generate("hello", ChatSettings(mode="s2moe", n_predict=20), lambda ev, view: events.append(ev))
 snaps = [e for e in events if isinstance(e, ResidencySnapshot)]
@@ -251,8 +254,12 @@ def test_the_apps_engine_session_offloads_inside_a_real_cgroup(tiny_models, tmp_
         cg.remove()
     assert proc.returncode == 0, stderr[-2000:]
     label, n_snaps, hooked, offloaded = stdout.split()[-4:]
-    assert stdout.startswith("budget ") and (stdout.startswith("budget auto (") == (budget == "auto"))
+    steps, line = stdout.splitlines()[0], stdout.splitlines()[-1]
+    assert line.startswith("budget ") and (line.startswith("budget auto (") == (budget == "auto"))
     assert int(n_snaps) >= 1 and offloaded == "True"
+    # the load said each of its steps, in order, as it came to it
+    assert steps == ("1/4:loading_the_model,2/4:warming_up_ar,3/4:warming_up_s2moe,"
+                                      "4/4:sizing_the_budget")
 
 
 # -- chat ----------------------------------------------------------------------------------------------------
@@ -717,7 +724,8 @@ def test_a_profile_for_another_model_warns_and_falls_back(tmp_path, monkeypatch)
             assert app.fake_decoders[0].configs[-1].cost is None  # measured at start-up instead
             await pilot.pause(0.1)
             messages = [n.message for n in app._notifications]
-            assert any("measuring cost constants at start-up instead" in m for m in messages)
+            assert any("F3 (Calibrate) measures it; until then cost constants are measured at start-up" in m
+                       for m in messages)
 
     run(go())
 

@@ -15,7 +15,8 @@ from .chat import ChatScreen
 from .commands import S2MoECommands
 from .device import DeviceScreen
 from .dialogs import HelpScreen, ModelPathDialog, binding_sections
-from .messages import ModelFailed, ModelReady, failure_text, post
+from . import messages
+from .messages import LoadProgress, ModelFailed, ModelReady, failure_text, post
 from .state import remember_profile
 from .profiles_screen import ProfilesScreen
 from .session import EngineSession
@@ -63,6 +64,8 @@ class S2MoEApp(App):
         self.load_on_start = load_on_start
         self._views: list = []
         self.model_loading = False
+        self.load_progress: LoadProgress | None = None  # the load's latest step while it loads
+        self.load_started: float | None = None
         self.quitting = False
         self.exit_code, self.exit_word = 0, None
 
@@ -100,30 +103,46 @@ class S2MoEApp(App):
     def load_model(self) -> None:
         session = self.session
         self.model_loading = True
+        self.load_progress, self.load_started = None, messages.clock()
         self.call_from_thread(self.model_changed)
         try:
             if not session.lock.acquire(timeout=30):
                 return
             try:
-                model = session.load()
+                model = session.load(lambda step, steps, what: post(self, LoadProgress(step, steps, what)))
             finally:
                 session.lock.release()
+            self.model_loading = False  # before the screens hear of it: a prompt sent then starts at once
             post(self, ModelReady(model))
         except Exception as e:  # noqa: BLE001 - a model llama.cpp cannot load is a message, not a crash
             from ...engine.copycache import CopyCacheError
 
+            self.model_loading = False
             post(self, ModelFailed(failure_text(e), copy_cache=isinstance(e, CopyCacheError)))
         finally:
             self.model_loading = False
 
+    def on_load_progress(self, message: LoadProgress) -> None:
+        self.load_progress = message
+        self.model_changed()
+
     def on_model_ready(self, message: ModelReady) -> None:
         self.model_changed()
+        chat = self.chat_screen
+        if chat is not None:
+            chat.model_loaded()
+        problem = self.session.profile_problem()
+        if problem:
+            self.notify(problem, title="Profile", severity="warning", timeout=12)
         cpu = self.session.cpu_buffers
         if cpu is not None and cpu.reason in ("amx", "crashed"):
             self.notify(cpu.line(), title="CPU weights", timeout=12)
 
     def on_model_failed(self, message: ModelFailed) -> None:
         self.model_loading = False
+        chat = self.chat_screen
+        if chat is not None:
+            chat.model_failed()
         # a copy cache that stops the load is no fault of the model: said as what it is
         title = "Could not use the copy cache" if message.copy_cache else "Could not load the model"
         self.notify(message.text, title=title, severity="error", timeout=12)
@@ -178,6 +197,9 @@ class S2MoEApp(App):
     def set_profile(self, name: str | None) -> None:
         self.session.profile_name = name
         remember_profile(name)
+        chat = self.chat_screen
+        if chat is not None and name is not None:
+            chat.profile_activated()
         self.model_changed()
         self.notify(f"active profile: {name}" if name else "no profile: cost constants are measured at start-up",
                     timeout=4)

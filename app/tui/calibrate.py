@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 from dataclasses import dataclass, field
 
 from rich.text import Text
@@ -40,6 +41,7 @@ INTRO = (
 TUNE_PROMPTS = "humaneval"  # the workload `s2moe tune` tunes for by default
 TUNE_MINUTES = 3.0          # the wizard's default: a first tuning, shorter than the command's 10 minutes …
 TUNE_MINUTES_BUDGETED = 10.0  # … but under a budget a quality check alone takes a minute or two
+clock = time.monotonic  # the wizard's clock for how long measurements take (tests pass their own)
 FIT_R2_MIN = 0.8  # a cost-model fit below this explains too little of the measured time to decide with
 # The wizard's fields, for engine messages that name the flag setting the same thing.
 FIELDS = {"--budget": "the Memory budget field", "--name": "the Profile name field"}
@@ -229,8 +231,32 @@ class TuneState:
     total: int = 0
     phase: str = ""
     points: dict = field(default_factory=dict)   # candidate index → (rung, tok/s)
+    settings: dict = field(default_factory=dict)  # candidate index → engine.tune.Settings
     defaults_tok_s: float | None = None
     section: dict | None = None                  # TuneDone's, recorded in the saved profile
+
+    def best_so_far(self) -> tuple | None:
+        """(settings, tok/s, the defaults' tok/s, rung) of the fastest candidate of the last rung measured, or
+        None before a rung has ended. A rung runs every candidate in it on the same prompts, so only its own
+        figures compare; the final comparison, which would confirm the lead, has not run."""
+        rungs = [rung for index, (rung, _) in self.points.items() if index != 0 and rung >= 0]
+        if not rungs:
+            return None
+        last = max(rungs)
+        index, (_, tok_s) = max(((i, p) for i, p in self.points.items() if i != 0 and p[0] == last),
+                                key=lambda item: item[1][1])
+        defaults = self.points.get(0, (last, None))[1]
+        return self.settings[index], tok_s, defaults, last
+
+
+def stopping_text(longest_s: float | None, running_s: float) -> str:
+    """How long a stop will take, honestly: the job stops only between two measurements, and the longest one so
+    far is the best guess at how long the current one lasts."""
+    if longest_s is None:
+        return f"stopping after the current measurement (running for {running_s:.0f} s)…"
+    left = max(0.0, longest_s - running_s)
+    return (f"stopping after the current measurement: up to ~{left:.0f} s more (the longest so far took "
+            f"{longest_s:.0f} s; this one began {running_s:.0f} s ago)…")
 
 
 class CalibrateScreen(Screen):
@@ -255,6 +281,12 @@ class CalibrateScreen(Screen):
         self.fit: dict | None = None
         self.n_steps = 0
         self.tune: TuneState | None = None
+        # when the running job's last event came, the longest gap between two, and when a stop was asked for:
+        # what "stopping after the current measurement" can honestly say about how long that takes
+        self.last_event_t: float | None = None
+        self.longest_gap_s: float | None = None
+        self.stop_asked_t: float | None = None
+        self.stop_timer = None
 
     def compose(self) -> ComposeResult:
         yield NavBar("calibrate", id="navbar")
@@ -330,6 +362,14 @@ class CalibrateScreen(Screen):
                 text.append(f"   ⚠ {flag}\n", style="yellow")
         if self.tune is not None:
             self.tune_text(text)
+        if self.stop_asked_t is not None and self.running:
+            text.append("\n" + stopping_text(self.longest_gap_s, clock() - (self.last_event_t or self.stop_asked_t)),
+                        style="bold")
+            return text
+        if self.result is not None and self.tune is not None and self.tune.state == "stopped":
+            text.append("\nTuning stopped: the profile would get no tuned settings. Ctrl+T tunes again (longer "
+                        "Tuning minutes search more); Ctrl+S saves the calibration alone.", style="bold")
+            return text
         if self.result is not None and not (self.tune is not None and self.tune.state == "running"):
             failed = self.failed_steps()
             then = (" Ctrl+T (Tune) first searches the fastest decoding settings." if self.tune is None else
@@ -358,10 +398,20 @@ class CalibrateScreen(Screen):
             text.append(f"   {t.phase}: {t.done}/{t.total}\n", style="dim")
         if t.state == "failed":
             text.append(f"   failed: {t.reason}\n", style="red")
-        elif t.state == "stopped":
-            text.append("   stopped: nothing tuned\n", style="dim")
         for line in t.lines:
             text.append(f"   {line}\n")
+        if t.state == "stopped":
+            # under the log, where the eye is when the stop comes
+            best = t.best_so_far()
+            if best is None:
+                text.append("   stopped before the first rung ended: no candidate measured against the defaults\n",
+                            style="bold")
+            else:
+                settings, tok_s, defaults, rung = best
+                versus = f", the defaults {defaults:.2f} tok/s ({tok_s / defaults:.3f}×)" if defaults else ""
+                text.append(f"   stopped after rung {rung + 1} — partial: best so far "
+                            f"{settings.label(self.app.session.budget is not None)} → {tok_s:.2f} tok/s{versus}; "
+                            "not confirmed against the defaults, so not saved in the profile\n", style="bold")
 
     def failed_steps(self) -> list[StepState]:
         return [s for s in sorted(self.steps.values(), key=lambda s: s.index) if s.state == "failed"]
@@ -386,6 +436,7 @@ class CalibrateScreen(Screen):
         self.saved_path = None
         self.tune = None
         self.running = True
+        self.job_started()
         self.query_one("#cal-progress", ProgressBar).update(total=1, progress=0)
         self.update_state()
         self.calibrate(session.model_path, budget, name)
@@ -400,9 +451,21 @@ class CalibrateScreen(Screen):
             n_batch=session.n_batch))
 
     def action_stop(self) -> None:
-        if self.running:
+        if self.running and self.stop_asked_t is None:
             self.app.session.stop.set()
-            self.notify("stopping after the current measurement…", timeout=3)
+            self.stop_asked_t = clock()
+            self.show_steps()
+            # the wait's line counts up until the job ends
+            self.stop_timer = self.set_interval(1.0, self.show_steps)
+
+    def show_steps(self) -> None:
+        """Redraw the steps and keep their end (the newest step, the final status) in view."""
+        self.query_one("#cal-steps", Static).update(self.steps_text())
+        left = self.query_one("#cal-left")
+        self.call_after_refresh(left.scroll_end, animate=False)
+
+    def job_started(self) -> None:
+        self.last_event_t, self.longest_gap_s, self.stop_asked_t = clock(), None, None
 
     def action_tune(self) -> None:
         if self.result is None:
@@ -424,6 +487,9 @@ class CalibrateScreen(Screen):
             return
         self.tune = TuneState()
         self.running = True
+        self.job_started()
+        # the bar follows the tuning now, not the calibration that ended at 100 %
+        self.query_one("#cal-progress", ProgressBar).update(total=1, progress=0)
         self.update_state()
         self.tune_worker(cost, minutes * 60, offloaded)
 
@@ -462,8 +528,10 @@ class CalibrateScreen(Screen):
             t.lines.append(quality_check_text(ev))
         elif isinstance(ev, TuneProgress):
             t.done, t.total, t.phase = ev.done, ev.total, ev.phase
+            self.query_one("#cal-progress", ProgressBar).update(total=max(1, ev.total), progress=ev.done)
         elif isinstance(ev, TuneMeasured):
             t.points[ev.index] = (ev.rung, ev.tok_per_s)
+            t.settings[ev.index] = ev.settings
             if ev.index == 0:
                 t.defaults_tok_s = ev.tok_per_s
             where = "final comparison" if ev.rung < 0 else f"rung {ev.rung + 1}"
@@ -477,6 +545,11 @@ class CalibrateScreen(Screen):
             self.saved_path = None  # what was saved before lacks the tuning
     def on_job_event(self, message: JobEvent) -> None:
         ev = message.event
+        now = clock()
+        if self.last_event_t is not None:
+            gap = now - self.last_event_t
+            self.longest_gap_s = gap if self.longest_gap_s is None else max(self.longest_gap_s, gap)
+        self.last_event_t = now
         if isinstance(ev, (TuneStarted, TuneQuality, TuneMemoryQuality, TuneJointQuality, TuneProgress, TuneMeasured,
                            TuneDone)):
             self.on_tune_event(ev)
@@ -515,9 +588,7 @@ class CalibrateScreen(Screen):
             name_box = self.query_one("#cal-name", Input)
             if not name_box.value.strip() and isinstance(ev.profile, dict) and ev.profile.get("name"):
                 name_box.value = str(ev.profile["name"])
-        self.query_one("#cal-steps", Static).update(self.steps_text())
-        left = self.query_one("#cal-left")
-        self.call_after_refresh(left.scroll_end, animate=False)  # keep the newest step in view
+        self.show_steps()
 
     def on_engine_failed(self, message: EngineFailed) -> None:
         reason = plain_words(message.text, FIELDS)
@@ -534,10 +605,14 @@ class CalibrateScreen(Screen):
 
     def on_job_ended(self, message: JobEnded) -> None:
         self.running = False
+        if self.stop_timer is not None:
+            self.stop_timer.stop()
+            self.stop_timer = None
         if message.job == "tune":
             if self.tune is not None and self.tune.state == "running":
                 self.tune.state = "stopped"
             self.update_state()
+            self.show_steps()
             return
         if self.result is None and self.steps:
             self.notify("calibration stopped before the end; nothing to save", severity="warning")

@@ -14,11 +14,13 @@ from textual.widgets import Static
 
 from ...engine.errors import S2MoEError
 from ..cli import speed_text
+from . import messages
 from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
-from .session import MODE_HELP, ChatSettings, engine_modes, mode_help, moe_modes
+from .session import (MODE_HELP, OPEN_KEYS, SHORT_NAMES, ChatSettings, engine_modes, mode_help, moe_modes,
+                      value_text)
 from .state import remember_settings, remembered_settings
-from .widgets import FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend
+from .widgets import FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend, progress_bar
 
 
 class ChatTurn(TurnView):
@@ -140,6 +142,8 @@ class ChatScreen(Screen):
         self._status = ""
         self._told_template = None  # the model whose chat template the user was told about
         self._prefilled = None  # the running turn's Prefilled event
+        self._profile_pending = False  # a profile was made active before a model was loaded to tune for
+        self._queued: str | None = None  # a prompt sent while the model loads: it starts once it has
 
     # -- layout ------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -167,6 +171,7 @@ class ChatScreen(Screen):
         self.adapt_to_model()
         self.set_interval(0.1, self.flush_text)
         self.set_interval(0.3, self.flush_live)  # plots cost more to draw than text
+        self.set_interval(1.0, self.tick)
         self.query_one("#prompt").focus()
         self.app.theme_changed_signal.subscribe(self, lambda _theme: self._restyle())
 
@@ -211,6 +216,8 @@ class ChatScreen(Screen):
         if model is not None and model.is_moe and s.draft_topk is not None and s.draft_topk >= model.k:
             s = replace(s, draft_topk=None)
         self.settings = s
+        if self._profile_pending and model is not None:
+            self.profile_activated()
         self.update_settings_bar()
         template = self.app.session.template
         if model is not None and template is not None and template.text is not None and self._told_template != model:
@@ -219,12 +226,36 @@ class ChatScreen(Screen):
 
     def update_settings_bar(self) -> None:
         session = self.app.session
-        text = self.settings.describe(session.model, session.tuned(), session.budget is not None)
-        if self.app.session.profile_name:
-            text += f" · profile {self.app.session.profile_name}"
-        if self._status:
+        tuned = session.tuned()
+        # the user's own values where the profile tuned others are marked, so that a mix is never silent
+        text = self.settings.describe(session.model, tuned, session.budget is not None,
+                                      self.settings.overrides(tuned))
+        if session.profile_name:
+            text += f" · profile {session.profile_name}"
+            if session.profile_problem():
+                text += " (not for this model: F3)"
+        if self.app.model_loading:
+            text = f"{self.loading_text()}\n{text}"  # first: until it ends, nothing else can happen
+        elif self._status:
             text += f"   {self._status}"
         self.query_one("#settings-bar", Static).update(text)
+
+    def loading_text(self) -> str:
+        """What the model's load is doing, with its step and how long it has taken (a budgeted load warms up
+        and sizes the budget for a minute or more), and whether a prompt waits for it."""
+        app = self.app
+        p = app.load_progress
+        waited = f" · {messages.clock() - app.load_started:.0f} s" if app.load_started is not None else ""
+        if p is None:
+            text = f"loading the model…{waited}"
+        else:
+            text = f"loading {progress_bar(p.step, p.steps)} {p.step}/{p.steps}: {p.what}{waited}"
+        return text + (" · your prompt is queued" if self._queued is not None else "")
+
+    def tick(self) -> None:
+        """Once a second: a load's seconds count up."""
+        if self.app.model_loading:
+            self.update_settings_bar()
 
     def set_status(self, text: str) -> None:
         self._status = text
@@ -283,16 +314,45 @@ class ChatScreen(Screen):
     def action_settings(self) -> None:
         from .dialogs import SettingsDialog
 
-        model = self.app.session.model
+        session = self.app.session
         shown = self.shown_settings()
+        reset = self.settings.left_to_profile()
 
         def done(result):
-            if result is not None:
-                if self.settings.draft_topk is None and result.draft_topk == shown.draft_topk:
-                    result = replace(result, draft_topk=None)  # still the model's default, for the next model too
-                self.apply_settings(result)
+            if result is None:
+                return
+            if result is not reset:
+                # a value the form showed unchanged stays open: the profile's (or the default) still decides
+                # it, for another profile or model too
+                result = result.left_to_profile([key for key in OPEN_KEYS if getattr(self.settings, key) is None
+                                                 and getattr(result, key) == getattr(shown, key)])
+            self.apply_settings(result)
 
-        self.app.push_screen(SettingsDialog(shown, self.available_modes(), model), done)
+        sources = self.settings.sources(session.tuned(), self.app.sampling_flags)
+        self.app.push_screen(SettingsDialog(shown, self.available_modes(), session.model, sources=sources,
+                                            profile=session.profile_name, reset=reset), done)
+
+    def action_reset_to_profile(self) -> None:
+        """Leave every value a profile can tune to the active profile again (else to the defaults)."""
+        self.apply_settings(self.settings.left_to_profile())
+        self.notify("the profile's values apply" if self.app.session.profile_name else "the default values apply",
+                    timeout=3)
+
+    def profile_activated(self) -> None:
+        """A profile was made active: its tuned values win over the user's remembered ones (the user changed
+        them before this tuning existed), and the user is told which of theirs gave way."""
+        session = self.app.session
+        if session.model is None:
+            self._profile_pending = True
+            return
+        self._profile_pending = False
+        tuned = session.tuned()
+        replaced = self.settings.overrides(tuned)
+        self.apply_settings(self.settings.left_to_profile([key for key in OPEN_KEYS if key in tuned]))
+        if replaced:
+            self.notify("the profile's tuned values replace yours: "
+                        + ", ".join(f"{SHORT_NAMES[key]} {value_text(theirs)} (was {value_text(mine)})"
+                                    for key, (mine, theirs) in replaced.items()), timeout=8)
 
     # -- view actions ----------------------------------------------------------------------------------
     def action_toggle_rejected(self) -> None:
@@ -356,7 +416,11 @@ class ChatScreen(Screen):
             self.notify("a new conversation", timeout=2)
 
     def action_stop(self) -> None:
-        if self.generating:
+        if self._queued is not None:
+            self.query_one("#prompt", PromptInput).value = self._queued
+            self._queued = None
+            self.end_queued_turn("taken back before the model had loaded")
+        elif self.generating:
             self.app.session.stop.set()
             self.set_status("stopping…")
         elif self.maximized is not None:
@@ -375,8 +439,16 @@ class ChatScreen(Screen):
         prompt = event.value.strip()
         if not prompt:
             return
-        if getattr(self.app, "model_loading", False):
-            self.notify("the model is still loading; try again in a moment", severity="warning")
+        if self.app.model_loading and not self.generating:
+            # queued, not dropped: it starts once the model is ready (Esc takes it back)
+            box = self.query_one("#prompt", PromptInput)
+            box.remember(prompt)
+            box.value = ""
+            self._queued = prompt
+            turn = self.begin_turn(prompt)
+            turn.status = "queued: starts when the model has loaded (Esc takes it back)"
+            turn.dirty = True
+            self.update_settings_bar()
             return
         if self.generating or self.app.session.busy:
             self.notify("the engine is busy: wait, or press Esc to stop the generation", severity="warning")
@@ -388,6 +460,35 @@ class ChatScreen(Screen):
         box.remember(prompt)
         box.value = ""
         self.start_generation(prompt)
+
+    def model_loaded(self) -> None:
+        """The model is ready: a prompt queued while it loaded starts now."""
+        prompt, self._queued = self._queued, None
+        if prompt is None or self._turn is None:
+            return
+        session = self.app.session
+        self._turn.settings_text = self.settings.describe(session.model, session.tuned(), session.budget is not None)
+        self._turn.status = "starting…"
+        self._turn.dirty = True
+        self.set_status("preparing…")
+        self.generate(self._turn_index, prompt, replace(self.settings))
+
+    def model_failed(self) -> None:
+        """The model did not load: a queued prompt goes back into the box, unsent."""
+        prompt, self._queued = self._queued, None
+        if prompt is None:
+            return
+        self.end_queued_turn("not sent: the model did not load")
+        self.query_one("#prompt", PromptInput).value = prompt
+
+    def end_queued_turn(self, summary: str) -> None:
+        if self._turn is not None:
+            self._turn.summary = summary
+            self._turn.dirty = True
+        self.generating = False
+        self.refresh_bindings()
+        self.update_settings_bar()
+        self.flush_text()
 
     def start_generation(self, prompt: str) -> ChatTurn:
         turn = self.begin_turn(prompt)
@@ -434,13 +535,22 @@ class ChatScreen(Screen):
             post(self, JobEnded("generate"))
 
     def on_engine_event(self, message: EngineEvent) -> None:
-        from ...engine.events import Finished, Iteration, Prefilled, ResidencySnapshot, Started
+        from ...engine.events import Finished, Iteration, MeasuringCosts, Prefilled, ResidencySnapshot, Started
 
         event = message.event
         turn = self._turn
         live = self.live.state
         session = self.app.session
-        if isinstance(event, Started):
+        if isinstance(event, MeasuringCosts):
+            # without a profile's constants the first generation measures them, under a budget for many seconds
+            status = (f"measuring cost constants {progress_bar(round(event.fraction * 10), 10)} "
+                      f"{event.fraction:.0%} · {event.seconds:.0f} s (once for this model and k_d; a profile "
+                      "calibrated on F3 skips it)")
+            self.set_status(status)
+            if turn is not None:
+                turn.status = status
+                turn.dirty = True
+        elif isinstance(event, Started):
             live.start(event, message.t, session.stats)
             live.budget = session.budget_label()
             if turn is not None and "seed random" in turn.settings_text:

@@ -49,6 +49,8 @@ class S2MoECommands(Provider):
             ("Show/hide rejected drafts", partial(chat, "toggle_rejected"), "d in the chat, off the prompt"),
             ("Toggle live panel", partial(chat, "toggle_live"), "Ctrl+L in the chat"),
             ("Generation settings…", partial(chat, "settings"), "All settings in one form (Ctrl+O)"),
+            ("Reset settings to the profile", partial(chat, "reset_to_profile"),
+             "Forget your k_d, cap, threshold, α, α_m and copies: the active profile's tuned values apply"),
             ("Stop generation", partial(chat, "stop"), "Esc in the chat"),
             ("New chat", partial(chat, "new_chat"),
              "A new conversation: the transcript and the model's chat history cleared (Ctrl+N)"),

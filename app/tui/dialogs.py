@@ -16,7 +16,7 @@ from textual.widgets.option_list import Option
 
 from ...engine.errors import ConfigError
 from ..cli import SAMPLING_VALUES, sampling_value
-from .session import ChatSettings
+from .session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, OPEN_KEYS, ChatSettings
 from .widgets import TickBox
 
 # The sampler settings the form offers, in the order of llama.cpp's chain after the temperature and seed.
@@ -165,11 +165,28 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "apply", "Apply")]
 
-    def __init__(self, settings: ChatSettings, modes: tuple[str, ...], model=None):
+    def __init__(self, settings: ChatSettings, modes: tuple[str, ...], model=None, *,
+                 sources: dict[str, str] | None = None, profile: str | None = None,
+                 reset: ChatSettings | None = None):
+        """settings: the values shown; sources: where each comes from (ChatSettings.sources); reset: what
+        "Reset to profile" gives back (the user's values left to the profile), None for no such button."""
         super().__init__()
         self.settings = settings
         self.modes = modes
         self.model = model
+        self.sources = sources or {}
+        self.profile = profile
+        self.reset = reset
+
+    def label(self, key: str, text: str) -> Label:
+        """A field's name with where its value comes from under it."""
+        source = self.sources.get(key)
+        if source is None:
+            return Label(text)
+        where = {FROM_PROFILE: f"profile {self.profile}", FROM_FLAG: "command line", FROM_USER: "yours",
+                 FROM_DEFAULT: "default"}[source]
+        style = "bold" if source == FROM_USER else "dim"
+        return Label(Text.assemble(text, "\n", (f" from {where}", style)), classes=f"source-{source}")
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -178,34 +195,39 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
         with Vertical(id="settings-box", classes="dialog"):
             yield Label("Generation settings", classes="dialog-title")
             with VerticalScroll(id="settings-scroll"), Grid(id="settings-grid"):
-                yield Label("Mode")
+                yield self.label("mode", "Mode")
                 yield Select([(m, m) for m in self.modes], value=s.mode, allow_blank=False, id="set-mode")
-                yield Label("Utility expansion")
+                yield self.label("utility", "Utility expansion")
                 yield TickBox("on", value=s.utility, id="set-utility")
-                yield Label("Reuse gating")
+                yield self.label("gating", "Reuse gating")
                 yield TickBox("on (lossy; off is lossless)", value=s.gating, id="set-gating")
-                yield Label("Copies from context")
+                yield self.label("lookup", "Copies from context")
                 yield TickBox("on", value=s.lookup, id="set-lookup",
                               tooltip="s2moe: draft what followed a repeated n-gram, where the rule says it pays")
-                yield Label("Gating strength α")
+                yield self.label("reuse_strength", "Gating strength α")
                 yield Input(str(s.reuse_strength), id="set-alpha", type="number")
-                yield Label("Memory strength α_m")
+                yield self.label("memory_strength", "Memory strength α_m")
                 yield Input(str(s.memory_strength), id="set-memory", type="number",
                             tooltip="under a memory budget, with gating on: every step's bias toward the experts "
                                     "in memory (0 = off)")
-                yield Label("Draft experts k_d")
+                yield self.label("draft_topk", "Draft experts k_d")
                 yield Select([(str(v), v) for v in topk], value=s.draft_topk, allow_blank=False, id="set-topk")
-                yield Label("Draft cap")
+                yield self.label("draft_max", "Draft cap")
                 yield Input(str(s.draft_max), id="set-draftmax", type="integer")
-                yield Label("Utility threshold")
+                yield self.label("threshold", "Utility threshold")
                 yield Input(str(s.threshold), id="set-threshold", type="number")
-                yield Label("Tokens to generate")
+                yield self.label("n_predict", "Tokens to generate")
                 yield Input(str(s.n_predict), id="set-n", type="integer")
                 for key, label in SAMPLING_LABELS.items():
-                    yield Label(label)
+                    yield self.label(key, label)
                     yield Input(str(getattr(s, key)), id=f"sample-{key}",
                                 tooltip=f"as {SAMPLING_VALUES[key][0]} of s2moe generate")
             with Horizontal(classes="dialog-buttons"):
+                if self.reset is not None:
+                    yield Button("Reset to profile" if self.profile else "Reset to defaults", id="reset",
+                                 disabled=FROM_USER not in {self.sources.get(key) for key in OPEN_KEYS},
+                                 tooltip="Forget your values of what a profile tunes (k_d, cap, threshold, α, "
+                                         "α_m, copies): the active profile's apply, else the defaults")
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
             yield Static("Tab moves · Ctrl+S applies · Esc cancels", classes="dialog-hint")
@@ -258,6 +280,10 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
     @on(Button.Pressed, "#apply")
     def _apply_pressed(self) -> None:
         self.action_apply()
+
+    @on(Button.Pressed, "#reset")
+    def _reset_pressed(self) -> None:
+        self.dismiss(self.reset)
 
     @on(Button.Pressed, "#cancel")
     def _cancel_pressed(self) -> None:

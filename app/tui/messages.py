@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from textual.message import Message
 
 from ...engine.errors import S2MoEError
+
+clock = time.monotonic  # how long the screens say things took (tests pass their own)
 
 # The engine's names for the settings its errors are about → what the app calls them (the settings bar).
 SETTING_NAMES = {"draft_topk": "k_d", "draft_max": "the draft cap", "reuse_strength": "gating α",
@@ -74,6 +78,16 @@ class ModelReady(Message, bubble=False):
     def __init__(self, model) -> None:
         super().__init__()
         self.model = model
+
+
+class LoadProgress(Message, bubble=False):
+    """What the model's load is doing: step of steps (EngineSession.load)."""
+
+    def __init__(self, step: int, steps: int, what: str) -> None:
+        super().__init__()
+        self.step = step
+        self.steps = steps
+        self.what = what
 
 
 class JobEvent(Message, bubble=False):

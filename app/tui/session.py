@@ -7,7 +7,7 @@ plain data (segments of coloured text, per-iteration numbers) and never call the
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -72,6 +72,19 @@ def ui_default_threads() -> int:
 
 # What ChatSettings leaves open comes to without a tuned profile: GenerationConfig's defaults.
 DEFAULTS = {"reuse_strength": 0.5, "draft_max": 8, "threshold": 1.0, "lookup": True, "memory_strength": 0.3}
+# The settings a profile's tuning may fill in: left open (None) in ChatSettings unless the user sets them.
+OPEN_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "memory_strength", "lookup")
+SHORT_NAMES = {"draft_topk": "k_d", "draft_max": "cap", "threshold": "threshold", "reuse_strength": "α",
+               "memory_strength": "α_m", "lookup": "copies"}
+# Where a setting's value comes from, as the settings dialog and the settings bar name it.
+FROM_FLAG, FROM_USER, FROM_PROFILE, FROM_DEFAULT = "flag", "yours", "profile", "default"
+
+
+def value_text(value) -> str:
+    """A setting's value in a few characters (on/off for a switch)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
 @dataclass
@@ -135,24 +148,62 @@ class ChatSettings:
 
         return replace(s, draft_topk=routing_defaults(model.n_expert, model.k).draft_topk)
 
-    def describe(self, model: ModelSummary | None = None, tuned: dict | None = None, budgeted: bool = False) -> str:
-        """The settings in a line; budgeted: under a memory budget, where α_m acts (shown with gating)."""
+    def sources(self, tuned: dict | None = None, flags: dict | None = None) -> dict[str, str]:
+        """Where each value comes from: the command line (flags: the fields it set), the user (set in the app
+        and remembered), the active profile's tuning (`tuned`), or the default."""
+        tuned, flags = tuned or {}, flags or {}
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in flags and flags[f.name] == value:
+                out[f.name] = FROM_FLAG
+            elif f.name in OPEN_KEYS:
+                out[f.name] = FROM_USER if value is not None else FROM_PROFILE if f.name in tuned else FROM_DEFAULT
+            else:
+                out[f.name] = FROM_USER if value != f.default else FROM_DEFAULT
+        return out
+
+    def overrides(self, tuned: dict | None) -> dict[str, tuple]:
+        """The user's values that differ from what the active profile tuned: {key: (yours, the profile's)}."""
+        tuned = tuned or {}
+        return {key: (getattr(self, key), tuned[key]) for key in OPEN_KEYS
+                if key in tuned and getattr(self, key) is not None and getattr(self, key) != tuned[key]}
+
+    def left_to_profile(self, keys=OPEN_KEYS) -> ChatSettings:
+        """These settings with `keys` left open again: the active profile's tuned values (else the defaults)
+        decide them."""
+        return replace(self, **{key: None for key in keys})
+
+    def describe(self, model: ModelSummary | None = None, tuned: dict | None = None, budgeted: bool = False,
+                 overrides: dict | None = None) -> str:
+        """The settings in a line; budgeted: under a memory budget, where α_m acts (shown with gating);
+        overrides (see overrides()): the user's values where the profile tuned others, each marked as such."""
+        overrides = dict(overrides or {})
+
+        def mark(key: str) -> str:
+            if key not in overrides:
+                return ""
+            return f" (yours; profile {value_text(overrides.pop(key)[1])})"
+
+        r = self.resolved(model, tuned)
         parts = [self.mode]
         if self.mode != "ar":
-            k_d = self.resolved(model, tuned).draft_topk
-            parts.append(f"k_d={'auto' if k_d is None else k_d}")
+            parts.append(f"k_d={'auto' if r.draft_topk is None else r.draft_topk}" + mark("draft_topk"))
         if self.mode == "s2moe":
             parts.append("utility " + ("on" if self.utility else "off"))
-            strength = self.resolved(model, tuned).reuse_strength
             # gating changes which experts a token uses, so its answers can differ from plain decoding's
-            parts.append(f"gating {strength:g} (lossy)" if self.gating and strength else "gating off (lossless)")
+            parts.append(f"gating {r.reuse_strength:g} (lossy)" + mark("reuse_strength")
+                         if self.gating and r.reuse_strength else "gating off (lossless)")
             if self.gating and budgeted:
-                parts.append(f"memory {self.resolved(model, tuned).memory_strength:g}")
-            if not self.resolved(model, tuned).lookup:
-                parts.append("copies off")
+                parts.append(f"memory {r.memory_strength:g}" + mark("memory_strength"))
+            if not r.lookup:
+                parts.append("copies off" + mark("lookup"))
         parts.append(f"n={self.n_predict}")
         if self.sampling_text():
             parts.append(self.sampling_text())
+        # the user's values the line above does not show, where they differ from the profile's
+        parts += [f"{SHORT_NAMES[key]} {value_text(mine)}{mark(key)}" for key, (mine, _) in list(overrides.items())
+                  if key in ("draft_max", "threshold") and self.mode != "ar"]
         return " · ".join(parts)
 
 
@@ -238,11 +289,16 @@ class EngineSession:
         self.stats = SessionStats()
         self.conversation = self.template = None
 
-    def load(self) -> ModelSummary:
-        """Load the model if needed (call from a worker thread holding the lock)."""
+    def load(self, progress: Callable[[int, int, str], None] | None = None) -> ModelSummary:
+        """Load the model if needed (call from a worker thread holding the lock). progress(step, steps, what)
+        says what the load does as it goes: under a budget it warms up every mode and sizes the budget, which
+        takes many times as long as loading."""
+        say = progress or (lambda step, steps, what: None)
         if self.model_path is None:
             raise ModelError("no model: open one with Ctrl+P → “Open model…” (or start with --model PATH)")
         if self.decoder is None:
+            steps = 1 if self.budget is None else 2 + len(self.warm_up_modes())
+            say(1, steps, "loading the model")
             if self._factory is not None:
                 self.decoder = self._factory(self.model_path)
             else:
@@ -257,7 +313,7 @@ class EngineSession:
                                        placement=self.placement or Placement(), n_batch=self.n_batch)
                 if self.budget is not None:
                     try:
-                        self._offload()
+                        self._offload(say)
                     except BaseException:
                         self._close_decoder()
                         raise
@@ -280,7 +336,12 @@ class EngineSession:
                                       info.fingerprint, info.file_bytes)
         return self.model
 
-    def _offload(self) -> None:
+    def warm_up_modes(self) -> tuple[str, ...]:
+        """The modes a budgeted load warms up: plain decoding and one that drafts."""
+        k = self.decoder.info.n_expert_used if self.decoder is not None else 2
+        return ("ar", "s2moe" if k >= 2 else "lookup")
+
+    def _offload(self, say: Callable[[int, int, str], None]) -> None:
         """Inside the app's memory cgroup: pin, prefetch, and size the budget (auto: after a warm-up)."""
         from ...engine import offload
         from ...engine.decoder import GenerationConfig
@@ -295,11 +356,16 @@ class EngineSession:
 
             hot = hot_experts_for_model(load_profile(self.profile_name), decoder.info.fingerprint)
 
+        modes = self.warm_up_modes()
+        steps = 2 + len(modes)
+
         def warm_up():
-            for mode in ("ar", "s2moe" if decoder.info.n_expert_used >= 2 else "lookup"):
+            for i, mode in enumerate(modes):
+                say(2 + i, steps, f"warming up {mode}")
                 for _ in decoder.generate("def add(a, b):\n    return",
                                           GenerationConfig(mode=mode, n_predict=8, stop_at_eos=False)):
                     pass
+            say(steps, steps, "sizing the budget")
 
         self.offloader = offload.offload_decoder(decoder, offload.Budget.parse(self.budget), hot, warm_up=warm_up)
         self.budget_bytes = self.offloader.budget_bytes
@@ -348,6 +414,24 @@ class EngineSession:
         return cost_for_model(load_profile(self.profile_name), info.fingerprint, info.path.name,
                               offloaded=self.budget is not None,
                               experts_in_host=self.placement is not None and self.placement.copies_experts)
+
+    def profile_problem(self) -> str | None:
+        """Why the active profile gives the loaded model no cost constants, in the app's words (None: it gives
+        them, or there is no profile or no model)."""
+        if not self.profile_name or self.decoder is None:
+            return None
+        from ...engine.profiles import load_profile
+
+        try:
+            self.cost()
+        except S2MoEError as e:
+            try:
+                load_profile(self.profile_name)
+            except S2MoEError:
+                return f"{e}: cost constants are measured at start-up instead"
+            return (f"profile {self.profile_name} was not calibrated for this model: F3 (Calibrate) measures "
+                    "it; until then cost constants are measured at start-up")
+        return None
 
     def tuned(self) -> dict:
         """The active profile's tuned settings for the loaded model where it runs ({} if none; a profile that
@@ -404,9 +488,9 @@ class EngineSession:
             cost = None
             try:
                 cost = self.cost()
-            except S2MoEError as e:
+            except S2MoEError:
                 if warn is not None:
-                    warn(f"{e} — measuring cost constants at start-up instead")
+                    warn(self.profile_problem())
             cfg = self.config(settings, cost)
             decoder = self.decoder
             conversation = self.conversation

@@ -73,6 +73,12 @@ class NavBar(Static):
         return text
 
 
+def progress_bar(done: int, total: int) -> str:
+    """A few cells of progress for a line of text: ▰ done, ▱ to do."""
+    done = max(0, min(done, total))
+    return "▰" * done + "▱" * (total - done)
+
+
 def segment_styles(app) -> dict[str, str]:
     """Rich styles of the token kinds, from the current theme's colours (readable in light and dark)."""
     v = app.theme_variables
@@ -159,6 +165,8 @@ class PromptInput(Input):
         Binding("ctrl+u", "clear", "Clear the prompt", show=False),
         Binding("up", "history(-1)", "Previous prompt", show=False),
         Binding("down", "history(1)", "Next prompt", show=False),
+        # an Enter typed while the app starts, before the terminal is in raw mode, arrives as a line feed
+        Binding("ctrl+j", "submit", "Send", show=False),
     ]
 
     def __init__(self, **kw):
