@@ -1342,13 +1342,14 @@ def _run_under_budget(script_text: str, model, tmp_path, budget: str = "auto") -
     assert proc.returncode == 0, stderr[-2000:]
     return json.loads(stdout.strip().splitlines()[-1])
 
-AUTO_BEYOND_MEMORY = """
+# An auto budget sized on a machine whose /proc/meminfo says MEMINFO: the error it gives, or None.
+AUTO_ON_A_FAKED_MACHINE = """
 import json, sys
 from s2moe.engine import offload
 from s2moe.engine.decoder import Decoder, GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.offload import budget
-budget.meminfo = lambda: {"MemTotal": 16 << 20}  # a machine smaller than what the process holds
+budget.meminfo = lambda: MEMINFO
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=2, stop_at_eos=False)))
 try:
@@ -1363,7 +1364,9 @@ except ConfigError as e:
 def test_an_auto_budget_beyond_the_machine_s_memory_says_what_it_saw(tiny_models, tmp_path):
     """Where the process and its share of the experts do not fit the machine, no auto budget works there: one
     line says what it counted, rather than a limit that binds nothing."""
-    error = _run_under_budget(AUTO_BEYOND_MEMORY, tiny_models["olmoe"], tmp_path)["error"]
+    # a machine smaller than what the process holds
+    script = AUTO_ON_A_FAKED_MACHINE.replace("MEMINFO", '{"MemTotal": 16 << 20}')
+    error = _run_under_budget(script, tiny_models["olmoe"], tmp_path)["error"]
     assert error and "\n" not in error
     assert re.match(r"an auto budget here comes to [\d.]+ MiB \(the process holds [\d.]+ MiB, pinned .*, the cgroup "
                     r".*, a third of the experts .*\) is more than this machine's memory \(16.0 MiB\)", error), error
@@ -1896,26 +1899,10 @@ def test_an_auto_budget_is_fitted_to_the_memory_available(monkeypatch):
     assert budget.fit_to_available(70 * gib, gib, 0) == (70 * gib, gib, None)
 
 
-AUTO_NO_ROOM = """
-import json, sys
-from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
-from s2moe.engine.errors import ConfigError
-from s2moe.engine.offload import budget
-budget.meminfo = lambda: {"MemTotal": 64 << 30, "MemAvailable": 1 << 20}  # nothing to spare
-dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, use_extra_bufts=False)
-warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=2, stop_at_eos=False)))
-try:
-    offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
-    print(json.dumps({"error": None}))
-except ConfigError as e:
-    print(json.dumps({"error": str(e)}))
-"""
-
-
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
 def test_an_auto_budget_with_no_room_for_a_layer_s_experts_says_so(tiny_models, tmp_path):
-    error = _run_under_budget(AUTO_NO_ROOM, tiny_models["olmoe"], tmp_path)["error"]
+    script = AUTO_ON_A_FAKED_MACHINE.replace("MEMINFO", '{"MemTotal": 64 << 30, "MemAvailable": 1 << 20}')
+    error = _run_under_budget(script, tiny_models["olmoe"], tmp_path)["error"]
     assert error and "\n" not in error
     assert re.match(r"an auto budget does not fit here: the memory available \(1.0 MiB\) holds what this process "
                     r"needs but not [\d.]+ [KM]iB of experts beside it", error), error
