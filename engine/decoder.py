@@ -86,6 +86,9 @@ WARM_UP_COST = CostConstants(t_ar=1.0, c_draft=0.0, t_exp=0.0, t_tok=0.0, interc
 # and says how it goes once it has taken SLOW_MEASURE_S.
 BUDGET_MEASURE_S = 20.0
 SLOW_MEASURE_S = 2.0
+# The least R² of the verification cost fit that a measurement needs to be remembered: other jobs running beside
+# it spoil the fit (docs/offloading.md), and a spoilt one would otherwise be read back run after run.
+REMEMBER_MIN_R2 = 0.8
 DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
 
 
@@ -378,7 +381,8 @@ class Decoder:
                 break
             if time.perf_counter() - t0 >= SLOW_MEASURE_S:
                 yield MeasuringCosts(fraction, time.perf_counter() - t0)
-        if under_budget:
+        if under_budget and cost.r2 is not None and cost.r2 >= REMEMBER_MIN_R2:
+            # a fit the machine's noise spoilt (another job beside it) is measured again next time, not kept
             remembered_costs.remember(recall_key, cost)
         return cost
 

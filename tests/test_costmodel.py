@@ -146,3 +146,29 @@ def test_a_measurement_under_a_budget_is_said_when_slow_and_remembered(tiny_mode
     assert other and fresh.source == "measured at start-up"
     resident, _ = run(None)  # resident runs are measured each time, and said as well once slow
     assert resident
+
+
+def test_a_poor_fit_under_a_budget_is_not_remembered(tiny_models, monkeypatch):
+    """A measurement spoilt by the machine's noise is measured again by the next run rather than kept."""
+    from dataclasses import replace
+
+    from s2moe.engine import costmodel, decoder as decoder_module
+    from s2moe.engine.decoder import Decoder, GenerationConfig
+    from s2moe.engine.events import Started
+
+    real = costmodel.iter_cost_constants
+
+    def poor(*args, **kwargs):
+        cost, samples = yield from real(*args, **kwargs)
+        return replace(cost, r2=decoder_module.REMEMBER_MIN_R2 - 0.1), samples
+
+    monkeypatch.setattr(decoder_module, "iter_cost_constants", poor)
+    cfg = GenerationConfig(mode="s2moe", n_predict=2, stop_at_eos=False)
+    for _ in range(2):
+        dec = Decoder(str(tiny_models["olmoe"]), n_ctx=256, n_threads=1)
+        try:
+            dec.forget_cost_constants(remember_as="budget 64 MiB")
+            started = next(e for e in list(dec.generate("hello", cfg)) if isinstance(e, Started))
+        finally:
+            dec.close()
+        assert started.cost.source == "measured at start-up"  # measured both times: the first was not kept
