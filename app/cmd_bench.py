@@ -168,7 +168,8 @@ def footnotes(done) -> list[str]:
 
     out = []
     if any(r.decoded_as_ar for r in done.rows):
-        out.append("≈: drafted nothing and decoded ar's tokens — the same decoding as ar, so the ratio is noise")
+        out.append("≈: drafted nothing and decoded ar's tokens — what separates it from ar is the machine's noise and "
+                   "the mode's own work a step (the verdict below says whether it is significant)")
     if any(r.within_noise and not r.decoded_as_ar and r.mode != "ar" for r in done.rows):
         out.append("≈: not significant — within the run-to-run spread: the ratio to ar give or take two standard "
                    "errors over the paired runs (each prompt in each repeat) includes 1")
