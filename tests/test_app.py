@@ -781,17 +781,27 @@ def test_calibration_wizard_on_a_tiny_model(tiny_models, tmp_path, monkeypatch):
 
 
 # -- bench ------------------------------------------------------------------------------------------------------
+async def open_bench(pilot, app, timeout: float = 10):
+    """The Bench screen (F5) once the app's model has loaded."""
+    await wait_for(pilot, lambda: app.session.model is not None, timeout=timeout, what="model")
+    await pilot.press("f5")
+    return app.screen
+
+
+async def run_bench_screen(pilot, screen):
+    """Ctrl+R on the Bench screen, waited for until its run is done."""
+    await pilot.press("ctrl+r")
+    await wait_for(pilot, lambda: screen.done is not None and not screen.running, what="bench")
+
+
 def test_bench_screen_runs_and_tabulates(monkeypatch):
     monkeypatch.setattr("s2moe.engine.bench.run_bench", fake_run_bench)
 
     async def go():
         app = fake_app()
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(pilot, lambda: app.session.model is not None, what="model")
-            await pilot.press("f5")
-            screen = app.screen
-            await pilot.press("ctrl+r")
-            await wait_for(pilot, lambda: screen.done is not None and not screen.running, what="bench")
+            screen = await open_bench(pilot, app)
+            await run_bench_screen(pilot, screen)
             table = screen.query_one("#bench-table")
             assert table.row_count == 2
             status = str(screen.query_one("#bench-status").render())
@@ -836,11 +846,8 @@ def test_the_bench_screen_marks_a_difference_within_the_noise(monkeypatch):
     async def go():
         app = fake_app()
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(pilot, lambda: app.session.model is not None, what="model")
-            await pilot.press("f5")
-            screen = app.screen
-            await pilot.press("ctrl+r")
-            await wait_for(pilot, lambda: screen.done is not None and not screen.running, what="bench")
+            screen = await open_bench(pilot, app)
+            await run_bench_screen(pilot, screen)
             assert screen.query_one("#bench-table").get_row_at(1)[2] == "0.99≈"
             assert "≈ not significant: within the run-to-run spread" in str(screen.query_one("#bench-status").render())
             verdict = screen.query_one("#bench-verdict")
@@ -1144,11 +1151,8 @@ def test_bench_results_save_as_json_and_csv(monkeypatch, tmp_path):
     async def go():
         app = fake_app()
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(pilot, lambda: app.session.model is not None, what="model")
-            await pilot.press("f5")
-            screen = app.screen
-            await pilot.press("ctrl+r")
-            await wait_for(pilot, lambda: screen.done is not None and not screen.running, what="bench")
+            screen = await open_bench(pilot, app)
+            await run_bench_screen(pilot, screen)
             for name in ("bench.json", "bench.csv"):
                 await pilot.press("ctrl+s")
                 await wait_for(pilot, lambda: isinstance(app.screen, ExportDialog), what="export dialog")

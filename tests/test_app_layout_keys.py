@@ -7,7 +7,7 @@ import asyncio
 import io
 
 import pytest
-from test_app_support import FakeDecoder, fake_run_calibration, write_profiles
+from test_app_support import FakeDecoder, fake_run_calibration, only_test_profiles
 
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.bench import BenchScreen
@@ -24,11 +24,7 @@ MAIN_SCREENS = (ChatScreen, CalibrateScreen, ProfilesScreen, BenchScreen, Device
 
 @pytest.fixture(autouse=True)
 def own_profiles(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    write_profiles(tmp_path / "config")
-    empty = tmp_path / "shipped"
-    empty.mkdir()
-    monkeypatch.setattr("s2moe.engine.profiles.shipped_profile_dir", lambda: empty)
+    only_test_profiles(tmp_path, monkeypatch)
     monkeypatch.setattr("s2moe.engine.calibrate.run_calibration", fake_run_calibration())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_app import answered, fake_app, open_settings, run, type_prompt, wait_for
+from test_app import answered, fake_app, open_bench, open_settings, run, run_bench_screen, type_prompt, wait_for
 from test_app_support import fake_run_bench
 
 from s2moe.app.cli import build_parser
@@ -105,9 +105,7 @@ def test_the_bench_screen_passes_its_sampling_options_to_the_bench(monkeypatch):
     async def go():
         app = fake_app()
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(pilot, lambda: app.session.model is not None, what="model")
-            await pilot.press("f5")
-            screen = app.screen
+            screen = await open_bench(pilot, app)
             for key, value in SAMPLED.items():
                 screen.query_one(f"#bench-{key}").value = value
             screen.query_one("#bench-top_p").value = "1.5"
@@ -116,8 +114,7 @@ def test_the_bench_screen_passes_its_sampling_options_to_the_bench(monkeypatch):
             assert not screen.running and not calls
             assert "Top-p: must be between 0 and 1, got 1.5" in [n.message for n in app._notifications][-1]
             screen.query_one("#bench-top_p").value = "0.9"
-            await pilot.press("ctrl+r")
-            await wait_for(pilot, lambda: screen.done is not None and not screen.running, what="bench")
+            await run_bench_screen(pilot, screen)
             base = calls[-1]["base"]
             assert (base.temperature, base.seed, base.top_k, base.top_p, base.min_p, base.repeat_penalty,
                     base.repeat_last_n) == (0.7, 42, 20, 0.9, 0.1, 1.1, 32)

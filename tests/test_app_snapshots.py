@@ -8,7 +8,7 @@ intended UI change with `pytest tests/test_app_snapshots.py --snapshot-update` a
 from __future__ import annotations
 
 import pytest
-from test_app_support import FakeDecoder, fake_run_bench, fake_run_calibration, scripted_events, write_profiles
+from test_app_support import FakeDecoder, fake_run_bench, fake_run_calibration, only_test_profiles, scripted_events
 
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.messages import EngineEvent, JobEnded
@@ -21,11 +21,7 @@ SMALL = pytest.param((60, 20), id="60x20")  # the smallest terminal the layout i
 @pytest.fixture(autouse=True)
 def fixed_profile_folders(tmp_path, monkeypatch):
     """Profiles come only from a folder this test writes (no user or shipped profiles leak in)."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    write_profiles(tmp_path / "config")
-    empty = tmp_path / "shipped"
-    empty.mkdir()
-    monkeypatch.setattr("s2moe.engine.profiles.shipped_profile_dir", lambda: empty)
+    only_test_profiles(tmp_path, monkeypatch)
     packaged = [{"name": "olmoe-64x8", "path": "olmoe-64x8.gguf", "arch": "olmoe", "n_expert": 64, "k": 8,
                  "size_bytes": 21_900_000}]
     monkeypatch.setattr("s2moe.app.tui.dialogs.packaged_models", lambda: packaged)

@@ -256,3 +256,12 @@ def write_profiles(folder: Path) -> Path:
     (d / "test-cpu.yaml").write_text(VALID_PROFILE)
     (d / "orin-paper.yaml").write_text(REFERENCE_PROFILE)
     return d
+
+
+def only_test_profiles(tmp_path: Path, monkeypatch) -> None:
+    """Profiles come only from a folder the test writes (write_profiles): no user or shipped profile leaks in."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    write_profiles(tmp_path / "config")
+    empty = tmp_path / "shipped"
+    empty.mkdir()
+    monkeypatch.setattr("s2moe.engine.profiles.shipped_profile_dir", lambda: empty)
