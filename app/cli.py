@@ -78,7 +78,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def _seed(text: str) -> int:
-    from ..engine.sampling import MAX_SEED
+    from ..engine.decoding.sampling import MAX_SEED
 
     v = whole_number(text)
     if not -1 <= v <= MAX_SEED:
@@ -176,7 +176,7 @@ def default_model() -> str:
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     """llama.cpp's sampler options, its defaults. Applied as llama.cpp applies them, in every mode: the
     draft and the verification sample from the same processed distributions (engine.sampling)."""
-    from ..engine import sampling as s
+    from ..engine.decoding import sampling as s
 
     p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("-s", "--seed", type=_seed, default=0, help="random seed (default 0; -1: a random one, printed)")
@@ -250,7 +250,7 @@ def add_batch_option(p: argparse.ArgumentParser) -> None:
 
 def _pregate(text: str) -> tuple[int, int]:
     """N or N:M: layers ahead, and the best ranked experts read of each layer's predicted ones (0 or none: all)."""
-    from ..engine.hook import PREGATE_MAX
+    from ..engine.decoding.hook import PREGATE_MAX
 
     depth, _, width = text.partition(":")
     try:
@@ -298,7 +298,7 @@ def add_placement_options(p: argparse.ArgumentParser) -> None:
 
 def placement_from_args(args):
     """The Placement the flags of add_placement_options ask for, checked (no model needed)."""
-    from ..engine.gpu import Placement
+    from ..engine.decoding.gpu import Placement
 
     placement = Placement(n_gpu_layers=args.gpu_layers, cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
                           op_offload_min_batch=args.op_offload_min_batch)
@@ -390,7 +390,7 @@ SUBCOMMAND_MODULES = ("cmd_app", "cmd_serve", "cmd_models", "cmd_profiles", "cmd
 def cpu_buffers_for(model: str, wanted: bool, *, quiet: bool = False):
     """The path `model`'s CPU weights take (engine.cpu_buffers.choose; `wanted`: not under a memory budget),
     said on stderr in one line where it is not the usual one, and before a first decode checked in a child."""
-    from ..engine.cpu_buffers import choose
+    from ..engine.decoding.cpu_buffers import choose
     from ..engine.model_info import read_model_info
 
     cpu = choose(read_model_info(model), wanted, on_probe=None if quiet else _say)
@@ -479,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_tuned(args, tuned: dict) -> dict:
     """The settings `s2moe tune` searches: a flag given wins, then the profile's tuned value, then the
     GenerationConfig default (None there: the model's routing decides)."""
-    from ..engine.decoder import GenerationConfig
+    from ..engine.decoding.decoder import GenerationConfig
     from ..engine.profiles import TUNED_KEYS
 
     default = GenerationConfig()
@@ -491,7 +491,7 @@ def resolve_tuned(args, tuned: dict) -> dict:
 
 
 def generation_config(args, decoder):
-    from ..engine.decoder import GenerationConfig
+    from ..engine.decoding.decoder import GenerationConfig
     from ..engine.profiles import cost_for_model, load_profile, tuned_settings
 
     if args.greedy and args.temp > 0:
@@ -651,7 +651,7 @@ def choose_profile(args, model: str, quiet: bool = False) -> None:
 
 def _keep_copies(args, decoder) -> None:
     if args.copy_cache is not None:
-        from ..engine.copycache import save_copy_cache
+        from ..engine.drafting.copycache import save_copy_cache
 
         save_copy_cache(args.copy_cache, decoder.info, decoder.earlier)
 
@@ -682,12 +682,12 @@ def offload_under_budget(args, decoder, budget, warm_up, *, quiet: bool = False)
 
 
 def cmd_generate(args) -> int:
-    from ..engine.decoder import Decoder, GenerationConfig
+    from ..engine.decoding.decoder import Decoder, GenerationConfig
     import numpy as np
 
     from ..engine import offload
     from ..engine.events import Finished, Iteration, MeasuringCosts, ResidencySnapshot, Started, Summary
-    from ..engine.sampling import RANDOM_SEED, random_seed
+    from ..engine.decoding.sampling import RANDOM_SEED, random_seed
 
     model = args.model if args.model is not None else default_model()
     if args.file is not None:
@@ -701,7 +701,7 @@ def cmd_generate(args) -> int:
                      draft_max=args.draft_max, tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,
                      **sampling_settings(args)).validate()
     if args.trace is not None:
-        from ..engine.trace import check_trace_path
+        from ..engine.measure.trace import check_trace_path
 
         GenerationConfig(mode=tree_mode(args), trace=True).validate()
         check_trace_path(args.trace)
@@ -719,7 +719,7 @@ def cmd_generate(args) -> int:
         decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max or 0),
                           use_extra_bufts=cpu.extra, placement=placement, n_batch=args.batch_size)
     if args.copy_cache is not None:
-        from ..engine.copycache import load_copy_cache
+        from ..engine.drafting.copycache import load_copy_cache
 
         load_copy_cache(args.copy_cache, decoder.info, decoder.earlier)
     offloader = None
@@ -749,7 +749,7 @@ def cmd_generate(args) -> int:
     if args.trace is not None:
         from dataclasses import replace
 
-        from ..engine.trace import TraceRecorder
+        from ..engine.measure.trace import TraceRecorder
 
         cfg = replace(cfg, trace=True)
         recorder = TraceRecorder(decoder.info)
@@ -796,7 +796,7 @@ def cmd_generate(args) -> int:
     if offloader is not None:
         out.line(offload.split_line(offload.current_budget_cgroup(), offloader))
     if recorder is not None:
-        from ..engine.trace import budget_record, write_trace
+        from ..engine.measure.trace import budget_record, write_trace
 
         trace = recorder.trace
         if offloader is not None:
@@ -883,9 +883,9 @@ def main(argv=None, *, watch: bool = False) -> int:
                     parser.print_help()
                     return 2
                 if args.command in LLAMA_COMMANDS:
-                    from ..engine.cpu_buffers import AMX_ENV
+                    from ..engine.decoding.cpu_buffers import AMX_ENV
                     from ..engine.crashes import earlier_crashes
-                    from ..engine.runtime import on_llama_abort
+                    from ..engine.decoding.runtime import on_llama_abort
 
                     on_llama_abort(_abort_line)
                     if args.amx:

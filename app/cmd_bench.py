@@ -74,8 +74,8 @@ def add_parser(sub) -> None:
 def _modes(args) -> list[str]:
     if args.ablation:
         return ["ar", "base", "+shared-kv", "+utility", "+gating", "+lookup", "+session"]
-    from ..engine.bench import mode_config
-    from ..engine.decoder import GenerationConfig
+    from ..engine.measure.bench import mode_config
+    from ..engine.decoding.decoder import GenerationConfig
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -164,7 +164,7 @@ def tables(done, width: int) -> list:
 def footnotes(done) -> list[str]:
     """What the table's marks mean, the fastest mode and each mode's verdict against ar (engine.speed), and a
     warning where the machine was busy or the runs unsteady."""
-    from ..engine.bench import judgements
+    from ..engine.measure.bench import judgements
 
     out = []
     if any(r.decoded_as_ar for r in done.rows):
@@ -224,8 +224,8 @@ STORAGE_PASSES = 3
 def read_storage(emap) -> list[tuple[float, float]]:
     """Cold reads of this model's experts now, STORAGE_PASSES passes: [(bytes/s at queue depth 1, at depth 8)];
     none where the file's pages stay in memory (another process maps them)."""
-    from ..engine.calibrate import storage_bandwidth
-    from ..engine.costmodel import drive
+    from ..engine.measure.calibrate import storage_bandwidth
+    from ..engine.measure.costmodel import drive
 
     out = []
     for seed in range(STORAGE_PASSES):
@@ -272,7 +272,7 @@ def _resident_verify_cost(resident_fit: dict, profile: dict | None, info):
     """What a verification of (experts, rows) costs with the model in memory: this run's resident fit, else
     the profile's constants for the model, else None."""
     if resident_fit:
-        from ..engine.costmodel import Fit
+        from ..engine.measure.costmodel import Fit
 
         c = resident_fit
         return Fit(c["intercept_s"], c["t_exp_s"], c["t_tok_s"], c["r2"], c["mape"], c["n"]).predict
@@ -289,7 +289,7 @@ KIND_WORDS = {"plain": "plain steps", "copy": "copied drafts", "draft": "self-dr
 
 def offloaded_fit_clauses(c: dict) -> list[str]:
     """What a budgeted run's fit adds: the miss-aware form and the storage-fault diagnostic, if present."""
-    from ..engine.costmodel import r2_text
+    from ..engine.measure.costmodel import r2_text
 
     m = c.get("miss_aware")
     if not m:
@@ -322,7 +322,7 @@ def offloaded_fit_clauses(c: dict) -> list[str]:
 def markdown(done) -> str:
     import plotext as plt
 
-    from ..engine.costmodel import r2_text
+    from ..engine.measure.costmodel import r2_text
 
     lines = [f"# s2moe bench — {done.config.get('prompt_set')}", "",
              f"Model `{done.config.get('model')}`, {done.config.get('n_prompts')} prompts × "
@@ -384,7 +384,7 @@ def check_words(f, kl: bool = True) -> str:
     each ± its standard error where the check has one (batch means over its tokens; the perplexity ratio's from
     that of its log)."""
     if isinstance(f, dict):
-        from ..engine.bench import CheckFigures
+        from ..engine.measure.bench import CheckFigures
 
         f = CheckFigures.of(f)
 
@@ -423,7 +423,7 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
     from pathlib import Path
 
     from ..engine import offload
-    from ..engine.bench import BenchRow
+    from ..engine.measure.bench import BenchRow
     from ..engine.crashes import exit_text
     from .cli import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings, say_child_death
 
@@ -486,7 +486,7 @@ class _ChangedLine:
 
 
 def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: int | None, rows):
-    """llama.cpp's own plain decoding of the same prompts (s2moe.engine.reference) in a process of its own:
+    """llama.cpp's own plain decoding of the same prompts (s2moe.engine.measure.reference) in a process of its own:
     under the same budget in bytes, in a fresh cgroup with nothing pinned or prefetched; resident
     otherwise."""
     import subprocess
@@ -494,13 +494,13 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     from pathlib import Path
 
     from ..engine import offload
-    from ..engine.bench import reference_row
+    from ..engine.measure.bench import reference_row
     from ..engine.crashes import exit_text
     from .cli import cpu_buffers_for, placement_from_args, say_child_death
 
     with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
         out = Path(tmp) / "ref.json"
-        argv = [sys.executable, "-m", "s2moe.engine.reference", "--model", model, "--prompts", args.prompts,
+        argv = [sys.executable, "-m", "s2moe.engine.measure.reference", "--model", model, "--prompts", args.prompts,
                 "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out),
                 "--placement", json.dumps(placement_from_args(args).as_dict())]
         if args.batch_size is not None:  # else llama.cpp's default, as its users get it
@@ -533,7 +533,7 @@ def _write_trace(folder: str, budget_text: str, ev, off, hot) -> None:
     from pathlib import Path
 
     from ..engine.offload import Budget
-    from ..engine.trace import budget_record, write_trace
+    from ..engine.measure.trace import budget_record, write_trace
 
     trace = ev.trace
     if off is not None:
@@ -545,7 +545,7 @@ def _record_storage_in_traces(folder: str, budget_text: str, passes: list[tuple[
     """Give the budget's traces the disk as read around their run (the median pass), for `project --disk trace`."""
     from pathlib import Path
 
-    from ..engine.trace import record_storage
+    from ..engine.measure.trace import record_storage
 
     if passes:
         reading = storage_reading(passes)
@@ -557,10 +557,10 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..engine.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench,
+    from ..engine.measure.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench,
                                 storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up)
-    from ..engine.cpu_buffers import REASONS
-    from ..engine.decoder import Decoder, GenerationConfig
+    from ..engine.decoding.cpu_buffers import REASONS
+    from ..engine.decoding.decoder import Decoder, GenerationConfig
     from ..engine.files import write_atomic
     from .cli import check_pregate, default_model, placement_from_args, pregate_pinning
 
@@ -600,7 +600,7 @@ def run(args) -> int:
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
     from ..engine.model_info import read_model_info
     from ..engine.offload import current_budget
-    from ..engine.sampling import RANDOM_SEED, random_seed
+    from ..engine.decoding.sampling import RANDOM_SEED, random_seed
     from .cli import cpu_buffers_for, resolve_tuned, sampling_settings
 
     # the flags given, checked before a model is read (those not given are checked once resolved)
@@ -712,7 +712,7 @@ def run(args) -> int:
         if off is not None:
             done.config["budget_bytes"] = off.budget_bytes
     else:
-        from ..engine.bench import machine_info
+        from ..engine.measure.bench import machine_info
 
         done = BenchDone([], {}, {}, machine_info(args.threads), config={"prompt_set": set_name,
                                                                          "n_prompts": len(prompts),
@@ -771,7 +771,7 @@ def run(args) -> int:
         say("gating quality: " + gating_quality_text(done.quality))
     for label, mq in done.memory_quality_by_budget.items():
         say(memory_quality_text(label, mq))
-    from ..engine.costmodel import r2_text
+    from ..engine.measure.costmodel import r2_text
 
     if done.cost_model:
         c = done.cost_model

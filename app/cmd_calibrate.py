@@ -51,9 +51,9 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    from ..engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted, run_calibration
+    from ..engine.measure.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted, run_calibration
     from ..engine.offload import Budget
-    from ..engine.runtime import check_threads
+    from ..engine.decoding.runtime import check_threads
     from .cli import default_model, placement_from_args
     from .tui.calibrate import step_outcome
 

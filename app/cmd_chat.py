@@ -65,7 +65,7 @@ def user_turns(first: str):
 
 def run_conversation(args, decoder, cfg, out) -> int:
     """The turns of a conversation (out: the CLI's text and note streams)."""
-    from ..engine.chat import Conversation, chat_tokens
+    from ..engine.decoding.chat import Conversation, chat_tokens
     from ..engine.errors import ContextError
     from ..engine.events import Finished, Iteration, Prefilled, Summary
     from .cli import FLAGS, event_line, speed_text

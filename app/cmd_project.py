@@ -8,7 +8,7 @@ from ..engine.errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    from ..engine.projection import CACHE_POLICIES, RUNNABLE_MODES
+    from ..engine.measure.projection import CACHE_POLICIES, RUNNABLE_MODES
     from .cli import nonempty, positive_int
 
     modes = ",".join(RUNNABLE_MODES)
@@ -66,7 +66,7 @@ def _budget(text: str) -> str | None:
 
 
 def _modes(text: str) -> list[str]:
-    from ..engine.projection import PROJECT_MODES
+    from ..engine.measure.projection import PROJECT_MODES
 
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in PROJECT_MODES]
@@ -122,8 +122,8 @@ def table_lines(p, measured: dict[str, float] | None = None) -> list[str]:
 
 def run(args) -> int:
     from ..engine.profiles import load_profile
-    from ..engine.projection import project
-    from ..engine.trace import read_trace, trace_files
+    from ..engine.measure.projection import project
+    from ..engine.measure.trace import read_trace, trace_files
 
     modes = _modes(args.modes)
     profile = load_profile(args.profile)

@@ -1,5 +1,5 @@
 """`s2moe tune`: search the decoding settings that are fastest on this device, model, budget and workload
-within the gating quality constraint, and record them in the device profile (engine/tune.py)."""
+within the gating quality constraint, and record them in the device profile (engine/measure/tune.py)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def summary_lines(section: dict, path) -> list[str]:
 
 def quality_check_text(ev) -> str:
     """One quality check of the search (TuneQuality, TuneMemoryQuality or TuneJointQuality), in a line."""
-    from ..engine.tune import TuneJointQuality, TuneQuality
+    from ..engine.measure.tune import TuneJointQuality, TuneQuality
 
     if isinstance(ev, TuneQuality):
         what, reused = f"quality α {ev.reuse_strength:g} |E*| {ev.reuse_cap}", ev.reused
@@ -135,16 +135,16 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine import offload
-    from ..engine.bench import load_prompts
-    from ..engine.calibrate import DEFAULT_NAME
-    from ..engine.decoder import Decoder, GenerationConfig
-    from ..engine.device import default_threads
+    from ..engine.measure.bench import load_prompts
+    from ..engine.measure.calibrate import DEFAULT_NAME
+    from ..engine.decoding.decoder import Decoder, GenerationConfig
+    from ..engine.measure.device import default_threads
     from ..engine.errors import ConfigError, held_signals
     from ..engine.model_info import read_model_info
     from ..engine.profiles import (check_name, check_writable, cost_for_model, hot_experts_for_model, load_profile,
                                    model_block, save_profile, with_tuned)
-    from ..engine.runtime import check_threads
-    from ..engine.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
+    from ..engine.decoding.runtime import check_threads
+    from ..engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
                                TuneStarted, run_tune)
     from .cli import default_model, run_cli_in_budget
 
@@ -175,7 +175,7 @@ def run(args) -> int:
     try:
         kept = 0
         if args.copy_cache is not None:
-            from ..engine.copycache import load_copy_cache
+            from ..engine.drafting.copycache import load_copy_cache
 
             kept = load_copy_cache(args.copy_cache, decoder.info, decoder.earlier, write_back=False)
         label = "none"

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine.chat import Conversation, Message, chat_tokens
+from ..engine.decoding.chat import Conversation, Message, chat_tokens
 from ..engine.errors import ConfigError, ContextError, S2MoEError
 from ..engine.events import Iteration, Prefilled, Started, Summary
 from .cli import one_line

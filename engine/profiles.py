@@ -73,7 +73,7 @@ carries published figures and may hold `reference` constants that apply to any m
         hot_experts: [[0, 12], [0, 3], ...]   # [layer, expert], most routed first (up to half the
                                    # expert bytes); a run under a budget pins the prefix that fits
         measured: {at: 2026-01-01T00:00:00+00:00, by: s2moe calibrate, threads: 2, ...}
-        tuned:                     # optional, written by s2moe tune (engine/tune.py), per condition
+        tuned:                     # optional, written by s2moe tune (engine/measure/tune.py), per condition
           resident:                # or budget: the model under a memory budget
             settings: {draft_topk: 2, draft_max: 8, threshold: 1.0, reuse_strength: 0.5, reuse_cap: 16, lookup: true,
                        memory_strength: 0.3}   # searched under a budget only

@@ -49,7 +49,7 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def decoders(tiny_models):
-    from s2moe.engine.decoder import Decoder
+    from s2moe.engine.decoding.decoder import Decoder
 
     made = {arch: Decoder(str(tiny_models[arch]), n_ctx=512, n_threads=1) for arch in ARCHS}
     yield made

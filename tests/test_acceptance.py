@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from s2moe.engine.acceptance import accept
-from s2moe.engine.sampling import PositionNoise, Sampling, softmax
+from s2moe.engine.decoding.acceptance import accept
+from s2moe.engine.decoding.sampling import PositionNoise, Sampling, softmax
 
 
 def _plain(temperature):

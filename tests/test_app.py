@@ -73,7 +73,7 @@ def test_the_fake_decoder_takes_what_the_real_one_takes():
     would be, by the same names, order and defaults, so that a call the real one refuses fails here too."""
     import inspect
 
-    from s2moe.engine.decoder import Decoder
+    from s2moe.engine.decoding.decoder import Decoder
 
     def params(method):
         return [(p.name, p.kind, p.default) for p in inspect.signature(method).parameters.values()]
@@ -734,7 +734,7 @@ def test_a_profile_for_another_model_warns_and_falls_back(tmp_path, monkeypatch)
 def test_calibration_wizard_shows_steps_fit_and_saves(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     calls = []
-    monkeypatch.setattr("s2moe.engine.calibrate.run_calibration", fake_run_calibration(calls))
+    monkeypatch.setattr("s2moe.engine.measure.calibrate.run_calibration", fake_run_calibration(calls))
 
     async def go():
         app = fake_app()
@@ -795,7 +795,7 @@ async def run_bench_screen(pilot, screen):
 
 
 def test_bench_screen_runs_and_tabulates(monkeypatch):
-    monkeypatch.setattr("s2moe.engine.bench.run_bench", fake_run_bench)
+    monkeypatch.setattr("s2moe.engine.measure.bench.run_bench", fake_run_bench)
 
     async def go():
         app = fake_app()
@@ -826,8 +826,8 @@ def test_bench_screen_runs_and_tabulates(monkeypatch):
 
 
 def test_the_bench_screen_marks_a_difference_within_the_noise(monkeypatch):
-    from s2moe.engine.bench import BenchDone
-    from s2moe.engine.speed import Load, compare
+    from s2moe.engine.measure.bench import BenchDone
+    from s2moe.engine.measure.speed import Load, compare
 
     def noisy_bench(model, **kw):
         """The fake bench with s2moe's runs as far apart as the issue's (0.92–1.21× ar), on a quiet machine."""
@@ -841,7 +841,7 @@ def test_the_bench_screen_marks_a_difference_within_the_noise(monkeypatch):
                 ev.config["load"] = Load(4, 0.2, 0.05).as_dict()
             yield ev
 
-    monkeypatch.setattr("s2moe.engine.bench.run_bench", noisy_bench)
+    monkeypatch.setattr("s2moe.engine.measure.bench.run_bench", noisy_bench)
 
     async def go():
         app = fake_app()
@@ -884,14 +884,14 @@ def test_bench_on_a_tiny_model(tiny_models):
 
 def test_engine_errors_reach_the_user_in_the_apps_own_words():
     from s2moe.app.tui.messages import failure_text
-    from s2moe.engine.decoder import GenerationConfig
+    from s2moe.engine.decoding.decoder import GenerationConfig
 
     with pytest.raises(ConfigError) as caught:
         GenerationConfig(draft_max=0).validate()
     assert failure_text(caught.value) == "the draft cap must be between 1 and 64"
     assert failure_text(ValueError("boom")) == "ValueError: boom"
     # tune's time budget is the wizard's Tuning minutes field, not a flag of the command
-    from s2moe.engine.tune import ensure_defaults_fit
+    from s2moe.engine.measure.tune import ensure_defaults_fit
 
     with pytest.raises(ConfigError) as caught:
         ensure_defaults_fit([45.0, 45.0], 45.0, 2.5, 100.0, 180, 75.0)
@@ -1146,7 +1146,7 @@ def test_bench_results_save_as_json_and_csv(monkeypatch, tmp_path):
 
     from s2moe.app.tui.export import ExportDialog
 
-    monkeypatch.setattr("s2moe.engine.bench.run_bench", fake_run_bench)
+    monkeypatch.setattr("s2moe.engine.measure.bench.run_bench", fake_run_bench)
 
     async def go():
         app = fake_app()
@@ -1224,7 +1224,7 @@ def test_the_app_keeps_its_copies_across_runs_in_a_file_per_model(tiny_models, t
     import json
 
     from s2moe.app.tui.session import EngineSession
-    from s2moe.engine.copycache import copy_cache_file
+    from s2moe.engine.drafting.copycache import copy_cache_file
     from s2moe.engine.model_info import read_model_info
 
     def one_run(model, prompt):

@@ -18,7 +18,7 @@ from test_wizard import DEFAULTS, FP, TUNED, calibrated, scripted_calibration, s
 from s2moe.app.tui.calibrate import ConfirmSave
 from s2moe.app.tui.session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, ChatSettings
 from s2moe.app.tui.state import remember_settings
-from s2moe.engine.tune import Settings, TuneMeasured, TuneProgress, TuneStarted
+from s2moe.engine.measure.tune import Settings, TuneMeasured, TuneProgress, TuneStarted
 
 SLOWER = Settings(2, 8, 1.0, 0.5, 8)
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((60, 20), id="60x20")]
@@ -43,7 +43,7 @@ def test_each_value_says_whether_it_is_the_flags_the_users_the_profiles_or_the_d
 def test_a_profile_saved_after_tuning_wins_over_the_remembered_k_d(monkeypatch, tmp_path):
     """The reported flow: k_d chosen with F9 (remembered), then calibrate → tune → save from F3, back to F2:
     the chat drafts with the profile's tuned k_d, and says whose values it uses."""
-    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune([]))
+    monkeypatch.setattr("s2moe.engine.measure.tune.run_tune", scripted_tune([]))
     remember_settings({"draft_topk": 3})  # an earlier run's F9
     app = wizard(monkeypatch, tmp_path, scripted_calibration())
     decoders = []
@@ -197,7 +197,7 @@ def held_tune(go: threading.Event, release: threading.Event):
 def test_stopping_a_tuning_says_how_long_it_waits_and_keeps_the_best_so_far(monkeypatch, tmp_path):
     now, go, release = [0.0], threading.Event(), threading.Event()
     monkeypatch.setattr("s2moe.app.tui.calibrate.clock", lambda: now[0])
-    monkeypatch.setattr("s2moe.engine.tune.run_tune", held_tune(go, release))
+    monkeypatch.setattr("s2moe.engine.measure.tune.run_tune", held_tune(go, release))
     app = wizard(monkeypatch, tmp_path, scripted_calibration())
 
     async def go_():
@@ -254,7 +254,7 @@ def test_a_tuning_stopped_before_a_rung_ended_says_nothing_was_compared():
 
 @pytest.mark.parametrize("size", SIZES)
 def test_snapshot_a_stopped_tuning(snap_compare, size, monkeypatch, tmp_path):
-    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune([], until_stopped=True))
+    monkeypatch.setattr("s2moe.engine.measure.tune.run_tune", scripted_tune([], until_stopped=True))
     app = wizard(monkeypatch, tmp_path, scripted_calibration())
 
     async def run_before(pilot):

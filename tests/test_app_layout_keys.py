@@ -25,7 +25,7 @@ MAIN_SCREENS = (ChatScreen, CalibrateScreen, ProfilesScreen, BenchScreen, Device
 @pytest.fixture(autouse=True)
 def own_profiles(tmp_path, monkeypatch):
     only_test_profiles(tmp_path, monkeypatch)
-    monkeypatch.setattr("s2moe.engine.calibrate.run_calibration", fake_run_calibration())
+    monkeypatch.setattr("s2moe.engine.measure.calibrate.run_calibration", fake_run_calibration())
 
 
 def make_app() -> S2MoEApp:
@@ -279,7 +279,7 @@ def test_the_settings_line_says_gating_one_way_and_whether_it_is_lossy():
 
 
 def test_the_calibration_says_where_the_profile_went_once_saved(monkeypatch):
-    from s2moe.engine.calibrate import CalibrationDone, StepResult, StepStarted
+    from s2moe.engine.measure.calibrate import CalibrationDone, StepResult, StepStarted
 
     base = fake_run_calibration()
 
@@ -294,7 +294,7 @@ def test_the_calibration_says_where_the_profile_went_once_saved(monkeypatch):
         yield StepResult(4, "profile", "not written to a file yet · model 0123456789abcdef", {"path": None})
         yield done
 
-    monkeypatch.setattr("s2moe.engine.calibrate.run_calibration", with_profile_step)
+    monkeypatch.setattr("s2moe.engine.measure.calibrate.run_calibration", with_profile_step)
 
     async def go():
         app = make_app()
@@ -369,7 +369,7 @@ def test_device_view_has_history_this_process_and_says_what_it_lacks(jetson, the
 def test_device_screen_fills_80x24(monkeypatch):
     samples = readings(False)
     monkeypatch.setattr("s2moe.app.tui.device.DeviceScreen.INTERVAL", 3600.0)
-    monkeypatch.setattr("s2moe.engine.device.DeviceMonitor.sample", lambda self: samples[0])
+    monkeypatch.setattr("s2moe.engine.measure.device.DeviceMonitor.sample", lambda self: samples[0])
 
     async def go():
         app = make_app()

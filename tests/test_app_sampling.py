@@ -100,7 +100,7 @@ def test_the_bench_screen_passes_its_sampling_options_to_the_bench(monkeypatch):
         calls.append(kw)
         return fake_run_bench(model, **kw)
 
-    monkeypatch.setattr("s2moe.engine.bench.run_bench", recording_run_bench)
+    monkeypatch.setattr("s2moe.engine.measure.bench.run_bench", recording_run_bench)
 
     async def go():
         app = fake_app()
@@ -157,7 +157,7 @@ FLAGS = ["--temp", "0.6", "-s", "9", "--top-k", "12", "--top-p", "0.8", "--min-p
 
 def test_bench_takes_generates_sampling_flags_and_defaults():
     from s2moe.app.cli import sampling_settings
-    from s2moe.engine.decoder import GenerationConfig
+    from s2moe.engine.decoding.decoder import GenerationConfig
 
     parser = build_parser()
     generate = sampling_settings(parser.parse_args(["generate", "-p", "x", *FLAGS]))

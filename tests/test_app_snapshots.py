@@ -28,14 +28,14 @@ def fixed_profile_folders(tmp_path, monkeypatch):
     # the engine will grow more modes; the snapshots keep a fixed list
     for where in ("s2moe.app.tui.bench.engine_modes", "s2moe.app.tui.chat.engine_modes"):
         monkeypatch.setattr(where, lambda: ("ar", "s2moe", "conf"))
-    monkeypatch.setattr("s2moe.engine.bench.ABLATION", {})
+    monkeypatch.setattr("s2moe.engine.measure.bench.ABLATION", {})
 
 
 @pytest.fixture(autouse=True)
 def scripted_engine_runs(monkeypatch):
     """Calibration and bench yield fixed numbers instead of measuring this machine."""
-    monkeypatch.setattr("s2moe.engine.bench.run_bench", fake_run_bench)
-    monkeypatch.setattr("s2moe.engine.calibrate.run_calibration", fake_run_calibration())
+    monkeypatch.setattr("s2moe.engine.measure.bench.run_bench", fake_run_bench)
+    monkeypatch.setattr("s2moe.engine.measure.calibrate.run_calibration", fake_run_calibration())
 
 
 def make_app(**kw) -> S2MoEApp:
@@ -279,7 +279,7 @@ def test_no_model_dialog(snap_compare, size):
 
 def device_samples():
     """Readings of a Jetson Orin under a 1.5 GiB budget, as engine.device would take them."""
-    from s2moe.engine.device import DeviceSample, parse_tegrastats
+    from s2moe.engine.measure.device import DeviceSample, parse_tegrastats
 
     gib = 1 << 30
     memory = {"MemTotal": 30 * gib, "MemAvailable": 12 * gib, "Cached": 9 * gib, "SwapTotal": 15 * gib,
@@ -309,7 +309,7 @@ def plain_pc_samples():
 def test_device(snap_compare, size, readings, monkeypatch):
     samples = readings()
     monkeypatch.setattr("s2moe.app.tui.device.DeviceScreen.INTERVAL", 3600.0)  # no reading of this machine
-    monkeypatch.setattr("s2moe.engine.device.DeviceMonitor.sample", lambda self: samples[0])
+    monkeypatch.setattr("s2moe.engine.measure.device.DeviceMonitor.sample", lambda self: samples[0])
 
     async def run_before(pilot):
         await ready(pilot)

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
-from s2moe.engine.bench import BenchDone, BenchProgress, BenchRow
-from s2moe.engine.bench import run_bench as REAL_RUN_BENCH
-from s2moe.engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
-from s2moe.engine.calibrate import run_calibration as REAL_RUN_CALIBRATION
-from s2moe.engine.chat import Template
-from s2moe.engine.decoder import GenerationConfig
+from s2moe.engine.measure.bench import BenchDone, BenchProgress, BenchRow
+from s2moe.engine.measure.bench import run_bench as REAL_RUN_BENCH
+from s2moe.engine.measure.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
+from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
+from s2moe.engine.decoding.chat import Template
+from s2moe.engine.decoding.decoder import GenerationConfig
 from s2moe.engine.events import (CostConstants, DraftCandidate, Finished, Iteration, Prefilled, ResidencySnapshot,
                                  Started)
-from s2moe.engine.speed import MIN_PAIRS, Load, compare
+from s2moe.engine.measure.speed import MIN_PAIRS, Load, compare
 
 VOCAB = {i: w for i, w in enumerate(
     [" The", " cat", " sat", " on", " the", " mat", ".", " It", " was", " warm", " and", " soft", " dog",

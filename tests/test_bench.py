@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from s2moe.engine.bench import (ERROR_KEYS, BenchDone, BenchProgress, batch_means_se, gating_quality, load_prompts,
+from s2moe.engine.measure.bench import (ERROR_KEYS, BenchDone, BenchProgress, batch_means_se, gating_quality, load_prompts,
                                 memory_gating_quality, run_bench)
-from s2moe.engine.decoder import GenerationConfig
+from s2moe.engine.decoding.decoder import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.files import write_atomic
 
@@ -133,7 +133,7 @@ def test_zero_repeats_are_refused(decoders):
 def test_identical_output_check_catches_a_broken_mode(decoders, monkeypatch, temperature):
     """Corrupt verification (accept every draft) in one mode: the harness must flag it, greedy or sampled —
     its divergences are not near-ties."""
-    from s2moe.engine import decoder as decoder_module
+    from s2moe.engine.decoding import decoder as decoder_module
 
     def lenient_accept(drafted, logits, sampling, noise, history):
         n = len(drafted)  # every draft accepted, then the target's token after them
@@ -284,7 +284,7 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     assert all(r["fetched_per_token"] >= 0 and r["bound_tok_per_s"] > 0 for r in rows[4:7])
     assert "storage, cold reads of whole experts" in said
     # the budget's traces carry the disk as read around it, for a replay that prices a fetch on that day's disk
-    from s2moe.engine.trace import read_trace
+    from s2moe.engine.measure.trace import read_trace
 
     budgeted = [read_trace(p) for p in sorted((tmp_path / "T").glob("budget-auto-*.jsonl"))]
     assert budgeted and all(t.header.budget["storage"]["readings"] == 2 * STORAGE_PASSES for t in budgeted)
@@ -345,7 +345,7 @@ def test_the_bound_reads_the_disk_around_each_budget_and_falls_back_to_the_profi
 
 
 def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
-    from s2moe.engine.bench import BenchRow, storage_bound
+    from s2moe.engine.measure.bench import BenchRow, storage_bound
 
     def row(mode, budget, seconds, fetched):
         return BenchRow(mode, budget, "natural", 1, 100, seconds, 100 / seconds, None, 1.0, 0.0, 0.0, None, None,
@@ -361,7 +361,7 @@ def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
 
 
 def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_resident_cost():
-    from s2moe.engine.bench import verification_bound_ratio
+    from s2moe.engine.measure.bench import verification_bound_ratio
 
     fit = {"experts": [40, 80], "fetched": [10, 30], "tokens": [2, 5]}
 
@@ -382,7 +382,7 @@ def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_r
 
 
 def test_a_verification_s_kind_is_what_its_batch_held():
-    from s2moe.engine.bench import verification_kind
+    from s2moe.engine.measure.bench import verification_kind
     from s2moe.engine.events import DraftDecision, Iteration
 
     def iteration(drafted, copied=None):
@@ -400,7 +400,7 @@ def test_a_verification_s_kind_is_what_its_batch_held():
 
 
 def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
-    from s2moe.engine.bench import BenchRow
+    from s2moe.engine.measure.bench import BenchRow
 
     def row(mode, draft_len, identical):
         return BenchRow(mode, "none", "natural", 2, 100, 1.0, 100.0, 1.05, 1.0, draft_len, 0.0, None, None, None,
@@ -414,8 +414,8 @@ def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
 
 def test_the_footnotes_explain_the_marks_name_the_fastest_and_warn_of_a_busy_machine():
     from s2moe.app.cmd_bench import _cells, footnotes
-    from s2moe.engine.bench import BenchDone, BenchRow
-    from s2moe.engine.speed import Load
+    from s2moe.engine.measure.bench import BenchDone, BenchRow
+    from s2moe.engine.measure.speed import Load
 
     def row(mode, runs, lossless=True, interval=None):
         return BenchRow(mode, "none", "natural", 4, 256, 1.0, sum(runs) / 4, 1.0, 1.5, 1.0, 0.5, None, None, None,
@@ -446,7 +446,7 @@ def test_the_footnotes_explain_the_marks_name_the_fastest_and_warn_of_a_busy_mac
 
 
 def _done_with_rows(offloaded: bool, repeats: int):
-    from s2moe.engine.bench import BenchDone, BenchRow
+    from s2moe.engine.measure.bench import BenchDone, BenchRow
 
     rows = []
     for i, mode in enumerate(["ar", "naive", "cascade", "s2moe", "llama.cpp"]):
@@ -523,7 +523,7 @@ def test_llama_cpp_s_row_is_held_to_ar_s_greedy_tokens():
     where ar's row holds its greedy tokens; with none there (ar sampled, or penalised), nothing to compare."""
     from dataclasses import replace
 
-    from s2moe.engine.bench import BenchRow, reference_row
+    from s2moe.engine.measure.bench import BenchRow, reference_row
 
     ar = BenchRow(mode="ar", budget="none", prompt_set="natural", n_prompts=2, n_tokens=6, seconds=1.0,
                   tok_per_s=6.0, speedup_vs_ar=1.0, accept_len=1.0, draft_len=0.0, acceptance_rate=0.0,
@@ -582,7 +582,7 @@ def test_bench_orders_its_modes_so_that_each_follows_each_other_equally_often():
     a mode that always followed one that churns the expert cache would be measured under conditions of its own."""
     from collections import Counter
 
-    from s2moe.engine.bench import balanced_order
+    from s2moe.engine.measure.bench import balanced_order
 
     for n in range(2, 8):
         cycle = n * (2 if n % 2 else 1)
@@ -598,7 +598,7 @@ def test_bench_orders_its_modes_so_that_each_follows_each_other_equally_often():
 def test_a_bench_on_a_session_s_decoder_neither_copies_from_nor_adds_to_its_earlier_text(decoders):
     """The app benches on its chat's decoder: its generations copy only from each other's (the same figures
     whatever a chat or a copy cache left), and the session's earlier text is as it was afterwards."""
-    from s2moe.engine.policies import EarlierText
+    from s2moe.engine.drafting.policies import EarlierText
 
     d = decoders["olmoe"]
     kept = d.earlier
@@ -620,8 +620,8 @@ def test_the_near_tie_check_reads_a_context_longer_than_one_batch(tiny_models, m
     small -b the context outgrows one batch, and the batched side prefills what comes before its last batch
     (it raised ValueError, and bench under a budget at -b 64 died on HumanEval's prompts). The answer is ar's
     own top-2 gap at the divergence against the threshold: a tie below it, none above it."""
-    from s2moe.engine import bench
-    from s2moe.engine.decoder import Decoder, run
+    from s2moe.engine.measure import bench
+    from s2moe.engine.decoding.decoder import Decoder, run
 
     dec = Decoder(str(tiny_models["olmoe"]), n_ctx=256, n_threads=1, max_draft=8, n_batch=32)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from s2moe.engine.costmodel import fit_verify_cost, measure_cost_constants
+from s2moe.engine.measure.costmodel import fit_verify_cost, measure_cost_constants
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.profiles import cost_for_model, load_profile
 
@@ -66,7 +66,7 @@ def test_bad_profiles_name_the_failing_field(tmp_path, body, needle):
 
 
 def test_the_r2_ceiling_is_what_the_same_counts_timed_again_leave_unexplained():
-    from s2moe.engine.costmodel import r2_ceiling, r2_text
+    from s2moe.engine.measure.costmodel import r2_ceiling, r2_text
 
     rng = np.random.default_rng(1)
     experts = np.repeat(rng.integers(8, 200, size=20), 3)  # 20 batches, each timed three times
@@ -85,14 +85,14 @@ def test_the_r2_ceiling_is_what_the_same_counts_timed_again_leave_unexplained():
     assert r2_ceiling(zip(range(60), tokens), seconds) is None
     assert r2_text(0.5, None) == "R² 0.500"
     # under a budget the fetched experts are part of the counts
-    from s2moe.engine.costmodel import fit_miss_cost
+    from s2moe.engine.measure.costmodel import fit_miss_cost
 
     misses = experts // 2
     assert fit_miss_cost(experts, misses, tokens, seconds).r2_ceiling == pytest.approx(ceiling)
 
 
 def test_a_slow_step_shortens_the_measurement_to_fit_its_time():
-    from s2moe.engine.costmodel import SHORT_VARIANTS, VARIANTS, batch_sizes, sample_plan
+    from s2moe.engine.measure.costmodel import SHORT_VARIANTS, VARIANTS, batch_sizes, sample_plan
 
     assert sample_plan(0.001, 8, 20.0) == (3, batch_sizes(8), VARIANTS)  # a resident small model: all of it
     assert sample_plan(0.15, 8, 20.0) == (2, batch_sizes(8), VARIANTS)  # a repeat is 54 steps' worth
@@ -102,7 +102,7 @@ def test_a_slow_step_shortens_the_measurement_to_fit_its_time():
 
 
 def test_a_short_measurement_still_fits_experts_apart_from_tokens(decoders):
-    from s2moe.engine.costmodel import iter_cost_constants
+    from s2moe.engine.measure.costmodel import iter_cost_constants
 
     rt = decoders["olmoe"].rt
     gen = iter_cost_constants(rt, 2, 4, seconds=1e-6)  # too short for anything: the shortest plan
@@ -119,8 +119,8 @@ def test_a_short_measurement_still_fits_experts_apart_from_tokens(decoders):
 
 
 def test_a_measurement_under_a_budget_is_said_when_slow_and_remembered(tiny_models, monkeypatch):
-    from s2moe.engine import decoder as decoder_module
-    from s2moe.engine.decoder import Decoder, GenerationConfig
+    from s2moe.engine.decoding import decoder as decoder_module
+    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
     from s2moe.engine.events import MeasuringCosts, Started
 
     monkeypatch.setattr(decoder_module, "SLOW_MEASURE_S", 0.0)
@@ -152,8 +152,9 @@ def test_a_poor_fit_under_a_budget_is_not_remembered(tiny_models, monkeypatch):
     """A measurement spoilt by the machine's noise is measured again by the next run rather than kept."""
     from dataclasses import replace
 
-    from s2moe.engine import costmodel, decoder as decoder_module
-    from s2moe.engine.decoder import Decoder, GenerationConfig
+    from s2moe.engine.measure import costmodel
+    from s2moe.engine.decoding import decoder as decoder_module
+    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
     from s2moe.engine.events import Started
 
     real = costmodel.iter_cost_constants

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from s2moe.engine import cpu_buffers
-from s2moe.engine.cpu_buffers import CpuBuffers, ProbeOutcome, build_has_amx, choose, probe_in_child
+from s2moe.engine.decoding import cpu_buffers
+from s2moe.engine.decoding.cpu_buffers import CpuBuffers, ProbeOutcome, build_has_amx, choose, probe_in_child
 from s2moe.engine.crashes import earlier_crashes
 from s2moe.engine.model_info import read_model_info
 from tinygguf import TinySpec, write_tiny

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from s2moe.engine.device import DeviceMonitor, parse_jtop_stats, parse_tegrastats
+from s2moe.engine.measure.device import DeviceMonitor, parse_jtop_stats, parse_tegrastats
 from s2moe.engine.offload import MemoryCgroup
 from s2moe.engine.offload.libc import drop_file_cache
 from s2moe.engine.offload.procfs import (block_device, cpu_times, disk_read_bytes, file_cached_bytes, meminfo,
@@ -218,7 +218,7 @@ def test_this_process_memory_grows_with_what_it_touches():
 
 
 def test_thermal_zones_by_type_leave_out_what_cannot_be_read(tmp_path):
-    from s2moe.engine.device import thermal_zones
+    from s2moe.engine.measure.device import thermal_zones
 
     for i, (kind, milli) in enumerate([("x86_pkg_temp", "47000"), ("acpitz", "27800"), ("acpitz", "30000"),
                                         ("iwlwifi_1", "-274000"), ("broken", "n/a")]):
@@ -232,7 +232,7 @@ def test_thermal_zones_by_type_leave_out_what_cannot_be_read(tmp_path):
 
 
 INSIDE = """
-from s2moe.engine.device import DeviceMonitor
+from s2moe.engine.measure.device import DeviceMonitor
 g = DeviceMonitor(None).sample().cgroup
 print(g["limit"], g["total"] > 0, sorted(g))
 """

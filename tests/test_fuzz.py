@@ -385,9 +385,9 @@ def test_copy_caches_and_app_settings_read_or_say_why(scratch, olmoe_info, data)
     ConfigError of one line (which the CLI prints and the app shows), never another exception."""
     from s2moe.app.tui.chat import settings_from_state
     from s2moe.app.tui.state import remembered_settings, state_dir
-    from s2moe.engine.copycache import load_copy_cache
+    from s2moe.engine.drafting.copycache import load_copy_cache
     from s2moe.engine.errors import ConfigError
-    from s2moe.engine.policies import EarlierText
+    from s2moe.engine.drafting.policies import EarlierText
 
     path = scratch(".json")
     path.write_bytes(data.draw(hostile_json(_copy_cache(olmoe_info.fingerprint))))

@@ -16,14 +16,14 @@ from conftest import variant_spec
 from tinygguf import write_tiny
 
 from s2moe.app.cli import build_parser, main
-from s2moe.engine import gpu, runtime
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding import gpu, runtime
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished
-from s2moe.engine.gpu import EXPERT_TENSORS, NEVER, BuftOverrides, Placement
+from s2moe.engine.decoding.gpu import EXPERT_TENSORS, NEVER, BuftOverrides, Placement
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.profiles import cost_for_model, validate_profile
-from s2moe.engine.runtime import LlamaRuntime
+from s2moe.engine.decoding.runtime import LlamaRuntime
 
 HAS_GPU = gpu.gpu_backend()
 
@@ -229,9 +229,9 @@ FRESH = r"""
 import ctypes, json, os, sys
 import llama_cpp
 from s2moe.engine.errors import ConfigError
-from s2moe.engine.gpu import Placement
+from s2moe.engine.decoding.gpu import Placement
 from s2moe.engine.model_info import read_model_info
-from s2moe.engine.runtime import LlamaRuntime
+from s2moe.engine.decoding.runtime import LlamaRuntime
 
 libc = ctypes.CDLL(None)
 libc.getenv.restype = ctypes.c_char_p
@@ -426,7 +426,7 @@ def test_host_to_device_rate_and_copy_mode_on_the_gpu(tiny_models):
 
 def test_a_calibration_without_a_gpu_counts_the_gpu_step_as_skipped_not_failed():
     from s2moe.app.tui.calibrate import step_outcome
-    from s2moe.engine.calibrate import NO_GPU, NO_GPU_DEVICE, StepResult
+    from s2moe.engine.measure.calibrate import NO_GPU, NO_GPU_DEVICE, StepResult
 
     for why in (NO_GPU, NO_GPU_DEVICE):
         outcome = step_outcome(StepResult(6, "gpu", why, {"skipped": why}))
@@ -434,7 +434,7 @@ def test_a_calibration_without_a_gpu_counts_the_gpu_step_as_skipped_not_failed()
     assert step_outcome(StepResult(6, "gpu", "failed: x", {"skipped": "failed: x"})).state == "failed"
 
 
-@pytest.mark.parametrize("reader", ["s2moe.engine.model_info:read_model_info", "s2moe.engine.gpu:expert_tensor_names",
+@pytest.mark.parametrize("reader", ["s2moe.engine.model_info:read_model_info", "s2moe.engine.decoding.gpu:expert_tensor_names",
                                     "s2moe.engine.offload.experts:expert_map"])
 def test_llama_cpp_loads_before_gguf_whoever_reads_the_model_first(tiny_models, reader):
     """A CUDA build crashed at model load when gguf (and the sentencepiece it imports) loaded before

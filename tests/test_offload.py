@@ -326,7 +326,7 @@ def test_generate_under_a_real_budget(tiny_models, capfd):
 
 
 def test_miss_aware_fit_recovers_known_costs():
-    from s2moe.engine.costmodel import fit_miss_cost
+    from s2moe.engine.measure.costmodel import fit_miss_cost
 
     rng = np.random.default_rng(1)
     experts = rng.integers(16, 64, size=80)
@@ -340,7 +340,7 @@ def test_miss_aware_fit_recovers_known_costs():
 
 
 def test_fault_explained_fit_recovers_what_a_fault_costs():
-    from s2moe.engine.costmodel import fault_explained_fit
+    from s2moe.engine.measure.costmodel import fault_explained_fit
 
     rng = np.random.default_rng(2)
     experts = rng.integers(16, 64, size=80)
@@ -353,7 +353,7 @@ def test_fault_explained_fit_recovers_what_a_fault_costs():
 
 
 def test_a_drifting_disk_is_followed_by_the_tracked_rate_and_a_steady_one_costs_little():
-    from s2moe.engine.costmodel import drift_tracked_fit, fit_miss_cost
+    from s2moe.engine.measure.costmodel import drift_tracked_fit, fit_miss_cost
 
     rng = np.random.default_rng(3)
     n = 400
@@ -376,7 +376,7 @@ def test_the_tracked_rate_is_not_swung_by_verifications_that_fetched_little():
     """Under a roomier budget most verifications fetch a handful of experts, and their time beyond the fit's
     other terms is mostly noise: divided by one or two fetches it says nothing of the rate, and must not move
     it more than those fetches' share of the run."""
-    from s2moe.engine.costmodel import drift_tracked_fit, fit_miss_cost
+    from s2moe.engine.measure.costmodel import drift_tracked_fit, fit_miss_cost
 
     rng = np.random.default_rng(4)
     n = 600
@@ -771,7 +771,7 @@ def test_decoding_learns_llama_cpp_s_matmul_order_and_reads_parts_in_it(wide_mod
     """The routing hook calls the prefetcher as each expert matmul of a layer completes; the order it learns
     is the one parts are asked for in, and staged reads follow (only past a stage room: None, never), streamed
     where faults read single pages."""
-    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
 
     d = Decoder(str(wide_model), n_ctx=128, n_threads=1, use_extra_bufts=False)
     off = Offloader(wide_model)
@@ -861,7 +861,7 @@ def test_each_runtime_knows_the_mapping_its_own_load_made(wide_model):
     in the process (bench's base rung), taking the first mapping that covers the experts could pick the
     other one."""
     from s2moe.engine.model_info import read_model_info
-    from s2moe.engine.runtime import LlamaRuntime
+    from s2moe.engine.decoding.runtime import LlamaRuntime
 
     info = read_model_info(wide_model)
     first = LlamaRuntime(info, n_ctx=128, n_threads=1, install_hook=False)
@@ -945,7 +945,7 @@ def test_residency_snapshots_thin_out_when_the_walk_is_slow(tiny_models):
     snapshots come less often, so that they never take more than residency_share of the time."""
     import time
 
-    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.events import ResidencySnapshot
     from s2moe.engine.offload import Pinning, offload_decoder
 
@@ -982,7 +982,7 @@ def test_a_warm_up_before_offloading_times_nothing_and_the_run_measures_under_th
     or faulting without its cache): the warm-up times none and drafts to the cap, building the longest graphs,
     and whatever was measured before is measured again once offloading is in place. Nor does its text join
     the session's earlier generations, which copies draw on and a copy cache keeps."""
-    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.events import Iteration, Started
     from s2moe.engine.offload import Budget, offload_decoder
 
@@ -1009,7 +1009,7 @@ def test_a_warm_up_before_offloading_times_nothing_and_the_run_measures_under_th
 def test_closing_the_offloader_detaches_it_from_the_routing_hook(tiny_models):
     """The C hook calls the offloader's native prefetcher on every decode; once the offloader is closed
     (its prefetcher freed) the decoder must keep working without calling into freed memory."""
-    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.offload import Pinning, offload_decoder
 
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
@@ -1124,7 +1124,7 @@ def test_pinning_skips_the_embedding_table_when_the_output_matrix_is_separate(ti
 
 
 def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_models):
-    from s2moe.engine.decoder import GenerationConfig, run
+    from s2moe.engine.decoding.decoder import GenerationConfig, run
     from s2moe.engine.offload import model_mappings, read_ahead_bytes
 
     cfg = GenerationConfig(mode="ar", n_predict=3, stop_at_eos=False)
@@ -1148,7 +1148,7 @@ def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_mo
 
 def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
     """With jit prefetch attached, every decode asks the OS for the experts the routing chose."""
-    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.offload import Pinning, offload_decoder
 
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
@@ -1177,7 +1177,7 @@ def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
 
 
 def test_offloading_adds_residency_snapshots_to_the_event_stream(tiny_models):
-    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.events import ResidencySnapshot
     from s2moe.engine.offload import Pinning, offload_decoder
 
@@ -1284,7 +1284,7 @@ def test_auto_budget_counts_what_the_cgroup_holds_except_expert_pages(tiny_model
                                          (["--model", "missing.gguf"], "cannot read model file"),
                                          (["--n-prompts", "0"], "--n-prompts and --tokens take a positive number")])
 def test_offload_bench_refuses_bad_input_in_one_line(tiny_models, tmp_path, capsys, args, said):
-    from s2moe.engine import offload_bench
+    from s2moe.engine.measure import offload_bench
 
     out = tmp_path / "ab.json"
     argv = ["--model", str(tiny_models["olmoe"]), "--rounds", "1", "--out", str(out)] + args
@@ -1296,7 +1296,7 @@ def test_offload_bench_refuses_bad_input_in_one_line(tiny_models, tmp_path, caps
 
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
 def test_offload_bench_runs_every_arm_under_the_probed_auto_budget(tiny_models, tmp_path, capfd):
-    from s2moe.engine import offload_bench
+    from s2moe.engine.measure import offload_bench
     from s2moe.engine.offload import expert_map
 
     model = str(tiny_models["olmoe"])
@@ -1346,7 +1346,7 @@ def _run_under_budget(script_text: str, model, tmp_path, budget: str = "auto") -
 AUTO_ON_A_FAKED_MACHINE = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.offload import budget
 budget.meminfo = lambda: MEMINFO
@@ -1375,7 +1375,7 @@ def test_an_auto_budget_beyond_the_machine_s_memory_says_what_it_saw(tiny_models
 AUTO_HEADROOM = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 cg = offload.current_budget_cgroup()
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
@@ -1416,7 +1416,7 @@ def test_the_peak_reported_under_an_auto_budget_is_not_the_warm_up_s(tiny_models
 SIZED_WARM_UP = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 cg = offload.current_budget_cgroup()
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, max_draft=8, use_extra_bufts=False)
 limits = []
@@ -1442,7 +1442,7 @@ def test_a_budget_of_a_given_size_warms_up_under_a_raised_limit_then_runs_under_
 AUTO_HOT = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 cg = offload.current_budget_cgroup()
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
@@ -1495,7 +1495,7 @@ AUTO_RESIDENT_DRAFTS = """
 import json, sys
 import numpy as np
 from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 from s2moe.engine.events import Iteration, Started
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=256, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
@@ -1584,7 +1584,7 @@ def test_the_native_library_is_built_before_a_budget_run_starts(tmp_path, monkey
 AUTO_FETCH = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 from s2moe.engine.events import Iteration
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=256, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
@@ -1613,7 +1613,7 @@ def test_under_a_budget_reader_threads_fetch_for_verifications_and_change_no_tok
 AUTO_LONG_PROMPT = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
 off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
@@ -1666,7 +1666,7 @@ def test_a_size_printed_rounded_up_is_never_less(n):
 AUTO_BATCH = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False, n_batch=int(sys.argv[2]))
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
 off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
@@ -1697,7 +1697,7 @@ def test_a_batch_room_halves_the_batch_until_llama_s_compute_buffers_fit(tmp_pat
     """llama.cpp sizes its compute buffers for one batch (here ~24 MiB at 512 tokens, a wide expert FFN): with
     room for fewer bytes the runtime halves the batch until they fit, down to 32 tokens, and reports them."""
     from s2moe.engine.model_info import read_model_info
-    from s2moe.engine.runtime import LlamaRuntime
+    from s2moe.engine.decoding.runtime import LlamaRuntime
 
     model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="olmoe", n_layer=1, n_expert=4, k=4, n_ff=1024, seed=1))
     info = read_model_info(model)
@@ -1715,7 +1715,7 @@ def test_a_batch_room_halves_the_batch_until_llama_s_compute_buffers_fit(tmp_pat
 
 FIXED_BATCH = """
 import json, sys
-from s2moe.engine.decoder import Decoder
+from s2moe.engine.decoding.decoder import Decoder
 from s2moe.engine.offload.budget import prefill_batch_room
 chosen = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False)
 asked = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False, n_batch=512)
@@ -1757,7 +1757,7 @@ AUTO_MEMORY_GATING = """
 import json, sys
 import numpy as np
 from s2moe.engine import offload
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 from s2moe.engine.events import Iteration
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=256, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=8, stop_at_eos=False)))
@@ -1772,7 +1772,7 @@ for memory in (0.0, 0.3, 0.0, 0.3):
             out[memory][0] += 1
             out[memory][1] += float(np.sum(e.verify_misses))
             out[memory][2] += e.gated_moves
-from s2moe.engine.bench import gating_quality, memory_gating_quality
+from s2moe.engine.measure.bench import gating_quality, memory_gating_quality
 texts = ["the quick brown fox jumps over the lazy dog and the cat", "hello there world"]
 quality = {a: memory_gating_quality(dec, texts, a) for a in (0.3, 0.0)}
 batches = {a: gating_quality(dec, texts, 0.5, 8, window=4, memory=a) for a in (0.3, 0.0)}
@@ -1806,10 +1806,10 @@ def test_under_a_budget_memory_gating_moves_plain_steps_onto_experts_in_memory(t
 AUTO_TUNE = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.bench import load_prompts
-from s2moe.engine.decoder import Decoder, GenerationConfig
+from s2moe.engine.measure.bench import load_prompts
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 from s2moe.engine.events import CostConstants
-from s2moe.engine.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneQuality, TuneStarted,
+from s2moe.engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneQuality, TuneStarted,
                                run_tune)
 
 class IterationClock:  # as tests/test_tune.py's: a run's time is its iteration count
@@ -1976,7 +1976,7 @@ def test_a_wrong_pregate_guess_is_read_for_nothing_and_the_first_expert_the_kept
 def test_pregating_changes_no_token_and_says_what_it_predicted(tiny_models):
     """Pre-gating only reads ahead: a generation decodes the same tokens with it, and the offloader's line
     says its recall and what it read. It reads at most the experts a layer routes to."""
-    from s2moe.engine.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
     from s2moe.engine.events import Finished
     from s2moe.engine.offload import Pinning, offload_decoder
 

@@ -232,7 +232,7 @@ def test_cpu_name_reads_cpuinfo_and_falls_back(monkeypatch):
     import io
     import platform
 
-    from s2moe.engine import device
+    from s2moe.engine.measure import device
 
     assert device.cpu_name().strip()
     cpuinfo = "processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu\n"
@@ -247,7 +247,7 @@ def test_cpu_name_reads_cpuinfo_and_falls_back(monkeypatch):
 
 
 def test_default_threads_follow_the_affinity_and_leave_spares(monkeypatch):
-    from s2moe.engine import device
+    from s2moe.engine.measure import device
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)

@@ -68,7 +68,7 @@ def fifo(make_fifo, tmp_path):
 
 # -- only regular files are opened ----------------------------------------------------------------------------
 def test_a_fifo_as_the_model_is_refused_without_opening_it(fifo, capsys):
-    from s2moe.engine.calibrate import run_calibration
+    from s2moe.engine.measure.calibrate import run_calibration
 
     rc, _, err = run_cli(capsys, "generate", "-m", fifo, "-p", "hi")
     assert_one_line(rc, err, "not a regular file")
@@ -77,8 +77,8 @@ def test_a_fifo_as_the_model_is_refused_without_opening_it(fifo, capsys):
 
 
 def test_a_device_or_fifo_as_prompts_is_refused(fifo):
-    from s2moe.engine.bench import load_prompts
-    from s2moe.engine.calibrate import read_prompts
+    from s2moe.engine.measure.bench import load_prompts
+    from s2moe.engine.measure.calibrate import read_prompts
 
     for path in ("/dev/zero", fifo):
         with pytest.raises(ConfigError, match="not a regular file"):
@@ -88,8 +88,8 @@ def test_a_device_or_fifo_as_prompts_is_refused(fifo):
 
 
 def test_prompt_files_are_read_with_a_bound(tmp_path):
-    from s2moe.engine.bench import load_prompts
-    from s2moe.engine.calibrate import read_prompts
+    from s2moe.engine.measure.bench import load_prompts
+    from s2moe.engine.measure.calibrate import read_prompts
     from s2moe.engine.files import MAX_PROMPT_FILE_BYTES
 
     big = tmp_path / "big.txt"
@@ -198,7 +198,7 @@ LLAMA_ABORT = """
 import sys
 import llama_cpp
 from s2moe.app.cli import _abort_line
-from s2moe.engine.runtime import on_llama_abort
+from s2moe.engine.decoding.runtime import on_llama_abort
 on_llama_abort(_abort_line)
 llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), llama_cpp.llama_model_default_params())
 print("not reached")
@@ -222,7 +222,7 @@ import sys
 import llama_cpp
 from s2moe.app.cli import _abort_line
 from s2moe.engine.model_info import read_model_info
-from s2moe.engine.runtime import LlamaRuntime, on_llama_abort
+from s2moe.engine.decoding.runtime import LlamaRuntime, on_llama_abort
 on_llama_abort(_abort_line)
 rt = LlamaRuntime(read_model_info(sys.argv[1]), n_ctx=64, n_threads=1)
 llama_cpp.llama_vocab_get_text(rt.vocab, 1000000)  # id_to_token.at(): std::out_of_range through the C API
@@ -244,7 +244,7 @@ def test_a_cpp_exception_through_llama_cpps_c_api_is_one_line(tiny_models):
 
 # -- threads and context ----------------------------------------------------------------------------------
 def test_threads_are_capped_with_one_line(tiny_models, capsys, monkeypatch):
-    from s2moe.engine import runtime
+    from s2moe.engine.decoding import runtime
 
     monkeypatch.setattr(runtime, "default_threads", lambda: 2)
     for threads in ("999", "99999999999999999999"):
@@ -271,7 +271,7 @@ def test_a_context_whose_cache_would_not_fit_in_memory_says_so(tiny_models, caps
     """llama.cpp allocates the whole KV cache up front: a context whose cache would take more than half the
     memory available is refused in one line that names the model's training context (a 16 Mi context held
     8.6 GB on a tiny model)."""
-    from s2moe.engine import runtime
+    from s2moe.engine.decoding import runtime
     from s2moe.engine.model_info import read_model_info
 
     monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 30)
@@ -309,7 +309,7 @@ class _InterruptOnFirstLine:
 
 
 def test_ctrl_c_inside_llama_cpp_log_callback_interrupts_the_load(tiny_models, monkeypatch, capfd):
-    from s2moe.engine import runtime
+    from s2moe.engine.decoding import runtime
     from s2moe.engine.model_info import read_model_info
 
     info = read_model_info(tiny_models["olmoe"])
@@ -323,8 +323,8 @@ def test_ctrl_c_inside_llama_cpp_log_callback_interrupts_the_load(tiny_models, m
 
 
 def test_ctrl_c_during_calibrate_model_load_writes_no_profile(tiny_models, monkeypatch, tmp_path):
-    from s2moe.engine import runtime
-    from s2moe.engine.calibrate import run_calibration
+    from s2moe.engine.decoding import runtime
+    from s2moe.engine.measure.calibrate import run_calibration
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     monkeypatch.setattr(runtime, "_log", _InterruptOnFirstLine())
@@ -496,7 +496,7 @@ class _SignalDuring:
 def test_llama_cpp_calls_finish_before_a_ctrl_c_is_raised(decoders, monkeypatch, call):
     import llama_cpp
 
-    from s2moe.engine.decoder import GenerationConfig
+    from s2moe.engine.decoding.decoder import GenerationConfig
 
     decoder = decoders["olmoe"]
     spy = _SignalDuring(getattr(llama_cpp, call))
@@ -515,7 +515,7 @@ def test_a_generation_swaps_the_signal_handlers_once_per_step(decoders, monkeypa
     """Swapping the handlers costs a measurable share of a small model's decode (docs/reliability.md): a generation
     swaps them once per step, not around each llama.cpp call (a speculative step drafts and verifies)."""
     from s2moe.engine import errors
-    from s2moe.engine.decoder import GenerationConfig
+    from s2moe.engine.decoding.decoder import GenerationConfig
 
     swaps = []
     real = signal.signal
@@ -675,7 +675,7 @@ def test_calibrate_flag_values_that_raised_or_meant_the_default(tiny_models, cap
 
 
 def test_gpu_layers_reach_llama_cpp(tiny_models, capsys, monkeypatch):
-    from s2moe.engine.runtime import LlamaRuntime
+    from s2moe.engine.decoding.runtime import LlamaRuntime
 
     asked = []
     real = LlamaRuntime.__init__
@@ -748,7 +748,7 @@ def test_a_utf16_profile_is_one_line_and_lists_as_invalid(tiny_models, tmp_path,
 
 # -- calibrate says what is wrong before it measures, in one line ---------------------------------------------
 def _first_event(model, **kw):
-    from s2moe.engine.calibrate import run_calibration
+    from s2moe.engine.measure.calibrate import run_calibration
 
     return next(run_calibration(str(model), prompts=["hello"], n_threads=1, repeats=1, **kw))
 
@@ -1205,9 +1205,9 @@ def test_a_symlinked_copy_cache_or_profile_is_written_through(tiny_models, tmp_p
 
 KILLED_COPY_CACHE_SAVE = """
 import os, sys, time
-from s2moe.engine.copycache import save_copy_cache
+from s2moe.engine.drafting.copycache import save_copy_cache
 from s2moe.engine.model_info import read_model_info
-from s2moe.engine.policies import EarlierText
+from s2moe.engine.drafting.policies import EarlierText
 
 def stuck(src, dst):  # the temporary file written, not yet renamed
     print("writing", flush=True)
@@ -1221,10 +1221,10 @@ save_copy_cache(sys.argv[2], read_model_info(sys.argv[1]), earlier)
 
 
 def test_a_copy_cache_save_removes_the_temporary_file_a_killed_save_left(tiny_models, tmp_path):
-    from s2moe.engine.copycache import load_copy_cache, save_copy_cache
+    from s2moe.engine.drafting.copycache import load_copy_cache, save_copy_cache
     from s2moe.engine.files import STALE_TMP_SECONDS
     from s2moe.engine.model_info import read_model_info
-    from s2moe.engine.policies import EarlierText
+    from s2moe.engine.drafting.policies import EarlierText
 
     model, cache = str(tiny_models["olmoe"]), tmp_path / "copies.json"
     proc = subprocess.Popen([sys.executable, "-c", KILLED_COPY_CACHE_SAVE, model, str(cache)],

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from s2moe.engine.costmodel import measure_cost_constants
-from s2moe.engine.decoder import Decoder, GenerationConfig, run
+from s2moe.engine.measure.costmodel import measure_cost_constants
+from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Started
-from s2moe.engine.policies import UtilityStop, rule_cost
+from s2moe.engine.drafting.policies import UtilityStop, rule_cost
 from s2moe.engine.profiles import cost_for_model, validate_profile
 
 FINGERPRINT = "d09f3c78bdbddbd4"
@@ -94,7 +94,7 @@ def test_start_up_measurement_times_drafts_among_the_allowed_experts(decoders):
 def test_bench_names_what_each_chain_drafted_from(decoders):
     """bench runs s2moe and its resident-drafting variant interleaved; each self-drafting row says what its
     drafts read (here, with no budget, every draft reads the router's choice), ar says nothing."""
-    from s2moe.engine.bench import BenchDone, run_bench
+    from s2moe.engine.measure.bench import BenchDone, run_bench
 
     d = decoders["olmoe"]
     events = list(run_bench(str(d.info.path), prompts=["def add(a, b):"], modes=["ar", "s2moe", "s2moe:resident"],
@@ -109,7 +109,7 @@ def test_bench_names_what_each_chain_drafted_from(decoders):
 def test_bench_modes_take_what_their_drafts_read():
     """Any mode or ladder rung that drafts from the model's own experts takes :resident or :router; the rung's
     own settings stay; a mode that does not draft from them, or another suffix, is refused by name."""
-    from s2moe.engine.bench import expected_lossless, mode_config
+    from s2moe.engine.measure.bench import expected_lossless, mode_config
 
     base = GenerationConfig()
     chain = mode_config("+shared-kv:resident", base)

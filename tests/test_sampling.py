@@ -10,11 +10,11 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from s2moe.engine.acceptance import accept
-from s2moe.engine.decoder import GenerationConfig, run
+from s2moe.engine.decoding.acceptance import accept
+from s2moe.engine.decoding.decoder import GenerationConfig, run
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished, Iteration, Started
-from s2moe.engine.sampling import MAX_SEED, PositionNoise, Sampling
+from s2moe.engine.decoding.sampling import MAX_SEED, PositionNoise, Sampling
 from test_engine_decoding import _chi2, _chi2_critical, assert_matches_ar
 
 # Options that change the distribution everywhere: a penalty strong enough to change greedy tokens, and

@@ -212,8 +212,8 @@ def test_a_stream_is_the_same_text_in_server_sent_events(server):
 def test_chat_renders_the_models_template(server, chat_model):
     """A chat answers the conversation as the GGUF's ChatML renders it: the same text as a completion of those
     tokens, whole and streamed."""
-    from s2moe.engine.chat import Message
-    from s2moe.engine.decoder import Decoder
+    from s2moe.engine.decoding.chat import Message
+    from s2moe.engine.decoding.decoder import Decoder
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "hello"}, {"role": "user", "content": "add two numbers"}]

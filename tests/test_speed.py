@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from s2moe.engine.speed import Load, LoadWatch, compare, judge, outliers, separated
+from s2moe.engine.measure.speed import Load, LoadWatch, compare, judge, outliers, separated
 
 
 def test_separated_needs_a_consistent_difference():

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from s2moe.app.cli import main
-from s2moe.engine.decoder import GenerationConfig
+from s2moe.engine.decoding.decoder import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Iteration, Started
-from s2moe.engine.policies import UtilityStop
-from s2moe.engine.projection import _Source, propose
-from s2moe.engine.trace import TraceRecorder, dumps, read_trace, write_trace
+from s2moe.engine.drafting.policies import UtilityStop
+from s2moe.engine.measure.projection import _Source, propose
+from s2moe.engine.measure.trace import TraceRecorder, dumps, read_trace, write_trace
 
 COST = dict(t_ar=1e-3, c_draft=2e-4, t_exp=1e-5, t_tok=1e-4, intercept=0.0, source="test")
 
@@ -95,7 +95,7 @@ def test_round_trip(decoders, tmp_path):
 
 
 def test_a_budgeted_trace_takes_the_disk_read_around_its_run_and_keeps_the_rest(decoders, tmp_path):
-    from s2moe.engine.trace import record_storage
+    from s2moe.engine.measure.trace import record_storage
 
     tr = record(decoders["olmoe"], mode="conf", n=8)
     ran = {"auto": True, "budget_bytes": 1 << 30, "hot_bytes": 0, "cache_bytes": 0, "pinned": [[0, 1]]}

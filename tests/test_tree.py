@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from s2moe.engine.decoder import GenerationConfig, run
+from s2moe.engine.decoding.decoder import GenerationConfig, run
 from s2moe.engine.events import CostConstants, Finished, Iteration
-from s2moe.engine.sampling import PositionNoise, Sampling, softmax
-from s2moe.engine.tree import DraftTree, accept_tree, tree_layout
+from s2moe.engine.decoding.sampling import PositionNoise, Sampling, softmax
+from s2moe.engine.decoding.tree import DraftTree, accept_tree, tree_layout
 
 from test_cli import assert_clean_error, s2moe
 from test_engine_decoding import (PROMPTS, PendingExperts, _chi2, _chi2_critical, assert_matches_ar, routed_experts,

@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from s2moe.app.cli import build_parser, generation_config, main, resolve_tuned
-from s2moe.engine.bench import load_prompts
+from s2moe.engine.measure.bench import load_prompts
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import CostConstants
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
-from s2moe.engine.tune import (QUALITY_SHARE, BenchChecks, Clock, MonotonicClock, Settings, TuneDone, TuneMeasured,
+from s2moe.engine.measure.tune import (QUALITY_SHARE, BenchChecks, Clock, MonotonicClock, Settings, TuneDone, TuneMeasured,
                                TuneMemoryQuality, TuneProgress, TuneQuality, TuneStarted, candidate_pool, decided,
                                default_settings, expected_check_s, run_tune, search_space,
                                too_close_to_call)
@@ -43,7 +43,7 @@ class IterationClock:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
-    from s2moe.engine.decoder import Decoder
+    from s2moe.engine.decoding.decoder import Decoder
 
     dec = Decoder(str(tiny_models["olmoe"]), n_ctx=512, n_threads=1)
     yield dec
@@ -128,7 +128,7 @@ def test_a_check_not_yet_timed_is_expected_to_take_what_its_own_kind_or_the_kind
 
 
 def test_the_defaults_memory_check_taking_long_does_not_make_their_batched_check_look_as_long(tiny_models, prompts):
-    from s2moe.engine.decoder import Decoder
+    from s2moe.engine.decoding.decoder import Decoder
     from s2moe.engine.offload import Pinning, offload_decoder
 
     dec = Decoder(str(tiny_models["olmoe"]), n_ctx=512, n_threads=1, use_extra_bufts=False)
@@ -521,7 +521,7 @@ def test_generate_takes_the_app_s_active_profile_unless_told_otherwise(tiny_mode
 
 def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
     from s2moe.app.tui.session import DEFAULTS, ChatSettings, EngineSession
-    from s2moe.engine.decoder import GenerationConfig
+    from s2moe.engine.decoding.decoder import GenerationConfig
 
     assert all(getattr(GenerationConfig(), k) == v for k, v in DEFAULTS.items())
 
@@ -605,7 +605,7 @@ def test_ctrl_c_as_tune_renames_the_profile_says_whether_it_was_written(tiny_mod
     import os
     import signal
 
-    import s2moe.engine.tune as tune
+    import s2moe.engine.measure.tune as tune
 
     model = str(tiny_models["olmoe"])
     info = read_model_info(model)

@@ -11,7 +11,7 @@ from test_app_support import FakeDecoder, scripted_events
 from test_cli import s2moe
 
 from s2moe.engine.events import CostConstants, DraftDecision, Iteration
-from s2moe.engine.policies import UtilityStop
+from s2moe.engine.drafting.policies import UtilityStop
 
 MS = 1e-3
 # a certain token saves a plain step (0.51 ms) but its draft pass and verify row cost 0.46 + 0.24 ms
@@ -88,7 +88,7 @@ def test_not_drafting_while_the_first_token_is_unlikely_then_probing():
 
 
 def test_the_decoder_puts_the_decision_on_each_iteration(decoders):
-    from s2moe.engine.decoder import GenerationConfig, run
+    from s2moe.engine.decoding.decoder import GenerationConfig, run
 
     events = run(decoders["olmoe"], "hello there", GenerationConfig(mode="s2moe", n_predict=6, cost=CANNOT_PAY,
                                                                     stop_at_eos=False))

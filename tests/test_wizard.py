@@ -12,12 +12,12 @@ from test_app_support import FakeDecoder
 
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.calibrate import FIELDS, ConfirmSave, Outcome, plain_words, step_outcome, tune_minutes
-from s2moe.engine.bench import CheckFigures
-from s2moe.engine.calibrate import CalibrationDone, StepResult, StepStarted
-from s2moe.engine.calibrate import run_calibration as REAL_RUN_CALIBRATION
-from s2moe.engine.tune import (Settings, TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality,
+from s2moe.engine.measure.bench import CheckFigures
+from s2moe.engine.measure.calibrate import CalibrationDone, StepResult, StepStarted
+from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
+from s2moe.engine.measure.tune import (Settings, TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality,
                                TuneStarted)
-from s2moe.engine.tune import run_tune as REAL_RUN_TUNE
+from s2moe.engine.measure.tune import run_tune as REAL_RUN_TUNE
 
 FP = "0123456789abcdef"  # the fake model's fingerprint
 WORKER_ERROR = ("s2moe.engine.errors.ConfigError: cannot lower the memory limit to the auto budget 1.2 GiB: the "
@@ -95,7 +95,7 @@ async def wait_for(pilot, cond, what, timeout=20.0):
 
 def wizard(monkeypatch, tmp_path, calibration):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    monkeypatch.setattr("s2moe.engine.calibrate.run_calibration", calibration)
+    monkeypatch.setattr("s2moe.engine.measure.calibrate.run_calibration", calibration)
     return S2MoEApp("fake-moe.gguf", decoder_factory=lambda path: FakeDecoder(path))
 
 
@@ -156,7 +156,7 @@ def test_an_error_mid_step_marks_that_step_failed(monkeypatch, tmp_path):
 def test_cli_calibrate_marks_failed_steps_and_doubtful_fits(monkeypatch, tmp_path, capsys):
     from s2moe.app.cli import main
 
-    monkeypatch.setattr("s2moe.engine.calibrate.run_calibration", scripted_calibration())
+    monkeypatch.setattr("s2moe.engine.measure.calibrate.run_calibration", scripted_calibration())
     assert main(["calibrate", "--model", "fake-moe.gguf", "--no-save", "--no-plot"]) == 0
     err = " ".join(capsys.readouterr().err.split())  # rich wraps at the console's width
     assert f"[5] budget: ✖ failed: {plain_words(WORKER_ERROR)} (cold T_exp derived from storage bandwidth)" in err
@@ -224,7 +224,7 @@ async def calibrated(pilot, app):
 
 def test_tuning_after_calibration_plots_the_candidates_and_saves_the_result(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune(calls))
+    monkeypatch.setattr("s2moe.engine.measure.tune.run_tune", scripted_tune(calls))
     app = wizard(monkeypatch, tmp_path, scripted_calibration())
     saved = tmp_path / "s2moe" / "profiles" / "my-box.yaml"
 
@@ -258,7 +258,7 @@ def test_tuning_after_calibration_plots_the_candidates_and_saves_the_result(monk
 
 def test_tuning_can_be_stopped_and_a_failure_is_marked(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune(calls, until_stopped=True))
+    monkeypatch.setattr("s2moe.engine.measure.tune.run_tune", scripted_tune(calls, until_stopped=True))
     app = wizard(monkeypatch, tmp_path, scripted_calibration())
 
     async def go():
@@ -270,7 +270,7 @@ def test_tuning_can_be_stopped_and_a_failure_is_marked(monkeypatch, tmp_path):
             await wait_for(pilot, lambda: not screen.running, "the stop")
             assert screen.tune.state == "stopped" and "partial: best so far" in screen.steps_text().plain
             assert screen.profile_to_save()["models"][FP].get("tuned") is None
-            monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune(calls, fail=True))
+            monkeypatch.setattr("s2moe.engine.measure.tune.run_tune", scripted_tune(calls, fail=True))
             await pilot.press("ctrl+t")
             await wait_for(pilot, lambda: screen.tune.state == "failed" and not screen.running, "the failure")
             text = screen.steps_text().plain
@@ -307,7 +307,7 @@ def test_a_failing_cold_worker_reports_its_reason_as_data(tmp_path):
     import sys
 
     gone = tmp_path / "gone.gguf"
-    out = subprocess.run([sys.executable, "-m", "s2moe.engine.calibrate", "--cold-worker",
+    out = subprocess.run([sys.executable, "-m", "s2moe.engine.measure.calibrate", "--cold-worker",
                           json.dumps({"model": str(gone), "cap": 8})], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
@@ -316,7 +316,7 @@ def test_a_failing_cold_worker_reports_its_reason_as_data(tmp_path):
 
 def test_the_tuning_step_snapshot(snap_compare, monkeypatch, tmp_path):
     """The wizard once tuning has finished: the candidates plotted by rung, the result under the steps."""
-    monkeypatch.setattr("s2moe.engine.tune.run_tune", scripted_tune([]))
+    monkeypatch.setattr("s2moe.engine.measure.tune.run_tune", scripted_tune([]))
     app = wizard(monkeypatch, tmp_path, scripted_calibration())
 
     async def run_before(pilot):

@@ -115,7 +115,7 @@ class S2MoEApp(App):
             self.model_loading = False  # before the screens hear of it: a prompt sent then starts at once
             post(self, ModelReady(model))
         except Exception as e:  # noqa: BLE001 - a model llama.cpp cannot load is a message, not a crash
-            from ...engine.copycache import CopyCacheError
+            from ...engine.drafting.copycache import CopyCacheError
 
             self.model_loading = False
             post(self, ModelFailed(failure_text(e), copy_cache=isinstance(e, CopyCacheError)))

@@ -10,9 +10,9 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Select, SelectionList, Static, TextArea
 from textual_plotext import PlotextPlot
 
-from ...engine import bench as engine_bench
-from ...engine.bench import BenchDone, BenchProgress, BenchRow, BenchTrace
-from ...engine.decoder import GenerationConfig
+from ...engine.measure import bench as engine_bench
+from ...engine.measure.bench import BenchDone, BenchProgress, BenchRow, BenchTrace
+from ...engine.decoding.decoder import GenerationConfig
 from ...engine.errors import ConfigError, S2MoEError
 from ..cli import SAMPLING_VALUES, sampling_value
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
@@ -38,7 +38,7 @@ DEFAULT_SAMPLING = GenerationConfig()
 
 def _traceable(info) -> bool:
     """Whether the model can record the traces a projection replays (a MoE model that can self-draft)."""
-    from ...engine.decoder import GenerationConfig
+    from ...engine.decoding.decoder import GenerationConfig
 
     try:
         GenerationConfig(mode="s2moe", trace=True).validate(info)

@@ -18,14 +18,14 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
 from textual_plotext import PlotextPlot
 
-from ...engine import calibrate as engine_calibrate
-from ...engine import tune as engine_tune
-from ...engine.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
+from ...engine.measure import calibrate as engine_calibrate
+from ...engine.measure import tune as engine_tune
+from ...engine.measure.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
 from ...engine.errors import S2MoEError
-from ...engine.gpu import Placement
+from ...engine.decoding.gpu import Placement
 from ...engine.offload import Budget
 from ...engine.profiles import cost_for_model, save_profile, tuned_condition
-from ...engine.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
+from ...engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
                             TuneStarted)
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .widgets import NavBar
@@ -495,7 +495,7 @@ class CalibrateScreen(Screen):
 
     @work(thread=True, group="engine", exit_on_error=False)
     def tune_worker(self, cost, seconds: float, offloaded: bool) -> None:
-        from ...engine.bench import load_prompts
+        from ...engine.measure.bench import load_prompts
 
         session = self.app.session
 

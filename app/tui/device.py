@@ -15,7 +15,7 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from ...engine.device import DeviceMonitor, DeviceSample
+from ...engine.measure.device import DeviceMonitor, DeviceSample
 from ...engine.offload.sizes import fmt_bytes
 from .live import spark
 from .widgets import NavBar

@@ -84,7 +84,7 @@ class ProjectionScreen(ModalScreen[None]):
         self.show()
 
     def show(self) -> None:
-        from ...engine.projection import project
+        from ...engine.measure.projection import project
 
         plot = self.query_one(ProjectionPlot)
         table = self.query_one("#projection-table", Static)

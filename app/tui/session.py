@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ...engine.errors import ConfigError, ModelError, S2MoEError
-from ...engine.sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P
+from ...engine.decoding.sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P
 
 # How a piece of the answer was produced. The chat colours each kind differently.
 DRAFT = "draft"            # a draft token the target accepted
@@ -41,13 +41,13 @@ def mode_help(mode: str) -> str:
 
 def engine_modes() -> tuple[str, ...]:
     """The decoding modes the installed engine accepts (the UI's mode selector is built from these)."""
-    from ...engine import decoder
+    from ...engine.decoding import decoder
 
     return tuple(decoder.MODES)
 
 
 def moe_modes() -> tuple[str, ...]:
-    from ...engine import decoder
+    from ...engine.decoding import decoder
 
     return tuple(getattr(decoder, "MOE_MODES", tuple(m for m in decoder.MODES if m != "ar")))
 
@@ -65,7 +65,7 @@ def shipped_default_model() -> Path | None:
 def ui_default_threads() -> int:
     """All cores but one: llama.cpp's threads spin-wait at barriers, and a UI thread competing with them
     for the last core slows decoding several times over."""
-    from ...engine.device import default_threads
+    from ...engine.measure.device import default_threads
 
     return default_threads(spare=1)
 
@@ -144,7 +144,7 @@ class ChatSettings:
             s = replace(s, draft_topk=tuned["draft_topk"])
         if model is None or s.draft_topk is not None:
             return s
-        from ...engine.decoder import routing_defaults
+        from ...engine.decoding.decoder import routing_defaults
 
         return replace(s, draft_topk=routing_defaults(model.n_expert, model.k).draft_topk)
 
@@ -302,9 +302,9 @@ class EngineSession:
             if self._factory is not None:
                 self.decoder = self._factory(self.model_path)
             else:
-                from ...engine.cpu_buffers import choose
-                from ...engine.decoder import Decoder
-                from ...engine.gpu import Placement
+                from ...engine.decoding.cpu_buffers import choose
+                from ...engine.decoding.decoder import Decoder
+                from ...engine.decoding.gpu import Placement
                 from ...engine.model_info import read_model_info
 
                 self.cpu_buffers = choose(read_model_info(self.model_path), self.budget is None)
@@ -318,7 +318,7 @@ class EngineSession:
                         self._close_decoder()
                         raise
             if self.copy_cache is not None:
-                from ...engine.copycache import load_copy_cache
+                from ...engine.drafting.copycache import load_copy_cache
 
                 try:
                     load_copy_cache(self.copy_cache, self.decoder.info, self.decoder.earlier)
@@ -326,7 +326,7 @@ class EngineSession:
                     self._close_decoder()
                     raise
                 self._copies_loaded = True
-            from ...engine.chat import Conversation
+            from ...engine.decoding.chat import Conversation
 
             self.template = self.decoder.chat_template
             self.conversation = Conversation(self.template) if self.template.usable else None
@@ -344,7 +344,7 @@ class EngineSession:
     def _offload(self, say: Callable[[int, int, str], None]) -> None:
         """Inside the app's memory cgroup: pin, prefetch, and size the budget (auto: after a warm-up)."""
         from ...engine import offload
-        from ...engine.decoder import GenerationConfig
+        from ...engine.decoding.decoder import GenerationConfig
 
         if offload.current_budget() is None:
             raise ConfigError("this app is not running inside its memory cgroup (start it with "
@@ -382,7 +382,7 @@ class EngineSession:
         loaded, self._copies_loaded = self._copies_loaded, False
         try:
             if decoder is not None and loaded:
-                from ...engine.copycache import save_copy_cache
+                from ...engine.drafting.copycache import save_copy_cache
 
                 save_copy_cache(self.copy_cache, decoder.info, decoder.earlier)
         finally:
@@ -447,7 +447,7 @@ class EngineSession:
             return {}
 
     def config(self, settings: ChatSettings, cost=None):
-        from ...engine.decoder import GenerationConfig
+        from ...engine.decoding.decoder import GenerationConfig
 
         tuned = self.tuned()
         settings = settings.resolved(self.model, tuned)
@@ -497,7 +497,7 @@ class EngineSession:
             if conversation is None:
                 events = decoder.generate(prompt, cfg, should_stop=self.stop.is_set)
             else:
-                from ...engine.chat import chat_tokens
+                from ...engine.decoding.chat import chat_tokens
 
                 events = decoder.generate(chat_tokens(decoder, conversation, prompt), cfg,
                                           should_stop=self.stop.is_set, keep_context=True)

@@ -53,13 +53,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .errors import ConfigError
-from .events import CostConstants
-from .offload import Budget, fmt_bytes, plan_budget, rank_counts, select_hot_experts
-from .offload.budget import AUTO_EXPERT_SHARE, plan_slack
-from .policies import (CascadeDrafter, ConfidenceStop, CopyPlanner, EarlierText, FixedLength, Proposal, StopRule,
+from ..errors import ConfigError
+from ..events import CostConstants
+from ..offload import Budget, fmt_bytes, plan_budget, rank_counts, select_hot_experts
+from ..offload.budget import AUTO_EXPERT_SHARE, plan_slack
+from ..drafting.policies import (CascadeDrafter, ConfidenceStop, CopyPlanner, EarlierText, FixedLength, Proposal, StopRule,
                        UtilityStop, rule_cost)
-from .profiles import cost_for_model, model_block, storage_rates
+from ..profiles import cost_for_model, model_block, storage_rates
 from .trace import Trace, TraceHeader
 
 # Two modes one cannot run, ceilings: oracle drafts exactly the tokens the target goes on to accept (a stopping

@@ -21,12 +21,12 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .costmodel import drift_tracked_fit, fault_explained_fit, fit_miss_cost, fit_verify_cost
-from .decoder import Decoder, GenerationConfig, default_reuse_cap
-from .errors import ConfigError
-from .files import MAX_PROMPT_FILE_BYTES, parse_json, read_bounded
-from .events import Iteration, Summary, Totals
-from .modes import CHAIN_DRAFT_MODES, DRAFT_EXPERTS, LOSSLESS_MODES, MODES, TREE_MODES
-from .sampling import MAX_SEED, PositionNoise
+from ..decoding.decoder import Decoder, GenerationConfig, default_reuse_cap
+from ..errors import ConfigError
+from ..files import MAX_PROMPT_FILE_BYTES, parse_json, read_bounded
+from ..events import Iteration, Summary, Totals
+from ..modes import CHAIN_DRAFT_MODES, DRAFT_EXPERTS, LOSSLESS_MODES, MODES, TREE_MODES
+from ..decoding.sampling import MAX_SEED, PositionNoise
 from .speed import MIN_PAIRS, Judgement, Load, LoadWatch, compare, judge
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -552,7 +552,7 @@ def machine_info(n_threads: int | None) -> dict:
 
 
 def reference_row(result: dict, budget: str, ar: BenchRow | None, prompt_set: str, n_prompts: int) -> BenchRow:
-    """The bench row of llama.cpp's own plain decoding (s2moe.engine.reference.plain_decoding's result). Where
+    """The bench row of llama.cpp's own plain decoding (s2moe.engine.measure.reference.plain_decoding's result). Where
     ar decoded by the argmax too (its row holds its tokens), the share of prompts on which llama.cpp's tokens are
     ar's: all of them, or our ar is not llama.cpp's decoding."""
     tps = result["tok_per_s"]

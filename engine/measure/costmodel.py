@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .events import CostConstants
+from ..events import CostConstants
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import native
-from .model_info import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelInfo
+from ... import native
+from ..model_info import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelInfo
 
 SCORE_RAW, SCORE_LOG, SCORE_LOGIT = 0, 1, 2
 PREGATE_MAX = 4  # layers ahead pre-gating may look (native/s2moe_hook.c)

@@ -30,8 +30,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .events import DraftCandidate
-from .policies import Drafter, Proposal, UtilityStop
+from ..events import DraftCandidate
+from ..drafting.policies import Drafter, Proposal, UtilityStop
 from .sampling import PositionNoise, Sampling
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import llama_cpp
 
-from .errors import ConfigError, ContextError
+from ..errors import ConfigError, ContextError
 
 ROLES = ("system", "user", "assistant")
 # A conversation every built-in template renders, to tell which one llama.cpp picked for a model (no system

@@ -17,20 +17,20 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from .acceptance import accept
-from .costmodel import iter_cost_constants
-from .errors import OPTION, ConfigError, ContextError, ModelError, held_steps
-from .events import CostConstants, Finished, Iteration, MeasuringCosts, Prefilled, ResidencySnapshot, Started
+from ..measure.costmodel import iter_cost_constants
+from ..errors import OPTION, ConfigError, ContextError, ModelError, held_steps
+from ..events import CostConstants, Finished, Iteration, MeasuringCosts, Prefilled, ResidencySnapshot, Started
 from .hook import distinct_per_layer
-from .model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
-from .policies import (CascadeDrafter, ConfidenceStop, Drafter, EarlierText, FixedLength, IndependentDrafter,
+from ..model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
+from ..drafting.policies import (CascadeDrafter, ConfidenceStop, Drafter, EarlierText, FixedLength, IndependentDrafter,
                        LayerSkipDrafter, LookupDrafter, LookupOrSelfDrafter, RecordingStop, SelfDrafter, UtilityStop,
                        rule_cost)
 from .gpu import Placement
-from .offload.budget import prefill_batch_room
+from ..offload.budget import prefill_batch_room
 from .runtime import DEFAULT_BATCH, LlamaRuntime
 from .sampling import (MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, PositionNoise, Sampling,
                        SeededSampler, check_seed, random_seed)
-from .modes import DRAFT_EXPERTS, MODES, MOE_MODES, TREE_MODES
+from ..modes import DRAFT_EXPERTS, MODES, MOE_MODES, TREE_MODES
 from .tree import TreeDrafter, verify_tree
 
 
@@ -357,7 +357,7 @@ class Decoder:
         return self._measured[key]
 
     def _measure_costs(self, cfg: GenerationConfig) -> Iterator[MeasuringCosts]:
-        from . import remembered_costs
+        from ..measure import remembered_costs
         from .runtime import llama_build_id
 
         self._context = None

@@ -1,6 +1,6 @@
 """Offloading benchmark: decoding speed under a memory budget, interleaved A/B runs.
 
-    python -m s2moe.engine.offload_bench --model M.gguf [--profile NAME] [--budget SIZE] [--rounds 3]
+    python -m s2moe.engine.measure.offload_bench --model M.gguf [--profile NAME] [--budget SIZE] [--rounds 3]
         [--prompts humaneval] [--n-prompts 3] [--tokens 32] [--threads 1] [--out results.json]
 
 Each run decodes the first --n-prompts prompts of the set (bench's sets: humaneval, natural or a JSONL file),
@@ -35,8 +35,8 @@ import statistics
 import sys
 import time
 
-from .errors import ConfigError, S2MoEError
-from .files import write_atomic
+from ..errors import ConfigError, S2MoEError
+from ..files import write_atomic
 
 ARMS = {
     "ar/none": dict(mode="ar", pin_base=False, pin_hot=False, prefetch=False),
@@ -65,9 +65,9 @@ ARMS = {
 def _worker(cfg: dict) -> int:
     import numpy as np
 
-    from .decoder import Decoder, GenerationConfig
-    from .events import Summary
-    from .offload import (Budget, Pinning, auto_budget_bytes, current_budget_cgroup, expert_map, offload_decoder,
+    from ..decoding.decoder import Decoder, GenerationConfig
+    from ..events import Summary
+    from ..offload import (Budget, Pinning, auto_budget_bytes, current_budget_cgroup, expert_map, offload_decoder,
                           process_anon_bytes)
 
     t0 = time.perf_counter()
@@ -117,9 +117,9 @@ PROBE_PROMPT = "The history of the printing press begins in the fifteenth centur
 def _run_arm(model, budget: int, cfg) -> dict:
     import subprocess
 
-    from .offload import Budget, run_in_budget
+    from ..offload import Budget, run_in_budget
 
-    argv = [sys.executable, "-m", "s2moe.engine.offload_bench", "--worker", json.dumps(cfg)]
+    argv = [sys.executable, "-m", "s2moe.engine.measure.offload_bench", "--worker", json.dumps(cfg)]
     with run_in_budget(argv, Budget(budget), model, tag="bench", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True) as run:
         out, err = run.proc.communicate()
@@ -165,9 +165,9 @@ def main(argv=None) -> int:
 
 def _compare(a) -> int:
     from .bench import load_prompts
-    from .model_info import read_model_info
-    from .offload import expert_map, fmt_bytes, parse_size
-    from .profiles import hot_experts_for_model, load_profile
+    from ..model_info import read_model_info
+    from ..offload import expert_map, fmt_bytes, parse_size
+    from ..profiles import hot_experts_for_model, load_profile
 
     unknown = [arm for arm in a.arms.split(",") if arm not in ARMS]
     if unknown:

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
-from .events import Finished, ForcedDraft, Iteration, Prefilled, Started
-from .files import check_writable, parse_json, read_bounded, write_atomic
-from .modes import DRAFT_EXPERTS
+from ..errors import ConfigError
+from ..events import Finished, ForcedDraft, Iteration, Prefilled, Started
+from ..files import check_writable, parse_json, read_bounded, write_atomic
+from ..modes import DRAFT_EXPERTS
 
 TRACE_VERSION = 1
 OPTIONAL_HEADER_FIELDS = ("cost", "budget", "draft_experts", "prompt")  # absent: their defaults
@@ -184,7 +184,7 @@ def _ids(a, shape) -> np.ndarray:
 
 def model_sizes(path) -> tuple[float, int]:
     """(bytes of one expert, mean over MoE layers; bytes of everything else) of a GGUF MoE model."""
-    from .offload import expert_map
+    from ..offload import expert_map
 
     emap = expert_map(path)
     eb = emap.expert_bytes[list(emap.moe_layers)]
@@ -463,7 +463,7 @@ def record_storage(paths, storage: dict) -> None:
 def budget_record(offloader, hot_ranked, auto: bool) -> dict | None:
     """What a trace recorded under a memory budget keeps of it: the plan and the hot experts pinned (the same
     selection offload_decoder pins)."""
-    from .offload import rank_counts, select_hot_experts
+    from ..offload import rank_counts, select_hot_experts
 
     plan = offloader.plan
     if plan is None:

@@ -16,9 +16,9 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ConfigError
-from .files import check_writable, read_json, write_atomic, write_target
-from .model_info import ModelInfo
+from ..errors import ConfigError
+from ..files import check_writable, read_json, write_atomic, write_target
+from ..model_info import ModelInfo
 from .policies import EarlierText
 
 FORMAT = "s2moe-copy-cache"

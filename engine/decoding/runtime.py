@@ -22,13 +22,13 @@ import numpy as np
 # model is loaded, not in the middle of the first generation.
 import numpy.random  # noqa: F401
 
-from .device import default_threads, memory_bytes
-from .errors import OPTION, ConfigError, ContextError, ModelError, held_signals
+from ..measure.device import default_threads, memory_bytes
+from ..errors import OPTION, ConfigError, ContextError, ModelError, held_signals
 from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type, gpu_backend
 from .hook import RoutingHook
-from .model_info import ModelInfo
-from .offload.procfs import model_mappings
-from .offload.sizes import fmt_bytes
+from ..model_info import ModelInfo
+from ..offload.procfs import model_mappings
+from ..offload.sizes import fmt_bytes
 
 _log_tail: deque[str] = deque(maxlen=20)
 _log_count = 0  # lines logged so far: which of the tail a call wrote

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .errors import OPTION, ConfigError
+from ..errors import OPTION, ConfigError
 
 # llama.cpp's own pattern for expert tensors (LLM_FFN_EXPS_REGEX in its common library): split and fused
 # gate/up, down, and the chunked experts some architectures have. Searched in each tensor's name.
@@ -94,7 +94,7 @@ class Placement:
 
 def expert_tensor_names(path) -> list[str]:
     """Names of the model's tensors that llama.cpp's expert pattern matches."""
-    from .model_info import gguf_reader
+    from ..model_info import gguf_reader
 
     pattern = re.compile(EXPERT_TENSORS)
     return [t.name for t in gguf_reader(path).tensors if pattern.search(t.name)]
@@ -223,8 +223,8 @@ def _time_batches(cfg: dict) -> dict:
     """In a process of its own (the threshold is read once per process): load the model as `placement`
     says and time verification batches of each size; {"samples": [(experts, tokens, seconds)], "min_batch":
     the threshold the backend started with}."""
-    from .costmodel import iter_verify_samples
-    from .model_info import read_model_info
+    from ..measure.costmodel import iter_verify_samples
+    from ..model_info import read_model_info
     from .runtime import LlamaRuntime
 
     placement = Placement(**cfg["placement"])
@@ -244,7 +244,7 @@ def _time_batches(cfg: dict) -> dict:
 
 
 def _run_timing(cfg: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "s2moe.engine.gpu", "--time-batches", json.dumps(cfg)],
+    proc = subprocess.run([sys.executable, "-m", "s2moe.engine.decoding.gpu", "--time-batches", json.dumps(cfg)],
                           capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:

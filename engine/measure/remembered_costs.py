@@ -14,9 +14,9 @@ import json
 import time
 from dataclasses import asdict, replace
 
-from .errors import S2MoEError
-from .events import CostConstants
-from .files import read_json, state_dir, write_atomic
+from ..errors import S2MoEError
+from ..events import CostConstants
+from ..files import read_json, state_dir, write_atomic
 
 _MAX_BYTES = 4 << 20
 _KEEP = 64  # entries: one per model, budget and setting a user runs

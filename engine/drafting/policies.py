@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .events import CostConstants, DraftCandidate, DraftDecision, ForcedDraft
-from .sampling import SeededSampler
+from ..events import CostConstants, DraftCandidate, DraftDecision, ForcedDraft
+from ..decoding.sampling import SeededSampler
 
 
 @dataclass
@@ -437,7 +437,7 @@ class IndependentDrafter(Drafter):
     name = "naive"
 
     def __init__(self, dec, k_draft: int, n_threads: int | None = None):
-        from .runtime import LlamaRuntime
+        from ..decoding.runtime import LlamaRuntime
 
         info = dec.info
         self.rt = LlamaRuntime(info, n_ctx=dec.n_ctx, n_threads=n_threads, install_hook=False,

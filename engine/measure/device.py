@@ -70,7 +70,7 @@ class DeviceMonitor:
     model file's page-cache residency one mincore over its pages."""
 
     def __init__(self, model_path: str | None = None):
-        from .offload.procfs import block_device
+        from ..offload.procfs import block_device
 
         self.model_path = model_path
         self.disk = block_device(model_path) if model_path else None
@@ -82,9 +82,9 @@ class DeviceMonitor:
     def sample(self) -> DeviceSample:
         import time
 
-        from .errors import ConfigError
-        from .offload.cgroup import current_budget_cgroup
-        from .offload.procfs import (cpu_times, disk_read_bytes, file_cached_bytes, meminfo, process_memory,
+        from ..errors import ConfigError
+        from ..offload.cgroup import current_budget_cgroup
+        from ..offload.procfs import (cpu_times, disk_read_bytes, file_cached_bytes, meminfo, process_memory,
                                      process_read_bytes)
 
         t = time.monotonic()

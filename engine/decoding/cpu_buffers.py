@@ -11,7 +11,7 @@ that model, and the outcome is remembered per model and llama.cpp build, so the 
 Under a memory budget they are always off: offloading pages weights in and out of the mapped file, and
 a repacked copy lives in anonymous memory that cannot page.
 
-    python -m s2moe.engine.cpu_buffers MODEL.gguf   # the child's first decode (exit 0, or dies)
+    python -m s2moe.engine.decoding.cpu_buffers MODEL.gguf   # the child's first decode (exit 0, or dies)
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from .errors import S2MoEError
-from .model_info import ModelInfo
+from ..errors import S2MoEError
+from ..model_info import ModelInfo
 
 AMX_ENV = "S2MOE_AMX"
 # A first decode of a 25 MB model takes under a second; a 30 GB one that llama.cpp repacks reads the whole
@@ -89,7 +89,7 @@ class ProbeOutcome:
         return self.returncode == 0
 
     def describe(self) -> str:
-        from .crashes import exit_text
+        from ..crashes import exit_text
 
         if self.returncode is None:
             return f"no first decode within {PROBE_TIMEOUT_S:.0f} s"
@@ -131,7 +131,7 @@ def _records_file() -> Path:
 
 def _load_records() -> dict:
     # A cache of outcomes: one unreadable is checked again rather than trusted or reported.
-    from .files import read_json
+    from ..files import read_json
 
     try:
         records = read_json(_records_file(), "record", _RECORDS_MAX_BYTES)
@@ -141,7 +141,7 @@ def _load_records() -> dict:
 
 
 def _save_record(key: str, record: dict) -> None:
-    from .files import write_atomic
+    from ..files import write_atomic
 
     records = _load_records()
     records[key] = record
@@ -188,7 +188,7 @@ def choose(info: ModelInfo, wanted: bool, *, probe: Probe = probe_in_child,
 
 def first_decode(path: str) -> None:
     """What the child runs: the model loaded with extra buffer types, a batch and single steps decoded."""
-    from .model_info import read_model_info
+    from ..model_info import read_model_info
     from .runtime import LlamaRuntime
 
     info = read_model_info(path)

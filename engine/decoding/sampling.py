@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import OPTION, ConfigError
+from ..errors import OPTION, ConfigError
 
 # llama.cpp's defaults (common.h: top_k 40, top_p 0.95, min_p 0.05, penalty_repeat 1, penalty_last_n 64)
 TOP_K = 40

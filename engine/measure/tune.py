@@ -62,9 +62,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterator, Protocol
 
 from .bench import CheckFigures, balanced_order, gating_quality, memory_gating_quality
-from .decoder import Decoder, GenerationConfig
-from .errors import OPTION, ConfigError
-from .events import CostConstants, Finished, Iteration, Prefilled
+from ..decoding.decoder import Decoder, GenerationConfig
+from ..errors import OPTION, ConfigError
+from ..events import CostConstants, Finished, Iteration, Prefilled
 from .speed import LoadWatch, compare, judge, separated
 
 PPL_RATIO_MAX = 1.02

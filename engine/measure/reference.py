@@ -5,7 +5,7 @@ way: no routing hook, no pinning, no prefetch. Greedy (argmax of the last logits
 sampler picks). Under a memory budget it maps the model without CPU weight repacking (llama.cpp's
 `--no-repack`), since repacking copies every weight into anonymous memory and cannot page.
 
-    python -m s2moe.engine.reference --model M.gguf --prompts humaneval --n-prompts 8 -n 64 [--threads N]
+    python -m s2moe.engine.measure.reference --model M.gguf --prompts humaneval --n-prompts 8 -n 64 [--threads N]
         [--no-repack] --json OUT
 """
 
@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from .gpu import Placement
-from .model_info import read_model_info
-from .runtime import DEFAULT_BATCH, LlamaRuntime
+from ..decoding.gpu import Placement
+from ..model_info import read_model_info
+from ..decoding.runtime import DEFAULT_BATCH, LlamaRuntime
 
 
 def plain_decoding(model: str, prompts: list[str], n_tokens: int, *, n_threads: int | None = None,
@@ -54,7 +54,7 @@ def plain_decoding(model: str, prompts: list[str], n_tokens: int, *, n_threads: 
 
 def main(argv=None) -> int:
     from .bench import load_prompts
-    from .files import write_atomic
+    from ..files import write_atomic
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)

@@ -38,18 +38,18 @@ import numpy as np
 from .costmodel import (Stopped, context_line, fault_explained_fit, fit_context, fit_miss_cost, fit_verify_cost,
                         iter_context_steps, iter_time_steps, iter_verify_samples, r2_text, time_steps,
                         verify_samples)
-from .cpu_buffers import CpuBuffers
-from .cpu_buffers import choose as choose_cpu_buffers
-from .decoder import defaults_for
+from ..decoding.cpu_buffers import CpuBuffers
+from ..decoding.cpu_buffers import choose as choose_cpu_buffers
+from ..decoding.decoder import defaults_for
 from .device import cpu_name, default_threads, memory_bytes
-from .errors import ConfigError, ModelError, S2MoEError
-from .files import MAX_PROMPT_FILE_BYTES, read_bounded
-from .gpu import Placement
-from .model_info import read_model_info
-from .offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
+from ..errors import ConfigError, ModelError, S2MoEError
+from ..files import MAX_PROMPT_FILE_BYTES, read_bounded
+from ..decoding.gpu import Placement
+from ..model_info import read_model_info
+from ..offload import (Budget, BudgetUnavailable, MemoryCgroup, ModelMapping, drop_file_cache, expert_map, fmt_bytes,
                       process_anon_bytes, run_in_budget, select_hot_experts)
-from .profiles import SCHEMA_VERSION, check_name, check_writable, find_profile, load_profile, save_profile
-from .runtime import DEFAULT_BATCH
+from ..profiles import SCHEMA_VERSION, check_name, check_writable, find_profile, load_profile, save_profile
+from ..decoding.runtime import DEFAULT_BATCH
 from .trace import budget_record
 
 DEFAULT_NAME = "local"
@@ -267,11 +267,11 @@ def _fit_data(samples, fit) -> dict:
 
 # -- the cold (budget) worker ----------------------------------------------------------------------------------
 def _cold_worker(cfg: dict) -> int:
-    """Runs inside the budget cgroup (python -m s2moe.engine.calibrate --cold-worker JSON): loads the model
+    """Runs inside the budget cgroup (python -m s2moe.engine.measure.calibrate --cold-worker JSON): loads the model
     mmap-backed, offloads it as decoding does (pinned weights, code and hot experts, the routing hook's
     just-in-time prefetch and miss count) and times plain and draft steps and verification batches."""
-    from .decoder import Decoder
-    from .offload import Budget, current_budget_cgroup, offload_decoder
+    from ..decoding.decoder import Decoder
+    from ..offload import Budget, current_budget_cgroup, offload_decoder
 
     def emit(obj):
         sys.stdout.write(json.dumps(obj) + "\n")
@@ -347,7 +347,7 @@ def _plain_fetches(rt, counter, text: list[int], n: int) -> dict:
 def _run_cold(model_path, budget: Budget, cfg: dict):
     """Generator (yields (done, total)): the cold worker in a fresh memory cgroup; returns its result,
     with the budget it ran under (for auto, as the worker sized it)."""
-    argv = [sys.executable, "-m", "s2moe.engine.calibrate", "--cold-worker", json.dumps(cfg)]
+    argv = [sys.executable, "-m", "s2moe.engine.measure.calibrate", "--cold-worker", json.dumps(cfg)]
     with run_in_budget(argv, budget, model_path, tag="calibrate", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True) as run:
         result, pinned, sized, failure = None, None, budget.size, None
@@ -435,7 +435,7 @@ def _gb(bytes_per_s: float | None, digits: int | None = None) -> float | None:
 
 
 def _step_plain_and_draft(cal: _Calibration, index: int):
-    from .runtime import LlamaRuntime
+    from ..decoding.runtime import LlamaRuntime
 
     cal.rt = LlamaRuntime(cal.info, n_ctx=512, n_threads=cal.threads, max_verify_rows=max(16, cal.draft_cap + 1),
                           use_extra_bufts=cal.cpu.extra, placement=cal.placement)
@@ -463,8 +463,8 @@ def _workload_terms(cal: _Calibration, index: int):
     drift of the machine lands on both), and this engine's host work per draft pass and per verified row from
     generations of the engine itself, drafting to the cap as a trace does, over the first calibration prompts,
     with the draft passes' decode as timed here taken out."""
-    from .decoder import Decoder, GenerationConfig
-    from .events import CostConstants
+    from ..decoding.decoder import Decoder, GenerationConfig
+    from ..events import CostConstants
     from .projection import engine_host_times
     from .trace import TraceRecorder
 
@@ -525,8 +525,8 @@ def _plain_iterations(decoder, prompt: str, index: int):
     """Generator (yields StepProgress): [(tokens of context, seconds)] of each iteration of plain decoding (mode
     ar) through the engine, from one event to the next: the step and the loop's own work, as decoding runs them,
     over a long generation so that the context grows past what workloads run at."""
-    from .decoder import GenerationConfig
-    from .events import Iteration, Prefilled
+    from ..decoding.decoder import GenerationConfig
+    from ..events import Iteration, Prefilled
 
     tokens = decoder.tokenize(prompt)[:64] or [0]
     n = min(PLAIN_TOKENS, decoder.n_ctx - len(tokens) - 2)
@@ -606,7 +606,7 @@ NO_GPU_DEVICE = "skipped: no GPU among llama.cpp's devices"  # a backend of othe
 
 
 def _step_gpu(cal: _Calibration, index: int):
-    from .gpu import gpu_backend, gpu_device_type, measure_copy_mode, transfer_rate
+    from ..decoding.gpu import gpu_backend, gpu_device_type, measure_copy_mode, transfer_rate
 
     name = STEPS[index - 1][0]
     if not gpu_backend():
@@ -878,7 +878,7 @@ def _check_loads(info, n_threads: int | None, draft_cap: int, placement: Placeme
     """Load the model as step 2 will, and let go of it: a file llama.cpp refuses is one error before the
     first step prints anything, not one after step 1's output. The load reads the file into the page cache,
     which the bandwidth step drops again before it measures storage; it is not kept open for that reason."""
-    from .runtime import LlamaRuntime
+    from ..decoding.runtime import LlamaRuntime
 
     LlamaRuntime(info, n_ctx=512, n_threads=n_threads, max_verify_rows=max(16, draft_cap + 1), use_extra_bufts=False,
                  placement=placement, install_hook=False).close()
@@ -894,7 +894,7 @@ def _merge_into_existing(name: str, fresh: dict, fingerprint: str, block: dict) 
     models = {}
     try:
         path = find_profile(name)
-        from .profiles import user_profile_dir
+        from ..profiles import user_profile_dir
 
         if path.parent == user_profile_dir():
             old = load_profile(name)

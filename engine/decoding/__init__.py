@@ -1,0 +1,1 @@
+"""Decoding on stock llama.cpp: the runtime, the routing hook, the decoder loop, sampling, verification, trees, chat."""
