@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.installed-stamp
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 
-.PHONY: run test install clean-venv
+.PHONY: run test check typecheck install clean-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,16 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# Lint, format and types: strict on the engine.
+check: $(STAMP) typecheck
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	mkdir -p .typecheck/s2moe
+	for d in engine app native profiles; do ln -sfn ../../$$d .typecheck/s2moe/$$d; done
+	cd .typecheck && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p s2moe.engine
 
 clean-venv:
 	rm -rf $(VENV)
