@@ -210,14 +210,15 @@ def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: Ex
 
 
 def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXPERT_SHARE, *,
-                      experts_stay: bool = False) -> int:
+                      experts_stay: bool = False, reserved: int = 0) -> int:
     """`--budget auto` for a process already running inside `cg`, loaded and warmed up: everything the
     cgroup holds now except the model's expert pages (anonymous memory, pinned weights, library and
     Python file pages), plus `share` of the expert bytes as the expert cache, plus a little slack.
     experts_stay: the expert pages in memory now stay there and count as held. So it is once the offloader
     keeps the expert cache: starting, the cache dropped every expert page it could, and what remains shares
     the page cache's large folios with pinned weights. Left out, those pages ate the slack, and the budget's
-    reclaim took a verification's experts as it read them (docs/offloading.md).
+    reclaim took a verification's experts as it read them (docs/offloading.md). `reserved`: memory the
+    process will hold that the cgroup does not yet (its compute buffers' untouched pages).
 
     Counting what the cgroup really holds matters: a budget built from the anonymous memory alone left
     the expert cache near zero (every expert missed on every token, measured) because the interpreter's
@@ -229,7 +230,7 @@ def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXP
             resident = float((mapping.expert_residency() * emap.expert_bytes[:, None]).sum())
         finally:
             mapping.close()
-    held = max(0, cg.usage() - int(resident))
+    held = max(0, cg.usage() - int(resident)) + reserved
     # the slack absorbs what the heap still grows by in the first real generations after a warm-up, so
     # that the expert cache keeps its share; 2 MiB was too little: a module the first generation imported
     # (2.2 MiB) had a session under auto killed by the cgroup's OOM killer

@@ -143,15 +143,17 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
                 said_if_slow(say, "warming up: every graph shape and buffer this run needs, before the budget is "
                                   "planned…"):
             warm_up()
-    if budget is not None:
-        # what any prompt will need (its prefill chunks), before what the process holds is measured or planned
-        with said_if_slow(say, f"touching the compute buffers of a {decoder.rt.n_batch}-token batch…"):
-            decoder.rt.touch_largest_batch()
+    # What any prompt will need (its prefill chunks) is counted before what the process holds is planned:
+    # llama.cpp sizes its compute buffers for the largest batch, but their pages come in only as a batch that
+    # large runs, and the warm-up's batches are short. Counted, not touched: touching them decodes a whole
+    # batch (11 s on two cores for a 7B model), and the size llama.cpp reports is what touching them adds
+    # (194 of 195 MiB on the widened model, measured); the little the warm-up touched is counted twice.
+    reserved = decoder.rt.compute_buffer_bytes if budget is not None else 0
     room, share, fitted = None, AUTO_EXPERT_SHARE, None
     if cg is not None and budget.auto:
-        size = auto_budget_bytes(cg, emap)  # provisional: sizes the hot-expert plan
+        size = auto_budget_bytes(cg, emap, reserved=reserved)  # provisional: sizes the hot-expert plan
         room = int(AUTO_EXPERT_SHARE * emap.total_expert_bytes)
-        size, room, fitted = fit_to_available(size, room, process_anon_bytes())
+        size, room, fitted = fit_to_available(size, room, process_anon_bytes() + reserved)
         floor = _one_layer_bytes(emap, decoder.info.n_expert_used)
         if fitted is not None and room < floor:
             raise ConfigError(f"an auto budget does not fit here: the memory available ({fmt_bytes(fitted)}) holds "
@@ -162,7 +164,8 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     # the warm-up's whole model is still cached, they left the kernel (cgroup v1) unable to reclaim that
     # cache down to the limit (EBUSY at any step, measured), although the plan had room for them.
     with said_if_slow(say, f"pinning the weights every step reads ({fmt_bytes(sum(n for _, n in emap.pinnable()))})…"):
-        off, hot = _attach(decoder, emap, size, hot_ranked, pinning, pin_hot=cg is None, expert_room=room)
+        off, hot = _attach(decoder, emap, size, hot_ranked, pinning, pin_hot=cg is None, expert_room=room,
+                           reserved=reserved)
     if fitted is not None:
         off.budget_note = (f"fitted to the {fmt_bytes(fitted)} of memory available: {fmt_bytes(room)} for experts "
                            f"instead of a third of them ({fmt_bytes(int(AUTO_EXPERT_SHARE * emap.total_expert_bytes))})")
@@ -170,8 +173,8 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         if budget.auto:
             # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
             # buffers) would otherwise come out of the expert cache.
-            anon, pinned = process_anon_bytes(), off.map.locked_bytes
-            size = max(auto_budget_bytes(cg, emap, share, experts_stay=off.keeps_expert_cache),
+            anon, pinned = process_anon_bytes() + reserved, off.map.locked_bytes
+            size = max(auto_budget_bytes(cg, emap, share, experts_stay=off.keeps_expert_cache, reserved=reserved),
                        auto_floor(anon_bytes=anon, base_bytes=pinned, expert_room=room,
                                   one_layer_bytes=_one_layer_bytes(emap, decoder.info.n_expert_used)))
             try:
@@ -221,10 +224,11 @@ def _largest_unpinned_layer(emap, pinned) -> int:
 
 
 def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinning, *,
-            pin_hot: bool = True, expert_room: int | None = None) -> tuple[Offloader, list]:
+            pin_hot: bool = True, expert_room: int | None = None, reserved: int = 0) -> tuple[Offloader, list]:
     """Pin non-expert weights + library code, then the longest prefix of the ranked hot experts that the
     budget's plan allows (the plan counts the process's anonymous memory and everything pinned). Returns
-    the offloader and the hot experts chosen (pinned only with pin_hot: else the caller pins them)."""
+    the offloader and the hot experts chosen (pinned only with pin_hot: else the caller pins them). `reserved`:
+    memory the process will hold that it does not hold yet (its compute buffers' untouched pages)."""
     off = Offloader(decoder.info.path, prefetch=pinning.predicted_prefetch, emap=emap)
     off.lookahead = pinning.lookahead
     if pinning.base:
@@ -232,7 +236,7 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
     plan = None
     hot = []
     k = decoder.info.n_expert_used
-    anon = process_anon_bytes()
+    anon = process_anon_bytes() + reserved
     if budget_bytes is not None and expert_room is not None:
         # sized around the process: never below what the plan counts it holds, or check_room would refuse it
         budget_bytes = max(budget_bytes, auto_floor(anon_bytes=anon, base_bytes=off.map.locked_bytes,
