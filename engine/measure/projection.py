@@ -50,7 +50,9 @@ together for a set of traces, a profile and a budget.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import ConfigError
 from ..profiles import model_block
@@ -73,9 +75,9 @@ class Projection:
     repeats: int = 1      # times the traces were replayed over
     modes: dict[str, ModeProjection] = field(default_factory=dict)
     # under a budget, traces recorded under one: {policy: (fetched as the recording counted, as simulated)}
-    cache_fit: dict = field(default_factory=dict)
+    cache_fit: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"profile": self.profile, "budget": self.budget, "basis": self.basis, "traces": self.traces,
                 "repeats": self.repeats, "terms": self.terms,
                 "modes": {m: r.as_dict() for m, r in self.modes.items()},
@@ -101,8 +103,9 @@ def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[Worklo
     return NO_TERMS, "the profile's constants only (it has no workload terms: context growth and host work left out)"
 
 
-def project(traces: list[Trace], profile: dict, *, budget: str | None = None, modes=RUNNABLE_MODES,
-            threshold: float | None = None, policy: str = "lru", fit_cache: bool = False,
+def project(traces: list[Trace], profile: dict[str, Any], *, budget: str | None = None,
+            modes: Sequence[str] = RUNNABLE_MODES, threshold: float | None = None, policy: str = "lru",
+            fit_cache: bool = False,
             terms: str = "profile", cache_size: str = "plan", disk: str = "profile",
             lookup: bool = True, session: bool = True, repeats: int = 1) -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache

@@ -7,15 +7,18 @@ the host-time fit, so that both price a fetch and a draft pass alike.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ConfigError
 from ..events import CostConstants
 from ..profiles import cost_for_model, model_block, storage_rates
-from .trace import Trace, TraceHeader
-
+from .cache_model import ExpertIds
+from .trace import Trace, TraceHeader, TraceStep
 
 FETCH_FIT_R2_MIN = 0.8
 @dataclass(frozen=True)
@@ -35,19 +38,20 @@ class DeviceCosts:
     terms: WorkloadTerms | None = None  # what calibrate measured beyond them (None: a profile from before it did)
 
 
-def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool, disk_gb_s: float | None = None) -> DeviceCosts:
+def device_costs(profile: dict[str, Any], header: TraceHeader, *, offloaded: bool,
+                 disk_gb_s: float | None = None) -> DeviceCosts:
     """The profile's constants for the trace's model (its calibration for that model, else its reference
     constants: then the trace stands in for the profile's model, whose expert size and costs apply).
     disk_gb_s: the depth-8 rate the traces' own run read; a fetch is then priced on that disk rather than on
     the one calibrate read (the same device on another day: a fetch's time scales with the rate)."""
     name = profile.get("name", "?")
     rule = cost_for_model(profile, header.fingerprint, header.model, offloaded=offloaded)
-    block = model_block(profile, header.fingerprint)
-    measured = block is not None
-    block = block if measured else profile["reference"]
+    found = model_block(profile, header.fingerprint)
+    measured = found is not None
+    block: dict[str, Any] = found if found is not None else profile["reference"]
     device = profile.get("device") or {}
 
-    def ms(key, source=block):
+    def ms(key: str, source: object = block) -> float | None:
         v = source.get(key) if isinstance(source, dict) else None
         return None if v is None else float(v) / 1e3
 
@@ -63,6 +67,7 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool, disk_gb
     by_bandwidth = expert_bytes / (storage * 1e9) if storage else None
     misses = block.get("fit_cold_misses") or {}
     cold, warm = ms("t_exp_cold_ms", misses), ms("t_exp_warm_ms", misses)
+    t_exp_cold = ms("t_exp_cold_ms")
     # a fit under the budget that explains little of the time it was fitted on (calibrate warns below this R²)
     # says little about a fetch either: the storage bandwidth does
     weak = measured and misses.get("r2") is not None and misses["r2"] < FETCH_FIT_R2_MIN
@@ -79,10 +84,10 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool, disk_gb
                                       f"budget has R² {misses['r2']:.2f})")
     elif measured and cold is not None and warm is not None and cold > warm:
         t_fetch, how = cold - warm, "fetch: the profile's cold − warm expert cost"
-    elif measured and ms("t_exp_cold_ms") is not None and ms("t_exp_cold_ms") > (t_exp or 0.0):
-        t_fetch, how = ms("t_exp_cold_ms") - (t_exp or 0.0), "fetch: the profile's cold − resident T_exp"
-    elif not measured and ms("t_exp_cold_ms") is not None:
-        t_fetch, how = ms("t_exp_cold_ms"), "fetch: the reference T_exp (expert bytes over storage bandwidth)"
+    elif measured and t_exp_cold is not None and t_exp_cold > (t_exp or 0.0):
+        t_fetch, how = t_exp_cold - (t_exp or 0.0), "fetch: the profile's cold − resident T_exp"
+    elif not measured and t_exp_cold is not None:
+        t_fetch, how = t_exp_cold, "fetch: the reference T_exp (expert bytes over storage bandwidth)"
     elif by_bandwidth is not None:
         t_fetch, how = by_bandwidth, "fetch: expert bytes over the profile's storage bandwidth"
     else:
@@ -105,7 +110,9 @@ def device_costs(profile: dict, header: TraceHeader, *, offloaded: bool, disk_gb
         t_exp = expert_bytes / (memory * 1e9) if memory else 0.0
     whose = "calibrated for this model" if measured else "reference constants, the trace standing in for its model"
     basis = f"profile {name}: {whose}; " + how
-    return DeviceCosts(name, ms("t_ar_ms"), ms("c_draft_ms"), t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis,
+    t_ar, c_draft = ms("t_ar_ms"), ms("c_draft_ms")
+    assert t_ar is not None and c_draft is not None  # cost_for_model validated this block, which requires both
+    return DeviceCosts(name, t_ar, c_draft, t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis,
                        measured, profile_terms(block))
 
 
@@ -163,8 +170,9 @@ class WorkloadTerms:
     def describe(self) -> str:
         plain = ("" if self.t_plain is None else
                  f"plain step {self.t_plain * 1e3:.3f} ms + {self.ctx_plain * 1e6:.2f} µs, ")
+        ctx_draft = self.ctx_step if self.ctx_draft is None else self.ctx_draft
         draft = ("" if self.t_draft is None else
-                 f"draft pass {self.t_draft * 1e3:.3f} ms + {self.ctx_draft * 1e6:.2f} µs, ")
+                 f"draft pass {self.t_draft * 1e3:.3f} ms + {ctx_draft * 1e6:.2f} µs, ")
         return (f"{self.how}: {plain}{draft}verification + {self.ctx_step * 1e6:.2f} µs and "
                 f"{self.ctx_row * 1e6:.2f} µs per further row, per token of context beyond {self.context}; "
                 f"host {self.host_draft * 1e3:.3f} ms per draft pass and {self.host_row * 1e3:.3f} ms per "
@@ -174,7 +182,7 @@ class WorkloadTerms:
 NO_TERMS = WorkloadTerms(0.0, 0.0, 0.0, 0.0)
 
 
-def profile_terms(block: dict | None) -> WorkloadTerms | None:
+def profile_terms(block: dict[str, Any] | None) -> WorkloadTerms | None:
     """The terms `s2moe calibrate` measured on the device (a model block's `workload`), or None for a profile
     written before it measured them."""
     w = (block or {}).get("workload")
@@ -187,7 +195,7 @@ def profile_terms(block: dict | None) -> WorkloadTerms | None:
                          t_plain=float(w["t_plain_ms"]) / 1e3, ctx_plain=float(w["ctx_plain_us"]) / 1e6)
 
 
-def _context(tr: Trace):
+def _context(tr: Trace) -> Iterator[tuple[TraceStep, int]]:
     """(step, tokens of context before its verification batch) for every step of a trace."""
     ctx = tr.header.prompt_tokens - 1
     for s in tr.steps:
@@ -201,7 +209,8 @@ def engine_host_times(traces: list[Trace], c_draft: float, ctx_step: float, cont
     tokens of context plus `ctx_step` per further token, the rest of its recorded time is the engine's; the loop's
     time per row is what the recording took outside the draft passes and the verification. Medians over
     iterations, as the step constants are."""
-    per_pass, per_row = [], []
+    per_pass: list[float] = []
+    per_row: list[float] = []
     for tr in traces:
         for s, ctx in _context(tr):
             per_row.append(s.t_host / len(s.rows))
@@ -218,7 +227,7 @@ def engine_host_times(traces: list[Trace], c_draft: float, ctx_step: float, cont
 FITTED = "fitted from the traces' own timings (in-sample)"
 
 
-def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _nnls(X: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """Least squares with every coefficient ≥ 0, over the few unknowns here: the best of the subsets whose
     unconstrained solution is non-negative."""
     best, best_res = np.zeros(X.shape[1]), float(y @ y)
@@ -244,7 +253,8 @@ def recording_terms(traces: list[Trace], costs: DeviceCosts) -> WorkloadTerms:
         # under a budget what a pass took is mostly its fetches, whose count the recording knows only roughly:
         # the leftovers would be fetch noise, not attention or host time
         return WorkloadTerms(0.0, 0.0, 0.0, loop, how=FITTED + " (under a budget only the loop's time)", clip=True)
-    X, y = [], []
+    X: list[tuple[float, float]] = []
+    y: list[float] = []
     for tr in traces:
         for s, ctx in _context(tr):
             beyond = max(0, ctx - CALIBRATION_CONTEXT)
@@ -262,12 +272,12 @@ def recording_terms(traces: list[Trace], costs: DeviceCosts) -> WorkloadTerms:
     return WorkloadTerms(float(t_ctx), float(t_ctx), float(host), loop, how=FITTED, clip=True)
 
 
-def distinct(ids: np.ndarray) -> int:
+def distinct(ids: ExpertIds) -> int:
     """Distinct experts over layers of rows [rows, n_layer, k]."""
     return sum(len(set(ids[:, l].ravel().tolist()) - {-1}) for l in range(ids.shape[1]))
 
 
-def verify_compute(costs: DeviceCosts, rows: np.ndarray) -> float:
+def verify_compute(costs: DeviceCosts, rows: ExpertIds) -> float:
     """A verification of `rows` ([rows, n_layer, k]) on the profile's resident constants, anchored at the plain
     step: T_AR, T_tok per further row, T_exp per distinct expert beyond one row's."""
     extra = max(0, distinct(rows) - distinct(rows[:1]))

@@ -8,15 +8,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from ..drafting.policies import (
+    CascadeDrafter,
+    ConfidenceStop,
+    CopyPlanner,
+    EarlierText,
+    FixedLength,
+    Proposal,
+    SelfDrafter,
+    StopRule,
+    UtilityStop,
+    rule_cost,
+)
 from ..errors import ConfigError
-from ..drafting.policies import (CascadeDrafter, ConfidenceStop, CopyPlanner, EarlierText, FixedLength, Proposal, StopRule,
-                       UtilityStop, rule_cost)
-from .cache_model import CachePlan, ExpertCache, draft_pass_misses, with_cache
+from .cache_model import CachePlan, ExpertCache, ExpertIds, draft_pass_misses, with_cache
 from .replay_costs import NO_TERMS, DeviceCosts, WorkloadTerms, distinct, verify_compute
-from .trace import Trace
+from .trace import Drafted, Trace, TraceStep
 
 # Two modes one cannot run, ceilings: oracle drafts exactly the tokens the target goes on to accept (a stopping
 # rule that knows the outcome: the best any rule could do with the recorded drafter); perfect verifies the
@@ -61,7 +73,7 @@ class ModeProjection:
     def fetched_per_token(self) -> float:
         return self.fetched / self.tokens if self.tokens else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "tokens": self.tokens, "iterations": self.iterations, "drafted": self.drafted,
                 "accepted": self.accepted, "draft_passes": self.draft_passes, "seconds": self.seconds,
                 "tok_per_s": self.tok_per_s, "speedup_vs_ar": self.speedup, "accept_len": self.accept_len,
@@ -75,26 +87,26 @@ class ModeProjection:
 class _Source:
     """The recorded draft chain seen from pending position j of one trace step."""
 
-    def __init__(self, step, j: int):
+    def __init__(self, step: TraceStep, j: int):
         self.step, self.j = step, j
 
     @property
-    def pending(self) -> np.ndarray | None:
+    def pending(self) -> ExpertIds | None:
         return self.step.pending if self.j == 0 else self.step.drafted[self.j - 1].predicted
 
     def __len__(self) -> int:
         return len(self.step.drafted) - self.j if self.pending is not None else 0
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> Drafted:
         return self.step.drafted[self.j + i]
 
 
 @dataclass
 class _Draft(Proposal):
-    passes: list = field(default_factory=list)  # per draft pass: the [n_layer, k_d] experts it read
+    passes: list[ExpertIds] = field(default_factory=list)  # per draft pass: the [n_layer, k_d] experts it read
 
 
-def _mask(ids: np.ndarray, n_expert: int) -> np.ndarray:
+def _mask(ids: ExpertIds, n_expert: int) -> npt.NDArray[np.bool_]:
     m = np.zeros((ids.shape[0], n_expert + 1), bool)
     m[np.arange(ids.shape[0])[:, None], np.where(ids >= 0, ids, n_expert)] = True
     return m
@@ -111,8 +123,10 @@ def propose(rule: StopRule, src: _Source, max_len: int, k_d: int, n_expert: int)
     if not rule.worth_drafting():
         out.stop = "no-draft"
         return out
-    in_batch = _mask(src.pending, n_expert)
-    out.passes.append(src.pending[:, :k_d])
+    pending = src.pending
+    assert pending is not None  # a source without its pending token's experts has no length
+    in_batch = _mask(pending, n_expert)
+    out.passes.append(pending[:, :k_d])
     chain = 1.0  # p_i: the rule's acceptance of each token, multiplied
     out.stop = "cap"
     for i in range(max_len):
@@ -140,15 +154,16 @@ def propose(rule: StopRule, src: _Source, max_len: int, k_d: int, n_expert: int)
     return out
 
 
-class _ChainFromTrace:
+class _ChainFromTrace(SelfDrafter):
     """Cascade's inner drafter: a fixed length on the recorded chain (the source set before each call)."""
 
     def __init__(self, k_d: int, n_expert: int):
-        self.rule = FixedLength()
+        super().__init__(k_d, FixedLength())
         self.k_d, self.n_expert = k_d, n_expert
         self.source: _Source | None = None
 
-    def propose(self, dec, committed, max_len, sample) -> _Draft:
+    def propose(self, dec: object, committed: object, max_len: int, sample: object) -> _Draft:
+        assert self.source is not None  # the replay sets it before each proposal
         return propose(self.rule, self.source, max_len, self.k_d, self.n_expert)
 
 
@@ -206,7 +221,8 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
     h0 = traces[0].header
     res = ModeProjection(mode)
     rule: StopRule | None = None
-    cascade = inner = None
+    cascade: CascadeDrafter | None = None
+    inner: _ChainFromTrace | None = None
     if mode == "s2moe":
         rule = UtilityStop(rule_cost(costs.rule, h0.draft_experts), h0.threshold if threshold is None else threshold)
     elif mode == "conf":
@@ -234,8 +250,14 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
         tokens = [s.committed[i] for s in tr.steps for i in range(len(s.committed))]
         # as in decoding, a generation's copies look up its own context, then the earlier generations, with what
         # the rule learned of them
-        planner = CopyPlanner(rule, earlier, h.prompt) if copying else None
-        context = list(h.prompt) if copying else None
+        planner: CopyPlanner | None = None
+        prompt: tuple[int, ...] = ()
+        context: list[int] = []  # where copying: the prompt and the tokens committed so far
+        if copying:
+            # s2moe's rule and the oracle's; replay checked that every trace holds its prompt
+            assert isinstance(rule, UtilityStop) and h.prompt is not None
+            planner, prompt = CopyPlanner(rule, earlier, h.prompt), h.prompt
+            context = list(prompt)
         generated = 0
         while generated < tr.n_tokens:
             si, j = where[generated]
@@ -249,19 +271,21 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 del plan.tokens[right:], plan.kinds[right:]
                 if not right:
                     plan = None
+            draft: Proposal
             if plan is not None:
                 draft = _Draft(list(plan.tokens), stop="lookup")
             elif mode == "ar":
                 draft = _Draft()
-            elif cascade is not None:
+            elif cascade is not None and inner is not None:  # set together, for cascade
                 inner.source = src
                 draft = cascade.propose(None, None, max_len, None)
             elif mode == "oracle":
                 draft = propose(FixedLength(), src, min(max_len, step.accepted - j), h.k_d, h.n_expert)
             else:
+                assert rule is not None  # s2moe's and conf's
                 draft = propose(rule, src, max_len, h.k_d, h.n_expert)
             n = len(draft.tokens)
-            passes = getattr(draft, "passes", [])
+            passes: list[ExpertIds] = getattr(draft, "passes", [])
             if plan is not None:
                 # a copied token is accepted while it is the token the target went on to commit; a row past the
                 # first rejected one read what the target's own row at that position read (the best record of it)
@@ -283,6 +307,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             verify_misses = cache.access(rows)
             plain = n == 0 and plain_unobserved
             if plain:  # the whole iteration, the loop's own work with it
+                assert terms.t_plain is not None  # plain_unobserved
                 t_verify = terms.t_plain + terms.ctx_plain * beyond
             else:
                 t_verify = verify_compute(costs, rows) + (terms.ctx_step + terms.ctx_row * n) * beyond
@@ -324,12 +349,13 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                                           n if plan is not None or n == 0 else None, accepted)
                 context.extend(tokens[generated - committed: generated])
         if earlier is not None:
-            earlier.add(h.prompt, context)
+            earlier.add(prompt, context)
     return res
 
 
-def _row(tr: Trace, where: list[tuple[int, int]], position: int, gated: bool) -> np.ndarray:
+def _row(tr: Trace, where: list[tuple[int, int]], position: int, gated: bool) -> ExpertIds:
     """The experts the target read for the token at generated `position`: its recorded step's row of it."""
     si, i = where[position]
     step = tr.steps[si]
-    return (step.gated if gated else step.rows)[i]
+    row: ExpertIds = (step.gated if gated else step.rows)[i]
+    return row
