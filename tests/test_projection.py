@@ -11,7 +11,8 @@ from s2moe.app.cli import main
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import ForcedDraft
 from s2moe.engine.profiles import validate_profile
-from s2moe.engine.measure.projection import ExpertCache, project
+from s2moe.engine.measure.cache_model import ExpertCache
+from s2moe.engine.measure.projection import project
 from s2moe.engine.measure.trace import Drafted, Trace, TraceHeader, TraceStep, write_trace
 from dataclasses import replace
 
@@ -273,7 +274,7 @@ def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_mo
 def test_belady_s_rule_evicts_what_is_read_furthest_ahead():
     """The textbook sequence: with room for two, LRU misses every read; evicting the expert read furthest ahead
     misses six of eight."""
-    from s2moe.engine.measure.projection import CachePlan, with_cache
+    from s2moe.engine.measure.cache_model import CachePlan, with_cache
 
     reads = [np.array([[e]]) for e in (0, 1, 2, 0, 1, 3, 0, 1)]  # one layer, one expert per read
 
@@ -288,7 +289,7 @@ def test_belady_s_rule_evicts_what_is_read_furthest_ahead():
 
 
 def test_no_eviction_order_fetches_less_than_belady_s():
-    from s2moe.engine.measure.projection import CachePlan, with_cache
+    from s2moe.engine.measure.cache_model import CachePlan, with_cache
 
     rng = np.random.default_rng(7)
     for trial in range(20):
@@ -416,7 +417,7 @@ def test_what_the_constants_leave_out_is_recovered_from_the_recording_s_timings(
     draft passes plus 0.1 ms of host time, the loop 0.05 ms per verified row: all three come back."""
     from dataclasses import replace
 
-    from s2moe.engine.measure.projection import CALIBRATION_CONTEXT, device_costs, recording_terms
+    from s2moe.engine.measure.replay_costs import CALIBRATION_CONTEXT, device_costs, recording_terms
 
     tr = hand_trace(prompt_tokens=101)
     costs = device_costs(profile(), tr.header, offloaded=False)
@@ -565,7 +566,7 @@ def block_cost(prof: dict, fp: str):
 def test_a_calibrated_cache_size_scales_the_plan_s_cache():
     """calibrate --budget records the LRU cache that fetches what plain decoding counted; --cache-size calibrated
     scales the plan by it (here to nothing: every expert fetched), the default keeps the plan."""
-    from s2moe.engine.measure.projection import CachePlan, capacity_fetching
+    from s2moe.engine.measure.cache_model import CachePlan, capacity_fetching
 
     prof = profile()
     prof["models"][FP]["cache_fit"] = {"planned_experts": 10, "effective_experts": 0, "tokens": 5,

@@ -13,7 +13,7 @@ from s2moe.engine.decoding.decoder import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Iteration, Started
 from s2moe.engine.drafting.policies import UtilityStop
-from s2moe.engine.measure.projection import _Source, propose
+from s2moe.engine.measure.trace_replay import _Source, propose
 from s2moe.engine.measure.trace import TraceRecorder, dumps, read_trace, write_trace
 
 COST = dict(t_ar=1e-3, c_draft=2e-4, t_exp=1e-5, t_tok=1e-4, intercept=0.0, source="test")

@@ -465,7 +465,7 @@ def _workload_terms(cal: _Calibration, index: int):
     with the draft passes' decode as timed here taken out."""
     from ..decoding.decoder import Decoder, GenerationConfig
     from ..events import CostConstants
-    from .projection import engine_host_times
+    from .replay_costs import engine_host_times
     from .trace import TraceRecorder
 
     decoder = Decoder(str(cal.info.path), n_ctx=512, n_threads=cal.threads, max_draft=cal.draft_cap,
@@ -658,7 +658,7 @@ def storage_drift_note(before: float | None, after: float | None) -> str:
 def _cold_result(cal: _Calibration, index: int, res: dict, after: dict) -> StepResult:
     """Fit what the cold worker measured; keep it on cal.cold. after: the storage rates read once it was done
     ({queue depth: bytes/s}); the profile keeps the mean of those and the first step's."""
-    from .projection import decoding_fetch_price
+    from .replay_costs import decoding_fetch_price
 
     cal.budget_bytes = res["budget"]
     cs = [tuple(s) for s in res["samples"]]
@@ -715,7 +715,7 @@ def _cache_fit(plain: dict, record: dict | None, n_expert: int, expert_bytes: fl
     """How many experts the engine's offloading held in effect when plain decoding ran under the budget: the
     size of an LRU cache (beside the pinned hot experts) that fetches what decoding counted over the same tokens,
     the first PLAIN_FETCH_WARM tokens warming both up. None without a plan."""
-    from .projection import CachePlan, capacity_fetching
+    from .cache_model import CachePlan, capacity_fetching
 
     if record is None or not plain["ids"]:
         return None
