@@ -22,9 +22,10 @@ from ..errors import OPTION, ConfigError, ContextError, ModelError, held_steps
 from ..events import CostConstants, Finished, Iteration, MeasuringCosts, Prefilled, ResidencySnapshot, Started
 from .hook import distinct_per_layer
 from ..model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
-from ..drafting.policies import (CascadeDrafter, ConfidenceStop, Drafter, EarlierText, FixedLength, IndependentDrafter,
-                       LayerSkipDrafter, LookupDrafter, LookupOrSelfDrafter, RecordingStop, SelfDrafter, UtilityStop,
-                       rule_cost)
+from ..drafting.copies import LookupDrafter, LookupOrSelfDrafter
+from ..drafting.drafters import CascadeDrafter, Drafter, IndependentDrafter, LayerSkipDrafter, SelfDrafter
+from ..drafting.ngrams import EarlierText
+from ..drafting.stoprules import ConfidenceStop, FixedLength, RecordingStop, UtilityStop, rule_cost
 from .gpu import Placement
 from ..offload.budget import prefill_batch_room
 from .runtime import DEFAULT_BATCH, LlamaRuntime

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..files import check_writable, read_json, write_atomic, write_target
 from ..model_info import ModelInfo
-from .policies import EarlierText
+from .ngrams import EarlierText
 
 FORMAT = "s2moe-copy-cache"
 VERSION = 1

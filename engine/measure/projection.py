@@ -57,8 +57,10 @@ from ..errors import ConfigError
 from ..events import CostConstants
 from ..offload import Budget, fmt_bytes, plan_budget, rank_counts, select_hot_experts
 from ..offload.budget import AUTO_EXPERT_SHARE, plan_slack
-from ..drafting.policies import (CascadeDrafter, ConfidenceStop, CopyPlanner, EarlierText, FixedLength, Proposal, StopRule,
-                       UtilityStop, rule_cost)
+from ..drafting.copies import CopyPlanner
+from ..drafting.drafters import CascadeDrafter, Proposal
+from ..drafting.ngrams import EarlierText
+from ..drafting.stoprules import ConfidenceStop, FixedLength, StopRule, UtilityStop, rule_cost
 from ..profiles import cost_for_model, model_block, storage_rates
 from .trace import Trace, TraceHeader
 

@@ -1,0 +1,245 @@
+"""Drafts copied from text rather than drafted by a model pass: prompt lookup (LookupDrafter) and s2moe's copies,
+weighed whole by the utility rule (CopyPlanner) and otherwise the self-drafter's chain (LookupOrSelfDrafter).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..events import DraftCandidate
+from .drafters import Drafter, Proposal, SelfDrafter
+from .ngrams import EarlierText, NgramIndex
+from .stoprules import UtilityStop
+
+
+class LookupDrafter(Drafter):
+    """Prompt-lookup drafting: find the longest recent n-gram (n ≤ max_ngram) earlier in the context and
+    propose the tokens that followed it. Costs no model pass; deterministic drafts."""
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.index = NgramIndex(max_ngram, min_ngram)
+
+    def propose(self, dec, committed, max_len, sample) -> Proposal:
+        out = Proposal()
+        if max_len <= 0:
+            out.stop = "limit"
+            return out
+        t0 = time.perf_counter()
+        _, found, _ = self.index.lookup(committed, max_len)
+        n_layer = dec.info.n_layer
+        for token in found:
+            out.tokens.append(token)
+            out.chain.append(1.0)
+            out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, None,
+                                                 np.zeros(n_layer, int), True))
+        out.stop = "lookup" if found else "no-match"
+        out.seconds = time.perf_counter() - t0
+        return out
+
+
+@dataclass
+class CopyPlan:
+    """A copy from the context as the utility rule weighed it: the tokens to verify, each token weighed (kept or
+    the first declined) with its chained acceptance and the utility of the copy through it, and the numbers the
+    rule decided with (for a probe, those of the best copy it declined)."""
+
+    n: int                      # the length of the n-gram that matched
+    source: str                 # where it matched: "context" or "session"
+    probe: bool                 # declined, verified anyway (its first token only)
+    p: float                    # the learned acceptance of its first token (its kind, after an n-gram of that length)
+    rows: int                   # the copy's length as the rule priced it
+    expected: float             # the tokens the target is expected to accept of those rows
+    experts: float              # the experts the rule expects the rows to add to the pending row's
+    saved: float                # what a committed token saves (seconds)
+    cost: float                 # what verifying the rows costs
+    tokens: list[int] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)  # each token's, one of COPY_KINDS
+    weighed: list[tuple[int, float, float, bool]] = field(default_factory=list)  # (token, survival, utility, kept)
+
+
+class CopyPlanner:
+    """What s2moe decides about drafts copied from the context, apart from any model: decoding asks it before
+    each step (LookupOrSelfDrafter), and a projection replays it on a recorded generation's tokens with projected
+    times (engine.projection). The prices it decides with come from its rule's CopyLearner, whose clock is the
+    caller's: wall time in decoding, projected seconds in a replay."""
+
+    # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's
+    # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
+    def __init__(self, rule: UtilityStop, earlier: EarlierText | None = None, prompt: Sequence[int] = (),
+                 max_ngram: int = 3, min_ngram: int = 2, periodic: bool = True):
+        """earlier: the session's earlier generations, copied from where they match a longer n-gram than the
+        context (None: the context only); prompt: this generation's, whose own earlier runs are not copied."""
+        self.rule = rule
+        self.index = NgramIndex(max_ngram, min_ngram, periodic=periodic)
+        self.earlier, self.prompt = earlier, tuple(prompt)
+        self.learned = rule.copies(max_ngram)
+        self.learned.began()
+        self._costs_key: tuple | None = None
+        self._cost_table: list[tuple[float, float]] = []
+
+    def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
+        """The copy to verify after `context` (prompt and generated tokens, the last one pending), or None: no
+        n-gram found, or a copy the rule declines and does not probe.
+
+        A copy is weighed whole: of the lengths its match allows, the one that saves most, its expected accepted
+        tokens times what each saves less the threshold times its cost; declined where none saves anything.
+        Its first row adds the most experts and each further one fewer (CopyLearner), so a copy can pay
+        where its first token alone would not."""
+        rule, learned = self.rule, self.learned
+        # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
+        if max_len <= 0 or rule.cost.t_ar < rule.threshold * rule.copy_cost(1, 0.0):
+            return None
+        timed = learned.price()
+        saved, scale = timed or (rule.cost.t_ar, 1.0)
+        if timed is None and learned.plain_s is not None and learned.cache_serves_little():
+            # what a copied token saves is a plain step, timed here on every one of them, where the constants
+            # were measured on another day of the disk or at another split of the budget; only a copy's cost
+            # waits for copies to be timed. Not where the cache serves plain steps most of their experts: copies
+            # would disturb it, and the steps timed around them would show it disturbed (CopyLearner)
+            saved = learned.plain_s
+        # timing noise must not make copies look free: a row is never priced under a twentieth of a plain step
+        least_row = timed[0] / 20 if timed else 0.0
+        costs = self._costs(scale, max_len)
+        # where not even a copy of the likeliest kind pays at the prices timed, whatever its length, a probe could
+        # only re-time them, and rarely
+        chain, expected, hopeless, likeliest = 1.0, 0.0, True, learned.likeliest
+        for rows, (_, cost) in enumerate(costs, 1):
+            chain *= likeliest
+            expected += chain
+            if expected * saved >= rule.threshold * max(cost, rows * least_row):
+                hopeless = False
+                break
+        if hopeless and not learned.rare_probe_due():
+            return None
+        source = "context"
+        n, found, period = self.index.lookup(context, max_len)
+        kinds = ["context, looped" if i >= period else "context" for i in range(len(found))]
+        if self.earlier is not None and n < self.index.max_ngram:  # else the earlier text cannot match longer
+            n2, found2, agreed2 = self.earlier.lookup(self.prompt, context, max_len)
+            if found2 and n2 > n:
+                source, n, found = "session", n2, found2
+                kinds = ["session, agreed" if a else "session" for a in agreed2]
+        if not found:
+            return None
+        rates = {kind: learned.estimate(n, kind) for kind in set(kinds)}
+        weighed, survival, expected = [], 1.0, 0.0
+        best, best_gain = 0, -np.inf
+        for rows, kind in enumerate(kinds, 1):
+            survival *= rates[kind]
+            expected += survival
+            added, cost = costs[rows - 1]
+            cost = max(cost, rows * least_row)
+            weighed.append((survival, expected, added, cost))
+            gain = expected * saved - rule.threshold * cost
+            if gain > best_gain:
+                best, best_gain = rows, gain
+        probe = best_gain < 0
+        if hopeless:
+            learned.rare_probe_made()
+        elif probe and not learned.probe(n, kinds[0]):
+            return None
+        _, expected, added, cost = weighed[best - 1]
+        out = CopyPlan(n, source, probe, rates[kinds[0]], best, expected, added, saved, cost)
+        keep = 1 if probe else best
+        shown = keep if probe else keep + 1  # a copy's tokens, and the first one declined after them
+        for i, (survival, expected, added, cost) in enumerate(weighed[:shown]):
+            kept = i < keep
+            out.weighed.append((found[i], survival, rule.copy_utility(expected, saved, cost), kept))
+            if kept:
+                out.tokens.append(found[i])
+                out.kinds.append(kinds[i])
+        return out
+
+    def _costs(self, scale: float, max_len: int) -> list[tuple[float, float]]:
+        """(experts added, cost before the least row's floor) of copies of 1..max_len rows at these prices. Kept
+        while the prices stay: every step asks, and they change only as copies and drafts are verified or timed."""
+        rule, learned = self.rule, self.learned
+        per_row = rule.expected_first_experts
+        key = (scale, max_len, per_row, learned.overlap, learned.pending_experts)
+        if key != self._costs_key:
+            added = [learned.added(rows, per_row) for rows in range(1, max_len + 1)]
+            self._costs_key = key
+            self._cost_table = [(a, scale * rule.copy_cost(rows, a)) for rows, a in enumerate(added, 1)]
+        return self._cost_table
+
+    def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
+        """The verification of `plan`: the target accepted `accepted` of its tokens, and the verification read
+        `verify_experts` distinct experts summed over layers, `pending_experts` of them one row's."""
+        self.learned.learn(plan.n, plan.kinds, accepted, plan.probe)
+        rows = len(plan.tokens)
+        if rows == 0:
+            return
+        added = max(verify_experts - pending_experts, 0.0)
+        # what the rule expects a self-draft's first token to add: a copy's first row
+        self.rule.observe_first_experts(self.learned.verified(rows, added, pending_experts,
+                                                              self.rule.copy_cost(rows, added)))
+
+
+class LookupOrSelfDrafter(Drafter):
+    """s2moe's drafts: where the context repeats itself, the tokens that followed the repeated n-gram, kept while
+    the utility rule says they pay (CopyPlanner); otherwise the self-drafter's chain.
+
+    A copied token needs no draft pass. A copy of r rows pays when (Σ p_i)·T_AR ≥ threshold·(T_tok·r +
+    T_exp·E(r)), p_i the learned acceptance of copies after an n-gram of its length, chained over the copy, and
+    E(r) the experts r rows add to the verification, by the pool the verified copies share (before any, r times
+    the rule's running estimate of what a first draft token adds). Once copies were rejected whole and timed
+    here, the cost is scaled by what they took over their constants' price, and T_AR is the plain step as timed
+    here; before that, so is T_AR where plain steps under a memory budget fetch most of the experts they read
+    (CopyLearner)."""
+
+    name = "s2moe"
+    drafts_in_context = True
+
+    def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop, earlier: EarlierText | None = None,
+                 prompt: Sequence[int] = (), periodic: bool = True):
+        self.self_drafter = self_drafter
+        self.copies = CopyPlanner(rule, earlier, prompt, periodic=periodic)
+        # the last proposal's copy, and the experts of its pending token's row
+        self._copied: tuple[CopyPlan, int] | None = None
+        # when the last proposal began, its rows when it was plain (0) or copied, and how many of those the
+        # target accepted: what its iteration's time says
+        self._started: float | None = None
+        self._rows: int | None = None
+        self._accepted = 0
+
+    def propose(self, dec, committed, max_len, sample) -> Proposal:
+        now = time.perf_counter()
+        if self._started is not None:
+            self.copies.learned.timed(now - self._started, self._rows, self._accepted)
+        self._started, self._copied, self._accepted = now, None, 0
+        plan = self.copies.plan(committed, max_len)
+        if plan is None:
+            out = self.self_drafter.propose(dec, committed, max_len, sample)
+            self._rows = None if out.tokens else 0
+            return out
+        head = "lookup" if plan.source == "context" else "lookup: session"
+        out = Proposal(stop=f"{head}: probe" if plan.probe else
+                       f"{head}: utility" if not plan.weighed[-1][3] else head)
+        n_layer = dec.info.n_layer
+        for token, survival, u, keep in plan.weighed:
+            out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, u, np.zeros(n_layer, int),
+                                                 keep, None, survival))
+        out.tokens = list(plan.tokens)
+        out.chain = [1.0] * len(plan.tokens)
+        out.decision = self.copies.rule.copy_decision(plan.expected, plan.experts, plan.saved, plan.cost, plan.rows,
+                                                      probing=plan.probe, source=plan.source)
+        out.seconds = time.perf_counter() - now
+        self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
+        self._rows = len(plan.tokens)
+        return out
+
+    def feedback(self, it) -> None:
+        if it.verify_misses is not None and self._copied is None and not it.drafted:
+            self.copies.learned.fetched(int(np.sum(it.verify_misses)), int(np.sum(it.verify_experts)))
+        if self._copied is None:
+            self.self_drafter.feedback(it)
+            return
+        plan, pending_experts = self._copied
+        self._accepted = len(it.accepted)
+        self.copies.learn(plan, len(it.accepted), float(it.verify_experts.sum()), pending_experts)
