@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..events import DraftCandidate
+from ..decoding.sampling import SeededSampler
+from ..events import DraftCandidate, Iteration
 from .drafters import Drafter, Proposal, SelfDrafter
 from .ngrams import EarlierText, NgramIndex
 from .stoprules import UtilityStop
+
+if TYPE_CHECKING:  # the decoder builds its drafters: a run-time import would be circular
+    from ..decoding.decoder import Decoder
 
 
 class LookupDrafter(Drafter):
@@ -25,7 +29,7 @@ class LookupDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.index = NgramIndex(max_ngram, min_ngram)
 
-    def propose(self, dec, committed, max_len, sample) -> Proposal:
+    def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         out = Proposal()
         if max_len <= 0:
             out.stop = "limit"
@@ -80,7 +84,7 @@ class CopyPlanner:
         self.earlier, self.prompt = earlier, tuple(prompt)
         self.learned = rule.copies(max_ngram)
         self.learned.began()
-        self._costs_key: tuple | None = None
+        self._costs_key: tuple[float, int, float, float | None, float] | None = None
         self._cost_table: list[tuple[float, float]] = []
 
     def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
@@ -208,7 +212,7 @@ class LookupOrSelfDrafter(Drafter):
         self._rows: int | None = None
         self._accepted = 0
 
-    def propose(self, dec, committed, max_len, sample) -> Proposal:
+    def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         now = time.perf_counter()
         if self._started is not None:
             self.copies.learned.timed(now - self._started, self._rows, self._accepted)
@@ -234,7 +238,7 @@ class LookupOrSelfDrafter(Drafter):
         self._rows = len(plan.tokens)
         return out
 
-    def feedback(self, it) -> None:
+    def feedback(self, it: Iteration) -> None:
         if it.verify_misses is not None and self._copied is None and not it.drafted:
             self.copies.learned.fetched(int(np.sum(it.verify_misses)), int(np.sum(it.verify_experts)))
         if self._copied is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 
 # what the rule learns a copied token's acceptance by, beside n: where it was copied from (the generation's own
@@ -79,7 +80,7 @@ class CopyLearner:
         self.probe_every = probe_every
         self.probe_interval = np.full(shape, probe_every)
         self._declined = np.zeros(shape, int)
-        self._likeliest = (rate, float(self._raised(rate, 0.0)))  # of any n and kind: as seen, and raised
+        self._likeliest = (rate, float(self._raised(np.array(rate), np.array(0.0))))  # of any n and kind: as seen, and raised
         self._hopeless_steps = 0
         self.smoothing, self.min_copies = smoothing, min_copies
         self.plain_s: float | None = None  # running means: a plain step's wall time
@@ -103,10 +104,10 @@ class CopyLearner:
         """The highest estimate of any n and kind."""
         return self._likeliest[self.cache_serves_little()]
 
-    def _share(self, accepted, seen):
+    def _share(self, accepted: npt.NDArray[np.float64], seen: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         return (self.prior * self.rate + accepted) / (self.prior + seen)
 
-    def _raised(self, share, seen):
+    def _raised(self, share: npt.NDArray[np.float64], seen: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         return np.minimum(1.0, share + np.sqrt(share * (1 - share) / (self.prior + seen)))
 
     def probe(self, n: int, kind: str = "context") -> bool:

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+import numpy.typing as npt
 
-from ..events import DraftCandidate, DraftDecision, ForcedDraft
+from ..events import DraftCandidate, DraftDecision, ForcedDraft, Iteration
 from ..decoding.sampling import SeededSampler
 from .stoprules import FixedLength, StopRule, UtilityStop
+
+if TYPE_CHECKING:  # the decoder builds its drafters: a run-time import would be circular
+    from ..decoding.decoder import Decoder
+    from ..decoding.hook import RoutingHook
+    from ..decoding.runtime import LlamaRuntime
 
 
 @dataclass
@@ -25,11 +31,11 @@ class Proposal:
     candidates: list[DraftCandidate] = field(default_factory=list)
     stop: str = "no-draft"
     seconds: float = 0.0
-    experts_read: np.ndarray | None = None  # [n_layer] distinct experts the draft passes read
-    predicted: np.ndarray | None = None     # [n_layer, n_expert] bool: target experts of the verify batch
+    experts_read: npt.NDArray[np.int_] | None = None  # [n_layer] distinct experts the draft passes read
+    predicted: npt.NDArray[np.bool_] | None = None     # [n_layer, n_expert] bool: target experts of the verify batch
     decision: DraftDecision | None = None   # the utility rule's decision, with its numbers
     tree: object | None = None              # engine.tree.DraftTree: the tokens are a tree's nodes, not a chain
-    pending_predicted: np.ndarray | None = None  # [n_layer, k] the pending token's target experts, as drafted
+    pending_predicted: npt.NDArray[np.int_] | None = None  # [n_layer, k] the pending token's target experts, as drafted
     forced: ForcedDraft | None = None       # drafted to the cap: what the rule would have done (RecordingStop)
 
 
@@ -39,12 +45,12 @@ class Drafter:
     name = "none"
     drafts_in_context = False  # its draft passes run in the decoder's own context, through the routing hook
 
-    def propose(self, dec, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
+    def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         """sample(logits, history) -> (token, distribution): the generation's sampler (engine.sampling),
         given the tokens before the one it draws; sampled, it draws with the noise the target verifies with."""
         return Proposal()
 
-    def feedback(self, iteration) -> None:
+    def feedback(self, iteration: Iteration) -> None:
         """Sees each finished Iteration event (adaptive policies learn from it)."""
 
     def file_mappings(self) -> list[tuple[int, int, int]]:
@@ -53,6 +59,21 @@ class Drafter:
 
     def close(self) -> None:
         """Releases resources of its own (e.g. a second context)."""
+
+
+def last_logits(rt: LlamaRuntime, tokens: list[int], pos: int) -> npt.NDArray[np.float32]:
+    """The logits of the last of `tokens` decoded at positions pos.. of the context."""
+    rows = rt.decode(tokens, pos, "last")
+    assert rows is not None  # asked for the last row's logits, decode returns them
+    last: npt.NDArray[np.float32] = rows[0]
+    return last
+
+
+def routing_hook(dec: Decoder) -> RoutingHook:
+    """The hook that routes a decoder's draft passes: installed in every context that drafts in itself."""
+    hook = dec.rt.hook
+    assert hook is not None  # only a second context (IndependentDrafter's) runs without one
+    return hook
 
 
 class SelfDrafter(Drafter):
@@ -66,20 +87,20 @@ class SelfDrafter(Drafter):
     name = "self"
     drafts_in_context = True
 
-    def __init__(self, k_draft: int, rule: StopRule, allowed: Callable[[], np.ndarray] | None = None):
+    def __init__(self, k_draft: int, rule: StopRule, allowed: Callable[[], npt.NDArray[np.bool_]] | None = None):
         self.k_draft = k_draft
         self.rule = rule
         self.allowed = allowed
 
-    def route_drafts(self, dec) -> None:
+    def route_drafts(self, dec: Decoder) -> None:
         """Set the hook for the draft passes."""
-        dec.rt.hook.draft(self.k_draft, None if self.allowed is None else self.allowed())
+        routing_hook(dec).draft(self.k_draft, None if self.allowed is None else self.allowed())
 
-    def feedback(self, it) -> None:
+    def feedback(self, it: Iteration) -> None:
         if it.drafted:
             self.rule.observe_outcome([c.prob for c in it.candidates if c.kept], len(it.accepted))
 
-    def propose(self, dec, committed, max_len, sample) -> Proposal:
+    def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         pending, pos = committed[-1], len(committed) - 1
         out = Proposal()
         if max_len <= 0:
@@ -90,11 +111,11 @@ class SelfDrafter(Drafter):
         if not drafting:
             out.stop = "no-draft"
             return out
-        rt, hook = dec.rt, dec.rt.hook
+        rt, hook = dec.rt, routing_hook(dec)
         n_layer, n_expert = rt.info.n_layer, rt.info.n_expert
         t0 = time.perf_counter()
         self.route_drafts(dec)
-        logits = rt.decode([pending], pos, "last")[0]
+        logits = last_logits(rt, [pending], pos)
         routing = hook.snapshot(1)
         in_batch = np.zeros((n_layer, n_expert + 1), bool)   # predicted target experts of the batch
         read = np.zeros((n_layer, n_expert + 1), bool)       # experts the draft passes read
@@ -124,7 +145,7 @@ class SelfDrafter(Drafter):
             new = np.zeros(n_layer, int)
             last = i == max_len - 1
             if self.rule.needs_routing or not last:
-                logits = rt.decode([token], pos + 1 + i, "last")[0]
+                logits = last_logits(rt, [token], pos + 1 + i)
                 r = hook.snapshot(1)
                 predicted = np.zeros((n_layer, n_expert + 1), bool)
                 predicted[layers, r.orig[:, 0, :]] = True
@@ -163,8 +184,8 @@ class LayerSkipDrafter(SelfDrafter):
     def __init__(self, rule: StopRule):
         super().__init__(0, rule)
 
-    def route_drafts(self, dec) -> None:
-        dec.rt.hook.skip(dec.moe_layers()[1::2])
+    def route_drafts(self, dec: Decoder) -> None:
+        routing_hook(dec).skip(dec.moe_layers()[1::2])
 
 
 class IndependentDrafter(Drafter):
@@ -174,7 +195,7 @@ class IndependentDrafter(Drafter):
 
     name = "naive"
 
-    def __init__(self, dec, k_draft: int, n_threads: int | None = None):
+    def __init__(self, dec: Decoder, k_draft: int, n_threads: int | None = None):
         from ..decoding.runtime import LlamaRuntime
 
         info = dec.info
@@ -202,7 +223,7 @@ class IndependentDrafter(Drafter):
         self.rt.prefill(missing, len(self.tokens))
         self.tokens.extend(missing)
 
-    def propose(self, dec, committed, max_len, sample) -> Proposal:
+    def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         out = Proposal()
         if max_len <= 0:
             out.stop = "limit"
@@ -216,7 +237,7 @@ class IndependentDrafter(Drafter):
         chain = 1.0
         n_layer = dec.info.n_layer
         for i in range(max_len):
-            logits = self.rt.decode([token], len(self.tokens), "last")[0]
+            logits = last_logits(self.rt, [token], len(self.tokens))
             self.tokens.append(token)
             token, q = sample(logits, committed + out.tokens)
             prob = float(q[token])
@@ -242,7 +263,7 @@ class CascadeDrafter(Drafter):
     drafts_in_context = True
 
     def __init__(self, k_draft: int, cap: int, trials_per_k: int = 2, set_iterations: int = 16,
-                 allowed: Callable[[], np.ndarray] | None = None):
+                 allowed: Callable[[], npt.NDArray[np.bool_]] | None = None):
         self.choices = sorted({0, 1, max(1, cap // 2), cap})
         self.inner = SelfDrafter(k_draft, FixedLength(), allowed)
         self.trials_per_k = trials_per_k
@@ -253,12 +274,12 @@ class CascadeDrafter(Drafter):
         self._phase = "test"
         self._start_test()
 
-    def _start_test(self):
+    def _start_test(self) -> None:
         self._phase = "test"
         self._scores = {k: [] for k in self.choices}
         self._schedule = [k for k in self.choices for _ in range(self.trials_per_k)]
 
-    def propose(self, dec, committed, max_len, sample) -> Proposal:
+    def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         if self._schedule:
             self._current = self._schedule.pop(0)
         out = self.inner.propose(dec, committed, min(max_len, self._current), sample) if self._current else Proposal()
@@ -267,7 +288,7 @@ class CascadeDrafter(Drafter):
         out.stop = f"{self._phase}:K={self._current}" if out.stop in ("cap", "no-draft") else out.stop
         return out
 
-    def feedback(self, it) -> None:
+    def feedback(self, it: Iteration) -> None:
         seconds = it.t_draft + it.t_verify
         if self._phase == "test":
             self._scores[self._current].append(len(it.committed) / max(seconds, 1e-9))

@@ -57,10 +57,10 @@ class FixedLength(StopRule):
 class ConfidenceStop(StopRule):
     """Stop when the draft's own probability of its token falls below p_min (llama.cpp draft-simple)."""
 
-    def __init__(self, p_min: float = 0.5):
+    def __init__(self, p_min: float = 0.5) -> None:
         self.p_min = p_min
 
-    def pre_reject(self, chain, prob):
+    def pre_reject(self, chain: float, prob: float) -> tuple[bool, float | None]:
         return prob < self.p_min, None
 
 
@@ -71,7 +71,7 @@ class RecordingStop(StopRule):
 
     needs_routing = True
 
-    def __init__(self, rule: StopRule):
+    def __init__(self, rule: StopRule) -> None:
         self.rule = rule
         self._open = False
 
@@ -81,30 +81,31 @@ class RecordingStop(StopRule):
         self.forced = ForcedDraft(self._open, 0)
         return True
 
-    def observe_first(self, prob):
+    def observe_first(self, prob: float) -> None:
         if self._open:
             self.rule.observe_first(prob)
 
-    def observe_first_experts(self, new_experts):
+    def observe_first_experts(self, new_experts: int) -> None:
         if self._open:
             self.rule.observe_first_experts(new_experts)
 
-    def acceptance(self, prob):
+    def acceptance(self, prob: float) -> float:
         return self.rule.acceptance(prob)
 
-    def observe_outcome(self, probs, accepted):
+    def observe_outcome(self, probs: list[float], accepted: int) -> None:
         kept = self.forced.would_keep if self.forced is not None else 0
         if kept:
             self.rule.observe_outcome(probs[:kept], min(accepted, kept))
 
-    def pre_reject(self, chain, prob):
+    def pre_reject(self, chain: float, prob: float) -> tuple[bool, float | None]:
         if self._open and self.rule.pre_reject(chain, prob)[0]:
             self._open = False
         return False, None
 
-    def keep(self, chain, prob, new_experts):
+    def keep(self, chain: float, prob: float, new_experts: int) -> tuple[bool, float | None]:
         if self._open:
             if self.rule.keep(chain, prob, new_experts)[0]:
+                assert self.forced is not None  # worth_drafting set it when it opened the draft
                 self.forced = ForcedDraft(True, self.forced.would_keep + 1)
             else:
                 self._open = False
@@ -249,24 +250,24 @@ class UtilityStop(StopRule):
     def observe_first(self, prob: float) -> None:
         self.expected_first += self.smoothing * (self.acceptance(prob) - self.expected_first)
 
-    def observe_first_experts(self, new_experts: int) -> None:
+    def observe_first_experts(self, new_experts: float) -> None:
         self.expected_first_experts += self.smoothing * (new_experts - self.expected_first_experts)
 
-    def pre_reject(self, chain, prob):
+    def pre_reject(self, chain: float, prob: float) -> tuple[bool, float | None]:
         bound = self.utility(chain, 0.0)
         if bound < self.threshold:
             self._probe_outcome(False)
         return bound < self.threshold, bound
 
-    def keep(self, chain, prob, new_experts):
+    def keep(self, chain: float, prob: float, new_experts: int) -> tuple[bool, float | None]:
         u = self.utility(chain, new_experts)
         self._probe_outcome(u >= self.threshold)
         return u >= self.threshold, u
 
-    def acceptance(self, prob):
+    def acceptance(self, prob: float) -> float:
         return self.learned.estimate(prob)
 
-    def observe_outcome(self, probs, accepted):
+    def observe_outcome(self, probs: list[float], accepted: int) -> None:
         self.learned.learn(probs, accepted)
 
 
