@@ -812,11 +812,11 @@ def test_a_copy_seen_little_is_hoped_above_its_share_where_plain_steps_fetch_mos
     m.learn(1, ["context"] * 4, accepted=3)
     for _ in range(10):
         m.learn(2, ["context"] * 4, accepted=3)
-    assert m.estimate(1) == pytest.approx((1.2 + 3) / 6) and m.likeliest == pytest.approx((1.2 + 30) / 42)
+    assert m.estimate(1) == pytest.approx((1.2 + 3) / 6) and m.likeliest() == pytest.approx((1.2 + 30) / 42)
     m.fetched(40, 48)  # a plain step under a tight budget
     assert m.estimate(1) == pytest.approx(hoped(3, 4)) and m.estimate(2) == pytest.approx(hoped(30, 40))
     assert m.estimate(1) > m.estimate(2) > (1.2 + 30) / 42 > (1.2 + 3) / 6  # the lower share, seen less, hopes more
-    assert m.estimate(3, "session") == m.estimate(3) == m.likeliest == pytest.approx(hoped(0, 0))  # never seen
+    assert m.estimate(3, "session") == m.estimate(3) == m.likeliest() == pytest.approx(hoped(0, 0))  # never seen
     for _ in range(1000):
         m.learn(2, ["context"] * 4, accepted=3)
     assert 0.75 < m.estimate(2) < 0.76

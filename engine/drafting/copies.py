@@ -47,6 +47,26 @@ class LookupDrafter(Drafter):
         return out
 
 
+# The copy rule's refinements (docs/method.md, "Copies: drafts without a draft pass"), by the names that switch
+# one off (GenerationConfig.copy_without), so that an ablation can tell which of them pay. Off, each falls back
+# to the plain rule:
+# - loop: a copy stops at the context's end (prompt lookup's continuation), never goes round its loop;
+# - whole: a copy is kept token by token, as the self-drafter's rule keeps a chain: a row while its own chained
+#   acceptance times what it saves pays for what it adds to the verification's cost, up to the first that does not;
+# - overlap: every row adds what a first draft token is expected to add (rows × that), and a verified copy
+#   teaches that estimate its rows' mean;
+# - timed-scaling: copies are priced at the constants whatever was timed (no scale, no floor on a row), and a
+#   copied token saves T_AR, or the timed plain step under timed-plain;
+# - timed-plain: before copies were timed, a copied token saves the constants' T_AR even where the cache
+#   serves little;
+# - hope: an acceptance estimate is its share as seen, never raised by its standard error;
+# - probes: a copy the rule declines is never verified, nor a copy made where none could pay;
+# - session: copies come from the generation's own context only;
+# - voting: a session copy takes the latest entry's text that holds the n-gram, no vote (so no token stands as
+#   agreed).
+COPY_REFINEMENTS = ("loop", "whole", "overlap", "timed-scaling", "timed-plain", "hope", "probes", "session", "voting")
+
+
 @dataclass
 class CopyPlan:
     """A copy from the context as the utility rule weighed it: the tokens to verify, each token weighed (kept or
@@ -76,12 +96,17 @@ class CopyPlanner:
     # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's
     # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
     def __init__(self, rule: UtilityStop, earlier: EarlierText | None = None, prompt: Sequence[int] = (),
-                 max_ngram: int = 3, min_ngram: int = 2, periodic: bool = True):
+                 max_ngram: int = 3, min_ngram: int = 2, periodic: bool = True,
+                 without: frozenset[str] = frozenset()):
         """earlier: the session's earlier generations, copied from where they match a longer n-gram than the
-        context (None: the context only); prompt: this generation's, whose own earlier runs are not copied."""
+        context (None: the context only); prompt: this generation's, whose own earlier runs are not copied;
+        without: the refinements switched off (COPY_REFINEMENTS)."""
         self.rule = rule
-        self.index = NgramIndex(max_ngram, min_ngram, periodic=periodic)
-        self.earlier, self.prompt = earlier, tuple(prompt)
+        self.without = without
+        self.hope = "hope" not in without
+        self.index = NgramIndex(max_ngram, min_ngram, periodic=periodic and "loop" not in without)
+        self.earlier = None if "session" in without else earlier
+        self.prompt = tuple(prompt)
         self.learned = rule.copies(max_ngram)
         self.learned.began()
         self._costs_key: tuple[float, int, float, float | None, float] | None = None
@@ -99,9 +124,10 @@ class CopyPlanner:
         # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
         if max_len <= 0 or rule.cost.t_ar < rule.threshold * rule.copy_cost(1, 0.0):
             return None
-        timed = learned.price()
+        timed = None if "timed-scaling" in self.without else learned.price()
         saved, scale = timed or (rule.cost.t_ar, 1.0)
-        if timed is None and learned.plain_s is not None and learned.cache_serves_little():
+        if (timed is None and "timed-plain" not in self.without and learned.plain_s is not None
+                and learned.cache_serves_little()):
             # what a copied token saves is a plain step, timed here on every one of them, where the constants
             # were measured on another day of the disk or at another split of the budget; only a copy's cost
             # waits for copies to be timed. Not where the cache serves plain steps most of their experts: copies
@@ -112,26 +138,27 @@ class CopyPlanner:
         costs = self._costs(scale, max_len)
         # where not even a copy of the likeliest kind pays at the prices timed, whatever its length, a probe could
         # only re-time them, and rarely
-        chain, expected, hopeless, likeliest = 1.0, 0.0, True, learned.likeliest
+        chain, expected, hopeless, likeliest = 1.0, 0.0, True, learned.likeliest(self.hope)
         for rows, (_, cost) in enumerate(costs, 1):
             chain *= likeliest
             expected += chain
             if expected * saved >= rule.threshold * max(cost, rows * least_row):
                 hopeless = False
                 break
-        if hopeless and not learned.rare_probe_due():
+        if hopeless and ("probes" in self.without or not learned.rare_probe_due()):
             return None
         source = "context"
         n, found, period = self.index.lookup(context, max_len)
         kinds = ["context, looped" if i >= period else "context" for i in range(len(found))]
         if self.earlier is not None and n < self.index.max_ngram:  # else the earlier text cannot match longer
-            n2, found2, agreed2 = self.earlier.lookup(self.prompt, context, max_len)
+            n2, found2, agreed2 = self.earlier.lookup(self.prompt, context, max_len,
+                                                      voters=1 if "voting" in self.without else None)
             if found2 and n2 > n:
                 source, n, found = "session", n2, found2
                 kinds = ["session, agreed" if a else "session" for a in agreed2]
         if not found:
             return None
-        rates = {kind: learned.estimate(n, kind) for kind in set(kinds)}
+        rates = {kind: learned.estimate(n, kind, self.hope) for kind in set(kinds)}
         weighed, survival, expected = [], 1.0, 0.0
         best, best_gain = 0, -np.inf
         for rows, kind in enumerate(kinds, 1):
@@ -144,9 +171,12 @@ class CopyPlanner:
             if gain > best_gain:
                 best, best_gain = rows, gain
         probe = best_gain < 0
+        if "whole" in self.without:
+            best = self._token_by_token(weighed, saved)
+            probe, best = best == 0, max(best, 1)
         if hopeless:
             learned.rare_probe_made()
-        elif probe and not learned.probe(n, kinds[0]):
+        elif probe and ("probes" in self.without or not learned.probe(n, kinds[0])):
             return None
         _, expected, added, cost = weighed[best - 1]
         out = CopyPlan(n, source, probe, rates[kinds[0]], best, expected, added, saved, cost)
@@ -160,6 +190,16 @@ class CopyPlanner:
                 out.kinds.append(kinds[i])
         return out
 
+    def _token_by_token(self, weighed: list[tuple[float, float, float, float]], saved: float) -> int:
+        """How many rows a copy keeps weighed token by token (the rule without `whole`): each while its chained
+        acceptance times what it saves pays for what it adds to the copy's cost."""
+        kept, before = 0, 0.0
+        for survival, _, _, cost in weighed:
+            if survival * saved < self.rule.threshold * (cost - before):
+                break
+            kept, before = kept + 1, cost
+        return kept
+
     def _costs(self, scale: float, max_len: int) -> list[tuple[float, float]]:
         """(experts added, cost before the least row's floor) of copies of 1..max_len rows at these prices. Kept
         while the prices stay: every step asks, and they change only as copies and drafts are verified or timed."""
@@ -167,7 +207,8 @@ class CopyPlanner:
         per_row = rule.expected_first_experts
         key = (scale, max_len, per_row, learned.overlap, learned.pending_experts)
         if key != self._costs_key:
-            added = [learned.added(rows, per_row) for rows in range(1, max_len + 1)]
+            added = [learned.added(rows, per_row) if "overlap" not in self.without else rows * per_row
+                     for rows in range(1, max_len + 1)]
             self._costs_key = key
             self._cost_table = [(a, scale * rule.copy_cost(rows, a)) for rows, a in enumerate(added, 1)]
         return self._cost_table
@@ -181,8 +222,8 @@ class CopyPlanner:
             return
         added = max(verify_experts - pending_experts, 0.0)
         # what the rule expects a self-draft's first token to add: a copy's first row
-        self.rule.observe_first_experts(self.learned.verified(rows, added, pending_experts,
-                                                              self.rule.copy_cost(rows, added)))
+        first = self.learned.verified(rows, added, pending_experts, self.rule.copy_cost(rows, added))
+        self.rule.observe_first_experts(added / rows if "overlap" in self.without else first)
 
 
 class LookupOrSelfDrafter(Drafter):
@@ -201,9 +242,9 @@ class LookupOrSelfDrafter(Drafter):
     drafts_in_context = True
 
     def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop, earlier: EarlierText | None = None,
-                 prompt: Sequence[int] = (), periodic: bool = True):
+                 prompt: Sequence[int] = (), periodic: bool = True, without: frozenset[str] = frozenset()):
         self.self_drafter = self_drafter
-        self.copies = CopyPlanner(rule, earlier, prompt, periodic=periodic)
+        self.copies = CopyPlanner(rule, earlier, prompt, periodic=periodic, without=without)
         # the last proposal's copy, and the experts of its pending token's row
         self._copied: tuple[CopyPlan, int] | None = None
         # when the last proposal began, its rows when it was plain (0) or copied, and how many of those the

@@ -94,15 +94,15 @@ class CopyLearner:
         # after it is timed
         self._plain_fetched = np.zeros(2)  # decayed sums over plain steps: experts fetched, experts read
 
-    def estimate(self, n: int, kind: str = "context") -> float:
+    def estimate(self, n: int, kind: str = "context", hope: bool = True) -> float:
+        """hope False: the share as seen, never raised (the copy rule without that refinement)."""
         at = COPY_KINDS.index(kind), n
         share = self._share(self.accepted[at], self.seen[at])
-        return float(self._raised(share, self.seen[at]) if self.cache_serves_little() else share)
+        return float(self._raised(share, self.seen[at]) if hope and self.cache_serves_little() else share)
 
-    @property
-    def likeliest(self) -> float:
+    def likeliest(self, hope: bool = True) -> float:
         """The highest estimate of any n and kind."""
-        return self._likeliest[self.cache_serves_little()]
+        return self._likeliest[hope and self.cache_serves_little()]
 
     def _share(self, accepted: npt.NDArray[np.float64], seen: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         return (self.prior * self.rate + accepted) / (self.prior + seen)

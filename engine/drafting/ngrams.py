@@ -100,11 +100,14 @@ class EarlierText:
             if not holders:
                 del self.holders[gram]
 
-    def lookup(self, prompt: Sequence[int], seq: list[int], max_len: int) -> tuple[int, list[int], list[bool]]:
+    def lookup(self, prompt: Sequence[int], seq: list[int], max_len: int,
+               voters: int | None = None) -> tuple[int, list[int], list[bool]]:
         """(n, continuation, agreed) for a generation of `prompt` whose context is `seq`: up to max_len tokens
         that followed the longest n-gram ending seq in other prompts' entries, voted among them, and for each
-        token whether two or more voters were left and all agreed on it; (0, [], []) where none holds one."""
+        token whether two or more voters were left and all agreed on it; (0, [], []) where none holds one.
+        voters: how many of the latest entries holding it vote (None: `vote`; 1: the latest entry's text)."""
         own = tuple(prompt)
+        voters = self.vote if voters is None else voters
         for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
             gram = tuple(seq[-n:])
             followed = []  # latest entry first
@@ -113,7 +116,7 @@ class EarlierText:
                     text, last = self.entries[key]
                     end = last[gram]
                     followed.append(text[end: end + max_len])
-                    if len(followed) == self.vote:
+                    if len(followed) == voters:
                         break
             if followed:
                 return (n, *_vote(followed))
