@@ -7,10 +7,11 @@ beside the whole rule and plain decoding, on one model, interleaved prompt by pr
 The model is loaded once (under --budget, in a memory cgroup of that size, offloaded as bench offloads it) and
 every prompt runs ar, s2moe and s2moe without each refinement, in an order that changes from prompt to prompt
 (bench's balanced order), so that drift on the machine reaches every row alike; --rounds repeats the whole set.
-One row per variant: decoding tok/s over every run, its paired ratio to the whole rule and to ar with the
-two-standard-error spread (engine.measure.speed), and the mean accepted length. Each run's tokens are compared
-with ar's: copies are lossless, so without gating (--reuse-strength 0) every variant must commit ar's tokens;
-with gating on a verification's batch moves borderline choices, and the count that differ is only reported.
+One row per variant: decoding tok/s over every run, its ratio to the whole rule and to ar paired round by round
+(geometric mean, ± two standard errors over the rounds: engine.measure.speed), and the mean accepted length.
+Each run's tokens are compared with ar's: copies are lossless, so without gating (--reuse-strength 0) every
+variant must commit ar's tokens (else the exit status is 1); with gating on, a verification's batch moves
+borderline choices, and how many runs differ is only reported.
 """
 
 from __future__ import annotations
@@ -97,27 +98,34 @@ def measure(args: argparse.Namespace, model: str) -> dict:
                     print(f"round {r + 1}/{args.rounds}, prompt {pi + 1}/{len(prompts)} done", file=sys.stderr)
     finally:
         dec.close()
-    return figures(runs, cfgs, args)
+    return figures(runs, cfgs, args, len(prompts))
 
 
-def figures(runs: dict[str, list[Summary]], cfgs: dict[str, GenerationConfig], args: argparse.Namespace) -> dict:
-    speed = {name: [s.decode_tok_per_s for s in summaries] for name, summaries in runs.items()}
+def figures(runs: dict[str, list[Summary]], cfgs: dict[str, GenerationConfig], args: argparse.Namespace,
+            n_prompts: int) -> dict:
+    # a round's speed: its tokens over its decoding seconds, all prompts together; ratios are paired by round
+    speed = {name: [tok_per_s(summaries[i:i + n_prompts]) for i in range(0, len(summaries), n_prompts)]
+             for name, summaries in runs.items()}
     rows = []
     for name, summaries in runs.items():
         tokens = sum(s.n_tokens for s in summaries)
-        seconds = sum(s.decode_seconds for s in summaries)
         vs_full = compare(name, "s2moe", [a / b for a, b in zip(speed[name], speed["s2moe"]) if b > 0])
         vs_ar = compare(name, "ar", [a / b for a, b in zip(speed[name], speed["ar"]) if b > 0])
         differ = sum(s.tokens != a.tokens for s, a in zip(summaries, runs["ar"]))
-        rows.append({"variant": name, "tok_per_s": tokens / seconds if seconds > 0 else 0.0,
+        rows.append({"variant": name, "tok_per_s": tok_per_s(summaries), "round_tok_per_s": speed[name],
                      "vs_s2moe": [vs_full.ratio, vs_full.low, vs_full.high], "vs_s2moe_text": vs_full.ratio_text,
                      "vs_ar": [vs_ar.ratio, vs_ar.low, vs_ar.high], "vs_ar_text": vs_ar.ratio_text,
                      "accept_len": sum(s.accept_len * s.n_tokens for s in summaries) / max(tokens, 1),
                      "runs": len(summaries), "runs_differing_from_ar": differ,
                      "lossless_expected": expected_lossless(cfgs[name].mode, cfgs[name])})
     return {"model": str(args.model), "budget": args.budget or "none", "prompts": args.prompts,
-            "n_prompts": args.n_prompts, "n_tokens": args.n_tokens, "rounds": args.rounds, "temp": args.temp,
+            "n_prompts": n_prompts, "n_tokens": args.n_tokens, "rounds": args.rounds, "temp": args.temp,
             "top_p": args.top_p, "seed": args.seed, "reuse_strength": args.reuse_strength, "rows": rows}
+
+
+def tok_per_s(summaries: list[Summary]) -> float:
+    seconds = sum(s.decode_seconds for s in summaries)
+    return sum(s.n_tokens for s in summaries) / seconds if seconds > 0 else 0.0
 
 
 def report(data: dict) -> None:
