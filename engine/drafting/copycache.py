@@ -44,7 +44,8 @@ def copy_cache_file(path: str | os.PathLike[str], info: ModelInfo) -> Path:
     return path
 
 
-def load_copy_cache(path: str | os.PathLike[str], info: ModelInfo, earlier: EarlierText, write_back: bool = True) -> int:
+def load_copy_cache(path: str | os.PathLike[str], info: ModelInfo, earlier: EarlierText,
+                    write_back: bool = True) -> int:
     """Add the generations kept at `path` (copy_cache_file) to `earlier`, oldest first; how many. A file that
     does not exist yet holds none (the run creates it); one that is not a copy cache of this model is a
     CopyCacheError. write_back: the run will save_copy_cache there, so that its place is checked now (a

@@ -80,7 +80,8 @@ class CopyLearner:
         self.probe_every = probe_every
         self.probe_interval = np.full(shape, probe_every)
         self._declined = np.zeros(shape, int)
-        self._likeliest = (rate, float(self._raised(np.array(rate), np.array(0.0))))  # of any n and kind: as seen, and raised
+        # the highest estimate of any n and kind: as seen, and raised
+        self._likeliest = (rate, float(self._raised(np.array(rate), np.array(0.0))))
         self._hopeless_steps = 0
         self.smoothing, self.min_copies = smoothing, min_copies
         self.plain_s: float | None = None  # running means: a plain step's wall time
