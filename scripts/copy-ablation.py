@@ -22,6 +22,7 @@ import sys
 from dataclasses import replace
 
 from s2moe.engine import offload
+from s2moe.engine.decoding.cpu_buffers import choose
 from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 from s2moe.engine.drafting.copies import COPY_REFINEMENTS
 from s2moe.engine.errors import ConfigError
@@ -29,6 +30,7 @@ from s2moe.engine.events import Summary
 from s2moe.engine.files import check_writable, write_atomic
 from s2moe.engine.measure.bench import balanced_order, expected_lossless, load_prompts, prompt_seed, warm_up
 from s2moe.engine.measure.speed import compare
+from s2moe.engine.model_info import read_model_info
 from s2moe.engine.zoo import default_model_path
 
 VARIANTS = ("ar", "s2moe") + tuple(f"s2moe -{name}" for name in COPY_REFINEMENTS)
@@ -72,10 +74,12 @@ def configs(args: argparse.Namespace, dec: Decoder) -> dict[str, GenerationConfi
 
 def measure(args: argparse.Namespace, model: str) -> dict:
     _, prompts = load_prompts(args.prompts, args.n_prompts)
-    dec = Decoder(model, n_threads=args.threads, max_draft=16)
+    inside = offload.current_budget()
+    # the CPU weights' path bench takes: repacked buffers only resident (under a budget they would copy the experts)
+    cpu = choose(read_model_info(model), inside is None, on_probe=lambda line: print(line, file=sys.stderr))
+    dec = Decoder(model, n_threads=args.threads, max_draft=16, use_extra_bufts=cpu.extra)
     try:
         cfgs = configs(args, dec)
-        inside = offload.current_budget()
         if inside is not None:
             hot = []
             if args.profile:
