@@ -5,7 +5,7 @@
 MODES = ("ar", "s2moe", "naive", "conf", "cascade", "lookup", "tree", "tree-prob", "ls")
 # Modes that draft with the model's own experts and so need a Mixture-of-Experts model.
 MOE_MODES = ("s2moe", "naive", "conf", "cascade", "tree", "tree-prob", "ls")
-# Modes whose draft passes are a chain of the target's own top-k_d experts (policies.SelfDrafter): under a
+# Modes whose draft passes are a chain of the target's own top-k_d experts (drafters.SelfDrafter): under a
 # memory budget they can draft from the experts in memory instead (GenerationConfig.draft_experts).
 CHAIN_DRAFT_MODES = ("s2moe", "conf", "cascade")
 # What self-drafting passes (a chain's or a tree's) can read under a memory budget (GenerationConfig.draft_experts).

@@ -598,7 +598,7 @@ def test_bench_orders_its_modes_so_that_each_follows_each_other_equally_often():
 def test_a_bench_on_a_session_s_decoder_neither_copies_from_nor_adds_to_its_earlier_text(decoders):
     """The app benches on its chat's decoder: its generations copy only from each other's (the same figures
     whatever a chat or a copy cache left), and the session's earlier text is as it was afterwards."""
-    from s2moe.engine.drafting.policies import EarlierText
+    from s2moe.engine.drafting.ngrams import EarlierText
 
     d = decoders["olmoe"]
     kept = d.earlier

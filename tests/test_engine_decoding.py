@@ -12,7 +12,10 @@ from s2moe.engine.measure.bench import near_tie
 from s2moe.engine.decoding.decoder import GenerationConfig, VerifyObserver, run
 from s2moe.engine.events import CostConstants, Finished, Iteration, Summary
 from s2moe.engine.offload import Residency
-from s2moe.engine.drafting.policies import COPY_KINDS, CopyPlanner, NgramIndex, UtilityStop
+from s2moe.engine.drafting.copies import CopyPlanner
+from s2moe.engine.drafting.copylearner import COPY_KINDS
+from s2moe.engine.drafting.ngrams import NgramIndex
+from s2moe.engine.drafting.stoprules import UtilityStop
 
 PROMPTS = ["hello there the world", "in the beginning", "once upon a time re"]
 
@@ -203,7 +206,7 @@ def test_utility_rule_stops_drafting_when_it_cannot_pay(decoders, arch):
 def test_the_rule_learns_how_often_its_drafts_are_accepted():
     """With nothing verified a token's chance is its draft probability; verified chains move its bin toward what
     the target did, and the tokens after the first rejection, never judged, teach nothing."""
-    from s2moe.engine.drafting.policies import AcceptanceMap
+    from s2moe.engine.drafting.stoprules import AcceptanceMap
 
     m = AcceptanceMap(prior=4.0)
     assert m.estimate(0.2) == pytest.approx(0.2) and m.estimate(0.95) == pytest.approx(0.95)
@@ -219,7 +222,7 @@ def test_a_rule_that_saw_its_unlikely_drafts_accepted_keeps_them():
     """A 0.2-probability token is not worth a draft pass at face value; after verifications accepted such tokens
     it is. The recording rule passes on only what its rule would have kept."""
     from s2moe.engine.events import ForcedDraft
-    from s2moe.engine.drafting.policies import RecordingStop
+    from s2moe.engine.drafting.stoprules import RecordingStop
 
     rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.1, intercept=0.0, source="test"))
     assert not rule.keep(rule.acceptance(0.2), 0.2, 0)[0]  # 0.2 / 0.4 = 0.5 < 1
@@ -467,7 +470,7 @@ def test_a_periodic_lookup_goes_on_round_the_loop_the_context_is_in():
 
 
 def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
-    from s2moe.engine.drafting.policies import EarlierText
+    from s2moe.engine.drafting.ngrams import EarlierText
 
     e = EarlierText(max_ngram=3, min_ngram=2, keep=3)
     e.add((1,), [1, 5, 6, 7, 8])
@@ -494,7 +497,7 @@ def test_earlier_text_votes_among_the_entries_holding_the_ngram():
     """Where several other prompts' entries hold the longest n-gram, what followed it votes token by token: the
     commonest next token among the continuations that agree so far, ties to the latest entry; at most `vote` of
     the latest entries take part. Each token says whether two or more voters were left and all agreed on it."""
-    from s2moe.engine.drafting.policies import EarlierText
+    from s2moe.engine.drafting.ngrams import EarlierText
 
     e = EarlierText(max_ngram=3, min_ngram=2)
     e.add((1,), [1, 5, 6, 7, 8, 9])
@@ -518,7 +521,7 @@ def test_earlier_text_votes_among_the_entries_holding_the_ngram():
 def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
     """The context's bigram against an earlier generation's trigram: the trigram's copy; on equal lengths the
     context's; the acceptance each source learned is its own."""
-    from s2moe.engine.drafting.policies import EarlierText
+    from s2moe.engine.drafting.ngrams import EarlierText
 
     rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source="test"))
     earlier = EarlierText()
@@ -538,7 +541,9 @@ def test_copied_tokens_the_session_agreed_on_are_learned_and_weighed_apart():
     """A session copy's tokens that every voter agreed on are priced at what such tokens were accepted at, the
     others at the session's other tokens' rate, each token of the chain at its own kind's; verifying a copy
     teaches each kind by its own tokens."""
-    from s2moe.engine.drafting.policies import CopyPlanner, EarlierText, UtilityStop
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.ngrams import EarlierText
+    from s2moe.engine.drafting.stoprules import UtilityStop
 
     rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.5, intercept=0.0, source="test"))
     learned = rule.copies(3)
@@ -563,7 +568,8 @@ def test_copied_tokens_the_session_agreed_on_are_learned_and_weighed_apart():
 def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and_probes_one_token():
     """Timed rows dearer than a plain step: not even a certain copy pays. The planner then plans nothing for the
     longest wait (no lookup), counting steps, and then probes one token where the context repeats."""
-    from s2moe.engine.drafting.policies import CopyPlanner, UtilityStop
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.stoprules import UtilityStop
 
     rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source="test"))
     learned = rule.copies(3)
@@ -647,7 +653,8 @@ def test_until_copies_are_timed_a_copied_token_saves_the_plain_step_as_timed_whe
     the constants' T_AR before any copy was timed (a profile's T_AR was read on another day of the disk, or at
     another split of the budget); a row keeps the constants' price until copies were rejected whole and timed.
     Where the cache serves most, or nothing was counted (no budget), the constants price it."""
-    from s2moe.engine.drafting.policies import CopyPlanner, UtilityStop
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.stoprules import UtilityStop
 
     context = [5, 1, 2, 3, 4, 1, 2, 3]
 
@@ -759,7 +766,7 @@ def test_copies_from_the_context_pay_where_a_draft_pass_cannot(decoders, arch):
 
 
 def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
-    from s2moe.engine.drafting.policies import CopyLearner
+    from s2moe.engine.drafting.copylearner import CopyLearner
 
     m = CopyLearner(3, rate=0.6, prior=2.0, probe_every=4)
     assert m.estimate(1) == m.estimate(3) == pytest.approx(0.6)
@@ -795,7 +802,7 @@ def test_a_copy_seen_little_is_hoped_above_its_share_where_plain_steps_fetch_mos
     estimate is raised by the share's standard error, so that a rule which saw few long copies still makes them,
     and the raise shrinks as copies are seen. Where the cache serves plain steps, or nothing was counted, the share
     alone: the copies hope would buy there evict what plain steps find."""
-    from s2moe.engine.drafting.policies import CopyLearner
+    from s2moe.engine.drafting.copylearner import CopyLearner
 
     def hoped(accepted, seen):  # with the prior's 2 tokens at 0.6, raised by one standard error
         share = (1.2 + accepted) / (2 + seen)
@@ -805,11 +812,11 @@ def test_a_copy_seen_little_is_hoped_above_its_share_where_plain_steps_fetch_mos
     m.learn(1, ["context"] * 4, accepted=3)
     for _ in range(10):
         m.learn(2, ["context"] * 4, accepted=3)
-    assert m.estimate(1) == pytest.approx((1.2 + 3) / 6) and m.likeliest == pytest.approx((1.2 + 30) / 42)
+    assert m.estimate(1) == pytest.approx((1.2 + 3) / 6) and m.likeliest() == pytest.approx((1.2 + 30) / 42)
     m.fetched(40, 48)  # a plain step under a tight budget
     assert m.estimate(1) == pytest.approx(hoped(3, 4)) and m.estimate(2) == pytest.approx(hoped(30, 40))
     assert m.estimate(1) > m.estimate(2) > (1.2 + 30) / 42 > (1.2 + 3) / 6  # the lower share, seen less, hopes more
-    assert m.estimate(3, "session") == m.estimate(3) == m.likeliest == pytest.approx(hoped(0, 0))  # never seen
+    assert m.estimate(3, "session") == m.estimate(3) == m.likeliest() == pytest.approx(hoped(0, 0))  # never seen
     for _ in range(1000):
         m.learn(2, ["context"] * 4, accepted=3)
     assert 0.75 < m.estimate(2) < 0.76
@@ -823,7 +830,8 @@ def test_copies_are_priced_as_timed_once_enough_were():
     timed only after plain steps, copies on those rejected whole, each charged what the plain step after it paid
     beyond one (llama.cpp builds its graph anew after a batch of another shape); the constants' price until three
     were timed, and never a row priced as nearly free."""
-    from s2moe.engine.drafting.policies import CopyPlanner, UtilityStop
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.stoprules import UtilityStop
 
     rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.001, intercept=0.0,
                                      source="test"))
@@ -877,7 +885,7 @@ def test_a_copys_experts_grow_ever_more_slowly_with_its_rows_and_any_length_teac
     concave in r, and copy_overlap inverts it. A learner that verified only one-row copies (probes) prices every
     length as one that verified only eight-row copies does: the length of the copies made does not teach the
     rule to keep making copies of that length."""
-    from s2moe.engine.drafting.policies import CopyLearner, copy_added, copy_overlap
+    from s2moe.engine.drafting.copylearner import CopyLearner, copy_added, copy_overlap
 
     k = 48.0
     for q in (0.0, 0.2, 0.45, 0.9):
@@ -899,7 +907,9 @@ def test_a_copys_experts_grow_ever_more_slowly_with_its_rows_and_any_length_teac
 def test_a_copy_that_pays_whole_is_made_where_its_first_token_alone_would_not_pay():
     """A first row adds the most experts; priced whole, a copy of eight rows pays where its first token alone
     costs more than it saves, even after the rule saw only one-row copies."""
-    from s2moe.engine.drafting.policies import CopyPlanner, UtilityStop, copy_added
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.copylearner import copy_added
+    from s2moe.engine.drafting.stoprules import UtilityStop
 
     rule = UtilityStop(CostConstants(t_ar=0.060, c_draft=0.02, t_exp=0.00233, t_tok=0.005, intercept=0.0,
                                      source="test"))
@@ -922,7 +932,7 @@ def test_cascade_tests_every_draft_length_then_settles(decoders):
 
 
 def test_utility_rule_learns_to_skip_drafts_that_rarely_pay():
-    from s2moe.engine.drafting.policies import UtilityStop
+    from s2moe.engine.drafting.stoprules import UtilityStop
 
     c = CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test")
     rule = UtilityStop(c, probe_every=8)
@@ -937,7 +947,7 @@ def test_utility_rule_learns_to_skip_drafts_that_rarely_pay():
 
 
 def test_probes_that_do_not_pay_back_off_and_one_that_pays_resets_them():
-    from s2moe.engine.drafting.policies import UtilityStop
+    from s2moe.engine.drafting.stoprules import UtilityStop
 
     c = CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test")
     rule = UtilityStop(c, probe_every=4)
@@ -964,7 +974,7 @@ def test_probes_that_do_not_pay_back_off_and_one_that_pays_resets_them():
 def test_utility_rule_also_learns_what_the_first_token_costs_in_experts():
     """Offloaded, each new expert is a fetch: a likely first token that adds many experts does not pay,
     and drafting it only to discard it costs a draft pass every iteration."""
-    from s2moe.engine.drafting.policies import UtilityStop
+    from s2moe.engine.drafting.stoprules import UtilityStop
 
     c = CostConstants(t_ar=1.0, c_draft=0.2, t_exp=0.05, t_tok=0.1, intercept=0.0, source="test")
     rule = UtilityStop(c, probe_every=8)
@@ -1147,7 +1157,7 @@ def test_runs_sharing_a_copy_cache_keep_each_others_generations(decoders, tmp_pa
     then holds both generations (the second writer merges what the first wrote since it loaded), and the text
     of the run that wrote last where both generated for one prompt."""
     from s2moe.engine.drafting.copycache import load_copy_cache, save_copy_cache
-    from s2moe.engine.drafting.policies import EarlierText
+    from s2moe.engine.drafting.ngrams import EarlierText
 
     d = decoders["olmoe"]
     path = tmp_path / "copies.json"
@@ -1194,7 +1204,7 @@ def test_a_copy_cache_file_gives_a_new_session_the_generations_of_an_earlier_one
     its own earlier generations, keeping ar's tokens; a file of another model is refused."""
     from s2moe.engine.drafting.copycache import load_copy_cache, save_copy_cache
     from s2moe.engine.errors import ConfigError
-    from s2moe.engine.drafting.policies import EarlierText
+    from s2moe.engine.drafting.ngrams import EarlierText
 
     d = decoders["olmoe"]
     c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test-copy-cache")

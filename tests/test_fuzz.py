@@ -387,7 +387,7 @@ def test_copy_caches_and_app_settings_read_or_say_why(scratch, olmoe_info, data)
     from s2moe.app.tui.state import remembered_settings, state_dir
     from s2moe.engine.drafting.copycache import load_copy_cache
     from s2moe.engine.errors import ConfigError
-    from s2moe.engine.drafting.policies import EarlierText
+    from s2moe.engine.drafting.ngrams import EarlierText
 
     path = scratch(".json")
     path.write_bytes(data.draw(hostile_json(_copy_cache(olmoe_info.fingerprint))))

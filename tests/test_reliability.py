@@ -1207,7 +1207,7 @@ KILLED_COPY_CACHE_SAVE = """
 import os, sys, time
 from s2moe.engine.drafting.copycache import save_copy_cache
 from s2moe.engine.model_info import read_model_info
-from s2moe.engine.drafting.policies import EarlierText
+from s2moe.engine.drafting.ngrams import EarlierText
 
 def stuck(src, dst):  # the temporary file written, not yet renamed
     print("writing", flush=True)
@@ -1224,7 +1224,7 @@ def test_a_copy_cache_save_removes_the_temporary_file_a_killed_save_left(tiny_mo
     from s2moe.engine.drafting.copycache import load_copy_cache, save_copy_cache
     from s2moe.engine.files import STALE_TMP_SECONDS
     from s2moe.engine.model_info import read_model_info
-    from s2moe.engine.drafting.policies import EarlierText
+    from s2moe.engine.drafting.ngrams import EarlierText
 
     model, cache = str(tiny_models["olmoe"]), tmp_path / "copies.json"
     proc = subprocess.Popen([sys.executable, "-c", KILLED_COPY_CACHE_SAVE, model, str(cache)],

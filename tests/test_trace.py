@@ -12,7 +12,7 @@ from s2moe.app.cli import main
 from s2moe.engine.decoding.decoder import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Iteration, Started
-from s2moe.engine.drafting.policies import UtilityStop
+from s2moe.engine.drafting.stoprules import UtilityStop
 from s2moe.engine.measure.trace_replay import _Source, propose
 from s2moe.engine.measure.trace import TraceRecorder, dumps, read_trace, write_trace
 

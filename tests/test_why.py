@@ -11,7 +11,7 @@ from test_app_support import FakeDecoder, scripted_events
 from test_cli import s2moe
 
 from s2moe.engine.events import CostConstants, DraftDecision, Iteration
-from s2moe.engine.drafting.policies import UtilityStop
+from s2moe.engine.drafting.stoprules import UtilityStop
 
 MS = 1e-3
 # a certain token saves a plain step (0.51 ms) but its draft pass and verify row cost 0.46 + 0.24 ms

@@ -22,9 +22,10 @@ from ..errors import OPTION, ConfigError, ContextError, ModelError, held_steps
 from ..events import CostConstants, Finished, Iteration, MeasuringCosts, Prefilled, ResidencySnapshot, Started
 from .hook import distinct_per_layer
 from ..model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
-from ..drafting.policies import (CascadeDrafter, ConfidenceStop, Drafter, EarlierText, FixedLength, IndependentDrafter,
-                       LayerSkipDrafter, LookupDrafter, LookupOrSelfDrafter, RecordingStop, SelfDrafter, UtilityStop,
-                       rule_cost)
+from ..drafting.copies import COPY_REFINEMENTS, LookupDrafter, LookupOrSelfDrafter
+from ..drafting.drafters import CascadeDrafter, Drafter, IndependentDrafter, LayerSkipDrafter, SelfDrafter
+from ..drafting.ngrams import EarlierText
+from ..drafting.stoprules import ConfidenceStop, FixedLength, RecordingStop, UtilityStop, rule_cost
 from .gpu import Placement
 from ..offload.budget import prefill_batch_room
 from .runtime import DEFAULT_BATCH, LlamaRuntime
@@ -146,6 +147,9 @@ class GenerationConfig:
     # ... and where a copy from the context runs into the context's end (a loop), it goes on round the loop; False:
     # it stops there, as prompt lookup does
     lookup_periodic: bool = True
+    # ... with these of the copy rule's refinements switched off (drafting.copies.COPY_REFINEMENTS), for an
+    # ablation that measures what each one pays; empty: the whole rule
+    copy_without: frozenset[str] = frozenset()
     conf_p_min: float = 0.5           # `conf` mode's stop probability
     tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
     tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
@@ -199,6 +203,11 @@ class GenerationConfig:
             raise ConfigError(f"{OPTION} must be one of {', '.join(DRAFT_EXPERTS)}", option="draft_experts")
         if not 1 <= self.tree_max_nodes <= 64:
             raise ConfigError(f"{OPTION} must be between 1 and 64", option="tree_max_nodes")
+        if isinstance(self.copy_without, str):  # a string is a set of its letters
+            raise ConfigError(f"copy_without is a set of refinement names, not the string {self.copy_without!r}")
+        unknown = sorted(set(self.copy_without) - set(COPY_REFINEMENTS))
+        if unknown:
+            raise ConfigError(f"unknown copy refinement {unknown[0]!r} (choose from {', '.join(COPY_REFINEMENTS)})")
         if self.trace and self.mode not in TRACE_MODES:
             raise ConfigError(f"a trace drafts with the model's own experts to the cap: mode {self.mode!r} cannot "
                               f"record one (choose from {', '.join(TRACE_MODES)})")
@@ -466,7 +475,7 @@ class Decoder:
         if not (cfg.lookup and cfg.mode == "s2moe"):
             return chain
         return LookupOrSelfDrafter(chain, rule, self.earlier if cfg.lookup_session else None, prompt,
-                                   periodic=cfg.lookup_periodic)
+                                   periodic=cfg.lookup_periodic, without=cfg.copy_without)
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
         # A trace's rule learns apart: what it sees is not what the mode's own generations see.
@@ -482,7 +491,8 @@ class Decoder:
         trials) see other steps, timings and acceptance, so each keeps a rule of its own.
         What a rule drafts never changes which tokens a seed commits (engine.acceptance)."""
         key = key + (cfg.sampling(), cfg.reuse_strength, cfg.memory_strength, cfg.reuse_cap, cfg.draft_max,
-                     cfg.lookup, cfg.lookup_session, cfg.lookup_periodic, self._untimed)
+                     cfg.lookup, cfg.lookup_session, cfg.lookup_periodic, frozenset(cfg.copy_without),
+                     self._untimed)
         rule = self._rules.get(key)
         if rule is None:
             rule = self._rules[key] = UtilityStop(cost, cfg.threshold)

@@ -31,7 +31,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..events import DraftCandidate
-from ..drafting.policies import Drafter, Proposal, UtilityStop
+from ..drafting.drafters import Drafter, Proposal
+from ..drafting.stoprules import UtilityStop
 from .sampling import PositionNoise, Sampling
 
 

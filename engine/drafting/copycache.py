@@ -15,11 +15,12 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, TypeGuard
 
 from ..errors import ConfigError
 from ..files import check_writable, read_json, write_atomic, write_target
 from ..model_info import ModelInfo
-from .policies import EarlierText
+from .ngrams import EarlierText
 
 FORMAT = "s2moe-copy-cache"
 VERSION = 1
@@ -31,7 +32,7 @@ class CopyCacheError(ConfigError):
     """A copy cache that cannot be used: the app says so in its own words, not as a model that failed to load."""
 
 
-def copy_cache_file(path: str | os.PathLike, info: ModelInfo) -> Path:
+def copy_cache_file(path: str | os.PathLike[str], info: ModelInfo) -> Path:
     """The file `path` names for this model: the path itself, or in a directory the model's own file. A
     path written as a directory (a final slash) must be one: `nodir/` is no file named nodir."""
     text = os.fspath(path)
@@ -43,7 +44,8 @@ def copy_cache_file(path: str | os.PathLike, info: ModelInfo) -> Path:
     return path
 
 
-def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText, write_back: bool = True) -> int:
+def load_copy_cache(path: str | os.PathLike[str], info: ModelInfo, earlier: EarlierText,
+                    write_back: bool = True) -> int:
     """Add the generations kept at `path` (copy_cache_file) to `earlier`, oldest first; how many. A file that
     does not exist yet holds none (the run creates it); one that is not a copy cache of this model is a
     CopyCacheError. write_back: the run will save_copy_cache there, so that its place is checked now (a
@@ -59,7 +61,7 @@ def load_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierTe
     return len(generations)
 
 
-def save_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierText) -> None:
+def save_copy_cache(path: str | os.PathLike[str], info: ModelInfo, earlier: EarlierText) -> None:
     """Write `earlier`'s generations to `path` (copy_cache_file) in one step (files.write_atomic: a run stopped
     while writing leaves the old file; a symbolic link is written through). Runs that share the file (two
     apps, generate in a loop beside a chat) each started from what it held then: what another wrote since is
@@ -83,7 +85,7 @@ def save_copy_cache(path: str | os.PathLike, info: ModelInfo, earlier: EarlierTe
 
 
 @contextmanager
-def _locked(directory: Path):
+def _locked(directory: Path) -> Iterator[None]:
     """Writers of one directory's copy caches one at a time, between reading the file and replacing it (a
     lock on the file itself would go with the inode the replacement unlinks)."""
     try:
@@ -113,12 +115,13 @@ def _read(path: Path, info: ModelInfo) -> list[tuple[list[int], list[int]]]:
     out = []
     for i, g in enumerate(generations):
         prompt, text = (g.get("prompt"), g.get("text")) if isinstance(g, dict) else (None, None)
-        if not (_tokens(prompt, info.n_vocab) and _tokens(text, info.n_vocab)):
+        if _tokens(prompt, info.n_vocab) and _tokens(text, info.n_vocab):
+            out.append((prompt, text))
+        else:
             raise CopyCacheError(f"copy cache {path}: generation {i} is not two lists of this model's token ids")
-        out.append((prompt, text))
     return out
 
 
-def _tokens(value, n_vocab: int) -> bool:
+def _tokens(value: object, n_vocab: int) -> TypeGuard[list[int]]:
     return (isinstance(value, list) and len(value) > 0
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in value))

@@ -13,18 +13,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..drafting.policies import (
-    CascadeDrafter,
-    ConfidenceStop,
-    CopyPlanner,
-    EarlierText,
-    FixedLength,
-    Proposal,
-    SelfDrafter,
-    StopRule,
-    UtilityStop,
-    rule_cost,
-)
+from ..drafting.copies import CopyPlanner
+from ..drafting.drafters import CascadeDrafter, Proposal, SelfDrafter
+from ..drafting.ngrams import EarlierText
+from ..drafting.stoprules import ConfidenceStop, FixedLength, StopRule, UtilityStop, rule_cost
 from ..errors import ConfigError
 from .cache_model import CachePlan, ExpertCache, ExpertIds, draft_pass_misses, with_cache
 from .replay_costs import NO_TERMS, DeviceCosts, WorkloadTerms, distinct, verify_compute
@@ -278,7 +270,8 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 draft = _Draft()
             elif cascade is not None and inner is not None:  # set together, for cascade
                 inner.source = src
-                draft = cascade.propose(None, None, max_len, None)
+                # the cascade hands these only to its inner drafter, which replays the chain and reads none
+                draft = cascade.propose(None, None, max_len, None)  # type: ignore[arg-type]
             elif mode == "oracle":
                 draft = propose(FixedLength(), src, min(max_len, step.accepted - j), h.k_d, h.n_expert)
             else:
@@ -325,7 +318,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             res.fetched += draft_misses + verify_misses
             if cascade is not None:
                 # what CascadeDrafter.feedback reads of an Iteration event: its tokens and its seconds
-                cascade.feedback(SimpleNamespace(committed=(0,) * committed,
+                cascade.feedback(SimpleNamespace(committed=(0,) * committed,  # type: ignore[arg-type]
                                                  t_draft=t_draft + costs.t_fetch * draft_misses,
                                                  t_verify=t_verify + costs.t_fetch * verify_misses))
             generated += committed
