@@ -97,7 +97,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_neox(q, cos, sin), apply_rope_neox(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+        out: torch.Tensor = self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+        return out
 
 
 class MoE(nn.Module):
@@ -172,10 +173,11 @@ class MoELM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        blocks = [Block(cfg) for _ in range(cfg.n_layer)]  # as Blocks: a ModuleList yields them as Modules
+        self.blocks = nn.ModuleList(blocks)
         self.out_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.apply(self._init)
-        for b in self.blocks:   # scale residual-branch outputs down with depth (GPT-2 style)
+        for b in blocks:   # scale residual-branch outputs down with depth (GPT-2 style)
             nn.init.normal_(b.attn.wo.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
             nn.init.normal_(b.moe.w_down, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
