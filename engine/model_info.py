@@ -202,7 +202,7 @@ def gguf_reader(path: str | os.PathLike[str]) -> GGUFReader:
     is installed, and a CUDA build's libggml-cuda carries copies of libstdc++ symbols that, with another
     extension's libstdc++ loaded before it, left llama.cpp's stream output crashing in llama_model::print_info
     (CUDA 13, llama-cpp-python 0.3.36)."""
-    import llama_cpp  # noqa: F401
+    import llama_cpp  # noqa: F401, I001
     import gguf
 
     return gguf.GGUFReader(str(path), "r")

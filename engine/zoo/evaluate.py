@@ -48,6 +48,7 @@ SAMPLE_PROMPT = "import os\n\n\ndef read_lines(path):"
 def load_run(run: Path) -> tuple[MoELM, dict[str, Any]]:
     """The run's model, as its checkpoint left it, and the checkpoint (train.py's)."""
     import torch
+
     from .model import MoEConfig, MoELM
     st = torch.load(Path(run) / "ckpt.pt", map_location="cpu", weights_only=False)
     model = MoELM(MoEConfig(**st["model_cfg"]))
@@ -119,7 +120,7 @@ def routing_stats(model: MoELM, seqs: npt.NDArray[np.int64]) -> Result:
     _, draft = torch_logits(model, seqs, k=2)
     top10 = max(1, math.ceil(0.1 * E))
     skew, recall, precision, max_load = [], [], [], []
-    for fs, ds in zip(full, draft):
+    for fs, ds in zip(full, draft, strict=True):
         counts = torch.bincount(fs["topi"].reshape(-1), minlength=E).float()
         srt = counts.sort(descending=True).values
         skew.append(float(srt[:top10].sum() / counts.sum()))
@@ -178,9 +179,9 @@ def sample(gguf_path: Path, prompt: str, n: int = 64, temperature: float = 0.0) 
 
 def speculation(gguf_path: Path, n_prompts: int = 8, n_tokens: int = 64) -> Result:
     """Acceptance length of greedy self-speculation (k_d = 2, fixed draft 8, shared KV, gating off)."""
-    from ..measure.bench import load_prompts
     from ..decoding.decoder import Decoder, GenerationConfig
     from ..events import Summary
+    from ..measure.bench import load_prompts
 
     _, prompts = load_prompts("humaneval", n_prompts)
     cfg = GenerationConfig(mode="s2moe", n_predict=n_tokens, draft_topk=2, draft_max=8, utility=False,

@@ -16,10 +16,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import numpy.typing as npt
-
-import gguf
 from gguf import GGMLQuantizationType as QT
 
 from .tokenizer import GGUF_PRE, GGUFVocab, gguf_vocab

@@ -18,10 +18,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+import gguf
 import numpy as np
 import numpy.typing as npt
-
-import gguf
 from gguf import GGMLQuantizationType as QT
 
 from .export import DTYPES, HParams, Shape, encode, encoded_nbytes, storage_type, tensor_layout, write_metadata

@@ -135,6 +135,7 @@ def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 
     schedule (the learning rate follows max_steps), so a run can be done in time-boxed pieces and still
     end bit-identical to an uninterrupted one."""
     import torch
+
     from .model import MoEConfig, MoELM
 
     torch.set_num_threads(threads)

@@ -23,10 +23,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import gguf
 import numpy as np
 import numpy.typing as npt
-
-import gguf
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
