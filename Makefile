@@ -27,9 +27,12 @@ check: $(STAMP) typecheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# .typecheck/s2moe/__init__.py makes s2moe a regular package to mypy: under a namespace package mypy takes
+# the folder engine/zoo/data/ (package data) for the module engine/zoo/data.py.
 typecheck: $(STAMP)
 	mkdir -p .typecheck/s2moe
 	for d in engine app native profiles; do ln -sfn ../../$$d .typecheck/s2moe/$$d; done
+	touch .typecheck/s2moe/__init__.py
 	cd .typecheck && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p s2moe.engine
 
 clean-venv:

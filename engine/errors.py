@@ -10,12 +10,16 @@ import builtins
 import functools
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TypeVar
+from types import FrameType, ModuleType
+from typing import Any, ParamSpec, TypeVar
 
 OPTION = "{option}"  # where a message names its setting
 T = TypeVar("T")
+P = ParamSpec("P")
+# A signal handler that Python code installed (signal.getsignal gives ints for SIG_DFL and SIG_IGN)
+Handler = Callable[[int, FrameType | None], Any]
 
 
 class S2MoEError(Exception):
@@ -61,7 +65,7 @@ def sigterm_raises_terminated() -> Iterator[None]:
         yield
         return
 
-    def handler(signum, frame):
+    def handler(signum: int, frame: FrameType | None) -> None:
         raise Terminated
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -74,11 +78,12 @@ def sigterm_raises_terminated() -> Iterator[None]:
 class _Hold:
     """The hold in force in the main thread: the handlers it replaced, the signals it noted."""
 
-    def __init__(self, previous: dict):
-        self.previous, self.noted = previous, []
+    def __init__(self, previous: dict[int, Handler]):
+        self.previous = previous
+        self.noted: list[int] = []
         self.importing = 0  # imports under way (imports_held): a signal waits for the outermost one to end
 
-    def note(self, signum, frame) -> None:
+    def note(self, signum: int, frame: FrameType | None) -> None:
         self.noted.append(signum)
 
     def release(self) -> None:
@@ -132,11 +137,18 @@ def imports_held() -> Iterator[None]:
     moment. (importlib.import_module does not go through import statements: hold around it.)"""
     original = builtins.__import__
 
-    def held_import(name, globals=None, locals=None, fromlist=(), level=0):
+    def held_import(
+        name: str,
+        globals: Mapping[str, object] | None = None,
+        locals: Mapping[str, object] | None = None,
+        fromlist: Sequence[str] | None = (),
+        level: int = 0,
+    ) -> ModuleType:
         if threading.current_thread() is not threading.main_thread():
             return original(name, globals, locals, fromlist, level)
         with held_signals():
             hold = _hold
+            assert hold is not None  # held_signals holds in the main thread
             hold.importing += 1
             try:
                 return original(name, globals, locals, fromlist, level)
@@ -150,12 +162,12 @@ def imports_held() -> Iterator[None]:
         builtins.__import__ = original
 
 
-def held_steps(generator_function: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
+def held_steps(generator_function: Callable[P, Iterator[T]]) -> Callable[P, Iterator[T]]:
     """A generator function whose every step (the work up to its next item) runs inside one held_signals
     block, and whose caller's work between items does not."""
 
     @functools.wraps(generator_function)
-    def steps(*args, **kwargs) -> Iterator[T]:
+    def steps(*args: P.args, **kwargs: P.kwargs) -> Iterator[T]:
         items = generator_function(*args, **kwargs)
         try:
             while True:
@@ -166,6 +178,7 @@ def held_steps(generator_function: Callable[..., Iterator[T]]) -> Callable[..., 
                         return
                 yield item
         finally:
-            items.close()
+            if isinstance(items, Generator):  # its own clean-up runs now, not when it is collected
+                items.close()
 
     return steps

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class Started:
     n_layer: int
     n_expert: int
     k: int
-    config: dict
+    config: dict[str, Any]  # the generation's settings as JSON writes them
     cost: CostConstants | None
 
 
@@ -353,7 +354,7 @@ class Summary(Totals):
     tokens: tuple[int, ...] = ()
     prefill_seconds: float = 0.0
 
-    def add(self, event) -> None:
+    def add(self, event: object) -> None:
         if isinstance(event, Started):
             self.mode = event.mode
             self.cost = event.cost
@@ -385,7 +386,7 @@ class Summary(Totals):
         bench and tune measure, which a prompt's length does not move."""
         return self.n_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "n_tokens": self.n_tokens,

@@ -16,6 +16,7 @@ import secrets
 import stat
 import time
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from .errors import ConfigError, S2MoEError
 
@@ -29,7 +30,7 @@ def state_dir() -> Path:
     return Path(base) / "s2moe"
 
 
-def open_regular(path: str | os.PathLike, what: str, error: type[S2MoEError] = ConfigError):
+def open_regular(path: str | os.PathLike[str], what: str, error: type[S2MoEError] = ConfigError) -> BinaryIO:
     """`path` opened for binary reading if it is a regular file, else `error` saying what it is.
 
     Opened without blocking and checked on the open descriptor: opening a FIFO would otherwise wait for a
@@ -54,7 +55,7 @@ def open_regular(path: str | os.PathLike, what: str, error: type[S2MoEError] = C
         raise
 
 
-def read_bounded(path: str | os.PathLike, what: str, limit: int, error: type[S2MoEError] = ConfigError) -> bytes:
+def read_bounded(path: str | os.PathLike[str], what: str, limit: int, error: type[S2MoEError] = ConfigError) -> bytes:
     """A regular file's bytes, at most `limit` of them; `error` when it is larger."""
     with open_regular(path, what, error) as f:
         try:
@@ -70,7 +71,7 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
 
 
-def parse_json(data: bytes | str, what: str, error: type[S2MoEError] = ConfigError):
+def parse_json(data: bytes | str, what: str, error: type[S2MoEError] = ConfigError) -> Any:
     """JSON text (bytes: UTF-8) parsed, or `error` saying in one line why not, `what` first (e.g. "copy cache
     PATH", "trace PATH line 3"). json.loads itself raises RecursionError for arrays nested some thousand deep
     and a bare ValueError for an integer of more digits than Python converts (4,300)."""
@@ -89,7 +90,7 @@ def parse_json(data: bytes | str, what: str, error: type[S2MoEError] = ConfigErr
         raise error(f"{what}: a number too long to read") from None
 
 
-def read_json(path: str | os.PathLike, what: str, limit: int, error: type[S2MoEError] = ConfigError):
+def read_json(path: str | os.PathLike[str], what: str, limit: int, error: type[S2MoEError] = ConfigError) -> Any:
     """A regular file of at most `limit` bytes parsed as JSON (parse_json); `error` naming it otherwise."""
     return parse_json(read_bounded(path, what, limit, error), f"{what} {path}", error)
 
@@ -98,7 +99,7 @@ def read_json(path: str | os.PathLike, what: str, limit: int, error: type[S2MoEE
 STALE_TMP_SECONDS = 600
 
 
-def write_target(path: str | os.PathLike, what: str, error: type[S2MoEError] = ConfigError) -> Path:
+def write_target(path: str | os.PathLike[str], what: str, error: type[S2MoEError] = ConfigError) -> Path:
     """The file a write to `path` replaces: the path, or where its symbolic link leads (written through, as a
     shell's `>` does: replacing the link by a file would leave what it points at as it was). A link that
     leads round in a loop is `error`."""
@@ -111,7 +112,7 @@ def write_target(path: str | os.PathLike, what: str, error: type[S2MoEError] = C
     return real
 
 
-def check_writable(path: str | os.PathLike, what: str, error: type[S2MoEError] = ConfigError) -> Path:
+def check_writable(path: str | os.PathLike[str], what: str, error: type[S2MoEError] = ConfigError) -> Path:
     """Where write_atomic(path) will write (write_target), checked by doing it before the work whose result
     goes there: its folder exists and takes a new file (tried: root ignores permission bits, a read-only
     mount does not), and it is no folder. `error` otherwise."""
@@ -129,7 +130,7 @@ def check_writable(path: str | os.PathLike, what: str, error: type[S2MoEError] =
     return target
 
 
-def write_atomic(path: str | os.PathLike, text: str, what: str = "file",
+def write_atomic(path: str | os.PathLike[str], text: str, what: str = "file",
                  error: type[S2MoEError] = ConfigError) -> Path:
     """`text` written to `path` (write_target: through a symbolic link) in one step: a temporary file beside
     it, synced, then renamed over it, so that a reader, or a process stopped at any moment, sees the old file

@@ -12,9 +12,13 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .errors import ModelError
 from .files import open_regular
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 GGUF_MAGIC = b"GGUF"
 
@@ -81,7 +85,7 @@ _ONE_HEAD_SIZE = ("llama", "olmoe", "qwen3moe", "dots1")
 _MAX_HEADER_BYTES = 1 << 20
 
 
-def _field(reader, key, default=None):
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -91,7 +95,13 @@ def _field(reader, key, default=None):
         raise ModelError(f"GGUF field {key} cannot be read") from None
 
 
-def _typed(reader, key: str, kind: str, name: str):
+@overload
+def _typed(reader: GGUFReader, key: str, kind: Literal["u32"], name: str) -> int | None: ...
+@overload
+def _typed(reader: GGUFReader, key: str, kind: Literal["f32"], name: str) -> float | None: ...
+@overload
+def _typed(reader: GGUFReader, key: str, kind: Literal["bool"], name: str) -> bool | None: ...
+def _typed(reader: GGUFReader, key: str, kind: Literal["u32", "f32", "bool"], name: str) -> Any:
     """A scalar of the GGUF type llama.cpp reads `key` as (u32, f32, bool), or None when absent. llama.cpp
     accepts no other type for these keys."""
     import gguf
@@ -108,11 +118,11 @@ def _typed(reader, key: str, kind: str, name: str):
     return _field(reader, key)
 
 
-def _validate(reader, arch: str, name: str) -> None:
+def _validate(reader: GGUFReader, arch: str, name: str) -> None:
     """Reject the values that stop llama.cpp in an assertion (an abort, not an error it can return) and
     those that can only give non-finite results, whatever the file's kind."""
 
-    def u32(key):
+    def u32(key: str) -> int | None:
         return _typed(reader, f"{arch}.{key}", "u32", name)
 
     n_layer = u32("block_count")  # required: llama.cpp says so itself when it is missing
@@ -145,16 +155,16 @@ def _validate(reader, arch: str, name: str) -> None:
                              f"(attention.key_length {k}, attention.value_length {v}, rope.dimension_count {rot})")
         n_head_kv = None if _is_array(reader, f"{arch}.attention.head_count_kv") else \
             _given(u32("attention.head_count_kv"), n_head)
-        if k and n_head and n_head_kv:
+        if k and v and n_head and n_head_kv:
             _check_attention(reader, name, {"attn_q": n_head * k, "attn_k": n_head_kv * k, "attn_v": n_head_kv * v})
 
 
-def _given(value, default):
+def _given(value: int | None, default: int | None) -> int | None:
     """A key's value where the file has it (0 included: llama.cpp takes it as written), else the default."""
     return default if value is None else value
 
 
-def _check_tokenizer(reader, name: str) -> None:
+def _check_tokenizer(reader: GGUFReader, name: str) -> None:
     """A SentencePiece vocabulary ("llama") spells a byte it has no piece for as <0xXX>: without those
     tokens llama.cpp's tokenizer throws where nothing catches it, and the process aborts."""
     if _field(reader, "tokenizer.ggml.model") != "llama":
@@ -169,7 +179,7 @@ def _check_tokenizer(reader, name: str) -> None:
                          f"({len(missing)} of the 256 <0xXX> tokens missing)")
 
 
-def _check_attention(reader, name: str, rows: dict[str, int]) -> None:
+def _check_attention(reader: GGUFReader, name: str, rows: dict[str, int]) -> None:
     """The attention projections have the rows the head counts and sizes give: llama.cpp checks this when
     loading some architectures and reshapes by them in the graph of others (dots1), where a mismatch stops
     it in an assertion."""
@@ -180,19 +190,19 @@ def _check_attention(reader, name: str, rows: dict[str, int]) -> None:
                              f"in the metadata make {rows[part]}")
 
 
-def _is_array(reader, key: str) -> bool:
+def _is_array(reader: GGUFReader, key: str) -> bool:
     import gguf
 
     f = reader.fields.get(key)
     return f is not None and bool(f.types) and f.types[0] == gguf.GGUFValueType.ARRAY
 
 
-def gguf_reader(path: str | os.PathLike):
+def gguf_reader(path: str | os.PathLike[str]) -> GGUFReader:
     """gguf-py's reader of the file. llama.cpp's libraries load first: gguf imports sentencepiece where it
     is installed, and a CUDA build's libggml-cuda carries copies of libstdc++ symbols that, with another
     extension's libstdc++ loaded before it, left llama.cpp's stream output crashing in llama_model::print_info
     (CUDA 13, llama-cpp-python 0.3.36)."""
-    import llama_cpp  # noqa: F401
+    import llama_cpp  # noqa: F401, I001
     import gguf
 
     return gguf.GGUFReader(str(path), "r")
@@ -203,10 +213,10 @@ _KV_TENSOR = re.compile(r"blk\.\d+\.attn_[kv]\.weight")
 
 # What this process has read of model files: gguf-py parses every metadata array into Python objects, ~2 s
 # for a 50k-token vocabulary, and a run reads its model several times (the CPU path, the decoder, ...).
-_read: dict[tuple, ModelInfo] = {}
+_read: dict[tuple[int, int, int, int, bytes], ModelInfo] = {}
 
 
-def read_model_info(path: str | os.PathLike) -> ModelInfo:
+def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
     path = Path(path)
     with open_regular(path, "model file", ModelError) as f:
         st = os.fstat(f.fileno())
@@ -255,7 +265,7 @@ def _parse(path: Path, head: bytes, size: int) -> ModelInfo:
     _validate(reader, arch, path.name)
     _check_tokenizer(reader, path.name)
 
-    def u32(key, default=0):
+    def u32(key: str, default: int = 0) -> int:
         value = _typed(reader, f"{arch}.{key}", "u32", path.name)
         return default if value is None else value
 

@@ -4,8 +4,8 @@ stays quiet and a slow one (a model of gigabytes under a budget) never waits wit
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 SLOW_S = 2.0
 

@@ -151,4 +151,6 @@ def library() -> ctypes.CDLL:
 
 def eval_callback_address() -> int:
     """Address of the C cb_eval, to be placed in llama_context_params."""
-    return ctypes.cast(library().s2_hook_eval, ctypes.c_void_p).value
+    address = ctypes.cast(library().s2_hook_eval, ctypes.c_void_p).value
+    assert address is not None  # a symbol the library exports never sits at address 0
+    return address

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 MANIFEST = MODELS_DIR / "manifest.json"
@@ -20,13 +21,14 @@ DEFAULT_MODEL = "olmoe-64x8"
 __all__ = ["default_model_path", "list_models", "model_path", "write_synthetic", "MODELS_DIR"]
 
 
-def _manifest() -> dict:
+def _manifest() -> dict[str, Any]:
     if MANIFEST.exists():
-        return json.loads(MANIFEST.read_text(encoding="utf-8"))
+        manifest: dict[str, Any] = json.loads(MANIFEST.read_text(encoding="utf-8"))
+        return manifest
     return {"models": []}
 
 
-def list_models() -> list[dict]:
+def list_models() -> list[dict[str, Any]]:
     """One dict per packaged model: name, path, arch, n_layer, n_expert, k, params, params_active,
     size_bytes, default, plus the manifest's shape/training/metrics fields."""
     out = []
@@ -52,10 +54,13 @@ def default_model_path() -> Path:
     """Path of the packaged default model (an OLMoE-style 64-expert top-8 MoE)."""
     for m in list_models():
         if m["default"]:
-            return m["path"]
+            path: Path = m["path"]
+            return path
     return model_path(DEFAULT_MODEL)
 
 
-def write_synthetic(*args, **kwargs):
+def write_synthetic(*args: Any, **kwargs: Any) -> Path:
+    """synthetic.write_synthetic, imported on the first call: numpy and gguf load only then."""
     from .synthetic import write_synthetic as _w
+
     return _w(*args, **kwargs)

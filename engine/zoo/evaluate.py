@@ -24,11 +24,20 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .data import natural_text
+
+if TYPE_CHECKING:
+    from .model import LayerStats, MoELM
+
+# What a measurement found, as the manifest stores it in JSON
+Result = dict[str, Any]
 
 PKG = Path(__file__).resolve().parent
 MODELS = PKG / "models"
@@ -36,8 +45,10 @@ MANIFEST = MODELS / "manifest.json"
 SAMPLE_PROMPT = "import os\n\n\ndef read_lines(path):"
 
 
-def load_run(run: Path):
+def load_run(run: Path) -> tuple[MoELM, dict[str, Any]]:
+    """The run's model, as its checkpoint left it, and the checkpoint (train.py's)."""
     import torch
+
     from .model import MoEConfig, MoELM
     st = torch.load(Path(run) / "ckpt.pt", map_location="cpu", weights_only=False)
     model = MoELM(MoEConfig(**st["model_cfg"]))
@@ -46,33 +57,34 @@ def load_run(run: Path):
     return model, st
 
 
-def heldout_windows(data_dir: Path, n: int, length: int, seed: int = 7) -> np.ndarray:
+def heldout_windows(data_dir: Path, n: int, length: int, seed: int = 7) -> npt.NDArray[np.int64]:
     stream = np.load(Path(data_dir) / "heldout.npy")
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, stream.size - length, size=n)
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int64)
 
 
-def torch_logits(model, seqs: np.ndarray, k: int | None = None):
+def torch_logits(model: MoELM, seqs: npt.NDArray[np.int64],
+                 k: int | None = None) -> tuple[npt.NDArray[np.float32], list[LayerStats]]:
     import torch
     with torch.no_grad():
         logits, stats = model(torch.from_numpy(seqs), k=k)
     return logits.float().numpy(), stats
 
 
-def llama_logits(gguf_path: Path, seqs: np.ndarray, threads: int = 1) -> np.ndarray:
+def llama_logits(gguf_path: Path, seqs: npt.NDArray[np.int64], threads: int = 1) -> npt.NDArray[np.float32]:
     from llama_cpp import Llama
     llm = Llama(model_path=str(gguf_path), n_ctx=seqs.shape[1], n_batch=seqs.shape[1], logits_all=True,
                 n_threads=threads, verbose=False)
     out = []
     for s in seqs:
-        llm.reset()
+        llm.reset()  # type: ignore[no-untyped-call]  # llama_cpp leaves Llama.reset unannotated
         llm.eval(s.tolist())
         out.append(np.array(llm.scores[: len(s)], dtype=np.float32))
     return np.stack(out)
 
 
-def parity(model, gguf_path: Path, data_dir: Path, n: int = 20, length: int = 256) -> dict:
+def parity(model: MoELM, gguf_path: Path, data_dir: Path, n: int = 20, length: int = 256) -> Result:
     seqs = heldout_windows(data_dir, n, length)
     ref, _ = torch_logits(model, seqs)
     got = llama_logits(gguf_path, seqs)
@@ -83,7 +95,7 @@ def parity(model, gguf_path: Path, data_dir: Path, n: int = 20, length: int = 25
             "logit_scale_mean_abs": float(np.abs(ref).mean())}
 
 
-def perplexity(model, tokens: np.ndarray, ctx: int, max_windows: int = 64) -> float:
+def perplexity(model: MoELM, tokens: npt.NDArray[np.integer[Any]], ctx: int, max_windows: int = 64) -> float:
     """Non-overlapping windows; every token but the first of a window is predicted from its prefix."""
     import torch
     n = min(max_windows, (tokens.size - 1) // ctx)
@@ -99,7 +111,7 @@ def perplexity(model, tokens: np.ndarray, ctx: int, max_windows: int = 64) -> fl
     return math.exp(nll / cnt)
 
 
-def routing_stats(model, seqs: np.ndarray) -> dict:
+def routing_stats(model: MoELM, seqs: npt.NDArray[np.int64]) -> Result:
     """Skew of the full model's routing and draft (k=2) vs target routing agreement, per layer."""
     import torch
     cfg = model.cfg
@@ -108,7 +120,7 @@ def routing_stats(model, seqs: np.ndarray) -> dict:
     _, draft = torch_logits(model, seqs, k=2)
     top10 = max(1, math.ceil(0.1 * E))
     skew, recall, precision, max_load = [], [], [], []
-    for fs, ds in zip(full, draft):
+    for fs, ds in zip(full, draft, strict=True):
         counts = torch.bincount(fs["topi"].reshape(-1), minlength=E).float()
         srt = counts.sort(descending=True).values
         skew.append(float(srt[:top10].sum() / counts.sum()))
@@ -130,7 +142,7 @@ def routing_stats(model, seqs: np.ndarray) -> dict:
             "draft_used_in_target_mean": round(float(np.mean(precision)), 4)}
 
 
-def tokenizer_check(gguf_path: Path, tokenizer_json: Path) -> dict:
+def tokenizer_check(gguf_path: Path, tokenizer_json: Path) -> Result:
     """llama.cpp vs HF `tokenizers` on every held-out file + natural.txt; llama_detokenize round trip."""
     import ctypes
 
@@ -161,14 +173,15 @@ def sample(gguf_path: Path, prompt: str, n: int = 64, temperature: float = 0.0) 
     llm = Llama(model_path=str(gguf_path), n_ctx=512, n_threads=1, seed=0, verbose=False)
     out = llm.create_completion(prompt, max_tokens=n, temperature=temperature, top_p=0.95, top_k=0,
                                 repeat_penalty=1.0, seed=0)
+    assert isinstance(out, dict)  # one response, not a stream: stream is off
     return out["choices"][0]["text"]
 
 
-def speculation(gguf_path: Path, n_prompts: int = 8, n_tokens: int = 64) -> dict:
+def speculation(gguf_path: Path, n_prompts: int = 8, n_tokens: int = 64) -> Result:
     """Acceptance length of greedy self-speculation (k_d = 2, fixed draft 8, shared KV, gating off)."""
-    from ..measure.bench import load_prompts
     from ..decoding.decoder import Decoder, GenerationConfig
     from ..events import Summary
+    from ..measure.bench import load_prompts
 
     _, prompts = load_prompts("humaneval", n_prompts)
     cfg = GenerationConfig(mode="s2moe", n_predict=n_tokens, draft_topk=2, draft_max=8, utility=False,
@@ -188,7 +201,7 @@ def speculation(gguf_path: Path, n_prompts: int = 8, n_tokens: int = 64) -> dict
 
 
 def evaluate(run: Path, gguf_path: Path, default: bool = False, do_export: bool = False,
-             note: str | None = None) -> dict:
+             note: str | None = None) -> Result:
     import tempfile
 
     from .export import export_state
@@ -244,7 +257,7 @@ def evaluate(run: Path, gguf_path: Path, default: bool = False, do_export: bool 
     return entry
 
 
-def update_manifest(entry: dict):
+def update_manifest(entry: Result) -> None:
     man = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {"models": []}
     man["models"] = [m for m in man["models"] if m["name"] != entry["name"]] + [entry]
     if entry["default"]:
@@ -255,7 +268,7 @@ def update_manifest(entry: dict):
     (PKG / "MODEL_CARD.md").write_text(model_card(man))
 
 
-def model_card(man: dict) -> str:
+def model_card(man: dict[str, Any]) -> str:
     L = ["# s2moe model zoo", "",
          "Small Mixture-of-Experts language models trained from scratch by `s2moe.engine.zoo.train` (CPU, "
          "seeded) on the Python standard library's own source files, exported to GGUF for stock llama.cpp. "
@@ -324,7 +337,7 @@ def model_card(man: dict) -> str:
     return "\n".join(L)
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     import torch
     torch.set_num_threads(1)
     ap = argparse.ArgumentParser(description="evaluate a zoo model; updates models/manifest.json")

@@ -14,11 +14,16 @@ twice in GGUF (olmoe requires an `output` tensor).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# One MoE layer's routing of a batch: router logits, chosen experts, load-balancing and z losses, counts
+LayerStats = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -40,28 +45,28 @@ class MoEConfig:
     def norm_topk(self) -> bool:
         return self.arch == "qwen3moe"
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_tables(cfg: MoEConfig, T: int, device=None):
+def rope_tables(cfg: MoEConfig, T: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     half = cfg.head_dim // 2
     inv = cfg.rope_base ** (-torch.arange(half, dtype=torch.float32, device=device) * 2.0 / cfg.head_dim)
     ang = torch.arange(T, dtype=torch.float32, device=device)[:, None] * inv[None, :]     # [T, half]
     return ang.cos(), ang.sin()
 
 
-def apply_rope_neox(x, cos, sin):
+def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, H, T, D]; rotates (x[i], x[i + D/2]) by angle pos * base^(-2i/D)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -69,7 +74,7 @@ def apply_rope_neox(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
         inner = cfg.n_head * cfg.head_dim
@@ -81,7 +86,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(qk_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(qk_dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, D = self.cfg.n_head, self.cfg.head_dim
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -92,14 +97,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_neox(q, cos, sin), apply_rope_neox(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+        out: torch.Tensor = self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+        return out
 
 
 class MoE(nn.Module):
     """Token-choice top-k MoE, no capacity limit. The (token, expert) slots are sorted by expert so each
     expert runs three dense matmuls on exactly its own tokens (no dense compute of all experts)."""
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
         E, d, f = cfg.n_expert, cfg.n_embd, cfg.expert_ff
@@ -108,7 +114,8 @@ class MoE(nn.Module):
         self.w_up = nn.Parameter(torch.randn(E, f, d) * 0.02)
         self.w_down = nn.Parameter(torch.randn(E, d, f) * 0.02)
 
-    def forward(self, x, k=None, force_topi=None):
+    def forward(self, x: torch.Tensor, k: int | None = None,
+                force_topi: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerStats]:
         """x: [N, d]. Returns (y, stats) with stats = dict(logits, topi, aux, z)."""
         cfg = self.cfg
         k = k or cfg.k
@@ -146,14 +153,15 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.moe = MoE(cfg)
 
-    def forward(self, x, cos, sin, k=None, force_topi=None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: int | None = None,
+                force_topi: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerStats]:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         B, T, d = x.shape
         y, st = self.moe(self.ffn_norm(x).reshape(B * T, d), k=k, force_topi=force_topi)
@@ -161,35 +169,38 @@ class Block(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        blocks = [Block(cfg) for _ in range(cfg.n_layer)]  # as Blocks: a ModuleList yields them as Modules
+        self.blocks = nn.ModuleList(blocks)
         self.out_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.apply(self._init)
-        for b in self.blocks:   # scale residual-branch outputs down with depth (GPT-2 style)
+        for b in blocks:   # scale residual-branch outputs down with depth (GPT-2 style)
             nn.init.normal_(b.attn.wo.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
             nn.init.normal_(b.moe.w_down, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
-    def _init(m):
+    def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx, k=None, force_topi=None):
+    def forward(self, idx: torch.Tensor, k: int | None = None,
+                force_topi: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[LayerStats]]:
         """idx: [B, T] -> logits [B, T, V], per-layer stats. force_topi: per-layer list of [B*T, k] ids."""
         T = idx.shape[1]
         cos, sin = rope_tables(self.cfg, T, idx.device)
         x = self.embed(idx)
-        stats = []
+        stats: list[LayerStats] = []
         for i, b in enumerate(self.blocks):
             x, st = b(x, cos, sin, k=k, force_topi=None if force_topi is None else force_topi[i])
             stats.append(st)
         logits = F.linear(self.out_norm(x), self.embed.weight)
         return logits, stats
 
-    def n_params(self):
+    def n_params(self) -> tuple[int, int]:
+        """Parameters in all, and those one token uses (its k experts of each layer, not the rest)."""
         total = sum(p.numel() for p in self.parameters())
         c = self.cfg
         inactive = c.n_layer * (c.n_expert - c.k) * 3 * c.n_embd * c.expert_ff

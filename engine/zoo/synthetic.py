@@ -14,16 +14,19 @@ prompts tokenise normally.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-
-import numpy as np
+from typing import BinaryIO
 
 import gguf
+import numpy as np
+import numpy.typing as npt
+from gguf import GGMLQuantizationType as QT
 
-from .export import DTYPES, encode, encoded_nbytes, storage_type, tensor_layout, write_metadata
+from .export import DTYPES, HParams, Shape, encode, encoded_nbytes, storage_type, tensor_layout, write_metadata
 from .tokenizer import GGUF_PRE, gguf_vocab
 
-PRESETS = {
+PRESETS: dict[str, HParams] = {
     # OLMoE-1B-7B: 16 layers, d 2048, 16 heads x 128, 64 experts top-8, expert FFN 1024, vocab 50304
     "olmoe-1b-7b": dict(arch="olmoe", n_layer=16, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128,
                         n_expert=64, k=8, expert_ff=1024, vocab_size=50304, ctx=4096,
@@ -45,12 +48,13 @@ class _ChunkedTensor:
     """Looks enough like an ndarray for GGUFWriter.write_tensor_data (nbytes, tofile), but generates and
     writes its data chunk by chunk."""
 
-    def __init__(self, shape, kind, qt, rng, advance, std=0.02):
+    def __init__(self, shape: Shape, kind: str, qt: QT, rng: np.random.Generator, advance: Callable[[int], None],
+                 std: float = 0.02):
         self.shape, self.kind, self.qt, self.rng, self.std = tuple(shape), kind, qt, rng, std
         self.advance = advance  # called with each chunk's bytes as it is written
         self.nbytes = encoded_nbytes(self.shape, qt)
 
-    def _chunks(self):
+    def _chunks(self) -> Iterator[npt.NDArray[np.float32]]:
         if self.kind == "norm":
             yield np.ones(self.shape, np.float32)
             return
@@ -63,7 +67,7 @@ class _ChunkedTensor:
             n = min(ROWS_PER_CHUNK, rows - r)
             yield self.rng.standard_normal((n,) + self.shape[1:], dtype=np.float32) * self.std
 
-    def tofile(self, fout):
+    def tofile(self, fout: BinaryIO) -> None:
         written = 0
         for c in self._chunks():
             b = encode(c, self.qt)
@@ -73,7 +77,7 @@ class _ChunkedTensor:
         assert written == self.nbytes, (written, self.nbytes)
 
 
-def preset_hparams(preset: str, arch: str | None = None, **overrides) -> dict:
+def preset_hparams(preset: str, arch: str | None = None, **overrides: int | None) -> HParams:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     hp = dict(PRESETS[preset])
@@ -83,13 +87,13 @@ def preset_hparams(preset: str, arch: str | None = None, **overrides) -> dict:
     return hp
 
 
-def estimate_bytes(hp: dict, dtype: str = "f16") -> int:
+def estimate_bytes(hp: HParams, dtype: str = "f16") -> int:
     return sum(encoded_nbytes(s, storage_type(k, s, dtype)) for _, s, k in tensor_layout(hp))
 
 
-def write_synthetic(arch: str | None, preset: str, out_path, *, dtype: str = "f16", seed: int = 0,
-                    n_layer: int | None = None, n_expert: int | None = None, k: int | None = None,
-                    ctx: int | None = None, progress=None) -> Path:
+def write_synthetic(arch: str | None, preset: str, out_path: str | os.PathLike[str], *, dtype: str = "f16",
+                    seed: int = 0, n_layer: int | None = None, n_expert: int | None = None, k: int | None = None,
+                    ctx: int | None = None, progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a random-weight GGUF; returns the path. `progress(done_bytes, total_bytes)` is optional: called
     with 0 once the file is planned, then as each chunk of tensor data is written (an expert, 2048 rows)."""
     if dtype not in DTYPES:
@@ -107,7 +111,7 @@ def write_synthetic(arch: str | None, preset: str, out_path, *, dtype: str = "f1
     try:
         write_metadata(w, hp, vocab, f"synthetic-{preset}-{hp['arch']}", dtype)
         w.add_string("s2moe.synthetic", "random weights; real architecture dimensions")
-        tensors = []
+        tensors: list[_ChunkedTensor] = []
         done = 0
 
         def advance(n: int) -> None:
@@ -129,7 +133,7 @@ def write_synthetic(arch: str | None, preset: str, out_path, *, dtype: str = "f1
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for t in tensors:
-            w.write_tensor_data(t)
+            w.write_tensor_data(t)  # type: ignore[arg-type]  # gguf-py uses only its nbytes and tofile
         w.close()
         os.replace(tmp, out_path)
     except BaseException:
@@ -139,7 +143,7 @@ def write_synthetic(arch: str | None, preset: str, out_path, *, dtype: str = "f1
     return out_path
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     import argparse
     ap = argparse.ArgumentParser(description="write a random-weight MoE GGUF with real dimensions")
     ap.add_argument("preset", choices=sorted(PRESETS))

@@ -10,7 +10,12 @@ Special tokens: id 0 = <|endoftext|> (BOS = EOS = document separator), id 1 = <|
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 EOT = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -21,7 +26,22 @@ GGUF_PRE = "trillion"
 MAX_TOKEN_CHARS = 16
 
 
-def train_tokenizer(texts, vocab_size: int, out_path: Path):
+class _GGUFVocabRead(TypedDict):
+    tokens: list[str]  # byte-level unicode strings, by id
+    merges: list[str]  # "a b"
+    types: list[int]  # llama.cpp token types
+    bos: int
+    eos: int
+    pad: int
+
+
+class GGUFVocab(_GGUFVocabRead, total=False):
+    """A tokenizer as GGUF stores it: what gguf_vocab reads, and the pre-tokenizer name a writer adds."""
+
+    pre: str
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: Path) -> Tokenizer:
     """Train and save tokenizer.json. `texts` is an iterable of strings (train split only)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -42,12 +62,12 @@ def train_tokenizer(texts, vocab_size: int, out_path: Path):
     return tok
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer
     return Tokenizer.from_file(str(path))
 
 
-def gguf_vocab(tokenizer_json: Path) -> dict:
+def gguf_vocab(tokenizer_json: Path) -> GGUFVocab:
     """What GGUF needs, read straight from tokenizer.json (no `tokenizers` import):
     tokens (byte-level unicode strings, by id), merges ("a b"), token types, bos/eos/pad ids."""
     spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
@@ -55,16 +75,17 @@ def gguf_vocab(tokenizer_json: Path) -> dict:
     for added in spec.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
     n = max(vocab.values()) + 1
-    tokens = [None] * n
+    tokens: list[str | None] = [None] * n
     for t, i in vocab.items():
         tokens[i] = t
     assert all(t is not None for t in tokens), "vocabulary ids must be dense"
+    dense = [t for t in tokens if t is not None]
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     special = {a["content"] for a in spec.get("added_tokens", []) if a.get("special")}
     # llama.cpp token types: 1 = normal, 3 = control
-    types = [3 if t in special else 1 for t in tokens]
+    types = [3 if t in special else 1 for t in dense]
     return {
-        "tokens": tokens,
+        "tokens": dense,
         "merges": merges,
         "types": types,
         "bos": vocab[EOT],
@@ -87,7 +108,7 @@ FIXTURE_TEXTS = [
 ]
 
 
-def write_fixture(tokenizer_json: Path, out_path: Path, extra_texts=()):
+def write_fixture(tokenizer_json: Path, out_path: Path, extra_texts: Iterable[str] = ()) -> None:
     """Reference token ids from HF `tokenizers` (tests compare llama.cpp's tokenisation against them)."""
     tok = load_tokenizer(tokenizer_json)
     items = [{"text": t, "ids": tok.encode(t).ids} for t in list(FIXTURE_TEXTS) + list(extra_texts)]

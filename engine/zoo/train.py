@@ -23,17 +23,28 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from . import data as zdata
 from .tokenizer import EOT, train_tokenizer
 
+if TYPE_CHECKING:
+    import torch
+
+    from .model import MoELM
+
 RUN_ROOT = Path(os.environ.get("S2MOE_ZOO_RUNS", Path.cwd() / ".zoo-runs"))
 VOCAB = 4096
 
-CONFIGS = {
+# A run's settings (COMMON, then its CONFIGS entry) as the checkpoint and the log record them in JSON
+TrainConfig = dict[str, Any]
+
+CONFIGS: dict[str, TrainConfig] = {
     # default: OLMoE-style (64 experts, top-8, softmax gates not renormalised, q/k norm over n_embd)
     "olmoe-64x8": dict(model=dict(arch="olmoe", n_layer=6, n_embd=128, n_head=4, head_dim=32,
                                   n_expert=64, k=8, expert_ff=128, ctx=512),
@@ -47,7 +58,7 @@ CONFIGS = {
                              n_expert=8, k=2, expert_ff=64, ctx=128),
                   batch=4, lr=3e-3, max_steps=20, warmup=5),
 }
-COMMON = dict(seed=1234, weight_decay=0.1, aux_coef=0.01, z_coef=0.001, grad_clip=1.0,
+COMMON: TrainConfig = dict(seed=1234, weight_decay=0.1, aux_coef=0.01, z_coef=0.001, grad_clip=1.0,
               eval_every=200, eval_batches=8, ckpt_minutes=4.0, log_every=10)
 
 
@@ -63,7 +74,7 @@ def prepare_data(root: Path = RUN_ROOT, vocab: int = VOCAB) -> Path:
     tok = train_tokenizer((t for _, t in train_docs), vocab, d / "tokenizer.json")
     eot = tok.token_to_id(EOT)
     for name, docs in (("train", train_docs), ("heldout", held_docs)):
-        ids = []
+        ids: list[int] = []
         for enc in tok.encode_batch([t for _, t in docs]):
             ids.append(eot)
             ids.extend(enc.ids)
@@ -78,30 +89,33 @@ def prepare_data(root: Path = RUN_ROOT, vocab: int = VOCAB) -> Path:
     return d
 
 
-def get_batch(stream: np.ndarray, batch: int, ctx: int, rng: np.random.Generator):
+def get_batch(stream: npt.NDArray[np.uint16], batch: int, ctx: int,
+              rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
     starts = rng.integers(0, stream.size - ctx - 1, size=batch)
-    x = np.stack([stream[s:s + ctx + 1] for s in starts]).astype(np.int64)
-    x = torch.from_numpy(x)
+    windows = np.stack([stream[s:s + ctx + 1] for s in starts]).astype(np.int64)
+    x = torch.from_numpy(windows)
     return x[:, :-1], x[:, 1:]
 
 
 # ---------------------------------------------------------------------------------------------- train
-def lr_at(step, cfg):
-    if step < cfg["warmup"]:
-        return cfg["lr"] * (step + 1) / cfg["warmup"]
-    t = min(1.0, (step - cfg["warmup"]) / max(1, cfg["max_steps"] - cfg["warmup"]))
-    return cfg["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    lr: float = cfg["lr"]
+    warmup: int = cfg["warmup"]
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, cfg["max_steps"] - warmup))
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def save_atomic(obj, path: Path):
+def save_atomic(obj: dict[str, Any], path: Path) -> None:
     import torch
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
-def evaluate_loss(model, stream, cfg, n_batches):
+def evaluate_loss(model: MoELM, stream: npt.NDArray[np.uint16], cfg: TrainConfig, n_batches: int) -> float:
     import torch
     rng = np.random.default_rng([cfg["seed"], 999_999])
     model.eval()
@@ -115,11 +129,13 @@ def evaluate_loss(model, stream, cfg, n_batches):
     return tot / n_batches
 
 
-def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 1, stop_at: int | None = None):
+def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 1,
+          stop_at: int | None = None) -> None:
     """Train (or resume) run `name`. stop_at: checkpoint and return at that step without touching the
     schedule (the learning rate follows max_steps), so a run can be done in time-boxed pieces and still
     end bit-identical to an uninterrupted one."""
     import torch
+
     from .model import MoEConfig, MoELM
 
     torch.set_num_threads(threads)
@@ -140,7 +156,8 @@ def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8)
-    step, tokens, history = 0, 0, []
+    step, tokens = 0, 0
+    history: list[dict[str, float]] = []
     ckpt = run / "ckpt.pt"
     if resume and ckpt.exists():
         st = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -151,7 +168,7 @@ def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 
     total, active = model.n_params()
     print(f"{name}: {total/1e6:.2f}M params, {active/1e6:.2f}M active; cfg={json.dumps(cfg)}", flush=True)
 
-    def checkpoint():
+    def checkpoint() -> None:
         save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "tokens": tokens,
                      "history": history, "cfg": cfg, "model_cfg": mcfg.to_dict(),
                      "tokenizer": str(data_dir / "tokenizer.json")}, ckpt)
@@ -192,7 +209,7 @@ def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 
     print("done" if step >= cfg["max_steps"] else f"stopped at step {step} (--stop-at)", flush=True)
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, choices=sorted(CONFIGS))
     ap.add_argument("--resume", action="store_true", help="continue from the run's checkpoint if present")

@@ -16,14 +16,16 @@ alignment; metadata is copied key by key with the expert FFN length updated. The
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import numpy as np
+from typing import Any, BinaryIO
 
 import gguf
+import numpy as np
+import numpy.typing as npt
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
@@ -36,14 +38,15 @@ _WRITER_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.a
 _FFN = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)(_exps|_shexp|)\.weight$")
 
 Progress = Callable[[int, int], None]
+Bytes = npt.NDArray[np.uint8]
 
 
-def _raw(t) -> np.ndarray:
+def _raw(t: gguf.ReaderTensor) -> Bytes:
     """The tensor's bytes as uint8, shaped (…, bytes per row), a view of the memory-mapped source."""
     return t.data.view(np.uint8)
 
 
-def _encode(rows: np.ndarray, qt: QT) -> np.ndarray:
+def _encode(rows: npt.NDArray[np.float32], qt: QT) -> Bytes:
     """float32 rows → their bytes in type qt, shaped (rows, bytes per row)."""
     out = gguf.quants.quantize(rows, qt)
     return np.ascontiguousarray(out).view(np.uint8).reshape(rows.shape[0], -1)
@@ -66,7 +69,7 @@ def _zero_block_decodes_to_zero(qt: QT) -> bool:
     return bool(np.all(np.asarray(values, np.float32) == 0))
 
 
-def _source_scale(raw_expert: np.ndarray, qt: QT) -> float:
+def _source_scale(raw_expert: Bytes, qt: QT) -> float:
     """Standard deviation of one expert's rows (0 where it cannot be decoded or has no finite values)."""
     try:
         values = np.asarray(gguf.quants.dequantize(raw_expert, qt), np.float32)
@@ -79,27 +82,27 @@ def _source_scale(raw_expert: np.ndarray, qt: QT) -> float:
 class _Stream:
     """Enough of an ndarray for GGUFWriter.write_tensor_data (nbytes, tofile): writes chunks as they are made."""
 
-    def __init__(self, nbytes: int, chunks: Callable[[], Iterator[np.ndarray]], advance: Callable[[int], None]):
+    def __init__(self, nbytes: int, chunks: Callable[[], Iterator[Bytes]], advance: Callable[[int], None]):
         self.nbytes, self._chunks, self._advance = nbytes, chunks, advance
 
-    def tofile(self, fout) -> None:
+    def tofile(self, fout: BinaryIO) -> None:
         written = 0
         for c in self._chunks():
-            fout.write(memoryview(np.ascontiguousarray(c)).cast("B"))
+            fout.write(np.ascontiguousarray(c).data.cast("B"))
             written += c.nbytes
             self._advance(c.nbytes)
         if written != self.nbytes:
             raise AssertionError(f"wrote {written} bytes of a {self.nbytes}-byte tensor")
 
 
-def _copy_chunks(raw: np.ndarray) -> Iterator[np.ndarray]:
+def _copy_chunks(raw: Bytes) -> Iterator[Bytes]:
     flat = raw.reshape(-1)
     for i in range(0, flat.size, CHUNK_BYTES):
         yield flat[i:i + CHUNK_BYTES]
 
 
-def _widen_rows_chunks(raw: np.ndarray, qt: QT, n_in: int, extra: int, rng: np.random.Generator,
-                       encodable: bool) -> Iterator[np.ndarray]:
+def _widen_rows_chunks(raw: Bytes, qt: QT, n_in: int, extra: int, rng: np.random.Generator,
+                       encodable: bool) -> Iterator[Bytes]:
     """gate/up, (experts, n_ff, row bytes): each expert's rows, then `extra` new rows at its scale."""
     for e in range(raw.shape[0]):
         src = raw[e]
@@ -118,7 +121,7 @@ def _widen_rows_chunks(raw: np.ndarray, qt: QT, n_in: int, extra: int, rng: np.r
                 yield src[rng.integers(0, src.shape[0], size=n)]
 
 
-def _widen_cols_chunks(raw: np.ndarray, factor: int) -> Iterator[np.ndarray]:
+def _widen_cols_chunks(raw: Bytes, factor: int) -> Iterator[Bytes]:
     """down, (experts, n_embd, n_ff bytes): every row followed by (factor−1)·n_ff zero-valued bytes."""
     n_exp, n_rows, width = raw.shape
     per = max(1, CHUNK_BYTES // (factor * width))
@@ -130,7 +133,7 @@ def _widen_cols_chunks(raw: np.ndarray, factor: int) -> Iterator[np.ndarray]:
             yield out
 
 
-def _kv_value(field) -> tuple[object, VT, VT | None]:
+def _kv_value(field: gguf.ReaderField) -> tuple[Any, VT, VT | None]:
     """A reader field's value as GGUFWriter takes it, exactly (strings as bytes, numbers by their own type)."""
     vtype = field.types[0]
     if vtype == VT.STRING:
@@ -146,10 +149,11 @@ def _kv_value(field) -> tuple[object, VT, VT | None]:
     return np.concatenate([field.parts[i] for i in field.data]).tolist(), vtype, sub
 
 
-def _plan(reader, arch: str) -> tuple[dict[str, str], int, list[str]]:
+def _plan(reader: gguf.GGUFReader, arch: str) -> tuple[dict[str, str], int, list[str]]:
     """Which tensors widen how ('rows' or 'cols' by name), the experts' n_ff, and the metadata keys to update."""
     n_ff = None
-    shared, dense = [], False
+    shared: list[tuple[gguf.ReaderTensor, str]] = []  # with their part: gate, up or down
+    dense = False
     how: dict[str, str] = {}
     for t in reader.tensors:
         m = _FFN.match(t.name)
@@ -169,13 +173,13 @@ def _plan(reader, arch: str) -> tuple[dict[str, str], int, list[str]]:
             how[t.name] = "cols" if kind == "down" else "rows"
             continue
         if m and m.group(3) == "_shexp":
-            shared.append(t)
+            shared.append((t, m.group(2)))
         elif m:
             dense = True
     if n_ff is None:
         raise ModelError("no expert tensors (blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps) to widen")
 
-    def scalar(key):
+    def scalar(key: str) -> int | None:
         f = reader.fields.get(f"{arch}.{key}")
         if f is None:
             return None
@@ -184,14 +188,14 @@ def _plan(reader, arch: str) -> tuple[dict[str, str], int, list[str]]:
         return int(f.parts[f.data[0]][0])
 
     keys = []
-    exp_ff, ff = scalar("expert_feed_forward_length"), scalar("feed_forward_length")
+    exp_ff, ff_length = scalar("expert_feed_forward_length"), scalar("feed_forward_length")
     if exp_ff is not None:
         if exp_ff != n_ff:
             raise ModelError(f"{arch}.expert_feed_forward_length is {exp_ff} but the expert tensors have {n_ff}")
         keys.append(f"{arch}.expert_feed_forward_length")
     # Without dense FFN layers, a feed_forward_length equal to the experts' can only be theirs (OLMoE and
     # Mixtral-style llama size their experts with it); with dense layers it sizes those.
-    if ff == n_ff and not dense:
+    if ff_length == n_ff and not dense:
         keys.append(f"{arch}.feed_forward_length")
     if not keys:
         raise ModelError(f"cannot tell which metadata key of this {arch} model sizes its experts (FFN {n_ff})")
@@ -199,15 +203,14 @@ def _plan(reader, arch: str) -> tuple[dict[str, str], int, list[str]]:
     # experts' length (DeepSeek-style, dots1): it must widen with them, inertly too.
     if shared and scalar("expert_shared_feed_forward_length") is None:
         n_shared = scalar("expert_shared_count") or 1
-        for t in shared:
-            kind = _FFN.match(t.name).group(2)
+        for t, kind in shared:
             width = int(t.shape[0] if kind == "down" else t.shape[1])
             if width == n_ff * n_shared:
                 how[t.name] = "cols" if kind == "down" else "rows"
     return how, n_ff, keys
 
 
-def widen(source: str | os.PathLike, out: str | os.PathLike, factor: int, *, seed: int = 0,
+def widen(source: str | os.PathLike[str], out: str | os.PathLike[str], factor: int, *, seed: int = 0,
           progress: Progress | None = None) -> Path:
     """Write `source` with every expert FFN `factor` times as wide (inert neurons) to `out`; returns out.
     `progress(done_bytes, total_bytes)` is called with 0 once the source is checked and the file planned, then
@@ -262,15 +265,15 @@ def widen(source: str | os.PathLike, out: str | os.PathLike, factor: int, *, see
         mode = how.get(t.name)
         if mode is None:
             nbytes = raw.nbytes
-            chunks = (lambda raw=raw: _copy_chunks(raw))
+            chunks: Callable[[], Iterator[Bytes]] = functools.partial(_copy_chunks, raw)
         elif mode == "rows":
             shape[-2] *= factor
             nbytes = raw.nbytes * factor
             rng = np.random.default_rng([seed, i])
             encodable = _can_encode(qt, shape[-1])
             raw3 = raw.reshape((-1,) + raw.shape[-2:])
-            chunks = (lambda raw3=raw3, qt=qt, n_in=shape[-1], rng=rng, enc=encodable:
-                      _widen_rows_chunks(raw3, qt, n_in, (factor - 1) * raw3.shape[1], rng, enc))
+            chunks = functools.partial(_widen_rows_chunks, raw3, qt, shape[-1], (factor - 1) * raw3.shape[1], rng,
+                                       encodable)
         else:
             block = gguf.GGML_QUANT_SIZES[qt][0]
             if shape[-1] % block:
@@ -282,7 +285,7 @@ def widen(source: str | os.PathLike, out: str | os.PathLike, factor: int, *, see
             shape[-1] *= factor
             nbytes = raw.nbytes * factor
             raw3 = raw.reshape((-1,) + raw.shape[-2:])
-            chunks = (lambda raw3=raw3: _widen_cols_chunks(raw3, factor))
+            chunks = functools.partial(_widen_cols_chunks, raw3, factor)
         # a non-uint8 dtype makes gguf-py take `shape` as the element shape for any raw_dtype
         w.add_tensor_info(t.name, shape, np.dtype(np.float32), nbytes, raw_dtype=qt)
         streams.append(_Stream(nbytes, chunks, advance))
@@ -296,7 +299,7 @@ def widen(source: str | os.PathLike, out: str | os.PathLike, factor: int, *, see
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for s in streams:
-            w.write_tensor_data(s)
+            w.write_tensor_data(s)  # type: ignore[arg-type]  # gguf-py uses only its nbytes and tofile
         w.close()
         os.replace(tmp, out)
     except OSError as e:
