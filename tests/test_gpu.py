@@ -22,7 +22,8 @@ from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished
 from s2moe.engine.decoding.gpu import EXPERT_TENSORS, NEVER, BuftOverrides, Placement
 from s2moe.engine.model_info import read_model_info
-from s2moe.engine.profiles import cost_for_model, validate_profile
+from s2moe.engine.profile_schema import validate_profile
+from s2moe.engine.profiles import cost_for_model
 from s2moe.engine.decoding.runtime import LlamaRuntime
 
 HAS_GPU = gpu.gpu_backend()

@@ -10,7 +10,7 @@ import pytest
 from s2moe.app.cli import main
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import ForcedDraft
-from s2moe.engine.profiles import validate_profile
+from s2moe.engine.profile_schema import validate_profile
 from s2moe.engine.measure.projection import ExpertCache, project
 from s2moe.engine.measure.trace import Drafted, Trace, TraceHeader, TraceStep, write_trace
 from dataclasses import replace
@@ -528,7 +528,7 @@ def test_calibrate_measures_the_workload_terms_in_the_engine(tiny_models, tmp_pa
     from s2moe.engine.measure.calibrate import run_calibration
     from s2moe.engine.measure.calibration_steps import CalibrationDone
     from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
-    from s2moe.engine.profiles import validate_profile
+    from s2moe.engine.profile_schema import validate_profile
     from s2moe.engine.measure.trace import TraceRecorder
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))

@@ -36,7 +36,8 @@ from ..decoding.gpu import Placement
 from ..errors import ConfigError, ModelError
 from ..model_info import read_model_info
 from ..offload import Budget, expert_map
-from ..profiles import SCHEMA_VERSION, check_name, check_writable, find_profile, load_profile, save_profile
+from ..profile_schema import SCHEMA_VERSION
+from ..profiles import check_name, check_writable, find_profile, load_profile, save_profile
 from .calibration_measures import read_prompts
 from .calibration_steps import (STEPS, Calibration, CalibrationDone, StepResult, StepStarted, ceiling_field,
                                 fit_dict, gb, step_bandwidth, step_cost_model, step_gpu, step_hot_experts,
