@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 from .errors import ConfigError
 
@@ -123,8 +124,8 @@ _EXPONENT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
 _MAX_WHOLE = (1 << 63) - 1
 
 
-def _number(block: dict, key: str, where: str, *, required: bool = False, positive: bool = False,
-            allow_none: bool = True, integer: bool = False, signed: bool = False):
+def _number(block: dict[str, Any], key: str, where: str, *, required: bool = False, positive: bool = False,
+            allow_none: bool = True, integer: bool = False, signed: bool = False) -> float | None:
     if key not in block or (block[key] is None and allow_none and not required):
         if required:
             raise ConfigError(f"{where}: missing field {key}")
@@ -146,19 +147,19 @@ def _number(block: dict, key: str, where: str, *, required: bool = False, positi
     return v
 
 
-def _mapping(value, where: str, field: str) -> dict:
+def _mapping(value: object, where: str, field: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: field {field} must be a mapping, got {type(value).__name__}")
     return value
 
 
-def _r2(block: dict, key: str, where: str) -> None:
+def _r2(block: dict[str, Any], key: str, where: str) -> None:
     v = _number(block, key, where, signed=True)
     if v is not None and v > 1:
         raise ConfigError(f"{where}: field {key} must be a number ≤ 1, got {v!r}")
 
 
-def _validate_fit(block, where: str) -> None:
+def _validate_fit(block: object, where: str) -> None:
     block = _mapping(block, where, "fit")
     for key in _FIT_KEYS:
         if key == "r2":
@@ -168,7 +169,7 @@ def _validate_fit(block, where: str) -> None:
     _r2(block, "r2_ceiling", where)
 
 
-def validate_constants(block, where: str, n_layer: int | None = None, n_expert: int | None = None) -> None:
+def validate_constants(block: object, where: str, n_layer: int | None = None, n_expert: int | None = None) -> None:
     if not isinstance(block, dict):
         raise ConfigError(f"{where}: expected a mapping of constants")
     for key in _CONST_KEYS:
@@ -233,7 +234,7 @@ WORKLOAD_TERMS = ("t_plain_ms", "ctx_plain_us", "t_draft_ms", "ctx_draft_us", "c
                   "host_draft_ms", "host_row_ms")
 
 
-def _validate_workload(w, where: str) -> None:
+def _validate_workload(w: object, where: str) -> None:
     w = _mapping(w, where, "workload")
     _number(w, "context_tokens", where, required=True, positive=True, integer=True)
     for key in WORKLOAD_TERMS:
@@ -257,7 +258,7 @@ def _validate_workload(w, where: str) -> None:
             _number({key: t}, key, f"{where}, {key}[{i}]", required=True)
 
 
-def _validate_tuned(tuned, where: str) -> None:
+def _validate_tuned(tuned: object, where: str) -> None:
     tuned = _mapping(tuned, where, "tuned")
     for condition, section in tuned.items():
         if condition not in TUNED_CONDITIONS:
@@ -278,7 +279,7 @@ def _validate_tuned(tuned, where: str) -> None:
         _number(settings, "memory_strength", sw)  # absent: tuned before tune searched it
 
 
-def validate_profile(data, where: str = "profile") -> dict:
+def validate_profile(data: object, where: str = "profile") -> dict[str, Any]:
     """Check a profile's structure; raise ConfigError naming the failing field. Returns data."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping at top level")

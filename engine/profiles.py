@@ -13,6 +13,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -71,7 +72,7 @@ def profile_text(path: Path) -> str:
         raise ConfigError(f"profile {path.name}: not UTF-8 text") from None
 
 
-def _parse(path: Path):
+def _parse(path: Path) -> object:
     try:
         return yaml.safe_load(profile_text(path))
     except yaml.YAMLError as e:
@@ -84,15 +85,15 @@ def _parse(path: Path):
         raise ConfigError(f"profile {path.name}: nested too deeply") from None
 
 
-def _checked(data, path: Path) -> dict:
-    validate_profile(data, f"profile {path.name}")
+def _checked(data: object, path: Path) -> dict[str, Any]:
+    data = validate_profile(data, f"profile {path.name}")
     data.setdefault("name", path.stem)
     data.setdefault("kind", "measured")
     data["_path"] = str(path)
     return data
 
 
-def load_profile(name: str) -> dict:
+def load_profile(name: str) -> dict[str, Any]:
     path = find_profile(name)
     return _checked(_parse(path), path)
 
@@ -104,14 +105,17 @@ class ProfileEntry:
     name: str
     path: Path
     where: str                  # "user" or "shipped"
-    data: dict | None           # as loaded; as written when invalid; None when not a YAML mapping
+    data: dict[str, Any] | None  # as loaded; as written when invalid; None when not a YAML mapping
     error: str | None = None    # what loading it by name would say
 
     @property
     def kind(self) -> str:
         """The profile's `kind` as loading it gives (measured when it has none, which is what calibrate's
         merge into an existing profile acts on), or "invalid"."""
-        return "invalid" if self.error is not None else self.data["kind"]
+        if self.error is not None:
+            return "invalid"
+        assert self.data is not None  # list_profiles gives an entry without an error the profile it loaded
+        return str(self.data["kind"])
 
     @property
     def device(self) -> str:
@@ -140,7 +144,8 @@ class ProfileEntry:
 def list_profiles() -> list[ProfileEntry]:
     """Every profile loadable by name, the user's first, then the shipped ones not shadowed by a user
     profile of the same name; each folder in file name order. An invalid one is listed with its error."""
-    out, seen = [], set()
+    out: list[ProfileEntry] = []
+    seen: set[str] = set()
     for where, folder in (("user", user_profile_dir()), ("shipped", shipped_profile_dir())):
         if not folder.is_dir():
             continue
@@ -148,7 +153,8 @@ def list_profiles() -> list[ProfileEntry]:
             if path.stem in seen:
                 continue
             seen.add(path.stem)
-            data, error = None, None
+            data: object = None
+            error: str | None = None
             try:
                 data = _parse(path)
                 data = _checked(data, path)
@@ -162,7 +168,7 @@ class _Dumper(yaml.SafeDumper):
     """Lists of short scalar lists (hot_experts pairs) in flow style: one line per few pairs."""
 
 
-def _represent_list(dumper, data):
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
     pairs = bool(data) and all(isinstance(x, list) and len(x) <= 3 and
                                all(isinstance(v, (int, float)) for v in x) for x in data)
     flat = all(not isinstance(x, (list, dict)) for x in data)
@@ -199,7 +205,7 @@ def check_writable(name: str, folder: Path | None = None) -> Path:
     return target
 
 
-def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
+def save_profile(profile: dict[str, Any], name: str, folder: Path | None = None) -> Path:
     """Validate and write `profile` as <folder or user dir>/<name>.yaml in one step (files.write_atomic): an
     interruption leaves either the old file or the new one, never a partial one, a symbolic link is written
     through, and the next save removes a temporary file that a killed one left."""
@@ -220,11 +226,11 @@ def save_profile(profile: dict, name: str, folder: Path | None = None) -> Path:
 
 
 # -- constants for the engine -------------------------------------------------------------------------
-def _constants(block: dict, where: str, source: str, offloaded: bool = False,
+def _constants(block: dict[str, Any], where: str, source: str, offloaded: bool = False,
                experts_in_host: bool = False) -> CostConstants:
     validate_constants(block, where)
 
-    def ms(key, default=0.0):
+    def ms(key: str, default: float = 0.0) -> float:
         v = block.get(key)
         return default if v is None else float(v)
 
@@ -273,19 +279,20 @@ def _constants(block: dict, where: str, source: str, offloaded: bool = False,
     )
 
 
-def storage_rates(profile: dict, fingerprint: str) -> tuple[float, float] | None:
+def storage_rates(profile: dict[str, Any], fingerprint: str) -> tuple[float, float] | None:
     """(depth 1, depth 8) GB/s of cold reads of the model's whole experts, as the profile measured them for
     that model (None: it did not; the device's rates were read in another model's expert sizes)."""
-    rates = tuple((model_block(profile, fingerprint) or {}).get(key) for key in STORAGE_KEYS)
-    return rates if all(rates) else None
+    block = model_block(profile, fingerprint) or {}
+    qd1, qd8 = (block.get(key) for key in STORAGE_KEYS)
+    return (qd1, qd8) if qd1 and qd8 else None
 
 
-def model_block(profile: dict, fingerprint: str) -> dict | None:
+def model_block(profile: dict[str, Any], fingerprint: str) -> dict[str, Any] | None:
     models = profile.get("models") or {}
     return models.get(fingerprint) if isinstance(models, dict) else None
 
 
-def cost_for_model(profile: dict, fingerprint: str, model_name: str = "", *, offloaded: bool = False,
+def cost_for_model(profile: dict[str, Any], fingerprint: str, model_name: str = "", *, offloaded: bool = False,
                    experts_in_host: bool = False) -> CostConstants:
     """The profile's constants for this model, or its reference constants, or a clear error.
 
@@ -308,7 +315,7 @@ def cost_for_model(profile: dict, fingerprint: str, model_name: str = "", *, off
     )
 
 
-def hot_experts_for_model(profile: dict, fingerprint: str) -> list[tuple[int, int]]:
+def hot_experts_for_model(profile: dict[str, Any], fingerprint: str) -> list[tuple[int, int]]:
     block = model_block(profile, fingerprint) or {}
     return [tuple(p) for p in block.get("hot_experts") or []]
 
@@ -317,7 +324,7 @@ def tuned_condition(offloaded: bool) -> str:
     return "budget" if offloaded else "resident"
 
 
-def tuned_settings(profile: dict, fingerprint: str, *, offloaded: bool = False) -> dict:
+def tuned_settings(profile: dict[str, Any], fingerprint: str, *, offloaded: bool = False) -> dict[str, Any]:
     """The decoding settings `s2moe tune` chose for this model where it runs (resident or under a budget):
     {draft_topk, draft_max, threshold, reuse_strength, reuse_cap, lookup, memory_strength} (the last two only
     where tune searched them),
@@ -328,7 +335,8 @@ def tuned_settings(profile: dict, fingerprint: str, *, offloaded: bool = False) 
     return {k: settings[k] for k in TUNED_KEYS if settings.get(k) is not None}
 
 
-def with_tuned(profile: dict, fingerprint: str, section: dict, *, offloaded: bool) -> dict:
+def with_tuned(profile: dict[str, Any], fingerprint: str, section: dict[str, Any], *,
+               offloaded: bool) -> dict[str, Any]:
     """A copy of the profile with `s2moe tune`'s section recorded for this model; the model's other
     condition (resident or budget) and everything else kept. ConfigError when the profile has no
     constants for the model (tuning uses them: calibrate first)."""
