@@ -27,21 +27,23 @@ calibration_worker (a process of their own).
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..decoding.cpu_buffers import choose as choose_cpu_buffers
 from ..decoding.decoder import defaults_for
 from ..decoding.gpu import Placement
 from ..errors import ConfigError, ModelError
-from ..model_info import read_model_info
+from ..model_info import ModelInfo, read_model_info
 from ..offload import Budget, expert_map
 from ..profile_schema import SCHEMA_VERSION
 from ..profiles import check_name, check_writable, find_profile, load_profile, save_profile
 from .calibration_measures import read_prompts
-from .calibration_steps import (STEPS, Calibration, CalibrationDone, StepResult, StepStarted, ceiling_field,
-                                fit_dict, gb, step_bandwidth, step_cost_model, step_gpu, step_hot_experts,
-                                step_plain_and_draft, step_under_budget)
+from .calibration_steps import (STEPS, Calibration, CalibrationDone, CalibrationEvent, StepProgress, StepResult,
+                                StepStarted, ceiling_field, fit_dict, gb, step_bandwidth, step_cost_model, step_gpu,
+                                step_hot_experts, step_plain_and_draft, step_under_budget)
 from .costmodel import Stopped
 from .device import cpu_name, default_threads, memory_bytes
 
@@ -53,7 +55,7 @@ def device_name(n_threads: int) -> str:
     return f"{cpu_name()} ({n_threads} threads)"
 
 
-def _model_block(cal: Calibration) -> dict:
+def _model_block(cal: Calibration) -> dict[str, Any]:
     """This model's block of the profile: the constants decoding uses, the fits, how they were measured."""
     info, emap, fit, cold = cal.info, cal.emap, cal.fit, cal.cold
     mean_eb = float(emap.expert_bytes[list(emap.moe_layers)].mean())
@@ -63,7 +65,7 @@ def _model_block(cal: Calibration) -> dict:
         t_exp_cold, cold_how = mean_eb / cal.sto_bw * 1e3, "derived: expert bytes / storage bandwidth"
     else:
         t_exp_cold, cold_how = None, "unknown"
-    block = {
+    block: dict[str, Any] = {
         "model": info.path.name,
         "arch": info.arch,
         "n_layer": info.n_layer,
@@ -126,7 +128,7 @@ def _model_block(cal: Calibration) -> dict:
     return block
 
 
-def _step_profile(cal: Calibration, index: int, name: str, save: bool):
+def _step_profile(cal: Calibration, index: int, name: str, save: bool) -> Iterator[StepResult | CalibrationDone]:
     profile = _merge_into_existing(name, {
         "schema": SCHEMA_VERSION,
         "name": name,
@@ -151,11 +153,14 @@ def _step_profile(cal: Calibration, index: int, name: str, save: bool):
 
 
 # -- the generator ---------------------------------------------------------------------------------------------
-def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, name: str | None = None,
+def run_calibration(model_path: str | os.PathLike[str], *, budget: Budget | None = None,
+                    prompts: list[str] | tuple[str, ...] | str | os.PathLike[str] | None = None,
+                    name: str | None = None,
                     save: bool = True, n_threads: int | None = None,
                     should_stop: Callable[[], bool] | None = None, repeats: int = 3,
                     draft_topk: int | None = None, draft_cap: int = DRAFT_CAP,
-                    placement: Placement = Placement(), n_batch: int | None = None) -> Iterator[object]:
+                    placement: Placement = Placement(),
+                    n_batch: int | None = None) -> Iterator[CalibrationEvent]:
     """Calibrate model_path on this device; yield StepStarted/StepProgress/StepResult…, CalibrationDone.
 
     budget: where to measure the cost of fetching experts (None: skip that step).
@@ -181,8 +186,9 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
                       threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,
                       draft_cap=draft_cap, stop=should_stop or (lambda: False), placement=placement,
                       n_batch=n_batch, cpu=cpu)
-    steps = (step_bandwidth, step_plain_and_draft, step_cost_model, step_hot_experts, step_under_budget,
-             step_gpu, lambda cal, index: _step_profile(cal, index, name, save))
+    steps: tuple[Callable[[Calibration, int], Iterator[StepProgress | StepResult | CalibrationDone]], ...] = (
+        step_bandwidth, step_plain_and_draft, step_cost_model, step_hot_experts, step_under_budget, step_gpu,
+        lambda cal, index: _step_profile(cal, index, name, save))
     try:
         for index, step in enumerate(steps, 1):
             yield StepStarted(index, len(STEPS), *STEPS[index - 1])
@@ -195,7 +201,7 @@ def run_calibration(model_path, *, budget: Budget | None = None, prompts=None, n
         cal.close()
 
 
-def _check_loads(info, n_threads: int | None, draft_cap: int, placement: Placement) -> None:
+def _check_loads(info: ModelInfo, n_threads: int | None, draft_cap: int, placement: Placement) -> None:
     """Load the model as step 2 will, and let go of it: a file llama.cpp refuses is one error before the
     first step prints anything, not one after step 1's output. The load reads the file into the page cache,
     which the bandwidth step drops again before it measures storage; it is not kept open for that reason."""
@@ -205,9 +211,9 @@ def _check_loads(info, n_threads: int | None, draft_cap: int, placement: Placeme
                  placement=placement, install_hook=False).close()
 
 
-def _merge_into_existing(name: str, fresh: dict, fingerprint: str, block: dict) -> dict:
+def _merge_into_existing(name: str, fresh: dict[str, Any], fingerprint: str, block: dict[str, Any]) -> dict[str, Any]:
     """Keep the other models of an existing user profile of the same name; replace this model's block."""
-    models = {}
+    models: dict[str, Any] = {}
     try:
         path = find_profile(name)
         from ..profiles import user_profile_dir

@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Generator
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ConfigError
 from ..files import MAX_PROMPT_FILE_BYTES, read_bounded
-from ..offload import ModelMapping, drop_file_cache
+from ..offload import ExpertMap, ModelMapping, drop_file_cache
+
+if TYPE_CHECKING:  # loading llama.cpp is for the runtime's user to do, not for this module's import
+    from ..decoding.hook import Routing
+    from ..decoding.runtime import LlamaRuntime
+
+T = TypeVar("T")
+# A measurement: yields (done, total) as it goes, returns what it measured.
+Measurement = Generator[tuple[int, int], None, T]
 
 DEFAULT_PROMPTS = (
     "The history of the printing press begins in the fifteenth century, when",
@@ -34,7 +45,7 @@ NAMED_PROMPT_SETS = ("humaneval", "natural")
 NAMED_SET_PROMPTS = 32  # enough to rank the experts a workload uses; a few seconds on small models
 
 
-def read_prompts(path: str | os.PathLike | None) -> list[str]:
+def read_prompts(path: str | os.PathLike[str] | None) -> list[str]:
     """Calibration prompts: the built-in mix (None), a named set bench also uses ('humaneval' for code
     models: hot experts ranked from the workload's own kind of text cover more of its routings, see
     docs/calibration.md), or a text file with prompts separated by blank lines (or one per line)."""
@@ -58,7 +69,7 @@ def read_prompts(path: str | os.PathLike | None) -> list[str]:
 
 
 # -- measurements -------------------------------------------------------------------------------------------
-def memory_bandwidth(size: int = 64 << 20, repeats: int = 5):
+def memory_bandwidth(size: int = 64 << 20, repeats: int = 5) -> Measurement[float]:
     """Generator (yields (done, total)); returns bytes per second of a large in-memory copy (read + write)."""
     src = np.ones(size // 8, np.float64)
     dst = np.empty_like(src)
@@ -75,7 +86,8 @@ def memory_bandwidth(size: int = 64 << 20, repeats: int = 5):
 STORAGE_DEPTHS = (1, 8)  # plain decoding reads about one expert at a time; a verification batch can ask for all
 
 
-def storage_bandwidth(emap, *, max_bytes: int = 256 << 20, seed: int = 0, depths=STORAGE_DEPTHS):
+def storage_bandwidth(emap: ExpertMap, *, max_bytes: int = 256 << 20, seed: int = 0,
+                      depths: tuple[int, ...] = STORAGE_DEPTHS) -> Measurement[tuple[dict[int, float], int, str]]:
     """Generator (yields (done, total)); returns ({queue depth: bytes per second}, bytes read, note) of cold
     reads of whole experts at random, the file dropped from the page cache first. Each depth reads its own
     experts (none is read twice); at depth d, d threads each read one expert at a time, so that d reads
@@ -98,10 +110,11 @@ def storage_bandwidth(emap, *, max_bytes: int = 256 << 20, seed: int = 0, depths
     n_each = max(1, min(len(pairs) // len(depths), max_bytes // len(depths) // max(per_expert, 1)))
     fd = os.open(str(emap.path), os.O_RDONLY)
 
-    def read_expert(pair) -> int:
+    def read_expert(pair: tuple[int, int]) -> int:
         return sum(len(os.pread(fd, n, off)) for off, n in emap.expert_ranges(*pair))
 
-    rates, total, done = {}, 0, 0
+    rates: dict[int, float] = {}
+    total, done = 0, 0
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: count what we ask for
         for d, depth in enumerate(depths):
@@ -125,10 +138,12 @@ def storage_bandwidth(emap, *, max_bytes: int = 256 << 20, seed: int = 0, depths
     return rates, total, f"{n_each} experts at each depth"
 
 
-def routing_counts(rt, prompts: list[str], *, gen_tokens: int = 16):
+def routing_counts(rt: LlamaRuntime, prompts: list[str], *,
+                   gen_tokens: int = 16) -> Measurement[tuple[npt.NDArray[np.int64], int]]:
     """Generator (yields (done, total)); returns ([n_layer, n_expert] how often each expert was routed to
     over the prompts and a short greedy continuation of each, tokens seen)."""
     info, hook = rt.info, rt.hook
+    assert hook is not None  # the runtime calibration times is of an MoE model, made with the routing hook
     counts = np.zeros((info.n_layer, info.n_expert), np.int64)
     n_tokens = 0
     chunk = max(1, hook.max_rows)
@@ -144,6 +159,7 @@ def routing_counts(rt, prompts: list[str], *, gen_tokens: int = 16):
             _count(counts, hook.snapshot(len(part)), info.n_expert)
             pos += len(part)
         for _ in range(gen_tokens):
+            assert logits is not None  # a prompt gives at least one token, and each decode here asks for all logits
             t = int(np.argmax(logits[-1]))
             if rt.is_eog(t):
                 break
@@ -157,7 +173,7 @@ def routing_counts(rt, prompts: list[str], *, gen_tokens: int = 16):
     return counts, n_tokens
 
 
-def _count(counts: np.ndarray, routing, n_expert: int) -> None:
+def _count(counts: npt.NDArray[np.int64], routing: Routing, n_expert: int) -> None:
     ids = routing.orig.reshape(counts.shape[0], -1)
     for layer in range(counts.shape[0]):
         row = ids[layer]

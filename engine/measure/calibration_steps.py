@@ -8,19 +8,29 @@ themselves are in calibration_measures and, under a budget, calibration_worker.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from ..decoding.cpu_buffers import CpuBuffers
 from ..decoding.gpu import Placement
-from ..offload import BudgetUnavailable, MemoryCgroup, fmt_bytes, select_hot_experts
-from .calibration_measures import (STORAGE_DEPTHS, memory_bandwidth, routing_counts, storage_bandwidth,
+from ..model_info import ModelInfo
+from ..offload import Budget, BudgetUnavailable, ExpertMap, MemoryCgroup, fmt_bytes, select_hot_experts
+from .calibration_measures import (STORAGE_DEPTHS, Measurement, memory_bandwidth, routing_counts, storage_bandwidth,
                                    storage_drift_note, verify_sizes)
 from .calibration_worker import PLAIN_FETCH_CHARS, PLAIN_FETCH_WARM, run_cold
-from .costmodel import (Stopped, context_line, fault_explained_fit, fit_context, fit_miss_cost, fit_verify_cost,
-                        iter_context_steps, iter_time_steps, iter_verify_samples, r2_text)
+from .costmodel import (Fit, MissFit, Stopped, context_line, fault_explained_fit, fit_context, fit_miss_cost,
+                        fit_verify_cost, iter_context_steps, iter_time_steps, iter_verify_samples, r2_text)
+
+if TYPE_CHECKING:  # loading llama.cpp is for the steps to do as they run, not for this module's import
+    from ..decoding.decoder import Decoder
+    from ..decoding.runtime import LlamaRuntime
+    from .trace import Trace
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,13 +53,18 @@ class StepResult:
     index: int
     name: str
     summary: str
-    data: dict
+    data: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class CalibrationDone:
-    profile: dict
+    profile: dict[str, Any]
     path: Path | None
+
+
+# What a step yields as it runs (run_calibration adds StepStarted before each step), and all a calibration yields.
+StepEvents = Iterator[StepProgress | StepResult]
+CalibrationEvent = StepStarted | StepProgress | StepResult | CalibrationDone
 
 
 STEPS = (
@@ -65,17 +80,17 @@ STEPS = (
 )
 
 
-def fit_dict(fit) -> dict:
+def fit_dict(fit: Fit) -> dict[str, Any]:
     return {"intercept_ms": round(fit.intercept * 1e3, 6), "t_exp_ms": round(fit.t_exp * 1e3, 6),
             "t_tok_ms": round(fit.t_tok * 1e3, 6), "r2": round(float(fit.r2), 6), "mape": round(float(fit.mape), 6),
             "n": int(fit.n)} | ceiling_field(fit)
 
 
-def ceiling_field(fit) -> dict:
+def ceiling_field(fit: Fit | MissFit) -> dict[str, float]:
     return {} if fit.r2_ceiling is None else {"r2_ceiling": round(fit.r2_ceiling, 6)}
 
 
-def _fit_data(samples, fit) -> dict:
+def _fit_data(samples: Sequence[Sequence[float]], fit: Fit) -> dict[str, Any]:
     measured = [s[2] * 1e3 for s in samples]
     predicted = [float(fit.predict(s[0], s[1])) * 1e3 for s in samples]
     return {"measured": measured, "predicted": predicted, "experts": [s[0] for s in samples],
@@ -87,26 +102,40 @@ def _fit_data(samples, fit) -> dict:
 class Calibration:
     """What the steps share: the model, the settings, the runtime, and each step's results."""
 
-    def __init__(self, info, emap, *, budget, prompts, threads, repeats, draft_topk, draft_cap, stop,
-                 placement=Placement(), n_batch: int | None = None, cpu: CpuBuffers):
+    # each step's results, set as the steps run
+    mem_bw: float
+    sto_bw: float | None
+    sto_bw_deep: float | None
+    t_ar: float
+    c_draft: float
+    workload: dict[str, Any]
+    fit: Fit
+    hot: list[tuple[int, int]]
+    cold: dict[str, Any] | None
+    cache_fit: dict[str, Any] | None
+
+    def __init__(self, info: ModelInfo, emap: ExpertMap, *, budget: Budget | None, prompts: list[str], threads: int,
+                 repeats: int, draft_topk: int, draft_cap: int, stop: Callable[[], bool],
+                 placement: Placement = Placement(), n_batch: int | None = None, cpu: CpuBuffers):
         self.info, self.emap, self.budget, self.prompts = info, emap, budget, prompts
         self.cpu = cpu  # the path the CPU weights take in every timing of this model
         self.placement = placement
         # the batch the budget step's process runs (a budget counts its compute buffers): -b, else chosen there
         self.n_batch = n_batch
-        self.gpu = None  # what the gpu step measured
+        self.gpu: dict[str, Any] | None = None  # what the gpu step measured
         self.threads, self.repeats, self.draft_topk, self.draft_cap = threads, repeats, draft_topk, draft_cap
         self.stop = stop
-        self.rt = None
+        self.rt: LlamaRuntime | None = None
         self.budget_bytes = None if budget is None else budget.size  # auto: as the cold worker sized it
 
-    def live(self, gen, index: int):
+    def live(self, gen: Measurement[T], index: int) -> Generator[StepProgress, None, T]:
         """Pass a measurement's progress on as events; stop between measurements when asked."""
         while True:
             try:
                 done, of = next(gen)
             except StopIteration as e:
-                return e.value
+                value: T = e.value
+                return value
             yield StepProgress(index, int(done), int(of))
             if self.stop():
                 gen.close()
@@ -118,7 +147,7 @@ class Calibration:
             self.rt = None
 
 
-def step_bandwidth(cal: Calibration, index: int):
+def step_bandwidth(cal: Calibration, index: int) -> StepEvents:
     cal.mem_bw = yield from cal.live(memory_bandwidth(), index)
     rates, sto_bytes, note = yield from cal.live(storage_bandwidth(cal.emap), index)
     cal.sto_bw, cal.sto_bw_deep = rates.get(1), rates.get(STORAGE_DEPTHS[-1])
@@ -139,7 +168,7 @@ def gb(bytes_per_s: float | None, digits: int | None = None) -> float | None:
     return bytes_per_s / 1e9 if digits is None else round(bytes_per_s / 1e9, digits)
 
 
-def step_plain_and_draft(cal: Calibration, index: int):
+def step_plain_and_draft(cal: Calibration, index: int) -> StepEvents:
     from ..decoding.runtime import LlamaRuntime
 
     cal.rt = LlamaRuntime(cal.info, n_ctx=512, n_threads=cal.threads, max_verify_rows=max(16, cal.draft_cap + 1),
@@ -162,7 +191,7 @@ def step_plain_and_draft(cal: Calibration, index: int):
 WORKLOAD_PROMPTS, WORKLOAD_TOKENS = 3, 32  # engine generations the host times are taken from
 
 
-def _workload_terms(cal: Calibration, index: int):
+def _workload_terms(cal: Calibration, index: int) -> Generator[StepProgress, None, dict[str, Any]]:
     """What a workload's steps cost beyond the constants timed at 32 tokens of context, in the engine's own
     runtime: every kind of step timed at several context lengths (before and after the generations, so that a
     drift of the machine lands on both), and this engine's host work per draft pass and per verified row from
@@ -175,7 +204,8 @@ def _workload_terms(cal: Calibration, index: int):
 
     decoder = Decoder(str(cal.info.path), n_ctx=512, n_threads=cal.threads, max_draft=cal.draft_cap,
                       use_extra_bufts=cal.cpu.extra, placement=cal.placement)
-    traces, n = [], 2 * cal.repeats
+    traces: list[Trace] = []
+    n = 2 * cal.repeats
     try:
         timings = yield from cal.live(iter_context_steps(decoder.rt, cal.draft_topk, cal.draft_cap, n, seed=2), index)
         # the rule's constants do not matter: a trace drafts to the cap whatever it says
@@ -188,6 +218,7 @@ def _workload_terms(cal: Calibration, index: int):
             rec = TraceRecorder(cal.info)
             for event in decoder.generate(tokens, cfg):
                 rec.add(event)
+            assert rec.trace is not None  # a traced generation ends with its trace
             traces.append(rec.trace)
             yield StepProgress(index, i + 1, len(prompts))
             if cal.stop():
@@ -202,16 +233,16 @@ def _workload_terms(cal: Calibration, index: int):
     ctx = fit_context(timings, cal.draft_cap + 1, base=32)
     host_draft, host_row, iterations = engine_host_times(traces, ctx.level["draft"], ctx.slope["draft"], ctx.base)
     # medians over bins of context, so that an iteration a burst of other work delayed does not tilt the line
-    bins = {}
+    bins: dict[int, list[float]] = {}
     for c, seconds in plain:
         bins.setdefault(c // PLAIN_BIN, []).append(seconds)
     t_plain, ctx_plain = context_line([(b + 0.5) * PLAIN_BIN for b in bins], [np.median(v) for v in bins.values()],
                                       ctx.base)
 
-    def ms(x):
+    def ms(x: float) -> float:
         return round(x * 1e3, 6)
 
-    def us(x):
+    def us(x: float) -> float:
         return round(x * 1e6, 6)
 
     return {"context_tokens": ctx.base,
@@ -226,7 +257,8 @@ def _workload_terms(cal: Calibration, index: int):
 PLAIN_BIN, PLAIN_TOKENS = 32, 360
 
 
-def _plain_iterations(decoder, prompt: str, index: int):
+def _plain_iterations(decoder: Decoder, prompt: str,
+                      index: int) -> Generator[StepProgress, None, list[tuple[int, float]]]:
     """Generator (yields StepProgress): [(tokens of context, seconds)] of each iteration of plain decoding (mode
     ar) through the engine, from one event to the next: the step and the loop's own work, as decoding runs them,
     over a long generation so that the context grows past what workloads run at."""
@@ -235,10 +267,12 @@ def _plain_iterations(decoder, prompt: str, index: int):
 
     tokens = decoder.tokenize(prompt)[:64] or [0]
     n = min(PLAIN_TOKENS, decoder.n_ctx - len(tokens) - 2)
-    out, last = [], None
+    out: list[tuple[int, float]] = []
+    last: float | None = None
     for event in decoder.generate(tokens, GenerationConfig(mode="ar", n_predict=n, stop_at_eos=False)):
         now = time.perf_counter()
         if isinstance(event, Iteration):
+            assert last is not None  # the prefill's event comes before the first iteration's
             out.append((event.n_committed - 2, now - last))
             if len(out) % 64 == 0:
                 yield StepProgress(index, len(out), n)
@@ -247,7 +281,7 @@ def _plain_iterations(decoder, prompt: str, index: int):
     return out
 
 
-def step_cost_model(cal: Calibration, index: int):
+def step_cost_model(cal: Calibration, index: int) -> StepEvents:
     samples = yield from cal.live(iter_verify_samples(cal.rt, cal.draft_cap, seed=1, repeats=cal.repeats,
                                                       sizes=verify_sizes(cal.draft_cap)), index)
     cal.fit = fit = fit_verify_cost([s[0] for s in samples], [s[1] for s in samples], [s[2] for s in samples])
@@ -258,8 +292,9 @@ def step_cost_model(cal: Calibration, index: int):
                      _fit_data(samples, fit))
 
 
-def step_hot_experts(cal: Calibration, index: int):
+def step_hot_experts(cal: Calibration, index: int) -> StepEvents:
     emap, info = cal.emap, cal.info
+    assert cal.rt is not None  # step 2 made it
     counts, n_tok = yield from cal.live(routing_counts(cal.rt, cal.prompts), index)
     eb = emap.expert_bytes
     # The ranking: most routed first, up to half of the expert bytes. A decoding process under a budget
@@ -277,13 +312,15 @@ def step_hot_experts(cal: Calibration, index: int):
                       "tokens": n_tok})
 
 
-def step_under_budget(cal: Calibration, index: int):
+def step_under_budget(cal: Calibration, index: int) -> StepEvents:
     cal.cold = cal.cache_fit = None
+    skip: str | None
     if cal.budget is None:
         skip = "skipped: no memory budget given"
     else:
         skip = MemoryCgroup.unavailable_reason()
     if skip is None:
+        assert cal.budget is not None  # a step with no budget is skipped (above)
         cal.close()  # the cold worker needs the memory
         n_steps = 4 * cal.repeats
         cfg = {"model": str(cal.info.path), "text": "\n\n".join(cal.prompts)[:PLAIN_FETCH_CHARS],
@@ -311,7 +348,7 @@ NO_GPU = "skipped: no GPU backend in this llama.cpp build"
 NO_GPU_DEVICE = "skipped: no GPU among llama.cpp's devices"  # a backend of other devices (a remote one, say)
 
 
-def step_gpu(cal: Calibration, index: int):
+def step_gpu(cal: Calibration, index: int) -> StepEvents:
     from ..decoding.gpu import gpu_backend, gpu_device_type, measure_copy_mode, transfer_rate
 
     name = STEPS[index - 1][0]
@@ -326,7 +363,7 @@ def step_gpu(cal: Calibration, index: int):
         rate = transfer_rate(kind)
         cal.close()  # the timing processes load the model onto the GPU themselves
         layers = cal.placement.n_gpu_layers or -1
-        mode = yield from cal.live(measure_copy_mode(cal.info.path, sizes=verify_sizes(cal.draft_cap),
+        mode = yield from cal.live(measure_copy_mode(str(cal.info.path), sizes=verify_sizes(cal.draft_cap),
                                                      n_gpu_layers=layers, threads=cal.threads, repeats=cal.repeats,
                                                      use_extra_bufts=cal.cpu.extra), index)
     except RuntimeError as e:
@@ -345,11 +382,12 @@ def step_gpu(cal: Calibration, index: int):
                       "fit_copy": fit_dict(fit)})
 
 
-def _cold_result(cal: Calibration, index: int, res: dict, after: dict) -> StepResult:
+def _cold_result(cal: Calibration, index: int, res: dict[str, Any], after: dict[int, float]) -> StepResult:
     """Fit what the cold worker measured; keep it on cal.cold. after: the storage rates read once it was done
     ({queue depth: bytes/s}); the profile keeps the mean of those and the first step's."""
     from .projection import decoding_fetch_price
 
+    assert cal.budget is not None  # the cold worker ran under it
     cal.budget_bytes = res["budget"]
     cs = [tuple(s) for s in res["samples"]]
     experts, tokens, seconds, misses, faults = ([s[i] for s in cs] for i in range(5))
@@ -401,7 +439,8 @@ def _cold_result(cal: Calibration, index: int, res: dict, after: dict) -> StepRe
                       f"({fmt_bytes(res['pinned']['hot_experts'])}){plain}{drift}", data)
 
 
-def _cache_fit(plain: dict, record: dict | None, n_expert: int, expert_bytes: float) -> dict | None:
+def _cache_fit(plain: dict[str, Any], record: dict[str, Any] | None, n_expert: int,
+               expert_bytes: float) -> dict[str, Any] | None:
     """How many experts the engine's offloading held in effect when plain decoding ran under the budget: the
     size of an LRU cache (beside the pinned hot experts) that fetches what decoding counted over the same tokens,
     the first PLAIN_FETCH_WARM tokens warming both up. None without a plan."""
