@@ -480,7 +480,7 @@ def resolve_tuned(args, tuned: dict) -> dict:
     """The settings `s2moe tune` searches: a flag given wins, then the profile's tuned value, then the
     GenerationConfig default (None there: the model's routing decides)."""
     from ..engine.decoding.decoder import GenerationConfig
-    from ..engine.profiles import TUNED_KEYS
+    from ..engine.profile_schema import TUNED_KEYS
 
     default = GenerationConfig()
     out = {}
@@ -737,7 +737,8 @@ def cmd_generate(args) -> int:
               file=sys.stderr)
     cfg = generation_config(args, decoder)
     if args.profile and not args.json and cfg.mode == "s2moe":
-        from ..engine.profiles import TUNED_KEYS, load_profile, tuned_settings
+        from ..engine.profile_schema import TUNED_KEYS
+        from ..engine.profiles import load_profile, tuned_settings
         from .cmd_tune import settings_text
 
         if tuned_settings(load_profile(args.profile), decoder.info.fingerprint, offloaded=budget is not None):

@@ -224,7 +224,7 @@ STORAGE_PASSES = 3
 def read_storage(emap) -> list[tuple[float, float]]:
     """Cold reads of this model's experts now, STORAGE_PASSES passes: [(bytes/s at queue depth 1, at depth 8)];
     none where the file's pages stay in memory (another process maps them)."""
-    from ..engine.measure.calibrate import storage_bandwidth
+    from ..engine.measure.calibration_measures import storage_bandwidth
     from ..engine.measure.costmodel import drive
 
     out = []

@@ -51,7 +51,8 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    from ..engine.measure.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted, run_calibration
+    from ..engine.measure.calibrate import run_calibration
+    from ..engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
     from ..engine.offload import Budget
     from ..engine.decoding.runtime import check_threads
     from .cli import default_model, placement_from_args

@@ -12,7 +12,7 @@ import numpy as np
 
 from s2moe.engine.measure.bench import BenchDone, BenchProgress, BenchRow
 from s2moe.engine.measure.bench import run_bench as REAL_RUN_BENCH
-from s2moe.engine.measure.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
+from s2moe.engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
 from s2moe.engine.decoding.chat import Template
 from s2moe.engine.decoding.decoder import GenerationConfig

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from s2moe.engine.measure.calibrate import (CalibrationDone, StepProgress, StepResult, StepStarted, read_prompts,
-                                    run_calibration)
+from s2moe.engine.measure.calibrate import run_calibration
+from s2moe.engine.measure.calibration_measures import read_prompts
+from s2moe.engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.measure.costmodel import r2_ceiling
 from s2moe.engine.errors import ConfigError, ModelError
 from s2moe.engine.offload import Budget
@@ -165,7 +166,7 @@ def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
 
 
 def test_a_disk_whose_rate_moved_during_the_budgeted_batches_is_named_as_the_fit_s_noise():
-    from s2moe.engine.measure.calibrate import storage_drift_note
+    from s2moe.engine.measure.calibration_measures import storage_drift_note
 
     steady = storage_drift_note(1.2e9, 1.1e9)
     assert steady == " · the disk read 1.20 GB/s at depth 8 before these batches and 1.10 after"
@@ -218,7 +219,7 @@ def test_storage_is_read_cold_at_each_queue_depth_once_per_expert(tiny_models, t
     """Storage bandwidth is measured at queue depth 1 and 8 on disjoint sets of whole experts."""
     import shutil
 
-    from s2moe.engine.measure.calibrate import STORAGE_DEPTHS, storage_bandwidth
+    from s2moe.engine.measure.calibration_measures import STORAGE_DEPTHS, storage_bandwidth
     from s2moe.engine.offload import expert_map
 
     # a copy no decoder of this test session maps, so that its pages can be dropped
@@ -248,7 +249,7 @@ def test_plain_decoding_under_the_budget_runs_through_the_calibration_text(decod
     """Calibrate prices a fetch from plain decoding under the budget. A small model's greedy continuation soon
     repeats itself and reuses the same experts, so the steps decode the calibration text itself, one token a
     step, and the model's own greedy choices only once the text runs out."""
-    from s2moe.engine.measure.calibrate import PLAIN_FETCH_CONTEXT, _plain_fetches
+    from s2moe.engine.measure.calibration_worker import PLAIN_FETCH_CONTEXT, _plain_fetches
     from s2moe.engine.offload import Offloader
 
     d = decoders["olmoe"]

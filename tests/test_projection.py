@@ -10,7 +10,7 @@ import pytest
 from s2moe.app.cli import main
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import ForcedDraft
-from s2moe.engine.profiles import validate_profile
+from s2moe.engine.profile_schema import validate_profile
 from s2moe.engine.measure.cache_model import ExpertCache
 from s2moe.engine.measure.projection import project
 from s2moe.engine.measure.trace import Drafted, Trace, TraceHeader, TraceStep, write_trace
@@ -526,9 +526,10 @@ def test_workload_terms_round_trip_and_bad_ones_are_one_line(tmp_path, capsys, m
 def test_calibrate_measures_the_workload_terms_in_the_engine(tiny_models, tmp_path, monkeypatch):
     """On a tiny model: the terms are written into the profile's block, valid, and a projection of a trace of
     that model charges them."""
-    from s2moe.engine.measure.calibrate import CalibrationDone, run_calibration
+    from s2moe.engine.measure.calibrate import run_calibration
+    from s2moe.engine.measure.calibration_steps import CalibrationDone
     from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
-    from s2moe.engine.profiles import validate_profile
+    from s2moe.engine.profile_schema import validate_profile
     from s2moe.engine.measure.trace import TraceRecorder
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))

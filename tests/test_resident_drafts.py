@@ -11,7 +11,8 @@ from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Started
 from s2moe.engine.drafting.stoprules import UtilityStop, rule_cost
-from s2moe.engine.profiles import cost_for_model, validate_profile
+from s2moe.engine.profile_schema import validate_profile
+from s2moe.engine.profiles import cost_for_model
 
 FINGERPRINT = "d09f3c78bdbddbd4"
 

@@ -13,7 +13,7 @@ from test_app_support import FakeDecoder
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.calibrate import FIELDS, ConfirmSave, Outcome, plain_words, step_outcome, tune_minutes
 from s2moe.engine.measure.bench import CheckFigures
-from s2moe.engine.measure.calibrate import CalibrationDone, StepResult, StepStarted
+from s2moe.engine.measure.calibration_steps import CalibrationDone, StepResult, StepStarted
 from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
 from s2moe.engine.measure.tune import (Settings, TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality,
                                TuneStarted)
@@ -307,7 +307,7 @@ def test_a_failing_cold_worker_reports_its_reason_as_data(tmp_path):
     import sys
 
     gone = tmp_path / "gone.gguf"
-    out = subprocess.run([sys.executable, "-m", "s2moe.engine.measure.calibrate", "--cold-worker",
+    out = subprocess.run([sys.executable, "-m", "s2moe.engine.measure.calibration_worker", "--cold-worker",
                           json.dumps({"model": str(gone), "cap": 8})], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     error = json.loads(out.stdout.strip().splitlines()[-1])["error"]

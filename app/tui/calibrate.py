@@ -20,7 +20,8 @@ from textual_plotext import PlotextPlot
 
 from ...engine.measure import calibrate as engine_calibrate
 from ...engine.measure import tune as engine_tune
-from ...engine.measure.calibrate import CalibrationDone, StepProgress, StepResult, StepStarted
+from ...engine.measure.calibration_steps import (NO_GPU, NO_GPU_DEVICE, CalibrationDone, StepProgress, StepResult,
+                                                  StepStarted)
 from ...engine.errors import S2MoEError
 from ...engine.decoding.gpu import Placement
 from ...engine.offload import Budget
@@ -88,8 +89,7 @@ def step_outcome(result: StepResult, fields: dict[str, str] | None = None) -> Ou
     if skipped:
         note = result.summary[len(skipped):].lstrip("; ") if result.summary.startswith(skipped) else ""
         # nothing to measure (no budget asked for, no GPU): a skip, not a failure
-        if skipped.startswith(("skipped: no memory budget given", engine_calibrate.NO_GPU,
-                               engine_calibrate.NO_GPU_DEVICE)):
+        if skipped.startswith(("skipped: no memory budget given", NO_GPU, NO_GPU_DEVICE)):
             return Outcome("skipped", skipped[len("skipped: "):], note)
         # a budget was given but could not be measured under: its figures are missing from the profile
         reason = skipped[len("failed: "):] if skipped.startswith("failed: ") else skipped
