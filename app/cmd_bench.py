@@ -14,8 +14,8 @@ DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import (add_batch_option, add_draft_experts_option, add_memory_strength_option, add_placement_options,
-                      add_pregate_option, add_sampling_options, add_tree_shape_options, nonempty, positive_int)
+    from .options import (add_batch_option, add_draft_experts_option, add_memory_strength_option, add_placement_options,
+                          add_pregate_option, add_sampling_options, add_tree_shape_options, nonempty, positive_int)
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -425,7 +425,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
     from ..engine import offload
     from ..engine.measure.bench import BenchRow
     from ..engine.crashes import exit_text
-    from .cli import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings, say_child_death
+    from .model_runs import say_child_death
+    from .options import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings
 
     with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
         out = Path(tmp) / "rows.json"
@@ -496,7 +497,8 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     from ..engine import offload
     from ..engine.measure.bench import reference_row
     from ..engine.crashes import exit_text
-    from .cli import cpu_buffers_for, placement_from_args, say_child_death
+    from .model_runs import cpu_buffers_for, say_child_death
+    from .options import placement_from_args
 
     with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
         out = Path(tmp) / "ref.json"
@@ -562,7 +564,8 @@ def run(args) -> int:
     from ..engine.decoding.cpu_buffers import REASONS
     from ..engine.decoding.decoder import Decoder, GenerationConfig
     from ..engine.files import write_atomic
-    from .cli import check_pregate, default_model, placement_from_args, pregate_pinning
+    from .model_runs import default_model
+    from .options import check_pregate, placement_from_args, pregate_pinning
 
     model = args.model or default_model()
     console = Console(stderr=True)
@@ -578,7 +581,7 @@ def run(args) -> int:
         except OSError as e:
             raise ConfigError(f"cannot make trace folder {args.trace}: {e.strerror}") from None
     if args.overhead:
-        from .cli import cpu_buffers_for
+        from .model_runs import cpu_buffers_for
 
         cpu = cpu_buffers_for(model, True)
         if not cpu.extra:
@@ -601,7 +604,8 @@ def run(args) -> int:
     from ..engine.model_info import read_model_info
     from ..engine.offload import current_budget
     from ..engine.decoding.sampling import RANDOM_SEED, random_seed
-    from .cli import cpu_buffers_for, resolve_tuned, sampling_settings
+    from .model_runs import cpu_buffers_for, resolve_tuned
+    from .options import sampling_settings
 
     # the flags given, checked before a model is read (those not given are checked once resolved)
     GenerationConfig(**resolve_tuned(args, {}), tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,
@@ -637,7 +641,7 @@ def run(args) -> int:
     extra_rows, budget_fits, budget_quality, storage, around, batches, loads = [], {}, {}, None, {}, {}, {}
     budgeted = [b for b in budgets if b != "none"]
     if inside is None and budgeted and not hot:
-        from .cli import no_hot_experts_note
+        from .model_runs import no_hot_experts_note
 
         console.print(no_hot_experts_note(args.profile, model, budgeted[0]), highlight=False, markup=False,
                       soft_wrap=True)

@@ -308,7 +308,7 @@ def test_n_predict_values(tiny_models, n):
 def test_budget_values_parse_or_say_why(text):
     import argparse
 
-    from s2moe.app.cli import budget_text
+    from s2moe.app.options import budget_text
     from s2moe.engine.errors import S2MoEError
     from s2moe.engine.offload import Budget
 

@@ -15,7 +15,8 @@ import pytest
 from conftest import variant_spec
 from tinygguf import write_tiny
 
-from s2moe.app.cli import build_parser, main
+from s2moe.app.cli import main
+from s2moe.app.parser import build_parser
 from s2moe.engine.decoding import gpu, runtime
 from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 from s2moe.engine.errors import ConfigError

@@ -13,7 +13,7 @@ from textual.screen import Screen
 from textual.widgets import Static
 
 from ...engine.errors import S2MoEError
-from ..cli import speed_text
+from ..model_runs import speed_text
 from . import messages
 from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
