@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cmd_bench import check_words
+from .bench_report import check_words
 
 
 def _minutes(text: str) -> float:
