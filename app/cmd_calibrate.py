@@ -56,7 +56,7 @@ def run(args) -> int:
     from ..engine.decoding.runtime import check_threads
     from .model_runs import default_model
     from .options import placement_from_args
-    from .tui.calibrate import step_outcome
+    from .tui.calibrate_steps import step_outcome
 
     budget = Budget.parse(args.budget) if args.budget is not None else None
     model = args.model if args.model is not None else default_model()

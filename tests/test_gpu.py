@@ -426,7 +426,7 @@ def test_host_to_device_rate_and_copy_mode_on_the_gpu(tiny_models):
 
 
 def test_a_calibration_without_a_gpu_counts_the_gpu_step_as_skipped_not_failed():
-    from s2moe.app.tui.calibrate import step_outcome
+    from s2moe.app.tui.calibrate_steps import step_outcome
     from s2moe.engine.measure.calibrate import NO_GPU, NO_GPU_DEVICE, StepResult
 
     for why in (NO_GPU, NO_GPU_DEVICE):
