@@ -10,7 +10,7 @@ from test_app import answered, fake_app, open_bench, open_settings, run, run_ben
 from test_app_support import fake_run_bench
 
 from s2moe.app.parser import build_parser
-from s2moe.app.tui.chat import settings_from_state
+from s2moe.app.tui.state import settings_from_state
 from s2moe.app.tui.dialogs import SettingsDialog
 from s2moe.app.tui.session import ChatSettings
 from s2moe.engine.errors import ConfigError
