@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import statistics
 
-
 # A disk's rate moves from one pass to the next and drifts over minutes (docs/offloading.md, "What bench
 # measures under a budget"), so the bound is read from passes just before and just after each budget ran, not from a
 # calibration made hours earlier.

@@ -11,7 +11,6 @@ from .bench_report import (batch_line, footnotes, gating_quality_text, markdown,
                            offloaded_fit_clauses, sampled_note, storage_line, tables)
 from .bench_storage import read_storage, resident_verify_cost, storage_reading, storage_record
 
-
 DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 

@@ -9,7 +9,6 @@ import argparse
 from ..engine.errors import OPTION, ConfigError, S2MoEError
 from ..engine.modes import DRAFT_EXPERTS, MODES
 
-
 # The engine's names for the settings its errors are about → the flags that set them.
 FLAGS = {"n_predict": "-n", "temperature": "--temp", "draft_topk": "--draft-topk", "draft_max": "--draft-max",
          "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",

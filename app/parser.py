@@ -8,7 +8,6 @@ import re
 
 from ..engine.errors import ConfigError
 
-
 # llama.cpp's multi-letter short option for GPU layers; argparse would read `-ngl…` as `-n gl…` where a
 # command has `-n` but not this option, or where the value is glued on (`-ngl0`).
 _NGL = re.compile(r"-ngl(=.*|-?\d+)?")

@@ -284,8 +284,8 @@ def test_a_two_turn_chat_at_80x24(snap_compare):
 def test_generate_cnv_chats_in_turns_from_standard_input(chat_model, tiny_models, monkeypatch, capsys):
     import io
 
-    from s2moe.app.cli import main
     from s2moe.app import cmd_generate
+    from s2moe.app.cli import main
     from s2moe.app.parser import build_parser
     from s2moe.engine.errors import ConfigError
 

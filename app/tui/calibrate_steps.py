@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from ...engine.measure import calibrate as engine_calibrate
 from ...engine.measure.calibrate import StepResult
 
-
 TUNE_PROMPTS = "humaneval"  # the workload `s2moe tune` tunes for by default
 TUNE_MINUTES = 3.0          # the wizard's default: a first tuning, shorter than the command's 10 minutes …
 TUNE_MINUTES_BUDGETED = 10.0  # … but under a budget a quality check alone takes a minute or two
