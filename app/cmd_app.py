@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 def add_parser(subparsers) -> None:
-    from .cli import (add_batch_option, add_copy_cache_option, add_placement_options, add_sampling_options, budget_text,
-                      nonempty, positive_int)
+    from .options import (add_batch_option, add_copy_cache_option, add_placement_options, add_sampling_options,
+                          budget_text, nonempty, positive_int)
 
     p = subparsers.add_parser("app", help="open the terminal app (the default when s2moe has no arguments)")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -32,7 +32,7 @@ def build_app(args):
     from pathlib import Path
 
     from ..engine.errors import ConfigError
-    from .cli import placement_from_args, sampling_settings
+    from .options import placement_from_args, sampling_settings
     from .tui.app import S2MoEApp
     from .tui.session import shipped_default_model
 
@@ -71,7 +71,7 @@ def run(args) -> int:
     if budget is not None:
         from ..engine import offload
         from ..engine.errors import ConfigError
-        from .cli import run_cli_in_budget
+        from .model_runs import run_cli_in_budget
 
         parsed = offload.Budget.parse(budget)  # a bad size is a one-line error before anything starts
         if offload.current_budget() is None:

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
 
 from ..engine.errors import ConfigError
+from .bench_report import (batch_line, footnotes, gating_quality_text, markdown, memory_quality_text,
+                           offloaded_fit_clauses, sampled_note, storage_line, tables)
+from .bench_storage import read_storage, resident_verify_cost, storage_reading, storage_record
 
 DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .cli import (add_batch_option, add_draft_experts_option, add_memory_strength_option, add_placement_options,
-                      add_pregate_option, add_sampling_options, add_tree_shape_options, nonempty, positive_int)
+    from .options import (add_batch_option, add_draft_experts_option, add_memory_strength_option, add_placement_options,
+                          add_pregate_option, add_sampling_options, add_tree_shape_options, nonempty, positive_int)
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
@@ -88,332 +89,6 @@ def _modes(args) -> list[str]:
     return modes
 
 
-def _fmt(v, spec=".2f", none="–"):
-    return none if v is None else format(v, spec)
-
-
-def _cells(done) -> tuple[list, list[dict]]:
-    """The table's columns (by priority: what a speed-up claim needs first) and each row's cells."""
-    from .columns import Column
-
-    offloaded = any(r.fetched_per_token is not None for r in done.rows)
-    repeated = any(r.repeats > 1 for r in done.rows)
-    budgets = len({r.budget for r in done.rows}) > 1 or any(r.budget != "none" for r in done.rows)
-    spec = [("mode", "mode", 0), ("budget", "budget", 1 if budgets else 15), ("tok_s", "tok/s", 3),
-            ("tok_s_range", "tok/s range", 5), ("x_ar", "× ar", 2), ("x_ar_range", "× ar range", 4),
-            ("same", "= ar", 6), ("accept", "accept len", 7), ("draft", "draft len", 8), ("reuse", "reuse", 9),
-            ("fetched", "fetched/tok", 10), ("bound", "bound tok/s", 11), ("rollbacks", "rollbacks", 12),
-            ("verify", "verify experts", 13), ("eff", "eff. verify", 14), ("dv", "draft/verify s", 16)]
-    shown = {key for key, _, _ in spec} - ({"tok_s_range", "x_ar_range"} if not repeated else set()) \
-        - ({"fetched", "bound"} if not offloaded else set())
-    rows = []
-    for r in done.rows:
-        same = ("–" if r.identical_to_ar is None
-                else f"{r.identical_to_ar:.0%}" + ("" if r.identical_expected else "*"))
-        if r.near_tie_divergences:
-            same += f" ({r.near_tie_divergences} tie)"
-        rows.append({"mode": r.mode, "budget": r.budget, "tok_s": f"{r.tok_per_s:.1f}",
-                     "tok_s_range": r.tok_per_s_range or "–", "x_ar": r.speedup_text,
-                     "x_ar_range": r.speedup_range or "–", "same": same, "accept": f"{r.accept_len:.2f}",
-                     "draft": f"{r.draft_len:.2f}", "reuse": _fmt(r.reuse_ratio, ".3f"),
-                     "fetched": _fmt(r.fetched_per_token, ".1f"), "bound": _fmt(r.bound_tok_per_s, ".1f"),
-                     "rollbacks": str(r.rollbacks), "verify": _fmt(r.verify_experts, ".1f"),
-                     "eff": _fmt(r.effective_verify_cost, ".2f"), "dv": f"{r.t_draft:.2f}/{r.t_verify:.2f}"})
-    # each column also takes the one cell of the border to its left: counted in its width here
-    columns = [Column(key, label, max([len(label)] + [len(c[key]) for c in rows]) + 1, pri)
-               for key, label, pri in spec if key in shown]
-    return columns, rows
-
-
-def tables(done, width: int) -> list:
-    """The results as Rich tables that fit `width` columns: the most important columns first; those that do
-    not fit go on to further tables (each led by the mode) rather than being squeezed or cut."""
-    from rich import box
-    from rich.table import Table
-
-    from .columns import columns_that_fit
-
-    columns, rows = _cells(done)
-    head = columns[0]
-    title = (f"s2moe bench · {done.config.get('prompt_set')} × {done.config.get('n_prompts')} prompts · "
-             f"{done.config.get('n_tokens')} tokens each")
-    repeats = done.config.get("repeats") or 1
-    if repeats > 1:
-        title += f" · median of {repeats} repeats"
-    drafts = {r.draft_experts for r in done.rows if r.draft_experts}
-    if drafts:
-        title += " · drafts from " + " and ".join(f"{d} experts" for d in sorted(drafts))
-    out = []
-    left = columns
-    while left:
-        fitted = columns_that_fit(left, width - 1)
-        t = Table(title=title if not out else None, box=box.SIMPLE_HEAD, title_justify="left")
-        for col, w in fitted:
-            t.add_column(col.label, justify="left" if col.key in ("mode", "budget") else "right",
-                         no_wrap=True, min_width=w - 1)
-        for cells in rows:
-            t.add_row(*(cells[col.key] for col, _ in fitted))
-        out.append(t)
-        taken = {col.key for col, _ in fitted}
-        left = [c for c in left if c.key not in taken]
-        if left:
-            left = [head] + left
-    return out
-
-
-def footnotes(done) -> list[str]:
-    """What the table's marks mean, the fastest mode and each mode's verdict against ar (engine.speed), and a
-    warning where the machine was busy or the runs unsteady."""
-    from ..engine.measure.bench import judgements
-
-    out = []
-    if any(r.decoded_as_ar for r in done.rows):
-        out.append("≈: drafted nothing and decoded ar's tokens — what separates it from ar is the machine's noise and "
-                   "the mode's own work a step (the verdict below says whether it is significant)")
-    if any(r.within_noise and not r.decoded_as_ar and r.mode != "ar" for r in done.rows):
-        out.append("≈: not significant — within the run-to-run spread: the ratio to ar give or take two standard "
-                   "errors over the paired runs (each prompt in each repeat) includes 1")
-    if any(r.identical_to_ar is not None and not r.identical_expected for r in done.rows):
-        out.append("*: not lossless by design (its gating changes which experts verify a draft), so = ar may be "
-                   "under 100%; without * a mode must match ar token for token")
-    judged = judgements(done.rows, done.config.get("load"), done.config.get("load_by_budget"))
-    for budget, judgement in judged:
-        where = f"budget {budget}: " if len(judged) > 1 else ""
-        out += [where + line for line in judgement.lines()]
-    return out
-
-
-def sampled_note(config: dict, reference: bool) -> str:
-    """What a sampled bench's figures mean: the settings, the seeds, and what = ar compares."""
-    text = (f"sampled at T={config['temperature']:g} (top-k {config['top_k']}, top-p {config['top_p']:g}, min-p "
-            f"{config['min_p']:g}, repeat penalty {config['repeat_penalty']:g}); prompt i uses seed "
-            f"{config['seed']} + i in every mode and repeat; = ar: the same tokens as ar drew with that seed "
-            "(a draft is accepted only where it is ar's draw there, so a lossless mode matches ar token for token)")
-    return text + ("; the llama.cpp row decodes greedily" if reference else "")
-
-
-def batch_line(batches: dict) -> str:
-    """The prefill batch each budget's process ran: where -b is not given, a budget of a given size chooses it."""
-    each = ", ".join(f"{n} tokens under {label}" for label, n in batches.items())
-    return f"llama.cpp's batch (a prompt's prefill chunk, its compute buffers sized for it): {each}"
-
-
-def storage_line(storage: dict) -> str:
-    """How the bound column was computed, from the storage figures the run measured."""
-    if storage.get("qd8_range"):
-        lo1, hi1 = storage["qd1_range"]
-        lo8, hi8 = storage["qd8_range"]
-        rates = (f"{lo1:.2f}–{hi1:.2f} GB/s at queue depth 1, {lo8:.2f}–{hi8:.2f} GB/s at depth 8 "
-                 f"({storage['source']}, {storage['n_readings']} readings)")
-        which = "the median depth-8 rate read around that budget"
-    else:
-        rates = (f"{storage['qd1_gb_s']:.2f} GB/s at queue depth 1, {storage['qd8_gb_s']:.2f} GB/s at depth 8 "
-                 f"({storage['source']})")
-        which = "the depth-8 rate"
-    return (f"storage, cold reads of whole experts: {rates}; bound = experts fetched per token × "
-            f"{storage['expert_bytes'] / 2**20:.2f} MiB ÷ {which}, plus the mode's resident compute "
-            "where this run measured it")
-
-
-# A disk's rate moves from one pass to the next and drifts over minutes (docs/offloading.md, "What bench
-# measures under a budget"), so the bound is read from passes just before and just after each budget ran, not from a
-# calibration made hours earlier.
-STORAGE_PASSES = 3
-
-
-def read_storage(emap) -> list[tuple[float, float]]:
-    """Cold reads of this model's experts now, STORAGE_PASSES passes: [(bytes/s at queue depth 1, at depth 8)];
-    none where the file's pages stay in memory (another process maps them)."""
-    from ..engine.measure.calibration_measures import storage_bandwidth
-    from ..engine.measure.costmodel import drive
-
-    out = []
-    for seed in range(STORAGE_PASSES):
-        rates = drive(storage_bandwidth(emap, max_bytes=128 << 20, seed=seed))[0]
-        if 1 in rates and 8 in rates:
-            out.append((rates[1], rates[8]))
-    return out
-
-
-def storage_reading(passes: list[tuple[float, float]]) -> dict:
-    """Passes read_storage read (bytes/s at depth 1 and 8): their medians and ranges in GB/s, and how many."""
-    def gb(values):
-        return statistics.median(values) / 1e9, [min(values) / 1e9, max(values) / 1e9]
-
-    (qd1, qd1_range), (qd8, qd8_range) = gb([r[0] for r in passes]), gb([r[1] for r in passes])
-    return {"qd1_gb_s": qd1, "qd8_gb_s": qd8, "qd1_range": qd1_range, "qd8_range": qd8_range,
-            "readings": len(passes)}
-
-
-def storage_record(around: dict[str, list[tuple[float, float]]], expert_bytes: float, profile: dict | None,
-                   fingerprint: str) -> dict | None:
-    """The bound's storage figures: for each budget label, the passes read around it (`around`); where none
-    could be read cold, the profile's rates for this model (a rate read on another model's experts, reads of
-    another size, does not apply); else None."""
-    from ..engine.profiles import storage_rates
-
-    every = [r for rs in around.values() for r in rs]
-    if every:
-        whole = storage_reading(every)
-        readings = {label: storage_reading(rs) if rs else whole for label, rs in around.items()}
-        by_budget = {label: {key: r[key] for key in ("qd8_gb_s", "qd8_range")} for label, r in readings.items()}
-        return {"qd1_gb_s": whole["qd1_gb_s"], "qd8_gb_s": whole["qd8_gb_s"], "qd1_range": whole["qd1_range"],
-                "qd8_range": whole["qd8_range"], "n_readings": len(every), "by_budget": by_budget,
-                "expert_bytes": expert_bytes, "source": "read by this run before and after each budget"}
-    rates = storage_rates(profile, fingerprint) if profile else None
-    if not rates:
-        return None
-    return {"qd1_gb_s": rates[0], "qd8_gb_s": rates[1], "expert_bytes": expert_bytes,
-            "by_budget": {label: {"qd8_gb_s": rates[1], "qd8_range": [rates[1], rates[1]]} for label in around},
-            "source": f"profile {profile.get('name')}"}
-
-
-def _resident_verify_cost(resident_fit: dict, profile: dict | None, info):
-    """What a verification of (experts, rows) costs with the model in memory: this run's resident fit, else
-    the profile's constants for the model, else None."""
-    if resident_fit:
-        from ..engine.measure.costmodel import Fit
-
-        c = resident_fit
-        return Fit(c["intercept_s"], c["t_exp_s"], c["t_tok_s"], c["r2"], c["mape"], c["n"]).predict
-    if profile is not None:
-        from ..engine.profiles import cost_for_model
-
-        return cost_for_model(profile, info.fingerprint, info.path.name).verify_cost
-    return None
-
-
-# what each kind of verification batch (engine.bench.VERIFY_KINDS) is called in the report
-KIND_WORDS = {"plain": "plain steps", "copy": "copied drafts", "draft": "self-drafted (experts predicted)"}
-
-
-def offloaded_fit_clauses(c: dict) -> list[str]:
-    """What a budgeted run's fit adds: the miss-aware form and the storage-fault diagnostic, if present."""
-    from ..engine.measure.costmodel import r2_text
-
-    m = c.get("miss_aware")
-    if not m:
-        return []
-    out = [f"counting fetched experts ({m['miss_share']:.0%} of those read): {r2_text(m['r2'], m.get('r2_ceiling'))}, "
-           f"MAPE {m['mape']:.1%}, "
-           f"T_exp cold {m['t_exp_cold_s'] * 1e3:.3f} ms, warm {m['t_exp_warm_s'] * 1e3:.3f} ms"]
-    if m.get("bound_ratio"):
-        span = m.get("bound_ratio_range") or [None, None]
-        spread = (f"; {span[0]:.2f}–{span[1]:.2f}× at the slowest and fastest pass read around it"
-                  if None not in span and span[0] != span[1] else "")
-        out.append(f"verifications took {m['bound_ratio']:.2f}× their bound (fetched experts at the depth-8 rate, "
-                   f"the rest as resident{spread})")
-        kinds = m.get("bound_ratio_by_kind") or {}
-        if len(kinds) > 1:
-            out.append("by batch: " + ", ".join(f"{KIND_WORDS[k]} {r:.2f}×" for k, r in kinds.items()))
-    d = m.get("disk_tracked")
-    if d:
-        lo, hi = d["t_exp_cold_range_s"]
-        out.append(f"with T_exp cold followed through the run (each verification at the rate the fetches before it "
-                   f"took, the latest {d['half_life_fetches']:.0f} weighing half; it went {lo * 1e3:.2f}–"
-                   f"{hi * 1e3:.2f} ms): R² {d['r2']:.3f}")
-    g = m.get("given_faults")
-    if g:
-        out.append(f"given the storage faults taken ({g['faults_per_verification']:.1f} per verification, known only "
-                   f"afterwards, so a diagnostic rather than a predictor): R² {g['r2']:.3f}")
-    return out
-
-
-def markdown(done) -> str:
-    import plotext as plt
-
-    from ..engine.measure.costmodel import r2_text
-
-    lines = [f"# s2moe bench — {done.config.get('prompt_set')}", "",
-             f"Model `{done.config.get('model')}`, {done.config.get('n_prompts')} prompts × "
-             f"{done.config.get('n_tokens')} tokens, modes interleaved per prompt, greedy={done.config.get('greedy')}"
-             + (f", median (min–max) of {done.config['repeats']} repeats." if (done.config.get("repeats") or 1) > 1
-                else "."),
-             f"Machine: {done.machine.get('cpu')} ({done.machine.get('cores')} cores, "
-             f"threads {done.machine.get('threads')}).",
-             "", "| mode | budget | tok/s | × ar | accept len | draft len | reuse | verify experts | eff. verify "
-                 "| rollbacks | = ar | fetched/tok | bound tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in done.rows:
-        same = ("–" if r.identical_to_ar is None
-                else f"{r.identical_to_ar:.0%}" + ("" if r.identical_expected else "\\*"))
-        tps = f"{r.tok_per_s:.1f}" + (f" ({r.tok_per_s_range})" if r.tok_per_s_range else "")
-        ratio = r.speedup_text + (f" ({r.speedup_range})" if r.speedup_range else "")
-        lines.append(f"| {r.mode} | {r.budget} | {tps} | {ratio} | {r.accept_len:.2f} | "
-                     f"{r.draft_len:.2f} | {_fmt(r.reuse_ratio, '.3f')} | {_fmt(r.verify_experts, '.1f')} | "
-                     f"{_fmt(r.effective_verify_cost)} | {r.rollbacks} | {same} | {_fmt(r.fetched_per_token, '.1f')} | "
-                     f"{_fmt(r.bound_tok_per_s, '.1f')} |")
-    lines.append("")
-    for note in footnotes(done):
-        lines.append("- " + ("\\" + note if note.startswith("*") else note))  # a bare * would start emphasis
-    if not done.config.get("greedy", True):
-        lines += ["", sampled_note(done.config, any(r.mode == "llama.cpp" for r in done.rows)) + "."]
-    if done.config.get("storage"):
-        lines += ["", storage_line(done.config["storage"]) + "."]
-    plt.clear_figure()
-    plt.bar([r.mode for r in done.rows], [r.tok_per_s for r in done.rows])
-    plt.title("tok/s by mode")
-    plt.plotsize(80, 20)
-    plt.theme("clear")
-    lines += ["", "```", plt.build(), "```"]
-    if done.quality.get("tokens"):
-        lines += ["", "## Reuse gating quality (teacher-forced)", "", gating_quality_text(done.quality) + "."]
-    for label, mq in done.memory_quality_by_budget.items():
-        lines += ["", memory_quality_text(label, mq) + "."]
-    fits = ([("resident", done.cost_model)] if done.cost_model else []) + list(done.cost_model_by_budget.items())
-    if fits:
-        lines += ["", "## Verification cost model"]
-    for label, c in fits:
-        where = "fully resident" if label == "resident" else f"under budget {label}"
-        lines += ["", f"{where}: latency ≈ {c['intercept_s'] * 1e3:.3f} ms + {c['t_exp_s'] * 1e3:.4f} ms·experts + "
-                      f"{c['t_tok_s'] * 1e3:.3f} ms·tokens over {c['n']} verifications: "
-                      f"{r2_text(c['r2'], c.get('r2_ceiling'))}, MAPE {c['mape']:.1%}."]
-        for clause in offloaded_fit_clauses(c):
-            lines += ["", clause[0].upper() + clause[1:] + "."]
-        plt.clear_figure()
-        plt.scatter([x * 1e3 for x in c["measured_s"]], [x * 1e3 for x in c["predicted_s"]])
-        plt.title(f"verification latency {where}: measured (x) vs predicted (y), ms")
-        plt.plotsize(80, 20)
-        plt.theme("clear")
-        lines += ["", "```", plt.build(), "```"]
-    return "\n".join(lines) + "\n"
-
-
-def check_words(f, kl: bool = True) -> str:
-    """A quality check's figures (bench.CheckFigures, or a check's dict as bench and profiles hold it) in words,
-    each ± its standard error where the check has one (batch means over its tokens; the perplexity ratio's from
-    that of its log)."""
-    if isinstance(f, dict):
-        from ..engine.measure.bench import CheckFigures
-
-        f = CheckFigures.of(f)
-
-    def with_error(value, se, digits: int) -> str:
-        if value is None:
-            return "–"
-        return f"{value:.{digits}f}" + ("" if se is None else f" ± {se:.{digits}f}")
-
-    ppl_se = None if f.ppl_ratio is None or f.log_ppl_ratio_se is None else f.ppl_ratio * f.log_ppl_ratio_se
-    text = (f"perplexity ratio {with_error(f.ppl_ratio, ppl_se, 4)}, "
-            f"top-1 agreement {with_error(f.top1_agreement, f.top1_se, 3)}")
-    return text + (f", mean KL {f.mean_kl:.4f}" if kl and f.mean_kl is not None else "")
-
-
-def gating_quality_text(q: dict) -> str:
-    return (f"α {q['alpha']:g} |E*| {q['cap']}, {q['tokens']} tokens: {check_words(q)}, reuse ratio "
-            f"{q['reuse_ratio_plain']:.3f} → {q['reuse_ratio_gated']:.3f} ({q['reuse_reduction']:.0%} lower)")
-
-
-def memory_quality_text(label: str, q: dict) -> str:
-    text = (f"gating toward the experts in memory under budget {label} (α {q['alpha']:g}, teacher-forced, "
-            f"{q['tokens']} tokens one a step): {check_words(q)}")
-    b = q.get("batches") or {}
-    if b.get("tokens"):
-        text += (f"; with reuse gating too (α {b['alpha']:g} |E*| {b['cap']}, batches of {b['window']}, "
-                 f"{b['tokens']} tokens): {check_words(b)}")
-    return text
-
-
 def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict, int, dict | None]:
     """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
     the budget's label, its verification cost-model fit, the budget in bytes (auto: as sized), what gating
@@ -425,7 +100,8 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
     from ..engine import offload
     from ..engine.measure.bench import BenchRow
     from ..engine.crashes import exit_text
-    from .cli import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings, say_child_death
+    from .model_runs import say_child_death
+    from .options import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings
 
     with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
         out = Path(tmp) / "rows.json"
@@ -496,7 +172,8 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     from ..engine import offload
     from ..engine.measure.bench import reference_row
     from ..engine.crashes import exit_text
-    from .cli import cpu_buffers_for, placement_from_args, say_child_death
+    from .model_runs import cpu_buffers_for, say_child_death
+    from .options import placement_from_args
 
     with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
         out = Path(tmp) / "ref.json"
@@ -562,7 +239,8 @@ def run(args) -> int:
     from ..engine.decoding.cpu_buffers import REASONS
     from ..engine.decoding.decoder import Decoder, GenerationConfig
     from ..engine.files import write_atomic
-    from .cli import check_pregate, default_model, placement_from_args, pregate_pinning
+    from .model_runs import default_model
+    from .options import check_pregate, placement_from_args, pregate_pinning
 
     model = args.model or default_model()
     console = Console(stderr=True)
@@ -578,7 +256,7 @@ def run(args) -> int:
         except OSError as e:
             raise ConfigError(f"cannot make trace folder {args.trace}: {e.strerror}") from None
     if args.overhead:
-        from .cli import cpu_buffers_for
+        from .model_runs import cpu_buffers_for
 
         cpu = cpu_buffers_for(model, True)
         if not cpu.extra:
@@ -601,7 +279,8 @@ def run(args) -> int:
     from ..engine.model_info import read_model_info
     from ..engine.offload import current_budget
     from ..engine.decoding.sampling import RANDOM_SEED, random_seed
-    from .cli import cpu_buffers_for, resolve_tuned, sampling_settings
+    from .model_runs import cpu_buffers_for, resolve_tuned
+    from .options import sampling_settings
 
     # the flags given, checked before a model is read (those not given are checked once resolved)
     GenerationConfig(**resolve_tuned(args, {}), tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,
@@ -637,7 +316,7 @@ def run(args) -> int:
     extra_rows, budget_fits, budget_quality, storage, around, batches, loads = [], {}, {}, None, {}, {}, {}
     budgeted = [b for b in budgets if b != "none"]
     if inside is None and budgeted and not hot:
-        from .cli import no_hot_experts_note
+        from .model_runs import no_hot_experts_note
 
         console.print(no_hot_experts_note(args.profile, model, budgeted[0]), highlight=False, markup=False,
                       soft_wrap=True)
@@ -730,7 +409,7 @@ def run(args) -> int:
             rates = storage["by_budget"]
             storage_bound(done.rows, storage["expert_bytes"], {k: v["qd8_gb_s"] * 1e9 for k, v in rates.items()})
             done.config["storage"] = storage
-            resident_cost = _resident_verify_cost(done.cost_model, profile if args.profile else None, info)
+            resident_cost = resident_verify_cost(done.cost_model, profile if args.profile else None, info)
             for label, c in budget_fits.items():
                 if c.get("miss_aware") and resident_cost is not None:
                     def ratio(gb_s, kind=None):

@@ -7,7 +7,7 @@ import sys
 
 
 def add_parser(sub) -> None:
-    from .cli import add_batch_option, add_placement_options, budget_text, nonempty, positive_int
+    from .options import add_batch_option, add_placement_options, budget_text, nonempty, positive_int
 
     p = sub.add_parser("calibrate", help="measure cost constants and hot experts; write a device profile")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF MoE model (default: the shipped model)")
@@ -55,8 +55,9 @@ def run(args) -> int:
     from ..engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
     from ..engine.offload import Budget
     from ..engine.decoding.runtime import check_threads
-    from .cli import default_model, placement_from_args
-    from .tui.calibrate import step_outcome
+    from .model_runs import default_model
+    from .options import placement_from_args
+    from .tui.calibrate_steps import step_outcome
 
     budget = Budget.parse(args.budget) if args.budget is not None else None
     model = args.model if args.model is not None else default_model()

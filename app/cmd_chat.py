@@ -68,7 +68,9 @@ def run_conversation(args, decoder, cfg, out) -> int:
     from ..engine.decoding.chat import Conversation, chat_tokens
     from ..engine.errors import ContextError
     from ..engine.events import Finished, Iteration, Prefilled, Summary
-    from .cli import FLAGS, event_line, speed_text
+    from .cmd_generate import event_line
+    from .model_runs import speed_text
+    from .options import FLAGS
 
     template = decoder.chat_template
     conversation = Conversation(template, system=args.system_prompt) if template.usable else None

@@ -13,7 +13,7 @@ from ..engine.errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    from .cli import nonempty, whole_number
+    from .options import nonempty, whole_number
 
     p = sub.add_parser("models", help="list the models shipped with s2moe")
     p.add_argument("--json", action="store_true", help="print the list as JSON (one object per model)")

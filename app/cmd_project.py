@@ -10,7 +10,7 @@ from ..engine.errors import ConfigError
 def add_parser(sub) -> None:
     from ..engine.measure.cache_model import CACHE_POLICIES
     from ..engine.measure.trace_replay import RUNNABLE_MODES
-    from .cli import nonempty, positive_int
+    from .options import nonempty, positive_int
 
     modes = ",".join(RUNNABLE_MODES)
 
@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
 
 
 def _budget(text: str) -> str | None:
-    from .cli import budget_text
+    from .options import budget_text
 
     # projected, not run: the profile's device may have more memory than this machine
     return None if text.strip().lower() == "none" else budget_text(text, to_run=False)

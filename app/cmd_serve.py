@@ -22,7 +22,7 @@ API_KEY_ENV = "S2MOE_API_KEY"
 def _port(text: str) -> int:
     import argparse
 
-    from .cli import whole_number
+    from .options import whole_number
 
     v = whole_number(text)
     if not 0 <= v <= 65535:
@@ -31,7 +31,7 @@ def _port(text: str) -> int:
 
 
 def add_parser(sub) -> None:
-    from .cli import _non_negative_int, add_generation_options, nonempty
+    from .options import _non_negative_int, add_generation_options, nonempty
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (llama-server's endpoints)")
     add_generation_options(p)
@@ -79,8 +79,8 @@ def run(args) -> int:
     from ..engine import offload
     from ..engine.decoding.decoder import Decoder, GenerationConfig
     from ..engine.model_info import read_model_info
-    from .cli import (cpu_buffers_for, default_model, generation_config, offload_under_budget, placement_from_args,
-                      run_cli_in_budget, sampling_settings, tree_mode)
+    from .model_runs import cpu_buffers_for, default_model, generation_config, offload_under_budget, run_cli_in_budget
+    from .options import placement_from_args, sampling_settings, tree_mode
     from .server import Service, serve
 
     model = args.model if args.model is not None else default_model()

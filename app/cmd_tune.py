@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cmd_bench import check_words
+from .bench_report import check_words
 
 
 def _minutes(text: str) -> float:
@@ -20,7 +20,7 @@ def _minutes(text: str) -> float:
 
 
 def add_parser(sub) -> None:
-    from .cli import add_batch_option, budget_text, nonempty, positive_int
+    from .options import add_batch_option, budget_text, nonempty, positive_int
 
     p = sub.add_parser("tune", help="search k_d, the draft cap, the threshold, α, |E*|, copies from the context and "
                                     "(under --budget) α_m for this device and model; record the fastest in the "
@@ -146,7 +146,7 @@ def run(args) -> int:
     from ..engine.decoding.runtime import check_threads
     from ..engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
                                TuneStarted, run_tune)
-    from .cli import default_model, run_cli_in_budget
+    from .model_runs import default_model, run_cli_in_budget
 
     model = args.model if args.model is not None else default_model()
     check_threads(args.threads)
@@ -166,7 +166,7 @@ def run(args) -> int:
     offloaded = budget is not None
     cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=offloaded)
     console = Console(stderr=True, highlight=False)
-    from .cli import cpu_buffers_for
+    from .model_runs import cpu_buffers_for
 
     cpu = cpu_buffers_for(model, not offloaded)
     decoder = Decoder(model, n_threads=args.threads, max_draft=16, use_extra_bufts=cpu.extra,

@@ -76,8 +76,8 @@ def _flag(body: dict, name: str) -> bool:
 
 
 def _sampling(body: dict) -> dict:
-    """The sampler fields given, each checked as its command-line flag is (cli.sampling_value)."""
-    from .cli import sampling_value
+    """The sampler fields given, each checked as its command-line flag is (options.sampling_value)."""
+    from .options import sampling_value
 
     out = {}
     for name in SAMPLING_FIELDS:

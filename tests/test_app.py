@@ -1072,8 +1072,7 @@ def test_chat_settings_persist_across_restarts():
 
 
 def test_remembered_settings_keep_only_what_still_applies():
-    from s2moe.app.tui.chat import settings_from_state
-    from s2moe.app.tui.state import remember_settings, remembered_settings, state_dir
+    from s2moe.app.tui.state import remember_settings, remembered_settings, settings_from_state, state_dir
 
     assert settings_from_state({}) == ChatSettings()
     s = settings_from_state({"mode": "ar", "n_predict": 64, "draft_topk": 2, "gating": False, "unknown": 1})

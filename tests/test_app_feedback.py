@@ -15,7 +15,7 @@ from test_app_snapshots import (fixed_profile_folders, make_app, ready,  # noqa:
 from test_app_support import FakeDecoder
 from test_wizard import DEFAULTS, FP, TUNED, calibrated, scripted_calibration, scripted_tune, wizard
 
-from s2moe.app.tui.calibrate import ConfirmSave
+from s2moe.app.tui.calibrate_widgets import ConfirmSave
 from s2moe.app.tui.session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, ChatSettings
 from s2moe.app.tui.state import remember_settings
 from s2moe.engine.measure.tune import Settings, TuneMeasured, TuneProgress, TuneStarted
@@ -239,7 +239,7 @@ def test_stopping_a_tuning_says_how_long_it_waits_and_keeps_the_best_so_far(monk
 
 
 def test_a_tuning_stopped_before_a_rung_ended_says_nothing_was_compared():
-    from s2moe.app.tui.calibrate import TuneState, stopping_text
+    from s2moe.app.tui.calibrate_steps import TuneState, stopping_text
 
     t = TuneState(state="stopped")
     assert t.best_so_far() is None

@@ -9,8 +9,8 @@ import pytest
 from test_app import answered, fake_app, open_bench, open_settings, run, run_bench_screen, type_prompt, wait_for
 from test_app_support import fake_run_bench
 
-from s2moe.app.cli import build_parser
-from s2moe.app.tui.chat import settings_from_state
+from s2moe.app.parser import build_parser
+from s2moe.app.tui.state import settings_from_state
 from s2moe.app.tui.dialogs import SettingsDialog
 from s2moe.app.tui.session import ChatSettings
 from s2moe.engine.errors import ConfigError
@@ -156,7 +156,7 @@ FLAGS = ["--temp", "0.6", "-s", "9", "--top-k", "12", "--top-p", "0.8", "--min-p
 
 
 def test_bench_takes_generates_sampling_flags_and_defaults():
-    from s2moe.app.cli import sampling_settings
+    from s2moe.app.options import sampling_settings
     from s2moe.engine.decoding.decoder import GenerationConfig
 
     parser = build_parser()

@@ -26,7 +26,8 @@ def fixed_profile_folders(tmp_path, monkeypatch):
                  "size_bytes": 21_900_000}]
     monkeypatch.setattr("s2moe.app.tui.dialogs.packaged_models", lambda: packaged)
     # the engine will grow more modes; the snapshots keep a fixed list
-    for where in ("s2moe.app.tui.bench.engine_modes", "s2moe.app.tui.chat.engine_modes"):
+    for where in ("s2moe.app.tui.bench.engine_modes", "s2moe.app.tui.chat.engine_modes",
+                  "s2moe.app.tui.state.engine_modes"):
         monkeypatch.setattr(where, lambda: ("ar", "s2moe", "conf"))
     monkeypatch.setattr("s2moe.engine.measure.bench.ABLATION", {})
 

@@ -217,7 +217,7 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     import subprocess
     import sys
 
-    from s2moe.app.cmd_bench import STORAGE_PASSES
+    from s2moe.app.bench_storage import STORAGE_PASSES
     from s2moe.engine.offload import MemoryCgroup
 
     reason = MemoryCgroup.unavailable_reason()
@@ -319,7 +319,7 @@ def test_the_bound_reads_the_disk_around_each_budget_and_falls_back_to_the_profi
     """The disk's rate drifts within a run: each budget's bound uses the passes read just before and after it.
     Where no pass could read cold, the profile's rates measured on this model's experts stand in, never the
     device rates another model's expert sizes gave."""
-    from s2moe.app.cmd_bench import STORAGE_PASSES, read_storage, storage_record
+    from s2moe.app.bench_storage import STORAGE_PASSES, read_storage, storage_record
     from s2moe.engine.model_info import read_model_info
     from s2moe.engine.offload import expert_map
 
@@ -413,7 +413,7 @@ def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
 
 
 def test_the_footnotes_explain_the_marks_name_the_fastest_and_warn_of_a_busy_machine():
-    from s2moe.app.cmd_bench import _cells, footnotes
+    from s2moe.app.bench_report import _cells, footnotes
     from s2moe.engine.measure.bench import BenchDone, BenchRow
     from s2moe.engine.measure.speed import Load
 
@@ -464,7 +464,7 @@ def _done_with_rows(offloaded: bool, repeats: int):
 def test_the_bench_table_fits_80_columns_and_wraps_what_does_not_fit(offloaded, repeats):
     from rich.console import Console
 
-    from s2moe.app.cmd_bench import _cells, tables
+    from s2moe.app.bench_report import _cells, tables
 
     done = _done_with_rows(offloaded, repeats)
     console = Console(width=80, record=True)

@@ -284,7 +284,9 @@ def test_a_two_turn_chat_at_80x24(snap_compare):
 def test_generate_cnv_chats_in_turns_from_standard_input(chat_model, tiny_models, monkeypatch, capsys):
     import io
 
-    from s2moe.app.cli import build_parser, cmd_generate, main
+    from s2moe.app import cmd_generate
+    from s2moe.app.cli import main
+    from s2moe.app.parser import build_parser
     from s2moe.engine.errors import ConfigError
 
     common = ["generate", "-n", "6", "-t", "1", "-c", "256", "--mode", "s2moe", "--no-utility", "-cnv"]
@@ -301,7 +303,7 @@ def test_generate_cnv_chats_in_turns_from_standard_input(chat_model, tiny_models
     out, err = capsys.readouterr()
     assert err.count("note: no chat template") == 1 and "kept" not in err and out.count("> ") == 2
     with pytest.raises(ConfigError, match="add -cnv"):
-        cmd_generate(build_parser().parse_args(["generate", "-m", str(chat_model), "-sys", "x", "-p", "hi"]))
+        cmd_generate.run(build_parser().parse_args(["generate", "-m", str(chat_model), "-sys", "x", "-p", "hi"]))
     assert main(["generate", "-m", str(chat_model), "-cnv", "--json", "-p", "hi"]) == 2
     assert "--json and --trace record one generation" in capsys.readouterr().err
 

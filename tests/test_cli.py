@@ -181,7 +181,8 @@ def test_models_lists_whole_paths_and_json(capsys):
 def test_a_budget_child_is_given_the_placement_it_was_asked_for(flags):
     """bench reruns itself under each budget: the child must place the weights as the parent was told (a
     Jetson's --cpu-moe under a budget), so the flags it gets parse back to the same Placement."""
-    from s2moe.app.cli import build_parser, placement_flags, placement_from_args
+    from s2moe.app.options import placement_flags, placement_from_args
+    from s2moe.app.parser import build_parser
 
     parser = build_parser()
     asked = placement_from_args(parser.parse_args(["bench", *flags]))

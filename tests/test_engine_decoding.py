@@ -1132,7 +1132,7 @@ def test_a_draft_on_weights_of_its_own_is_told_to_the_observer(decoders, arch):
 
 def test_engine_errors_name_the_setting_and_let_each_front_end_word_it():
     """The engine names a setting as it knows it; the CLI says its flag, the app its own field name."""
-    from s2moe.app.cli import FLAGS
+    from s2moe.app.options import FLAGS
     from s2moe.engine.errors import ConfigError
 
     with pytest.raises(ConfigError) as caught:

@@ -13,7 +13,8 @@ from importlib.metadata import version
 
 import pytest
 
-from s2moe.app.cli import build_parser, main
+from s2moe.app.cli import main
+from s2moe.app.parser import build_parser
 from s2moe.engine.errors import ConfigError
 
 # The options each command takes, with what it needs besides.

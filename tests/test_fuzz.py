@@ -308,7 +308,7 @@ def test_n_predict_values(tiny_models, n):
 def test_budget_values_parse_or_say_why(text):
     import argparse
 
-    from s2moe.app.cli import budget_text
+    from s2moe.app.options import budget_text
     from s2moe.engine.errors import S2MoEError
     from s2moe.engine.offload import Budget
 
@@ -383,8 +383,7 @@ def olmoe_info(tiny_models):
 def test_copy_caches_and_app_settings_read_or_say_why(scratch, olmoe_info, data):
     """The engine's copy-cache reader and the app's settings reader: the generations or the settings, or a
     ConfigError of one line (which the CLI prints and the app shows), never another exception."""
-    from s2moe.app.tui.chat import settings_from_state
-    from s2moe.app.tui.state import remembered_settings, state_dir
+    from s2moe.app.tui.state import remembered_settings, settings_from_state, state_dir
     from s2moe.engine.drafting.copycache import load_copy_cache
     from s2moe.engine.errors import ConfigError
     from s2moe.engine.drafting.ngrams import EarlierText

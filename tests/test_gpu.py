@@ -15,15 +15,15 @@ import pytest
 from conftest import variant_spec
 from tinygguf import write_tiny
 
-from s2moe.app.cli import build_parser, main
+from s2moe.app.cli import main
+from s2moe.app.parser import build_parser
 from s2moe.engine.decoding import gpu, runtime
 from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished
 from s2moe.engine.decoding.gpu import EXPERT_TENSORS, NEVER, BuftOverrides, Placement
 from s2moe.engine.model_info import read_model_info
-from s2moe.engine.profile_schema import validate_profile
-from s2moe.engine.profiles import cost_for_model
+from s2moe.engine.profiles import cost_for_model, validate_profile
 from s2moe.engine.decoding.runtime import LlamaRuntime
 
 HAS_GPU = gpu.gpu_backend()
@@ -426,7 +426,7 @@ def test_host_to_device_rate_and_copy_mode_on_the_gpu(tiny_models):
 
 
 def test_a_calibration_without_a_gpu_counts_the_gpu_step_as_skipped_not_failed():
-    from s2moe.app.tui.calibrate import step_outcome
+    from s2moe.app.tui.calibrate_steps import step_outcome
     from s2moe.engine.measure.calibration_steps import NO_GPU, NO_GPU_DEVICE, StepResult
 
     for why in (NO_GPU, NO_GPU_DEVICE):

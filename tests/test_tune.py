@@ -10,7 +10,9 @@ import math
 import pytest
 import yaml
 
-from s2moe.app.cli import build_parser, generation_config, main, resolve_tuned
+from s2moe.app.cli import main
+from s2moe.app.model_runs import generation_config, resolve_tuned
+from s2moe.app.parser import build_parser
 from s2moe.engine.measure.bench import load_prompts
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import CostConstants

@@ -119,7 +119,7 @@ def test_generate_events_print_the_reason(tiny_models, tmp_path):
 
 
 def test_event_lines_say_a_reason_in_full_where_it_changes_and_its_numbers_where_they_move():
-    from s2moe.app.cli import event_line
+    from s2moe.app.cmd_generate import event_line
 
     def iteration(index, decision, stop="no-draft"):
         return replace(scripted_events("ar")[2], index=index, draft_decision=decision, draft_stop=stop)
@@ -148,7 +148,7 @@ def test_event_lines_say_a_reason_in_full_where_it_changes_and_its_numbers_where
 
 
 def test_event_line_of_a_rule_that_waits_for_a_probe():
-    from s2moe.app.cli import event_line
+    from s2moe.app.cmd_generate import event_line
 
     rule = UtilityStop(CAN_PAY, 1.0)
     for _ in range(12):

@@ -11,7 +11,8 @@ import yaml
 from test_app_support import FakeDecoder
 
 from s2moe.app.tui.app import S2MoEApp
-from s2moe.app.tui.calibrate import FIELDS, ConfirmSave, Outcome, plain_words, step_outcome, tune_minutes
+from s2moe.app.tui.calibrate_steps import FIELDS, Outcome, plain_words, step_outcome, tune_minutes
+from s2moe.app.tui.calibrate_widgets import ConfirmSave
 from s2moe.engine.measure.bench import CheckFigures
 from s2moe.engine.measure.calibration_steps import CalibrationDone, StepResult, StepStarted
 from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION

@@ -14,7 +14,7 @@ from ...engine.measure import bench as engine_bench
 from ...engine.measure.bench import BenchDone, BenchProgress, BenchRow, BenchTrace
 from ...engine.decoding.decoder import GenerationConfig
 from ...engine.errors import ConfigError, S2MoEError
-from ..cli import SAMPLING_VALUES, sampling_value
+from ..options import SAMPLING_VALUES, sampling_value
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import engine_modes
 from .dialogs import SAMPLING_LABELS

@@ -5,31 +5,31 @@ profile."""
 from __future__ import annotations
 
 import copy
-import re
 import time
-from dataclasses import dataclass, field
 
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import ModalScreen, Screen
+from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
-from textual_plotext import PlotextPlot
 
 from ...engine.measure import calibrate as engine_calibrate
 from ...engine.measure import tune as engine_tune
-from ...engine.measure.calibration_steps import (NO_GPU, NO_GPU_DEVICE, CalibrationDone, StepProgress, StepResult,
-                                                  StepStarted)
+from ...engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
 from ...engine.errors import S2MoEError
 from ...engine.decoding.gpu import Placement
 from ...engine.offload import Budget
 from ...engine.profiles import cost_for_model, save_profile, tuned_condition
 from ...engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
                             TuneStarted)
+from .calibrate_steps import (FIELDS, TUNE_MINUTES, TUNE_MINUTES_BUDGETED, TUNE_PROMPTS, StepState, TuneState,
+                              plain_words, step_outcome, stopping_text, tune_minutes)
+from .calibrate_widgets import ConfirmSave, FitPlot, TunePlot
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .widgets import NavBar
+
 
 INTRO = (
     "Calibration measures this device's cost constants for the loaded model: the time of a plain "
@@ -38,225 +38,7 @@ INTRO = (
     "The fit of the verification cost model is plotted when the regression step ends."
 )
 
-
-TUNE_PROMPTS = "humaneval"  # the workload `s2moe tune` tunes for by default
-TUNE_MINUTES = 3.0          # the wizard's default: a first tuning, shorter than the command's 10 minutes …
-TUNE_MINUTES_BUDGETED = 10.0  # … but under a budget a quality check alone takes a minute or two
 clock = time.monotonic  # the wizard's clock for how long measurements take (tests pass their own)
-FIT_R2_MIN = 0.8  # a cost-model fit below this explains too little of the measured time to decide with
-# The wizard's fields, for engine messages that name the flag setting the same thing.
-FIELDS = {"--budget": "the Memory budget field", "--name": "the Profile name field"}
-_CLASS_PREFIX = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Unavailable|Exit|Interrupt)\w*: ")
-_CONSTANTS = (("t_ar_ms", "T_AR"), ("c_draft_ms", "C_draft"), ("t_exp_ms", "T_exp"), ("t_tok_ms", "T_tok"),
-              ("t_exp_cold_ms", "T_exp cold"))
-
-
-def tune_minutes(raw: str, offloaded: bool) -> float | None:
-    """The Tuning minutes field's value: what was typed, else the default for the session (more under a budget,
-    where each quality check reads its experts from storage); None where it is no number of minutes."""
-    try:
-        minutes = float(raw) if raw.strip() else (TUNE_MINUTES_BUDGETED if offloaded else TUNE_MINUTES)
-    except ValueError:
-        return None
-    return minutes if 0 < minutes <= 24 * 60 else None
-
-
-def plain_words(text: str, fields: dict[str, str] | None = None) -> str:
-    """A failure as its reader should read it: without exception class names (a worker process reports its
-    traceback's last line), with the fields the reader fills in instead of the flags named by `fields`."""
-    text = text.strip()
-    while _CLASS_PREFIX.match(text):
-        text = _CLASS_PREFIX.sub("", text, count=1)
-    for flag, name in (fields or {}).items():
-        text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", name, text)
-    return text
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a calibration step's result means: measured, failed (with the reason) or skipped, and any doubt
-    about what it measured."""
-
-    state: str                   # done | failed | skipped
-    reason: str = ""             # why it failed or was skipped
-    note: str = ""               # what the step still did (e.g. a value derived instead)
-    flags: tuple[str, ...] = ()  # doubts about a measured value
-
-
-def step_outcome(result: StepResult, fields: dict[str, str] | None = None) -> Outcome:
-    data = result.data or {}
-    skipped = data.get("skipped")
-    if skipped:
-        note = result.summary[len(skipped):].lstrip("; ") if result.summary.startswith(skipped) else ""
-        # nothing to measure (no budget asked for, no GPU): a skip, not a failure
-        if skipped.startswith(("skipped: no memory budget given", NO_GPU, NO_GPU_DEVICE)):
-            return Outcome("skipped", skipped[len("skipped: "):], note)
-        # a budget was given but could not be measured under: its figures are missing from the profile
-        reason = skipped[len("failed: "):] if skipped.startswith("failed: ") else skipped
-        return Outcome("failed", plain_words(reason, fields), note)
-    flags = []
-    r2 = data.get("r2")
-    if r2 is not None and r2 < FIT_R2_MIN:
-        flag = f"fit R² {r2:.2f} is below {FIT_R2_MIN}: the cost model explains little of the measured time"
-        ceiling = data.get("r2_ceiling")
-        if ceiling is not None and ceiling < FIT_R2_MIN:
-            flag += (f"; the same batches timed again spread so far that no model of their counts gets past "
-                     f"{ceiling:.2f}: the device was noisy, measure again when it is quiet")
-        elif ceiling is not None:
-            flag += (f"; a model of the batches' counts could reach {ceiling:.2f}, so the time follows something "
-                     f"they do not count")
-        flags.append(flag)
-    for key, label in _CONSTANTS:
-        v = data.get(key)
-        if v is not None and v <= 0:
-            flags.append(f"{label} {v:.4f} ms is not positive: the measurement could not tell it from noise")
-    return Outcome("done", flags=tuple(flags))
-
-
-@dataclass
-class StepState:
-    index: int
-    name: str
-    description: str = ""
-    state: str = "running"  # running | done | failed | skipped
-    done: int = 0
-    total: int = 0
-    summary: str = ""
-    reason: str = ""        # failed or skipped: why
-    flags: list[str] = field(default_factory=list)
-
-
-class ConfirmSave(ModalScreen[bool]):
-    """Asks before saving a profile that lacks what failed steps would have measured."""
-
-    DEFAULT_CSS = "ConfirmSave { align: center middle; } #confirm-text { padding: 0 0 1 0; }"
-    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save anyway")]
-
-    def __init__(self, failed: list[StepState]):
-        super().__init__()
-        self.failed = failed
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="confirm-box", classes="dialog"):
-            yield Label("Save a profile with failed steps?", classes="dialog-title")
-            lines = [f"✖ {s.name}: {s.reason}" for s in self.failed]
-            lines.append("The profile will lack what they measure, and say so.")
-            yield Static("\n".join(lines), id="confirm-text")
-            with Horizontal(classes="dialog-buttons"):
-                yield Button("Save anyway", variant="warning", id="confirm-save")
-                yield Button("Cancel", id="confirm-cancel")
-
-    def on_mount(self) -> None:
-        self.query_one("#confirm-cancel").focus()
-
-    def action_save(self) -> None:
-        self.dismiss(True)
-
-    def action_cancel(self) -> None:
-        self.dismiss(False)
-
-    @on(Button.Pressed, "#confirm-save")
-    def _save_pressed(self) -> None:
-        self.dismiss(True)
-
-    @on(Button.Pressed, "#confirm-cancel")
-    def _cancel_pressed(self) -> None:
-        self.dismiss(False)
-
-
-class FitPlot(PlotextPlot):
-    """Measured vs predicted verification time, with the identity line."""
-
-    DEFAULT_CSS = "FitPlot { height: 1fr; min-height: 10; }"
-
-    def show_fit(self, measured, predicted, r2=None, mape=None, unit: str = "ms") -> None:
-        plt = self.plt
-        plt.clear_data()
-        plt.clear_figure()
-        m = [float(x) for x in measured]
-        p = [float(x) for x in predicted]
-        title = "Verification cost model fit"
-        if r2 is not None:
-            title += f": R² {r2:.3f}"
-        if mape is not None:
-            title += f", MAPE {mape:.1%}"
-        plt.title(title)
-        if m:
-            plt.scatter(m, p, label="batches")
-            lo, hi = min(m + p), max(m + p)
-            plt.plot([lo, hi], [lo, hi], label="ideal")
-        plt.xlabel(f"measured {unit}".strip())
-        plt.ylabel(f"predicted {unit}".strip())
-        self.refresh()
-
-    def on_mount(self) -> None:
-        super().on_mount()
-        self.plt.title("Verification cost model fit (after the regression step)")
-
-
-class TunePlot(PlotextPlot):
-    """The tuning candidates' speed as the search measures them: tok/s by candidate, one series per rung,
-    the defaults' speed as a line."""
-
-    DEFAULT_CSS = "TunePlot { height: 1fr; min-height: 10; }"
-
-    def show_candidates(self, points: dict[int, tuple[int, float]], defaults_tok_s: float | None,
-                        title: str) -> None:
-        plt = self.plt
-        plt.clear_data()
-        plt.clear_figure()
-        plt.title(title)
-        for rung in sorted({r for r, _ in points.values()}):
-            xs = [i for i, (r, _) in sorted(points.items()) if r == rung]
-            plt.scatter(xs, [points[i][1] for i in xs], label="final" if rung < 0 else f"rung {rung + 1}")
-        if defaults_tok_s:
-            plt.hline(defaults_tok_s)
-        plt.xlabel("candidate (0: the defaults)")
-        plt.ylabel("tok/s")
-        self.refresh()
-
-    def on_mount(self) -> None:
-        super().on_mount()
-        self.plt.title("Tuning: tok/s per candidate (after calibration, Ctrl+T)")
-
-
-@dataclass
-class TuneState:
-    """The wizard's tuning step: what it is doing and what it found."""
-
-    state: str = "running"   # running | done | failed | stopped
-    lines: list[str] = field(default_factory=list)
-    reason: str = ""
-    done: int = 0
-    total: int = 0
-    phase: str = ""
-    points: dict = field(default_factory=dict)   # candidate index → (rung, tok/s)
-    settings: dict = field(default_factory=dict)  # candidate index → engine.tune.Settings
-    defaults_tok_s: float | None = None
-    section: dict | None = None                  # TuneDone's, recorded in the saved profile
-
-    def best_so_far(self) -> tuple | None:
-        """(settings, tok/s, the defaults' tok/s, rung) of the fastest candidate of the last rung measured, or
-        None before a rung has ended. A rung runs every candidate in it on the same prompts, so only its own
-        figures compare; the final comparison, which would confirm the lead, has not run."""
-        rungs = [rung for index, (rung, _) in self.points.items() if index != 0 and rung >= 0]
-        if not rungs:
-            return None
-        last = max(rungs)
-        index, (_, tok_s) = max(((i, p) for i, p in self.points.items() if i != 0 and p[0] == last),
-                                key=lambda item: item[1][1])
-        defaults = self.points.get(0, (last, None))[1]
-        return self.settings[index], tok_s, defaults, last
-
-
-def stopping_text(longest_s: float | None, running_s: float) -> str:
-    """How long a stop will take, honestly: the job stops only between two measurements, and the longest one so
-    far is the best guess at how long the current one lasts."""
-    if longest_s is None:
-        return f"stopping after the current measurement (running for {running_s:.0f} s)…"
-    left = max(0.0, longest_s - running_s)
-    return (f"stopping after the current measurement: up to ~{left:.0f} s more (the longest so far took "
-            f"{longest_s:.0f} s; this one began {running_s:.0f} s ago)…")
 
 
 class CalibrateScreen(Screen):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -13,55 +13,14 @@ from textual.screen import Screen
 from textual.widgets import Static
 
 from ...engine.errors import S2MoEError
-from ..cli import speed_text
+from ..model_runs import speed_text
 from . import messages
 from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
 from .session import (MODE_HELP, OPEN_KEYS, SHORT_NAMES, ChatSettings, engine_modes, mode_help, moe_modes,
                       value_text)
-from .state import remember_settings, remembered_settings
-from .widgets import FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend, progress_bar
-
-
-class ChatTurn(TurnView):
-    """A turn of the transcript: a user message and the assistant's answer under the model's chat template
-    (template: its name), or a prompt and its completion (template None)."""
-
-    def __init__(self, index: int, prompt: str, settings_text: str, template: str | None = None, **kw):
-        super().__init__(index, prompt, settings_text, **kw)
-        self.template = template
-
-
-def settings_from_state(data: dict) -> ChatSettings:
-    """The chat's settings as remembered (state.remembered_settings): each value kept where it has its
-    field's type, then the whole kept only if the engine accepts it; anything else is the default."""
-    from ...engine.decoding.decoder import GenerationConfig
-
-    kept = {}
-    for f in fields(ChatSettings):
-        if f.name not in data:
-            continue
-        v = data[f.name]
-        allowed = {t.strip() for t in str(f.type).split("|")}
-        if isinstance(v, int) and not isinstance(v, bool) and "float" in allowed and "int" not in allowed:
-            try:
-                v = float(v)  # JSON's 2 for 2.0; one of hundreds of digits is no float
-            except OverflowError:
-                continue
-        if ((v is None and "None" in allowed) or (isinstance(v, bool) and "bool" in allowed)
-                or (isinstance(v, str) and "str" in allowed)
-                or (isinstance(v, int) and not isinstance(v, bool) and "int" in allowed)
-                or (isinstance(v, float) and "float" in allowed)):
-            kept[f.name] = v
-    settings = replace(ChatSettings(), **kept)
-    if settings.mode not in engine_modes():
-        settings = replace(settings, mode=ChatSettings.mode)
-    engine = {f.name for f in fields(GenerationConfig)}
-    try:
-        GenerationConfig(**{k: v for k, v in asdict(settings).items() if k in engine and v is not None}).validate()
-    except (S2MoEError, TypeError):
-        return ChatSettings()
-    return settings
+from .state import remember_settings, remembered_settings, settings_from_state
+from .widgets import ChatTurn, FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend, progress_bar
 
 
 class ChatScreen(Screen):

@@ -15,7 +15,7 @@ from textual.widgets import Button, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option
 
 from ...engine.errors import ConfigError
-from ..cli import SAMPLING_VALUES, sampling_value
+from ..options import SAMPLING_VALUES, sampling_value
 from .session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, OPEN_KEYS, ChatSettings
 from .widgets import TickBox
 

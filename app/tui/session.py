@@ -103,7 +103,7 @@ class ChatSettings:
     draft_max: int | None = None
     threshold: float | None = None
     n_predict: int = 128
-    # llama.cpp's sampler chain, as generate's flags set it and with their defaults (app.cli.SAMPLING_VALUES)
+    # llama.cpp's sampler chain, as generate's flags set it and with their defaults (app.options.SAMPLING_VALUES)
     temperature: float = 0.0
     top_k: int = TOP_K
     top_p: float = TOP_P
@@ -114,7 +114,7 @@ class ChatSettings:
 
     def sampling_fields(self) -> dict:
         """The sampler settings, as GenerationConfig fields."""
-        from ..cli import SAMPLING_VALUES
+        from ..options import SAMPLING_VALUES
 
         return {key: getattr(self, key) for key in SAMPLING_VALUES}
 

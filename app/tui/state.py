@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ...engine.errors import ConfigError, S2MoEError
 from ...engine.files import read_bounded, read_json, state_dir, write_atomic
+from .session import ChatSettings, engine_modes
 
 # What the app keeps here is a few hundred bytes; the bound keeps a wrong file from being read whole.
 MAX_STATE_BYTES = 1 << 20
@@ -69,3 +71,35 @@ def remembered_settings() -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"chat settings {path}: not a JSON object")
     return data
+
+
+def settings_from_state(data: dict) -> ChatSettings:
+    """The chat's settings as remembered (state.remembered_settings): each value kept where it has its
+    field's type, then the whole kept only if the engine accepts it; anything else is the default."""
+    from ...engine.decoding.decoder import GenerationConfig
+
+    kept = {}
+    for f in fields(ChatSettings):
+        if f.name not in data:
+            continue
+        v = data[f.name]
+        allowed = {t.strip() for t in str(f.type).split("|")}
+        if isinstance(v, int) and not isinstance(v, bool) and "float" in allowed and "int" not in allowed:
+            try:
+                v = float(v)  # JSON's 2 for 2.0; one of hundreds of digits is no float
+            except OverflowError:
+                continue
+        if ((v is None and "None" in allowed) or (isinstance(v, bool) and "bool" in allowed)
+                or (isinstance(v, str) and "str" in allowed)
+                or (isinstance(v, int) and not isinstance(v, bool) and "int" in allowed)
+                or (isinstance(v, float) and "float" in allowed)):
+            kept[f.name] = v
+    settings = replace(ChatSettings(), **kept)
+    if settings.mode not in engine_modes():
+        settings = replace(settings, mode=ChatSettings.mode)
+    engine = {f.name for f in fields(GenerationConfig)}
+    try:
+        GenerationConfig(**{k: v for k, v in asdict(settings).items() if k in engine and v is not None}).validate()
+    except (S2MoEError, TypeError):
+        return ChatSettings()
+    return settings

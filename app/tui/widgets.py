@@ -147,6 +147,15 @@ class TurnView(Static):
         self.update(self.render_text())
 
 
+class ChatTurn(TurnView):
+    """A turn of the transcript: a user message and the assistant's answer under the model's chat template
+    (template: its name), or a prompt and its completion (template None)."""
+
+    def __init__(self, index: int, prompt: str, settings_text: str, template: str | None = None, **kw):
+        super().__init__(index, prompt, settings_text, **kw)
+        self.template = template
+
+
 class Transcript(VerticalScroll):
     """The chat history of this session."""
 
