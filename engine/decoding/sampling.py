@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import OPTION, ConfigError
 
@@ -40,11 +41,12 @@ RANDOM_SEED = -1  # as llama.cpp's -s -1: a seed drawn at random, reported with 
 MAX_SEED = (1 << 32) - 1  # llama.cpp's seeds are 32-bit
 
 
-def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+def softmax(logits: npt.NDArray[np.floating[Any]], temperature: float = 1.0) -> npt.NDArray[np.float64]:
     z = logits.astype(np.float64) / max(temperature, 1e-6)
     z -= z.max()
     p = np.exp(z)
-    return p / p.sum()
+    probabilities: npt.NDArray[np.float64] = p / p.sum()
+    return probabilities
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -52,11 +54,12 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
+def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """splitmix64's finaliser: every output bit depends on every input bit (uint64, wrapping)."""
     x = (x ^ (x >> np.uint64(30))) * _MIX1
     x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
+    mixed: npt.NDArray[np.uint64] = x ^ (x >> np.uint64(31))
+    return mixed
 
 
 class PositionNoise:

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from ..events import DraftCandidate
 from ..drafting.policies import Drafter, Proposal, UtilityStop
-from .sampling import PositionNoise, Sampling
+from .sampling import PositionNoise, Sampling, SeededSampler
+
+if TYPE_CHECKING:
+    from .decoder import Decoder, Gating, _Verified
 
 
 @dataclass
@@ -78,7 +81,7 @@ class TreeDrafter(Drafter):
         self.max_nodes = max_nodes
         self.allowed = allowed  # as SelfDrafter's: None, the router's top-k_d; else the best among these in memory
 
-    def propose(self, dec, committed, max_len, sample) -> Proposal:
+    def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         pending, pos = committed[-1], len(committed) - 1
         out = Proposal()
         if max_len <= 0:
@@ -92,6 +95,7 @@ class TreeDrafter(Drafter):
                 out.stop = "no-draft"
                 return out
         rt, hook = dec.rt, dec.rt.hook
+        assert hook is not None  # self-drafting routes through the target's own hook
         n_layer, n_expert = rt.info.n_layer, rt.info.n_expert
         layers = np.arange(n_layer)[:, None]
         t0 = time.perf_counter()
@@ -117,6 +121,7 @@ class TreeDrafter(Drafter):
             rule); they join the frontier. Returns their indices."""
             kids = []
             for index, parent in parents:
+                assert parent.logits is not None  # a node is expanded once decoded
                 order, q = sample.ranked(parent.logits, parent.history, self.width)
                 for t in order:
                     p = parent.path * float(q[t])
@@ -228,11 +233,12 @@ def tree_layout(tree: DraftTree, pos: int) -> tuple[list[int], list[list[int]], 
     return positions, [[0] + list(leaf_seq.values())] + below, leaf_seq
 
 
-def verify_tree(dec, proposal: Proposal, pending: int, pos: int, gate, sampler: Sampling, history: Sequence[int],
-                noise: PositionNoise):
+def verify_tree(dec: Decoder, proposal: Proposal, pending: int, pos: int, gate: Gating | None, sampler: Sampling,
+                history: Sequence[int], noise: PositionNoise) -> tuple[_Verified, list[int], int]:
     """One target pass over the pending token (at pos) and the tree; the accepted path (node indices) and the
     target's token after it. Leaves sequence 0 holding the committed path, and no other sequence."""
     rt, tree = dec.rt, proposal.tree
+    assert isinstance(tree, DraftTree)  # the proposal of a TreeDrafter
     positions, seqs, leaf_seq = tree_layout(tree, pos)
     for s in leaf_seq.values():
         rt.seq_cp(0, s, 0, pos)
