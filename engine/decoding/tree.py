@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ..events import DraftCandidate
 from ..drafting.policies import Drafter, Proposal, UtilityStop
-from .sampling import PositionNoise, Sampling, SeededSampler
+from .sampling import Floats, PositionNoise, Sampling, SeededSampler
 
 if TYPE_CHECKING:
     from .decoder import Decoder, Gating, _Verified
@@ -58,11 +59,12 @@ class _Node:
     prob: float        # draft probability of its token at the parent
     path: float        # product of draft probabilities from the pending token down to it
     seq: int           # draft sequence id
-    logits: np.ndarray | None  # draft logits at the node (its children's distribution)
-    predicted: np.ndarray | None  # [n_layer, n_expert + 1] bool: the router's top-k, the target experts it predicts
+    logits: Floats | None  # draft logits at the node (its children's distribution)
+    # [n_layer, n_expert + 1]: the router's top-k, the target experts it predicts
+    predicted: npt.NDArray[np.bool_] | None
     history: list[int]  # committed tokens and the path down to and including it
     taken: int = -1    # its index in the tree once taken
-    routed: np.ndarray | None = None  # [n_layer, k] the router's ids in its draft pass (-1: no MoE)
+    routed: npt.NDArray[np.int32] | None = None  # [n_layer, k] the router's ids in its draft pass (-1: no MoE)
 
 
 class TreeDrafter(Drafter):
@@ -74,7 +76,7 @@ class TreeDrafter(Drafter):
     drafts_in_context = True
 
     def __init__(self, k_draft: int, rule: UtilityStop | None, width: int, max_nodes: int,
-                 allowed: Callable[[], np.ndarray] | None = None):
+                 allowed: Callable[[], npt.NDArray[np.bool_]] | None = None):
         self.k_draft = k_draft
         self.rule = rule
         self.width = width
@@ -253,7 +255,7 @@ def verify_tree(dec: Decoder, proposal: Proposal, pending: int, pos: int, gate: 
     return v, path, token
 
 
-def accept_tree(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, sampler: Sampling,
+def accept_tree(tokens: Sequence[int], parents: Sequence[int], logits: Floats, sampler: Sampling,
                 noise: PositionNoise, history: Sequence[int]) -> tuple[list[int], int]:
     """(indices of the accepted nodes from the pending token down, the target's token after them): at each
     node the target's own token (engine.acceptance) moves to the child that drafted it, if one did.
