@@ -99,7 +99,7 @@ def expert_map(path: str | os.PathLike[str]) -> ExpertMap:
 
 
 # -- hot experts -----------------------------------------------------------------------------------------
-def select_hot_experts(counts: npt.ArrayLike, expert_bytes: int | npt.NDArray[np.integer[Any]],
+def select_hot_experts(counts: npt.ArrayLike, expert_bytes: float | npt.NDArray[np.integer[Any]],
                        budget_bytes: int) -> list[tuple[int, int]]:
     """Most-routed experts first, as many as fit in budget_bytes. counts: [n_layer, n_expert] routing
     frequencies; expert_bytes: bytes of one expert (scalar or per layer). Experts never routed are skipped."""
