@@ -640,3 +640,13 @@ def test_pregating_predicts_with_each_router_and_its_recall_is_the_recorded_rout
     np.testing.assert_array_equal(after.hits[:3] - before.hits[:3], hits)
     np.testing.assert_array_equal(after.total[:3] - before.total[:3], total)
     assert hits[0] == total[0]
+
+
+def test_an_empty_batch_decodes_nothing_and_has_no_logits(decoders):
+    rt = decoders["olmoe"].rt
+    rt.kv_clear()
+    assert rt.decode([], 0, "none") is None
+    for outputs in ("last", "all"):
+        with pytest.raises(ValueError, match="empty batch"):
+            rt.decode([], 0, outputs)
+    assert rt.kv_end() == 0

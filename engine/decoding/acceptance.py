@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
-from .sampling import PositionNoise, Sampling
+from .sampling import Floats, PositionNoise, Sampling
 
 
-def accept(drafted: Sequence[int], logits: np.ndarray, sampling: Sampling, noise: PositionNoise,
+def accept(drafted: Sequence[int], logits: Floats, sampling: Sampling, noise: PositionNoise,
            history: Sequence[int]) -> tuple[int, int]:
     """(number of drafted tokens accepted, the target's token after them).
 

@@ -10,11 +10,16 @@ gets plain completion (Template.status says which, in one line).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import llama_cpp
 
 from ..errors import ConfigError, ContextError
+
+if TYPE_CHECKING:
+    from .decoder import Decoder
 
 ROLES = ("system", "user", "assistant")
 # A conversation every built-in template renders, to tell which one llama.cpp picked for a model (no system
@@ -28,7 +33,7 @@ class Message:
     content: str
 
 
-def _apply(template: bytes, messages, add_assistant: bool) -> str | None:
+def _apply(template: bytes, messages: Sequence[tuple[str, str]], add_assistant: bool) -> str | None:
     """The conversation rendered by llama.cpp with `template` (its Jinja text or a built-in name); None
     where llama.cpp does not know the template."""
     keep = [(r.encode("utf-8"), c.encode("utf-8")) for r, c in messages]
@@ -76,7 +81,7 @@ class Template:
 
     def render(self, messages: list[Message], add_assistant: bool = True) -> str:
         """The conversation as the model reads it; with add_assistant, ending where the reply starts."""
-        if not self.usable:
+        if self.text is None or not self.usable:
             raise ValueError("this model has no chat template llama.cpp can apply")
         text = _apply(self.text.encode("utf-8"), [(m.role, m.content) for m in messages], add_assistant)
         if text is None:  # it rendered the probe: what it refuses is in this conversation (a system message)
@@ -85,7 +90,7 @@ class Template:
         return text
 
 
-def model_template(model) -> Template:
+def model_template(model: llama_cpp.llama_model_p) -> Template:
     """The chat template of a loaded llama.cpp model (llama_model_p)."""
     raw = llama_cpp.llama_model_chat_template(model, None)
     if not raw:
@@ -125,10 +130,10 @@ class Conversation:
         return len(self.messages) // 2
 
 
-def chat_tokens(decoder, conversation: Conversation, user: str) -> list[int]:
+def chat_tokens(decoder: Decoder, conversation: Conversation, user: str) -> list[int]:
     """The tokens of the next turn's prompt: the rendered conversation with its special tokens (the
     template's turn markers) read as such, and BOS where the model adds one, as llama-cli tokenizes it."""
-    tokens = decoder.tokenize(conversation.prompt(user), special=True)
+    tokens: list[int] = decoder.tokenize(conversation.prompt(user), special=True)
     if len(tokens) >= decoder.n_ctx:
         raise ContextError(f"the conversation with this turn comes to {len(tokens)} tokens and the context holds "
                            f"{decoder.n_ctx}: send a shorter turn or start a new conversation")

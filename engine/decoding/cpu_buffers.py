@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import S2MoEError
 from ..model_info import ModelInfo
@@ -53,7 +53,7 @@ class CpuBuffers:
                 "CPU weights: mapped from the file, llama.cpp's extra buffer types (AMX, repacked layouts) off")
         return f"{head} — {REASONS[self.reason]}{f' ({self.detail})' if self.detail else ''}"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"extra_buffer_types": self.extra, "reason": self.reason, "amx_build": build_has_amx()}
 
 
@@ -129,7 +129,7 @@ def _records_file() -> Path:
     return Path(base) / "s2moe" / "cpu-buffers.json"
 
 
-def _load_records() -> dict:
+def _load_records() -> dict[str, Any]:
     # A cache of outcomes: one unreadable is checked again rather than trusted or reported.
     from ..files import read_json
 
@@ -140,7 +140,7 @@ def _load_records() -> dict:
     return records if isinstance(records, dict) else {}
 
 
-def _save_record(key: str, record: dict) -> None:
+def _save_record(key: str, record: dict[str, Any]) -> None:
     from ..files import write_atomic
 
     records = _load_records()

@@ -20,11 +20,16 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import OPTION, ConfigError
+
+if TYPE_CHECKING:
+    from ..model_info import ModelInfo
 
 # llama.cpp's own pattern for expert tensors (LLM_FFN_EXPS_REGEX in its common library): split and fused
 # gate/up, down, and the chunked experts some architectures have. Searched in each tensor's name.
@@ -59,7 +64,7 @@ class Placement:
         experts it uses, and a profile's copy cost applies."""
         return self.experts_in_host and self.n_gpu_layers != 0
 
-    def validate(self, info=None) -> None:
+    def validate(self, info: ModelInfo | None = None) -> None:
         """ConfigError for values no load can use; with a ModelInfo, also against that model."""
         if self.n_gpu_layers < -1:
             raise ConfigError(f"{OPTION} must be -1 (all layers), 0 or a number of layers, got {self.n_gpu_layers}",
@@ -88,11 +93,11 @@ class Placement:
             return [EXPERT_TENSORS]
         return [rf"blk\.{i}{EXPERT_TENSORS}" for i in range(self.n_cpu_moe)]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def expert_tensor_names(path) -> list[str]:
+def expert_tensor_names(path: str | os.PathLike[str]) -> list[str]:
     """Names of the model's tensors that llama.cpp's expert pattern matches."""
     from ..model_info import gguf_reader
 
@@ -122,7 +127,7 @@ class BuftOverrides:
         return ctypes.addressof(self.array)
 
 
-def _ggml(name: str, restype, *argtypes):
+def _ggml(name: str, restype: type[Any] | None, *argtypes: type[Any]) -> Any:
     """A ggml function by name; libggml's dependencies (ggml-base) resolve through its handle."""
     from llama_cpp import _ggml
 
@@ -133,7 +138,8 @@ def _ggml(name: str, restype, *argtypes):
 
 def cpu_buffer_type() -> int:
     """ggml's host buffer type, what llama.cpp's --cpu-moe names as CPU."""
-    return _ggml("ggml_backend_cpu_buffer_type", ctypes.c_void_p)()
+    buft: int = _ggml("ggml_backend_cpu_buffer_type", ctypes.c_void_p)()
+    return buft
 
 
 def device_buffer_type(device_type: int) -> int | None:
@@ -142,11 +148,13 @@ def device_buffer_type(device_type: int) -> int | None:
     dev = _ggml("ggml_backend_dev_by_type", ctypes.c_void_p, ctypes.c_int)(device_type)
     if not dev:
         return None
-    return _ggml("ggml_backend_dev_buffer_type", ctypes.c_void_p, ctypes.c_void_p)(dev)
+    buft: int | None = _ggml("ggml_backend_dev_buffer_type", ctypes.c_void_p, ctypes.c_void_p)(dev)
+    return buft
 
 
 def buffer_type_name(buft: int) -> str:
-    return _ggml("ggml_backend_buft_name", ctypes.c_char_p, ctypes.c_void_p)(buft).decode()
+    name: bytes = _ggml("ggml_backend_buft_name", ctypes.c_char_p, ctypes.c_void_p)(buft)
+    return name.decode()
 
 
 def gpu_backend() -> bool:
@@ -211,7 +219,7 @@ def transfer_rate(device_type: int, nbytes: int = 256 << 20, repeats: int = 5) -
             tensor, back.ctypes.data, 0, back.nbytes)
         if not np.array_equal(back, src[: len(back)]):
             raise RuntimeError("the device buffer did not hold what was copied into it")
-        return size / float(np.median(times))
+        return float(size / np.median(times))
     finally:
         if buffer:
             _ggml("ggml_backend_buffer_free", None, ctypes.c_void_p)(buffer)
@@ -219,7 +227,7 @@ def transfer_rate(device_type: int, nbytes: int = 256 << 20, repeats: int = 5) -
 
 
 # -- the copy-mode measurement -----------------------------------------------------------------------------
-def _time_batches(cfg: dict) -> dict:
+def _time_batches(cfg: dict[str, Any]) -> dict[str, Any]:
     """In a process of its own (the threshold is read once per process): load the model as `placement`
     says and time verification batches of each size; {"samples": [(experts, tokens, seconds)], "min_batch":
     the threshold the backend started with}."""
@@ -243,14 +251,14 @@ def _time_batches(cfg: dict) -> dict:
         rt.close()
 
 
-def _run_timing(cfg: dict) -> dict:
+def _run_timing(cfg: dict[str, Any]) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "s2moe.engine.decoding.gpu", "--time-batches", json.dumps(cfg)],
                           capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         err = proc.stderr.strip().splitlines()
         raise RuntimeError(err[-1] if err else f"the timing process ended with status {proc.returncode}")
-    result = json.loads(lines[-1])
+    result: dict[str, Any] = json.loads(lines[-1])
     result["samples"] = [tuple(s) for s in result["samples"]]
     want = cfg["placement"].get("op_offload_min_batch")
     if want is not None and result.get("min_batch") != str(want):
@@ -266,10 +274,10 @@ class CopyMode:
     sizes: list[int]
     copy_s: list[float]          # median seconds per batch size, experts copied
     cpu_s: list[float]           # ... experts on the CPU
-    copy_samples: list[tuple]    # (distinct experts over layers, tokens, seconds)
+    copy_samples: list[tuple[float, ...]]    # (distinct experts over layers, tokens, seconds)
     crossover: int | None        # the smallest batch size from which copying is faster at every size measured
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"sizes": self.sizes, "copy_ms": [x * 1e3 for x in self.copy_s], "cpu_ms": [x * 1e3 for x in self.cpu_s],
                 "crossover": self.crossover}
 
@@ -285,13 +293,14 @@ def crossover(sizes: list[int], copy_s: list[float], cpu_s: list[float]) -> int 
 
 
 def measure_copy_mode(model: str, *, sizes: list[int], n_gpu_layers: int = -1, threads: int | None = None,
-                      repeats: int = 3, use_extra_bufts: bool = True):
+                      repeats: int = 3,
+                      use_extra_bufts: bool = True) -> Generator[tuple[int, int], None, CopyMode]:
     """Generator (yields (done, 2)); returns a CopyMode. Times verification batches of `sizes` tokens on
     `model` loaded with `n_gpu_layers` on the GPU and every expert in host memory, twice, each in a process
     of its own (the threshold is read once per process): with op offload from batch size 1 (each batch
     copies the union of its experts to the device) and never (the experts run on the CPU). Raises
     RuntimeError with the last line a timing process printed when one fails."""
-    runs = []
+    runs: list[list[tuple[float, ...]]] = []
     for min_batch in (1, NEVER):
         placement = Placement(n_gpu_layers=n_gpu_layers, cpu_moe=True, op_offload_min_batch=min_batch)
         runs.append(_run_timing({"model": str(model), "threads": threads, "sizes": list(sizes), "repeats": repeats,
@@ -299,14 +308,14 @@ def measure_copy_mode(model: str, *, sizes: list[int], n_gpu_layers: int = -1, t
         yield len(runs), 2
     copied, on_cpu = runs
 
-    def by_size(samples):
+    def by_size(samples: Sequence[tuple[float, ...]]) -> list[float]:
         return [float(np.median([s[2] for s in samples if s[1] == size])) for size in sizes]
 
     copy_s, cpu_s = by_size(copied), by_size(on_cpu)
     return CopyMode(list(sizes), copy_s, cpu_s, copied, crossover(list(sizes), copy_s, cpu_s))
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--time-batches":
         print(json.dumps(_time_batches(json.loads(argv[1]))), flush=True)

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ... import native
 from ..model_info import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelInfo
+
+if TYPE_CHECKING:
+    from ..offload.native import NativePrefetch
 
 SCORE_RAW, SCORE_LOG, SCORE_LOGIT = 0, 1, 2
 PREGATE_MAX = 4  # layers ahead pre-gating may look (native/s2moe_hook.c)
 
 
-def _ptr(array: np.ndarray, ctype):
+def _ptr(array: npt.NDArray[Any], ctype: type[ctypes._SimpleCData[Any]]) -> Any:
     return array.ctypes.data_as(ctypes.POINTER(ctype))
 
 
@@ -27,17 +33,17 @@ class Routing:
     layer was not seen. weight: mixing weights of `used` before any norm.
     """
 
-    orig: np.ndarray
-    used: np.ndarray
-    weight: np.ndarray
-    rows: np.ndarray  # [n_layer] rows per layer (last layer: output rows only)
-    preferred: list[np.ndarray]  # per layer E* of a gated decode (empty otherwise)
+    orig: npt.NDArray[np.int32]
+    used: npt.NDArray[np.int32]
+    weight: npt.NDArray[np.float32]
+    rows: npt.NDArray[np.int32]  # [n_layer] rows per layer (last layer: output rows only)
+    preferred: list[npt.NDArray[np.int32]]  # per layer E* of a gated decode (empty otherwise)
 
-    def distinct_used(self, n_expert: int) -> np.ndarray:
+    def distinct_used(self, n_expert: int) -> npt.NDArray[np.int_]:
         """Distinct experts read per layer."""
         return distinct_per_layer(self.used, self.rows, n_expert)
 
-    def used_mask(self, n_expert: int) -> np.ndarray:
+    def used_mask(self, n_expert: int) -> npt.NDArray[np.bool_]:
         """[n_layer, n_expert] bool: the experts read in each layer."""
         return used_mask(self.used, self.rows, n_expert)
 
@@ -47,8 +53,8 @@ class PregateStats:
     """Pre-gating's predictions, counted as their layers routed. Index: the distance (layers ahead; 0: a
     layer's own router, counted only with check_self)."""
 
-    hits: np.ndarray    # predicted experts the layer then read
-    total: np.ndarray   # experts read by layers that had a prediction at that distance
+    hits: npt.NDArray[np.int64]    # predicted experts the layer then read
+    total: npt.NDArray[np.int64]   # experts read by layers that had a prediction at that distance
     decodes: int        # decodes that pre-gated
 
     def recall(self, distance: int) -> float:
@@ -56,7 +62,8 @@ class PregateStats:
         return float(self.hits[distance] / self.total[distance]) if self.total[distance] else float("nan")
 
 
-def used_mask(ids: np.ndarray, rows: np.ndarray, n_expert: int) -> np.ndarray:
+def used_mask(ids: npt.NDArray[np.integer[Any]], rows: npt.NDArray[np.integer[Any]],
+              n_expert: int) -> npt.NDArray[np.bool_]:
     n_layer, max_rows, k = ids.shape
     mask = np.zeros((n_layer, n_expert + 1), dtype=bool)
     valid = np.arange(max_rows)[None, :] < rows[:, None]  # [n_layer, rows]
@@ -66,8 +73,10 @@ def used_mask(ids: np.ndarray, rows: np.ndarray, n_expert: int) -> np.ndarray:
     return mask[:, :n_expert]
 
 
-def distinct_per_layer(ids: np.ndarray, rows: np.ndarray, n_expert: int) -> np.ndarray:
-    return used_mask(ids, rows, n_expert).sum(axis=1)
+def distinct_per_layer(ids: npt.NDArray[np.integer[Any]], rows: npt.NDArray[np.integer[Any]],
+                       n_expert: int) -> npt.NDArray[np.int_]:
+    distinct: npt.NDArray[np.int_] = used_mask(ids, rows, n_expert).sum(axis=1)
+    return distinct
 
 
 class RoutingHook:
@@ -115,7 +124,7 @@ class RoutingHook:
         drop = float("-inf") if info.gating == GATING_SOFTMAX_WEIGHT else 0.0
         self.lib.s2_hook_configure(self.handle, drop, space, int(info.biased_selection))
         self.mode = "off"
-        self._route = None
+        self._route: NativePrefetch | None = None
 
     @property
     def callback(self) -> int:
@@ -123,7 +132,10 @@ class RoutingHook:
 
     @property
     def user_data(self) -> int:
-        return ctypes.cast(self.handle, ctypes.c_void_p).value
+        address = ctypes.cast(self.handle, ctypes.c_void_p).value
+        if address is None:
+            raise ValueError("the routing hook is closed")
+        return address
 
     def begin(self) -> None:
         self.rows[:] = 0
@@ -143,7 +155,7 @@ class RoutingHook:
         self.lib.s2_hook_observe(self.handle)
         self.mode = "observe"
 
-    def draft(self, k_draft: int, allowed: np.ndarray | None = None) -> None:
+    def draft(self, k_draft: int, allowed: npt.NDArray[np.bool_] | None = None) -> None:
         """Draft with the top-k_d experts of each layer; with `allowed` ([n_layer, n_expert] bool), the
         router's best-ranked among those only (the router's own next choices where a layer has too few
         allowed: counted in mask_fallbacks). With a prefetcher routed (set_route), an allowed expert must
@@ -156,7 +168,7 @@ class RoutingHook:
                                           _ptr(self.draft_mask, ctypes.c_uint8))
         self.mode = "draft"
 
-    def skip(self, layers, expert: int = 0) -> None:
+    def skip(self, layers: Iterable[int], expert: int = 0) -> None:
         """Skip the routed experts of the given layers: each slot there reads `expert` with weight 0."""
         self.skip_expert[:] = -1
         self.skip_expert[list(layers)] = expert
@@ -164,7 +176,7 @@ class RoutingHook:
         self.mode = "skip"
 
     @contextmanager
-    def uniform(self):
+    def uniform(self) -> Iterator[None]:
         """Inside, whatever the mode, every slot of every layer reads expert 0 with weight 0: for a warm-up
         that builds graphs and touches buffers, without reading a model larger than memory whole."""
         self.lib.s2_hook_uniform(self.handle, 1)
@@ -173,8 +185,8 @@ class RoutingHook:
         finally:
             self.lib.s2_hook_uniform(self.handle, 0)
 
-    def gate(self, alpha: float, cap: int, row_weights, memory: float = 0.0,
-             in_memory: np.ndarray | None = None) -> None:
+    def gate(self, alpha: float, cap: int, row_weights: Sequence[float] | npt.NDArray[np.floating[Any]],
+             memory: float = 0.0, in_memory: npt.NDArray[np.bool_] | None = None) -> None:
         """Reuse-aware gating: bias each row's selection toward the batch's E* (cap experts; batches of two
         rows or more) by alpha times the row's margin, and with memory > 0 toward the experts in memory by
         memory times it, in every gated decode, a single row's too. `in_memory` ([n_layer, n_expert] bool)
@@ -214,7 +226,7 @@ class RoutingHook:
         decodes = self.lib.s2_hook_pregate_stats(self.handle, hits, total)
         return PregateStats(np.array(hits[:], np.int64), np.array(total[:], np.int64), int(decodes))
 
-    def set_route(self, prefetcher) -> None:
+    def set_route(self, prefetcher: NativePrefetch) -> None:
         """Have the C hook call prefetcher's native layer function with each layer's final expert ids.
         The hook keeps the prefetcher alive for as long as it may call it."""
         self._route = prefetcher
@@ -224,7 +236,7 @@ class RoutingHook:
                                    prefetcher.handle)
         self.lib.s2_hook_set_predict(self.handle, prefetcher.predict_fn_address, prefetcher.handle)
 
-    def clear_route(self, prefetcher=None) -> None:
+    def clear_route(self, prefetcher: NativePrefetch | None = None) -> None:
         """Stop calling the prefetcher (only `prefetcher`'s route, when one is named)."""
         if prefetcher is not None and self._route is not prefetcher:
             return
@@ -236,7 +248,7 @@ class RoutingHook:
         self._route = None
 
     @property
-    def route(self):
+    def route(self) -> NativePrefetch | None:
         """The prefetcher the hook hands each layer's ids to, or None."""
         return self._route
 
@@ -292,7 +304,7 @@ class RoutingHook:
             self.handle = None
         self._route = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:

@@ -13,7 +13,9 @@ import re
 from collections import deque
 from dataclasses import replace
 from functools import lru_cache
-from typing import Callable
+from typing import Literal, overload
+from _ctypes import CFuncPtr
+from collections.abc import Callable, Iterable, Sequence
 
 import llama_cpp
 import numpy as np
@@ -21,6 +23,7 @@ import numpy as np
 # compiled modules) is lost, and the run goes on. Imported here, with the engine, it happens before any
 # model is loaded, not in the middle of the first generation.
 import numpy.random  # noqa: F401
+import numpy.typing as npt
 
 from ..measure.device import default_threads, memory_bytes
 from ..errors import OPTION, ConfigError, ContextError, ModelError, held_signals
@@ -29,6 +32,9 @@ from .hook import RoutingHook
 from ..model_info import ModelInfo
 from ..offload.procfs import model_mappings
 from ..offload.sizes import fmt_bytes
+
+# Rows of next-token logits (n_vocab wide), as llama.cpp computes them
+Logits = npt.NDArray[np.float32]
 
 _log_tail: deque[str] = deque(maxlen=20)
 _log_count = 0  # lines logged so far: which of the tail a call wrote
@@ -51,8 +57,7 @@ THREADS_PER_CPU = 4
 GGML_MAX_THREADS = 512
 
 
-@llama_cpp.llama_log_callback
-def _log_sink(level, text, user_data):
+def _log_line(level: int, text: bytes | None, user_data: int | None) -> None:
     # llama.cpp talks a lot on load: its lines go to the debug log, and the tail is kept so that a
     # failure can say why.
     global _log_count
@@ -65,6 +70,9 @@ def _log_sink(level, text, user_data):
             if sized:
                 _compute_buffers.append((sized[1], int(float(sized[2]) * (1 << 20))))
             _log.debug(msg)
+
+
+_log_sink = llama_cpp.llama_log_callback(_log_line)
 
 
 _backend_ready = False
@@ -96,7 +104,7 @@ def _init_backend(op_offload_min_batch: int | None = None) -> None:
 
 _ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _TERMINATE_HANDLER = ctypes.CFUNCTYPE(None)
-_abort_hooks = ()  # the installed callbacks, kept alive
+_abort_hooks: tuple[CFuncPtr, ...] = ()  # the installed callbacks, kept alive
 # Standard exceptions (mangled type names) whose message what() may be called for: std::exception's vtable
 # holds two destructors, then what() (the Itanium C++ ABI).
 _STD_EXCEPTIONS = {b"St9exception", b"St13runtime_error", b"St11logic_error", b"St12out_of_range",
@@ -114,7 +122,7 @@ def on_llama_abort(handler: Callable[[str], None]) -> None:
     global _abort_hooks
     from llama_cpp import _ggml
 
-    def call(message):
+    def call(message: bytes | None) -> None:
         text = (message or b"").decode("utf-8", "replace").strip()
         handler(re.sub(r"^\S*/(?=\S+:\d+: )", "", text))
 
@@ -128,7 +136,7 @@ def on_llama_abort(handler: Callable[[str], None]) -> None:
         _abort_hooks = (abort_hook,)
         return
 
-    def terminate():
+    def terminate() -> None:
         handler(f"an uncaught C++ exception, {_cxx_exception_text(cxx)}")
 
     terminate_hook = _TERMINATE_HANDLER(terminate)
@@ -138,7 +146,7 @@ def on_llama_abort(handler: Callable[[str], None]) -> None:
     _abort_hooks = (abort_hook, terminate_hook)
 
 
-def _cxx_exception_text(cxx) -> str:
+def _cxx_exception_text(cxx: ctypes.CDLL) -> str:
     """'type: message' of the C++ exception std::terminate is handling. The message is read for standard
     exceptions on x86-64 only: std::current_exception returns its pointer through a hidden first argument
     there, where AArch64 passes that address in x8, out of reach of a ctypes call."""
@@ -154,12 +162,17 @@ def _cxx_exception_text(cxx) -> str:
     if mangled not in _STD_EXCEPTIONS or platform.machine() not in ("x86_64", "AMD64"):
         return name
     slot = (ctypes.c_void_p * 1)()
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(ctypes.cast(cxx._ZSt17current_exceptionv, ctypes.c_void_p).value)(
-        ctypes.addressof(slot))
+    current_exception = ctypes.cast(cxx._ZSt17current_exceptionv, ctypes.c_void_p).value
+    if not current_exception:
+        return name
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(current_exception)(ctypes.addressof(slot))
     if not slot[0]:
         return name
     vtable = ctypes.c_void_p.from_address(slot[0]).value
-    what = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(ctypes.c_void_p.from_address(vtable + 2 * word).value)
+    what_address = ctypes.c_void_p.from_address(vtable + 2 * word).value if vtable else None
+    if not what_address:
+        return name
+    what = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(what_address)
     return f"{name}: {(what(slot[0]) or b'').decode('utf-8', 'replace')}"
 
 
@@ -287,7 +300,7 @@ class LlamaRuntime:
         mparams.use_extra_bufts = use_extra_bufts
         # llama.cpp keeps this pointer in the model and reads it again when a context is made: the array
         # lives as long as the runtime
-        self._buft_overrides = None
+        self._buft_overrides: BuftOverrides | None = None
         if placement.experts_in_host:
             self._buft_overrides = BuftOverrides(placement.patterns(), cpu_buffer_type())
             mparams.tensor_buft_overrides = self._buft_overrides.address
@@ -314,7 +327,8 @@ class LlamaRuntime:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
 
         wants_hook = install_hook and info.is_moe
-        self.hook = RoutingHook(info, max_rows=max(max_verify_rows, 1), cap_max=cap_max) if wants_hook else None
+        self.hook: RoutingHook | None = (
+            RoutingHook(info, max_rows=max(max_verify_rows, 1), cap_max=cap_max) if wants_hook else None)
         if self.hook is not None and gpu_backend():
             # op_offload is on (below): from this batch size MUL_MAT_ID may run on the GPU
             self.hook.distinct_from(int(_backend_min_batch) if _backend_min_batch else MIN_BATCH_DEFAULT)
@@ -418,7 +432,7 @@ class LlamaRuntime:
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
 
-    def detokenize(self, tokens) -> str:
+    def detokenize(self, tokens: Iterable[int]) -> str:
         with held_signals():  # once for all the pieces
             return b"".join(self._piece(t) for t in tokens).decode("utf-8", "replace")
 
@@ -426,15 +440,24 @@ class LlamaRuntime:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     # -- decoding --------------------------------------------------------------------------------
-    def prefill(self, tokens, pos0: int = 0) -> None:
+    def prefill(self, tokens: Sequence[int], pos0: int = 0) -> None:
         """Decode `tokens` at positions pos0.. of sequence 0 for their KV entries alone, n_batch at a time."""
         for i in range(0, len(tokens), self.n_batch):
             self.decode(tokens[i : i + self.n_batch], pos0 + i, "none")
 
-    def decode(self, tokens, pos0: int, outputs: str = "last") -> np.ndarray | None:
+    @overload
+    def decode(self, tokens: Sequence[int], pos0: int, outputs: Literal["none"]) -> None: ...
+
+    @overload
+    def decode(self, tokens: Sequence[int], pos0: int, outputs: Literal["last", "all"] = "last") -> Logits: ...
+
+    def decode(self, tokens: Sequence[int], pos0: int,
+               outputs: Literal["last", "all", "none"] = "last") -> Logits | None:
         """Decode `tokens` at positions pos0.. of sequence 0; return logits rows ('last', 'all' or 'none')."""
         n = len(tokens)
         if n == 0:
+            if outputs != "none":
+                raise ValueError("an empty batch has no logits")
             return None
         if n > self.n_batch:
             raise ValueError(f"batch of {n} tokens exceeds n_batch {self.n_batch}")
@@ -451,9 +474,12 @@ class LlamaRuntime:
         if outputs == "last":
             self._logits_flag[n - 1] = 1
         self._batch.n_tokens = n
-        return self._run(n, outputs)
+        self._run(n)
+        if outputs == "none":
+            return None
+        return self._logits(n if outputs == "all" else 1)
 
-    def decode_tree(self, tokens, positions, seqs) -> np.ndarray:
+    def decode_tree(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[Sequence[int]]) -> Logits:
         """Decode rows that each belong to the sequences seqs[i] (a row attends to the cells of its first
         sequence), at their own positions; return every row's logits. Draft and verification of a tree."""
         n = len(tokens)
@@ -473,9 +499,10 @@ class LlamaRuntime:
         self._pos[:n] = positions
         self._logits_flag[:n] = 1
         b.n_tokens = n
-        return self._run(n, "all")
+        self._run(n)
+        return self._logits(n)
 
-    def _run(self, n: int, outputs: str) -> np.ndarray | None:
+    def _run(self, n: int) -> None:
         if self.hook is not None:
             self.hook.begin()
         logged = _log_count
@@ -488,11 +515,11 @@ class LlamaRuntime:
         if rc != 0:
             raise ModelError(f"llama.cpp could not decode a batch of {n} tokens (code {rc}): "
                              f"{first_llama_error(_log_count - logged)}")
-        if outputs == "none":
-            return None
-        rows = n if outputs == "all" else 1
+
+    def _logits(self, rows: int) -> Logits:
+        """The logits of the last decode's first `rows` outputs, copied out of llama.cpp's buffer."""
         ptr = llama_cpp.llama_get_logits(self.ctx)
-        logits = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
+        logits: Logits = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
         if not np.isfinite(logits.sum()) and _broken(logits):
             raise ModelError(f"{self.info.path.name}: llama.cpp computed logits that are not numbers (NaN or "
                              "infinite): the model's weights or metadata are broken")
@@ -545,18 +572,19 @@ class LlamaRuntime:
         if getattr(self, "model", None):
             llama_cpp.llama_model_free(self.model)
             self.model = None
-        if getattr(self, "hook", None) is not None:
-            self.hook.close()
+        hook = getattr(self, "hook", None)  # absent where __init__ failed before making it
+        if hook is not None:
+            hook.close()
             self.hook = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:
             pass
 
 
-def _broken(logits: np.ndarray) -> bool:
+def _broken(logits: Logits) -> bool:
     """Rows no distribution can be made of: a NaN or +inf anywhere, or no finite value at all (−inf alone
     only rules a token out)."""
     return bool(np.isnan(logits).any() or np.isposinf(logits).any() or (~np.isfinite(logits)).all(axis=1).any())

@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import OPTION, ConfigError
 
@@ -40,11 +41,19 @@ RANDOM_SEED = -1  # as llama.cpp's -s -1: a seed drawn at random, reported with 
 MAX_SEED = (1 << 32) - 1  # llama.cpp's seeds are 32-bit
 
 
-def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+# Logits as a model gives them (float32) or as a sampler changed them (float64)
+Floats = npt.NDArray[np.floating[Any]]
+# A distribution over the vocabulary (float64, sums to 1)
+Distribution = npt.NDArray[np.float64]
+TokenIds = npt.NDArray[np.intp]
+
+
+def softmax(logits: Floats, temperature: float = 1.0) -> Distribution:
     z = logits.astype(np.float64) / max(temperature, 1e-6)
     z -= z.max()
     p = np.exp(z)
-    return p / p.sum()
+    probabilities: npt.NDArray[np.float64] = p / p.sum()
+    return probabilities
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -52,11 +61,12 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
+def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """splitmix64's finaliser: every output bit depends on every input bit (uint64, wrapping)."""
     x = (x ^ (x >> np.uint64(30))) * _MIX1
     x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
+    mixed: npt.NDArray[np.uint64] = x ^ (x >> np.uint64(31))
+    return mixed
 
 
 class PositionNoise:
@@ -71,18 +81,19 @@ class PositionNoise:
         with np.errstate(over="ignore"):
             self._key = _mix64(np.array([seed], dtype=np.uint64) * _GOLDEN + _GOLDEN)
 
-    def exponential(self, position: int, ids: np.ndarray) -> np.ndarray:
+    def exponential(self, position: int, ids: npt.ArrayLike) -> npt.NDArray[np.float64]:
         with np.errstate(over="ignore"):
             row = _mix64(self._key ^ (np.uint64(position) * _GOLDEN))
             h = _mix64(row + (np.asarray(ids, dtype=np.uint64) + np.uint64(1)) * _GOLDEN)
         u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # in (0, 1), never 0 or 1
-        return -np.log(u)
+        values: npt.NDArray[np.float64] = -np.log(u)
+        return values
 
-    def draw(self, q: np.ndarray, position: int) -> int:
+    def draw(self, q: Distribution, position: int) -> int:
         ids = np.flatnonzero(q > 0)
         return int(ids[np.argmin(self.exponential(position, ids) / q[ids])])
 
-    def perturbed(self, q: np.ndarray, position: int) -> np.ndarray:
+    def perturbed(self, q: Distribution, position: int) -> npt.NDArray[np.float64]:
         """log q plus this position's Gumbel noise over the tokens q keeps, -inf elsewhere: the draw is its
         argmax, and its top-2 gap how near a tie the draw was."""
         ids = np.flatnonzero(q > 0)
@@ -137,7 +148,7 @@ class Sampling:
             raise ConfigError(f"{OPTION} must be -1 (the whole context), 0 (off) or a number of tokens",
                               option="repeat_last_n")
 
-    def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+    def penalized(self, logits: Floats, history: Sequence[int]) -> Floats:
         """logits with the repetition penalty applied for the tokens before them (llama.cpp's rule: a
         positive logit is divided by the penalty, a negative one multiplied)."""
         if self.repeat_penalty == 1.0 or self.repeat_last_n <= 0 or not len(history):
@@ -148,7 +159,7 @@ class Sampling:
         z[seen] = np.where(v <= 0, v * self.repeat_penalty, v / self.repeat_penalty)
         return z
 
-    def distribution(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+    def distribution(self, logits: Floats, history: Sequence[int]) -> Distribution:
         """The distribution (float64, sums to 1) a sampled token is drawn from after `history`. Greedy: the
         penalised softmax at temperature 1, whose argmax is the token and whose values are the draft's
         confidence (the stop rules read them)."""
@@ -162,27 +173,27 @@ class Sampling:
         p[keep] = e / e.sum()
         return p
 
-    def choose(self, logits: np.ndarray, history: Sequence[int], noise: PositionNoise) -> tuple[int, np.ndarray]:
+    def choose(self, logits: Floats, history: Sequence[int], noise: PositionNoise) -> tuple[int, Distribution]:
         """(the token at position len(history), the distribution it was drawn from)."""
         q = self.distribution(logits, history)
         if self.greedy:
             return int(np.argmax(q)), q
         return noise.draw(q, len(history)), q
 
-    def token(self, logits: np.ndarray, history: Sequence[int], noise: PositionNoise) -> int:
+    def token(self, logits: Floats, history: Sequence[int], noise: PositionNoise) -> int:
         """The token plain decoding commits at position len(history) after `history`."""
         if self.greedy:
             return self.greedy_token(logits, history)
         return noise.draw(self.distribution(logits, history), len(history))
 
-    def scores(self, logits: np.ndarray, history: Sequence[int], noise: PositionNoise) -> np.ndarray:
+    def scores(self, logits: Floats, history: Sequence[int], noise: PositionNoise) -> npt.NDArray[np.float64]:
         """What that token is the argmax of: the penalised logits (greedy), else the kept tokens'
         log-probabilities plus the position's noise. Its top-2 gap says how near a tie the choice was."""
         if self.greedy:
             return np.asarray(self.penalized(logits, history), dtype=np.float64)
         return noise.perturbed(self.distribution(logits, history), len(history))
 
-    def greedy_token(self, logits: np.ndarray, history: Sequence[int]) -> int:
+    def greedy_token(self, logits: Floats, history: Sequence[int]) -> int:
         return int(np.argmax(self.penalized(logits, history)))
 
 
@@ -194,10 +205,10 @@ class SeededSampler:
     sampling: Sampling
     noise: PositionNoise
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> tuple[int, np.ndarray]:
+    def __call__(self, logits: Floats, history: Sequence[int]) -> tuple[int, Distribution]:
         return self.sampling.choose(logits, history, self.noise)
 
-    def ranked(self, logits: np.ndarray, history: Sequence[int], count: int) -> tuple[np.ndarray, np.ndarray]:
+    def ranked(self, logits: Floats, history: Sequence[int], count: int) -> tuple[TokenIds, Distribution]:
         """(the first `count` kept tokens, likeliest to be the one drawn first; the distribution). Greedy: by
         probability. Sampled: by log-probability plus the position's noise — the tokens a draw without
         replacement gives in turn, so the first is the token drawn, and a target close to the draft most
@@ -211,7 +222,7 @@ class SeededSampler:
         return ids[np.lexsort((ids, keys))], q
 
 
-def _kept(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+def _kept(z: npt.NDArray[np.float64], top_k: int, top_p: float, min_p: float) -> TokenIds:
     """Indices of the tokens top-k, then top-p, then min-p keep (each over what the one before kept; top-p
     and min-p on probabilities at temperature 1), as llama.cpp's samplers do. At least one is kept. Only
     top-p needs the kept tokens in order: without it nothing is sorted, which a large vocabulary notices."""

@@ -26,14 +26,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ..events import DraftCandidate
 from ..drafting.drafters import Drafter, Proposal
 from ..drafting.stoprules import UtilityStop
-from .sampling import PositionNoise, Sampling
+from .sampling import Floats, PositionNoise, Sampling, SeededSampler
+
+if TYPE_CHECKING:
+    from .decoder import Decoder, Gating, _Verified
 
 
 @dataclass
@@ -56,11 +60,12 @@ class _Node:
     prob: float        # draft probability of its token at the parent
     path: float        # product of draft probabilities from the pending token down to it
     seq: int           # draft sequence id
-    logits: np.ndarray | None  # draft logits at the node (its children's distribution)
-    predicted: np.ndarray | None  # [n_layer, n_expert + 1] bool: the router's top-k, the target experts it predicts
+    logits: Floats | None  # draft logits at the node (its children's distribution)
+    # [n_layer, n_expert + 1]: the router's top-k, the target experts it predicts
+    predicted: npt.NDArray[np.bool_] | None
     history: list[int]  # committed tokens and the path down to and including it
     taken: int = -1    # its index in the tree once taken
-    routed: np.ndarray | None = None  # [n_layer, k] the router's ids in its draft pass (-1: no MoE)
+    routed: npt.NDArray[np.int32] | None = None  # [n_layer, k] the router's ids in its draft pass (-1: no MoE)
 
 
 class TreeDrafter(Drafter):
@@ -72,14 +77,14 @@ class TreeDrafter(Drafter):
     drafts_in_context = True
 
     def __init__(self, k_draft: int, rule: UtilityStop | None, width: int, max_nodes: int,
-                 allowed: Callable[[], np.ndarray] | None = None):
+                 allowed: Callable[[], npt.NDArray[np.bool_]] | None = None):
         self.k_draft = k_draft
         self.rule = rule
         self.width = width
         self.max_nodes = max_nodes
         self.allowed = allowed  # as SelfDrafter's: None, the router's top-k_d; else the best among these in memory
 
-    def propose(self, dec, committed, max_len, sample) -> Proposal:
+    def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         pending, pos = committed[-1], len(committed) - 1
         out = Proposal()
         if max_len <= 0:
@@ -93,6 +98,7 @@ class TreeDrafter(Drafter):
                 out.stop = "no-draft"
                 return out
         rt, hook = dec.rt, dec.rt.hook
+        assert hook is not None  # self-drafting routes through the target's own hook
         n_layer, n_expert = rt.info.n_layer, rt.info.n_expert
         layers = np.arange(n_layer)[:, None]
         t0 = time.perf_counter()
@@ -118,6 +124,7 @@ class TreeDrafter(Drafter):
             rule); they join the frontier. Returns their indices."""
             kids = []
             for index, parent in parents:
+                assert parent.logits is not None  # a node is expanded once decoded
                 order, q = sample.ranked(parent.logits, parent.history, self.width)
                 for t in order:
                     p = parent.path * float(q[t])
@@ -229,11 +236,12 @@ def tree_layout(tree: DraftTree, pos: int) -> tuple[list[int], list[list[int]], 
     return positions, [[0] + list(leaf_seq.values())] + below, leaf_seq
 
 
-def verify_tree(dec, proposal: Proposal, pending: int, pos: int, gate, sampler: Sampling, history: Sequence[int],
-                noise: PositionNoise):
+def verify_tree(dec: Decoder, proposal: Proposal, pending: int, pos: int, gate: Gating | None, sampler: Sampling,
+                history: Sequence[int], noise: PositionNoise) -> tuple[_Verified, list[int], int]:
     """One target pass over the pending token (at pos) and the tree; the accepted path (node indices) and the
     target's token after it. Leaves sequence 0 holding the committed path, and no other sequence."""
     rt, tree = dec.rt, proposal.tree
+    assert isinstance(tree, DraftTree)  # the proposal of a TreeDrafter
     positions, seqs, leaf_seq = tree_layout(tree, pos)
     for s in leaf_seq.values():
         rt.seq_cp(0, s, 0, pos)
@@ -248,7 +256,7 @@ def verify_tree(dec, proposal: Proposal, pending: int, pos: int, gate, sampler: 
     return v, path, token
 
 
-def accept_tree(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, sampler: Sampling,
+def accept_tree(tokens: Sequence[int], parents: Sequence[int], logits: Floats, sampler: Sampling,
                 noise: PositionNoise, history: Sequence[int]) -> tuple[list[int], int]:
     """(indices of the accepted nodes from the pending token down, the target's token after them): at each
     node the target's own token (engine.acceptance) moves to the child that drafted it, if one did.

@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from ..events import CostConstants
+
+if TYPE_CHECKING:
+    from ..decoding.runtime import LlamaRuntime
+    from ..offload.native import NativePrefetch
+
+T = TypeVar("T")
+# A measurement run step by step: yields (done, total) as it goes, returns its result
+Measurement: TypeAlias = Generator[tuple[int, int], None, T]
+# (distinct experts over layers, tokens, seconds), with a miss counter also (misses, storage page faults)
+Sample: TypeAlias = tuple[float, ...]
+Floats: TypeAlias = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -26,11 +40,11 @@ class Fit:
     n: int
     r2_ceiling: float | None = None  # see r2_ceiling()
 
-    def predict(self, experts, tokens):
+    def predict(self, experts: npt.ArrayLike, tokens: npt.ArrayLike) -> Floats:
         return self.intercept + self.t_exp * np.asarray(experts) + self.t_tok * np.asarray(tokens)
 
 
-def fit_verify_cost(experts, tokens, seconds) -> Fit:
+def fit_verify_cost(experts: npt.ArrayLike, tokens: npt.ArrayLike, seconds: npt.ArrayLike) -> Fit:
     """Least squares of seconds on (1, experts, tokens) with non-negative slopes."""
     e = np.asarray(experts, float)
     s = np.asarray(tokens, float)
@@ -38,9 +52,9 @@ def fit_verify_cost(experts, tokens, seconds) -> Fit:
     if len(y) < 3:
         raise ValueError("need at least three measurements to fit the verification cost")
 
-    def solve(cols):
+    def solve(cols: list[Floats]) -> Floats:
         X = np.column_stack([np.ones_like(y)] + cols)
-        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        coef: Floats = np.linalg.lstsq(X, y, rcond=None)[0]
         return coef
 
     coef = solve([e, s])
@@ -61,14 +75,14 @@ def fit_verify_cost(experts, tokens, seconds) -> Fit:
     return Fit(float(a), float(te), float(tt), r2, mape, len(y), r2_ceiling(zip(e, s), y))
 
 
-def r2_ceiling(counts, seconds) -> float | None:
+def r2_ceiling(counts: Iterable[Iterable[float]], seconds: npt.ArrayLike) -> float | None:
     """The highest R² any cost model of these counts can reach on these timings: each distinct tuple of
     counts predicted by the mean of the timings that share it. What that leaves unexplained is steps with
     the same counts taking different times (on a disk, its own spread from read to read), which no further
     term in a fit of the counts can remove. None unless at least half the timings share their counts with
     another: timings alone in their tuple would count as explained and make the ceiling meaningless."""
     y = np.asarray(seconds, float)
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[float, ...], list[int]] = {}
     for i, key in enumerate(counts):
         groups.setdefault(tuple(float(k) for k in key), []).append(i)
     shared = sum(len(ix) for ix in groups.values() if len(ix) > 1)
@@ -100,18 +114,20 @@ class MissFit:
     n: int
     r2_ceiling: float | None = None  # see r2_ceiling()
 
-    def predict(self, experts, misses, tokens):
+    def predict(self, experts: npt.ArrayLike, misses: npt.ArrayLike, tokens: npt.ArrayLike) -> Floats:
         e, m = np.asarray(experts, float), np.asarray(misses, float)
-        return self.intercept + self.t_hit * (e - m) + self.t_miss * m + self.t_tok * np.asarray(tokens, float)
+        s = np.asarray(tokens, float)
+        seconds: Floats = self.intercept + self.t_hit * (e - m) + self.t_miss * m + self.t_tok * s
+        return seconds
 
 
-def _nonneg_lstsq(cols: list[np.ndarray], y: np.ndarray) -> np.ndarray:
+def _nonneg_lstsq(cols: list[Floats], y: Floats) -> Floats:
     """Least squares of y on (1, cols...) with non-negative slopes: a column whose slope comes out negative
     (noise or collinearity) is dropped and the rest refitted. Returns [intercept, slopes...]."""
     active = list(range(len(cols)))
     while True:
         X = np.column_stack([np.ones_like(y)] + [cols[i] for i in active])
-        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        coef = np.linalg.lstsq(X, y, rcond=None)[0]
         neg = [active[j] for j, c in enumerate(coef[1:]) if c < 0]
         if not neg:
             out = np.zeros(len(cols) + 1)
@@ -123,7 +139,7 @@ def _nonneg_lstsq(cols: list[np.ndarray], y: np.ndarray) -> np.ndarray:
         active.remove(worst)
 
 
-def _quality(y: np.ndarray, pred: np.ndarray) -> tuple[float, float]:
+def _quality(y: Floats, pred: Floats) -> tuple[float, float]:
     ss_res = float(np.sum((y - pred) ** 2))
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
@@ -131,7 +147,8 @@ def _quality(y: np.ndarray, pred: np.ndarray) -> tuple[float, float]:
     return r2, mape
 
 
-def fit_miss_cost(experts, misses, tokens, seconds) -> MissFit:
+def fit_miss_cost(experts: npt.ArrayLike, misses: npt.ArrayLike, tokens: npt.ArrayLike,
+                  seconds: npt.ArrayLike) -> MissFit:
     """Least squares of seconds on (1, resident experts, missed experts, tokens), slopes ≥ 0."""
     e, m, s, y = (np.asarray(v, float) for v in (experts, misses, tokens, seconds))
     if len(y) < 4:
@@ -142,8 +159,8 @@ def fit_miss_cost(experts, misses, tokens, seconds) -> MissFit:
     return MissFit(fit.intercept, fit.t_hit, fit.t_miss, fit.t_tok, r2, mape, len(y), r2_ceiling(zip(e, m, s), y))
 
 
-def drift_tracked_fit(fit: MissFit, experts, misses, tokens, seconds, half_life: float = 100.0,
-                      prior: float = 20.0) -> dict:
+def drift_tracked_fit(fit: MissFit, experts: npt.ArrayLike, misses: npt.ArrayLike, tokens: npt.ArrayLike,
+                      seconds: npt.ArrayLike, half_life: float = 100.0, prior: float = 20.0) -> dict[str, Any]:
     """The miss-aware fit with T_exp cold followed through the run: each verification priced at the rate per
     fetch that the fetches before it took, its other constants the fit's. That rate is the time the earlier
     verifications took beyond the fit's other terms over the fetches they made, each fetch's weight halving
@@ -169,7 +186,8 @@ def drift_tracked_fit(fit: MissFit, experts, misses, tokens, seconds, half_life:
             "t_exp_cold_range_s": [float(min(rates)), float(max(rates))]}
 
 
-def fault_explained_fit(experts, faults, tokens, seconds) -> dict:
+def fault_explained_fit(experts: npt.ArrayLike, faults: npt.ArrayLike, tokens: npt.ArrayLike,
+                        seconds: npt.ArrayLike) -> dict[str, float]:
     """Diagnostic, not a predictor: seconds on (1, experts, storage page faults actually taken, tokens).
     The faults are known only after a verification ran; how far this fit's R² rises above the miss-aware
     one shows how much of the latency depends on which pages the kernel let go and had to read again,
@@ -183,7 +201,7 @@ def fault_explained_fit(experts, faults, tokens, seconds) -> dict:
             "r2": r2, "mape": mape, "faults_per_verification": float(f.mean())}
 
 
-def _timed(fn) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -193,7 +211,7 @@ class Stopped(Exception):
     """should_stop() asked a measurement to stop; the runtime's KV cache is left empty."""
 
 
-def _prepare(rt, seed: int, context: int, cap: int):
+def _prepare(rt: LlamaRuntime, seed: int, context: int, cap: int) -> tuple[np.random.Generator, int]:
     rng = np.random.default_rng(seed)
     rt.kv_clear()
     context = max(1, min(context, rt.n_ctx - cap - 4))
@@ -204,7 +222,8 @@ def _prepare(rt, seed: int, context: int, cap: int):
     return rng, context
 
 
-def _step(rt, base: int, tokens, mode: str, k_draft: int, counter=None, allowed=None):
+def _step(rt: LlamaRuntime, base: int, tokens: Sequence[int], mode: str, k_draft: int,
+          counter: NativePrefetch | None = None, allowed: npt.NDArray[np.bool_] | None = None) -> Sample:
     """Decode `tokens` after `base` positions as a plain/draft/verify step; time it; roll it back.
     allowed: a draft step reads only these experts ([n_layer, n_expert] bool, see RoutingHook.draft).
 
@@ -212,6 +231,8 @@ def _step(rt, base: int, tokens, mode: str, k_draft: int, counter=None, allowed=
     Decoder.miss_counter) is given, the distinct experts that were not in memory as their layer routed
     and the page faults that read storage during the step."""
     hook = rt.hook
+    if hook is None:
+        raise ValueError("timing a step needs the routing hook (a mixture-of-experts model)")
     if mode == "draft":
         hook.draft(k_draft, allowed)
     else:
@@ -219,7 +240,8 @@ def _step(rt, base: int, tokens, mode: str, k_draft: int, counter=None, allowed=
     if counter is not None:
         counter.begin()
     faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-    dt = _timed(lambda: rt.decode(tokens, base, "all" if mode == "verify" else "last"))
+    outputs: Literal["all", "last"] = "all" if mode == "verify" else "last"
+    dt = _timed(lambda: rt.decode(tokens, base, outputs))
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0
     routing = hook.snapshot(len(tokens))
     experts = float(routing.distinct_used(rt.info.n_expert).sum())
@@ -229,10 +251,11 @@ def _step(rt, base: int, tokens, mode: str, k_draft: int, counter=None, allowed=
     return dt, experts, float(counter.counted().sum()), float(faults)
 
 
-def _batch(rng, n_vocab: int, s: int, variant: str) -> list[int]:
+def _batch(rng: np.random.Generator, n_vocab: int, s: int, variant: str) -> list[int]:
     """A verification batch of s tokens with little (random), full (repeat) or partial (mixed) reuse."""
     if variant == "random":
-        return rng.integers(0, n_vocab, size=s).tolist()
+        tokens: list[int] = rng.integers(0, n_vocab, size=s).tolist()
+        return tokens
     if variant == "repeat":
         return [int(rng.integers(n_vocab))] * s
     pool = rng.integers(0, n_vocab, size=max(1, s // 2)).tolist()
@@ -246,7 +269,8 @@ def batch_sizes(cap: int) -> list[int]:
     return sorted(set([1, 2, 3] + list(range(2, cap + 2, max(1, cap // 4))) + [cap + 1]))
 
 
-def iter_time_steps(rt, k_draft: int, n: int, *, seed: int = 0, context: int = 32):
+def iter_time_steps(rt: LlamaRuntime, k_draft: int, n: int, *, seed: int = 0,
+                    context: int = 32) -> Measurement[tuple[list[float], list[float]]]:
     """Generator: yields (done, n) after each pair of steps; returns (plain seconds, draft seconds) of n
     plain steps and n draft steps (k_draft experts), after warm-up. Leaves the KV cache empty."""
     rng, base = _prepare(rt, seed, context, 2)
@@ -254,7 +278,8 @@ def iter_time_steps(rt, k_draft: int, n: int, *, seed: int = 0, context: int = 3
         for _ in range(2):
             _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)
             _step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft)
-        ar, draft = [], []
+        ar: list[float] = []
+        draft: list[float] = []
         for i in range(n):
             ar.append(_step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)[0])
             draft.append(_step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft)[0])
@@ -264,7 +289,8 @@ def iter_time_steps(rt, k_draft: int, n: int, *, seed: int = 0, context: int = 3
         rt.kv_clear()
 
 
-def iter_resident_draft_steps(rt, k_draft: int, n: int, allowed, *, seed: int = 0, context: int = 32):
+def iter_resident_draft_steps(rt: LlamaRuntime, k_draft: int, n: int, allowed: Callable[[], npt.NDArray[np.bool_]],
+                              *, seed: int = 0, context: int = 32) -> Measurement[list[float]]:
     """Generator like iter_time_steps: returns the seconds of n draft steps (k_draft experts) that read only
     the experts allowed() returns, asked before each step (under a budget: those in memory, so that no step
     fetches). Leaves the KV cache empty."""
@@ -272,7 +298,7 @@ def iter_resident_draft_steps(rt, k_draft: int, n: int, allowed, *, seed: int = 
     try:
         for _ in range(2):
             _step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft, allowed=allowed())
-        seconds = []
+        seconds: list[float] = []
         for i in range(n):
             seconds.append(_step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft, allowed=allowed())[0])
             yield i + 1, n
@@ -281,8 +307,9 @@ def iter_resident_draft_steps(rt, k_draft: int, n: int, allowed, *, seed: int = 
         rt.kv_clear()
 
 
-def iter_verify_samples(rt, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32, sizes=None,
-                        variants=VARIANTS, counter=None):
+def iter_verify_samples(rt: LlamaRuntime, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32,
+                        sizes: Iterable[int] | None = None, variants: Sequence[str] = VARIANTS,
+                        counter: NativePrefetch | None = None) -> Measurement[list[Sample]]:
     """Generator: yields (done, total) per batch configuration; returns [(distinct experts over layers,
     tokens, median seconds)] of verification batches of varied size and reuse. Leaves the KV cache empty.
 
@@ -298,7 +325,7 @@ def iter_verify_samples(rt, cap: int, *, seed: int = 0, repeats: int = 3, contex
             _step(rt, base, rng.integers(0, rt.n_vocab, size=max(sizes)).tolist(), "verify", 1)
         configs = [(s, _batch(rng, rt.n_vocab, s, v)) for s in sizes for v in variants]
         times: list[list[float]] = [[] for _ in configs]
-        misses: list[list[float]] = [[] for _ in configs]
+        misses: list[list[Sample]] = [[] for _ in configs]
         experts = [0.0] * len(configs)
         total, done = len(configs) * repeats, 0
         # Round-robin over the configurations, so that a burst of load from other processes on a busy
@@ -313,19 +340,21 @@ def iter_verify_samples(rt, cap: int, *, seed: int = 0, repeats: int = 3, contex
                 yield done, total
         if counter is not None:  # every run on its own: its misses depend on what the cache held then
             return [(experts[i], s, t, *m) for i, (s, _) in enumerate(configs) for t, m in zip(times[i], misses[i])]
-        samples = [(experts[i], s, float(np.median(times[i]))) for i, (s, _) in enumerate(configs)]
+        samples: list[Sample] = [(experts[i], s, float(np.median(times[i]))) for i, (s, _) in enumerate(configs)]
         return samples
     finally:
         rt.kv_clear()
 
 
-def drive(gen, progress=None, should_stop=None):
+def drive(gen: Measurement[T], progress: Callable[[int, int], object] | None = None,
+          should_stop: Callable[[], bool] | None = None) -> T:
     """Run a measurement generator to its end; report progress; raise Stopped when asked to stop."""
     while True:
         try:
             done, total = next(gen)
         except StopIteration as e:
-            return e.value
+            result: T = e.value
+            return result
         if progress:
             progress(done, total)
         if should_stop is not None and should_stop():
@@ -333,36 +362,42 @@ def drive(gen, progress=None, should_stop=None):
             raise Stopped()
 
 
-def time_steps(rt, k_draft: int, n: int, *, progress=None, should_stop=None, **kw):
+def time_steps(rt: LlamaRuntime, k_draft: int, n: int, *, progress: Callable[[int, int], object] | None = None,
+               should_stop: Callable[[], bool] | None = None, **kw: Any) -> tuple[list[float], list[float]]:
     return drive(iter_time_steps(rt, k_draft, n, **kw), progress, should_stop)
 
 
-def verify_samples(rt, cap: int, *, progress=None, should_stop=None, **kw):
+def verify_samples(rt: LlamaRuntime, cap: int, *, progress: Callable[[int, int], object] | None = None,
+                   should_stop: Callable[[], bool] | None = None, **kw: Any) -> list[Sample]:
     return drive(iter_verify_samples(rt, cap, **kw), progress, should_stop)
 
 
-def measure_cost_constants(rt, k_draft: int, cap: int, **kw):
+def measure_cost_constants(rt: LlamaRuntime, k_draft: int, cap: int,
+                           **kw: Any) -> tuple[CostConstants, list[Sample]]:
     """iter_cost_constants run to its end: (CostConstants, samples)."""
     gen = iter_cost_constants(rt, k_draft, cap, **kw)
     while True:
         try:
             next(gen)
         except StopIteration as e:
-            return e.value
+            measured: tuple[CostConstants, list[Sample]] = e.value
+            return measured
 
 
-def _share(gen, start: float, share: float):
+def _share(gen: Measurement[T], start: float, share: float) -> Generator[float, None, T]:
     """A measurement part's (done, of) as the fraction done of the whole, the part being `share` of it."""
     while True:
         try:
             done, of = next(gen)
         except StopIteration as e:
-            return e.value
+            result: T = e.value
+            return result
         yield start + share * done / of
 
 
-def iter_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32,
-                        draft_allowed=None, seconds: float | None = None):
+def iter_cost_constants(rt: LlamaRuntime, k_draft: int, cap: int, *, seed: int = 0, repeats: int = 3,
+                        context: int = 32, draft_allowed: Callable[[], npt.NDArray[np.bool_]] | None = None,
+                        seconds: float | None = None) -> Generator[float, None, tuple[CostConstants, list[Sample]]]:
     """Generator: yields the fraction done; returns (CostConstants, samples) where samples are (experts,
     tokens, s). Times plain steps, draft steps and verification batches of varied size and reuse on `rt`.
     draft_allowed: under a memory budget, a function returning the experts in memory; draft steps that read
@@ -372,7 +407,8 @@ def iter_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats: i
     the budget reads its experts from storage (seconds a step for gigabytes of experts): the measurement
     then takes fewer repeats and fewer batch shapes (sample_plan), priced from a first plain step.
     Leaves the KV cache empty."""
-    sizes, variants = batch_sizes(cap), VARIANTS
+    sizes = batch_sizes(cap)
+    variants: tuple[str, ...] = VARIANTS
     if seconds is not None:
         repeats, sizes, variants = sample_plan(_first_plain_step(rt, k_draft, seed, context), cap, seconds, repeats)
     verify_share = 0.6 if draft_allowed is None else 0.4
@@ -406,7 +442,8 @@ def iter_cost_constants(rt, k_draft: int, cap: int, *, seed: int = 0, repeats: i
 SHORT_VARIANTS = ("random", "repeat")
 
 
-def sample_plan(step_s: float, cap: int, seconds: float, repeats: int = 3) -> tuple[int, list[int], tuple]:
+def sample_plan(step_s: float, cap: int, seconds: float,
+                repeats: int = 3) -> tuple[int, list[int], tuple[str, ...]]:
     """(repeats, batch sizes, variants) of a cost measurement that takes about `seconds` where a plain step
     takes `step_s`: a repeat costs about 12 steps and each batch shape about two, all three repeats where
     they fit, else one repeat of the fewest shapes that still separate experts from tokens."""
@@ -417,7 +454,7 @@ def sample_plan(step_s: float, cap: int, seconds: float, repeats: int = 3) -> tu
     return 1, sorted({1, 2, cap + 1}), SHORT_VARIANTS
 
 
-def _first_plain_step(rt, k_draft: int, seed: int, context: int) -> float:
+def _first_plain_step(rt: LlamaRuntime, k_draft: int, seed: int, context: int) -> float:
     """The seconds of one plain step after the measurement's context (the second of two: the first builds
     the graph)."""
     rng, base = _prepare(rt, seed + 7, context, 2)
@@ -442,9 +479,9 @@ class ContextFit:
 
     base: int
     contexts: tuple[int, ...]
-    medians: dict        # kind → (seconds per context)
-    level: dict          # kind → seconds at base
-    slope: dict          # kind → seconds per token of context
+    medians: dict[str, tuple[float, ...]]  # kind → (seconds per context)
+    level: dict[str, float]                # kind → seconds at base
+    slope: dict[str, float]                # kind → seconds per token of context
     rows: int
 
     @property
@@ -453,24 +490,27 @@ class ContextFit:
         return max(0.0, (self.slope["verify"] - self.slope["observed"]) / max(1, self.rows - 1))
 
 
-def iter_context_steps(rt, k_draft: int, cap: int, n: int, *, contexts=WORKLOAD_CONTEXTS, seed: int = 0):
+def iter_context_steps(rt: LlamaRuntime, k_draft: int, cap: int, n: int, *,
+                       contexts: Iterable[int] = WORKLOAD_CONTEXTS,
+                       seed: int = 0) -> Measurement[dict[int, dict[str, list[float]]]]:
     """Generator: yields (done, total); returns {context: {kind: [seconds]}} of n steps of each kind
     (CONTEXT_KINDS) after each context length, longer contexts made by extending the shorter one's prefix.
     Leaves the KV cache empty."""
     rng = np.random.default_rng(seed)
     limit = rt.n_ctx - cap - 4
-    contexts = sorted({max(1, min(c, limit)) for c in contexts})
-    out, done, total = {}, 0, len(contexts) * n
+    lengths = sorted({max(1, min(c, limit)) for c in contexts})
+    out: dict[int, dict[str, list[float]]] = {}
+    done, total = 0, len(lengths) * n
     try:
         rt.kv_clear()
         have = 0
-        for c in contexts:
+        for c in lengths:
             if c > have:
                 if rt.hook is not None:
                     rt.hook.off()
                 rt.prefill(rng.integers(0, rt.n_vocab, size=c - have).tolist(), have)
                 have = c
-            times = {}
+            times: dict[str, list[float]] = {}
             for kind in CONTEXT_KINDS:
                 # in a row, as decoding runs a kind of step after the same kind (what the cache holds differs
                 # after a verification of many rows), the first one untimed
@@ -486,17 +526,19 @@ def iter_context_steps(rt, k_draft: int, cap: int, n: int, *, contexts=WORKLOAD_
         rt.kv_clear()
 
 
-def context_line(x, y, base: int) -> tuple[float, float]:
+def context_line(x: npt.ArrayLike, y: npt.ArrayLike, base: int) -> tuple[float, float]:
     """(value at `base`, slope ≥ 0: a falling one is noise) of a least-squares line through (x, y)."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    slope = max(0.0, float(np.polyfit(x, y, 1)[0])) if len(set(x.tolist())) > 1 else 0.0
-    return float(np.mean(y - slope * (x - base))), slope
+    xs, ys = np.asarray(x, float), np.asarray(y, float)
+    slope = max(0.0, float(np.polyfit(xs, ys, 1)[0])) if len(set(xs.tolist())) > 1 else 0.0
+    return float(np.mean(ys - slope * (xs - base))), slope
 
 
-def fit_context(timings: dict, rows: int, base: int) -> ContextFit:
+def fit_context(timings: Mapping[int, Mapping[str, Sequence[float]]], rows: int, base: int) -> ContextFit:
     """Per kind of step, a line through its medians over the contexts, read at `base`."""
     contexts = sorted(timings)
-    medians, level, slope = {}, {}, {}
+    medians: dict[str, tuple[float, ...]] = {}
+    level: dict[str, float] = {}
+    slope: dict[str, float] = {}
     for kind in CONTEXT_KINDS:
         medians[kind] = tuple(float(np.median(timings[c][kind])) for c in contexts)
         level[kind], slope[kind] = context_line(contexts, medians[kind], base)

@@ -11,6 +11,10 @@ import os
 import platform
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import subprocess
 
 
 def default_threads(spare: int = 0) -> int:
@@ -60,7 +64,7 @@ class DeviceSample:
     disk_read_bytes_per_s: float | None    # everything read from that device
     model_cached: tuple[int, int] | None   # (bytes of the model file in the page cache, its size)
     cgroup: dict[str, int] | None          # the budget cgroup: total, anon, file, locked, limit
-    jetson: dict | None                    # jtop or tegrastats: gpu_load (%), temps (°C), power (mW), source
+    jetson: dict[str, Any] | None          # jtop or tegrastats: gpu_load (%), temps (°C), power (mW), source
     process: dict[str, int] | None = None  # this process's memory (/proc/self/status: VmRSS, RssAnon, RssFile, …)
     temps: dict[str, float] | None = None  # °C by thermal zone, where no Jetson source gives temperatures
 
@@ -140,11 +144,11 @@ def thermal_zones(root: str = "/sys/class/thermal") -> dict[str, float]:
     return out
 
 
-def parse_jtop_stats(stats: dict) -> dict:
+def parse_jtop_stats(stats: dict[str, Any]) -> dict[str, Any]:
     """GPU load (%), temperatures (°C; -256 is a sensor that is off) and power rails (mW, the current reading,
     TOT the board's total) from jtop's `stats` dictionary (jetson-stats 4: "GPU", "Temp <sensor>",
     "Power <rail>", "Power TOT"), in parse_tegrastats's shape."""
-    out: dict = {"gpu_load": None, "temps": {}, "power": {}, "source": "jtop"}
+    out: dict[str, Any] = {"gpu_load": None, "temps": {}, "power": {}, "source": "jtop"}
     gpu = stats.get("GPU")
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
         out["gpu_load"] = round(gpu)
@@ -162,7 +166,7 @@ class JtopStats:
     """jetson-stats' jtop service, read through its Python client (the `jtop` package, installed with
     jetson-stats on the Jetson itself, not by s2moe); latest() is its last reading."""
 
-    def __init__(self, client):
+    def __init__(self, client: Any):  # jtop's client: the package has no type information
         self.client = client
 
     @classmethod
@@ -170,7 +174,7 @@ class JtopStats:
         """A client of the running service; None where jetson-stats is not installed or its service does not
         answer (not running, or this user not in its group)."""
         try:
-            from jtop import JtopException, jtop
+            from jtop import JtopException, jtop  # type: ignore[import-not-found]  # only on a Jetson, untyped
         except ImportError:
             return None
         client = jtop(interval=1.0)
@@ -180,7 +184,7 @@ class JtopStats:
             return None
         return cls(client)
 
-    def latest(self) -> dict | None:
+    def latest(self) -> dict[str, Any] | None:
         try:
             if not self.client.ok(spin=True):
                 return None
@@ -197,10 +201,10 @@ _TEMP = re.compile(r"(\w+)@(-?\d+(?:\.\d+)?)C\b")
 _POWER = re.compile(r"\b((?:VDD|POM|VIN)_\w+) (\d+)(?:mW)?/(\d+)(?:mW)?")
 
 
-def parse_tegrastats(line: str) -> dict:
+def parse_tegrastats(line: str) -> dict[str, Any]:
     """GPU load (%), temperatures (°C, sensors that read -256 are off) and power rails (mW, the current
     reading) from one line of Jetson's tegrastats."""
-    out: dict = {"gpu_load": None, "temps": {}, "power": {}, "source": "tegrastats"}
+    out: dict[str, Any] = {"gpu_load": None, "temps": {}, "power": {}, "source": "tegrastats"}
     m = _GR3D.search(line)
     if m:
         out["gpu_load"] = int(m.group(1))
@@ -215,11 +219,11 @@ def parse_tegrastats(line: str) -> dict:
 class TegraStats:
     """Jetson's tegrastats, run in the background at one line a second; latest() is the last line read."""
 
-    def __init__(self, proc):
+    def __init__(self, proc: subprocess.Popen[str]):
         import threading
 
         self.proc = proc
-        self._latest: dict | None = None
+        self._latest: dict[str, Any] | None = None
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
@@ -241,10 +245,11 @@ class TegraStats:
         return cls(proc)
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None  # started with its output piped here
         for line in self.proc.stdout:
             self._latest = parse_tegrastats(line)
 
-    def latest(self) -> dict | None:
+    def latest(self) -> dict[str, Any] | None:
         return self._latest
 
     def stop(self) -> None:

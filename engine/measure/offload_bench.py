@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from typing import Any
 
 from ..errors import ConfigError, S2MoEError
 from ..files import write_atomic
@@ -62,7 +64,7 @@ ARMS = {
 }
 
 
-def _worker(cfg: dict) -> int:
+def _worker(cfg: dict[str, Any]) -> int:
     import numpy as np
 
     from ..decoding.decoder import Decoder, GenerationConfig
@@ -114,7 +116,7 @@ def _worker(cfg: dict) -> int:
 PROBE_PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
 
-def _run_arm(model, budget: int, cfg) -> dict:
+def _run_arm(model: str | os.PathLike[str], budget: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import subprocess
 
     from ..offload import Budget, run_in_budget
@@ -126,10 +128,11 @@ def _run_arm(model, budget: int, cfg) -> dict:
         if run.proc.returncode != 0:
             return {"error": (err.strip().splitlines() or [f"exit {run.proc.returncode}"])[-1],
                     "oom": run.cgroup.oom_kills()}
-    return json.loads(out.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
 
 
-def auto_budget(model, threads=None) -> int:
+def auto_budget(model: str | os.PathLike[str], threads: int | None = None) -> int:
     """The offloaded regime's budget (offload.auto_budget_bytes), measured in a child that decoded a few
     tokens with the non-expert weights and library code pinned and no limit."""
     base = dict(model=str(model), threads=threads, tokens=4, draft_max=4, hot=[], prompts=[PROBE_PROMPT])
@@ -139,7 +142,7 @@ def auto_budget(model, threads=None) -> int:
     return int(probe["auto_budget"])
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker")
     ap.add_argument("--model")
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
         return 2
 
 
-def _compare(a) -> int:
+def _compare(a: argparse.Namespace) -> int:
     from .bench import load_prompts
     from ..model_info import read_model_info
     from ..offload import expert_map, fmt_bytes, parse_size
@@ -192,7 +195,7 @@ def _compare(a) -> int:
           f"{fmt_bytes(emap.non_expert_bytes)}; budget {fmt_bytes(budget)}; hot experts in profile {len(hot)}",
           file=sys.stderr)
     arms = a.arms.split(",")
-    results: dict[str, list] = {k: [] for k in arms}
+    results: dict[str, list[dict[str, Any]]] = {k: [] for k in arms}
     for r in range(a.rounds):
         order = arms[r % len(arms):] + arms[: r % len(arms)]
         for arm in order:
@@ -211,7 +214,7 @@ def _compare(a) -> int:
         ok = [x["tok_s"] for x in runs if "error" not in x]
         summary[arm] = {"median_tok_s": statistics.median(ok) if ok else None, "runs": ok}
 
-    def ratio(x, y):
+    def ratio(x: str, y: str) -> tuple[float | None, list[float]]:
         """Median over rounds of per-round ratios (each pair ran back to back)."""
         rs = [p["tok_s"] / q["tok_s"] for p, q in zip(results.get(x, []), results.get(y, []))
               if "error" not in p and "error" not in q and q["tok_s"] > 0]

@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -25,11 +26,12 @@ from ..decoding.runtime import DEFAULT_BATCH, LlamaRuntime
 
 def plain_decoding(model: str, prompts: list[str], n_tokens: int, *, n_threads: int | None = None,
                    n_ctx: int = 2048, repack: bool = True, placement: Placement = Placement(),
-                   n_batch: int = DEFAULT_BATCH) -> dict:
+                   n_batch: int = DEFAULT_BATCH) -> dict[str, Any]:
     """Greedy decoding of n_tokens per prompt; the decode time (without prefill) and the tokens."""
     rt = LlamaRuntime(read_model_info(model), n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, install_hook=False,
                       use_extra_bufts=repack, placement=placement)
-    seconds, tokens = 0.0, []
+    seconds = 0.0
+    tokens: list[list[int]] = []
     try:
         for prompt in prompts:
             ids = rt.tokenize(prompt)
@@ -37,7 +39,8 @@ def plain_decoding(model: str, prompts: list[str], n_tokens: int, *, n_threads: 
             rt.kv_clear()
             for i in range(0, len(head), rt.n_batch):
                 rt.decode(head[i : i + rt.n_batch], i, "none")
-            out, pending, pos = [], ids[-1], len(ids) - 1
+            out: list[int] = []
+            pending, pos = ids[-1], len(ids) - 1
             t0 = time.perf_counter()
             for _ in range(n_tokens):
                 logits = rt.decode([pending], pos, "last")[0]
@@ -52,7 +55,7 @@ def plain_decoding(model: str, prompts: list[str], n_tokens: int, *, n_threads: 
     return {"n_tokens": n, "seconds": seconds, "tok_per_s": n / seconds if seconds > 0 else 0.0, "tokens": tokens}
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from .bench import load_prompts
     from ..files import write_atomic
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
 
 from ..errors import S2MoEError
 from ..events import CostConstants
@@ -22,11 +24,11 @@ _MAX_BYTES = 4 << 20
 _KEEP = 64  # entries: one per model, budget and setting a user runs
 
 
-def _file():
+def _file() -> Path:
     return state_dir() / "startup-costs.json"
 
 
-def _entries() -> dict:
+def _entries() -> dict[str, Any]:
     try:
         entries = read_json(_file(), "record", _MAX_BYTES)
     except S2MoEError:  # a record that cannot be read is measured again, not reported

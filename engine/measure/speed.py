@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 MIN_PAIRS = 3
 # a run whose modified z-score (0.6745 × distance from the median ÷ median absolute deviation) passes this is an
@@ -122,11 +122,11 @@ class Load:
             return self.other_cpus >= BUSY_CPUS
         return self.load_at_start is not None and self.load_at_start >= BUSY_LOAD_SHARE * self.cpus
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping | None) -> "Load | None":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "Load | None":
         if not d:
             return None
         return cls(int(d["cpus"]), d.get("load_at_start"), d.get("other_cpus"),
@@ -180,7 +180,7 @@ class LoadWatch:
     """Started before a measurement, stopped after it: what other processes (not this one, nor those it
     started) used of the CPUs meanwhile. `proc` is the proc file system (a folder of the same shape in tests)."""
 
-    def __init__(self, proc: str | os.PathLike = "/proc", clock=None):
+    def __init__(self, proc: str | os.PathLike[str] = "/proc", clock: Callable[[], float] | None = None):
         import time
 
         self.proc = Path(proc)

@@ -29,15 +29,26 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
+from ..decoding.hook import Routing
 from ..errors import ConfigError
 from ..events import Finished, ForcedDraft, Iteration, Prefilled, Started
 from ..files import check_writable, parse_json, read_bounded, write_atomic
 from ..modes import DRAFT_EXPERTS
+
+if TYPE_CHECKING:
+    from ..model_info import ModelInfo
+    from ..offload import Offloader
+
+# [n_layer, k] expert ids of one token (-1: none), or a stack of them
+Ids = npt.NDArray[np.int64]
 
 TRACE_VERSION = 1
 OPTIONAL_HEADER_FIELDS = ("cost", "budget", "draft_experts", "prompt")  # absent: their defaults
@@ -64,10 +75,10 @@ class TraceHeader:
     conf_p_min: float
     temperature: float
     prompt_tokens: int
-    cost: dict | None = None  # the constants the rule decided with (CostConstants fields, seconds)
+    cost: dict[str, Any] | None = None  # the constants the rule decided with (CostConstants fields, seconds)
     # under a memory budget: {"auto": bool, "budget_bytes", "hot_bytes", "cache_bytes", "pinned": [[layer, expert]…]},
     # and where bench read the disk around that budget, "storage": {"qd1_gb_s", "qd8_gb_s", "readings"}
-    budget: dict | None = None
+    budget: dict[str, Any] | None = None
     # what the draft passes read (GenerationConfig.draft_experts): "router", its top k_d, fetched where missing;
     # "resident", only experts in memory, so that they fetch nothing. Not recorded before the router's became
     # the default: such a trace reads as "router", though under a budget it drafted from resident experts.
@@ -82,7 +93,7 @@ class Drafted:
     token: int
     prob: float               # draft probability of the token
     chain: float              # product of draft probabilities up to it
-    predicted: np.ndarray     # [n_layer, k] the target experts its draft pass routed it to
+    predicted: Ids            # [n_layer, k] the target experts its draft pass routed it to
 
 
 @dataclass(frozen=True)
@@ -90,9 +101,9 @@ class TraceStep:
     committed: tuple[int, ...]
     accepted: int                    # drafted tokens the target accepted
     drafted: tuple[Drafted, ...]     # the whole chain, to the cap
-    pending: np.ndarray | None       # [n_layer, k] the pending token's predicted experts (None: no draft)
-    rows: np.ndarray                 # [rows, n_layer, k] the verification's router's choice per row
-    gated: np.ndarray                # [rows, n_layer, k] what the verification read (== rows without gating)
+    pending: Ids | None              # [n_layer, k] the pending token's predicted experts (None: no draft)
+    rows: Ids                        # [rows, n_layer, k] the verification's router's choice per row
+    gated: Ids                       # [rows, n_layer, k] what the verification read (== rows without gating)
     t_draft: float
     t_verify: float
     would: ForcedDraft | None = None     # what the mode's own rule would have done
@@ -112,7 +123,7 @@ class Trace:
     prefill: float = 0.0      # seconds of the prompt's prefill
 
 
-    def with_budget(self, budget: dict | None) -> "Trace":
+    def with_budget(self, budget: dict[str, Any] | None) -> Trace:
         return replace(self, header=replace(self.header, budget=budget))
 
 
@@ -120,20 +131,20 @@ class Trace:
 class TraceRecorder:
     """Builds a Trace from the events of a traced generation (GenerationConfig.trace) of the model `info`."""
 
-    def __init__(self, info):
+    def __init__(self, info: ModelInfo):
         self.fingerprint = info.fingerprint
         self.expert_bytes, self.non_expert_bytes = model_sizes(info.path)
         self.trace: Trace | None = None
         self._left: float | None = None  # when the previous event's handling here ended
 
-    def add(self, event) -> None:
+    def add(self, event: object) -> None:
         arrived = time.perf_counter()
         self._add(event, arrived)
         # the loop's own time per iteration is what passes between events outside this recorder, the draft
         # passes and the verification
         self._left = time.perf_counter()
 
-    def _add(self, event, arrived: float) -> None:
+    def _add(self, event: object, arrived: float) -> None:
         if isinstance(event, Started):
             c = event.config
             if not c.get("trace"):
@@ -148,13 +159,19 @@ class TraceRecorder:
                 prompt_tokens=len(event.prompt_tokens),
                 cost=None if event.cost is None else {k: v for k, v in asdict(event.cost).items()},
                 draft_experts=c.get("draft_experts") or "router", prompt=tuple(event.prompt_tokens)))
-        elif isinstance(event, Prefilled):
-            self.trace.prefill = event.seconds
+            return
+        if not isinstance(event, (Prefilled, Iteration, Finished)):
+            return
+        trace = self.trace
+        if trace is None:
+            raise ValueError("a trace starts with its generation's Started event")
+        if isinstance(event, Prefilled):
+            trace.prefill = event.seconds
         elif isinstance(event, Iteration):
             host = 0.0 if self._left is None else max(0.0, arrived - self._left - event.t_draft - event.t_verify)
-            self.trace.steps.append(replace(_step(event, self.trace.header), t_host=host))
-        elif isinstance(event, Finished):
-            self.trace.n_tokens, self.trace.seconds, self.trace.stop = event.n_tokens, event.seconds, event.stop_reason
+            trace.steps.append(replace(_step(event, trace.header), t_host=host))
+        else:
+            trace.n_tokens, trace.seconds, trace.stop = event.n_tokens, event.seconds, event.stop_reason
 
 
 def _step(ev: Iteration, h: TraceHeader) -> TraceStep:
@@ -167,6 +184,7 @@ def _step(ev: Iteration, h: TraceHeader) -> TraceStep:
         rows = np.full((n_rows,) + shape, -1, np.int64)
         gated = rows
     else:
+        assert isinstance(r, Routing)  # what the decoder records there
         seen = np.arange(n_rows)[None, :] < r.rows[:, None]            # [n_layer, rows]
         rows = np.where(seen[:, :, None], r.orig[:, :n_rows], -1).transpose(1, 0, 2)
         gated = np.where(seen[:, :, None], r.used[:, :n_rows], -1).transpose(1, 0, 2)
@@ -177,12 +195,14 @@ def _step(ev: Iteration, h: TraceHeader) -> TraceStep:
                      rows.astype(np.int64), gated.astype(np.int64), ev.t_draft, ev.t_verify, ev.forced, *misses)
 
 
-def _ids(a, shape) -> np.ndarray:
+def _ids(a: npt.ArrayLike | None, shape: tuple[int, int]) -> Ids:
+    if a is None:  # trace modes draft with the model's own experts, whose passes always route
+        raise ValueError("a traced draft has no predicted experts")
     a = np.asarray(a, np.int64)
     return np.where(a >= 0, a, -1).reshape(shape)
 
 
-def model_sizes(path) -> tuple[float, int]:
+def model_sizes(path: str | os.PathLike[str]) -> tuple[float, int]:
     """(bytes of one expert, mean over MoE layers; bytes of everything else) of a GGUF MoE model."""
     from ..offload import expert_map
 
@@ -192,11 +212,11 @@ def model_sizes(path) -> tuple[float, int]:
 
 
 # -- writing ---------------------------------------------------------------------------------------------
-def _dtype(n_expert: int):
+def _dtype(n_expert: int) -> np.dtype[np.unsignedinteger[Any]]:
     return np.dtype("<u1") if n_expert < 255 else np.dtype("<u2")
 
 
-def _encode(ids: np.ndarray, n_expert: int) -> str:
+def _encode(ids: Ids, n_expert: int) -> str:
     dt = _dtype(n_expert)
     sentinel = np.iinfo(dt).max
     return base64.b64encode(np.where(ids >= 0, ids, sentinel).astype(dt).tobytes()).decode("ascii")
@@ -206,7 +226,9 @@ def dumps(trace: Trace) -> str:
     h = trace.header
     lines = [json.dumps({"s2moe_trace": TRACE_VERSION, **asdict(h)})]
     for s in trace.steps:
-        enc = lambda a: _encode(a, h.n_expert)  # noqa: E731
+        def enc(a: Ids) -> str:
+            return _encode(a, h.n_expert)
+
         gated = [None if np.array_equal(g, r) else enc(g) for r, g in zip(s.rows, s.gated)]
         lines.append(json.dumps({
             "committed": list(s.committed), "accepted": s.accepted,
@@ -221,7 +243,7 @@ def dumps(trace: Trace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_trace(path: str | os.PathLike, trace: Trace) -> None:
+def write_trace(path: str | os.PathLike[str], trace: Trace) -> None:
     """Write atomically (files.write_atomic): an interruption leaves the old file or the new one, never half of
     one."""
     write_atomic(path, dumps(trace), "trace")
@@ -232,13 +254,13 @@ class _Bad(Exception):
     pass
 
 
-def _int(v, what: str, lo: int = 0) -> int:
+def _int(v: object, what: str, lo: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise _Bad(f"{what} must be a whole number ≥ {lo}, got {_shown(v)}")
     return v
 
 
-def _num(v, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
+def _num(v: object, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
     try:
         # an integer of a few thousand digits is JSON too: beyond a float, and math.isfinite cannot take it
         x = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
@@ -249,13 +271,13 @@ def _num(v, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
     return x
 
 
-def _shown(v) -> str:
+def _shown(v: object) -> str:
     """A value in an error's one line: a list or a number of thousands of characters, cut."""
     text = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"a number of {len(str(abs(v)))} digits"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _decode(text, h: TraceHeader, what: str) -> np.ndarray:
+def _decode(text: object, h: TraceHeader, what: str) -> Ids:
     if not isinstance(text, str):
         raise _Bad(f"{what} must be base64 text")
     try:
@@ -272,7 +294,7 @@ def _decode(text, h: TraceHeader, what: str) -> np.ndarray:
     return a
 
 
-def _header(obj) -> TraceHeader:
+def _header(obj: object) -> TraceHeader:
     if not isinstance(obj, dict) or obj.get("s2moe_trace") != TRACE_VERSION:
         raise _Bad(f"not an s2moe trace (version {TRACE_VERSION}): the first line must carry \"s2moe_trace\"")
     names = [f for f in TraceHeader.__dataclass_fields__]
@@ -330,7 +352,7 @@ def _header(obj) -> TraceHeader:
     return TraceHeader(**{**fields, "prompt": prompt})
 
 
-def _iteration(obj, h: TraceHeader) -> TraceStep:
+def _iteration(obj: object, h: TraceHeader) -> TraceStep:
     if not isinstance(obj, dict):
         raise _Bad("expected an object")
     for key in ("committed", "accepted", "drafted", "pending", "rows", "gated", "t_draft", "t_verify"):
@@ -381,7 +403,7 @@ def _iteration(obj, h: TraceHeader) -> TraceStep:
                      _num(obj.get("t_host", 0.0), "field t_host"))
 
 
-def read_trace(path: str | os.PathLike) -> Trace:
+def read_trace(path: str | os.PathLike[str]) -> Trace:
     """A trace file, checked line by line; ConfigError naming the file (as given: a folder's file with the
     folder) and line of the first problem."""
     path = Path(path)
@@ -425,9 +447,9 @@ def read_trace(path: str | os.PathLike) -> Trace:
     return trace
 
 
-def trace_files(paths) -> list[Path]:
+def trace_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
     """The trace files named: files as given, folders as their *.jsonl files in name order."""
-    out = []
+    out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
             found = sorted(p.glob("*.jsonl"))
@@ -439,7 +461,7 @@ def trace_files(paths) -> list[Path]:
     return out
 
 
-def check_trace_path(path: str | os.PathLike) -> Path:
+def check_trace_path(path: str | os.PathLike[str]) -> Path:
     """Where a trace will be written, checked before minutes of decoding: its folder exists and takes a new
     file (files.check_writable), it is no folder."""
     path = Path(path)
@@ -451,7 +473,7 @@ def check_trace_path(path: str | os.PathLike) -> Path:
     return path
 
 
-def record_storage(paths, storage: dict) -> None:
+def record_storage(paths: Iterable[str | os.PathLike[str]], storage: dict[str, Any]) -> None:
     """Add to traces recorded under a budget the disk as read around their run ({"qd1_gb_s", "qd8_gb_s",
     "readings"}), so that a replay on the same device can price a fetch at the disk of that day."""
     for path in paths:
@@ -460,7 +482,7 @@ def record_storage(paths, storage: dict) -> None:
             write_trace(path, trace.with_budget({**trace.header.budget, "storage": storage}))
 
 
-def budget_record(offloader, hot_ranked, auto: bool) -> dict | None:
+def budget_record(offloader: Offloader, hot_ranked: Sequence[Sequence[int]], auto: bool) -> dict[str, Any] | None:
     """What a trace recorded under a memory budget keeps of it: the plan and the hot experts pinned (the same
     selection offload_decoder pins)."""
     from ..offload import rank_counts, select_hot_experts
@@ -468,7 +490,7 @@ def budget_record(offloader, hot_ranked, auto: bool) -> dict | None:
     plan = offloader.plan
     if plan is None:
         return None
-    pinned = []
+    pinned: list[list[int]] = []
     if hot_ranked and plan.hot_bytes > 0:
         emap = offloader.emap
         pinned = [list(p) for p in select_hot_experts(rank_counts(hot_ranked, emap), emap.expert_bytes, plan.hot_bytes)]

@@ -79,9 +79,10 @@ def prefill_batch_room() -> int | None:
     it runs under where that has a size; None (no limit) outside a budget and under auto, which is sized around
     the process as it is."""
     inside = current_budget()
-    if inside is None or inside[1].auto:
+    size = None if inside is None else inside[1].size  # None: no budget, or auto
+    if size is None:
         return None
-    return int(inside[1].size * PREFILL_BUFFER_SHARE)
+    return int(size * PREFILL_BUFFER_SHARE)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
 from .libc import dies_with_parent
@@ -208,7 +210,7 @@ class MemoryCgroup:
                 return int(line.split()[1])
         return 0
 
-    def popen(self, argv, budget: str, **kw) -> subprocess.Popen:
+    def popen(self, argv: Sequence[str], budget: str, **kw: Any) -> subprocess.Popen[Any]:  # text or bytes: kw
         """Start argv inside this cgroup (the shell joins it, then execs argv: all its memory counts).
         `budget` ("auto" or bytes) tells the process what it was started with (current_budget).
         The process dies with the thread that calls this (libc.dies_with_parent), which must therefore wait

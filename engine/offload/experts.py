@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ModelError
 
@@ -25,7 +28,7 @@ class ExpertMap:
     file_bytes: int
     n_layer: int
     n_expert: int
-    ranges: np.ndarray                     # [n_layer, n_expert, n_parts, 2] int64
+    ranges: npt.NDArray[np.int64]          # [n_layer, n_expert, n_parts, 2] int64
     parts: tuple[tuple[str, ...], ...]     # per layer: names of its expert tensors
     non_expert: tuple[tuple[int, int], ...]  # (offset, length) of every other tensor
     moe_layers: tuple[int, ...]
@@ -39,9 +42,10 @@ class ExpertMap:
         return [r for r, n in zip(self.non_expert, names) if not (untied and n == "token_embd.weight")]
 
     @property
-    def expert_bytes(self) -> np.ndarray:
+    def expert_bytes(self) -> npt.NDArray[np.int64]:
         """[n_layer] bytes of one expert of each layer (0 for a layer without experts)."""
-        return self.ranges[:, 0, :, 1].sum(axis=1)
+        per_layer: npt.NDArray[np.int64] = self.ranges[:, 0, :, 1].sum(axis=1)
+        return per_layer
 
     @property
     def total_expert_bytes(self) -> int:
@@ -55,7 +59,7 @@ class ExpertMap:
         return [(int(o), int(n)) for o, n in self.ranges[layer, expert] if n > 0]
 
 
-def expert_map(path: str | os.PathLike) -> ExpertMap:
+def expert_map(path: str | os.PathLike[str]) -> ExpertMap:
     from ..model_info import gguf_reader
 
     path = Path(path)
@@ -63,9 +67,9 @@ def expert_map(path: str | os.PathLike) -> ExpertMap:
         reader = gguf_reader(path)
     except Exception:
         raise ModelError(f"damaged or truncated GGUF: {path}") from None
-    by_layer: dict[int, list] = {}
-    non_expert = []
-    names = []
+    by_layer: dict[int, list[Any]] = {}  # gguf's ReaderTensor
+    non_expert: list[tuple[int, int]] = []
+    names: list[str] = []
     n_expert = 0
     for t in reader.tensors:
         m = re.match(r"blk\.(\d+)\.", t.name)
@@ -95,15 +99,18 @@ def expert_map(path: str | os.PathLike) -> ExpertMap:
 
 
 # -- hot experts -----------------------------------------------------------------------------------------
-def select_hot_experts(counts: np.ndarray, expert_bytes, budget_bytes: int) -> list[tuple[int, int]]:
+def select_hot_experts(counts: npt.ArrayLike, expert_bytes: float | npt.NDArray[np.integer[Any]],
+                       budget_bytes: int) -> list[tuple[int, int]]:
     """Most-routed experts first, as many as fit in budget_bytes. counts: [n_layer, n_expert] routing
     frequencies; expert_bytes: bytes of one expert (scalar or per layer). Experts never routed are skipped."""
-    counts = np.asarray(counts, dtype=np.float64)
-    n_layer, n_expert = counts.shape
+    frequencies = np.asarray(counts, dtype=np.float64)
+    n_layer, n_expert = frequencies.shape
     size = np.broadcast_to(np.asarray(expert_bytes, dtype=np.int64).reshape(-1, 1) if np.ndim(expert_bytes)
                            else np.int64(expert_bytes), (n_layer, n_expert))
-    order = sorted(((-counts[l, e], l, e) for l in range(n_layer) for e in range(n_expert) if counts[l, e] > 0))
-    out, used = [], 0
+    order = sorted(((-frequencies[l, e], l, e) for l in range(n_layer) for e in range(n_expert)
+                    if frequencies[l, e] > 0))
+    out: list[tuple[int, int]] = []
+    used = 0
     for _, layer, expert in order:
         b = int(size[layer, expert])
         if b <= 0 or used + b > budget_bytes:
@@ -113,7 +120,7 @@ def select_hot_experts(counts: np.ndarray, expert_bytes, budget_bytes: int) -> l
     return out
 
 
-def rank_counts(ranked, emap: ExpertMap) -> np.ndarray:
+def rank_counts(ranked: Sequence[Sequence[int]], emap: ExpertMap) -> npt.NDArray[np.float64]:
     """Pseudo-counts that keep a ranked [layer, expert] list's order (most routed first)."""
     counts = np.zeros((emap.n_layer, emap.n_expert))
     n = len(ranked)

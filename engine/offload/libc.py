@@ -15,7 +15,7 @@ PR_SET_PDEATHSIG = 1
 
 
 class _Libc:
-    def __init__(self):
+    def __init__(self) -> None:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         lib.mmap.restype = vp
@@ -68,7 +68,7 @@ def dies_with_parent(parent_pid: int) -> Callable[[], None]:
     return in_child
 
 
-def drop_file_cache(path: str | os.PathLike) -> None:
+def drop_file_cache(path: str | os.PathLike[str]) -> None:
     """posix_fadvise(DONTNEED) on the whole file: drops its pages that no process has mapped."""
     fd = os.open(str(path), os.O_RDONLY)
     try:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Iterable
 
 import numpy as np
+import numpy.typing as npt
 
 from .experts import ExpertMap
 from .libc import MADV_DONTNEED, MADV_RANDOM, MADV_WILLNEED, MAP_SHARED, PROT_READ, libc
@@ -25,7 +27,7 @@ class ModelMapping:
         self.emap = emap
         self.size = emap.file_bytes
         self.c = libc()
-        self.fd = os.open(str(emap.path), os.O_RDONLY)
+        self.fd: int | None = os.open(str(emap.path), os.O_RDONLY)
         addr = self.c.lib.mmap(None, self.size, PROT_READ, MAP_SHARED, self.fd, 0)
         if addr is None or addr == ctypes.c_void_p(-1).value:
             e = ctypes.get_errno()
@@ -83,7 +85,7 @@ class ModelMapping:
             vec = (ctypes.c_ubyte * pages)()
             if self.c.lib.mincore(a, n, vec) != 0:
                 continue
-            res = np.frombuffer(vec, dtype=np.uint8) & 1
+            res = np.frombuffer(memoryview(vec), dtype=np.uint8) & 1
             edges = np.flatnonzero(np.diff(np.concatenate([[0], res, [0]])))
             for start, stop in zip(edges[::2], edges[1::2]):
                 total += self.lock_address(a + int(start) * PAGE, int(stop - start) * PAGE)
@@ -97,10 +99,10 @@ class ModelMapping:
             pages = (n + PAGE - 1) // PAGE
             vec = (ctypes.c_ubyte * pages)()
             if c.lib.mincore(a, n, vec) == 0:
-                total += int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * PAGE
+                total += int((np.frombuffer(memoryview(vec), dtype=np.uint8) & 1).sum()) * PAGE
         return total
 
-    def pin_experts(self, pairs) -> int:
+    def pin_experts(self, pairs: Iterable[tuple[int, int]]) -> int:
         """mlock these experts' ranges. Read in exactly (WILLNEED), then locked with read-around off: a
         fault in ours would otherwise read the device's whole window (MiBs) of neighbouring experts in
         large folios, which stay in memory beside the expert cache, uncounted, and which no expert's
@@ -163,13 +165,13 @@ class ModelMapping:
             total += m
         return total
 
-    def pages(self) -> np.ndarray:
+    def pages(self) -> npt.NDArray[np.uint8]:
         """Page-cache residency of every page of the file (1 = resident)."""
         rc = self.c.lib.mincore(self.addr, self.size, self._vec)
         self.c.check(rc, "mincore")
-        return np.frombuffer(self._vec, dtype=np.uint8) & 1
+        return np.frombuffer(memoryview(self._vec), dtype=np.uint8) & np.uint8(1)
 
-    def expert_residency(self, pages: np.ndarray | None = None) -> np.ndarray:
+    def expert_residency(self, pages: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.float64]:
         """[n_layer, n_expert] fraction of each expert's pages that are resident."""
         pages = self.pages() if pages is None else pages
         cs = np.concatenate([[0], np.cumsum(pages, dtype=np.int64)])
@@ -184,7 +186,7 @@ class ModelMapping:
         return float(pages[p0:p1].mean()) if p1 > p0 else 0.0
 
     @property
-    def pinned(self) -> np.ndarray:
+    def pinned(self) -> npt.NDArray[np.bool_]:
         return self._pinned.copy()
 
     def close(self) -> None:
@@ -192,11 +194,12 @@ class ModelMapping:
             self.unpin_all()
             self.c.lib.munmap(self.addr, self.size)
             self.addr = 0
-        if getattr(self, "fd", None) is not None:
-            os.close(self.fd)
+        fd = getattr(self, "fd", None)  # absent where __init__ failed before opening the file
+        if fd is not None:
+            os.close(fd)
             self.fd = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import ctypes
+from _ctypes import CFuncPtr
 
 import numpy as np
+import numpy.typing as npt
 
 from .mapping import ModelMapping
+
+
+def _address(fn: CFuncPtr) -> int:
+    """Where a C function of a loaded library is, for native code to call it."""
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    if address is None:  # a symbol the library resolved is never at 0
+        raise OSError("a native function has no address")
+    return address
 
 
 class NativePrefetch:
@@ -81,7 +91,7 @@ class NativePrefetch:
         self._advise = bool(on)
         self.lib.s2_prefetch_configure(self.handle, int(on), self.misses.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
 
-    def set_ahead(self, mask: np.ndarray | None) -> None:
+    def set_ahead(self, mask: npt.ArrayLike | None) -> None:
         """The experts [n_layer, n_expert] the coming decode is predicted to read (None: no prediction):
         as each layer routes, the next layer's are asked for too."""
         if mask is None:
@@ -95,11 +105,11 @@ class NativePrefetch:
         """Start counting misses for the next decode (Decoder.miss_counter)."""
         self.misses[:] = 0
 
-    def counted(self) -> np.ndarray:
+    def counted(self) -> npt.NDArray[np.int32]:
         """[n_layer] experts the decode since begin() read that were not wholly in memory as it routed."""
         return self.misses.copy()
 
-    def resident(self, mask: np.ndarray) -> np.ndarray:
+    def resident(self, mask: npt.ArrayLike) -> npt.NDArray[np.bool_]:
         """[n_layer, n_expert] bool: of the experts set in mask, those whose every page is in memory."""
         m = np.ascontiguousarray(mask, dtype=np.uint8)
         out = np.zeros(self._shape, np.uint8)
@@ -109,13 +119,13 @@ class NativePrefetch:
 
     @property
     def layer_fn_address(self) -> int:
-        return ctypes.cast(self.lib.s2_prefetch_layer, ctypes.c_void_p).value
+        return _address(self.lib.s2_prefetch_layer)
 
     @property
     def stage_fn_address(self) -> int:
         """s2_prefetch_stage(handle, layer, kind, ask): the routing hook's call as a layer's up, gate, down
         matmuls run."""
-        return ctypes.cast(self.lib.s2_prefetch_stage, ctypes.c_void_p).value
+        return _address(self.lib.s2_prefetch_stage)
 
     def set_stages(self, kind_part: tuple[int, int, int] | None, room: int | None, stream: bool = False) -> None:
         """Ask for a layer's parts in the order its matmuls run (learned from the routing hook's stage calls),
@@ -151,16 +161,16 @@ class NativePrefetch:
     def predict_fn_address(self) -> int:
         """s2_prefetch_predicted(handle, layer, ids, n): the routing hook's pre-gating call with the experts a
         later layer's router predicts for it."""
-        return ctypes.cast(self.lib.s2_prefetch_predicted, ctypes.c_void_p).value
+        return _address(self.lib.s2_prefetch_predicted)
 
-    def predicted(self, layer: int, ids) -> int:
+    def predicted(self, layer: int, ids: npt.ArrayLike) -> int:
         """As the routing hook's pre-gating calls it: ask for the experts among ids predicted for layer that
         are not in memory. Returns how many were asked for."""
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        asked = np.ascontiguousarray(ids, dtype=np.int32)
         return int(self.lib.s2_prefetch_predicted(self.handle, int(layer),
-                                                  ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(ids)))
+                                                  asked.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(asked)))
 
-    def pregate_stats(self) -> dict:
+    def pregate_stats(self) -> dict[str, int]:
         """Experts pre-gating read (and bytes), of them those their layer then used and those it did not
         (read for nothing: a wrong guess, which enters the kept cache at its least recent end)."""
         out = (ctypes.c_int64 * 6)()
@@ -171,14 +181,14 @@ class NativePrefetch:
     @property
     def resident_fn_address(self) -> int:
         """s2_prefetch_expert_resident(handle, layer, expert): the routing hook's live residency question."""
-        return ctypes.cast(self.lib.s2_prefetch_expert_resident, ctypes.c_void_p).value
+        return _address(self.lib.s2_prefetch_expert_resident)
 
-    def layer(self, layer: int, ids) -> int:
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
+    def layer(self, layer: int, ids: npt.ArrayLike) -> int:
+        routed = np.ascontiguousarray(ids, dtype=np.int32)
         return int(self.lib.s2_prefetch_layer(self.handle, int(layer),
-                                              ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(ids)))
+                                              routed.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(routed)))
 
-    def mask(self, mask: np.ndarray) -> int:
+    def mask(self, mask: npt.ArrayLike) -> int:
         m = np.ascontiguousarray(mask, dtype=np.uint8)
         return int(self.lib.s2_prefetch_mask(self.handle, m.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))))
 
@@ -190,7 +200,7 @@ class NativePrefetch:
             raise OSError(f"cannot start {workers} expert reader threads on {self.mapping.emap.path}")
         self.fetching = True
 
-    def want(self, mask: np.ndarray) -> None:
+    def want(self, mask: npt.ArrayLike) -> None:
         """The experts [n_layer, n_expert] newly predicted for the coming verification (the first call after
         a verification starts the next proposal's list)."""
         m = np.ascontiguousarray(mask, dtype=np.uint8)
@@ -200,7 +210,7 @@ class NativePrefetch:
         """From now on the layers the routing hook reports are the verification's progress."""
         self.lib.s2_fetch_verify(self.handle)
 
-    def fetch_stats(self) -> dict:
+    def fetch_stats(self) -> dict[str, float]:
         """Experts the reader threads read, found already in memory, or never reached before their layer
         passed; bytes read and seconds spent reading (summed over threads)."""
         out = (ctypes.c_int64 * 4)()
@@ -209,14 +219,15 @@ class NativePrefetch:
         return {"read": int(out[0]), "resident": int(out[1]), "late": int(out[2]), "bytes": int(out[3]),
                 "seconds": float(seconds.value)}
 
-    def fetch_taken_at(self) -> np.ndarray:
+    def fetch_taken_at(self) -> npt.NDArray[np.int32]:
         """[n_layer, n_expert]: how many layers the verification had routed when a reader thread took each
         expert (-1: before the verification started; -2: not taken since it was wanted)."""
         out = np.full(self._shape, -2, np.int32)
         self.lib.s2_fetch_taken_at(self.handle, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
         return out
 
-    def keep_cache(self, llama_addr: int, file_lo: int, file_hi: int, capacity: int, pinned: np.ndarray) -> None:
+    def keep_cache(self, llama_addr: int, file_lo: int, file_hi: int, capacity: int,
+                   pinned: npt.ArrayLike) -> None:
         """Keep the expert cache here instead of leaving it to the kernel: the routed experts in a
         least-recently-used list of `capacity` bytes, what falls off it unmapped from llama.cpp's mapping
         (at llama_addr, covering file offsets file_lo..file_hi) and dropped from the page cache.
@@ -250,7 +261,7 @@ class NativePrefetch:
         file_lo..file_hi) and drop from memory what only it mapped; the kept cache's experts stay."""
         self.lib.s2_cache_drop_mapping(self.handle, addr, file_lo, file_hi)
 
-    def cache_stats(self) -> dict:
+    def cache_stats(self) -> dict[str, int]:
         """Bytes the kept expert cache holds, experts evicted from it, evictions the kernel refused part of,
         experts it held that the kernel had reclaimed all the same when they were routed (the budget's
         reclaim reaching into the cache), layers read part by part and parts of theirs streamed (set_stages),
@@ -277,7 +288,7 @@ class NativePrefetch:
             self.lib.s2_prefetch_free(self.handle)
             self.handle = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:

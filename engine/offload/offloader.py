@@ -7,11 +7,16 @@ were not in memory (through the native prefetcher the routing hook calls as each
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
+from .budget import BudgetPlan
 from .experts import ExpertMap, expert_map
 from .libc import MADV_NORMAL, MADV_RANDOM, raise_memlock_limit
 from .mapping import ModelMapping
@@ -19,14 +24,18 @@ from .native import NativePrefetch
 from .procfs import model_mappings, process_anon_bytes
 from .sizes import PAGE, fmt_bytes
 
+if TYPE_CHECKING:
+    from ..decoding.decoder import Decoder
+
 
 @dataclass(frozen=True)
 class Residency:
     """A residency snapshot, e.g. for the app's heatmap."""
 
-    resident: np.ndarray     # [n_layer, n_expert] fraction of each expert's pages in memory
-    pinned: np.ndarray       # [n_layer, n_expert] bool
-    hit_rate: np.ndarray     # [n_layer] predicted experts already resident when a verification started (nan: none)
+    resident: npt.NDArray[np.float64]  # [n_layer, n_expert] fraction of each expert's pages in memory
+    pinned: npt.NDArray[np.bool_]      # [n_layer, n_expert]
+    # [n_layer] predicted experts already resident when a verification started (nan: none)
+    hit_rate: npt.NDArray[np.float64]
     lookups: int
     prefetched_bytes: int
     locked_bytes: int
@@ -34,15 +43,16 @@ class Residency:
 
 @dataclass
 class OffloadStats:
-    hits: np.ndarray
-    lookups: np.ndarray
+    hits: npt.NDArray[np.float64]
+    lookups: npt.NDArray[np.float64]
     prefetch_calls: int = 0
     prefetched_bytes: int = 0
     prefetch_seconds: float = 0.0
 
-    def hit_rate(self) -> np.ndarray:
+    def hit_rate(self) -> npt.NDArray[np.float64]:
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.lookups > 0, self.hits / np.maximum(self.lookups, 1), np.nan)
+            rate: npt.NDArray[np.float64] = np.where(self.lookups > 0, self.hits / np.maximum(self.lookups, 1), np.nan)
+        return rate
 
 
 
@@ -51,7 +61,7 @@ class Offloader:
     which pins, plans the budget and attaches it to the decoder (it implements the decoder's
     VerifyObserver: predicted, verifying, start_counting, misses, residency)."""
 
-    def __init__(self, model_path, *, prefetch: bool = True, emap: ExpertMap | None = None,
+    def __init__(self, model_path: str | os.PathLike[str], *, prefetch: bool = True, emap: ExpertMap | None = None,
                  prefetch_bytes: int | None = None):
         self.emap = emap or expert_map(model_path)
         self.map = ModelMapping(self.emap)
@@ -69,10 +79,10 @@ class Offloader:
         self.lookahead = False  # as each layer of a verification routes, ask for the next layer's predicted experts
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
         self.budget_note: str | None = None  # how an auto budget was sized where it is not the usual way
-        self.plan = None                      # BudgetPlan, when a budget was given
-        self._decoder = None                  # the decoder it is attached to
+        self.plan: BudgetPlan | None = None   # when a budget was given
+        self._decoder: Decoder | None = None  # the decoder it is attached to
         self._cache_mapping: tuple[int, int] | None = None  # (address, length): the mapping the kept cache manages
-        self._every: np.ndarray | None = None  # every expert: what a draft may read if in memory
+        self._every: npt.NDArray[np.bool_] | None = None  # every expert: what a draft may read if in memory
         self._lead = False  # the native cache was told a verification's first row (NativePrefetch.lead)
         self._planned_stage_room: int | None = None  # read in stages past it, as planned (read_parts_in_order)
         self.fit_every_s = 0.5  # how often a decode step looks at what the process holds (fit_cache_to_process)
@@ -80,7 +90,7 @@ class Offloader:
         self.hot: list[tuple[int, int]] = []  # the pinned hot experts, most routed first
         self.hot_given = 0  # how many of the last of them gave way to the process's growth
 
-    def attach(self, decoder, *, jit_prefetch: bool) -> None:
+    def attach(self, decoder: Decoder, *, jit_prefetch: bool) -> None:
         """Observe decoder's verifications; the routing hook hands every layer's final ids to the native
         prefetcher, which counts the experts not in memory at that moment and, with jit_prefetch, asks
         the OS for them before the layer's expert matmuls run."""
@@ -102,10 +112,11 @@ class Offloader:
         if hook is not None:
             hook.pregate(depth, width)
 
-    def fetch_stats(self) -> dict | None:
+    def fetch_stats(self) -> dict[str, float] | None:
         return self.native.fetch_stats() if self.native.fetching else None
 
-    def pin(self, *, non_expert: bool = True, code: bool = True, hot=()) -> dict:
+    def pin(self, *, non_expert: bool = True, code: bool = True,
+            hot: Sequence[tuple[int, int]] = ()) -> dict[str, int]:
         raise_memlock_limit()
         if non_expert:
             self.pinned_split["non_expert"] += self.map.pin_non_expert()
@@ -147,7 +158,8 @@ class Offloader:
         self.fault_readahead = "off" if random else ("embeddings-off" if total else "default")
         return total
 
-    def keep_expert_cache(self, capacity: int, pinned=(), llama_mappings=()) -> bool:
+    def keep_expert_cache(self, capacity: int, pinned: Iterable[tuple[int, int]] = (),
+                          llama_mappings: Iterable[tuple[int, int, int]] = ()) -> bool:
         """Keep a least-recently-used cache of `capacity` bytes of routed experts (the `pinned` (layer,
         expert) pairs aside), dropping from memory what falls off it (native/s2moe_offload.c says why the
         kernel's choice is worse). llama_mappings: (address, length, file offset) of the mappings the
@@ -162,7 +174,7 @@ class Offloader:
                     mask[layer, e] = 1
                 self.native.keep_cache(addr, foff, foff + length, capacity, mask)
                 self._cache_mapping = (addr, length)
-                self._drop_other_mappings()  # a second load's warm-up reads would stay beside the cache
+                self._drop_other_mappings(addr, length)  # a second load's warm-up reads would stay beside the cache
                 return True
         return False
 
@@ -174,13 +186,16 @@ class Offloader:
         reclaimed before its matmul reads it, and faulted back a page at a time; a part that alone is larger
         (a prompt's prefill) is streamed where faults read single pages (advise_fault_readahead first). False
         where the experts are not separate up, gate and down tensors alike in every layer."""
-        kinds = set()
+        kinds: set[tuple[int | None, ...]] = set()
         for names in self.emap.parts:
             kinds.add(tuple(next((j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n), None)
                             for kind in ("up", "gate", "down")))
-        if len(kinds) != 1 or None in next(iter(kinds)):
+        if len(kinds) != 1:
             return False
-        self.native.set_stages(next(iter(kinds)), stage_room, stream=self.fault_readahead == "off")
+        up, gate, down = next(iter(kinds))
+        if up is None or gate is None or down is None:
+            return False
+        self.native.set_stages((up, gate, down), stage_room, stream=self.fault_readahead == "off")
         self._planned_stage_room = stage_room
         return True
 
@@ -246,34 +261,33 @@ class Offloader:
         return self._cache_mapping is not None
 
     # -- VerifyObserver ------------------------------------------------------------------------------
-    def drafted_elsewhere(self, mappings) -> None:
+    def drafted_elsewhere(self, mappings: Iterable[tuple[int, int, int]]) -> None:
         """A draft ran on other mappings of the model file: what it read leaves memory (the kept cache's
         experts aside), so that its reads do not sit beside the cache until reclaim takes the cache's."""
         if self._cache_mapping is not None:
             for addr, length, foff in mappings:
                 self.native.drop_mapping(addr, foff, foff + length)
 
-    def _drop_other_mappings(self) -> None:
-        """Every mapping of the file but llama.cpp's the cache manages and ours (mlock and madvise split a
-        mapping into several areas: those inside it are its own)."""
-        start, size = self._cache_mapping
+    def _drop_other_mappings(self, start: int, size: int) -> None:
+        """Every mapping of the file but llama.cpp's the cache manages (at start, size bytes) and ours (mlock
+        and madvise split a mapping into several areas: those inside it are its own)."""
         self.drafted_elsewhere([(addr, length, foff) for addr, length, foff
                                 in model_mappings(self.emap.path, exclude=(self.map.addr, self.map.size))
                                 if not start <= addr < start + size])
 
-    def predicted(self, predicted: np.ndarray) -> None:
+    def predicted(self, predicted: npt.ArrayLike) -> None:
         """Experts the next verification will read, as the draft predicts them: count those already
         resident; with `prefetch`, WILLNEED the others while the draft goes on."""
         t0 = time.perf_counter()
-        predicted = np.asarray(predicted, bool)
-        hit = self.native.resident(predicted)  # looks at the predicted experts' pages only
+        mask = np.asarray(predicted, bool)
+        hit = self.native.resident(mask)  # looks at the predicted experts' pages only
         if self.native.fetching:
-            self.native.want(predicted)
-        self.stats.lookups += predicted.sum(axis=1)
-        self.stats.hits += (predicted & hit).sum(axis=1)
+            self.native.want(mask)
+        self.stats.lookups += mask.sum(axis=1)
+        self.stats.hits += (mask & hit).sum(axis=1)
         if self.prefetch:
             eb = self.emap.expert_bytes
-            for layer, expert in zip(*np.nonzero(predicted & ~hit)):  # layer order: earliest needed first
+            for layer, expert in zip(*np.nonzero(mask & ~hit)):  # layer order: earliest needed first
                 if eb[layer] > self._room:
                     break
                 self._room -= int(eb[layer])
@@ -281,7 +295,7 @@ class Offloader:
             self.stats.prefetch_calls += 1
         self.stats.prefetch_seconds += time.perf_counter() - t0
 
-    def verifying(self, predicted: np.ndarray | None, first_row_ids: int) -> None:
+    def verifying(self, predicted: npt.NDArray[np.bool_] | None, first_row_ids: int) -> None:
         now = time.monotonic()
         if now - self._fitted_at >= self.fit_every_s:
             self._fitted_at = now
@@ -305,10 +319,10 @@ class Offloader:
         # was fetched before it is used
         self._room = self.prefetch_bytes if self.prefetch_bytes is not None else 1 << 62
 
-    def misses(self) -> np.ndarray:
+    def misses(self) -> npt.NDArray[np.int32]:
         return self.native.counted()
 
-    def draft_allowed(self) -> np.ndarray:
+    def draft_allowed(self) -> npt.NDArray[np.bool_]:
         """[n_layer, n_expert] bool: every expert. A draft reads only what is in memory as its layer routes:
         the routing hook asks the native prefetcher about each candidate then (mincore of its own ranges),
         which costs less than a snapshot of every expert per proposal and cannot go stale between the

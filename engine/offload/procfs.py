@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 CODE_LIBS = ("libllama", "libggml", "libs2moe")
@@ -19,9 +20,9 @@ def process_anon_bytes(pid: int | str = "self") -> int:
     return 0
 
 
-def code_ranges(libs=CODE_LIBS) -> list[tuple[int, int, str]]:
+def code_ranges(libs: Iterable[str] = CODE_LIBS) -> list[tuple[int, int, str]]:
     """(start, length, path) of this process's file mappings of the llama/ggml libraries."""
-    out = []
+    out: list[tuple[int, int, str]] = []
     try:
         maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
@@ -37,7 +38,7 @@ def code_ranges(libs=CODE_LIBS) -> list[tuple[int, int, str]]:
     return out
 
 
-def read_ahead_bytes(path) -> int:
+def read_ahead_bytes(path: str | os.PathLike[str]) -> int:
     """The read-around window of the block device holding `path` (what one page fault on an mmap'd file
     reads around the faulting page). 128 KiB when it cannot be found."""
     try:
@@ -51,12 +52,12 @@ def read_ahead_bytes(path) -> int:
     return 128 * 1024
 
 
-def model_mappings(path, exclude: tuple[int, int] = (0, 0)) -> list[tuple[int, int, int]]:
+def model_mappings(path: str | os.PathLike[str], exclude: tuple[int, int] = (0, 0)) -> list[tuple[int, int, int]]:
     """(address, length, file offset) of this process's mappings of the model file (llama.cpp's), those
     inside the span `exclude` (address, length: our own mapping, which mlock and madvise split into
     several areas) left out."""
     target = os.fsencode(os.path.realpath(path))  # bytes: a path need not decode
-    out = []
+    out: list[tuple[int, int, int]] = []
     try:
         for line in Path("/proc/self/maps").read_bytes().splitlines():
             f = line.split(maxsplit=5)
@@ -71,7 +72,7 @@ def model_mappings(path, exclude: tuple[int, int] = (0, 0)) -> list[tuple[int, i
 
 
 
-def file_cached_bytes(path) -> tuple[int, int]:
+def file_cached_bytes(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(bytes of the file in the page cache, file size): mincore over a fresh read-only mapping of it,
     which reads nothing and leaves the cache as it was."""
     import ctypes
@@ -95,7 +96,7 @@ def file_cached_bytes(path) -> tuple[int, int]:
             n = (size + PAGE - 1) // PAGE
             vec = (ctypes.c_ubyte * n)()
             c.check(c.lib.mincore(addr, size, vec), "mincore")
-            resident = int((np.frombuffer(vec, dtype=np.uint8) & 1).sum())
+            resident = int((np.frombuffer(memoryview(vec), dtype=np.uint8) & 1).sum())
         finally:
             c.lib.munmap(addr, size)
     finally:
@@ -103,7 +104,7 @@ def file_cached_bytes(path) -> tuple[int, int]:
     return min(size, resident * PAGE), size
 
 
-def block_device(path) -> str | None:
+def block_device(path: str | os.PathLike[str]) -> str | None:
     """The name of the whole disk holding `path` as /proc/diskstats lists it (nvme0n1, sda, mmcblk0), or
     None (a network or overlay file system without one)."""
     try:

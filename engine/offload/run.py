@@ -12,7 +12,8 @@ import os
 import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,12 +29,16 @@ from .offloader import Offloader
 from .procfs import process_anon_bytes, read_ahead_bytes
 from .sizes import fmt_bytes
 
+if TYPE_CHECKING:
+    from ..decoding.decoder import Decoder
+    from .experts import ExpertMap
+
 
 @dataclass
 class BudgetRun:
     """A command running inside its budget cgroup."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[Any]
     cgroup: MemoryCgroup
     budget: Budget
 
@@ -50,8 +55,8 @@ class BudgetRun:
 
 
 @contextmanager
-def run_in_budget(argv: list[str], budget: Budget, model_path, *, tag: str = "run",
-                  **popen_kw) -> Iterator[BudgetRun]:
+def run_in_budget(argv: list[str], budget: Budget, model_path: str | os.PathLike[str], *, tag: str = "run",
+                  **popen_kw: Any) -> Iterator[BudgetRun]:
     """Run argv in a fresh memory cgroup limited to the budget (an auto budget starts under a generous
     limit and lowers it itself; one of a given size that warms up raises it for the warm-up: see
     offload_decoder), with the model file dropped from the page cache. On leaving, a child still running
@@ -105,7 +110,8 @@ class Pinning:
     pregate_width: int = 0      # of each layer's k predicted experts, read the best ranked this many (0: all k)
 
 
-def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: Callable[[], None] | None = None,
+def offload_decoder(decoder: Decoder, budget: Budget | None, hot_ranked: Sequence[Sequence[int]] = (), *,
+                    warm_up: Callable[[], None] | None = None,
                     pinning: Pinning = Pinning(), say: Callable[[str], None] | None = None) -> Offloader:
     """Set a decoder up for offloading under `budget` (None: pin and observe without a budget plan).
 
@@ -121,11 +127,12 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
                           f"routes to, not {pinning.pregate_width}")
     emap = expert_map(decoder.info.path)
     size = None if budget is None else budget.size
+    auto = budget is not None and budget.auto
     inside = current_budget() if budget is not None else None
-    if budget is not None and budget.auto and inside is None:
+    if auto and inside is None:
         raise ConfigError("an auto memory budget is sized inside its own memory cgroup, and this process runs in none")
     # the cgroup whose limit this process lowers itself once warmed up and planned
-    cg = inside[0] if inside is not None and (budget.auto or warm_up is not None) else None
+    cg = inside[0] if inside is not None and (auto or warm_up is not None) else None
     if budget is not None:
         mapping = ModelMapping(emap)
         try:
@@ -133,13 +140,15 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
         finally:
             mapping.close()
     if budget is not None and warm_up is not None:
-        if cg is not None and not budget.auto:
+        if cg is not None and not auto:
             cg.set_limit(AUTO_START_LIMIT)
         # every mode's buffers and runtimes exist before the plan counts the process (a drafter with weights of
         # its own loads a second runtime: planned without it, a tight budget held more than it had); its text is
         # machinery, not the session's, so later copies never draw on it nor a copy cache keep it
         # one expert a layer: a model larger than memory is not read whole for output thrown away
-        with decoder.untimed_costs(), decoder.apart_from_session(), decoder.rt.hook.uniform(), \
+        hook = decoder.rt.hook
+        assert hook is not None  # a mixture-of-experts model (expert_map above) decodes through its routing hook
+        with decoder.untimed_costs(), decoder.apart_from_session(), hook.uniform(), \
                 said_if_slow(say, "warming up: every graph shape and buffer this run needs, before the budget is "
                                   "planned…"):
             warm_up()
@@ -149,8 +158,9 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     # batch (11 s on two cores for a 7B model), and the size llama.cpp reports is what touching them adds
     # (194 of 195 MiB on the widened model, measured); the little the warm-up touched is counted twice.
     reserved = decoder.rt.compute_buffer_bytes if budget is not None else 0
-    room, share, fitted = None, AUTO_EXPERT_SHARE, None
-    if cg is not None and budget.auto:
+    room: int | None = None
+    share, fitted = AUTO_EXPERT_SHARE, None
+    if cg is not None and auto:
         size = auto_budget_bytes(cg, emap, reserved=reserved)  # provisional: sizes the hot-expert plan
         room = int(AUTO_EXPERT_SHARE * emap.total_expert_bytes)
         size, room, fitted = fit_to_available(size, room, process_anon_bytes() + reserved)
@@ -166,11 +176,12 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
     with said_if_slow(say, f"pinning the weights every step reads ({fmt_bytes(sum(n for _, n in emap.pinnable()))})…"):
         off, hot = _attach(decoder, emap, size, hot_ranked, pinning, pin_hot=cg is None, expert_room=room,
                            reserved=reserved)
-    if fitted is not None:
+    if fitted is not None and room is not None:  # both sized above, with an auto budget
         off.budget_note = (f"fitted to the {fmt_bytes(fitted)} of memory available: {fmt_bytes(room)} for experts "
                            f"instead of a third of them ({fmt_bytes(int(AUTO_EXPERT_SHARE * emap.total_expert_bytes))})")
     if cg is not None:
-        if budget.auto:
+        if auto:
+            assert room is not None  # sized above: the cgroup under an auto budget
             # Measured again now that the offloader exists: its own memory (the GGUF tensor table, residency
             # buffers) would otherwise come out of the expert cache.
             anon, pinned = process_anon_bytes() + reserved, off.map.locked_bytes
@@ -185,25 +196,26 @@ def offload_decoder(decoder, budget: Budget | None, hot_ranked=(), *, warm_up: C
             except ConfigError:
                 off.close()
                 raise
+        assert size is not None  # a budget's own size, or an auto budget's as sized above
         try:
             cg.set_limit(size)  # reclaims the warm-up's expert pages down to the budget
         except OSError as e:  # EBUSY: the kernel could not reclaim down to it
             off.close()
             raise ConfigError(f"cannot lower the memory limit to the budget {fmt_bytes(size)}: the process "
                               f"holds {fmt_bytes(cg.usage())} it cannot give back ({e.strerror}); "
-                              + ("give the budget a size instead" if budget.auto else "raise the budget")) from None
+                              + ("give the budget a size instead" if auto else "raise the budget")) from None
         cg.reset_peak()  # the warm-up ran before the limit came down: a peak from then would read as a breach
         if hot:
             off.pin(non_expert=False, code=False, hot=hot)  # read in under the limit, evicting cold experts
     if budget is not None:
         # anything measured before (resident) is measured again under the budget, and remembered for it
-        setting = "auto" if budget.auto else f"{size} B"
+        setting = "auto" if auto else f"{size} B"
         decoder.forget_cost_constants(remember_as=f"budget {setting}, {len(hot)} hot experts, batch {decoder.rt.n_batch}")
     off.budget_bytes = size
     return off
 
 
-def _one_layer_bytes(emap, k: int) -> int:
+def _one_layer_bytes(emap: ExpertMap, k: int) -> int:
     """What the k experts a layer computes with take at most: a budget holds them, or nothing can be evicted for
     them."""
     return int(k * emap.expert_bytes.max())
@@ -215,7 +227,7 @@ def _stage_room(plan: BudgetPlan) -> int:
     return plan.cache_bytes + plan.slack_bytes // 2
 
 
-def _largest_unpinned_layer(emap, pinned) -> int:
+def _largest_unpinned_layer(emap: ExpertMap, pinned: Iterable[tuple[int, int]]) -> int:
     """The most bytes one layer's unpinned experts take: what a layer that reads them all fetches."""
     held = np.zeros((emap.n_layer, emap.n_expert), bool)
     for layer, e in pinned:
@@ -223,8 +235,9 @@ def _largest_unpinned_layer(emap, pinned) -> int:
     return int(max(((~held[layer]).sum() * emap.expert_bytes[layer] for layer in emap.moe_layers), default=0))
 
 
-def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinning, *,
-            pin_hot: bool = True, expert_room: int | None = None, reserved: int = 0) -> tuple[Offloader, list]:
+def _attach(decoder: Decoder, emap: ExpertMap, budget_bytes: int | None, hot_ranked: Sequence[Sequence[int]],
+            pinning: Pinning, *, pin_hot: bool = True, expert_room: int | None = None,
+            reserved: int = 0) -> tuple[Offloader, list[tuple[int, int]]]:
     """Pin non-expert weights + library code, then the longest prefix of the ranked hot experts that the
     budget's plan allows (the plan counts the process's anonymous memory and everything pinned). Returns
     the offloader and the hot experts chosen (pinned only with pin_hot: else the caller pins them). `reserved`:
@@ -233,8 +246,8 @@ def _attach(decoder, emap, budget_bytes: int | None, hot_ranked, pinning: Pinnin
     off.lookahead = pinning.lookahead
     if pinning.base:
         off.pin(code=pinning.code, hot=())
-    plan = None
-    hot = []
+    plan: BudgetPlan | None = None
+    hot: list[tuple[int, int]] = []
     k = decoder.info.n_expert_used
     anon = process_anon_bytes() + reserved
     if budget_bytes is not None and expert_room is not None:
