@@ -479,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_tuned(args, tuned: dict) -> dict:
     """The settings `s2moe tune` searches: a flag given wins, then the profile's tuned value, then the
     GenerationConfig default (None there: the model's routing decides)."""
-    from ..engine.decoding.decoder import GenerationConfig
+    from ..engine.decoding.generation_config import GenerationConfig
     from ..engine.profiles import TUNED_KEYS
 
     default = GenerationConfig()
@@ -491,7 +491,7 @@ def resolve_tuned(args, tuned: dict) -> dict:
 
 
 def generation_config(args, decoder):
-    from ..engine.decoding.decoder import GenerationConfig
+    from ..engine.decoding.generation_config import GenerationConfig
     from ..engine.profiles import cost_for_model, load_profile, tuned_settings
 
     if args.greedy and args.temp > 0:
@@ -682,7 +682,8 @@ def offload_under_budget(args, decoder, budget, warm_up, *, quiet: bool = False)
 
 
 def cmd_generate(args) -> int:
-    from ..engine.decoding.decoder import Decoder, GenerationConfig
+    from ..engine.decoding.decoder import Decoder
+    from ..engine.decoding.generation_config import GenerationConfig
     import numpy as np
 
     from ..engine import offload

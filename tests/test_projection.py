@@ -526,7 +526,8 @@ def test_calibrate_measures_the_workload_terms_in_the_engine(tiny_models, tmp_pa
     """On a tiny model: the terms are written into the profile's block, valid, and a projection of a trace of
     that model charges them."""
     from s2moe.engine.measure.calibrate import CalibrationDone, run_calibration
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+    from s2moe.engine.decoding.decoder import Decoder
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.profiles import validate_profile
     from s2moe.engine.measure.trace import TraceRecorder
 
@@ -616,7 +617,8 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
     this decoder's earlier generations are other tests', which the replay of one trace cannot know."""
     from dataclasses import replace
 
-    from s2moe.engine.decoding.decoder import GenerationConfig, run
+    from s2moe.engine.decoding.decoder import run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import CostConstants, Iteration
     from s2moe.engine.measure.trace import TraceRecorder
 

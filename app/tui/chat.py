@@ -35,7 +35,7 @@ class ChatTurn(TurnView):
 def settings_from_state(data: dict) -> ChatSettings:
     """The chat's settings as remembered (state.remembered_settings): each value kept where it has its
     field's type, then the whole kept only if the engine accepts it; anything else is the default."""
-    from ...engine.decoding.decoder import GenerationConfig
+    from ...engine.decoding.generation_config import GenerationConfig
 
     kept = {}
     for f in fields(ChatSettings):
@@ -271,7 +271,7 @@ class ChatScreen(Screen):
         model's defaults (with no model loaded, k_d of the top-8 model the k_d choices assume then)."""
         s = self.settings.resolved(self.app.session.model, self.app.session.tuned())
         if s.draft_topk is None:
-            from ...engine.decoding.decoder import routing_defaults
+            from ...engine.decoding.generation_config import routing_defaults
 
             s = replace(s, draft_topk=routing_defaults(64, 8).draft_topk)
         return s

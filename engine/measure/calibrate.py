@@ -40,7 +40,7 @@ from .costmodel import (Stopped, context_line, fault_explained_fit, fit_context,
                         verify_samples)
 from ..decoding.cpu_buffers import CpuBuffers
 from ..decoding.cpu_buffers import choose as choose_cpu_buffers
-from ..decoding.decoder import defaults_for
+from ..decoding.generation_config import defaults_for
 from .device import cpu_name, default_threads, memory_bytes
 from ..errors import ConfigError, ModelError, S2MoEError
 from ..files import MAX_PROMPT_FILE_BYTES, read_bounded
@@ -463,7 +463,8 @@ def _workload_terms(cal: _Calibration, index: int):
     drift of the machine lands on both), and this engine's host work per draft pass and per verified row from
     generations of the engine itself, drafting to the cap as a trace does, over the first calibration prompts,
     with the draft passes' decode as timed here taken out."""
-    from ..decoding.decoder import Decoder, GenerationConfig
+    from ..decoding.decoder import Decoder
+    from ..decoding.generation_config import GenerationConfig
     from ..events import CostConstants
     from .projection import engine_host_times
     from .trace import TraceRecorder
@@ -525,7 +526,7 @@ def _plain_iterations(decoder, prompt: str, index: int):
     """Generator (yields StepProgress): [(tokens of context, seconds)] of each iteration of plain decoding (mode
     ar) through the engine, from one event to the next: the step and the loop's own work, as decoding runs them,
     over a long generation so that the context grows past what workloads run at."""
-    from ..decoding.decoder import GenerationConfig
+    from ..decoding.generation_config import GenerationConfig
     from ..events import Iteration, Prefilled
 
     tokens = decoder.tokenize(prompt)[:64] or [0]
