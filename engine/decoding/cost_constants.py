@@ -8,8 +8,8 @@ separately.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from ..measure.costmodel import iter_cost_constants
 from ..events import CostConstants, MeasuringCosts
@@ -40,34 +40,36 @@ class CostConstantsMixin:
     _context: list[int] | None
 
     def __init__(self) -> None:
-        self._measured: dict[tuple, CostConstants] = {}
+        self._measured: dict[tuple[int, int], CostConstants] = {}
         self._untimed = False  # inside untimed_costs(): a warm-up, whose constants would be thrown away
         self._remember_as: str | None = None  # see forget_cost_constants
 
-    def _cost_constants(self, cfg: GenerationConfig) -> Iterator[MeasuringCosts]:
+    def _cost_constants(self, cfg: GenerationConfig) -> Generator[MeasuringCosts, None, CostConstants]:
         """Generator: returns the constants a generation decides with; yields MeasuringCosts while it measures
         them, once that has taken SLOW_MEASURE_S."""
         if cfg.cost is not None:
             return cfg.cost
         if self._untimed:
             return WARM_UP_COST
+        assert cfg.draft_topk is not None and cfg.draft_max is not None  # a generation's config comes resolved
         key = (cfg.draft_topk, cfg.draft_max)
         if key not in self._measured:
             self._measured[key] = yield from self._measure_costs(cfg)
         return self._measured[key]
 
-    def _measure_costs(self, cfg: GenerationConfig) -> Iterator[MeasuringCosts]:
+    def _measure_costs(self, cfg: GenerationConfig) -> Generator[MeasuringCosts, None, CostConstants]:
         from ..measure import remembered_costs
         from .runtime import llama_build_id
 
+        assert cfg.draft_topk is not None and cfg.draft_max is not None  # a generation's config comes resolved
         self._context = None
         under_budget = self._remember_as is not None
-        if under_budget:
+        if self._remember_as is not None:
             recall_key = "|".join((self.info.fingerprint, f"k_d {cfg.draft_topk}", f"cap {cfg.draft_max}",
                                    self._remember_as, f"threads {self.n_threads}", llama_build_id()))
-            cost = remembered_costs.recall(recall_key)
-            if cost is not None:
-                return cost
+            remembered = remembered_costs.recall(recall_key)
+            if remembered is not None:
+                return remembered
         # under a budget, also what a draft from resident experts costs (it fetches nothing)
         allowed = None if self._observer is None else self._observer.draft_allowed
         gen = iter_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed, draft_allowed=allowed,
@@ -77,7 +79,7 @@ class CostConstantsMixin:
             try:
                 fraction = next(gen)
             except StopIteration as e:
-                cost = e.value[0]
+                cost: CostConstants = e.value[0]
                 break
             if time.perf_counter() - t0 >= SLOW_MEASURE_S:
                 yield MeasuringCosts(fraction, time.perf_counter() - t0)
@@ -94,7 +96,7 @@ class CostConstantsMixin:
                                    d.draft_max if draft_max is None else draft_max))
 
     @contextmanager
-    def untimed_costs(self):
+    def untimed_costs(self) -> Iterator[None]:
         """Generations inside, given no constants, measure none: they draft as if drafting always paid, so
         that they build the graphs of the longest drafts and verifications. For a warm-up before offloading is
         in place, when what a step costs is not yet what it will cost (the budget's limit not yet down, nothing

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,11 +22,11 @@ from .cost_constants import CostConstantsMixin
 from ..errors import OPTION, ConfigError, ContextError, ModelError, held_steps
 from ..events import CostConstants, Finished, Iteration, Prefilled, Started
 from .generation_config import GenerationConfig, config_dict
-from .hook import distinct_per_layer
+from .hook import Routing, distinct_per_layer
 from ..model_info import read_model_info
 from ..drafting.policies import (CascadeDrafter, ConfidenceStop, Drafter, EarlierText, FixedLength, IndependentDrafter,
-                       LayerSkipDrafter, LookupDrafter, LookupOrSelfDrafter, RecordingStop, SelfDrafter, UtilityStop,
-                       rule_cost)
+                       LayerSkipDrafter, LookupDrafter, LookupOrSelfDrafter, Proposal, RecordingStop, SelfDrafter,
+                       UtilityStop, rule_cost)
 from .gpu import Placement
 from ..offload.budget import prefill_batch_room
 from .runtime import DEFAULT_BATCH, LlamaRuntime
@@ -34,6 +35,8 @@ from .sampling import PositionNoise, SeededSampler
 from ..modes import TREE_MODES
 from .tree import TreeDrafter, verify_tree
 
+if TYPE_CHECKING:
+    from .chat import Template
 
 TREE_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ
 
@@ -42,7 +45,7 @@ class Decoder(CostConstantsMixin):
     """Loads a model once; runs generations in any mode over the same context."""
 
     def __init__(self, model: str, *, n_ctx: int = 2048, n_threads: int | None = None, max_draft: int = 16,
-                 use_extra_bufts: bool = True, placement: Placement = Placement(), n_batch: int | None = None):
+                 use_extra_bufts: bool = True, placement: Placement = Placement(), n_batch: int | None = None) -> None:
         super().__init__()
         self.info = read_model_info(model)  # refuses what llama.cpp would assert on (expert counts among it)
         self.max_draft = max_draft
@@ -58,8 +61,8 @@ class Decoder(CostConstantsMixin):
         self._pieces: dict[int, str] = {}
         self._routing_checked = not self.info.is_moe
         self.n_threads = n_threads
-        self._aux: dict[tuple, Drafter] = {}  # drafters with their own context, kept across generations
-        self._rules: dict[tuple, UtilityStop] = {}  # utility rules and what they learned, ditto
+        self._aux: dict[tuple[object, ...], Drafter] = {}  # drafters with their own context, kept across generations
+        self._rules: dict[tuple[object, ...], UtilityStop] = {}  # utility rules and what they learned, ditto
         self.earlier = EarlierText()  # what this decoder's generations read and wrote, for s2moe's copies
         self._observer: VerifyObserver | None = None
         # Record routing on plain (single-token, undrafted) steps too; off by default because it costs a
@@ -75,7 +78,7 @@ class Decoder(CostConstantsMixin):
         # The tokens whose target entries sequence 0 of the KV holds at positions 0.. as the last
         # generation left them (None: unknown, something else used the cache since)
         self._context: list[int] | None = None
-        self._template = None
+        self._template: Template | None = None
 
     def attach(self, observer: VerifyObserver) -> None:
         """Let observer see every verification (one at a time: offloading)."""
@@ -105,7 +108,7 @@ class Decoder(CostConstantsMixin):
         return self.rt.tokenize(text, special=special)
 
     @property
-    def chat_template(self):
+    def chat_template(self) -> Template:
         """The model's chat template as llama.cpp applies it (engine.chat.Template)."""
         if self._template is None:
             from .chat import model_template
@@ -119,7 +122,7 @@ class Decoder(CostConstantsMixin):
         self._context = None
 
     @contextmanager
-    def apart_from_session(self):
+    def apart_from_session(self) -> Iterator[None]:
         """Generations inside copy only from each other's text, not from what the session generated before (a
         benchmark measures the same with whatever a chat or a copy cache left); the session's text is as it
         was afterwards."""
@@ -136,13 +139,14 @@ class Decoder(CostConstantsMixin):
             self._pieces[token] = text
         return text
 
-    def detokenize(self, tokens) -> str:
+    def detokenize(self, tokens: Iterable[int]) -> str:
         return self.rt.detokenize(tokens)
 
     def check_routing_hook(self) -> None:
         """Fail clearly if llama.cpp's graph for this architecture has no routing tensors we know."""
         if self._routing_checked:
             return
+        assert self.rt.hook is not None  # a MoE model's runtime installs one
         before = self.rt.hook.hooked()
         self._context = None
         self.rt.kv_clear()
@@ -173,7 +177,9 @@ class Decoder(CostConstantsMixin):
         return "router"
 
     def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None, prompt: list[int]) -> Drafter:
-        allowed = self._observer.draft_allowed if self.draft_experts(cfg) == "resident" else None
+        assert cfg.draft_topk is not None and cfg.draft_max is not None  # generate resolved cfg
+        observer = self._observer
+        allowed = observer.draft_allowed if observer is not None and self.draft_experts(cfg) == "resident" else None
         if cfg.trace:
             rule = (ConfidenceStop(cfg.conf_p_min) if cfg.mode == "conf" else
                     self._utility_rule(cfg, cost) if cfg.mode == "s2moe" and cfg.utility else FixedLength())
@@ -183,7 +189,7 @@ class Decoder(CostConstantsMixin):
         if cfg.mode == "conf":
             return SelfDrafter(cfg.draft_topk, ConfidenceStop(cfg.conf_p_min), allowed)
         if cfg.mode == "naive":
-            key = ("naive", cfg.draft_topk)
+            key: tuple[object, ...] = ("naive", cfg.draft_topk)
             if key not in self._aux:
                 self._aux[key] = IndependentDrafter(self, cfg.draft_topk, self.n_threads)
             return self._aux[key]
@@ -197,6 +203,7 @@ class Decoder(CostConstantsMixin):
             if not cfg.utility:  # the fixed shape of the paper's baselines: tree_width nodes per depth
                 return TreeDrafter(cfg.draft_topk, None, cfg.tree_width, cfg.tree_max_nodes, allowed)
             # tree-prob: the same rule, blind to experts (T_exp = 0), a rule of its own
+            assert cost is not None  # generate measures the constants of a utility rule's modes, or is given them
             base_cost = rule_cost(cost, self.draft_experts(cfg))
             tree_cost = base_cost if cfg.mode == "tree" else replace(base_cost, t_exp=0.0)
             key = ("tree", cfg.draft_topk, cfg.threshold, tree_cost, cfg.tree_width, cfg.tree_max_nodes)
@@ -211,12 +218,13 @@ class Decoder(CostConstantsMixin):
         return LookupOrSelfDrafter(chain, rule, self.earlier if cfg.lookup_session else None, prompt,
                                    periodic=cfg.lookup_periodic)
 
-    def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
+    def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants | None) -> UtilityStop:
+        assert cost is not None  # generate measures the constants of a utility rule's modes, or is given them
         # A trace's rule learns apart: what it sees is not what the mode's own generations see.
         cost = rule_cost(cost, self.draft_experts(cfg))
         return self._kept_rule(("utility", cfg.draft_topk, cfg.threshold, cost, cfg.trace), cost, cfg)
 
-    def _kept_rule(self, key: tuple, cost: CostConstants, cfg: GenerationConfig) -> UtilityStop:
+    def _kept_rule(self, key: tuple[object, ...], cost: CostConstants, cfg: GenerationConfig) -> UtilityStop:
         """The utility rule for `key` with what it learned (the first draft token's usual probability and expert
         cost, how often a probe pays, how often the target accepts its drafts): that holds for this model and
         device, not for one request, so generations with the same constants and sampler settings (drafts are
@@ -249,6 +257,7 @@ class Decoder(CostConstantsMixin):
         cfg = (cfg or GenerationConfig()).resolved(self.info)
         cfg.validate(self.info)
         cfg = replace(cfg, draft_experts=self.draft_experts(cfg))  # what ran, in Started's config
+        assert cfg.draft_topk is not None and cfg.draft_max is not None and cfg.reuse_cap is not None  # resolved
         if cfg.draft_max > self.max_draft:
             raise ConfigError(f"{OPTION} {cfg.draft_max} exceeds this decoder's limit {self.max_draft}",
                               option="draft_max")
@@ -313,10 +322,10 @@ class Decoder(CostConstantsMixin):
             room = self.n_ctx - m  # positions left after the pending token
             max_len = min(cfg.draft_max, room, cfg.n_predict - len(generated) - 1)
             counting_drafts = self._observer is not None and drafter.drafts_in_context
-            if counting_drafts:
+            if counting_drafts and self._observer is not None:
                 self._observer.start_counting()
             proposal = drafter.propose(self, committed_all, max_len, sample)
-            draft_misses = self._observer.misses() if counting_drafts else None
+            draft_misses = self._observer.misses() if counting_drafts and self._observer is not None else None
             elsewhere = drafter.file_mappings()
             if self._observer is not None and elsewhere:
                 self._observer.drafted_elsewhere(elsewhere)
@@ -419,8 +428,8 @@ class Decoder(CostConstantsMixin):
         self.rt.kv_remove_from(n)
         self._context = committed_all[:n]
 
-    def _verify(self, batch: list[int], pos: int, proposal, gate: "Gating | None",
-                layout: tuple[list[int], list[list[int]]] | None = None) -> "_Verified":
+    def _verify(self, batch: list[int], pos: int, proposal: Proposal, gate: Gating | None,
+                layout: tuple[list[int], list[list[int]]] | None = None) -> _Verified:
         """One target pass over the pending token and the drafted ones, with what its routing read.
         layout: the rows' positions and sequence ids where they form a tree (engine.tree), not a chain."""
         rt, hook, observer = self.rt, self.rt.hook, self._observer
@@ -432,7 +441,7 @@ class Decoder(CostConstantsMixin):
         memory = gate is not None and gate.memory > 0 and self.knows_memory
         batch_gate = gate is not None and len(batch) > 1
         if hook is not None:
-            if batch_gate or memory:
+            if gate is not None and (batch_gate or memory):
                 hook.gate(gate.strength if batch_gate else 0.0, gate.cap, [1.0] + proposal.chain,
                           memory=gate.memory if memory else 0.0)
             elif plain_unobserved:
@@ -442,7 +451,7 @@ class Decoder(CostConstantsMixin):
         counting = observer is not None and hook is not None and not plain_unobserved
         if observer is not None:
             observer.verifying(proposal.predicted if len(batch) > 1 else None, k if len(batch) > 1 else 0)
-        if counting:
+        if counting and observer is not None:
             observer.start_counting()
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if counting else 0
         t0 = time.perf_counter()
@@ -452,13 +461,14 @@ class Decoder(CostConstantsMixin):
             if observer is not None:
                 observer.verified()
         seconds = time.perf_counter() - t0
+        assert logits is not None  # the batch holds the pending token at least
         # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
         # the fact) but it tells how much of the latency the residency snapshot could not foresee.
         major_faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0 if counting else None
         if hook is None:
             n_layer = self.info.n_layer
             return _Verified(logits, seconds, None, np.zeros(n_layer, int), np.zeros(n_layer), 0, None, major_faults)
-        if plain_unobserved:
+        if plain_unobserved and self._moe_layers is not None:
             return _Verified(logits, seconds, None, self._moe_layers * k, self._moe_layers.astype(float), 0, None,
                              major_faults)
         routing = hook.snapshot(len(batch))
@@ -468,7 +478,7 @@ class Decoder(CostConstantsMixin):
         rows = np.maximum(routing.rows, 1)
         reuse = np.where(routing.rows > 0, experts / (rows * k), 0.0)
         moves = _moves(routing) if hook.mode == "gate" else 0
-        misses = observer.misses() if counting else None
+        misses = observer.misses() if counting and observer is not None else None
         return _Verified(logits, seconds, routing, experts, reuse, moves, misses, major_faults)
 
     def close(self) -> None:
@@ -492,7 +502,7 @@ class Gating:
 class _Verified:
     logits: np.ndarray
     seconds: float
-    routing: object | None       # hook.Routing, when the hook recorded this pass
+    routing: Routing | None      # when the hook recorded this pass
     experts: np.ndarray          # [n_layer] distinct experts read
     reuse: np.ndarray            # [n_layer] reuse ratio
     moves: int                   # selections gating moved
@@ -508,13 +518,13 @@ def _cut_at_end_of_generation(tokens: list[int], is_eog: Callable[[int], bool]) 
     return tokens, False
 
 
-def _moves(routing) -> int:
+def _moves(routing: Routing) -> int:
     """Expert selections that gating moved away from the router's own choice."""
     used, orig = routing.used, routing.orig
     same = (used[..., :, None] == orig[..., None, :]).any(axis=-1)
     return int((~same & (used >= 0)).sum())
 
 
-def run(decoder: Decoder, prompt, cfg: GenerationConfig, **kw):
+def run(decoder: Decoder, prompt: str | list[int], cfg: GenerationConfig, **kw: Any) -> list[object]:
     """Run a generation to the end and return its events (a convenience for tests and scripts)."""
     return list(decoder.generate(prompt, replace(cfg), **kw))

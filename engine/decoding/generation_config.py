@@ -94,7 +94,7 @@ class GenerationConfig:
                         repeat_penalty=self.repeat_penalty,
                         repeat_last_n=n_ctx if self.repeat_last_n == -1 and n_ctx else self.repeat_last_n)
 
-    def resolved(self, info: ModelInfo) -> "GenerationConfig":
+    def resolved(self, info: ModelInfo) -> GenerationConfig:
         """This config with every setting it leaves to the model filled in from the model's routing."""
         d = defaults_for(info)
         return replace(self, seed=random_seed() if self.seed == RANDOM_SEED else self.seed,
@@ -145,6 +145,7 @@ class GenerationConfig:
                                   f"{info.path.name} routes each token to a single expert: self-speculation is "
                                   "impossible on it (modes ar and lookup apply)")
             cfg = self.resolved(info)
+            assert cfg.draft_topk is not None and cfg.reuse_cap is not None  # resolved() filled them in
             if cfg.draft_topk >= info.n_expert_used:
                 raise ConfigError(f"{OPTION} {cfg.draft_topk} must be below the model's experts per token "
                                   f"({info.n_expert_used})", option="draft_topk")
@@ -157,7 +158,7 @@ def default_reuse_cap(info: ModelInfo) -> int:
     return defaults_for(info).reuse_cap
 
 
-def config_dict(cfg: GenerationConfig, reuse_cap: int) -> dict:
+def config_dict(cfg: GenerationConfig, reuse_cap: int) -> dict[str, object]:
     d = {k: v for k, v in cfg.__dict__.items() if k != "cost"}
     d["reuse_cap"] = reuse_cap
     return d

@@ -62,7 +62,7 @@ class ResidencySampler:
     """Takes the observer's residency snapshots every `residency_every` iterations, and less often where
     they would cost more than `residency_share` of the generation's time so far."""
 
-    def __init__(self, decoder: "Decoder", t_start: float):
+    def __init__(self, decoder: Decoder, t_start: float) -> None:
         self.decoder, self.t_start, self.seconds = decoder, t_start, 0.0
 
     def sample(self, iteration: int) -> ResidencySnapshot | None:
