@@ -76,7 +76,7 @@ def _modes(args) -> list[str]:
     if args.ablation:
         return ["ar", "base", "+shared-kv", "+utility", "+gating", "+lookup", "+session"]
     from ..engine.measure.bench import mode_config
-    from ..engine.decoding.decoder import GenerationConfig
+    from ..engine.decoding.generation_config import GenerationConfig
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -237,7 +237,8 @@ def run(args) -> int:
     from ..engine.measure.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench,
                                 storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up)
     from ..engine.decoding.cpu_buffers import REASONS
-    from ..engine.decoding.decoder import Decoder, GenerationConfig
+    from ..engine.decoding.decoder import Decoder
+    from ..engine.decoding.generation_config import GenerationConfig
     from ..engine.files import write_atomic
     from .model_runs import default_model
     from .options import check_pregate, placement_from_args, pregate_pinning

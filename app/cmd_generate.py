@@ -175,7 +175,8 @@ def _keep_copies(args, decoder) -> None:
 
 
 def run(args) -> int:
-    from ..engine.decoding.decoder import Decoder, GenerationConfig
+    from ..engine.decoding.decoder import Decoder
+    from ..engine.decoding.generation_config import GenerationConfig
     import numpy as np
 
     from ..engine import offload

@@ -77,7 +77,8 @@ def run(args) -> int:
     from pathlib import Path
 
     from ..engine import offload
-    from ..engine.decoding.decoder import Decoder, GenerationConfig
+    from ..engine.decoding.decoder import Decoder
+    from ..engine.decoding.generation_config import GenerationConfig
     from ..engine.model_info import read_model_info
     from .model_runs import cpu_buffers_for, default_model, generation_config, offload_under_budget, run_cli_in_budget
     from .options import placement_from_args, sampling_settings, tree_mode

@@ -137,7 +137,8 @@ def run(args) -> int:
     from ..engine import offload
     from ..engine.measure.bench import load_prompts
     from ..engine.measure.calibrate import DEFAULT_NAME
-    from ..engine.decoding.decoder import Decoder, GenerationConfig
+    from ..engine.decoding.decoder import Decoder
+    from ..engine.decoding.generation_config import GenerationConfig
     from ..engine.measure.device import default_threads
     from ..engine.errors import ConfigError, held_signals
     from ..engine.model_info import read_model_info

@@ -88,7 +88,7 @@ def run_cli_in_budget(cli_argv: list[str], budget, model: str, *, tag: str) -> i
 def resolve_tuned(args, tuned: dict) -> dict:
     """The settings `s2moe tune` searches: a flag given wins, then the profile's tuned value, then the
     GenerationConfig default (None there: the model's routing decides)."""
-    from ..engine.decoding.decoder import GenerationConfig
+    from ..engine.decoding.generation_config import GenerationConfig
     from ..engine.profile_schema import TUNED_KEYS
 
     default = GenerationConfig()
@@ -100,7 +100,7 @@ def resolve_tuned(args, tuned: dict) -> dict:
 
 
 def generation_config(args, decoder):
-    from ..engine.decoding.decoder import GenerationConfig
+    from ..engine.decoding.generation_config import GenerationConfig
     from ..engine.profiles import cost_for_model, load_profile, tuned_settings
 
     if args.greedy and args.temp > 0:

@@ -23,7 +23,8 @@ from dataclasses import replace
 
 from s2moe.engine import offload
 from s2moe.engine.decoding.cpu_buffers import choose
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.drafting.copies import COPY_REFINEMENTS
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Summary

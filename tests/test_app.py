@@ -884,7 +884,7 @@ def test_bench_on_a_tiny_model(tiny_models):
 
 def test_engine_errors_reach_the_user_in_the_apps_own_words():
     from s2moe.app.tui.messages import failure_text
-    from s2moe.engine.decoding.decoder import GenerationConfig
+    from s2moe.engine.decoding.generation_config import GenerationConfig
 
     with pytest.raises(ConfigError) as caught:
         GenerationConfig(draft_max=0).validate()

@@ -157,7 +157,7 @@ FLAGS = ["--temp", "0.6", "-s", "9", "--top-k", "12", "--top-p", "0.8", "--min-p
 
 def test_bench_takes_generates_sampling_flags_and_defaults():
     from s2moe.app.options import sampling_settings
-    from s2moe.engine.decoding.decoder import GenerationConfig
+    from s2moe.engine.decoding.generation_config import GenerationConfig
 
     parser = build_parser()
     generate = sampling_settings(parser.parse_args(["generate", "-p", "x", *FLAGS]))

@@ -15,7 +15,7 @@ from s2moe.engine.measure.bench import run_bench as REAL_RUN_BENCH
 from s2moe.engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
 from s2moe.engine.decoding.chat import Template
-from s2moe.engine.decoding.decoder import GenerationConfig
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import (CostConstants, DraftCandidate, Finished, Iteration, Prefilled, ResidencySnapshot,
                                  Started)
 from s2moe.engine.measure.speed import MIN_PAIRS, Load, compare

@@ -11,7 +11,7 @@ import pytest
 
 from s2moe.engine.measure.bench import (ERROR_KEYS, BenchDone, BenchProgress, batch_means_se, gating_quality, load_prompts,
                                 memory_gating_quality, run_bench)
-from s2moe.engine.decoding.decoder import GenerationConfig
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.files import write_atomic
 

@@ -19,7 +19,8 @@ from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.messages import EngineEvent, JobEnded
 from s2moe.app.tui.session import ChatSettings, view_of
 from s2moe.engine.decoding.chat import Conversation, Message, Template, chat_tokens
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import Finished, Iteration, Prefilled, Started
 
 # ChatML as Qwen's and many instruct GGUFs ship it: llama.cpp recognises it by its turn markers

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 from test_engine_decoding import REPEATING, summarize
 
-from s2moe.engine.decoding.decoder import GenerationConfig, run
+from s2moe.engine.decoding.decoder import run
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.drafting.copies import COPY_REFINEMENTS, CopyPlanner, LookupOrSelfDrafter
 from s2moe.engine.drafting.copylearner import copy_added
 from s2moe.engine.drafting.ngrams import EarlierText

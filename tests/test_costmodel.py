@@ -119,11 +119,12 @@ def test_a_short_measurement_still_fits_experts_apart_from_tokens(decoders):
 
 
 def test_a_measurement_under_a_budget_is_said_when_slow_and_remembered(tiny_models, monkeypatch):
-    from s2moe.engine.decoding import decoder as decoder_module
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+    from s2moe.engine.decoding import cost_constants
+    from s2moe.engine.decoding.decoder import Decoder
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import MeasuringCosts, Started
 
-    monkeypatch.setattr(decoder_module, "SLOW_MEASURE_S", 0.0)
+    monkeypatch.setattr(cost_constants, "SLOW_MEASURE_S", 0.0)
     cfg = GenerationConfig(mode="s2moe", n_predict=2, stop_at_eos=False)
 
     def run(remember_as):
@@ -153,17 +154,18 @@ def test_a_poor_fit_under_a_budget_is_not_remembered(tiny_models, monkeypatch):
     from dataclasses import replace
 
     from s2moe.engine.measure import costmodel
-    from s2moe.engine.decoding import decoder as decoder_module
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+    from s2moe.engine.decoding import cost_constants
+    from s2moe.engine.decoding.decoder import Decoder
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import Started
 
     real = costmodel.iter_cost_constants
 
     def poor(*args, **kwargs):
         cost, samples = yield from real(*args, **kwargs)
-        return replace(cost, r2=decoder_module.REMEMBER_MIN_R2 - 0.1), samples
+        return replace(cost, r2=cost_constants.REMEMBER_MIN_R2 - 0.1), samples
 
-    monkeypatch.setattr(decoder_module, "iter_cost_constants", poor)
+    monkeypatch.setattr(cost_constants, "iter_cost_constants", poor)
     cfg = GenerationConfig(mode="s2moe", n_predict=2, stop_at_eos=False)
     for _ in range(2):
         dec = Decoder(str(tiny_models["olmoe"]), n_ctx=256, n_threads=1)

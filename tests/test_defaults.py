@@ -12,7 +12,8 @@ from test_cli import assert_clean_error, s2moe
 from test_engine_decoding import assert_ar_is_llama_cpp
 from tinygguf import write_tiny
 
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, RoutingDefaults, defaults_for, routing_defaults, run
+from s2moe.engine.decoding.decoder import Decoder, run
+from s2moe.engine.decoding.generation_config import GenerationConfig, RoutingDefaults, defaults_for, routing_defaults
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished, Iteration, Started
 from s2moe.engine.model_info import read_model_info

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from s2moe.engine.measure.bench import near_tie
-from s2moe.engine.decoding.decoder import GenerationConfig, VerifyObserver, run
+from s2moe.engine.decoding.decoder import run
+from s2moe.engine.decoding.generation_config import GenerationConfig
+from s2moe.engine.decoding.observer import VerifyObserver
 from s2moe.engine.events import CostConstants, Finished, Iteration, Summary
 from s2moe.engine.offload import Residency
 from s2moe.engine.drafting.copies import CopyPlanner

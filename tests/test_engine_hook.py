@@ -202,7 +202,8 @@ def test_gated_weights_are_the_unbiased_probabilities(decoders, arch):
 
 def test_missing_routing_tensors_are_reported_not_ignored(tiny_models, monkeypatch):
     """An architecture whose graph has no ffn_moe_weights-N nodes: MoE modes refuse with a clear error."""
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.errors import ModelError
 
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1)

@@ -18,7 +18,8 @@ from tinygguf import write_tiny
 from s2moe.app.cli import main
 from s2moe.app.parser import build_parser
 from s2moe.engine.decoding import gpu, runtime
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished
 from s2moe.engine.decoding.gpu import EXPERT_TENSORS, NEVER, BuftOverrides, Placement

@@ -771,7 +771,8 @@ def test_decoding_learns_llama_cpp_s_matmul_order_and_reads_parts_in_it(wide_mod
     """The routing hook calls the prefetcher as each expert matmul of a layer completes; the order it learns
     is the one parts are asked for in, and staged reads follow (only past a stage room: None, never), streamed
     where faults read single pages."""
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
 
     d = Decoder(str(wide_model), n_ctx=128, n_threads=1, use_extra_bufts=False)
     off = Offloader(wide_model)
@@ -945,7 +946,8 @@ def test_residency_snapshots_thin_out_when_the_walk_is_slow(tiny_models):
     snapshots come less often, so that they never take more than residency_share of the time."""
     import time
 
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import ResidencySnapshot
     from s2moe.engine.offload import Pinning, offload_decoder
 
@@ -982,7 +984,8 @@ def test_a_warm_up_before_offloading_times_nothing_and_the_run_measures_under_th
     or faulting without its cache): the warm-up times none and drafts to the cap, building the longest graphs,
     and whatever was measured before is measured again once offloading is in place. Nor does its text join
     the session's earlier generations, which copies draw on and a copy cache keeps."""
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import Iteration, Started
     from s2moe.engine.offload import Budget, offload_decoder
 
@@ -1009,7 +1012,8 @@ def test_a_warm_up_before_offloading_times_nothing_and_the_run_measures_under_th
 def test_closing_the_offloader_detaches_it_from_the_routing_hook(tiny_models):
     """The C hook calls the offloader's native prefetcher on every decode; once the offloader is closed
     (its prefetcher freed) the decoder must keep working without calling into freed memory."""
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.offload import Pinning, offload_decoder
 
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
@@ -1124,7 +1128,8 @@ def test_pinning_skips_the_embedding_table_when_the_output_matrix_is_separate(ti
 
 
 def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_models):
-    from s2moe.engine.decoding.decoder import GenerationConfig, run
+    from s2moe.engine.decoding.decoder import run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.offload import model_mappings, read_ahead_bytes
 
     cfg = GenerationConfig(mode="ar", n_predict=3, stop_at_eos=False)
@@ -1148,7 +1153,8 @@ def test_fault_read_around_can_be_turned_off_on_llamas_mapping(decoders, tiny_mo
 
 def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
     """With jit prefetch attached, every decode asks the OS for the experts the routing chose."""
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.offload import Pinning, offload_decoder
 
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=128, n_threads=1, use_extra_bufts=False)
@@ -1177,7 +1183,8 @@ def test_routing_hook_prefetches_each_layers_experts_just_in_time(tiny_models):
 
 
 def test_offloading_adds_residency_snapshots_to_the_event_stream(tiny_models):
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import ResidencySnapshot
     from s2moe.engine.offload import Pinning, offload_decoder
 
@@ -1346,7 +1353,8 @@ def _run_under_budget(script_text: str, model, tmp_path, budget: str = "auto") -
 AUTO_ON_A_FAKED_MACHINE = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.offload import budget
 budget.meminfo = lambda: MEMINFO
@@ -1375,7 +1383,8 @@ def test_an_auto_budget_beyond_the_machine_s_memory_says_what_it_saw(tiny_models
 AUTO_HEADROOM = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 cg = offload.current_budget_cgroup()
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
@@ -1416,7 +1425,8 @@ def test_the_peak_reported_under_an_auto_budget_is_not_the_warm_up_s(tiny_models
 SIZED_WARM_UP = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 cg = offload.current_budget_cgroup()
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, max_draft=8, use_extra_bufts=False)
 limits = []
@@ -1442,7 +1452,8 @@ def test_a_budget_of_a_given_size_warms_up_under_a_raised_limit_then_runs_under_
 AUTO_HOT = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 cg = offload.current_budget_cgroup()
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=128, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
@@ -1495,7 +1506,8 @@ AUTO_RESIDENT_DRAFTS = """
 import json, sys
 import numpy as np
 from s2moe.engine import offload
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import Iteration, Started
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=256, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
@@ -1584,7 +1596,8 @@ def test_the_native_library_is_built_before_a_budget_run_starts(tmp_path, monkey
 AUTO_FETCH = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import Iteration
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=256, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="s2moe", n_predict=8, stop_at_eos=False)))
@@ -1613,7 +1626,8 @@ def test_under_a_budget_reader_threads_fetch_for_verifications_and_change_no_tok
 AUTO_LONG_PROMPT = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
 off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
@@ -1669,7 +1683,8 @@ def test_a_size_printed_rounded_up_is_never_less(n):
 AUTO_BATCH = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False, n_batch=int(sys.argv[2]))
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
 off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
@@ -1760,7 +1775,8 @@ AUTO_MEMORY_GATING = """
 import json, sys
 import numpy as np
 from s2moe.engine import offload
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import Iteration
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=256, max_draft=8, use_extra_bufts=False)
 warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=8, stop_at_eos=False)))
@@ -1810,7 +1826,8 @@ AUTO_TUNE = """
 import json, sys
 from s2moe.engine import offload
 from s2moe.engine.measure.bench import load_prompts
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+from s2moe.engine.decoding.decoder import Decoder
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import CostConstants
 from s2moe.engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneQuality, TuneStarted,
                                run_tune)
@@ -1979,7 +1996,8 @@ def test_a_wrong_pregate_guess_is_read_for_nothing_and_the_first_expert_the_kept
 def test_pregating_changes_no_token_and_says_what_it_predicted(tiny_models):
     """Pre-gating only reads ahead: a generation decodes the same tokens with it, and the offloader's line
     says its recall and what it read. It reads at most the experts a layer routes to."""
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+    from s2moe.engine.decoding.decoder import Decoder, run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import Finished
     from s2moe.engine.offload import Pinning, offload_decoder
 

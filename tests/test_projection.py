@@ -528,7 +528,8 @@ def test_calibrate_measures_the_workload_terms_in_the_engine(tiny_models, tmp_pa
     that model charges them."""
     from s2moe.engine.measure.calibrate import run_calibration
     from s2moe.engine.measure.calibration_steps import CalibrationDone
-    from s2moe.engine.decoding.decoder import Decoder, GenerationConfig
+    from s2moe.engine.decoding.decoder import Decoder
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.profile_schema import validate_profile
     from s2moe.engine.measure.trace import TraceRecorder
 
@@ -618,7 +619,8 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
     this decoder's earlier generations are other tests', which the replay of one trace cannot know."""
     from dataclasses import replace
 
-    from s2moe.engine.decoding.decoder import GenerationConfig, run
+    from s2moe.engine.decoding.decoder import run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import CostConstants, Iteration
     from s2moe.engine.measure.trace import TraceRecorder
 

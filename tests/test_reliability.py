@@ -496,7 +496,7 @@ class _SignalDuring:
 def test_llama_cpp_calls_finish_before_a_ctrl_c_is_raised(decoders, monkeypatch, call):
     import llama_cpp
 
-    from s2moe.engine.decoding.decoder import GenerationConfig
+    from s2moe.engine.decoding.generation_config import GenerationConfig
 
     decoder = decoders["olmoe"]
     spy = _SignalDuring(getattr(llama_cpp, call))
@@ -515,7 +515,7 @@ def test_a_generation_swaps_the_signal_handlers_once_per_step(decoders, monkeypa
     """Swapping the handlers costs a measurable share of a small model's decode (docs/reliability.md): a generation
     swaps them once per step, not around each llama.cpp call (a speculative step drafts and verifies)."""
     from s2moe.engine import errors
-    from s2moe.engine.decoding.decoder import GenerationConfig
+    from s2moe.engine.decoding.generation_config import GenerationConfig
 
     swaps = []
     real = signal.signal

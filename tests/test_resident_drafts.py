@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from s2moe.engine.measure.costmodel import measure_cost_constants
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+from s2moe.engine.decoding.decoder import Decoder, run
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Started
 from s2moe.engine.drafting.stoprules import UtilityStop, rule_cost

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from s2moe.engine.decoding.acceptance import accept
-from s2moe.engine.decoding.decoder import GenerationConfig, run
+from s2moe.engine.decoding.decoder import run
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished, Iteration, Started
 from s2moe.engine.decoding.sampling import MAX_SEED, PositionNoise, Sampling

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from s2moe.app.cli import main
-from s2moe.engine.decoding.decoder import GenerationConfig
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Iteration, Started
 from s2moe.engine.drafting.stoprules import UtilityStop

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from s2moe.engine.decoding.decoder import GenerationConfig, run
+from s2moe.engine.decoding.decoder import run
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import CostConstants, Finished, Iteration
 from s2moe.engine.decoding.sampling import PositionNoise, Sampling, softmax
 from s2moe.engine.decoding.tree import DraftTree, accept_tree, tree_layout

@@ -88,7 +88,8 @@ def test_not_drafting_while_the_first_token_is_unlikely_then_probing():
 
 
 def test_the_decoder_puts_the_decision_on_each_iteration(decoders):
-    from s2moe.engine.decoding.decoder import GenerationConfig, run
+    from s2moe.engine.decoding.decoder import run
+    from s2moe.engine.decoding.generation_config import GenerationConfig
 
     events = run(decoders["olmoe"], "hello there", GenerationConfig(mode="s2moe", n_predict=6, cost=CANNOT_PAY,
                                                                     stop_at_eos=False))

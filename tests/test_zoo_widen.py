@@ -11,7 +11,8 @@ import pytest
 from conftest import ARCHS
 
 from s2moe.app.cli import main
-from s2moe.engine.decoding.decoder import Decoder, GenerationConfig, run
+from s2moe.engine.decoding.decoder import Decoder, run
+from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.errors import ConfigError, ModelError
 from s2moe.engine.events import Iteration
 from s2moe.engine.zoo import model_path

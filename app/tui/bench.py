@@ -12,7 +12,7 @@ from textual_plotext import PlotextPlot
 
 from ...engine.measure import bench as engine_bench
 from ...engine.measure.bench import BenchDone, BenchProgress, BenchRow, BenchTrace
-from ...engine.decoding.decoder import GenerationConfig
+from ...engine.decoding.generation_config import GenerationConfig
 from ...engine.errors import ConfigError, S2MoEError
 from ..options import SAMPLING_VALUES, sampling_value
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
@@ -38,7 +38,7 @@ DEFAULT_SAMPLING = GenerationConfig()
 
 def _traceable(info) -> bool:
     """Whether the model can record the traces a projection replays (a MoE model that can self-draft)."""
-    from ...engine.decoding.decoder import GenerationConfig
+    from ...engine.decoding.generation_config import GenerationConfig
 
     try:
         GenerationConfig(mode="s2moe", trace=True).validate(info)

@@ -230,7 +230,7 @@ class ChatScreen(Screen):
         model's defaults (with no model loaded, k_d of the top-8 model the k_d choices assume then)."""
         s = self.settings.resolved(self.app.session.model, self.app.session.tuned())
         if s.draft_topk is None:
-            from ...engine.decoding.decoder import routing_defaults
+            from ...engine.decoding.generation_config import routing_defaults
 
             s = replace(s, draft_topk=routing_defaults(64, 8).draft_topk)
         return s

@@ -41,15 +41,15 @@ def mode_help(mode: str) -> str:
 
 def engine_modes() -> tuple[str, ...]:
     """The decoding modes the installed engine accepts (the UI's mode selector is built from these)."""
-    from ...engine.decoding import decoder
+    from ...engine import modes
 
-    return tuple(decoder.MODES)
+    return tuple(modes.MODES)
 
 
 def moe_modes() -> tuple[str, ...]:
-    from ...engine.decoding import decoder
+    from ...engine import modes
 
-    return tuple(getattr(decoder, "MOE_MODES", tuple(m for m in decoder.MODES if m != "ar")))
+    return tuple(getattr(modes, "MOE_MODES", tuple(m for m in modes.MODES if m != "ar")))
 
 
 def shipped_default_model() -> Path | None:
@@ -99,7 +99,7 @@ class ChatSettings:
     lookup: bool | None = None
     reuse_strength: float | None = None   # α used when gating is on
     memory_strength: float | None = None  # α_m toward the experts in memory: under a budget, when gating is on
-    draft_topk: int | None = None  # None also: the model's default (see engine.decoder.routing_defaults)
+    draft_topk: int | None = None  # None also: the model's default (see engine.decoding.generation_config.routing_defaults)
     draft_max: int | None = None
     threshold: float | None = None
     n_predict: int = 128
@@ -144,7 +144,7 @@ class ChatSettings:
             s = replace(s, draft_topk=tuned["draft_topk"])
         if model is None or s.draft_topk is not None:
             return s
-        from ...engine.decoding.decoder import routing_defaults
+        from ...engine.decoding.generation_config import routing_defaults
 
         return replace(s, draft_topk=routing_defaults(model.n_expert, model.k).draft_topk)
 
@@ -344,7 +344,7 @@ class EngineSession:
     def _offload(self, say: Callable[[int, int, str], None]) -> None:
         """Inside the app's memory cgroup: pin, prefetch, and size the budget (auto: after a warm-up)."""
         from ...engine import offload
-        from ...engine.decoding.decoder import GenerationConfig
+        from ...engine.decoding.generation_config import GenerationConfig
 
         if offload.current_budget() is None:
             raise ConfigError("this app is not running inside its memory cgroup (start it with "
@@ -447,7 +447,7 @@ class EngineSession:
             return {}
 
     def config(self, settings: ChatSettings, cost=None):
-        from ...engine.decoding.decoder import GenerationConfig
+        from ...engine.decoding.generation_config import GenerationConfig
 
         tuned = self.tuned()
         settings = settings.resolved(self.model, tuned)

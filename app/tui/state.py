@@ -76,7 +76,7 @@ def remembered_settings() -> dict:
 def settings_from_state(data: dict) -> ChatSettings:
     """The chat's settings as remembered (state.remembered_settings): each value kept where it has its
     field's type, then the whole kept only if the engine accepts it; anything else is the default."""
-    from ...engine.decoding.decoder import GenerationConfig
+    from ...engine.decoding.generation_config import GenerationConfig
 
     kept = {}
     for f in fields(ChatSettings):

@@ -10,234 +10,44 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .acceptance import accept
-from ..measure.costmodel import iter_cost_constants
+from .cost_constants import CostConstantsMixin
 from ..errors import OPTION, ConfigError, ContextError, ModelError, held_steps
-from ..events import CostConstants, Finished, Iteration, MeasuringCosts, Prefilled, ResidencySnapshot, Started
-from .hook import distinct_per_layer
-from ..model_info import GATING_SOFTMAX_WEIGHT, ModelInfo, read_model_info
-from ..drafting.copies import COPY_REFINEMENTS, LookupDrafter, LookupOrSelfDrafter
-from ..drafting.drafters import CascadeDrafter, Drafter, IndependentDrafter, LayerSkipDrafter, SelfDrafter
+from ..events import CostConstants, Finished, Iteration, Prefilled, Started
+from .generation_config import GenerationConfig, config_dict
+from .hook import Routing, distinct_per_layer
+from ..model_info import read_model_info
+from ..drafting.copies import LookupDrafter, LookupOrSelfDrafter
+from ..drafting.drafters import CascadeDrafter, Drafter, IndependentDrafter, LayerSkipDrafter, Proposal, SelfDrafter
 from ..drafting.ngrams import EarlierText
 from ..drafting.stoprules import ConfidenceStop, FixedLength, RecordingStop, UtilityStop, rule_cost
 from .gpu import Placement
 from ..offload.budget import prefill_batch_room
 from .runtime import DEFAULT_BATCH, LlamaRuntime
-from .sampling import (MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P, PositionNoise, Sampling,
-                       SeededSampler, check_seed, random_seed)
-from ..modes import DRAFT_EXPERTS, MODES, MOE_MODES, TREE_MODES
+from .observer import ResidencySampler, VerifyObserver
+from .sampling import PositionNoise, SeededSampler
+from ..modes import TREE_MODES
 from .tree import TreeDrafter, verify_tree
 
-
-class VerifyObserver(Protocol):
-    """What the decode loop tells an observer of its verifications (offloading), and asks of it.
-    Given with Decoder.attach."""
-
-    def predicted(self, experts: np.ndarray) -> None:
-        """Experts [n_layer, n_expert] (bool) the coming verification will read as a draft pass just predicted
-        them (each told once, as soon as it is known, while the draft goes on)."""
-
-    def verifying(self, predicted: np.ndarray | None, first_row_ids: int) -> None:
-        """A verification is about to run; predicted: the experts [n_layer, n_expert] its draft predicted it
-        will read (None for a plain step). first_row_ids: how many of each layer's routed ids belong to its
-        first row, the one whose output is kept whatever it decides (0 for a plain step: all of them)."""
-
-    def verified(self) -> None:
-        """The verification told by `verifying` ran (or failed)."""
-
-    def start_counting(self) -> None:
-        """Decodes that route through the hook start (the draft passes, then the verification)."""
-
-    def misses(self) -> np.ndarray:
-        """[n_layer] experts the decodes since start_counting read that were not in memory as they routed."""
-
-    def residency(self) -> Residency:
-        """A residency snapshot (a walk over the model's pages: sampled, see Decoder.residency_share)."""
-
-    def draft_allowed(self) -> np.ndarray:
-        """[n_layer, n_expert] bool: the experts a draft from resident experts may read, provided they are
-        wholly in memory as its layer routes (the routing hook asks the observer's prefetcher then)."""
-
-    def drafted_elsewhere(self, mappings: list[tuple[int, int, int]]) -> None:
-        """A draft just ran on weights of its own: `mappings` (address, length, file offset) of the model file,
-        read outside the routing hook. What it read is the observer's to let go of."""
-
-
-class Residency(Protocol):
-    resident: np.ndarray   # [n_layer, n_expert] fraction of each expert's pages in memory
-    pinned: np.ndarray     # [n_layer, n_expert] bool
-    hit_rate: np.ndarray   # [n_layer]
-
+if TYPE_CHECKING:
+    from .chat import Template
 
 TREE_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ
-# Modes whose drafts a trace can stand in for: the model's own experts, one chain, a stop rule per token.
-TRACE_MODES = ("s2moe", "conf", "cascade")
 
 
-# A warm-up's constants (Decoder.untimed_costs): a token always pays for its draft pass and its verified row
-WARM_UP_COST = CostConstants(t_ar=1.0, c_draft=0.0, t_exp=0.0, t_tok=0.0, intercept=0.0,
-                             source="warm-up: drafting always pays, nothing timed")
-# Under a memory budget the start-up measurement takes about this long (fewer samples where a step is slow),
-# and says how it goes once it has taken SLOW_MEASURE_S.
-BUDGET_MEASURE_S = 20.0
-SLOW_MEASURE_S = 2.0
-# The least R² of the verification cost fit that a measurement needs to be remembered: other jobs running beside
-# it spoil the fit (docs/offloading.md), and a spoilt one would otherwise be read back run after run.
-REMEMBER_MIN_R2 = 0.8
-DRAFT_CAP = 8  # no measurement ties the cap to the routing: the same for every model until a profile tunes it
-
-
-@dataclass(frozen=True)
-class RoutingDefaults:
-    """The settings a model's routing decides when neither a flag nor a profile gives them."""
-
-    draft_topk: int  # k_d
-    draft_max: int   # draft cap
-    reuse_cap: int   # |E*|
-
-
-def routing_defaults(n_expert: int, k: int) -> RoutingDefaults:
-    """k_d = max(1, k/4): a draft pass reads a quarter of the target's experts (2 of 8, 1 of 4, 1 of 2).
-    |E*| = 2·k (inside the paper's 1.5–2.5·k sweet spot), below n_expert so that gating can act.
-    A top-1 model gets k_d = 1 = k: nothing can draft with fewer experts (validate says so)."""
-    k = max(k, 1)
-    return RoutingDefaults(draft_topk=max(1, k // 4), draft_max=DRAFT_CAP,
-                           reuse_cap=max(k, min(2 * k, n_expert - 1)))
-
-
-def defaults_for(info: ModelInfo) -> RoutingDefaults:
-    return routing_defaults(info.n_expert, info.n_expert_used)
-
-
-@dataclass
-class GenerationConfig:
-    mode: str = "s2moe"
-    n_predict: int = 128
-    temperature: float = 0.0          # 0: greedy
-    seed: int = 0                     # RANDOM_SEED (-1): drawn at random when resolved, as llama.cpp's -s -1
-    # llama.cpp's sampler chain (engine.sampling), its defaults; repeat_last_n -1: the whole context
-    top_k: int = TOP_K
-    top_p: float = TOP_P
-    min_p: float = MIN_P
-    repeat_penalty: float = REPEAT_PENALTY
-    repeat_last_n: int = REPEAT_LAST_N
-    # None: not given, the model's routing decides (resolved(info), defaults_for)
-    draft_topk: int | None = None     # k_d
-    # not None by default: callers size a decoder's verification batch from it before reading a model
-    draft_max: int | None = DRAFT_CAP  # cap on draft length
-    utility: bool = True              # routing-aware expansion; False: fixed draft length
-    threshold: float = 1.0            # utility threshold
-    reuse_strength: float = 0.5       # α of reuse-aware gating; 0 turns gating off (lossless)
-    # with gating on and under a memory budget, every verification's rows, a plain step's one row too, are also
-    # biased toward the experts in memory by this strength (the same margin rule as α's): borderline choices move
-    # onto experts that cost no fetch. 0: off.
-    memory_strength: float = 0.3
-    reuse_cap: int | None = None      # |E*|
-    # s2moe with the utility rule: where the context repeats itself, draft the tokens that followed the
-    # repeated n-gram (no draft pass) when the rule says they pay, else the model's own chain
-    lookup: bool = True
-    # ... and where it does not, copy from this decoder's earlier generations of other prompts (with lookup)
-    lookup_session: bool = True
-    # ... and where a copy from the context runs into the context's end (a loop), it goes on round the loop; False:
-    # it stops there, as prompt lookup does
-    lookup_periodic: bool = True
-    # ... with these of the copy rule's refinements switched off (drafting.copies.COPY_REFINEMENTS), for an
-    # ablation that measures what each one pays; empty: the whole rule
-    copy_without: frozenset[str] = frozenset()
-    conf_p_min: float = 0.5           # `conf` mode's stop probability
-    tree_width: int = 2               # tree modes: candidates drafted per expanded node (top-b)
-    tree_max_nodes: int = 8           # tree modes: nodes a verification takes at most
-    # which experts self-drafting passes (chain or tree) read: "router", the router's top-k_d; "resident", its
-    # best-ranked among the experts in memory (under a memory budget: drafts that fetch nothing, and are accepted
-    # less often); None: the router's
-    draft_experts: str | None = None
-    stop_at_eos: bool = True
-    cost: CostConstants | None = None  # from a device profile; measured at start-up when None
-    # record a trace (engine.trace): draft to the cap whatever the mode's rule says, noting what it would have
-    # kept, and keep every verification's routing in its Iteration event
-    trace: bool = False
-
-    def sampling(self, n_ctx: int | None = None) -> Sampling:
-        """The sampler chain of this config; with n_ctx, repeat_last_n -1 becomes the whole context."""
-        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                        repeat_penalty=self.repeat_penalty,
-                        repeat_last_n=n_ctx if self.repeat_last_n == -1 and n_ctx else self.repeat_last_n)
-
-    def resolved(self, info: ModelInfo) -> "GenerationConfig":
-        """This config with every setting it leaves to the model filled in from the model's routing."""
-        d = defaults_for(info)
-        return replace(self, seed=random_seed() if self.seed == RANDOM_SEED else self.seed,
-                       draft_topk=d.draft_topk if self.draft_topk is None else self.draft_topk,
-                       draft_max=d.draft_max if self.draft_max is None else self.draft_max,
-                       reuse_cap=d.reuse_cap if self.reuse_cap is None else self.reuse_cap)
-
-    def validate(self, info: ModelInfo | None = None) -> None:
-        """Check the values given; with info, check them against that model once resolved."""
-        if self.mode not in MODES:
-            raise ConfigError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
-        if self.n_predict < 1:
-            raise ConfigError(f"{OPTION} must be at least 1", option="n_predict")
-        check_seed(self.seed)
-        self.sampling().validate()
-        if self.draft_max is not None and (self.draft_max < 1 or self.draft_max > 64):
-            raise ConfigError(f"{OPTION} must be between 1 and 64", option="draft_max")
-        if self.draft_topk is not None and self.draft_topk < 1:
-            raise ConfigError(f"{OPTION} must be ≥ 1", option="draft_topk")
-        if self.reuse_strength < 0:
-            raise ConfigError(f"{OPTION} must be ≥ 0", option="reuse_strength")
-        if self.memory_strength < 0:
-            raise ConfigError(f"{OPTION} must be ≥ 0", option="memory_strength")
-        if self.threshold < 0:
-            raise ConfigError(f"{OPTION} must be ≥ 0", option="threshold")
-        if self.reuse_cap is not None and self.reuse_cap < 1:
-            raise ConfigError(f"{OPTION} must be ≥ 1", option="reuse_cap")
-        if self.tree_width < 1:
-            raise ConfigError(f"{OPTION} must be ≥ 1", option="tree_width")
-        if self.draft_experts not in (None,) + DRAFT_EXPERTS:
-            raise ConfigError(f"{OPTION} must be one of {', '.join(DRAFT_EXPERTS)}", option="draft_experts")
-        if not 1 <= self.tree_max_nodes <= 64:
-            raise ConfigError(f"{OPTION} must be between 1 and 64", option="tree_max_nodes")
-        if isinstance(self.copy_without, str):  # a string is a set of its letters
-            raise ConfigError(f"copy_without is a set of refinement names, not the string {self.copy_without!r}")
-        unknown = sorted(set(self.copy_without) - set(COPY_REFINEMENTS))
-        if unknown:
-            raise ConfigError(f"unknown copy refinement {unknown[0]!r} (choose from {', '.join(COPY_REFINEMENTS)})")
-        if self.trace and self.mode not in TRACE_MODES:
-            raise ConfigError(f"a trace drafts with the model's own experts to the cap: mode {self.mode!r} cannot "
-                              f"record one (choose from {', '.join(TRACE_MODES)})")
-        if info is None:
-            return
-        if self.mode in MOE_MODES and not info.is_moe:
-            raise ConfigError(f"mode {self.mode!r} needs a Mixture-of-Experts model; {info.path.name} is dense "
-                              "(only plain decoding, mode ar, applies)")
-        if self.mode == "ls" and info.gating == GATING_SOFTMAX_WEIGHT:
-            raise ConfigError(f"mode ls cannot skip {info.path.name}'s experts: a softmax over the kept weights "
-                              "turns weight 0 into a share of the output")
-        if info.is_moe and self.mode in MOE_MODES:
-            if info.n_expert_used < 2:
-                raise ConfigError(f"mode {self.mode!r} drafts with fewer experts per token than the model uses, and "
-                                  f"{info.path.name} routes each token to a single expert: self-speculation is "
-                                  "impossible on it (modes ar and lookup apply)")
-            cfg = self.resolved(info)
-            if cfg.draft_topk >= info.n_expert_used:
-                raise ConfigError(f"{OPTION} {cfg.draft_topk} must be below the model's experts per token "
-                                  f"({info.n_expert_used})", option="draft_topk")
-            if cfg.reuse_cap < info.n_expert_used:
-                raise ConfigError(f"{OPTION} must be ≥ the model's experts per token ({info.n_expert_used})",
-                                  option="reuse_cap")
-
-
-class Decoder:
+class Decoder(CostConstantsMixin):
     """Loads a model once; runs generations in any mode over the same context."""
 
     def __init__(self, model: str, *, n_ctx: int = 2048, n_threads: int | None = None, max_draft: int = 16,
-                 use_extra_bufts: bool = True, placement: Placement = Placement(), n_batch: int | None = None):
+                 use_extra_bufts: bool = True, placement: Placement = Placement(), n_batch: int | None = None) -> None:
+        super().__init__()
         self.info = read_model_info(model)  # refuses what llama.cpp would assert on (expert counts among it)
         self.max_draft = max_draft
         # n_batch None: llama.cpp's default, or inside a budget of a given size the largest batch (halving from
@@ -249,14 +59,11 @@ class Decoder:
                                use_extra_bufts=use_extra_bufts, placement=placement,
                                n_seq_max=min(TREE_SEQS, 4 * (max_draft + 1)))
         self.placement = placement
-        self._measured: dict[tuple, CostConstants] = {}
-        self._untimed = False  # inside untimed_costs(): a warm-up, whose constants would be thrown away
-        self._remember_as: str | None = None  # see forget_cost_constants
         self._pieces: dict[int, str] = {}
         self._routing_checked = not self.info.is_moe
         self.n_threads = n_threads
-        self._aux: dict[tuple, Drafter] = {}  # drafters with their own context, kept across generations
-        self._rules: dict[tuple, UtilityStop] = {}  # utility rules and what they learned, ditto
+        self._aux: dict[tuple[object, ...], Drafter] = {}  # drafters with their own context, kept across generations
+        self._rules: dict[tuple[object, ...], UtilityStop] = {}  # utility rules and what they learned, ditto
         self.earlier = EarlierText()  # what this decoder's generations read and wrote, for s2moe's copies
         self._observer: VerifyObserver | None = None
         # Record routing on plain (single-token, undrafted) steps too; off by default because it costs a
@@ -272,7 +79,7 @@ class Decoder:
         # The tokens whose target entries sequence 0 of the KV holds at positions 0.. as the last
         # generation left them (None: unknown, something else used the cache since)
         self._context: list[int] | None = None
-        self._template = None
+        self._template: Template | None = None
 
     def attach(self, observer: VerifyObserver) -> None:
         """Let observer see every verification (one at a time: offloading)."""
@@ -302,7 +109,7 @@ class Decoder:
         return self.rt.tokenize(text, special=special)
 
     @property
-    def chat_template(self):
+    def chat_template(self) -> Template:
         """The model's chat template as llama.cpp applies it (engine.chat.Template)."""
         if self._template is None:
             from .chat import model_template
@@ -316,7 +123,7 @@ class Decoder:
         self._context = None
 
     @contextmanager
-    def apart_from_session(self):
+    def apart_from_session(self) -> Iterator[None]:
         """Generations inside copy only from each other's text, not from what the session generated before (a
         benchmark measures the same with whatever a chat or a copy cache left); the session's text is as it
         was afterwards."""
@@ -333,13 +140,14 @@ class Decoder:
             self._pieces[token] = text
         return text
 
-    def detokenize(self, tokens) -> str:
+    def detokenize(self, tokens: Iterable[int]) -> str:
         return self.rt.detokenize(tokens)
 
     def check_routing_hook(self) -> None:
         """Fail clearly if llama.cpp's graph for this architecture has no routing tensors we know."""
         if self._routing_checked:
             return
+        assert self.rt.hook is not None  # a MoE model's runtime installs one
         before = self.rt.hook.hooked()
         self._context = None
         self.rt.kv_clear()
@@ -352,75 +160,6 @@ class Decoder:
                 "only --mode ar works for this model"
             )
         self._routing_checked = True
-
-    def _cost_constants(self, cfg: GenerationConfig) -> Iterator[MeasuringCosts]:
-        """Generator: returns the constants a generation decides with; yields MeasuringCosts while it measures
-        them, once that has taken SLOW_MEASURE_S."""
-        if cfg.cost is not None:
-            return cfg.cost
-        if self._untimed:
-            return WARM_UP_COST
-        key = (cfg.draft_topk, cfg.draft_max)
-        if key not in self._measured:
-            self._measured[key] = yield from self._measure_costs(cfg)
-        return self._measured[key]
-
-    def _measure_costs(self, cfg: GenerationConfig) -> Iterator[MeasuringCosts]:
-        from ..measure import remembered_costs
-        from .runtime import llama_build_id
-
-        self._context = None
-        under_budget = self._remember_as is not None
-        if under_budget:
-            recall_key = "|".join((self.info.fingerprint, f"k_d {cfg.draft_topk}", f"cap {cfg.draft_max}",
-                                   self._remember_as, f"threads {self.n_threads}", llama_build_id()))
-            cost = remembered_costs.recall(recall_key)
-            if cost is not None:
-                return cost
-        # under a budget, also what a draft from resident experts costs (it fetches nothing)
-        allowed = None if self._observer is None else self._observer.draft_allowed
-        gen = iter_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed, draft_allowed=allowed,
-                                  seconds=BUDGET_MEASURE_S if under_budget else None)
-        t0 = time.perf_counter()
-        while True:
-            try:
-                fraction = next(gen)
-            except StopIteration as e:
-                cost = e.value[0]
-                break
-            if time.perf_counter() - t0 >= SLOW_MEASURE_S:
-                yield MeasuringCosts(fraction, time.perf_counter() - t0)
-        if under_budget and cost.r2 is not None and cost.r2 >= REMEMBER_MIN_R2:
-            # a fit the machine's noise spoilt (another job beside it) is measured again next time, not kept
-            remembered_costs.remember(recall_key, cost)
-        return cost
-
-    def measured_cost_constants(self, draft_topk: int | None, draft_max: int | None) -> CostConstants | None:
-        """The constants this decoder measured at start-up for (k_d, draft cap), if it did (None: the
-        model's default, as a generation resolves it)."""
-        d = defaults_for(self.info)
-        return self._measured.get((d.draft_topk if draft_topk is None else draft_topk,
-                                   d.draft_max if draft_max is None else draft_max))
-
-    @contextmanager
-    def untimed_costs(self):
-        """Generations inside, given no constants, measure none: they draft as if drafting always paid, so
-        that they build the graphs of the longest drafts and verifications. For a warm-up before offloading is
-        in place, when what a step costs is not yet what it will cost (the budget's limit not yet down, nothing
-        pinned or cached). Given constants, they draft by rules of their own, so that what they time never
-        teaches the rules of the generations after them."""
-        self._untimed = True
-        try:
-            yield
-        finally:
-            self._untimed = False
-
-    def forget_cost_constants(self, remember_as: str | None = None) -> None:
-        """Measure again at the next generation (e.g. once the memory budget changed what a step costs).
-        remember_as: the setting (a memory budget's) under which a measurement is remembered between runs
-        (engine.remembered_costs), and measured in about BUDGET_MEASURE_S."""
-        self._measured.clear()
-        self._remember_as = remember_as
 
     @property
     def knows_memory(self) -> bool:
@@ -439,7 +178,9 @@ class Decoder:
         return "router"
 
     def _drafter(self, cfg: GenerationConfig, cost: CostConstants | None, prompt: list[int]) -> Drafter:
-        allowed = self._observer.draft_allowed if self.draft_experts(cfg) == "resident" else None
+        assert cfg.draft_topk is not None and cfg.draft_max is not None  # generate resolved cfg
+        observer = self._observer
+        allowed = observer.draft_allowed if observer is not None and self.draft_experts(cfg) == "resident" else None
         if cfg.trace:
             rule = (ConfidenceStop(cfg.conf_p_min) if cfg.mode == "conf" else
                     self._utility_rule(cfg, cost) if cfg.mode == "s2moe" and cfg.utility else FixedLength())
@@ -449,7 +190,7 @@ class Decoder:
         if cfg.mode == "conf":
             return SelfDrafter(cfg.draft_topk, ConfidenceStop(cfg.conf_p_min), allowed)
         if cfg.mode == "naive":
-            key = ("naive", cfg.draft_topk)
+            key: tuple[object, ...] = ("naive", cfg.draft_topk)
             if key not in self._aux:
                 self._aux[key] = IndependentDrafter(self, cfg.draft_topk, self.n_threads)
             return self._aux[key]
@@ -463,6 +204,7 @@ class Decoder:
             if not cfg.utility:  # the fixed shape of the paper's baselines: tree_width nodes per depth
                 return TreeDrafter(cfg.draft_topk, None, cfg.tree_width, cfg.tree_max_nodes, allowed)
             # tree-prob: the same rule, blind to experts (T_exp = 0), a rule of its own
+            assert cost is not None  # generate measures the constants of a utility rule's modes, or is given them
             base_cost = rule_cost(cost, self.draft_experts(cfg))
             tree_cost = base_cost if cfg.mode == "tree" else replace(base_cost, t_exp=0.0)
             key = ("tree", cfg.draft_topk, cfg.threshold, tree_cost, cfg.tree_width, cfg.tree_max_nodes)
@@ -477,12 +219,13 @@ class Decoder:
         return LookupOrSelfDrafter(chain, rule, self.earlier if cfg.lookup_session else None, prompt,
                                    periodic=cfg.lookup_periodic, without=cfg.copy_without)
 
-    def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants) -> UtilityStop:
+    def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants | None) -> UtilityStop:
+        assert cost is not None  # generate measures the constants of a utility rule's modes, or is given them
         # A trace's rule learns apart: what it sees is not what the mode's own generations see.
         cost = rule_cost(cost, self.draft_experts(cfg))
         return self._kept_rule(("utility", cfg.draft_topk, cfg.threshold, cost, cfg.trace), cost, cfg)
 
-    def _kept_rule(self, key: tuple, cost: CostConstants, cfg: GenerationConfig) -> UtilityStop:
+    def _kept_rule(self, key: tuple[object, ...], cost: CostConstants, cfg: GenerationConfig) -> UtilityStop:
         """The utility rule for `key` with what it learned (the first draft token's usual probability and expert
         cost, how often a probe pays, how often the target accepts its drafts): that holds for this model and
         device, not for one request, so generations with the same constants and sampler settings (drafts are
@@ -516,6 +259,7 @@ class Decoder:
         cfg = (cfg or GenerationConfig()).resolved(self.info)
         cfg.validate(self.info)
         cfg = replace(cfg, draft_experts=self.draft_experts(cfg))  # what ran, in Started's config
+        assert cfg.draft_topk is not None and cfg.draft_max is not None and cfg.reuse_cap is not None  # resolved
         if cfg.draft_max > self.max_draft:
             raise ConfigError(f"{OPTION} {cfg.draft_max} exceeds this decoder's limit {self.max_draft}",
                               option="draft_max")
@@ -548,7 +292,7 @@ class Decoder:
         sample = SeededSampler(sampler, noise)
 
         yield Started(cfg.mode, self.info.name, tuple(prompt_tokens), self.info.n_layer, self.info.n_expert, k,
-                      _config_dict(cfg, reuse_cap), cost)
+                      config_dict(cfg, reuse_cap), cost)
 
         rt = self.rt
         hook = rt.hook
@@ -567,7 +311,7 @@ class Decoder:
         generated: list[int] = []
         stop_reason = "length"
         iteration = 0
-        residency = _ResidencySampler(self, t_start)
+        residency = ResidencySampler(self, t_start)
         self._tracing = cfg.trace
         while len(generated) < cfg.n_predict:
             if should_stop is not None and should_stop():
@@ -580,10 +324,10 @@ class Decoder:
             room = self.n_ctx - m  # positions left after the pending token
             max_len = min(cfg.draft_max, room, cfg.n_predict - len(generated) - 1)
             counting_drafts = self._observer is not None and drafter.drafts_in_context
-            if counting_drafts:
+            if counting_drafts and self._observer is not None:
                 self._observer.start_counting()
             proposal = drafter.propose(self, committed_all, max_len, sample)
-            draft_misses = self._observer.misses() if counting_drafts else None
+            draft_misses = self._observer.misses() if counting_drafts and self._observer is not None else None
             elsewhere = drafter.file_mappings()
             if self._observer is not None and elsewhere:
                 self._observer.drafted_elsewhere(elsewhere)
@@ -686,8 +430,8 @@ class Decoder:
         self.rt.kv_remove_from(n)
         self._context = committed_all[:n]
 
-    def _verify(self, batch: list[int], pos: int, proposal, gate: "Gating | None",
-                layout: tuple[list[int], list[list[int]]] | None = None) -> "_Verified":
+    def _verify(self, batch: list[int], pos: int, proposal: Proposal, gate: Gating | None,
+                layout: tuple[list[int], list[list[int]]] | None = None) -> _Verified:
         """One target pass over the pending token and the drafted ones, with what its routing read.
         layout: the rows' positions and sequence ids where they form a tree (engine.tree), not a chain."""
         rt, hook, observer = self.rt, self.rt.hook, self._observer
@@ -699,7 +443,7 @@ class Decoder:
         memory = gate is not None and gate.memory > 0 and self.knows_memory
         batch_gate = gate is not None and len(batch) > 1
         if hook is not None:
-            if batch_gate or memory:
+            if gate is not None and (batch_gate or memory):
                 hook.gate(gate.strength if batch_gate else 0.0, gate.cap, [1.0] + proposal.chain,
                           memory=gate.memory if memory else 0.0)
             elif plain_unobserved:
@@ -709,7 +453,7 @@ class Decoder:
         counting = observer is not None and hook is not None and not plain_unobserved
         if observer is not None:
             observer.verifying(proposal.predicted if len(batch) > 1 else None, k if len(batch) > 1 else 0)
-        if counting:
+        if counting and observer is not None:
             observer.start_counting()
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if counting else 0
         t0 = time.perf_counter()
@@ -719,13 +463,14 @@ class Decoder:
             if observer is not None:
                 observer.verified()
         seconds = time.perf_counter() - t0
+        assert logits is not None  # the batch holds the pending token at least
         # Offloaded: the page faults that had to wait for storage. Not a predictor (known only after
         # the fact) but it tells how much of the latency the residency snapshot could not foresee.
         major_faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0 if counting else None
         if hook is None:
             n_layer = self.info.n_layer
             return _Verified(logits, seconds, None, np.zeros(n_layer, int), np.zeros(n_layer), 0, None, major_faults)
-        if plain_unobserved:
+        if plain_unobserved and self._moe_layers is not None:
             return _Verified(logits, seconds, None, self._moe_layers * k, self._moe_layers.astype(float), 0, None,
                              major_faults)
         routing = hook.snapshot(len(batch))
@@ -735,7 +480,7 @@ class Decoder:
         rows = np.maximum(routing.rows, 1)
         reuse = np.where(routing.rows > 0, experts / (rows * k), 0.0)
         moves = _moves(routing) if hook.mode == "gate" else 0
-        misses = observer.misses() if counting else None
+        misses = observer.misses() if counting and observer is not None else None
         return _Verified(logits, seconds, routing, experts, reuse, moves, misses, major_faults)
 
     def close(self) -> None:
@@ -759,31 +504,12 @@ class Gating:
 class _Verified:
     logits: np.ndarray
     seconds: float
-    routing: object | None       # hook.Routing, when the hook recorded this pass
+    routing: Routing | None      # when the hook recorded this pass
     experts: np.ndarray          # [n_layer] distinct experts read
     reuse: np.ndarray            # [n_layer] reuse ratio
     moves: int                   # selections gating moved
     misses: np.ndarray | None    # [n_layer] experts read that were not in memory (offloaded)
     major_faults: int | None     # page faults that waited for storage (offloaded)
-
-
-class _ResidencySampler:
-    """Takes the observer's residency snapshots every `residency_every` iterations, and less often where
-    they would cost more than `residency_share` of the generation's time so far."""
-
-    def __init__(self, decoder: "Decoder", t_start: float):
-        self.decoder, self.t_start, self.seconds = decoder, t_start, 0.0
-
-    def sample(self, iteration: int) -> ResidencySnapshot | None:
-        d = self.decoder
-        if d.observer is None or iteration % d.residency_every != 1:
-            return None
-        if self.seconds > d.residency_share * (time.perf_counter() - self.t_start):
-            return None
-        t0 = time.perf_counter()
-        r = d.observer.residency()
-        self.seconds += time.perf_counter() - t0
-        return ResidencySnapshot(iteration, r.resident, r.pinned, r.hit_rate)
 
 
 def _cut_at_end_of_generation(tokens: list[int], is_eog: Callable[[int], bool]) -> tuple[list[int], bool]:
@@ -794,23 +520,13 @@ def _cut_at_end_of_generation(tokens: list[int], is_eog: Callable[[int], bool]) 
     return tokens, False
 
 
-def default_reuse_cap(info: ModelInfo) -> int:
-    return defaults_for(info).reuse_cap
-
-
-def _moves(routing) -> int:
+def _moves(routing: Routing) -> int:
     """Expert selections that gating moved away from the router's own choice."""
     used, orig = routing.used, routing.orig
     same = (used[..., :, None] == orig[..., None, :]).any(axis=-1)
     return int((~same & (used >= 0)).sum())
 
 
-def _config_dict(cfg: GenerationConfig, reuse_cap: int) -> dict:
-    d = {k: v for k, v in cfg.__dict__.items() if k != "cost"}
-    d["reuse_cap"] = reuse_cap
-    return d
-
-
-def run(decoder: Decoder, prompt, cfg: GenerationConfig, **kw):
+def run(decoder: Decoder, prompt: str | list[int], cfg: GenerationConfig, **kw: Any) -> list[object]:
     """Run a generation to the end and return its events (a convenience for tests and scripts)."""
     return list(decoder.generate(prompt, replace(cfg), **kw))

@@ -21,7 +21,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .costmodel import drift_tracked_fit, fault_explained_fit, fit_miss_cost, fit_verify_cost
-from ..decoding.decoder import Decoder, GenerationConfig, default_reuse_cap
+from ..decoding.decoder import Decoder
+from ..decoding.generation_config import GenerationConfig, default_reuse_cap
 from ..errors import ConfigError
 from ..files import MAX_PROMPT_FILE_BYTES, parse_json, read_bounded
 from ..events import Iteration, Summary, Totals

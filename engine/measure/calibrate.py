@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..decoding.cpu_buffers import choose as choose_cpu_buffers
-from ..decoding.decoder import defaults_for
+from ..decoding.generation_config import defaults_for
 from ..decoding.gpu import Placement
 from ..errors import ConfigError, ModelError
 from ..model_info import ModelInfo, read_model_info

@@ -197,7 +197,8 @@ def _workload_terms(cal: Calibration, index: int) -> Generator[StepProgress, Non
     drift of the machine lands on both), and this engine's host work per draft pass and per verified row from
     generations of the engine itself, drafting to the cap as a trace does, over the first calibration prompts,
     with the draft passes' decode as timed here taken out."""
-    from ..decoding.decoder import Decoder, GenerationConfig
+    from ..decoding.decoder import Decoder
+    from ..decoding.generation_config import GenerationConfig
     from ..events import CostConstants
     from .replay_costs import engine_host_times
     from .trace import TraceRecorder
@@ -262,7 +263,7 @@ def _plain_iterations(decoder: Decoder, prompt: str,
     """Generator (yields StepProgress): [(tokens of context, seconds)] of each iteration of plain decoding (mode
     ar) through the engine, from one event to the next: the step and the loop's own work, as decoding runs them,
     over a long generation so that the context grows past what workloads run at."""
-    from ..decoding.decoder import GenerationConfig
+    from ..decoding.generation_config import GenerationConfig
     from ..events import Iteration, Prefilled
 
     tokens = decoder.tokenize(prompt)[:64] or [0]

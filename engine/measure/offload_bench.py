@@ -67,7 +67,8 @@ ARMS = {
 def _worker(cfg: dict[str, Any]) -> int:
     import numpy as np
 
-    from ..decoding.decoder import Decoder, GenerationConfig
+    from ..decoding.decoder import Decoder
+    from ..decoding.generation_config import GenerationConfig
     from ..events import Summary
     from ..offload import (Budget, Pinning, auto_budget_bytes, current_budget_cgroup, expert_map, offload_decoder,
                           process_anon_bytes)

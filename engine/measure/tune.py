@@ -62,7 +62,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterator, Protocol
 
 from .bench import CheckFigures, balanced_order, gating_quality, memory_gating_quality
-from ..decoding.decoder import Decoder, GenerationConfig
+from ..decoding.decoder import Decoder
+from ..decoding.generation_config import GenerationConfig
 from ..errors import OPTION, ConfigError
 from ..events import CostConstants, Finished, Iteration, Prefilled
 from .speed import LoadWatch, compare, judge, separated
