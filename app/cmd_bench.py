@@ -164,7 +164,7 @@ def tables(done, width: int) -> list:
 def footnotes(done) -> list[str]:
     """What the table's marks mean, the fastest mode and each mode's verdict against ar (engine.speed), and a
     warning where the machine was busy or the runs unsteady."""
-    from ..engine.measure.bench import judgements
+    from ..engine.measure.bench_results import judgements
 
     out = []
     if any(r.decoded_as_ar for r in done.rows):
@@ -283,7 +283,7 @@ def _resident_verify_cost(resident_fit: dict, profile: dict | None, info):
     return None
 
 
-# what each kind of verification batch (engine.bench.VERIFY_KINDS) is called in the report
+# what each kind of verification batch (engine.measure.bench_results.VERIFY_KINDS) is called in the report
 KIND_WORDS = {"plain": "plain steps", "copy": "copied drafts", "draft": "self-drafted (experts predicted)"}
 
 
@@ -380,11 +380,11 @@ def markdown(done) -> str:
 
 
 def check_words(f, kl: bool = True) -> str:
-    """A quality check's figures (bench.CheckFigures, or a check's dict as bench and profiles hold it) in words,
-    each ± its standard error where the check has one (batch means over its tokens; the perplexity ratio's from
-    that of its log)."""
+    """A quality check's figures (quality_checks.CheckFigures, or a check's dict as bench and profiles hold it) in
+    words, each ± its standard error where the check has one (batch means over its tokens; the perplexity ratio's
+    from that of its log)."""
     if isinstance(f, dict):
-        from ..engine.measure.bench import CheckFigures
+        from ..engine.measure.quality_checks import CheckFigures
 
         f = CheckFigures.of(f)
 
@@ -417,13 +417,13 @@ def memory_quality_text(label: str, q: dict) -> str:
 def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict, int, dict | None]:
     """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
     the budget's label, its verification cost-model fit, the budget in bytes (auto: as sized), what gating
-    toward the experts in memory cost there (bench.memory_gating_quality; {} with --no-quality) and the prefill
+    toward the experts in memory cost there (quality_checks.memory_gating_quality; {} with --no-quality) and the prefill
     batch its process ran (-b, else chosen there), and what else used the CPUs while it measured (speed.Load)."""
     import tempfile
     from pathlib import Path
 
     from ..engine import offload
-    from ..engine.measure.bench import BenchRow
+    from ..engine.measure.bench_results import BenchRow
     from ..engine.crashes import exit_text
     from .cli import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings, say_child_death
 
@@ -494,7 +494,7 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     from pathlib import Path
 
     from ..engine import offload
-    from ..engine.measure.bench import reference_row
+    from ..engine.measure.bench_results import reference_row
     from ..engine.crashes import exit_text
     from .cli import cpu_buffers_for, placement_from_args, say_child_death
 
@@ -557,8 +557,10 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..engine.measure.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench,
-                                storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up)
+    from ..engine.measure.bench import measure_hook_overhead, run_bench, warm_up
+    from ..engine.measure.bench_results import (BenchDone, BenchProgress, BenchTrace, storage_bound, VERIFY_KINDS,
+                                                verification_bound_ratio)
+    from ..engine.measure.prompts import load_prompts
     from ..engine.decoding.cpu_buffers import REASONS
     from ..engine.decoding.decoder import Decoder, GenerationConfig
     from ..engine.files import write_atomic

@@ -78,7 +78,7 @@ carries published figures and may hold `reference` constants that apply to any m
             settings: {draft_topk: 2, draft_max: 8, threshold: 1.0, reuse_strength: 0.5, reuse_cap: 16, lookup: true,
                        memory_strength: 0.3}   # searched under a budget only
             memory_quality_checked: [{memory_strength, ppl_ratio, top1_agreement, top1_se, log_ppl_ratio_se,
-                                      tokens, ok, extended}, ...]  # budget; the errors: bench.batch_means_se
+                                      tokens, ok, extended}, ...]  # budget; the errors: quality_checks.batch_means_se
             joint_quality_checked: [{reuse_strength, reuse_cap, memory_strength, ppl_ratio, ...}, ...]  # budget
             defaults: {...}        # the model's defaults, measured in the same run
             speed: {tuned_tok_s, defaults_tok_s, ar_tok_s, gain, per_prompt_ratios, separated, verdict, ...}

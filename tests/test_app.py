@@ -826,7 +826,7 @@ def test_bench_screen_runs_and_tabulates(monkeypatch):
 
 
 def test_the_bench_screen_marks_a_difference_within_the_noise(monkeypatch):
-    from s2moe.engine.measure.bench import BenchDone
+    from s2moe.engine.measure.bench_results import BenchDone
     from s2moe.engine.measure.speed import Load, compare
 
     def noisy_bench(model, **kw):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from s2moe.app.cli import build_parser, generation_config, main, resolve_tuned
-from s2moe.engine.measure.bench import load_prompts
+from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import CostConstants
 from s2moe.engine.model_info import read_model_info

@@ -12,7 +12,7 @@ from test_app_support import FakeDecoder
 
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.calibrate import FIELDS, ConfirmSave, Outcome, plain_words, step_outcome, tune_minutes
-from s2moe.engine.measure.bench import CheckFigures
+from s2moe.engine.measure.quality_checks import CheckFigures
 from s2moe.engine.measure.calibrate import CalibrationDone, StepResult, StepStarted
 from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
 from s2moe.engine.measure.tune import (Settings, TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality,

@@ -7,7 +7,7 @@ run_tune() is a generator of typed events; `s2moe tune` and the app's calibratio
     TuneMemoryQuality(memory_strength, figures, ok)                      # under a budget, one each
     TuneJointQuality(reuse_strength, reuse_cap, memory_strength, figures, ok)
                                                              # under a budget, one per pair and α_m that pass alone
-                                                             # figures: bench.CheckFigures, with standard errors
+                                                             # figures: quality_checks.CheckFigures, with their errors
     TuneProgress(done, total, phase)                                                 # any number
     TuneMeasured(index, settings, rung, tok_per_s, n_prompts)                       # a candidate's running score
     TuneDone(section)                                                                # the profile's tuned section
@@ -16,12 +16,12 @@ What it searches: k_d (experts per draft step), the draft cap, the utility thres
 the preferred-expert cap |E*|, whether s2moe copies from the context (where they rarely pay, their probes
 cost a little; on text that repeats itself they are most of the gain), and under a memory budget the strength
 of gating toward the experts in memory α_m. The objective is decoding tokens/s; the constraint is the quality
-of reuse gating measured teacher-forced as `s2moe bench` measures it (bench.gating_quality): perplexity ratio
-≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN; α_m meets the same bounds on its own check, one token a step
-under the budget (bench.memory_gating_quality), which is what a plain step meets. A drafted batch's verification
-meets both biases at once, so under a budget each pair (α, |E*|) and α_m that pass alone are checked together
-on the same batches, in the budget's process, and must pass that too: each bias alone near the bounds says
-little of the two together. α = 0 is lossless and always allowed (it turns both off).
+of reuse gating measured teacher-forced as `s2moe bench` measures it (quality_checks.gating_quality): perplexity
+ratio ≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN; α_m meets the same bounds on its own check, one token a
+step under the budget (quality_checks.memory_gating_quality), which is what a plain step meets. A drafted batch's
+verification meets both biases at once, so under a budget each pair (α, |E*|) and α_m that pass alone are
+checked together on the same batches, in the budget's process, and must pass that too: each bias alone near the
+bounds says little of the two together. α = 0 is lossless and always allowed (it turns both off).
 
 How: successive halving. The quality constraint depends on (α, |E*|) and α_m only, so it is checked once per
 pair, once per α_m and once per combination before any speed is measured, and the settings that fail it never
@@ -61,7 +61,8 @@ import random
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterator, Protocol
 
-from .bench import CheckFigures, balanced_order, gating_quality, memory_gating_quality
+from .bench import balanced_order
+from .quality_checks import CheckFigures, gating_quality, memory_gating_quality
 from ..decoding.decoder import Decoder, GenerationConfig
 from ..errors import OPTION, ConfigError
 from ..events import CostConstants, Finished, Iteration, Prefilled
@@ -608,7 +609,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
 
 
 def _figures_record(v: dict) -> dict:
-    """A quality check's figures as the profile records them (bench.CheckFigures' fields that it measured)."""
+    """A quality check's figures as the profile records them (quality_checks.CheckFigures' fields that it measured)."""
     figures = asdict(CheckFigures.of(v))
     digits = {"ppl_ratio": 5, "top1_agreement": 4, "mean_kl": 6, "top1_se": 5, "log_ppl_ratio_se": 5}
     return {k: (round(x, digits[k]) if k in digits else x) for k, x in figures.items() if x is not None}

@@ -166,7 +166,7 @@ def sample(gguf_path: Path, prompt: str, n: int = 64, temperature: float = 0.0) 
 
 def speculation(gguf_path: Path, n_prompts: int = 8, n_tokens: int = 64) -> dict:
     """Acceptance length of greedy self-speculation (k_d = 2, fixed draft 8, shared KV, gating off)."""
-    from ..measure.bench import load_prompts
+    from ..measure.prompts import load_prompts
     from ..decoding.decoder import Decoder, GenerationConfig
     from ..events import Summary
 
