@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from .speed import MIN_PAIRS, LoadWatch, compare
 # The paper's progressive ladder: independent-context draft → shared KV → adaptive expansion → gating; then
 # drafts copied from the context where the rule says they pay, and the last rung, s2moe's defaults, copies from
 # the session's earlier generations of other prompts where they match longer than the context.
-ABLATION = {
+ABLATION: dict[str, dict[str, Any]] = {
     "base": dict(mode="naive"),
     "+shared-kv": dict(mode="s2moe", utility=False, reuse_strength=0.0),
     "+utility": dict(mode="s2moe", utility=True, reuse_strength=0.0, lookup=False),
@@ -123,7 +124,7 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
     return (seed + prompt_index) % (MAX_SEED + 1)
 
 
-def machine_info(n_threads: int | None) -> dict:
+def machine_info(n_threads: int | None) -> dict[str, Any]:
     import llama_cpp
 
     from .device import cpu_name
@@ -142,7 +143,7 @@ def machine_info(n_threads: int | None) -> dict:
 WARMUP_TOKENS = 8
 
 
-def sampling_record(cfg: GenerationConfig, n_prompts: int) -> dict:
+def sampling_record(cfg: GenerationConfig, n_prompts: int) -> dict[str, Any]:
     """The sampler settings a bench ran with, for its report: with a temperature, the seed of each prompt."""
     out = {key: getattr(cfg, key) for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                               "repeat_last_n", "seed")}
@@ -151,7 +152,7 @@ def sampling_record(cfg: GenerationConfig, n_prompts: int) -> dict:
     return out
 
 
-def warm_up(decoder: Decoder, base: GenerationConfig, prompt: str, modes) -> Iterator[str]:
+def warm_up(decoder: Decoder, base: GenerationConfig, prompt: str, modes: Iterable[str]) -> Iterator[str]:
     """Run every mode briefly, untimed: start-up cost measurement, the naive drafter's second context, every
     graph shape and the first touch of the weights happen here rather than in whichever mode is timed first.
     Yields each mode as it starts."""
@@ -179,7 +180,7 @@ def run_bench(
     repeats: int = 1,
     warmup: bool = True,
     trace: bool = False,
-) -> Iterator[object]:
+) -> Iterator[BenchProgress | BenchTrace | BenchDone]:
     """Yields BenchProgress events, then one BenchDone. One process measures one budget: `budget` only
     labels the rows. A budgeted run happens inside its memory cgroup (see s2moe.app.cmd_bench), with the
     decoder already set up for offloading by the caller.
@@ -195,6 +196,7 @@ def run_bench(
     dec = decoder or Decoder(model, n_ctx=n_ctx, n_threads=n_threads, max_draft=max(16, base.draft_max or 0))
     # the model decides what the caller left open, so that the report says what ran
     base = replace(base.resolved(dec.info), n_predict=n_tokens, stop_at_eos=False)
+    assert base.draft_max is not None  # resolved() fills it from the model's routing defaults
     configs = {name: mode_config(name, base) for name in modes}
     for name, cfg in configs.items():
         cfg.validate(dec.info)
@@ -302,7 +304,7 @@ def run_bench(
                     tokens=[list(tokens_of[("ar", pi)]) for pi in range(len(prompts))]
                     if name == "ar" and configs[name].sampling(dec.n_ctx).argmax_of_logits else None,
                 ))
-            quality = {}
+            quality: dict[str, Any] = {}
             if dec.info.is_moe and quality_texts and dec.knows_memory:
                 # under a budget: what a batch's gating costs is the same as without one (measured there), what
                 # moving choices onto the experts in memory costs is measured only here
@@ -316,7 +318,7 @@ def run_bench(
             elif dec.info.is_moe and quality_texts:
                 quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
                                          window=base.draft_max + 1)
-            cost_model = {}
+            cost_model: dict[str, Any] = {}
             # a fit needs verifications of different sizes: with plain steps only (nothing drafted) the
             # token count never varies and the regression would report a meaningless R² of 0
             if len(cost_samples) >= 3 and len({smp[1] for smp in cost_samples}) >= 2:
@@ -363,14 +365,15 @@ def run_bench(
 
 
 def measure_hook_overhead(model: str, prompt: str, n_tokens: int = 64, rounds: int = 5,
-                          n_threads: int | None = None, n_ctx: int = 2048) -> dict:
+                          n_threads: int | None = None, n_ctx: int = 2048) -> dict[str, Any]:
     """Plain decoding through our engine (routing hook observing every layer) vs llama-cpp-python's own
     greedy completion of the same model and prompt, in interleaved rounds. Returns tok/s and the ratio."""
     import llama_cpp
 
     dec = Decoder(model, n_ctx=n_ctx, n_threads=n_threads)
-    ref = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads or None,
-                          n_threads_batch=n_threads or None, verbose=False)
+    # Any: llama_cpp leaves reset() untyped and types create_completion's result as a union with its stream form
+    ref: Any = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads or None,
+                               n_threads_batch=n_threads or None, verbose=False)
     cfg = GenerationConfig(mode="ar", n_predict=n_tokens, stop_at_eos=False)
     ours, theirs = [], []
     try:

@@ -8,7 +8,9 @@ The CLI and the app read, judge and export these without running a bench; they l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -119,8 +121,8 @@ class BenchRow:
         return round((1.0 - self.identical_to_ar) * self.n_prompts) <= self.near_tie_divergences
 
 
-def judgements(rows: list[BenchRow], load: dict | None = None,
-               load_by_budget: dict | None = None) -> list[tuple[str, Judgement]]:
+def judgements(rows: list[BenchRow], load: dict[str, Any] | None = None,
+               load_by_budget: dict[str, dict[str, Any]] | None = None) -> list[tuple[str, Judgement]]:
     """The rows' speeds judged against ar's (speed.judge): (budget, judgement) for each budget that has an ar
     row with its runs and another to compare with; `load`: what else used the CPUs meanwhile (speed.Load as a
     dict), by budget where each ran in a process of its own."""
@@ -141,23 +143,24 @@ def spread_text(values: list[float] | None, spec: str) -> str:
 @dataclass
 class BenchDone:
     rows: list[BenchRow]
-    quality: dict
-    cost_model: dict
-    machine: dict
-    config: dict = field(default_factory=dict)
+    quality: dict[str, Any]
+    cost_model: dict[str, Any]
+    machine: dict[str, Any]
+    config: dict[str, Any] = field(default_factory=dict)
     # the verification cost model fitted in each budgeted child run, by budget label
-    cost_model_by_budget: dict = field(default_factory=dict)
+    cost_model_by_budget: dict[str, dict[str, Any]] = field(default_factory=dict)
     # what gating toward the experts in memory cost in each budgeted child run (memory_gating_quality)
-    memory_quality_by_budget: dict = field(default_factory=dict)
+    memory_quality_by_budget: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"results": [asdict(r) for r in self.rows], "quality": self.quality, "cost_model": self.cost_model,
                 "cost_model_by_budget": self.cost_model_by_budget,
                 "memory_quality_by_budget": self.memory_quality_by_budget, "machine": self.machine,
                 "config": self.config}
 
 
-def reference_row(result: dict, budget: str, ar: BenchRow | None, prompt_set: str, n_prompts: int) -> BenchRow:
+def reference_row(result: dict[str, Any], budget: str, ar: BenchRow | None, prompt_set: str,
+                  n_prompts: int) -> BenchRow:
     """The bench row of llama.cpp's own plain decoding (s2moe.engine.measure.reference.plain_decoding's result). Where
     ar decoded by the argmax too (its row holds its tokens), the share of prompts on which llama.cpp's tokens are
     ar's: all of them, or our ar is not llama.cpp's decoding."""
@@ -198,8 +201,8 @@ def verification_kind(it: Iteration) -> str:
     return "copy" if it.draft_decision is not None and it.draft_decision.copied else "draft"
 
 
-def verification_bound_ratio(cost_model: dict, resident_cost, expert_bytes: float, bandwidth: float,
-                             kind: str | None = None) -> float | None:
+def verification_bound_ratio(cost_model: dict[str, Any], resident_cost: Callable[[float, int], float],
+                             expert_bytes: float, bandwidth: float, kind: str | None = None) -> float | None:
     """How many times their bound a budget's verifications took (cost_model: the run's fit with its
     miss-aware form): measured seconds over the seconds they would take with every fetched expert read at
     `bandwidth` (bytes/s) and everything else as with the model in memory, resident_cost(experts, rows)

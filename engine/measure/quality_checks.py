@@ -10,17 +10,29 @@ live apart from the harness that does.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..decoding.decoder import Decoder, GenerationConfig, default_reuse_cap
+from ..decoding.runtime import LlamaRuntime
 from ..decoding.sampling import PositionNoise
 
 NEAR_TIE = 1e-3  # a score gap under which any two ways of computing the logits may pick differently
 
 
-def near_tie(dec: Decoder, prompt: str | list[int], reference: tuple, other: tuple, cfg: GenerationConfig) -> bool:
+def logits_of(rt: LlamaRuntime, tokens: list[int], pos: int, outputs: str) -> npt.NDArray[Any]:
+    """rt.decode's logits, for a batch of at least one token that asks for them ('last' or 'all')."""
+    logits = rt.decode(tokens, pos, outputs)
+    assert logits is not None  # decode gives None only for no tokens or outputs 'none'
+    return logits
+
+
+def near_tie(dec: Decoder, prompt: str | list[int], reference: Sequence[int], other: Sequence[int],
+             cfg: GenerationConfig) -> bool:
     """Whether `other` leaves ar's tokens (`reference`) at a token the arithmetic could decide: ar's two best
     scores there (Sampling.scores: penalised logits, or sampled log-probabilities plus cfg's seed's noise) lie
     within NEAR_TIE, or within twice what they move by between decoding the context in one batch, as a
@@ -37,12 +49,12 @@ def near_tie(dec: Decoder, prompt: str | list[int], reference: tuple, other: tup
     # the tail a batch holds is decoded as one, what comes before it prefilled as a long prompt is
     tail = min(len(history), rt.n_batch)
     rt.prefill(history[:-tail])
-    batched = rt.decode(history[-tail:], len(history) - tail, "last")[0]
+    batched = logits_of(rt, history[-tail:], len(history) - tail, "last")[0]
     rt.kv_clear()
     head = len(prompt_tokens) - 1
     rt.prefill(history[:head])
     for i in range(head, len(history)):
-        stepwise = rt.decode([history[i]], i, "last")[0]
+        stepwise = logits_of(rt, [history[i]], i, "last")[0]
     rt.kv_clear()
     sampling, noise = cfg.sampling(dec.n_ctx), PositionNoise(cfg.seed)
     ours, theirs = sampling.scores(stepwise, history, noise), sampling.scores(batched, history, noise)
@@ -64,14 +76,15 @@ ERROR_BATCHES = 16
 ERROR_KEYS = ("top1_se", "log_ppl_ratio_se")
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
+def log_softmax(logits: npt.NDArray[Any]) -> npt.NDArray[np.float64]:
     """Log-probabilities of each row of logits (the last axis), in float64."""
     z = logits.astype(np.float64)
     z -= z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    out: npt.NDArray[np.float64] = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return out
 
 
-def batch_means_se(values, n_batches: int = ERROR_BATCHES) -> float | None:
+def batch_means_se(values: npt.ArrayLike, n_batches: int = ERROR_BATCHES) -> float | None:
     """Standard error of the mean of a series whose neighbours are correlated (a check's per-token agreement
     or log-likelihood change: the tokens of one passage move together): the spread of the means of n_batches
     contiguous stretches, over the square root of their number. Where neighbours are independent this is the
@@ -85,7 +98,7 @@ def batch_means_se(values, n_batches: int = ERROR_BATCHES) -> float | None:
     return float(means.std(ddof=1) / math.sqrt(b))
 
 
-def _error_bars(agreements: list, log_ratios: list) -> dict:
+def _error_bars(agreements: list[bool], log_ratios: list[float]) -> dict[str, float | None]:
     """A check's standard errors: of its top-1 agreement, and of the log of its perplexity ratio (the mean of
     the per-token log-likelihood changes), both by batch means over its tokens in order."""
     return dict(zip(ERROR_KEYS, (batch_means_se(agreements), batch_means_se(log_ratios))))
@@ -103,7 +116,7 @@ class CheckFigures:
     log_ppl_ratio_se: float | None = None
 
     @classmethod
-    def of(cls, q: dict) -> CheckFigures:
+    def of(cls, q: dict[str, Any]) -> CheckFigures:
         tokens = int(q.get("tokens") or 0)
         if not tokens:
             return cls(0)
@@ -112,7 +125,7 @@ class CheckFigures:
 
 
 def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None, window: int = 9,
-                   max_tokens: int = 512, memory: float = 0.0) -> dict:
+                   max_tokens: int = 512, memory: float = 0.0) -> dict[str, Any]:
     """Teacher-forced comparison of verification batches with and without reuse gating.
 
     Each window of `window` tokens is decoded twice at the same positions (gated, then plain, which
@@ -127,6 +140,8 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
     if memory > 0 and not dec.knows_memory:
         return {}
     rt = dec.rt
+    hook = rt.hook
+    assert hook is not None  # its callers check MoE models only, which all have the routing hook
     info = dec.info
     k = info.n_expert_used
     cap = cap or default_reuse_cap(info)
@@ -140,19 +155,19 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
         if len(tokens) < window + 1:
             continue
         rt.kv_clear()
-        rt.hook.off()
+        hook.off()
         rt.decode(tokens[:1], 0, "none")
         pos = 1
         while pos + window < len(tokens):
             batch = tokens[pos : pos + window]
             targets = tokens[pos + 1 : pos + window + 1]
-            rt.hook.gate(alpha, cap, np.ones(window), memory=memory)
-            gated = rt.decode(batch, pos, "all")
-            rg = rt.hook.snapshot(window)
+            hook.gate(alpha, cap, np.ones(window), memory=memory)
+            gated = logits_of(rt, batch, pos, "all")
+            rg = hook.snapshot(window)
             rt.kv_remove_from(pos)
-            rt.hook.observe()
-            plain = rt.decode(batch, pos, "all")
-            rp = rt.hook.snapshot(window)
+            hook.observe()
+            plain = logits_of(rt, batch, pos, "all")
+            rp = hook.snapshot(window)
             lp_plain, lp_gated = log_softmax(plain), log_softmax(gated)
             ll_plain = lp_plain[np.arange(window), targets]
             ll_gated = lp_gated[np.arange(window), targets]
@@ -191,7 +206,7 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
 
 
 def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
-                          max_tokens: int = MEMORY_CHECK_TOKENS) -> dict:
+                          max_tokens: int = MEMORY_CHECK_TOKENS) -> dict[str, Any]:
     """Teacher-forced, one token a step under the budget the decoder runs in, what gating toward the experts
     in memory costs: each position decoded with its row biased toward the experts in memory (strength alpha),
     then again plainly, which stays in the KV cache (as gating_quality's windows): perplexity ratio, top-1
@@ -203,14 +218,16 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
     if not dec.knows_memory:
         return {}
     rt = dec.rt
+    hook = rt.hook
+    assert hook is not None  # knows_memory: a prefetcher is routed to the hook
     k = dec.info.n_expert_used
 
     def step(token: int, pos: int, gated: bool) -> np.ndarray:
         if gated:
-            rt.hook.gate(0.0, k, [1.0], memory=alpha)
+            hook.gate(0.0, k, [1.0], memory=alpha)
         else:
-            rt.hook.observe()
-        return log_softmax(rt.decode([token], pos, "last")[0])
+            hook.observe()
+        return log_softmax(logits_of(rt, [token], pos, "last")[0])
 
     nll_plain = nll_gated = kl_sum = 0.0
     n = 0
@@ -230,7 +247,7 @@ def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
             agreements.append(bool(np.argmax(plain) == np.argmax(gated)))
             n += 1
     rt.kv_clear()
-    rt.hook.observe()
+    hook.observe()
     if n == 0:
         return {"tokens": 0}
     return {
