@@ -60,8 +60,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Any
 
 from ..decoding.decoder import Decoder, GenerationConfig
 from ..events import CostConstants
@@ -104,7 +105,7 @@ class TuneStarted:
     candidates: int
     defaults: Settings
     time_budget_s: float
-    space: dict
+    space: dict[str, tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -150,16 +151,20 @@ class TuneMeasured:
 
 @dataclass(frozen=True)
 class TuneDone:
-    section: dict         # what profiles.with_tuned records for the model (see profiles' docstring)
+    section: dict[str, Any]  # what profiles.with_tuned records for the model (see profiles' docstring)
     tuned: Settings
     defaults: Settings
+
+
+TuneEvent = TuneStarted | TuneQuality | TuneMemoryQuality | TuneJointQuality | TuneProgress | TuneMeasured | TuneDone
 
 
 def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None = None, n_tokens: int = 48,
              time_budget_s: float = DEFAULT_TIME_BUDGET_S, clock: Clock | None = None,
              should_stop: Callable[[], bool] | None = None, seed: int = 0, max_candidates: int = MAX_CANDIDATES,
-             quality_texts: list[str] | None = None, context: dict | None = None,
-             known_quality: list[dict] | None = None, checks: QualityChecks | None = None) -> Iterator[object]:
+             quality_texts: list[str] | None = None, context: dict[str, Any] | None = None,
+             known_quality: list[dict[str, Any]] | None = None,
+             checks: QualityChecks | None = None) -> Iterator[TuneEvent]:
     """Search the decoding settings of `decoder` (already set up for its budget by the caller) on `prompts`.
 
     cost: the cost constants generations will use with these settings (the profile's), None: measured at
@@ -205,17 +210,19 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     texts = (quality_texts or prompts)[:QUALITY_TEXTS]
     more_texts = (quality_texts or prompts)[:2 * QUALITY_TEXTS]
     window = defaults.draft_max + 1
-    quality: dict[tuple[float, int], dict] = {}
-    memory_quality: dict[float, dict] = {}
-    joint_quality: dict[tuple[float, int, float], dict] = {}
-    made = {"reuse": quality, "memory": memory_quality, "both": joint_quality}
+    quality: dict[tuple[float, int], dict[str, Any]] = {}
+    memory_quality: dict[float, dict[str, Any]] = {}
+    joint_quality: dict[tuple[float, int, float], dict[str, Any]] = {}
+    # each kind's checks by its key (see checks_of)
+    made: dict[str, dict[Any, dict[str, Any]]] = {"reuse": quality, "memory": memory_quality, "both": joint_quality}
     yield TuneStarted(len(pool_all), defaults, time_budget_s, space)
 
     def both_biases(s: Settings) -> bool:
         return knows_memory and s.reuse_strength > 0 and s.memory > 0
 
-    def checks_of(s: Settings) -> list[tuple[str, tuple]]:
-        """What s must pass, in the order the checks are made: each bias alone, then both together."""
+    def checks_of(s: Settings) -> list[tuple[str, Any]]:
+        """What s must pass, in the order the checks are made: each bias alone, then both together. Each as
+        (kind, key): ("reuse", (α, |E*|)), ("memory", α_m), ("both", (α, |E*|, α_m))."""
         return ([("reuse", s.gating)] if s.reuse_strength > 0 else []) \
             + ([("memory", s.memory)] if knows_memory and s.memory > 0 else []) \
             + ([("both", (*s.gating, s.memory))] if both_biases(s) else [])
@@ -241,14 +248,15 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             quality[gating] = {**q, "ok": within_bounds(q)}
             yield TuneQuality(*gating, CheckFigures.of(q), quality[gating]["ok"], True)
 
-    def make(kind: str, key: tuple) -> tuple[dict, object]:
+    def make(kind: str, key: Any) -> tuple[dict[str, Any], TuneQuality | TuneMemoryQuality | TuneJointQuality]:
         if kind == "reuse":
             record = earlier.get(key)
+            alpha, cap = key
             if record is not None:  # an earlier verdict too close to call on the first texts alone
-                q = checks.reuse(more_texts, *key, window) | {"extended": True}
+                q = checks.reuse(more_texts, alpha, cap, window) | {"extended": True}
             else:
-                q = decided(lambda t: checks.reuse(t, *key, window), texts, more_texts)
-            return q, TuneQuality(*key, CheckFigures.of(q), within_bounds(q))
+                q = decided(lambda t: checks.reuse(t, alpha, cap, window), texts, more_texts)
+            return q, TuneQuality(alpha, cap, CheckFigures.of(q), within_bounds(q))
         if kind == "memory":
             q = decided(lambda t: checks.memory(t, key), texts, more_texts)
             return q, TuneMemoryQuality(key, CheckFigures.of(q), within_bounds(q))
@@ -307,7 +315,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
 
     runs: dict[Settings | str, dict[int, tuple[int, float]]] = {"ar": {}}
     scores: dict[Settings | str, Score] = {"ar": Score()}
-    log: list[dict] = []
+    log: list[dict[str, Any]] = []
     survivors = [s for s in pool if s != defaults]
     for s in pool:
         runs[s], scores[s] = {}, Score()
@@ -319,7 +327,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     watch = LoadWatch()
     planned = sum(rung_runs(max(1, len(survivors) >> r), r) for r in range(rungs(len(survivors))))
 
-    def measure(who, cfg, p):
+    def measure(who: Settings | str, cfg: GenerationConfig, p: int) -> None:
         nonlocal done_runs
         n, s = runner.run(cfg, prompts[p % len(prompts)])
         runs[who][p] = (n, s)
@@ -334,7 +342,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     rungs_run = 0
     while survivors:
         n_prompts = 1 << rung
-        order_base = ["ar", defaults] + survivors
+        order_base: list[Settings | str] = ["ar", defaults, *survivors]
         if not room(n_prompts * len(order_base)) or (rung > 0 and len(survivors) == 1):
             stopped_for_time = not (rung > 0 and len(survivors) == 1)
             break
@@ -344,7 +352,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             for who in (order_base[i] for i in balanced_order(len(order_base), p)):
                 if stop():
                     return
-                measure(who, ar_cfg if who == "ar" else who.config(base), p)
+                measure(who, ar_cfg if isinstance(who, str) else who.config(base), p)  # the one str is "ar"
                 yield TuneProgress(done_runs, max(planned, done_runs), f"rung {rung + 1}")
         rungs_run = rung + 1
         ranked = sorted(survivors, key=lambda s: scores[s].tok_per_s, reverse=True)
@@ -382,7 +390,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     ratios = log_ratios(runs[best], runs[defaults]) if best != defaults else []
     shared = sorted(set(runs[best]) & set(runs[defaults]))
 
-    def paired_speed(who):
+    def paired_speed(who: Settings) -> float:
         n = sum(runs[who][p][0] for p in shared)
         s = sum(runs[who][p][1] for p in shared)
         return n / s if s > 0 else 0.0
@@ -396,11 +404,12 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     tuned = best if (best != defaults and ((best_tps > def_tps and separated(ratios)) or not defaults_feasible)) \
         else defaults
     tuned_tps = best_tps if tuned == best else def_tps
-    q = quality.get(tuned.gating) if tuned.reuse_strength > 0 else None
+    rq = quality.get(tuned.gating) if tuned.reuse_strength > 0 else None
     mq = memory_quality.get(tuned.memory) if knows_memory and tuned.memory > 0 else None
     jq = joint_quality.get((*tuned.gating, tuned.memory)) if both_biases(tuned) else None
     ar_tps = scores["ar"].tok_per_s
     judgement = judged(runs, tuned, defaults, watch)
+    assert judgement.load is not None  # judged hands judge this search's LoadWatch reading
     elapsed = clock.now() - t0
     section = {
         "settings": tuned.as_dict(),
@@ -420,7 +429,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             "machine": judgement.load.as_dict(),
             "warning": judgement.warning,
         },
-        "quality": (figures_record(q) if q else {"lossless": True})
+        "quality": (figures_record(rq) if rq else {"lossless": True})
         | ({"memory": {"memory_strength": tuned.memory, **figures_record(mq)}} if mq else {})
         | ({"both": {"memory_strength": tuned.memory, **figures_record(jq)}} if jq and jq.get("tokens") else {}),
         "memory_quality_checked": [{"memory_strength": a, **check_record(v)}

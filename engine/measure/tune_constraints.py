@@ -10,8 +10,9 @@ tests exercise without a model; the search loop (tune.run_tune) asks it and acts
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Protocol
+from typing import Any, Protocol
 
 from ..decoding.decoder import Decoder
 from ..errors import OPTION, ConfigError
@@ -27,11 +28,11 @@ class QualityChecks(Protocol):
     (tokens, ppl_ratio, top1_agreement, ..., as gating_quality): reuse gating alone on batches of `window`
     tokens; gating toward the experts in memory alone, one token a step; both together on batches."""
 
-    def reuse(self, texts: list[str], alpha: float, cap: int, window: int) -> dict: ...
+    def reuse(self, texts: list[str], alpha: float, cap: int, window: int) -> dict[str, Any]: ...
 
-    def memory(self, texts: list[str], alpha: float) -> dict: ...
+    def memory(self, texts: list[str], alpha: float) -> dict[str, Any]: ...
 
-    def both(self, texts: list[str], alpha: float, cap: int, window: int, memory: float) -> dict: ...
+    def both(self, texts: list[str], alpha: float, cap: int, window: int, memory: float) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -39,32 +40,32 @@ class BenchChecks:
     """bench's checks, on QUALITY_TOKENS tokens of each text, in the decoder's process (under its budget)."""
     decoder: Decoder
 
-    def reuse(self, texts: list[str], alpha: float, cap: int, window: int) -> dict:
+    def reuse(self, texts: list[str], alpha: float, cap: int, window: int) -> dict[str, Any]:
         return gating_quality(self.decoder, texts, alpha=alpha, cap=cap, window=window, max_tokens=QUALITY_TOKENS)
 
-    def memory(self, texts: list[str], alpha: float) -> dict:
+    def memory(self, texts: list[str], alpha: float) -> dict[str, Any]:
         return memory_gating_quality(self.decoder, texts, alpha=alpha, max_tokens=QUALITY_TOKENS)
 
-    def both(self, texts: list[str], alpha: float, cap: int, window: int, memory: float) -> dict:
+    def both(self, texts: list[str], alpha: float, cap: int, window: int, memory: float) -> dict[str, Any]:
         return gating_quality(self.decoder, texts, alpha=alpha, cap=cap, window=window, max_tokens=QUALITY_TOKENS,
                               memory=memory)
 
 
-def figures_record(v: dict) -> dict:
+def figures_record(v: dict[str, Any]) -> dict[str, Any]:
     """A quality check's figures as the profile records them (quality_checks.CheckFigures' fields that it measured)."""
     figures = asdict(CheckFigures.of(v))
     digits = {"ppl_ratio": 5, "top1_agreement": 4, "mean_kl": 6, "top1_se": 5, "log_ppl_ratio_se": 5}
     return {k: (round(x, digits[k]) if k in digits else x) for k, x in figures.items() if x is not None}
 
 
-def check_record(v: dict) -> dict:
+def check_record(v: dict[str, Any]) -> dict[str, Any]:
     """A quality check in the profile's list of those made: its figures (None where it measured nothing), its
     verdict, and whether it was settled on twice the text."""
     return {"ppl_ratio": None, "top1_agreement": None, **figures_record(v), "ok": bool(v["ok"]),
             "extended": bool(v.get("extended"))}
 
 
-def too_close_to_call(q: dict) -> bool:
+def too_close_to_call(q: dict[str, Any]) -> bool:
     """Whether a check's top-1 agreement lies within two standard errors of TOP1_MIN, where which side it falls on
     is the check's own sampling noise: the check's batch-means error (bench's top1_se: tokens of a passage move
     together), never less than the binomial error over its tokens. The perplexity ratio is not asked: its error
@@ -78,7 +79,7 @@ def too_close_to_call(q: dict) -> bool:
     return abs(p - TOP1_MIN) < 2.0 * se
 
 
-def decided(check: Callable[[list[str]], dict], texts: list[str], more_texts: list[str]) -> dict:
+def decided(check: Callable[[list[str]], dict[str, Any]], texts: list[str], more_texts: list[str]) -> dict[str, Any]:
     """check(texts), or where that is too close to call and more texts are at hand, check(more_texts): the
     verdict on twice the text (marked "extended"). The bound stays the same; only a verdict that the first
     texts cannot settle pays for more."""
@@ -88,7 +89,7 @@ def decided(check: Callable[[list[str]], dict], texts: list[str], more_texts: li
     return q
 
 
-def within_bounds(q: dict) -> bool:
+def within_bounds(q: dict[str, Any]) -> bool:
     """Whether a teacher-forced quality check (bench's) meets the constraint."""
     return bool(q.get("tokens")) and q["ppl_ratio"] <= PPL_RATIO_MAX and q["top1_agreement"] >= TOP1_MIN
 

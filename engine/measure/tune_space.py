@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from ..decoding.decoder import Decoder, GenerationConfig
 
@@ -33,7 +34,7 @@ class Settings:
     def config(self, base: GenerationConfig) -> GenerationConfig:
         return replace(base, mode="s2moe", utility=True, **asdict(self))
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, bool | int | float]:
         return {k: (v if isinstance(v, bool) else float(v) if isinstance(v, float) else int(v))
                 for k, v in asdict(self).items()}
 
@@ -59,11 +60,13 @@ class Settings:
 def default_settings(decoder: Decoder, base: GenerationConfig | None = None) -> Settings:
     """What a generation with no flag and no tuned profile runs: the model's routing defaults."""
     cfg = (base or GenerationConfig()).resolved(decoder.info)
+    # resolved() fills these from the model's routing defaults
+    assert cfg.draft_topk is not None and cfg.draft_max is not None and cfg.reuse_cap is not None
     return Settings(cfg.draft_topk, cfg.draft_max, float(cfg.threshold), float(cfg.reuse_strength), cfg.reuse_cap,
                     cfg.lookup, float(cfg.memory_strength))
 
 
-def search_space(n_expert: int, k: int, defaults: Settings, knows_memory: bool = False) -> dict[str, tuple]:
+def search_space(n_expert: int, k: int, defaults: Settings, knows_memory: bool = False) -> dict[str, tuple[Any, ...]]:
     """The values searched for each setting on a model with n_expert experts, k per token; the memory
     strength only where the decoder knows what is in memory (under a budget): elsewhere it changes nothing."""
     topk = sorted({max(1, k // 8), max(1, k // 4), max(1, k // 2), defaults.draft_topk} & set(range(1, k)))
@@ -83,7 +86,7 @@ def _canonical(s: Settings, defaults: Settings) -> Settings:
     return s
 
 
-def candidate_pool(space: dict[str, tuple], defaults: Settings, n: int, seed: int = 0) -> list[Settings]:
+def candidate_pool(space: dict[str, tuple[Any, ...]], defaults: Settings, n: int, seed: int = 0) -> list[Settings]:
     """Up to n candidates: the defaults, every change of one setting from them (which setting matters), then
     random combinations (which settings matter together), without repeats."""
     out: list[Settings] = []

@@ -7,12 +7,13 @@ decoding).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from ..decoding.decoder import Decoder, GenerationConfig
 from ..events import Finished, Iteration, Prefilled
-from .speed import LoadWatch, judge
+from .speed import Judgement, LoadWatch, judge
 from .tune_space import Settings
 
 
@@ -58,7 +59,7 @@ class Runner:
                     t_first = t_last
             elif isinstance(ev, Finished):
                 n = ev.n_tokens
-        seconds = (t_last - t_first) if t_first is not None else 0.0
+        seconds = (t_last - t_first) if t_first is not None and t_last is not None else 0.0
         self.slowest = max(self.slowest, self.clock.now() - t_start)
         return n, seconds
 
@@ -73,10 +74,11 @@ def log_ratios(a: dict[int, tuple[int, float]], b: dict[int, tuple[int, float]])
     return out
 
 
-def judged(runs: dict, tuned: Settings, defaults: Settings, watch: LoadWatch):
+def judged(runs: dict[Settings | str, dict[int, tuple[int, float]]], tuned: Settings, defaults: Settings,
+           watch: LoadWatch) -> Judgement:
     """The defaults' and the tuned settings' speeds against plain decoding's, prompt by prompt (speed.judge)."""
-    def speeds(who) -> list[float | None]:
-        out = []
+    def speeds(who: Settings | str) -> list[float | None]:
+        out: list[float | None] = []
         for p in shown:
             n, s = runs[who].get(p, (0, 0.0))
             out.append(n / s if n and s > 0 else None)
