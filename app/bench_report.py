@@ -81,7 +81,7 @@ def tables(done, width: int) -> list:
 def footnotes(done) -> list[str]:
     """What the table's marks mean, the fastest mode and each mode's verdict against ar (engine.speed), and a
     warning where the machine was busy or the runs unsteady."""
-    from ..engine.measure.bench import judgements
+    from ..engine.measure.bench_results import judgements
 
     out = []
     if any(r.decoded_as_ar for r in done.rows):
@@ -233,7 +233,7 @@ def check_words(f, kl: bool = True) -> str:
     each ± its standard error where the check has one (batch means over its tokens; the perplexity ratio's from
     that of its log)."""
     if isinstance(f, dict):
-        from ..engine.measure.bench import CheckFigures
+        from ..engine.measure.quality_checks import CheckFigures
 
         f = CheckFigures.of(f)
 

@@ -92,13 +92,13 @@ def _modes(args) -> list[str]:
 def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict, int, dict | None]:
     """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
     the budget's label, its verification cost-model fit, the budget in bytes (auto: as sized), what gating
-    toward the experts in memory cost there (bench.memory_gating_quality; {} with --no-quality) and the prefill
+    toward the experts in memory cost there (quality_checks.memory_gating_quality; {} with --no-quality) and the prefill
     batch its process ran (-b, else chosen there), and what else used the CPUs while it measured (speed.Load)."""
     import tempfile
     from pathlib import Path
 
     from ..engine import offload
-    from ..engine.measure.bench import BenchRow
+    from ..engine.measure.bench_results import BenchRow
     from ..engine.crashes import exit_text
     from .model_runs import say_child_death
     from .options import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings
@@ -170,7 +170,7 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     from pathlib import Path
 
     from ..engine import offload
-    from ..engine.measure.bench import reference_row
+    from ..engine.measure.bench_results import reference_row
     from ..engine.crashes import exit_text
     from .model_runs import cpu_buffers_for, say_child_death
     from .options import placement_from_args
@@ -234,8 +234,10 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..engine.measure.bench import (BenchDone, BenchProgress, BenchTrace, load_prompts, measure_hook_overhead, run_bench,
-                                storage_bound, VERIFY_KINDS, verification_bound_ratio, warm_up)
+    from ..engine.measure.bench import measure_hook_overhead, run_bench, warm_up
+    from ..engine.measure.bench_results import (BenchDone, BenchProgress, BenchTrace, storage_bound, VERIFY_KINDS,
+                                                verification_bound_ratio)
+    from ..engine.measure.prompts import load_prompts
     from ..engine.decoding.cpu_buffers import REASONS
     from ..engine.decoding.decoder import Decoder
     from ..engine.decoding.generation_config import GenerationConfig

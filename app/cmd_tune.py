@@ -135,7 +135,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine import offload
-    from ..engine.measure.bench import load_prompts
+    from ..engine.measure.prompts import load_prompts
     from ..engine.measure.calibrate import DEFAULT_NAME
     from ..engine.decoding.decoder import Decoder
     from ..engine.decoding.generation_config import GenerationConfig

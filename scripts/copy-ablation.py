@@ -29,7 +29,8 @@ from s2moe.engine.drafting.copies import COPY_REFINEMENTS
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Summary
 from s2moe.engine.files import check_writable, write_atomic
-from s2moe.engine.measure.bench import balanced_order, expected_lossless, load_prompts, prompt_seed, warm_up
+from s2moe.engine.measure.bench import balanced_order, expected_lossless, prompt_seed, warm_up
+from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.measure.speed import compare
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.zoo import default_model_path

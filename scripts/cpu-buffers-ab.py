@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from s2moe.engine.measure.bench import load_prompts
+from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.decoding.cpu_buffers import build_has_amx
 from s2moe.engine.measure.reference import plain_decoding
 

@@ -28,7 +28,7 @@ import time
 
 import httpx
 
-from s2moe.engine.measure.bench import load_prompts
+from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.zoo import default_model_path
 
 

@@ -826,7 +826,7 @@ def test_bench_screen_runs_and_tabulates(monkeypatch):
 
 
 def test_the_bench_screen_marks_a_difference_within_the_noise(monkeypatch):
-    from s2moe.engine.measure.bench import BenchDone
+    from s2moe.engine.measure.bench_results import BenchDone
     from s2moe.engine.measure.speed import Load, compare
 
     def noisy_bench(model, **kw):
@@ -891,7 +891,7 @@ def test_engine_errors_reach_the_user_in_the_apps_own_words():
     assert failure_text(caught.value) == "the draft cap must be between 1 and 64"
     assert failure_text(ValueError("boom")) == "ValueError: boom"
     # tune's time budget is the wizard's Tuning minutes field, not a flag of the command
-    from s2moe.engine.measure.tune import ensure_defaults_fit
+    from s2moe.engine.measure.tune_constraints import ensure_defaults_fit
 
     with pytest.raises(ConfigError) as caught:
         ensure_defaults_fit([45.0, 45.0], 45.0, 2.5, 100.0, 180, 75.0)

@@ -18,7 +18,8 @@ from test_wizard import DEFAULTS, FP, TUNED, calibrated, scripted_calibration, s
 from s2moe.app.tui.calibrate_widgets import ConfirmSave
 from s2moe.app.tui.session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, ChatSettings
 from s2moe.app.tui.state import remember_settings
-from s2moe.engine.measure.tune import Settings, TuneMeasured, TuneProgress, TuneStarted
+from s2moe.engine.measure.tune import TuneMeasured, TuneProgress, TuneStarted
+from s2moe.engine.measure.tune_space import Settings
 
 SLOWER = Settings(2, 8, 1.0, 0.5, 8)
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((60, 20), id="60x20")]

@@ -9,8 +9,10 @@ import os
 import numpy as np
 import pytest
 
-from s2moe.engine.measure.bench import (ERROR_KEYS, BenchDone, BenchProgress, batch_means_se, gating_quality, load_prompts,
-                                memory_gating_quality, run_bench)
+from s2moe.engine.measure.quality_checks import ERROR_KEYS, batch_means_se, gating_quality, memory_gating_quality
+from s2moe.engine.measure.bench_results import BenchDone, BenchProgress
+from s2moe.engine.measure.prompts import load_prompts
+from s2moe.engine.measure.bench import run_bench
 from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.files import write_atomic
@@ -345,7 +347,7 @@ def test_the_bound_reads_the_disk_around_each_budget_and_falls_back_to_the_profi
 
 
 def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
-    from s2moe.engine.measure.bench import BenchRow, storage_bound
+    from s2moe.engine.measure.bench_results import BenchRow, storage_bound
 
     def row(mode, budget, seconds, fetched):
         return BenchRow(mode, budget, "natural", 1, 100, seconds, 100 / seconds, None, 1.0, 0.0, 0.0, None, None,
@@ -361,7 +363,7 @@ def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
 
 
 def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_resident_cost():
-    from s2moe.engine.measure.bench import verification_bound_ratio
+    from s2moe.engine.measure.bench_results import verification_bound_ratio
 
     fit = {"experts": [40, 80], "fetched": [10, 30], "tokens": [2, 5]}
 
@@ -382,7 +384,7 @@ def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_r
 
 
 def test_a_verification_s_kind_is_what_its_batch_held():
-    from s2moe.engine.measure.bench import verification_kind
+    from s2moe.engine.measure.bench_results import verification_kind
     from s2moe.engine.events import DraftDecision, Iteration
 
     def iteration(drafted, copied=None):
@@ -400,7 +402,7 @@ def test_a_verification_s_kind_is_what_its_batch_held():
 
 
 def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
-    from s2moe.engine.measure.bench import BenchRow
+    from s2moe.engine.measure.bench_results import BenchRow
 
     def row(mode, draft_len, identical):
         return BenchRow(mode, "none", "natural", 2, 100, 1.0, 100.0, 1.05, 1.0, draft_len, 0.0, None, None, None,
@@ -414,7 +416,7 @@ def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
 
 def test_the_footnotes_explain_the_marks_name_the_fastest_and_warn_of_a_busy_machine():
     from s2moe.app.bench_report import _cells, footnotes
-    from s2moe.engine.measure.bench import BenchDone, BenchRow
+    from s2moe.engine.measure.bench_results import BenchDone, BenchRow
     from s2moe.engine.measure.speed import Load
 
     def row(mode, runs, lossless=True, interval=None):
@@ -446,7 +448,7 @@ def test_the_footnotes_explain_the_marks_name_the_fastest_and_warn_of_a_busy_mac
 
 
 def _done_with_rows(offloaded: bool, repeats: int):
-    from s2moe.engine.measure.bench import BenchDone, BenchRow
+    from s2moe.engine.measure.bench_results import BenchDone, BenchRow
 
     rows = []
     for i, mode in enumerate(["ar", "naive", "cascade", "s2moe", "llama.cpp"]):
@@ -523,7 +525,7 @@ def test_llama_cpp_s_row_is_held_to_ar_s_greedy_tokens():
     where ar's row holds its greedy tokens; with none there (ar sampled, or penalised), nothing to compare."""
     from dataclasses import replace
 
-    from s2moe.engine.measure.bench import BenchRow, reference_row
+    from s2moe.engine.measure.bench_results import BenchRow, reference_row
 
     ar = BenchRow(mode="ar", budget="none", prompt_set="natural", n_prompts=2, n_tokens=6, seconds=1.0,
                   tok_per_s=6.0, speedup_vs_ar=1.0, accept_len=1.0, draft_len=0.0, acceptance_rate=0.0,
@@ -620,7 +622,7 @@ def test_the_near_tie_check_reads_a_context_longer_than_one_batch(tiny_models, m
     small -b the context outgrows one batch, and the batched side prefills what comes before its last batch
     (it raised ValueError, and bench under a budget at -b 64 died on HumanEval's prompts). The answer is ar's
     own top-2 gap at the divergence against the threshold: a tie below it, none above it."""
-    from s2moe.engine.measure import bench
+    from s2moe.engine.measure import quality_checks
     from s2moe.engine.decoding.decoder import Decoder, run
 
     dec = Decoder(str(tiny_models["olmoe"]), n_ctx=256, n_threads=1, max_draft=8, n_batch=32)
@@ -638,12 +640,13 @@ def test_the_near_tie_check_reads_a_context_longer_than_one_batch(tiny_models, m
         top2 = np.sort(dec.rt.decode(history[-1:], len(history) - 1, "last")[0])[-2:]
         dec.rt.kv_clear()
         gap = float(top2[1] - top2[0])
-        assert gap > 10 * bench.NEAR_TIE  # no tie on this model: the threshold decides below
-        assert bench.near_tie(dec, prompt, reference, other, cfg) is False
-        monkeypatch.setattr(bench, "NEAR_TIE", 1.01 * gap)
-        assert bench.near_tie(dec, prompt, reference, other, cfg) is True
-        monkeypatch.setattr(bench, "NEAR_TIE", 0.99 * gap)
-        assert bench.near_tie(dec, prompt, reference, other, cfg) is False
-        assert bench.near_tie(dec, prompt, reference, reference, cfg) is False  # no divergence: nothing to excuse
+        assert gap > 10 * quality_checks.NEAR_TIE  # no tie on this model: the threshold decides below
+        assert quality_checks.near_tie(dec, prompt, reference, other, cfg) is False
+        monkeypatch.setattr(quality_checks, "NEAR_TIE", 1.01 * gap)
+        assert quality_checks.near_tie(dec, prompt, reference, other, cfg) is True
+        monkeypatch.setattr(quality_checks, "NEAR_TIE", 0.99 * gap)
+        assert quality_checks.near_tie(dec, prompt, reference, other, cfg) is False
+        # no divergence: nothing to excuse
+        assert quality_checks.near_tie(dec, prompt, reference, reference, cfg) is False
     finally:
         dec.close()

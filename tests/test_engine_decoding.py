@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from s2moe.engine.measure.bench import near_tie
+from s2moe.engine.measure.quality_checks import near_tie
 from s2moe.engine.decoding.decoder import run
 from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.decoding.observer import VerifyObserver
@@ -35,8 +35,8 @@ def summarize(events) -> Summary:
 def assert_matches_ar(decoder, prompt, tokens, cfg: GenerationConfig, what: str, ar=None, most_excused: int = 2):
     """`tokens`, what a mode committed after `prompt` with cfg's sampler settings and seed, are ar's. Where they
     leave ar's, ar's two best scores there must lie within what the arithmetic moves them by on this model
-    (bench.near_tie: the context decoded in one batch against token by token); ar then continues from the mode's
-    own tokens and the comparison goes on to the end. `ar`: ar's tokens from `prompt`, where the caller has them.
+    (quality_checks.near_tie: the context decoded in one batch against token by token); ar then continues from the
+    mode's own tokens and the comparison goes on to the end. `ar`: ar's tokens from `prompt`, where the caller has them.
     Returns the number of divergences excused (at most most_excused)."""
     context = decoder.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     sampler = {key: getattr(cfg, key) for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
@@ -64,7 +64,7 @@ def test_the_comparison_with_ar_excuses_only_near_ties_and_compares_on_after_the
     """assert_matches_ar, which every lossless test here uses: tokens that leave ar's where ar's choice is clear
     fail; with every choice counted a tie, each divergence is excused and what follows it is compared with ar's
     continuation from the mode's own tokens, one excuse a divergence, no more than allowed."""
-    from s2moe.engine.measure import bench
+    from s2moe.engine.measure import quality_checks
 
     d = decoders["olmoe"]
     n, cfg = 16, GenerationConfig()
@@ -85,7 +85,7 @@ def test_the_comparison_with_ar_excuses_only_near_ties_and_compares_on_after_the
     assert assert_matches_ar(d, PROMPTS[0], ar, cfg, "ar") == 0
     with pytest.raises(AssertionError, match="no near-tie"):
         assert_matches_ar(d, PROMPTS[0], once, cfg, "left once", ar=ar)
-    monkeypatch.setattr(bench, "NEAR_TIE", float("inf"))
+    monkeypatch.setattr(quality_checks, "NEAR_TIE", float("inf"))
     assert assert_matches_ar(d, PROMPTS[0], once, cfg, "left once", ar=ar) == 1
     assert assert_matches_ar(d, PROMPTS[0], twice, cfg, "left twice", ar=ar) == 2
     with pytest.raises(AssertionError, match="more than chance gives"):

@@ -1791,7 +1791,7 @@ for memory in (0.0, 0.3, 0.0, 0.3):
             out[memory][0] += 1
             out[memory][1] += float(np.sum(e.verify_misses))
             out[memory][2] += e.gated_moves
-from s2moe.engine.measure.bench import gating_quality, memory_gating_quality
+from s2moe.engine.measure.quality_checks import gating_quality, memory_gating_quality
 texts = ["the quick brown fox jumps over the lazy dog and the cat", "hello there world"]
 quality = {a: memory_gating_quality(dec, texts, a) for a in (0.3, 0.0)}
 batches = {a: gating_quality(dec, texts, 0.5, 8, window=4, memory=a) for a in (0.3, 0.0)}

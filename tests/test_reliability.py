@@ -77,7 +77,7 @@ def test_a_fifo_as_the_model_is_refused_without_opening_it(fifo, capsys):
 
 
 def test_a_device_or_fifo_as_prompts_is_refused(fifo):
-    from s2moe.engine.measure.bench import load_prompts
+    from s2moe.engine.measure.prompts import load_prompts
     from s2moe.engine.measure.calibration_measures import read_prompts
 
     for path in ("/dev/zero", fifo):
@@ -88,7 +88,7 @@ def test_a_device_or_fifo_as_prompts_is_refused(fifo):
 
 
 def test_prompt_files_are_read_with_a_bound(tmp_path):
-    from s2moe.engine.measure.bench import load_prompts
+    from s2moe.engine.measure.prompts import load_prompts
     from s2moe.engine.measure.calibration_measures import read_prompts
     from s2moe.engine.files import MAX_PROMPT_FILE_BYTES
 

@@ -96,7 +96,8 @@ def test_start_up_measurement_times_drafts_among_the_allowed_experts(decoders):
 def test_bench_names_what_each_chain_drafted_from(decoders):
     """bench runs s2moe and its resident-drafting variant interleaved; each self-drafting row says what its
     drafts read (here, with no budget, every draft reads the router's choice), ar says nothing."""
-    from s2moe.engine.measure.bench import BenchDone, run_bench
+    from s2moe.engine.measure.bench import run_bench
+    from s2moe.engine.measure.bench_results import BenchDone
 
     d = decoders["olmoe"]
     events = list(run_bench(str(d.info.path), prompts=["def add(a, b):"], modes=["ar", "s2moe", "s2moe:resident"],

@@ -13,15 +13,16 @@ import yaml
 from s2moe.app.cli import main
 from s2moe.app.model_runs import generation_config, resolve_tuned
 from s2moe.app.parser import build_parser
-from s2moe.engine.measure.bench import load_prompts
+from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import CostConstants
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
-from s2moe.engine.measure.tune import (QUALITY_SHARE, BenchChecks, Clock, MonotonicClock, Settings, TuneDone, TuneMeasured,
-                               TuneMemoryQuality, TuneProgress, TuneQuality, TuneStarted, candidate_pool, decided,
-                               default_settings, expected_check_s, run_tune, search_space,
-                               too_close_to_call)
+from s2moe.engine.measure.tune import (QUALITY_SHARE, TuneDone, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
+                               TuneStarted, run_tune)
+from s2moe.engine.measure.tune_constraints import BenchChecks, decided, expected_check_s, too_close_to_call
+from s2moe.engine.measure.tune_space import Settings, candidate_pool, default_settings, search_space
+from s2moe.engine.measure.tune_timing import Clock, MonotonicClock
 
 # Constants under which the utility rule drafts on the tiny model (a plain step dear, a draft step cheap), so
 # that candidates differ in how many tokens an iteration commits.

@@ -13,12 +13,13 @@ from test_app_support import FakeDecoder
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.calibrate_steps import FIELDS, Outcome, plain_words, step_outcome, tune_minutes
 from s2moe.app.tui.calibrate_widgets import ConfirmSave
-from s2moe.engine.measure.bench import CheckFigures
+from s2moe.engine.measure.quality_checks import CheckFigures
 from s2moe.engine.measure.calibration_steps import CalibrationDone, StepResult, StepStarted
 from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
-from s2moe.engine.measure.tune import (Settings, TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality,
+from s2moe.engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality,
                                TuneStarted)
 from s2moe.engine.measure.tune import run_tune as REAL_RUN_TUNE
+from s2moe.engine.measure.tune_space import Settings
 
 FP = "0123456789abcdef"  # the fake model's fingerprint
 WORKER_ERROR = ("s2moe.engine.errors.ConfigError: cannot lower the memory limit to the auto budget 1.2 GiB: the "

@@ -11,7 +11,8 @@ from textual.widgets import Button, Footer, Input, Label, ProgressBar, Select, S
 from textual_plotext import PlotextPlot
 
 from ...engine.measure import bench as engine_bench
-from ...engine.measure.bench import BenchDone, BenchProgress, BenchRow, BenchTrace
+from ...engine.measure.bench_results import BenchDone, BenchProgress, BenchRow, BenchTrace, judgements
+from ...engine.measure.prompts import load_prompts
 from ...engine.decoding.generation_config import GenerationConfig
 from ...engine.errors import ConfigError, S2MoEError
 from ..options import SAMPLING_VALUES, sampling_value
@@ -22,7 +23,7 @@ from .widgets import CheckList, Column, FittedTable, NavBar
 
 DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):"
 DEFAULT_MODES = ("ar", "s2moe")
-PROMPT_SETS = ("natural", "humaneval")  # the named sets engine.bench.load_prompts knows
+PROMPT_SETS = ("natural", "humaneval")  # the named sets engine.measure.prompts.load_prompts knows
 # fixed widths, so the table looks the same however rows arrive; at 80 columns the last ones give way
 TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2),
                  Column("tok_range", "tok/s range", 11, 8), Column("x_ar", "× ar", 5, 1),
@@ -200,7 +201,7 @@ class BenchScreen(Screen):
             prompts = [p for p in self.query_one("#bench-prompts", TextArea).text.splitlines() if p.strip()]
             prompts = prompts[:max_prompts] if max_prompts > 0 else prompts
         else:
-            name, prompts = engine_bench.load_prompts(spec, max_prompts if max_prompts > 0 else None)
+            name, prompts = load_prompts(spec, max_prompts if max_prompts > 0 else None)
         modes = list(self.query_one("#bench-modes", SelectionList).selected)
         raw = self.query_one("#bench-n", Input).value.strip()
         if not prompts:
@@ -337,7 +338,7 @@ class BenchScreen(Screen):
 
     def show_verdict(self, done: BenchDone) -> None:
         """The fastest mode, each mode against ar, and a warning where the machine was busy (engine.speed)."""
-        lines = [line for budget, judgement in engine_bench.judgements(done.rows, done.config.get("load"))
+        lines = [line for budget, judgement in judgements(done.rows, done.config.get("load"))
                  for line in judgement.lines()]
         verdict = self.query_one("#bench-verdict", Static)
         verdict.update("\n".join(lines))

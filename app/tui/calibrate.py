@@ -277,7 +277,7 @@ class CalibrateScreen(Screen):
 
     @work(thread=True, group="engine", exit_on_error=False)
     def tune_worker(self, cost, seconds: float, offloaded: bool) -> None:
-        from ...engine.measure.bench import load_prompts
+        from ...engine.measure.prompts import load_prompts
 
         session = self.app.session
 

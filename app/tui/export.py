@@ -17,7 +17,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from ...engine.measure.bench import BenchDone
+from ...engine.measure.bench_results import BenchDone
 from ...engine.errors import ConfigError
 from ...engine.files import write_atomic
 

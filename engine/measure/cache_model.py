@@ -199,7 +199,7 @@ def process_held(header: TraceHeader, block: dict[str, Any], expert_bytes: float
     return max(0, int(budget - plan_slack(budget) - experts)), whose
 
 
-def draft_pass_misses(cache: ExpertCache, passes: list[ExpertIds], header: TraceHeader) -> int:
+def draft_pass_misses(cache: ExpertCache, passes: Sequence[ExpertIds], header: TraceHeader) -> int:
     """Experts the draft passes fetch: those of each pass outside the cache, where the drafts read the router's
     choice; none where they read only experts in memory."""
     if header.draft_experts == "resident":

@@ -52,7 +52,7 @@ def read_prompts(path: str | os.PathLike[str] | None) -> list[str]:
     if path is None:
         return list(DEFAULT_PROMPTS)
     if str(path) in NAMED_PROMPT_SETS and not Path(path).exists():
-        from .bench import load_prompts
+        from .prompts import load_prompts
 
         return list(load_prompts(str(path), NAMED_SET_PROMPTS)[1])
     p = Path(path)

@@ -283,6 +283,7 @@ def _plain_iterations(decoder: Decoder, prompt: str,
 
 
 def step_cost_model(cal: Calibration, index: int) -> StepEvents:
+    assert cal.rt is not None  # step 2 loaded it, and the steps after it run only where it did
     samples = yield from cal.live(iter_verify_samples(cal.rt, cal.draft_cap, seed=1, repeats=cal.repeats,
                                                       sizes=verify_sizes(cal.draft_cap)), index)
     cal.fit = fit = fit_verify_cost([s[0] for s in samples], [s[1] for s in samples], [s[2] for s in samples])

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare(a: argparse.Namespace) -> int:
-    from .bench import load_prompts
+    from .prompts import load_prompts
     from ..model_info import read_model_info
     from ..offload import expert_map, fmt_bytes, parse_size
     from ..profiles import hot_experts_for_model, load_profile

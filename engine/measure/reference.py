@@ -56,7 +56,7 @@ def plain_decoding(model: str, prompts: list[str], n_tokens: int, *, n_threads: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import load_prompts
+    from .prompts import load_prompts
     from ..files import write_atomic
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

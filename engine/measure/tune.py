@@ -7,7 +7,7 @@ run_tune() is a generator of typed events; `s2moe tune` and the app's calibratio
     TuneMemoryQuality(memory_strength, figures, ok)                      # under a budget, one each
     TuneJointQuality(reuse_strength, reuse_cap, memory_strength, figures, ok)
                                                              # under a budget, one per pair and α_m that pass alone
-                                                             # figures: bench.CheckFigures, with standard errors
+                                                             # figures: quality_checks.CheckFigures, with their errors
     TuneProgress(done, total, phase)                                                 # any number
     TuneMeasured(index, settings, rung, tok_per_s, n_prompts)                       # a candidate's running score
     TuneDone(section)                                                                # the profile's tuned section
@@ -16,12 +16,12 @@ What it searches: k_d (experts per draft step), the draft cap, the utility thres
 the preferred-expert cap |E*|, whether s2moe copies from the context (where they rarely pay, their probes
 cost a little; on text that repeats itself they are most of the gain), and under a memory budget the strength
 of gating toward the experts in memory α_m. The objective is decoding tokens/s; the constraint is the quality
-of reuse gating measured teacher-forced as `s2moe bench` measures it (bench.gating_quality): perplexity ratio
-≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN; α_m meets the same bounds on its own check, one token a step
-under the budget (bench.memory_gating_quality), which is what a plain step meets. A drafted batch's verification
-meets both biases at once, so under a budget each pair (α, |E*|) and α_m that pass alone are checked together
-on the same batches, in the budget's process, and must pass that too: each bias alone near the bounds says
-little of the two together. α = 0 is lossless and always allowed (it turns both off).
+of reuse gating measured teacher-forced as `s2moe bench` measures it (quality_checks.gating_quality): perplexity
+ratio ≤ PPL_RATIO_MAX and top-1 agreement ≥ TOP1_MIN; α_m meets the same bounds on its own check, one token a
+step under the budget (quality_checks.memory_gating_quality), which is what a plain step meets. A drafted batch's
+verification meets both biases at once, so under a budget each pair (α, |E*|) and α_m that pass alone are
+checked together on the same batches, in the budget's process, and must pass that too: each bias alone near the
+bounds says little of the two together. α = 0 is lossless and always allowed (it turns both off).
 
 How: successive halving. The quality constraint depends on (α, |E*|) and α_m only, so it is checked once per
 pair, once per α_m and once per combination before any speed is measured, and the settings that fail it never
@@ -51,170 +51,53 @@ starts only if the time budget leaves room for it, judged from the slowest run s
 Stopping: when should_stop() returns True the generator returns between two runs without TuneDone; Ctrl-C
 (KeyboardInterrupt) propagates. The engine writes nothing: the caller saves TuneDone.section into the profile
 (profiles.with_tuned, save_profile, both atomic).
+
+This module holds the events and the search loop; what is searched (Settings, the space, the pool) is tune_space's,
+the quality and time constraints are tune_constraints', the timing and speed comparisons tune_timing's.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import math
-import random
-from dataclasses import asdict, dataclass, replace
-from typing import Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
 
-from .bench import CheckFigures, balanced_order, gating_quality, memory_gating_quality
 from ..decoding.decoder import Decoder
 from ..decoding.generation_config import GenerationConfig
-from ..errors import OPTION, ConfigError
-from ..events import CostConstants, Finished, Iteration, Prefilled
-from .speed import LoadWatch, compare, judge, separated
+from ..events import CostConstants
+from .bench import balanced_order
+from .quality_checks import CheckFigures
+from .speed import LoadWatch, compare, separated
+from .tune_constraints import (
+    PPL_RATIO_MAX,
+    TOP1_MIN,
+    BenchChecks,
+    QualityChecks,
+    affordable,
+    check_record,
+    check_time,
+    decided,
+    ensure_defaults_fit,
+    expected_check_s,
+    figures_record,
+    rung_runs,
+    rungs,
+    sh_cost,
+    too_close_to_call,
+    too_short,
+    within_bounds,
+)
+from .tune_space import Settings, candidate_pool, default_settings, search_space
+from .tune_timing import Clock, MonotonicClock, Runner, Score, judged, log_ratios
 
-PPL_RATIO_MAX = 1.02
-TOP1_MIN = 0.9
 DEFAULT_TIME_BUDGET_S = 600.0
-SETTING_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap", "lookup", "memory_strength")
-DRAFT_CAPS = (4, 8, 12)                 # below a decoder's usual verification limit of 16
-THRESHOLDS = (0.5, 0.75, 1.0, 1.5)
-STRENGTHS = (0.0, 0.25, 0.5, 1.0)
-MEMORY_STRENGTHS = (0.0, 0.15, 0.3, 0.5)  # searched only under a memory budget
 MAX_CANDIDATES = 32
 QUALITY_TEXTS = 4
-QUALITY_TOKENS = 96
 MAX_EXTRA_ROUNDS = 64                   # further prompts for the final comparison while within noise
 SH_SHARE = 0.75                         # of the time left after the quality checks, for the halving
 QUALITY_SHARE = 0.5                     # of the time left before the quality checks, the most they may take
-
-
-class Clock(Protocol):
-    """What the search times with: seconds from any fixed origin."""
-
-    def now(self) -> float: ...
-
-
-class MonotonicClock:
-    def now(self) -> float:
-        import time
-
-        return time.perf_counter()
-
-
-class QualityChecks(Protocol):
-    """The teacher-forced checks of the quality constraint, each on some texts, returning bench's figures
-    (tokens, ppl_ratio, top1_agreement, ..., as gating_quality): reuse gating alone on batches of `window`
-    tokens; gating toward the experts in memory alone, one token a step; both together on batches."""
-
-    def reuse(self, texts: list[str], alpha: float, cap: int, window: int) -> dict: ...
-
-    def memory(self, texts: list[str], alpha: float) -> dict: ...
-
-    def both(self, texts: list[str], alpha: float, cap: int, window: int, memory: float) -> dict: ...
-
-
-@dataclass(frozen=True)
-class BenchChecks:
-    """bench's checks, on QUALITY_TOKENS tokens of each text, in the decoder's process (under its budget)."""
-    decoder: Decoder
-
-    def reuse(self, texts: list[str], alpha: float, cap: int, window: int) -> dict:
-        return gating_quality(self.decoder, texts, alpha=alpha, cap=cap, window=window, max_tokens=QUALITY_TOKENS)
-
-    def memory(self, texts: list[str], alpha: float) -> dict:
-        return memory_gating_quality(self.decoder, texts, alpha=alpha, max_tokens=QUALITY_TOKENS)
-
-    def both(self, texts: list[str], alpha: float, cap: int, window: int, memory: float) -> dict:
-        return gating_quality(self.decoder, texts, alpha=alpha, cap=cap, window=window, max_tokens=QUALITY_TOKENS,
-                              memory=memory)
-
-
-@dataclass(frozen=True, order=True)
-class Settings:
-    draft_topk: int
-    draft_max: int
-    threshold: float
-    reuse_strength: float
-    reuse_cap: int
-    lookup: bool = True  # s2moe copies from the context where its rule says they pay
-    # gating toward the experts in memory: acts under a memory budget, with gating on
-    memory_strength: float = GenerationConfig.memory_strength
-
-    def config(self, base: GenerationConfig) -> GenerationConfig:
-        return replace(base, mode="s2moe", utility=True, **asdict(self))
-
-    def as_dict(self) -> dict:
-        return {k: (v if isinstance(v, bool) else float(v) if isinstance(v, float) else int(v))
-                for k, v in asdict(self).items()}
-
-    def label(self, memory_shown: bool = False) -> str:
-        """In words; memory_shown: with the memory strength (where it acts: under a budget)."""
-        gating = f"α {self.reuse_strength:g} |E*| {self.reuse_cap}" if self.reuse_strength > 0 else "gating off"
-        memory = f" · memory α {self.memory_strength:g}" if memory_shown and self.reuse_strength > 0 else ""
-        copies = "" if self.lookup else " · copies off"
-        return (f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · "
-                f"{gating}{memory}{copies}")
-
-    @property
-    def gating(self) -> tuple[float, int]:
-        """The part the quality constraint depends on (|E*| means nothing without gating)."""
-        return (self.reuse_strength, self.reuse_cap if self.reuse_strength > 0 else 0)
-
-    @property
-    def memory(self) -> float:
-        """The part the memory-gating quality constraint depends on (nothing is gated without gating)."""
-        return self.memory_strength if self.reuse_strength > 0 else 0.0
-
-
-def default_settings(decoder: Decoder, base: GenerationConfig | None = None) -> Settings:
-    """What a generation with no flag and no tuned profile runs: the model's routing defaults."""
-    cfg = (base or GenerationConfig()).resolved(decoder.info)
-    return Settings(cfg.draft_topk, cfg.draft_max, float(cfg.threshold), float(cfg.reuse_strength), cfg.reuse_cap,
-                    cfg.lookup, float(cfg.memory_strength))
-
-
-def search_space(n_expert: int, k: int, defaults: Settings, knows_memory: bool = False) -> dict[str, tuple]:
-    """The values searched for each setting on a model with n_expert experts, k per token; the memory
-    strength only where the decoder knows what is in memory (under a budget): elsewhere it changes nothing."""
-    topk = sorted({max(1, k // 8), max(1, k // 4), max(1, k // 2), defaults.draft_topk} & set(range(1, k)))
-    caps = sorted({c for c in {max(k, 3 * k // 2), 2 * k, 3 * k, defaults.reuse_cap} if k <= c < n_expert})
-    return {"draft_topk": tuple(topk), "draft_max": tuple(sorted(set(DRAFT_CAPS) | {defaults.draft_max})),
-            "threshold": tuple(sorted(set(THRESHOLDS) | {defaults.threshold})),
-            "reuse_strength": tuple(sorted(set(STRENGTHS) | {defaults.reuse_strength})),
-            "reuse_cap": tuple(caps) or (defaults.reuse_cap,), "lookup": (True, False),
-            "memory_strength": (tuple(sorted(set(MEMORY_STRENGTHS) | {defaults.memory_strength})) if knows_memory
-                                else (defaults.memory_strength,))}
-
-
-def _canonical(s: Settings, defaults: Settings) -> Settings:
-    # without gating neither |E*| nor the memory strength changes anything: one candidate, not one per value
-    if s.reuse_strength == 0:
-        return replace(s, reuse_cap=defaults.reuse_cap, memory_strength=defaults.memory_strength)
-    return s
-
-
-def candidate_pool(space: dict[str, tuple], defaults: Settings, n: int, seed: int = 0) -> list[Settings]:
-    """Up to n candidates: the defaults, every change of one setting from them (which setting matters), then
-    random combinations (which settings matter together), without repeats."""
-    out: list[Settings] = []
-    seen: set[Settings] = set()
-
-    def add(s: Settings) -> None:
-        s = _canonical(s, defaults)
-        if s not in seen and len(out) < n:
-            seen.add(s)
-            out.append(s)
-
-    add(defaults)
-    # one setting at a time, the settings taking turns: a pool cut short still varies each of them
-    for i in range(max(len(v) for v in space.values())):
-        for key in SETTING_KEYS:
-            values = [v for v in space[key] if v != getattr(defaults, key)]
-            if i < len(values):
-                add(replace(defaults, **{key: values[i]}))
-    rng = random.Random(seed)
-    total = math.prod(len(v) for v in space.values())
-    tries = 0
-    while len(out) < min(n, total) and tries < 50 * n:
-        tries += 1
-        add(Settings(**{key: rng.choice(space[key]) for key in SETTING_KEYS}))
-    return out
 
 
 # -- events ---------------------------------------------------------------------------------------------
@@ -223,7 +106,7 @@ class TuneStarted:
     candidates: int
     defaults: Settings
     time_budget_s: float
-    space: dict
+    space: dict[str, tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -269,61 +152,20 @@ class TuneMeasured:
 
 @dataclass(frozen=True)
 class TuneDone:
-    section: dict         # what profiles.with_tuned records for the model (see profiles' docstring)
+    section: dict[str, Any]  # what profiles.with_tuned records for the model (see profiles' docstring)
     tuned: Settings
     defaults: Settings
 
 
-# -- measuring ------------------------------------------------------------------------------------------
-@dataclass
-class _Score:
-    tokens: int = 0
-    seconds: float = 0.0
-    runs: int = 0
-
-    @property
-    def tok_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-class _Runner:
-    def __init__(self, decoder: Decoder, base: GenerationConfig, clock: Clock, should_stop: Callable[[], bool]):
-        self.decoder, self.base, self.clock, self.should_stop = decoder, base, clock, should_stop
-        self.slowest = 0.0
-
-    def run(self, cfg: GenerationConfig, prompt: str) -> tuple[int, float]:
-        """(tokens, decoding seconds) of one generation: from the end of the prefill to the last iteration.
-        What the whole generation took, prefill included, sizes what the time budget has room for."""
-        t_start = self.clock.now()
-        t_first = t_last = None
-        n = 0
-        for ev in self.decoder.generate(prompt, cfg):
-            if isinstance(ev, (Prefilled, Iteration)):
-                t_last = self.clock.now()
-                if t_first is None:
-                    t_first = t_last
-            elif isinstance(ev, Finished):
-                n = ev.n_tokens
-        seconds = (t_last - t_first) if t_first is not None else 0.0
-        self.slowest = max(self.slowest, self.clock.now() - t_start)
-        return n, seconds
-
-
-def _log_ratios(a: dict[int, tuple[int, float]], b: dict[int, tuple[int, float]]) -> list[float]:
-    """Per prompt measured for both: log(tok/s of a ÷ tok/s of b)."""
-    out = []
-    for p in sorted(set(a) & set(b)):
-        (na, sa), (nb, sb) = a[p], b[p]
-        if na and nb and sa > 0 and sb > 0:
-            out.append(math.log((na / sa) / (nb / sb)))
-    return out
+TuneEvent = TuneStarted | TuneQuality | TuneMemoryQuality | TuneJointQuality | TuneProgress | TuneMeasured | TuneDone
 
 
 def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None = None, n_tokens: int = 48,
              time_budget_s: float = DEFAULT_TIME_BUDGET_S, clock: Clock | None = None,
              should_stop: Callable[[], bool] | None = None, seed: int = 0, max_candidates: int = MAX_CANDIDATES,
-             quality_texts: list[str] | None = None, context: dict | None = None,
-             known_quality: list[dict] | None = None, checks: QualityChecks | None = None) -> Iterator[object]:
+             quality_texts: list[str] | None = None, context: dict[str, Any] | None = None,
+             known_quality: list[dict[str, Any]] | None = None,
+             checks: QualityChecks | None = None) -> Iterator[TuneEvent]:
     """Search the decoding settings of `decoder` (already set up for its budget by the caller) on `prompts`.
 
     cost: the cost constants generations will use with these settings (the profile's), None: measured at
@@ -345,7 +187,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     defaults = default_settings(decoder, base)
     knows_memory = decoder.knows_memory
     space = search_space(info.n_expert, info.n_expert_used, defaults, knows_memory)
-    runner = _Runner(decoder, base, clock, stop)
+    runner = Runner(decoder, base, clock, stop)
     ar_cfg = replace(base, mode="ar")
 
     # warm-up: every graph shape once, the start-up cost measurement (without a profile), nothing timed
@@ -357,9 +199,9 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     # one timed run of the defaults sizes the pool to the time budget
     _, s_probe = runner.run(defaults.config(base), prompts[0])
     t_run = max(s_probe, 1e-9) * 1.2
-    _check_time(_sh_cost(2, t_run), deadline - clock.now(), time_budget_s, t_run)
+    check_time(sh_cost(2, t_run), deadline - clock.now(), time_budget_s, t_run)
     # twice what the time affords before the quality checks, as some will fail them
-    pool_all = candidate_pool(space, defaults, min(max_candidates, 2 * _affordable(
+    pool_all = candidate_pool(space, defaults, min(max_candidates, 2 * affordable(
         max_candidates, t_run, (deadline - clock.now()) * SH_SHARE)), seed)
 
     # the quality constraint: each check once, the defaults' first and always, then those of the candidates in
@@ -369,17 +211,19 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     texts = (quality_texts or prompts)[:QUALITY_TEXTS]
     more_texts = (quality_texts or prompts)[:2 * QUALITY_TEXTS]
     window = defaults.draft_max + 1
-    quality: dict[tuple[float, int], dict] = {}
-    memory_quality: dict[float, dict] = {}
-    joint_quality: dict[tuple[float, int, float], dict] = {}
-    made = {"reuse": quality, "memory": memory_quality, "both": joint_quality}
+    quality: dict[tuple[float, int], dict[str, Any]] = {}
+    memory_quality: dict[float, dict[str, Any]] = {}
+    joint_quality: dict[tuple[float, int, float], dict[str, Any]] = {}
+    # each kind's checks by its key (see checks_of)
+    made: dict[str, dict[Any, dict[str, Any]]] = {"reuse": quality, "memory": memory_quality, "both": joint_quality}
     yield TuneStarted(len(pool_all), defaults, time_budget_s, space)
 
     def both_biases(s: Settings) -> bool:
         return knows_memory and s.reuse_strength > 0 and s.memory > 0
 
-    def checks_of(s: Settings) -> list[tuple[str, tuple]]:
-        """What s must pass, in the order the checks are made: each bias alone, then both together."""
+    def checks_of(s: Settings) -> list[tuple[str, Any]]:
+        """What s must pass, in the order the checks are made: each bias alone, then both together. Each as
+        (kind, key): ("reuse", (α, |E*|)), ("memory", α_m), ("both", (α, |E*|, α_m))."""
         return ([("reuse", s.gating)] if s.reuse_strength > 0 else []) \
             + ([("memory", s.memory)] if knows_memory and s.memory > 0 else []) \
             + ([("both", (*s.gating, s.memory))] if both_biases(s) else [])
@@ -401,18 +245,19 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         record = earlier.get(gating)
         if record is not None and (record.get("extended") or not too_close_to_call(record)
                                    or len(more_texts) <= len(texts)):
-            q = _figures_record(record) | {"reused": True, "extended": bool(record.get("extended"))}
+            q = figures_record(record) | {"reused": True, "extended": bool(record.get("extended"))}
             quality[gating] = {**q, "ok": within_bounds(q)}
             yield TuneQuality(*gating, CheckFigures.of(q), quality[gating]["ok"], True)
 
-    def make(kind: str, key: tuple) -> tuple[dict, object]:
+    def make(kind: str, key: Any) -> tuple[dict[str, Any], TuneQuality | TuneMemoryQuality | TuneJointQuality]:
         if kind == "reuse":
             record = earlier.get(key)
+            alpha, cap = key
             if record is not None:  # an earlier verdict too close to call on the first texts alone
-                q = checks.reuse(more_texts, *key, window) | {"extended": True}
+                q = checks.reuse(more_texts, alpha, cap, window) | {"extended": True}
             else:
-                q = decided(lambda t: checks.reuse(t, *key, window), texts, more_texts)
-            return q, TuneQuality(*key, CheckFigures.of(q), within_bounds(q))
+                q = decided(lambda t: checks.reuse(t, alpha, cap, window), texts, more_texts)
+            return q, TuneQuality(alpha, cap, CheckFigures.of(q), within_bounds(q))
         if kind == "memory":
             q = decided(lambda t: checks.memory(t, key), texts, more_texts)
             return q, TuneMemoryQuality(key, CheckFigures.of(q), within_bounds(q))
@@ -425,7 +270,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     took: dict[str, float] = {}  # the slowest check of each kind so far
     stopped_checking = None  # "time": the checks' share was spent; "enough": the halving could run no more
     for i, s in enumerate(pool_all):  # the defaults first
-        if s != defaults and sum(verdict(c) is True for c in pool_all[:i]) >= _affordable(
+        if s != defaults and sum(verdict(c) is True for c in pool_all[:i]) >= affordable(
                 len(pool_all), t_run, (deadline - clock.now() - max(took.values(), default=0.0)) * SH_SHARE):
             stopped_checking = "enough"  # those before it fill the halving: it would not run if it passed
             break
@@ -467,23 +312,23 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
 
     # how many candidates the time left affords: each rung costs about n0 runs (half the candidates on
     # twice the prompts), plus ar and the defaults on each of its prompts
-    pool = feasible[:_affordable(len(feasible), t_run, (deadline - clock.now()) * SH_SHARE)]  # the defaults first
+    pool = feasible[:affordable(len(feasible), t_run, (deadline - clock.now()) * SH_SHARE)]  # the defaults first
 
     runs: dict[Settings | str, dict[int, tuple[int, float]]] = {"ar": {}}
-    scores: dict[Settings | str, _Score] = {"ar": _Score()}
-    log: list[dict] = []
+    scores: dict[Settings | str, Score] = {"ar": Score()}
+    log: list[dict[str, Any]] = []
     survivors = [s for s in pool if s != defaults]
     for s in pool:
-        runs[s], scores[s] = {}, _Score()
+        runs[s], scores[s] = {}, Score()
     runs.setdefault(defaults, {})
-    scores.setdefault(defaults, _Score())
+    scores.setdefault(defaults, Score())
     prompt_cursor = 0
     rung = 0
     done_runs = 0
     watch = LoadWatch()
-    planned = sum(_rung_runs(max(1, len(survivors) >> r), r) for r in range(_rungs(len(survivors))))
+    planned = sum(rung_runs(max(1, len(survivors) >> r), r) for r in range(rungs(len(survivors))))
 
-    def measure(who, cfg, p):
+    def measure(who: Settings | str, cfg: GenerationConfig, p: int) -> None:
         nonlocal done_runs
         n, s = runner.run(cfg, prompts[p % len(prompts)])
         runs[who][p] = (n, s)
@@ -498,7 +343,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     rungs_run = 0
     while survivors:
         n_prompts = 1 << rung
-        order_base = ["ar", defaults] + survivors
+        order_base: list[Settings | str] = ["ar", defaults, *survivors]
         if not room(n_prompts * len(order_base)) or (rung > 0 and len(survivors) == 1):
             stopped_for_time = not (rung > 0 and len(survivors) == 1)
             break
@@ -508,7 +353,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             for who in (order_base[i] for i in balanced_order(len(order_base), p)):
                 if stop():
                     return
-                measure(who, ar_cfg if who == "ar" else who.config(base), p)
+                measure(who, ar_cfg if isinstance(who, str) else who.config(base), p)  # the one str is "ar"
                 yield TuneProgress(done_runs, max(planned, done_runs), f"rung {rung + 1}")
         rungs_run = rung + 1
         ranked = sorted(survivors, key=lambda s: scores[s].tok_per_s, reverse=True)
@@ -523,13 +368,13 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         rung += 1
 
     if not rungs_run:
-        raise _too_short(time_budget_s, f"the quality checks took {clock.now() - t0:.0f} s and left no room for a "
+        raise too_short(time_budget_s, f"the quality checks took {clock.now() - t0:.0f} s and left no room for a "
                                         f"rung of runs of about {t_run:.1f} s")
     # the final comparison: the best survivor against the defaults, repeated while within noise
     best = max(survivors, key=lambda s: scores[s].tok_per_s) if survivors and scores[survivors[0]].runs else defaults
     extra = 0
     if best != defaults:
-        while (not separated(_log_ratios(runs[best], runs[defaults])) and extra < MAX_EXTRA_ROUNDS
+        while (not separated(log_ratios(runs[best], runs[defaults])) and extra < MAX_EXTRA_ROUNDS
                and room(2)):
             p = prompt_cursor
             prompt_cursor += 1
@@ -543,10 +388,10 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             log.append({"rung": "final", **s.as_dict(), "tok_s": round(scores[s].tok_per_s, 3),
                         "prompts": len(runs[s]), "kept": True})
             yield TuneMeasured(index_of.get(s, -1), s, -1, scores[s].tok_per_s, len(runs[s]))
-    ratios = _log_ratios(runs[best], runs[defaults]) if best != defaults else []
+    ratios = log_ratios(runs[best], runs[defaults]) if best != defaults else []
     shared = sorted(set(runs[best]) & set(runs[defaults]))
 
-    def paired_speed(who):
+    def paired_speed(who: Settings) -> float:
         n = sum(runs[who][p][0] for p in shared)
         s = sum(runs[who][p][1] for p in shared)
         return n / s if s > 0 else 0.0
@@ -560,11 +405,12 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     tuned = best if (best != defaults and ((best_tps > def_tps and separated(ratios)) or not defaults_feasible)) \
         else defaults
     tuned_tps = best_tps if tuned == best else def_tps
-    q = quality.get(tuned.gating) if tuned.reuse_strength > 0 else None
+    rq = quality.get(tuned.gating) if tuned.reuse_strength > 0 else None
     mq = memory_quality.get(tuned.memory) if knows_memory and tuned.memory > 0 else None
     jq = joint_quality.get((*tuned.gating, tuned.memory)) if both_biases(tuned) else None
     ar_tps = scores["ar"].tok_per_s
-    judgement = _judged(runs, tuned, defaults, watch)
+    judgement = judged(runs, tuned, defaults, watch)
+    assert judgement.load is not None  # judged hands judge this search's LoadWatch reading
     elapsed = clock.now() - t0
     section = {
         "settings": tuned.as_dict(),
@@ -584,14 +430,14 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
             "machine": judgement.load.as_dict(),
             "warning": judgement.warning,
         },
-        "quality": (_figures_record(q) if q else {"lossless": True})
-        | ({"memory": {"memory_strength": tuned.memory, **_figures_record(mq)}} if mq else {})
-        | ({"both": {"memory_strength": tuned.memory, **_figures_record(jq)}} if jq and jq.get("tokens") else {}),
-        "memory_quality_checked": [{"memory_strength": a, **_check_record(v)}
+        "quality": (figures_record(rq) if rq else {"lossless": True})
+        | ({"memory": {"memory_strength": tuned.memory, **figures_record(mq)}} if mq else {})
+        | ({"both": {"memory_strength": tuned.memory, **figures_record(jq)}} if jq and jq.get("tokens") else {}),
+        "memory_quality_checked": [{"memory_strength": a, **check_record(v)}
                                    for a, v in sorted(memory_quality.items())],
-        "joint_quality_checked": [{"reuse_strength": a, "reuse_cap": c, "memory_strength": m, **_check_record(v)}
+        "joint_quality_checked": [{"reuse_strength": a, "reuse_cap": c, "memory_strength": m, **check_record(v)}
                                   for (a, c, m), v in sorted(joint_quality.items())],
-        "quality_checked": [{"reuse_strength": a, "reuse_cap": c, "window": window, **_check_record(v),
+        "quality_checked": [{"reuse_strength": a, "reuse_cap": c, "window": window, **check_record(v),
                              "reused": bool(v.get("reused"))}
                             for (a, c), v in sorted(quality.items())],
         "constraint": {"ppl_ratio_max": PPL_RATIO_MAX, "top1_min": TOP1_MIN, "defaults_meet_it": defaults_feasible},
@@ -606,126 +452,6 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                      "by": "s2moe tune", **(context or {})},
     }
     yield TuneDone(section, tuned, defaults)
-
-
-def _figures_record(v: dict) -> dict:
-    """A quality check's figures as the profile records them (bench.CheckFigures' fields that it measured)."""
-    figures = asdict(CheckFigures.of(v))
-    digits = {"ppl_ratio": 5, "top1_agreement": 4, "mean_kl": 6, "top1_se": 5, "log_ppl_ratio_se": 5}
-    return {k: (round(x, digits[k]) if k in digits else x) for k, x in figures.items() if x is not None}
-
-
-def _check_record(v: dict) -> dict:
-    """A quality check in the profile's list of those made: its figures (None where it measured nothing), its
-    verdict, and whether it was settled on twice the text."""
-    return {"ppl_ratio": None, "top1_agreement": None, **_figures_record(v), "ok": bool(v["ok"]),
-            "extended": bool(v.get("extended"))}
-
-
-def too_close_to_call(q: dict) -> bool:
-    """Whether a check's top-1 agreement lies within two standard errors of TOP1_MIN, where which side it falls on
-    is the check's own sampling noise: the check's batch-means error (bench's top1_se: tokens of a passage move
-    together), never less than the binomial error over its tokens. The perplexity ratio is not asked: its error
-    on these checks (about 0.01 over 720 tokens) is as large as the margin of the settings that pass (1.000–1.005
-    against 1.02), so twice the text would not settle it either; its verdict is taken as measured."""
-    n = int(q.get("tokens") or 0)
-    if n == 0 or q.get("top1_agreement") is None:
-        return False
-    p = float(q["top1_agreement"])
-    se = max(math.sqrt(max(p * (1.0 - p), 1.0 / n) / n), float(q.get("top1_se") or 0.0))
-    return abs(p - TOP1_MIN) < 2.0 * se
-
-
-def decided(check: Callable[[list[str]], dict], texts: list[str], more_texts: list[str]) -> dict:
-    """check(texts), or where that is too close to call and more texts are at hand, check(more_texts): the
-    verdict on twice the text (marked "extended"). The bound stays the same; only a verdict that the first
-    texts cannot settle pays for more."""
-    q = check(texts)
-    if too_close_to_call(q) and len(more_texts) > len(texts):
-        q = check(more_texts) | {"extended": True}
-    return q
-
-
-def within_bounds(q: dict) -> bool:
-    """Whether a teacher-forced quality check (bench's) meets the constraint."""
-    return bool(q.get("tokens")) and q["ppl_ratio"] <= PPL_RATIO_MAX and q["top1_agreement"] >= TOP1_MIN
-
-
-def _too_short(time_budget_s: float, why: str) -> ConfigError:
-    return ConfigError(f"{OPTION} of {time_budget_s:g} s is too short: {why}", option="time_budget")
-
-
-def _check_time(needed: float, left: float, time_budget_s: float, t_run: float) -> None:
-    if needed > left:
-        raise _too_short(time_budget_s, f"one generation takes about {t_run:.1f} s here and comparing two "
-                                        f"candidates with the defaults needs about {needed:.0f} s more")
-
-
-# A check of a kind not timed yet is expected to take what the kind it runs like took: both biases together are
-# checked on batches of tokens as reuse gating alone is, where the memory check runs one token a step.
-CHECK_RUNS_LIKE = {"both": "reuse"}
-
-
-def expected_check_s(took: dict[str, float], kind: str) -> float:
-    """Seconds a quality check of `kind` is expected to take, from the slowest of each kind so far (`took`): its
-    own kind's, else the kind it runs like, else the slowest of any."""
-    if kind in took:
-        return took[kind]
-    like = CHECK_RUNS_LIKE.get(kind)
-    return took[like] if like in took else max(took.values(), default=0.0)
-
-
-def ensure_defaults_fit(checks_left_s: list[float], check_s: float, t_run: float, left: float,
-                        time_budget_s: float, elapsed: float) -> None:
-    """Raise where the defaults' remaining quality checks (the seconds each is expected to take) and one comparison
-    of two candidates cannot fit in the time left: said as soon as a check has been timed (check_s), rather than
-    once the whole budget is gone."""
-    compare = _sh_cost(2, t_run)
-    needed = sum(checks_left_s) + compare
-    if needed > left:
-        n_left = len(checks_left_s)
-        more = (f" and the defaults need {n_left} more (about {sum(checks_left_s):.0f} s) before any speed is timed"
-                if n_left else "")
-        raise _too_short(time_budget_s, f"a quality check takes about {check_s:.0f} s here{more}; comparing two "
-                                        f"candidates then takes about {compare:.0f} s: that alone needs "
-                                        f"{math.ceil((elapsed + needed) / 60)} min, a search more")
-
-
-def _rungs(n: int) -> int:
-    return max(1, math.ceil(math.log2(max(n, 1))) + 1)
-
-
-def _rung_runs(n_survivors: int, rung: int) -> int:
-    return (n_survivors + 2) * (1 << rung)
-
-
-def _affordable(n_max: int, t_run: float, seconds: float) -> int:
-    """How many candidates (at least two, at most n_max) successive halving can start from in `seconds`."""
-    n = min(2, n_max)
-    while n < n_max and _sh_cost(min(2 * n, n_max), t_run) <= seconds:
-        n = min(2 * n, n_max)
-    return n
-
-
-def _sh_cost(n0: int, t_run: float) -> float:
-    """Seconds successive halving from n0 candidates takes at t_run a run."""
-    return sum(_rung_runs(max(1, n0 >> r), r) for r in range(_rungs(n0))) * t_run
-
-
-def _judged(runs: dict, tuned: Settings, defaults: Settings, watch: LoadWatch):
-    """The defaults' and the tuned settings' speeds against plain decoding's, prompt by prompt (speed.judge)."""
-    def speeds(who) -> list[float | None]:
-        out = []
-        for p in shown:
-            n, s = runs[who].get(p, (0, 0.0))
-            out.append(n / s if n and s > 0 else None)
-        return out
-
-    shown = sorted(set(runs["ar"]))
-    named = {"ar": speeds("ar"), "the defaults": speeds(defaults)}
-    if tuned != defaults:
-        named["tuned"] = speeds(tuned)
-    return judge(named, "ar", watch.stop())
 
 
 def _verdict(tuned: Settings, best: Settings, defaults: Settings, ratios: list[float], defaults_ok: bool) -> str:

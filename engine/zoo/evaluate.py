@@ -182,7 +182,7 @@ def speculation(gguf_path: Path, n_prompts: int = 8, n_tokens: int = 64) -> Resu
     from ..decoding.decoder import Decoder
     from ..decoding.generation_config import GenerationConfig
     from ..events import Summary
-    from ..measure.bench import load_prompts
+    from ..measure.prompts import load_prompts
 
     _, prompts = load_prompts("humaneval", n_prompts)
     cfg = GenerationConfig(mode="s2moe", n_predict=n_tokens, draft_topk=2, draft_max=8, utility=False,
