@@ -19,13 +19,13 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/s2moe $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) check
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # Lint, format and types: strict on the engine.
 check: $(STAMP) typecheck
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/ruff format --check --quiet .
 
 # .typecheck/s2moe/__init__.py makes s2moe a regular package to mypy: under a namespace package mypy takes
 # the folder engine/zoo/data/ (package data) for the module engine/zoo/data.py.

@@ -28,16 +28,17 @@ def read_storage(emap) -> list[tuple[float, float]]:
 
 def storage_reading(passes: list[tuple[float, float]]) -> dict:
     """Passes read_storage read (bytes/s at depth 1 and 8): their medians and ranges in GB/s, and how many."""
+
     def gb(values):
         return statistics.median(values) / 1e9, [min(values) / 1e9, max(values) / 1e9]
 
     (qd1, qd1_range), (qd8, qd8_range) = gb([r[0] for r in passes]), gb([r[1] for r in passes])
-    return {"qd1_gb_s": qd1, "qd8_gb_s": qd8, "qd1_range": qd1_range, "qd8_range": qd8_range,
-            "readings": len(passes)}
+    return {"qd1_gb_s": qd1, "qd8_gb_s": qd8, "qd1_range": qd1_range, "qd8_range": qd8_range, "readings": len(passes)}
 
 
-def storage_record(around: dict[str, list[tuple[float, float]]], expert_bytes: float, profile: dict | None,
-                   fingerprint: str) -> dict | None:
+def storage_record(
+    around: dict[str, list[tuple[float, float]]], expert_bytes: float, profile: dict | None, fingerprint: str
+) -> dict | None:
     """The bound's storage figures: for each budget label, the passes read around it (`around`); where none
     could be read cold, the profile's rates for this model (a rate read on another model's experts, reads of
     another size, does not apply); else None."""
@@ -48,15 +49,26 @@ def storage_record(around: dict[str, list[tuple[float, float]]], expert_bytes: f
         whole = storage_reading(every)
         readings = {label: storage_reading(rs) if rs else whole for label, rs in around.items()}
         by_budget = {label: {key: r[key] for key in ("qd8_gb_s", "qd8_range")} for label, r in readings.items()}
-        return {"qd1_gb_s": whole["qd1_gb_s"], "qd8_gb_s": whole["qd8_gb_s"], "qd1_range": whole["qd1_range"],
-                "qd8_range": whole["qd8_range"], "n_readings": len(every), "by_budget": by_budget,
-                "expert_bytes": expert_bytes, "source": "read by this run before and after each budget"}
+        return {
+            "qd1_gb_s": whole["qd1_gb_s"],
+            "qd8_gb_s": whole["qd8_gb_s"],
+            "qd1_range": whole["qd1_range"],
+            "qd8_range": whole["qd8_range"],
+            "n_readings": len(every),
+            "by_budget": by_budget,
+            "expert_bytes": expert_bytes,
+            "source": "read by this run before and after each budget",
+        }
     rates = storage_rates(profile, fingerprint) if profile else None
     if not rates:
         return None
-    return {"qd1_gb_s": rates[0], "qd8_gb_s": rates[1], "expert_bytes": expert_bytes,
-            "by_budget": {label: {"qd8_gb_s": rates[1], "qd8_range": [rates[1], rates[1]]} for label in around},
-            "source": f"profile {profile.get('name')}"}
+    return {
+        "qd1_gb_s": rates[0],
+        "qd8_gb_s": rates[1],
+        "expert_bytes": expert_bytes,
+        "by_budget": {label: {"qd8_gb_s": rates[1], "qd8_range": [rates[1], rates[1]]} for label in around},
+        "source": f"profile {profile.get('name')}",
+    }
 
 
 def resident_verify_cost(resident_fit: dict, profile: dict | None, info):

@@ -22,8 +22,10 @@ def one_line(text: str) -> str:
 def _abort_line(message: str) -> None:
     """llama.cpp stopped on a failed internal check: the process cannot go on, but it can say so in one line
     (ggml would print a debugger backtrace, on stdout) and exit as for bad input."""
-    sys.stderr.write(f"error: llama.cpp stopped on a failed check ({one_line(message)}): the model file or a "
-                     "setting is not one it supports\n")
+    sys.stderr.write(
+        f"error: llama.cpp stopped on a failed check ({one_line(message)}): the model file or a "
+        "setting is not one it supports\n"
+    )
     sys.stderr.flush()
     os._exit(2)
 
@@ -40,7 +42,6 @@ def _say_interrupted(word: str = "interrupted") -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
 
 
 def main(argv=None, *, watch: bool = False) -> int:
@@ -66,8 +67,8 @@ def main(argv=None, *, watch: bool = False) -> int:
                     parser.print_help()
                     return 2
                 if args.command in LLAMA_COMMANDS:
-                    from ..engine.decoding.cpu_buffers import AMX_ENV
                     from ..engine.crashes import earlier_crashes
+                    from ..engine.decoding.cpu_buffers import AMX_ENV
                     from ..engine.decoding.runtime import on_llama_abort
 
                     on_llama_abort(_abort_line)

@@ -7,44 +7,76 @@ import os
 import sys
 
 from ..engine.errors import ConfigError
-from .bench_report import (batch_line, footnotes, gating_quality_text, markdown, memory_quality_text,
-                           offloaded_fit_clauses, sampled_note, storage_line, tables)
+from .bench_report import (
+    batch_line,
+    footnotes,
+    gating_quality_text,
+    markdown,
+    memory_quality_text,
+    offloaded_fit_clauses,
+    sampled_note,
+    storage_line,
+    tables,
+)
 from .bench_storage import read_storage, resident_verify_cost, storage_reading, storage_record
 
 DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
 
 def add_parser(sub) -> None:
-    from .options import (add_batch_option, add_draft_experts_option, add_memory_strength_option, add_placement_options,
-                          add_pregate_option, add_sampling_options, add_tree_shape_options, nonempty, positive_int)
+    from .options import (
+        add_batch_option,
+        add_draft_experts_option,
+        add_memory_strength_option,
+        add_placement_options,
+        add_pregate_option,
+        add_sampling_options,
+        add_tree_shape_options,
+        nonempty,
+        positive_int,
+    )
 
     p = sub.add_parser("bench", help="benchmark S²-MoE against plain decoding and the baselines")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF model (default: the shipped model)")
-    p.add_argument("--prompts", default="humaneval", help="humaneval | natural | a JSONL file with a \"prompt\" field")
+    p.add_argument("--prompts", default="humaneval", help='humaneval | natural | a JSONL file with a "prompt" field')
     p.add_argument("--n-prompts", type=int, default=8, help="prompts to use from the set (default 8)")
     p.add_argument("-n", "--n-tokens", type=int, default=64, help="tokens generated per prompt and mode")
-    p.add_argument("--modes", default=DEFAULT_MODES,
-                   help=f"comma-separated modes or ladder rungs (default {DEFAULT_MODES}), or s2moe less one part: "
-                        "-gating (gating off, on ar's tokens), -memory (no bias toward the experts in memory), "
-                        "-periodic (copies stop at the context's end); a mode that drafts from "
-                        "the model's own experts takes :resident or :router (what its drafts read under --budget), "
-                        "so that both run interleaved: s2moe,s2moe:resident")
-    p.add_argument("--ablation", action="store_true",
-                   help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating → "
-                        "+lookup → +session (= s2moe)")
+    p.add_argument(
+        "--modes",
+        default=DEFAULT_MODES,
+        help=f"comma-separated modes or ladder rungs (default {DEFAULT_MODES}), or s2moe less one part: "
+        "-gating (gating off, on ar's tokens), -memory (no bias toward the experts in memory), "
+        "-periodic (copies stop at the context's end); a mode that drafts from "
+        "the model's own experts takes :resident or :router (what its drafts read under --budget), "
+        "so that both run interleaved: s2moe,s2moe:resident",
+    )
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="run the ladder: base (independent draft) → +shared-kv → +utility → +gating → "
+        "+lookup → +session (= s2moe)",
+    )
     p.add_argument("--budget", default="none", help="memory budget(s): none (default), auto or SIZE[,SIZE…]")
     p.add_argument("--profile", type=nonempty, help="device profile for the cost constants (else measured at start-up)")
-    p.add_argument("--draft-topk", type=int, default=None,
-                   help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)")
+    p.add_argument(
+        "--draft-topk",
+        type=int,
+        default=None,
+        help="experts per token in draft passes, k_d (default: a quarter of the model's, at least 1)",
+    )
     # None: not given, the profile's tuned value (s2moe tune), else the default
     p.add_argument("--draft-max", type=int, default=None, help="cap on draft length (default 8)")
     p.add_argument("--reuse-strength", type=float, default=None, help="reuse-aware gating strength α (default 0.5)")
     add_memory_strength_option(p)
-    p.add_argument("--threshold", type=float, default=None,
-                   help="utility threshold of s2moe and the tree modes (default 1)")
-    p.add_argument("--no-utility", action="store_true",
-                   help="s2moe and the tree modes without the utility rule: the chain drafts to --draft-max, a tree "
-                        "takes the fixed shape of --tree-width nodes per depth")
+    p.add_argument(
+        "--threshold", type=float, default=None, help="utility threshold of s2moe and the tree modes (default 1)"
+    )
+    p.add_argument(
+        "--no-utility",
+        action="store_true",
+        help="s2moe and the tree modes without the utility rule: the chain drafts to --draft-max, a tree "
+        "takes the fixed shape of --tree-width nodes per depth",
+    )
     p.add_argument("-t", "--threads", type=int, default=None)
     # every mode samples a prompt with the same seed (-s, plus the prompt's index): modes that draw alike decode
     # alike, so a mode that drafted nothing is still seen to have decoded as ar did
@@ -54,20 +86,39 @@ def add_parser(sub) -> None:
     add_batch_option(p)
     add_placement_options(p)
     add_pregate_option(p)
-    p.add_argument("--repeats", type=positive_int, default=1,
-                   help="times the whole prompt set is run, modes interleaved throughout; tok/s and × ar are the "
-                        "medians and the table shows their range (default 1)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the untimed warm-up generation of every mode before the measured ones")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="times the whole prompt set is run, modes interleaved throughout; tok/s and × ar are the "
+        "medians and the table shows their range (default 1)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the untimed warm-up generation of every mode before the measured ones",
+    )
     p.add_argument("--no-quality", action="store_true", help="skip the teacher-forced gating quality check")
-    p.add_argument("--no-reference", dest="reference", action="store_false",
-                   help="skip the reference row: llama.cpp's own plain decoding of the same prompts and budget")
+    p.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="skip the reference row: llama.cpp's own plain decoding of the same prompts and budget",
+    )
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON")
-    p.add_argument("--trace", metavar="DIR", type=nonempty,
-                   help="also record a decoding trace per prompt and budget into DIR (for `s2moe project`; untimed)")
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        type=nonempty,
+        help="also record a decoding trace per prompt and budget into DIR (for `s2moe project`; untimed)",
+    )
     p.add_argument("--md", dest="md_out", metavar="OUT", help="write a markdown report with plots")
-    p.add_argument("--overhead", action="store_true",
-                   help="instead: measure the routing hook's overhead against llama-cpp-python's own decoding")
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="instead: measure the routing hook's overhead against llama-cpp-python's own decoding",
+    )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --overhead")
     p.set_defaults(run=run)
 
@@ -75,8 +126,8 @@ def add_parser(sub) -> None:
 def _modes(args) -> list[str]:
     if args.ablation:
         return ["ar", "base", "+shared-kv", "+utility", "+gating", "+lookup", "+session"]
-    from ..engine.measure.bench import mode_config
     from ..engine.decoding.generation_config import GenerationConfig
+    from ..engine.measure.bench import mode_config
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -98,26 +149,48 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
     from pathlib import Path
 
     from ..engine import offload
-    from ..engine.measure.bench_results import BenchRow
     from ..engine.crashes import exit_text
+    from ..engine.measure.bench_results import BenchRow
     from .model_runs import say_child_death
     from .options import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings
 
     with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
         out = Path(tmp) / "rows.json"
-        argv = [sys.executable, "-m", "s2moe.app.cli", "bench", "--model", model, "--prompts", args.prompts,
-                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--budget", budget_text,
-                "--repeats", str(args.repeats), "--json", str(out)]
+        argv = [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "bench",
+            "--model",
+            model,
+            "--prompts",
+            args.prompts,
+            "--n-prompts",
+            str(args.n_prompts),
+            "-n",
+            str(args.n_tokens),
+            "--budget",
+            budget_text,
+            "--repeats",
+            str(args.repeats),
+            "--json",
+            str(out),
+        ]
         if args.no_quality:
             argv.append("--no-quality")
         if args.pregate[0]:
-            argv += ["--pregate", "%d:%d" % args.pregate]
+            argv += ["--pregate", "{}:{}".format(*args.pregate)]
         # settings not given are resolved there: the profile's tuning under a budget, not the resident one
-        for flag, value in (("--draft-topk", args.draft_topk), ("--draft-max", args.draft_max),
-                            ("--reuse-strength", args.reuse_strength), ("--threshold", args.threshold),
-                            ("--memory-strength", args.memory_strength),
-                            ("--tree-width", args.tree_width), ("--draft-experts", args.draft_experts),
-                            ("--tree-max-nodes", args.tree_max_nodes)):
+        for flag, value in (
+            ("--draft-topk", args.draft_topk),
+            ("--draft-max", args.draft_max),
+            ("--reuse-strength", args.reuse_strength),
+            ("--threshold", args.threshold),
+            ("--memory-strength", args.memory_strength),
+            ("--tree-width", args.tree_width),
+            ("--draft-experts", args.draft_experts),
+            ("--tree-max-nodes", args.tree_max_nodes),
+        ):
             if value is not None:
                 argv += [flag, str(value)]
         # one word: a list that starts with `-gating` or its kin would read as an option
@@ -144,9 +217,15 @@ def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, i
             raise ConfigError(f"the benchmark under budget {budget_text} failed ({exit_text(rc)})")
         data = json.loads(out.read_text())
     rows = [BenchRow(**r) for r in data["results"]]
-    return (rows, (rows[0].budget if rows else budget_text), data.get("cost_model") or {},
-            data["config"]["budget_bytes"], data.get("quality") or {}, data["config"]["batch_size"],
-            data["config"].get("load"))
+    return (
+        rows,
+        (rows[0].budget if rows else budget_text),
+        data.get("cost_model") or {},
+        data["config"]["budget_bytes"],
+        data.get("quality") or {},
+        data["config"]["batch_size"],
+        data["config"].get("load"),
+    )
 
 
 class _ChangedLine:
@@ -170,16 +249,30 @@ def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: in
     from pathlib import Path
 
     from ..engine import offload
-    from ..engine.measure.bench_results import reference_row
     from ..engine.crashes import exit_text
+    from ..engine.measure.bench_results import reference_row
     from .model_runs import cpu_buffers_for, say_child_death
     from .options import placement_from_args
 
     with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
         out = Path(tmp) / "ref.json"
-        argv = [sys.executable, "-m", "s2moe.engine.measure.reference", "--model", model, "--prompts", args.prompts,
-                "--n-prompts", str(args.n_prompts), "-n", str(args.n_tokens), "--json", str(out),
-                "--placement", json.dumps(placement_from_args(args).as_dict())]
+        argv = [
+            sys.executable,
+            "-m",
+            "s2moe.engine.measure.reference",
+            "--model",
+            model,
+            "--prompts",
+            args.prompts,
+            "--n-prompts",
+            str(args.n_prompts),
+            "-n",
+            str(args.n_tokens),
+            "--json",
+            str(out),
+            "--placement",
+            json.dumps(placement_from_args(args).as_dict()),
+        ]
         if args.batch_size is not None:  # else llama.cpp's default, as its users get it
             argv += ["--batch-size", str(args.batch_size)]
         if args.threads:
@@ -209,8 +302,8 @@ def _write_trace(folder: str, budget_text: str, ev, off, hot) -> None:
     """DIR/resident-000.jsonl, DIR/budget-auto-000.jsonl, …: one file per prompt and budget."""
     from pathlib import Path
 
-    from ..engine.offload import Budget
     from ..engine.measure.trace import budget_record, write_trace
+    from ..engine.offload import Budget
 
     trace = ev.trace
     if off is not None:
@@ -226,22 +319,30 @@ def _record_storage_in_traces(folder: str, budget_text: str, passes: list[tuple[
 
     if passes:
         reading = storage_reading(passes)
-        record_storage(sorted(Path(folder).glob(f"{_trace_tag(budget_text)}-*.jsonl")),
-                       {key: reading[key] for key in ("qd1_gb_s", "qd8_gb_s", "readings")})
+        record_storage(
+            sorted(Path(folder).glob(f"{_trace_tag(budget_text)}-*.jsonl")),
+            {key: reading[key] for key in ("qd1_gb_s", "qd8_gb_s", "readings")},
+        )
 
 
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..engine.measure.bench import measure_hook_overhead, run_bench, warm_up
-    from ..engine.measure.bench_results import (BenchDone, BenchProgress, BenchTrace, storage_bound, VERIFY_KINDS,
-                                                verification_bound_ratio)
-    from ..engine.measure.prompts import load_prompts
     from ..engine.decoding.cpu_buffers import REASONS
     from ..engine.decoding.decoder import Decoder
     from ..engine.decoding.generation_config import GenerationConfig
     from ..engine.files import write_atomic
+    from ..engine.measure.bench import measure_hook_overhead, run_bench, warm_up
+    from ..engine.measure.bench_results import (
+        VERIFY_KINDS,
+        BenchDone,
+        BenchProgress,
+        BenchTrace,
+        storage_bound,
+        verification_bound_ratio,
+    )
+    from ..engine.measure.prompts import load_prompts
     from .model_runs import default_model
     from .options import check_pregate, placement_from_args, pregate_pinning
 
@@ -263,8 +364,10 @@ def run(args) -> int:
 
         cpu = cpu_buffers_for(model, True)
         if not cpu.extra:
-            raise ConfigError("--overhead times llama-cpp-python's own Llama, which loads with llama.cpp's extra CPU "
-                              f"buffer types and cannot turn them off: here they are off ({REASONS[cpu.reason]})")
+            raise ConfigError(
+                "--overhead times llama-cpp-python's own Llama, which loads with llama.cpp's extra CPU "
+                f"buffer types and cannot turn them off: here they are off ({REASONS[cpu.reason]})"
+            )
         set_name, prompts = load_prompts(args.prompts, 1)
         result = measure_hook_overhead(model, prompts[0], args.n_tokens, args.rounds, args.threads)
         print(json.dumps(result, indent=2))
@@ -279,15 +382,19 @@ def run(args) -> int:
         if text.lower() != "none":
             Budget.parse(text).check_fits_machine()
     set_name, prompts = load_prompts(args.prompts, args.n_prompts)
+    from ..engine.decoding.sampling import RANDOM_SEED, random_seed
     from ..engine.model_info import read_model_info
     from ..engine.offload import current_budget
-    from ..engine.decoding.sampling import RANDOM_SEED, random_seed
     from .model_runs import cpu_buffers_for, resolve_tuned
     from .options import sampling_settings
 
     # the flags given, checked before a model is read (those not given are checked once resolved)
-    GenerationConfig(**resolve_tuned(args, {}), tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,
-                     **sampling_settings(args)).validate()
+    GenerationConfig(
+        **resolve_tuned(args, {}),
+        tree_width=args.tree_width,
+        tree_max_nodes=args.tree_max_nodes,
+        **sampling_settings(args),
+    ).validate()
     if args.seed == RANDOM_SEED:  # drawn once here: every budget's run and the report share it
         args.seed = random_seed()
         if args.temp > 0:
@@ -301,13 +408,22 @@ def run(args) -> int:
         profile = load_profile(args.profile)
         # this process measures resident unless it is a budget's child
         tuned = tuned_settings(profile, info.fingerprint, offloaded=current_budget() is not None)
-    base = GenerationConfig(**resolve_tuned(args, tuned), tree_width=args.tree_width,
-                            tree_max_nodes=args.tree_max_nodes, utility=not args.no_utility,
-                            draft_experts=args.draft_experts,
-                            **sampling_settings(args)).resolved(info)
+    base = GenerationConfig(
+        **resolve_tuned(args, tuned),
+        tree_width=args.tree_width,
+        tree_max_nodes=args.tree_max_nodes,
+        utility=not args.no_utility,
+        draft_experts=args.draft_experts,
+        **sampling_settings(args),
+    ).resolved(info)
     if args.profile:
-        base.cost = cost_for_model(profile, info.fingerprint, info.path.name, offloaded=budgets != ["none"],
-                                   experts_in_host=placement.copies_experts)
+        base.cost = cost_for_model(
+            profile,
+            info.fingerprint,
+            info.path.name,
+            offloaded=budgets != ["none"],
+            experts_in_host=placement.copies_experts,
+        )
         hot = hot_experts_for_model(profile, info.fingerprint)
 
     from ..engine import offload
@@ -321,8 +437,9 @@ def run(args) -> int:
     if inside is None and budgeted and not hot:
         from .model_runs import no_hot_experts_note
 
-        console.print(no_hot_experts_note(args.profile, model, budgeted[0]), highlight=False, markup=False,
-                      soft_wrap=True)
+        console.print(
+            no_hot_experts_note(args.profile, model, budgeted[0]), highlight=False, markup=False, soft_wrap=True
+        )
     if inside is None:
         # the parent: each budget runs in its own cgroup, "none" resident in this process
         emap = offload.expert_map(model) if budgeted else None
@@ -351,36 +468,68 @@ def run(args) -> int:
     done = None
     if here is not None:
         cpu = cpu_buffers_for(model, inside is None)
-        decoder = Decoder(model, n_threads=args.threads, max_draft=max(16, base.draft_max), n_batch=args.batch_size,
-                          use_extra_bufts=cpu.extra, placement=placement)
+        decoder = Decoder(
+            model,
+            n_threads=args.threads,
+            max_draft=max(16, base.draft_max),
+            n_batch=args.batch_size,
+            use_extra_bufts=cpu.extra,
+            placement=placement,
+        )
         if inside is not None:
             budget = inside[1]
-            off = offload.offload_decoder(decoder, budget, hot,
-                                          warm_up=lambda: list(warm_up(decoder, base, prompts[0], modes)),
-                                          pinning=pregate_pinning(args))
+            off = offload.offload_decoder(
+                decoder,
+                budget,
+                hot,
+                warm_up=lambda: list(warm_up(decoder, base, prompts[0], modes)),
+                pinning=pregate_pinning(args),
+            )
             here = budget.describe(off.budget_bytes)
         else:
             off = None
         quality_texts = None if args.no_quality else prompts
         prompt_line = _ChangedLine()
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True, disable=not console.is_terminal) as progress:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        ) as progress:
             task = progress.add_task("bench", total=None)
-            for ev in run_bench(model, prompts=prompts, modes=modes, n_tokens=args.n_tokens, budget=here,
-                                prompt_set=set_name, base=base, n_threads=args.threads, quality_texts=quality_texts,
-                                decoder=decoder, repeats=args.repeats, warmup=args.warmup,
-                                trace=args.trace is not None):
+            for ev in run_bench(
+                model,
+                prompts=prompts,
+                modes=modes,
+                n_tokens=args.n_tokens,
+                budget=here,
+                prompt_set=set_name,
+                base=base,
+                n_threads=args.threads,
+                quality_texts=quality_texts,
+                decoder=decoder,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                trace=args.trace is not None,
+            ):
                 if isinstance(ev, BenchTrace):
                     _write_trace(args.trace, budgets[0] if inside is not None else "none", ev, off, hot)
                 elif isinstance(ev, BenchProgress):
                     where = "warm-up" if ev.warmup else f"prompt {ev.prompt_index + 1}"
                     if args.repeats > 1 and not ev.warmup:
                         where += f" · repeat {ev.repeat + 1}/{args.repeats}"
-                    progress.update(task, total=ev.total, completed=ev.done,
-                                    description=f"{ev.mode} · {where} · budget {ev.budget}")
+                    progress.update(
+                        task, total=ev.total, completed=ev.done, description=f"{ev.mode} · {where} · budget {ev.budget}"
+                    )
                     if not console.is_terminal:  # piped or in a log: a line per prompt, not minutes of silence
-                        prompt_line.say((where, ev.budget), f"bench: {where} of {len(prompts)} · budget {ev.budget} "
-                                                            f"· {ev.done}/{ev.total} generations done")
+                        prompt_line.say(
+                            (where, ev.budget),
+                            f"bench: {where} of {len(prompts)} · budget {ev.budget} "
+                            f"· {ev.done}/{ev.total} generations done",
+                        )
                 elif isinstance(ev, BenchDone):
                     done = ev
         if off is not None:
@@ -396,9 +545,13 @@ def run(args) -> int:
     else:
         from ..engine.measure.bench import machine_info
 
-        done = BenchDone([], {}, {}, machine_info(args.threads), config={"prompt_set": set_name,
-                                                                         "n_prompts": len(prompts),
-                                                                         "n_tokens": args.n_tokens})
+        done = BenchDone(
+            [],
+            {},
+            {},
+            machine_info(args.threads),
+            config={"prompt_set": set_name, "n_prompts": len(prompts), "n_tokens": args.n_tokens},
+        )
     if inside is None:
         if loads:
             done.config["load_by_budget"] = loads
@@ -406,8 +559,12 @@ def run(args) -> int:
             done.rows.append(_reference_row(args, model, set_name, "none", None, done.rows))
         done.rows.extend(extra_rows)
         if around:
-            storage = storage_record(around, float(emap.expert_bytes[list(emap.moe_layers)].mean()),
-                                     profile if args.profile else None, info.fingerprint)
+            storage = storage_record(
+                around,
+                float(emap.expert_bytes[list(emap.moe_layers)].mean()),
+                profile if args.profile else None,
+                info.fingerprint,
+            )
         if storage is not None:
             rates = storage["by_budget"]
             storage_bound(done.rows, storage["expert_bytes"], {k: v["qd8_gb_s"] * 1e9 for k, v in rates.items()})
@@ -415,8 +572,10 @@ def run(args) -> int:
             resident_cost = resident_verify_cost(done.cost_model, profile if args.profile else None, info)
             for label, c in budget_fits.items():
                 if c.get("miss_aware") and resident_cost is not None:
-                    def ratio(gb_s, kind=None):
-                        return verification_bound_ratio(c, resident_cost, storage["expert_bytes"], gb_s * 1e9, kind)
+
+                    def ratio(gb_s, kind=None, fit=c):
+                        return verification_bound_ratio(fit, resident_cost, storage["expert_bytes"], gb_s * 1e9, kind)
+
                     lo, hi = rates[label]["qd8_range"]
                     c["miss_aware"]["bound_ratio"] = ratio(rates[label]["qd8_gb_s"])
                     by_kind = {kind: ratio(rates[label]["qd8_gb_s"], kind) for kind in VERIFY_KINDS}
@@ -459,8 +618,10 @@ def run(args) -> int:
         c = done.cost_model
         say(f"cost model: {r2_text(c['r2'], c.get('r2_ceiling'))}, MAPE {c['mape']:.1%} over {c['n']} verifications")
     for label, c in done.cost_model_by_budget.items():
-        line = (f"cost model under budget {label}: {r2_text(c['r2'], c.get('r2_ceiling'))}, MAPE {c['mape']:.1%} "
-                f"over {c['n']} verifications")
+        line = (
+            f"cost model under budget {label}: {r2_text(c['r2'], c.get('r2_ceiling'))}, MAPE {c['mape']:.1%} "
+            f"over {c['n']} verifications"
+        )
         say("; ".join([line] + offloaded_fit_clauses(c)))
     broken = [r.mode for r in done.rows if r.identical_expected and not r.lossless_ok]
     ties = sum(r.near_tie_divergences for r in done.rows if r.identical_expected)

@@ -11,16 +11,23 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("calibrate", help="measure cost constants and hot experts; write a device profile")
     p.add_argument("--model", "-m", type=nonempty, help="GGUF MoE model (default: the shipped model)")
-    p.add_argument("--budget", type=budget_text,
-                   help="memory budget, e.g. 800M or 2G, or auto (what the process holds plus a third of the expert "
-                        "bytes, as bench and app --budget auto): hot experts are chosen to fit it and the "
-                        "verification cost is also measured under it (needs a memory cgroup)")
-    p.add_argument("--prompts", type=nonempty,
-                   help="calibration prompts for the hot experts: humaneval or natural (the sets bench uses; "
-                        "humaneval suits code models), or a file of prompts separated by blank lines (default: a "
-                        "built-in mix of prose and code)")
-    p.add_argument("--name", type=nonempty,
-                   help="profile name (default: local); an existing user profile keeps its other models")
+    p.add_argument(
+        "--budget",
+        type=budget_text,
+        help="memory budget, e.g. 800M or 2G, or auto (what the process holds plus a third of the expert "
+        "bytes, as bench and app --budget auto): hot experts are chosen to fit it and the "
+        "verification cost is also measured under it (needs a memory cgroup)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=nonempty,
+        help="calibration prompts for the hot experts: humaneval or natural (the sets bench uses; "
+        "humaneval suits code models), or a file of prompts separated by blank lines (default: a "
+        "built-in mix of prose and code)",
+    )
+    p.add_argument(
+        "--name", type=nonempty, help="profile name (default: local); an existing user profile keeps its other models"
+    )
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all available)")
     add_batch_option(p)
     p.add_argument("--repeats", type=positive_int, default=3, help="timings per measurement (default 3)")
@@ -51,10 +58,10 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
+    from ..engine.decoding.runtime import check_threads
     from ..engine.measure.calibrate import run_calibration
     from ..engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
     from ..engine.offload import Budget
-    from ..engine.decoding.runtime import check_threads
     from .model_runs import default_model
     from .options import placement_from_args
     from .tui.calibrate_steps import step_outcome
@@ -65,14 +72,28 @@ def run(args) -> int:
     placement = placement_from_args(args)
     console = Console(stderr=True, highlight=False)
     out = Console(highlight=False)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
     task = None
     done_event = None
     failed = []
-    events = run_calibration(model, budget=budget, prompts=args.prompts, name=args.name, save=not args.no_save,
-                             n_threads=args.threads, repeats=args.repeats, placement=placement,
-                             n_batch=args.batch_size)
+    events = run_calibration(
+        model,
+        budget=budget,
+        prompts=args.prompts,
+        name=args.name,
+        save=not args.no_save,
+        n_threads=args.threads,
+        repeats=args.repeats,
+        placement=placement,
+        n_batch=args.batch_size,
+    )
     # The model, the prompts and the profile folder are checked before the first event: an error about
     # them is the only line printed.
     first = next(events)
@@ -92,16 +113,19 @@ def run(args) -> int:
                 if outcome.state == "failed":
                     failed.append(ev.name)
                     note = f" ({outcome.note})" if outcome.note else ""
-                    progress.console.print(Text.assemble(head, ": ", ("✖ failed", "bold red"),
-                                                         f": {outcome.reason}{note}"))
+                    progress.console.print(
+                        Text.assemble(head, ": ", ("✖ failed", "bold red"), f": {outcome.reason}{note}")
+                    )
                 else:
                     progress.console.print(Text.assemble(head, f": {ev.summary}"))
                 for flag in outcome.flags:
                     progress.console.print(Text.assemble("    ", ("⚠ " + flag, "yellow")))
                 if "measured" in ev.data and not args.no_plot and len(ev.data["measured"]) >= 3:
                     label = "under the budget" if ev.name == "budget" else "resident"
-                    plot = _plot(ev.data, f"verification cost model ({label}): R² {ev.data['r2']:.3f}, "
-                                          f"MAPE {ev.data['mape']:.1%}")
+                    plot = _plot(
+                        ev.data,
+                        f"verification cost model ({label}): R² {ev.data['r2']:.3f}, MAPE {ev.data['mape']:.1%}",
+                    )
                     progress.console.print(Text.from_ansi(plot))
             elif isinstance(ev, CalibrationDone):
                 done_event = ev
@@ -111,6 +135,9 @@ def run(args) -> int:
     if done_event.path is not None:
         out.print(f"profile written: {done_event.path}  (use it with --profile {done_event.profile['name']})")
     if failed:
-        print(f"warning: {len(failed)} step{'s' if len(failed) > 1 else ''} failed ({', '.join(failed)}): the profile "
-              "lacks what they measure", file=sys.stderr)
+        print(
+            f"warning: {len(failed)} step{'s' if len(failed) > 1 else ''} failed ({', '.join(failed)}): the profile "
+            "lacks what they measure",
+            file=sys.stderr,
+        )
     return 0

@@ -16,11 +16,16 @@ from ..engine.errors import ConfigError
 
 def add_options(g) -> None:
     """generate's conversation flags, spelled as llama-cli's."""
-    g.add_argument("-cnv", "--conversation", action="store_true",
-                   help="chat in turns under the model's chat template: the prompt is the first turn, each line "
-                        "of standard input the next (until its end); the turns before stay in the KV cache")
-    g.add_argument("-sys", "--system-prompt", metavar="TEXT", default=None,
-                   help="with -cnv: the conversation's system message")
+    g.add_argument(
+        "-cnv",
+        "--conversation",
+        action="store_true",
+        help="chat in turns under the model's chat template: the prompt is the first turn, each line "
+        "of standard input the next (until its end); the turns before stay in the KV cache",
+    )
+    g.add_argument(
+        "-sys", "--system-prompt", metavar="TEXT", default=None, help="with -cnv: the conversation's system message"
+    )
 
 
 def check_options(args) -> None:
@@ -112,6 +117,8 @@ def run_conversation(args, decoder, cfg, out) -> int:
             continue
         out.text(("" if streaming else summary.text) + "\n")
         kept = f" · {prefilled.reused} of {prefilled.n_tokens} prompt tokens kept" if prefilled.reused else ""
-        out.line(f"-- {summary.n_tokens} tokens ({speed_text(summary)}) · accept length "
-                 f"{summary.accept_len:.2f}{kept} · stop: {summary.stop_reason}")
+        out.line(
+            f"-- {summary.n_tokens} tokens ({speed_text(summary)}) · accept length "
+            f"{summary.accept_len:.2f}{kept} · stop: {summary.stop_reason}"
+        )
     return 2 if refused else 0

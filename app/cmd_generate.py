@@ -9,10 +9,24 @@ import sys
 
 from ..engine.errors import ConfigError
 from ..engine.slow import said_if_slow
-from .model_runs import (cpu_buffers_for, default_model, generation_config, offload_under_budget, run_cli_in_budget,
-                         say, speed_text)
-from .options import (add_copy_cache_option, add_generation_options, check_pregate, nonempty, placement_from_args,
-                      sampling_settings, tree_mode)
+from .model_runs import (
+    cpu_buffers_for,
+    default_model,
+    generation_config,
+    offload_under_budget,
+    run_cli_in_budget,
+    say,
+    speed_text,
+)
+from .options import (
+    add_copy_cache_option,
+    add_generation_options,
+    check_pregate,
+    nonempty,
+    placement_from_args,
+    sampling_settings,
+    tree_mode,
+)
 
 
 def add_parser(sub) -> None:
@@ -20,21 +34,32 @@ def add_parser(sub) -> None:
     add_generation_options(g)
     prompt = g.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", "-p", help="prompt text")
-    prompt.add_argument("-f", "--file", type=nonempty,
-                        help="read the prompt from this UTF-8 text file (as llama.cpp: one final newline dropped)")
+    prompt.add_argument(
+        "-f",
+        "--file",
+        type=nonempty,
+        help="read the prompt from this UTF-8 text file (as llama.cpp: one final newline dropped)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and summary")
     g.add_argument("--events", action="store_true", help="print one line per iteration to stderr")
-    g.add_argument("--trace", metavar="FILE", type=nonempty,
-                   help="write a decoding trace (JSONL) for `s2moe project`: drafts run to the cap, noting what the "
-                        "mode's rule would have kept")
+    g.add_argument(
+        "--trace",
+        metavar="FILE",
+        type=nonempty,
+        help="write a decoding trace (JSONL) for `s2moe project`: drafts run to the cap, noting what the "
+        "mode's rule would have kept",
+    )
     add_copy_cache_option(g)
-    g.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
-                   help="print only the generated text, not the prompt before it")
+    g.add_argument(
+        "--no-display-prompt",
+        dest="display_prompt",
+        action="store_false",
+        help="print only the generated text, not the prompt before it",
+    )
     from . import cmd_chat
 
     cmd_chat.add_options(g)
     g.set_defaults(run=run)
-
 
 
 def draft_stop_text(event) -> str:
@@ -58,16 +83,21 @@ def event_line(event, before=None) -> str:
     """One iteration, as `generate --events` prints it; `before`: the iteration printed just before it. Why
     nothing was drafted is said in full where that reason starts; while the same reason goes on, its few
     words where its numbers moved, else "as above"."""
-    fetched = ("" if event.verify_misses is None else
-               f" ({int(event.verify_misses.sum())} fetched, {event.verify_major_faults} storage faults)")
+    fetched = (
+        ""
+        if event.verify_misses is None
+        else f" ({int(event.verify_misses.sum())} fetched, {event.verify_major_faults} storage faults)"
+    )
     why = draft_stop_text(event)
     kind = _decision_kind(event)
     if kind is not None and before is not None and _decision_kind(before) == kind:
         short = event.draft_decision.wordings[-1]
         why = "as above" if short == before.draft_decision.wordings[-1] else short
-    return (f"[{event.index}] drafted {len(event.drafted)} accepted {len(event.accepted)} "
-            f"({why}) rollback {event.rollback} verify {event.verify_tokens} tok "
-            f"{int(event.verify_experts.sum())} experts{fetched}")
+    return (
+        f"[{event.index}] drafted {len(event.drafted)} accepted {len(event.accepted)} "
+        f"({why}) rollback {event.rollback} verify {event.verify_tokens} tok "
+        f"{int(event.verify_experts.sum())} experts{fetched}"
+    )
 
 
 def _same_terminal(out, err) -> bool:
@@ -158,13 +188,18 @@ def choose_profile(args, model: str, quiet: bool = False) -> None:
     info = read_model_info(model)
     if model_block(load_profile(name), info.fingerprint) is None:
         if not quiet:
-            print(f"profile: none — the app's active profile {name} has no constants for {info.path.name}, so they "
-                  "are measured at start-up", file=sys.stderr)
+            print(
+                f"profile: none — the app's active profile {name} has no constants for {info.path.name}, so they "
+                "are measured at start-up",
+                file=sys.stderr,
+            )
         return
     args.profile = name
     if not quiet:
-        print(f"profile {name}: the app's active one (--profile none: no profile, the constants measured at start-up)",
-              file=sys.stderr)
+        print(
+            f"profile {name}: the app's active one (--profile none: no profile, the constants measured at start-up)",
+            file=sys.stderr,
+        )
 
 
 def _keep_copies(args, decoder) -> None:
@@ -175,13 +210,13 @@ def _keep_copies(args, decoder) -> None:
 
 
 def run(args) -> int:
-    from ..engine.decoding.decoder import Decoder
-    from ..engine.decoding.generation_config import GenerationConfig
     import numpy as np
 
     from ..engine import offload
-    from ..engine.events import Finished, Iteration, MeasuringCosts, ResidencySnapshot, Started, Summary
+    from ..engine.decoding.decoder import Decoder
+    from ..engine.decoding.generation_config import GenerationConfig
     from ..engine.decoding.sampling import RANDOM_SEED, random_seed
+    from ..engine.events import Finished, Iteration, MeasuringCosts, ResidencySnapshot, Started, Summary
 
     model = args.model if args.model is not None else default_model()
     if args.file is not None:
@@ -191,9 +226,15 @@ def run(args) -> int:
     cmd_chat.check_options(args)
     check_pregate(args)
     # Validate flags that need no model before loading one.
-    GenerationConfig(mode=tree_mode(args), n_predict=args.n_predict, draft_topk=args.draft_topk,
-                     draft_max=args.draft_max, tree_width=args.tree_width, tree_max_nodes=args.tree_max_nodes,
-                     **sampling_settings(args)).validate()
+    GenerationConfig(
+        mode=tree_mode(args),
+        n_predict=args.n_predict,
+        draft_topk=args.draft_topk,
+        draft_max=args.draft_max,
+        tree_width=args.tree_width,
+        tree_max_nodes=args.tree_max_nodes,
+        **sampling_settings(args),
+    ).validate()
     if args.trace is not None:
         from ..engine.measure.trace import check_trace_path
 
@@ -210,8 +251,15 @@ def run(args) -> int:
             print(f"seed {args.seed} (random; -s {args.seed} repeats this run)", file=sys.stderr)
     cpu = cpu_buffers_for(model, budget is None, quiet=args.json)
     with said_if_slow(None if args.json else say, f"loading {os.path.basename(model)}…"):
-        decoder = Decoder(model, n_ctx=args.ctx, n_threads=args.threads, max_draft=max(16, args.draft_max or 0),
-                          use_extra_bufts=cpu.extra, placement=placement, n_batch=args.batch_size)
+        decoder = Decoder(
+            model,
+            n_ctx=args.ctx,
+            n_threads=args.threads,
+            max_draft=max(16, args.draft_max or 0),
+            use_extra_bufts=cpu.extra,
+            placement=placement,
+            n_batch=args.batch_size,
+        )
     if args.copy_cache is not None:
         from ..engine.drafting.copycache import load_copy_cache
 
@@ -227,8 +275,9 @@ def run(args) -> int:
 
         offloader, hot = offload_under_budget(args, decoder, budget, warm_up, quiet=args.json)
     if not decoder.info.is_moe and args.mode == "ar":
-        print(f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies",
-              file=sys.stderr)
+        print(
+            f"note: {decoder.info.path.name} is a dense model: only plain decoding (--mode ar) applies", file=sys.stderr
+        )
     cfg = generation_config(args, decoder)
     if args.profile and not args.json and cfg.mode == "s2moe":
         from ..engine.profile_schema import TUNED_KEYS
@@ -237,9 +286,11 @@ def run(args) -> int:
 
         if tuned_settings(load_profile(args.profile), decoder.info.fingerprint, offloaded=budget is not None):
             shown = cfg.resolved(decoder.info)
-            print(f"settings (profile {args.profile}'s tuned ones where no flag is given): "
-                  f"{settings_text({k: getattr(shown, k) for k in TUNED_KEYS}, budget is not None)}",
-                  file=sys.stderr)
+            print(
+                f"settings (profile {args.profile}'s tuned ones where no flag is given): "
+                f"{settings_text({k: getattr(shown, k) for k in TUNED_KEYS}, budget is not None)}",
+                file=sys.stderr,
+            )
     recorder = None
     if args.trace is not None:
         from dataclasses import replace
@@ -272,8 +323,10 @@ def run(args) -> int:
         if isinstance(event, Started) and event.cost is not None and not args.json:
             c = event.cost
             fit = f", fit R² {c.r2:.2f}" if c.r2 is not None else ""
-            out.line(f"cost constants ({c.source}): T_AR {c.t_ar * 1e3:.2f} ms, C_draft {c.c_draft * 1e3:.2f} ms, "
-                     f"T_exp {c.t_exp * 1e3:.4f} ms, T_tok {c.t_tok * 1e3:.3f} ms{fit}")
+            out.line(
+                f"cost constants ({c.source}): T_AR {c.t_ar * 1e3:.2f} ms, C_draft {c.c_draft * 1e3:.2f} ms, "
+                f"T_exp {c.t_exp * 1e3:.4f} ms, T_tok {c.t_tok * 1e3:.3f} ms{fit}"
+            )
         elif isinstance(event, Iteration):
             if args.events:
                 out.line(event_line(event, last_iteration))
@@ -283,8 +336,10 @@ def run(args) -> int:
                 prompt_echo = ""
         elif isinstance(event, ResidencySnapshot) and args.events:
             hit = ", ".join("–" if np.isnan(h) else f"{h:.2f}" for h in event.hit_rate)
-            out.line(f"[{event.iteration}] experts resident per layer "
-                     f"{', '.join(f'{x:.2f}' for x in event.resident.mean(axis=1))}; hit rate {hit}")
+            out.line(
+                f"[{event.iteration}] experts resident per layer "
+                f"{', '.join(f'{x:.2f}' for x in event.resident.mean(axis=1))}; hit rate {hit}"
+            )
         elif isinstance(event, Finished) and event.stop_reason == "context":
             out.line(f"note: the context window ({decoder.n_ctx} tokens) filled up after {event.n_tokens} tokens")
     _keep_copies(args, decoder)
@@ -299,15 +354,22 @@ def run(args) -> int:
         write_trace(args.trace, trace)
     if args.json:
         out = summary.as_dict()
-        out.update(tokens=list(summary.tokens), text=summary.text, model=str(decoder.info.path), seed=cfg.seed,
-                   cpu_buffers=cpu.as_dict())
+        out.update(
+            tokens=list(summary.tokens),
+            text=summary.text,
+            model=str(decoder.info.path),
+            seed=cfg.seed,
+            cpu_buffers=cpu.as_dict(),
+        )
         if summary.cost is not None:
             out["cost"] = {k: v for k, v in summary.cost.__dict__.items()}
         print(json.dumps(out))
         return 0
     out.text(prompt_echo if streaming else prompt_echo + summary.text)
     reuse = f"{summary.reuse_ratio:.3f}" if summary.reuse_ratio is not None else "n/a"
-    print(f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({speed_text(summary)})"
-          f" · mode {summary.mode} · accept length {summary.accept_len:.2f} · reuse ratio {reuse}"
-          f" · rollbacks {summary.rollbacks} · stop: {summary.stop_reason}")
+    print(
+        f"\n--\n{summary.n_tokens} tokens in {summary.seconds:.2f} s ({speed_text(summary)})"
+        f" · mode {summary.mode} · accept length {summary.accept_len:.2f} · reuse ratio {reuse}"
+        f" · rollbacks {summary.rollbacks} · stop: {summary.stop_reason}"
+    )
     return 0

@@ -18,17 +18,33 @@ def add_parser(sub) -> None:
     p = sub.add_parser("models", help="list the models shipped with s2moe")
     p.add_argument("--json", action="store_true", help="print the list as JSON (one object per model)")
     p.set_defaults(run=run_models)
-    s = sub.add_parser("make-synthetic", help="write a random-weight GGUF with a real model's dimensions (--preset), "
-                                              "or a model with N times wider experts (--from … --widen N)")
+    s = sub.add_parser(
+        "make-synthetic",
+        help="write a random-weight GGUF with a real model's dimensions (--preset), "
+        "or a model with N times wider experts (--from … --widen N)",
+    )
     s.add_argument("--preset", help="olmoe-1b-7b | qwen3-30b-a3b | tiny: random weights, real dimensions")
-    s.add_argument("--from", dest="source", metavar="NAME|PATH",
-                   help="a shipped model's name or a GGUF MoE file to widen (with --widen)")
-    s.add_argument("--widen", type=whole_number, default=None, metavar="N",
-                   help="with --from: every expert FFN N times as wide, the new neurons inert (same output, N× the "
-                        "bytes and FLOPs per expert)")
+    s.add_argument(
+        "--from",
+        dest="source",
+        metavar="NAME|PATH",
+        help="a shipped model's name or a GGUF MoE file to widen (with --widen)",
+    )
+    s.add_argument(
+        "--widen",
+        type=whole_number,
+        default=None,
+        metavar="N",
+        help="with --from: every expert FFN N times as wide, the new neurons inert (same output, N× the "
+        "bytes and FLOPs per expert)",
+    )
     s.add_argument("--out", required=True, type=nonempty, help="output GGUF path (written atomically)")
-    s.add_argument("--arch", choices=["olmoe", "qwen3moe"], default=None,
-                   help="--preset only: architecture (default: the preset's)")
+    s.add_argument(
+        "--arch",
+        choices=["olmoe", "qwen3moe"],
+        default=None,
+        help="--preset only: architecture (default: the preset's)",
+    )
     s.add_argument("--n-layer", type=int, default=None, help="--preset only: keep only this many layers")
     s.add_argument("--n-expert", type=int, default=None, help="--preset only")
     s.add_argument("--k", type=int, default=None, help="--preset only: experts per token")
@@ -76,7 +92,7 @@ class WriteProgress:
         self.bar = None
         self.next_tenth = 1  # off a terminal: the tenth of the total whose passing is said next
 
-    def __enter__(self) -> "WriteProgress":
+    def __enter__(self) -> WriteProgress:
         return self
 
     def __call__(self, done: int, total: int | None) -> None:
@@ -119,10 +135,17 @@ def run_models(args) -> int:
     for col in ("name", "arch", "layers", "experts", "k", "params", "active", "size", "default"):
         t.add_column(col, no_wrap=True)
     for m in models:
-        t.add_row(m["name"], str(m.get("arch", "?")), str(m.get("n_layer", "?")), str(m.get("n_expert", "?")),
-                  str(m.get("k", "?")), f"{m['params'] / 1e6:.1f}M" if m.get("params") else "?",
-                  f"{m['params_active'] / 1e6:.1f}M" if m.get("params_active") else "?", _size(m["size_bytes"]),
-                  "yes" if m.get("default") else "")
+        t.add_row(
+            m["name"],
+            str(m.get("arch", "?")),
+            str(m.get("n_layer", "?")),
+            str(m.get("n_expert", "?")),
+            str(m.get("k", "?")),
+            f"{m['params'] / 1e6:.1f}M" if m.get("params") else "?",
+            f"{m['params_active'] / 1e6:.1f}M" if m.get("params_active") else "?",
+            _size(m["size_bytes"]),
+            "yes" if m.get("default") else "",
+        )
     console = Console(width=200 if not Console().is_terminal else None, highlight=False)
     console.print(t)
     # the paths are what users copy: one per line, whole, outside the table that narrow terminals squeeze
@@ -158,12 +181,23 @@ def run_make_synthetic(args) -> int:
     out = _writable_out(args.out)
     with WriteProgress(f"writing {out.name}: random {args.dtype} weights, preset {args.preset}") as progress:
         try:
-            write_synthetic(args.arch, args.preset, out, dtype=args.dtype, seed=args.seed, n_layer=args.n_layer,
-                            n_expert=args.n_expert, k=args.k, progress=progress)
+            write_synthetic(
+                args.arch,
+                args.preset,
+                out,
+                dtype=args.dtype,
+                seed=args.seed,
+                n_layer=args.n_layer,
+                n_expert=args.n_expert,
+                k=args.k,
+                progress=progress,
+            )
         except OSError as e:  # the disk filled up, the folder went away
             raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
-    print(f"wrote {out} ({_size(out.stat().st_size)}; {hp['arch']}, {hp['n_layer']} layers, "
-          f"{hp['n_expert']} experts top-{hp['k']})")
+    print(
+        f"wrote {out} ({_size(out.stat().st_size)}; {hp['arch']}, {hp['n_layer']} layers, "
+        f"{hp['n_expert']} experts top-{hp['k']})"
+    )
     return 0
 
 
@@ -172,9 +206,17 @@ def _run_widen(args) -> int:
     from ..engine.zoo import list_models, model_path
     from ..engine.zoo.widen import widen
 
-    preset_only = [flag for flag, value in (("--arch", args.arch), ("--n-layer", args.n_layer),
-                                            ("--n-expert", args.n_expert), ("--k", args.k), ("--dtype", args.dtype))
-                   if value is not None]
+    preset_only = [
+        flag
+        for flag, value in (
+            ("--arch", args.arch),
+            ("--n-layer", args.n_layer),
+            ("--n-expert", args.n_expert),
+            ("--k", args.k),
+            ("--dtype", args.dtype),
+        )
+        if value is not None
+    ]
     if preset_only:
         raise ConfigError(f"{', '.join(preset_only)} apply to --preset only; --from keeps the source's dimensions")
     if args.widen is None:
@@ -186,12 +228,16 @@ def _run_widen(args) -> int:
     if not source.exists() and args.source in shipped:
         source = model_path(args.source)
     elif not source.exists() and source.suffix != ".gguf" and len(source.parts) == 1:
-        raise ConfigError(f"--from: no file {args.source!r} and no shipped model of that name "
-                          f"(shipped: {', '.join(shipped) or 'none'})")
+        raise ConfigError(
+            f"--from: no file {args.source!r} and no shipped model of that name "
+            f"(shipped: {', '.join(shipped) or 'none'})"
+        )
     out = _writable_out(args.out)
     with WriteProgress(f"widening {source.name} {args.widen}× into {out.name}") as progress:
         widen(source, out, args.widen, seed=args.seed, progress=progress)
     before, after = read_model_info(source), read_model_info(out)
-    print(f"wrote {out} ({_size(after.file_bytes)}; {after.arch}, {after.n_layer} layers, {after.n_expert} experts "
-          f"top-{after.n_expert_used}; one expert {_size(before.expert_bytes)} → {_size(after.expert_bytes)})")
+    print(
+        f"wrote {out} ({_size(after.file_bytes)}; {after.arch}, {after.n_layer} layers, {after.n_expert} experts "
+        f"top-{after.n_expert_used}; one expert {_size(before.expert_bytes)} → {_size(after.expert_bytes)})"
+    )
     return 0

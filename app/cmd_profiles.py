@@ -30,8 +30,14 @@ def run(args) -> int:
             table.add_column(col)
         for e in list_profiles():
             # names and device names come from files: shown as written, never read as markup
-            table.add_row(Text(e.name), e.kind, Text(e.device), str(e.n_models), e.where,
-                          "ok" if e.error is None else Text(e.error, style="red"))
+            table.add_row(
+                Text(e.name),
+                e.kind,
+                Text(e.device),
+                str(e.n_models),
+                e.where,
+                "ok" if e.error is None else Text(e.error, style="red"),
+            )
         console.print(table)
         console.print(f"user profiles: {user_profile_dir()}\nshipped profiles: {shipped_profile_dir()}")
         return 0

@@ -19,10 +19,15 @@ def no_hot_experts_note(profile_name: str | None, model, budget: str) -> str:
     (itself fetching experts under the budget)."""
     import shlex
 
-    why = (f"profile {profile_name} has no hot experts for this model" if profile_name else
-           "no profile: no hot experts are pinned and the cost constants are measured at start-up")
-    return (f"note: {why}; calibrate once under this budget (s2moe calibrate -m {shlex.quote(str(model))} "
-            f"--budget {shlex.quote(budget)} --name NAME) and pass --profile NAME")
+    why = (
+        f"profile {profile_name} has no hot experts for this model"
+        if profile_name
+        else "no profile: no hot experts are pinned and the cost constants are measured at start-up"
+    )
+    return (
+        f"note: {why}; calibrate once under this budget (s2moe calibrate -m {shlex.quote(str(model))} "
+        f"--budget {shlex.quote(budget)} --name NAME) and pass --profile NAME"
+    )
 
 
 def default_model() -> str:
@@ -109,11 +114,16 @@ def generation_config(args, decoder):
     offloaded = bool(getattr(args, "budget", None))
     if args.profile:
         profile = load_profile(args.profile)
-        cost = cost_for_model(profile, decoder.info.fingerprint, decoder.info.path.name,
-                              offloaded=offloaded,  # budget: cold expert cost
-                              experts_in_host=decoder.placement.copies_experts)
+        cost = cost_for_model(
+            profile,
+            decoder.info.fingerprint,
+            decoder.info.path.name,
+            offloaded=offloaded,  # budget: cold expert cost
+            experts_in_host=decoder.placement.copies_experts,
+        )
         tuned = tuned_settings(profile, decoder.info.fingerprint, offloaded=offloaded)
-    cfg = GenerationConfig(**resolve_tuned(args, tuned),
+    cfg = GenerationConfig(
+        **resolve_tuned(args, tuned),
         mode=tree_mode(args),
         tree_width=args.tree_width,
         tree_max_nodes=args.tree_max_nodes,
@@ -136,18 +146,24 @@ def offload_under_budget(args, decoder, budget, warm_up, *, quiet: bool = False)
     from ..engine.profiles import hot_experts_for_model, load_profile
 
     hot = hot_experts_for_model(load_profile(args.profile), decoder.info.fingerprint) if args.profile else []
-    offloader = offload.offload_decoder(decoder, budget, hot, warm_up=warm_up, pinning=pregate_pinning(args),
-                                        say=None if quiet else say)
+    offloader = offload.offload_decoder(
+        decoder, budget, hot, warm_up=warm_up, pinning=pregate_pinning(args), say=None if quiet else say
+    )
     if not quiet:
         from ..engine.offload.sizes import fmt_bytes
 
         plan = offloader.plan
         rt = decoder.rt
-        print((plan.describe() if plan is not None and not budget.auto else
-               f"budget {budget.describe(offloader.budget_bytes)}")
-              + (f", {offloader.budget_note}" if offloader.budget_note else "")
-              + f" · prefill in batches of {rt.n_batch} ({fmt_bytes(rt.compute_buffer_bytes)} of compute buffers)",
-              file=sys.stderr)
+        print(
+            (
+                plan.describe()
+                if plan is not None and not budget.auto
+                else f"budget {budget.describe(offloader.budget_bytes)}"
+            )
+            + (f", {offloader.budget_note}" if offloader.budget_note else "")
+            + f" · prefill in batches of {rt.n_batch} ({fmt_bytes(rt.compute_buffer_bytes)} of compute buffers)",
+            file=sys.stderr,
+        )
         if not hot:
             print(no_hot_experts_note(args.profile, decoder.info.path, args.budget), file=sys.stderr)
     return offloader, hot
@@ -157,5 +173,7 @@ def speed_text(summary) -> str:
     """A generation's speed as every command words it: decoding first, counted as bench and tune count it
     (from the step that makes the first token to the last, the prompt's prefill left out, wall time), then
     overall, the prefill included (what a long prompt makes the user wait)."""
-    return (f"{summary.decode_tok_per_s:.1f} tok/s decoding, {summary.tok_per_s:.1f} with the "
-            f"{summary.prefill_seconds:.2f} s prefill")
+    return (
+        f"{summary.decode_tok_per_s:.1f} tok/s decoding, {summary.tok_per_s:.1f} with the "
+        f"{summary.prefill_seconds:.2f} s prefill"
+    )

@@ -22,8 +22,16 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 class ApiError(Exception):
     """An answer that is an OpenAI error object: status, message, and the field it is about."""
 
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
         self.headers = headers or {}
@@ -142,10 +150,10 @@ class Request:
     """What one request asks of a generation, checked."""
 
     chat: bool
-    prompt: str | list[int] | None = None            # a completion's prompt: text, or token ids
-    messages: tuple[tuple[str, str], ...] = ()        # a chat's (role, content), last the user's turn
-    max_tokens: int | None = None                     # None: the server's -n, else until the context is full
-    sampling: dict = field(default_factory=dict)      # GenerationConfig sampler fields given
+    prompt: str | list[int] | None = None  # a completion's prompt: text, or token ids
+    messages: tuple[tuple[str, str], ...] = ()  # a chat's (role, content), last the user's turn
+    max_tokens: int | None = None  # None: the server's -n, else until the context is full
+    sampling: dict = field(default_factory=dict)  # GenerationConfig sampler fields given
     stops: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
@@ -178,8 +186,9 @@ def completion_request(body: dict) -> Request:
         if name == "suffix" and _given(body, name) is None:
             continue
         raise _bad(f"{name} is not supported by this server", name)
-    return Request(chat=False, prompt=prompt, max_tokens=_max_tokens(body, ("max_tokens", "n_predict")),
-                   **_common(body))
+    return Request(
+        chat=False, prompt=prompt, max_tokens=_max_tokens(body, ("max_tokens", "n_predict")), **_common(body)
+    )
 
 
 def _content(message: dict, i: int) -> str:
@@ -214,9 +223,12 @@ def chat_request(body: dict) -> Request:
         value = _given(body, name)
         if value and value != {"type": "text"}:  # plain text, the only format there is here, may be asked for
             raise _bad(f"{name} is not supported by this server", name)
-    return Request(chat=True, messages=tuple(turns),
-                   max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens", "n_predict")),
-                   **_common(body))
+    return Request(
+        chat=True,
+        messages=tuple(turns),
+        max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens", "n_predict")),
+        **_common(body),
+    )
 
 
 class TextOut:
@@ -230,7 +242,7 @@ class TextOut:
 
         self.piece, self.stops = piece, stops  # piece: a token's bytes
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.held = ""        # text that may be the start of a stop string
+        self.held = ""  # text that may be the start of a stop string
         self.stopped = False  # a stop string came: nothing after it is shown
 
     def add(self, tokens) -> str:
@@ -250,11 +262,12 @@ class TextOut:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped, self.held = True, ""
-            return text[:min(hits)]
-        keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:n])), default=0)
-        self.held = text[len(text) - keep:]
-        return text[:len(text) - keep]
+            return text[: min(hits)]
+        keep = max(
+            (n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])), default=0
+        )
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep]
 
 
 def finish_reason(stop_reason: str, stopped_by_text: bool) -> str:
@@ -268,12 +281,20 @@ def figures(summary, prefilled_reused: int, stop: str, seed: int) -> dict:
     """The decoding's own figures, every response's extension field; stop: why it ended, in words; seed: the one
     it sampled with (drawn where the request gave none), which repeats it."""
     offloaded = summary.offloaded_steps > 0
-    return {"mode": summary.mode, "tokens": summary.n_tokens, "drafted": summary.drafted,
-            "accepted": summary.accepted, "accept_length": round(summary.accept_len, 3),
-            "experts_fetched": int(summary.experts_fetched + summary.draft_fetched) if offloaded else None,
-            "tok_per_s": round(summary.tok_per_s, 2), "seconds": round(summary.seconds, 4),
-            "prefill_seconds": round(summary.prefill_seconds, 4), "prompt_tokens_reused": prefilled_reused,
-            "stop": stop, "seed": seed}
+    return {
+        "mode": summary.mode,
+        "tokens": summary.n_tokens,
+        "drafted": summary.drafted,
+        "accepted": summary.accepted,
+        "accept_length": round(summary.accept_len, 3),
+        "experts_fetched": int(summary.experts_fetched + summary.draft_fetched) if offloaded else None,
+        "tok_per_s": round(summary.tok_per_s, 2),
+        "seconds": round(summary.seconds, 4),
+        "prefill_seconds": round(summary.prefill_seconds, 4),
+        "prompt_tokens_reused": prefilled_reused,
+        "stop": stop,
+        "seed": seed,
+    }
 
 
 @dataclass
@@ -294,12 +315,17 @@ class Reply:
 
     def whole(self, text: str, reason: str, usage: dict, extra: dict) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
             out = self._envelope("chat.completion", [choice])
         else:
-            out = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
-                                                      "finish_reason": reason}])
+            out = self._envelope(
+                "text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
+            )
         out.update(usage=usage, s2moe=extra)
         return out
 
@@ -308,10 +334,12 @@ class Reply:
             delta = {} if text is None else {"content": text}
             if first:
                 delta = {"role": "assistant", "content": ""}
-            return self._envelope("chat.completion.chunk",
-                                  [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
-                                                  "finish_reason": reason}])
+            return self._envelope(
+                "chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+            )
+        return self._envelope(
+            "text_completion", [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
+        )
 
     def usage_chunk(self, usage: dict) -> dict:
         out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
@@ -320,8 +348,11 @@ class Reply:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def sse(obj) -> bytes:

@@ -39,8 +39,17 @@ class _Parser(argparse.ArgumentParser):
 # The subcommands live in their own modules (s2moe.app.cmd_*), each with add_parser(sub) and
 # run(args) -> int, registered here in the order `s2moe --help` lists them. Modules import heavy
 # dependencies inside run(), so building the parser stays fast.
-SUBCOMMAND_MODULES = ("cmd_generate", "cmd_app", "cmd_serve", "cmd_models", "cmd_profiles", "cmd_calibrate", "cmd_tune",
-                      "cmd_bench", "cmd_project")
+SUBCOMMAND_MODULES = (
+    "cmd_generate",
+    "cmd_app",
+    "cmd_serve",
+    "cmd_models",
+    "cmd_profiles",
+    "cmd_calibrate",
+    "cmd_tune",
+    "cmd_bench",
+    "cmd_project",
+)
 
 
 # The commands that run llama.cpp: a failed check inside it ends them with one line (cli._abort_line).
@@ -62,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_parser(sub)
     for name in LLAMA_COMMANDS:
         sub.choices[name].add_argument(
-            "--amx", action="store_true",
-            help="let llama.cpp use its AMX kernels where it has them (off by default: they crash on some models)")
+            "--amx",
+            action="store_true",
+            help="let llama.cpp use its AMX kernels where it has them (off by default: they crash on some models)",
+        )
     return parser
-

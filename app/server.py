@@ -30,18 +30,36 @@ from ..engine.decoding.chat import Conversation, Message, chat_tokens
 from ..engine.errors import ConfigError, ContextError, S2MoEError
 from ..engine.events import Iteration, Prefilled, Started, Summary
 from .cli import one_line
-from .openai_api import (ApiError, Reply, TextOut, chat_request, completion_request, figures, finish_reason,
-                         parse_json, sse, usage)
+from .openai_api import (
+    ApiError,
+    Reply,
+    TextOut,
+    chat_request,
+    completion_request,
+    figures,
+    finish_reason,
+    parse_json,
+    sse,
+    usage,
+)
 
 MAX_BODY_BYTES = 16 << 20  # far more than any context's prompt; a larger body is refused, not read
-GRACEFUL_SECONDS = 10      # how long a shutdown waits for a client that does not read its answer
+GRACEFUL_SECONDS = 10  # how long a shutdown waits for a client that does not read its answer
 # The engine's names for the settings its errors are about → the request fields that set them.
-FIELDS = {"n_predict": "max_tokens", "n_ctx": "the server's -c/--ctx-size", "temperature": "temperature",
-          "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "repeat_penalty": "repeat_penalty",
-          "repeat_last_n": "repeat_last_n", "seed": "seed"}
+FIELDS = {
+    "n_predict": "max_tokens",
+    "n_ctx": "the server's -c/--ctx-size",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "seed": "seed",
+}
 
 
-def serve(service: "Service", sock: socket.socket, host: str) -> None:
+def serve(service: Service, sock: socket.socket, host: str) -> None:
     """Answer requests on `sock` until SIGINT or SIGTERM, which is raised again once the server has stopped."""
 
     class Server(uvicorn.Server):
@@ -50,19 +68,24 @@ def serve(service: "Service", sock: socket.socket, host: str) -> None:
             # from the signal handler: the loop does the rest between its callbacks
             service.loop.call_soon_threadsafe(service.close)
 
-    config = uvicorn.Config(service.app(), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=GRACEFUL_SECONDS)
+    config = uvicorn.Config(
+        service.app(), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS
+    )
     server = Server(config)
 
     async def main():
         service.loop = asyncio.get_running_loop()
         port = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
-        _say(f"s2moe serve: {service.alias} · mode {service.base.mode} · {service.template.status} · "
-             f"listening on http://{shown}:{port}/v1 · Ctrl-C stops")
+        _say(
+            f"s2moe serve: {service.alias} · mode {service.base.mode} · {service.template.status} · "
+            f"listening on http://{shown}:{port}/v1 · Ctrl-C stops"
+        )
         if service.api_key is None and not _loopback(host):
-            _say(f"note: {host} is reachable from other machines and no --api-key is set: anyone who reaches it can "
-                 "use the model")
+            _say(
+                f"note: {host} is reachable from other machines and no --api-key is set: anyone who reaches it can "
+                "use the model"
+            )
         await server.serve(sockets=[sock])
 
     try:
@@ -147,7 +170,7 @@ class Job:
         self.summary = None
         self.prompt_tokens = 0
         self.reused = 0  # prompt tokens whose KV entries the generation before left
-        self.seed = 0    # the seed it sampled with
+        self.seed = 0  # the seed it sampled with
         self.stopped_by_text = False
 
     @property
@@ -194,17 +217,23 @@ class Service:
         def endpoint(handler, public=False):
             async def wrapped(request):
                 return await self._answer(request, handler, public)
+
             return wrapped
 
         routes = [Route("/health", endpoint(self.health, public=True), methods=["GET"])]
         for prefix in ("/v1", ""):
-            routes += [Route(f"{prefix}/models", endpoint(self.models), methods=["GET"]),
-                       Route(f"{prefix}/completions", endpoint(self.completions), methods=["POST"]),
-                       Route(f"{prefix}/chat/completions", endpoint(self.chat_completions), methods=["POST"])]
+            routes += [
+                Route(f"{prefix}/models", endpoint(self.models), methods=["GET"]),
+                Route(f"{prefix}/completions", endpoint(self.completions), methods=["POST"]),
+                Route(f"{prefix}/chat/completions", endpoint(self.chat_completions), methods=["POST"]),
+            ]
 
         async def http_error(request, exc):
-            error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                             code="not_found" if exc.status_code == 404 else None)
+            error = ApiError(
+                exc.status_code,
+                f"{request.method} {request.url.path}: {exc.detail}",
+                code="not_found" if exc.status_code == 404 else None,
+            )
             return self._error(request, error, time.perf_counter())
 
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
@@ -222,14 +251,16 @@ class Service:
             self._log(request, 499, t0, "the client closed the connection while waiting")
             return Response(status_code=499)
         except Exception as e:  # a fault of the server's own: one line, and the server goes on
-            return self._error(request, ApiError(500, f"internal error: {one_line(repr(e))}", kind="server_error"),
-                               t0)
+            return self._error(request, ApiError(500, f"internal error: {one_line(repr(e))}", kind="server_error"), t0)
 
     def _authorize(self, request) -> None:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "invalid API key: send the server's --api-key as `Authorization: Bearer KEY`",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "invalid API key: send the server's --api-key as `Authorization: Bearer KEY`",
+                code="invalid_api_key",
+            )
 
     def _error(self, request, error, t0: float):
         self._log(request, error.status, t0, error.message)
@@ -243,16 +274,25 @@ class Service:
         if self.closing:
             raise ApiError(503, "the server is shutting down", kind="unavailable_error")
         # beyond llama-server's answer: whether a generation runs, and how many requests wait behind it
-        return JSONResponse({"status": "ok", "generating": self.current is not None,
-                             "waiting": len(self.slot.waiting)})
+        return JSONResponse({"status": "ok", "generating": self.current is not None, "waiting": len(self.slot.waiting)})
 
     async def models(self, request, t0):
         info = self.decoder.info
-        entry = {"id": self.alias, "object": "model", "created": int(os.stat(info.path).st_mtime),
-                 "owned_by": "s2moe",
-                 "meta": {"arch": info.arch, "n_layer": info.n_layer, "n_expert": info.n_expert,
-                          "n_expert_used": info.n_expert_used, "n_ctx": self.decoder.n_ctx, "mode": self.base.mode,
-                          "chat_template": self.template.name}}
+        entry = {
+            "id": self.alias,
+            "object": "model",
+            "created": int(os.stat(info.path).st_mtime),
+            "owned_by": "s2moe",
+            "meta": {
+                "arch": info.arch,
+                "n_layer": info.n_layer,
+                "n_expert": info.n_expert,
+                "n_expert_used": info.n_expert_used,
+                "n_ctx": self.decoder.n_ctx,
+                "mode": self.base.mode,
+                "chat_template": self.template.name,
+            },
+        }
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def completions(self, request, t0):
@@ -262,8 +302,11 @@ class Service:
         req = chat_request(await self._body(request))
         template = self.template
         if not template.usable:
-            why = ("the model has no chat template" if template.text is None else
-                   "llama.cpp does not know the model's chat template")
+            why = (
+                "the model has no chat template"
+                if template.text is None
+                else "llama.cpp does not know the model's chat template"
+            )
             raise ApiError(400, f"{why}: send a plain prompt to /v1/completions", param="messages")
         return await self._generate(request, t0, req)
 
@@ -292,8 +335,12 @@ class Service:
         if self.closing:
             return ApiError(503, "the server is shutting down", kind="unavailable_error")
         wait = max(1, math.ceil(self.mean_seconds * (len(self.slot.waiting) + 1)))
-        return ApiError(503, f"the server is busy: {len(self.slot.waiting)} requests already wait behind the one "
-                             "generating", kind="unavailable_error", headers={"Retry-After": str(wait)})
+        return ApiError(
+            503,
+            f"the server is busy: {len(self.slot.waiting)} requests already wait behind the one generating",
+            kind="unavailable_error",
+            headers={"Retry-After": str(wait)},
+        )
 
     async def _generate(self, request, t0: float, req):
         cfg = self._config(req)
@@ -354,8 +401,11 @@ class Service:
     def _closing_fields(self, job: Job) -> tuple[str, dict, dict]:
         """An ended generation's finish_reason, usage and figures."""
         summary = job.summary
-        return (finish_reason(summary.stop_reason, job.stopped_by_text), usage(job.prompt_tokens, summary.n_tokens),
-                figures(summary, job.reused, job.stop_word, job.seed))
+        return (
+            finish_reason(summary.stop_reason, job.stopped_by_text),
+            usage(job.prompt_tokens, summary.n_tokens),
+            figures(summary, job.reused, job.stop_word, job.seed),
+        )
 
     def _api_error(self, error):
         if isinstance(error, ContextError):
@@ -400,17 +450,25 @@ class Service:
                 if not done:  # the client went away: the response cancelled this
                     job.give_up()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     def _log_done(self, job: Job) -> None:
         """The line said for a request once its generation has ended (499: the client went away first)."""
         summary = job.summary
-        fetched = (f" · {int(summary.experts_fetched + summary.draft_fetched)} experts fetched"
-                   if summary.offloaded_steps else "")
-        self._log(job.http, 499 if job.client_gone else 200, job.t0,
-                  f"{job.prompt_tokens} prompt + {summary.n_tokens} tokens ({summary.tok_per_s:.1f} tok/s) · mode "
-                  f"{summary.mode} · accept length {summary.accept_len:.2f}{fetched} · stop: {job.stop_word}")
+        fetched = (
+            f" · {int(summary.experts_fetched + summary.draft_fetched)} experts fetched"
+            if summary.offloaded_steps
+            else ""
+        )
+        self._log(
+            job.http,
+            499 if job.client_gone else 200,
+            job.t0,
+            f"{job.prompt_tokens} prompt + {summary.n_tokens} tokens ({summary.tok_per_s:.1f} tok/s) · mode "
+            f"{summary.mode} · accept length {summary.accept_len:.2f}{fetched} · stop: {job.stop_word}",
+        )
 
     # -- the decoding thread -----------------------------------------------------------------------------------------
     def _decode(self, job: Job) -> None:

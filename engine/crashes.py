@@ -45,8 +45,12 @@ def watched(command: str, model: str | None) -> Iterator[None]:
     except OSError:
         yield  # no state folder to write to: the run goes on unwatched
         return
-    header = {"command": command, "model": model, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "start_time": _start_time(os.getpid())}
+    header = {
+        "command": command,
+        "model": model,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "start_time": _start_time(os.getpid()),
+    }
     f.write(json.dumps(header) + "\n")
     f.flush()
     was_enabled = faulthandler.is_enabled()
@@ -100,10 +104,12 @@ def earlier_crashes() -> list[str]:
         except OSError:
             continue
         model = Path(str(header.get("model"))).name if header.get("model") else "the default model"
-        lines.append(f"note: an earlier run (s2moe {header.get('command', '?')} on {model}, started "
-                     f"{header.get('started', '?')}) died inside native code: {fatal[1].strip()}. Its report is in "
-                     f"{kept}. If it happens again with this model: without --amx, or under --budget (weights "
-                     "stay mapped from the file), llama.cpp takes other code paths.")
+        lines.append(
+            f"note: an earlier run (s2moe {header.get('command', '?')} on {model}, started "
+            f"{header.get('started', '?')}) died inside native code: {fatal[1].strip()}. Its report is in "
+            f"{kept}. If it happens again with this model: without --amx, or under --budget (weights "
+            "stay mapped from the file), llama.cpp takes other code paths."
+        )
     return lines
 
 

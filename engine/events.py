@@ -35,7 +35,7 @@ class MeasuringCosts:
     many times its size: about a minute): said once it has taken a few seconds, then as it goes."""
 
     fraction: float  # of the measurement done
-    seconds: float   # since it began
+    seconds: float  # since it began
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,13 @@ class DraftCandidate:
 
     token: int
     text: str
-    prob: float          # draft probability q of this token
-    chain_prob: float    # product of draft probabilities up to this token (p_i)
+    prob: float  # draft probability q of this token
+    chain_prob: float  # product of draft probabilities up to this token (p_i)
     utility: float | None
     new_experts: np.ndarray  # per layer: experts it adds to the verification batch's set
     kept: bool
     predicted: np.ndarray | None = None  # [n_layer, k] target experts its draft pass routed it to (-1: no MoE)
-    accept_chance: float | None = None   # p_i the rule priced it with: its learned acceptance through this token
+    accept_chance: float | None = None  # p_i the rule priced it with: its learned acceptance through this token
 
 
 @dataclass(frozen=True)
@@ -85,13 +85,13 @@ class DraftDecision:
 
     drafting: bool
     can_pay: bool
-    probing: bool                # a draft pass only to learn whether drafting pays again
+    probing: bool  # a draft pass only to learn whether drafting pays again
     threshold: float
-    utility: float               # the first token's expected utility (can_pay False: a certain token's)
-    p_first: float               # expected draft probability of the first token (can_pay False: 1)
-    new_experts: float           # experts it is expected to add to the verification, over layers
-    t_ar: float                  # what a committed draft token saves
-    cost: float                  # what it costs: C_draft + T_tok + T_exp·new_experts
+    utility: float  # the first token's expected utility (can_pay False: a certain token's)
+    p_first: float  # expected draft probability of the first token (can_pay False: 1)
+    new_experts: float  # experts it is expected to add to the verification, over layers
+    t_ar: float  # what a committed draft token saves
+    cost: float  # what it costs: C_draft + T_tok + T_exp·new_experts
     c_draft: float
     t_tok: float
     next_probe: int | None = None  # iterations until the next probe, when not drafting but drafting may pay
@@ -107,20 +107,30 @@ class DraftDecision:
         """The decision in one sentence with its numbers (milliseconds)."""
         thr = f"threshold {self.threshold:g}"
         if not self.can_pay:
-            out = (f"not drafting: a certain token saves T_AR {self.t_ar * 1e3:.2f} ms but costs "
-                   f"C_draft {self.c_draft * 1e3:.2f} + T_tok {self.t_tok * 1e3:.2f} ms")
+            out = (
+                f"not drafting: a certain token saves T_AR {self.t_ar * 1e3:.2f} ms but costs "
+                f"C_draft {self.c_draft * 1e3:.2f} + T_tok {self.t_tok * 1e3:.2f} ms"
+            )
             return out if self.threshold == 1 else f"{out} (utility {self.utility:.2f} < {thr})"
         if self.copied:
-            numbers = (f"({self.p_first:.2f} expected accepted × T_AR {self.t_ar * 1e3:.2f} ms / cost "
-                       f"{self.cost * 1e3:.2f} ms for {self.rows} rows with {self.new_experts:.1f} new experts)")
+            numbers = (
+                f"({self.p_first:.2f} expected accepted × T_AR {self.t_ar * 1e3:.2f} ms / cost "
+                f"{self.cost * 1e3:.2f} ms for {self.rows} rows with {self.new_experts:.1f} new experts)"
+            )
             if self.probing:
-                return (f"probing: the best copy's expected utility {self.utility:.2f} < {thr} {numbers}; verifying "
-                        "one copied token to see whether copies after this n-gram pay again")
+                return (
+                    f"probing: the best copy's expected utility {self.utility:.2f} < {thr} {numbers}; verifying "
+                    "one copied token to see whether copies after this n-gram pay again"
+                )
             where = "the context" if self.copied == "context" else "an earlier generation"
-            return (f"copying {self.rows} tokens from {where}: the copy's expected utility {self.utility:.2f} "
-                    f"≥ {thr} {numbers}, no draft pass")
-        numbers = (f"(p {self.p_first:.2f} × T_AR {self.t_ar * 1e3:.2f} ms / cost {self.cost * 1e3:.2f} ms "
-                   f"with {self.new_experts:.1f} new experts)")
+            return (
+                f"copying {self.rows} tokens from {where}: the copy's expected utility {self.utility:.2f} "
+                f"≥ {thr} {numbers}, no draft pass"
+            )
+        numbers = (
+            f"(p {self.p_first:.2f} × T_AR {self.t_ar * 1e3:.2f} ms / cost {self.cost * 1e3:.2f} ms "
+            f"with {self.new_experts:.1f} new experts)"
+        )
         if self.drafting and not self.probing:
             return f"drafting: the first token's expected utility {self.utility:.2f} ≥ {thr} {numbers}"
         head = f"the first token's expected utility {self.utility:.2f} < {thr} {numbers}"
@@ -134,13 +144,18 @@ class DraftDecision:
         thr = f"{self.threshold:g}"
         if not self.can_pay and self.threshold == 1:
             t_ar, c_draft, t_tok = self.t_ar * 1e3, self.c_draft * 1e3, self.t_tok * 1e3
-            return (self.text, f"no draft: T_AR {t_ar:.2f} < C_draft {c_draft:.2f} + T_tok {t_tok:.2f} ms",
-                    f"no draft: {t_ar:.2f}<{c_draft:.2f}+{t_tok:.2f} ms")
+            return (
+                self.text,
+                f"no draft: T_AR {t_ar:.2f} < C_draft {c_draft:.2f} + T_tok {t_tok:.2f} ms",
+                f"no draft: {t_ar:.2f}<{c_draft:.2f}+{t_tok:.2f} ms",
+            )
         if not self.can_pay:
-            return (self.text, f"no draft: even a certain token's utility {self.utility:.2f} < {thr}",
-                    f"no draft: utility {self.utility:.2f} < {thr}")
-        verb = ("probing" if self.probing else "copying" if self.copied else "drafting" if self.drafting
-                else "no draft")
+            return (
+                self.text,
+                f"no draft: even a certain token's utility {self.utility:.2f} < {thr}",
+                f"no draft: utility {self.utility:.2f} < {thr}",
+            )
+        verb = "probing" if self.probing else "copying" if self.copied else "drafting" if self.drafting else "no draft"
         head = f"{verb}: utility {self.utility:.2f} {'≥' if self.utility >= self.threshold else '<'} {thr}"
         expected = f"{self.p_first:.2f} of {self.rows} accepted" if self.copied else f"p {self.p_first:.2f}"
         return self.text, f"{head} ({expected}, cost {self.cost * 1e3:.2f} ms)", head
@@ -151,7 +166,7 @@ class ForcedDraft:
     """What a mode's stop rule would have decided on a draft that ran to the cap regardless (a trace)."""
 
     would_draft: bool  # the rule would have spent a first draft pass
-    would_keep: int    # draft tokens it would have kept for verification
+    would_keep: int  # draft tokens it would have kept for verification
 
 
 @dataclass(frozen=True)
@@ -160,26 +175,26 @@ class Iteration:
 
     index: int
     candidates: tuple[DraftCandidate, ...]
-    drafted: tuple[int, ...]      # draft tokens that were verified
-    accepted: tuple[int, ...]     # prefix of `drafted` the target accepted
-    rejected: tuple[int, ...]     # rest of `drafted`
-    target_token: int             # the target's own token (correction, or bonus after a full accept)
-    committed: tuple[int, ...]    # accepted + (target_token,) minus anything cut by a stop
+    drafted: tuple[int, ...]  # draft tokens that were verified
+    accepted: tuple[int, ...]  # prefix of `drafted` the target accepted
+    rejected: tuple[int, ...]  # rest of `drafted`
+    target_token: int  # the target's own token (correction, or bonus after a full accept)
+    committed: tuple[int, ...]  # accepted + (target_token,) minus anything cut by a stop
     committed_text: str
-    draft_stop: str               # why drafting stopped: "utility", "cap", "no-draft", "confidence", "context", ...
-    rollback: int                 # KV positions removed after verification (rejected drafts)
-    kv_end: int                   # KV positions held after the iteration
-    n_committed: int              # prompt + generated tokens so far (the last one has no KV yet)
+    draft_stop: str  # why drafting stopped: "utility", "cap", "no-draft", "confidence", "context", ...
+    rollback: int  # KV positions removed after verification (rejected drafts)
+    kv_end: int  # KV positions held after the iteration
+    n_committed: int  # prompt + generated tokens so far (the last one has no KV yet)
     verify_tokens: int
-    verify_experts: np.ndarray    # [n_layer] distinct experts read by the verification batch
-    reuse_ratio: np.ndarray       # [n_layer] distinct / (tokens·k)
-    gated_moves: int              # expert selections moved by reuse gating
+    verify_experts: np.ndarray  # [n_layer] distinct experts read by the verification batch
+    reuse_ratio: np.ndarray  # [n_layer] distinct / (tokens·k)
+    gated_moves: int  # expert selections moved by reuse gating
     t_draft: float
     t_verify: float
     draft_experts: np.ndarray | None = None  # [n_layer] distinct experts read by the draft passes
     useful_experts: np.ndarray | None = None  # [n_layer] distinct experts of the committed rows only
-    verify_misses: np.ndarray | None = None   # [n_layer] of verify_experts, those not in memory before it (offloading)
-    verify_major_faults: int | None = None    # page faults of the verification that read storage (offloading)
+    verify_misses: np.ndarray | None = None  # [n_layer] of verify_experts, those not in memory before it (offloading)
+    verify_major_faults: int | None = None  # page faults of the verification that read storage (offloading)
     # [n_layer] experts the draft passes read that were not in memory (offloading)
     draft_misses: np.ndarray | None = None
     draft_decision: DraftDecision | None = None  # the utility rule's decision this iteration (s2moe with the rule)
@@ -200,7 +215,7 @@ class ResidencySnapshot:
 
     iteration: int
     resident: np.ndarray  # [n_layer, n_expert] fraction of each expert's pages in memory
-    pinned: np.ndarray    # [n_layer, n_expert] bool
+    pinned: np.ndarray  # [n_layer, n_expert] bool
     hit_rate: np.ndarray  # [n_layer] predicted experts already resident at verification (nan: no lookups)
 
 
@@ -223,8 +238,8 @@ class Totals:
     """
 
     iterations: int = 0
-    verifications: int = 0       # iterations that verified drafts
-    committed: int = 0           # tokens committed
+    verifications: int = 0  # iterations that verified drafts
+    committed: int = 0  # tokens committed
     committed_per_iter: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0

@@ -130,8 +130,9 @@ def check_writable(path: str | os.PathLike[str], what: str, error: type[S2MoEErr
     return target
 
 
-def write_atomic(path: str | os.PathLike[str], text: str, what: str = "file",
-                 error: type[S2MoEError] = ConfigError) -> Path:
+def write_atomic(
+    path: str | os.PathLike[str], text: str, what: str = "file", error: type[S2MoEError] = ConfigError
+) -> Path:
     """`text` written to `path` (write_target: through a symbolic link) in one step: a temporary file beside
     it, synced, then renamed over it, so that a reader, or a process stopped at any moment, sees the old file
     or the new one. The file keeps its permissions. Temporary files of this file that killed writes left

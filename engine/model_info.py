@@ -39,8 +39,8 @@ class ModelInfo:
     n_embd: int
     n_ctx_train: int
     n_vocab: int
-    n_expert: int          # 0 for a dense model
-    n_expert_used: int     # k
+    n_expert: int  # 0 for a dense model
+    n_expert_used: int  # k
     gating: int
     weight_norm: bool
     biased_selection: bool  # selection scores carry a per-expert bias (DeepSeek-V3 style)
@@ -109,11 +109,13 @@ def _typed(reader: GGUFReader, key: str, kind: Literal["u32", "f32", "bool"], na
     f = reader.fields.get(key)
     if f is None:
         return None
-    want = {"u32": gguf.GGUFValueType.UINT32, "f32": gguf.GGUFValueType.FLOAT32,
-            "bool": gguf.GGUFValueType.BOOL}[kind]
+    want = {"u32": gguf.GGUFValueType.UINT32, "f32": gguf.GGUFValueType.FLOAT32, "bool": gguf.GGUFValueType.BOOL}[kind]
     if list(f.types) != [want]:
-        got = "an array" if f.types and f.types[0] == gguf.GGUFValueType.ARRAY else \
-            (f.types[0].name if f.types else "nothing")
+        got = (
+            "an array"
+            if f.types and f.types[0] == gguf.GGUFValueType.ARRAY
+            else (f.types[0].name if f.types else "nothing")
+        )
         raise ModelError(f"{name}: {key} must be a GGUF {want.name}, got {got}")
     return _field(reader, key)
 
@@ -151,10 +153,15 @@ def _validate(reader: GGUFReader, arch: str, name: str) -> None:
         k, v = _given(u32("attention.key_length"), default), _given(u32("attention.value_length"), default)
         rot = _given(u32("rope.dimension_count"), k)
         if k is not None and not k == v == rot:
-            raise ModelError(f"{name}: the key, value and rotary head sizes must be equal for {arch} "
-                             f"(attention.key_length {k}, attention.value_length {v}, rope.dimension_count {rot})")
-        n_head_kv = None if _is_array(reader, f"{arch}.attention.head_count_kv") else \
-            _given(u32("attention.head_count_kv"), n_head)
+            raise ModelError(
+                f"{name}: the key, value and rotary head sizes must be equal for {arch} "
+                f"(attention.key_length {k}, attention.value_length {v}, rope.dimension_count {rot})"
+            )
+        n_head_kv = (
+            None
+            if _is_array(reader, f"{arch}.attention.head_count_kv")
+            else _given(u32("attention.head_count_kv"), n_head)
+        )
         if k and v and n_head and n_head_kv:
             _check_attention(reader, name, {"attn_q": n_head * k, "attn_k": n_head_kv * k, "attn_v": n_head_kv * v})
 
@@ -175,8 +182,10 @@ def _check_tokenizer(reader: GGUFReader, name: str) -> None:
     have = set(t for t in tokens if isinstance(t, str) and t.startswith("<0x"))
     missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in have]
     if missing:
-        raise ModelError(f"{name}: a SentencePiece vocabulary without the byte token {missing[0]} "
-                         f"({len(missing)} of the 256 <0xXX> tokens missing)")
+        raise ModelError(
+            f"{name}: a SentencePiece vocabulary without the byte token {missing[0]} "
+            f"({len(missing)} of the 256 <0xXX> tokens missing)"
+        )
 
 
 def _check_attention(reader: GGUFReader, name: str, rows: dict[str, int]) -> None:
@@ -186,8 +195,10 @@ def _check_attention(reader: GGUFReader, name: str, rows: dict[str, int]) -> Non
     for t in reader.tensors:
         part = t.name.split(".")[-2] if t.name.startswith("blk.") and t.name.endswith(".weight") else None
         if part in rows and len(t.shape) == 2 and int(t.shape[1]) != rows[part]:
-            raise ModelError(f"{name}: tensor {t.name} has {int(t.shape[1])} rows, but the head count and size "
-                             f"in the metadata make {rows[part]}")
+            raise ModelError(
+                f"{name}: tensor {t.name} has {int(t.shape[1])} rows, but the head count and size "
+                f"in the metadata make {rows[part]}"
+            )
 
 
 def _is_array(reader: GGUFReader, key: str) -> bool:

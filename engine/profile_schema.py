@@ -124,8 +124,17 @@ _EXPONENT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
 _MAX_WHOLE = (1 << 63) - 1
 
 
-def _number(block: dict[str, Any], key: str, where: str, *, required: bool = False, positive: bool = False,
-            allow_none: bool = True, integer: bool = False, signed: bool = False) -> float | None:
+def _number(
+    block: dict[str, Any],
+    key: str,
+    where: str,
+    *,
+    required: bool = False,
+    positive: bool = False,
+    allow_none: bool = True,
+    integer: bool = False,
+    signed: bool = False,
+) -> float | None:
     if key not in block or (block[key] is None and allow_none and not required):
         if required:
             raise ConfigError(f"{where}: missing field {key}")
@@ -140,8 +149,14 @@ def _number(block: dict[str, Any], key: str, where: str, *, required: bool = Fal
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ConfigError(f"{where}: field {key} must be a number, got {v!r}")
         return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)) \
-            or (isinstance(v, float) and not math.isfinite(v)) or v < 0 or (positive and v == 0):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or (integer and not isinstance(v, int))
+        or (isinstance(v, float) and not math.isfinite(v))
+        or v < 0
+        or (positive and v == 0)
+    ):
         sign = "positive" if positive else "non-negative"
         raise ConfigError(f"{where}: field {key} must be a {sign} {kind}, got {v!r}")
     return v
@@ -210,14 +225,20 @@ def validate_constants(block: object, where: str, n_layer: int | None = None, n_
         n_expert = block.get("n_expert", n_expert)
         seen = set()
         for i, pair in enumerate(hot):
-            ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)
+            ok = (
+                isinstance(pair, (list, tuple))
+                and len(pair) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)
+            )
             if not ok:
-                raise ConfigError(f"{where}: field hot_experts[{i}] must be a [layer, expert] pair of whole numbers, "
-                                  f"got {pair!r}")
+                raise ConfigError(
+                    f"{where}: field hot_experts[{i}] must be a [layer, expert] pair of whole numbers, got {pair!r}"
+                )
             if (n_layer is not None and pair[0] >= n_layer) or (n_expert is not None and pair[1] >= n_expert):
-                raise ConfigError(f"{where}: field hot_experts[{i}] = {list(pair)} is outside the model "
-                                  f"({n_layer} layers × {n_expert} experts)")
+                raise ConfigError(
+                    f"{where}: field hot_experts[{i}] = {list(pair)} is outside the model "
+                    f"({n_layer} layers × {n_expert} experts)"
+                )
             if tuple(pair) in seen:
                 raise ConfigError(f"{where}: field hot_experts[{i}] = {list(pair)} is listed twice")
             seen.add(tuple(pair))
@@ -230,8 +251,16 @@ def validate_constants(block: object, where: str, n_layer: int | None = None, n_
         _validate_tuned(block["tuned"], where)
 
 
-WORKLOAD_TERMS = ("t_plain_ms", "ctx_plain_us", "t_draft_ms", "ctx_draft_us", "ctx_step_us", "ctx_row_us",
-                  "host_draft_ms", "host_row_ms")
+WORKLOAD_TERMS = (
+    "t_plain_ms",
+    "ctx_plain_us",
+    "t_draft_ms",
+    "ctx_draft_us",
+    "ctx_step_us",
+    "ctx_row_us",
+    "host_draft_ms",
+    "host_row_ms",
+)
 
 
 def _validate_workload(w: object, where: str) -> None:

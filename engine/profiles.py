@@ -39,9 +39,7 @@ def shipped_profile_dir() -> Path:
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ConfigError(
-            f"invalid profile name {name!r}: use letters, digits, '.', '_' or '-' (at most 64, no '/')"
-        )
+        raise ConfigError(f"invalid profile name {name!r}: use letters, digits, '.', '_' or '-' (at most 64, no '/')")
     return name
 
 
@@ -104,9 +102,9 @@ class ProfileEntry:
 
     name: str
     path: Path
-    where: str                  # "user" or "shipped"
+    where: str  # "user" or "shipped"
     data: dict[str, Any] | None  # as loaded; as written when invalid; None when not a YAML mapping
-    error: str | None = None    # what loading it by name would say
+    error: str | None = None  # what loading it by name would say
 
     @property
     def kind(self) -> str:
@@ -169,8 +167,9 @@ class _Dumper(yaml.SafeDumper):
 
 
 def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
-    pairs = bool(data) and all(isinstance(x, list) and len(x) <= 3 and
-                               all(isinstance(v, (int, float)) for v in x) for x in data)
+    pairs = bool(data) and all(
+        isinstance(x, list) and len(x) <= 3 and all(isinstance(v, (int, float)) for v in x) for x in data
+    )
     flat = all(not isinstance(x, (list, dict)) for x in data)
     return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True if (pairs or flat) else None)
 
@@ -200,8 +199,10 @@ def check_writable(name: str, folder: Path | None = None) -> Path:
     except OSError as e:
         raise ConfigError(f"cannot write profile {target}: {e.strerror}") from None
     if free < PROFILE_ROOM_BYTES:
-        raise ConfigError(f"cannot write profile {target}: {free >> 10} KiB free, a profile needs up to "
-                          f"{PROFILE_ROOM_BYTES >> 20} MiB")
+        raise ConfigError(
+            f"cannot write profile {target}: {free >> 10} KiB free, a profile needs up to "
+            f"{PROFILE_ROOM_BYTES >> 20} MiB"
+        )
     return target
 
 
@@ -226,8 +227,9 @@ def save_profile(profile: dict[str, Any], name: str, folder: Path | None = None)
 
 
 # -- constants for the engine -------------------------------------------------------------------------
-def _constants(block: dict[str, Any], where: str, source: str, offloaded: bool = False,
-               experts_in_host: bool = False) -> CostConstants:
+def _constants(
+    block: dict[str, Any], where: str, source: str, offloaded: bool = False, experts_in_host: bool = False
+) -> CostConstants:
     validate_constants(block, where)
 
     def ms(key: str, default: float = 0.0) -> float:
@@ -292,8 +294,14 @@ def model_block(profile: dict[str, Any], fingerprint: str) -> dict[str, Any] | N
     return models.get(fingerprint) if isinstance(models, dict) else None
 
 
-def cost_for_model(profile: dict[str, Any], fingerprint: str, model_name: str = "", *, offloaded: bool = False,
-                   experts_in_host: bool = False) -> CostConstants:
+def cost_for_model(
+    profile: dict[str, Any],
+    fingerprint: str,
+    model_name: str = "",
+    *,
+    offloaded: bool = False,
+    experts_in_host: bool = False,
+) -> CostConstants:
     """The profile's constants for this model, or its reference constants, or a clear error.
 
     offloaded: the model runs under a memory budget, so an extra expert costs a fetch: use the cold
@@ -304,11 +312,17 @@ def cost_for_model(profile: dict[str, Any], fingerprint: str, model_name: str = 
     if not isinstance(models, dict):
         raise ConfigError(f"profile {name}: field models must be a mapping of fingerprint → constants")
     if fingerprint in models:
-        return _constants(models[fingerprint], f"profile {name}, model {fingerprint}", f"profile:{name}", offloaded,
-                          experts_in_host)
+        return _constants(
+            models[fingerprint], f"profile {name}, model {fingerprint}", f"profile:{name}", offloaded, experts_in_host
+        )
     if profile.get("reference") is not None:
-        return _constants(profile["reference"], f"profile {name}, reference",
-                          f"profile:{name} (reference values)", offloaded, experts_in_host)
+        return _constants(
+            profile["reference"],
+            f"profile {name}, reference",
+            f"profile:{name} (reference values)",
+            offloaded,
+            experts_in_host,
+        )
     raise ConfigError(
         f"profile {name} was not calibrated for this model ({model_name or 'fingerprint'} {fingerprint}); "
         f"run `s2moe calibrate --model ... --name {name}`"
@@ -335,16 +349,19 @@ def tuned_settings(profile: dict[str, Any], fingerprint: str, *, offloaded: bool
     return {k: settings[k] for k in TUNED_KEYS if settings.get(k) is not None}
 
 
-def with_tuned(profile: dict[str, Any], fingerprint: str, section: dict[str, Any], *,
-               offloaded: bool) -> dict[str, Any]:
+def with_tuned(
+    profile: dict[str, Any], fingerprint: str, section: dict[str, Any], *, offloaded: bool
+) -> dict[str, Any]:
     """A copy of the profile with `s2moe tune`'s section recorded for this model; the model's other
     condition (resident or budget) and everything else kept. ConfigError when the profile has no
     constants for the model (tuning uses them: calibrate first)."""
     import copy
 
     if model_block(profile, fingerprint) is None:
-        raise ConfigError(f"profile {profile.get('name', '?')} has no constants for model {fingerprint}: run "
-                          f"`s2moe calibrate --model ... --name {profile.get('name', 'NAME')}` first")
+        raise ConfigError(
+            f"profile {profile.get('name', '?')} has no constants for model {fingerprint}: run "
+            f"`s2moe calibrate --model ... --name {profile.get('name', 'NAME')}` first"
+        )
     out = copy.deepcopy({k: v for k, v in profile.items() if not k.startswith("_")})
     block = out["models"][fingerprint]
     tuned = dict(block.get("tuned") or {})

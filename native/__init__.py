@@ -68,9 +68,7 @@ def _compiler() -> str:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
             return cc
-    raise NativeBuildError(
-        "no C compiler found (tried $CC, cc, gcc, clang): install one, e.g. `apt-get install gcc`"
-    )
+    raise NativeBuildError("no C compiler found (tried $CC, cc, gcc, clang): install one, e.g. `apt-get install gcc`")
 
 
 def build(force: bool = False) -> Path:
@@ -84,9 +82,22 @@ def build(force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [
-        _compiler(), "-O2", "-std=c11", "-fPIC", "-shared", "-Wall", "-pthread",
-        f"-I{inc}", *[str(here / s) for s in SOURCES],
-        f"-L{lib}", "-lggml-base", f"-Wl,-rpath,{lib}", "-lm", "-pthread", "-o", tmp,
+        _compiler(),
+        "-O2",
+        "-std=c11",
+        "-fPIC",
+        "-shared",
+        "-Wall",
+        "-pthread",
+        f"-I{inc}",
+        *[str(here / s) for s in SOURCES],
+        f"-L{lib}",
+        "-lggml-base",
+        f"-Wl,-rpath,{lib}",
+        "-lm",
+        "-pthread",
+        "-o",
+        tmp,
     ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -50,21 +50,32 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=GenerationConfig.top_p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reuse-strength", type=float, default=GenerationConfig.reuse_strength,
-                   help="gating's α (default: as shipped; 0 makes every variant lossless)")
+    p.add_argument(
+        "--reuse-strength",
+        type=float,
+        default=GenerationConfig.reuse_strength,
+        help="gating's α (default: as shipped; 0 makes every variant lossless)",
+    )
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the figures to this file")
     return p.parse_args(argv)
 
 
 def configs(args: argparse.Namespace, dec: Decoder) -> dict[str, GenerationConfig]:
-    base = GenerationConfig(n_predict=args.n_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed,
-                            reuse_strength=args.reuse_strength, stop_at_eos=False)
+    base = GenerationConfig(
+        n_predict=args.n_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        seed=args.seed,
+        reuse_strength=args.reuse_strength,
+        stop_at_eos=False,
+    )
     if args.profile:
         from s2moe.engine.profiles import cost_for_model, load_profile
 
-        base.cost = cost_for_model(load_profile(args.profile), dec.info.fingerprint, dec.info.path.name,
-                                   offloaded=args.budget is not None)
+        base.cost = cost_for_model(
+            load_profile(args.profile), dec.info.fingerprint, dec.info.path.name, offloaded=args.budget is not None
+        )
     base = base.resolved(dec.info)
     out = {"ar": replace(base, mode="ar"), "s2moe": replace(base, mode="s2moe")}
     for name in COPY_REFINEMENTS:
@@ -88,8 +99,9 @@ def measure(args: argparse.Namespace, model: str) -> dict:
                 from s2moe.engine.profiles import hot_experts_for_model, load_profile
 
                 hot = hot_experts_for_model(load_profile(args.profile), dec.info.fingerprint)
-            offload.offload_decoder(dec, inside[1], hot,
-                                    warm_up=lambda: list(warm_up(dec, cfgs["s2moe"], prompts[0], ["ar", "s2moe"])))
+            offload.offload_decoder(
+                dec, inside[1], hot, warm_up=lambda: list(warm_up(dec, cfgs["s2moe"], prompts[0], ["ar", "s2moe"]))
+            )
         else:
             list(warm_up(dec, cfgs["s2moe"], prompts[0], ["ar", "s2moe"]))
         runs: dict[str, list[Summary]] = {name: [] for name in VARIANTS}
@@ -107,26 +119,48 @@ def measure(args: argparse.Namespace, model: str) -> dict:
     return figures(runs, cfgs, args, len(prompts))
 
 
-def figures(runs: dict[str, list[Summary]], cfgs: dict[str, GenerationConfig], args: argparse.Namespace,
-            n_prompts: int) -> dict:
+def figures(
+    runs: dict[str, list[Summary]], cfgs: dict[str, GenerationConfig], args: argparse.Namespace, n_prompts: int
+) -> dict:
     # a round's speed: its tokens over its decoding seconds, all prompts together; ratios are paired by round
-    speed = {name: [tok_per_s(summaries[i:i + n_prompts]) for i in range(0, len(summaries), n_prompts)]
-             for name, summaries in runs.items()}
+    speed = {
+        name: [tok_per_s(summaries[i : i + n_prompts]) for i in range(0, len(summaries), n_prompts)]
+        for name, summaries in runs.items()
+    }
     rows = []
     for name, summaries in runs.items():
         tokens = sum(s.n_tokens for s in summaries)
         vs_full = compare(name, "s2moe", [a / b for a, b in zip(speed[name], speed["s2moe"]) if b > 0])
         vs_ar = compare(name, "ar", [a / b for a, b in zip(speed[name], speed["ar"]) if b > 0])
         differ = sum(s.tokens != a.tokens for s, a in zip(summaries, runs["ar"]))
-        rows.append({"variant": name, "tok_per_s": tok_per_s(summaries), "round_tok_per_s": speed[name],
-                     "vs_s2moe": [vs_full.ratio, vs_full.low, vs_full.high], "vs_s2moe_text": vs_full.ratio_text,
-                     "vs_ar": [vs_ar.ratio, vs_ar.low, vs_ar.high], "vs_ar_text": vs_ar.ratio_text,
-                     "accept_len": sum(s.accept_len * s.n_tokens for s in summaries) / max(tokens, 1),
-                     "runs": len(summaries), "runs_differing_from_ar": differ,
-                     "lossless_expected": expected_lossless(cfgs[name].mode, cfgs[name])})
-    return {"model": str(args.model), "budget": args.budget or "none", "prompts": args.prompts,
-            "n_prompts": n_prompts, "n_tokens": args.n_tokens, "rounds": args.rounds, "temp": args.temp,
-            "top_p": args.top_p, "seed": args.seed, "reuse_strength": args.reuse_strength, "rows": rows}
+        rows.append(
+            {
+                "variant": name,
+                "tok_per_s": tok_per_s(summaries),
+                "round_tok_per_s": speed[name],
+                "vs_s2moe": [vs_full.ratio, vs_full.low, vs_full.high],
+                "vs_s2moe_text": vs_full.ratio_text,
+                "vs_ar": [vs_ar.ratio, vs_ar.low, vs_ar.high],
+                "vs_ar_text": vs_ar.ratio_text,
+                "accept_len": sum(s.accept_len * s.n_tokens for s in summaries) / max(tokens, 1),
+                "runs": len(summaries),
+                "runs_differing_from_ar": differ,
+                "lossless_expected": expected_lossless(cfgs[name].mode, cfgs[name]),
+            }
+        )
+    return {
+        "model": str(args.model),
+        "budget": args.budget or "none",
+        "prompts": args.prompts,
+        "n_prompts": n_prompts,
+        "n_tokens": args.n_tokens,
+        "rounds": args.rounds,
+        "temp": args.temp,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "reuse_strength": args.reuse_strength,
+        "rows": rows,
+    }
 
 
 def tok_per_s(summaries: list[Summary]) -> float:
@@ -135,15 +169,24 @@ def tok_per_s(summaries: list[Summary]) -> float:
 
 
 def report(data: dict) -> None:
-    print(f"{data['model']} · budget {data['budget']} · temp {data['temp']} · {data['n_prompts']} prompts × "
-          f"{data['rounds']} rounds · {data['n_tokens']} tokens")
+    print(
+        f"{data['model']} · budget {data['budget']} · temp {data['temp']} · {data['n_prompts']} prompts × "
+        f"{data['rounds']} rounds · {data['n_tokens']} tokens"
+    )
     print(f"{'variant':<22}{'tok/s':>8}  {'vs s2moe':>14}  {'vs ar':>14}  {'accept':>6}  tokens vs ar")
     for row in data["rows"]:
         differ, n = row["runs_differing_from_ar"], row["runs"]
-        check = (f"{differ}/{n} differ" if not row["lossless_expected"] or row["variant"] == "ar" else
-                 f"all {n} equal" if not differ else f"{differ}/{n} DIFFER (copies must be lossless)")
-        print(f"{row['variant']:<22}{row['tok_per_s']:>8.2f}  {row['vs_s2moe_text']:>14}  {row['vs_ar_text']:>14}  "
-              f"{row['accept_len']:>6.2f}  {check}")
+        check = (
+            f"{differ}/{n} differ"
+            if not row["lossless_expected"] or row["variant"] == "ar"
+            else f"all {n} equal"
+            if not differ
+            else f"{differ}/{n} DIFFER (copies must be lossless)"
+        )
+        print(
+            f"{row['variant']:<22}{row['tok_per_s']:>8.2f}  {row['vs_s2moe_text']:>14}  {row['vs_ar_text']:>14}  "
+            f"{row['accept_len']:>6.2f}  {check}"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -156,8 +199,9 @@ def main(argv: list[str]) -> int:
             check_writable(args.json, "figures")  # before the run, not after it
         if args.budget is not None and offload.current_budget() is None:
             # this script again, inside a memory cgroup of the budget: it finds itself there and offloads
-            with offload.run_in_budget([sys.executable, __file__, *argv], offload.Budget.parse(args.budget),
-                                       args.model, tag="ablation") as run:
+            with offload.run_in_budget(
+                [sys.executable, __file__, *argv], offload.Budget.parse(args.budget), args.model, tag="ablation"
+            ) as run:
                 return run.wait()
         data = measure(args, args.model)
         report(data)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.decoding.cpu_buffers import build_has_amx
+from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.measure.reference import plain_decoding
 
 
@@ -31,12 +31,13 @@ def main() -> None:
     ratios = []
     for r in range(a.rounds):
         tok_s = {}
-        for extra in ((True, False) if r % 2 == 0 else (False, True)):
+        for extra in (True, False) if r % 2 == 0 else (False, True):
             tok_s[extra] = plain_decoding(a.model, prompts, a.n_tokens, n_threads=a.threads, repack=extra)["tok_per_s"]
         ratios.append(tok_s[False] / tok_s[True])
         print(f"round {r + 1}: on {tok_s[True]:.1f} tok/s · off {tok_s[False]:.1f} tok/s · off/on {ratios[-1]:.3f}")
-    print(f"off/on median {statistics.median(ratios):.3f} (range {min(ratios):.3f}–{max(ratios):.3f}, "
-          f"{a.rounds} rounds)")
+    print(
+        f"off/on median {statistics.median(ratios):.3f} (range {min(ratios):.3f}–{max(ratios):.3f}, {a.rounds} rounds)"
+    )
 
 
 if __name__ == "__main__":

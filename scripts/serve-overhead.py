@@ -27,7 +27,6 @@ import threading
 import time
 
 import httpx
-
 from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.zoo import default_model_path
 
@@ -37,8 +36,9 @@ def cli(*args: str) -> list[str]:
 
 
 def start_server(argv: list[str], env: dict) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     found: list[str] = []
     ready = threading.Event()
 
@@ -77,8 +77,13 @@ def through_api(http: httpx.Client, prompt: str, n: int) -> tuple[float, float]:
 
 
 def through_generate(model: str, prompt: str, n: int, flags: list[str], env: dict) -> float:
-    done = subprocess.run(cli("generate", "-m", model, "-p", prompt, "-n", str(n), "--json", *flags),
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        cli("generate", "-m", model, "-p", prompt, "-n", str(n), "--json", *flags),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if done.returncode != 0:
         sys.exit(f"generate failed: {done.stderr.strip()}")
     return json.loads(done.stdout)["tok_per_s"]
@@ -109,8 +114,10 @@ def main() -> None:
             api, own = through_api(http, prompt, a.n_tokens)
             rows.append(api / gen)
             print(f"{i + 1:>5} {gen:>10.1f} {api:>10.1f} {own:>10.1f} {api / gen:>13.3f}")
-        print(f"API / generate: median {statistics.median(rows):.3f} (range {min(rows):.3f}–{max(rows):.3f}, "
-              f"{len(rows)} rounds of {a.n_tokens} tokens, streamed)")
+        print(
+            f"API / generate: median {statistics.median(rows):.3f} (range {min(rows):.3f}–{max(rows):.3f}, "
+            f"{len(rows)} rounds of {a.n_tokens} tokens, streamed)"
+        )
     finally:
         http.close()
         proc.send_signal(signal.SIGTERM)

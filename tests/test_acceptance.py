@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from s2moe.engine.decoding.acceptance import accept
 from s2moe.engine.decoding.sampling import PositionNoise, Sampling, softmax
 
@@ -22,12 +21,15 @@ def _logits_preferring(tokens, n_vocab=6):
     return out
 
 
-@pytest.mark.parametrize("drafted, target, expected", [
-    ([], [3], (0, 3)),                     # a plain step: the target's token
-    ([1, 2, 4], [1, 2, 4, 0], (3, 0)),     # all accepted, then the bonus token
-    ([1, 2, 4], [1, 5, 4, 0], (1, 5)),     # the first mismatch is replaced by the target's token
-    ([1, 2], [0, 2, 3], (0, 0)),           # a later match does not count after a mismatch
-])
+@pytest.mark.parametrize(
+    "drafted, target, expected",
+    [
+        ([], [3], (0, 3)),  # a plain step: the target's token
+        ([1, 2, 4], [1, 2, 4, 0], (3, 0)),  # all accepted, then the bonus token
+        ([1, 2, 4], [1, 5, 4, 0], (1, 5)),  # the first mismatch is replaced by the target's token
+        ([1, 2], [0, 2, 3], (0, 0)),  # a later match does not count after a mismatch
+    ],
+)
 def test_greedy_keeps_the_longest_matching_prefix(drafted, target, expected):
     assert accept(drafted, _logits_preferring(target), _plain(0.0), PositionNoise(0), [7]) == expected
 
@@ -81,8 +83,15 @@ def test_the_coupled_draft_is_accepted_between_the_gumbel_bound_and_the_best_cou
     overlap = np.minimum(p, DRAFT_Q).sum()
     tv = 1 - overlap
     n = 20000
-    accepted = sum(accept([PositionNoise(seed).draw(DRAFT_Q, len(HISTORY))], TARGET, _plain(1.0),
-                          PositionNoise(seed), HISTORY)[0] for seed in range(n)) / n
+    accepted = (
+        sum(
+            accept(
+                [PositionNoise(seed).draw(DRAFT_Q, len(HISTORY))], TARGET, _plain(1.0), PositionNoise(seed), HISTORY
+            )[0]
+            for seed in range(n)
+        )
+        / n
+    )
     assert (1 - tv) / (1 + tv) - 0.01 < accepted < overlap + 0.01
     assert accepted > float(p @ DRAFT_Q) + 0.05
 

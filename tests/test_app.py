@@ -8,16 +8,21 @@ import time
 
 import numpy as np
 import pytest
-from test_app_support import (SCRIPT, VOCAB, FakeDecoder, fake_run_bench, fake_run_calibration, scripted_events,
-                              write_profiles)
-
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.chat import ChatScreen
 from s2moe.app.tui.dialogs import HelpScreen, ModelPathDialog
-from s2moe.app.tui.session import (BONUS, CORRECTION, DRAFT, REJECTED, TARGET, ChatSettings,
-                                   segments_of)
+from s2moe.app.tui.session import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, ChatSettings, segments_of
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.offload import MemoryCgroup
+from test_app_support import (
+    SCRIPT,
+    VOCAB,
+    FakeDecoder,
+    fake_run_bench,
+    fake_run_calibration,
+    scripted_events,
+    write_profiles,
+)
 
 
 def run(coro):
@@ -88,8 +93,8 @@ def test_segments_mark_how_each_token_was_produced():
     its = list(scripted_events())[2:-1]
     dec = FakeDecoder()
     kinds = [[s.kind for s in segments_of(it, dec.detokenize, dec.piece_text)] for it in its]
-    assert kinds[0] == [DRAFT, DRAFT, BONUS]           # every draft accepted: the target's token is a bonus
-    assert kinds[1] == [DRAFT, REJECTED, CORRECTION]   # rejected drafts sit before the correction
+    assert kinds[0] == [DRAFT, DRAFT, BONUS]  # every draft accepted: the target's token is a bonus
+    assert kinds[1] == [DRAFT, REJECTED, CORRECTION]  # rejected drafts sit before the correction
     assert kinds[3] == [REJECTED, CORRECTION]
     texts = segments_of(its[1], dec.detokenize, dec.piece_text)
     assert [s.text for s in texts] == [VOCAB[3], VOCAB[12] + VOCAB[13], VOCAB[4]]
@@ -117,8 +122,9 @@ def test_live_stats_say_how_many_experts_offloaded_steps_fetched():
     n = len(its)
     read = sum(float(it.verify_experts.sum()) for it in its) / n
     fetched = sum(i * len(it.verify_experts) for i, it in enumerate(its)) / n
-    assert (f"per step: {read:.0f} experts read (all layers), {fetched:.1f} fetched from storage, "
-            f"{(n - 1):.1f} faults") in state.stats_text()
+    assert (
+        f"per step: {read:.0f} experts read (all layers), {fetched:.1f} fetched from storage, {(n - 1):.1f} faults"
+    ) in state.stats_text()
 
 
 def tree_rows(chat) -> list[str]:
@@ -137,7 +143,6 @@ def test_the_tree_view_draws_an_iterations_draft_tree_with_the_accepted_path_mar
     from dataclasses import replace
 
     from rich.console import Console
-
     from s2moe.app.tui.live import LiveState, TreeView
 
     events = list(scripted_events("tree"))
@@ -145,9 +150,19 @@ def test_the_tree_view_draws_an_iterations_draft_tree_with_the_accepted_path_mar
     # " on" under " sat", "." under " dog"; the target then says " mat"
     drafted = (0, 12, 1, 2, 13, 3, 6)
     parents = (-1, -1, 0, 2, 2, 3, 1)
-    tree_it = replace(events[2], index=7, drafted=drafted, accepted=(0, 1), rejected=(12, 2, 13, 3, 6),
-                      target_token=5, committed=(0, 1, 5), committed_text=" The cat mat", rollback=5,
-                      tree_parents=parents, accepted_path=(0, 2))
+    tree_it = replace(
+        events[2],
+        index=7,
+        drafted=drafted,
+        accepted=(0, 1),
+        rejected=(12, 2, 13, 3, 6),
+        target_token=5,
+        committed=(0, 1, 5),
+        committed_text=" The cat mat",
+        rollback=5,
+        tree_parents=parents,
+        accepted_path=(0, 2),
+    )
     state = LiveState()
     state.start(events[0], 0.0)
     piece = FakeDecoder().piece_text
@@ -170,12 +185,34 @@ def test_the_tree_view_draws_an_iterations_draft_tree_with_the_accepted_path_mar
     assert drawn(40)[0] == "tree     2/7 ✓acc ✗rej →target"  # narrower: the legend gives way first
     assert drawn(29)[0] == "tree     2/7 it 7"
     # an iteration of the tree mode that drafted nothing still draws its tree: the target's token alone
-    state.add(replace(events[2], index=8, drafted=(), accepted=(), rejected=(), target_token=7, committed=(7,),
-                      committed_text=" It", draft_stop="no-draft", tree_parents=None), None, 1.0, piece)
+    state.add(
+        replace(
+            events[2],
+            index=8,
+            drafted=(),
+            accepted=(),
+            rejected=(),
+            target_token=7,
+            committed=(7,),
+            committed_text=" It",
+            draft_stop="no-draft",
+            tree_parents=None,
+        ),
+        None,
+        1.0,
+        piece,
+    )
     assert drawn(60) == ["tree     0/0 it 8 · no draft (no-draft)", "• →␣It"]
     # more branches than lines: the accepted path stays, the rest are counted
-    many = replace(tree_it, drafted=tuple(range(8)), tree_parents=(-1,) * 8, accepted_path=(0,),
-                   accepted=(0,), rejected=tuple(range(1, 8)), committed=(0, 5))
+    many = replace(
+        tree_it,
+        drafted=tuple(range(8)),
+        tree_parents=(-1,) * 8,
+        accepted_path=(0,),
+        accepted=(0,),
+        rejected=tuple(range(1, 8)),
+        committed=(0, 5),
+    )
     state.add(many, None, 1.0, piece)
     rows = drawn(60)
     assert rows[1] == "• ✓␣The →␣mat" and rows[-1] == "  … 3 more branches" and len(rows) == 7
@@ -247,8 +284,13 @@ def test_the_apps_engine_session_offloads_inside_a_real_cgroup(tiny_models, tmp_
     script.write_text(SESSION_UNDER_BUDGET)
     cg = MemoryCgroup.create(1 << 30, "test-app")
     try:
-        proc = cg.popen([sys.executable, str(script), str(tiny_models["olmoe"]), budget], budget,
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = cg.popen(
+            [sys.executable, str(script), str(tiny_models["olmoe"]), budget],
+            budget,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         cg.remove()
@@ -258,8 +300,7 @@ def test_the_apps_engine_session_offloads_inside_a_real_cgroup(tiny_models, tmp_
     assert line.startswith("budget ") and (line.startswith("budget auto (") == (budget == "auto"))
     assert int(n_snaps) >= 1 and offloaded == "True"
     # the load said each of its steps, in order, as it came to it
-    assert steps == ("1/4:loading_the_model,2/4:warming_up_ar,3/4:warming_up_s2moe,"
-                                      "4/4:sizing_the_budget")
+    assert steps == ("1/4:loading_the_model,2/4:warming_up_ar,3/4:warming_up_s2moe,4/4:sizing_the_budget")
 
 
 # -- chat ----------------------------------------------------------------------------------------------------
@@ -459,8 +500,7 @@ def test_tiny_model_generation_end_to_end(tiny_models):
             chat = app.screen
             chat.apply_settings(ChatSettings(mode="s2moe", utility=False, n_predict=24))
             await type_prompt(pilot, "hello there")
-            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, timeout=120,
-                           what="generation")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, timeout=120, what="generation")
             chat.flush()
             turn = chat.transcript.turns[-1]
             assert turn.segments and "failed" not in turn.summary
@@ -489,6 +529,7 @@ def test_tree_mode_on_a_tiny_model_draws_the_last_iterations_tree(tiny_models):
             def emit_and_keep(event, view):
                 seen.append(event)
                 emit(event, view)
+
             return generate(prompt, settings, emit_and_keep, warn)
 
         app.session.generate = recording
@@ -497,8 +538,7 @@ def test_tree_mode_on_a_tiny_model_draws_the_last_iterations_tree(tiny_models):
             chat = app.screen
             chat.apply_settings(ChatSettings(mode="tree", utility=False, n_predict=16))
             await type_prompt(pilot, "hello there")
-            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, timeout=120,
-                           what="generation")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, timeout=120, what="generation")
             chat.flush()
             await pilot.pause()
             its = [e for e in seen if isinstance(e, Iteration)]
@@ -571,8 +611,16 @@ def test_without_a_model_the_app_asks_for_one(tiny_models, tmp_path, monkeypatch
 
 
 def test_the_model_dialog_offers_packaged_models(tiny_models, monkeypatch):
-    packaged = [{"name": "tiny-qwen", "path": tiny_models["qwen3moe"], "arch": "qwen3moe", "n_expert": 8, "k": 4,
-                 "size_bytes": 1 << 20}]
+    packaged = [
+        {
+            "name": "tiny-qwen",
+            "path": tiny_models["qwen3moe"],
+            "arch": "qwen3moe",
+            "n_expert": 8,
+            "k": 4,
+            "size_bytes": 1 << 20,
+        }
+    ]
     monkeypatch.setattr("s2moe.app.tui.dialogs.packaged_models", lambda: packaged)
 
     async def go():
@@ -594,8 +642,12 @@ def test_a_file_that_is_not_a_model_is_a_dialog_not_a_crash(tmp_path):
     async def go():
         app = S2MoEApp(str(bad), n_threads=1)
         async with app.run_test(size=(80, 24)) as pilot:
-            await wait_for(pilot, lambda: isinstance(app.screen, ModelPathDialog) and app.screen.focused is not None,
-                           timeout=30, what="dialog")
+            await wait_for(
+                pilot,
+                lambda: isinstance(app.screen, ModelPathDialog) and app.screen.focused is not None,
+                timeout=30,
+                what="dialog",
+            )
             assert app.session.model is None and app.is_running
             assert "Could not load the model" in str(app.screen.query_one("#model-message").render())
 
@@ -657,8 +709,12 @@ def test_profiles_list_inspect_and_select(tmp_path, monkeypatch):
 def test_tables_drop_their_least_important_columns_when_narrow():
     from s2moe.app.tui.widgets import Column, columns_that_fit
 
-    cols = (Column("a", "a", 10, 0), Column("b", "b", 10, 2), Column("c", "c", 10, 1),
-            Column("d", "d", 20, 3, min_width=6))
+    cols = (
+        Column("a", "a", 10, 0),
+        Column("b", "b", 10, 2),
+        Column("c", "c", 10, 1),
+        Column("d", "d", 20, 3, min_width=6),
+    )
     everything = columns_that_fit(cols, 100)
     assert [(c.key, w) for c, w in everything] == [("a", 10), ("b", 10), ("c", 10), ("d", 20)]
     # 12 per 10-wide column with padding: c outranks b; d shrinks into what is left instead of vanishing
@@ -682,8 +738,9 @@ def test_profile_table_fits_its_width_and_regains_columns_when_wider(tmp_path, m
             assert "name" in narrow and "this model" in narrow and "device" not in narrow
             assert table.virtual_size.width <= table.scrollable_content_region.width
             await pilot.resize_terminal(160, 40)
-            await wait_for(pilot, lambda: "device" in [str(c.label) for c in table.columns.values()],
-                           what="wide layout")
+            await wait_for(
+                pilot, lambda: "device" in [str(c.label) for c in table.columns.values()], what="wide layout"
+            )
             assert table.virtual_size.width <= table.scrollable_content_region.width
             # the rows are rebuilt with the new columns, and the cursor stays on the same profile
             names = [e.name for e in app.screen.entries]
@@ -708,7 +765,8 @@ def test_a_profile_for_another_model_warns_and_falls_back(tmp_path, monkeypatch)
     folder = write_profiles(tmp_path)
     (folder / "other-box.yaml").write_text(
         "schema: 1\nname: other-box\nkind: measured\nmodels:\n"
-        "  ffffffffffffffff: {t_ar_ms: 5.0, c_draft_ms: 2.0, t_exp_ms: 0.1}\n")
+        "  ffffffffffffffff: {t_ar_ms: 5.0, c_draft_ms: 2.0, t_exp_ms: 0.1}\n"
+    )
 
     async def go():
         app = fake_app()
@@ -724,8 +782,9 @@ def test_a_profile_for_another_model_warns_and_falls_back(tmp_path, monkeypatch)
             assert app.fake_decoders[0].configs[-1].cost is None  # measured at start-up instead
             await pilot.pause(0.1)
             messages = [n.message for n in app._notifications]
-            assert any("F3 (Calibrate) measures it; until then cost constants are measured at start-up" in m
-                       for m in messages)
+            assert any(
+                "F3 (Calibrate) measures it; until then cost constants are measured at start-up" in m for m in messages
+            )
 
     run(go())
 
@@ -766,8 +825,12 @@ def test_calibration_wizard_on_a_tiny_model(tiny_models, tmp_path, monkeypatch):
             screen = app.screen
             screen.query_one("#cal-name").value = "tiny-test"
             await pilot.press("ctrl+r")
-            await wait_for(pilot, lambda: not screen.running and (screen.result is not None or screen.steps),
-                           timeout=180, what="calibration")
+            await wait_for(
+                pilot,
+                lambda: not screen.running and (screen.result is not None or screen.steps),
+                timeout=180,
+                what="calibration",
+            )
             await wait_for(pilot, lambda: not screen.running, timeout=180, what="end")
             assert screen.result is not None, screen.steps_text().plain
             assert screen.fit is not None and len(screen.fit["measured"]) >= 3
@@ -834,7 +897,7 @@ def test_the_bench_screen_marks_a_difference_within_the_noise(monkeypatch):
         for ev in fake_run_bench(model, **kw):
             if isinstance(ev, BenchDone):
                 ar, s2moe = ev.rows
-                ratios = [0.92, 1.21, 0.99, 0.95, 1.02, 1.10, 0.97, 1.05, 0.94][:len(ar.run_tok_per_s)]
+                ratios = [0.92, 1.21, 0.99, 0.95, 1.02, 1.10, 0.97, 1.05, 0.94][: len(ar.run_tok_per_s)]
                 s2moe.run_tok_per_s = [a * r for a, r in zip(ar.run_tok_per_s, ratios)]
                 c = compare("s2moe", "ar", ratios)
                 s2moe.speedup_interval, s2moe.speedup_vs_ar = [c.low, c.high], 0.99
@@ -873,8 +936,12 @@ def test_bench_on_a_tiny_model(tiny_models):
             screen.query_one("#bench-prompts").text = "hello there"
             screen.query_one("#bench-n").value = "8"
             await pilot.press("ctrl+r")
-            await wait_for(pilot, lambda: not screen.running and (screen.done is not None or screen.rows == []),
-                           timeout=180, what="bench")
+            await wait_for(
+                pilot,
+                lambda: not screen.running and (screen.done is not None or screen.rows == []),
+                timeout=180,
+                what="bench",
+            )
             await wait_for(pilot, lambda: not screen.running, timeout=180, what="bench end")
             assert screen.done is not None
             assert {r.mode for r in screen.rows} >= {"ar", "s2moe"}
@@ -895,8 +962,10 @@ def test_engine_errors_reach_the_user_in_the_apps_own_words():
 
     with pytest.raises(ConfigError) as caught:
         ensure_defaults_fit([45.0, 45.0], 45.0, 2.5, 100.0, 180, 75.0)
-    assert failure_text(caught.value).startswith("the tuning time (Tuning minutes) of 180 s is too short: a quality "
-                                                 "check takes about 45 s here and the defaults need 2 more")
+    assert failure_text(caught.value).startswith(
+        "the tuning time (Tuning minutes) of 180 s is too short: a quality "
+        "check takes about 45 s here and the defaults need 2 more"
+    )
 
 
 def test_the_active_profile_is_remembered_across_runs(tmp_path, monkeypatch):
@@ -979,7 +1048,7 @@ def test_tiles_draw_one_bar_per_layer_and_wrap_rather_than_merge_layers():
     state.reuse_last = [i / 47 for i in range(48)]  # more layers than the panel is wide
     lines = [t.plain for t in Tiles(state).lines(34)]
     first = next(i for i, t in enumerate(lines) if t.startswith("reuse"))
-    following = lines[first:first + 3]
+    following = lines[first : first + 3]
     assert sum(c in SPARKS for t in following for c in t) == 48
     assert all(len(t) <= 34 for t in lines)
     assert lines[first + 1].startswith(" " * 7)  # the continuation sits under the first line's bars
@@ -1084,7 +1153,7 @@ def test_remembered_settings_keep_only_what_still_applies():
     assert settings_from_state({"n_predict": 0, "mode": "ar"}) == ChatSettings()
     # JSON's whole number for a float is that float; one of hundreds of digits is none
     assert settings_from_state({"temperature": 1}).temperature == 1.0
-    assert settings_from_state({"temperature": 10 ** 400, "mode": "ar"}) == ChatSettings(mode="ar")
+    assert settings_from_state({"temperature": 10**400, "mode": "ar"}) == ChatSettings(mode="ar")
     remember_settings({"mode": "ar"})
     assert remembered_settings() == {"mode": "ar"}
     (state_dir() / "chat-settings.json").write_text("[1, 2")
@@ -1185,8 +1254,10 @@ def test_tab_goes_prompt_transcript_live_panel_as_the_help_says():
             await pilot.press("shift+tab")
             assert app.focused.id == "live"
             help_text = dict(chat.HELP_EXTRA)["Prompt"]
-            assert ("Tab / Shift+Tab", "move focus: prompt, transcript, live panel (q, ?, d work off the prompt)") \
-                in help_text
+            assert (
+                "Tab / Shift+Tab",
+                "move focus: prompt, transcript, live panel (q, ?, d work off the prompt)",
+            ) in help_text
 
     run(go())
 
@@ -1263,8 +1334,9 @@ def test_a_settings_file_that_cannot_be_read_is_said_once_and_the_app_runs():
     async def go():
         app = fake_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.session.model is not None and list(app._notifications),
-                           what="model and notification")
+            await wait_for(
+                pilot, lambda: app.session.model is not None and list(app._notifications), what="model and notification"
+            )
             said = [n for n in app._notifications if "chat settings" in n.message]
             assert len(said) == 1 and "nested too deeply" in said[0].message and said[0].severity == "warning"
             assert app.chat_screen.settings == ChatSettings()
@@ -1279,8 +1351,11 @@ def test_a_copy_cache_that_stops_the_load_is_named_not_the_model(tiny_models, tm
     async def go():
         app = S2MoEApp(str(tiny_models["olmoe"]), n_threads=1, n_ctx=256, copy_cache=str(cache))
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: isinstance(app.screen, ModelPathDialog)
-                           and app.screen.query("#model-message"), what="dialog")
+            await wait_for(
+                pilot,
+                lambda: isinstance(app.screen, ModelPathDialog) and app.screen.query("#model-message"),
+                what="dialog",
+            )
             said = str(app.screen.query_one("#model-message").render())
             assert said.startswith("Could not use the copy cache") and f"copy cache {cache}" in said, said
             assert "Could not load the model" not in said and "ValueError" not in said

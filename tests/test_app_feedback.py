@@ -9,17 +9,15 @@ import threading
 import time
 
 import pytest
-from test_app import fake_app, open_settings, type_prompt, wait_for
-from test_app_snapshots import (fixed_profile_folders, make_app, ready,  # noqa: F401 (autouse fixtures)
-                                scripted_engine_runs, settle)
-from test_app_support import FakeDecoder
-from test_wizard import DEFAULTS, FP, TUNED, calibrated, scripted_calibration, scripted_tune, wizard
-
 from s2moe.app.tui.calibrate_widgets import ConfirmSave
 from s2moe.app.tui.session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, ChatSettings
 from s2moe.app.tui.state import remember_settings
 from s2moe.engine.measure.tune import TuneMeasured, TuneProgress, TuneStarted
 from s2moe.engine.measure.tune_space import Settings
+from test_app import fake_app, open_settings, type_prompt, wait_for
+from test_app_snapshots import fixed_profile_folders, make_app, ready, scripted_engine_runs, settle  # noqa: F401 (autouse fixtures)
+from test_app_support import FakeDecoder
+from test_wizard import DEFAULTS, FP, TUNED, calibrated, scripted_calibration, scripted_tune, wizard
 
 SLOWER = Settings(2, 8, 1.0, 0.5, 8)
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((60, 20), id="60x20")]
@@ -62,8 +60,11 @@ def test_a_profile_saved_after_tuning_wins_over_the_remembered_k_d(monkeypatch, 
             assert chat.settings.draft_topk == 3
             screen = await calibrated(pilot, app)
             await pilot.press("ctrl+t")
-            await wait_for(pilot, lambda: screen.tune is not None and screen.tune.state == "done"
-                           and not screen.running, what="tuning")
+            await wait_for(
+                pilot,
+                lambda: screen.tune is not None and screen.tune.state == "done" and not screen.running,
+                what="tuning",
+            )
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmSave), what="the question")
             await pilot.press("ctrl+s")
@@ -77,8 +78,11 @@ def test_a_profile_saved_after_tuning_wins_over_the_remembered_k_d(monkeypatch, 
             await type_prompt(pilot, "hi")
             await wait_for(pilot, lambda: not chat.generating and decoders[-1].configs, what="generation")
             cfg = decoders[-1].configs[-1]
-            assert (cfg.draft_topk, cfg.draft_max, cfg.threshold) == (TUNED.draft_topk, TUNED.draft_max,
-                                                                     TUNED.threshold)
+            assert (cfg.draft_topk, cfg.draft_max, cfg.threshold) == (
+                TUNED.draft_topk,
+                TUNED.draft_max,
+                TUNED.threshold,
+            )
             # picked again after the profile: the user's, and the bar says over what
             await pilot.press("f9")
             bar = str(chat.query_one("#settings-bar").render())
@@ -181,6 +185,7 @@ def test_snapshot_the_settings_form_names_each_values_source(snap_compare, size,
 def held_tune(go: threading.Event, release: threading.Event):
     """A tuning that measures a rung, waits for `go`, then runs until stopped and finishes its measurement
     only on `release` (a slow measurement, as under a budget)."""
+
     def run_tune(decoder, prompts, **kw):
         stop = kw["should_stop"]
         yield TuneStarted(3, DEFAULTS, kw["time_budget_s"], {})
@@ -221,15 +226,19 @@ def test_stopping_a_tuning_says_how_long_it_waits_and_keeps_the_best_so_far(monk
         now[0] = 50.0
         await pilot.press("escape")
         text = screen.steps_text().plain
-        assert text.rstrip().endswith("stopping after the current measurement: up to ~30 s more (the longest so "
-                                      "far took 40 s; this one began 10 s ago)…")
+        assert text.rstrip().endswith(
+            "stopping after the current measurement: up to ~30 s more (the longest so "
+            "far took 40 s; this one began 10 s ago)…"
+        )
         assert "Done. Press Ctrl+S" not in text
         release.set()
         await wait_for(pilot, lambda: not screen.running, what="the stop")
         await pilot.pause()
         text = screen.steps_text().plain
-        assert ("stopped after rung 1 — partial: best so far k_d 2 · cap 12 · threshold 0.5 · α 0.25 |E*| 6 → "
-                "30.00 tok/s, the defaults 24.00 tok/s (1.250×)" in text)
+        assert (
+            "stopped after rung 1 — partial: best so far k_d 2 · cap 12 · threshold 0.5 · α 0.25 |E*| 6 → "
+            "30.00 tok/s, the defaults 24.00 tok/s (1.250×)" in text
+        )
         assert text.rstrip().endswith("Ctrl+S saves the calibration alone.") and "Done. Press" not in text
         assert (bar.progress, bar.total) == (4, 10)
         left = screen.query_one("#cal-left")
@@ -331,8 +340,11 @@ def test_a_prompt_sent_while_the_model_loads_is_queued_and_starts_once_it_has():
                 assert "loading ▰ 1/1: loading the model" in bar and "your prompt is queued" in bar
             finally:
                 loaded.set()
-            await wait_for(pilot, lambda: app.fake_decoders and app.fake_decoders[0].configs and not chat.generating,
-                           what="the queued generation")
+            await wait_for(
+                pilot,
+                lambda: app.fake_decoders and app.fake_decoders[0].configs and not chat.generating,
+                what="the queued generation",
+            )
             assert chat._queued is None and "tok/s" in chat.transcript.turns[0].summary
 
     run(go())
@@ -385,15 +397,17 @@ def test_the_first_generation_says_it_measures_cost_constants():
 def test_a_profile_that_does_not_cover_the_model_is_said_at_start_pointing_to_f3(tmp_path):
     (tmp_path / "config" / "s2moe" / "profiles" / "other-box.yaml").write_text(
         "schema: 1\nname: other-box\nkind: measured\nmodels:\n"
-        "  ffffffffffffffff: {t_ar_ms: 5.0, c_draft_ms: 2.0, t_exp_ms: 0.1}\n")
+        "  ffffffffffffffff: {t_ar_ms: 5.0, c_draft_ms: 2.0, t_exp_ms: 0.1}\n"
+    )
     app = make_app(profile="other-box")
 
     async def go():
         async with app.run_test(size=(80, 24)) as pilot:
             await ready(pilot)
             messages = [n.message for n in app._notifications]
-            assert any("profile other-box was not calibrated for this model: F3 (Calibrate) measures it" in m
-                       for m in messages)
+            assert any(
+                "profile other-box was not calibrated for this model: F3 (Calibrate) measures it" in m for m in messages
+            )
             assert "profile other-box (not for this model: F3)" in str(app.screen.query_one("#settings-bar").render())
 
     run(go())

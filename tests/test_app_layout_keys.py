@@ -7,8 +7,6 @@ import asyncio
 import io
 
 import pytest
-from test_app_support import FakeDecoder, fake_run_calibration, only_test_profiles
-
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.bench import BenchScreen
 from s2moe.app.tui.calibrate import CalibrateScreen
@@ -17,6 +15,7 @@ from s2moe.app.tui.device import DeviceScreen, DeviceView, graph
 from s2moe.app.tui.profiles_screen import ProfilesScreen
 from s2moe.app.tui.session import ChatSettings
 from s2moe.app.tui.widgets import SHORT_LABELS
+from test_app_support import FakeDecoder, fake_run_calibration, only_test_profiles
 
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((60, 20), id="60x20")]
 MAIN_SCREENS = (ChatScreen, CalibrateScreen, ProfilesScreen, BenchScreen, DeviceScreen)
@@ -64,8 +63,13 @@ def test_the_header_keeps_the_model_and_profile_whole(size, monkeypatch):
         app = make_app()
         async with app.run_test(size=size) as pilot:
             await ready(pilot)
-            for key, name in (("f2", "Chat"), ("f3", "Calibrate"), ("f4", "Profiles"), ("f5", "Bench"),
-                              ("f10", "Device")):
+            for key, name in (
+                ("f2", "Chat"),
+                ("f3", "Calibrate"),
+                ("f4", "Profiles"),
+                ("f5", "Bench"),
+                ("f10", "Device"),
+            ):
                 await pilot.press(key)
                 await pilot.pause()
                 header = screen_text(app).splitlines()[0]
@@ -180,8 +184,11 @@ def test_no_key_means_two_things_across_the_screens():
             b = b if isinstance(b, Binding) else Binding(*b)
             for key in b.key.split(","):
                 meanings.setdefault(key.strip(), set()).add(b.action.split("(")[0])
-    clashes = {key: actions for key, actions in meanings.items()
-               if len(actions) > 1 and not any(actions <= same for same in SAME_MEANING)}
+    clashes = {
+        key: actions
+        for key, actions in meanings.items()
+        if len(actions) > 1 and not any(actions <= same for same in SAME_MEANING)
+    }
     assert not clashes
 
 
@@ -221,6 +228,7 @@ def test_shift_f6_and_shift_f9_go_back():
 @pytest.mark.parametrize("key", ["f2", "f3", "f4", "f5", "f10"])
 def test_tab_stops_only_where_the_focus_shows(key):
     """Every stop of Tab draws itself differently with the focus: no invisible container takes a Tab."""
+
     async def go():
         app = make_app()
         async with app.run_test(size=(80, 24)) as pilot:
@@ -252,8 +260,10 @@ def test_the_focused_prompt_has_a_heavy_frame():
     run(go)
 
 
-@pytest.mark.parametrize("query, command", [("export", "Save transcript…"), ("export", "Save bench results…"),
-                                            ("Save transcript", "Save transcript…")])
+@pytest.mark.parametrize(
+    "query, command",
+    [("export", "Save transcript…"), ("export", "Save bench results…"), ("Save transcript", "Save transcript…")],
+)
 def test_the_palette_finds_a_command_by_a_word_for_it(query, command):
     from s2moe.app.tui.commands import S2MoECommands
 
@@ -263,8 +273,10 @@ def test_the_palette_finds_a_command_by_a_word_for_it(query, command):
             await ready(pilot)
             provider = S2MoECommands(app.screen)
             hits = [hit async for hit in provider.search(query)]
-            assert command in [str(hit.match_display) if not hasattr(hit.match_display, "plain")
-                               else hit.match_display.plain for hit in hits]
+            assert command in [
+                str(hit.match_display) if not hasattr(hit.match_display, "plain") else hit.match_display.plain
+                for hit in hits
+            ]
 
     run(go)
 
@@ -335,8 +347,9 @@ def readings(jetson: bool):
     return device_samples() if jetson else plain_pc_samples()
 
 
-@pytest.mark.parametrize("jetson, thermal", [(True, False), (False, False), (False, True)],
-                         ids=["jetson", "pc", "pc-with-thermal-zones"])
+@pytest.mark.parametrize(
+    "jetson, thermal", [(True, False), (False, False), (False, True)], ids=["jetson", "pc", "pc-with-thermal-zones"]
+)
 def test_device_view_has_history_this_process_and_says_what_it_lacks(jetson, thermal):
     from collections import deque
     from dataclasses import replace

@@ -6,17 +6,23 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from s2moe.app.parser import build_parser
+from s2moe.app.tui.dialogs import SettingsDialog
+from s2moe.app.tui.session import ChatSettings
+from s2moe.app.tui.state import settings_from_state
+from s2moe.engine.errors import ConfigError
 from test_app import answered, fake_app, open_bench, open_settings, run, run_bench_screen, type_prompt, wait_for
 from test_app_support import fake_run_bench
 
-from s2moe.app.parser import build_parser
-from s2moe.app.tui.state import settings_from_state
-from s2moe.app.tui.dialogs import SettingsDialog
-from s2moe.app.tui.session import ChatSettings
-from s2moe.engine.errors import ConfigError
-
-SAMPLED = {"temperature": "0.7", "seed": "42", "top_k": "20", "top_p": "0.9", "min_p": "0.1",
-           "repeat_penalty": "1.1", "repeat_last_n": "32"}
+SAMPLED = {
+    "temperature": "0.7",
+    "seed": "42",
+    "top_k": "20",
+    "top_p": "0.9",
+    "min_p": "0.1",
+    "repeat_penalty": "1.1",
+    "repeat_last_n": "32",
+}
 
 
 async def fill_settings(pilot, app, values: dict) -> SettingsDialog:
@@ -37,15 +43,29 @@ def test_sampling_settings_reach_the_generation_and_persist_across_restarts():
             await fill_settings(pilot, app, SAMPLED)
             assert app.screen is chat
             s = chat.settings
-            assert (s.temperature, s.seed, s.top_k, s.top_p, s.min_p, s.repeat_penalty, s.repeat_last_n) == \
-                (0.7, 42, 20, 0.9, 0.1, 1.1, 32)
+            assert (s.temperature, s.seed, s.top_k, s.top_p, s.min_p, s.repeat_penalty, s.repeat_last_n) == (
+                0.7,
+                42,
+                20,
+                0.9,
+                0.1,
+                1.1,
+                32,
+            )
             bar = str(chat.query_one("#settings-bar").render())
             assert "T=0.7 seed 42 top-k=20 top-p=0.9 min-p=0.1 rep=1.1/32" in " ".join(bar.split())
             await type_prompt(pilot, "hello")
             await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, what="generation")
             cfg = app.fake_decoders[-1].configs[-1]
-            assert (cfg.temperature, cfg.seed, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repeat_penalty,
-                    cfg.repeat_last_n) == (0.7, 42, 20, 0.9, 0.1, 1.1, 32)
+            assert (
+                cfg.temperature,
+                cfg.seed,
+                cfg.top_k,
+                cfg.top_p,
+                cfg.min_p,
+                cfg.repeat_penalty,
+                cfg.repeat_last_n,
+            ) == (0.7, 42, 20, 0.9, 0.1, 1.1, 32)
             return s
 
     async def second(seen):
@@ -60,9 +80,16 @@ def test_sampling_settings_reach_the_generation_and_persist_across_restarts():
     assert seen == [saved]
 
 
-@pytest.mark.parametrize("key, value, flag", [("top_p", "2", "--top-p"), ("seed", "-2", "-s"),
-                                              ("temperature", "hot", "--temp"), ("top_k", "-1", "--top-k"),
-                                              ("repeat_penalty", "0", "--repeat-penalty")])
+@pytest.mark.parametrize(
+    "key, value, flag",
+    [
+        ("top_p", "2", "--top-p"),
+        ("seed", "-2", "-s"),
+        ("temperature", "hot", "--temp"),
+        ("top_k", "-1", "--top-k"),
+        ("repeat_penalty", "0", "--repeat-penalty"),
+    ],
+)
 def test_the_dialog_refuses_a_sampling_value_as_its_flag_does(key, value, flag):
     with pytest.raises(ConfigError) as cli:
         build_parser().parse_args(["generate", "-p", "x", flag, value])
@@ -116,17 +143,23 @@ def test_the_bench_screen_passes_its_sampling_options_to_the_bench(monkeypatch):
             screen.query_one("#bench-top_p").value = "0.9"
             await run_bench_screen(pilot, screen)
             base = calls[-1]["base"]
-            assert (base.temperature, base.seed, base.top_k, base.top_p, base.min_p, base.repeat_penalty,
-                    base.repeat_last_n) == (0.7, 42, 20, 0.9, 0.1, 1.1, 32)
+            assert (
+                base.temperature,
+                base.seed,
+                base.top_k,
+                base.top_p,
+                base.min_p,
+                base.repeat_penalty,
+                base.repeat_last_n,
+            ) == (0.7, 42, 20, 0.9, 0.1, 1.1, 32)
 
     run(go())
 
 
 @pytest.mark.parametrize("width", [60, 50, 40])
 def test_the_chat_footer_keeps_f1_at_small_widths(width):
-    from textual.widgets._footer import FooterKey
-
     from s2moe.app.tui.widgets import FittedFooter
+    from textual.widgets._footer import FooterKey
 
     def shown(app):
         footer = app.screen.query_one(FittedFooter)
@@ -151,8 +184,22 @@ def test_the_chat_footer_keeps_f1_at_small_widths(width):
     run(go())
 
 
-FLAGS = ["--temp", "0.6", "-s", "9", "--top-k", "12", "--top-p", "0.8", "--min-p", "0.01", "--repeat-penalty",
-         "1.05", "--repeat-last-n", "-1"]
+FLAGS = [
+    "--temp",
+    "0.6",
+    "-s",
+    "9",
+    "--top-k",
+    "12",
+    "--top-p",
+    "0.8",
+    "--min-p",
+    "0.01",
+    "--repeat-penalty",
+    "1.05",
+    "--repeat-last-n",
+    "-1",
+]
 
 
 def test_bench_takes_generates_sampling_flags_and_defaults():
@@ -162,8 +209,11 @@ def test_bench_takes_generates_sampling_flags_and_defaults():
     parser = build_parser()
     generate = sampling_settings(parser.parse_args(["generate", "-p", "x", *FLAGS]))
     bench = sampling_settings(parser.parse_args(["bench", *FLAGS]))
-    assert generate == bench == dict(temperature=0.6, seed=9, top_k=12, top_p=0.8, min_p=0.01, repeat_penalty=1.05,
-                                     repeat_last_n=-1)
+    assert (
+        generate
+        == bench
+        == dict(temperature=0.6, seed=9, top_k=12, top_p=0.8, min_p=0.01, repeat_penalty=1.05, repeat_last_n=-1)
+    )
     # not given: llama.cpp's defaults, the same as the engine's and the app's
     defaults = sampling_settings(parser.parse_args(["bench"]))
     engine = GenerationConfig()
@@ -171,8 +221,17 @@ def test_bench_takes_generates_sampling_flags_and_defaults():
     assert defaults == ChatSettings().sampling_fields()
 
 
-@pytest.mark.parametrize("flag, value", [("--top-p", "1.5"), ("--min-p", "-0.1"), ("-s", "-2"), ("--temp", "nan"),
-                                         ("--repeat-last-n", "-2"), ("--top-k", "x")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--top-p", "1.5"),
+        ("--min-p", "-0.1"),
+        ("-s", "-2"),
+        ("--temp", "nan"),
+        ("--repeat-last-n", "-2"),
+        ("--top-k", "x"),
+    ],
+)
 def test_bench_refuses_a_bad_sampling_value_as_generate_does(flag, value):
     reasons = []
     for command in (["generate", "-p", "x"], ["bench"]):
@@ -190,16 +249,21 @@ def test_a_random_seed_is_named_in_the_answer_and_repeats_it(tiny_models):
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_for(pilot, lambda: app.session.model is not None, timeout=60, what="model")
             chat = app.screen
-            await fill_settings(pilot, app, {"temperature": "1.0", "seed": "-1", "top_k": "0", "top_p": "1",
-                                             "min_p": "0"})
+            await fill_settings(
+                pilot, app, {"temperature": "1.0", "seed": "-1", "top_k": "0", "top_p": "1", "min_p": "0"}
+            )
             # gating off: a seed fixes the text wherever decoding is lossless; with gating on a verification's
             # routing depends on what was drafted with it, and whether to draft follows this process's timings
             chat.apply_settings(replace(chat.settings, n_predict=12, mode="s2moe", gating=False))
             answers = []
             for _ in range(2):
                 await type_prompt(pilot, "hello")
-                await wait_for(pilot, lambda: not chat.generating and len(chat.transcript.turns) > len(answers),
-                               timeout=120, what="generation")
+                await wait_for(
+                    pilot,
+                    lambda: not chat.generating and len(chat.transcript.turns) > len(answers),
+                    timeout=120,
+                    what="generation",
+                )
                 answers.append(chat.transcript.turns[-1])
             seeds = [turn.settings_text.split("seed ")[1].split()[0] for turn in answers]
             assert all(s.isdigit() for s in seeds) and "random" not in answers[0].settings_text
@@ -207,8 +271,7 @@ def test_a_random_seed_is_named_in_the_answer_and_repeats_it(tiny_models):
             chat.action_new_chat()
             await fill_settings(pilot, app, {"seed": seeds[0]})
             await type_prompt(pilot, "hello")
-            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, timeout=120,
-                           what="generation")
+            await wait_for(pilot, lambda: not chat.generating and chat.transcript.turns, timeout=120, what="generation")
             again = chat.transcript.turns[-1]
             assert f"seed {seeds[0]}" in again.settings_text
             assert again.answer_text == answers[0].answer_text
@@ -282,8 +345,7 @@ def test_the_apps_sampler_flags_override_the_remembered_settings_for_the_session
             s = app.screen.settings
             assert (s.temperature, s.top_k, s.seed, s.top_p) == (0.6, 7, 3, ChatSettings().top_p)
             await type_prompt(pilot, "hello")
-            await wait_for(pilot, lambda: not app.screen.generating and app.screen.transcript.turns,
-                           what="generation")
+            await wait_for(pilot, lambda: not app.screen.generating and app.screen.transcript.turns, what="generation")
             cfg = app.fake_decoders[-1].configs[-1]
             assert (cfg.temperature, cfg.top_k, cfg.seed) == (0.6, 7, 3)
 

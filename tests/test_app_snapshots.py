@@ -8,11 +8,10 @@ intended UI change with `pytest tests/test_app_snapshots.py --snapshot-update` a
 from __future__ import annotations
 
 import pytest
-from test_app_support import FakeDecoder, fake_run_bench, fake_run_calibration, only_test_profiles, scripted_events
-
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.messages import EngineEvent, JobEnded
 from s2moe.app.tui.session import view_of
+from test_app_support import FakeDecoder, fake_run_bench, fake_run_calibration, only_test_profiles, scripted_events
 
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((120, 40), id="120x40")]
 SMALL = pytest.param((60, 20), id="60x20")  # the smallest terminal the layout is meant to work in
@@ -22,12 +21,23 @@ SMALL = pytest.param((60, 20), id="60x20")  # the smallest terminal the layout i
 def fixed_profile_folders(tmp_path, monkeypatch):
     """Profiles come only from a folder this test writes (no user or shipped profiles leak in)."""
     only_test_profiles(tmp_path, monkeypatch)
-    packaged = [{"name": "olmoe-64x8", "path": "olmoe-64x8.gguf", "arch": "olmoe", "n_expert": 64, "k": 8,
-                 "size_bytes": 21_900_000}]
+    packaged = [
+        {
+            "name": "olmoe-64x8",
+            "path": "olmoe-64x8.gguf",
+            "arch": "olmoe",
+            "n_expert": 64,
+            "k": 8,
+            "size_bytes": 21_900_000,
+        }
+    ]
     monkeypatch.setattr("s2moe.app.tui.dialogs.packaged_models", lambda: packaged)
     # the engine will grow more modes; the snapshots keep a fixed list
-    for where in ("s2moe.app.tui.bench.engine_modes", "s2moe.app.tui.chat.engine_modes",
-                  "s2moe.app.tui.state.engine_modes"):
+    for where in (
+        "s2moe.app.tui.bench.engine_modes",
+        "s2moe.app.tui.chat.engine_modes",
+        "s2moe.app.tui.state.engine_modes",
+    ):
         monkeypatch.setattr(where, lambda: ("ar", "s2moe", "conf"))
     monkeypatch.setattr("s2moe.engine.measure.bench.ABLATION", {})
 
@@ -107,7 +117,6 @@ def feed_residency(chat) -> None:
     """A residency snapshot as an offloading decoder sends one: a quarter of each layer's experts in memory
     plus the pinned first expert, and the draft-predicted hit rate per layer."""
     import numpy as np
-
     from s2moe.engine.events import ResidencySnapshot
 
     shape = (4, 8)
@@ -125,6 +134,7 @@ def feed_residency(chat) -> None:
 def test_live_tiles_with_a_budget_and_an_ar_reference(snap_compare, size):
     """Every figure at once: tok/s against an ar run, accept length, rollbacks, reuse and memory per layer,
     utility against its threshold."""
+
     async def run_before(pilot):
         await ready(pilot)
         chat = pilot.app.screen
@@ -163,8 +173,14 @@ def test_live_panel_draws_the_draft_tree(snap_compare, size):
         chat.begin_turn("The cat")
         events = [as_tree(e) for e in scripted_events("tree")]
         # the last step drafted " warm and soft" (all accepted), " ran away" beside " soft", " dog" beside it all
-        events[-2] = replace(events[-2], drafted=(9, 10, 11, 13, 14, 12), rejected=(13, 14, 12), rollback=3,
-                             tree_parents=(-1, 0, 1, 1, 3, -1), accepted_path=(0, 1, 2))
+        events[-2] = replace(
+            events[-2],
+            drafted=(9, 10, 11, 13, 14, 12),
+            rejected=(13, 14, 12),
+            rollback=3,
+            tree_parents=(-1, 0, 1, 1, 3, -1),
+            accepted_path=(0, 1, 2),
+        )
         for i, event in enumerate(events):
             chat.on_engine_event(EngineEvent(chat._turn_index, event, view_of(event, decoder), 1.0 + 0.05 * i))
         chat.on_job_ended(JobEnded("generate"))
@@ -283,18 +299,39 @@ def device_samples():
     from s2moe.engine.measure.device import DeviceSample, parse_tegrastats
 
     gib = 1 << 30
-    memory = {"MemTotal": 30 * gib, "MemAvailable": 12 * gib, "Cached": 9 * gib, "SwapTotal": 15 * gib,
-              "SwapFree": 14 * gib}
-    jetson = parse_tegrastats("GR3D_FREQ 37%@[305,305] CPU@46.6C GPU@41.5C tj@46.7C VDD_GPU_SOC 2400mW/2300mW "
-                              "VDD_CPU_CV 400mW/400mW")
-    cgroup = {"total": int(1.4 * gib), "limit": int(1.5 * gib), "anon": int(0.3 * gib), "file": int(1.0 * gib),
-              "locked": int(0.1 * gib)}
+    memory = {
+        "MemTotal": 30 * gib,
+        "MemAvailable": 12 * gib,
+        "Cached": 9 * gib,
+        "SwapTotal": 15 * gib,
+        "SwapFree": 14 * gib,
+    }
+    jetson = parse_tegrastats(
+        "GR3D_FREQ 37%@[305,305] CPU@46.6C GPU@41.5C tj@46.7C VDD_GPU_SOC 2400mW/2300mW VDD_CPU_CV 400mW/400mW"
+    )
+    cgroup = {
+        "total": int(1.4 * gib),
+        "limit": int(1.5 * gib),
+        "anon": int(0.3 * gib),
+        "file": int(1.0 * gib),
+        "locked": int(0.1 * gib),
+    }
     process = {"VmRSS": int(1.2 * gib), "RssAnon": int(0.4 * gib), "RssFile": int(0.8 * gib), "VmSwap": 0}
-    return [DeviceSample(float(i), memory, [((i + c) % 10) / 10 for c in range(12)] if i else [],
-                         None if i == 0 else 1e6 * (40 + 20 * (i % 3)), "nvme0n1",
-                         None if i == 0 else 1e6 * (50 + 30 * (i % 4)), (int(8.1 * gib), 13 * gib), cgroup,
-                         dict(jetson, gpu_load=20 + 9 * i), process)
-            for i in range(8)]
+    return [
+        DeviceSample(
+            float(i),
+            memory,
+            [((i + c) % 10) / 10 for c in range(12)] if i else [],
+            None if i == 0 else 1e6 * (40 + 20 * (i % 3)),
+            "nvme0n1",
+            None if i == 0 else 1e6 * (50 + 30 * (i % 4)),
+            (int(8.1 * gib), 13 * gib),
+            cgroup,
+            dict(jetson, gpu_load=20 + 9 * i),
+            process,
+        )
+        for i in range(8)
+    ]
 
 
 def plain_pc_samples():
@@ -305,8 +342,9 @@ def plain_pc_samples():
 
 
 @pytest.mark.parametrize("size", [pytest.param((80, 24), id="80x24"), SMALL])
-@pytest.mark.parametrize("readings", [pytest.param(device_samples, id="jetson"),
-                                      pytest.param(plain_pc_samples, id="pc")])
+@pytest.mark.parametrize(
+    "readings", [pytest.param(device_samples, id="jetson"), pytest.param(plain_pc_samples, id="pc")]
+)
 def test_device(snap_compare, size, readings, monkeypatch):
     samples = readings()
     monkeypatch.setattr("s2moe.app.tui.device.DeviceScreen.INTERVAL", 3600.0)  # no reading of this machine

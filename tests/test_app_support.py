@@ -9,20 +9,46 @@ from inspect import signature
 from pathlib import Path
 
 import numpy as np
-
-from s2moe.engine.measure.bench_results import BenchDone, BenchProgress, BenchRow
-from s2moe.engine.measure.bench import run_bench as REAL_RUN_BENCH
-from s2moe.engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
-from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
 from s2moe.engine.decoding.chat import Template
 from s2moe.engine.decoding.generation_config import GenerationConfig
-from s2moe.engine.events import (CostConstants, DraftCandidate, Finished, Iteration, Prefilled, ResidencySnapshot,
-                                 Started)
+from s2moe.engine.events import (
+    CostConstants,
+    DraftCandidate,
+    Finished,
+    Iteration,
+    Prefilled,
+    ResidencySnapshot,
+    Started,
+)
+from s2moe.engine.measure.bench import run_bench as REAL_RUN_BENCH
+from s2moe.engine.measure.bench_results import BenchDone, BenchProgress, BenchRow
+from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
+from s2moe.engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.measure.speed import MIN_PAIRS, Load, compare
 
-VOCAB = {i: w for i, w in enumerate(
-    [" The", " cat", " sat", " on", " the", " mat", ".", " It", " was", " warm", " and", " soft", " dog",
-     " ran", " away", " home"])}
+VOCAB = {
+    i: w
+    for i, w in enumerate(
+        [
+            " The",
+            " cat",
+            " sat",
+            " on",
+            " the",
+            " mat",
+            ".",
+            " It",
+            " was",
+            " warm",
+            " and",
+            " soft",
+            " dog",
+            " ran",
+            " away",
+            " home",
+        ]
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -62,32 +88,45 @@ def scripted_iterations(mode: str = "s2moe", n_layer: int = 4, repeat: int = 1):
             drafted = accepted + rejected
             committed = accepted + (target,)
             cands = tuple(
-                DraftCandidate(t, VOCAB[t], 0.9 - 0.1 * j, 0.9 ** (j + 1), 3.0 - 0.6 * j,
-                               np.ones(n_layer, int), True)
-                for j, t in enumerate(drafted))
+                DraftCandidate(t, VOCAB[t], 0.9 - 0.1 * j, 0.9 ** (j + 1), 3.0 - 0.6 * j, np.ones(n_layer, int), True)
+                for j, t in enumerate(drafted)
+            )
             if mode != "ar":
                 cands += (DraftCandidate(15, VOCAB[15], 0.2, 0.05, 0.4, np.ones(n_layer, int), False),)
-            reuse = np.array([0.4 + 0.1 * (l % 3) for l in range(n_layer)]) if drafted else np.zeros(n_layer)
+            reuse = np.array([0.4 + 0.1 * (layer % 3) for layer in range(n_layer)]) if drafted else np.zeros(n_layer)
             yield Iteration(
-                index=index, candidates=cands, drafted=drafted, accepted=accepted, rejected=rejected,
-                target_token=target, committed=committed, committed_text="".join(VOCAB[t] for t in committed),
-                draft_stop="utility" if drafted else "no-draft", rollback=len(rejected), kv_end=10 + index,
-                n_committed=10 + index, verify_tokens=len(drafted) + 1,
-                verify_experts=np.full(n_layer, 4 + len(drafted)), reuse_ratio=reuse,
-                gated_moves=1 if rejected else 0, t_draft=0.001, t_verify=0.002,
+                index=index,
+                candidates=cands,
+                drafted=drafted,
+                accepted=accepted,
+                rejected=rejected,
+                target_token=target,
+                committed=committed,
+                committed_text="".join(VOCAB[t] for t in committed),
+                draft_stop="utility" if drafted else "no-draft",
+                rollback=len(rejected),
+                kv_end=10 + index,
+                n_committed=10 + index,
+                verify_tokens=len(drafted) + 1,
+                verify_experts=np.full(n_layer, 4 + len(drafted)),
+                reuse_ratio=reuse,
+                gated_moves=1 if rejected else 0,
+                t_draft=0.001,
+                t_verify=0.002,
             )
 
 
-COST = CostConstants(t_ar=0.01, c_draft=0.004, t_exp=0.0001, t_tok=0.001, intercept=0.002,
-                     source="profile:test")
+COST = CostConstants(t_ar=0.01, c_draft=0.004, t_exp=0.0001, t_tok=0.001, intercept=0.002, source="profile:test")
 
 
 def scripted_events(mode: str = "s2moe", repeat: int = 1, utility: bool = True, reuse_strength: float = 0.5):
     """A whole generation: Started, Prefilled, iterations, Finished, with fixed numbers."""
     its = list(scripted_iterations(mode, repeat=repeat))
     config = {"mode": mode, "threshold": 1.0, "utility": utility, "reuse_strength": reuse_strength}
-    events = [Started(mode, "fake-moe", (1, 2, 3), 4, 8, 4, config, COST if mode == "s2moe" else None),
-              Prefilled(3, 0.01)]
+    events = [
+        Started(mode, "fake-moe", (1, 2, 3), 4, 8, 4, config, COST if mode == "s2moe" else None),
+        Prefilled(3, 0.01),
+    ]
     events += its
     tokens = tuple(t for it in its for t in it.committed)
     events.append(Finished(tokens, "".join(VOCAB[t] for t in tokens), len(tokens), 0.5, "length", len(its)))
@@ -97,8 +136,9 @@ def scripted_events(mode: str = "s2moe", repeat: int = 1, utility: bool = True, 
 class FakeDecoder:
     """Stands in for engine.decoder.Decoder: the scripted iterations, forever if `endless`."""
 
-    def __init__(self, path: str = "fake-moe.gguf", *, delay: float = 0.0, endless: bool = False,
-                 residency: bool = False):
+    def __init__(
+        self, path: str = "fake-moe.gguf", *, delay: float = 0.0, endless: bool = False, residency: bool = False
+    ):
         self.info = FakeInfo()
         self.residency = residency  # emit ResidencySnapshot events, as an offloading decoder does
         self.delay = delay
@@ -123,9 +163,21 @@ class FakeDecoder:
         self.configs.append(cfg)
         cfg.validate(self.info)
         t0 = time.perf_counter()
-        yield Started(cfg.mode, "fake-moe", (1, 2, 3), 4, 8, 4,
-                      {"mode": cfg.mode, "threshold": cfg.threshold, "utility": cfg.utility,
-                       "reuse_strength": cfg.reuse_strength}, COST)
+        yield Started(
+            cfg.mode,
+            "fake-moe",
+            (1, 2, 3),
+            4,
+            8,
+            4,
+            {
+                "mode": cfg.mode,
+                "threshold": cfg.threshold,
+                "utility": cfg.utility,
+                "reuse_strength": cfg.reuse_strength,
+            },
+            COST,
+        )
         yield Prefilled(3, 0.001)
         tokens, n, reason = [], 0, "length"
         while True:
@@ -161,8 +213,11 @@ def fake_run_calibration(calls: list | None = None):
     """Stands in for engine.calibrate.run_calibration (called as the real one would be): its events with fixed
     numbers. `calls` collects the arguments of each call."""
     calls = [] if calls is None else calls
-    steps = [("bandwidth", "memory and storage bandwidth"), ("steps", "T_AR and draft step cost"),
-             ("cost model", "regression of verification latency on experts and tokens")]
+    steps = [
+        ("bandwidth", "memory and storage bandwidth"),
+        ("steps", "T_AR and draft step cost"),
+        ("cost model", "regression of verification latency on experts and tokens"),
+    ]
 
     def run_calibration(model_path, **kw):
         call = signature(REAL_RUN_CALIBRATION).bind(model_path, **kw)
@@ -175,13 +230,24 @@ def fake_run_calibration(calls: list | None = None):
             data = {}
             if step == "cost model":
                 measured = [1.0, 1.5, 2.0, 2.6, 3.1, 3.4]
-                data = {"measured": measured, "predicted": [m * 1.02 for m in measured], "r2": 0.987,
-                        "mape": 0.021}
+                data = {"measured": measured, "predicted": [m * 1.02 for m in measured], "r2": 0.987, "mape": 0.021}
             yield StepResult(i, step, f"{step} measured", data)
-        profile = {"schema": 1, "name": name or "local", "kind": "measured",
-                   "device": {"name": "test cpu", "kind": "cpu"},
-                   "models": {"0123456789abcdef": {"model": "fake-moe.gguf", "t_ar_ms": 10.0, "c_draft_ms": 4.0,
-                                                   "t_exp_ms": 0.1, "t_tok_ms": 1.0, "intercept_ms": 2.0}}}
+        profile = {
+            "schema": 1,
+            "name": name or "local",
+            "kind": "measured",
+            "device": {"name": "test cpu", "kind": "cpu"},
+            "models": {
+                "0123456789abcdef": {
+                    "model": "fake-moe.gguf",
+                    "t_ar_ms": 10.0,
+                    "c_draft_ms": 4.0,
+                    "t_exp_ms": 0.1,
+                    "t_tok_ms": 1.0,
+                    "intercept_ms": 2.0,
+                }
+            },
+        }
         yield CalibrationDone(profile, None)
 
     return run_calibration
@@ -207,20 +273,40 @@ def fake_run_bench(model, **kw):
                 yield BenchProgress(done, total, m, pi, repeat=rep)
     n_runs = repeats * len(prompts)
     # each generation's tok/s, a little apart from run to run: s2moe clearly ahead of ar
-    runs = {m: [(100.0 + 20 * i) * (1 + 0.01 * ((k * 7 + i * 3) % 5 - 2)) for k in range(n_runs)]
-            for i, m in enumerate(modes)}
+    runs = {
+        m: [(100.0 + 20 * i) * (1 + 0.01 * ((k * 7 + i * 3) % 5 - 2)) for k in range(n_runs)]
+        for i, m in enumerate(modes)
+    }
     interval = {m: compare(m, "ar", [a / b for a, b in zip(runs[m], runs["ar"])]) for m in modes}
-    rows = [BenchRow(mode=m, budget="none", prompt_set=prompt_set, n_prompts=len(prompts), n_tokens=n_tokens,
-                     seconds=n_tokens / (100.0 + 20 * i), tok_per_s=100.0 + 20 * i, speedup_vs_ar=1.0 + 0.2 * i,
-                     accept_len=1.0 + i, draft_len=float(i), acceptance_rate=0.0 if m == "ar" else 0.8,
-                     reuse_ratio=None if m == "ar" else 0.5, reuse_ratio_per_layer=None, verify_experts=None,
-                     effective_verify_cost=None, rollbacks=3 * i, t_draft=0.0, t_verify=0.0,
-                     identical_to_ar=None if m == "ar" else 1.0, tokens=[[1, 2]] * len(prompts) if m == "ar" else None,
-                     tok_per_s_repeats=[100.0 + 20 * i + d for d in (-4.0, 0.0, 6.0)[:repeats]],
-                     speedup_repeats=[1.0 + (0.2 * i + d if m != "ar" else 0.0) for d in (-0.05, 0.0, 0.1)[:repeats]],
-                     run_tok_per_s=runs[m], speedup_interval=None if m == "ar" or interval[m].n < MIN_PAIRS
-                     else [interval[m].low, interval[m].high])
-            for i, m in enumerate(modes)]
+    rows = [
+        BenchRow(
+            mode=m,
+            budget="none",
+            prompt_set=prompt_set,
+            n_prompts=len(prompts),
+            n_tokens=n_tokens,
+            seconds=n_tokens / (100.0 + 20 * i),
+            tok_per_s=100.0 + 20 * i,
+            speedup_vs_ar=1.0 + 0.2 * i,
+            accept_len=1.0 + i,
+            draft_len=float(i),
+            acceptance_rate=0.0 if m == "ar" else 0.8,
+            reuse_ratio=None if m == "ar" else 0.5,
+            reuse_ratio_per_layer=None,
+            verify_experts=None,
+            effective_verify_cost=None,
+            rollbacks=3 * i,
+            t_draft=0.0,
+            t_verify=0.0,
+            identical_to_ar=None if m == "ar" else 1.0,
+            tokens=[[1, 2]] * len(prompts) if m == "ar" else None,
+            tok_per_s_repeats=[100.0 + 20 * i + d for d in (-4.0, 0.0, 6.0)[:repeats]],
+            speedup_repeats=[1.0 + (0.2 * i + d if m != "ar" else 0.0) for d in (-0.05, 0.0, 0.1)[:repeats]],
+            run_tok_per_s=runs[m],
+            speedup_interval=None if m == "ar" or interval[m].n < MIN_PAIRS else [interval[m].low, interval[m].high],
+        )
+        for i, m in enumerate(modes)
+    ]
     yield BenchDone(rows, {}, {"r2": 0.95}, {}, config={"load": FAKE_LOAD.as_dict()})
 
 

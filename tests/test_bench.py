@@ -8,22 +8,31 @@ import os
 
 import numpy as np
 import pytest
-
-from s2moe.engine.measure.quality_checks import ERROR_KEYS, batch_means_se, gating_quality, memory_gating_quality
-from s2moe.engine.measure.bench_results import BenchDone, BenchProgress
-from s2moe.engine.measure.prompts import load_prompts
-from s2moe.engine.measure.bench import run_bench
 from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.files import write_atomic
+from s2moe.engine.measure.bench import run_bench
+from s2moe.engine.measure.bench_results import BenchDone, BenchProgress
+from s2moe.engine.measure.prompts import load_prompts
+from s2moe.engine.measure.quality_checks import ERROR_KEYS, batch_means_se, gating_quality, memory_gating_quality
 
 MODES = ["ar", "naive", "conf", "cascade", "lookup", "s2moe"]
 
 
 def _bench(decoder, modes, **kw):
     _, prompts = load_prompts("natural", 2)
-    events = list(run_bench(str(decoder.info.path), prompts=prompts, modes=modes, n_tokens=24, decoder=decoder,
-                            prompt_set="natural", quality_texts=prompts, **kw))
+    events = list(
+        run_bench(
+            str(decoder.info.path),
+            prompts=prompts,
+            modes=modes,
+            n_tokens=24,
+            decoder=decoder,
+            prompt_set="natural",
+            quality_texts=prompts,
+            **kw,
+        )
+    )
     return events
 
 
@@ -91,8 +100,19 @@ def test_modes_are_interleaved_per_prompt_in_a_balanced_order(decoders):
     # the order carries on into the second repeat (balanced_order), so no mode always runs first, nor always
     # after the same mode
     assert [(e.repeat, e.prompt_index, e.mode) for e in progress[3:]] == [
-        (0, 0, "ar"), (0, 0, "conf"), (0, 0, "lookup"), (0, 1, "conf"), (0, 1, "lookup"), (0, 1, "ar"),
-        (1, 0, "lookup"), (1, 0, "ar"), (1, 0, "conf"), (1, 1, "lookup"), (1, 1, "conf"), (1, 1, "ar")]
+        (0, 0, "ar"),
+        (0, 0, "conf"),
+        (0, 0, "lookup"),
+        (0, 1, "conf"),
+        (0, 1, "lookup"),
+        (0, 1, "ar"),
+        (1, 0, "lookup"),
+        (1, 0, "ar"),
+        (1, 0, "conf"),
+        (1, 1, "lookup"),
+        (1, 1, "conf"),
+        (1, 1, "ar"),
+    ]
     assert [e.done for e in progress[3:]] == list(range(1, 13)) and {e.total for e in progress} == {12}
 
 
@@ -110,8 +130,9 @@ def test_repeats_give_each_mode_a_median_and_a_spread(decoders):
         assert r.tok_per_s_range == f"{lo:.1f}–{hi:.1f}"
     assert ar.speedup_repeats == [1.0, 1.0, 1.0] and ar.speedup_vs_ar == 1.0
     # each repeat's ratio is against ar's speed in the same repeat
-    assert lookup.speedup_repeats == pytest.approx([t / a for t, a in zip(lookup.tok_per_s_repeats,
-                                                                          ar.tok_per_s_repeats)])
+    assert lookup.speedup_repeats == pytest.approx(
+        [t / a for t, a in zip(lookup.tok_per_s_repeats, ar.tok_per_s_repeats)]
+    )
     assert lookup.speedup_vs_ar == pytest.approx(statistics.median(lookup.speedup_repeats))
     # tokens are compared with ar's once per prompt, not once per repeat
     assert lookup.identical_to_ar == 1.0 and lookup.n_prompts == 2 and lookup.lossless_ok
@@ -181,11 +202,36 @@ def test_bench_cli_writes_json_and_markdown(tiny_models, tmp_path):
     import sys
 
     out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
-    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(tiny_models["qwen3moe"]),
-                           "--prompts", "natural", "--n-prompts", "2", "-n", "16", "--threads", "1",
-                           "--modes", "ar,lookup,s2moe", "--json", str(out_json), "--md", str(out_md),
-                           "--repeats", "2"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "80"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "bench",
+            "--model",
+            str(tiny_models["qwen3moe"]),
+            "--prompts",
+            "natural",
+            "--n-prompts",
+            "2",
+            "-n",
+            "16",
+            "--threads",
+            "1",
+            "--modes",
+            "ar,lookup,s2moe",
+            "--json",
+            str(out_json),
+            "--md",
+            str(out_md),
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert done.returncode == 0, done.stderr
     assert max(len(line) for line in done.stdout.splitlines()) <= 80 and "…" not in done.stdout
     assert "median of 2 repeats" in done.stdout and "× ar range" in done.stdout
@@ -202,8 +248,19 @@ def test_bench_cli_writes_json_and_markdown(tiny_models, tmp_path):
     assert "| llama.cpp |" in out_md.read_text()
     # the report says what the terminal said under the table
     assert "\n- fastest: " in out_md.read_text() and "\n- \\*: not lossless by design" in out_md.read_text()
-    for key in ("mode", "budget", "prompt_set", "tok_per_s", "speedup_vs_ar", "accept_len", "draft_len",
-                "reuse_ratio", "verify_experts", "effective_verify_cost", "rollbacks"):
+    for key in (
+        "mode",
+        "budget",
+        "prompt_set",
+        "tok_per_s",
+        "speedup_vs_ar",
+        "accept_len",
+        "draft_len",
+        "reuse_ratio",
+        "verify_experts",
+        "effective_verify_cost",
+        "rollbacks",
+    ):
         assert key in data["results"][0]
     assert set(data) >= {"results", "quality", "cost_model", "machine"}
     assert "| lookup |" in out_md.read_text()
@@ -230,11 +287,38 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     out_json = tmp_path / "b.json"
     # a copy that no decoder of this test session maps, so that its pages can be dropped for the storage reads
     model = shutil.copy(tiny_models["olmoe"], tmp_path / "model.gguf")
-    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(model),
-                           "--prompts", "natural", "--n-prompts", "1", "-n", "8", "--threads", "1",
-                           "--modes", "ar,naive,s2moe", "--budget", "none,auto", "--no-quality", "--json",
-                           str(out_json), "-b", "32", "--trace", str(tmp_path / "T")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "bench",
+            "--model",
+            str(model),
+            "--prompts",
+            "natural",
+            "--n-prompts",
+            "1",
+            "-n",
+            "8",
+            "--threads",
+            "1",
+            "--modes",
+            "ar,naive,s2moe",
+            "--budget",
+            "none,auto",
+            "--no-quality",
+            "--json",
+            str(out_json),
+            "-b",
+            "32",
+            "--trace",
+            str(tmp_path / "T"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     said = " ".join(done.stdout.split())  # the report wraps at the console's width
     # no profile: no hot experts pinned under the budget, and the command that would give them
@@ -250,8 +334,9 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
     assert [r["identical_to_ar"] for r in rows if r["mode"] == "llama.cpp"] == [1.0, 1.0]
     # -b reaches the budget's process, which says what it ran
     assert data["config"]["batch_by_budget"] == {budgets[4]: 32}
-    assert ("llama.cpp's batch (a prompt's prefill chunk, its compute buffers sized for it): "
-            f"32 tokens under {budgets[4]}") in said
+    assert (
+        f"llama.cpp's batch (a prompt's prefill chunk, its compute buffers sized for it): 32 tokens under {budgets[4]}"
+    ) in said
     # the child's own cost-model fit comes back, keyed by its budget label (naive always drafts, so the
     # verifications vary in size)
     assert list(data["cost_model_by_budget"]) == [budgets[4]]
@@ -290,8 +375,10 @@ def test_bench_under_a_memory_budget_adds_rows_from_a_cgroup(tiny_models, tmp_pa
 
     budgeted = [read_trace(p) for p in sorted((tmp_path / "T").glob("budget-auto-*.jsonl"))]
     assert budgeted and all(t.header.budget["storage"]["readings"] == 2 * STORAGE_PASSES for t in budgeted)
-    assert all(t.header.budget["storage"]["qd8_gb_s"] == pytest.approx(storage["by_budget"][rows[4]["budget"]]["qd8_gb_s"])
-               for t in budgeted)
+    assert all(
+        t.header.budget["storage"]["qd8_gb_s"] == pytest.approx(storage["by_budget"][rows[4]["budget"]]["qd8_gb_s"])
+        for t in budgeted
+    )
     assert all(read_trace(p).header.budget is None for p in (tmp_path / "T").glob("resident-*.jsonl"))
 
 
@@ -309,10 +396,34 @@ def test_a_mode_list_that_starts_with_a_dash_reaches_the_budget_s_child_whole(ti
         pytest.skip(f"no memory cgroup here: {reason}")
     out_json = tmp_path / "b.json"
     model = shutil.copy(tiny_models["olmoe"], tmp_path / "model.gguf")
-    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--model", str(model), "--prompts",
-                           "natural", "--n-prompts", "1", "-n", "4", "--threads", "1", "--modes=-gating,ar",
-                           "--budget", "auto", "--no-quality", "--no-reference", "--json", str(out_json)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "bench",
+            "--model",
+            str(model),
+            "--prompts",
+            "natural",
+            "--n-prompts",
+            "1",
+            "-n",
+            "4",
+            "--threads",
+            "1",
+            "--modes=-gating,ar",
+            "--budget",
+            "auto",
+            "--no-quality",
+            "--no-reference",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert [r["mode"] for r in json.loads(out_json.read_text())["results"]] == ["-gating", "ar"]
 
@@ -332,7 +443,10 @@ def test_the_bound_reads_the_disk_around_each_budget_and_falls_back_to_the_profi
     around = {"auto": [(0.7e9, 1.0e9), (0.8e9, 1.6e9), (0.6e9, 1.2e9)], "350 MiB": [(0.5e9, 0.9e9)]}
     got = storage_record(around, 2e6, profile, fp)
     assert got["source"].startswith("read by this run") and got["n_readings"] == 4
-    assert got["by_budget"]["auto"] == {"qd8_gb_s": pytest.approx(1.2), "qd8_range": [pytest.approx(1.0), pytest.approx(1.6)]}
+    assert got["by_budget"]["auto"] == {
+        "qd8_gb_s": pytest.approx(1.2),
+        "qd8_range": [pytest.approx(1.0), pytest.approx(1.6)],
+    }
     assert got["by_budget"]["350 MiB"]["qd8_gb_s"] == pytest.approx(0.9)
     assert got["qd8_range"] == [pytest.approx(0.9), pytest.approx(1.6)] and got["qd1_gb_s"] == pytest.approx(0.65)
     fallback = storage_record({"auto": []}, 2e6, profile, fp)
@@ -350,8 +464,28 @@ def test_the_storage_bound_adds_fetch_time_to_the_same_modes_resident_compute():
     from s2moe.engine.measure.bench_results import BenchRow, storage_bound
 
     def row(mode, budget, seconds, fetched):
-        return BenchRow(mode, budget, "natural", 1, 100, seconds, 100 / seconds, None, 1.0, 0.0, 0.0, None, None,
-                        None, None, 0, 0.0, 0.0, None, fetched_per_token=fetched)
+        return BenchRow(
+            mode,
+            budget,
+            "natural",
+            1,
+            100,
+            seconds,
+            100 / seconds,
+            None,
+            1.0,
+            0.0,
+            0.0,
+            None,
+            None,
+            None,
+            None,
+            0,
+            0.0,
+            0.0,
+            None,
+            fetched_per_token=fetched,
+        )
 
     rows = [row("ar", "none", 1.0, None), row("ar", "auto", 5.0, 10.0), row("s2moe", "auto", 4.0, 20.0)]
     rows.append(row("ar", "350 MiB", 9.0, 10.0))
@@ -372,7 +506,9 @@ def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_r
 
     # bounds at 1 ms a fetch: 1 + 4 + 4 + 10 = 19 ms and 1 + 8 + 10 + 30 = 49 ms
     measured = [2 * 19e-3, 2 * 49e-3]
-    assert verification_bound_ratio({"measured_s": measured, "miss_aware": fit}, resident, 1e6, 1e9) == pytest.approx(2.0)
+    assert verification_bound_ratio({"measured_s": measured, "miss_aware": fit}, resident, 1e6, 1e9) == pytest.approx(
+        2.0
+    )
     assert verification_bound_ratio({"measured_s": measured[:1], "miss_aware": fit}, resident, 1e6, 1e9) is None
     assert verification_bound_ratio({"measured_s": measured, "miss_aware": {}}, resident, 1e6, 1e9) is None
     # each kind of batch against its own bound: the first a plain step, the second a copy
@@ -384,13 +520,24 @@ def test_verifications_are_held_against_fetches_at_the_storage_rate_plus_their_r
 
 
 def test_a_verification_s_kind_is_what_its_batch_held():
-    from s2moe.engine.measure.bench_results import verification_kind
     from s2moe.engine.events import DraftDecision, Iteration
+    from s2moe.engine.measure.bench_results import verification_kind
 
     def iteration(drafted, copied=None):
-        decision = DraftDecision(drafting=bool(drafted), can_pay=True, probing=False, threshold=1.0, utility=1.0,
-                                 p_first=1.0, new_experts=0.0, t_ar=1.0, cost=1.0, c_draft=0.0, t_tok=0.1,
-                                 copied=copied)
+        decision = DraftDecision(
+            drafting=bool(drafted),
+            can_pay=True,
+            probing=False,
+            threshold=1.0,
+            utility=1.0,
+            p_first=1.0,
+            new_experts=0.0,
+            t_ar=1.0,
+            cost=1.0,
+            c_draft=0.0,
+            t_tok=0.1,
+            copied=copied,
+        )
         fields = {f: None for f in Iteration.__dataclass_fields__}
         fields.update(drafted=tuple(drafted), draft_decision=decision)
         return Iteration(**fields)
@@ -405,12 +552,31 @@ def test_a_mode_that_decoded_as_ar_is_marked_so_its_ratio_reads_as_noise():
     from s2moe.engine.measure.bench_results import BenchRow
 
     def row(mode, draft_len, identical):
-        return BenchRow(mode, "none", "natural", 2, 100, 1.0, 100.0, 1.05, 1.0, draft_len, 0.0, None, None, None,
-                        None, 0, 0.0, 0.0, identical)
+        return BenchRow(
+            mode,
+            "none",
+            "natural",
+            2,
+            100,
+            1.0,
+            100.0,
+            1.05,
+            1.0,
+            draft_len,
+            0.0,
+            None,
+            None,
+            None,
+            None,
+            0,
+            0.0,
+            0.0,
+            identical,
+        )
 
     assert row("s2moe", 0.0, 1.0).speedup_text == "1.05≈"  # no drafts, ar's tokens: the same decoding
-    assert row("s2moe", 0.5, 1.0).speedup_text == "1.05"   # it drafted: a real comparison
-    assert row("s2moe", 0.0, 0.5).speedup_text == "1.05"   # different tokens (gating): not the same decoding
+    assert row("s2moe", 0.5, 1.0).speedup_text == "1.05"  # it drafted: a real comparison
+    assert row("s2moe", 0.0, 0.5).speedup_text == "1.05"  # different tokens (gating): not the same decoding
     assert row("ar", 0.0, None).speedup_text == "1.05"
 
 
@@ -420,14 +586,38 @@ def test_the_footnotes_explain_the_marks_name_the_fastest_and_warn_of_a_busy_mac
     from s2moe.engine.measure.speed import Load
 
     def row(mode, runs, lossless=True, interval=None):
-        return BenchRow(mode, "none", "natural", 4, 256, 1.0, sum(runs) / 4, 1.0, 1.5, 1.0, 0.5, None, None, None,
-                        None, 0, 0.0, 0.0, None if mode == "ar" else 1.0, lossless, run_tok_per_s=runs,
-                        speedup_interval=interval)
+        return BenchRow(
+            mode,
+            "none",
+            "natural",
+            4,
+            256,
+            1.0,
+            sum(runs) / 4,
+            1.0,
+            1.5,
+            1.0,
+            0.5,
+            None,
+            None,
+            None,
+            None,
+            0,
+            0.0,
+            0.0,
+            None if mode == "ar" else 1.0,
+            lossless,
+            run_tok_per_s=runs,
+            speedup_interval=interval,
+        )
 
     ar = [100.0, 101.0, 99.0, 100.0]
     noisy = [92.0, 121.0, 99.0, 95.0]
-    rows = [row("ar", ar), row("lookup", noisy, interval=[0.9, 1.12]),
-            row("s2moe", [130.0, 128.0, 131.0, 133.0], lossless=False, interval=[1.28, 1.33])]
+    rows = [
+        row("ar", ar),
+        row("lookup", noisy, interval=[0.9, 1.12]),
+        row("s2moe", [130.0, 128.0, 131.0, 133.0], lossless=False, interval=[1.28, 1.33]),
+    ]
     busy = Load(cpus=2, load_at_start=1.6, other_cpus=0.9, busiest=[("python", 0.9)], seconds=20.0)
     done = BenchDone(rows, {}, {}, {}, config={"load": busy.as_dict()})
     _, cells = _cells(done)
@@ -440,8 +630,13 @@ def test_the_footnotes_explain_the_marks_name_the_fastest_and_warn_of_a_busy_mac
     assert any(n.startswith("lookup ") and "not significant" in n for n in notes)
     assert notes[-1].startswith("warning: other processes used 0.9 of 2 CPUs")
     # a quiet machine, every mode lossless: no warning, no asterisk to explain
-    quiet = BenchDone([row("ar", ar), row("lookup", noisy, interval=[0.9, 1.12])], {}, {}, {},
-                      config={"load": Load(2, 0.1, 0.0).as_dict()})
+    quiet = BenchDone(
+        [row("ar", ar), row("lookup", noisy, interval=[0.9, 1.12])],
+        {},
+        {},
+        {},
+        config={"load": Load(2, 0.1, 0.0).as_dict()},
+    )
     notes = footnotes(quiet)
     assert not any(n.startswith(("*", "warning")) for n in notes)
     assert notes[-1] == "fastest: lookup — 1.01 ± 0.12× ar (not significant)"
@@ -453,19 +648,42 @@ def _done_with_rows(offloaded: bool, repeats: int):
     rows = []
     for i, mode in enumerate(["ar", "naive", "cascade", "s2moe", "llama.cpp"]):
         tps = [100.0 + 10 * i + j for j in range(repeats)]
-        rows.append(BenchRow(mode, "none" if not offloaded else "1.5GiB", "natural", 8, 512, 12.345, tps[0],
-                             1.0 + i / 10, 1.5, 2.25, 0.5, 0.123, None, 123.4, 0.75, 1000 + i, 12.34, 56.78,
-                             1.0 if mode != "ar" else None, True, fetched_per_token=12.5 if offloaded else None,
-                             bound_tok_per_s=33.3 if offloaded else None, tok_per_s_repeats=tps,
-                             speedup_repeats=[1.0 + i / 10 + j / 100 for j in range(repeats)]))
-    return BenchDone(rows, {}, {}, {}, config={"prompt_set": "natural", "n_prompts": 8, "n_tokens": 64,
-                                               "repeats": repeats})
+        rows.append(
+            BenchRow(
+                mode,
+                "none" if not offloaded else "1.5GiB",
+                "natural",
+                8,
+                512,
+                12.345,
+                tps[0],
+                1.0 + i / 10,
+                1.5,
+                2.25,
+                0.5,
+                0.123,
+                None,
+                123.4,
+                0.75,
+                1000 + i,
+                12.34,
+                56.78,
+                1.0 if mode != "ar" else None,
+                True,
+                fetched_per_token=12.5 if offloaded else None,
+                bound_tok_per_s=33.3 if offloaded else None,
+                tok_per_s_repeats=tps,
+                speedup_repeats=[1.0 + i / 10 + j / 100 for j in range(repeats)],
+            )
+        )
+    return BenchDone(
+        rows, {}, {}, {}, config={"prompt_set": "natural", "n_prompts": 8, "n_tokens": 64, "repeats": repeats}
+    )
 
 
 @pytest.mark.parametrize("offloaded,repeats", [(False, 1), (True, 3)])
 def test_the_bench_table_fits_80_columns_and_wraps_what_does_not_fit(offloaded, repeats):
     from rich.console import Console
-
     from s2moe.app.bench_report import _cells, tables
 
     done = _done_with_rows(offloaded, repeats)
@@ -502,12 +720,49 @@ def _sampled_bench(tmp_path, seed: int, name: str) -> dict:
     import sys
 
     out = tmp_path / f"{name}.json"
-    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "bench", "--prompts", "natural", "--n-prompts",
-                           "2", "-n", "24", "-t", "2", "--modes", "ar,lookup,s2moe", "--threshold", "1000000",
-                           "--temp", "0.9", "-s", str(seed), "--top-k", "30", "--top-p", "0.9", "--min-p", "0.02",
-                           "--repeat-penalty", "1.1", "--repeat-last-n", "32", "--no-quality", "--no-reference",
-                           "--no-warmup", "--json", str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "80"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "bench",
+            "--prompts",
+            "natural",
+            "--n-prompts",
+            "2",
+            "-n",
+            "24",
+            "-t",
+            "2",
+            "--modes",
+            "ar,lookup,s2moe",
+            "--threshold",
+            "1000000",
+            "--temp",
+            "0.9",
+            "-s",
+            str(seed),
+            "--top-k",
+            "30",
+            "--top-p",
+            "0.9",
+            "--min-p",
+            "0.02",
+            "--repeat-penalty",
+            "1.1",
+            "--repeat-last-n",
+            "32",
+            "--no-quality",
+            "--no-reference",
+            "--no-warmup",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     data["stdout"] = done.stdout
@@ -516,8 +771,18 @@ def _sampled_bench(tmp_path, seed: int, name: str) -> dict:
 
 def _decoded(data: dict) -> list[tuple]:
     """What each row's tokens decided: counts that differ when a single drawn token does."""
-    return [(r["mode"], r["n_tokens"], r["accept_len"], r["draft_len"], r["rollbacks"], r["identical_to_ar"],
-             r["verify_experts"]) for r in data["results"]]
+    return [
+        (
+            r["mode"],
+            r["n_tokens"],
+            r["accept_len"],
+            r["draft_len"],
+            r["rollbacks"],
+            r["identical_to_ar"],
+            r["verify_experts"],
+        )
+        for r in data["results"]
+    ]
 
 
 def test_llama_cpp_s_row_is_held_to_ar_s_greedy_tokens():
@@ -527,10 +792,28 @@ def test_llama_cpp_s_row_is_held_to_ar_s_greedy_tokens():
 
     from s2moe.engine.measure.bench_results import BenchRow, reference_row
 
-    ar = BenchRow(mode="ar", budget="none", prompt_set="natural", n_prompts=2, n_tokens=6, seconds=1.0,
-                  tok_per_s=6.0, speedup_vs_ar=1.0, accept_len=1.0, draft_len=0.0, acceptance_rate=0.0,
-                  reuse_ratio=None, reuse_ratio_per_layer=None, verify_experts=None, effective_verify_cost=None,
-                  rollbacks=0, t_draft=0.0, t_verify=1.0, identical_to_ar=None, tokens=[[1, 2, 3], [4, 5, 6]])
+    ar = BenchRow(
+        mode="ar",
+        budget="none",
+        prompt_set="natural",
+        n_prompts=2,
+        n_tokens=6,
+        seconds=1.0,
+        tok_per_s=6.0,
+        speedup_vs_ar=1.0,
+        accept_len=1.0,
+        draft_len=0.0,
+        acceptance_rate=0.0,
+        reuse_ratio=None,
+        reuse_ratio_per_layer=None,
+        verify_experts=None,
+        effective_verify_cost=None,
+        rollbacks=0,
+        t_draft=0.0,
+        t_verify=1.0,
+        identical_to_ar=None,
+        tokens=[[1, 2, 3], [4, 5, 6]],
+    )
     result = {"tok_per_s": 5.0, "n_tokens": 6, "seconds": 1.2, "tokens": [[1, 2, 3], [4, 5, 6]]}
     same = reference_row(result, "none", ar, "natural", 2)
     assert same.identical_to_ar == 1.0 and same.identical_expected and same.lossless_ok
@@ -547,8 +830,19 @@ def test_the_ar_row_holds_its_tokens_only_where_it_took_the_argmax(decoders):
     _, prompts = load_prompts("natural", 2)
 
     def rows(modes, base):
-        return list(run_bench(str(d.info.path), prompts=prompts, modes=modes, n_tokens=8, decoder=d, base=base,
-                              prompt_set="natural", quality_texts=None, warmup=False))[-1].rows
+        return list(
+            run_bench(
+                str(d.info.path),
+                prompts=prompts,
+                modes=modes,
+                n_tokens=8,
+                decoder=d,
+                base=base,
+                prompt_set="natural",
+                quality_texts=None,
+                warmup=False,
+            )
+        )[-1].rows
 
     greedy = rows(["ar", "lookup"], GenerationConfig())
     assert [len(t) for t in greedy[0].tokens] == [8, 8] and greedy[1].tokens is None
@@ -559,9 +853,9 @@ def test_a_sampled_bench_records_its_options_and_repeats_with_its_seed(tmp_path)
     first = _sampled_bench(tmp_path, 7, "first")
     config = first["config"]
     assert config["greedy"] is False
-    assert {k: config[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
-                                   "seed")} == dict(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02,
-                                                    repeat_penalty=1.1, repeat_last_n=32, seed=7)
+    assert {
+        k: config[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
+    } == dict(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, repeat_penalty=1.1, repeat_last_n=32, seed=7)
     assert config["prompt_seeds"] == [7, 8]
     assert "prompt i uses seed 7 + i" in " ".join(first["stdout"].split())
     rows = {r["mode"]: r for r in first["results"]}
@@ -622,8 +916,8 @@ def test_the_near_tie_check_reads_a_context_longer_than_one_batch(tiny_models, m
     small -b the context outgrows one batch, and the batched side prefills what comes before its last batch
     (it raised ValueError, and bench under a budget at -b 64 died on HumanEval's prompts). The answer is ar's
     own top-2 gap at the divergence against the threshold: a tie below it, none above it."""
-    from s2moe.engine.measure import quality_checks
     from s2moe.engine.decoding.decoder import Decoder, run
+    from s2moe.engine.measure import quality_checks
 
     dec = Decoder(str(tiny_models["olmoe"]), n_ctx=256, n_threads=1, max_draft=8, n_batch=32)
     try:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
+from s2moe.engine.errors import ConfigError, ModelError
 from s2moe.engine.measure.calibrate import run_calibration
 from s2moe.engine.measure.calibration_measures import read_prompts
 from s2moe.engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.measure.costmodel import r2_ceiling
-from s2moe.engine.errors import ConfigError, ModelError
+from s2moe.engine.model_info import read_model_info
 from s2moe.engine.offload import Budget
 from s2moe.engine.profiles import cost_for_model, load_profile, save_profile
-from s2moe.engine.model_info import read_model_info
 
 PROMPTS = ["hello there, how are you", "the cat sat on the mat"]
 
@@ -61,7 +60,7 @@ def test_calibrate_end_to_end_without_cgroups(tiny_models, xdg, monkeypatch):
     assert block["storage_bandwidth_qd8_gb_s"] == prof["device"]["storage_bandwidth_qd8_gb_s"]
     assert "storage_bandwidth_gb_s" in block
     hot = block["hot_experts"]
-    assert hot and all(0 <= l < 3 and 0 <= e < 8 for l, e in hot)
+    assert hot and all(0 <= layer < 3 and 0 <= e < 8 for layer, e in hot)
     c = cost_for_model(prof, fp)
     assert c.t_ar == pytest.approx(block["t_ar_ms"] / 1e3) and c.source == "profile:tiny"
 
@@ -72,8 +71,9 @@ def test_stop_between_measurements_writes_nothing(tiny_models, xdg):
     def should_stop():
         return any(isinstance(e, StepResult) and e.index == 2 for e in seen)
 
-    for e in run_calibration(str(tiny_models["olmoe"]), prompts=PROMPTS, n_threads=1, repeats=1, name="stopped",
-                             should_stop=should_stop):
+    for e in run_calibration(
+        str(tiny_models["olmoe"]), prompts=PROMPTS, n_threads=1, repeats=1, name="stopped", should_stop=should_stop
+    ):
         seen.append(e)
     assert not any(isinstance(e, CalibrationDone) for e in seen)
     assert max(e.index for e in seen if isinstance(e, StepStarted)) == 2
@@ -123,8 +123,10 @@ def test_no_save_and_bad_inputs(tiny_models, xdg, tmp_path):
     assert p == xdg / "saved.yaml" and load_profile("saved")["models"]
 
 
-@pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
-                    reason="no memory cgroup here")
+@pytest.mark.skipif(
+    __import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
+    reason="no memory cgroup here",
+)
 def test_budget_step_runs_in_a_cgroup(tiny_models, xdg):
     events = _run(tiny_models["olmoe"], budget=Budget(400 << 20), name="cold", n_batch=64, repeats=2)
     budget = [e for e in events if isinstance(e, StepResult) and e.index == 5][0]
@@ -176,8 +178,10 @@ def test_a_disk_whose_rate_moved_during_the_budgeted_batches_is_named_as_the_fit
     assert storage_drift_note(None, 1e9) == storage_drift_note(1e9, None) == ""
 
 
-@pytest.mark.skipif(__import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
-                    reason="no memory cgroup here")
+@pytest.mark.skipif(
+    __import__("s2moe.engine.offload", fromlist=["x"]).MemoryCgroup.unavailable_reason() is not None,
+    reason="no memory cgroup here",
+)
 def test_auto_budget_is_sized_by_the_cold_worker(tiny_models, xdg):
     from s2moe.engine.offload import expert_map
 
@@ -200,8 +204,21 @@ def test_cli_calibrate(tiny_models, xdg, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(tmp_path / "none"))
     prompts = tmp_path / "p.txt"
     prompts.write_text("\n".join(PROMPTS))
-    rc = main(["calibrate", "--model", str(tiny_models["olmoe"]), "--name", "cli", "--threads", "1",
-               "--repeats", "1", "--prompts", str(prompts)])
+    rc = main(
+        [
+            "calibrate",
+            "--model",
+            str(tiny_models["olmoe"]),
+            "--name",
+            "cli",
+            "--threads",
+            "1",
+            "--repeats",
+            "1",
+            "--prompts",
+            str(prompts),
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "[3] cost model" in out.err and "R²" in out.err and "[5] budget: skipped" in out.err
@@ -209,8 +226,23 @@ def test_cli_calibrate(tiny_models, xdg, capsys, monkeypatch, tmp_path):
     assert main(["calibrate", "--model", str(tiny_models["olmoe"]), "--budget", "lots"]) == 2
     assert "invalid size" in capsys.readouterr().err
     # auto without a cgroup: the budget step says why it was skipped, the rest is still measured
-    rc = main(["calibrate", "--model", str(tiny_models["olmoe"]), "--budget", "auto", "--no-save", "--threads", "1",
-               "--repeats", "1", "--prompts", str(prompts), "--no-plot"])
+    rc = main(
+        [
+            "calibrate",
+            "--model",
+            str(tiny_models["olmoe"]),
+            "--budget",
+            "auto",
+            "--no-save",
+            "--threads",
+            "1",
+            "--repeats",
+            "1",
+            "--prompts",
+            str(prompts),
+            "--no-plot",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0 and "[5] budget: " in err and "[5] budget: skipped: no memory budget" not in err
 
@@ -264,8 +296,7 @@ def test_plain_decoding_under_the_budget_runs_through_the_calibration_text(decod
         again = _plain_fetches(d.rt, off.native, context + greedy["tokens"][1:], n)
         assert again["tokens"] == greedy["tokens"] and again["ids"] == greedy["ids"]
         forced = _plain_fetches(d.rt, off.native, text, n)
-        assert forced["tokens"][1:n - 2] == text[PLAIN_FETCH_CONTEXT:] and len(forced["tokens"]) == n
+        assert forced["tokens"][1 : n - 2] == text[PLAIN_FETCH_CONTEXT:] and len(forced["tokens"]) == n
         assert forced["tokens"] != greedy["tokens"] and forced["ids"] != greedy["ids"]
     finally:
         off.close()
-

@@ -10,11 +10,6 @@ import time
 from dataclasses import replace
 
 import pytest
-# the snapshots' fixed profile folders and scripted engine runs (autouse fixtures) hold here too
-from test_app_snapshots import fixed_profile_folders, make_app, ready, scripted_engine_runs, settle  # noqa: F401
-from test_app_support import FakeDecoder, scripted_events
-from tinygguf import TinySpec, write_tiny
-
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.messages import EngineEvent, JobEnded
 from s2moe.app.tui.session import ChatSettings, view_of
@@ -23,9 +18,16 @@ from s2moe.engine.decoding.decoder import Decoder
 from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import Finished, Iteration, Prefilled, Started
 
+# the snapshots' fixed profile folders and scripted engine runs (autouse fixtures) hold here too
+from test_app_snapshots import fixed_profile_folders, make_app, ready, scripted_engine_runs, settle  # noqa: F401
+from test_app_support import FakeDecoder, scripted_events
+from tinygguf import TinySpec, write_tiny
+
 # ChatML as Qwen's and many instruct GGUFs ship it: llama.cpp recognises it by its turn markers
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 # a Jinja template with none of the markers llama.cpp knows templates by
 UNKNOWN = "{% for m in messages %}[[{{ m['role'] }}]] {{ m['content'] }}\n{% endfor %}"
 MARKERS = ("<|im_start|>", "<|im_end|>")
@@ -33,8 +35,10 @@ MARKERS = ("<|im_start|>", "<|im_end|>")
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    return write_tiny(tmp_path_factory.mktemp("chat") / "chat.gguf",
-                      TinySpec(n_layer=2, n_expert=8, k=4, seed=7, chat_template=CHATML, chat_specials=MARKERS))
+    return write_tiny(
+        tmp_path_factory.mktemp("chat") / "chat.gguf",
+        TinySpec(n_layer=2, n_expert=8, k=4, seed=7, chat_template=CHATML, chat_specials=MARKERS),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +85,8 @@ def test_llama_cpp_renders_two_turns_with_the_models_template(chat_decoder):
     conversation.add_turn("Hi", "Hello!")
     assert conversation.prompt("And you?") == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nAnd you?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nAnd you?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert conversation.turns == 1
     # the markers are read as the template's control tokens, not as their characters; the end of a turn
     # is an end-of-generation token, where a reply stops
@@ -107,8 +112,11 @@ def test_the_next_turn_decodes_only_its_new_tokens_and_speculates(chat_decoder, 
     # what the KV held (the first prompt and its answer) up to where the new prompt's tokens differ
     kept = common_prefix(context, prompt[:-1])
     assert prefilled.reused == kept >= len(first[0].prompt_tokens)
-    n_prefill = len(sizes) - sum(isinstance(e, Iteration) for e in second) - sum(
-        len(e.drafted) for e in second if isinstance(e, Iteration))  # one decode per verification and draft token
+    n_prefill = (
+        len(sizes)
+        - sum(isinstance(e, Iteration) for e in second)
+        - sum(len(e.drafted) for e in second if isinstance(e, Iteration))
+    )  # one decode per verification and draft token
     assert sum(sizes[:n_prefill]) == len(prompt) - 1 - kept  # only the new tokens, the pending one aside
     # speculation runs on chat turns as on completions
     assert any(e.drafted for e in second if isinstance(e, Iteration))
@@ -203,8 +211,11 @@ async def generate(pilot, chat, prompt, events):
     try:
         await pilot.press(*prompt)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(chat.transcript.turns) > before and not chat.generating
-                       and chat.transcript.turns[-1].summary, "the generation")
+        await wait_for(
+            pilot,
+            lambda: len(chat.transcript.turns) > before and not chat.generating and chat.transcript.turns[-1].summary,
+            "the generation",
+        )
     finally:
         del decoder.generate
     chat.flush()
@@ -240,8 +251,10 @@ def test_the_app_chats_in_turns_and_starts_new_conversations(chat_model, tmp_pat
 
             export_transcript(str(tmp_path / "chat.jsonl"), turns)
             records = [json.loads(line) for line in (tmp_path / "chat.jsonl").read_text().splitlines()]
-            assert records[1]["messages"] == [{"role": "user", "content": "more"},
-                                              {"role": "assistant", "content": turns[1].answer_text}]
+            assert records[1]["messages"] == [
+                {"role": "user", "content": "more"},
+                {"role": "assistant", "content": turns[1].answer_text},
+            ]
             assert records[0]["template"] == "chatml"
             export_transcript(str(tmp_path / "chat.md"), turns)
             assert "## 2. user\n\nmore\n\n### assistant" in (tmp_path / "chat.md").read_text()
@@ -260,6 +273,7 @@ def test_the_app_chats_in_turns_and_starts_new_conversations(chat_model, tmp_pat
 
 def test_a_two_turn_chat_at_80x24(snap_compare):
     """Two turns of a conversation under a chat template: the second one's KV kept from the first."""
+
     async def run_before(pilot):
         await ready(pilot)
         session = pilot.app.session
@@ -331,8 +345,10 @@ def test_a_turn_that_cannot_be_sent_is_refused_and_the_chat_goes_on(chat_model, 
     assert len([line for line in err.splitlines() if line.startswith("-- ")]) == 2 and "Traceback" not in err
     # a base model's completion per turn: a prompt longer than the context is refused as well
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"word " * 2000 + b"\nmore\n")))
-    assert main(["generate", "-m", str(tiny_models["olmoe"]), "-n", "4", "-t", "1", "-c", "256", "-cnv",
-                 "-p", "hello"]) == 2
+    assert (
+        main(["generate", "-m", str(tiny_models["olmoe"]), "-n", "4", "-t", "1", "-c", "256", "-cnv", "-p", "hello"])
+        == 2
+    )
     out, err = capsys.readouterr()
     assert out.count("> ") == 3 and err.count("-- ") == 2
     (refused,) = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -346,8 +362,9 @@ def test_a_sampled_answer_stops_at_the_end_of_turn_token(chat_model, seed):
     chat_decoder = Decoder(str(chat_model), n_ctx=2048, n_threads=1)  # room for a long random answer re-read
     try:
         end = chat_decoder.tokenize("<|im_end|>", special=True)[-1]
-        cfg = GenerationConfig(mode="s2moe", n_predict=400, utility=False, temperature=3.0, seed=seed, top_k=0,
-                               top_p=1.0, min_p=0.0)
+        cfg = GenerationConfig(
+            mode="s2moe", n_predict=400, utility=False, temperature=3.0, seed=seed, top_k=0, top_p=1.0, min_p=0.0
+        )
         conversation = Conversation(chat_decoder.chat_template)
         events = turn(chat_decoder, conversation, "hi", cfg, keep_context=True)
         finished, last = events[-1], [e for e in events if isinstance(e, Iteration)][-1]

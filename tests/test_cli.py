@@ -13,8 +13,9 @@ import pytest
 
 def s2moe(*args, timeout=120):
     env = dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "s2moe.app.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "s2moe.app.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def assert_clean_error(done, *needles):
@@ -27,12 +28,33 @@ def assert_clean_error(done, *needles):
 
 
 def test_generate_json_has_the_documented_fields(tiny_models):
-    done = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hello there", "-n", "24", "--json",
-                 "--threads", "1", "--no-utility", "--ignore-eos")
+    done = s2moe(
+        "generate",
+        "--model",
+        str(tiny_models["olmoe"]),
+        "-p",
+        "hello there",
+        "-n",
+        "24",
+        "--json",
+        "--threads",
+        "1",
+        "--no-utility",
+        "--ignore-eos",
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    for key in ("mode", "tokens", "text", "n_tokens", "tok_per_s", "accept_len", "reuse_ratio", "rollbacks",
-                "iterations"):
+    for key in (
+        "mode",
+        "tokens",
+        "text",
+        "n_tokens",
+        "tok_per_s",
+        "accept_len",
+        "reuse_ratio",
+        "rollbacks",
+        "iterations",
+    ):
         assert key in out
     assert 0 < out["prefill_seconds"] < out["seconds"]
     # both speeds, each named: over the whole generation, and decoding alone as bench and tune count it
@@ -44,8 +66,9 @@ def test_generate_json_has_the_documented_fields(tiny_models):
 
 
 def test_generate_prints_text_then_summary(tiny_models):
-    done = s2moe("generate", "--model", str(tiny_models["qwen3moe"]), "-p", "hello", "-n", "8", "--threads", "1",
-                 "--ignore-eos")
+    done = s2moe(
+        "generate", "--model", str(tiny_models["qwen3moe"]), "-p", "hello", "-n", "8", "--threads", "1", "--ignore-eos"
+    )
     assert done.returncode == 0, done.stderr
     assert "tok/s" in done.stdout and "accept length" in done.stdout and "rollbacks" in done.stdout
     assert re.search(r"\(\d+\.\d tok/s decoding, \d+\.\d with the \d+\.\d\d s prefill\)", done.stdout)
@@ -71,52 +94,88 @@ def test_truncated_gguf(tiny_models, tmp_path, keep):
 
 
 def test_dense_model_runs_ar_with_a_notice_and_refuses_moe_modes(tiny_models):
-    ok = s2moe("generate", "--model", str(tiny_models["llama"]), "-p", "hello", "-n", "4", "--mode", "ar",
-               "--threads", "1")
+    ok = s2moe(
+        "generate", "--model", str(tiny_models["llama"]), "-p", "hello", "-n", "4", "--mode", "ar", "--threads", "1"
+    )
     assert ok.returncode == 0, ok.stderr
     assert "dense model" in ok.stderr and len(ok.stderr.strip().splitlines()) == 1
     assert_clean_error(s2moe("generate", "--model", str(tiny_models["llama"]), "-p", "hello"), "dense")
 
 
 def test_draft_topk_must_be_below_k(tiny_models):
-    assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "x", "--draft-topk", "4"),
-                       "--draft-topk")
+    assert_clean_error(
+        s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "x", "--draft-topk", "4"), "--draft-topk"
+    )
 
 
 def test_prompt_longer_than_context(tiny_models):
-    assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "word " * 300, "--ctx", "32"),
-                       "context")
+    assert_clean_error(
+        s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "word " * 300, "--ctx", "32"), "context"
+    )
 
 
 def test_a_prompt_longer_than_the_batch_is_prefilled_in_chunks_to_the_same_tokens(tiny_models):
-    outs = [s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "word " * 100, "-n", "6", "--json",
-                  "--threads", "1", "--mode", "ar", *flags) for flags in ([], ["-b", "32"])]
+    outs = [
+        s2moe(
+            "generate",
+            "--model",
+            str(tiny_models["olmoe"]),
+            "-p",
+            "word " * 100,
+            "-n",
+            "6",
+            "--json",
+            "--threads",
+            "1",
+            "--mode",
+            "ar",
+            *flags,
+        )
+        for flags in ([], ["-b", "32"])
+    ]
     assert all(o.returncode == 0 for o in outs), outs[1].stderr
     assert json.loads(outs[0].stdout)["tokens"] == json.loads(outs[1].stdout)["tokens"]
 
 
 def test_context_filling_up_mid_generation_stops_cleanly(tiny_models):
-    done = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "--ctx", "32", "-n", "400",
-                 "--json", "--threads", "1", "--ignore-eos", "--no-utility")
+    done = s2moe(
+        "generate",
+        "--model",
+        str(tiny_models["olmoe"]),
+        "-p",
+        "hello",
+        "--ctx",
+        "32",
+        "-n",
+        "400",
+        "--json",
+        "--threads",
+        "1",
+        "--ignore-eos",
+        "--no-utility",
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["stop_reason"] == "context"
     assert 0 < out["n_tokens"] < 400
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["-n", "0"], "-n"),
-    (["-n", "many"], "-n"),
-    (["--temp", "-1"], "--temp"),
-    (["--temp", "nan"], "--temp"),
-    (["--draft-max", "0"], "--draft-max"),
-    (["-b", "0"], "--batch-size"),
-    (["--reuse-strength", "x"], "--reuse-strength"),
-    (["--mode", "fast"], "--mode"),
-    (["--bogus"], "--bogus"),
-    (["--greedy", "--temp", "0.7"], "--greedy"),
-    (["--profile", "no-such-profile"], "no-such-profile"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["-n", "0"], "-n"),
+        (["-n", "many"], "-n"),
+        (["--temp", "-1"], "--temp"),
+        (["--temp", "nan"], "--temp"),
+        (["--draft-max", "0"], "--draft-max"),
+        (["-b", "0"], "--batch-size"),
+        (["--reuse-strength", "x"], "--reuse-strength"),
+        (["--mode", "fast"], "--mode"),
+        (["--bogus"], "--bogus"),
+        (["--greedy", "--temp", "0.7"], "--greedy"),
+        (["--profile", "no-such-profile"], "no-such-profile"),
+    ],
+)
 def test_invalid_flags(tiny_models, flags, needle):
     assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "x", *flags), needle)
 
@@ -124,8 +183,9 @@ def test_invalid_flags(tiny_models, flags, needle):
 def test_bad_profile_yaml(tiny_models, tmp_path):
     prof = tmp_path / "broken.yaml"
     prof.write_text("models: [unclosed\n")
-    assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "x", "--profile", str(prof)),
-                       "invalid YAML")
+    assert_clean_error(
+        s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "x", "--profile", str(prof)), "invalid YAML"
+    )
 
 
 def test_a_mode_list_that_starts_with_a_dash_is_told_how_to_pass_it(capsys):
@@ -136,9 +196,17 @@ def test_a_mode_list_that_starts_with_a_dash_is_told_how_to_pass_it(capsys):
     assert "--modes=-gating,ar" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv", [["bench", "-m", ""], ["bench", "--profile", " "], ["app", "-m", ""],
-                                  ["app", "--profile", ""], ["app", "--budget", "9" * 400],
-                                  ["bench", "--budget", "9" * 400]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "-m", ""],
+        ["bench", "--profile", " "],
+        ["app", "-m", ""],
+        ["app", "--profile", ""],
+        ["app", "--budget", "9" * 400],
+        ["bench", "--budget", "9" * 400],
+    ],
+)
 def test_empty_paths_and_absurd_budgets_are_one_line_errors(argv, capsys):
     from s2moe.app.cli import main
 
@@ -147,13 +215,16 @@ def test_empty_paths_and_absurd_budgets_are_one_line_errors(argv, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["generate", "-p", "x", "--pregate", "2"], "give --budget too"),
-    (["bench", "--pregate", "1"], "give --budget too"),
-    (["generate", "-p", "x", "--budget", "1G", "--pregate", "5"], "0 to 4"),
-    (["bench", "--pregate", "two"], "0 to 4"),
-    (["bench", "--pregate", "1:-1"], "0 to 4"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["generate", "-p", "x", "--pregate", "2"], "give --budget too"),
+        (["bench", "--pregate", "1"], "give --budget too"),
+        (["generate", "-p", "x", "--budget", "1G", "--pregate", "5"], "0 to 4"),
+        (["bench", "--pregate", "two"], "0 to 4"),
+        (["bench", "--pregate", "1:-1"], "0 to 4"),
+    ],
+)
 def test_pregate_is_a_depth_under_a_budget(argv, needle, capsys):
     from s2moe.app.cli import main
 
@@ -176,8 +247,16 @@ def test_models_lists_whole_paths_and_json(capsys):
     assert all(m["path"] == str(s["path"]) for m, s in zip(listed, shipped))
 
 
-@pytest.mark.parametrize("flags", [[], ["-ngl", "-1"], ["-ngl", "12", "--cpu-moe"], ["--n-cpu-moe", "3"],
-                                   ["-ngl", "99", "--cpu-moe", "--op-offload-min-batch", "4"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["-ngl", "-1"],
+        ["-ngl", "12", "--cpu-moe"],
+        ["--n-cpu-moe", "3"],
+        ["-ngl", "99", "--cpu-moe", "--op-offload-min-batch", "4"],
+    ],
+)
 def test_a_budget_child_is_given_the_placement_it_was_asked_for(flags):
     """bench reruns itself under each budget: the child must place the weights as the parent was told (a
     Jetson's --cpu-moe under a budget), so the flags it gets parse back to the same Placement."""
@@ -195,24 +274,59 @@ def test_a_copy_cache_carries_generations_from_one_run_to_the_next(tiny_models, 
     cache = tmp_path / "copies.json"
     runs = []
     for prompt in ("hello there", "good morning"):
-        done = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", prompt, "-n", "12", "--json",
-                     "--threads", "1", "--ignore-eos", "--copy-cache", str(cache))
+        done = s2moe(
+            "generate",
+            "--model",
+            str(tiny_models["olmoe"]),
+            "-p",
+            prompt,
+            "-n",
+            "12",
+            "--json",
+            "--threads",
+            "1",
+            "--ignore-eos",
+            "--copy-cache",
+            str(cache),
+        )
         assert done.returncode == 0, done.stderr
         runs.append(json.loads(done.stdout))
     kept = json.loads(cache.read_text())
     assert kept["format"] == "s2moe-copy-cache" and len(kept["generations"]) == 2
     for g, out in zip(kept["generations"], runs):
-        assert g["text"][:len(g["prompt"])] == g["prompt"]
-        assert g["text"][len(g["prompt"]):] == out["tokens"]
-    other = s2moe("generate", "--model", str(tiny_models["qwen3moe"]), "-p", "hi", "-n", "4", "--threads", "1",
-                  "--copy-cache", str(cache))
+        assert g["text"][: len(g["prompt"])] == g["prompt"]
+        assert g["text"][len(g["prompt"]) :] == out["tokens"]
+    other = s2moe(
+        "generate",
+        "--model",
+        str(tiny_models["qwen3moe"]),
+        "-p",
+        "hi",
+        "-n",
+        "4",
+        "--threads",
+        "1",
+        "--copy-cache",
+        str(cache),
+    )
     assert_clean_error(other, "another model's tokens")
     assert json.loads(cache.read_text()) == kept
     broken = tmp_path / "broken.json"
     broken.write_text('{"format": "s2moe-copy-cache", "version": 1, "model": "x", "generations": [')
-    assert_clean_error(s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hi", "-n", "4",
-                             "--copy-cache", str(broken)), "not valid JSON")
+    assert_clean_error(
+        s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hi", "-n", "4", "--copy-cache", str(broken)),
+        "not valid JSON",
+    )
     assert broken.read_text().endswith("[")
-    nowhere = s2moe("generate", "--model", str(tiny_models["olmoe"]), "-p", "hi", "-n", "4",
-                    "--copy-cache", str(tmp_path / "missing" / "copies.json"))
+    nowhere = s2moe(
+        "generate",
+        "--model",
+        str(tiny_models["olmoe"]),
+        "-p",
+        "hi",
+        "-n",
+        "4",
+        "--copy-cache",
+        str(tmp_path / "missing" / "copies.json"),
+    )
     assert_clean_error(nowhere, "there is no folder")

@@ -7,8 +7,6 @@ import math
 from dataclasses import replace
 
 import pytest
-from test_engine_decoding import REPEATING, summarize
-
 from s2moe.engine.decoding.decoder import run
 from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.drafting.copies import COPY_REFINEMENTS, CopyPlanner, LookupOrSelfDrafter
@@ -17,6 +15,7 @@ from s2moe.engine.drafting.ngrams import EarlierText
 from s2moe.engine.drafting.stoprules import UtilityStop
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import CostConstants, Iteration
+from test_engine_decoding import REPEATING, summarize
 
 LOOPING = [5, 1, 2, 3, 1, 2, 3]  # a context in a loop of period 3
 
@@ -40,9 +39,11 @@ def test_without_the_loop_a_copy_stops_at_the_contexts_end():
 def test_without_pricing_whole_a_copy_is_kept_token_by_token():
     """The copy of the pricing-whole test: eight rows pay together where the first alone costs more than it saves;
     weighed token by token the first row is declined, and with it the copy (a probe is not due yet)."""
+
     def learned_rule():
-        rule = UtilityStop(CostConstants(t_ar=0.060, c_draft=0.02, t_exp=0.00233, t_tok=0.005, intercept=0.0,
-                                         source="test"))
+        rule = UtilityStop(
+            CostConstants(t_ar=0.060, c_draft=0.02, t_exp=0.00233, t_tok=0.005, intercept=0.0, source="test")
+        )
         learned = rule.copies(3)
         for _ in range(8):
             learned.learn(3, ["context"] * 3 + ["context, looped"] * 5, accepted=8)
@@ -103,8 +104,9 @@ def test_without_timed_scaling_copies_are_priced_at_the_constants():
 
 def test_without_the_timed_plain_step_a_copied_token_saves_the_constants_t_ar():
     def slow_plain_steps_fetching_most():
-        rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.002, intercept=0.0,
-                                         source="test"))
+        rule = UtilityStop(
+            CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.002, intercept=0.0, source="test")
+        )
         learned = rule.copies(3)
         learned.began()
         for _ in range(3):
@@ -130,8 +132,7 @@ def test_without_hope_an_estimate_is_its_share_where_plain_steps_fetch():
 
 def test_without_probes_a_declined_copy_is_never_verified():
     def declining():  # rows at a third of a plain step, an n whose copies were rejected: it declines them
-        rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.34, intercept=0.0,
-                                         source="test"))
+        rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.34, intercept=0.0, source="test"))
         learned = rule.copies(3)
         for _ in range(4):
             learned.learn(3, ["context"], accepted=0)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from s2moe.engine.measure.costmodel import fit_verify_cost, measure_cost_constants
 from s2moe.engine.errors import ConfigError
+from s2moe.engine.measure.costmodel import fit_verify_cost, measure_cost_constants
 from s2moe.engine.profiles import cost_for_model, load_profile
 
 
@@ -52,12 +51,15 @@ def test_profile_constants_are_keyed_by_model_fingerprint(tmp_path):
         cost_for_model(prof, "other")
 
 
-@pytest.mark.parametrize("body,needle", [
-    ("models:\n  fp:\n    c_draft_ms: 1\n    t_exp_ms: 1\n", "missing field t_ar_ms"),
-    ("models:\n  fp:\n    t_ar_ms: fast\n    c_draft_ms: 1\n    t_exp_ms: 1\n", "t_ar_ms"),
-    ("models:\n  fp:\n    t_ar_ms: 1\n    c_draft_ms: -1\n    t_exp_ms: 1\n", "c_draft_ms"),
-    ("- just\n- a list\n", "mapping"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ("models:\n  fp:\n    c_draft_ms: 1\n    t_exp_ms: 1\n", "missing field t_ar_ms"),
+        ("models:\n  fp:\n    t_ar_ms: fast\n    c_draft_ms: 1\n    t_exp_ms: 1\n", "t_ar_ms"),
+        ("models:\n  fp:\n    t_ar_ms: 1\n    c_draft_ms: -1\n    t_exp_ms: 1\n", "c_draft_ms"),
+        ("- just\n- a list\n", "mapping"),
+    ],
+)
 def test_bad_profiles_name_the_failing_field(tmp_path, body, needle):
     p = tmp_path / "bad.yaml"
     p.write_text(body)
@@ -74,7 +76,7 @@ def test_the_r2_ceiling_is_what_the_same_counts_timed_again_leave_unexplained():
     signal = 0.002 + 1.5e-4 * experts + 3e-3 * tokens
     seconds = signal + rng.normal(0, 2e-3, size=60)
     ceiling = r2_ceiling(zip(experts, tokens), seconds)
-    means = np.array([seconds[i - i % 3: i - i % 3 + 3].mean() for i in range(60)])
+    means = np.array([seconds[i - i % 3 : i - i % 3 + 3].mean() for i in range(60)])
     expected = 1 - np.sum((seconds - means) ** 2) / np.sum((seconds - seconds.mean()) ** 2)
     assert ceiling == pytest.approx(expected) and 0.5 < ceiling < 0.99
     # the linear fit is one model of these counts: it cannot explain more than the group means do
@@ -153,11 +155,11 @@ def test_a_poor_fit_under_a_budget_is_not_remembered(tiny_models, monkeypatch):
     """A measurement spoilt by the machine's noise is measured again by the next run rather than kept."""
     from dataclasses import replace
 
-    from s2moe.engine.measure import costmodel
     from s2moe.engine.decoding import cost_constants
     from s2moe.engine.decoding.decoder import Decoder
     from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import Started
+    from s2moe.engine.measure import costmodel
 
     real = costmodel.iter_cost_constants
 

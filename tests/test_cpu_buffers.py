@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
+from s2moe.engine.crashes import earlier_crashes
 from s2moe.engine.decoding import cpu_buffers
 from s2moe.engine.decoding.cpu_buffers import CpuBuffers, ProbeOutcome, build_has_amx, choose, probe_in_child
-from s2moe.engine.crashes import earlier_crashes
 from s2moe.engine.model_info import read_model_info
 from tinygguf import TinySpec, write_tiny
 
@@ -23,14 +22,21 @@ SEGFAULT = "import ctypes; ctypes.string_at(0)"
 
 
 def _s2moe(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "s2moe.app.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "s2moe.app.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _mixtral_style(path: Path) -> Path:
     """Attention and experts in Q8_0 and a d_model of 256: weights llama.cpp moves into its AMX buffer."""
-    return write_tiny(path, TinySpec(arch="olmoe", n_layer=2, n_embd=256, n_head=4, n_ff=256, n_expert=8, k=4,
-                                     seed=5, weights="q8_0"))
+    return write_tiny(
+        path, TinySpec(arch="olmoe", n_layer=2, n_embd=256, n_head=4, n_ff=256, n_expert=8, k=4, seed=5, weights="q8_0")
+    )
 
 
 @pytest.fixture
@@ -47,6 +53,7 @@ def _segfaulting_probe(calls: list):
         calls.append(path)
         done = subprocess.run([sys.executable, "-c", SEGFAULT], capture_output=True)
         return ProbeOutcome(done.returncode)
+
     return probe
 
 
@@ -54,8 +61,7 @@ def _no_probe(path, on_slow):
     raise AssertionError(f"{path} was checked again")
 
 
-def test_a_first_decode_that_dies_turns_the_extra_buffers_off_and_is_remembered(own_cache, tiny_models,
-                                                                                monkeypatch):
+def test_a_first_decode_that_dies_turns_the_extra_buffers_off_and_is_remembered(own_cache, tiny_models, monkeypatch):
     info = read_model_info(str(tiny_models["olmoe"]))
     calls = []
     chosen = choose(info, True, probe=_segfaulting_probe(calls))
@@ -82,7 +88,9 @@ def test_the_real_first_decode_runs_cleanly_and_leaves_them_on(own_cache):
 
 def test_a_child_that_refuses_the_model_in_words_teaches_nothing(own_cache, tiny_models):
     info = read_model_info(str(tiny_models["olmoe"]))
-    assert choose(info, True, probe=lambda path, on_slow: ProbeOutcome(2, "error: bad")) == CpuBuffers(True, "unchecked")
+    assert choose(info, True, probe=lambda path, on_slow: ProbeOutcome(2, "error: bad")) == CpuBuffers(
+        True, "unchecked"
+    )
     assert not (own_cache / "s2moe" / "cpu-buffers.json").exists()
 
 
@@ -102,14 +110,17 @@ def test_an_amx_build_keeps_them_off_unless_the_user_opts_in(own_cache, tiny_mod
 
 def test_generate_records_the_path_in_json_and_amx_reaches_the_environment(tmp_path, tiny_models):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    done = _s2moe("generate", "-m", str(tiny_models["olmoe"]), "-p", "hi", "-n", "2", "--mode", "ar", "--json",
-                  env=env)
+    done = _s2moe("generate", "-m", str(tiny_models["olmoe"]), "-p", "hi", "-n", "2", "--mode", "ar", "--json", env=env)
     assert done.returncode == 0, done.stderr
     recorded = json.loads(done.stdout)["cpu_buffers"]
-    assert recorded == {"extra_buffer_types": not build_has_amx(), "reason": "amx" if build_has_amx() else "checked",
-                        "amx_build": build_has_amx()}
-    opted = _s2moe("generate", "-m", str(tiny_models["olmoe"]), "-p", "hi", "-n", "2", "--mode", "ar", "--json",
-                   "--amx", env=env)
+    assert recorded == {
+        "extra_buffer_types": not build_has_amx(),
+        "reason": "amx" if build_has_amx() else "checked",
+        "amx_build": build_has_amx(),
+    }
+    opted = _s2moe(
+        "generate", "-m", str(tiny_models["olmoe"]), "-p", "hi", "-n", "2", "--mode", "ar", "--json", "--amx", env=env
+    )
     assert opted.returncode == 0, opted.stderr
     assert json.loads(opted.stdout)["cpu_buffers"]["reason"] == "checked"
 
@@ -122,15 +133,19 @@ llm.eval(llm.tokenize(b"def merge(a, b):"))
 """
 
 
-@pytest.mark.skipif(not build_has_amx(), reason="needs a CPU with AMX and a llama.cpp built for it (its system "
-                    "line shows AMX_INT8 = 1): this one has none, and llama.cpp's AMX path is not in its build")
+@pytest.mark.skipif(
+    not build_has_amx(),
+    reason="needs a CPU with AMX and a llama.cpp built for it (its system "
+    "line shows AMX_INT8 = 1): this one has none, and llama.cpp's AMX path is not in its build",
+)
 def test_a_model_stock_llama_cpp_s_amx_path_crashes_on_decodes_on_every_path(tmp_path):
     model = _mixtral_style(tmp_path / "mixtral-style.gguf")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
     env.pop(cpu_buffers.AMX_ENV, None)
     stock = subprocess.run([sys.executable, "-c", STOCK_DECODE, str(model)], capture_output=True, timeout=120)
-    plain = _s2moe("generate", "-m", str(model), "-p", "def merge(a, b):", "-n", "8", "--mode", "ar", "--greedy",
-                   env=env)
+    plain = _s2moe(
+        "generate", "-m", str(model), "-p", "def merge(a, b):", "-n", "8", "--mode", "ar", "--greedy", env=env
+    )
     assert plain.returncode == 0, plain.stderr
     assert "AMX" in plain.stderr and "--amx" in plain.stderr
     drafted = _s2moe("generate", "-m", str(model), "-p", "def merge(a, b):", "-n", "8", "--json", env=env)
@@ -144,8 +159,10 @@ def test_a_model_stock_llama_cpp_s_amx_path_crashes_on_decodes_on_every_path(tmp
 
 
 def _crash_in_watched_run(env: dict, model: str = "some/where/mixtral-style.gguf") -> int:
-    child = (f"from s2moe.engine.crashes import watched\nimport ctypes\n"
-             f"with watched('generate', {model!r}):\n    ctypes.string_at(0)\n")
+    child = (
+        f"from s2moe.engine.crashes import watched\nimport ctypes\n"
+        f"with watched('generate', {model!r}):\n    ctypes.string_at(0)\n"
+    )
     return subprocess.run([sys.executable, "-c", child], capture_output=True, env=env, timeout=60).returncode
 
 
@@ -163,8 +180,10 @@ def test_a_crash_in_native_code_is_reported_by_the_next_run_once(tmp_path, monke
 
 def test_a_run_killed_without_a_crash_leaves_no_report(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    child = ("from s2moe.engine.crashes import watched\nimport os, signal\n"
-             "with watched('bench', None):\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    child = (
+        "from s2moe.engine.crashes import watched\nimport os, signal\n"
+        "with watched('bench', None):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     assert subprocess.run([sys.executable, "-c", child], env=dict(os.environ), timeout=60).returncode == -9
     assert len(list((tmp_path / "state" / "s2moe" / "runs").glob("run-*.log"))) == 1
     assert earlier_crashes() == []
@@ -192,10 +211,32 @@ def test_a_budgeted_run_whose_worker_dies_of_a_signal_says_so_at_once(tmp_path, 
         pytest.skip(f"no memory cgroup here: {why}")
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
     runs = tmp_path / "state" / "s2moe" / "runs"
-    parent = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", str(tiny_models["olmoe"]),
-                               "-p", "hi", "-n", "100000", "--ignore-eos", "--mode", "ar", "--budget", "400M",
-                               "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env=env, stdin=subprocess.DEVNULL)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "generate",
+            "-m",
+            str(tiny_models["olmoe"]),
+            "-p",
+            "hi",
+            "-n",
+            "100000",
+            "--ignore-eos",
+            "--mode",
+            "ar",
+            "--budget",
+            "400M",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         import time
 

@@ -8,16 +8,15 @@ import json
 
 import pytest
 from conftest import variant_spec
-from test_cli import assert_clean_error, s2moe
-from test_engine_decoding import assert_ar_is_llama_cpp
-from tinygguf import write_tiny
-
 from s2moe.engine.decoding.decoder import Decoder, run
 from s2moe.engine.decoding.generation_config import GenerationConfig, RoutingDefaults, defaults_for, routing_defaults
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished, Iteration, Started
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.modes import MODES, MOE_MODES
+from test_cli import assert_clean_error, s2moe
+from test_engine_decoding import assert_ar_is_llama_cpp
+from tinygguf import write_tiny
 
 # (experts, experts per token) → (k_d, draft cap, |E*|)
 EXPECTED = {(16, 8): (2, 8, 15), (8, 4): (1, 8, 7), (8, 2): (1, 8, 4), (8, 1): (1, 8, 2), (64, 8): (2, 8, 16)}
@@ -27,8 +26,11 @@ EXPECTED = {(16, 8): (2, 8, 15), (8, 4): (1, 8, 7), (8, 2): (1, 8, 4), (8, 1): (
 def routed_models(tmp_path_factory):
     """Tiny models with top-1, top-2, top-4 and top-8 routing."""
     root = tmp_path_factory.mktemp("routing")
-    return {(n, k): write_tiny(root / f"top{k}.gguf", variant_spec("olmoe", n_layer=2, n_expert=n, k=k, seed=11))
-            for n, k in EXPECTED if n <= 16}
+    return {
+        (n, k): write_tiny(root / f"top{k}.gguf", variant_spec("olmoe", n_layer=2, n_expert=n, k=k, seed=11))
+        for n, k in EXPECTED
+        if n <= 16
+    }
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +93,10 @@ def test_an_explicit_k_d_that_cannot_work_still_errors(top2):
     with pytest.raises(ConfigError) as caught:
         run(top2, "hello", GenerationConfig(mode="s2moe", n_predict=2, draft_topk=2))
     assert caught.value.option == "draft_topk"
-    assert caught.value.worded({"draft_topk": "--draft-topk"}) == \
-        "--draft-topk 2 must be below the model's experts per token (2)"
+    assert (
+        caught.value.worded({"draft_topk": "--draft-topk"})
+        == "--draft-topk 2 must be below the model's experts per token (2)"
+    )
 
 
 def test_a_top1_model_says_self_speculation_is_impossible(routed_models):
@@ -110,20 +114,51 @@ def test_a_top1_model_says_self_speculation_is_impossible(routed_models):
 
 def test_cli_generate_runs_on_a_top2_model_with_default_flags(routed_models):
     model = str(routed_models[(8, 2)])
-    done = s2moe("generate", "--model", model, "-p", "def merge(a, b):", "-n", "8", "--mode", "s2moe", "--json",
-                 "--threads", "1", "--ignore-eos")
+    done = s2moe(
+        "generate",
+        "--model",
+        model,
+        "-p",
+        "def merge(a, b):",
+        "-n",
+        "8",
+        "--mode",
+        "s2moe",
+        "--json",
+        "--threads",
+        "1",
+        "--ignore-eos",
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["n_tokens"] == 8
-    assert_clean_error(s2moe("generate", "--model", model, "-p", "x", "--draft-topk", "2"),
-                       "--draft-topk 2 must be below the model's experts per token (2)")
-    assert_clean_error(s2moe("generate", "--model", str(routed_models[(8, 1)]), "-p", "x"),
-                       "self-speculation is impossible")
+    assert_clean_error(
+        s2moe("generate", "--model", model, "-p", "x", "--draft-topk", "2"),
+        "--draft-topk 2 must be below the model's experts per token (2)",
+    )
+    assert_clean_error(
+        s2moe("generate", "--model", str(routed_models[(8, 1)]), "-p", "x"), "self-speculation is impossible"
+    )
 
 
 def test_cli_bench_runs_on_a_top2_model_with_default_flags(routed_models, tmp_path):
     out = tmp_path / "bench.json"
-    done = s2moe("bench", "--model", str(routed_models[(8, 2)]), "--prompts", "natural", "--n-prompts", "1",
-                 "-n", "6", "--threads", "1", "--no-quality", "--json", str(out), timeout=300)
+    done = s2moe(
+        "bench",
+        "--model",
+        str(routed_models[(8, 2)]),
+        "--prompts",
+        "natural",
+        "--n-prompts",
+        "1",
+        "-n",
+        "6",
+        "--threads",
+        "1",
+        "--no-quality",
+        "--json",
+        str(out),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert data["config"]["draft_topk"] == 1 and data["config"]["draft_max"] == 8
@@ -143,7 +178,7 @@ def test_app_settings_follow_the_model(routed_models):
         assert ChatSettings(draft_topk=1).describe(model, tuned).startswith("s2moe · k_d=1 ·")
         for mode in MODES:
             events = []
-            session.generate("hello", ChatSettings(mode=mode, n_predict=4), lambda e, v: events.append(e))
+            session.generate("hello", ChatSettings(mode=mode, n_predict=4), lambda e, v, seen=events: seen.append(e))
             assert isinstance(events[-1], Finished) and events[-1].n_tokens >= 1, mode
         with pytest.raises(ConfigError):
             session.config(ChatSettings(draft_topk=2))

@@ -9,18 +9,27 @@ import subprocess
 import sys
 
 import pytest
-
 from s2moe.engine.measure.device import DeviceMonitor, parse_jtop_stats, parse_tegrastats
 from s2moe.engine.offload import MemoryCgroup
 from s2moe.engine.offload.libc import drop_file_cache
-from s2moe.engine.offload.procfs import (block_device, cpu_times, disk_read_bytes, file_cached_bytes, meminfo,
-                                         process_read_bytes)
+from s2moe.engine.offload.procfs import (
+    block_device,
+    cpu_times,
+    disk_read_bytes,
+    file_cached_bytes,
+    meminfo,
+    process_read_bytes,
+)
 
-ORIN = ("RAM 2848/30536MB (lfb 6590x4MB) SWAP 0/15268MB (cached 0MB) CPU [2%@729,1%@729,off,off] EMC_FREQ 0%@2133 "
-        "GR3D_FREQ 37%@[305,305] VIC_FREQ 729 APE 174 CV0@-256C CPU@46.656C Tboard@36C GPU@41.5C tj@46.656C "
-        "VDD_GPU_SOC 2400mW/2300mW VDD_CPU_CV 400mW/400mW VIN_SYS_5V0 2619mW/2619mW")
-XAVIER = ("RAM 1234/7764MB (lfb 1x4MB) CPU [5%@1190,3%@1190] EMC_FREQ 0% GR3D_FREQ 0%@114 APE 150 MTS fg 0% bg 0% "
-          "AO@38.5C GPU@37C PMIC@100C POM_5V_IN 2557/2557 POM_5V_GPU 0/0 POM_5V_CPU 425/425")
+ORIN = (
+    "RAM 2848/30536MB (lfb 6590x4MB) SWAP 0/15268MB (cached 0MB) CPU [2%@729,1%@729,off,off] EMC_FREQ 0%@2133 "
+    "GR3D_FREQ 37%@[305,305] VIC_FREQ 729 APE 174 CV0@-256C CPU@46.656C Tboard@36C GPU@41.5C tj@46.656C "
+    "VDD_GPU_SOC 2400mW/2300mW VDD_CPU_CV 400mW/400mW VIN_SYS_5V0 2619mW/2619mW"
+)
+XAVIER = (
+    "RAM 1234/7764MB (lfb 1x4MB) CPU [5%@1190,3%@1190] EMC_FREQ 0% GR3D_FREQ 0%@114 APE 150 MTS fg 0% bg 0% "
+    "AO@38.5C GPU@37C PMIC@100C POM_5V_IN 2557/2557 POM_5V_GPU 0/0 POM_5V_CPU 425/425"
+)
 
 
 def test_tegrastats_lines_of_two_jetson_generations():
@@ -37,12 +46,37 @@ def test_tegrastats_lines_of_two_jetson_generations():
 # jtop's `stats` on a Jetson AGX Orin (jetson-stats 4): CPU and engine loads, memory shares, a fan, every thermal
 # zone (-256: a sensor that is off) and every power rail in mW with the board's total
 ORIN_JTOP_STATS = {
-    "time": datetime.datetime(2024, 3, 1, 12, 0, 0), "uptime": datetime.timedelta(hours=2, minutes=3),
-    "CPU1": 11, "CPU2": 7, "CPU3": 4, "CPU4": 9, "CPU5": "OFF", "CPU6": "OFF", "RAM": 0.31, "SWAP": 0.0, "EMC": 5,
-    "GPU": 37.9, "APE": "OFF", "NVDEC": "OFF", "NVJPG": "OFF", "NVJPG1": "OFF", "OFA": "OFF", "SE": "OFF",
-    "VIC": "OFF", "Fan pwmfan0": 34.9, "Temp CPU": 46.656, "Temp CV0": -256, "Temp CV1": -256, "Temp GPU": 41.5,
-    "Temp SOC0": 43.843, "Temp tj": 46.656, "Power VDD_CPU_CV": 400, "Power VDD_GPU_SOC": 2400, "Power TOT": 5419,
-    "jetson_clocks": "OFF", "nvp model": "MAXN",
+    "time": datetime.datetime(2024, 3, 1, 12, 0, 0),
+    "uptime": datetime.timedelta(hours=2, minutes=3),
+    "CPU1": 11,
+    "CPU2": 7,
+    "CPU3": 4,
+    "CPU4": 9,
+    "CPU5": "OFF",
+    "CPU6": "OFF",
+    "RAM": 0.31,
+    "SWAP": 0.0,
+    "EMC": 5,
+    "GPU": 37.9,
+    "APE": "OFF",
+    "NVDEC": "OFF",
+    "NVJPG": "OFF",
+    "NVJPG1": "OFF",
+    "OFA": "OFF",
+    "SE": "OFF",
+    "VIC": "OFF",
+    "Fan pwmfan0": 34.9,
+    "Temp CPU": 46.656,
+    "Temp CV0": -256,
+    "Temp CV1": -256,
+    "Temp GPU": 41.5,
+    "Temp SOC0": 43.843,
+    "Temp tj": 46.656,
+    "Power VDD_CPU_CV": 400,
+    "Power VDD_GPU_SOC": 2400,
+    "Power TOT": 5419,
+    "jetson_clocks": "OFF",
+    "nvp model": "MAXN",
 }
 
 
@@ -106,8 +140,9 @@ def installed_tegrastats(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     script = bin_dir / "tegrastats"
-    script.write_text(f"#!{sys.executable}\nimport sys, time\nwhile True:\n    print({ORIN!r}, flush=True)\n"
-                      "    time.sleep(0.05)\n")
+    script.write_text(
+        f"#!{sys.executable}\nimport sys, time\nwhile True:\n    print({ORIN!r}, flush=True)\n    time.sleep(0.05)\n"
+    )
     script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
 
@@ -220,8 +255,15 @@ def test_this_process_memory_grows_with_what_it_touches():
 def test_thermal_zones_by_type_leave_out_what_cannot_be_read(tmp_path):
     from s2moe.engine.measure.device import thermal_zones
 
-    for i, (kind, milli) in enumerate([("x86_pkg_temp", "47000"), ("acpitz", "27800"), ("acpitz", "30000"),
-                                        ("iwlwifi_1", "-274000"), ("broken", "n/a")]):
+    for i, (kind, milli) in enumerate(
+        [
+            ("x86_pkg_temp", "47000"),
+            ("acpitz", "27800"),
+            ("acpitz", "30000"),
+            ("iwlwifi_1", "-274000"),
+            ("broken", "n/a"),
+        ]
+    ):
         zone = tmp_path / f"thermal_zone{i}"
         zone.mkdir()
         (zone / "type").write_text(kind + "\n")
@@ -242,8 +284,9 @@ print(g["limit"], g["total"] > 0, sorted(g))
 def test_inside_a_budget_cgroup_the_monitor_reads_its_usage_and_limit():
     cg = MemoryCgroup.create(512 << 20, "test-device")
     try:
-        proc = cg.popen([sys.executable, "-c", INSIDE], "512M", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        text=True)
+        proc = cg.popen(
+            [sys.executable, "-c", INSIDE], "512M", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         out, err = proc.communicate(timeout=60)
     finally:
         cg.remove()

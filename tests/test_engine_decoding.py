@@ -7,17 +7,16 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
-from s2moe.engine.measure.quality_checks import near_tie
 from s2moe.engine.decoding.decoder import run
 from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.decoding.observer import VerifyObserver
-from s2moe.engine.events import CostConstants, Finished, Iteration, Summary
-from s2moe.engine.offload import Residency
 from s2moe.engine.drafting.copies import CopyPlanner
 from s2moe.engine.drafting.copylearner import COPY_KINDS
 from s2moe.engine.drafting.ngrams import NgramIndex
 from s2moe.engine.drafting.stoprules import UtilityStop
+from s2moe.engine.events import CostConstants, Finished, Iteration, Summary
+from s2moe.engine.measure.quality_checks import near_tie
+from s2moe.engine.offload import Residency
 
 PROMPTS = ["hello there the world", "in the beginning", "once upon a time re"]
 
@@ -39,8 +38,10 @@ def assert_matches_ar(decoder, prompt, tokens, cfg: GenerationConfig, what: str,
     mode's own tokens and the comparison goes on to the end. `ar`: ar's tokens from `prompt`, where the caller has them.
     Returns the number of divergences excused (at most most_excused)."""
     context = decoder.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-    sampler = {key: getattr(cfg, key) for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
-                                                  "repeat_last_n", "seed")}
+    sampler = {
+        key: getattr(cfg, key)
+        for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
+    }
     plain = GenerationConfig(mode="ar", n_predict=len(tokens), stop_at_eos=False, **sampler)
     tokens = tuple(tokens)
     start = excused = 0
@@ -54,7 +55,8 @@ def assert_matches_ar(decoder, prompt, tokens, cfg: GenerationConfig, what: str,
         if j is None:
             return excused
         assert near_tie(decoder, here, ar, rest, plain), (
-            f"{what} left ar's tokens at token {start + j} where ar's choice is no near-tie")
+            f"{what} left ar's tokens at token {start + j} where ar's choice is no near-tie"
+        )
         excused += 1
         assert excused <= most_excused, f"{what} left ar's tokens at {excused} near-ties: more than chance gives"
         start += j + 1
@@ -71,8 +73,9 @@ def test_the_comparison_with_ar_excuses_only_near_ties_and_compares_on_after_the
     context = d.tokenize(PROMPTS[0])
 
     def plain(head):
-        return run(d, context + list(head), GenerationConfig(mode="ar", n_predict=n - len(head),
-                                                              stop_at_eos=False))[-1].tokens
+        return run(d, context + list(head), GenerationConfig(mode="ar", n_predict=n - len(head), stop_at_eos=False))[
+            -1
+        ].tokens
 
     def left_at(tokens, i):  # another token at i, then ar's own continuation from there
         head = tuple(tokens[:i]) + ((tokens[i] + 1) % d.rt.n_vocab,)
@@ -99,8 +102,14 @@ def test_greedy_s2moe_without_gating_matches_ar(decoders, arch, utility):
     total_rollbacks = total_accepted = 0
     for prompt in PROMPTS:
         ar = summarize(run(d, prompt, GenerationConfig(mode="ar", n_predict=n, stop_at_eos=False)))
-        cfg = GenerationConfig(mode="s2moe", n_predict=n, reuse_strength=0.0, utility=utility,
-                               cost=CHEAP_DRAFT if utility else None, stop_at_eos=False)
+        cfg = GenerationConfig(
+            mode="s2moe",
+            n_predict=n,
+            reuse_strength=0.0,
+            utility=utility,
+            cost=CHEAP_DRAFT if utility else None,
+            stop_at_eos=False,
+        )
         spec = summarize(run(d, prompt, cfg))
         assert ar.n_tokens == spec.n_tokens == n
         total_rollbacks += spec.rollbacks
@@ -118,8 +127,9 @@ def assert_ar_is_llama_cpp(decoder, prompts, n: int) -> None:
 
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(decoder.info.path), n_ctx=decoder.n_ctx, n_threads=1, n_threads_batch=1,
-                          verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(decoder.info.path), n_ctx=decoder.n_ctx, n_threads=1, n_threads_batch=1, verbose=False
+    )
     try:
         for prompt in prompts:
             theirs = tuple(itertools.islice(llm.generate(decoder.tokenize(prompt), temp=0.0, top_k=1, reset=True), n))
@@ -223,8 +233,8 @@ def test_the_rule_learns_how_often_its_drafts_are_accepted():
 def test_a_rule_that_saw_its_unlikely_drafts_accepted_keeps_them():
     """A 0.2-probability token is not worth a draft pass at face value; after verifications accepted such tokens
     it is. The recording rule passes on only what its rule would have kept."""
-    from s2moe.engine.events import ForcedDraft
     from s2moe.engine.drafting.stoprules import RecordingStop
+    from s2moe.engine.events import ForcedDraft
 
     rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.1, intercept=0.0, source="test"))
     assert not rule.keep(rule.acceptance(0.2), 0.2, 0)[0]  # 0.2 / 0.4 = 0.5 < 1
@@ -261,8 +271,9 @@ def test_a_warm_up_teaches_nothing_to_the_rule_of_the_generations_after_it(decod
         warm = [e for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration)]
     assert any(e.drafted for e in warm)
     events = [e for e in run(d, PROMPTS[1], cfg) if isinstance(e, Iteration)]
-    judged = sum(min(len(e.accepted) + 1, len(e.drafted)) for e in events
-                 if e.drafted and e.draft_decision.copied is None)
+    judged = sum(
+        min(len(e.accepted) + 1, len(e.drafted)) for e in events if e.drafted and e.draft_decision.copied is None
+    )
     (rule,) = [r for key, r in d._rules.items() if cost in key and not key[-1]]
     assert rule.learned.seen.sum() == judged
 
@@ -281,8 +292,9 @@ def test_generations_that_gate_or_copy_differently_keep_rules_of_their_own(decod
     run(d, PROMPTS[0], base)
     run(d, PROMPTS[1], base)
     assert len(rules()) == 1
-    for i, other in enumerate([replace(base, memory_strength=0.0), replace(base, lookup=False),
-                               replace(base, lookup_periodic=False)]):
+    for i, other in enumerate(
+        [replace(base, memory_strength=0.0), replace(base, lookup=False), replace(base, lookup_periodic=False)]
+    ):
         run(d, PROMPTS[0], other)
         assert len(rules()) == 2 + i
 
@@ -332,7 +344,6 @@ def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
     assert seen[False] > 0 and seen[True] > 0
 
 
-
 def _chi2_critical(df: int, alpha_z: float = 3.09) -> float:
     """Upper critical value of chi-square (Wilson–Hilferty), alpha_z = normal quantile (3.09 ≈ 0.001)."""
     a = 2.0 / (9.0 * df)
@@ -375,8 +386,17 @@ def test_speculative_sampling_matches_plain_sampling(decoders):
     first: dict[int, int] = {}
     pairs: list[tuple[int, int]] = []
     for seed in range(trials):
-        cfg = GenerationConfig(mode="s2moe", n_predict=4, temperature=temp, seed=seed, draft_topk=1,
-                               utility=False, reuse_strength=0.0, draft_max=3, stop_at_eos=False)
+        cfg = GenerationConfig(
+            mode="s2moe",
+            n_predict=4,
+            temperature=temp,
+            seed=seed,
+            draft_topk=1,
+            utility=False,
+            reuse_strength=0.0,
+            draft_max=3,
+            stop_at_eos=False,
+        )
         fin = run(d, prompt, cfg)[-1]
         first[fin.tokens[0]] = first.get(fin.tokens[0], 0) + 1
         pairs.append(fin.tokens[:2])
@@ -416,8 +436,9 @@ def test_every_baseline_is_lossless_in_greedy_mode(decoders, arch, mode):
     assert drafted > 0
 
 
-def _scan_lookup(seq: list[int], max_ngram: int, min_ngram: int, max_len: int,
-                 periodic: bool) -> tuple[int, list[int], int]:
+def _scan_lookup(
+    seq: list[int], max_ngram: int, min_ngram: int, max_len: int, periodic: bool
+) -> tuple[int, list[int], int]:
     """Prompt lookup by its definition: the longest n-gram ending seq, searched backwards through the rest; periodic,
     what followed it taken again from its start each time it reaches the end of seq."""
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
@@ -477,22 +498,22 @@ def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
     e = EarlierText(max_ngram=3, min_ngram=2, keep=3)
     e.add((1,), [1, 5, 6, 7, 8])
     e.add((2,), [2, 6, 7, 9, 5, 6, 10])
-    assert e.lookup((9,), [4, 5, 6], 3)[:2] == (2, [10])   # the latest entry holding the bigram
-    assert e.lookup((9,), [5, 6, 7], 3)[:2] == (3, [8])    # a trigram beats the latest entry's bigram "6 7"
+    assert e.lookup((9,), [4, 5, 6], 3)[:2] == (2, [10])  # the latest entry holding the bigram
+    assert e.lookup((9,), [5, 6, 7], 3)[:2] == (3, [8])  # a trigram beats the latest entry's bigram "6 7"
     assert e.lookup((2,), [4, 5, 6], 3) == (2, [7, 8], [False, False])  # never the entry of its own prompt
     assert e.lookup((9,), [8, 3], 3) == (0, [], [])
-    assert e.lookup((9,), [3, 7, 8], 3) == (0, [], [])    # a last token nothing followed
-    e.add((1,), [1, 5, 6, 11])                          # a prompt run again replaces its entry
+    assert e.lookup((9,), [3, 7, 8], 3) == (0, [], [])  # a last token nothing followed
+    e.add((1,), [1, 5, 6, 11])  # a prompt run again replaces its entry
     assert e.lookup((9,), [5, 6, 7], 3)[:2] == (2, [9, 5, 6])  # its trigram "5 6 7" gone with it
     e.add((3,), [3])
     e.add((4,), [4])
-    assert list(e.entries) == [(1,), (3,), (4,)]          # the oldest dropped past `keep`
+    assert list(e.entries) == [(1,), (3,), (4,)]  # the oldest dropped past `keep`
     e = EarlierText(keep=8, max_tokens=10)
     for prompt, text in (((1,), [1, 2, 3, 4]), ((2,), [5, 6, 7]), ((3,), [8, 9, 10, 11])):
         e.add(prompt, text)
     assert list(e.entries) == [(2,), (3,)] and e.tokens == 7  # ... and past `max_tokens`
     e.add((4,), list(range(20)))
-    assert list(e.entries) == [(4,)]                      # the latest entry stays, however long
+    assert list(e.entries) == [(4,)]  # the latest entry stays, however long
 
 
 def test_earlier_text_votes_among_the_entries_holding_the_ngram():
@@ -504,20 +525,20 @@ def test_earlier_text_votes_among_the_entries_holding_the_ngram():
     e = EarlierText(max_ngram=3, min_ngram=2)
     e.add((1,), [1, 5, 6, 7, 8, 9])
     e.add((2,), [2, 5, 6, 7, 8, 4])
-    e.add((3,), [3, 5, 6, 10, 11])   # the latest entry, outvoted at the first token
+    e.add((3,), [3, 5, 6, 10, 11])  # the latest entry, outvoted at the first token
     # 7 by two to one, 8 by both left, then a tie: the later entry's 4
     assert e.lookup((9,), [0, 5, 6], 4) == (2, [7, 8, 4], [False, True, False])
     # its own entry does not vote: a tie, the latest wins, and one voter is left
     assert e.lookup((1,), [0, 5, 6], 4) == (2, [10, 11], [False, False])
     e.add((4,), [4, 5, 6, 10, 12, 13])
-    assert e.lookup((9,), [0, 5, 6], 4)[:2] == (2, [10, 12, 13])   # two to two, then one to one: the latest's
+    assert e.lookup((9,), [0, 5, 6], 4)[:2] == (2, [10, 12, 13])  # two to two, then one to one: the latest's
     e.add((5,), [5, 5, 6, 10, 12, 13])
     # 10 by three of five, 12 by two of three, 13 by both left
     assert e.lookup((9,), [0, 5, 6], 4) == (2, [10, 12, 13], [False, False, True])
     few = EarlierText(max_ngram=3, min_ngram=2, vote=2)
     for prompt, text in (((1,), [1, 5, 6, 7]), ((2,), [2, 5, 6, 7]), ((3,), [3, 5, 6, 10]), ((4,), [4, 5, 6, 11])):
         few.add(prompt, text)
-    assert few.lookup((9,), [0, 5, 6], 4)[:2] == (2, [11])      # only the two latest vote
+    assert few.lookup((9,), [0, 5, 6], 4)[:2] == (2, [11])  # only the two latest vote
 
 
 def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
@@ -560,7 +581,7 @@ def test_copied_tokens_the_session_agreed_on_are_learned_and_weighed_apart():
     planner = CopyPlanner(rule, earlier, prompt=(5,))
     plan = planner.plan([5, 7, 8, 9], 2)
     assert plan.source == "session" and plan.p == pytest.approx(agreed)
-    assert [w[0] for w in plan.weighed] == [20, 22]   # both agree on 20; 22, the latest's, where they part
+    assert [w[0] for w in plan.weighed] == [20, 22]  # both agree on 20; 22, the latest's, where they part
     assert [w[1] for w in plan.weighed] == pytest.approx([agreed, agreed * other])
     assert plan.tokens == [20] and plan.kinds == ["session, agreed"]  # 22 does not pay at its kind's rate
     planner.learn(plan, 0, 0.0, 0)
@@ -661,8 +682,9 @@ def test_until_copies_are_timed_a_copied_token_saves_the_plain_step_as_timed_whe
     context = [5, 1, 2, 3, 4, 1, 2, 3]
 
     def planned(plain_s, fetched=None):
-        rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.002, intercept=0.0,
-                                         source="test"))
+        rule = UtilityStop(
+            CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.002, intercept=0.0, source="test")
+        )
         learned = rule.copies(3)
         learned.began()
         for _ in range(3 if plain_s else 0):
@@ -728,15 +750,19 @@ def test_s2moe_copies_from_an_earlier_generation_of_another_prompt(decoders, arc
     prompt = [earlier[0] + 1] + earlier[1:]
     run(d, earlier, GenerationConfig(mode="ar", n_predict=16, stop_at_eos=False))
     plain = summarize(run(d, prompt, GenerationConfig(mode="ar", n_predict=16, stop_at_eos=False)))
-    events = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0,
-                                             stop_at_eos=False))
+    events = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0, stop_at_eos=False))
     from_session = [e for e in events if isinstance(e, Iteration) and e.draft_stop.startswith("lookup: session")]
     assert from_session and all(e.draft_decision.copied == "session" for e in from_session)
     first = from_session[0]
     assert first.draft_decision.text.startswith(f"copying {len(first.drafted)} tokens from an earlier generation:")
     assert summarize(events).tokens == plain.tokens
-    off = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0,
-                                          lookup_session=False, stop_at_eos=False))
+    off = run(
+        d,
+        prompt,
+        GenerationConfig(
+            mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0, lookup_session=False, stop_at_eos=False
+        ),
+    )
     assert not any(e.draft_stop.startswith("lookup: session") for e in off if isinstance(e, Iteration))
 
 
@@ -751,8 +777,9 @@ def test_copies_from_the_context_pay_where_a_draft_pass_cannot(decoders, arch):
     d = decoders[arch]
     c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test-copies")
     ar = summarize(run(d, REPEATING, GenerationConfig(mode="ar", n_predict=32, stop_at_eos=False)))
-    events = run(d, REPEATING, GenerationConfig(mode="s2moe", n_predict=32, cost=c, reuse_strength=0.0,
-                                                 stop_at_eos=False))
+    events = run(
+        d, REPEATING, GenerationConfig(mode="s2moe", n_predict=32, cost=c, reuse_strength=0.0, stop_at_eos=False)
+    )
     drafted = [e for e in events if isinstance(e, Iteration) and e.drafted]
     assert drafted and all(e.draft_decision.copied and e.draft_stop.startswith("lookup") for e in drafted)
     assert all(cand.prob == 1.0 and cand.predicted is None for e in drafted for cand in e.candidates)
@@ -835,8 +862,7 @@ def test_copies_are_priced_as_timed_once_enough_were():
     from s2moe.engine.drafting.copies import CopyPlanner
     from s2moe.engine.drafting.stoprules import UtilityStop
 
-    rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.001, intercept=0.0,
-                                     source="test"))
+    rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.001, intercept=0.0, source="test"))
     m = rule.copies(3)
     m.smoothing = 0.5
     m.began()
@@ -913,8 +939,9 @@ def test_a_copy_that_pays_whole_is_made_where_its_first_token_alone_would_not_pa
     from s2moe.engine.drafting.copylearner import copy_added
     from s2moe.engine.drafting.stoprules import UtilityStop
 
-    rule = UtilityStop(CostConstants(t_ar=0.060, c_draft=0.02, t_exp=0.00233, t_tok=0.005, intercept=0.0,
-                                     source="test"))
+    rule = UtilityStop(
+        CostConstants(t_ar=0.060, c_draft=0.02, t_exp=0.00233, t_tok=0.005, intercept=0.0, source="test")
+    )
     learned = rule.copies(3)
     for _ in range(8):  # copies round a loop, accepted whole
         learned.learn(3, ["context"] * 3 + ["context, looped"] * 5, accepted=8)
@@ -1001,8 +1028,11 @@ def test_what_the_utility_rule_learned_carries_over_to_the_next_generation(decod
 
     def drafted_iterations(cost, threshold=1.0):
         """Iterations that ran a draft pass (its candidate kept or not)."""
-        events = run(d, PROMPTS[1], GenerationConfig(mode="s2moe", n_predict=24, cost=cost, threshold=threshold,
-                                                     stop_at_eos=False))
+        events = run(
+            d,
+            PROMPTS[1],
+            GenerationConfig(mode="s2moe", n_predict=24, cost=cost, threshold=threshold, stop_at_eos=False),
+        )
         return sum(1 for e in events if isinstance(e, Iteration) and e.draft_stop not in ("no-draft", "limit"))
 
     first = drafted_iterations(dear)
@@ -1020,8 +1050,13 @@ def test_a_sampled_generation_repeats_with_its_seed_whatever_came_before(decoder
     pays = CostConstants(t_ar=1.0, c_draft=0.3, t_exp=0.0, t_tok=0.3, intercept=0.0, source="test-seed")
 
     def sampled(seed):
-        events = run(d, "hello", GenerationConfig(mode="s2moe", n_predict=12, temperature=1.0, top_k=0, top_p=1.0,
-                                                   min_p=0.0, seed=seed, cost=pays))
+        events = run(
+            d,
+            "hello",
+            GenerationConfig(
+                mode="s2moe", n_predict=12, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed, cost=pays
+            ),
+        )
         return summarize(events).tokens, sum(len(e.drafted) for e in events if isinstance(e, Iteration))
 
     first, drafted = sampled(11)
@@ -1049,10 +1084,14 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
     then the verification with the counter and reports each count apart."""
     d = decoders[arch]
     n_layer = d.info.n_layer
-    cfg = GenerationConfig(mode="s2moe", n_predict=10, utility=False, draft_max=3, reuse_strength=0.0,
-                           stop_at_eos=False)
-    assert all(e.verify_misses is None and e.verify_major_faults is None
-               for e in run(d, PROMPTS[0], cfg) if isinstance(e, Iteration))
+    cfg = GenerationConfig(
+        mode="s2moe", n_predict=10, utility=False, draft_max=3, reuse_strength=0.0, stop_at_eos=False
+    )
+    assert all(
+        e.verify_misses is None and e.verify_major_faults is None
+        for e in run(d, PROMPTS[0], cfg)
+        if isinstance(e, Iteration)
+    )
 
     class Counter(VerifyObserver):
         def __init__(self):
@@ -1108,8 +1147,9 @@ def test_verifications_report_the_misses_their_counter_counted(decoders, arch):
 
 
 def test_a_draft_on_weights_of_its_own_is_told_to_the_observer(decoders, arch):
-    """The independent drafter (naive: bench's base rung) maps the model file a second time, outside the routing hook: after each
-    of its drafts the observer is told, so that offloading lets go of what it read; self-drafts never are."""
+    """The independent drafter (naive: bench's base rung) maps the model file a second time, outside the routing
+    hook: after each of its drafts the observer is told, so that offloading lets go of what it read; self-drafts
+    never are."""
     d = decoders[arch]
 
     class Watcher(QuietObserver):
@@ -1131,6 +1171,7 @@ def test_a_draft_on_weights_of_its_own_is_told_to_the_observer(decoders, arch):
             assert watcher.elsewhere == (len(iterations) if told else 0), mode
     finally:
         d.detach(watcher)
+
 
 def test_engine_errors_name_the_setting_and_let_each_front_end_word_it():
     """The engine names a setting as it knows it; the CLI says its flag, the app its own field name."""
@@ -1179,8 +1220,11 @@ def test_runs_sharing_a_copy_cache_keep_each_others_generations(decoders, tmp_pa
         save_copy_cache(path, d.info, a)
         again = EarlierText()
         assert load_copy_cache(path, d.info, again) == 3
-        assert dict(again.generations()) == {tuple(shared): shared + [6], tuple(mine): mine + [4, 5],
-                                             tuple(theirs): theirs + [7, 8]}
+        assert dict(again.generations()) == {
+            tuple(shared): shared + [6],
+            tuple(mine): mine + [4, 5],
+            tuple(theirs): theirs + [7, 8],
+        }
         # a full cache (three entries): each run adds one, dropping the oldest; the other's survives the merge
         full = [(tuple(t), t + [9]) for t in ([5, 6, 7], [8, 9, 10], [11, 12, 13])]
         start = EarlierText(keep=3)
@@ -1205,8 +1249,8 @@ def test_a_copy_cache_file_gives_a_new_session_the_generations_of_an_earlier_one
     """What one process kept (save_copy_cache) a fresh session loads (load_copy_cache) and copies from, as from
     its own earlier generations, keeping ar's tokens; a file of another model is refused."""
     from s2moe.engine.drafting.copycache import load_copy_cache, save_copy_cache
-    from s2moe.engine.errors import ConfigError
     from s2moe.engine.drafting.ngrams import EarlierText
+    from s2moe.engine.errors import ConfigError
 
     d = decoders["olmoe"]
     c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test-copy-cache")
@@ -1224,8 +1268,9 @@ def test_a_copy_cache_file_gives_a_new_session_the_generations_of_an_earlier_one
         plain = summarize(run(d, prompt, GenerationConfig(mode="ar", n_predict=16, stop_at_eos=False)))
         d.earlier = EarlierText()
         load_copy_cache(path, d.info, d.earlier)
-        events = run(d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0,
-                                                 stop_at_eos=False))
+        events = run(
+            d, prompt, GenerationConfig(mode="s2moe", n_predict=16, cost=c, reuse_strength=0.0, stop_at_eos=False)
+        )
         assert any(e.draft_stop.startswith("lookup: session") for e in events if isinstance(e, Iteration))
         assert summarize(events).tokens == plain.tokens
         with pytest.raises(ConfigError, match="another model's tokens"):

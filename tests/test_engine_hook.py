@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
+from conftest import variant_spec
+from s2moe.engine.decoding.runtime import LlamaRuntime
 from s2moe.engine.errors import ModelError
 from s2moe.engine.model_info import read_model_info
-from s2moe.engine.decoding.runtime import LlamaRuntime
-from conftest import variant_spec
 from tinygguf import write_tiny
 
 TOKENS = [262, 258, 108, 108, 111, 256, 258, 260, 256, 258, 32, 119, 111, 114, 108, 100]
@@ -80,8 +79,9 @@ def test_draft_pass_equals_a_model_loaded_with_fewer_experts(tiny_models, decode
     drafted = rt.decode(TOKENS, 0, "all")
     _fresh(rt)
     info = read_model_info(tiny_models[arch])
-    small = LlamaRuntime(info, n_ctx=128, n_threads=1, install_hook=False,
-                         int_overrides={f"{info.arch}.expert_used_count": k_d})
+    small = LlamaRuntime(
+        info, n_ctx=128, n_threads=1, install_hook=False, int_overrides={f"{info.arch}.expert_used_count": k_d}
+    )
     try:
         reference = small.decode(TOKENS, 0, "all")
     finally:
@@ -129,7 +129,7 @@ def test_gating_moves_selection_only_toward_preferred_experts(decoders, arch):
     cap = k + k // 2  # below n_expert, or every expert would be preferred and nothing could move
     rng = np.random.default_rng(5)
     total_plain = total_gated = moved = 0
-    for trial in range(6):
+    for _ in range(6):
         batch = rng.integers(0, 256, size=9).tolist()
         _fresh(rt)
         rt.hook.observe()
@@ -514,8 +514,9 @@ def test_memory_gating_moves_a_single_row_only_onto_experts_in_memory(decoders, 
     in_memory = rng.random((info.n_layer, info.n_expert)) < 0.5
     tokens = rng.integers(0, 256, size=12).tolist()
     plain, _ = _one_row_decodes(rt, tokens, rt.hook.observe)
-    gated, logits = _one_row_decodes(rt, tokens, lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0], memory=1.0,
-                                                                      in_memory=in_memory))
+    gated, logits = _one_row_decodes(
+        rt, tokens, lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0], memory=1.0, in_memory=in_memory)
+    )
     moved = outside_plain = outside_gated = 0
     for p, g in zip(plain, gated):
         np.testing.assert_array_equal(g.orig[0], p.orig[0])  # layer 0 routes identical inputs
@@ -527,8 +528,10 @@ def test_memory_gating_moves_a_single_row_only_onto_experts_in_memory(decoders, 
             assert before - after <= before - mem  # only experts out of memory are given up
             moved += len(after - before)
             outside_gated += len(after - mem)
-        outside_plain += sum(len(set(p.used[layer, 0].tolist()) - set(np.flatnonzero(in_memory[layer]).tolist()))
-                             for layer in range(info.n_layer))
+        outside_plain += sum(
+            len(set(p.used[layer, 0].tolist()) - set(np.flatnonzero(in_memory[layer]).tolist()))
+            for layer in range(info.n_layer)
+        )
     assert all(np.isfinite(x).all() for x in logits)
     assert moved > 0
     assert outside_gated < outside_plain
@@ -539,11 +542,15 @@ def test_memory_gating_with_every_expert_or_none_in_memory_is_bit_identical_to_o
     """All in memory (nothing to prefer), none, or no way to tell (no mask, no prefetcher routed): unchanged."""
     rt = decoders[arch].rt
     info = rt.info
-    in_memory = {"all": np.ones((info.n_layer, info.n_expert), bool),
-                 "none": np.zeros((info.n_layer, info.n_expert), bool), "unknown": None}[mask]
+    in_memory = {
+        "all": np.ones((info.n_layer, info.n_expert), bool),
+        "none": np.zeros((info.n_layer, info.n_expert), bool),
+        "unknown": None,
+    }[mask]
     _, plain = _one_row_decodes(rt, TOKENS[:6], rt.hook.observe)
-    _, gated = _one_row_decodes(rt, TOKENS[:6], lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0], memory=2.0,
-                                                                     in_memory=in_memory))
+    _, gated = _one_row_decodes(
+        rt, TOKENS[:6], lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0], memory=2.0, in_memory=in_memory)
+    )
     for a, b in zip(plain, gated):
         np.testing.assert_array_equal(a, b)
 
@@ -553,8 +560,9 @@ def test_a_gate_without_memory_forgets_the_previous_memory_preference(decoders, 
     info = rt.info
     in_memory = np.random.default_rng(4).random((info.n_layer, info.n_expert)) < 0.5
     _, plain = _one_row_decodes(rt, TOKENS[:6], rt.hook.observe)
-    _one_row_decodes(rt, TOKENS[:6], lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0], memory=1.0,
-                                                          in_memory=in_memory))
+    _one_row_decodes(
+        rt, TOKENS[:6], lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0], memory=1.0, in_memory=in_memory)
+    )
     _, again = _one_row_decodes(rt, TOKENS[:6], lambda: rt.hook.gate(0.0, info.n_expert_used, [1.0]))
     for a, b in zip(plain, again):
         np.testing.assert_array_equal(a, b)

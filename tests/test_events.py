@@ -7,45 +7,100 @@ from dataclasses import fields
 
 import numpy as np
 import pytest
-
 from s2moe.engine.events import CostConstants, Finished, Iteration, Prefilled, Started, Summary, Totals
 
 COST = CostConstants(t_ar=0.01, c_draft=0.004, t_exp=0.0001, t_tok=0.001, intercept=0.002, source="profile:test")
 
 
-def step(index, drafted, n_accepted, target, *, experts, reuse, useful=None, misses=None, faults=None,
-         gated_moves=0, t_draft=0.0, t_verify=0.0) -> Iteration:
+def step(
+    index,
+    drafted,
+    n_accepted,
+    target,
+    *,
+    experts,
+    reuse,
+    useful=None,
+    misses=None,
+    faults=None,
+    gated_moves=0,
+    t_draft=0.0,
+    t_verify=0.0,
+) -> Iteration:
     accepted = drafted[:n_accepted]
     committed = accepted + (target,)
     return Iteration(
-        index=index, candidates=(), drafted=drafted, accepted=accepted, rejected=drafted[n_accepted:],
-        target_token=target, committed=committed, committed_text="", draft_stop="utility" if drafted else "no-draft",
-        rollback=len(drafted) - n_accepted, kv_end=0, n_committed=0, verify_tokens=len(drafted) + 1,
-        verify_experts=np.array(experts, float), reuse_ratio=np.array(reuse, float), gated_moves=gated_moves,
-        t_draft=t_draft, t_verify=t_verify, useful_experts=None if useful is None else np.array(useful, float),
-        verify_misses=None if misses is None else np.array(misses), verify_major_faults=faults)
+        index=index,
+        candidates=(),
+        drafted=drafted,
+        accepted=accepted,
+        rejected=drafted[n_accepted:],
+        target_token=target,
+        committed=committed,
+        committed_text="",
+        draft_stop="utility" if drafted else "no-draft",
+        rollback=len(drafted) - n_accepted,
+        kv_end=0,
+        n_committed=0,
+        verify_tokens=len(drafted) + 1,
+        verify_experts=np.array(experts, float),
+        reuse_ratio=np.array(reuse, float),
+        gated_moves=gated_moves,
+        t_draft=t_draft,
+        t_verify=t_verify,
+        useful_experts=None if useful is None else np.array(useful, float),
+        verify_misses=None if misses is None else np.array(misses),
+        verify_major_faults=faults,
+    )
 
 
 # a verification that kept two of three drafts (offloaded: one expert fetched, three storage faults),
 # a plain step (offloaded, no fault count), and a verification that rejected both drafts (resident, and
 # without the experts its committed rows needed)
 FIRST = [
-    step(1, (5, 6, 7), 2, 9, experts=[3, 5], reuse=[0.5, 0.25], useful=[2, 4], misses=[1, 0], faults=3,
-         gated_moves=2, t_draft=0.25, t_verify=0.5),
+    step(
+        1,
+        (5, 6, 7),
+        2,
+        9,
+        experts=[3, 5],
+        reuse=[0.5, 0.25],
+        useful=[2, 4],
+        misses=[1, 0],
+        faults=3,
+        gated_moves=2,
+        t_draft=0.25,
+        t_verify=0.5,
+    ),
     step(2, (), 0, 8, experts=[2, 2], reuse=[0, 0], useful=[2, 2], misses=[2, 1], t_verify=0.125),
     step(3, (1, 2), 0, 4, experts=[4, 4], reuse=[0.75, 0.5], gated_moves=1, t_draft=0.125, t_verify=0.25),
 ]
 SECOND = [
-    step(1, (3,), 1, 2, experts=[6, 2], reuse=[1.0, 0.5], useful=[6, 2], misses=[0, 2], faults=1,
-         gated_moves=4, t_draft=0.5, t_verify=1.0),
+    step(
+        1,
+        (3,),
+        1,
+        2,
+        experts=[6, 2],
+        reuse=[1.0, 0.5],
+        useful=[6, 2],
+        misses=[0, 2],
+        faults=1,
+        gated_moves=4,
+        t_draft=0.5,
+        t_verify=1.0,
+    ),
     step(2, (), 0, 7, experts=[1, 1], reuse=[0, 0], useful=[1, 1], t_verify=0.25),
 ]
 
 
 def generation(its, seconds=2.0, prefill=0.125):
     tokens = tuple(t for it in its for t in it.committed)
-    return ([Started("s2moe", "m", (1, 2), 2, 8, 2, {}, COST), Prefilled(2, prefill)] + its
-            + [Finished(tokens, "", len(tokens), seconds, "length", len(its))])
+    return (
+        [Started("s2moe", "m", (1, 2), 2, 8, 2, {}, COST), Prefilled(2, prefill)]
+        + its
+        + [Finished(tokens, "", len(tokens), seconds, "length", len(its))]
+    )
 
 
 def summarize(events) -> Summary:

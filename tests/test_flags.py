@@ -12,7 +12,6 @@ import threading
 from importlib.metadata import version
 
 import pytest
-
 from s2moe.app.cli import main
 from s2moe.app.parser import build_parser
 from s2moe.engine.errors import ConfigError
@@ -63,28 +62,46 @@ def test_seed():
     assert parse("generate", "-p", "x", "-s", "-1").seed == -1  # random, as in llama.cpp
     assert parse("generate", "-p", "x", "-s", "4294967295").seed == 4294967295
     for bad in ("-2", "4294967296"):
-        with pytest.raises(ConfigError, match=re.escape(f"-s/--seed: must be -1 (random) or a whole number from 0 "
-                                                        f"to 4294967295, got {bad}")):
+        with pytest.raises(
+            ConfigError,
+            match=re.escape(f"-s/--seed: must be -1 (random) or a whole number from 0 to 4294967295, got {bad}"),
+        ):
             parse("generate", "-p", "x", "-s", bad)
 
 
 def test_sampling_options_default_to_llama_cpps():
     args = parse("generate", "-p", "x")
     assert (args.top_k, args.top_p, args.min_p, args.repeat_penalty, args.repeat_last_n) == (40, 0.95, 0.05, 1.0, 64)
-    args = parse("generate", "-p", "x", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--repeat-penalty", "1.1",
-                 "--repeat-last-n", "-1")
+    args = parse(
+        "generate",
+        "-p",
+        "x",
+        "--top-k",
+        "0",
+        "--top-p",
+        "1",
+        "--min-p",
+        "0",
+        "--repeat-penalty",
+        "1.1",
+        "--repeat-last-n",
+        "-1",
+    )
     assert (args.top_k, args.top_p, args.min_p, args.repeat_penalty, args.repeat_last_n) == (0, 1.0, 0.0, 1.1, -1)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--top-k", "-1"], "--top-k: must be a whole number ≥ 0, got -1"),
-    (["--top-k", "2.5"], "--top-k: expected a whole number, got '2.5'"),
-    (["--top-p", "1.5"], "--top-p: must be between 0 and 1, got 1.5"),
-    (["--min-p", "nan"], "--min-p: must be a finite number, got nan"),
-    (["--repeat-penalty", "0"], "--repeat-penalty: must be a number > 0, got 0"),
-    (["--repeat-penalty", "inf"], "--repeat-penalty: must be a finite number, got inf"),
-    (["--repeat-last-n", "-2"], "--repeat-last-n: must be -1 (the whole context), 0 (off) or a number of tokens"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--top-k", "-1"], "--top-k: must be a whole number ≥ 0, got -1"),
+        (["--top-k", "2.5"], "--top-k: expected a whole number, got '2.5'"),
+        (["--top-p", "1.5"], "--top-p: must be between 0 and 1, got 1.5"),
+        (["--min-p", "nan"], "--min-p: must be a finite number, got nan"),
+        (["--repeat-penalty", "0"], "--repeat-penalty: must be a number > 0, got 0"),
+        (["--repeat-penalty", "inf"], "--repeat-penalty: must be a finite number, got inf"),
+        (["--repeat-last-n", "-2"], "--repeat-last-n: must be -1 (the whole context), 0 (off) or a number of tokens"),
+    ],
+)
 def test_sampling_option_values_out_of_range_are_one_line(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse("generate", "-p", "x", *argv)
@@ -93,8 +110,21 @@ def test_sampling_option_values_out_of_range_are_one_line(argv, message):
 def test_a_prompt_from_a_file(tiny_models, tmp_path, capsys):
     """-f reads the prompt as llama.cpp does (one final newline dropped); -p and -f together are refused."""
     (tmp_path / "p.txt").write_text("hello there\n", encoding="utf-8")
-    common = ["generate", "-m", str(tiny_models["olmoe"]), "-n", "4", "-t", "1", "-c", "64", "--mode", "ar",
-              "--ignore-eos", "--json"]
+    common = [
+        "generate",
+        "-m",
+        str(tiny_models["olmoe"]),
+        "-n",
+        "4",
+        "-t",
+        "1",
+        "-c",
+        "64",
+        "--mode",
+        "ar",
+        "--ignore-eos",
+        "--json",
+    ]
     assert main([*common, "-f", str(tmp_path / "p.txt")]) == 0
     from_file = json.loads(capsys.readouterr().out)
     assert main([*common, "-p", "hello there"]) == 0
@@ -105,10 +135,13 @@ def test_a_prompt_from_a_file(tiny_models, tmp_path, capsys):
         parse("generate")
 
 
-@pytest.mark.parametrize("content,message", [
-    (b"caf\xe9\n", "is not UTF-8 text (an invalid byte at offset 3)"),
-    (None, "is a directory, not a file"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"caf\xe9\n", "is not UTF-8 text (an invalid byte at offset 3)"),
+        (None, "is a directory, not a file"),
+    ],
+)
 def test_a_prompt_file_that_is_not_utf8_text_is_one_line(tiny_models, tmp_path, capsys, content, message):
     path = tmp_path / "p.txt"
     if content is None:
@@ -121,8 +154,26 @@ def test_a_prompt_file_that_is_not_utf8_text_is_one_line(tiny_models, tmp_path, 
 
 
 def test_a_random_seed_is_printed_and_recorded(tiny_models, capsys):
-    common = ["generate", "-m", str(tiny_models["olmoe"]), "-p", "hello", "-n", "4", "-t", "1", "-c", "64",
-              "--mode", "ar", "--temp", "0.8", "--ignore-eos", "-s", "-1"]
+    common = [
+        "generate",
+        "-m",
+        str(tiny_models["olmoe"]),
+        "-p",
+        "hello",
+        "-n",
+        "4",
+        "-t",
+        "1",
+        "-c",
+        "64",
+        "--mode",
+        "ar",
+        "--temp",
+        "0.8",
+        "--ignore-eos",
+        "-s",
+        "-1",
+    ]
     assert main([*common, "--json"]) == 0
     seed = json.loads(capsys.readouterr().out)["seed"]
     assert 0 <= seed <= 4294967295
@@ -131,13 +182,16 @@ def test_a_random_seed_is_printed_and_recorded(tiny_models, capsys):
     assert printed and int(printed.group(1)) != seed  # drawn again: the chance of the same one is 2^-32
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate", "-p", "x", "--draft", "3"],  # --draft-topk or --draft-max?
-    ["generate", "-p", "x", "--n-pred", "3"],
-    ["bench", "--n-prompt", "3"],
-    ["calibrate", "--repeat", "2"],
-    ["app", "--prof", "x"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "-p", "x", "--draft", "3"],  # --draft-topk or --draft-max?
+        ["generate", "-p", "x", "--n-pred", "3"],
+        ["bench", "--n-prompt", "3"],
+        ["calibrate", "--repeat", "2"],
+        ["app", "--prof", "x"],
+    ],
+)
 def test_abbreviations_are_unknown_options(argv):
     with pytest.raises(ConfigError, match=re.escape(f"unrecognized arguments: {argv[-2]} {argv[-1]}")):
         parse(*argv)
@@ -150,8 +204,22 @@ def test_version(capsys):
 
 
 def test_prompt_is_echoed_before_the_text_unless_asked_not_to(tiny_models, capsys):
-    common = ["generate", "-m", str(tiny_models["olmoe"]), "-p", "hello there", "-n", "6", "-t", "1", "-c", "64",
-              "--mode", "ar", "--ignore-eos"]
+    common = [
+        "generate",
+        "-m",
+        str(tiny_models["olmoe"]),
+        "-p",
+        "hello there",
+        "-n",
+        "6",
+        "-t",
+        "1",
+        "-c",
+        "64",
+        "--mode",
+        "ar",
+        "--ignore-eos",
+    ]
     assert main([*common, "--json"]) == 0
     text = json.loads(capsys.readouterr().out)["text"]
     assert main(common) == 0
@@ -179,15 +247,33 @@ def test_events_do_not_split_the_streamed_text_on_one_terminal(tiny_models, monk
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     # Buffered as Python buffers a terminal's stdout and stderr.
-    out = io.TextIOWrapper(io.FileIO(os.open(name, os.O_WRONLY | os.O_NOCTTY), "w"), encoding="utf-8",
-                           line_buffering=True)
-    err = io.TextIOWrapper(io.FileIO(os.open(name, os.O_WRONLY | os.O_NOCTTY), "w"), encoding="utf-8",
-                           write_through=True)
+    out = io.TextIOWrapper(
+        io.FileIO(os.open(name, os.O_WRONLY | os.O_NOCTTY), "w"), encoding="utf-8", line_buffering=True
+    )
+    err = io.TextIOWrapper(
+        io.FileIO(os.open(name, os.O_WRONLY | os.O_NOCTTY), "w"), encoding="utf-8", write_through=True
+    )
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
     try:
-        rc = main(["generate", "-m", str(tiny_models["olmoe"]), "-p", "hello", "-n", "12", "-t", "1", "-c", "64",
-                   "--ignore-eos", "--no-utility", "--events"])
+        rc = main(
+            [
+                "generate",
+                "-m",
+                str(tiny_models["olmoe"]),
+                "-p",
+                "hello",
+                "-n",
+                "12",
+                "-t",
+                "1",
+                "-c",
+                "64",
+                "--ignore-eos",
+                "--no-utility",
+                "--events",
+            ]
+        )
         out.flush()
         err.flush()
     finally:

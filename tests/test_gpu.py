@@ -12,20 +12,17 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import variant_spec
-from tinygguf import write_tiny
-
 from s2moe.app.cli import main
 from s2moe.app.parser import build_parser
 from s2moe.engine.decoding import gpu, runtime
 from s2moe.engine.decoding.decoder import Decoder
 from s2moe.engine.decoding.generation_config import GenerationConfig
+from s2moe.engine.decoding.gpu import EXPERT_TENSORS, NEVER, BuftOverrides, Placement
+from s2moe.engine.decoding.runtime import LlamaRuntime
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished
-from s2moe.engine.decoding.gpu import EXPERT_TENSORS, NEVER, BuftOverrides, Placement
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.profiles import cost_for_model, validate_profile
-from s2moe.engine.decoding.runtime import LlamaRuntime
 
 HAS_GPU = gpu.gpu_backend()
 
@@ -84,11 +81,23 @@ def test_the_patterns_match_expert_tensors_only():
         return any(re.search(p, name) for p in placement.patterns())
 
     every = Placement(cpu_moe=True)
-    for name in ("blk.0.ffn_up_exps.weight", "blk.3.ffn_gate_exps.weight", "blk.12.ffn_down_exps.weight",
-                 "blk.1.ffn_gate_up_exps.weight", "blk.2.ffn_down_chexps.weight", "blk.0.ffn_up_exps.bias"):
+    for name in (
+        "blk.0.ffn_up_exps.weight",
+        "blk.3.ffn_gate_exps.weight",
+        "blk.12.ffn_down_exps.weight",
+        "blk.1.ffn_gate_up_exps.weight",
+        "blk.2.ffn_down_chexps.weight",
+        "blk.0.ffn_up_exps.bias",
+    ):
         assert host(every, name), name
-    for name in ("blk.0.ffn_gate_inp.weight", "blk.0.ffn_up_shexp.weight", "blk.0.ffn_up.weight",
-                 "blk.0.attn_q.weight", "token_embd.weight", "blk.0.exp_probs_b.bias"):
+    for name in (
+        "blk.0.ffn_gate_inp.weight",
+        "blk.0.ffn_up_shexp.weight",
+        "blk.0.ffn_up.weight",
+        "blk.0.attn_q.weight",
+        "token_embd.weight",
+        "blk.0.exp_probs_b.bias",
+    ):
         assert not host(every, name), name
     first_two = Placement(n_cpu_moe=2)
     assert host(first_two, "blk.1.ffn_up_exps.weight") and not host(first_two, "blk.2.ffn_up_exps.weight")
@@ -112,13 +121,16 @@ def test_without_overrides_llama_cpp_moves_nothing(tiny_models, llama_log):
 def test_experts_in_host_memory_decode_the_same_tokens(tiny_models, decoders):
     """On a CPU build (here with -ngl too) the override names the buffer type the experts had anyway: the
     model loads and decodes exactly as before (lossless modes token-identical to ar)."""
+
     def tokens(decoder, **kw):
         events = decoder.generate("def add(a, b):", GenerationConfig(n_predict=12, stop_at_eos=False, **kw))
         return [e for e in events if isinstance(e, Finished)][0].tokens
 
     ar = tokens(decoders["olmoe"], mode="ar")
     layers = 0 if HAS_GPU else -1  # on a GPU the other layers' numerics would differ from the CPU's
-    d = Decoder(str(tiny_models["olmoe"]), n_ctx=512, n_threads=1, placement=Placement(cpu_moe=True, n_gpu_layers=layers))
+    d = Decoder(
+        str(tiny_models["olmoe"]), n_ctx=512, n_threads=1, placement=Placement(cpu_moe=True, n_gpu_layers=layers)
+    )
     try:
         assert d.rt.placement.cpu_moe
         assert tokens(d, mode="ar") == ar
@@ -129,12 +141,15 @@ def test_experts_in_host_memory_decode_the_same_tokens(tiny_models, decoders):
 
 # -- the flags ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("command", ["generate", "bench", "calibrate", "app"])
-@pytest.mark.parametrize("argv, needle", [
-    (["--n-cpu-moe", "-1"], "--n-cpu-moe: must be a whole number ≥ 0, got -1"),
-    (["--cpu-moe", "--n-cpu-moe", "2"], "--cpu-moe and --n-cpu-moe 2 contradict each other"),
-    (["--op-offload-min-batch", "0"], "--op-offload-min-batch: must be at least 1, got 0"),
-    (["-ngl", "-2"], "must be -1 (all layers), 0 or a number of layers, got -2"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--n-cpu-moe", "-1"], "--n-cpu-moe: must be a whole number ≥ 0, got -1"),
+        (["--cpu-moe", "--n-cpu-moe", "2"], "--cpu-moe and --n-cpu-moe 2 contradict each other"),
+        (["--op-offload-min-batch", "0"], "--op-offload-min-batch: must be at least 1, got 0"),
+        (["-ngl", "-2"], "must be -1 (all layers), 0 or a number of layers, got -2"),
+    ],
+)
 def test_bad_placement_flags_are_one_line_before_any_load(tiny_models, capsys, command, argv, needle):
     extra = ["-p", "hi"] if command == "generate" else []
     rc, _, err = run_cli(capsys, command, "-m", tiny_models["olmoe"], *extra, *argv)
@@ -179,19 +194,52 @@ def test_placement_flags_reach_the_runtime_in_generate_and_bench(tiny_models, ca
     assert loads == [want]
     loads.clear()
     report = tmp_path / "bench.json"
-    rc, _, err = run_cli(capsys, "bench", "-m", tiny_models["olmoe"], "--modes", "ar", "--n-prompts", "1", "-n", "2",
-                         "--draft-max", "8", "--reuse-strength", "0.5", "--no-quality", "--no-reference",
-                         "--no-warmup", "--json", report, *flags)
+    rc, _, err = run_cli(
+        capsys,
+        "bench",
+        "-m",
+        tiny_models["olmoe"],
+        "--modes",
+        "ar",
+        "--n-prompts",
+        "1",
+        "-n",
+        "2",
+        "--draft-max",
+        "8",
+        "--reuse-strength",
+        "0.5",
+        "--no-quality",
+        "--no-reference",
+        "--no-warmup",
+        "--json",
+        report,
+        *flags,
+    )
     assert rc == 0, err
     assert loads and all(p == want for p in loads)
     assert json.loads(report.read_text())["config"]["placement"] == want.as_dict()
 
 
-def test_calibrate_uses_the_placement_and_says_why_it_skips_the_gpu_step(tiny_models, capsys, loads, tmp_path,
-                                                                        monkeypatch):
+def test_calibrate_uses_the_placement_and_says_why_it_skips_the_gpu_step(
+    tiny_models, capsys, loads, tmp_path, monkeypatch
+):
     monkeypatch.setenv("S2MOE_CGROUP_ROOT", str(tmp_path / "none"))
-    rc, _, err = run_cli(capsys, "calibrate", "-m", tiny_models["olmoe"], "--no-save", "--repeats", "1", "--threads",
-                         "1", "--no-plot", "--cpu-moe", "-ngl", "3")
+    rc, _, err = run_cli(
+        capsys,
+        "calibrate",
+        "-m",
+        tiny_models["olmoe"],
+        "--no-save",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+        "--no-plot",
+        "--cpu-moe",
+        "-ngl",
+        "3",
+    )
     assert rc == 0, err
     assert loads and all(p == Placement(n_gpu_layers=3, cpu_moe=True) for p in loads)
     if not HAS_GPU:
@@ -201,8 +249,9 @@ def test_calibrate_uses_the_placement_and_says_why_it_skips_the_gpu_step(tiny_mo
 def test_the_app_loads_with_the_placement_flags(tiny_models):
     from s2moe.app.cmd_app import build_app
 
-    args = build_parser().parse_args(["app", "-m", str(tiny_models["olmoe"]), "-t", "1", "-c", "256", "--cpu-moe",
-                                      "-ngl", "1"])
+    args = build_parser().parse_args(
+        ["app", "-m", str(tiny_models["olmoe"]), "-t", "1", "-c", "256", "--cpu-moe", "-ngl", "1"]
+    )
     session = build_app(args).session
     assert session.placement == Placement(n_gpu_layers=1, cpu_moe=True)
     try:
@@ -217,13 +266,41 @@ def test_a_threshold_asked_for_after_the_backend_started_is_one_line(tiny_models
     runtime._init_backend()
     started = runtime._backend_min_batch
     other = "12345" if started != "12345" else "54321"
-    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--mode", "ar", "-n", "2",
-                         "--op-offload-min-batch", other)
-    assert (f"--op-offload-min-batch {other} comes too late: llama.cpp's backend in this process started with "
-            f"GGML_OP_OFFLOAD_MIN_BATCH=") in one_line(rc, err)
+    rc, _, err = run_cli(
+        capsys,
+        "generate",
+        "-m",
+        tiny_models["olmoe"],
+        "-p",
+        "hi",
+        "--mode",
+        "ar",
+        "-n",
+        "2",
+        "--op-offload-min-batch",
+        other,
+    )
+    assert (
+        f"--op-offload-min-batch {other} comes too late: llama.cpp's backend in this process started with "
+        f"GGML_OP_OFFLOAD_MIN_BATCH="
+    ) in one_line(rc, err)
     if started is not None:  # the value it started with is no conflict
-        rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--mode", "ar", "-n", "2",
-                             "--threads", "1", "--op-offload-min-batch", started)
+        rc, _, err = run_cli(
+            capsys,
+            "generate",
+            "-m",
+            tiny_models["olmoe"],
+            "-p",
+            "hi",
+            "--mode",
+            "ar",
+            "-n",
+            "2",
+            "--threads",
+            "1",
+            "--op-offload-min-batch",
+            started,
+        )
         assert rc == 0, err
 
 
@@ -258,42 +335,60 @@ print(json.dumps({k: v.decode() if v else None for k, v in seen.items()} | {"lat
 
 def test_the_threshold_is_in_the_environment_before_the_backend_starts(tiny_models):
     env = {k: v for k, v in __import__("os").environ.items() if k != gpu.MIN_BATCH_ENV}
-    proc = subprocess.run([sys.executable, "-c", FRESH, str(tiny_models["olmoe"])], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH, str(tiny_models["olmoe"])], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["llama_backend_init"] == seen["llama_supports_gpu_offload"] == "7"
-    assert seen["late"].startswith("--op-offload-min-batch 9 comes too late") and "=7 and reads it only then" in seen["late"]
+    assert (
+        seen["late"].startswith("--op-offload-min-batch 9 comes too late")
+        and "=7 and reads it only then" in seen["late"]
+    )
 
 
 # -- the profile -------------------------------------------------------------------------------------------
 def _profile(**block):
     base = {"t_ar_ms": 10.0, "c_draft_ms": 4.0, "t_exp_ms": 0.05, "t_tok_ms": 1.0, "intercept_ms": 0.5}
-    return {"schema": 1, "name": "g", "kind": "measured", "device": {"kind": "gpu", "host_to_device_gb_s": 25.0},
-            "models": {"0123456789abcdef": {**base, **block}}}
+    return {
+        "schema": 1,
+        "name": "g",
+        "kind": "measured",
+        "device": {"kind": "gpu", "host_to_device_gb_s": 25.0},
+        "models": {"0123456789abcdef": {**base, **block}},
+    }
 
 
 def test_the_copy_cost_replaces_t_exp_with_experts_in_host_memory():
-    prof = validate_profile(_profile(t_exp_copy_ms=0.2, copy_min_batch=2,
-                                     fit_copy={"intercept_ms": 3.0, "t_exp_ms": 0.2, "t_tok_ms": 0.1, "r2": 0.9,
-                                               "mape": 0.05, "n": 9}))
+    prof = validate_profile(
+        _profile(
+            t_exp_copy_ms=0.2,
+            copy_min_batch=2,
+            fit_copy={"intercept_ms": 3.0, "t_exp_ms": 0.2, "t_tok_ms": 0.1, "r2": 0.9, "mape": 0.05, "n": 9},
+        )
+    )
     resident = cost_for_model(prof, "0123456789abcdef")
     copied = cost_for_model(prof, "0123456789abcdef", experts_in_host=True)
     assert resident.t_exp == pytest.approx(0.05e-3) and resident.source == "profile:g"
     assert copied.t_exp == pytest.approx(0.2e-3) and copied.intercept == pytest.approx(3e-3)
     assert copied.t_tok == pytest.approx(0.1e-3) and copied.r2 == 0.9 and "copied" in copied.source
     # a profile measured without a GPU has no copy cost: the resident one stands
-    assert cost_for_model(validate_profile(_profile()), "0123456789abcdef", experts_in_host=True).t_exp == resident.t_exp
+    assert (
+        cost_for_model(validate_profile(_profile()), "0123456789abcdef", experts_in_host=True).t_exp == resident.t_exp
+    )
     assert Placement(cpu_moe=True, n_gpu_layers=-1).copies_experts and not Placement(cpu_moe=True).copies_experts
 
 
-@pytest.mark.parametrize("where, value, needle", [
-    ("device", {"host_to_device_gb_s": 0}, "field host_to_device_gb_s must be a positive number"),
-    ("model", {"copy_min_batch": 0}, "field copy_min_batch must be a positive whole number"),
-    ("model", {"copy_min_batch": 1.5}, "field copy_min_batch must be a positive whole number"),
-    ("model", {"t_exp_copy_ms": -1}, "field t_exp_copy_ms must be a non-negative number"),
-    ("model", {"fit_copy": {"r2": 2}}, "fit_copy: field r2 must be a number ≤ 1"),
-])
+@pytest.mark.parametrize(
+    "where, value, needle",
+    [
+        ("device", {"host_to_device_gb_s": 0}, "field host_to_device_gb_s must be a positive number"),
+        ("model", {"copy_min_batch": 0}, "field copy_min_batch must be a positive whole number"),
+        ("model", {"copy_min_batch": 1.5}, "field copy_min_batch must be a positive whole number"),
+        ("model", {"t_exp_copy_ms": -1}, "field t_exp_copy_ms must be a non-negative number"),
+        ("model", {"fit_copy": {"r2": 2}}, "fit_copy: field r2 must be a number ≤ 1"),
+    ],
+)
 def test_bad_gpu_fields_name_the_field(where, value, needle):
     prof = _profile()
     target = prof["device"] if where == "device" else prof["models"]["0123456789abcdef"]
@@ -323,10 +418,19 @@ def test_the_timing_processes_start_with_their_own_threshold(tiny_models):
     """Each timing process sets its threshold before its backend starts, and says which it started with."""
     for min_batch in (1, NEVER):
         placement = Placement(cpu_moe=True, op_offload_min_batch=min_batch)
-        result = gpu._run_timing({"model": str(tiny_models["olmoe"]), "threads": 1, "sizes": [1, 3], "repeats": 1,
-                                  "placement": placement.as_dict()})
+        result = gpu._run_timing(
+            {
+                "model": str(tiny_models["olmoe"]),
+                "threads": 1,
+                "sizes": [1, 3],
+                "repeats": 1,
+                "placement": placement.as_dict(),
+            }
+        )
         assert result["min_batch"] == str(min_batch)
-        assert sorted(s[1] for s in result["samples"]) == [1, 3] and all(s[0] > 0 and s[2] > 0 for s in result["samples"])
+        assert sorted(s[1] for s in result["samples"]) == [1, 3] and all(
+            s[0] > 0 and s[2] > 0 for s in result["samples"]
+        )
     gen = gpu.measure_copy_mode(str(tiny_models["olmoe"]), sizes=[1, 2], n_gpu_layers=0, threads=1, repeats=1)
     progress = []
     while True:
@@ -403,8 +507,12 @@ def test_hook_on_device_buffers_is_bit_identical_run_to_run(on_device, mode):
 @on_gpu
 def test_experts_in_host_memory_beside_a_gpu_decode_like_resident(tiny_models, on_device):
     _, device = on_device
-    copied = LlamaRuntime(read_model_info(tiny_models["olmoe"]), n_ctx=128, n_threads=1,
-                          placement=Placement(n_gpu_layers=-1, cpu_moe=True))
+    copied = LlamaRuntime(
+        read_model_info(tiny_models["olmoe"]),
+        n_ctx=128,
+        n_threads=1,
+        placement=Placement(n_gpu_layers=-1, cpu_moe=True),
+    )
     try:
         a, b = _routed(device, "observe"), _routed(copied, "observe")
         np.testing.assert_array_equal(a[1].used, b[1].used)
@@ -432,18 +540,26 @@ def test_a_calibration_without_a_gpu_counts_the_gpu_step_as_skipped_not_failed()
 
     for why in (NO_GPU, NO_GPU_DEVICE):
         outcome = step_outcome(StepResult(6, "gpu", why, {"skipped": why}))
-        assert outcome.state == "skipped" and outcome.reason == why[len("skipped: "):]
+        assert outcome.state == "skipped" and outcome.reason == why[len("skipped: ") :]
     assert step_outcome(StepResult(6, "gpu", "failed: x", {"skipped": "failed: x"})).state == "failed"
 
 
-@pytest.mark.parametrize("reader", ["s2moe.engine.model_info:read_model_info", "s2moe.engine.decoding.gpu:expert_tensor_names",
-                                    "s2moe.engine.offload.experts:expert_map"])
+@pytest.mark.parametrize(
+    "reader",
+    [
+        "s2moe.engine.model_info:read_model_info",
+        "s2moe.engine.decoding.gpu:expert_tensor_names",
+        "s2moe.engine.offload.experts:expert_map",
+    ],
+)
 def test_llama_cpp_loads_before_gguf_whoever_reads_the_model_first(tiny_models, reader):
     """A CUDA build crashed at model load when gguf (and the sentencepiece it imports) loaded before
     llama.cpp's libraries: every reader of a GGUF loads llama.cpp first."""
     module, name = reader.split(":")
-    code = (f"import sys; from {module} import {name}; {name}({str(tiny_models['olmoe'])!r}); "
-            "order = list(sys.modules); print(order.index('llama_cpp') < order.index('gguf'))")
+    code = (
+        f"import sys; from {module} import {name}; {name}({str(tiny_models['olmoe'])!r}); "
+        "order = list(sys.modules); print(order.index('llama_cpp') < order.index('gguf'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"

@@ -8,8 +8,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def module_lines() -> dict[str, int]:
     """Every Python module under engine/ and app/, by its path from the repository root, and its line count."""
-    return {str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
-            for folder in ("engine", "app") for path in sorted((ROOT / folder).rglob("*.py"))}
+    return {
+        str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
+        for folder in ("engine", "app")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+    }
 
 
 def test_modules_are_split_by_concern_below_the_line_limit():

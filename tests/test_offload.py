@@ -13,12 +13,25 @@ from contextlib import contextmanager
 import gguf
 import numpy as np
 import pytest
-
 from s2moe.engine.errors import ConfigError, ModelError
-from s2moe.engine.offload import (MemoryCgroup, ModelMapping, Offloader, code_ranges, drop_file_cache,
-                                  expert_map, parse_size, plan_budget, select_hot_experts)
-from s2moe.engine.offload import (AUTO_MIN_SLACK, AUTO_START_LIMIT, PAGE, Budget, current_budget,
-                                  current_budget_cgroup, fmt_bytes)
+from s2moe.engine.offload import (
+    AUTO_MIN_SLACK,
+    AUTO_START_LIMIT,
+    PAGE,
+    Budget,
+    MemoryCgroup,
+    ModelMapping,
+    Offloader,
+    code_ranges,
+    current_budget,
+    current_budget_cgroup,
+    drop_file_cache,
+    expert_map,
+    fmt_bytes,
+    parse_size,
+    plan_budget,
+    select_hot_experts,
+)
 from s2moe.engine.offload.libc import MADV_RANDOM
 from tinygguf import TinySpec, write_tiny
 
@@ -103,7 +116,10 @@ def test_pinned_pages_survive_dontneed(wide_model):
     try:
         drop_file_cache(wide_model)
         split = off.pin(non_expert=True, code=False, hot=[(0, 4)])
-        assert split["non_expert"] >= sum(n for _, n in off.emap.pinnable()) and split["hot_experts"] >= off.emap.expert_bytes[0]
+        assert (
+            split["non_expert"] >= sum(n for _, n in off.emap.pinnable())
+            and split["hot_experts"] >= off.emap.expert_bytes[0]
+        )
         drop_file_cache(wide_model)
         res = off.map.expert_residency()
         assert res[0, 4] == 1.0 and off.map.pinned[0, 4] and off.map.pinned.sum() == 1
@@ -136,7 +152,7 @@ def test_hot_expert_selection_obeys_the_budget():
     assert (0, 1) not in hot and (1, 2) not in hot and len(hot) == 6  # never-routed experts are skipped
     for budget in range(0, 1000, 37):
         chosen = select_hot_experts(counts, sizes, budget)
-        assert sum(sizes[l] for l, _ in chosen) <= budget
+        assert sum(sizes[layer] for layer, _ in chosen) <= budget
 
 
 def test_the_expert_cache_gets_one_token_s_experts_or_one_layer_s_and_the_hot_experts_the_rest(tiny_models):
@@ -146,9 +162,15 @@ def test_the_expert_cache_gets_one_token_s_experts_or_one_layer_s_and_the_hot_ex
     em = expert_map(tiny_models["olmoe"])
     per_token, one_layer = 4 * int(em.expert_bytes.sum()), 4 * int(em.expert_bytes.max())
     assert one_layer < per_token
-    for room, cache in [(3 * per_token, 3 * per_token // 2), (3 * per_token // 2, per_token), (per_token, per_token),
-                        (per_token - 1, one_layer),
-                        (one_layer, one_layer), (one_layer - 1, one_layer - 1), (0, 0)]:
+    for room, cache in [
+        (3 * per_token, 3 * per_token // 2),
+        (3 * per_token // 2, per_token),
+        (per_token, per_token),
+        (per_token - 1, one_layer),
+        (one_layer, one_layer),
+        (one_layer - 1, one_layer - 1),
+        (0, 0),
+    ]:
         plan = plan_budget(64 << 20, anon_bytes=0, base_bytes=0, emap=em, k=4, expert_room=room)
         assert (plan.cache_bytes, plan.hot_bytes) == (cache, room - cache), room
     # sized from the budget: what the process, its pinned weights and the slack leave
@@ -166,8 +188,10 @@ def test_the_expert_cache_gets_one_token_s_experts_or_one_layer_s_and_the_hot_ex
     assert pinned.cache_bytes + pinned.hot_bytes == plan.cache_bytes + plan.hot_bytes
 
 
-@pytest.mark.parametrize("text,value", [("800M", 800 << 20), ("1.5G", 3 << 29), ("300MiB", 300 << 20),
-                                        ("2GB", 2_000_000_000), ("123456", 123456)])
+@pytest.mark.parametrize(
+    "text,value",
+    [("800M", 800 << 20), ("1.5G", 3 << 29), ("300MiB", 300 << 20), ("2GB", 2_000_000_000), ("123456", 123456)],
+)
 def test_sizes(text, value):
     assert parse_size(text) == value
 
@@ -244,8 +268,14 @@ def test_generate_budget_without_cgroups_is_a_clear_error(tiny_models, monkeypat
     assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("command", [["generate", "-p", "hi", "-n", "2"], ["calibrate", "--no-save"],
-                                     ["bench", "-n", "2", "--n-prompts", "1", "--modes", "ar"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "-p", "hi", "-n", "2"],
+        ["calibrate", "--no-save"],
+        ["bench", "-n", "2", "--n-prompts", "1", "--modes", "ar"],
+    ],
+)
 def test_a_budget_beyond_the_machine_s_memory_is_refused_in_one_line_before_any_work(tiny_models, capsys, command):
     """A limit larger than the machine never binds: the run would look budgeted and be nothing of the kind (1T
     typed for 1G). Refused before any work: calibrate and bench would have measured for minutes first."""
@@ -268,8 +298,19 @@ def test_the_least_budget_a_refusal_names_runs_and_a_little_less_is_refused(tiny
     """`--budget 62M` named 68.2 MiB as the least while 66M ran: the size named is the least that runs."""
     from s2moe.app.cli import main
 
-    argv = ["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "4", "--threads", "1",
-            "--ignore-eos", "--budget"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_models["olmoe"]),
+        "-p",
+        "hello",
+        "-n",
+        "4",
+        "--threads",
+        "1",
+        "--ignore-eos",
+        "--budget",
+    ]
     assert main(argv + ["40M"]) == 2
     err = capfd.readouterr().err
     least = parse_size("".join(re.search(r"give at least (\S+) (\S+)", err).groups()))
@@ -299,8 +340,24 @@ def test_a_budget_cgroup_limit_goes_up_for_a_warm_up_and_down_again():
 def test_generate_under_a_real_budget(tiny_models, capfd):
     from s2moe.app.cli import main
 
-    rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "4", "--threads", "1",
-               "--budget", "400M", "--mode", "s2moe", "--ignore-eos"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_models["olmoe"]),
+            "-p",
+            "hello",
+            "-n",
+            "4",
+            "--threads",
+            "1",
+            "--budget",
+            "400M",
+            "--mode",
+            "s2moe",
+            "--ignore-eos",
+        ]
+    )
     out = capfd.readouterr()
     assert rc == 0
     assert "memory budget 400.0 MiB: peak" in out.err and "pinned: weights" in out.err
@@ -308,18 +365,69 @@ def test_generate_under_a_real_budget(tiny_models, capfd):
     # no profile: nothing pinned as hot, and the way to a profile that would pin some, for this very budget
     assert f"calibrate once under this budget (s2moe calibrate -m {tiny_models['olmoe']} --budget 400M" in out.err
     # auto: the child sizes its own limit after a warm-up and reports it; same tokens as a resident run
-    rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "6", "--threads", "1",
-               "--budget", "auto", "--mode", "s2moe", "--ignore-eos", "--reuse-strength", "0", "--json"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_models["olmoe"]),
+            "-p",
+            "hello",
+            "-n",
+            "6",
+            "--threads",
+            "1",
+            "--budget",
+            "auto",
+            "--mode",
+            "s2moe",
+            "--ignore-eos",
+            "--reuse-strength",
+            "0",
+            "--json",
+        ]
+    )
     out = capfd.readouterr()
     assert rc == 0, out.err
     assert "calibrate once" not in out.err  # --json: only the result
     offloaded = json.loads(out.out.strip().splitlines()[-1])
-    assert main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "6", "--threads", "1",
-                 "--mode", "ar", "--ignore-eos", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_models["olmoe"]),
+                "-p",
+                "hello",
+                "-n",
+                "6",
+                "--threads",
+                "1",
+                "--mode",
+                "ar",
+                "--ignore-eos",
+                "--json",
+            ]
+        )
+        == 0
+    )
     resident = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert offloaded["tokens"] == resident["tokens"]
-    rc = main(["generate", "--model", str(tiny_models["olmoe"]), "-p", "hello", "-n", "2", "--budget", "auto",
-               "--threads", "1", "--events"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_models["olmoe"]),
+            "-p",
+            "hello",
+            "-n",
+            "2",
+            "--budget",
+            "auto",
+            "--threads",
+            "1",
+            "--events",
+        ]
+    )
     err = capfd.readouterr().err
     assert rc == 0 and "budget auto (" in err and "memory budget " in err
     assert re.search(r"experts \(\d+ fetched, \d+ storage faults\)", err)  # each offloaded verification says so
@@ -431,6 +539,7 @@ def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
             time.sleep(0.01)
         assert all(res[p] == 1.0 for p in want)
         others = [(layer, e) for layer in range(2) for e in range(8) if (layer, e) not in want]
+
         # and nothing beside them: a neighbour holds at most the page it shares with a chosen expert's end
         def neighbour(p):
             return any(layer == p[0] and abs(e - p[1]) == 1 for layer, e in want)
@@ -442,7 +551,6 @@ def test_native_prefetch_reads_exactly_the_chosen_experts(wide_model):
 def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memory(wide_model):
     """Routed experts enter a least-recently-used list of `capacity` bytes (pinned ones aside); the one that
     falls off leaves the page cache at once; a layer's own experts are never evicted while it routes."""
-    from s2moe.engine.offload import NativePrefetch
 
     with _cold_prefetcher(wide_model, advise=True) as (em, m, pf):
         llama = ModelMapping(em)  # stands in for llama.cpp's mapping of the file
@@ -460,8 +568,16 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             # an expert it has just asked for)
             assert _wait_for(lambda: resident()[0, [1, 2]].all())
             pf.layer(1, [3, 4])  # four held: (0, 1), routed longest ago, goes
-            assert pf.cache_stats() == {"held": 3 * one, "evicted": 1, "refused": 0, "lost": 0, "staged": 0,
-                                        "streamed": 0, "behind": 0, "dropped_behind": 0}
+            assert pf.cache_stats() == {
+                "held": 3 * one,
+                "evicted": 1,
+                "refused": 0,
+                "lost": 0,
+                "staged": 0,
+                "streamed": 0,
+                "behind": 0,
+                "dropped_behind": 0,
+            }
             assert _wait_for(lambda: resident()[0, 2] and resident()[1, 3] and resident()[1, 4])
             assert not resident()[0, 1]
             pf.layer(0, [0])  # pinned: never counted
@@ -479,8 +595,16 @@ def test_the_kept_expert_cache_evicts_the_least_recently_routed_expert_from_memo
             pf.layer(1, [7])
             assert pf.cache_stats()["lost"] == 1
             pf.keep_cache(0, 0, 0, -1, pinned)
-            assert pf.cache_stats() == {"held": 0, "evicted": 0, "refused": 0, "lost": 0, "staged": 0, "streamed": 0,
-                                        "behind": 0, "dropped_behind": 0}
+            assert pf.cache_stats() == {
+                "held": 0,
+                "evicted": 0,
+                "refused": 0,
+                "lost": 0,
+                "staged": 0,
+                "streamed": 0,
+                "behind": 0,
+                "dropped_behind": 0,
+            }
         finally:
             llama.close()
 
@@ -550,7 +674,9 @@ def test_a_layer_that_does_not_fit_is_read_one_part_at_a_time_in_the_order_its_m
         llama = ModelMapping(em)
         try:
             names = em.parts[0]
-            part = {kind: next(j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n) for kind in ("up", "gate", "down")}
+            part = {
+                kind: next(j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n) for kind in ("up", "gate", "down")
+            }
             one = int(em.expert_bytes[0])
             pf.keep_cache(llama.addr, 0, llama.size, 8 * one, np.zeros((2, 8), np.uint8))
             pf.set_stages((part["up"], part["gate"], part["down"]), room=2 * one)
@@ -615,8 +741,9 @@ def test_the_kept_cache_gives_way_to_what_the_process_grows_past_its_plan(wide_m
             assert off.native.cache_stats()["held"] == 16 * one and 16 * one > 2 * mib
             assert _wait_for(lambda: m.expert_residency().min() == 1.0)
             gc.collect()  # what the tests before left settles before the plan counts the process
-            off.plan = BudgetPlan(64 * mib, anon_bytes=process_anon_bytes(), base_bytes=0, hot_bytes=0,
-                                  cache_bytes=6 * mib)
+            off.plan = BudgetPlan(
+                64 * mib, anon_bytes=process_anon_bytes(), base_bytes=0, hot_bytes=0, cache_bytes=6 * mib
+            )
             off.verifying(None, 0)
             assert off.native.cache_capacity == 6 * mib  # nothing grown yet (less than a MiB)
 
@@ -657,8 +784,9 @@ def test_past_the_kept_cache_the_pinned_hot_experts_give_way_the_least_routed_fi
             assert off.keep_expert_cache(mib, hot, [(llama.addr, llama.size, 0)])
             off.fit_every_s = 0.0
             gc.collect()  # what the tests before left settles before the plan counts the process
-            off.plan = BudgetPlan(64 * mib, anon_bytes=process_anon_bytes(), base_bytes=0, hot_bytes=len(hot) * one,
-                                  cache_bytes=mib)
+            off.plan = BudgetPlan(
+                64 * mib, anon_bytes=process_anon_bytes(), base_bytes=0, hot_bytes=len(hot) * one, cache_bytes=mib
+            )
             off.verifying(None, 0)
             assert off.hot_given == 0 and m.expert_residency()[tuple(np.array(hot).T)].min() == 1.0
 
@@ -671,7 +799,7 @@ def test_past_the_kept_cache_the_pinned_hot_experts_give_way_the_least_routed_fi
             beyond = 2 * mib - mib  # what the cache could not give
             given = -(-beyond // one)
             assert off.hot_given == given < len(hot)
-            gone, kept = hot[len(hot) - given:], hot[:len(hot) - given]
+            gone, kept = hot[len(hot) - given :], hot[: len(hot) - given]
             res, pinned = m.expert_residency(), off.map.pinned
             assert max(res[p] for p in gone) < 0.5 and min(res[p] for p in kept) == 1.0
             assert not any(pinned[p] for p in gone) and all(pinned[p] for p in kept)
@@ -708,8 +836,10 @@ def test_parts_that_alone_outgrow_the_stage_room_are_streamed_behind_the_matmul(
         llama = ModelMapping(em)
         try:
             assert llama.c.lib.madvise(llama.addr, llama.size, MADV_RANDOM) == 0  # what offloading sets
-            part = {kind: next(j for j, n in enumerate(em.parts[0]) if f"ffn_{kind}_exps" in n)
-                    for kind in ("up", "gate", "down")}
+            part = {
+                kind: next(j for j, n in enumerate(em.parts[0]) if f"ffn_{kind}_exps" in n)
+                for kind in ("up", "gate", "down")
+            }
             one = int(em.expert_bytes[0])
             pf.keep_cache(llama.addr, 0, llama.size, 8 * one, np.zeros((2, 8), np.uint8))
             pf.set_stages((part["up"], part["gate"], part["down"]), room=2 * one, stream=stream)
@@ -826,6 +956,7 @@ def test_a_draft_on_a_second_mapping_of_the_file_leaves_memory_the_cache_s_exper
             llama.close()
             other.close()
 
+
 def test_the_offloader_lets_go_of_what_other_mappings_of_the_file_read(wide_model):
     """When the cache starts, and after each draft on weights of their own, every mapping of the file but the
     decoder's own (and ours) is unmapped: what only it held leaves memory."""
@@ -857,12 +988,13 @@ def test_the_offloader_lets_go_of_what_other_mappings_of_the_file_read(wide_mode
         llama.close()
         off.close()
 
+
 def test_each_runtime_knows_the_mapping_its_own_load_made(wide_model):
     """The kept cache manages the decoder's own mapping of the file: with a second load of the same weights
     in the process (bench's base rung), taking the first mapping that covers the experts could pick the
     other one."""
-    from s2moe.engine.model_info import read_model_info
     from s2moe.engine.decoding.runtime import LlamaRuntime
+    from s2moe.engine.model_info import read_model_info
 
     info = read_model_info(wide_model)
     first = LlamaRuntime(info, n_ctx=128, n_threads=1, install_hook=False)
@@ -877,6 +1009,7 @@ def test_each_runtime_knows_the_mapping_its_own_load_made(wide_model):
     finally:
         second.close()
         first.close()
+
 
 def test_keeping_the_cache_starts_it_empty(wide_model):
     """Whatever a warm-up left in memory goes when the cache starts, except what is pinned (mapped)."""
@@ -1025,8 +1158,9 @@ def test_closing_the_offloader_detaches_it_from_the_routing_hook(tiny_models):
         off.close()
         assert d.rt.hook.route is None and off.native.handle is None and d.observer is None
         after = run(d, "hello", cfg)
-        assert [e.committed for e in before if hasattr(e, "committed")] == \
-               [e.committed for e in after if hasattr(e, "committed")]
+        assert [e.committed for e in before if hasattr(e, "committed")] == [
+            e.committed for e in after if hasattr(e, "committed")
+        ]
     finally:
         d.close()
 
@@ -1227,8 +1361,10 @@ def _random_read_flags(path, offsets):
 
     target = os.path.realpath(path)
     mine = [v for v in _vmas() if v[3] == target]
-    return [any("rr" in flags for start, end, foff, _, flags in mine if foff <= off < foff + (end - start))
-            for off in offsets]
+    return [
+        any("rr" in flags for start, end, foff, _, flags in mine if foff <= off < foff + (end - start))
+        for off in offsets
+    ]
 
 
 def test_a_fault_in_the_embedding_table_reads_one_page_not_a_window(decoders, tiny_models):
@@ -1280,16 +1416,29 @@ def test_auto_budget_counts_what_the_cgroup_holds_except_expert_pages(tiny_model
     usage = 50 << 20
     budget = auto_budget_bytes(FakeCgroup(usage), em, share=1 / 3)
     held = usage - resident
-    assert held + em.total_expert_bytes / 3 < budget <= held + em.total_expert_bytes / 3 + max(AUTO_MIN_SLACK, held / 50) + 4096
+    assert (
+        held + em.total_expert_bytes / 3
+        < budget
+        <= held + em.total_expert_bytes / 3 + max(AUTO_MIN_SLACK, held / 50) + 4096
+    )
     # once the kept cache has dropped what it could, the expert pages left in memory stay: they are held
     stay = auto_budget_bytes(FakeCgroup(usage), em, share=1 / 3, experts_stay=True)
-    assert usage + em.total_expert_bytes / 3 < stay <= usage + em.total_expert_bytes / 3 + max(AUTO_MIN_SLACK, usage / 50) + 4096
+    assert (
+        usage + em.total_expert_bytes / 3
+        < stay
+        <= usage + em.total_expert_bytes / 3 + max(AUTO_MIN_SLACK, usage / 50) + 4096
+    )
 
 
-@pytest.mark.parametrize("args, said", [(["--budget", "12Q"], "invalid size '12Q'"),
-                                         (["--arms", "ar/hot,ar/x"], "unknown arm 'ar/x'"),
-                                         (["--model", "missing.gguf"], "cannot read model file"),
-                                         (["--n-prompts", "0"], "--n-prompts and --tokens take a positive number")])
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--budget", "12Q"], "invalid size '12Q'"),
+        (["--arms", "ar/hot,ar/x"], "unknown arm 'ar/x'"),
+        (["--model", "missing.gguf"], "cannot read model file"),
+        (["--n-prompts", "0"], "--n-prompts and --tokens take a positive number"),
+    ],
+)
 def test_offload_bench_refuses_bad_input_in_one_line(tiny_models, tmp_path, capsys, args, said):
     from s2moe.engine.measure import offload_bench
 
@@ -1312,8 +1461,22 @@ def test_offload_bench_runs_every_arm_under_the_probed_auto_budget(tiny_models, 
     # the expert cache share is inside it, on top of what the probe's process held
     assert budget > emap.total_expert_bytes / 3
     out = tmp_path / "ab.json"
-    rc = offload_bench.main(["--model", model, "--rounds", "1", "--tokens", "6", "--arms", "ar/base,spec/hot",
-                             "--budget", str(budget), "--out", str(out)])
+    rc = offload_bench.main(
+        [
+            "--model",
+            model,
+            "--rounds",
+            "1",
+            "--tokens",
+            "6",
+            "--arms",
+            "ar/base,spec/hot",
+            "--budget",
+            str(budget),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0, capfd.readouterr().err[-2000:]
     res = json.loads(out.read_text())
     assert res["budget"] == budget
@@ -1341,13 +1504,19 @@ def _run_under_budget(script_text: str, model, tmp_path, budget: str = "auto") -
     limit = 1 << 30 if budget == "auto" else Budget.parse(budget).size
     cg = MemoryCgroup.create(limit, "test-budget")
     try:
-        proc = cg.popen([sys.executable, str(script), str(model), budget], budget,
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = cg.popen(
+            [sys.executable, str(script), str(model), budget],
+            budget,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         cg.remove()
     assert proc.returncode == 0, stderr[-2000:]
     return json.loads(stdout.strip().splitlines()[-1])
+
 
 # An auto budget sized on a machine whose /proc/meminfo says MEMINFO: the error it gives, or None.
 AUTO_ON_A_FAKED_MACHINE = """
@@ -1376,8 +1545,11 @@ def test_an_auto_budget_beyond_the_machine_s_memory_says_what_it_saw(tiny_models
     script = AUTO_ON_A_FAKED_MACHINE.replace("MEMINFO", '{"MemTotal": 16 << 20}')
     error = _run_under_budget(script, tiny_models["olmoe"], tmp_path)["error"]
     assert error and "\n" not in error
-    assert re.match(r"an auto budget here comes to [\d.]+ MiB \(the process holds [\d.]+ MiB, pinned .*, the cgroup "
-                    r".*, a third of the experts .*\) is more than this machine's memory \(16.0 MiB\)", error), error
+    assert re.match(
+        r"an auto budget here comes to [\d.]+ MiB \(the process holds [\d.]+ MiB, pinned .*, the cgroup "
+        r".*, a third of the experts .*\) is more than this machine's memory \(16.0 MiB\)",
+        error,
+    ), error
 
 
 AUTO_HEADROOM = """
@@ -1477,6 +1649,7 @@ def test_an_auto_budget_pins_the_hot_experts_its_plan_has_room_for_under_the_low
     assert r["hot"] > 0 and 0 < n_pinned * r["eb"] <= r["plan_hot"]  # pinned bytes are rounded to pages
     assert min(r["pinned_resident"]) == 1.0
 
+
 def test_a_drafts_prefetch_is_capped_at_the_expert_cache_for_each_verification(wide_model):
     """Predictions arrive pass by pass while the draft goes on; together they may ask for no more than the
     expert cache holds, and the allowance starts again with the next iteration's counting."""
@@ -1554,8 +1727,9 @@ def test_under_a_budget_drafts_read_only_the_experts_in_memory(tmp_path):
     """Under an auto budget the draft passes read only experts in memory (where a layer has at least k_d of
     them): the routing hook asks about each candidate as its layer routes, so the native counter finds
     hardly any draft expert missing from memory. By default they read the router's choice, and fetch."""
-    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
-                                                         n_ff=256, seed=2))
+    model = write_tiny(
+        tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128, n_ff=256, seed=2)
+    )
     drop_file_cache(model)  # pages the writer left cached count against no budget: as run_in_budget does
     r = _run_under_budget(AUTO_RESIDENT_DRAFTS, model, tmp_path)
     res, router = r["resident"], r["router"]
@@ -1587,8 +1761,9 @@ def test_the_native_library_is_built_before_a_budget_run_starts(tmp_path, monkey
 
     monkeypatch.setenv("S2MOE_NATIVE_DIR", str(tmp_path / "native"))
     argv = [sys.executable, "-c", "import os, sys; print(sorted(os.listdir(sys.argv[1])))", str(tmp_path / "native")]
-    with run_in_budget(argv, Budget(None), tiny_models["olmoe"], tag="test-build",
-                       stdout=subprocess.PIPE, text=True) as run:
+    with run_in_budget(
+        argv, Budget(None), tiny_models["olmoe"], tag="test-build", stdout=subprocess.PIPE, text=True
+    ) as run:
         out, _ = run.proc.communicate(timeout=60)
     assert run.proc.returncode == 0 and ".so'" in out and "libs2moe-" in out
 
@@ -1607,16 +1782,18 @@ cfg = GenerationConfig(mode="s2moe", n_predict=24, utility=False, reuse_strength
                        draft_experts="router")
 tokens = [t for e in dec.generate("the quick brown fox jumps over the lazy dog", cfg) if isinstance(e, Iteration)
           for t in e.committed]
-plain = [t for e in dec.generate("the quick brown fox jumps over the lazy dog", GenerationConfig(mode="ar", n_predict=24,
-         stop_at_eos=False)) if isinstance(e, Iteration) for t in e.committed]
+plain_cfg = GenerationConfig(mode="ar", n_predict=24, stop_at_eos=False)
+plain = [t for e in dec.generate("the quick brown fox jumps over the lazy dog", plain_cfg)
+         if isinstance(e, Iteration) for t in e.committed]
 print(json.dumps({"fetched": off.fetch_stats(), "same": tokens == plain}))
 """
 
 
 @pytest.mark.skipif(MemoryCgroup.unavailable_reason() is not None, reason="no memory cgroup here")
 def test_under_a_budget_reader_threads_fetch_for_verifications_and_change_no_token(tmp_path):
-    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
-                                                         n_ff=256, seed=2))
+    model = write_tiny(
+        tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128, n_ff=256, seed=2)
+    )
     drop_file_cache(model)
     r = _run_under_budget(AUTO_FETCH, model, tmp_path)
     assert r["same"]
@@ -1645,8 +1822,9 @@ def test_an_auto_budget_is_sized_with_the_largest_batch_a_prompt_will_run(tmp_pa
     warm-up, a process grew by the difference at its first long prompt (the widened model's 617-token
     prompt: killed by the cgroup). The plan counts the buffers before they are touched: after a long
     prompt the process holds no more than the plan counted, although the prompt did grow it."""
-    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=2, n_expert=8, k=2, n_embd=256,
-                                                         n_ff=512, seed=3))
+    model = write_tiny(
+        tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=2, n_expert=8, k=2, n_embd=256, n_ff=512, seed=3)
+    )
     drop_file_cache(model)
     r = _run_under_budget(AUTO_LONG_PROMPT, model, tmp_path)
     assert r["n_batch"] >= 512 and r["grew"] > r["compute"] // 2  # the buffers were not touched before
@@ -1699,8 +1877,9 @@ print(json.dumps({"budget": off.budget_bytes, "n_batch": dec.rt.n_batch, "tokens
 def test_a_smaller_batch_needs_a_smaller_budget_and_decodes_the_same(tmp_path):
     """-b: llama.cpp's compute buffers are sized for one batch, and a budget counts them; a long prompt is
     prefilled in more, smaller chunks, to the same tokens."""
-    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=2, n_expert=8, k=2, n_embd=256,
-                                                         n_ff=512, seed=3))
+    model = write_tiny(
+        tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=2, n_expert=8, k=2, n_embd=256, n_ff=512, seed=3)
+    )
     runs = {}
     for n_batch in (512, 32):
         drop_file_cache(model)
@@ -1714,8 +1893,8 @@ def test_a_smaller_batch_needs_a_smaller_budget_and_decodes_the_same(tmp_path):
 def test_a_batch_room_halves_the_batch_until_llama_s_compute_buffers_fit(tmp_path):
     """llama.cpp sizes its compute buffers for one batch (here ~24 MiB at 512 tokens, a wide expert FFN): with
     room for fewer bytes the runtime halves the batch until they fit, down to 32 tokens, and reports them."""
-    from s2moe.engine.model_info import read_model_info
     from s2moe.engine.decoding.runtime import LlamaRuntime
+    from s2moe.engine.model_info import read_model_info
 
     model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="olmoe", n_layer=1, n_expert=4, k=4, n_ff=1024, seed=1))
     info = read_model_info(model)
@@ -1757,8 +1936,13 @@ def test_inside_a_budget_of_a_given_size_llama_s_batch_fits_an_eighth_of_it(tmp_
     for budget in (300 << 20, None):
         cg = MemoryCgroup.create(1 << 30 if budget is None else budget, "test-batch")
         try:
-            proc = cg.popen([sys.executable, str(script), str(model)], "auto" if budget is None else str(budget),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = cg.popen(
+                [sys.executable, str(script), str(model)],
+                "auto" if budget is None else str(budget),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             stdout, stderr = proc.communicate(timeout=120)
         finally:
             cg.remove()
@@ -1804,8 +1988,9 @@ print(json.dumps({"on": out[0.3], "off": out[0.0], "quality": quality[0.3], "qua
 def test_under_a_budget_memory_gating_moves_plain_steps_onto_experts_in_memory(tmp_path):
     """Under a budget s2moe's gating also acts on a plain step's one row: borderline choices move onto experts
     in memory (the prefetcher asked as each layer routes), and fewer of the experts read are fetched."""
-    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
-                                                         n_ff=256, seed=2))
+    model = write_tiny(
+        tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128, n_ff=256, seed=2)
+    )
     r = _run_under_budget(AUTO_MEMORY_GATING, model, tmp_path)
     (steps_on, misses_on, moves_on), (steps_off, misses_off, moves_off) = r["on"], r["off"]
     assert steps_on > 20 and steps_off > 20
@@ -1829,8 +2014,8 @@ from s2moe.engine.measure.bench import load_prompts
 from s2moe.engine.decoding.decoder import Decoder
 from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import CostConstants
-from s2moe.engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneQuality, TuneStarted,
-                               run_tune)
+from s2moe.engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneQuality,
+                                       TuneStarted, run_tune)
 
 class IterationClock:  # as tests/test_tune.py's: a run's time is its iteration count
     t = 0.0
@@ -1869,14 +2054,15 @@ print(json.dumps(out))
 def test_under_a_budget_tune_searches_the_memory_strength_within_its_quality_check(tmp_path):
     """Under a budget `s2moe tune` also searches α_m: each strength is checked teacher-forced one token a step in
     the budget's process before any speed is measured, and a strength that fails the check is never timed."""
-    model = write_tiny(tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128,
-                                                         n_ff=256, seed=2))
+    model = write_tiny(
+        tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=3, n_expert=32, k=4, n_embd=128, n_ff=256, seed=2)
+    )
     r = _run_under_budget(AUTO_TUNE, model, tmp_path)
     assert r["knows_memory"] and r["space"] == [0.0, 0.15, 0.3, 0.5] and r["defaults"] == 0.3
     checked = {strength: (ok, tokens, ppl, top1) for strength, ok, tokens, ppl, top1 in r["checked"]}
     assert sorted(checked) == [0.15, 0.3, 0.5]  # each strength the pool holds, once; 0 needs no check
     assert all(tokens > 50 for _, tokens, _, _ in checked.values())
-    for strength, (ok, _, ppl, top1) in checked.items():
+    for ok, _, ppl, top1 in checked.values():
         assert ok == (ppl <= 1.02 and top1 >= 0.9)
     # both biases together, on batches in the same process: every pair and strength that passed alone, once
     pairs_ok = {(a, c) for a, c, ok in r["pairs"] if ok}
@@ -1887,8 +2073,10 @@ def test_under_a_budget_tune_searches_the_memory_strength_within_its_quality_che
         assert tokens > 50 and ok == (ppl <= 1.02 and top1 >= 0.9)
     section = r["section"]
     defaults = section["defaults"]
-    is_defaults = lambda a, c, m: (a, c, m) == (defaults["reuse_strength"], defaults["reuse_cap"],
-                                                 defaults["memory_strength"])
+
+    def is_defaults(a, c, m):
+        return (a, c, m) == (defaults["reuse_strength"], defaults["reuse_cap"], defaults["memory_strength"])
+
     for alpha, cap, memory in r["measured"]:
         assert memory == 0 or checked[memory][0] or is_defaults(alpha, cap, memory)
         assert alpha == 0 or memory == 0 or joint[(alpha, cap, memory)][0] or is_defaults(alpha, cap, memory)
@@ -1924,8 +2112,11 @@ def test_an_auto_budget_with_no_room_for_a_layer_s_experts_says_so(tiny_models, 
     script = AUTO_ON_A_FAKED_MACHINE.replace("MEMINFO", '{"MemTotal": 64 << 30, "MemAvailable": 1 << 20}')
     error = _run_under_budget(script, tiny_models["olmoe"], tmp_path)["error"]
     assert error and "\n" not in error
-    assert re.match(r"an auto budget does not fit here: the memory available \(1.0 MiB\) holds what this process "
-                    r"needs but not [\d.]+ [KM]iB of experts beside it", error), error
+    assert re.match(
+        r"an auto budget does not fit here: the memory available \(1.0 MiB\) holds what this process "
+        r"needs but not [\d.]+ [KM]iB of experts beside it",
+        error,
+    ), error
 
 
 def test_the_non_expert_weights_are_asked_for_before_a_first_decode(tiny_models, tmp_path):
@@ -1979,10 +2170,14 @@ def test_a_wrong_pregate_guess_is_read_for_nothing_and_the_first_expert_the_kept
             assert pf.predicted(1, [6, 5]) == 0  # asked for already
             assert _wait_for(lambda: resident()[1, [5, 6]].all() and resident()[0, 3])
             pf.layer(1, [5, 7])  # (1, 5) used, (1, 6) read for nothing
-            assert pf.pregate_stats() == {"read": 3, "read_bytes": sum(_page_span_bytes(em, *x) for x in
-                                                                       [(0, 3), (1, 5), (1, 6)]),
-                                          "used": 1, "used_bytes": _page_span_bytes(em, 1, 5),
-                                          "wasted": 1, "wasted_bytes": _page_span_bytes(em, 1, 6)}
+            assert pf.pregate_stats() == {
+                "read": 3,
+                "read_bytes": sum(_page_span_bytes(em, *x) for x in [(0, 3), (1, 5), (1, 6)]),
+                "used": 1,
+                "used_bytes": _page_span_bytes(em, 1, 5),
+                "wasted": 1,
+                "wasted_bytes": _page_span_bytes(em, 1, 6),
+            }
             # held: (1, 7), (1, 5), (0, 2), (0, 1) and, last, (1, 6): the two least recent leave
             assert pf.cache_stats()["held"] == 3 * one and pf.cache_stats()["evicted"] == 2
             assert not resident()[1, 6] and not resident()[0, 1]
@@ -2018,6 +2213,8 @@ def test_pregating_changes_no_token_and_says_what_it_predicted(tiny_models):
     finally:
         d.close()
     assert pregated == plain
-    assert stats.decodes == cfg.n_predict and stats.total[1] > 0 and stats.total[2] > 0  # the prompt's last token, then each generated one but the last
+    assert (
+        stats.decodes == cfg.n_predict and stats.total[1] > 0 and stats.total[2] > 0
+    )  # the prompt's last token, then each generated one but the last
     assert text.startswith("pre-gating 2 layers ahead, the best 3 of 4 read: recall 1 ahead ") and ", 2 ahead " in text
     assert "a token" in text

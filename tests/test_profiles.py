@@ -3,26 +3,45 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 import yaml
-
 from s2moe.engine.errors import ConfigError
-from s2moe.engine.profiles import (cost_for_model, hot_experts_for_model, list_profiles, load_profile,
-                                   save_profile, shipped_profile_dir)
+from s2moe.engine.profiles import (
+    cost_for_model,
+    hot_experts_for_model,
+    list_profiles,
+    load_profile,
+    save_profile,
+    shipped_profile_dir,
+)
 
 FP = "0123456789abcdef"
 GOOD = {
     "schema": 1,
     "name": "dev",
     "kind": "measured",
-    "device": {"name": "test cpu", "kind": "cpu", "memory_bytes": 1 << 30, "budget_bytes": None,
-               "memory_bandwidth_gb_s": 20.0, "storage_bandwidth_gb_s": 0.8},
+    "device": {
+        "name": "test cpu",
+        "kind": "cpu",
+        "memory_bytes": 1 << 30,
+        "budget_bytes": None,
+        "memory_bandwidth_gb_s": 20.0,
+        "storage_bandwidth_gb_s": 0.8,
+    },
     "models": {
         "0123456789abcdef": {
-            "model": "m.gguf", "n_layer": 2, "n_expert": 8, "n_expert_used": 2, "expert_bytes": 4096,
-            "t_ar_ms": 10.0, "c_draft_ms": 7.0, "t_exp_ms": 0.1, "t_exp_cold_ms": 2.0, "t_tok_ms": 1.0,
+            "model": "m.gguf",
+            "n_layer": 2,
+            "n_expert": 8,
+            "n_expert_used": 2,
+            "expert_bytes": 4096,
+            "t_ar_ms": 10.0,
+            "c_draft_ms": 7.0,
+            "t_exp_ms": 0.1,
+            "t_exp_cold_ms": 2.0,
+            "t_tok_ms": 1.0,
             "intercept_ms": 0.5,
             "fit": {"intercept_ms": 0.5, "t_exp_ms": 0.1, "t_tok_ms": 1.0, "r2": 0.97, "mape": 0.03, "n": 30},
             "hot_experts": [[0, 1], [1, 7]],
@@ -75,32 +94,53 @@ def _bad(path, value):
     return data
 
 
-
-
-@pytest.mark.parametrize("path,value,needle", [
-    (("kind",), "guess", "field kind"),
-    (("schema",), 7, "field schema"),
-    (("device", "kind"), "toaster", "device: field kind"),
-    (("device", "memory_bandwidth_gb_s"), -3, "memory_bandwidth_gb_s"),
-    (("device", "memory_bytes"), "lots", "memory_bytes"),
-    (("models", FP, "t_ar_ms"), 0, "t_ar_ms must be a positive"),
-    (("models", FP, "t_exp_ms"), "fast", "t_exp_ms"),
-    (("models", FP, "t_exp_cold_ms"), float("nan"), "t_exp_cold_ms"),
-    (("models", FP, "fit"), {"r2": 3}, "fit: field r2"),
-    (("models", FP, "fit_cold"), {"r2": 0.9, "r2_ceiling": 2}, "fit_cold: field r2_ceiling"),
-    (("models", FP, "fit_cold_misses"), {"intercept_ms": 0.1, "t_exp_warm_ms": 0.01, "t_exp_cold_ms": 0.3,
-                                         "t_tok_ms": 0.2, "mape": 0.2, "n": 9, "r2_given_faults": "high"},
-     "fit_cold_misses: field r2_given_faults"),
-    (("models", FP, "fit_cold_misses"), {"intercept_ms": 0.1, "t_exp_warm_ms": 0.01, "t_exp_cold_ms": 0.3,
-                                         "t_tok_ms": 0.2, "mape": 0.2, "n": 9, "r2_ceiling": 1.5},
-     "fit_cold_misses: field r2_ceiling must be a number ≤ 1"),
-    (("models", FP, "measured"), {"budget_bytes": "lots"}, "measured: field budget_bytes"),
-    (("models", FP, "hot_experts"), [[0, 1], [9, 0]], r"hot_experts\[1\]"),
-    (("models", FP, "hot_experts"), [[0, 1], [0, 1]], "listed twice"),
-    (("models", FP, "hot_experts"), [[0, "x"]], r"hot_experts\[0\]"),
-    (("models", FP, "expert_bytes"), 1.5, "expert_bytes"),
-    (("models",), [1, 2], "field models"),
-])
+@pytest.mark.parametrize(
+    "path,value,needle",
+    [
+        (("kind",), "guess", "field kind"),
+        (("schema",), 7, "field schema"),
+        (("device", "kind"), "toaster", "device: field kind"),
+        (("device", "memory_bandwidth_gb_s"), -3, "memory_bandwidth_gb_s"),
+        (("device", "memory_bytes"), "lots", "memory_bytes"),
+        (("models", FP, "t_ar_ms"), 0, "t_ar_ms must be a positive"),
+        (("models", FP, "t_exp_ms"), "fast", "t_exp_ms"),
+        (("models", FP, "t_exp_cold_ms"), float("nan"), "t_exp_cold_ms"),
+        (("models", FP, "fit"), {"r2": 3}, "fit: field r2"),
+        (("models", FP, "fit_cold"), {"r2": 0.9, "r2_ceiling": 2}, "fit_cold: field r2_ceiling"),
+        (
+            ("models", FP, "fit_cold_misses"),
+            {
+                "intercept_ms": 0.1,
+                "t_exp_warm_ms": 0.01,
+                "t_exp_cold_ms": 0.3,
+                "t_tok_ms": 0.2,
+                "mape": 0.2,
+                "n": 9,
+                "r2_given_faults": "high",
+            },
+            "fit_cold_misses: field r2_given_faults",
+        ),
+        (
+            ("models", FP, "fit_cold_misses"),
+            {
+                "intercept_ms": 0.1,
+                "t_exp_warm_ms": 0.01,
+                "t_exp_cold_ms": 0.3,
+                "t_tok_ms": 0.2,
+                "mape": 0.2,
+                "n": 9,
+                "r2_ceiling": 1.5,
+            },
+            "fit_cold_misses: field r2_ceiling must be a number ≤ 1",
+        ),
+        (("models", FP, "measured"), {"budget_bytes": "lots"}, "measured: field budget_bytes"),
+        (("models", FP, "hot_experts"), [[0, 1], [9, 0]], r"hot_experts\[1\]"),
+        (("models", FP, "hot_experts"), [[0, 1], [0, 1]], "listed twice"),
+        (("models", FP, "hot_experts"), [[0, "x"]], r"hot_experts\[0\]"),
+        (("models", FP, "expert_bytes"), 1.5, "expert_bytes"),
+        (("models",), [1, 2], "field models"),
+    ],
+)
 def test_a_bad_field_is_named(tmp_path, path, value, needle):
     p = _write(tmp_path, _bad(path, value))
     with pytest.raises(ConfigError, match=needle) as e:
@@ -194,8 +234,13 @@ def test_the_list_kind_is_what_loading_gives(only_user_profiles):
     _write(shipped, dict(GOOD, kind="reference"), "ref.yaml")
     entries = list_profiles()
     assert [(e.name, e.where) for e in entries] == [
-        ("a-list", "user"), ("bad-kind", "user"), ("broken", "user"), ("good", "user"), ("no-kind", "user"),
-        ("ref", "shipped")]
+        ("a-list", "user"),
+        ("bad-kind", "user"),
+        ("broken", "user"),
+        ("good", "user"),
+        ("no-kind", "user"),
+        ("ref", "shipped"),
+    ]
     by = {e.name: e for e in entries}
     assert load_profile("no-kind")["kind"] == "measured" and by["no-kind"].kind == "measured"
     assert by["no-kind"].error is None and by["no-kind"].covers(FP) == "reference"
@@ -239,8 +284,9 @@ def test_cpu_name_reads_cpuinfo_and_falls_back(monkeypatch):
     monkeypatch.setattr(device, "open", lambda *a, **k: io.StringIO(cpuinfo), raising=False)
     assert device.cpu_name() == "Test CPU 9000"
     # an ARM board's cpuinfo has no model name
-    monkeypatch.setattr(device, "open", lambda *a, **k: io.StringIO("processor\t: 0\nCPU part\t: 0xd42\n"),
-                        raising=False)
+    monkeypatch.setattr(
+        device, "open", lambda *a, **k: io.StringIO("processor\t: 0\nCPU part\t: 0xd42\n"), raising=False
+    )
     monkeypatch.setattr(platform, "processor", lambda: "")
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert device.cpu_name() == "aarch64"
@@ -259,14 +305,18 @@ def test_default_threads_follow_the_affinity_and_leave_spares(monkeypatch):
 def test_profiles_list_shows_file_names_and_devices_as_written(tmp_path, monkeypatch, capsys):
     """A profile's name and device come from a file: rich markup in them is shown, not interpreted."""
     import yaml
-
     from s2moe.app.cli import main
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     folder = tmp_path / "s2moe" / "profiles"
     folder.mkdir(parents=True)
-    profile = {"schema": 1, "name": "[bold]x", "kind": "reference", "device": {"name": "[red]box[/red]", "kind": "cpu"},
-               "reference": {"t_ar_ms": 1.0, "c_draft_ms": 0.5, "t_exp_ms": 0.1}}
+    profile = {
+        "schema": 1,
+        "name": "[bold]x",
+        "kind": "reference",
+        "device": {"name": "[red]box[/red]", "kind": "cpu"},
+        "reference": {"t_ar_ms": 1.0, "c_draft_ms": 0.5, "t_exp_ms": 0.1},
+    }
     (folder / "[bold]x.yaml").write_text(yaml.safe_dump(profile))
     assert main(["profiles", "list"]) == 0
     out = capsys.readouterr().out

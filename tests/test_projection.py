@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
-
 from s2moe.app.cli import main
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import ForcedDraft
-from s2moe.engine.profile_schema import validate_profile
 from s2moe.engine.measure.cache_model import ExpertCache
 from s2moe.engine.measure.projection import project
 from s2moe.engine.measure.trace import Drafted, Trace, TraceHeader, TraceStep, write_trace
-from dataclasses import replace
+from s2moe.engine.profile_schema import validate_profile
 
 FP = "0123456789abcdef"
 # two layers of four experts, top-2; one expert per layer in a draft pass
@@ -24,9 +23,24 @@ R2 = np.array([[2, 3], [2, 3]])
 
 
 def header(**kw) -> TraceHeader:
-    base = dict(model="hand", fingerprint=FP, n_layer=2, n_expert=4, k=2, k_d=1, expert_bytes=1000.0,
-                non_expert_bytes=0, draft_max=2, n_predict=6, mode="s2moe", threshold=1.0, reuse_strength=0.0,
-                conf_p_min=0.5, temperature=0.0, prompt_tokens=3)
+    base = dict(
+        model="hand",
+        fingerprint=FP,
+        n_layer=2,
+        n_expert=4,
+        k=2,
+        k_d=1,
+        expert_bytes=1000.0,
+        non_expert_bytes=0,
+        draft_max=2,
+        n_predict=6,
+        mode="s2moe",
+        threshold=1.0,
+        reuse_strength=0.0,
+        conf_p_min=0.5,
+        temperature=0.0,
+        prompt_tokens=3,
+    )
     return TraceHeader(**{**base, **kw})
 
 
@@ -43,9 +57,16 @@ def hand_trace(**kw) -> Trace:
 
 
 def profile(t_ar_ms=10.0, c_draft_ms=2.0, t_tok_ms=3.0, t_exp_ms=1.0, hot=None) -> dict:
-    block = {"t_ar_ms": t_ar_ms, "c_draft_ms": c_draft_ms, "t_exp_ms": t_exp_ms, "t_tok_ms": t_tok_ms,
-             "intercept_ms": 0.0, "fit": {"intercept_ms": 0.0, "t_exp_ms": t_exp_ms, "t_tok_ms": t_tok_ms},
-             "fit_cold_misses": {"t_exp_warm_ms": 1.0, "t_exp_cold_ms": 5.0}, "expert_bytes": 1000}
+    block = {
+        "t_ar_ms": t_ar_ms,
+        "c_draft_ms": c_draft_ms,
+        "t_exp_ms": t_exp_ms,
+        "t_tok_ms": t_tok_ms,
+        "intercept_ms": 0.0,
+        "fit": {"intercept_ms": 0.0, "t_exp_ms": t_exp_ms, "t_tok_ms": t_tok_ms},
+        "fit_cold_misses": {"t_exp_warm_ms": 1.0, "t_exp_cold_ms": 5.0},
+        "expert_bytes": 1000,
+    }
     if hot:
         block["hot_experts"] = hot
     return {"name": "hand", "kind": "measured", "device": {"storage_bandwidth_gb_s": 1.0}, "models": {FP: block}}
@@ -118,8 +139,14 @@ def test_a_fetch_costs_what_plain_decoding_under_the_budget_paid_for_one():
     """Where calibrate timed plain decoding under its budget, a fetch costs that decoding's mean step beyond the
     resident step over its fetches a token; it wins over a fit under the budget and over the storage bandwidth."""
     paid = profile()
-    paid["models"][FP]["cache_fit"] = {"planned_experts": 10, "effective_experts": 5, "tokens": 80,
-                                       "fetched_per_token": 4.0, "pinned": 0, "step_ms": 50.0}
+    paid["models"][FP]["cache_fit"] = {
+        "planned_experts": 10,
+        "effective_experts": 5,
+        "tokens": 80,
+        "fetched_per_token": 4.0,
+        "pinned": 0,
+        "step_ms": 50.0,
+    }
     p = project([hand_trace()], paid, budget="1M", modes=["ar"])
     assert p.modes["ar"].t_fetch == pytest.approx(24 * (50.0 - 10.0) / 4.0 * 1e-3)
     assert "10.00 ms, what plain decoding under the profile's budget paid per fetch" in p.basis
@@ -174,11 +201,11 @@ def test_the_lru_evicts_the_least_recently_used():
     one = lambda layer, e: np.array([[e, -1]] if layer == 0 else [[-1, -1], [e, -1]])  # noqa: E731
     assert cache.access(one(0, 0)) == 1
     assert cache.access(one(0, 1)) == 1
-    assert cache.access(one(0, 0)) == 0      # 0 is now the most recent
-    assert cache.access(one(0, 2)) == 1      # evicts 1
+    assert cache.access(one(0, 0)) == 0  # 0 is now the most recent
+    assert cache.access(one(0, 2)) == 1  # evicts 1
     assert cache.access(one(0, 0)) == 0
     assert cache.access(one(0, 1)) == 1
-    assert cache.access(one(1, 0)) == 1      # another layer, another expert
+    assert cache.access(one(1, 0)) == 1  # another layer, another expert
 
 
 def test_project_cli_prints_a_labelled_table_and_json(tmp_path, capsys, monkeypatch):
@@ -207,13 +234,20 @@ def test_project_cli_prints_a_labelled_table_and_json(tmp_path, capsys, monkeypa
 def test_measured_rows_are_those_of_the_budget_projected(tmp_path):
     from s2moe.app.cmd_project import measured_rows
 
-    rows = [{"mode": "ar", "budget": b, "tok_per_s": v} for b, v in
-            [("none", 100.0), ("350.0 MiB", 13.0), ("auto (483.0 MiB)", 30.0), ("1.0 GiB", 50.0)]]
+    rows = [
+        {"mode": "ar", "budget": b, "tok_per_s": v}
+        for b, v in [("none", 100.0), ("350.0 MiB", 13.0), ("auto (483.0 MiB)", 30.0), ("1.0 GiB", 50.0)]
+    ]
     rows.append({"mode": "llama.cpp", "budget": "350.0 MiB", "tok_per_s": 1.0})
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"results": rows}))
     assert [measured_rows(str(path), b) for b in (None, "350M", "auto", "1G", "200M")] == [
-        {"ar": 100.0}, {"ar": 13.0}, {"ar": 30.0}, {"ar": 50.0}, {}]
+        {"ar": 100.0},
+        {"ar": 13.0},
+        {"ar": 30.0},
+        {"ar": 50.0},
+        {},
+    ]
 
 
 def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_models, tmp_path, monkeypatch):
@@ -270,7 +304,6 @@ def test_the_bench_screen_projects_its_traces_onto_a_profile_by_keyboard(tiny_mo
     asyncio.run(go())
 
 
-
 def test_belady_s_rule_evicts_what_is_read_furthest_ahead():
     """The textbook sequence: with room for two, LRU misses every read; evicting the expert read furthest ahead
     misses six of eight."""
@@ -295,8 +328,10 @@ def test_no_eviction_order_fetches_less_than_belady_s():
     for trial in range(20):
         reads = [rng.integers(-1, 16, size=(int(rng.integers(1, 4)), 3, 2)) for _ in range(40)]
         plan = CachePlan(int(rng.integers(1, 12)), ((0, 1), (2, 3)), "random")
-        fetched = {policy: with_cache(lambda c: sum(c.access(r) for r in reads), plan, 16, policy)
-                   for policy in ("lru", "fifo", "opt")}
+        fetched = {
+            policy: with_cache(lambda c, reads=reads: sum(c.access(r) for r in reads), plan, 16, policy)
+            for policy in ("lru", "fifo", "opt")
+        }
         assert fetched["opt"] <= min(fetched["lru"], fetched["fifo"]), (trial, fetched)
     # a layer's own experts stay while it reads them, even beyond the cache's size: the next layer evicts them
     cache = ExpertCache(4, capacity=1)
@@ -326,8 +361,13 @@ def test_the_oracle_copies_as_s2moe_does_and_cuts_each_copy_where_the_target_rej
     target accepts "7"; the oracle copies "7" alone. Without copies the oracle drafts nothing here."""
     generated = [6, 7, 8, 9, 10, 11]
     steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
-    tr = Trace(header(draft_max=3, n_predict=len(generated), prompt_tokens=4, prompt=(5, 6, 7, 5)), steps,
-               n_tokens=len(generated), seconds=1.0, name="repeats")
+    tr = Trace(
+        header(draft_max=3, n_predict=len(generated), prompt_tokens=4, prompt=(5, 6, 7, 5)),
+        steps,
+        n_tokens=len(generated),
+        seconds=1.0,
+        name="repeats",
+    )
     p = project([tr], profile(c_draft_ms=50.0, t_tok_ms=2.5), modes=["s2moe", "oracle"])
     s, o = p.modes["s2moe"], p.modes["oracle"]
     assert (s.copied, s.copies_accepted) == (2, 1)
@@ -351,6 +391,7 @@ def test_perfect_drafts_verify_the_committed_tokens_a_batch_at_a_time_for_free()
     # batches R0 R1 R2 (4 experts beyond one token's) and R0 R0 R0 (none)
     assert f.t_verify == pytest.approx((10 + 2 * 3 + 4 * 1) * 1e-3 + (10 + 2 * 3) * 1e-3)
     assert f.speedup == pytest.approx(60e-3 / f.seconds)
+
 
 def test_a_trace_projected_at_the_budget_it_ran_under_brings_that_run_s_plan():
     ran = {"auto": False, "budget_bytes": 1 << 20, "hot_bytes": 2000, "cache_bytes": 3000, "pinned": [[0, 0], [1, 0]]}
@@ -379,8 +420,13 @@ def test_another_budget_leaves_the_recorded_run_s_process_what_it_held():
     assert "in stages" not in wider.budget
     assert "do not fit the cache" in project([tr], profile(), budget=str(b1 - 1000), modes=["ar"]).budget
     staged = profile()
-    staged["models"][FP]["cache_fit"] = {"planned_experts": 1, "effective_experts": 1, "tokens": 8,
-                                         "fetched_per_token": 1.0, "pinned": 0}
+    staged["models"][FP]["cache_fit"] = {
+        "planned_experts": 1,
+        "effective_experts": 1,
+        "tokens": 8,
+        "fetched_per_token": 1.0,
+        "pinned": 0,
+    }
     assert "do not fit" not in project([tr], staged, budget=str(b1 - 1000), modes=["ar"]).budget  # priced so
     with pytest.raises(ConfigError, match="give at least"):
         project([tr], profile(), budget=str(b1 - plan_slack(b1) - 1), modes=["ar"])
@@ -388,11 +434,18 @@ def test_another_budget_leaves_the_recorded_run_s_process_what_it_held():
     # cached experts at its budget), else the process counts as nothing and the projection says so
     calibrated = profile()
     calibrated["models"][FP]["measured"] = {"budget_bytes": b1}
-    calibrated["models"][FP]["cache_fit"] = {"planned_experts": 2, "effective_experts": 2, "tokens": 8,
-                                             "fetched_per_token": 1.0, "pinned": 0}
-    assert project([hand_trace()], calibrated, budget=str(b1 + 4000), modes=["ar"]).budget == \
-        wider.budget.replace("the recorded run", "the calibrated run")
+    calibrated["models"][FP]["cache_fit"] = {
+        "planned_experts": 2,
+        "effective_experts": 2,
+        "tokens": 8,
+        "fetched_per_token": 1.0,
+        "pinned": 0,
+    }
+    assert project([hand_trace()], calibrated, budget=str(b1 + 4000), modes=["ar"]).budget == wider.budget.replace(
+        "the recorded run", "the calibrated run"
+    )
     assert "own memory not counted" in project([hand_trace()], profile(), budget=str(b1), modes=["ar"]).budget
+
 
 def test_the_cache_model_is_checked_against_the_recording_s_own_fetches():
     """A trace recorded under a budget counts the experts its run fetched; the projection puts the same run's
@@ -401,8 +454,10 @@ def test_the_cache_model_is_checked_against_the_recording_s_own_fetches():
 
     tr = hand_trace()
     # the recording's own count: a cache of nothing fetches every expert of every pass and verification
-    steps = [replace(s, verify_misses=4 * 2 + (4 if i == 0 else 0), draft_misses=6 if i == 0 else 3)
-             for i, s in enumerate(tr.steps)]
+    steps = [
+        replace(s, verify_misses=4 * 2 + (4 if i == 0 else 0), draft_misses=6 if i == 0 else 3)
+        for i, s in enumerate(tr.steps)
+    ]
     tr = replace(tr, steps=steps)
     p = project([tr], profile(), budget="1M", modes=["ar"])
     recorded = sum(s.verify_misses + s.draft_misses for s in steps)
@@ -438,10 +493,24 @@ def test_what_the_constants_leave_out_is_recovered_from_the_recording_s_timings(
 
 
 # -- the profile's workload terms ----------------------------------------------------------------------------
-WORKLOAD = {"context_tokens": 2, "t_plain_ms": 4.0, "ctx_plain_us": 1000.0, "t_draft_ms": 1.5, "ctx_draft_us": 500.0,
-            "ctx_step_us": 2000.0, "ctx_row_us": 100.0, "host_draft_ms": 0.25, "host_row_ms": 0.5,
-            "contexts": [2, 4], "observed_ms": [1.0, 2.0], "draft_ms": [1.5, 2.5], "verify_ms": [3.0, 4.0],
-            "verify_rows": 3, "iterations": 10, "plain_iterations": 20}
+WORKLOAD = {
+    "context_tokens": 2,
+    "t_plain_ms": 4.0,
+    "ctx_plain_us": 1000.0,
+    "t_draft_ms": 1.5,
+    "ctx_draft_us": 500.0,
+    "ctx_step_us": 2000.0,
+    "ctx_row_us": 100.0,
+    "host_draft_ms": 0.25,
+    "host_row_ms": 0.5,
+    "contexts": [2, 4],
+    "observed_ms": [1.0, 2.0],
+    "draft_ms": [1.5, 2.5],
+    "verify_ms": [3.0, 4.0],
+    "verify_rows": 3,
+    "iterations": 10,
+    "plain_iterations": 20,
+}
 
 
 def with_workload(prof: dict, **changes) -> dict:
@@ -498,7 +567,6 @@ def test_profiles_without_workload_terms_still_project_and_say_how():
 
 def test_workload_terms_round_trip_and_bad_ones_are_one_line(tmp_path, capsys, monkeypatch):
     import yaml
-
     from s2moe.engine.profiles import load_profile, save_profile
 
     cfg = tmp_path / "config"
@@ -509,8 +577,15 @@ def test_workload_terms_round_trip_and_bad_ones_are_one_line(tmp_path, capsys, m
     assert main(["project", str(tmp_path / "a.jsonl"), "--profile", "terms", "--modes", "ar", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["modes"]["ar"]["t_verify_s"] == pytest.approx(39e-3)
     folder = cfg / "s2moe" / "profiles"
-    bad = {"host_row_ms": -0.1, "t_plain_ms": 0, "ctx_step_us": "fast", "context_tokens": 2.5,
-           "contexts": "32,128", "verify_ms": [3.0], "draft_ms": [1.0, -1.0]}
+    bad = {
+        "host_row_ms": -0.1,
+        "t_plain_ms": 0,
+        "ctx_step_us": "fast",
+        "context_tokens": 2.5,
+        "contexts": "32,128",
+        "verify_ms": [3.0],
+        "draft_ms": [1.0, -1.0],
+    }
     for key, value in bad.items():
         (folder / "bad.yaml").write_text(yaml.safe_dump(with_workload(profile(), **{key: value})))
         assert main(["project", str(tmp_path / "a.jsonl"), "--profile", "bad"]) == 2
@@ -526,29 +601,37 @@ def test_workload_terms_round_trip_and_bad_ones_are_one_line(tmp_path, capsys, m
 def test_calibrate_measures_the_workload_terms_in_the_engine(tiny_models, tmp_path, monkeypatch):
     """On a tiny model: the terms are written into the profile's block, valid, and a projection of a trace of
     that model charges them."""
-    from s2moe.engine.measure.calibrate import run_calibration
-    from s2moe.engine.measure.calibration_steps import CalibrationDone
     from s2moe.engine.decoding.decoder import Decoder
     from s2moe.engine.decoding.generation_config import GenerationConfig
-    from s2moe.engine.profile_schema import validate_profile
+    from s2moe.engine.measure.calibrate import run_calibration
+    from s2moe.engine.measure.calibration_steps import CalibrationDone
     from s2moe.engine.measure.trace import TraceRecorder
+    from s2moe.engine.profile_schema import validate_profile
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     model = str(tiny_models["olmoe"])
-    done = [e for e in run_calibration(model, prompts=["hello there", "once upon a time"], n_threads=1, repeats=1,
-                                       save=False) if isinstance(e, CalibrationDone)][0]
+    done = [
+        e
+        for e in run_calibration(model, prompts=["hello there", "once upon a time"], n_threads=1, repeats=1, save=False)
+        if isinstance(e, CalibrationDone)
+    ][0]
     validate_profile(done.profile)
     (block,) = done.profile["models"].values()
     w = block["workload"]
     assert w["context_tokens"] == 32 and w["contexts"] == [32, 128, 256, 384]
     assert w["t_plain_ms"] > 0 and w["t_draft_ms"] > 0 and w["plain_iterations"] > 300 and w["iterations"] >= 3
-    assert all(w[k] >= 0 for k in ("ctx_plain_us", "ctx_draft_us", "ctx_step_us", "ctx_row_us", "host_draft_ms",
-                                    "host_row_ms"))
+    assert all(
+        w[k] >= 0 for k in ("ctx_plain_us", "ctx_draft_us", "ctx_step_us", "ctx_row_us", "host_draft_ms", "host_row_ms")
+    )
     dec = Decoder(model, n_ctx=256, n_threads=1, max_draft=4)
     try:
         rec = TraceRecorder(dec.info)
-        for ev in dec.generate("hello there", GenerationConfig(mode="s2moe", n_predict=8, draft_max=4, trace=True,
-                                                               cost=block_cost(done.profile, dec.info.fingerprint))):
+        for ev in dec.generate(
+            "hello there",
+            GenerationConfig(
+                mode="s2moe", n_predict=8, draft_max=4, trace=True, cost=block_cost(done.profile, dec.info.fingerprint)
+            ),
+        ):
             rec.add(ev)
     finally:
         dec.close()
@@ -571,8 +654,13 @@ def test_a_calibrated_cache_size_scales_the_plan_s_cache():
     from s2moe.engine.measure.cache_model import CachePlan, capacity_fetching
 
     prof = profile()
-    prof["models"][FP]["cache_fit"] = {"planned_experts": 10, "effective_experts": 0, "tokens": 5,
-                                       "fetched_per_token": 4.0, "pinned": 0}
+    prof["models"][FP]["cache_fit"] = {
+        "planned_experts": 10,
+        "effective_experts": 0,
+        "tokens": 5,
+        "fetched_per_token": 4.0,
+        "pinned": 0,
+    }
     scaled = project([hand_trace()], prof, budget="1G", modes=["ar"], cache_size="calibrated")
     assert scaled.modes["ar"].fetched == 24 and "in effect 0" in scaled.budget
     assert project([hand_trace()], prof, budget="1G", modes=["ar"]).modes["ar"].fetched == 8
@@ -600,8 +688,12 @@ def test_drafts_from_resident_experts_fetch_nothing_and_are_priced_as_in_memory(
     cold["models"][FP]["c_draft_cold_ms"] = 50.0
     # a certain token saves T_AR 10 ms: against a cold draft step of 50 ms that is worth 0.19, against the
     # draft step in memory (2 ms) 2.0
-    drafted = {which: project([hand_trace(draft_experts=which)], cold, budget="1G", modes=["s2moe"],
-                              threshold=0.5).modes["s2moe"].drafted for which in ("router", "resident")}
+    drafted = {
+        which: project([hand_trace(draft_experts=which)], cold, budget="1G", modes=["s2moe"], threshold=0.5)
+        .modes["s2moe"]
+        .drafted
+        for which in ("router", "resident")
+    }
     assert drafted["router"] == 0 and drafted["resident"] > 0
 
 
@@ -623,7 +715,6 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
     from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.events import CostConstants, Iteration
     from s2moe.engine.measure.trace import TraceRecorder
-
     from test_engine_decoding import REPEATING
 
     d = decoders[arch]
@@ -643,9 +734,21 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
     rec = TraceRecorder(d.info)
     for ev in d.generate(REPEATING, replace(cfg, trace=True, cost=CostConstants(1.0, 0.9, 0.0, 0.2, 0.0, "traced"))):
         rec.add(ev)
-    prof = {"name": "copies", "kind": "measured", "device": {},
-            "models": {d.info.fingerprint: {"t_ar_ms": 1000.0, "c_draft_ms": 900.0, "t_exp_ms": 0.0, "t_tok_ms": 200.0,
-                                            "intercept_ms": 0.0, "expert_bytes": 1000}}}
+    prof = {
+        "name": "copies",
+        "kind": "measured",
+        "device": {},
+        "models": {
+            d.info.fingerprint: {
+                "t_ar_ms": 1000.0,
+                "c_draft_ms": 900.0,
+                "t_exp_ms": 0.0,
+                "t_tok_ms": 200.0,
+                "intercept_ms": 0.0,
+                "expert_bytes": 1000,
+            }
+        },
+    }
     copies = project([rec.trace], prof, modes=["s2moe"], terms="none").modes["s2moe"]
     assert copies.copied_session == 0
     assert copies.copied == sum(len(e.drafted) for e in its) > 0
@@ -668,10 +771,16 @@ def test_copies_are_priced_by_the_projected_clock_once_three_were_rejected_whole
     prompt = (1, 2, 9, 5)
     generated = [20, 1, 2, 21, 22, 1, 2, 23, 24, 1, 2, 25, 26, 24, 1, 2, 25, 27, 28, 29]
     steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
-    tr = Trace(header(draft_max=3, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt), steps,
-               n_tokens=len(generated), seconds=1.0, name="copies")
-    quiet = dict(ctx_plain_us=0.0, ctx_step_us=0.0, ctx_row_us=0.0, ctx_draft_us=0.0, host_draft_ms=0.0,
-                 host_row_ms=0.0)
+    tr = Trace(
+        header(draft_max=3, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt),
+        steps,
+        n_tokens=len(generated),
+        seconds=1.0,
+        name="copies",
+    )
+    quiet = dict(
+        ctx_plain_us=0.0, ctx_step_us=0.0, ctx_row_us=0.0, ctx_draft_us=0.0, host_draft_ms=0.0, host_row_ms=0.0
+    )
     cheap_plain = with_workload(profile(c_draft_ms=50.0, t_tok_ms=2.5), t_plain_ms=2.0, **quiet)
     s = project([tr], cheap_plain, modes=["s2moe"]).modes["s2moe"]
     assert (s.copied, s.copies_accepted, s.iterations, s.draft_passes) == (2 + 1 + 1, 0, len(generated), 0)
@@ -700,13 +809,19 @@ def test_copies_are_hoped_for_where_the_replayed_plain_steps_fetch_what_they_rea
     prompt = (1, 2, 3, 4, 5, 6)
     generated = [9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12]
     steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
-    tr = Trace(header(draft_max=4, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt), steps,
-               n_tokens=len(generated), seconds=1.0, name="budget")
+    tr = Trace(
+        header(draft_max=4, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt),
+        steps,
+        n_tokens=len(generated),
+        seconds=1.0,
+        name="budget",
+    )
 
     def s2moe(cache_bytes):
         ran = {"auto": False, "budget_bytes": 1 << 20, "hot_bytes": 0, "cache_bytes": cache_bytes, "pinned": []}
-        return project([tr.with_budget(ran)], profile(t_tok_ms=8.0), budget="1M", modes=["s2moe"],
-                       terms="none").modes["s2moe"]
+        return project([tr.with_budget(ran)], profile(t_tok_ms=8.0), budget="1M", modes=["s2moe"], terms="none").modes[
+            "s2moe"
+        ]
 
     empty, everything = s2moe(0), s2moe(8000)
     assert (empty.copied, empty.copies_accepted, empty.iterations) == (4, 4, len(generated) - 4)
@@ -727,29 +842,56 @@ def test_project_cli_says_what_s2moe_copied_and_leaves_copies_out_when_asked(tmp
     assert main(["project", str(tmp_path / "t.jsonl"), "--profile", "hand", "--modes", "ar,s2moe"]) == 0
     out = capsys.readouterr().out
     assert "s2moe copied 2 tokens from the context (1 accepted) of the 2 it drafted" in out
-    assert main(["project", str(tmp_path / "t.jsonl"), "--profile", "hand", "--modes", "ar,s2moe", "--no-lookup",
-                 "--json"]) == 0
+    assert (
+        main(
+            ["project", str(tmp_path / "t.jsonl"), "--profile", "hand", "--modes", "ar,s2moe", "--no-lookup", "--json"]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["modes"]["s2moe"]["copied"] == 0
     (tmp_path / "s").mkdir()
     for i, t in enumerate(session_traces()):
         write_trace(tmp_path / "s" / f"{i}.jsonl", t)
     assert main(["project", str(tmp_path / "s"), "--profile", "hand", "--modes", "ar,s2moe", "--terms", "none"]) == 0
     assert "s2moe copied 2 tokens from earlier traces (2 accepted) of the 2 it drafted" in capsys.readouterr().out
-    assert main(["project", str(tmp_path / "s"), "--profile", "hand", "--modes", "ar,s2moe", "--terms", "none",
-                 "--no-session-copies", "--json"]) == 0
+    assert (
+        main(
+            [
+                "project",
+                str(tmp_path / "s"),
+                "--profile",
+                "hand",
+                "--modes",
+                "ar,s2moe",
+                "--terms",
+                "none",
+                "--no-session-copies",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["modes"]["s2moe"]["copied"] == 0
 
 
 def session_traces() -> tuple[Trace, Trace]:
     """Plain steps of two prompts: the second's prompt ends in "40 41", which the first generated, followed by
     the "42 43" the second goes on with."""
+
     def plain_trace(prompt, generated, name):
         steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
-        return Trace(header(draft_max=3, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt), steps,
-                     n_tokens=len(generated), seconds=1.0, name=name)
+        return Trace(
+            header(draft_max=3, n_predict=len(generated), prompt_tokens=len(prompt), prompt=prompt),
+            steps,
+            n_tokens=len(generated),
+            seconds=1.0,
+            name=name,
+        )
 
-    return (plain_trace((1, 2, 3), [40, 41, 42, 43, 44, 45], "first"),
-            plain_trace((7, 8, 40, 41), [42, 43, 50, 51, 52, 53], "second"))
+    return (
+        plain_trace((1, 2, 3), [40, 41, 42, 43, 44, 45], "first"),
+        plain_trace((7, 8, 40, 41), [42, 43, 50, 51, 52, 53], "second"),
+    )
 
 
 def test_s2moe_copies_from_traces_of_other_prompts_replayed_before():

@@ -15,10 +15,9 @@ import time
 import gguf
 import pytest
 from conftest import variant_spec
-from tinygguf import TinySpec, write_tiny
-
 from s2moe.app.cli import main
 from s2moe.engine.errors import ConfigError, ModelError
+from tinygguf import TinySpec, write_tiny
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -77,8 +76,8 @@ def test_a_fifo_as_the_model_is_refused_without_opening_it(fifo, capsys):
 
 
 def test_a_device_or_fifo_as_prompts_is_refused(fifo):
-    from s2moe.engine.measure.prompts import load_prompts
     from s2moe.engine.measure.calibration_measures import read_prompts
+    from s2moe.engine.measure.prompts import load_prompts
 
     for path in ("/dev/zero", fifo):
         with pytest.raises(ConfigError, match="not a regular file"):
@@ -88,9 +87,9 @@ def test_a_device_or_fifo_as_prompts_is_refused(fifo):
 
 
 def test_prompt_files_are_read_with_a_bound(tmp_path):
-    from s2moe.engine.measure.prompts import load_prompts
-    from s2moe.engine.measure.calibration_measures import read_prompts
     from s2moe.engine.files import MAX_PROMPT_FILE_BYTES
+    from s2moe.engine.measure.calibration_measures import read_prompts
+    from s2moe.engine.measure.prompts import load_prompts
 
     big = tmp_path / "big.txt"
     with open(big, "wb") as f:
@@ -154,13 +153,13 @@ ASSERTED = [
 ]
 
 
-@pytest.mark.parametrize("arch,metadata,needle", ASSERTED,
-                         ids=[f"{a}-{'-'.join(m)}-{n[:12]}" for a, m, n in ASSERTED])
+@pytest.mark.parametrize("arch,metadata,needle", ASSERTED, ids=[f"{a}-{'-'.join(m)}-{n[:12]}" for a, m, n in ASSERTED])
 def test_metadata_llama_cpp_asserts_on_is_refused_first(tmp_path, capsys, arch, metadata, needle):
     from s2moe.engine.model_info import read_model_info
 
-    model = write_tiny(tmp_path / "m.gguf", variant_spec(arch) if arch != "llama" else TinySpec(arch="llama"),
-                       metadata=metadata)
+    model = write_tiny(
+        tmp_path / "m.gguf", variant_spec(arch) if arch != "llama" else TinySpec(arch="llama"), metadata=metadata
+    )
     with pytest.raises(ModelError, match=re.escape(needle)):
         read_model_info(model)
     # the CLI, in this very process: were the check missing, llama.cpp would stop the test run here
@@ -173,10 +172,14 @@ def test_llama_cpp_load_failures_say_why(tmp_path, capsys):
     # 7 experts declared, tensors of 8: llama.cpp refuses the file (no assertion) and says which tensor
     model = write_tiny(tmp_path / "m.gguf", variant_spec("olmoe"), metadata={"{arch}.expert_count": (7, U32)})
     rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "-n", "2", "--threads", "1")
-    assert_one_line(rc, err, "llama.cpp could not load m.gguf: check_tensor_dims: tensor 'blk.0.ffn_gate_inp.weight' "
-                             "has wrong shape")
-    model = write_tiny(tmp_path / "arch.gguf", variant_spec("olmoe"),
-                       metadata={"general.architecture": ("nosuch", STR)})
+    assert_one_line(
+        rc,
+        err,
+        "llama.cpp could not load m.gguf: check_tensor_dims: tensor 'blk.0.ffn_gate_inp.weight' has wrong shape",
+    )
+    model = write_tiny(
+        tmp_path / "arch.gguf", variant_spec("olmoe"), metadata={"general.architecture": ("nosuch", STR)}
+    )
     rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "-n", "2", "--threads", "1")
     assert_one_line(rc, err, "unknown model architecture: 'nosuch'")
 
@@ -209,12 +212,12 @@ def test_a_failed_check_inside_llama_cpp_is_one_line_not_a_backtrace(tmp_path):
     """The last line of defence, for a check the model reader does not know yet: a file that stops llama.cpp
     in an assertion, loaded past the reader."""
     model = write_tiny(tmp_path / "m.gguf", variant_spec("olmoe"), metadata={"{arch}.block_count": (0, U32)})
-    done = subprocess.run([sys.executable, "-c", LLAMA_ABORT, str(model)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", LLAMA_ABORT, str(model)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout[-2000:])
     assert done.stderr.splitlines()[-1] == (
         "error: llama.cpp stopped on a failed check (llama-model.cpp:1328: GGML_ASSERT(hparams.n_layer_all > 0 && "
-        "hparams.n_layer_all <= LLAMA_MAX_LAYERS) failed): the model file or a setting is not one it supports")
+        "hparams.n_layer_all <= LLAMA_MAX_LAYERS) failed): the model file or a setting is not one it supports"
+    )
 
 
 LLAMA_THROWS = """
@@ -233,12 +236,14 @@ print("not reached")
 def test_a_cpp_exception_through_llama_cpps_c_api_is_one_line(tiny_models):
     """A throw nothing in llama.cpp catches crosses its C API and ends in std::terminate: one line and exit 2
     with the exception's type and message, not the C++ runtime's lines, ggml's backtrace and exit 134."""
-    done = subprocess.run([sys.executable, "-c", LLAMA_THROWS, str(tiny_models["olmoe"])], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", LLAMA_THROWS, str(tiny_models["olmoe"])], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     last = done.stderr.splitlines()[-1]
-    assert last.startswith("error: llama.cpp stopped on a failed check (an uncaught C++ exception, "
-                           "std::out_of_range"), last
+    assert last.startswith(
+        "error: llama.cpp stopped on a failed check (an uncaught C++ exception, std::out_of_range"
+    ), last
     assert "terminate called" not in done.stderr
 
 
@@ -252,16 +257,22 @@ def test_threads_are_capped_with_one_line(tiny_models, capsys, monkeypatch):
         assert_one_line(rc, err, f"--threads {threads} is more than 8 (4 × the 2 CPUs")
     rc, _, err = run_cli(capsys, "calibrate", "-m", tiny_models["olmoe"], "--threads", "999", "--no-save")
     assert_one_line(rc, err, "--threads 999 is more than 8")
-    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "2", "--threads", "8",
-                         "--mode", "ar")
+    rc, _, err = run_cli(
+        capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "2", "--threads", "8", "--mode", "ar"
+    )
     assert rc == 0, err
 
 
-@pytest.mark.parametrize("ctx,needle", [("1", "--ctx 1 is too small: the context must hold at least 32 tokens"),
-                                        ("16", "--ctx 16 is too small"), ("17", "at least 32 tokens"),
-                                        ("31", "--ctx 31 is too small"),
-                                        ("4294967296", "--ctx 4294967296 is above the largest context s2moe accepts "
-                                                       "(16777216 tokens)")])
+@pytest.mark.parametrize(
+    "ctx,needle",
+    [
+        ("1", "--ctx 1 is too small: the context must hold at least 32 tokens"),
+        ("16", "--ctx 16 is too small"),
+        ("17", "at least 32 tokens"),
+        ("31", "--ctx 31 is too small"),
+        ("4294967296", "--ctx 4294967296 is above the largest context s2moe accepts (16777216 tokens)"),
+    ],
+)
 def test_context_sizes_out_of_range_say_the_limit(tiny_models, capsys, ctx, needle):
     rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--ctx", ctx, "--threads", "1")
     assert_one_line(rc, err, needle)
@@ -277,19 +288,55 @@ def test_a_context_whose_cache_would_not_fit_in_memory_says_so(tiny_models, caps
     monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 30)
     per_token = read_model_info(tiny_models["olmoe"]).kv_rows * runtime.KV_VALUE_BYTES
     too_many = (1 << 29) // per_token + 1
-    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--ctx", too_many,
-                         "--threads", "1")
-    assert_one_line(rc, err, f"--ctx {too_many} needs 512.0 MiB of KV cache, more than half the 1.0 GiB of memory "
-                             "available; olmoe.gguf was trained on a context of 512 tokens")
-    rc, out, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--ctx", too_many - 1, "-n", "2",
-                           "--threads", "1", "--mode", "ar", "--json")
+    rc, _, err = run_cli(
+        capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--ctx", too_many, "--threads", "1"
+    )
+    assert_one_line(
+        rc,
+        err,
+        f"--ctx {too_many} needs 512.0 MiB of KV cache, more than half the 1.0 GiB of memory "
+        "available; olmoe.gguf was trained on a context of 512 tokens",
+    )
+    rc, out, err = run_cli(
+        capsys,
+        "generate",
+        "-m",
+        tiny_models["olmoe"],
+        "-p",
+        "hi",
+        "--ctx",
+        too_many - 1,
+        "-n",
+        "2",
+        "--threads",
+        "1",
+        "--mode",
+        "ar",
+        "--json",
+    )
     assert rc == 0, err
 
 
 def test_the_smallest_context_runs_every_mode(tiny_models, capsys):
     for mode in ("s2moe", "ar"):
-        rc, out, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "--ctx", "32",
-                               "--threads", "1", "--mode", mode, "--json", "--ignore-eos")
+        rc, out, err = run_cli(
+            capsys,
+            "generate",
+            "-m",
+            tiny_models["olmoe"],
+            "-p",
+            "hi",
+            "-n",
+            "4",
+            "--ctx",
+            "32",
+            "--threads",
+            "1",
+            "--mode",
+            mode,
+            "--json",
+            "--ignore-eos",
+        )
         assert rc == 0, err
         assert json.loads(out)["n_tokens"] == 4
 
@@ -338,13 +385,47 @@ def test_ctrl_c_during_calibrate_model_load_writes_no_profile(tiny_models, monke
 def widened_model(tmp_path_factory):
     """The shipped default model with experts 8 times as wide: a load long enough to land a signal in."""
     out = tmp_path_factory.mktemp("widened") / "w8.gguf"
-    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "make-synthetic", "--from", "olmoe-64x8",
-                           "--widen", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "make-synthetic",
+            "--from",
+            "olmoe-64x8",
+            "--widen",
+            "8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     # Decoded once, as a user's model has been: the first run's check of llama.cpp's buffer types (in a
     # child, said when slow) is behind it, and the signals below land in the load itself.
-    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", str(out), "-p", "hello",
-                           "-n", "1", "--mode", "ar", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "generate",
+            "-m",
+            str(out),
+            "-p",
+            "hello",
+            "-n",
+            "1",
+            "--mode",
+            "ar",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     return out
 
@@ -373,8 +454,17 @@ def _link(path: str) -> str:
         return ""
 
 
-@pytest.mark.parametrize("sig,delay_ms", [(signal.SIGINT, 0), (signal.SIGINT, 15), (signal.SIGINT, 30),
-                                         (signal.SIGINT, 45), (signal.SIGTERM, 0), (signal.SIGTERM, 30)])
+@pytest.mark.parametrize(
+    "sig,delay_ms",
+    [
+        (signal.SIGINT, 0),
+        (signal.SIGINT, 15),
+        (signal.SIGINT, 30),
+        (signal.SIGINT, 45),
+        (signal.SIGTERM, 0),
+        (signal.SIGTERM, 30),
+    ],
+)
 def test_a_signal_during_a_real_model_load_ends_the_run(widened_model, sig, delay_ms):
     """A real Ctrl-C (or SIGTERM) from outside, sent while llama.cpp loads a 160 MB model: before, a Ctrl-C
     was swallowed in the log callback and generation went on to exit 0. Exit 130 for Ctrl-C, 143 for
@@ -385,9 +475,28 @@ def test_a_signal_during_a_real_model_load_ends_the_run(widened_model, sig, dela
     # the poll can miss it, and then no signal was sent at all. Such an attempt proves nothing either way
     # and is made again; an attempt whose signal was sent must end in exit 130.
     for _attempt in range(5):
-        proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hello",
-                                 "-n", "100000", "--ignore-eos", "--mode", "ar", "--threads", "1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "s2moe.app.cli",
+                "generate",
+                "-m",
+                model,
+                "-p",
+                "hello",
+                "-n",
+                "100000",
+                "--ignore-eos",
+                "--mode",
+                "ar",
+                "--threads",
+                "1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             seen, deadline, caught = {}, time.monotonic() + 60, False
             while proc.poll() is None and time.monotonic() < deadline:
@@ -430,9 +539,30 @@ def test_ctrl_c_at_any_moment_after_main_starts_exits_130(widened_model):
     model = os.path.realpath(widened_model)
     for delay_ms in range(0, 600, 25):
         started, starting = os.pipe()
-        proc = subprocess.Popen([sys.executable, "-c", _MAIN_STARTS, str(starting), "generate", "-m", model,
-                                 "-p", "hello", "-n", "100000", "--ignore-eos", "--mode", "ar", "--threads", "1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, pass_fds=(starting,))
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _MAIN_STARTS,
+                str(starting),
+                "generate",
+                "-m",
+                model,
+                "-p",
+                "hello",
+                "-n",
+                "100000",
+                "--ignore-eos",
+                "--mode",
+                "ar",
+                "--threads",
+                "1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            pass_fds=(starting,),
+        )
         os.close(starting)
         try:
             assert os.read(started, 1) == b"" and proc.poll() is None, "the run ended before main started"
@@ -462,8 +592,11 @@ print(json.dumps(unheld), file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("argv", [["generate", "-p", "hello", "-n", "8", "--mode", "s2moe", "--json"],
-                                  ["profiles", "list"]], ids=["generate", "profiles"])
+@pytest.mark.parametrize(
+    "argv",
+    [["generate", "-p", "hello", "-n", "8", "--mode", "s2moe", "--json"], ["profiles", "list"]],
+    ids=["generate", "profiles"],
+)
 def test_every_import_after_main_starts_holds_ctrl_c(tiny_models, tmp_path, argv):
     """A Ctrl-C inside an import can be dropped by CPython (a weakref callback called from C frees the
     module's lock) or lost in a C extension's initialisation; too rare to show in a sweep of real signals,
@@ -471,8 +604,13 @@ def test_every_import_after_main_starts_holds_ctrl_c(tiny_models, tmp_path, argv
     command's, numpy's during the first speculative generation, rich's for a table — is loaded with
     Ctrl-C held. Before, 240 modules were loaded unheld before the model was read."""
     model = ["-m", str(tiny_models["olmoe"])] if argv[0] == "generate" else []
-    done = subprocess.run([sys.executable, "-c", _UNHELD_IMPORTS, *argv, *model], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, "-c", _UNHELD_IMPORTS, *argv, *model],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stderr.splitlines()[-1]) == []
 
@@ -495,7 +633,6 @@ class _SignalDuring:
 @pytest.mark.parametrize("call", ["llama_tokenize", "llama_token_to_piece", "llama_decode"])
 def test_llama_cpp_calls_finish_before_a_ctrl_c_is_raised(decoders, monkeypatch, call):
     import llama_cpp
-
     from s2moe.engine.decoding.generation_config import GenerationConfig
 
     decoder = decoders["olmoe"]
@@ -554,8 +691,8 @@ def test_a_signal_held_inside_an_import_waits_for_the_outermost_import(tmp_path,
 
 def _app_in_a_pty(model: str, tmp_path, act, after_s: float) -> tuple[int | None, str, bool]:
     """`s2moe app` on a pseudo-terminal of 80×24: a prompt typed and Enter pressed once it is up (its prompt
-    box drawn), then act(proc, terminal) after_s later. Its exit code (None: it had not exited 15 s later), what it wrote,
-    and whether the terminal's modes came back as they were."""
+    box drawn), then act(proc, terminal) after_s later. Its exit code (None: it had not exited 15 s later), what it
+    wrote, and whether the terminal's modes came back as they were."""
     import fcntl
     import pty
     import select
@@ -565,10 +702,20 @@ def _app_in_a_pty(model: str, tmp_path, act, after_s: float) -> tuple[int | None
     terminal, side = pty.openpty()
     fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     modes = termios.tcgetattr(side)
-    env = {**os.environ, "TERM": "xterm-256color", "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
-           "XDG_STATE_HOME": str(tmp_path / "state")}
-    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "app", "-m", model, "-t", "1"], stdin=side,
-                            stdout=side, stderr=side, env=env, start_new_session=True)
+    env = {
+        **os.environ,
+        "TERM": "xterm-256color",
+        "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s2moe.app.cli", "app", "-m", model, "-t", "1"],
+        stdin=side,
+        stdout=side,
+        stderr=side,
+        env=env,
+        start_new_session=True,
+    )
     out = bytearray()
 
     def read_for(seconds: float) -> None:
@@ -606,8 +753,9 @@ def _app_in_a_pty(model: str, tmp_path, act, after_s: float) -> tuple[int | None
         os.close(side)
 
 
-@pytest.mark.parametrize("how,after_s,code", [("SIGINT", 0.0, 130), ("SIGINT", 0.6, 130), ("SIGTERM", 0.3, 143),
-                                              ("Ctrl+C", 0.3, 0)])
+@pytest.mark.parametrize(
+    "how,after_s,code", [("SIGINT", 0.0, 130), ("SIGINT", 0.6, 130), ("SIGTERM", 0.3, 143), ("Ctrl+C", 0.3, 0)]
+)
 def test_the_app_quits_cleanly_on_a_signal_while_it_decodes(widened_model, tmp_path, how, after_s, code):
     """The app while it loads, measures and generates: a SIGINT (kill -INT) or SIGTERM to its process
     quits it as Ctrl+Q does, with exit code 130 or 143 and that word once the terminal is back; Ctrl+C
@@ -624,11 +772,12 @@ def test_the_app_quits_cleanly_on_a_signal_while_it_decodes(widened_model, tmp_p
     assert rc == code, out[-2000:]
     assert "Traceback" not in out and "Exception" not in out
     assert modes_back
-    tail = out[out.rindex("\x1b[?1049l"):]  # from leaving the alternate screen on
+    tail = out[out.rindex("\x1b[?1049l") :]  # from leaving the alternate screen on
     assert "\x1b[?25h" in tail and "\x1b[?1000l" in tail  # cursor shown, mouse reporting off
     words = {130: "interrupted", 143: "terminated"}
-    assert [line.strip() for line in re.sub(r"\x1b\[[0-9;?<>]*[A-Za-z]", "", tail).splitlines()
-            if line.strip()] == ([words[code]] if code in words else [])
+    assert [line.strip() for line in re.sub(r"\x1b\[[0-9;?<>]*[A-Za-z]", "", tail).splitlines() if line.strip()] == (
+        [words[code]] if code in words else []
+    )
 
 
 # -- no traceback ----------------------------------------------------------------------------------------------
@@ -652,23 +801,31 @@ def test_a_model_path_of_undecodable_bytes_works(tiny_models, tmp_path, capsys):
     assert json.loads(out)["model"] == str(model)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--seed", "-2"], "--seed: must be -1 (random) or a whole number from 0 to 4294967295, got -2"),
-    (["--seed", "9" * 400], "--seed: must be -1 (random) or a whole number from 0 to 4294967295, got 999"),
-    (["--budget", "9" * 400], "--budget: size 999999999999999999999999… is too large"),
-    (["--budget", ""], "--budget: must not be empty"),
-    (["--profile", ""], "--profile: must not be empty"),
-    (["--model", ""], "--model/-m: must not be empty"),
-    (["--gpu-layers", "-2"], "--gpu-layers: must be -1 (all layers), 0 or a number of layers, got -2"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--seed", "-2"], "--seed: must be -1 (random) or a whole number from 0 to 4294967295, got -2"),
+        (["--seed", "9" * 400], "--seed: must be -1 (random) or a whole number from 0 to 4294967295, got 999"),
+        (["--budget", "9" * 400], "--budget: size 999999999999999999999999… is too large"),
+        (["--budget", ""], "--budget: must not be empty"),
+        (["--profile", ""], "--profile: must not be empty"),
+        (["--model", ""], "--model/-m: must not be empty"),
+        (["--gpu-layers", "-2"], "--gpu-layers: must be -1 (all layers), 0 or a number of layers, got -2"),
+    ],
+)
 def test_flag_values_that_raised_or_meant_the_default(tiny_models, capsys, argv, needle):
     rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--threads", "1", *argv)
     assert_one_line(rc, err, needle)
 
 
-@pytest.mark.parametrize("argv,needle", [(["--name", ""], "--name: must not be empty"),
-                                         (["--model", ""], "--model/-m: must not be empty"),
-                                         (["--budget", "9" * 400], "is too large")])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--name", ""], "--name: must not be empty"),
+        (["--model", ""], "--model/-m: must not be empty"),
+        (["--budget", "9" * 400], "is too large"),
+    ],
+)
 def test_calibrate_flag_values_that_raised_or_meant_the_default(tiny_models, capsys, argv, needle):
     rc, _, err = run_cli(capsys, "calibrate", "-m", tiny_models["olmoe"], "--no-save", *argv)
     assert_one_line(rc, err, needle)
@@ -685,8 +842,22 @@ def test_gpu_layers_reach_llama_cpp(tiny_models, capsys, monkeypatch):
         real(self, info, **kw)
 
     monkeypatch.setattr(LlamaRuntime, "__init__", init)
-    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "2", "--threads", "1",
-                         "--mode", "ar", "--gpu-layers", "3")
+    rc, _, err = run_cli(
+        capsys,
+        "generate",
+        "-m",
+        tiny_models["olmoe"],
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "--threads",
+        "1",
+        "--mode",
+        "ar",
+        "--gpu-layers",
+        "3",
+    )
     assert rc == 0, err
     assert asked == [3]
 
@@ -695,8 +866,9 @@ def test_non_finite_logits_are_one_line_with_sampling(tmp_path, capsys):
     # every expert of the first layer poisoned: every token's logits are NaN
     model = write_tiny(tmp_path / "nan.gguf", variant_spec("olmoe", poison=[(0, e) for e in range(8)]))
     for mode in ("ar", "s2moe"):
-        rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "--temp", "0.8", "--threads", "1",
-                             "--mode", mode)
+        rc, _, err = run_cli(
+            capsys, "generate", "-m", model, "-p", "hi", "--temp", "0.8", "--threads", "1", "--mode", mode
+        )
         assert_one_line(rc, err, "nan.gguf: llama.cpp computed logits that are not numbers")
 
 
@@ -709,13 +881,12 @@ def _profile_for(model, **constants) -> dict:
 
 def test_profile_numbers_too_long_and_in_exponent_form(tiny_models, tmp_path, capsys):
     import yaml
-
     from s2moe.engine.profiles import cost_for_model, load_profile
 
     model = tiny_models["olmoe"]
     fp = next(iter(_profile_for(model)["models"]))
     huge = tmp_path / "huge.yaml"
-    huge.write_text(yaml.safe_dump(_profile_for(model, t_ar_ms=10 ** 400)))
+    huge.write_text(yaml.safe_dump(_profile_for(model, t_ar_ms=10**400)))
     rc, _, err = run_cli(capsys, "generate", "-m", model, "-p", "hi", "--profile", huge, "--threads", "1")
     assert_one_line(rc, err, "field t_ar_ms is too large (401 digits)")
     longer = tmp_path / "longer.yaml"
@@ -730,7 +901,6 @@ def test_profile_numbers_too_long_and_in_exponent_form(tiny_models, tmp_path, ca
 
 def test_a_utf16_profile_is_one_line_and_lists_as_invalid(tiny_models, tmp_path, capsys, monkeypatch):
     import yaml
-
     from s2moe.engine.profiles import list_profiles
 
     folder = tmp_path / "cfg" / "s2moe" / "profiles"
@@ -871,10 +1041,34 @@ def _unavailable() -> str | None:
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_generate_under_a_budget_interrupted_says_so_once_and_cleans_up(tiny_models, how):
     model = os.path.realpath(tiny_models["olmoe"])
-    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hello",
-                             "-n", "100000", "--ignore-eos", "--mode", "ar", "--threads", "1", "--ctx", "16384",
-                             "--budget", "400M", "--json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "generate",
+            "-m",
+            model,
+            "-p",
+            "hello",
+            "-n",
+            "100000",
+            "--ignore-eos",
+            "--mode",
+            "ar",
+            "--threads",
+            "1",
+            "--ctx",
+            "16384",
+            "--budget",
+            "400M",
+            "--json",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         cg, child = _budget_run_started(proc, model, time.monotonic() + 60)
         time.sleep(0.3)
@@ -894,9 +1088,27 @@ def test_generate_under_a_budget_interrupted_says_so_once_and_cleans_up(tiny_mod
 def test_sigterm_during_calibrate_budget_auto_removes_its_cgroup_and_worker(tiny_models, tmp_path):
     model = os.path.realpath(tiny_models["olmoe"])
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "cfg"))
-    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "calibrate", "-m", model, "--budget", "auto",
-                             "--threads", "1", "--repeats", "1", "--no-plot"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "calibrate",
+            "-m",
+            model,
+            "--budget",
+            "auto",
+            "--threads",
+            "1",
+            "--repeats",
+            "1",
+            "--no-plot",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         cg, worker = _budget_run_started(proc, model, time.monotonic() + 120)
         proc.send_signal(signal.SIGTERM)
@@ -915,9 +1127,30 @@ def test_sigkill_of_a_budgeted_run_takes_its_worker_and_the_next_run_removes_its
     from s2moe.engine.offload import MemoryCgroup
 
     model = os.path.realpath(tiny_models["olmoe"])
-    proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hello",
-                             "-n", "100000", "--ignore-eos", "--threads", "1", "--ctx", "16384", "--budget", "auto",
-                             "--json"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "generate",
+            "-m",
+            model,
+            "-p",
+            "hello",
+            "-n",
+            "100000",
+            "--ignore-eos",
+            "--threads",
+            "1",
+            "--ctx",
+            "16384",
+            "--budget",
+            "auto",
+            "--json",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     worker = None
     try:
         cg, worker = _budget_run_started(proc, model, time.monotonic() + 60)
@@ -969,8 +1202,21 @@ def _wide_model(tmp_path) -> str:
 
 
 def _auto_argv(model: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "--threads", "1", "--budget", "auto",
-            "--ignore-eos", "--json", *args]
+    return [
+        sys.executable,
+        "-m",
+        "s2moe.app.cli",
+        "generate",
+        "-m",
+        model,
+        "--threads",
+        "1",
+        "--budget",
+        "auto",
+        "--ignore-eos",
+        "--json",
+        *args,
+    ]
 
 
 @pytest.mark.skipif(_unavailable() is not None, reason="no memory cgroup here")
@@ -980,8 +1226,12 @@ def test_two_auto_budgets_at_once_both_run(tmp_path):
     refused the budget it had chosen itself (4 pairs in 5). Three pairs, each run a real process."""
     model = _wide_model(tmp_path)
     for _ in range(3):
-        pair = [subprocess.Popen(_auto_argv(model, "-p", prompt, "-n", "32"), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for prompt in ("a", "b")]
+        pair = [
+            subprocess.Popen(
+                _auto_argv(model, "-p", prompt, "-n", "32"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for prompt in ("a", "b")
+        ]
         try:
             done = [(run.communicate(timeout=120), run.returncode) for run in pair]
         finally:
@@ -1006,6 +1256,7 @@ def test_an_auto_budget_runs_while_another_process_holds_the_model_in_memory(tmp
         holder.wait()
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.splitlines()[-1])["tokens"]
+
 
 # -- temporary files a killed profile write left are removed by the next one ----------------------------------
 PROFILE = {"schema": 1, "kind": "measured", "models": {}}
@@ -1070,8 +1321,13 @@ def test_sigterm_during_calibrates_profile_write_leaves_no_file(tiny_models, tmp
     """Killed by SIGTERM mid-write (the default action would end the process there and then): the
     temporary file is removed, no profile appears, the exit code is 143."""
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "cfg"))
-    proc = subprocess.Popen([sys.executable, "-c", TERMINATED_SAVE, str(tiny_models["olmoe"])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TERMINATED_SAVE, str(tiny_models["olmoe"])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         for line in proc.stdout:
             if line == "writing\n":
@@ -1089,8 +1345,9 @@ def test_sigterm_during_calibrates_profile_write_leaves_no_file(tiny_models, tmp
 def test_profiles_list_shows_messages_with_brackets_as_written(tmp_path, capsys, monkeypatch):
     folder = tmp_path / "cfg" / "s2moe" / "profiles"
     folder.mkdir(parents=True)
-    (folder / "hot.yaml").write_text("models:\n  0123456789abcdef: {t_ar_ms: 1, c_draft_ms: 1, t_exp_ms: 0.1, "
-                                     "hot_experts: [[0, 1, 2]]}\n")
+    (folder / "hot.yaml").write_text(
+        "models:\n  0123456789abcdef: {t_ar_ms: 1, c_draft_ms: 1, t_exp_ms: 0.1, hot_experts: [[0, 1, 2]]}\n"
+    )
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     monkeypatch.setenv("COLUMNS", "400")
     rc, out, err = run_cli(capsys, "profiles", "list")
@@ -1118,22 +1375,27 @@ def test_a_stage_is_said_once_it_turns_out_slow_and_not_before():
 DEEP = b"[" * 100_000 + b"]" * 100_000
 LONG_NUMBER = b'{"format": "s2moe-copy-cache", "version": ' + b"9" * 5000 + b"}"
 NOT_UTF8 = b'{"format": "s2moe-copy-cache\xff"}'
-BAD_JSON = [(DEEP, "nested too deeply"), (LONG_NUMBER, "a number too long to read"),
-            (NOT_UTF8, "not UTF-8 text (an invalid byte at offset 28)")]
+BAD_JSON = [
+    (DEEP, "nested too deeply"),
+    (LONG_NUMBER, "a number too long to read"),
+    (NOT_UTF8, "not UTF-8 text (an invalid byte at offset 28)"),
+]
 
 
 @pytest.mark.parametrize("data,needle", BAD_JSON, ids=["deep", "long-number", "not-utf8"])
 def test_a_copy_cache_of_json_that_json_loads_cannot_take_is_one_line(tiny_models, tmp_path, capsys, data, needle):
     cache = tmp_path / "copies.json"
     cache.write_bytes(data)
-    rc, out, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "-t", "1",
-                           "--copy-cache", cache)
+    rc, out, err = run_cli(
+        capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "-t", "1", "--copy-cache", cache
+    )
     assert_one_line(rc, err, f"copy cache {cache}: ", needle)
     assert out == "" and cache.read_bytes() == data
 
 
-@pytest.mark.parametrize("data,needle", BAD_JSON + [(b"[1, 2]", "not a JSON object")],
-                         ids=["deep", "long-number", "not-utf8", "a-list"])
+@pytest.mark.parametrize(
+    "data,needle", BAD_JSON + [(b"[1, 2]", "not a JSON object")], ids=["deep", "long-number", "not-utf8", "a-list"]
+)
 def test_app_settings_that_cannot_be_read_are_a_config_error(data, needle):
     from s2moe.app.tui.state import remembered_settings, state_dir
 
@@ -1165,11 +1427,11 @@ def test_a_trace_in_a_folder_is_named_with_the_folder_as_given(tmp_path, capsys,
     assert_one_line(rc, err, "trace runs/deep.jsonl line 1: nested too deeply")
 
 
-def test_a_copy_cache_named_as_a_missing_folder_is_refused_not_made_a_file(tiny_models, tmp_path, capsys,
-                                                                            monkeypatch):
+def test_a_copy_cache_named_as_a_missing_folder_is_refused_not_made_a_file(tiny_models, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "-t", "1",
-                         "--copy-cache", "nodir/")
+    rc, _, err = run_cli(
+        capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "-t", "1", "--copy-cache", "nodir/"
+    )
     assert_one_line(rc, err, "copy cache nodir/: there is no directory nodir")
     assert list(tmp_path.iterdir()) == []
 
@@ -1185,15 +1447,28 @@ def test_a_symlinked_copy_cache_or_profile_is_written_through(tiny_models, tmp_p
     loop.symlink_to(loop)
     for prompt in ("hello", "good morning"):
         for cache in (link, dangling):
-            rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", prompt, "-n", "4", "-t", "1",
-                                 "--copy-cache", cache)
+            rc, _, err = run_cli(
+                capsys,
+                "generate",
+                "-m",
+                tiny_models["olmoe"],
+                "-p",
+                prompt,
+                "-n",
+                "4",
+                "-t",
+                "1",
+                "--copy-cache",
+                cache,
+            )
             assert rc == 0, err
     for cache in (link, dangling):
         assert cache.is_symlink()
         assert len(json.loads(cache.resolve().read_text())["generations"]) == 2
     assert sorted(p.name for p in kept.iterdir()) == ["copies.json", "new.json"]
-    rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "-t", "1",
-                         "--copy-cache", loop)
+    rc, _, err = run_cli(
+        capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "-n", "4", "-t", "1", "--copy-cache", loop
+    )
     assert_one_line(rc, err, f"cannot write copy cache {loop}: its symbolic link leads round in a loop")
     # profiles go through the same writer
     (tmp_path / "profiles").mkdir()
@@ -1222,13 +1497,14 @@ save_copy_cache(sys.argv[2], read_model_info(sys.argv[1]), earlier)
 
 def test_a_copy_cache_save_removes_the_temporary_file_a_killed_save_left(tiny_models, tmp_path):
     from s2moe.engine.drafting.copycache import load_copy_cache, save_copy_cache
+    from s2moe.engine.drafting.ngrams import EarlierText
     from s2moe.engine.files import STALE_TMP_SECONDS
     from s2moe.engine.model_info import read_model_info
-    from s2moe.engine.drafting.ngrams import EarlierText
 
     model, cache = str(tiny_models["olmoe"]), tmp_path / "copies.json"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_COPY_CACHE_SAVE, model, str(cache)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_COPY_CACHE_SAVE, model, str(cache)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline() == "writing\n"
     finally:
@@ -1250,14 +1526,23 @@ def _read_only(folder, *argv, env=None) -> subprocess.CompletedProcess:
     permission bits, a read-only mount it does not. Skipped where this machine cannot make one."""
     mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
     try:
-        probe = subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(folder), "touch", str(folder / "probe")],
-                               capture_output=True, text=True, timeout=30)
+        probe = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", mount, str(folder), "touch", str(folder / "probe")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except FileNotFoundError:
         pytest.skip("no unshare here")
     if "Read-only file system" not in probe.stderr:
         pytest.skip(f"cannot mount a folder read-only here: {probe.stderr.strip()}")
-    return subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(folder), *map(str, argv)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", mount, str(folder), *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 def test_an_existing_copy_cache_in_a_read_only_folder_is_refused_before_decoding(tiny_models, tmp_path, capsys):
@@ -1268,8 +1553,25 @@ def test_an_existing_copy_cache_in_a_read_only_folder_is_refused_before_decoding
     assert rc == 0, err
     kept = cache.read_bytes()
     # --events prints a line per decoding iteration: a refusal after decoding would come after them
-    done = _read_only(cache.parent, sys.executable, "-m", "s2moe.app.cli", "generate", "-m", model, "-p", "hi",
-                      "-n", "8", "-t", "1", "--ignore-eos", "--events", "--copy-cache", cache)
+    done = _read_only(
+        cache.parent,
+        sys.executable,
+        "-m",
+        "s2moe.app.cli",
+        "generate",
+        "-m",
+        model,
+        "-p",
+        "hi",
+        "-n",
+        "8",
+        "-t",
+        "1",
+        "--ignore-eos",
+        "--events",
+        "--copy-cache",
+        cache,
+    )
     assert_one_line(done.returncode, done.stderr, f"cannot write copy cache {cache}: Read-only file system")
     assert done.stdout == "" and cache.read_bytes() == kept
 
@@ -1277,6 +1579,23 @@ def test_an_existing_copy_cache_in_a_read_only_folder_is_refused_before_decoding
 def test_a_trace_for_a_read_only_folder_is_refused_before_decoding(tiny_models, tmp_path):
     folder = tmp_path / "traces"
     folder.mkdir()
-    done = _read_only(folder, sys.executable, "-m", "s2moe.app.cli", "generate", "-m", tiny_models["olmoe"], "-p",
-                      "hi", "-n", "8", "-t", "1", "--ignore-eos", "--events", "--trace", folder / "t.jsonl")
+    done = _read_only(
+        folder,
+        sys.executable,
+        "-m",
+        "s2moe.app.cli",
+        "generate",
+        "-m",
+        tiny_models["olmoe"],
+        "-p",
+        "hi",
+        "-n",
+        "8",
+        "-t",
+        "1",
+        "--ignore-eos",
+        "--events",
+        "--trace",
+        folder / "t.jsonl",
+    )
     assert_one_line(done.returncode, done.stderr, f"cannot write trace {folder / 't.jsonl'}: Read-only file system")

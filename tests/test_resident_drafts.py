@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from s2moe.engine.measure.costmodel import measure_cost_constants
 from s2moe.engine.decoding.decoder import Decoder, run
 from s2moe.engine.decoding.generation_config import GenerationConfig
+from s2moe.engine.drafting.stoprules import UtilityStop, rule_cost
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Started
-from s2moe.engine.drafting.stoprules import UtilityStop, rule_cost
+from s2moe.engine.measure.costmodel import measure_cost_constants
 from s2moe.engine.profile_schema import validate_profile
 from s2moe.engine.profiles import cost_for_model
 
@@ -20,14 +19,34 @@ FINGERPRINT = "d09f3c78bdbddbd4"
 
 def _profile(c_draft_cold_ms: float) -> dict:
     """A measured profile as calibrate writes it under a budget: steps and fits measured resident and cold."""
-    block = {"model": "widened.gguf", "arch": "olmoe", "n_layer": 6, "n_expert": 64, "n_expert_used": 8,
-             "expert_bytes": 1_750_000, "draft_topk": 2, "t_ar_ms": 6.1, "c_draft_ms": 3.2, "t_exp_ms": 0.09,
-             "t_exp_cold_ms": 1.2, "t_tok_ms": 1.9, "intercept_ms": 0.0,
-             "fit": {"intercept_ms": 0.0, "t_exp_ms": 0.09, "t_tok_ms": 1.9, "r2": 0.99, "mape": 0.04, "n": 27},
-             "fit_cold": {"intercept_ms": 0.0, "t_exp_ms": 1.0, "t_tok_ms": 0.9, "r2": 0.5, "mape": 0.3, "n": 81},
-             "t_ar_cold_ms": 55.0, "c_draft_cold_ms": c_draft_cold_ms}
-    return validate_profile({"schema": 1, "name": "test", "kind": "measured",
-                             "device": {"name": "test", "kind": "cpu"}, "models": {FINGERPRINT: block}})
+    block = {
+        "model": "widened.gguf",
+        "arch": "olmoe",
+        "n_layer": 6,
+        "n_expert": 64,
+        "n_expert_used": 8,
+        "expert_bytes": 1_750_000,
+        "draft_topk": 2,
+        "t_ar_ms": 6.1,
+        "c_draft_ms": 3.2,
+        "t_exp_ms": 0.09,
+        "t_exp_cold_ms": 1.2,
+        "t_tok_ms": 1.9,
+        "intercept_ms": 0.0,
+        "fit": {"intercept_ms": 0.0, "t_exp_ms": 0.09, "t_tok_ms": 1.9, "r2": 0.99, "mape": 0.04, "n": 27},
+        "fit_cold": {"intercept_ms": 0.0, "t_exp_ms": 1.0, "t_tok_ms": 0.9, "r2": 0.5, "mape": 0.3, "n": 81},
+        "t_ar_cold_ms": 55.0,
+        "c_draft_cold_ms": c_draft_cold_ms,
+    }
+    return validate_profile(
+        {
+            "schema": 1,
+            "name": "test",
+            "kind": "measured",
+            "device": {"name": "test", "kind": "cpu"},
+            "models": {FINGERPRINT: block},
+        }
+    )
 
 
 def test_under_a_budget_a_resident_draft_is_priced_at_the_draft_step_measured_in_memory():
@@ -57,8 +76,10 @@ def test_resident_runs_draft_with_the_routers_choice_and_say_so(tiny_models):
     d = Decoder(str(tiny_models["olmoe"]), n_ctx=256, n_threads=1)
     try:
         base = GenerationConfig(mode="s2moe", n_predict=12, utility=False, stop_at_eos=False)
-        events = {which: run(d, "hello there", GenerationConfig(**{**base.__dict__, "draft_experts": which}))
-                  for which in (None, "resident", "router")}
+        events = {
+            which: run(d, "hello there", GenerationConfig(**{**base.__dict__, "draft_experts": which}))
+            for which in (None, "resident", "router")
+        }
         for evs in events.values():
             assert next(e for e in evs if isinstance(e, Started)).config["draft_experts"] == "router"
         tokens = {w: evs[-1].tokens for w, evs in events.items()}
@@ -100,8 +121,16 @@ def test_bench_names_what_each_chain_drafted_from(decoders):
     from s2moe.engine.measure.bench_results import BenchDone
 
     d = decoders["olmoe"]
-    events = list(run_bench(str(d.info.path), prompts=["def add(a, b):"], modes=["ar", "s2moe", "s2moe:resident"],
-                            n_tokens=8, decoder=d, warmup=False))
+    events = list(
+        run_bench(
+            str(d.info.path),
+            prompts=["def add(a, b):"],
+            modes=["ar", "s2moe", "s2moe:resident"],
+            n_tokens=8,
+            decoder=d,
+            warmup=False,
+        )
+    )
     done = next(e for e in events if isinstance(e, BenchDone))
     rows = {r.mode: r for r in done.rows}
     assert rows["ar"].draft_experts is None

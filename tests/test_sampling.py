@@ -9,13 +9,12 @@ import ctypes
 import llama_cpp
 import numpy as np
 import pytest
-
 from s2moe.engine.decoding.acceptance import accept
 from s2moe.engine.decoding.decoder import run
 from s2moe.engine.decoding.generation_config import GenerationConfig
+from s2moe.engine.decoding.sampling import MAX_SEED, PositionNoise, Sampling
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import Finished, Iteration, Started
-from s2moe.engine.decoding.sampling import MAX_SEED, PositionNoise, Sampling
 from test_engine_decoding import _chi2, _chi2_critical, assert_matches_ar
 
 # Options that change the distribution everywhere: a penalty strong enough to change greedy tokens, and
@@ -28,9 +27,13 @@ def llama_cpp_chain(logits: np.ndarray, history, s: Sampling) -> np.ndarray:
     order) leave over `logits` after `history`, softmaxed."""
     n = len(logits)
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-    for sampler in (llama_cpp.llama_sampler_init_penalties(n, s.repeat_last_n, s.repeat_penalty, 0.0, 0.0),
-                    llama_cpp.llama_sampler_init_top_k(s.top_k), llama_cpp.llama_sampler_init_top_p(s.top_p, 0),
-                    llama_cpp.llama_sampler_init_min_p(s.min_p, 0), llama_cpp.llama_sampler_init_temp(s.temperature)):
+    for sampler in (
+        llama_cpp.llama_sampler_init_penalties(n, s.repeat_last_n, s.repeat_penalty, 0.0, 0.0),
+        llama_cpp.llama_sampler_init_top_k(s.top_k),
+        llama_cpp.llama_sampler_init_top_p(s.top_p, 0),
+        llama_cpp.llama_sampler_init_min_p(s.min_p, 0),
+        llama_cpp.llama_sampler_init_temp(s.temperature),
+    ):
         llama_cpp.llama_sampler_chain_add(chain, sampler)
     try:
         for t in history:
@@ -57,10 +60,14 @@ def test_the_chain_is_llama_cpps():
     for _ in range(150):
         logits = rng.normal(0, 2, 50).astype(np.float32)
         history = list(rng.integers(0, 50, 24))
-        s = Sampling(temperature=float(rng.choice([0.5, 0.8, 1.3])), top_k=int(rng.choice([0, 1, 5, 40])),
-                     top_p=float(rng.choice([1.0, 0.9, 0.5, 0.0])), min_p=float(rng.choice([0.0, 0.05, 0.3])),
-                     repeat_penalty=float(rng.choice([1.0, 1.1, 1.5, 0.8])),
-                     repeat_last_n=int(rng.choice([0, 8, 64])))
+        s = Sampling(
+            temperature=float(rng.choice([0.5, 0.8, 1.3])),
+            top_k=int(rng.choice([0, 1, 5, 40])),
+            top_p=float(rng.choice([1.0, 0.9, 0.5, 0.0])),
+            min_p=float(rng.choice([0.0, 0.05, 0.3])),
+            repeat_penalty=float(rng.choice([1.0, 1.1, 1.5, 0.8])),
+            repeat_last_n=int(rng.choice([0, 8, 64])),
+        )
         ours, theirs = s.distribution(logits, history), llama_cpp_chain(logits, history, s)
         assert np.array_equal(ours > 0, theirs > 0), s
         assert np.abs(ours - theirs).max() < 1e-5, s
@@ -86,8 +93,12 @@ def test_an_option_that_is_off_leaves_the_distribution_alone():
     plain /= plain.sum()
     off = Sampling(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
     assert np.allclose(off.distribution(logits, [0, 0, 1]), plain)
-    assert np.allclose(Sampling(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=2.0,
-                                repeat_last_n=0).distribution(logits, [0, 1]), plain)
+    assert np.allclose(
+        Sampling(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=2.0, repeat_last_n=0).distribution(
+            logits, [0, 1]
+        ),
+        plain,
+    )
 
 
 def _two_tokens(target_logits, draft_logits, verify: Sampling, draft: Sampling, history, noise):
@@ -99,7 +110,7 @@ def _two_tokens(target_logits, draft_logits, verify: Sampling, draft: Sampling, 
     n, token = accept([d0, d1], target_logits, verify, noise, history)
     out = [d0, d1][:n] + [token]
     while len(out) < 2:
-        out += [accept([], target_logits[len(out):], verify, noise, history + out)[1]]
+        out += [accept([], target_logits[len(out) :], verify, noise, history + out)[1]]
     return tuple(out[:2])
 
 
@@ -174,8 +185,7 @@ def test_sampled_modes_commit_ars_tokens_with_the_same_seed(decoders, mode):
         its = [e for e in events if isinstance(e, Iteration)]
         drafted += sum(len(e.drafted) for e in its)
         accepted += sum(len(e.accepted) for e in its)
-        assert_matches_ar(d, prompt, events[-1].tokens, GenerationConfig(**base), f"{mode} (seed {seed})",
-                          ar=ar.tokens)
+        assert_matches_ar(d, prompt, events[-1].tokens, GenerationConfig(**base), f"{mode} (seed {seed})", ar=ar.tokens)
     assert drafted > 0 and 0 < accepted < drafted  # drafts were verified, and some were rejected
 
 
@@ -193,8 +203,17 @@ def test_speculative_sampling_with_the_options_matches_plain_sampling(decoders):
     trials = 1200
     first: dict[int, int] = {}
     for seed in range(trials):
-        cfg = GenerationConfig(mode="s2moe", n_predict=3, seed=seed, draft_topk=1, utility=False, reuse_strength=0.0,
-                               draft_max=2, stop_at_eos=False, **options)
+        cfg = GenerationConfig(
+            mode="s2moe",
+            n_predict=3,
+            seed=seed,
+            draft_topk=1,
+            utility=False,
+            reuse_strength=0.0,
+            draft_max=2,
+            stop_at_eos=False,
+            **options,
+        )
         token = run(d, prompt, cfg)[-1].tokens[0]
         first[token] = first.get(token, 0) + 1
     assert set(first) <= set(np.flatnonzero(p))  # nothing outside what the filters keep
@@ -214,16 +233,19 @@ def test_seed_minus_one_draws_a_seed_and_the_run_records_it(decoders):
     assert isinstance(events[0], Started) and events[-1].tokens == again[-1].tokens
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("top_k", -1, "top_k must be ≥ 0"),
-    ("top_p", 1.5, "top_p must be between 0 and 1"),
-    ("min_p", -0.1, "min_p must be between 0 and 1"),
-    ("repeat_penalty", 0.0, "repeat_penalty must be a finite number > 0"),
-    ("repeat_penalty", float("nan"), "repeat_penalty must be a finite number > 0"),
-    ("repeat_last_n", -2, "repeat_last_n must be -1"),
-    ("temperature", float("inf"), "temperature must be a finite number"),
-    ("seed", MAX_SEED + 1, "seed must be -1 .random. or a whole number from 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("top_k", -1, "top_k must be ≥ 0"),
+        ("top_p", 1.5, "top_p must be between 0 and 1"),
+        ("min_p", -0.1, "min_p must be between 0 and 1"),
+        ("repeat_penalty", 0.0, "repeat_penalty must be a finite number > 0"),
+        ("repeat_penalty", float("nan"), "repeat_penalty must be a finite number > 0"),
+        ("repeat_last_n", -2, "repeat_last_n must be -1"),
+        ("temperature", float("inf"), "temperature must be a finite number"),
+        ("seed", MAX_SEED + 1, "seed must be -1 .random. or a whole number from 0"),
+    ],
+)
 def test_the_engine_refuses_bad_sampling_settings_naming_them(field, value, message):
     with pytest.raises(ConfigError, match=message) as caught:
         GenerationConfig(**{field: value}).validate()

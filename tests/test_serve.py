@@ -18,10 +18,9 @@ import time
 import httpx
 import openai
 import pytest
+from s2moe.engine.offload import MemoryCgroup
 from test_chat_template import CHATML, MARKERS
 from tinygguf import TinySpec, write_tiny
-
-from s2moe.engine.offload import MemoryCgroup
 
 KEY = "test-key"
 N_CTX = 4096
@@ -32,16 +31,29 @@ START_SECONDS = 120
 STOP_SECONDS = 30
 SAMPLED = dict(temperature=0.9, top_p=0.95, seed=11)
 SAMPLED_EXTRA = {"top_k": 20, "min_p": 0.02, "repeat_penalty": 1.1}
-SAMPLED_FLAGS = ["--temp", "0.9", "--top-p", "0.95", "-s", "11", "--top-k", "20", "--min-p", "0.02",
-                 "--repeat-penalty", "1.1"]
+SAMPLED_FLAGS = [
+    "--temp",
+    "0.9",
+    "--top-p",
+    "0.95",
+    "-s",
+    "11",
+    "--top-k",
+    "20",
+    "--min-p",
+    "0.02",
+    "--repeat-penalty",
+    "1.1",
+]
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """A tiny MoE model with ChatML, the chat template llama.cpp recognises, whose context holds LONG tokens."""
-    return write_tiny(tmp_path_factory.mktemp("serve") / "chat.gguf",
-                      TinySpec(n_layer=2, n_expert=8, k=4, seed=7, n_ctx=N_CTX, chat_template=CHATML,
-                               chat_specials=MARKERS))
+    return write_tiny(
+        tmp_path_factory.mktemp("serve") / "chat.gguf",
+        TinySpec(n_layer=2, n_expert=8, k=4, seed=7, n_ctx=N_CTX, chat_template=CHATML, chat_specials=MARKERS),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +72,28 @@ class Server:
     """`s2moe serve` on a free port of 127.0.0.1, its stderr read line by line as it comes."""
 
     def __init__(self, model, env, *flags):
-        self.proc = subprocess.Popen([sys.executable, "-m", "s2moe.app.cli", "serve", "-m", str(model), "--port", "0",
-                                      "-t", "1", "-c", str(N_CTX), *flags],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "s2moe.app.cli",
+                "serve",
+                "-m",
+                str(model),
+                "--port",
+                "0",
+                "-t",
+                "1",
+                "-c",
+                str(N_CTX),
+                *flags,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -111,8 +141,9 @@ class Server:
             except queue.Empty:
                 raise AssertionError(f"no line matching {pattern!r} within {seconds} s:\n{self.text()}") from None
             if line is None:
-                raise AssertionError(f"the server ended ({self.proc.wait()}) before a line matching {pattern!r}:\n"
-                                     f"{self.text()}")
+                raise AssertionError(
+                    f"the server ended ({self.proc.wait()}) before a line matching {pattern!r}:\n{self.text()}"
+                )
             self.log.append(line)
             if m := re.search(pattern, line):
                 return m
@@ -149,9 +180,31 @@ def server(chat_model, own_dirs):
 
 
 def generate(model, env, prompt: str, n: int, *flags) -> dict:
-    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "generate", "-m", str(model), "-p", prompt,
-                           "-n", str(n), "-t", "1", "-c", str(N_CTX), "--ignore-eos", "--json", *flags],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.app.cli",
+            "generate",
+            "-m",
+            str(model),
+            "-p",
+            prompt,
+            "-n",
+            str(n),
+            "-t",
+            "1",
+            "-c",
+            str(N_CTX),
+            "--ignore-eos",
+            "--json",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -172,8 +225,9 @@ def test_health_is_public_and_models_names_the_alias(server):
 def test_a_seeded_sampled_completion_is_the_text_generate_gives(server, chat_model, own_dirs):
     prompt = "def add(a, b):"
     mark = server.mark()
-    done = server.client().completions.create(model="tiny-chat", prompt=prompt, max_tokens=40, **SAMPLED,
-                                              extra_body=SAMPLED_EXTRA)
+    done = server.client().completions.create(
+        model="tiny-chat", prompt=prompt, max_tokens=40, **SAMPLED, extra_body=SAMPLED_EXTRA
+    )
     expected = generate(chat_model, cli_env(own_dirs), prompt, 40, *SAMPLED_FLAGS)
     assert done.choices[0].text == expected["text"]
     assert done.choices[0].finish_reason == "length"
@@ -183,12 +237,14 @@ def test_a_seeded_sampled_completion_is_the_text_generate_gives(server, chat_mod
     assert 0 <= figures["accepted"] <= figures["drafted"] and figures["accept_length"] >= 1
     assert figures["tok_per_s"] > 0 and figures["experts_fetched"] is None  # nothing offloaded without a budget
     assert figures["seed"] == 11
-    other = server.client().completions.create(model="tiny-chat", prompt=prompt, max_tokens=40,
-                                               **{**SAMPLED, "seed": 12}, extra_body=SAMPLED_EXTRA)
+    other = server.client().completions.create(
+        model="tiny-chat", prompt=prompt, max_tokens=40, **{**SAMPLED, "seed": 12}, extra_body=SAMPLED_EXTRA
+    )
     assert other.choices[0].text != done.choices[0].text  # the seed reaches the sampler
     # as llama-server's: a request without a seed samples with one of its own, said so that it can be repeated
-    unseeded = [server.client().completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0.9)
-                for _ in range(2)]
+    unseeded = [
+        server.client().completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0.9) for _ in range(2)
+    ]
     seeds = [u.model_extra["s2moe"]["seed"] for u in unseeded]
     assert seeds[0] != seeds[1]
     again = server.client().completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0.9, seed=seeds[0])
@@ -199,9 +255,17 @@ def test_a_seeded_sampled_completion_is_the_text_generate_gives(server, chat_mod
 def test_a_stream_is_the_same_text_in_server_sent_events(server):
     client = server.client()
     whole = client.completions.create(model="m", prompt="import os\n", max_tokens=48, **SAMPLED)
-    text, chunks = stream_text(client.completions.create(model="m", prompt="import os\n", max_tokens=48, stream=True,
-                                                         stream_options={"include_usage": True}, **SAMPLED),
-                               chat=False)
+    text, chunks = stream_text(
+        client.completions.create(
+            model="m",
+            prompt="import os\n",
+            max_tokens=48,
+            stream=True,
+            stream_options={"include_usage": True},
+            **SAMPLED,
+        ),
+        chat=False,
+    )
     assert text == whole.choices[0].text
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
@@ -215,8 +279,12 @@ def test_chat_renders_the_models_template(server, chat_model):
     from s2moe.engine.decoding.chat import Message
     from s2moe.engine.decoding.decoder import Decoder
 
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "add two numbers"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "add two numbers"},
+    ]
     decoder = Decoder(str(chat_model), n_ctx=N_CTX, n_threads=1)
     try:
         rendered = decoder.chat_template.render([Message(m["role"], m["content"]) for m in messages])
@@ -225,14 +293,16 @@ def test_chat_renders_the_models_template(server, chat_model):
         decoder.close()
     assert "<|im_start|>assistant" in rendered
     client = server.client()
-    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=32,
-                                          response_format={"type": "text"}, **SAMPLED)
+    chat = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=32, response_format={"type": "text"}, **SAMPLED
+    )
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == len(tokens)
     plain = client.completions.create(model="m", prompt=tokens, max_tokens=32, **SAMPLED)
     assert chat.choices[0].message.content == plain.choices[0].text
-    text, chunks = stream_text(client.chat.completions.create(model="m", messages=messages, max_tokens=32,
-                                                              stream=True, **SAMPLED), chat=True)
+    text, chunks = stream_text(
+        client.chat.completions.create(model="m", messages=messages, max_tokens=32, stream=True, **SAMPLED), chat=True
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert text == chat.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -242,13 +312,16 @@ def test_stop_strings_cut_the_text_before_them(server):
     client = server.client()
     whole = client.completions.create(model="m", prompt="class A:\n", max_tokens=64, **SAMPLED).choices[0].text
     stop = whole[20:23]
-    cut = whole[:whole.index(stop)]
-    done = client.completions.create(model="m", prompt="class A:\n", max_tokens=64, stop=[stop, "\u2603never"],
-                                     **SAMPLED)
+    cut = whole[: whole.index(stop)]
+    done = client.completions.create(
+        model="m", prompt="class A:\n", max_tokens=64, stop=[stop, "\u2603never"], **SAMPLED
+    )
     assert done.choices[0].text == cut and done.choices[0].finish_reason == "stop"
     assert done.usage.completion_tokens < 64  # the generation stopped there, it did not run on
-    text, chunks = stream_text(client.completions.create(model="m", prompt="class A:\n", max_tokens=64, stop=stop,
-                                                         stream=True, **SAMPLED), chat=False)
+    text, chunks = stream_text(
+        client.completions.create(model="m", prompt="class A:\n", max_tokens=64, stop=stop, stream=True, **SAMPLED),
+        chat=False,
+    )
     assert text == cut and chunks[-1].choices[0].finish_reason == "stop"
 
 
@@ -256,8 +329,9 @@ def test_a_wrong_or_missing_key_gets_401(server):
     with pytest.raises(openai.AuthenticationError) as e:
         server.client(key="not-the-key").completions.create(model="m", prompt="hi", max_tokens=4)
     assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
-    bare = httpx.post(f"{server.url}/v1/chat/completions", timeout=10,
-                      json={"messages": [{"role": "user", "content": "hi"}]})
+    bare = httpx.post(
+        f"{server.url}/v1/chat/completions", timeout=10, json={"messages": [{"role": "user", "content": "hi"}]}
+    )
     assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
 
@@ -284,8 +358,11 @@ BAD_CHAT = [
     (b'{"messages": [{"role": "user", "content": 7}]}', 400, "messages"),
     (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}', 400, "messages"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}', 400,
-     "response_format"),
+    (
+        b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}',
+        400,
+        "response_format",
+    ),
     (json.dumps({"messages": [{"role": "user", "content": "hello " * N_CTX}]}).encode(), 413, None),
 ]
 
@@ -337,8 +414,12 @@ def test_requests_queue_in_order_up_to_the_bound_and_a_client_that_leaves_stops_
     behind = threading.Thread(target=wait_in_queue, daemon=True)
     behind.start()
     _wait_health(server, 10, generating=True, waiting=1)
-    over = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=10,
-                      json={"prompt": "y", "max_tokens": 4})
+    over = httpx.post(
+        f"{server.url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=10,
+        json={"prompt": "y", "max_tokens": 4},
+    )
     assert over.status_code == 503, over.text
     assert int(over.headers["Retry-After"]) >= 1 and over.json()["error"]["type"] == "unavailable_error"
     stream.close()  # the client goes away mid-stream
@@ -352,8 +433,12 @@ def test_requests_queue_in_order_up_to_the_bound_and_a_client_that_leaves_stops_
 def test_a_client_that_leaves_before_a_whole_answer_stops_its_generation(server):
     mark = server.mark()
     with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes its connection
-        httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5,
-                   json={"prompt": "if x:", "max_tokens": LONG})
+        httpx.post(
+            f"{server.url}/v1/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=0.5,
+            json={"prompt": "if x:", "max_tokens": LONG},
+        )
     gone = server.wait_for(r"POST /v1/completions 499 .* (\d+) tokens .* stop: client gone", 10, mark)
     assert int(gone.group(1)) < LONG
     _wait_health(server, 10, generating=False)
@@ -368,8 +453,12 @@ def test_a_signal_answers_the_request_in_flight_and_exits(chat_model, own_dirs, 
         stream = iter(client.completions.create(model="m", prompt="for i in", max_tokens=LONG, stream=True))
         next(stream)
         waiting: dict = {}
-        behind = threading.Thread(target=lambda: waiting.setdefault("answer", httpx.post(
-            f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60)), daemon=True)
+        behind = threading.Thread(
+            target=lambda: waiting.setdefault(
+                "answer", httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60)
+            ),
+            daemon=True,
+        )
         behind.start()
         _wait_health(s, 10, generating=True, waiting=1)
         s.proc.send_signal(sig)
@@ -389,8 +478,13 @@ def test_a_signal_answers_the_request_in_flight_and_exits(chat_model, own_dirs, 
 
 def test_a_port_in_use_is_one_line(chat_model, own_dirs, server):
     port = server.url.rsplit(":", 1)[1]
-    done = subprocess.run([sys.executable, "-m", "s2moe.app.cli", "serve", "-m", str(chat_model), "--port", port],
-                          capture_output=True, text=True, timeout=60, env=cli_env(own_dirs))
+    done = subprocess.run(
+        [sys.executable, "-m", "s2moe.app.cli", "serve", "-m", str(chat_model), "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(own_dirs),
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
@@ -436,8 +530,16 @@ def test_text_out_joins_split_characters_and_cuts_at_a_stop_string_split_over_to
 
     euro = "€".encode()
     out = TextOut(lambda token: token, ("</s", "END"))
-    shown = [out.add([b"a <"]), out.add([b"/"]), out.add([b"x", euro[:1]]), out.add([euro[1:2]]), out.add([euro[2:]]),
-             out.add([b" E"]), out.add([b"N"]), out.add([b"D tail"])]
+    shown = [
+        out.add([b"a <"]),
+        out.add([b"/"]),
+        out.add([b"x", euro[:1]]),
+        out.add([euro[1:2]]),
+        out.add([euro[2:]]),
+        out.add([b" E"]),
+        out.add([b"N"]),
+        out.add([b"D tail"]),
+    ]
     assert shown == ["a ", "", "</x", "", "€", " ", "", ""]
     assert out.stopped and out.flush() == ""
     unfinished = TextOut(lambda token: token, ("END",))

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from s2moe.engine.measure.speed import Load, LoadWatch, compare, judge, outliers, separated
 
 
 def test_separated_needs_a_consistent_difference():
-    assert not separated([0.1, 0.2])                 # too few pairs
-    assert not separated([0.3, -0.3, 0.25, -0.2])    # differences either way
+    assert not separated([0.1, 0.2])  # too few pairs
+    assert not separated([0.3, -0.3, 0.25, -0.2])  # differences either way
     assert separated([0.2, 0.25, 0.22, 0.18])
     assert not separated([0.0, 0.0, 0.0])
 
@@ -43,8 +42,12 @@ def test_outliers_are_runs_far_from_the_others():
 
 
 def test_the_verdict_names_the_fastest_and_each_mode_against_plain_decoding():
-    runs = {"ar": [100, 101, 99, 100], "s2moe": [130, 128, 131, 133], "naive": [80, 81, 79, 82],
-            "lookup": [99, 104, 97, 101]}
+    runs = {
+        "ar": [100, 101, 99, 100],
+        "s2moe": [130, 128, 131, 133],
+        "naive": [80, 81, 79, 82],
+        "lookup": [99, 104, 97, 101],
+    }
     j = judge(runs, "ar")
     assert j.fastest == "s2moe"
     assert j.get("naive").outcome == "slower" and j.get("s2moe").outcome == "faster"
@@ -99,14 +102,22 @@ def test_the_watch_counts_other_processes_cpu_time_but_not_this_one_s_or_its_chi
     hz = os.sysconf("SC_CLK_TCK")
     me = os.getpid()
     clock = iter([0.0, 2.0])
-    before = {me: ("python", 1, 0, 5), me + 1: ("child worker", me, 0, 6), 4242: ("cc1 (x)", 1, 10, 7),
-              4343: ("kworker/0:1-events", 2, 0, 8), 4444: ("reused", 1, 500, 9)}
+    before = {
+        me: ("python", 1, 0, 5),
+        me + 1: ("child worker", me, 0, 6),
+        4242: ("cc1 (x)", 1, 10, 7),
+        4343: ("kworker/0:1-events", 2, 0, 8),
+        4444: ("reused", 1, 500, 9),
+    }
     _fake_proc(tmp_path, before, 3.0)
     watch = LoadWatch(tmp_path, clock=lambda: next(clock))
-    after = {me: ("python", 1, 10 * hz, 5), me + 1: ("child worker", me, 10 * hz, 6),
-             4242: ("cc1 (x)", 1, 10 + 2 * hz, 7),                 # a whole CPU for the two seconds
-             4343: ("kworker/0:1-other", 2, hz // 2, 8),           # renamed itself: the same thread still
-             4444: ("reused", 1, hz // 2, 99)}                     # a new process under an old pid
+    after = {
+        me: ("python", 1, 10 * hz, 5),
+        me + 1: ("child worker", me, 10 * hz, 6),
+        4242: ("cc1 (x)", 1, 10 + 2 * hz, 7),  # a whole CPU for the two seconds
+        4343: ("kworker/0:1-other", 2, hz // 2, 8),  # renamed itself: the same thread still
+        4444: ("reused", 1, hz // 2, 99),
+    }  # a new process under an old pid
     _fake_proc(tmp_path, after, 3.0)
     load = watch.stop()
     assert load.seconds == 2.0 and load.load_at_start == 3.0

@@ -7,14 +7,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
 from s2moe.app.cli import main
 from s2moe.engine.decoding.generation_config import GenerationConfig
-from s2moe.engine.errors import ConfigError
-from s2moe.engine.events import Iteration, Started
 from s2moe.engine.drafting.stoprules import UtilityStop
-from s2moe.engine.measure.trace_replay import _Source, propose
+from s2moe.engine.errors import ConfigError
+from s2moe.engine.events import Iteration
 from s2moe.engine.measure.trace import TraceRecorder, dumps, read_trace, write_trace
+from s2moe.engine.measure.trace_replay import _Source, propose
 
 COST = dict(t_ar=1e-3, c_draft=2e-4, t_exp=1e-5, t_tok=1e-4, intercept=0.0, source="test")
 
@@ -130,14 +129,19 @@ def _bad_cases(lines):
     yield "not base64", [lines[0], json.dumps({**step, "pending": "!!"})] + lines[2:]
     yield "exceeds", [lines[0], json.dumps({**step, "accepted": 99})] + lines[2:]
     # JSON's integers of thousands of digits (below Python's 4,300) are no float, nor shown whole
-    yield "field t_draft must be a number in [0, inf], got a number of 4001 digits", [
-        lines[0], json.dumps({**step, "t_draft": 10 ** 4000})] + lines[2:]
+    yield (
+        "field t_draft must be a number in [0, inf], got a number of 4001 digits",
+        [lines[0], json.dumps({**step, "t_draft": 10**4000})] + lines[2:],
+    )
     yield "after the end record", lines + [lines[1]]
     yield "end record says", lines[:-1] + [json.dumps({"end": {"n_tokens": 999, "seconds": 1.0, "stop": "x"}})]
     yield "field draft_experts must be one of", [json.dumps({**header, "draft_experts": "pinned"})] + lines[1:]
     ran = {"auto": True, "budget_bytes": 1 << 30, "hot_bytes": 0, "cache_bytes": 0, "pinned": []}
-    yield "storage field qd8_gb_s must be above 0", [json.dumps(
-        {**header, "budget": {**ran, "storage": {"qd1_gb_s": 0.5, "qd8_gb_s": 0, "readings": 6}}})] + lines[1:]
+    yield (
+        "storage field qd8_gb_s must be above 0",
+        [json.dumps({**header, "budget": {**ran, "storage": {"qd1_gb_s": 0.5, "qd8_gb_s": 0, "readings": 6}}})]
+        + lines[1:],
+    )
     yield "field storage must be a mapping", [json.dumps({**header, "budget": {**ran, "storage": 1.2}})] + lines[1:]
     yield "prompt must list the prompt's", [json.dumps({**header, "prompt": header["prompt"][1:]})] + lines[1:]
     yield "a prompt token id must be", [json.dumps({**header, "prompt": [-1] + header["prompt"][1:]})] + lines[1:]
@@ -173,9 +177,38 @@ def test_generate_writes_a_trace_and_refuses_a_missing_folder(tiny_models, tmp_p
 def test_bench_records_a_trace_per_prompt_beside_its_timed_runs(tiny_models, tmp_path):
     folder = tmp_path / "traces"
     out = tmp_path / "b.json"
-    assert main(["bench", "-m", str(tiny_models["olmoe"]), "--prompts", "natural", "--n-prompts", "2", "-n", "8",
-                 "--modes", "ar,s2moe", "--no-quality", "--no-reference", "--repeats", "1", "--draft-max", "8",
-                 "--reuse-strength", "0.5", "-t", "1", "--trace", str(folder), "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "-m",
+                str(tiny_models["olmoe"]),
+                "--prompts",
+                "natural",
+                "--n-prompts",
+                "2",
+                "-n",
+                "8",
+                "--modes",
+                "ar,s2moe",
+                "--no-quality",
+                "--no-reference",
+                "--repeats",
+                "1",
+                "--draft-max",
+                "8",
+                "--reuse-strength",
+                "0.5",
+                "-t",
+                "1",
+                "--trace",
+                str(folder),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     files = sorted(p.name for p in folder.iterdir())
     assert files == ["resident-000.jsonl", "resident-001.jsonl"]
     traces = [read_trace(folder / f) for f in files]

@@ -6,16 +6,21 @@ import json
 
 import numpy as np
 import pytest
-
 from s2moe.engine.decoding.decoder import run
 from s2moe.engine.decoding.generation_config import GenerationConfig
-from s2moe.engine.events import CostConstants, Finished, Iteration
 from s2moe.engine.decoding.sampling import PositionNoise, Sampling, softmax
 from s2moe.engine.decoding.tree import DraftTree, accept_tree, tree_layout
-
+from s2moe.engine.events import CostConstants, Finished, Iteration
 from test_cli import assert_clean_error, s2moe
-from test_engine_decoding import (PROMPTS, PendingExperts, _chi2, _chi2_critical, assert_matches_ar, routed_experts,
-                                  summarize)
+from test_engine_decoding import (
+    PROMPTS,
+    PendingExperts,
+    _chi2,
+    _chi2_critical,
+    assert_matches_ar,
+    routed_experts,
+    summarize,
+)
 
 # Drafting always pays, and a wide tree: exercises branching, not only chains.
 CHEAP_DRAFT = CostConstants(t_ar=1.0, c_draft=0.01, t_exp=0.001, t_tok=0.01, intercept=0.0, source="test")
@@ -39,12 +44,15 @@ def test_layout_gives_each_row_the_sequences_of_the_leaves_below_it():
     assert seqs == [[0, 1, 2], [2], [1], [2], [2]]
 
 
-@pytest.mark.parametrize("target, expected", [
-    ([5, 0, 0, 0, 0], ([], 5)),         # no child of the pending token agrees
-    ([2, 0, 0, 0, 0], ([1], 0)),        # the second sibling agrees; its row has no child agreeing
-    ([1, 3, 0, 4, 7], ([0, 2, 3], 7)),  # the whole deep branch, then the bonus token
-    ([1, 6, 0, 4, 7], ([0], 6)),        # a mismatch under the first node ends the path
-])
+@pytest.mark.parametrize(
+    "target, expected",
+    [
+        ([5, 0, 0, 0, 0], ([], 5)),  # no child of the pending token agrees
+        ([2, 0, 0, 0, 0], ([1], 0)),  # the second sibling agrees; its row has no child agreeing
+        ([1, 3, 0, 4, 7], ([0, 2, 3], 7)),  # the whole deep branch, then the bonus token
+        ([1, 6, 0, 4, 7], ([0], 6)),  # a mismatch under the first node ends the path
+    ],
+)
 def test_greedy_tree_keeps_the_longest_agreeing_path(target, expected):
     tokens, parents = [1, 2, 3, 4], [-1, -1, 0, 2]
     logits = _logits_preferring(target)
@@ -75,8 +83,9 @@ def test_a_sampled_tree_commits_plain_samplings_token_and_its_children_cover_the
 
 
 def _tree_cfg(mode: str, **kw) -> GenerationConfig:
-    return GenerationConfig(mode=mode, n_predict=kw.pop("n_predict", 48), cost=CHEAP_DRAFT, reuse_strength=0.0,
-                            stop_at_eos=False, **kw)
+    return GenerationConfig(
+        mode=mode, n_predict=kw.pop("n_predict", 48), cost=CHEAP_DRAFT, reuse_strength=0.0, stop_at_eos=False, **kw
+    )
 
 
 @pytest.mark.parametrize("mode,width", [("tree-prob", 2), ("tree", 3)])
@@ -160,8 +169,11 @@ def test_cost_aware_tree_prefers_nodes_adding_fewer_experts(decoders):
         told.rounds.clear()
         d.attach(told)
         try:
-            events = run(d, PROMPTS[2], GenerationConfig(mode=mode, n_predict=30, cost=c, stop_at_eos=False,
-                                                        reuse_strength=0.0, tree_width=3))
+            events = run(
+                d,
+                PROMPTS[2],
+                GenerationConfig(mode=mode, n_predict=30, cost=c, stop_at_eos=False, reuse_strength=0.0, tree_width=3),
+            )
         finally:
             d.detach(told)
         iters = [e for e in events if isinstance(e, Iteration)]
@@ -195,12 +207,21 @@ def test_sampled_tree_commits_ars_tokens_and_its_later_siblings_are_accepted(dec
     later_sibling = 0
     for seed in range(60):
         ar = run(d, prompt, GenerationConfig(mode="ar", n_predict=6, seed=seed, **options))[-1].tokens
-        cfg = GenerationConfig(mode="tree-prob", n_predict=6, seed=seed, draft_topk=1, cost=CHEAP_DRAFT,
-                               tree_width=3, draft_max=3, **options)
+        cfg = GenerationConfig(
+            mode="tree-prob",
+            n_predict=6,
+            seed=seed,
+            draft_topk=1,
+            cost=CHEAP_DRAFT,
+            tree_width=3,
+            draft_max=3,
+            **options,
+        )
         events = run(d, prompt, cfg)
         assert events[-1].tokens == ar, f"seed {seed}"
-        later_sibling += sum(e.accepted_path[0] != tree_first_child(e) for e in events
-                             if isinstance(e, Iteration) and e.accepted_path)
+        later_sibling += sum(
+            e.accepted_path[0] != tree_first_child(e) for e in events if isinstance(e, Iteration) and e.accepted_path
+        )
     assert later_sibling > 10
 
 
@@ -214,8 +235,9 @@ def test_fixed_shape_tree_takes_width_nodes_per_depth(decoders, arch):
     draft cap (or the node cap), the most likely of their parents' children; still lossless."""
     d = decoders[arch]
     ar = run(d, PROMPTS[0], GenerationConfig(mode="ar", n_predict=40, stop_at_eos=False))[-1].tokens
-    cfg = GenerationConfig(mode="tree-prob", utility=False, tree_width=2, tree_max_nodes=16, draft_max=8,
-                           n_predict=40, stop_at_eos=False)
+    cfg = GenerationConfig(
+        mode="tree-prob", utility=False, tree_width=2, tree_max_nodes=16, draft_max=8, n_predict=40, stop_at_eos=False
+    )
     events = run(d, PROMPTS[0], cfg)
     full = 0
     for e in events:
@@ -234,10 +256,25 @@ def test_fixed_shape_tree_takes_width_nodes_per_depth(decoders, arch):
 
 def test_cli_tree_flag_turns_s2moe_into_its_tree(tiny_models):
     model = str(tiny_models["olmoe"])
-    done = s2moe("generate", "--model", model, "-p", "hello", "-n", "6", "--tree", "--tree-width", "3", "--json",
-                 "--threads", "1")
+    done = s2moe(
+        "generate",
+        "--model",
+        model,
+        "-p",
+        "hello",
+        "-n",
+        "6",
+        "--tree",
+        "--tree-width",
+        "3",
+        "--json",
+        "--threads",
+        "1",
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["mode"] == "tree"
     assert_clean_error(s2moe("generate", "--model", model, "-p", "hello", "--mode", "conf", "--tree"), "--tree")
-    assert_clean_error(s2moe("generate", "--model", model, "-p", "hello", "--mode", "tree", "--tree-max-nodes",
-                             "99"), "--tree-max-nodes")
+    assert_clean_error(
+        s2moe("generate", "--model", model, "-p", "hello", "--mode", "tree", "--tree-max-nodes", "99"),
+        "--tree-max-nodes",
+    )

@@ -9,20 +9,27 @@ import math
 
 import pytest
 import yaml
-
 from s2moe.app.cli import main
 from s2moe.app.model_runs import generation_config, resolve_tuned
 from s2moe.app.parser import build_parser
-from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.events import CostConstants
-from s2moe.engine.model_info import read_model_info
-from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
-from s2moe.engine.measure.tune import (QUALITY_SHARE, TuneDone, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
-                               TuneStarted, run_tune)
+from s2moe.engine.measure.prompts import load_prompts
+from s2moe.engine.measure.tune import (
+    QUALITY_SHARE,
+    TuneDone,
+    TuneMeasured,
+    TuneMemoryQuality,
+    TuneProgress,
+    TuneQuality,
+    TuneStarted,
+    run_tune,
+)
 from s2moe.engine.measure.tune_constraints import BenchChecks, decided, expected_check_s, too_close_to_call
 from s2moe.engine.measure.tune_space import Settings, candidate_pool, default_settings, search_space
 from s2moe.engine.measure.tune_timing import Clock, MonotonicClock
+from s2moe.engine.model_info import read_model_info
+from s2moe.engine.profiles import load_profile, save_profile, tuned_settings, with_tuned
 
 # Constants under which the utility rule drafts on the tiny model (a plain step dear, a draft step cheap), so
 # that candidates differ in how many tokens an iteration commits.
@@ -90,8 +97,7 @@ class SlowChecks:
 def test_quality_checks_take_at_most_their_share_of_the_time_and_the_defaults_come_first(tiny, prompts):
     clock = IterationClock()
     checks = SlowChecks(tiny, clock, cost=400.0)
-    events = list(run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=3000, clock=clock,
-                           checks=checks))
+    events = list(run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=3000, clock=clock, checks=checks))
     sec = events[-1].section
     defaults = default_settings(tiny)
     assert checks.made[0] == defaults.gating  # the defaults' check first, whatever the time
@@ -116,8 +122,10 @@ def test_a_budget_the_defaults_checks_overrun_is_said_once_a_check_is_timed(tiny
         for ev in run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=400, clock=clock, checks=checks):
             events.append(ev)
     words = e.value.worded({"time_budget": "--time-budget"})
-    assert words.startswith("--time-budget of 400 s is too short: a quality check takes about 390 s here; "
-                            "comparing two candidates then takes about")
+    assert words.startswith(
+        "--time-budget of 400 s is too short: a quality check takes about 390 s here; "
+        "comparing two candidates then takes about"
+    )
     assert words.endswith("min, a search more")
     assert len(checks.made) == 1 and not any(isinstance(ev, TuneMeasured) for ev in events)
 
@@ -142,8 +150,9 @@ def test_the_defaults_memory_check_taking_long_does_not_make_their_batched_check
         # one token a step, the memory check takes four times the batched ones: the time left after it holds the
         # joint check and a comparison, not another check as long as the memory one
         checks = SlowChecks(dec, clock, cost={"reuse": 1000.0, "memory": 4000.0, "both": 1000.0})
-        events = list(run_tune(dec, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=9000, clock=clock,
-                               checks=checks))
+        events = list(
+            run_tune(dec, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=9000, clock=clock, checks=checks)
+        )
         defaults = default_settings(dec)
         assert checks.made[:3] == [defaults.gating, (defaults.memory,), (*defaults.gating, defaults.memory)]
         assert isinstance(events[-1], TuneDone) and events[-1].section["search"]["seconds"] <= 9000
@@ -239,8 +248,7 @@ def test_successive_halving_finds_the_candidate_that_commits_most_per_iteration(
     assert tuned_vs_ar.startswith("tuned ") and tuned_vs_ar.endswith(f"× ar ({paired} paired runs): faster")
     assert sec["speed"]["machine"]["cpus"] >= 1 and "warning" in sec["speed"]
     assert sec["speed"]["tuned_tok_s"] > sec["speed"]["defaults_tok_s"] > 1.0
-    assert sec["speed"]["gain"] == pytest.approx(sec["speed"]["tuned_tok_s"] / sec["speed"]["defaults_tok_s"],
-                                                 abs=1e-3)
+    assert sec["speed"]["gain"] == pytest.approx(sec["speed"]["tuned_tok_s"] / sec["speed"]["defaults_tok_s"], abs=1e-3)
     assert sec["settings"] == done.tuned.as_dict() and sec["defaults"] == done.defaults.as_dict()
     q = sec["quality"]
     assert q.get("lossless") or (q["ppl_ratio"] <= 1.02 and q["top1_agreement"] >= 0.9)
@@ -283,6 +291,7 @@ def test_a_check_too_close_to_its_bound_to_call_is_settled_on_twice_the_text():
         def run(texts):
             calls.append(list(texts))
             return {"tokens": 180 * len(texts), "top1_agreement": top1_by_texts[len(texts)], "ppl_ratio": 1.0}
+
         return run
 
     assert decided(check({2: 0.95}), first, more) == {"tokens": 360, "top1_agreement": 0.95, "ppl_ratio": 1.0}
@@ -310,8 +319,9 @@ def test_quality_checked_once_is_not_checked_again(tiny, prompts, xdg):
     again, _ = _tune(tiny, prompts, 5000, known_quality=checked)
     reused = [e for e in again if isinstance(e, TuneQuality)]
     assert reused and all(q.reused for q in reused)
-    assert [(q.reuse_strength, q.reuse_cap, q.ok) for q in reused] == \
-        [(e["reuse_strength"], e["reuse_cap"], e["ok"]) for e in checked]
+    assert [(q.reuse_strength, q.reuse_cap, q.ok) for q in reused] == [
+        (e["reuse_strength"], e["reuse_cap"], e["ok"]) for e in checked
+    ]
     # an earlier verdict too close to call on the first texts alone is settled on twice the text now
     close = [dict(e, top1_agreement=0.9, tokens=360, extended=False) for e in checked]
     settled, _ = _tune(tiny, prompts, 5000, known_quality=close)
@@ -331,8 +341,15 @@ def test_quality_checked_once_is_not_checked_again(tiny, prompts, xdg):
 
 def test_stopping_yields_no_result(tiny, prompts):
     seen = []
-    gen = run_tune(tiny, prompts, cost=DRAFTING, n_tokens=16, time_budget_s=5000, clock=IterationClock(),
-                   should_stop=lambda: len(seen) >= 1)
+    gen = run_tune(
+        tiny,
+        prompts,
+        cost=DRAFTING,
+        n_tokens=16,
+        time_budget_s=5000,
+        clock=IterationClock(),
+        should_stop=lambda: len(seen) >= 1,
+    )
     for ev in gen:
         if isinstance(ev, TuneMeasured):
             seen.append(ev)
@@ -348,17 +365,41 @@ def xdg(tmp_path, monkeypatch):
 
 
 def _profile(fp: str) -> dict:
-    return {"schema": 1, "name": "dev", "kind": "measured", "device": {"name": "test cpu", "kind": "cpu"},
-            "models": {fp: {"model": "m.gguf", "t_ar_ms": 10.0, "c_draft_ms": 0.5, "t_exp_ms": 0.001,
-                            "t_tok_ms": 0.01, "intercept_ms": 0.0}}}
+    return {
+        "schema": 1,
+        "name": "dev",
+        "kind": "measured",
+        "device": {"name": "test cpu", "kind": "cpu"},
+        "models": {
+            fp: {
+                "model": "m.gguf",
+                "t_ar_ms": 10.0,
+                "c_draft_ms": 0.5,
+                "t_exp_ms": 0.001,
+                "t_tok_ms": 0.01,
+                "intercept_ms": 0.0,
+            }
+        },
+    }
 
 
 def _section(**settings) -> dict:
-    s = {"draft_topk": 2, "draft_max": 12, "threshold": 0.5, "reuse_strength": 0.25, "reuse_cap": 6, "lookup": False,
-         **settings}
-    return {"settings": s, "defaults": dict(s), "speed": {"tuned_tok_s": 3.0, "defaults_tok_s": 2.0, "gain": 1.5},
-            "quality": {"ppl_ratio": 1.001, "top1_agreement": 0.99, "tokens": 100},
-            "log": [{"rung": 1, **s, "tok_s": 3.0, "prompts": 1, "kept": True}]}
+    s = {
+        "draft_topk": 2,
+        "draft_max": 12,
+        "threshold": 0.5,
+        "reuse_strength": 0.25,
+        "reuse_cap": 6,
+        "lookup": False,
+        **settings,
+    }
+    return {
+        "settings": s,
+        "defaults": dict(s),
+        "speed": {"tuned_tok_s": 3.0, "defaults_tok_s": 2.0, "gain": 1.5},
+        "quality": {"ppl_ratio": 1.001, "top1_agreement": 0.99, "tokens": 100},
+        "log": [{"rung": 1, **s, "tok_s": 3.0, "prompts": 1, "kept": True}],
+    }
 
 
 def test_the_tuned_section_round_trips_per_condition(xdg):
@@ -382,9 +423,16 @@ def test_the_tuned_section_round_trips_per_condition(xdg):
     assert path.read_text().startswith("# s2moe device profile")
 
 
-@pytest.mark.parametrize("settings, field", [({"draft_max": 40}, "draft_max"), ({"draft_topk": 0}, "draft_topk"),
-                                             ({"threshold": "high"}, "threshold"), ({"lookup": 1}, "lookup"),
-                                             ({"memory_strength": -0.1}, "memory_strength")])
+@pytest.mark.parametrize(
+    "settings, field",
+    [
+        ({"draft_max": 40}, "draft_max"),
+        ({"draft_topk": 0}, "draft_topk"),
+        ({"threshold": "high"}, "threshold"),
+        ({"lookup": 1}, "lookup"),
+        ({"memory_strength": -0.1}, "memory_strength"),
+    ],
+)
 def test_a_bad_tuned_setting_is_named(xdg, settings, field):
     fp = "0123456789abcdef"
     prof = with_tuned(_profile(fp), fp, _section(**settings), offloaded=False)
@@ -398,16 +446,29 @@ def test_the_summary_says_when_the_tuned_settings_turn_copies_off():
 
     section = {**_section(), "defaults": {**_section()["settings"], "lookup": True}}
     section["speed"]["verdict"] = "tuned"
-    section["search"] = {"method": "successive halving", "candidates": 2, "pool": 2, "feasible": 2, "rungs": 1,
-                         "runs": 2, "seconds": 1.0, "time_budget_s": 60.0}
+    section["search"] = {
+        "method": "successive halving",
+        "candidates": 2,
+        "pool": 2,
+        "feasible": 2,
+        "rungs": 1,
+        "runs": 2,
+        "seconds": 1.0,
+        "time_budget_s": 60.0,
+    }
     defaults, tuned = summary_lines(section, None)[:2]
     assert "copies off" in tuned and "copies" not in defaults
     # against plain decoding as well as the defaults, and a warning where the machine was busy
     assert not any(line.startswith(("against plain decoding", "warning")) for line in summary_lines(section, None))
-    judged = {**section, "speed": {**section["speed"], "versus_ar": ["the defaults 0.96 ± 0.02× ar (7 paired runs): "
-                                                                    "slower"],
-                                   "warning": "other processes used 1.1 of 2 CPUs (cc1 1.1) — differences may "
-                                              "be noise; rerun on a quiet machine"}}
+    judged = {
+        **section,
+        "speed": {
+            **section["speed"],
+            "versus_ar": ["the defaults 0.96 ± 0.02× ar (7 paired runs): slower"],
+            "warning": "other processes used 1.1 of 2 CPUs (cc1 1.1) — differences may "
+            "be noise; rerun on a quiet machine",
+        },
+    }
     lines = summary_lines(judged, None)
     assert lines[3] == "against plain decoding: the defaults 0.96 ± 0.02× ar (7 paired runs): slower"
     assert lines[4].startswith("warning: other processes used 1.1 of 2 CPUs")
@@ -417,22 +478,48 @@ def test_the_summary_says_when_the_tuned_settings_turn_copies_off():
         lines = summary_lines({**section, "search": search}, None)
         assert any(line.endswith("1 s of 60 s, 20 s of it the quality checks") for line in lines)
         # said only where time cut the checks short: unchecked because the halving was full loses nothing
-        assert any(line.startswith("1 of 2 candidates were not run: the quality checks had used their share")
-                   for line in lines) == (stopped == "time")
+        assert any(
+            line.startswith("1 of 2 candidates were not run: the quality checks had used their share") for line in lines
+        ) == (stopped == "time")
     assert "memory α" not in tuned  # tuned resident: α_m acts nowhere there
-    budgeted = {**section, "settings": {**section["settings"], "memory_strength": 0.15},
-                "measured": {"budget": "auto (496.5 MiB)"},
-                "quality": {**section["quality"], "memory": {"memory_strength": 0.15, "ppl_ratio": 1.004,
-                                                             "top1_agreement": 0.95, "mean_kl": 0.003, "tokens": 384},
-                            "both": {"memory_strength": 0.15, "ppl_ratio": 1.011, "top1_agreement": 0.912,
-                                     "mean_kl": 0.006, "tokens": 360, "top1_se": 0.0143, "log_ppl_ratio_se": 0.008}}}
+    budgeted = {
+        **section,
+        "settings": {**section["settings"], "memory_strength": 0.15},
+        "measured": {"budget": "auto (496.5 MiB)"},
+        "quality": {
+            **section["quality"],
+            "memory": {
+                "memory_strength": 0.15,
+                "ppl_ratio": 1.004,
+                "top1_agreement": 0.95,
+                "mean_kl": 0.003,
+                "tokens": 384,
+            },
+            "both": {
+                "memory_strength": 0.15,
+                "ppl_ratio": 1.011,
+                "top1_agreement": 0.912,
+                "mean_kl": 0.006,
+                "tokens": 360,
+                "top1_se": 0.0143,
+                "log_ppl_ratio_se": 0.008,
+            },
+        },
+    }
     lines = summary_lines(budgeted, None)
     assert "memory α 0.15" in lines[1]
     # a record of an earlier version has no standard errors; one of this version gives them
-    assert any(line.startswith("quality in memory: α_m 0.15: perplexity ratio 1.0040, top-1 agreement 0.950 over")
-               for line in lines)
-    assert any(line.startswith("quality of both biases: α_m 0.15 with reuse gating: perplexity ratio 1.0110 ± 0.0081, "
-                               "top-1 agreement 0.912 ± 0.014 over 360 tokens") for line in lines)
+    assert any(
+        line.startswith("quality in memory: α_m 0.15: perplexity ratio 1.0040, top-1 agreement 0.950 over")
+        for line in lines
+    )
+    assert any(
+        line.startswith(
+            "quality of both biases: α_m 0.15 with reuse gating: perplexity ratio 1.0110 ± 0.0081, "
+            "top-1 agreement 0.912 ± 0.014 over 360 tokens"
+        )
+        for line in lines
+    )
 
 
 def test_tuning_needs_the_models_constants():
@@ -450,15 +537,38 @@ def test_flags_override_tuned_settings_and_tuned_override_defaults(tiny, xdg):
     cfg = generation_config(args, decoder)
     assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (2, 12, 0.5, 0.25, 6)
     assert cfg.lookup is False  # tuned off
-    args = parser.parse_args(["generate", "-p", "x", "--profile", "dev", "--draft-max", "8", "--threshold", "1",
-                              "--reuse-strength", "0", "--draft-topk", "1", "--reuse-cap", "5"])
+    args = parser.parse_args(
+        [
+            "generate",
+            "-p",
+            "x",
+            "--profile",
+            "dev",
+            "--draft-max",
+            "8",
+            "--threshold",
+            "1",
+            "--reuse-strength",
+            "0",
+            "--draft-topk",
+            "1",
+            "--reuse-cap",
+            "5",
+        ]
+    )
     cfg = generation_config(args, decoder)
     assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap) == (1, 8, 1.0, 0.0, 5)
     # the memory strength: the flag, else the tuned value of the condition decoding runs in, else 0.3
-    save_profile(with_tuned(load_profile("dev"), info.fingerprint, _section(memory_strength=0.15), offloaded=True),
-                 "dev")
-    assert resolve_tuned(parser.parse_args(["generate", "-p", "x"]),
-                         tuned_settings(load_profile("dev"), info.fingerprint, offloaded=True))["memory_strength"] == 0.15
+    save_profile(
+        with_tuned(load_profile("dev"), info.fingerprint, _section(memory_strength=0.15), offloaded=True), "dev"
+    )
+    assert (
+        resolve_tuned(
+            parser.parse_args(["generate", "-p", "x"]),
+            tuned_settings(load_profile("dev"), info.fingerprint, offloaded=True),
+        )["memory_strength"]
+        == 0.15
+    )
     assert generation_config(args, decoder).memory_strength == 0.3  # resident: the resident tuning has none
     flagged = parser.parse_args(["generate", "-p", "x", "--memory-strength", "0.5"])
     assert resolve_tuned(flagged, {"memory_strength": 0.15})["memory_strength"] == 0.5
@@ -479,8 +589,10 @@ def test_generate_says_which_tuned_settings_it_decodes_with(tiny_models, xdg, ca
     save_profile(with_tuned(_profile(info.fingerprint), info.fingerprint, _section(), offloaded=False), "dev")
     assert main(["generate", "-m", model, "-p", "hello", "-n", "4", "--profile", "dev", "--draft-max", "4"]) == 0
     err = capsys.readouterr().err
-    assert ("settings (profile dev's tuned ones where no flag is given): k_d 2, draft cap 4, threshold 0.5, "
-            "α 0.25, |E*| 6, copies off") in err
+    assert (
+        "settings (profile dev's tuned ones where no flag is given): k_d 2, draft cap 4, threshold 0.5, "
+        "α 0.25, |E*| 6, copies off"
+    ) in err
     # no tuned section for the model: nothing to say
     save_profile(_profile(info.fingerprint), "plain")
     assert main(["generate", "-m", model, "-p", "hello", "-n", "4", "--profile", "plain"]) == 0
@@ -501,8 +613,9 @@ def test_generate_takes_the_app_s_active_profile_unless_told_otherwise(tiny_mode
     remember_profile("dev")  # as the app's Profiles screen does
     assert main(argv) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == ("profile dev: the app's active one (--profile none: no profile, the constants measured at "
-                      "start-up)")
+    assert err[0] == (
+        "profile dev: the app's active one (--profile none: no profile, the constants measured at start-up)"
+    )
     assert any(line.startswith("settings (profile dev's tuned ones") for line in err)
     assert any(line.startswith("cost constants (profile:dev)") for line in err)
     # --profile none: as before there was an app, and not a word about it
@@ -518,8 +631,10 @@ def test_generate_takes_the_app_s_active_profile_unless_told_otherwise(tiny_mode
     remember_profile("other")
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert ("profile: none — the app's active profile other has no constants for olmoe.gguf, so they are measured "
-            "at start-up") in err and "cost constants (measured at start-up)" in err
+    assert (
+        "profile: none — the app's active profile other has no constants for olmoe.gguf, so they are measured "
+        "at start-up"
+    ) in err and "cost constants (measured at start-up)" in err
 
 
 def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
@@ -534,7 +649,13 @@ def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
     try:
         session.load()
         cfg = session.config(ChatSettings())
-        assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.lookup) == (2, 12, 0.5, 0.25, False)
+        assert (cfg.draft_topk, cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.lookup) == (
+            2,
+            12,
+            0.5,
+            0.25,
+            False,
+        )
         assert "copies off" in ChatSettings().describe(session.model, session.tuned())
         assert session.config(ChatSettings(lookup=True)).lookup is True
         cfg = session.config(ChatSettings(draft_max=4, reuse_strength=1.0, threshold=2.0, draft_topk=1))
@@ -544,10 +665,18 @@ def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
         assert session.config(ChatSettings()).memory_strength == 0.3
         assert session.config(ChatSettings(memory_strength=0.1)).memory_strength == 0.1
         assert "memory" not in ChatSettings().describe(session.model, session.tuned())
-        assert "gating 0.25 (lossy) · memory 0.3" in ChatSettings().describe(session.model, session.tuned(), budgeted=True)
+        assert "gating 0.25 (lossy) · memory 0.3" in ChatSettings().describe(
+            session.model, session.tuned(), budgeted=True
+        )
         session.profile_name = None
         cfg = session.config(ChatSettings())
-        assert (cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap, cfg.lookup) == (8, 1.0, 0.5, None, True)
+        assert (cfg.draft_max, cfg.threshold, cfg.reuse_strength, cfg.reuse_cap, cfg.lookup) == (
+            8,
+            1.0,
+            0.5,
+            None,
+            True,
+        )
     finally:
         session.close()
 
@@ -570,8 +699,28 @@ def test_cli_tune_writes_the_profile_and_refuses_bad_input(tiny_models, xdg, cap
     prof["models"]["fedcba9876543210"] = _profile("x")["models"]["x"]
     save_profile(prof, "dev")
     before = (xdg / "dev.yaml").read_text()
-    assert main(["tune", "-m", model, "--profile", "dev", "--prompts", "natural", "--n-prompts", "4", "-n", "8",
-                 "--time-budget", "0.5", "-t", "1"]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "-m",
+                model,
+                "--profile",
+                "dev",
+                "--prompts",
+                "natural",
+                "--n-prompts",
+                "4",
+                "-n",
+                "8",
+                "--time-budget",
+                "0.5",
+                "-t",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "defaults:" in out and "tuned:" in out and f"profile written: {xdg / 'dev.yaml'}" in out
     data = yaml.safe_load((xdg / "dev.yaml").read_text())
@@ -584,11 +733,34 @@ def test_cli_tune_writes_the_profile_and_refuses_bad_input(tiny_models, xdg, cap
     assert "copy_cache_generations" not in section["measured"]
     # with the generations a copy cache keeps: measured as a session that has them, and the cache left as it was
     cache = tmp_path / "copies.json"
-    assert main(["generate", "-m", model, "-p", "def add(a, b):", "-n", "8", "-t", "1", "--copy-cache",
-                 str(cache)]) == 0
+    assert (
+        main(["generate", "-m", model, "-p", "def add(a, b):", "-n", "8", "-t", "1", "--copy-cache", str(cache)]) == 0
+    )
     kept = cache.read_text()
-    assert main(["tune", "-m", model, "--profile", "dev", "--prompts", "natural", "--n-prompts", "4", "-n", "8",
-                 "--time-budget", "0.5", "-t", "1", "--copy-cache", str(cache)]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "-m",
+                model,
+                "--profile",
+                "dev",
+                "--prompts",
+                "natural",
+                "--n-prompts",
+                "4",
+                "-n",
+                "8",
+                "--time-budget",
+                "0.5",
+                "-t",
+                "1",
+                "--copy-cache",
+                str(cache),
+            ]
+        )
+        == 0
+    )
     assert "s2moe also copies from the 1 earlier generation kept in" in capsys.readouterr().err
     assert cache.read_text() == kept
     data = yaml.safe_load((xdg / "dev.yaml").read_text())
@@ -601,8 +773,7 @@ def test_cli_tune_writes_the_profile_and_refuses_bad_input(tiny_models, xdg, cap
 
 
 @pytest.mark.parametrize("moment", ["before", "after"])
-def test_ctrl_c_as_tune_renames_the_profile_says_whether_it_was_written(tiny_models, xdg, capsys, monkeypatch,
-                                                                       moment):
+def test_ctrl_c_as_tune_renames_the_profile_says_whether_it_was_written(tiny_models, xdg, capsys, monkeypatch, moment):
     """A real SIGINT raised just before or just after the rename that puts the new profile in place: either way
     the write, once begun, completes, and the run says so beside "interrupted" (exit code 130)."""
     import os
@@ -613,8 +784,19 @@ def test_ctrl_c_as_tune_renames_the_profile_says_whether_it_was_written(tiny_mod
     model = str(tiny_models["olmoe"])
     info = read_model_info(model)
     save_profile(_profile(info.fingerprint), "dev")
-    section = {**_section(), "search": {"method": "successive halving", "candidates": 2, "pool": 2, "feasible": 2,
-                                        "rungs": 1, "runs": 2, "seconds": 1.0, "time_budget_s": 60.0}}
+    section = {
+        **_section(),
+        "search": {
+            "method": "successive halving",
+            "candidates": 2,
+            "pool": 2,
+            "feasible": 2,
+            "rungs": 1,
+            "runs": 2,
+            "seconds": 1.0,
+            "time_budget_s": 60.0,
+        },
+    }
     section["speed"]["verdict"] = "tuned"
 
     def searched(decoder, prompts, **kw):

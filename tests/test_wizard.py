@@ -8,22 +8,22 @@ import time
 from inspect import signature
 
 import yaml
-from test_app_support import FakeDecoder
-
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.calibrate_steps import FIELDS, Outcome, plain_words, step_outcome, tune_minutes
 from s2moe.app.tui.calibrate_widgets import ConfirmSave
-from s2moe.engine.measure.quality_checks import CheckFigures
-from s2moe.engine.measure.calibration_steps import CalibrationDone, StepResult, StepStarted
 from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
-from s2moe.engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality,
-                               TuneStarted)
+from s2moe.engine.measure.calibration_steps import CalibrationDone, StepResult, StepStarted
+from s2moe.engine.measure.quality_checks import CheckFigures
+from s2moe.engine.measure.tune import TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality, TuneStarted
 from s2moe.engine.measure.tune import run_tune as REAL_RUN_TUNE
 from s2moe.engine.measure.tune_space import Settings
+from test_app_support import FakeDecoder
 
 FP = "0123456789abcdef"  # the fake model's fingerprint
-WORKER_ERROR = ("s2moe.engine.errors.ConfigError: cannot lower the memory limit to the auto budget 1.2 GiB: the "
-                "process holds 1.5 GiB it cannot give back (Device or resource busy); give the budget a size instead")
+WORKER_ERROR = (
+    "s2moe.engine.errors.ConfigError: cannot lower the memory limit to the auto budget 1.2 GiB: the "
+    "process holds 1.5 GiB it cannot give back (Device or resource busy); give the budget a size instead"
+)
 BUDGET_FAILED = f"failed: {WORKER_ERROR}"
 
 
@@ -32,12 +32,24 @@ def results():
     return [
         StepResult(1, "bandwidth", "memory 10.0 GB/s", {"memory_bandwidth_gb_s": 10.0}),
         StepResult(2, "steps", "T_AR 0.51 ms · draft step 0.46 ms", {"t_ar_ms": 0.51, "c_draft_ms": 0.46}),
-        StepResult(3, "cost model", "T_exp 0.0000 ms · R² 0.290",
-                   {"measured": [1.0, 1.1, 1.2], "predicted": [1.1, 1.1, 1.1], "r2": 0.29, "mape": 0.2,
-                    "t_exp_ms": 0.0, "t_tok_ms": 0.1, "intercept_ms": 0.4}),
+        StepResult(
+            3,
+            "cost model",
+            "T_exp 0.0000 ms · R² 0.290",
+            {
+                "measured": [1.0, 1.1, 1.2],
+                "predicted": [1.1, 1.1, 1.1],
+                "r2": 0.29,
+                "mape": 0.2,
+                "t_exp_ms": 0.0,
+                "t_tok_ms": 0.1,
+                "intercept_ms": 0.4,
+            },
+        ),
         StepResult(4, "hot experts", "32 most routed experts", {"hot_experts": []}),
-        StepResult(5, "budget", f"{BUDGET_FAILED}; cold T_exp derived from storage bandwidth",
-                   {"skipped": BUDGET_FAILED}),
+        StepResult(
+            5, "budget", f"{BUDGET_FAILED}; cold T_exp derived from storage bandwidth", {"skipped": BUDGET_FAILED}
+        ),
     ]
 
 
@@ -51,9 +63,23 @@ def scripted_calibration(fail_in_step: int | None = None):
                 raise RuntimeError("llama_decode returned -1")
             yield r
         yield StepStarted(6, 6, "profile", "write the profile")
-        profile = {"schema": 1, "name": name, "kind": "measured", "device": {"name": "test cpu", "kind": "cpu"},
-                   "models": {FP: {"model": "fake-moe.gguf", "t_ar_ms": 0.51, "c_draft_ms": 0.46, "t_exp_ms": 0.0,
-                                   "t_tok_ms": 0.1, "intercept_ms": 0.4, "measured": {"by": "s2moe calibrate"}}}}
+        profile = {
+            "schema": 1,
+            "name": name,
+            "kind": "measured",
+            "device": {"name": "test cpu", "kind": "cpu"},
+            "models": {
+                FP: {
+                    "model": "fake-moe.gguf",
+                    "t_ar_ms": 0.51,
+                    "c_draft_ms": 0.46,
+                    "t_exp_ms": 0.0,
+                    "t_tok_ms": 0.1,
+                    "intercept_ms": 0.4,
+                    "measured": {"by": "s2moe calibrate"},
+                }
+            },
+        }
         yield StepResult(6, "profile", "not written to a file yet", {"path": None})
         yield CalibrationDone(profile, None)
 
@@ -62,8 +88,10 @@ def scripted_calibration(fail_in_step: int | None = None):
 
 def test_plain_words_drop_class_names_and_name_the_field():
     assert plain_words(WORKER_ERROR, FIELDS).startswith("cannot lower the memory limit to the auto budget")
-    assert plain_words("BudgetUnavailable: no cgroup; raise --budget", FIELDS) == \
-        "no cgroup; raise the Memory budget field"
+    assert (
+        plain_words("BudgetUnavailable: no cgroup; raise --budget", FIELDS)
+        == "no cgroup; raise the Memory budget field"
+    )
     assert plain_words("raise --budget", {}) == "raise --budget"  # the CLI keeps its flags
 
 
@@ -76,6 +104,7 @@ def test_step_outcomes():
     budget = step_outcome(r[4], FIELDS)
     assert budget.state == "failed" and budget.reason == plain_words(WORKER_ERROR)
     assert budget.note == "cold T_exp derived from storage bandwidth"
+
     # beside a poor fit, what the repeats' own spread allowed tells noise from a missing term
     def fit_flag(ceiling):
         return step_outcome(StepResult(5, "budget", "R² 0.5", {"r2": 0.5, "r2_ceiling": ceiling})).flags[0]
@@ -83,8 +112,9 @@ def test_step_outcomes():
     assert "the device was noisy" in fit_flag(0.6) and "no model of their counts gets past 0.60" in fit_flag(0.6)
     assert "could reach 0.97, so the time follows something they do not count" in fit_flag(0.97)
     assert fit_flag(None).endswith("explains little of the measured time")
-    skipped = step_outcome(StepResult(5, "budget", "skipped: no memory budget given",
-                                      {"skipped": "skipped: no memory budget given"}))
+    skipped = step_outcome(
+        StepResult(5, "budget", "skipped: no memory budget given", {"skipped": "skipped: no memory budget given"})
+    )
     assert skipped == Outcome("skipped", "no memory budget given")
 
 
@@ -173,17 +203,36 @@ TUNED = Settings(2, 12, 0.5, 0.25, 6)
 
 
 def tune_section() -> dict:
-    return {"settings": TUNED.as_dict(), "defaults": DEFAULTS.as_dict(),
-            "speed": {"tuned_tok_s": 30.0, "defaults_tok_s": 24.0, "ar_tok_s": 20.0, "gain": 1.25,
-                      "per_prompt_ratios": [1.2, 1.3, 1.25], "separated": True, "verdict": "tuned 1.250× the defaults"},
-            "quality": {"ppl_ratio": 1.004, "top1_agreement": 0.97, "tokens": 300},
-            "search": {"method": "successive halving", "candidates": 4, "pool": 8, "feasible": 7, "rungs": 2,
-                       "runs": 18, "seconds": 12.0, "time_budget_s": 180.0},
-            "log": [{"rung": 1, **TUNED.as_dict(), "tok_s": 30.0, "prompts": 1, "kept": True}]}
+    return {
+        "settings": TUNED.as_dict(),
+        "defaults": DEFAULTS.as_dict(),
+        "speed": {
+            "tuned_tok_s": 30.0,
+            "defaults_tok_s": 24.0,
+            "ar_tok_s": 20.0,
+            "gain": 1.25,
+            "per_prompt_ratios": [1.2, 1.3, 1.25],
+            "separated": True,
+            "verdict": "tuned 1.250× the defaults",
+        },
+        "quality": {"ppl_ratio": 1.004, "top1_agreement": 0.97, "tokens": 300},
+        "search": {
+            "method": "successive halving",
+            "candidates": 4,
+            "pool": 8,
+            "feasible": 7,
+            "rungs": 2,
+            "runs": 18,
+            "seconds": 12.0,
+            "time_budget_s": 180.0,
+        },
+        "log": [{"rung": 1, **TUNED.as_dict(), "tok_s": 30.0, "prompts": 1, "kept": True}],
+    }
 
 
 def scripted_tune(calls: list, *, fail: bool = False, until_stopped: bool = False):
     """Stands in for engine.tune.run_tune (called as the real one would be): fixed candidates and speeds."""
+
     def run_tune(decoder, prompts, **kw):
         call = signature(REAL_RUN_TUNE).bind(decoder, prompts, **kw)
         calls.append(call.arguments)
@@ -236,14 +285,17 @@ def test_tuning_after_calibration_plots_the_candidates_and_saves_the_result(monk
             assert "Ctrl+T (Tune) first searches" in screen.steps_text().plain
             screen.query_one("#cal-tune-minutes").value = "2"
             await pilot.press("ctrl+t")
-            await wait_for(pilot, lambda: screen.tune is not None and screen.tune.state == "done"
-                           and not screen.running, "tuning")
+            await wait_for(
+                pilot, lambda: screen.tune is not None and screen.tune.state == "done" and not screen.running, "tuning"
+            )
             assert calls[0]["time_budget_s"] == 120 and calls[0]["cost"].t_ar == 0.51e-3  # the calibration's
             assert screen.tune.points == {0: (0, 24.0), 1: (-1, 30.0), 2: (0, 27.0)}
             text = screen.steps_text().plain
             assert "✔ tune" in text and "✖ fails the constraint" in text and "tuned 1.250× the defaults" in text
-            assert ("quality of both, α 0.25 |E*| 6 α_m 0.3: perplexity ratio 1.0120 ± 0.0071, top-1 agreement "
-                    "0.930 ± 0.015 over 280 tokens: ok" in text)
+            assert (
+                "quality of both, α 0.25 |E*| 6 α_m 0.3: perplexity ratio 1.0120 ± 0.0071, top-1 agreement "
+                "0.930 ± 0.015 over 280 tokens: ok" in text
+            )
             assert "k_d 2, draft cap 12, threshold 0.5, α 0.25, |E*| 6 → 30.00 tok/s" in text
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmSave), "the question")
@@ -309,8 +361,18 @@ def test_a_failing_cold_worker_reports_its_reason_as_data(tmp_path):
     import sys
 
     gone = tmp_path / "gone.gguf"
-    out = subprocess.run([sys.executable, "-m", "s2moe.engine.measure.calibration_worker", "--cold-worker",
-                          json.dumps({"model": str(gone), "cap": 8})], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "s2moe.engine.measure.calibration_worker",
+            "--cold-worker",
+            json.dumps({"model": str(gone), "cap": 8}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
     assert error == {"kind": "ModelError", "message": f"cannot read model file {gone}: not found"}
@@ -326,8 +388,9 @@ def test_the_tuning_step_snapshot(snap_compare, monkeypatch, tmp_path):
 
         screen = await calibrated(pilot, app)
         await pilot.press("ctrl+t")
-        await wait_for(pilot, lambda: screen.tune is not None and screen.tune.state == "done" and not screen.running,
-                       "tuning")
+        await wait_for(
+            pilot, lambda: screen.tune is not None and screen.tune.state == "done" and not screen.running, "tuning"
+        )
         for widget in screen.query(Input):
             widget.cursor_blink = False
         app.clear_notifications()

@@ -1,8 +1,8 @@
 """The packaged zoo models: present, listed, loadable by stock llama.cpp, MoE with the declared shape."""
+
 import json
 
 import pytest
-
 from s2moe.engine import zoo
 
 llama_cpp = pytest.importorskip("llama_cpp")

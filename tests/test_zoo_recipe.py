@@ -1,7 +1,7 @@
 """The training recipe: deterministic file split; (with torch) the MoE layer computes what it claims and
 an exported checkpoint gives llama.cpp the same logits as PyTorch."""
-import pytest
 
+import pytest
 from s2moe.engine.zoo import data
 
 
@@ -21,9 +21,22 @@ def test_natural_text_present():
 def _tiny_model(arch):
     torch = pytest.importorskip("torch")
     from s2moe.engine.zoo.model import MoEConfig, MoELM
+
     torch.manual_seed(0)
-    m = MoELM(MoEConfig(arch=arch, vocab_size=4096, n_layer=2, n_embd=64, n_head=2, head_dim=32,
-                        n_expert=8, k=3, expert_ff=64, ctx=64))
+    m = MoELM(
+        MoEConfig(
+            arch=arch,
+            vocab_size=4096,
+            n_layer=2,
+            n_embd=64,
+            n_head=2,
+            head_dim=32,
+            n_expert=8,
+            k=3,
+            expert_ff=64,
+            ctx=64,
+        )
+    )
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 1:

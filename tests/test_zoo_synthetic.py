@@ -1,6 +1,6 @@
 """Synthetic random-weight GGUFs: llama.cpp loads them with the requested dimensions."""
-import pytest
 
+import pytest
 from s2moe.engine.zoo import synthetic
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -13,7 +13,7 @@ def test_tiny_synthetic_loads(tmp_path, arch, dtype):
     p = synthetic.write_synthetic(arch, "tiny", out, dtype=dtype, n_expert=16, k=4)
     assert p == out and out.exists() and not list(tmp_path.glob("*.tmp"))
     hp = synthetic.preset_hparams("tiny", arch, n_expert=16, k=4)
-    assert abs(out.stat().st_size - synthetic.estimate_bytes(hp, dtype)) < 512 * 1024   # + metadata
+    assert abs(out.stat().st_size - synthetic.estimate_bytes(hp, dtype)) < 512 * 1024  # + metadata
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_threads=1, verbose=False)
     md = llm.metadata
     assert md["general.architecture"] == arch

@@ -1,11 +1,11 @@
 """llama.cpp tokenises exactly like the reference (HF `tokenizers`) BPE and detokenises losslessly.
 The reference ids are a stored fixture, so `tokenizers` is not needed here."""
+
 import ctypes
 import json
 from pathlib import Path
 
 import pytest
-
 from s2moe.engine import zoo
 
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -9,7 +9,6 @@ import gguf
 import numpy as np
 import pytest
 from conftest import ARCHS
-
 from s2moe.app.cli import main
 from s2moe.engine.decoding.decoder import Decoder, run
 from s2moe.engine.decoding.generation_config import GenerationConfig
@@ -86,8 +85,11 @@ def check_widened(src, out, factor):
         g = b.fields[name]
         assert g.types == f.types and g.contents() == f.contents(), name
     n_ff = next(int(t.shape[1]) for t in a.tensors if t.name.endswith("ffn_gate_exps.weight"))
-    updated = [k for k in (f"{arch}.expert_feed_forward_length", f"{arch}.feed_forward_length")
-               if k in b.fields and b.fields[k].contents() == factor * n_ff]
+    updated = [
+        k
+        for k in (f"{arch}.expert_feed_forward_length", f"{arch}.feed_forward_length")
+        if k in b.fields and b.fields[k].contents() == factor * n_ff
+    ]
     assert updated
     assert b.fields["s2moe.widened.factor"].contents() == factor
     return updated
@@ -107,8 +109,9 @@ def test_widened_tiny_model_is_token_identical_and_n_times_larger(tiny_models, t
 
 
 def test_mixtral_style_llama_updates_feed_forward_length(tiny_models, tmp_path):
-    src = rewrite(tiny_models["olmoe"], tmp_path / "mixtral.gguf", arch="llama", alignment=64,
-                  drop=("attn_q_norm", "attn_k_norm"))
+    src = rewrite(
+        tiny_models["olmoe"], tmp_path / "mixtral.gguf", arch="llama", alignment=64, drop=("attn_q_norm", "attn_k_norm")
+    )
     out = widen(src, tmp_path / "w.gguf", 3)
     assert check_widened(src, out, 3) == ["llama.feed_forward_length"]
     assert gguf.GGUFReader(str(out)).alignment == 64
@@ -121,7 +124,8 @@ def test_shipped_q8_0_model_widened_through_the_cli(tmp_path, capsys):
     assert "51.0 KB → 102.0 KB" in capsys.readouterr().out
     src = model_path("olmoe-64x8")
     assert {t.tensor_type for t in gguf.GGUFReader(str(src)).tensors if "_exps." in t.name} == {
-        gguf.GGMLQuantizationType.Q8_0}
+        gguf.GGMLQuantizationType.Q8_0
+    }
     assert sorted(check_widened(src, out, 2)) == ["olmoe.expert_feed_forward_length", "olmoe.feed_forward_length"]
     assert greedy_tokens(out, ["def fib(n):", "import os\n"]) == greedy_tokens(src, ["def fib(n):", "import os\n"])
 
@@ -148,8 +152,11 @@ def test_bad_input(tiny_models, tmp_path):
         widen(tiny_models["olmoe"], tmp_path, 2)
     with pytest.raises(ConfigError, match="does not exist"):
         widen(tiny_models["olmoe"], tmp_path / "no" / "w.gguf", 2)
-    merged = rewrite(tiny_models["olmoe"], tmp_path / "merged.gguf",
-                     rename={f"blk.{i}.ffn_gate_exps.weight": f"blk.{i}.ffn_gate_up_exps.weight" for i in range(3)})
+    merged = rewrite(
+        tiny_models["olmoe"],
+        tmp_path / "merged.gguf",
+        rename={f"blk.{i}.ffn_gate_exps.weight": f"blk.{i}.ffn_gate_up_exps.weight" for i in range(3)},
+    )
     with pytest.raises(ModelError, match="merged gate"):
         widen(merged, tmp_path / "w.gguf", 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.gguf", "t.gguf"]
@@ -170,7 +177,7 @@ def test_unwritable_output_folder(tiny_models, tmp_path):
     folder.mkdir()
     folder.chmod(0o500)
     try:
-        if os.access(folder, os.W_OK):   # root writes anyway; /proc refuses everyone
+        if os.access(folder, os.W_OK):  # root writes anyway; /proc refuses everyone
             folder = Path("/proc")
         with pytest.raises(ConfigError, match="cannot write"):
             widen(tiny_models["olmoe"], folder / "w.gguf", 2)
@@ -178,18 +185,21 @@ def test_unwritable_output_folder(tiny_models, tmp_path):
         (tmp_path / "ro").chmod(0o700)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--widen", "2"], "exactly one of --preset"),
-    (["--from", "olmoe-64x8", "--preset", "tiny", "--widen", "2"], "exactly one of --preset"),
-    (["--from", "olmoe-64x8"], "needs --widen"),
-    (["--from", "olmoe-64x8", "--widen", "1"], "at least 2"),
-    (["--from", "olmoe-64x8", "--widen", "2.5"], "whole number"),
-    (["--preset", "tiny", "--widen", "2"], "--widen applies to --from"),
-    (["--from", "olmoe-64x8", "--widen", "2", "--dtype", "q8_0"], "--dtype apply to --preset only"),
-    (["--from", "no-such-model", "--widen", "2"], "no shipped model"),
-    (["--from", "DENSE", "--widen", "2"], "not a Mixture-of-Experts"),
-    (["--from", "CORRUPT", "--widen", "2"], "not a GGUF"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--widen", "2"], "exactly one of --preset"),
+        (["--from", "olmoe-64x8", "--preset", "tiny", "--widen", "2"], "exactly one of --preset"),
+        (["--from", "olmoe-64x8"], "needs --widen"),
+        (["--from", "olmoe-64x8", "--widen", "1"], "at least 2"),
+        (["--from", "olmoe-64x8", "--widen", "2.5"], "whole number"),
+        (["--preset", "tiny", "--widen", "2"], "--widen applies to --from"),
+        (["--from", "olmoe-64x8", "--widen", "2", "--dtype", "q8_0"], "--dtype apply to --preset only"),
+        (["--from", "no-such-model", "--widen", "2"], "no shipped model"),
+        (["--from", "DENSE", "--widen", "2"], "not a Mixture-of-Experts"),
+        (["--from", "CORRUPT", "--widen", "2"], "not a GGUF"),
+    ],
+)
 def test_cli_errors_are_one_line(tiny_models, tmp_path, capsys, argv, needle):
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_text("not a model\n")
@@ -222,4 +232,3 @@ def test_widening_says_what_it_writes_as_it_starts(tiny_models, tmp_path, capsys
     assert main(["make-synthetic", "--from", str(tiny_models["olmoe"]), "--widen", "2", "--out", str(out)]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("widening olmoe.gguf 2× into w.gguf (") and err[-1].startswith("  100% (")
-

@@ -36,7 +36,7 @@ class TinySpec:
     seed: int = 0
     router_scale: float = 1.0
     output_scale: float = 2.0
-    selection_bias: bool = True   # dots1: write the per-expert selection bias (exp_probs_b)
+    selection_bias: bool = True  # dots1: write the per-expert selection bias (exp_probs_b)
     # (layer, expert) pairs whose expert weights are filled with NaN
     poison: list[tuple[int, int]] = field(default_factory=list)
     # metadata written as given: key ("{arch}" stands for the architecture) → (value, GGUFValueType[, the

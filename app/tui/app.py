@@ -9,21 +9,23 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
+from . import messages
 from .bench import BenchScreen
 from .calibrate import CalibrateScreen
 from .chat import ChatScreen
 from .commands import S2MoECommands
 from .device import DeviceScreen
 from .dialogs import HelpScreen, ModelPathDialog, binding_sections
-from . import messages
 from .messages import LoadProgress, ModelFailed, ModelReady, failure_text, post
-from .state import remember_profile
 from .profiles_screen import ProfilesScreen
 from .session import EngineSession
+from .state import remember_profile
 from .widgets import NavBar
 
-NO_MODEL_MESSAGE = ("No model was given and this install ships no default model. "
-                    "Type the path of a GGUF Mixture-of-Experts model (or start with --model PATH).")
+NO_MODEL_MESSAGE = (
+    "No model was given and this install ships no default model. "
+    "Type the path of a GGUF Mixture-of-Experts model (or start with --model PATH)."
+)
 
 
 class S2MoEApp(App):
@@ -31,35 +33,71 @@ class S2MoEApp(App):
     TITLE = "S²-MoE"
     ENABLE_COMMAND_PALETTE = True
     COMMANDS = App.COMMANDS | {S2MoECommands}
-    MODES = {"chat": ChatScreen, "calibrate": CalibrateScreen, "profiles": ProfilesScreen, "bench": BenchScreen,
-             "device": DeviceScreen}
+    MODES = {
+        "chat": ChatScreen,
+        "calibrate": CalibrateScreen,
+        "profiles": ProfilesScreen,
+        "bench": BenchScreen,
+        "device": DeviceScreen,
+    }
     DEFAULT_MODE = "chat"
 
     BINDINGS = [
-        Binding("ctrl+c,ctrl+q", "quit", "Quit", priority=True, show=False,
-                tooltip="Quit from anywhere (stops a running job first)"),
+        Binding(
+            "ctrl+c,ctrl+q",
+            "quit",
+            "Quit",
+            priority=True,
+            show=False,
+            tooltip="Quit from anywhere (stops a running job first)",
+        ),
         Binding("q", "quit", "Quit", show=False, tooltip="Quit (when not typing)"),
         Binding("f1,question_mark", "help", "Help"),
         Binding("f2", "switch_mode('chat')", "Chat", show=False, tooltip="Chat screen"),
         Binding("f3", "switch_mode('calibrate')", "Calibrate", show=False, tooltip="Calibration wizard"),
         Binding("f4", "switch_mode('profiles')", "Profiles", show=False, tooltip="Device profiles"),
         Binding("f5", "switch_mode('bench')", "Bench", show=False, tooltip="Compare modes"),
-        Binding("f10", "switch_mode('device')", "Device", show=False,
-                tooltip="Memory, page cache, storage reads, CPU, the budget; a Jetson's GPU"),
+        Binding(
+            "f10",
+            "switch_mode('device')",
+            "Device",
+            show=False,
+            tooltip="Memory, page cache, storage reads, CPU, the budget; a Jetson's GPU",
+        ),
         # not Ctrl+T: on Calibrate that key starts a tuning run, and no key may mean two things
         Binding("f12", "toggle_theme", "Theme", show=False, tooltip="Light / dark theme"),
         Binding("ctrl+p", "command_palette", "Palette", show=False, tooltip="Command palette: every action by name"),
     ]
 
-    def __init__(self, model_path: str | None = None, *, profile: str | None = None, n_threads: int | None = None,
-                 n_ctx: int = 2048, model_message: str | None = None, load_on_start: bool = True,
-                 decoder_factory=None, budget: str | None = None, placement=None, sampling: dict | None = None,
-                 n_batch: int | None = None, copy_cache: str | None = None):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        profile: str | None = None,
+        n_threads: int | None = None,
+        n_ctx: int = 2048,
+        model_message: str | None = None,
+        load_on_start: bool = True,
+        decoder_factory=None,
+        budget: str | None = None,
+        placement=None,
+        sampling: dict | None = None,
+        n_batch: int | None = None,
+        copy_cache: str | None = None,
+    ):
         super().__init__()
         self.sampling_flags = dict(sampling or {})  # ChatSettings fields the command line set
-        self.session = EngineSession(model_path, n_threads=n_threads, n_ctx=n_ctx, profile=profile,
-                                     decoder_factory=decoder_factory, budget=budget, placement=placement,
-                                     n_batch=n_batch, copy_cache=copy_cache)
+        self.session = EngineSession(
+            model_path,
+            n_threads=n_threads,
+            n_ctx=n_ctx,
+            profile=profile,
+            decoder_factory=decoder_factory,
+            budget=budget,
+            placement=placement,
+            n_batch=n_batch,
+            copy_cache=copy_cache,
+        )
         self.model_message = model_message
         self.load_on_start = load_on_start
         self._views: list = []
@@ -86,8 +124,7 @@ class S2MoEApp(App):
     def _model_chosen(self, path: str | None) -> None:
         if path is None:
             if self.session.model_path is None:
-                self.notify("no model loaded: Ctrl+P → “Open model…” when you have one", severity="warning",
-                            timeout=8)
+                self.notify("no model loaded: Ctrl+P → “Open model…” when you have one", severity="warning", timeout=8)
             return
         if self.session.busy:
             self.notify("the engine is busy; stop the running job first", severity="warning")
@@ -171,8 +208,11 @@ class S2MoEApp(App):
         s = self.session
         if s.model is None:
             return self.model_label
-        return (s.model.short() + (f" · profile {s.profile_name}" if s.profile_name else "")
-                + (f" · {s.budget_label()}" if s.budget else ""))
+        return (
+            s.model.short()
+            + (f" · profile {s.profile_name}" if s.profile_name else "")
+            + (f" · {s.budget_label()}" if s.budget else "")
+        )
 
     def register_view(self, screen) -> None:
         if screen not in self._views:
@@ -201,8 +241,9 @@ class S2MoEApp(App):
         if chat is not None and name is not None:
             chat.profile_activated()
         self.model_changed()
-        self.notify(f"active profile: {name}" if name else "no profile: cost constants are measured at start-up",
-                    timeout=4)
+        self.notify(
+            f"active profile: {name}" if name else "no profile: cost constants are measured at start-up", timeout=4
+        )
 
     # -- actions -----------------------------------------------------------------------------------------------
     def chat_action(self, action: str, *args) -> None:

@@ -10,30 +10,44 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Select, SelectionList, Static, TextArea
 from textual_plotext import PlotextPlot
 
+from ...engine.decoding.generation_config import GenerationConfig
+from ...engine.errors import ConfigError, S2MoEError
 from ...engine.measure import bench as engine_bench
 from ...engine.measure.bench_results import BenchDone, BenchProgress, BenchRow, BenchTrace, judgements
 from ...engine.measure.prompts import load_prompts
-from ...engine.decoding.generation_config import GenerationConfig
-from ...engine.errors import ConfigError, S2MoEError
 from ..options import SAMPLING_VALUES, sampling_value
+from .dialogs import SAMPLING_LABELS
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .session import engine_modes
-from .dialogs import SAMPLING_LABELS
 from .widgets import CheckList, Column, FittedTable, NavBar
 
 DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):"
 DEFAULT_MODES = ("ar", "s2moe")
 PROMPT_SETS = ("natural", "humaneval")  # the named sets engine.measure.prompts.load_prompts knows
 # fixed widths, so the table looks the same however rows arrive; at 80 columns the last ones give way
-TABLE_COLUMNS = (Column("mode", "mode", 10, 0), Column("tok_s", "tok/s", 7, 2),
-                 Column("tok_range", "tok/s range", 11, 8), Column("x_ar", "× ar", 5, 1),
-                 Column("x_range", "× ar range", 10, 3), Column("accept", "accept", 6, 4),
-                 Column("draft", "draft", 5, 5), Column("reuse", "reuse", 5, 6), Column("rollbacks", "rollb.", 6, 9),
-                 Column("same", "= ar", 4, 7))
+TABLE_COLUMNS = (
+    Column("mode", "mode", 10, 0),
+    Column("tok_s", "tok/s", 7, 2),
+    Column("tok_range", "tok/s range", 11, 8),
+    Column("x_ar", "× ar", 5, 1),
+    Column("x_range", "× ar range", 10, 3),
+    Column("accept", "accept", 6, 4),
+    Column("draft", "draft", 5, 5),
+    Column("reuse", "reuse", 5, 6),
+    Column("rollbacks", "rollb.", 6, 9),
+    Column("same", "= ar", 4, 7),
+)
 DEFAULT_REPEATS = 3
 # the sampler settings in the form's narrow labels (the settings dialog's longer ones are the tooltips)
-SAMPLING_FORM = {"temperature": "Temperature", "seed": "Seed (-1 rand)", "top_k": "Top-k", "top_p": "Top-p",
-                 "min_p": "Min-p", "repeat_penalty": "Repeat penalty", "repeat_last_n": "Penalty window"}
+SAMPLING_FORM = {
+    "temperature": "Temperature",
+    "seed": "Seed (-1 rand)",
+    "top_k": "Top-k",
+    "top_p": "Top-p",
+    "min_p": "Min-p",
+    "repeat_penalty": "Repeat penalty",
+    "repeat_last_n": "Penalty window",
+}
 DEFAULT_SAMPLING = GenerationConfig()
 
 
@@ -104,8 +118,7 @@ class BenchScreen(Screen):
         Binding("escape", "stop", "Stop", tooltip="Stop after the current generation"),
         Binding("ctrl+s", "export", "Save", tooltip="Save the results as JSON (.json) or CSV (.csv)"),
         # not F6, the chat's Mode key: no key means two things across the screens
-        Binding("ctrl+f", "project", "Project",
-                tooltip="Project the last bench's traces onto a device profile"),
+        Binding("ctrl+f", "project", "Project", tooltip="Project the last bench's traces onto a device profile"),
     ]
 
     def __init__(self, **kw):
@@ -128,8 +141,12 @@ class BenchScreen(Screen):
             with VerticalScroll(id="bench-form", can_focus=False):  # its fields take the focus and scroll it
                 yield Static("", id="bench-intro")
                 yield Label("Prompt set")
-                yield Select([("typed below", "custom")] + [(s, s) for s in PROMPT_SETS], value="custom",
-                             allow_blank=False, id="bench-set")
+                yield Select(
+                    [("typed below", "custom")] + [(s, s) for s in PROMPT_SETS],
+                    value="custom",
+                    allow_blank=False,
+                    id="bench-set",
+                )
                 with Horizontal(classes="form-row"):
                     yield Label("Max prompts", classes="form-label")
                     yield Input("4", id="bench-max", type="integer")
@@ -142,14 +159,21 @@ class BenchScreen(Screen):
                     yield Input("32", id="bench-n", type="integer")
                 with Horizontal(classes="form-row"):
                     yield Label("Repeats", classes="form-label")
-                    yield Input(str(DEFAULT_REPEATS), id="bench-repeats", type="integer",
-                                tooltip="Times the whole prompt set runs; the table shows the median and range")
+                    yield Input(
+                        str(DEFAULT_REPEATS),
+                        id="bench-repeats",
+                        type="integer",
+                        tooltip="Times the whole prompt set runs; the table shows the median and range",
+                    )
                 yield Label("Sampling (T 0 = greedy)")
                 for key, label in SAMPLING_FORM.items():
                     with Horizontal(classes="form-row"):
                         yield Label(label, classes="form-label")
-                        yield Input(str(getattr(DEFAULT_SAMPLING, key)), id=f"bench-{key}",
-                                    tooltip=f"{SAMPLING_LABELS[key]}: as {SAMPLING_VALUES[key][0]}")
+                        yield Input(
+                            str(getattr(DEFAULT_SAMPLING, key)),
+                            id=f"bench-{key}",
+                            tooltip=f"{SAMPLING_LABELS[key]}: as {SAMPLING_VALUES[key][0]}",
+                        )
                 with Horizontal(classes="button-row"):
                     yield Button("Run", variant="primary", id="bench-run")
                     yield Button("Stop", id="bench-stop")
@@ -175,7 +199,8 @@ class BenchScreen(Screen):
     def update_state(self) -> None:
         self.query_one("#bench-intro", Static).update(
             "Runs every selected mode on each prompt in turn (ar is always included as the reference), after an "
-            "untimed warm-up; repeats give each figure its range.")
+            "untimed warm-up; repeats give each figure its range."
+        )
         self.query_one("#bench-run", Button).disabled = self.running
         self.query_one("#bench-stop", Button).disabled = not self.running
         self.refresh_bindings()
@@ -254,17 +279,33 @@ class BenchScreen(Screen):
         self.bench(prompts, modes, n, prompt_set, repeats, sampling)
 
     @work(thread=True, group="engine", exit_on_error=False)
-    def bench(self, prompts: list[str], modes: list[str], n: int, prompt_set: str = "custom",
-              repeats: int = 1, sampling: dict | None = None) -> None:
+    def bench(
+        self,
+        prompts: list[str],
+        modes: list[str],
+        n: int,
+        prompt_set: str = "custom",
+        repeats: int = 1,
+        sampling: dict | None = None,
+    ) -> None:
         session = self.app.session
         run_bench = engine_bench.run_bench
 
         def events():
             session.load()  # the loaded model is reused: the session lock is held, nothing else uses it
-            return run_bench(session.model_path, prompts=prompts, modes=modes, n_tokens=n,
-                             n_threads=session.n_threads, should_stop=session.stop.is_set,
-                             decoder=session.decoder, prompt_set=prompt_set, repeats=repeats,
-                             base=GenerationConfig(**(sampling or {})), trace=_traceable(session.decoder.info))
+            return run_bench(
+                session.model_path,
+                prompts=prompts,
+                modes=modes,
+                n_tokens=n,
+                n_threads=session.n_threads,
+                should_stop=session.stop.is_set,
+                decoder=session.decoder,
+                prompt_set=prompt_set,
+                repeats=repeats,
+                base=GenerationConfig(**(sampling or {})),
+                trace=_traceable(session.decoder.info),
+            )
 
         run_engine_job(self, session, "bench", events)
 
@@ -282,14 +323,19 @@ class BenchScreen(Screen):
             try:
                 target = export_bench(path, done)
             except (S2MoEError, OSError) as e:
-                self.notify(str(e) if isinstance(e, S2MoEError) else f"cannot write {path}: {e.strerror}",
-                            title="Not saved", severity="error", timeout=8)
+                self.notify(
+                    str(e) if isinstance(e, S2MoEError) else f"cannot write {path}: {e.strerror}",
+                    title="Not saved",
+                    severity="error",
+                    timeout=8,
+                )
                 return
             self.query_one("#bench-status", Static).update(f"saved to {target}")
             self.notify(f"saved to {target}", title="Bench results saved", timeout=10)
 
-        self.app.push_screen(ExportDialog("Save the bench results", default_path("bench", ".json"), BENCH_FORMATS),
-                             save)
+        self.app.push_screen(
+            ExportDialog("Save the bench results", default_path("bench", ".json"), BENCH_FORMATS), save
+        )
 
     def action_stop(self) -> None:
         if self.running:
@@ -332,31 +378,42 @@ class BenchScreen(Screen):
             elif any(r.within_noise and r.mode != "ar" for r in self.rows):
                 status += " · ≈ not significant: within the run-to-run spread of ar's speed"
             if ev.config.get("greedy") is False:
-                status += (f" · sampled at T={ev.config['temperature']:g}, prompt i with seed {ev.config['seed']} + i "
-                           "in every mode (= ar: ar's tokens)")
+                status += (
+                    f" · sampled at T={ev.config['temperature']:g}, prompt i with seed {ev.config['seed']} + i "
+                    "in every mode (= ar: ar's tokens)"
+                )
             self.query_one("#bench-status", Static).update(status)
 
     def show_verdict(self, done: BenchDone) -> None:
         """The fastest mode, each mode against ar, and a warning where the machine was busy (engine.speed)."""
-        lines = [line for budget, judgement in judgements(done.rows, done.config.get("load"))
-                 for line in judgement.lines()]
+        lines = [
+            line for budget, judgement in judgements(done.rows, done.config.get("load")) for line in judgement.lines()
+        ]
         verdict = self.query_one("#bench-verdict", Static)
         verdict.update("\n".join(lines))
         verdict.set_class(any(line.startswith("warning:") for line in lines), "-warning")
 
     def show_rows(self) -> None:
-        self.query_one(FittedTable).set_rows([(None, {
-            "mode": _label(r),
-            "tok_s": _fmt(r.tok_per_s, ".1f"),
-            "tok_range": r.tok_per_s_range or "—",
-            "x_ar": r.speedup_text,
-            "x_range": r.speedup_range or "—",
-            "accept": _fmt(r.accept_len),
-            "draft": _fmt(r.draft_len),
-            "reuse": _fmt(r.reuse_ratio),
-            "rollbacks": str(r.rollbacks),
-            "same": _fmt(r.identical_to_ar, ".0%"),
-        }) for r in self.rows])
+        self.query_one(FittedTable).set_rows(
+            [
+                (
+                    None,
+                    {
+                        "mode": _label(r),
+                        "tok_s": _fmt(r.tok_per_s, ".1f"),
+                        "tok_range": r.tok_per_s_range or "—",
+                        "x_ar": r.speedup_text,
+                        "x_range": r.speedup_range or "—",
+                        "accept": _fmt(r.accept_len),
+                        "draft": _fmt(r.draft_len),
+                        "reuse": _fmt(r.reuse_ratio),
+                        "rollbacks": str(r.rollbacks),
+                        "same": _fmt(r.identical_to_ar, ".0%"),
+                    },
+                )
+                for r in self.rows
+            ]
+        )
         for plot in self.query(BenchPlot):
             plot.show_rows(self.rows)
 

@@ -15,21 +15,37 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
 
+from ...engine.decoding.gpu import Placement
+from ...engine.errors import S2MoEError
 from ...engine.measure import calibrate as engine_calibrate
 from ...engine.measure import tune as engine_tune
 from ...engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
-from ...engine.errors import S2MoEError
-from ...engine.decoding.gpu import Placement
+from ...engine.measure.tune import (
+    TuneDone,
+    TuneJointQuality,
+    TuneMeasured,
+    TuneMemoryQuality,
+    TuneProgress,
+    TuneQuality,
+    TuneStarted,
+)
 from ...engine.offload import Budget
 from ...engine.profiles import cost_for_model, save_profile, tuned_condition
-from ...engine.measure.tune import (TuneDone, TuneJointQuality, TuneMeasured, TuneMemoryQuality, TuneProgress, TuneQuality,
-                            TuneStarted)
-from .calibrate_steps import (FIELDS, TUNE_MINUTES, TUNE_MINUTES_BUDGETED, TUNE_PROMPTS, StepState, TuneState,
-                              plain_words, step_outcome, stopping_text, tune_minutes)
+from .calibrate_steps import (
+    FIELDS,
+    TUNE_MINUTES,
+    TUNE_MINUTES_BUDGETED,
+    TUNE_PROMPTS,
+    StepState,
+    TuneState,
+    plain_words,
+    step_outcome,
+    stopping_text,
+    tune_minutes,
+)
 from .calibrate_widgets import ConfirmSave, FitPlot, TunePlot
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
 from .widgets import NavBar
-
 
 INTRO = (
     "Calibration measures this device's cost constants for the loaded model: the time of a plain "
@@ -83,8 +99,11 @@ class CalibrateScreen(Screen):
                     yield Input(placeholder="auto or 800M", id="cal-budget")
                 with Horizontal(classes="form-row"):
                     yield Label("Tuning minutes", classes="form-label")
-                    yield Input(placeholder=f"{TUNE_MINUTES:g} ({TUNE_MINUTES_BUDGETED:g} budgeted)",
-                                id="cal-tune-minutes", type="number")
+                    yield Input(
+                        placeholder=f"{TUNE_MINUTES:g} ({TUNE_MINUTES_BUDGETED:g} budgeted)",
+                        id="cal-tune-minutes",
+                        type="number",
+                    )
                 with Horizontal(classes="button-row"):
                     yield Button("Run", variant="primary", id="cal-run")
                     yield Button("Tune", id="cal-tune")
@@ -127,8 +146,9 @@ class CalibrateScreen(Screen):
         text = Text()
         for step in sorted(self.steps.values(), key=lambda s: s.index):
             mark = {"done": "⚠" if step.flags else "✔", "failed": "✖", "skipped": "–"}.get(step.state, "▶")
-            style = {"running": "bold", "failed": "bold red",
-                     "done": "yellow" if step.flags else ""}.get(step.state, "")
+            style = {"running": "bold", "failed": "bold red", "done": "yellow" if step.flags else ""}.get(
+                step.state, ""
+            )
             text.append(f"{mark} {step.index}/{self.n_steps or len(self.steps)} {step.name}\n", style=style)
             if step.description:
                 text.append(f"   {step.description}\n", style="dim")
@@ -145,28 +165,42 @@ class CalibrateScreen(Screen):
         if self.tune is not None:
             self.tune_text(text)
         if self.stop_asked_t is not None and self.running:
-            text.append("\n" + stopping_text(self.longest_gap_s, clock() - (self.last_event_t or self.stop_asked_t)),
-                        style="bold")
+            text.append(
+                "\n" + stopping_text(self.longest_gap_s, clock() - (self.last_event_t or self.stop_asked_t)),
+                style="bold",
+            )
             return text
         if self.result is not None and self.tune is not None and self.tune.state == "stopped":
-            text.append("\nTuning stopped: the profile would get no tuned settings. Ctrl+T tunes again (longer "
-                        "Tuning minutes search more); Ctrl+S saves the calibration alone.", style="bold")
+            text.append(
+                "\nTuning stopped: the profile would get no tuned settings. Ctrl+T tunes again (longer "
+                "Tuning minutes search more); Ctrl+S saves the calibration alone.",
+                style="bold",
+            )
             return text
         if self.result is not None and not (self.tune is not None and self.tune.state == "running"):
             failed = self.failed_steps()
-            then = (" Ctrl+T (Tune) first searches the fastest decoding settings." if self.tune is None else
-                    " The profile records the tuned settings." if self.tune.section else "")
+            then = (
+                " Ctrl+T (Tune) first searches the fastest decoding settings."
+                if self.tune is None
+                else " The profile records the tuned settings."
+                if self.tune.section
+                else ""
+            )
             if self.saved_path:
-                text.append(f"\nSaved as profile “{self.result_name()}” and made active: {self.saved_path}",
-                            style="bold")
+                text.append(
+                    f"\nSaved as profile “{self.result_name()}” and made active: {self.saved_path}", style="bold"
+                )
             elif failed:
                 names = ", ".join(s.name for s in failed)
-                text.append(f"\nFinished, but {len(failed)} step{'s' if len(failed) > 1 else ''} failed ({names}). "
-                            "Ctrl+S saves what was measured: it asks first, and the profile says what is missing."
-                            + then, style="bold")
+                text.append(
+                    f"\nFinished, but {len(failed)} step{'s' if len(failed) > 1 else ''} failed ({names}). "
+                    "Ctrl+S saves what was measured: it asks first, and the profile says what is missing." + then,
+                    style="bold",
+                )
             else:
-                text.append("\nDone. Press Ctrl+S (or the Save button) to save it as a named profile." + then,
-                            style="bold")
+                text.append(
+                    "\nDone. Press Ctrl+S (or the Save button) to save it as a named profile." + then, style="bold"
+                )
         return text
 
     def tune_text(self, text: Text) -> None:
@@ -174,8 +208,11 @@ class CalibrateScreen(Screen):
         mark = {"done": "✔", "failed": "✖", "stopped": "–"}.get(t.state, "▶")
         style = {"running": "bold", "failed": "bold red"}.get(t.state, "")
         text.append(f"{mark} tune\n", style=style)
-        text.append("   the fastest k_d, draft cap, threshold, α, |E*| and copies within the gating quality "
-                    "constraint (successive halving)\n", style="dim")
+        text.append(
+            "   the fastest k_d, draft cap, threshold, α, |E*| and copies within the gating quality "
+            "constraint (successive halving)\n",
+            style="dim",
+        )
         if t.state == "running" and t.total:
             text.append(f"   {t.phase}: {t.done}/{t.total}\n", style="dim")
         if t.state == "failed":
@@ -186,14 +223,18 @@ class CalibrateScreen(Screen):
             # under the log, where the eye is when the stop comes
             best = t.best_so_far()
             if best is None:
-                text.append("   stopped before the first rung ended: no candidate measured against the defaults\n",
-                            style="bold")
+                text.append(
+                    "   stopped before the first rung ended: no candidate measured against the defaults\n", style="bold"
+                )
             else:
                 settings, tok_s, defaults, rung = best
                 versus = f", the defaults {defaults:.2f} tok/s ({tok_s / defaults:.3f}×)" if defaults else ""
-                text.append(f"   stopped after rung {rung + 1} — partial: best so far "
-                            f"{settings.label(self.app.session.budget is not None)} → {tok_s:.2f} tok/s{versus}; "
-                            "not confirmed against the defaults, so not saved in the profile\n", style="bold")
+                text.append(
+                    f"   stopped after rung {rung + 1} — partial: best so far "
+                    f"{settings.label(self.app.session.budget is not None)} → {tok_s:.2f} tok/s{versus}; "
+                    "not confirmed against the defaults, so not saved in the profile\n",
+                    style="bold",
+                )
 
     def failed_steps(self) -> list[StepState]:
         return [s for s in sorted(self.steps.values(), key=lambda s: s.index) if s.state == "failed"]
@@ -227,10 +268,21 @@ class CalibrateScreen(Screen):
     def calibrate(self, model_path: str, budget, name) -> None:
         session = self.app.session
         run_calibration = engine_calibrate.run_calibration
-        run_engine_job(self, session, "calibrate", lambda: run_calibration(
-            model_path, budget=budget, name=name, save=False, n_threads=session.n_threads,
-            should_stop=session.stop.is_set, placement=session.placement or Placement(),
-            n_batch=session.n_batch))
+        run_engine_job(
+            self,
+            session,
+            "calibrate",
+            lambda: run_calibration(
+                model_path,
+                budget=budget,
+                name=name,
+                save=False,
+                n_threads=session.n_threads,
+                should_stop=session.stop.is_set,
+                placement=session.placement or Placement(),
+                n_batch=session.n_batch,
+            ),
+        )
 
     def action_stop(self) -> None:
         if self.running and self.stop_asked_t is None:
@@ -284,10 +336,20 @@ class CalibrateScreen(Screen):
         def events():
             session.load()
             _, prompts = load_prompts(TUNE_PROMPTS, 32)
-            context = {"budget": session.budget_label() or "none", "prompts": TUNE_PROMPTS,
-                       "threads": session.n_threads, "by_app": True}
-            yield from engine_tune.run_tune(session.decoder, prompts, cost=cost, time_budget_s=seconds,
-                                            should_stop=session.stop.is_set, context=context)
+            context = {
+                "budget": session.budget_label() or "none",
+                "prompts": TUNE_PROMPTS,
+                "threads": session.n_threads,
+                "by_app": True,
+            }
+            yield from engine_tune.run_tune(
+                session.decoder,
+                prompts,
+                cost=cost,
+                time_budget_s=seconds,
+                should_stop=session.stop.is_set,
+                context=context,
+            )
 
         run_engine_job(self, session, "tune", events)
 
@@ -302,8 +364,9 @@ class CalibrateScreen(Screen):
         if t is None:
             return
         if isinstance(ev, TuneStarted):
-            t.lines.append(f"{ev.candidates} candidates; defaults "
-                           f"{ev.defaults.label(self.app.session.budget is not None)}")
+            t.lines.append(
+                f"{ev.candidates} candidates; defaults {ev.defaults.label(self.app.session.budget is not None)}"
+            )
         elif isinstance(ev, (TuneQuality, TuneMemoryQuality, TuneJointQuality)):
             from ..cmd_tune import quality_check_text
 
@@ -317,14 +380,16 @@ class CalibrateScreen(Screen):
             if ev.index == 0:
                 t.defaults_tok_s = ev.tok_per_s
             where = "final comparison" if ev.rung < 0 else f"rung {ev.rung + 1}"
-            self.query_one(TunePlot).show_candidates(t.points, t.defaults_tok_s, f"Tuning: tok/s per candidate, "
-                                                                                  f"{where}")
+            self.query_one(TunePlot).show_candidates(
+                t.points, t.defaults_tok_s, f"Tuning: tok/s per candidate, {where}"
+            )
         elif isinstance(ev, TuneDone):
             from ..cmd_tune import summary_lines
 
             t.state, t.section = "done", ev.section
             t.lines += summary_lines(ev.section, None)[:-1]  # the path comes with the save
             self.saved_path = None  # what was saved before lacks the tuning
+
     def on_job_event(self, message: JobEvent) -> None:
         ev = message.event
         now = clock()
@@ -332,8 +397,9 @@ class CalibrateScreen(Screen):
             gap = now - self.last_event_t
             self.longest_gap_s = gap if self.longest_gap_s is None else max(self.longest_gap_s, gap)
         self.last_event_t = now
-        if isinstance(ev, (TuneStarted, TuneQuality, TuneMemoryQuality, TuneJointQuality, TuneProgress, TuneMeasured,
-                           TuneDone)):
+        if isinstance(
+            ev, (TuneStarted, TuneQuality, TuneMemoryQuality, TuneJointQuality, TuneProgress, TuneMeasured, TuneDone)
+        ):
             self.on_tune_event(ev)
         elif isinstance(ev, StepStarted):
             first = not self.steps
@@ -358,8 +424,9 @@ class CalibrateScreen(Screen):
             data = ev.data
             if "measured" in data and "predicted" in data:
                 self.fit = data
-                self.query_one(FitPlot).show_fit(list(data["measured"]), list(data["predicted"]),
-                                                 data.get("r2"), data.get("mape"), unit="ms")
+                self.query_one(FitPlot).show_fit(
+                    list(data["measured"]), list(data["predicted"]), data.get("r2"), data.get("mape"), unit="ms"
+                )
             bar = self.query_one("#cal-progress", ProgressBar)
             bar.update(progress=ev.index)
         elif isinstance(ev, CalibrationDone):

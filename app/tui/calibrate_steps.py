@@ -10,14 +10,19 @@ from dataclasses import dataclass, field
 from ...engine.measure.calibration_steps import NO_GPU, NO_GPU_DEVICE, StepResult
 
 TUNE_PROMPTS = "humaneval"  # the workload `s2moe tune` tunes for by default
-TUNE_MINUTES = 3.0          # the wizard's default: a first tuning, shorter than the command's 10 minutes …
+TUNE_MINUTES = 3.0  # the wizard's default: a first tuning, shorter than the command's 10 minutes …
 TUNE_MINUTES_BUDGETED = 10.0  # … but under a budget a quality check alone takes a minute or two
 FIT_R2_MIN = 0.8  # a cost-model fit below this explains too little of the measured time to decide with
 # The wizard's fields, for engine messages that name the flag setting the same thing.
 FIELDS = {"--budget": "the Memory budget field", "--name": "the Profile name field"}
 _CLASS_PREFIX = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Unavailable|Exit|Interrupt)\w*: ")
-_CONSTANTS = (("t_ar_ms", "T_AR"), ("c_draft_ms", "C_draft"), ("t_exp_ms", "T_exp"), ("t_tok_ms", "T_tok"),
-              ("t_exp_cold_ms", "T_exp cold"))
+_CONSTANTS = (
+    ("t_ar_ms", "T_AR"),
+    ("c_draft_ms", "C_draft"),
+    ("t_exp_ms", "T_exp"),
+    ("t_tok_ms", "T_tok"),
+    ("t_exp_cold_ms", "T_exp cold"),
+)
 
 
 def tune_minutes(raw: str, offloaded: bool) -> float | None:
@@ -46,9 +51,9 @@ class Outcome:
     """What a calibration step's result means: measured, failed (with the reason) or skipped, and any doubt
     about what it measured."""
 
-    state: str                   # done | failed | skipped
-    reason: str = ""             # why it failed or was skipped
-    note: str = ""               # what the step still did (e.g. a value derived instead)
+    state: str  # done | failed | skipped
+    reason: str = ""  # why it failed or was skipped
+    note: str = ""  # what the step still did (e.g. a value derived instead)
     flags: tuple[str, ...] = ()  # doubts about a measured value
 
 
@@ -56,12 +61,12 @@ def step_outcome(result: StepResult, fields: dict[str, str] | None = None) -> Ou
     data = result.data or {}
     skipped = data.get("skipped")
     if skipped:
-        note = result.summary[len(skipped):].lstrip("; ") if result.summary.startswith(skipped) else ""
+        note = result.summary[len(skipped) :].lstrip("; ") if result.summary.startswith(skipped) else ""
         # nothing to measure (no budget asked for, no GPU): a skip, not a failure
         if skipped.startswith(("skipped: no memory budget given", NO_GPU, NO_GPU_DEVICE)):
-            return Outcome("skipped", skipped[len("skipped: "):], note)
+            return Outcome("skipped", skipped[len("skipped: ") :], note)
         # a budget was given but could not be measured under: its figures are missing from the profile
-        reason = skipped[len("failed: "):] if skipped.startswith("failed: ") else skipped
+        reason = skipped[len("failed: ") :] if skipped.startswith("failed: ") else skipped
         return Outcome("failed", plain_words(reason, fields), note)
     flags = []
     r2 = data.get("r2")
@@ -69,11 +74,15 @@ def step_outcome(result: StepResult, fields: dict[str, str] | None = None) -> Ou
         flag = f"fit R² {r2:.2f} is below {FIT_R2_MIN}: the cost model explains little of the measured time"
         ceiling = data.get("r2_ceiling")
         if ceiling is not None and ceiling < FIT_R2_MIN:
-            flag += (f"; the same batches timed again spread so far that no model of their counts gets past "
-                     f"{ceiling:.2f}: the device was noisy, measure again when it is quiet")
+            flag += (
+                f"; the same batches timed again spread so far that no model of their counts gets past "
+                f"{ceiling:.2f}: the device was noisy, measure again when it is quiet"
+            )
         elif ceiling is not None:
-            flag += (f"; a model of the batches' counts could reach {ceiling:.2f}, so the time follows something "
-                     f"they do not count")
+            flag += (
+                f"; a model of the batches' counts could reach {ceiling:.2f}, so the time follows something "
+                f"they do not count"
+            )
         flags.append(flag)
     for key, label in _CONSTANTS:
         v = data.get(key)
@@ -91,7 +100,7 @@ class StepState:
     done: int = 0
     total: int = 0
     summary: str = ""
-    reason: str = ""        # failed or skipped: why
+    reason: str = ""  # failed or skipped: why
     flags: list[str] = field(default_factory=list)
 
 
@@ -99,16 +108,16 @@ class StepState:
 class TuneState:
     """The wizard's tuning step: what it is doing and what it found."""
 
-    state: str = "running"   # running | done | failed | stopped
+    state: str = "running"  # running | done | failed | stopped
     lines: list[str] = field(default_factory=list)
     reason: str = ""
     done: int = 0
     total: int = 0
     phase: str = ""
-    points: dict = field(default_factory=dict)   # candidate index → (rung, tok/s)
+    points: dict = field(default_factory=dict)  # candidate index → (rung, tok/s)
     settings: dict = field(default_factory=dict)  # candidate index → engine.tune.Settings
     defaults_tok_s: float | None = None
-    section: dict | None = None                  # TuneDone's, recorded in the saved profile
+    section: dict | None = None  # TuneDone's, recorded in the saved profile
 
     def best_so_far(self) -> tuple | None:
         """(settings, tok/s, the defaults' tok/s, rung) of the fastest candidate of the last rung measured, or
@@ -118,8 +127,9 @@ class TuneState:
         if not rungs:
             return None
         last = max(rungs)
-        index, (_, tok_s) = max(((i, p) for i, p in self.points.items() if i != 0 and p[0] == last),
-                                key=lambda item: item[1][1])
+        index, (_, tok_s) = max(
+            ((i, p) for i, p in self.points.items() if i != 0 and p[0] == last), key=lambda item: item[1][1]
+        )
         defaults = self.points.get(0, (last, None))[1]
         return self.settings[index], tok_s, defaults, last
 
@@ -130,5 +140,7 @@ def stopping_text(longest_s: float | None, running_s: float) -> str:
     if longest_s is None:
         return f"stopping after the current measurement (running for {running_s:.0f} s)…"
     left = max(0.0, longest_s - running_s)
-    return (f"stopping after the current measurement: up to ~{left:.0f} s more (the longest so far took "
-            f"{longest_s:.0f} s; this one began {running_s:.0f} s ago)…")
+    return (
+        f"stopping after the current measurement: up to ~{left:.0f} s more (the longest so far took "
+        f"{longest_s:.0f} s; this one began {running_s:.0f} s ago)…"
+    )

@@ -88,8 +88,7 @@ class TunePlot(PlotextPlot):
 
     DEFAULT_CSS = "TunePlot { height: 1fr; min-height: 10; }"
 
-    def show_candidates(self, points: dict[int, tuple[int, float]], defaults_tok_s: float | None,
-                        title: str) -> None:
+    def show_candidates(self, points: dict[int, tuple[int, float]], defaults_tok_s: float | None, title: str) -> None:
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()

@@ -17,8 +17,7 @@ from ..model_runs import speed_text
 from . import messages
 from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
-from .session import (MODE_HELP, OPEN_KEYS, SHORT_NAMES, ChatSettings, engine_modes, mode_help, moe_modes,
-                      value_text)
+from .session import MODE_HELP, OPEN_KEYS, SHORT_NAMES, ChatSettings, engine_modes, mode_help, moe_modes, value_text
 from .state import remember_settings, remembered_settings, settings_from_state
 from .widgets import ChatTurn, FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend, progress_bar
 
@@ -31,52 +30,97 @@ class ChatScreen(Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the generation after the current iteration"),
         # not Ctrl+R, which runs on Calibrate and Bench: a letter that works off the prompt, as q and ? do
-        Binding("d", "toggle_rejected", "Drafts", show=False,
-                tooltip="Show or hide rejected draft tokens (when not typing; Tab leaves the prompt)"),
+        Binding(
+            "d",
+            "toggle_rejected",
+            "Drafts",
+            show=False,
+            tooltip="Show or hide rejected draft tokens (when not typing; Tab leaves the prompt)",
+        ),
         Binding("f6", "cycle_mode", "Mode", tooltip="Next decoding mode (s2moe, ar, baselines)"),
         Binding("shift+f6", "cycle_mode(-1)", "Previous mode", show=False, tooltip="Previous decoding mode"),
         Binding("f7", "toggle_utility", "Utility", tooltip="Routing-aware expansion on/off (off: fixed draft length)"),
-        Binding("f8", "toggle_gating", "Gating",
-                tooltip="Reuse-aware gating on/off (on, the default: lossy; off: lossless)"),
+        Binding(
+            "f8", "toggle_gating", "Gating", tooltip="Reuse-aware gating on/off (on, the default: lossy; off: lossless)"
+        ),
         Binding("f9", "cycle_topk", "k_d", tooltip="Next number of experts per token in draft passes"),
-        Binding("shift+f9", "cycle_topk(-1)", "Fewer k_d", show=False,
-                tooltip="Previous number of experts per token in draft passes"),
+        Binding(
+            "shift+f9",
+            "cycle_topk(-1)",
+            "Fewer k_d",
+            show=False,
+            tooltip="Previous number of experts per token in draft passes",
+        ),
         Binding("ctrl+o", "settings", "Settings", show=False, tooltip="All generation settings in one form"),
-        Binding("ctrl+s", "export", "Save", show=False,
-                tooltip="Save the transcript as Markdown (.md) or JSONL (.jsonl); the path is shown after"),
+        Binding(
+            "ctrl+s",
+            "export",
+            "Save",
+            show=False,
+            tooltip="Save the transcript as Markdown (.md) or JSONL (.jsonl); the path is shown after",
+        ),
         Binding("ctrl+g", "full_live", "Plots", tooltip="The live panel full-screen, with every plot (again: back)"),
         Binding("ctrl+l", "toggle_live", "Live panel", show=False, tooltip="Show or hide the live panel"),
         Binding("ctrl+n", "new_chat", "New chat", show=False, tooltip="Clear the chat history"),
-        Binding("ctrl+y", "focus_live", "Focus live panel", show=False,
-                tooltip="Focus the live panel (arrows/PgUp/PgDn scroll it; Tab returns)"),
+        Binding(
+            "ctrl+y",
+            "focus_live",
+            "Focus live panel",
+            show=False,
+            tooltip="Focus the live panel (arrows/PgUp/PgDn scroll it; Tab returns)",
+        ),
         Binding("i", "focus_prompt", "Prompt", show=False, tooltip="Focus the prompt (when not typing)"),
     ]
 
-    PROMPT_HELP = [("Up / Down", "earlier prompts of this session"), ("Ctrl+U", "clear the prompt"),
-                   ("Tab / Shift+Tab", "move focus: prompt, transcript, live panel (q, ?, d work off the prompt)")]
+    PROMPT_HELP = [
+        ("Up / Down", "earlier prompts of this session"),
+        ("Ctrl+U", "clear the prompt"),
+        ("Tab / Shift+Tab", "move focus: prompt, transcript, live panel (q, ?, d work off the prompt)"),
+    ]
     COMPLETION_HELP = [("Enter", "generate (each prompt is a fresh completion; the transcript keeps them all)")]
     OTHER_HELP = [
         ("Modes (F6 next, Shift+F6 back)", list(MODE_HELP.items())),
-        ("Answer colours", [("accepted", "draft token the target accepted"),
-                            ("correction", "the target's token replacing the first rejected draft"),
-                            ("bonus", "the target's extra token after every draft was accepted"),
-                            ("rejected", "draft token the target rejected (struck through; d hides, off the prompt)"),
-                            ("plain", "a plain decoding step (no draft)")]),
-        ("Live panel", [("Ctrl+G", "the panel full-screen with every plot; Ctrl+G or Esc returns"),
-                        ("tiles", "one line per figure: value, recent iterations as a sparkline, note; reuse and "
-                                  "memory draw one bar per layer, utility marks the rule's cut with |"),
-                        ("accept len", "tokens committed per target pass (1.0 = plain decoding)"),
-                        ("accepted", "share of draft tokens the target accepted"),
-                        ("rollbacks", "rejected draft tokens undone after verification (removed from the model's KV cache)"),
-                        ("reuse", "distinct experts / (tokens × k) per layer: lower means the tokens shared more experts; "
-                                  "1/tokens is perfect reuse"),
-                        ("useful", "share of the verification's experts that committed tokens needed"),
-                        ("moved", "expert selections reuse-aware gating moved onto shared experts"),
-                        ("no draft", "the utility rule's decision (or drafting, probing) with its numbers; "
-                                     "F7 turns the rule off"),
-                        ("per step", "under --budget: experts a verification read over all layers, those fetched from "
-                                     "storage (not in memory when their layer routed), page faults"),
-                        ("faults", "under --budget: page faults per step that waited for storage")]),
+        (
+            "Answer colours",
+            [
+                ("accepted", "draft token the target accepted"),
+                ("correction", "the target's token replacing the first rejected draft"),
+                ("bonus", "the target's extra token after every draft was accepted"),
+                ("rejected", "draft token the target rejected (struck through; d hides, off the prompt)"),
+                ("plain", "a plain decoding step (no draft)"),
+            ],
+        ),
+        (
+            "Live panel",
+            [
+                ("Ctrl+G", "the panel full-screen with every plot; Ctrl+G or Esc returns"),
+                (
+                    "tiles",
+                    "one line per figure: value, recent iterations as a sparkline, note; reuse and "
+                    "memory draw one bar per layer, utility marks the rule's cut with |",
+                ),
+                ("accept len", "tokens committed per target pass (1.0 = plain decoding)"),
+                ("accepted", "share of draft tokens the target accepted"),
+                ("rollbacks", "rejected draft tokens undone after verification (removed from the model's KV cache)"),
+                (
+                    "reuse",
+                    "distinct experts / (tokens × k) per layer: lower means the tokens shared more experts; "
+                    "1/tokens is perfect reuse",
+                ),
+                ("useful", "share of the verification's experts that committed tokens needed"),
+                ("moved", "expert selections reuse-aware gating moved onto shared experts"),
+                (
+                    "no draft",
+                    "the utility rule's decision (or drafting, probing) with its numbers; F7 turns the rule off",
+                ),
+                (
+                    "per step",
+                    "under --budget: experts a verification read over all layers, those fetched from "
+                    "storage (not in memory when their layer routed), page faults",
+                ),
+                ("faults", "under --budget: page faults per step that waited for storage"),
+            ],
+        ),
     ]
 
     @property
@@ -84,9 +128,14 @@ class ChatScreen(Screen):
         """The help's own sections; the prompt's says whether Enter continues a conversation."""
         template = self.app.session.template
         if self.app.session.conversation is not None:
-            enter = [("Enter", f"the next turn of the conversation, under the model's chat template ({template.name});"
-                               " the model keeps the turns before in its KV cache"),
-                     ("Ctrl+N", "a new conversation: the transcript and the model's history cleared")]
+            enter = [
+                (
+                    "Enter",
+                    f"the next turn of the conversation, under the model's chat template ({template.name});"
+                    " the model keeps the turns before in its KV cache",
+                ),
+                ("Ctrl+N", "a new conversation: the transcript and the model's history cleared"),
+            ]
         else:
             enter = self.COMPLETION_HELP
         return [("Prompt", enter + self.PROMPT_HELP)] + self.OTHER_HELP
@@ -124,8 +173,13 @@ class ChatScreen(Screen):
             remembered = remembered_settings()
         except S2MoEError as e:
             remembered = {}
-            self.notify(f"{failure_text(e)}: the chat starts from the default settings, which replace the file "
-                        "when a setting changes", title="Settings not restored", severity="warning", timeout=12)
+            self.notify(
+                f"{failure_text(e)}: the chat starts from the default settings, which replace the file "
+                "when a setting changes",
+                title="Settings not restored",
+                severity="warning",
+                timeout=12,
+            )
         self.settings = replace(settings_from_state(remembered), **self.app.sampling_flags)
         self.adapt_to_model()
         self.set_interval(0.1, self.flush_text)
@@ -187,8 +241,7 @@ class ChatScreen(Screen):
         session = self.app.session
         tuned = session.tuned()
         # the user's own values where the profile tuned others are marked, so that a mix is never silent
-        text = self.settings.describe(session.model, tuned, session.budget is not None,
-                                      self.settings.overrides(tuned))
+        text = self.settings.describe(session.model, tuned, session.budget is not None, self.settings.overrides(tuned))
         if session.profile_name:
             text += f" · profile {session.profile_name}"
             if session.profile_problem():
@@ -253,13 +306,19 @@ class ChatScreen(Screen):
 
     def action_toggle_lookup(self) -> None:
         self.apply_settings(replace(self.settings, lookup=not self.shown_settings().lookup))
-        self.notify("copies from the context " + ("on (s2moe, where the utility rule says they pay)"
-                                                  if self.settings.lookup else "off"), timeout=2)
+        self.notify(
+            "copies from the context "
+            + ("on (s2moe, where the utility rule says they pay)" if self.settings.lookup else "off"),
+            timeout=2,
+        )
 
     def action_toggle_gating(self) -> None:
         self.apply_settings(replace(self.settings, gating=not self.settings.gating))
-        self.notify("reuse-aware gating " + ("on (lossy: answers can differ from plain decoding's)"
-                                             if self.settings.gating else "off (lossless)"), timeout=3)
+        self.notify(
+            "reuse-aware gating "
+            + ("on (lossy: answers can differ from plain decoding's)" if self.settings.gating else "off (lossless)"),
+            timeout=3,
+        )
 
     def action_cycle_topk(self, step: int = 1) -> None:
         model = self.app.session.model
@@ -283,19 +342,29 @@ class ChatScreen(Screen):
             if result is not reset:
                 # a value the form showed unchanged stays open: the profile's (or the default) still decides
                 # it, for another profile or model too
-                result = result.left_to_profile([key for key in OPEN_KEYS if getattr(self.settings, key) is None
-                                                 and getattr(result, key) == getattr(shown, key)])
+                result = result.left_to_profile(
+                    [
+                        key
+                        for key in OPEN_KEYS
+                        if getattr(self.settings, key) is None and getattr(result, key) == getattr(shown, key)
+                    ]
+                )
             self.apply_settings(result)
 
         sources = self.settings.sources(session.tuned(), self.app.sampling_flags)
-        self.app.push_screen(SettingsDialog(shown, self.available_modes(), session.model, sources=sources,
-                                            profile=session.profile_name, reset=reset), done)
+        self.app.push_screen(
+            SettingsDialog(
+                shown, self.available_modes(), session.model, sources=sources, profile=session.profile_name, reset=reset
+            ),
+            done,
+        )
 
     def action_reset_to_profile(self) -> None:
         """Leave every value a profile can tune to the active profile again (else to the defaults)."""
         self.apply_settings(self.settings.left_to_profile())
-        self.notify("the profile's values apply" if self.app.session.profile_name else "the default values apply",
-                    timeout=3)
+        self.notify(
+            "the profile's values apply" if self.app.session.profile_name else "the default values apply", timeout=3
+        )
 
     def profile_activated(self) -> None:
         """A profile was made active: its tuned values win over the user's remembered ones (the user changed
@@ -309,9 +378,14 @@ class ChatScreen(Screen):
         replaced = self.settings.overrides(tuned)
         self.apply_settings(self.settings.left_to_profile([key for key in OPEN_KEYS if key in tuned]))
         if replaced:
-            self.notify("the profile's tuned values replace yours: "
-                        + ", ".join(f"{SHORT_NAMES[key]} {value_text(theirs)} (was {value_text(mine)})"
-                                    for key, (mine, theirs) in replaced.items()), timeout=8)
+            self.notify(
+                "the profile's tuned values replace yours: "
+                + ", ".join(
+                    f"{SHORT_NAMES[key]} {value_text(theirs)} (was {value_text(mine)})"
+                    for key, (mine, theirs) in replaced.items()
+                ),
+                timeout=8,
+            )
 
     # -- view actions ----------------------------------------------------------------------------------
     def action_toggle_rejected(self) -> None:
@@ -355,13 +429,16 @@ class ChatScreen(Screen):
             try:
                 target = export_transcript(path, self.transcript.turns)
             except (S2MoEError, OSError) as e:
-                self.notify(str(e) if isinstance(e, S2MoEError) else f"cannot write {path}: {e.strerror}",
-                            title="Not saved", severity="error", timeout=8)
+                self.notify(
+                    str(e) if isinstance(e, S2MoEError) else f"cannot write {path}: {e.strerror}",
+                    title="Not saved",
+                    severity="error",
+                    timeout=8,
+                )
                 return
             self.notify(f"saved {len(turns)} turn(s) to {target}", title="Transcript saved", timeout=10)
 
-        self.app.push_screen(ExportDialog("Save the transcript", default_path("chat", ".md"), TRANSCRIPT_FORMATS),
-                             save)
+        self.app.push_screen(ExportDialog("Save the transcript", default_path("chat", ".md"), TRANSCRIPT_FORMATS), save)
 
     def action_new_chat(self) -> None:
         if self.generating:
@@ -460,8 +537,12 @@ class ChatScreen(Screen):
         self._turn_index += 1
         session = self.app.session
         chat = session.template.name if session.conversation is not None else None
-        turn = ChatTurn(self._turn_index, prompt, self.settings.describe(session.model, session.tuned(),
-                                                                       session.budget is not None), chat)
+        turn = ChatTurn(
+            self._turn_index,
+            prompt,
+            self.settings.describe(session.model, session.tuned(), session.budget is not None),
+            chat,
+        )
         turn.show_rejected = self.show_rejected
         turn.status = "starting…"
         self._turn = turn
@@ -502,9 +583,11 @@ class ChatScreen(Screen):
         session = self.app.session
         if isinstance(event, MeasuringCosts):
             # without a profile's constants the first generation measures them, under a budget for many seconds
-            status = (f"measuring cost constants {progress_bar(round(event.fraction * 10), 10)} "
-                      f"{event.fraction:.0%} · {event.seconds:.0f} s (once for this model and k_d; a profile "
-                      "calibrated on F3 skips it)")
+            status = (
+                f"measuring cost constants {progress_bar(round(event.fraction * 10), 10)} "
+                f"{event.fraction:.0%} · {event.seconds:.0f} s (once for this model and k_d; a profile "
+                "calibrated on F3 skips it)"
+            )
             self.set_status(status)
             if turn is not None:
                 turn.status = status
@@ -536,9 +619,11 @@ class ChatScreen(Screen):
             live.finish(event)
             summary = live.summary
             if turn is not None:
-                turn.summary = (f"{summary.n_tokens} tokens · {speed_text(summary)} · "
-                                f"accept len {summary.accept_len:.2f} · rollbacks {summary.rollbacks} · "
-                                f"stop: {summary.stop_reason}")
+                turn.summary = (
+                    f"{summary.n_tokens} tokens · {speed_text(summary)} · "
+                    f"accept len {summary.accept_len:.2f} · rollbacks {summary.rollbacks} · "
+                    f"stop: {summary.stop_reason}"
+                )
                 prefilled = self._prefilled
                 if prefilled is not None and prefilled.reused:
                     turn.summary += f" · {prefilled.reused} of {prefilled.n_tokens} prompt tokens kept in KV"

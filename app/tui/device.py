@@ -41,8 +41,13 @@ def graph(values, width: int, height: int, top: float) -> list[str]:
         cells = []
         for level in levels:
             part = level - row * 8
-            cells.append(EIGHTHS[8] if part >= 8 else EIGHTHS[max(1 if row == 0 and level > 0 else 0, int(part))]
-                         if part > 0 else " ")
+            cells.append(
+                EIGHTHS[8]
+                if part >= 8
+                else EIGHTHS[max(1 if row == 0 and level > 0 else 0, int(part))]
+                if part > 0
+                else " "
+            )
         rows.append("".join(cells).rjust(width))
     return rows
 
@@ -54,8 +59,9 @@ def _mb_s(rate: float | None) -> str:
 class DeviceView:
     """A DeviceSample (and the history of the previous ones) as lines of text for a given width."""
 
-    def __init__(self, sample: DeviceSample | None, history: dict[str, deque], budget_text: str = "",
-                 height: int | None = None):
+    def __init__(
+        self, sample: DeviceSample | None, history: dict[str, deque], budget_text: str = "", height: int | None = None
+    ):
         self.sample = sample
         self.history = history
         self.budget_text = budget_text
@@ -92,48 +98,86 @@ class DeviceView:
         total, avail = m.get("MemTotal", 0), m.get("MemAvailable", 0)
         if total:
             used = total - avail
-            out += self._rows(width, "Memory", meter(used / total, bar),
-                              [f"{fmt_bytes(used)} used of {fmt_bytes(total)}", f"{fmt_bytes(avail)} available"])
+            out += self._rows(
+                width,
+                "Memory",
+                meter(used / total, bar),
+                [f"{fmt_bytes(used)} used of {fmt_bytes(total)}", f"{fmt_bytes(avail)} available"],
+            )
         swap_total = m.get("SwapTotal", 0)
         if swap_total:
             swap_used = swap_total - m.get("SwapFree", 0)
-            out += self._rows(width, "Swap", meter(swap_used / swap_total, bar),
-                              [f"{fmt_bytes(swap_used)} used of {fmt_bytes(swap_total)}"])
+            out += self._rows(
+                width,
+                "Swap",
+                meter(swap_used / swap_total, bar),
+                [f"{fmt_bytes(swap_used)} used of {fmt_bytes(swap_total)}"],
+            )
         else:
             out += self._rows(width, "Swap", None, ["none"])
         cache = f"page cache {fmt_bytes(m.get('Cached', 0))}"
         if s.model_cached is not None and s.model_cached[1]:
             have, size = s.model_cached
-            out += self._rows(width, "Model", meter(have / size, bar),
-                              [f"{have / size:.0%} of the file cached", f"{fmt_bytes(have)} of {fmt_bytes(size)}",
-                               cache])
+            out += self._rows(
+                width,
+                "Model",
+                meter(have / size, bar),
+                [f"{have / size:.0%} of the file cached", f"{fmt_bytes(have)} of {fmt_bytes(size)}", cache],
+            )
         else:
             out += self._rows(width, "Cache", None, [cache])
         out += self._process(width, s, bar)
         if s.cgroup is not None and s.cgroup.get("limit"):
             g = s.cgroup
-            out += self._rows(width, "Budget", meter(g["total"] / g["limit"], bar),
-                              [f"{fmt_bytes(g['total'])} of {fmt_bytes(g['limit'])}", f"anon {fmt_bytes(g['anon'])}",
-                               f"file {fmt_bytes(g['file'])}", f"locked {fmt_bytes(g['locked'])}"])
+            out += self._rows(
+                width,
+                "Budget",
+                meter(g["total"] / g["limit"], bar),
+                [
+                    f"{fmt_bytes(g['total'])} of {fmt_bytes(g['limit'])}",
+                    f"anon {fmt_bytes(g['anon'])}",
+                    f"file {fmt_bytes(g['file'])}",
+                    f"locked {fmt_bytes(g['locked'])}",
+                ],
+            )
         else:
-            out += self._rows(width, "Budget", None,
-                              [self.budget_text or "none: the whole model may stay in memory (--budget SIZE)"])
+            out += self._rows(
+                width, "Budget", None, [self.budget_text or "none: the whole model may stay in memory (--budget SIZE)"]
+            )
         disk = self.history.get("disk", ())
-        out += self._rows(width, "Reads", spark(list(disk)[-bar:]) if disk else None,
-                          [f"{s.disk or 'storage'} {_mb_s(s.disk_read_bytes_per_s)}",
-                           f"this process {_mb_s(s.read_bytes_per_s)}"])
+        out += self._rows(
+            width,
+            "Reads",
+            spark(list(disk)[-bar:]) if disk else None,
+            [f"{s.disk or 'storage'} {_mb_s(s.disk_read_bytes_per_s)}", f"this process {_mb_s(s.read_bytes_per_s)}"],
+        )
         out += self._cpu(width, s.cpu)
         if s.jetson is not None:
             out += self._jetson(width, s.jetson)
         elif s.temps:
-            out += self._rows(width, "Temp", None, [f"{name} {value:.1f}°C" for name, value in s.temps.items()]
-                              + ["from /sys/class/thermal"])
-            out += self._rows(width, "GPU", None, ["no GPU or power source here: they come from a Jetson's jtop "
-                                                   "service or tegrastats"])
+            out += self._rows(
+                width,
+                "Temp",
+                None,
+                [f"{name} {value:.1f}°C" for name, value in s.temps.items()] + ["from /sys/class/thermal"],
+            )
+            out += self._rows(
+                width,
+                "GPU",
+                None,
+                ["no GPU or power source here: they come from a Jetson's jtop service or tegrastats"],
+            )
         else:
-            out += self._rows(width, "GPU", None, ["no GPU, temperature or power source here: they come from a "
-                                                   "Jetson's jtop service or tegrastats, temperatures also from "
-                                                   "/sys/class/thermal"])
+            out += self._rows(
+                width,
+                "GPU",
+                None,
+                [
+                    "no GPU, temperature or power source here: they come from a "
+                    "Jetson's jtop service or tegrastats, temperatures also from "
+                    "/sys/class/thermal"
+                ],
+            )
         return out + self._history(width, s, len(out))
 
     def _process(self, width: int, s: DeviceSample, bar: int) -> list[Text]:
@@ -141,8 +185,11 @@ class DeviceView:
         rss, total = p.get("VmRSS"), s.memory.get("MemTotal", 0)
         if rss is None:
             return []
-        parts = [f"{fmt_bytes(rss)} resident", f"anon {fmt_bytes(p.get('RssAnon', 0))}",
-                 f"model file pages {fmt_bytes(p.get('RssFile', 0))}"]
+        parts = [
+            f"{fmt_bytes(rss)} resident",
+            f"anon {fmt_bytes(p.get('RssAnon', 0))}",
+            f"model file pages {fmt_bytes(p.get('RssFile', 0))}",
+        ]
         if p.get("VmSwap"):
             parts.append(f"swapped {fmt_bytes(p['VmSwap'])}")
         return self._rows(width, "This app", meter(rss / total, bar) if total else None, parts)
@@ -154,8 +201,9 @@ class DeviceView:
             out.append(("cpu", "CPU", 1.0, f"{sum(s.cpu) / len(s.cpu):.0%} mean"))
         total = s.memory.get("MemTotal", 0)
         if total:
-            out.append(("memory", "Memory", float(total),
-                        f"{(total - s.memory.get('MemAvailable', 0)) / total:.0%} used"))
+            out.append(
+                ("memory", "Memory", float(total), f"{(total - s.memory.get('MemAvailable', 0)) / total:.0%} used")
+            )
         j = s.jetson or {}
         if j.get("gpu_load") is not None:
             out.append(("gpu", "GPU", 100.0, f"{j['gpu_load']}% load"))
@@ -175,8 +223,7 @@ class DeviceView:
         rows = max(1, min(6, room // len(series))) if room > 0 else 2
         value_width = max(cell_len(x[3]) for x in series) + 1
         cols = max(8, width - LABEL - value_width)
-        out = [Text(f"History, last {min(cols, len(self.history[series[0][0]]))} s (one column a second)",
-                    style="dim")]
+        out = [Text(f"History, last {min(cols, len(self.history[series[0][0]]))} s (one column a second)", style="dim")]
         for key, label, top, value in series:
             for i, line in enumerate(graph(self.history[key], cols, rows, top)):
                 text = Text(no_wrap=True, overflow="ellipsis")
@@ -195,7 +242,7 @@ class DeviceView:
         for start in range(0, len(shares), per_line):
             row = Text(no_wrap=True, overflow="ellipsis")
             row.append(f"{'CPU' if start == 0 else '':<{LABEL}}", style="bold")
-            for i, share in enumerate(shares[start:start + per_line], start):
+            for i, share in enumerate(shares[start : start + per_line], start):
                 row.append(f"{i:>2} {meter(share, 7)} {share:>4.0%} ")
             rows.append(row)
         return rows
@@ -207,8 +254,9 @@ class DeviceView:
         parts += [f"{name} {value:.1f}°C" for name, value in j.get("temps", {}).items()]
         parts += [f"{name} {value} mW" for name, value in j.get("power", {}).items()]
         source = j.get("source", "tegrastats")
-        return self._rows(width, "Jetson", None, parts + [f"from {source}"] if parts else
-                          [f"{source} gave no readings yet"])
+        return self._rows(
+            width, "Jetson", None, parts + [f"from {source}"] if parts else [f"{source} gave no readings yet"]
+        )
 
     def __rich_console__(self, console, options):
         yield from self.lines(options.max_width)
@@ -217,18 +265,32 @@ class DeviceView:
 class DeviceScreen(Screen):
     HELP_TITLE = "Device"
     HELP_EXTRA = [
-        ("Device", [("Memory / Swap", "used of total, from /proc/meminfo"),
-                    ("Model", "share of the model file in the page cache (mincore: nothing is read)"),
-                    ("Budget", "the memory cgroup's usage against its limit, split into anonymous memory, "
-                               "file pages and locked pages (s2moe app --budget)"),
-                    ("Reads", "storage reads: the model's block device, and this process (page faults included)"),
-                    ("This app", "this process's resident memory (anonymous, and the model file's pages it maps)"),
-                    ("CPU", "busy share of each core over the last second"),
-                    ("History", "CPU (mean of the cores), memory used and, where a source exists, GPU load, the "
-                                "hottest temperature and total power: one column a second"),
-                    ("Temp", "where no Jetson source runs: each thermal zone of /sys/class/thermal"),
-                    ("Jetson", "GPU load, temperatures and power rails from jtop's service (jetson-stats) where "
-                               "it runs, else from tegrastats")]),
+        (
+            "Device",
+            [
+                ("Memory / Swap", "used of total, from /proc/meminfo"),
+                ("Model", "share of the model file in the page cache (mincore: nothing is read)"),
+                (
+                    "Budget",
+                    "the memory cgroup's usage against its limit, split into anonymous memory, "
+                    "file pages and locked pages (s2moe app --budget)",
+                ),
+                ("Reads", "storage reads: the model's block device, and this process (page faults included)"),
+                ("This app", "this process's resident memory (anonymous, and the model file's pages it maps)"),
+                ("CPU", "busy share of each core over the last second"),
+                (
+                    "History",
+                    "CPU (mean of the cores), memory used and, where a source exists, GPU load, the "
+                    "hottest temperature and total power: one column a second",
+                ),
+                ("Temp", "where no Jetson source runs: each thermal zone of /sys/class/thermal"),
+                (
+                    "Jetson",
+                    "GPU load, temperatures and power rails from jtop's service (jetson-stats) where "
+                    "it runs, else from tegrastats",
+                ),
+            ],
+        ),
     ]
     INTERVAL = 1.0
 
@@ -236,8 +298,9 @@ class DeviceScreen(Screen):
         super().__init__(**kw)
         self.monitor: DeviceMonitor | None = None
         self.sample: DeviceSample | None = None
-        self.history: dict[str, deque] = {key: deque(maxlen=HISTORY)
-                                          for key in ("disk", "cpu", "memory", "gpu", "temp", "power")}
+        self.history: dict[str, deque] = {
+            key: deque(maxlen=HISTORY) for key in ("disk", "cpu", "memory", "gpu", "temp", "power")
+        }
         self.samples = 0  # readings shown (tests read it)
 
     def compose(self) -> ComposeResult:
@@ -287,7 +350,8 @@ class DeviceScreen(Screen):
     def _redraw(self) -> None:
         body = self.query_one("#device-body")
         self.query_one("#device-view", Static).update(
-            DeviceView(self.sample, self.history, self.app.session.budget_label(), body.content_size.height or None))
+            DeviceView(self.sample, self.history, self.app.session.budget_label(), body.content_size.height or None)
+        )
 
 
 def record(history: dict[str, deque], s: DeviceSample) -> None:

@@ -20,9 +20,15 @@ from .session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, OPEN_KEYS
 from .widgets import TickBox
 
 # The sampler settings the form offers, in the order of llama.cpp's chain after the temperature and seed.
-SAMPLING_LABELS = {"temperature": "Temperature (0 greedy)", "seed": "Seed (-1 random)", "top_k": "Top-k (0 off)",
-                   "top_p": "Top-p (1 off)", "min_p": "Min-p (0 off)", "repeat_penalty": "Repeat penalty (1 off)",
-                   "repeat_last_n": "Penalty window (tokens)"}
+SAMPLING_LABELS = {
+    "temperature": "Temperature (0 greedy)",
+    "seed": "Seed (-1 random)",
+    "top_k": "Top-k (0 off)",
+    "top_p": "Top-p (1 off)",
+    "min_p": "Min-p (0 off)",
+    "repeat_penalty": "Repeat penalty (1 off)",
+    "repeat_last_n": "Penalty window (tokens)",
+}
 
 KEY_NAMES = {"escape": "Esc", "question_mark": "?", "enter": "Enter", "tab": "Tab"}
 
@@ -131,8 +137,9 @@ class ModelPathDialog(ModalScreen[str | None]):
                 for m in self.models:
                     size = m.get("size_bytes")
                     spec = f"{m.get('n_expert', '?')} experts top-{m.get('k', '?')}" if m.get("n_expert") else ""
-                    extra = " · ".join(x for x in (m.get("arch", ""), spec,
-                                                   f"{size / 1e6:.0f} MB" if size else "") if x)
+                    extra = " · ".join(
+                        x for x in (m.get("arch", ""), spec, f"{size / 1e6:.0f} MB" if size else "") if x
+                    )
                     options.append(Option(f"{m['name']}  ({extra})" if extra else m["name"], id=str(m["path"])))
                 yield OptionList(*options, id="model-list")
                 yield Label("…or the path of a GGUF file:")
@@ -165,9 +172,16 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "apply", "Apply")]
 
-    def __init__(self, settings: ChatSettings, modes: tuple[str, ...], model=None, *,
-                 sources: dict[str, str] | None = None, profile: str | None = None,
-                 reset: ChatSettings | None = None):
+    def __init__(
+        self,
+        settings: ChatSettings,
+        modes: tuple[str, ...],
+        model=None,
+        *,
+        sources: dict[str, str] | None = None,
+        profile: str | None = None,
+        reset: ChatSettings | None = None,
+    ):
         """settings: the values shown; sources: where each comes from (ChatSettings.sources); reset: what
         "Reset to profile" gives back (the user's values left to the profile), None for no such button."""
         super().__init__()
@@ -183,8 +197,12 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
         source = self.sources.get(key)
         if source is None:
             return Label(text)
-        where = {FROM_PROFILE: f"profile {self.profile}", FROM_FLAG: "command line", FROM_USER: "yours",
-                 FROM_DEFAULT: "default"}[source]
+        where = {
+            FROM_PROFILE: f"profile {self.profile}",
+            FROM_FLAG: "command line",
+            FROM_USER: "yours",
+            FROM_DEFAULT: "default",
+        }[source]
         style = "bold" if source == FROM_USER else "dim"
         return Label(Text.assemble(text, "\n", (f" from {where}", style)), classes=f"source-{source}")
 
@@ -202,14 +220,22 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 yield self.label("gating", "Reuse gating")
                 yield TickBox("on (lossy; off is lossless)", value=s.gating, id="set-gating")
                 yield self.label("lookup", "Copies from context")
-                yield TickBox("on", value=s.lookup, id="set-lookup",
-                              tooltip="s2moe: draft what followed a repeated n-gram, where the rule says it pays")
+                yield TickBox(
+                    "on",
+                    value=s.lookup,
+                    id="set-lookup",
+                    tooltip="s2moe: draft what followed a repeated n-gram, where the rule says it pays",
+                )
                 yield self.label("reuse_strength", "Gating strength α")
                 yield Input(str(s.reuse_strength), id="set-alpha", type="number")
                 yield self.label("memory_strength", "Memory strength α_m")
-                yield Input(str(s.memory_strength), id="set-memory", type="number",
-                            tooltip="under a memory budget, with gating on: every step's bias toward the experts "
-                                    "in memory (0 = off)")
+                yield Input(
+                    str(s.memory_strength),
+                    id="set-memory",
+                    type="number",
+                    tooltip="under a memory budget, with gating on: every step's bias toward the experts "
+                    "in memory (0 = off)",
+                )
                 yield self.label("draft_topk", "Draft experts k_d")
                 yield Select([(str(v), v) for v in topk], value=s.draft_topk, allow_blank=False, id="set-topk")
                 yield self.label("draft_max", "Draft cap")
@@ -220,14 +246,20 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 yield Input(str(s.n_predict), id="set-n", type="integer")
                 for key, label in SAMPLING_LABELS.items():
                     yield self.label(key, label)
-                    yield Input(str(getattr(s, key)), id=f"sample-{key}",
-                                tooltip=f"as {SAMPLING_VALUES[key][0]} of s2moe generate")
+                    yield Input(
+                        str(getattr(s, key)),
+                        id=f"sample-{key}",
+                        tooltip=f"as {SAMPLING_VALUES[key][0]} of s2moe generate",
+                    )
             with Horizontal(classes="dialog-buttons"):
                 if self.reset is not None:
-                    yield Button("Reset to profile" if self.profile else "Reset to defaults", id="reset",
-                                 disabled=FROM_USER not in {self.sources.get(key) for key in OPEN_KEYS},
-                                 tooltip="Forget your values of what a profile tunes (k_d, cap, threshold, α, "
-                                         "α_m, copies): the active profile's apply, else the defaults")
+                    yield Button(
+                        "Reset to profile" if self.profile else "Reset to defaults",
+                        id="reset",
+                        disabled=FROM_USER not in {self.sources.get(key) for key in OPEN_KEYS},
+                        tooltip="Forget your values of what a profile tunes (k_d, cap, threshold, α, "
+                        "α_m, copies): the active profile's apply, else the defaults",
+                    )
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
             yield Static("Tab moves · Ctrl+S applies · Esc cancels", classes="dialog-hint")
@@ -259,8 +291,7 @@ class SettingsDialog(ModalScreen[ChatSettings | None]):
                 draft_max=num("#set-draftmax", int, 1, 16),
                 threshold=num("#set-threshold", float, 0.0, 1e6),
                 n_predict=num("#set-n", int, 1, 100000),
-                **{key: sampling_value(key, self.query_one(f"#sample-{key}", Input).value)
-                   for key in SAMPLING_LABELS},
+                **{key: sampling_value(key, self.query_one(f"#sample-{key}", Input).value) for key in SAMPLING_LABELS},
             )
         except ValueError as e:
             self.notify(str(e), severity="error")

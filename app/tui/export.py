@@ -17,9 +17,9 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from ...engine.measure.bench_results import BenchDone
 from ...engine.errors import ConfigError
 from ...engine.files import write_atomic
+from ...engine.measure.bench_results import BenchDone
 
 TRANSCRIPT_FORMATS = {".md": "Markdown", ".markdown": "Markdown", ".jsonl": "JSONL"}
 BENCH_FORMATS = {".json": "JSON", ".csv": "CSV"}
@@ -36,8 +36,18 @@ def transcript_markdown(turns) -> str:
         if turn.template is None:
             out += [f"## {turn.index}. {turn.prompt}", "", f"*{turn.settings_text}*", "", turn.answer_text.strip(), ""]
         else:
-            out += [f"## {turn.index}. user", "", turn.prompt, "", "### assistant", "",
-                    f"*{turn.settings_text} · chat template {turn.template}*", "", turn.answer_text.strip(), ""]
+            out += [
+                f"## {turn.index}. user",
+                "",
+                turn.prompt,
+                "",
+                "### assistant",
+                "",
+                f"*{turn.settings_text} · chat template {turn.template}*",
+                "",
+                turn.answer_text.strip(),
+                "",
+            ]
         if turn.summary:
             out += [f"> {turn.summary}", ""]
     return "\n".join(out)
@@ -50,11 +60,19 @@ def transcript_jsonl(turns) -> str:
     completion)."""
     lines = []
     for turn in turns:
-        record = {"turn": turn.index, "prompt": turn.prompt, "settings": turn.settings_text,
-                  "answer": turn.answer_text, "summary": turn.summary, "template": turn.template}
+        record = {
+            "turn": turn.index,
+            "prompt": turn.prompt,
+            "settings": turn.settings_text,
+            "answer": turn.answer_text,
+            "summary": turn.summary,
+            "template": turn.template,
+        }
         if turn.template is not None:
-            record["messages"] = [{"role": "user", "content": turn.prompt},
-                                  {"role": "assistant", "content": turn.answer_text}]
+            record["messages"] = [
+                {"role": "user", "content": turn.prompt},
+                {"role": "assistant", "content": turn.answer_text},
+            ]
         record["segments"] = [{"kind": s.kind, "text": s.text} for s in turn.segments]
         lines.append(json.dumps(record, ensure_ascii=False))
     return "".join(line + "\n" for line in lines)
@@ -94,8 +112,9 @@ def export_bench(path: str, done: BenchDone | None) -> Path:
     target, kind = _target(path, BENCH_FORMATS)
     if done is None:
         raise ConfigError("nothing to save yet: run the bench first")
-    write_atomic(target, json.dumps(done.as_dict(), indent=2) + "\n" if kind == "JSON" else bench_csv(done),
-                 "bench results")
+    write_atomic(
+        target, json.dumps(done.as_dict(), indent=2) + "\n" if kind == "JSON" else bench_csv(done), "bench results"
+    )
     return target
 
 
@@ -140,8 +159,7 @@ class ExportDialog(ModalScreen[str | None]):
         with Vertical(id="export-box"):
             yield Label(self.title_text, classes="dialog-title")
             yield Input(self.path, id="export-path")
-            yield Static(f"The extension picks the format ({kinds}). Enter saves · Esc cancels",
-                         classes="dialog-hint")
+            yield Static(f"The extension picks the format ({kinds}). Enter saves · Esc cancels", classes="dialog-hint")
 
     def on_mount(self) -> None:
         self.query_one("#export-path", Input).focus()

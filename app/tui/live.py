@@ -38,8 +38,14 @@ class IterationTree:
     @classmethod
     def of(cls, it: Iteration, piece) -> IterationTree:
         has_target = len(it.committed) == len(it.accepted) + 1
-        return cls(it.index, tuple(piece(t) for t in it.drafted), tuple(it.tree_parents or ()),
-                   tuple(it.accepted_path), piece(it.target_token) if has_target else None, it.draft_stop)
+        return cls(
+            it.index,
+            tuple(piece(t) for t in it.drafted),
+            tuple(it.tree_parents or ()),
+            tuple(it.accepted_path),
+            piece(it.target_token) if has_target else None,
+            it.draft_stop,
+        )
 
 
 @dataclass
@@ -151,8 +157,10 @@ class LiveState:
             n = s.offloaded_steps
             # per verification, over all layers (so more than a layer's expert count): experts read, those not
             # in memory when their layer routed, and page faults that waited for storage
-            lines.append(f"per step: {s.experts_read / n:.0f} experts read (all layers), "
-                         f"{s.experts_fetched / n:.1f} fetched from storage, {s.storage_faults / n:.1f} faults")
+            lines.append(
+                f"per step: {s.experts_read / n:.0f} experts read (all layers), "
+                f"{s.experts_fetched / n:.1f} fetched from storage, {s.storage_faults / n:.1f} faults"
+            )
         if s.cost is not None and s.cost.source:
             lines.append(f"cost: {s.cost.source}")
         return "\n".join(lines)
@@ -240,7 +248,7 @@ class Tiles:
         if len(values) * 2 - 1 <= room:
             return [self._line(width, label, value, " ".join(spark(values, 1.0)), note)]
         bars = spark(values, 1.0)
-        chunks = [bars[i:i + room] for i in range(0, len(bars), room)]
+        chunks = [bars[i : i + room] for i in range(0, len(bars), room)]
         out = [self._line(width, label, value, chunks[0], note)]
         out += [self._line(width, "", "", chunk) for chunk in chunks[1:]]
         return out
@@ -263,7 +271,7 @@ class Tiles:
         kept = sum(1 for _, k in values if k)
         top = max([u for u, _ in values] + [s.threshold])
         bars = Text()
-        for i, (u, k) in enumerate(values[:room - 1]):
+        for i, (u, k) in enumerate(values[: room - 1]):
             if i == kept:
                 bars.append("|", style="bold")  # where the rule cut the chain: state not by colour alone
             bars.append(spark([u], top), style=self.styles.get("kept" if k else "dropped", ""))
@@ -284,12 +292,12 @@ class Tiles:
 
     def __rich_console__(self, console, options):
         width = options.max_width
-        for line in self.lines(width):
-            yield line
+        yield from self.lines(width)
 
 
-VISIBLE = {ord(" "): "␣", ord("\n"): "⏎", ord("\t"): "⇥", 0x7F: "␡"} | {c: chr(0x2400 + c) for c in range(32)
-                                                                       if c not in (9, 10)}
+VISIBLE = {ord(" "): "␣", ord("\n"): "⏎", ord("\t"): "⇥", 0x7F: "␡"} | {
+    c: chr(0x2400 + c) for c in range(32) if c not in (9, 10)
+}
 
 
 def token_label(text: str) -> str:
@@ -326,13 +334,14 @@ class TreeView:
         head.append(f"{'tree':<{LABEL}}", style="bold")
         head.append(f"{len(tree.accepted_path)}/{len(tree.pieces)}".rjust(VALUE) + " ")
         if tree.pieces:
-            legends = [f"{ACCEPTED} accepted {REJECTED} rejected {TARGET} target",
-                       f"{ACCEPTED}acc {REJECTED}rej {TARGET}target"]
+            legends = [
+                f"{ACCEPTED} accepted {REJECTED} rejected {TARGET} target",
+                f"{ACCEPTED}acc {REJECTED}rej {TARGET}target",
+            ]
         else:
             legends = [f"no draft ({tree.draft_stop})"]
         notes = [f"it {tree.index} · {legends[0]}", *legends, f"it {tree.index}"]
-        head.append(next((n for n in notes if cell_len(head.plain) + cell_len(n) <= width), notes[-1]),
-                    style="dim")
+        head.append(next((n for n in notes if cell_len(head.plain) + cell_len(n) <= width), notes[-1]), style="dim")
         body: list[Text] = []
 
         def branch(node: int, indent: int, lead: str) -> None:
@@ -343,8 +352,10 @@ class TreeView:
                     ok = node in path
                     if lead != "└" or cell_len(line.plain) > indent + 1:
                         line.append(" ")
-                    line.append((ACCEPTED if ok else REJECTED) + token_label(tree.pieces[node]),
-                                style=self.styles.get("accepted" if ok else "rejected", ""))
+                    line.append(
+                        (ACCEPTED if ok else REJECTED) + token_label(tree.pieces[node]),
+                        style=self.styles.get("accepted" if ok else "rejected", ""),
+                    )
                 kids = children.get(node, [])
                 column = cell_len(line.plain)
                 if node == last:
@@ -364,7 +375,7 @@ class TreeView:
         branch(-1, 0, "•")
         if len(body) > self.max_lines:
             hidden = len(body) - self.max_lines + 1
-            body = body[:self.max_lines - 1] + [Text(f"  … {hidden} more branches", style="dim")]
+            body = body[: self.max_lines - 1] + [Text(f"  … {hidden} more branches", style="dim")]
         return [head] + body
 
     def __rich_console__(self, console, options):
@@ -391,8 +402,8 @@ class LivePlot(PlotextPlot):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.draws = 0       # how many times data was plotted (tests read it)
-        self.points = 0      # data points in the last draw
+        self.draws = 0  # how many times data was plotted (tests read it)
+        self.points = 0  # data points in the last draw
 
     def draw(self, s: LiveState) -> None:
         plt = self.plt
@@ -584,9 +595,13 @@ class LivePanel(VerticalScroll):
         self._drawn = self.state.version
         why = self.state.why()
         v = self.app.theme_variables
-        styles = {"bars": v.get("primary", "blue"), "kept": v.get("success", "green"),
-                  "dropped": f"dim {v.get('error', 'red')}", "accepted": f"bold {v.get('success', 'green')}",
-                  "rejected": f"dim {v.get('error', 'red')}"}
+        styles = {
+            "bars": v.get("primary", "blue"),
+            "kept": v.get("success", "green"),
+            "dropped": f"dim {v.get('error', 'red')}",
+            "accepted": f"bold {v.get('success', 'green')}",
+            "rejected": f"dim {v.get('error', 'red')}",
+        }
         parts = [Tiles(self.state, styles)] + ([FirstFit(why)] if why else [])
         if self.state.tree is not None:
             parts.append(TreeView(self.state.tree, styles))

@@ -11,11 +11,19 @@ from ...engine.errors import S2MoEError
 clock = time.monotonic  # how long the screens say things took (tests pass their own)
 
 # The engine's names for the settings its errors are about → what the app calls them (the settings bar).
-SETTING_NAMES = {"draft_topk": "k_d", "draft_max": "the draft cap", "reuse_strength": "gating α",
-                 "memory_strength": "memory α_m",
-                 "threshold": "the utility threshold", "n_predict": "n (tokens per reply)", "temperature": "T",
-                 "reuse_cap": "|E*|", "n_ctx": "the context (s2moe app --ctx)", "seed": "the seed",
-                 "time_budget": "the tuning time (Tuning minutes)"}
+SETTING_NAMES = {
+    "draft_topk": "k_d",
+    "draft_max": "the draft cap",
+    "reuse_strength": "gating α",
+    "memory_strength": "memory α_m",
+    "threshold": "the utility threshold",
+    "n_predict": "n (tokens per reply)",
+    "temperature": "T",
+    "reuse_cap": "|E*|",
+    "n_ctx": "the context (s2moe app --ctx)",
+    "seed": "the seed",
+    "time_budget": "the tuning time (Tuning minutes)",
+}
 
 
 def failure_text(e: BaseException) -> str:
@@ -109,6 +117,7 @@ def post(target, message: Message) -> bool:
 def run_engine_job(screen, session, name: str, events) -> None:
     """From a worker thread: run `events()` (a generator of engine events) as a session job, posting
     each event to `screen` as JobEvent; a failure becomes EngineFailed, and JobEnded(name) always ends it."""
+
     def job():
         for event in events():
             post(screen, JobEvent(event))

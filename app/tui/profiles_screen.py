@@ -13,9 +13,15 @@ from textual.widgets import DataTable, Footer, Static
 from ...engine.profiles import ProfileEntry, list_profiles
 from .widgets import Column, FittedTable, NavBar
 
-TABLE_COLUMNS = (Column("active", "", 1, 0), Column("name", "name", 16, 1), Column("kind", "kind", 9, 3),
-                 Column("from", "from", 7, 4), Column("covers", "this model", 10, 2), Column("models", "models", 6, 6),
-                 Column("device", "device", 20, 5, min_width=10))
+TABLE_COLUMNS = (
+    Column("active", "", 1, 0),
+    Column("name", "name", 16, 1),
+    Column("kind", "kind", 9, 3),
+    Column("from", "from", 7, 4),
+    Column("covers", "this model", 10, 2),
+    Column("models", "models", 6, 6),
+    Column("device", "device", 20, 5, min_width=10),
+)
 
 
 class ProfilesScreen(Screen):
@@ -67,15 +73,23 @@ class ProfilesScreen(Screen):
     def fill(self) -> None:
         active = self.app.session.profile_name
         fp = self.fingerprint()
-        self.query_one(FittedTable).set_rows([(e.name, {
-            "active": "●" if e.name == active else "",
-            "name": e.name,
-            "kind": e.kind,
-            "from": e.where,
-            "covers": (e.covers(fp) if fp else "?") or "—",
-            "models": str(e.n_models),
-            "device": e.device or "—",
-        }) for e in self.entries])
+        self.query_one(FittedTable).set_rows(
+            [
+                (
+                    e.name,
+                    {
+                        "active": "●" if e.name == active else "",
+                        "name": e.name,
+                        "kind": e.kind,
+                        "from": e.where,
+                        "covers": (e.covers(fp) if fp else "?") or "—",
+                        "models": str(e.n_models),
+                        "device": e.device or "—",
+                    },
+                )
+                for e in self.entries
+            ]
+        )
         self.show_active()
         self.show_detail()
 
@@ -88,8 +102,10 @@ class ProfilesScreen(Screen):
         else:
             text.append("none (cost constants measured at start-up)")
         if not self.entries:
-            text.append("\nNo profiles found. Calibrate one (F3) or copy a YAML profile into the user profile folder.",
-                        style="dim")
+            text.append(
+                "\nNo profiles found. Calibrate one (F3) or copy a YAML profile into the user profile folder.",
+                style="dim",
+            )
         self.query_one("#prof-active", Static).update(text)
 
     def highlighted(self) -> ProfileEntry | None:
@@ -142,8 +158,14 @@ class ProfilesScreen(Screen):
         if data.get("description"):
             out.add_row("about", str(data["description"]))
         # one space between columns and none at the edges: at 80 columns the pane has about 30 cells
-        consts = Table(title="constants (ms)", box=None, padding=(0, 1), collapse_padding=True, pad_edge=False,
-                       title_justify="left")
+        consts = Table(
+            title="constants (ms)",
+            box=None,
+            padding=(0, 1),
+            collapse_padding=True,
+            pad_edge=False,
+            title_justify="left",
+        )
         consts.add_column("constant")
         consts.add_column("measured", justify="right")
         consts.add_column("reference", justify="right")
@@ -162,12 +184,18 @@ class ProfilesScreen(Screen):
             return
         fp = self.fingerprint()
         if entry.kind == "reference":
-            self.notify(f"{entry.name} holds published constants of another device ({entry.device}), not "
-                        "measurements of this one: calibrate (F3) for this machine's own", severity="warning",
-                        timeout=8)
+            self.notify(
+                f"{entry.name} holds published constants of another device ({entry.device}), not "
+                "measurements of this one: calibrate (F3) for this machine's own",
+                severity="warning",
+                timeout=8,
+            )
         elif fp is not None and not entry.covers(fp):
-            self.notify(f"{entry.name} was not calibrated for this model; generations will measure cost "
-                        "constants instead", severity="warning", timeout=8)
+            self.notify(
+                f"{entry.name} was not calibrated for this model; generations will measure cost constants instead",
+                severity="warning",
+                timeout=8,
+            )
         self.app.set_profile(entry.name)
         self.fill()
 

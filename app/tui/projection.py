@@ -72,7 +72,8 @@ class ProjectionScreen(ModalScreen[None]):
         self.query_one("#projection-title", Static).update(
             f"PROJECTION, not a measurement: {len(self.traces)} trace(s) of the last bench"
             f"{f' × {self.repeats} repeats' if self.repeats > 1 else ''}, {tokens} tokens · "
-            f"budget {self.budget} (b) · ↑↓ profile · Esc close")
+            f"budget {self.budget} (b) · ↑↓ profile · Esc close"
+        )
 
     def on_option_list_option_highlighted(self, event: OptionList.OptionHighlighted) -> None:
         self.current = event.option.id
@@ -92,16 +93,18 @@ class ProjectionScreen(ModalScreen[None]):
             return
         entry = self.profiles[self.current]
         try:
-            p = project(self.traces, entry.data, budget=None if self.budget == "none" else self.budget,
-                        repeats=self.repeats)
+            p = project(
+                self.traces, entry.data, budget=None if self.budget == "none" else self.budget, repeats=self.repeats
+            )
         except S2MoEError as e:
             plot.show(f"{entry.name}: no projection", [], [])
             table.update(str(e))
             return
         modes = list(p.modes)
-        plot.show(f"projected speed-up over ar on {entry.name}", modes,
-                  [r.speedup or 0.0 for r in p.modes.values()])
-        lines = [f"{m:<8} {r.tok_per_s:>9.1f} tok/s  ×{r.speedup or 0:.2f}  fetched {r.fetched_per_token:.1f}/tok"
-                 + (f"  copied {r.copies_accepted}/{r.copied}" if r.copied else "")
-                 for m, r in p.modes.items()]
+        plot.show(f"projected speed-up over ar on {entry.name}", modes, [r.speedup or 0.0 for r in p.modes.values()])
+        lines = [
+            f"{m:<8} {r.tok_per_s:>9.1f} tok/s  ×{r.speedup or 0:.2f}  fetched {r.fetched_per_token:.1f}/tok"
+            + (f"  copied {r.copies_accepted}/{r.copied}" if r.copied else "")
+            for m, r in p.modes.items()
+        ]
         table.update("\n".join(lines + [p.budget, f"beyond the constants: {p.terms}"]))

@@ -7,19 +7,19 @@ plain data (segments of coloured text, per-iteration numbers) and never call the
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable
 
-from ...engine.errors import ConfigError, ModelError, S2MoEError
 from ...engine.decoding.sampling import MIN_P, RANDOM_SEED, REPEAT_LAST_N, REPEAT_PENALTY, TOP_K, TOP_P
+from ...engine.errors import ConfigError, ModelError, S2MoEError
 
 # How a piece of the answer was produced. The chat colours each kind differently.
-DRAFT = "draft"            # a draft token the target accepted
-BONUS = "bonus"            # the target's token after every draft was accepted
+DRAFT = "draft"  # a draft token the target accepted
+BONUS = "bonus"  # the target's token after every draft was accepted
 CORRECTION = "correction"  # the target's token replacing the first rejected draft
-TARGET = "target"          # a plain decoding step (no draft)
-REJECTED = "rejected"      # a draft token the target rejected (shown struck through, or hidden)
+TARGET = "target"  # a plain decoding step (no draft)
+REJECTED = "rejected"  # a draft token the target rejected (shown struck through, or hidden)
 
 
 MODE_HELP = {
@@ -74,8 +74,14 @@ def ui_default_threads() -> int:
 DEFAULTS = {"reuse_strength": 0.5, "draft_max": 8, "threshold": 1.0, "lookup": True, "memory_strength": 0.3}
 # The settings a profile's tuning may fill in: left open (None) in ChatSettings unless the user sets them.
 OPEN_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "memory_strength", "lookup")
-SHORT_NAMES = {"draft_topk": "k_d", "draft_max": "cap", "threshold": "threshold", "reuse_strength": "α",
-               "memory_strength": "α_m", "lookup": "copies"}
+SHORT_NAMES = {
+    "draft_topk": "k_d",
+    "draft_max": "cap",
+    "threshold": "threshold",
+    "reuse_strength": "α",
+    "memory_strength": "α_m",
+    "lookup": "copies",
+}
 # Where a setting's value comes from, as the settings dialog and the settings bar name it.
 FROM_FLAG, FROM_USER, FROM_PROFILE, FROM_DEFAULT = "flag", "yours", "profile", "default"
 
@@ -97,9 +103,11 @@ class ChatSettings:
     # None: not set here — the active profile's tuned value (s2moe tune), else the default (DEFAULTS)
     # s2moe: draft the tokens that followed a repeated n-gram of the context where the utility rule says they pay
     lookup: bool | None = None
-    reuse_strength: float | None = None   # α used when gating is on
+    reuse_strength: float | None = None  # α used when gating is on
     memory_strength: float | None = None  # α_m toward the experts in memory: under a budget, when gating is on
-    draft_topk: int | None = None  # None also: the model's default (see engine.decoding.generation_config.routing_defaults)
+    draft_topk: int | None = (
+        None  # None also: the model's default (see engine.decoding.generation_config.routing_defaults)
+    )
     draft_max: int | None = None
     threshold: float | None = None
     n_predict: int = 128
@@ -125,21 +133,23 @@ class ChatSettings:
         if self.temperature > 0:
             parts.append(f"T={self.temperature:g}")
             parts.append("seed " + ("random" if self.seed == RANDOM_SEED else str(self.seed)))
-            for key, name, default in (("top_k", "top-k", TOP_K), ("top_p", "top-p", TOP_P),
-                                       ("min_p", "min-p", MIN_P)):
+            for key, name, default in (("top_k", "top-k", TOP_K), ("top_p", "top-p", TOP_P), ("min_p", "min-p", MIN_P)):
                 if getattr(self, key) != default:
                     parts.append(f"{name}={getattr(self, key):g}")
         if self.repeat_penalty != REPEAT_PENALTY:
-            parts.append(f"rep={self.repeat_penalty:g}" +
-                         (f"/{self.repeat_last_n}" if self.repeat_last_n != REPEAT_LAST_N else ""))
+            parts.append(
+                f"rep={self.repeat_penalty:g}"
+                + (f"/{self.repeat_last_n}" if self.repeat_last_n != REPEAT_LAST_N else "")
+            )
         return " ".join(parts)
 
     def resolved(self, model: ModelSummary | None, tuned: dict | None = None) -> ChatSettings:
         """These settings with what they leave open filled in: from `tuned` (the active profile's tuned
         settings), else the defaults; k_d from the model's routing (left open while no model is loaded)."""
         tuned = tuned or {}
-        s = replace(self, **{key: tuned.get(key, default) for key, default in DEFAULTS.items()
-                             if getattr(self, key) is None})
+        s = replace(
+            self, **{key: tuned.get(key, default) for key, default in DEFAULTS.items() if getattr(self, key) is None}
+        )
         if s.draft_topk is None and "draft_topk" in tuned:
             s = replace(s, draft_topk=tuned["draft_topk"])
         if model is None or s.draft_topk is not None:
@@ -166,16 +176,24 @@ class ChatSettings:
     def overrides(self, tuned: dict | None) -> dict[str, tuple]:
         """The user's values that differ from what the active profile tuned: {key: (yours, the profile's)}."""
         tuned = tuned or {}
-        return {key: (getattr(self, key), tuned[key]) for key in OPEN_KEYS
-                if key in tuned and getattr(self, key) is not None and getattr(self, key) != tuned[key]}
+        return {
+            key: (getattr(self, key), tuned[key])
+            for key in OPEN_KEYS
+            if key in tuned and getattr(self, key) is not None and getattr(self, key) != tuned[key]
+        }
 
     def left_to_profile(self, keys=OPEN_KEYS) -> ChatSettings:
         """These settings with `keys` left open again: the active profile's tuned values (else the defaults)
         decide them."""
         return replace(self, **{key: None for key in keys})
 
-    def describe(self, model: ModelSummary | None = None, tuned: dict | None = None, budgeted: bool = False,
-                 overrides: dict | None = None) -> str:
+    def describe(
+        self,
+        model: ModelSummary | None = None,
+        tuned: dict | None = None,
+        budgeted: bool = False,
+        overrides: dict | None = None,
+    ) -> str:
         """The settings in a line; budgeted: under a memory budget, where α_m acts (shown with gating);
         overrides (see overrides()): the user's values where the profile tuned others, each marked as such."""
         overrides = dict(overrides or {})
@@ -192,8 +210,11 @@ class ChatSettings:
         if self.mode == "s2moe":
             parts.append("utility " + ("on" if self.utility else "off"))
             # gating changes which experts a token uses, so its answers can differ from plain decoding's
-            parts.append(f"gating {r.reuse_strength:g} (lossy)" + mark("reuse_strength")
-                         if self.gating and r.reuse_strength else "gating off (lossless)")
+            parts.append(
+                f"gating {r.reuse_strength:g} (lossy)" + mark("reuse_strength")
+                if self.gating and r.reuse_strength
+                else "gating off (lossless)"
+            )
             if self.gating and budgeted:
                 parts.append(f"memory {r.memory_strength:g}" + mark("memory_strength"))
             if not r.lookup:
@@ -202,8 +223,11 @@ class ChatSettings:
         if self.sampling_text():
             parts.append(self.sampling_text())
         # the user's values the line above does not show, where they differ from the profile's
-        parts += [f"{SHORT_NAMES[key]} {value_text(mine)}{mark(key)}" for key, (mine, _) in list(overrides.items())
-                  if key in ("draft_max", "threshold") and self.mode != "ar"]
+        parts += [
+            f"{SHORT_NAMES[key]} {value_text(mine)}{mark(key)}"
+            for key, (mine, _) in list(overrides.items())
+            if key in ("draft_max", "threshold") and self.mode != "ar"
+        ]
         return " · ".join(parts)
 
 
@@ -230,8 +254,10 @@ class ModelSummary:
 
     def describe(self) -> str:
         if self.is_moe and not self.can_self_draft:
-            return (f"{self.name} · {self.arch} · {self.n_layer} layers · {self.n_expert} experts top-{self.k} "
-                    "(nothing drafts with fewer experts: ar and lookup apply)")
+            return (
+                f"{self.name} · {self.arch} · {self.n_layer} layers · {self.n_expert} experts top-{self.k} "
+                "(nothing drafts with fewer experts: ar and lookup apply)"
+            )
         if self.is_moe:
             return f"{self.name} · {self.arch} · {self.n_layer} layers · {self.n_expert} experts top-{self.k}"
         return f"{self.name} · {self.arch} · {self.n_layer} layers · dense (only ar applies)"
@@ -248,9 +274,19 @@ class SessionStats:
 class EngineSession:
     """Owns the decoder. One engine job (load, generation, calibration, bench) at a time."""
 
-    def __init__(self, model_path: str | None, *, n_threads: int | None = None, n_ctx: int = 2048,
-                 profile: str | None = None, decoder_factory: Callable | None = None, budget: str | None = None,
-                 placement=None, n_batch: int | None = None, copy_cache: str | None = None):
+    def __init__(
+        self,
+        model_path: str | None,
+        *,
+        n_threads: int | None = None,
+        n_ctx: int = 2048,
+        profile: str | None = None,
+        decoder_factory: Callable | None = None,
+        budget: str | None = None,
+        placement=None,
+        n_batch: int | None = None,
+        copy_cache: str | None = None,
+    ):
         self.model_path = str(model_path) if model_path else None
         # s2moe's copies from earlier generations, kept across app runs (engine.copycache): a file, or a
         # directory with a file per model
@@ -308,9 +344,15 @@ class EngineSession:
                 from ...engine.model_info import read_model_info
 
                 self.cpu_buffers = choose(read_model_info(self.model_path), self.budget is None)
-                self.decoder = Decoder(self.model_path, n_ctx=self.n_ctx, n_threads=self.n_threads,
-                                       max_draft=16, use_extra_bufts=self.cpu_buffers.extra,
-                                       placement=self.placement or Placement(), n_batch=self.n_batch)
+                self.decoder = Decoder(
+                    self.model_path,
+                    n_ctx=self.n_ctx,
+                    n_threads=self.n_threads,
+                    max_draft=16,
+                    use_extra_bufts=self.cpu_buffers.extra,
+                    placement=self.placement or Placement(),
+                    n_batch=self.n_batch,
+                )
                 if self.budget is not None:
                     try:
                         self._offload(say)
@@ -331,9 +373,16 @@ class EngineSession:
             self.template = self.decoder.chat_template
             self.conversation = Conversation(self.template) if self.template.usable else None
             info = self.decoder.info
-            self.model = ModelSummary(info.name if getattr(info, "name", "") else Path(self.model_path).name,
-                                      info.arch, info.n_layer, info.n_expert, info.n_expert_used, info.is_moe,
-                                      info.fingerprint, info.file_bytes)
+            self.model = ModelSummary(
+                info.name if getattr(info, "name", "") else Path(self.model_path).name,
+                info.arch,
+                info.n_layer,
+                info.n_expert,
+                info.n_expert_used,
+                info.is_moe,
+                info.fingerprint,
+                info.file_bytes,
+            )
         return self.model
 
     def warm_up_modes(self) -> tuple[str, ...]:
@@ -347,8 +396,9 @@ class EngineSession:
         from ...engine.decoding.generation_config import GenerationConfig
 
         if offload.current_budget() is None:
-            raise ConfigError("this app is not running inside its memory cgroup (start it with "
-                              "s2moe app --budget SIZE)")
+            raise ConfigError(
+                "this app is not running inside its memory cgroup (start it with s2moe app --budget SIZE)"
+            )
         decoder = self.decoder
         hot = []
         if self.profile_name:
@@ -362,8 +412,9 @@ class EngineSession:
         def warm_up():
             for i, mode in enumerate(modes):
                 say(2 + i, steps, f"warming up {mode}")
-                for _ in decoder.generate("def add(a, b):\n    return",
-                                          GenerationConfig(mode=mode, n_predict=8, stop_at_eos=False)):
+                for _ in decoder.generate(
+                    "def add(a, b):\n    return", GenerationConfig(mode=mode, n_predict=8, stop_at_eos=False)
+                ):
                     pass
             say(steps, steps, "sizing the budget")
 
@@ -411,9 +462,13 @@ class EngineSession:
         from ...engine.profiles import cost_for_model, load_profile
 
         info = self.decoder.info
-        return cost_for_model(load_profile(self.profile_name), info.fingerprint, info.path.name,
-                              offloaded=self.budget is not None,
-                              experts_in_host=self.placement is not None and self.placement.copies_experts)
+        return cost_for_model(
+            load_profile(self.profile_name),
+            info.fingerprint,
+            info.path.name,
+            offloaded=self.budget is not None,
+            experts_in_host=self.placement is not None and self.placement.copies_experts,
+        )
 
     def profile_problem(self) -> str | None:
         """Why the active profile gives the loaded model no cost constants, in the app's words (None: it gives
@@ -429,8 +484,10 @@ class EngineSession:
                 load_profile(self.profile_name)
             except S2MoEError:
                 return f"{e}: cost constants are measured at start-up instead"
-            return (f"profile {self.profile_name} was not calibrated for this model: F3 (Calibrate) measures "
-                    "it; until then cost constants are measured at start-up")
+            return (
+                f"profile {self.profile_name} was not calibrated for this model: F3 (Calibrate) measures "
+                "it; until then cost constants are measured at start-up"
+            )
         return None
 
     def tuned(self) -> dict:
@@ -441,8 +498,9 @@ class EngineSession:
         from ...engine.profiles import load_profile, tuned_settings
 
         try:
-            return tuned_settings(load_profile(self.profile_name), self.decoder.info.fingerprint,
-                                  offloaded=self.budget is not None)
+            return tuned_settings(
+                load_profile(self.profile_name), self.decoder.info.fingerprint, offloaded=self.budget is not None
+            )
         except S2MoEError:
             return {}
 
@@ -475,8 +533,13 @@ class EngineSession:
         if self.conversation is not None:
             self.conversation.clear()
 
-    def generate(self, prompt: str, settings: ChatSettings, emit: Callable[[object, object], None],
-                 warn: Callable[[str], None] | None = None) -> None:
+    def generate(
+        self,
+        prompt: str,
+        settings: ChatSettings,
+        emit: Callable[[object, object], None],
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
         """Run one generation (worker thread): emit(event, view) for every engine event. With a chat
         template, the prompt is the user's next turn: the conversation is rendered whole, the KV of the
         turns before is kept, and the answer (what was generated, if stopped early) joins the history."""
@@ -499,8 +562,9 @@ class EngineSession:
             else:
                 from ...engine.decoding.chat import chat_tokens
 
-                events = decoder.generate(chat_tokens(decoder, conversation, prompt), cfg,
-                                          should_stop=self.stop.is_set, keep_context=True)
+                events = decoder.generate(
+                    chat_tokens(decoder, conversation, prompt), cfg, should_stop=self.stop.is_set, keep_context=True
+                )
             from ...engine.events import Finished
 
             for event in events:
@@ -558,7 +622,7 @@ def segments_of(event, detokenize: Callable[[list[int]], str], piece: Callable[[
         # Byte-level pieces that only make characters together: colour the whole step by its last token.
         accepted_text = ""
         accepted = []
-    target_text = text[len(accepted_text):] if has_target else ""
+    target_text = text[len(accepted_text) :] if has_target else ""
     out = [Segment(p, DRAFT) for p in _pieces(accepted, accepted_text, piece)]
     if rejected:
         out.append(Segment(detokenize(rejected), REJECTED))

@@ -89,10 +89,13 @@ def settings_from_state(data: dict) -> ChatSettings:
                 v = float(v)  # JSON's 2 for 2.0; one of hundreds of digits is no float
             except OverflowError:
                 continue
-        if ((v is None and "None" in allowed) or (isinstance(v, bool) and "bool" in allowed)
-                or (isinstance(v, str) and "str" in allowed)
-                or (isinstance(v, int) and not isinstance(v, bool) and "int" in allowed)
-                or (isinstance(v, float) and "float" in allowed)):
+        if (
+            (v is None and "None" in allowed)
+            or (isinstance(v, bool) and "bool" in allowed)
+            or (isinstance(v, str) and "str" in allowed)
+            or (isinstance(v, int) and not isinstance(v, bool) and "int" in allowed)
+            or (isinstance(v, float) and "float" in allowed)
+        ):
             kept[f.name] = v
     settings = replace(ChatSettings(), **kept)
     if settings.mode not in engine_modes():

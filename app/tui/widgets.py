@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rich.segment import Segment as RichSegment
 from rich.text import Text
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from rich.segment import Segment as RichSegment
 from textual.strip import Strip
 from textual.widgets import Checkbox, DataTable, Footer, Input, SelectionList, Static
 from textual.widgets._footer import FooterKey
@@ -17,8 +17,13 @@ from textual.widgets._toggle_button import ToggleButton
 from ..columns import Column, columns_that_fit
 from .session import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, Segment
 
-SCREENS = (("chat", "Chat", "f2"), ("calibrate", "Calibrate", "f3"), ("profiles", "Profiles", "f4"),
-           ("bench", "Bench", "f5"), ("device", "Device", "f10"))
+SCREENS = (
+    ("chat", "Chat", "f2"),
+    ("calibrate", "Calibrate", "f3"),
+    ("profiles", "Profiles", "f4"),
+    ("bench", "Bench", "f5"),
+    ("device", "Device", "f10"),
+)
 
 
 SHORT_LABELS = {"Calibrate": "Calib", "Profiles": "Prof", "Device": "Dev"}
@@ -94,8 +99,13 @@ def segment_styles(app) -> dict[str, str]:
 def legend(app) -> Text:
     styles = segment_styles(app)
     text = Text()
-    for label, kind in (("accepted", DRAFT), ("correction", CORRECTION), ("bonus", BONUS),
-                        ("rejected", REJECTED), ("plain", TARGET)):
+    for label, kind in (
+        ("accepted", DRAFT),
+        ("correction", CORRECTION),
+        ("bonus", BONUS),
+        ("rejected", REJECTED),
+        ("plain", TARGET),
+    ):
         text.append(label, style=styles[kind] or "")
         text.append(" ")
     return text

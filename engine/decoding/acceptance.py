@@ -10,13 +10,14 @@ target's after the sampler chain for the tokens before it, drafted ones included
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .sampling import Floats, PositionNoise, Sampling
 
 
-def accept(drafted: Sequence[int], logits: Floats, sampling: Sampling, noise: PositionNoise,
-           history: Sequence[int]) -> tuple[int, int]:
+def accept(
+    drafted: Sequence[int], logits: Floats, sampling: Sampling, noise: PositionNoise, history: Sequence[int]
+) -> tuple[int, int]:
     """(number of drafted tokens accepted, the target's token after them).
 
     logits: [len(drafted) + 1, n_vocab] target logits for the pending token and each drafted token;

@@ -29,7 +29,7 @@ _PROBE = (("user", "U"), ("assistant", "A"), ("user", "V"))
 
 @dataclass(frozen=True)
 class Message:
-    role: str     # one of ROLES
+    role: str  # one of ROLES
     content: str
 
 
@@ -63,8 +63,8 @@ def builtin_templates() -> list[str]:
 class Template:
     """A model's chat template as llama.cpp applies it; `name` is None where there is none to apply."""
 
-    text: str | None   # the GGUF's tokenizer.chat_template (None: the model has none)
-    name: str | None   # the built-in llama.cpp renders it as (None: it cannot apply it)
+    text: str | None  # the GGUF's tokenizer.chat_template (None: the model has none)
+    name: str | None  # the built-in llama.cpp renders it as (None: it cannot apply it)
 
     @property
     def usable(self) -> bool:
@@ -75,8 +75,10 @@ class Template:
         if self.text is None:
             return "no chat template in the model: each prompt is a plain completion"
         if self.name is None:
-            return ("llama.cpp does not know this model's chat template (a Jinja template it cannot apply): "
-                    "each prompt is a plain completion")
+            return (
+                "llama.cpp does not know this model's chat template (a Jinja template it cannot apply): "
+                "each prompt is a plain completion"
+            )
         return f"chat with the model's template ({self.name}, applied by llama.cpp)"
 
     def render(self, messages: list[Message], add_assistant: bool = True) -> str:
@@ -85,8 +87,10 @@ class Template:
             raise ValueError("this model has no chat template llama.cpp can apply")
         text = _apply(self.text.encode("utf-8"), [(m.role, m.content) for m in messages], add_assistant)
         if text is None:  # it rendered the probe: what it refuses is in this conversation (a system message)
-            raise ConfigError(f"llama.cpp could not apply the model's {self.name} template to this conversation "
-                              "(does the template take a system message?)")
+            raise ConfigError(
+                f"llama.cpp could not apply the model's {self.name} template to this conversation "
+                "(does the template take a system message?)"
+            )
         return text
 
 
@@ -135,6 +139,8 @@ def chat_tokens(decoder: Decoder, conversation: Conversation, user: str) -> list
     template's turn markers) read as such, and BOS where the model adds one, as llama-cli tokenizes it."""
     tokens: list[int] = decoder.tokenize(conversation.prompt(user), special=True)
     if len(tokens) >= decoder.n_ctx:
-        raise ContextError(f"the conversation with this turn comes to {len(tokens)} tokens and the context holds "
-                           f"{decoder.n_ctx}: send a shorter turn or start a new conversation")
+        raise ContextError(
+            f"the conversation with this turn comes to {len(tokens)} tokens and the context holds "
+            f"{decoder.n_ctx}: send a shorter turn or start a new conversation"
+        )
     return tokens

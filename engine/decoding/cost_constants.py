@@ -11,16 +11,17 @@ import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 
-from ..measure.costmodel import iter_cost_constants
 from ..events import CostConstants, MeasuringCosts
+from ..measure.costmodel import iter_cost_constants
 from ..model_info import ModelInfo
 from .generation_config import GenerationConfig, defaults_for
 from .observer import VerifyObserver
 from .runtime import LlamaRuntime
 
 # A warm-up's constants (Decoder.untimed_costs): a token always pays for its draft pass and its verified row
-WARM_UP_COST = CostConstants(t_ar=1.0, c_draft=0.0, t_exp=0.0, t_tok=0.0, intercept=0.0,
-                             source="warm-up: drafting always pays, nothing timed")
+WARM_UP_COST = CostConstants(
+    t_ar=1.0, c_draft=0.0, t_exp=0.0, t_tok=0.0, intercept=0.0, source="warm-up: drafting always pays, nothing timed"
+)
 # Under a memory budget the start-up measurement takes about this long (fewer samples where a step is slow),
 # and says how it goes once it has taken SLOW_MEASURE_S.
 BUDGET_MEASURE_S = 20.0
@@ -65,15 +66,29 @@ class CostConstantsMixin:
         self._context = None
         under_budget = self._remember_as is not None
         if self._remember_as is not None:
-            recall_key = "|".join((self.info.fingerprint, f"k_d {cfg.draft_topk}", f"cap {cfg.draft_max}",
-                                   self._remember_as, f"threads {self.n_threads}", llama_build_id()))
+            recall_key = "|".join(
+                (
+                    self.info.fingerprint,
+                    f"k_d {cfg.draft_topk}",
+                    f"cap {cfg.draft_max}",
+                    self._remember_as,
+                    f"threads {self.n_threads}",
+                    llama_build_id(),
+                )
+            )
             remembered = remembered_costs.recall(recall_key)
             if remembered is not None:
                 return remembered
         # under a budget, also what a draft from resident experts costs (it fetches nothing)
         allowed = None if self._observer is None else self._observer.draft_allowed
-        gen = iter_cost_constants(self.rt, cfg.draft_topk, cfg.draft_max, seed=cfg.seed, draft_allowed=allowed,
-                                  seconds=BUDGET_MEASURE_S if under_budget else None)
+        gen = iter_cost_constants(
+            self.rt,
+            cfg.draft_topk,
+            cfg.draft_max,
+            seed=cfg.seed,
+            draft_allowed=allowed,
+            seconds=BUDGET_MEASURE_S if under_budget else None,
+        )
         t0 = time.perf_counter()
         while True:
             try:
@@ -92,8 +107,9 @@ class CostConstantsMixin:
         """The constants this decoder measured at start-up for (k_d, draft cap), if it did (None: the
         model's default, as a generation resolves it)."""
         d = defaults_for(self.info)
-        return self._measured.get((d.draft_topk if draft_topk is None else draft_topk,
-                                   d.draft_max if draft_max is None else draft_max))
+        return self._measured.get(
+            (d.draft_topk if draft_topk is None else draft_topk, d.draft_max if draft_max is None else draft_max)
+        )
 
     @contextmanager
     def untimed_costs(self) -> Iterator[None]:

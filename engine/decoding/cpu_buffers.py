@@ -21,10 +21,11 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import S2MoEError
 from ..model_info import ModelInfo
@@ -49,8 +50,11 @@ class CpuBuffers:
     detail: str = ""
 
     def line(self) -> str:
-        head = ("CPU weights: llama.cpp's extra buffer types (AMX, repacked layouts) on" if self.extra else
-                "CPU weights: mapped from the file, llama.cpp's extra buffer types (AMX, repacked layouts) off")
+        head = (
+            "CPU weights: llama.cpp's extra buffer types (AMX, repacked layouts) on"
+            if self.extra
+            else "CPU weights: mapped from the file, llama.cpp's extra buffer types (AMX, repacked layouts) off"
+        )
         return f"{head} — {REASONS[self.reason]}{f' ({self.detail})' if self.detail else ''}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,15 +106,21 @@ Probe = Callable[[Path, Callable[[str], None] | None], ProbeOutcome]
 def probe_in_child(path: Path, on_slow: Callable[[str], None] | None = None) -> ProbeOutcome:
     """The first decode with extra buffer types, in a process of its own; `on_slow` hears one line if it
     takes longer than SLOW_S (a large model's load)."""
-    proc = subprocess.Popen([sys.executable, "-m", __name__, str(path)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", __name__, str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         try:
             _, err = proc.communicate(timeout=SLOW_S)
         except subprocess.TimeoutExpired:
             if on_slow is not None:
-                on_slow(f"checking that llama.cpp decodes {path.name} with its extra CPU buffer types "
-                        "(once per model on this machine)…")
+                on_slow(
+                    f"checking that llama.cpp decodes {path.name} with its extra CPU buffer types "
+                    "(once per model on this machine)…"
+                )
             _, err = proc.communicate(timeout=PROBE_TIMEOUT_S - SLOW_S)
     except subprocess.TimeoutExpired:
         proc.kill()
@@ -155,8 +165,9 @@ def _save_record(key: str, record: dict[str, Any]) -> None:
 _chosen: dict[tuple[str, bool], CpuBuffers] = {}  # this process's choices: a model is checked once per process
 
 
-def choose(info: ModelInfo, wanted: bool, *, probe: Probe = probe_in_child,
-           on_probe: Callable[[str], None] | None = None) -> CpuBuffers:
+def choose(
+    info: ModelInfo, wanted: bool, *, probe: Probe = probe_in_child, on_probe: Callable[[str], None] | None = None
+) -> CpuBuffers:
     """The path `info`'s weights take when the caller would like extra buffer types (`wanted`: not under a
     memory budget). `on_probe` hears one line when a first decode in a child takes a while."""
     if not wanted:
@@ -177,11 +188,18 @@ def choose(info: ModelInfo, wanted: bool, *, probe: Probe = probe_in_child,
             # The child refused the model or a setting in words: the run below will say the same, and
             # nothing was learnt about the buffer types.
             return CpuBuffers(True, "unchecked")
-        record = {"clean": outcome.clean, "outcome": outcome.describe(), "model": info.path.name,
-                  "when": time.strftime("%Y-%m-%d %H:%M")}
+        record = {
+            "clean": outcome.clean,
+            "outcome": outcome.describe(),
+            "model": info.path.name,
+            "when": time.strftime("%Y-%m-%d %H:%M"),
+        }
         _save_record(record_key, record)
-    chosen = (CpuBuffers(True, "checked") if record["clean"] else
-              CpuBuffers(False, "crashed", f"{record.get('outcome', '?')}, {record.get('when', '?')}"))
+    chosen = (
+        CpuBuffers(True, "checked")
+        if record["clean"]
+        else CpuBuffers(False, "crashed", f"{record.get('outcome', '?')}, {record.get('when', '?')}")
+    )
     _chosen[key] = chosen
     return chosen
 
@@ -192,8 +210,15 @@ def first_decode(path: str) -> None:
     from .runtime import LlamaRuntime
 
     info = read_model_info(path)
-    rt = LlamaRuntime(info, n_ctx=64, n_batch=32, n_threads=None, max_verify_rows=PROBE_BATCH,
-                      use_extra_bufts=True, install_hook=False)
+    rt = LlamaRuntime(
+        info,
+        n_ctx=64,
+        n_batch=32,
+        n_threads=None,
+        max_verify_rows=PROBE_BATCH,
+        use_extra_bufts=True,
+        install_hook=False,
+    )
     try:
         tokens = (rt.tokenize("def merge(a, b):\n    return") * PROBE_BATCH)[:PROBE_BATCH]
         logits = rt.decode(tokens, 0, "last")

@@ -17,23 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .acceptance import accept
-from .cost_constants import CostConstantsMixin
-from ..errors import OPTION, ConfigError, ContextError, ModelError, held_steps
-from ..events import CostConstants, Finished, Iteration, Prefilled, Started
-from .generation_config import GenerationConfig, config_dict
-from .hook import Routing, distinct_per_layer
-from ..model_info import read_model_info
 from ..drafting.copies import LookupDrafter, LookupOrSelfDrafter
 from ..drafting.drafters import CascadeDrafter, Drafter, IndependentDrafter, LayerSkipDrafter, Proposal, SelfDrafter
 from ..drafting.ngrams import EarlierText
 from ..drafting.stoprules import ConfidenceStop, FixedLength, RecordingStop, UtilityStop, rule_cost
-from .gpu import Placement
-from ..offload.budget import prefill_batch_room
-from .runtime import DEFAULT_BATCH, LlamaRuntime
-from .observer import ResidencySampler, VerifyObserver
-from .sampling import PositionNoise, SeededSampler
+from ..errors import OPTION, ConfigError, ContextError, ModelError, held_steps
+from ..events import CostConstants, Finished, Iteration, Prefilled, Started
+from ..model_info import read_model_info
 from ..modes import TREE_MODES
+from ..offload.budget import prefill_batch_room
+from .acceptance import accept
+from .cost_constants import CostConstantsMixin
+from .generation_config import GenerationConfig, config_dict
+from .gpu import Placement
+from .hook import Routing, distinct_per_layer
+from .observer import ResidencySampler, VerifyObserver
+from .runtime import DEFAULT_BATCH, LlamaRuntime
+from .sampling import PositionNoise, SeededSampler
 from .tree import TreeDrafter, verify_tree
 
 if TYPE_CHECKING:
@@ -45,19 +45,34 @@ TREE_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ
 class Decoder(CostConstantsMixin):
     """Loads a model once; runs generations in any mode over the same context."""
 
-    def __init__(self, model: str, *, n_ctx: int = 2048, n_threads: int | None = None, max_draft: int = 16,
-                 use_extra_bufts: bool = True, placement: Placement = Placement(), n_batch: int | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+        max_draft: int = 16,
+        use_extra_bufts: bool = True,
+        placement: Placement = Placement(),
+        n_batch: int | None = None,
+    ) -> None:
         super().__init__()
         self.info = read_model_info(model)  # refuses what llama.cpp would assert on (expert counts among it)
         self.max_draft = max_draft
         # n_batch None: llama.cpp's default, or inside a budget of a given size the largest batch (halving from
         # it) whose compute buffers fit that budget's prefill share.
         # A draft tree takes a sequence id per drafted node (up to the verification batch times a width)
-        self.rt = LlamaRuntime(self.info, n_ctx=n_ctx, n_batch=DEFAULT_BATCH if n_batch is None else n_batch,
-                               batch_room=prefill_batch_room() if n_batch is None else None,
-                               n_threads=n_threads, max_verify_rows=max_draft + 1,
-                               use_extra_bufts=use_extra_bufts, placement=placement,
-                               n_seq_max=min(TREE_SEQS, 4 * (max_draft + 1)))
+        self.rt = LlamaRuntime(
+            self.info,
+            n_ctx=n_ctx,
+            n_batch=DEFAULT_BATCH if n_batch is None else n_batch,
+            batch_room=prefill_batch_room() if n_batch is None else None,
+            n_threads=n_threads,
+            max_verify_rows=max_draft + 1,
+            use_extra_bufts=use_extra_bufts,
+            placement=placement,
+            n_seq_max=min(TREE_SEQS, 4 * (max_draft + 1)),
+        )
         self.placement = placement
         self._pieces: dict[int, str] = {}
         self._routing_checked = not self.info.is_moe
@@ -182,8 +197,13 @@ class Decoder(CostConstantsMixin):
         observer = self._observer
         allowed = observer.draft_allowed if observer is not None and self.draft_experts(cfg) == "resident" else None
         if cfg.trace:
-            rule = (ConfidenceStop(cfg.conf_p_min) if cfg.mode == "conf" else
-                    self._utility_rule(cfg, cost) if cfg.mode == "s2moe" and cfg.utility else FixedLength())
+            rule = (
+                ConfidenceStop(cfg.conf_p_min)
+                if cfg.mode == "conf"
+                else self._utility_rule(cfg, cost)
+                if cfg.mode == "s2moe" and cfg.utility
+                else FixedLength()
+            )
             return SelfDrafter(cfg.draft_topk, RecordingStop(rule), allowed)
         if cfg.mode == "ar":
             return Drafter()
@@ -216,8 +236,14 @@ class Decoder(CostConstantsMixin):
         chain = SelfDrafter(cfg.draft_topk, rule, allowed)
         if not (cfg.lookup and cfg.mode == "s2moe"):
             return chain
-        return LookupOrSelfDrafter(chain, rule, self.earlier if cfg.lookup_session else None, prompt,
-                                   periodic=cfg.lookup_periodic, without=cfg.copy_without)
+        return LookupOrSelfDrafter(
+            chain,
+            rule,
+            self.earlier if cfg.lookup_session else None,
+            prompt,
+            periodic=cfg.lookup_periodic,
+            without=cfg.copy_without,
+        )
 
     def _utility_rule(self, cfg: GenerationConfig, cost: CostConstants | None) -> UtilityStop:
         assert cost is not None  # generate measures the constants of a utility rule's modes, or is given them
@@ -233,9 +259,18 @@ class Decoder(CostConstantsMixin):
         Generations that gate or copy differently (bench's ablation rows beside s2moe in one process, tune's
         trials) see other steps, timings and acceptance, so each keeps a rule of its own.
         What a rule drafts never changes which tokens a seed commits (engine.acceptance)."""
-        key = key + (cfg.sampling(), cfg.reuse_strength, cfg.memory_strength, cfg.reuse_cap, cfg.draft_max,
-                     cfg.lookup, cfg.lookup_session, cfg.lookup_periodic, frozenset(cfg.copy_without),
-                     self._untimed)
+        key = key + (
+            cfg.sampling(),
+            cfg.reuse_strength,
+            cfg.memory_strength,
+            cfg.reuse_cap,
+            cfg.draft_max,
+            cfg.lookup,
+            cfg.lookup_session,
+            cfg.lookup_periodic,
+            frozenset(cfg.copy_without),
+            self._untimed,
+        )
         rule = self._rules.get(key)
         if rule is None:
             rule = self._rules[key] = UtilityStop(cost, cfg.threshold)
@@ -261,14 +296,16 @@ class Decoder(CostConstantsMixin):
         cfg = replace(cfg, draft_experts=self.draft_experts(cfg))  # what ran, in Started's config
         assert cfg.draft_topk is not None and cfg.draft_max is not None and cfg.reuse_cap is not None  # resolved
         if cfg.draft_max > self.max_draft:
-            raise ConfigError(f"{OPTION} {cfg.draft_max} exceeds this decoder's limit {self.max_draft}",
-                              option="draft_max")
+            raise ConfigError(
+                f"{OPTION} {cfg.draft_max} exceeds this decoder's limit {self.max_draft}", option="draft_max"
+            )
         if cfg.mode in TREE_MODES:
             # a tree's verification batch and each drafting pass fit where a chain's of draft_max would
             for option in ("tree_max_nodes", "tree_width"):
                 if getattr(cfg, option) > self.max_draft:
-                    raise ConfigError(f"{OPTION} {getattr(cfg, option)} exceeds this decoder's limit "
-                                      f"{self.max_draft}", option=option)
+                    raise ConfigError(
+                        f"{OPTION} {getattr(cfg, option)} exceeds this decoder's limit {self.max_draft}", option=option
+                    )
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_tokens:
             raise ConfigError("the prompt is empty")
@@ -276,7 +313,8 @@ class Decoder(CostConstantsMixin):
             raise ContextError(
                 f"prompt has {len(prompt_tokens)} tokens but the context holds {self.n_ctx}; "
                 f"shorten it or raise {OPTION}",
-                option="n_ctx")
+                option="n_ctx",
+            )
         if cfg.mode != "ar":
             self.check_routing_hook()
         needs_cost = cfg.mode in ("s2moe",) + TREE_MODES and cfg.utility and cfg.cost is None
@@ -291,8 +329,16 @@ class Decoder(CostConstantsMixin):
         noise = PositionNoise(cfg.seed)
         sample = SeededSampler(sampler, noise)
 
-        yield Started(cfg.mode, self.info.name, tuple(prompt_tokens), self.info.n_layer, self.info.n_expert, k,
-                      config_dict(cfg, reuse_cap), cost)
+        yield Started(
+            cfg.mode,
+            self.info.name,
+            tuple(prompt_tokens),
+            self.info.n_layer,
+            self.info.n_expert,
+            k,
+            config_dict(cfg, reuse_cap),
+            cost,
+        )
 
         rt = self.rt
         hook = rt.hook
@@ -335,8 +381,9 @@ class Decoder(CostConstantsMixin):
             rt.kv_remove_from(m - 1)
 
             if proposal.tree is not None and drafted:
-                v, path, target_token = verify_tree(self, proposal, committed_all[-1], m - 1, gate, sampler,
-                                                    committed_all, noise)
+                v, path, target_token = verify_tree(
+                    self, proposal, committed_all[-1], m - 1, gate, sampler, committed_all, noise
+                )
                 accepted = len(path)
             else:
                 v = self._verify([committed_all[-1]] + drafted, m - 1, proposal, gate)
@@ -349,8 +396,9 @@ class Decoder(CostConstantsMixin):
             # experts the rows of committed tokens needed (pending + accepted drafts)
             if v.routing is not None:
                 rows = [0] + [i + 1 for i in path]
-                useful = distinct_per_layer(v.routing.used[:, rows], np.minimum(v.routing.rows, accepted + 1),
-                                            self.info.n_expert)
+                useful = distinct_per_layer(
+                    v.routing.used[:, rows], np.minimum(v.routing.rows, accepted + 1), self.info.n_expert
+                )
             else:
                 useful = v.experts.copy()
             rt.kv_remove_from(m + accepted)
@@ -430,22 +478,38 @@ class Decoder(CostConstantsMixin):
         self.rt.kv_remove_from(n)
         self._context = committed_all[:n]
 
-    def _verify(self, batch: list[int], pos: int, proposal: Proposal, gate: Gating | None,
-                layout: tuple[list[int], list[list[int]]] | None = None) -> _Verified:
+    def _verify(
+        self,
+        batch: list[int],
+        pos: int,
+        proposal: Proposal,
+        gate: Gating | None,
+        layout: tuple[list[int], list[list[int]]] | None = None,
+    ) -> _Verified:
         """One target pass over the pending token and the drafted ones, with what its routing read.
         layout: the rows' positions and sequence ids where they form a tree (engine.tree), not a chain."""
         rt, hook, observer = self.rt, self.rt.hook, self._observer
         k = max(self.info.n_expert_used, 1)
         # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping
         # the hook there saves its per-layer graph stop, unless prefetching or a consumer needs ids.
-        plain_unobserved = (hook is not None and len(batch) == 1 and self._moe_layers is not None
-                            and not self.observe_plain and not self._tracing and hook.route is None)
+        plain_unobserved = (
+            hook is not None
+            and len(batch) == 1
+            and self._moe_layers is not None
+            and not self.observe_plain
+            and not self._tracing
+            and hook.route is None
+        )
         memory = gate is not None and gate.memory > 0 and self.knows_memory
         batch_gate = gate is not None and len(batch) > 1
         if hook is not None:
             if gate is not None and (batch_gate or memory):
-                hook.gate(gate.strength if batch_gate else 0.0, gate.cap, [1.0] + proposal.chain,
-                          memory=gate.memory if memory else 0.0)
+                hook.gate(
+                    gate.strength if batch_gate else 0.0,
+                    gate.cap,
+                    [1.0] + proposal.chain,
+                    memory=gate.memory if memory else 0.0,
+                )
             elif plain_unobserved:
                 hook.off()
             else:
@@ -471,8 +535,9 @@ class Decoder(CostConstantsMixin):
             n_layer = self.info.n_layer
             return _Verified(logits, seconds, None, np.zeros(n_layer, int), np.zeros(n_layer), 0, None, major_faults)
         if plain_unobserved and self._moe_layers is not None:
-            return _Verified(logits, seconds, None, self._moe_layers * k, self._moe_layers.astype(float), 0, None,
-                             major_faults)
+            return _Verified(
+                logits, seconds, None, self._moe_layers * k, self._moe_layers.astype(float), 0, None, major_faults
+            )
         routing = hook.snapshot(len(batch))
         if self._moe_layers is None:
             self._moe_layers = (routing.rows > 0).astype(int)
@@ -504,12 +569,12 @@ class Gating:
 class _Verified:
     logits: np.ndarray
     seconds: float
-    routing: Routing | None      # when the hook recorded this pass
-    experts: np.ndarray          # [n_layer] distinct experts read
-    reuse: np.ndarray            # [n_layer] reuse ratio
-    moves: int                   # selections gating moved
-    misses: np.ndarray | None    # [n_layer] experts read that were not in memory (offloaded)
-    major_faults: int | None     # page faults that waited for storage (offloaded)
+    routing: Routing | None  # when the hook recorded this pass
+    experts: np.ndarray  # [n_layer] distinct experts read
+    reuse: np.ndarray  # [n_layer] reuse ratio
+    moves: int  # selections gating moved
+    misses: np.ndarray | None  # [n_layer] experts read that were not in memory (offloaded)
+    major_faults: int | None  # page faults that waited for storage (offloaded)
 
 
 def _cut_at_end_of_generation(tokens: list[int], is_eog: Callable[[int], bool]) -> tuple[list[int], bool]:

@@ -49,9 +49,9 @@ GGML_TYPE_F32 = 0
 class Placement:
     """Which weights llama.cpp puts on the GPU. The defaults load everything into host memory."""
 
-    n_gpu_layers: int = 0              # -1: all
-    cpu_moe: bool = False              # every layer's expert tensors stay in host memory
-    n_cpu_moe: int = 0                 # ... the first n_cpu_moe layers' expert tensors
+    n_gpu_layers: int = 0  # -1: all
+    cpu_moe: bool = False  # every layer's expert tensors stay in host memory
+    n_cpu_moe: int = 0  # ... the first n_cpu_moe layers' expert tensors
     op_offload_min_batch: int | None = None  # GGML_OP_OFFLOAD_MIN_BATCH for this process (None: as set)
 
     @property
@@ -67,25 +67,35 @@ class Placement:
     def validate(self, info: ModelInfo | None = None) -> None:
         """ConfigError for values no load can use; with a ModelInfo, also against that model."""
         if self.n_gpu_layers < -1:
-            raise ConfigError(f"{OPTION} must be -1 (all layers), 0 or a number of layers, got {self.n_gpu_layers}",
-                              option="n_gpu_layers")
+            raise ConfigError(
+                f"{OPTION} must be -1 (all layers), 0 or a number of layers, got {self.n_gpu_layers}",
+                option="n_gpu_layers",
+            )
         if self.n_cpu_moe < 0:
             raise ConfigError(f"{OPTION} must be a whole number ≥ 0, got {self.n_cpu_moe}", option="n_cpu_moe")
         if self.cpu_moe and self.n_cpu_moe:
-            raise ConfigError(f"--cpu-moe and {OPTION} {self.n_cpu_moe} contradict each other: --cpu-moe keeps every "
-                              "layer's experts in host memory", option="n_cpu_moe")
+            raise ConfigError(
+                f"--cpu-moe and {OPTION} {self.n_cpu_moe} contradict each other: --cpu-moe keeps every "
+                "layer's experts in host memory",
+                option="n_cpu_moe",
+            )
         if self.op_offload_min_batch is not None and self.op_offload_min_batch < 1:
-            raise ConfigError(f"{OPTION} must be at least 1, got {self.op_offload_min_batch}",
-                              option="op_offload_min_batch")
+            raise ConfigError(
+                f"{OPTION} must be at least 1, got {self.op_offload_min_batch}", option="op_offload_min_batch"
+            )
         if info is None or not self.experts_in_host:
             return
         if self.n_cpu_moe > info.n_layer:
-            raise ConfigError(f"{OPTION} {self.n_cpu_moe} is more than the {info.n_layer} layers of {info.path.name}",
-                              option="n_cpu_moe")
+            raise ConfigError(
+                f"{OPTION} {self.n_cpu_moe} is more than the {info.n_layer} layers of {info.path.name}",
+                option="n_cpu_moe",
+            )
         if not expert_tensor_names(info.path):
             flag = "--cpu-moe" if self.cpu_moe else "--n-cpu-moe"
-            raise ConfigError(f"{flag}: {info.path.name} has no expert tensors that llama.cpp's pattern "
-                              f"(blk.N.ffn_{{up,gate,down,gate_up}}_exps) matches, so none can be kept in host memory")
+            raise ConfigError(
+                f"{flag}: {info.path.name} has no expert tensors that llama.cpp's pattern "
+                f"(blk.N.ffn_{{up,gate,down,gate_up}}_exps) matches, so none can be kept in host memory"
+            )
 
     def patterns(self) -> list[str]:
         """The tensor-name patterns whose tensors stay in host memory (first match wins in llama.cpp)."""
@@ -195,18 +205,21 @@ def transfer_rate(device_type: int, nbytes: int = 256 << 20, repeats: int = 5) -
     buffer = None
     try:
         tensor = _ggml("ggml_new_tensor_1d", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)(
-            ctx, GGML_TYPE_F32, n)
+            ctx, GGML_TYPE_F32, n
+        )
         size = _ggml("ggml_nbytes", ctypes.c_size_t, ctypes.c_void_p)(tensor)
         buffer = _ggml("ggml_backend_buft_alloc_buffer", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(buft, size)
         if not buffer:
             raise RuntimeError(f"could not allocate {size} bytes on the device")
         base = _ggml("ggml_backend_buffer_get_base", ctypes.c_void_p, ctypes.c_void_p)(buffer)
         status = _ggml("ggml_backend_tensor_alloc", ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(
-            buffer, tensor, base)
+            buffer, tensor, base
+        )
         if status != 0:
             raise RuntimeError(f"ggml could not place a tensor in the device buffer (status {status})")
-        tensor_set = _ggml("ggml_backend_tensor_set", None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                           ctypes.c_size_t)
+        tensor_set = _ggml(
+            "ggml_backend_tensor_set", None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t
+        )
         src = np.random.default_rng(0).random(n, dtype=np.float32)
         times = []
         for i in range(repeats + 1):
@@ -216,7 +229,8 @@ def transfer_rate(device_type: int, nbytes: int = 256 << 20, repeats: int = 5) -
                 times.append(time.perf_counter() - t0)
         back = np.empty(min(n, 1 << 16), np.float32)
         _ggml("ggml_backend_tensor_get", None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)(
-            tensor, back.ctypes.data, 0, back.nbytes)
+            tensor, back.ctypes.data, 0, back.nbytes
+        )
         if not np.array_equal(back, src[: len(back)]):
             raise RuntimeError("the device buffer did not hold what was copied into it")
         return float(size / np.median(times))
@@ -236,12 +250,23 @@ def _time_batches(cfg: dict[str, Any]) -> dict[str, Any]:
     from .runtime import LlamaRuntime
 
     placement = Placement(**cfg["placement"])
-    rt = LlamaRuntime(read_model_info(cfg["model"]), n_ctx=256, n_threads=cfg.get("threads"),
-                      max_verify_rows=max(cfg["sizes"]), placement=placement,
-                      use_extra_bufts=cfg.get("extra_buffers", True))
+    rt = LlamaRuntime(
+        read_model_info(cfg["model"]),
+        n_ctx=256,
+        n_threads=cfg.get("threads"),
+        max_verify_rows=max(cfg["sizes"]),
+        placement=placement,
+        use_extra_bufts=cfg.get("extra_buffers", True),
+    )
     try:
-        gen = iter_verify_samples(rt, max(cfg["sizes"]) - 1, seed=cfg.get("seed", 3), repeats=cfg["repeats"],
-                                  sizes=cfg["sizes"], variants=("random",))
+        gen = iter_verify_samples(
+            rt,
+            max(cfg["sizes"]) - 1,
+            seed=cfg.get("seed", 3),
+            repeats=cfg["repeats"],
+            sizes=cfg["sizes"],
+            variants=("random",),
+        )
         while True:
             try:
                 next(gen)
@@ -252,8 +277,11 @@ def _time_batches(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_timing(cfg: dict[str, Any]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "s2moe.engine.decoding.gpu", "--time-batches", json.dumps(cfg)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "s2moe.engine.decoding.gpu", "--time-batches", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         err = proc.stderr.strip().splitlines()
@@ -272,14 +300,18 @@ class CopyMode:
     size 1) against run on the CPU (op offload never)."""
 
     sizes: list[int]
-    copy_s: list[float]          # median seconds per batch size, experts copied
-    cpu_s: list[float]           # ... experts on the CPU
-    copy_samples: list[tuple[float, ...]]    # (distinct experts over layers, tokens, seconds)
-    crossover: int | None        # the smallest batch size from which copying is faster at every size measured
+    copy_s: list[float]  # median seconds per batch size, experts copied
+    cpu_s: list[float]  # ... experts on the CPU
+    copy_samples: list[tuple[float, ...]]  # (distinct experts over layers, tokens, seconds)
+    crossover: int | None  # the smallest batch size from which copying is faster at every size measured
 
     def as_dict(self) -> dict[str, Any]:
-        return {"sizes": self.sizes, "copy_ms": [x * 1e3 for x in self.copy_s], "cpu_ms": [x * 1e3 for x in self.cpu_s],
-                "crossover": self.crossover}
+        return {
+            "sizes": self.sizes,
+            "copy_ms": [x * 1e3 for x in self.copy_s],
+            "cpu_ms": [x * 1e3 for x in self.cpu_s],
+            "crossover": self.crossover,
+        }
 
 
 def crossover(sizes: list[int], copy_s: list[float], cpu_s: list[float]) -> int | None:
@@ -292,9 +324,15 @@ def crossover(sizes: list[int], copy_s: list[float], cpu_s: list[float]) -> int 
     return best
 
 
-def measure_copy_mode(model: str, *, sizes: list[int], n_gpu_layers: int = -1, threads: int | None = None,
-                      repeats: int = 3,
-                      use_extra_bufts: bool = True) -> Generator[tuple[int, int], None, CopyMode]:
+def measure_copy_mode(
+    model: str,
+    *,
+    sizes: list[int],
+    n_gpu_layers: int = -1,
+    threads: int | None = None,
+    repeats: int = 3,
+    use_extra_bufts: bool = True,
+) -> Generator[tuple[int, int], None, CopyMode]:
     """Generator (yields (done, 2)); returns a CopyMode. Times verification batches of `sizes` tokens on
     `model` loaded with `n_gpu_layers` on the GPU and every expert in host memory, twice, each in a process
     of its own (the threshold is read once per process): with op offload from batch size 1 (each batch
@@ -303,8 +341,18 @@ def measure_copy_mode(model: str, *, sizes: list[int], n_gpu_layers: int = -1, t
     runs: list[list[tuple[float, ...]]] = []
     for min_batch in (1, NEVER):
         placement = Placement(n_gpu_layers=n_gpu_layers, cpu_moe=True, op_offload_min_batch=min_batch)
-        runs.append(_run_timing({"model": str(model), "threads": threads, "sizes": list(sizes), "repeats": repeats,
-                                 "placement": placement.as_dict(), "extra_buffers": use_extra_bufts})["samples"])
+        runs.append(
+            _run_timing(
+                {
+                    "model": str(model),
+                    "threads": threads,
+                    "sizes": list(sizes),
+                    "repeats": repeats,
+                    "placement": placement.as_dict(),
+                    "extra_buffers": use_extra_bufts,
+                }
+            )["samples"]
+        )
         yield len(runs), 2
     copied, on_cpu = runs
 

@@ -53,17 +53,18 @@ class PregateStats:
     """Pre-gating's predictions, counted as their layers routed. Index: the distance (layers ahead; 0: a
     layer's own router, counted only with check_self)."""
 
-    hits: npt.NDArray[np.int64]    # predicted experts the layer then read
-    total: npt.NDArray[np.int64]   # experts read by layers that had a prediction at that distance
-    decodes: int        # decodes that pre-gated
+    hits: npt.NDArray[np.int64]  # predicted experts the layer then read
+    total: npt.NDArray[np.int64]  # experts read by layers that had a prediction at that distance
+    decodes: int  # decodes that pre-gated
 
     def recall(self, distance: int) -> float:
         """Of the experts layers read, the share predicted `distance` layers ahead (nan: no prediction)."""
         return float(self.hits[distance] / self.total[distance]) if self.total[distance] else float("nan")
 
 
-def used_mask(ids: npt.NDArray[np.integer[Any]], rows: npt.NDArray[np.integer[Any]],
-              n_expert: int) -> npt.NDArray[np.bool_]:
+def used_mask(
+    ids: npt.NDArray[np.integer[Any]], rows: npt.NDArray[np.integer[Any]], n_expert: int
+) -> npt.NDArray[np.bool_]:
     n_layer, max_rows, k = ids.shape
     mask = np.zeros((n_layer, n_expert + 1), dtype=bool)
     valid = np.arange(max_rows)[None, :] < rows[:, None]  # [n_layer, rows]
@@ -73,8 +74,9 @@ def used_mask(ids: npt.NDArray[np.integer[Any]], rows: npt.NDArray[np.integer[An
     return mask[:, :n_expert]
 
 
-def distinct_per_layer(ids: npt.NDArray[np.integer[Any]], rows: npt.NDArray[np.integer[Any]],
-                       n_expert: int) -> npt.NDArray[np.int_]:
+def distinct_per_layer(
+    ids: npt.NDArray[np.integer[Any]], rows: npt.NDArray[np.integer[Any]], n_expert: int
+) -> npt.NDArray[np.int_]:
     distinct: npt.NDArray[np.int_] = used_mask(ids, rows, n_expert).sum(axis=1)
     return distinct
 
@@ -164,8 +166,7 @@ class RoutingHook:
             self.lib.s2_hook_draft(self.handle, int(k_draft))
         else:
             self.draft_mask[:] = allowed
-            self.lib.s2_hook_draft_masked(self.handle, int(k_draft),
-                                          _ptr(self.draft_mask, ctypes.c_uint8))
+            self.lib.s2_hook_draft_masked(self.handle, int(k_draft), _ptr(self.draft_mask, ctypes.c_uint8))
         self.mode = "draft"
 
     def skip(self, layers: Iterable[int], expert: int = 0) -> None:
@@ -185,8 +186,14 @@ class RoutingHook:
         finally:
             self.lib.s2_hook_uniform(self.handle, 0)
 
-    def gate(self, alpha: float, cap: int, row_weights: Sequence[float] | npt.NDArray[np.floating[Any]],
-             memory: float = 0.0, in_memory: npt.NDArray[np.bool_] | None = None) -> None:
+    def gate(
+        self,
+        alpha: float,
+        cap: int,
+        row_weights: Sequence[float] | npt.NDArray[np.floating[Any]],
+        memory: float = 0.0,
+        in_memory: npt.NDArray[np.bool_] | None = None,
+    ) -> None:
         """Reuse-aware gating: bias each row's selection toward the batch's E* (cap experts; batches of two
         rows or more) by alpha times the row's margin, and with memory > 0 toward the experts in memory by
         memory times it, in every gated decode, a single row's too. `in_memory` ([n_layer, n_expert] bool)
@@ -216,10 +223,11 @@ class RoutingHook:
         self.pregate_depth = depth
         self.pregate_width = width or self.k
         self.predicted[:] = -1
-        self.lib.s2_hook_pregate(self.handle, int(depth), int(width), int(check_self),
-                                 _ptr(self.predicted, ctypes.c_int32))
+        self.lib.s2_hook_pregate(
+            self.handle, int(depth), int(width), int(check_self), _ptr(self.predicted, ctypes.c_int32)
+        )
 
-    def pregate_stats(self) -> "PregateStats":
+    def pregate_stats(self) -> PregateStats:
         """Since creation: per distance, the predicted experts the layer then read and the experts it read."""
         hits = (ctypes.c_int64 * (PREGATE_MAX + 1))()
         total = (ctypes.c_int64 * (PREGATE_MAX + 1))()
@@ -232,8 +240,9 @@ class RoutingHook:
         self._route = prefetcher
         self.lib.s2_hook_set_route(self.handle, prefetcher.layer_fn_address, prefetcher.handle)
         self.lib.s2_hook_set_resident(self.handle, prefetcher.resident_fn_address, prefetcher.handle)
-        self.lib.s2_hook_set_stage(self.handle, prefetcher.stage_fn_address if prefetcher.staging else None,
-                                   prefetcher.handle)
+        self.lib.s2_hook_set_stage(
+            self.handle, prefetcher.stage_fn_address if prefetcher.staging else None, prefetcher.handle
+        )
         self.lib.s2_hook_set_predict(self.handle, prefetcher.predict_fn_address, prefetcher.handle)
 
     def clear_route(self, prefetcher: NativePrefetch | None = None) -> None:

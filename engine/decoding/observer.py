@@ -57,7 +57,7 @@ class Residency(Protocol):
     def resident(self) -> np.ndarray: ...  # [n_layer, n_expert] fraction of each expert's pages in memory
 
     @property
-    def pinned(self) -> np.ndarray: ...    # [n_layer, n_expert] bool
+    def pinned(self) -> np.ndarray: ...  # [n_layer, n_expert] bool
 
     @property
     def hit_rate(self) -> np.ndarray: ...  # [n_layer]

@@ -10,28 +10,29 @@ import logging
 import os
 import platform
 import re
+from _ctypes import CFuncPtr
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from typing import Literal, overload
-from _ctypes import CFuncPtr
-from collections.abc import Callable, Iterable, Sequence
 
 import llama_cpp
 import numpy as np
+
 # numpy imports numpy.random on first use; a Ctrl-C that lands in that import (the initialisation of its
 # compiled modules) is lost, and the run goes on. Imported here, with the engine, it happens before any
 # model is loaded, not in the middle of the first generation.
 import numpy.random  # noqa: F401
 import numpy.typing as npt
 
-from ..measure.device import default_threads, memory_bytes
 from ..errors import OPTION, ConfigError, ContextError, ModelError, held_signals
-from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type, gpu_backend
-from .hook import RoutingHook
+from ..measure.device import default_threads, memory_bytes
 from ..model_info import ModelInfo
 from ..offload.procfs import model_mappings
 from ..offload.sizes import fmt_bytes
+from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type, gpu_backend
+from .hook import RoutingHook
 
 # Rows of next-token logits (n_vocab wide), as llama.cpp computes them
 Logits = npt.NDArray[np.float32]
@@ -87,9 +88,12 @@ def _init_backend(op_offload_min_batch: int | None = None) -> None:
     if _backend_ready:
         if op_offload_min_batch is not None and str(op_offload_min_batch) != _backend_min_batch:
             started = _backend_min_batch if _backend_min_batch is not None else f"unset ({MIN_BATCH_DEFAULT})"
-            raise ConfigError(f"{OPTION} {op_offload_min_batch} comes too late: llama.cpp's backend in this process "
-                              f"started with {MIN_BATCH_ENV}={started} and reads it only then (start a new "
-                              "process)", option="op_offload_min_batch")
+            raise ConfigError(
+                f"{OPTION} {op_offload_min_batch} comes too late: llama.cpp's backend in this process "
+                f"started with {MIN_BATCH_ENV}={started} and reads it only then (start a new "
+                "process)",
+                option="op_offload_min_batch",
+            )
         return
     if op_offload_min_batch is not None:
         os.environ[MIN_BATCH_ENV] = str(op_offload_min_batch)
@@ -107,10 +111,21 @@ _TERMINATE_HANDLER = ctypes.CFUNCTYPE(None)
 _abort_hooks: tuple[CFuncPtr, ...] = ()  # the installed callbacks, kept alive
 # Standard exceptions (mangled type names) whose message what() may be called for: std::exception's vtable
 # holds two destructors, then what() (the Itanium C++ ABI).
-_STD_EXCEPTIONS = {b"St9exception", b"St13runtime_error", b"St11logic_error", b"St12out_of_range",
-                   b"St16invalid_argument", b"St12length_error", b"St12domain_error", b"St11range_error",
-                   b"St14overflow_error", b"St15underflow_error", b"St9bad_alloc", b"St20bad_array_new_length",
-                   b"St12system_error"}
+_STD_EXCEPTIONS = {
+    b"St9exception",
+    b"St13runtime_error",
+    b"St11logic_error",
+    b"St12out_of_range",
+    b"St16invalid_argument",
+    b"St12length_error",
+    b"St12domain_error",
+    b"St11range_error",
+    b"St14overflow_error",
+    b"St15underflow_error",
+    b"St9bad_alloc",
+    b"St20bad_array_new_length",
+    b"St12system_error",
+}
 
 
 def on_llama_abort(handler: Callable[[str], None]) -> None:
@@ -190,7 +205,7 @@ def last_llama_error() -> str:
     for line in reversed(_log_tail):
         marker = line.find("error loading model: ")
         if marker >= 0:
-            return " ".join(line[marker + len("error loading model: "):].split())
+            return " ".join(line[marker + len("error loading model: ") :].split())
     for line in reversed(_log_tail):
         low = line.lower()
         if "error" in low or "failed" in low or "invalid" in low or "insufficient" in low:
@@ -221,18 +236,25 @@ def check_threads(n_threads: int | None) -> None:
         raise ConfigError(f"{OPTION} must be at least 1", option="n_threads")
     if n_threads > max_threads():
         cpus = default_threads()
-        raise ConfigError(f"{OPTION} {n_threads} is more than {max_threads()} ({THREADS_PER_CPU} × the {cpus} "
-                          f"CPU{'s' if cpus != 1 else ''} this process may run on): extra threads only wait for "
-                          "each other", option="n_threads")
+        raise ConfigError(
+            f"{OPTION} {n_threads} is more than {max_threads()} ({THREADS_PER_CPU} × the {cpus} "
+            f"CPU{'s' if cpus != 1 else ''} this process may run on): extra threads only wait for "
+            "each other",
+            option="n_threads",
+        )
 
 
 def check_ctx(n_ctx: int, min_ctx: int = MIN_CTX) -> None:
     if n_ctx < min_ctx:
-        raise ConfigError(f"{OPTION} {n_ctx} is too small: the context must hold at least {min_ctx} tokens "
-                          "(a verification batch and the start-up cost measurement)", option="n_ctx")
+        raise ConfigError(
+            f"{OPTION} {n_ctx} is too small: the context must hold at least {min_ctx} tokens "
+            "(a verification batch and the start-up cost measurement)",
+            option="n_ctx",
+        )
     if n_ctx > MAX_CTX:
-        raise ConfigError(f"{OPTION} {n_ctx} is above the largest context s2moe accepts ({MAX_CTX} tokens)",
-                          option="n_ctx")
+        raise ConfigError(
+            f"{OPTION} {n_ctx} is above the largest context s2moe accepts ({MAX_CTX} tokens)", option="n_ctx"
+        )
 
 
 # llama.cpp's default cache type (f16): bytes per K or V value
@@ -262,9 +284,12 @@ def check_ctx_memory(info: ModelInfo, n_ctx: int, on_gpu: bool = False) -> None:
     if on_gpu or not need or available is None or need <= available // 2:
         return
     trained = info.n_ctx_train * info.kv_rows * KV_VALUE_BYTES
-    raise ConfigError(f"{OPTION} {n_ctx} needs {fmt_bytes(need)} of KV cache, more than half the "
-                      f"{fmt_bytes(available)} of memory available; {info.path.name} was trained on a context of "
-                      f"{info.n_ctx_train} tokens ({fmt_bytes(trained)})", option="n_ctx")
+    raise ConfigError(
+        f"{OPTION} {n_ctx} needs {fmt_bytes(need)} of KV cache, more than half the "
+        f"{fmt_bytes(available)} of memory available; {info.path.name} was trained on a context of "
+        f"{info.n_ctx_train} tokens ({fmt_bytes(trained)})",
+        option="n_ctx",
+    )
 
 
 class LlamaRuntime:
@@ -328,7 +353,8 @@ class LlamaRuntime:
 
         wants_hook = install_hook and info.is_moe
         self.hook: RoutingHook | None = (
-            RoutingHook(info, max_rows=max(max_verify_rows, 1), cap_max=cap_max) if wants_hook else None)
+            RoutingHook(info, max_rows=max(max_verify_rows, 1), cap_max=cap_max) if wants_hook else None
+        )
         if self.hook is not None and gpu_backend():
             # op_offload is on (below): from this batch size MUL_MAT_ID may run on the GPU
             self.hook.distinct_from(int(_backend_min_batch) if _backend_min_batch else MIN_BATCH_DEFAULT)
@@ -345,8 +371,9 @@ class LlamaRuntime:
         # tokens, copying only the experts the batch routes to: the GPU regime depends on it being on.
         cparams.op_offload = True
         if self.hook is not None:
-            cparams.cb_eval = ctypes.cast(ctypes.c_void_p(self.hook.callback),
-                                          llama_cpp.ggml_backend_sched_eval_callback)
+            cparams.cb_eval = ctypes.cast(
+                ctypes.c_void_p(self.hook.callback), llama_cpp.ggml_backend_sched_eval_callback
+            )
             cparams.cb_eval_user_data = ctypes.c_void_p(self.hook.user_data)
         # llama.cpp sizes its compute buffers for one batch; where they may take only batch_room bytes of host
         # memory (a memory budget's share), the batch is halved until they fit, down to MIN_CTX tokens
@@ -364,8 +391,9 @@ class LlamaRuntime:
                 self.model = None
                 raise ModelError(f"llama.cpp could not create a context for {info.path.name}: {last_llama_error()}")
             # host memory only: a GPU's own buffers are not the process's
-            self.compute_buffer_bytes = sum(size for kind, size in _compute_buffers
-                                            if kind == "CPU" or kind.endswith("_Host"))
+            self.compute_buffer_bytes = sum(
+                size for kind, size in _compute_buffers if kind == "CPU" or kind.endswith("_Host")
+            )
             if batch_room is None or self.compute_buffer_bytes <= batch_room or n_batch <= floor:
                 break
             with held_signals():
@@ -376,8 +404,9 @@ class LlamaRuntime:
         self.n_ctx: int = llama_cpp.llama_n_ctx(self.ctx)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)  # llama.cpp caps n_batch at n_ctx
         if self.n_batch < max_verify_rows:
-            raise ModelError(f"llama.cpp gave batches of {self.n_batch} tokens, fewer than verification batches of "
-                             f"{max_verify_rows}")
+            raise ModelError(
+                f"llama.cpp gave batches of {self.n_batch} tokens, fewer than verification batches of {max_verify_rows}"
+            )
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.n_seq_max = n_seq_max
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, n_seq_max)
@@ -385,8 +414,9 @@ class LlamaRuntime:
         self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
         self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
         self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
-        self._logits_flag = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)),
-                                                  shape=(self.n_batch,))
+        self._logits_flag = np.ctypeslib.as_array(
+            ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(self.n_batch,)
+        )
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
         self._nseq[:] = 1
@@ -403,8 +433,9 @@ class LlamaRuntime:
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as e:  # undecodable bytes of a command line or file name (surrogates)
-            raise ConfigError("the prompt is not UTF-8 text (undecodable bytes from character "
-                              f"{e.start + 1})") from None
+            raise ConfigError(
+                f"the prompt is not UTF-8 text (undecodable bytes from character {e.start + 1})"
+            ) from None
         add = self.add_bos if add_bos is None else add_bos
         cap = len(data) + 8
         buf = (llama_cpp.llama_token * cap)()
@@ -416,8 +447,10 @@ class LlamaRuntime:
                 n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add, special)
         tokens = list(buf[:n])
         if any(not 0 <= t < self.n_vocab for t in tokens):
-            raise ModelError(f"{self.info.path.name}: its tokenizer gave token ids outside its vocabulary of "
-                             f"{self.n_vocab} for this text")
+            raise ModelError(
+                f"{self.info.path.name}: its tokenizer gave token ids outside its vocabulary of "
+                f"{self.n_vocab} for this text"
+            )
         return tokens
 
     def piece(self, token: int) -> bytes:
@@ -451,8 +484,9 @@ class LlamaRuntime:
     @overload
     def decode(self, tokens: Sequence[int], pos0: int, outputs: Literal["last", "all"] = "last") -> Logits: ...
 
-    def decode(self, tokens: Sequence[int], pos0: int,
-               outputs: Literal["last", "all", "none"] = "last") -> Logits | None:
+    def decode(
+        self, tokens: Sequence[int], pos0: int, outputs: Literal["last", "all", "none"] = "last"
+    ) -> Logits | None:
         """Decode `tokens` at positions pos0.. of sequence 0; return logits rows ('last', 'all' or 'none')."""
         n = len(tokens)
         if n == 0:
@@ -513,16 +547,20 @@ class LlamaRuntime:
             if self.hook is not None:
                 self.hook.end()
         if rc != 0:
-            raise ModelError(f"llama.cpp could not decode a batch of {n} tokens (code {rc}): "
-                             f"{first_llama_error(_log_count - logged)}")
+            raise ModelError(
+                f"llama.cpp could not decode a batch of {n} tokens (code {rc}): "
+                f"{first_llama_error(_log_count - logged)}"
+            )
 
     def _logits(self, rows: int) -> Logits:
         """The logits of the last decode's first `rows` outputs, copied out of llama.cpp's buffer."""
         ptr = llama_cpp.llama_get_logits(self.ctx)
         logits: Logits = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
         if not np.isfinite(logits.sum()) and _broken(logits):
-            raise ModelError(f"{self.info.path.name}: llama.cpp computed logits that are not numbers (NaN or "
-                             "infinite): the model's weights or metadata are broken")
+            raise ModelError(
+                f"{self.info.path.name}: llama.cpp computed logits that are not numbers (NaN or "
+                "infinite): the model's weights or metadata are broken"
+            )
         return logits
 
     def kv_remove_from(self, p0: int) -> None:

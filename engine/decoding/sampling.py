@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -85,7 +86,7 @@ class PositionNoise:
         with np.errstate(over="ignore"):
             row = _mix64(self._key ^ (np.uint64(position) * _GOLDEN))
             h = _mix64(row + (np.asarray(ids, dtype=np.uint64) + np.uint64(1)) * _GOLDEN)
-        u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # in (0, 1), never 0 or 1
+        u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # in (0, 1), never 0 or 1
         values: npt.NDArray[np.float64] = -np.log(u)
         return values
 
@@ -108,8 +109,9 @@ def random_seed() -> int:
 
 def check_seed(seed: int) -> None:
     if not RANDOM_SEED <= seed <= MAX_SEED:
-        raise ConfigError(f"{OPTION} must be -1 (random) or a whole number from 0 to {MAX_SEED}, got {seed}",
-                          option="seed")
+        raise ConfigError(
+            f"{OPTION} must be -1 (random) or a whole number from 0 to {MAX_SEED}, got {seed}", option="seed"
+        )
 
 
 @dataclass(frozen=True)
@@ -145,15 +147,16 @@ class Sampling:
         if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
             raise ConfigError(f"{OPTION} must be a finite number > 0 (1: off)", option="repeat_penalty")
         if self.repeat_last_n < -1:
-            raise ConfigError(f"{OPTION} must be -1 (the whole context), 0 (off) or a number of tokens",
-                              option="repeat_last_n")
+            raise ConfigError(
+                f"{OPTION} must be -1 (the whole context), 0 (off) or a number of tokens", option="repeat_last_n"
+            )
 
     def penalized(self, logits: Floats, history: Sequence[int]) -> Floats:
         """logits with the repetition penalty applied for the tokens before them (llama.cpp's rule: a
         positive logit is divided by the penalty, a negative one multiplied)."""
         if self.repeat_penalty == 1.0 or self.repeat_last_n <= 0 or not len(history):
             return logits
-        seen = np.unique(np.asarray(history[-self.repeat_last_n:], dtype=np.int64))
+        seen = np.unique(np.asarray(history[-self.repeat_last_n :], dtype=np.int64))
         z = logits.astype(np.float64)
         v = z[seen]
         z[seen] = np.where(v <= 0, v * self.repeat_penalty, v / self.repeat_penalty)

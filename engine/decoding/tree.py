@@ -25,15 +25,16 @@ other cell is freed: the cache holds exactly the committed path.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from ..events import DraftCandidate
 from ..drafting.drafters import Drafter, Proposal
 from ..drafting.stoprules import UtilityStop
+from ..events import DraftCandidate
 from .sampling import Floats, PositionNoise, Sampling, SeededSampler
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class DraftTree:
     """The nodes a verification takes, in batch order (parents before children)."""
 
     parents: list[int] = field(default_factory=list)  # index of each node's parent; -1: the pending token
-    depths: list[int] = field(default_factory=list)   # 1 for the pending token's children
+    depths: list[int] = field(default_factory=list)  # 1 for the pending token's children
 
     def leaves(self) -> list[int]:
         has_child = set(self.parents)
@@ -55,16 +56,16 @@ class DraftTree:
 @dataclass
 class _Node:
     token: int
-    parent: int        # index into the drafter's decoded nodes; -1: the pending token
+    parent: int  # index into the drafter's decoded nodes; -1: the pending token
     depth: int
-    prob: float        # draft probability of its token at the parent
-    path: float        # product of draft probabilities from the pending token down to it
-    seq: int           # draft sequence id
+    prob: float  # draft probability of its token at the parent
+    path: float  # product of draft probabilities from the pending token down to it
+    seq: int  # draft sequence id
     logits: Floats | None  # draft logits at the node (its children's distribution)
     # [n_layer, n_expert + 1]: the router's top-k, the target experts it predicts
     predicted: npt.NDArray[np.bool_] | None
     history: list[int]  # committed tokens and the path down to and including it
-    taken: int = -1    # its index in the tree once taken
+    taken: int = -1  # its index in the tree once taken
     routed: npt.NDArray[np.int32] | None = None  # [n_layer, k] the router's ids in its draft pass (-1: no MoE)
 
 
@@ -76,8 +77,14 @@ class TreeDrafter(Drafter):
     name = "tree"
     drafts_in_context = True
 
-    def __init__(self, k_draft: int, rule: UtilityStop | None, width: int, max_nodes: int,
-                 allowed: Callable[[], npt.NDArray[np.bool_]] | None = None):
+    def __init__(
+        self,
+        k_draft: int,
+        rule: UtilityStop | None,
+        width: int,
+        max_nodes: int,
+        allowed: Callable[[], npt.NDArray[np.bool_]] | None = None,
+    ):
         self.k_draft = k_draft
         self.rule = rule
         self.width = width
@@ -135,8 +142,9 @@ class TreeDrafter(Drafter):
                     s = free_seqs.pop()
                     rt.seq_cp(parent.seq, s)
                     used_seqs.append(s)
-                    kids.append(_Node(int(t), index, parent.depth + 1, float(q[t]), p, s, None, None,
-                                      parent.history + [int(t)]))
+                    kids.append(
+                        _Node(int(t), index, parent.depth + 1, float(q[t]), p, s, None, None, parent.history + [int(t)])
+                    )
             if not kids:
                 return []
             kid_logits = rt.decode_tree([k.token for k in kids], [pos + k.depth for k in kids], [[k.seq] for k in kids])
@@ -167,8 +175,18 @@ class TreeDrafter(Drafter):
             tree.depths.append(node.depth)
             out.tokens.append(node.token)
             out.chain.append(node.path)
-            out.candidates.append(DraftCandidate(node.token, dec.piece_text(node.token), node.prob, node.path,
-                                                 utility, added[:, :n_expert].sum(axis=1), True, node.routed))
+            out.candidates.append(
+                DraftCandidate(
+                    node.token,
+                    dec.piece_text(node.token),
+                    node.prob,
+                    node.path,
+                    utility,
+                    added[:, :n_expert].sum(axis=1),
+                    True,
+                    node.routed,
+                )
+            )
 
         expand([(-1, root)])
         if rule is None:
@@ -210,8 +228,9 @@ class TreeDrafter(Drafter):
             n = nodes[i]
             added = (n.predicted & ~in_batch)[:, :n_expert].sum(axis=1)
             utility = None if rule is None else rule.utility(n.path, float(added.sum()))
-            out.candidates.append(DraftCandidate(n.token, dec.piece_text(n.token), n.prob, n.path, utility, added,
-                                                 False, n.routed))
+            out.candidates.append(
+                DraftCandidate(n.token, dec.piece_text(n.token), n.prob, n.path, utility, added, False, n.routed)
+            )
         for s in used_seqs:
             rt.seq_rm(s)
         out.tree = tree
@@ -236,8 +255,16 @@ def tree_layout(tree: DraftTree, pos: int) -> tuple[list[int], list[list[int]], 
     return positions, [[0] + list(leaf_seq.values())] + below, leaf_seq
 
 
-def verify_tree(dec: Decoder, proposal: Proposal, pending: int, pos: int, gate: Gating | None, sampler: Sampling,
-                history: Sequence[int], noise: PositionNoise) -> tuple[_Verified, list[int], int]:
+def verify_tree(
+    dec: Decoder,
+    proposal: Proposal,
+    pending: int,
+    pos: int,
+    gate: Gating | None,
+    sampler: Sampling,
+    history: Sequence[int],
+    noise: PositionNoise,
+) -> tuple[_Verified, list[int], int]:
     """One target pass over the pending token (at pos) and the tree; the accepted path (node indices) and the
     target's token after it. Leaves sequence 0 holding the committed path, and no other sequence."""
     rt, tree = dec.rt, proposal.tree
@@ -256,8 +283,14 @@ def verify_tree(dec: Decoder, proposal: Proposal, pending: int, pos: int, gate: 
     return v, path, token
 
 
-def accept_tree(tokens: Sequence[int], parents: Sequence[int], logits: Floats, sampler: Sampling,
-                noise: PositionNoise, history: Sequence[int]) -> tuple[list[int], int]:
+def accept_tree(
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    logits: Floats,
+    sampler: Sampling,
+    noise: PositionNoise,
+    history: Sequence[int],
+) -> tuple[list[int], int]:
     """(indices of the accepted nodes from the pending token down, the target's token after them): at each
     node the target's own token (engine.acceptance) moves to the child that drafted it, if one did.
 

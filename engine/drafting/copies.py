@@ -5,8 +5,9 @@ weighed whole by the utility rule (CopyPlanner) and otherwise the self-drafter's
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -40,8 +41,9 @@ class LookupDrafter(Drafter):
         for token in found:
             out.tokens.append(token)
             out.chain.append(1.0)
-            out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, None,
-                                                 np.zeros(n_layer, int), True))
+            out.candidates.append(
+                DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, None, np.zeros(n_layer, int), True)
+            )
         out.stop = "lookup" if found else "no-match"
         out.seconds = time.perf_counter() - t0
         return out
@@ -73,15 +75,15 @@ class CopyPlan:
     the first declined) with its chained acceptance and the utility of the copy through it, and the numbers the
     rule decided with (for a probe, those of the best copy it declined)."""
 
-    n: int                      # the length of the n-gram that matched
-    source: str                 # where it matched: "context" or "session"
-    probe: bool                 # declined, verified anyway (its first token only)
-    p: float                    # the learned acceptance of its first token (its kind, after an n-gram of that length)
-    rows: int                   # the copy's length as the rule priced it
-    expected: float             # the tokens the target is expected to accept of those rows
-    experts: float              # the experts the rule expects the rows to add to the pending row's
-    saved: float                # what a committed token saves (seconds)
-    cost: float                 # what verifying the rows costs
+    n: int  # the length of the n-gram that matched
+    source: str  # where it matched: "context" or "session"
+    probe: bool  # declined, verified anyway (its first token only)
+    p: float  # the learned acceptance of its first token (its kind, after an n-gram of that length)
+    rows: int  # the copy's length as the rule priced it
+    expected: float  # the tokens the target is expected to accept of those rows
+    experts: float  # the experts the rule expects the rows to add to the pending row's
+    saved: float  # what a committed token saves (seconds)
+    cost: float  # what verifying the rows costs
     tokens: list[int] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # each token's, one of COPY_KINDS
     weighed: list[tuple[int, float, float, bool]] = field(default_factory=list)  # (token, survival, utility, kept)
@@ -95,9 +97,16 @@ class CopyPlanner:
 
     # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's
     # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
-    def __init__(self, rule: UtilityStop, earlier: EarlierText | None = None, prompt: Sequence[int] = (),
-                 max_ngram: int = 3, min_ngram: int = 2, periodic: bool = True,
-                 without: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        rule: UtilityStop,
+        earlier: EarlierText | None = None,
+        prompt: Sequence[int] = (),
+        max_ngram: int = 3,
+        min_ngram: int = 2,
+        periodic: bool = True,
+        without: frozenset[str] = frozenset(),
+    ):
         """earlier: the session's earlier generations, copied from where they match a longer n-gram than the
         context (None: the context only); prompt: this generation's, whose own earlier runs are not copied;
         without: the refinements switched off (COPY_REFINEMENTS)."""
@@ -126,8 +135,12 @@ class CopyPlanner:
             return None
         timed = None if "timed-scaling" in self.without else learned.price()
         saved, scale = timed or (rule.cost.t_ar, 1.0)
-        if (timed is None and "timed-plain" not in self.without and learned.plain_s is not None
-                and learned.cache_serves_little()):
+        if (
+            timed is None
+            and "timed-plain" not in self.without
+            and learned.plain_s is not None
+            and learned.cache_serves_little()
+        ):
             # what a copied token saves is a plain step, timed here on every one of them, where the constants
             # were measured on another day of the disk or at another split of the budget; only a copy's cost
             # waits for copies to be timed. Not where the cache serves plain steps most of their experts: copies
@@ -151,8 +164,9 @@ class CopyPlanner:
         n, found, period = self.index.lookup(context, max_len)
         kinds = ["context, looped" if i >= period else "context" for i in range(len(found))]
         if self.earlier is not None and n < self.index.max_ngram:  # else the earlier text cannot match longer
-            n2, found2, agreed2 = self.earlier.lookup(self.prompt, context, max_len,
-                                                      voters=1 if "voting" in self.without else None)
+            n2, found2, agreed2 = self.earlier.lookup(
+                self.prompt, context, max_len, voters=1 if "voting" in self.without else None
+            )
             if found2 and n2 > n:
                 source, n, found = "session", n2, found2
                 kinds = ["session, agreed" if a else "session" for a in agreed2]
@@ -182,7 +196,7 @@ class CopyPlanner:
         out = CopyPlan(n, source, probe, rates[kinds[0]], best, expected, added, saved, cost)
         keep = 1 if probe else best
         shown = keep if probe else keep + 1  # a copy's tokens, and the first one declined after them
-        for i, (survival, expected, added, cost) in enumerate(weighed[:shown]):
+        for i, (survival, expected, _added, cost) in enumerate(weighed[:shown]):
             kept = i < keep
             out.weighed.append((found[i], survival, rule.copy_utility(expected, saved, cost), kept))
             if kept:
@@ -207,8 +221,10 @@ class CopyPlanner:
         per_row = rule.expected_first_experts
         key = (scale, max_len, per_row, learned.overlap, learned.pending_experts)
         if key != self._costs_key:
-            added = [learned.added(rows, per_row) if "overlap" not in self.without else rows * per_row
-                     for rows in range(1, max_len + 1)]
+            added = [
+                learned.added(rows, per_row) if "overlap" not in self.without else rows * per_row
+                for rows in range(1, max_len + 1)
+            ]
             self._costs_key = key
             self._cost_table = [(a, scale * rule.copy_cost(rows, a)) for rows, a in enumerate(added, 1)]
         return self._cost_table
@@ -241,8 +257,15 @@ class LookupOrSelfDrafter(Drafter):
     name = "s2moe"
     drafts_in_context = True
 
-    def __init__(self, self_drafter: SelfDrafter, rule: UtilityStop, earlier: EarlierText | None = None,
-                 prompt: Sequence[int] = (), periodic: bool = True, without: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        self_drafter: SelfDrafter,
+        rule: UtilityStop,
+        earlier: EarlierText | None = None,
+        prompt: Sequence[int] = (),
+        periodic: bool = True,
+        without: frozenset[str] = frozenset(),
+    ):
         self.self_drafter = self_drafter
         self.copies = CopyPlanner(rule, earlier, prompt, periodic=periodic, without=without)
         # the last proposal's copy, and the experts of its pending token's row
@@ -264,16 +287,17 @@ class LookupOrSelfDrafter(Drafter):
             self._rows = None if out.tokens else 0
             return out
         head = "lookup" if plan.source == "context" else "lookup: session"
-        out = Proposal(stop=f"{head}: probe" if plan.probe else
-                       f"{head}: utility" if not plan.weighed[-1][3] else head)
+        out = Proposal(stop=f"{head}: probe" if plan.probe else f"{head}: utility" if not plan.weighed[-1][3] else head)
         n_layer = dec.info.n_layer
         for token, survival, u, keep in plan.weighed:
-            out.candidates.append(DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, u, np.zeros(n_layer, int),
-                                                 keep, None, survival))
+            out.candidates.append(
+                DraftCandidate(token, dec.piece_text(token), 1.0, 1.0, u, np.zeros(n_layer, int), keep, None, survival)
+            )
         out.tokens = list(plan.tokens)
         out.chain = [1.0] * len(plan.tokens)
-        out.decision = self.copies.rule.copy_decision(plan.expected, plan.experts, plan.saved, plan.cost, plan.rows,
-                                                      probing=plan.probe, source=plan.source)
+        out.decision = self.copies.rule.copy_decision(
+            plan.expected, plan.experts, plan.saved, plan.cost, plan.rows, probing=plan.probe, source=plan.source
+        )
         out.seconds = time.perf_counter() - now
         self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
         self._rows = len(plan.tokens)

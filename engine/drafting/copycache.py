@@ -13,9 +13,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, TypeGuard
+from typing import TypeGuard
 
 from ..errors import ConfigError
 from ..files import check_writable, read_json, write_atomic, write_target
@@ -44,8 +45,9 @@ def copy_cache_file(path: str | os.PathLike[str], info: ModelInfo) -> Path:
     return path
 
 
-def load_copy_cache(path: str | os.PathLike[str], info: ModelInfo, earlier: EarlierText,
-                    write_back: bool = True) -> int:
+def load_copy_cache(
+    path: str | os.PathLike[str], info: ModelInfo, earlier: EarlierText, write_back: bool = True
+) -> int:
     """Add the generations kept at `path` (copy_cache_file) to `earlier`, oldest first; how many. A file that
     does not exist yet holds none (the run creates it); one that is not a copy cache of this model is a
     CopyCacheError. write_back: the run will save_copy_cache there, so that its place is checked now (a
@@ -107,8 +109,10 @@ def _read(path: Path, info: ModelInfo) -> list[tuple[list[int], list[int]]]:
     if data.get("version") != VERSION:
         raise CopyCacheError(f"copy cache {path}: version {data.get('version')!r}, this s2moe reads {VERSION}")
     if data.get("model") != info.fingerprint:
-        raise CopyCacheError(f"copy cache {path} holds another model's tokens (model {data.get('model')}, this one "
-                             f"{info.fingerprint}): give another file")
+        raise CopyCacheError(
+            f"copy cache {path} holds another model's tokens (model {data.get('model')}, this one "
+            f"{info.fingerprint}): give another file"
+        )
     generations = data.get("generations")
     if not isinstance(generations, list):
         raise CopyCacheError(f"copy cache {path}: no list of generations")
@@ -123,5 +127,8 @@ def _read(path: Path, info: ModelInfo) -> list[tuple[list[int], list[int]]]:
 
 
 def _tokens(value: object, n_vocab: int) -> TypeGuard[list[int]]:
-    return (isinstance(value, list) and len(value) > 0
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in value))
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in value)
+    )

@@ -5,11 +5,10 @@ timed. The utility rule keeps one across generations (UtilityStop.copies); CopyP
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-
 
 # what the rule learns a copied token's acceptance by, beside n: where it was copied from (the generation's own
 # context, or the session's earlier generations, EarlierText); for the context's, whether it was taken round the
@@ -71,8 +70,15 @@ class CopyLearner:
     such only after a plain step, and a copy rejected whole is charged, beyond its own time, what the plain step
     after it paid over a plain step's."""
 
-    def __init__(self, max_ngram: int, rate: float = 0.6, prior: float = 2.0, probe_every: int = 32,
-                 smoothing: float = 0.1, min_copies: int = 3):
+    def __init__(
+        self,
+        max_ngram: int,
+        rate: float = 0.6,
+        prior: float = 2.0,
+        probe_every: int = 32,
+        smoothing: float = 0.1,
+        min_copies: int = 3,
+    ):
         self.rate, self.prior = rate, prior
         shape = (len(COPY_KINDS), max_ngram + 1)
         self.seen = np.zeros(shape)
@@ -85,11 +91,11 @@ class CopyLearner:
         self._hopeless_steps = 0
         self.smoothing, self.min_copies = smoothing, min_copies
         self.plain_s: float | None = None  # running means: a plain step's wall time
-        self.scale: float | None = None    # … and a copy's timed cost over the constants' price of it
+        self.scale: float | None = None  # … and a copy's timed cost over the constants' price of it
         self.copies_timed = 0
         self.overlap: float | None = None  # running mean of q, the share of a row's experts the next repeats
-        self.pending_experts = 0.0          # K: the experts a verification's pending row reads, over layers
-        self._priced: float | None = None   # the constants' price of the copy verified last, until it is timed
+        self.pending_experts = 0.0  # K: the experts a verification's pending row reads, over layers
+        self._priced: float | None = None  # the constants' price of the copy verified last, until it is timed
         self._after_plain = False  # the iteration timed last was a plain step
         self._rejected: tuple[float, float] | None = None  # a copy rejected whole (seconds, price), until the step
         # after it is timed
@@ -132,7 +138,7 @@ class CopyLearner:
 
     def learn(self, n: int, kinds: Sequence[str], accepted: int, probe: bool = False) -> None:
         """A copy after an n-gram, its tokens of `kinds`, verified: the target accepted `accepted` of them."""
-        for k, kind in enumerate(kinds[:accepted + 1]):
+        for k, kind in enumerate(kinds[: accepted + 1]):
             at = COPY_KINDS.index(kind), n
             self.seen[at] += 1
             self.accepted[at] += k < accepted
@@ -140,8 +146,9 @@ class CopyLearner:
         self._likeliest = (float(share.max()), float(self._raised(share, self.seen).max()))
         if probe and kinds:
             at = COPY_KINDS.index(kinds[0]), n
-            self.probe_interval[at] = (self.probe_every if accepted else
-                                       min(2 * self.probe_interval[at], 16 * self.probe_every))
+            self.probe_interval[at] = (
+                self.probe_every if accepted else min(2 * self.probe_interval[at], 16 * self.probe_every)
+            )
 
     def began(self) -> None:
         """A generation begins: its first step follows the prefill, a batch of another shape."""
@@ -176,8 +183,9 @@ class CopyLearner:
                 copy_s, copy_priced = rejected
                 self._time_copy((copy_s + seconds - 2 * self.plain_s) / copy_priced)
             elif self._after_plain:
-                self.plain_s = (seconds if self.plain_s is None
-                                else self.plain_s + self.smoothing * (seconds - self.plain_s))
+                self.plain_s = (
+                    seconds if self.plain_s is None else self.plain_s + self.smoothing * (seconds - self.plain_s)
+                )
         elif rows is not None and accepted == 0 and priced:
             self._rejected = (seconds, priced)
         self._after_plain = rows == 0

@@ -8,14 +8,15 @@ rule (SelfDrafter), the layer-skip and independent-context baselines, and Cascad
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..events import DraftCandidate, DraftDecision, ForcedDraft, Iteration
 from ..decoding.sampling import SeededSampler
+from ..events import DraftCandidate, DraftDecision, ForcedDraft, Iteration
 from .stoprules import FixedLength, StopRule, UtilityStop
 
 if TYPE_CHECKING:  # the decoder builds its drafters: a run-time import would be circular
@@ -28,16 +29,18 @@ if TYPE_CHECKING:  # the decoder builds its drafters: a run-time import would be
 @dataclass
 class Proposal:
     tokens: list[int] = field(default_factory=list)
-    chain: list[float] = field(default_factory=list)       # p_i of each kept token
+    chain: list[float] = field(default_factory=list)  # p_i of each kept token
     candidates: list[DraftCandidate] = field(default_factory=list)
     stop: str = "no-draft"
     seconds: float = 0.0
     experts_read: npt.NDArray[np.int_] | None = None  # [n_layer] distinct experts the draft passes read
-    predicted: npt.NDArray[np.bool_] | None = None     # [n_layer, n_expert] bool: target experts of the verify batch
-    decision: DraftDecision | None = None   # the utility rule's decision, with its numbers
-    tree: DraftTree | None = None           # the tokens are a tree's nodes, not a chain
-    pending_predicted: npt.NDArray[np.integer[Any]] | None = None  # [n_layer, k] the pending token's target experts, as drafted
-    forced: ForcedDraft | None = None       # drafted to the cap: what the rule would have done (RecordingStop)
+    predicted: npt.NDArray[np.bool_] | None = None  # [n_layer, n_expert] bool: target experts of the verify batch
+    decision: DraftDecision | None = None  # the utility rule's decision, with its numbers
+    tree: DraftTree | None = None  # the tokens are a tree's nodes, not a chain
+    pending_predicted: npt.NDArray[np.integer[Any]] | None = (
+        None  # [n_layer, k] the pending token's target experts, as drafted
+    )
+    forced: ForcedDraft | None = None  # drafted to the cap: what the rule would have done (RecordingStop)
 
 
 class Drafter:
@@ -118,8 +121,8 @@ class SelfDrafter(Drafter):
         self.route_drafts(dec)
         logits = last_logits(rt, [pending], pos)
         routing = hook.snapshot(1)
-        in_batch = np.zeros((n_layer, n_expert + 1), bool)   # predicted target experts of the batch
-        read = np.zeros((n_layer, n_expert + 1), bool)       # experts the draft passes read
+        in_batch = np.zeros((n_layer, n_expert + 1), bool)  # predicted target experts of the batch
+        read = np.zeros((n_layer, n_expert + 1), bool)  # experts the draft passes read
         layers = np.arange(n_layer)[:, None]
         in_batch[layers, routing.orig[:, 0, :]] = True
         read[layers, routing.used[:, 0, :]] = True
@@ -139,8 +142,11 @@ class SelfDrafter(Drafter):
             text = dec.piece_text(token)
             reject, bound = self.rule.pre_reject(survival, prob)
             if reject:
-                out.candidates.append(DraftCandidate(token, text, prob, chain, bound, np.zeros(n_layer, int), False,
-                                                     accept_chance=survival))
+                out.candidates.append(
+                    DraftCandidate(
+                        token, text, prob, chain, bound, np.zeros(n_layer, int), False, accept_chance=survival
+                    )
+                )
                 out.stop = "utility" if isinstance(self.rule, UtilityStop) else "confidence"
                 break
             new = np.zeros(n_layer, int)
@@ -157,8 +163,19 @@ class SelfDrafter(Drafter):
             else:
                 predicted = None
             keep, utility = self.rule.keep(survival, prob, int(new.sum()))
-            out.candidates.append(DraftCandidate(token, text, prob, chain, utility, new, keep,
-                                                 None if predicted is None else r.orig[:, 0, :], survival))
+            out.candidates.append(
+                DraftCandidate(
+                    token,
+                    text,
+                    prob,
+                    chain,
+                    utility,
+                    new,
+                    keep,
+                    None if predicted is None else r.orig[:, 0, :],
+                    survival,
+                )
+            )
             if not keep:
                 out.stop = "utility"
                 break
@@ -200,10 +217,16 @@ class IndependentDrafter(Drafter):
         from ..decoding.runtime import LlamaRuntime
 
         info = dec.info
-        self.rt = LlamaRuntime(info, n_ctx=dec.n_ctx, n_threads=n_threads, install_hook=False,
-                               max_verify_rows=dec.max_draft + 1, placement=dec.placement,
-                               use_extra_bufts=dec.rt.use_extra_bufts,
-                               int_overrides={f"{info.arch}.expert_used_count": k_draft})
+        self.rt = LlamaRuntime(
+            info,
+            n_ctx=dec.n_ctx,
+            n_threads=n_threads,
+            install_hook=False,
+            max_verify_rows=dec.max_draft + 1,
+            placement=dec.placement,
+            use_extra_bufts=dec.rt.use_extra_bufts,
+            int_overrides={f"{info.arch}.expert_used_count": k_draft},
+        )
         self.tokens: list[int] = []  # what this context's KV holds
 
     def file_mappings(self) -> list[tuple[int, int, int]]:
@@ -237,14 +260,15 @@ class IndependentDrafter(Drafter):
         token = committed[-1]
         chain = 1.0
         n_layer = dec.info.n_layer
-        for i in range(max_len):
+        for _ in range(max_len):
             logits = last_logits(self.rt, [token], len(self.tokens))
             self.tokens.append(token)
             token, q = sample(logits, committed + out.tokens)
             prob = float(q[token])
             chain *= prob
-            out.candidates.append(DraftCandidate(token, dec.piece_text(token), prob, chain, None,
-                                                 np.zeros(n_layer, int), True))
+            out.candidates.append(
+                DraftCandidate(token, dec.piece_text(token), prob, chain, None, np.zeros(n_layer, int), True)
+            )
             out.tokens.append(token)
             out.chain.append(chain)
         out.stop = "cap"
@@ -263,8 +287,14 @@ class CascadeDrafter(Drafter):
     name = "cascade"
     drafts_in_context = True
 
-    def __init__(self, k_draft: int, cap: int, trials_per_k: int = 2, set_iterations: int = 16,
-                 allowed: Callable[[], npt.NDArray[np.bool_]] | None = None):
+    def __init__(
+        self,
+        k_draft: int,
+        cap: int,
+        trials_per_k: int = 2,
+        set_iterations: int = 16,
+        allowed: Callable[[], npt.NDArray[np.bool_]] | None = None,
+    ):
         self.choices = sorted({0, 1, max(1, cap // 2), cap})
         self.inner = SelfDrafter(k_draft, FixedLength(), allowed)
         self.trials_per_k = trials_per_k

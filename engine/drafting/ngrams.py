@@ -5,7 +5,7 @@ earlier generations (EarlierText), kept up to date so that a lookup on every ste
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class NgramIndex:
@@ -61,8 +61,9 @@ class EarlierText:
     out of the expert cache: the token cap holds 64 prompts of a few hundred tokens, where copies found stop
     growing with more generations kept, in under 10 MiB."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, keep: int = 64, max_tokens: int = 1 << 14,
-                 vote: int = 16):
+    def __init__(
+        self, max_ngram: int = 3, min_ngram: int = 2, keep: int = 64, max_tokens: int = 1 << 14, vote: int = 16
+    ):
         self.max_ngram, self.min_ngram, self.keep, self.max_tokens = max_ngram, min_ngram, keep, max_tokens
         self.vote = vote
         self.tokens = 0
@@ -100,8 +101,9 @@ class EarlierText:
             if not holders:
                 del self.holders[gram]
 
-    def lookup(self, prompt: Sequence[int], seq: list[int], max_len: int,
-               voters: int | None = None) -> tuple[int, list[int], list[bool]]:
+    def lookup(
+        self, prompt: Sequence[int], seq: list[int], max_len: int, voters: int | None = None
+    ) -> tuple[int, list[int], list[bool]]:
         """(n, continuation, agreed) for a generation of `prompt` whose context is `seq`: up to max_len tokens
         that followed the longest n-gram ending seq in other prompts' entries, voted among them, and for each
         token whether two or more voters were left and all agreed on it; (0, [], []) where none holds one.
@@ -115,7 +117,7 @@ class EarlierText:
                 if key != own:
                     text, last = self.entries[key]
                     end = last[gram]
-                    followed.append(text[end: end + max_len])
+                    followed.append(text[end : end + max_len])
                     if len(followed) == voters:
                         break
             if followed:

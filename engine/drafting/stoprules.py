@@ -21,7 +21,7 @@ class StopRule:
 
     needs_routing = False
     decision: DraftDecision | None = None  # why the last worth_drafting said what it said (utility rule only)
-    forced: ForcedDraft | None = None      # RecordingStop only
+    forced: ForcedDraft | None = None  # RecordingStop only
 
     def worth_drafting(self) -> bool:
         return True
@@ -138,7 +138,7 @@ class AcceptanceMap:
 
     def learn(self, probs: list[float], accepted: int) -> None:
         """A verified chain: its tokens up to the first the target rejected (the rest were never judged)."""
-        for i, q in enumerate(probs[:accepted + 1]):
+        for i, q in enumerate(probs[: accepted + 1]):
             b = self._bin(q)
             self.seen[b] += 1
             self.accepted[b] += i < accepted
@@ -204,19 +204,39 @@ class UtilityStop(StopRule):
             self._probing = True
             self.decision = self._decision(True, True, expected, p, experts, probing=True)
             return True
-        self.decision = self._decision(False, True, expected, p, experts,
-                                       next_probe=self.probe_interval - self._skipped)
+        self.decision = self._decision(
+            False, True, expected, p, experts, next_probe=self.probe_interval - self._skipped
+        )
         return False
 
-    def _decision(self, drafting: bool, can_pay: bool, utility: float, p: float, experts: float, *,
-                  probing: bool = False, next_probe: int | None = None) -> DraftDecision:
+    def _decision(
+        self,
+        drafting: bool,
+        can_pay: bool,
+        utility: float,
+        p: float,
+        experts: float,
+        *,
+        probing: bool = False,
+        next_probe: int | None = None,
+    ) -> DraftDecision:
         c = self.cost
-        return DraftDecision(drafting=drafting, can_pay=can_pay, probing=probing, threshold=self.threshold,
-                             utility=utility, p_first=p, new_experts=experts, t_ar=c.t_ar,
-                             cost=c.t_exp * experts + c.t_tok + c.c_draft, c_draft=c.c_draft, t_tok=c.t_tok,
-                             next_probe=next_probe)
+        return DraftDecision(
+            drafting=drafting,
+            can_pay=can_pay,
+            probing=probing,
+            threshold=self.threshold,
+            utility=utility,
+            p_first=p,
+            new_experts=experts,
+            t_ar=c.t_ar,
+            cost=c.t_exp * experts + c.t_tok + c.c_draft,
+            c_draft=c.c_draft,
+            t_tok=c.t_tok,
+            next_probe=next_probe,
+        )
 
-    def copies(self, max_ngram: int) -> "CopyLearner":
+    def copies(self, max_ngram: int) -> CopyLearner:
         """What this rule has learned of drafts copied from the context (LookupOrSelfDrafter), kept with its
         other estimates across generations."""
         if self._copies is None:
@@ -235,17 +255,36 @@ class UtilityStop(StopRule):
         what it costs (rows free only under the warm-up's constants)."""
         return expected * saved / max(cost, 1e-12)
 
-    def copy_decision(self, expected: float, experts: float, saved: float, cost: float, rows: int,
-                      probing: bool = False, source: str = "context") -> DraftDecision:
-        return DraftDecision(drafting=True, can_pay=True, probing=probing, threshold=self.threshold,
-                             utility=self.copy_utility(expected, saved, cost), p_first=expected, new_experts=experts,
-                             t_ar=saved, cost=cost, c_draft=0.0, t_tok=self.cost.t_tok, copied=source, rows=rows)
+    def copy_decision(
+        self,
+        expected: float,
+        experts: float,
+        saved: float,
+        cost: float,
+        rows: int,
+        probing: bool = False,
+        source: str = "context",
+    ) -> DraftDecision:
+        return DraftDecision(
+            drafting=True,
+            can_pay=True,
+            probing=probing,
+            threshold=self.threshold,
+            utility=self.copy_utility(expected, saved, cost),
+            p_first=expected,
+            new_experts=experts,
+            t_ar=saved,
+            cost=cost,
+            c_draft=0.0,
+            t_tok=self.cost.t_tok,
+            copied=source,
+            rows=rows,
+        )
 
     def _probe_outcome(self, paid: bool) -> None:
         if self._probing:
             self._probing = False
-            self.probe_interval = self.probe_every if paid else min(2 * self.probe_interval,
-                                                                   self.max_probe_interval)
+            self.probe_interval = self.probe_every if paid else min(2 * self.probe_interval, self.max_probe_interval)
 
     def observe_first(self, prob: float) -> None:
         self.expected_first += self.smoothing * (self.acceptance(prob) - self.expected_first)

@@ -94,9 +94,11 @@ def mode_config(name: str, base: GenerationConfig) -> GenerationConfig:
     if not colon:
         return cfg
     if cfg.mode not in SELF_DRAFTING or reads not in DRAFT_EXPERTS:
-        raise ConfigError(f"unknown mode {name!r}: a mode that drafts from the model's own experts "
-                          f"({', '.join(SELF_DRAFTING)} and the ladder's shared-KV rungs) takes "
-                          f"{' or '.join(':' + d for d in DRAFT_EXPERTS)}")
+        raise ConfigError(
+            f"unknown mode {name!r}: a mode that drafts from the model's own experts "
+            f"({', '.join(SELF_DRAFTING)} and the ladder's shared-KV rungs) takes "
+            f"{' or '.join(':' + d for d in DRAFT_EXPERTS)}"
+        )
     return replace(cfg, draft_experts=reads)
 
 
@@ -115,8 +117,9 @@ def balanced_order(n: int, i: int) -> list[int]:
 def expected_lossless(name: str, cfg: GenerationConfig) -> bool:
     """Whether the mode must commit ar's tokens (sampled: with the same seed, as every drafter then does)."""
     stem = name.partition(":")[0]  # what a draft reads changes which tokens are drafted, never which are kept
-    return (stem in LOSSLESS_MODES or stem in LOSSLESS_LADDER
-            or (cfg.mode in ("s2moe", "tree") and cfg.reuse_strength == 0))
+    return (
+        stem in LOSSLESS_MODES or stem in LOSSLESS_LADDER or (cfg.mode in ("s2moe", "tree") and cfg.reuse_strength == 0)
+    )
 
 
 def prompt_seed(seed: int, prompt_index: int) -> int:
@@ -146,8 +149,10 @@ WARMUP_TOKENS = 8
 
 def sampling_record(cfg: GenerationConfig, n_prompts: int) -> dict[str, Any]:
     """The sampler settings a bench ran with, for its report: with a temperature, the seed of each prompt."""
-    out = {key: getattr(cfg, key) for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
-                                              "repeat_last_n", "seed")}
+    out = {
+        key: getattr(cfg, key)
+        for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
+    }
     if not cfg.sampling().greedy:
         out["prompt_seeds"] = [prompt_seed(cfg.seed, i) for i in range(n_prompts)]
     return out
@@ -159,8 +164,7 @@ def warm_up(decoder: Decoder, base: GenerationConfig, prompt: str, modes: Iterab
     Yields each mode as it starts."""
     for mode in modes:
         yield mode
-        for _ in decoder.generate(prompt, replace(mode_config(mode, base), n_predict=WARMUP_TOKENS,
-                                                  stop_at_eos=False)):
+        for _ in decoder.generate(prompt, replace(mode_config(mode, base), n_predict=WARMUP_TOKENS, stop_at_eos=False)):
             pass
 
 
@@ -199,7 +203,7 @@ def run_bench(
     base = replace(base.resolved(dec.info), n_predict=n_tokens, stop_at_eos=False)
     assert base.draft_max is not None  # resolved() fills it from the model's routing defaults
     configs = {name: mode_config(name, base) for name in modes}
-    for name, cfg in configs.items():
+    for cfg in configs.values():
         cfg.validate(dec.info)
     # a trace per prompt (BenchTrace), untimed: s2moe's settings with its drafts run to the cap
     trace_cfg = replace(configs.get("s2moe") or mode_config("s2moe", base), trace=True) if trace else None
@@ -233,8 +237,16 @@ def run_bench(
                         summary.add(ev)
                         if isinstance(ev, Iteration):
                             misses = None if ev.verify_misses is None else float(ev.verify_misses.sum())
-                            cost_samples.append((float(ev.verify_experts.sum()), ev.verify_tokens, ev.t_verify,
-                                                 misses, ev.verify_major_faults, verification_kind(ev)))
+                            cost_samples.append(
+                                (
+                                    float(ev.verify_experts.sum()),
+                                    ev.verify_tokens,
+                                    ev.t_verify,
+                                    misses,
+                                    ev.verify_major_faults,
+                                    verification_kind(ev),
+                                )
+                            )
                     if rep == 0:
                         tokens_of[(name, pi)] = summary.tokens
                     per.setdefault(name, _ModeRuns()).add(summary, rep)
@@ -257,8 +269,13 @@ def run_bench(
                     same = tokens_of[(name, pi)] == reference
                     runs.identical.append(same)
                     if not same:
-                        runs.near_ties += near_tie(dec, prompt, reference, tokens_of[(name, pi)],
-                                                   replace(base, seed=prompt_seed(base.seed, pi)))
+                        runs.near_ties += near_tie(
+                            dec,
+                            prompt,
+                            reference,
+                            tokens_of[(name, pi)],
+                            replace(base, seed=prompt_seed(base.seed, pi)),
+                        )
             load = watch.stop()  # the timed runs are over: what the checks below take is not theirs
             rows = []
             ar_repeats = per["ar"].repeat_tok_per_s
@@ -268,43 +285,50 @@ def run_bench(
                 reuse_layers = totals.reuse_per_layer
                 tps = runs.repeat_tok_per_s
                 ratios = [t / a for t, a in zip(tps, ar_repeats) if a > 0]
-                versus_ar = compare(name, "ar", [t / a for t, a in zip(runs.run_tok_per_s, per["ar"].run_tok_per_s)
-                                                 if a > 0])
-                rows.append(BenchRow(
-                    mode=name,
-                    budget=budget,
-                    prompt_set=prompt_set,
-                    n_prompts=len(prompts),
-                    n_tokens=runs.n_tokens,
-                    seconds=runs.seconds,
-                    tok_per_s=float(np.median(tps)),
-                    speedup_vs_ar=float(np.median(ratios)) if len(ratios) == len(tps) else None,
-                    accept_len=totals.accept_len,
-                    draft_len=totals.mean_draft_len,
-                    acceptance_rate=totals.acceptance_rate,
-                    reuse_ratio=totals.reuse_ratio,
-                    reuse_ratio_per_layer=[float(x) for x in reuse_layers] if reuse_layers is not None else None,
-                    verify_experts=totals.mean_verify_experts,
-                    effective_verify_cost=totals.useful_share,
-                    experts_per_token=totals.experts_per_token,
-                    rollbacks=totals.rollbacks,
-                    t_draft=totals.t_draft,
-                    t_verify=totals.t_verify,
-                    identical_to_ar=float(np.mean(runs.identical)) if runs.identical else None,
-                    near_tie_divergences=runs.near_ties,
-                    fetched_per_token=((totals.experts_fetched + totals.draft_fetched) / runs.n_tokens
-                                       if totals.offloaded_steps and runs.n_tokens else None),
-                    identical_expected=expected_lossless(name, configs[name]) and name != "ar",
-                    tok_per_s_repeats=[float(t) for t in tps],
-                    speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
-                    run_tok_per_s=[float(t) for t in runs.run_tok_per_s],
-                    speedup_interval=[versus_ar.low, versus_ar.high]
-                    if name != "ar" and versus_ar.n >= MIN_PAIRS else None,
-                    draft_experts=dec.draft_experts(configs[name])
-                    if configs[name].mode in SELF_DRAFTING else None,
-                    tokens=[list(tokens_of[("ar", pi)]) for pi in range(len(prompts))]
-                    if name == "ar" and configs[name].sampling(dec.n_ctx).argmax_of_logits else None,
-                ))
+                versus_ar = compare(
+                    name, "ar", [t / a for t, a in zip(runs.run_tok_per_s, per["ar"].run_tok_per_s) if a > 0]
+                )
+                rows.append(
+                    BenchRow(
+                        mode=name,
+                        budget=budget,
+                        prompt_set=prompt_set,
+                        n_prompts=len(prompts),
+                        n_tokens=runs.n_tokens,
+                        seconds=runs.seconds,
+                        tok_per_s=float(np.median(tps)),
+                        speedup_vs_ar=float(np.median(ratios)) if len(ratios) == len(tps) else None,
+                        accept_len=totals.accept_len,
+                        draft_len=totals.mean_draft_len,
+                        acceptance_rate=totals.acceptance_rate,
+                        reuse_ratio=totals.reuse_ratio,
+                        reuse_ratio_per_layer=[float(x) for x in reuse_layers] if reuse_layers is not None else None,
+                        verify_experts=totals.mean_verify_experts,
+                        effective_verify_cost=totals.useful_share,
+                        experts_per_token=totals.experts_per_token,
+                        rollbacks=totals.rollbacks,
+                        t_draft=totals.t_draft,
+                        t_verify=totals.t_verify,
+                        identical_to_ar=float(np.mean(runs.identical)) if runs.identical else None,
+                        near_tie_divergences=runs.near_ties,
+                        fetched_per_token=(
+                            (totals.experts_fetched + totals.draft_fetched) / runs.n_tokens
+                            if totals.offloaded_steps and runs.n_tokens
+                            else None
+                        ),
+                        identical_expected=expected_lossless(name, configs[name]) and name != "ar",
+                        tok_per_s_repeats=[float(t) for t in tps],
+                        speedup_repeats=[float(x) for x in ratios] if len(ratios) == len(tps) else None,
+                        run_tok_per_s=[float(t) for t in runs.run_tok_per_s],
+                        speedup_interval=[versus_ar.low, versus_ar.high]
+                        if name != "ar" and versus_ar.n >= MIN_PAIRS
+                        else None,
+                        draft_experts=dec.draft_experts(configs[name]) if configs[name].mode in SELF_DRAFTING else None,
+                        tokens=[list(tokens_of[("ar", pi)]) for pi in range(len(prompts))]
+                        if name == "ar" and configs[name].sampling(dec.n_ctx).argmax_of_logits
+                        else None,
+                    )
+                )
             quality: dict[str, Any] = {}
             if dec.info.is_moe and quality_texts and dec.knows_memory:
                 # under a budget: what a batch's gating costs is the same as without one (measured there), what
@@ -313,12 +337,19 @@ def run_bench(
                 quality = memory_gating_quality(dec, quality_texts, memory)
                 if quality.get("tokens") and base.reuse_strength > 0:
                     # a drafted batch's verification meets both biases: checked together, on the same text
-                    quality["batches"] = gating_quality(dec, quality_texts, base.reuse_strength, base.reuse_cap,
-                                                        window=base.draft_max + 1, max_tokens=MEMORY_CHECK_TOKENS,
-                                                        memory=memory)
+                    quality["batches"] = gating_quality(
+                        dec,
+                        quality_texts,
+                        base.reuse_strength,
+                        base.reuse_cap,
+                        window=base.draft_max + 1,
+                        max_tokens=MEMORY_CHECK_TOKENS,
+                        memory=memory,
+                    )
             elif dec.info.is_moe and quality_texts:
-                quality = gating_quality(dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap,
-                                         window=base.draft_max + 1)
+                quality = gating_quality(
+                    dec, quality_texts, base.reuse_strength or 0.5, base.reuse_cap, window=base.draft_max + 1
+                )
             cost_model: dict[str, Any] = {}
             # a fit needs verifications of different sizes: with plain steps only (nothing drafted) the
             # token count never varies and the regression would report a meaningless R² of 0
@@ -326,9 +357,17 @@ def run_bench(
                 fit = fit_verify_cost(*list(zip(*cost_samples))[:3])
                 measured = [s[2] for s in cost_samples]
                 predicted = [float(x) for x in fit.predict([s[0] for s in cost_samples], [s[1] for s in cost_samples])]
-                cost_model = {"intercept_s": fit.intercept, "t_exp_s": fit.t_exp, "t_tok_s": fit.t_tok, "r2": fit.r2,
-                              "r2_ceiling": fit.r2_ceiling, "mape": fit.mape, "n": fit.n, "measured_s": measured[:2000],
-                              "predicted_s": predicted[:2000]}
+                cost_model = {
+                    "intercept_s": fit.intercept,
+                    "t_exp_s": fit.t_exp,
+                    "t_tok_s": fit.t_tok,
+                    "r2": fit.r2,
+                    "r2_ceiling": fit.r2_ceiling,
+                    "mape": fit.mape,
+                    "n": fit.n,
+                    "measured_s": measured[:2000],
+                    "predicted_s": predicted[:2000],
+                }
                 startup = dec.measured_cost_constants(base.draft_topk, base.draft_max)
                 if startup is not None:
                     pred0 = np.array([startup.verify_cost(s[0], s[1]) for s in cost_samples])
@@ -338,43 +377,67 @@ def run_bench(
                     # offloaded: what a verification costs depends on how many of its experts had to be fetched
                     e, t, y, m = (np.array(v, float) for v in list(zip(*cost_samples))[:4])
                     mfit = fit_miss_cost(e, m, t, y)
-                    cost_model["miss_aware"] = {"intercept_s": mfit.intercept, "t_exp_warm_s": mfit.t_hit,
-                                                "t_exp_cold_s": mfit.t_miss, "t_tok_s": mfit.t_tok, "r2": mfit.r2,
-                                                "r2_ceiling": mfit.r2_ceiling,
-                                                "mape": mfit.mape, "n": mfit.n,
-                                                "miss_share": float(m.sum() / max(1.0, e.sum())),
-                                                "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000],
-                                                "experts": e.tolist()[:2000], "fetched": m.tolist()[:2000],
-                                                "tokens": t.tolist()[:2000],
-                                                "kinds": [smp[5] for smp in cost_samples][:2000],
-                                                "disk_tracked": drift_tracked_fit(mfit, e, m, t, y)}
+                    cost_model["miss_aware"] = {
+                        "intercept_s": mfit.intercept,
+                        "t_exp_warm_s": mfit.t_hit,
+                        "t_exp_cold_s": mfit.t_miss,
+                        "t_tok_s": mfit.t_tok,
+                        "r2": mfit.r2,
+                        "r2_ceiling": mfit.r2_ceiling,
+                        "mape": mfit.mape,
+                        "n": mfit.n,
+                        "miss_share": float(m.sum() / max(1.0, e.sum())),
+                        "predicted_s": [float(x) for x in mfit.predict(e, m, t)][:2000],
+                        "experts": e.tolist()[:2000],
+                        "fetched": m.tolist()[:2000],
+                        "tokens": t.tolist()[:2000],
+                        "kinds": [smp[5] for smp in cost_samples][:2000],
+                        "disk_tracked": drift_tracked_fit(mfit, e, m, t, y),
+                    }
                     if all(smp[4] is not None for smp in cost_samples):
                         faults = np.array([smp[4] for smp in cost_samples], float)
                         cost_model["miss_aware"]["given_faults"] = fault_explained_fit(e, faults, t, y)
-            yield BenchDone(rows, quality, cost_model, machine_info(n_threads),
-                            config={"model": str(dec.info.path), "n_tokens": n_tokens, "modes": list(modes),
-                                    "budget": budget, "prompt_set": prompt_set, "n_prompts": len(prompts),
-                                    "greedy": base.sampling().greedy, **sampling_record(base, len(prompts)),
-                                    "draft_topk": base.draft_topk,
-                                    "draft_max": base.draft_max, "reuse_strength": base.reuse_strength,
-                                    "repeats": repeats, "warmup": warmup, "draft_experts": dec.draft_experts(base),
-                                    "load": load.as_dict(),
-                                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            yield BenchDone(
+                rows,
+                quality,
+                cost_model,
+                machine_info(n_threads),
+                config={
+                    "model": str(dec.info.path),
+                    "n_tokens": n_tokens,
+                    "modes": list(modes),
+                    "budget": budget,
+                    "prompt_set": prompt_set,
+                    "n_prompts": len(prompts),
+                    "greedy": base.sampling().greedy,
+                    **sampling_record(base, len(prompts)),
+                    "draft_topk": base.draft_topk,
+                    "draft_max": base.draft_max,
+                    "reuse_strength": base.reuse_strength,
+                    "repeats": repeats,
+                    "warmup": warmup,
+                    "draft_experts": dec.draft_experts(base),
+                    "load": load.as_dict(),
+                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                },
+            )
         finally:
             if own_decoder:
                 dec.close()
 
 
-def measure_hook_overhead(model: str, prompt: str, n_tokens: int = 64, rounds: int = 5,
-                          n_threads: int | None = None, n_ctx: int = 2048) -> dict[str, Any]:
+def measure_hook_overhead(
+    model: str, prompt: str, n_tokens: int = 64, rounds: int = 5, n_threads: int | None = None, n_ctx: int = 2048
+) -> dict[str, Any]:
     """Plain decoding through our engine (routing hook observing every layer) vs llama-cpp-python's own
     greedy completion of the same model and prompt, in interleaved rounds. Returns tok/s and the ratio."""
     import llama_cpp
 
     dec = Decoder(model, n_ctx=n_ctx, n_threads=n_threads)
     # Any: llama_cpp leaves reset() untyped and types create_completion's result as a union with its stream form
-    ref: Any = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads or None,
-                               n_threads_batch=n_threads or None, verbose=False)
+    ref: Any = llama_cpp.Llama(
+        model_path=model, n_ctx=n_ctx, n_threads=n_threads or None, n_threads_batch=n_threads or None, verbose=False
+    )
     cfg = GenerationConfig(mode="ar", n_predict=n_tokens, stop_at_eos=False)
     ours, theirs = [], []
     try:
@@ -396,6 +459,12 @@ def measure_hook_overhead(model: str, prompt: str, n_tokens: int = 64, rounds: i
         dec.close()
         ref.close()
     ratios = np.array(ours) / np.array(theirs)
-    return {"engine_ar_tok_per_s": float(np.median(ours)), "llama_cpp_python_tok_per_s": float(np.median(theirs)),
-            "ratio_median": float(np.median(ratios)), "ratios": [float(x) for x in ratios], "rounds": rounds,
-            "n_tokens": n_tokens, "threads": n_threads}
+    return {
+        "engine_ar_tok_per_s": float(np.median(ours)),
+        "llama_cpp_python_tok_per_s": float(np.median(theirs)),
+        "ratio_median": float(np.median(ratios)),
+        "ratios": [float(x) for x in ratios],
+        "rounds": rounds,
+        "n_tokens": n_tokens,
+        "threads": n_threads,
+    }

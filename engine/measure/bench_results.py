@@ -52,14 +52,14 @@ class BenchRow:
     acceptance_rate: float
     reuse_ratio: float | None
     reuse_ratio_per_layer: list[float] | None
-    verify_experts: float | None         # mean distinct experts (summed over layers) per multi-token verification
+    verify_experts: float | None  # mean distinct experts (summed over layers) per multi-token verification
     effective_verify_cost: float | None  # share of verified experts that committed tokens needed
     rollbacks: int
     t_draft: float
     t_verify: float
-    identical_to_ar: float | None        # share of prompts whose tokens equal ar's (sampled: with the same seed)
+    identical_to_ar: float | None  # share of prompts whose tokens equal ar's (sampled: with the same seed)
     identical_expected: bool = False
-    near_tie_divergences: int = 0        # prompts that diverged at a near-tie of ar's scores (near_tie)
+    near_tie_divergences: int = 0  # prompts that diverged at a near-tie of ar's scores (near_tie)
     # offloaded: experts fetched from storage per generated token (draft passes and verifications), and the
     # storage-bound speed that implies (storage_bound)
     fetched_per_token: float | None = None
@@ -121,8 +121,9 @@ class BenchRow:
         return round((1.0 - self.identical_to_ar) * self.n_prompts) <= self.near_tie_divergences
 
 
-def judgements(rows: list[BenchRow], load: dict[str, Any] | None = None,
-               load_by_budget: dict[str, dict[str, Any]] | None = None) -> list[tuple[str, Judgement]]:
+def judgements(
+    rows: list[BenchRow], load: dict[str, Any] | None = None, load_by_budget: dict[str, dict[str, Any]] | None = None
+) -> list[tuple[str, Judgement]]:
     """The rows' speeds judged against ar's (speed.judge): (budget, judgement) for each budget that has an ar
     row with its runs and another to compare with; `load`: what else used the CPUs meanwhile (speed.Load as a
     dict), by budget where each ran in a process of its own."""
@@ -153,14 +154,20 @@ class BenchDone:
     memory_quality_by_budget: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"results": [asdict(r) for r in self.rows], "quality": self.quality, "cost_model": self.cost_model,
-                "cost_model_by_budget": self.cost_model_by_budget,
-                "memory_quality_by_budget": self.memory_quality_by_budget, "machine": self.machine,
-                "config": self.config}
+        return {
+            "results": [asdict(r) for r in self.rows],
+            "quality": self.quality,
+            "cost_model": self.cost_model,
+            "cost_model_by_budget": self.cost_model_by_budget,
+            "memory_quality_by_budget": self.memory_quality_by_budget,
+            "machine": self.machine,
+            "config": self.config,
+        }
 
 
-def reference_row(result: dict[str, Any], budget: str, ar: BenchRow | None, prompt_set: str,
-                  n_prompts: int) -> BenchRow:
+def reference_row(
+    result: dict[str, Any], budget: str, ar: BenchRow | None, prompt_set: str, n_prompts: int
+) -> BenchRow:
     """The bench row of llama.cpp's own plain decoding (s2moe.engine.measure.reference.plain_decoding's result). Where
     ar decoded by the argmax too (its row holds its tokens), the share of prompts on which llama.cpp's tokens are
     ar's: all of them, or our ar is not llama.cpp's decoding."""
@@ -168,12 +175,28 @@ def reference_row(result: dict[str, Any], budget: str, ar: BenchRow | None, prom
     same = None
     if ar is not None and ar.tokens is not None:
         same = float(np.mean([list(a) == list(b) for a, b in zip(ar.tokens, result["tokens"])]))
-    return BenchRow(mode="llama.cpp", budget=budget, prompt_set=prompt_set, n_prompts=n_prompts,
-                    n_tokens=result["n_tokens"], seconds=result["seconds"], tok_per_s=tps,
-                    speedup_vs_ar=tps / ar.tok_per_s if ar is not None and ar.tok_per_s > 0 else None,
-                    accept_len=1.0, draft_len=0.0, acceptance_rate=0.0, reuse_ratio=None, reuse_ratio_per_layer=None,
-                    verify_experts=None, effective_verify_cost=None, rollbacks=0, t_draft=0.0,
-                    t_verify=result["seconds"], identical_to_ar=same, identical_expected=same is not None)
+    return BenchRow(
+        mode="llama.cpp",
+        budget=budget,
+        prompt_set=prompt_set,
+        n_prompts=n_prompts,
+        n_tokens=result["n_tokens"],
+        seconds=result["seconds"],
+        tok_per_s=tps,
+        speedup_vs_ar=tps / ar.tok_per_s if ar is not None and ar.tok_per_s > 0 else None,
+        accept_len=1.0,
+        draft_len=0.0,
+        acceptance_rate=0.0,
+        reuse_ratio=None,
+        reuse_ratio_per_layer=None,
+        verify_experts=None,
+        effective_verify_cost=None,
+        rollbacks=0,
+        t_draft=0.0,
+        t_verify=result["seconds"],
+        identical_to_ar=same,
+        identical_expected=same is not None,
+    )
 
 
 def storage_bound(rows: list[BenchRow], expert_bytes: float, bandwidth: dict[str, float]) -> None:
@@ -201,8 +224,13 @@ def verification_kind(it: Iteration) -> str:
     return "copy" if it.draft_decision is not None and it.draft_decision.copied else "draft"
 
 
-def verification_bound_ratio(cost_model: dict[str, Any], resident_cost: Callable[[float, int], float],
-                             expert_bytes: float, bandwidth: float, kind: str | None = None) -> float | None:
+def verification_bound_ratio(
+    cost_model: dict[str, Any],
+    resident_cost: Callable[[float, int], float],
+    expert_bytes: float,
+    bandwidth: float,
+    kind: str | None = None,
+) -> float | None:
     """How many times their bound a budget's verifications took (cost_model: the run's fit with its
     miss-aware form): measured seconds over the seconds they would take with every fetched expert read at
     `bandwidth` (bytes/s) and everything else as with the model in memory, resident_cost(experts, rows)

@@ -39,16 +39,22 @@ class ExpertCache:
     resident (no budget). Reads come a layer at a time, as the engine routes them: a layer's own experts are
     never evicted to make room for each other."""
 
-    def __init__(self, n_expert: int, capacity: int | None, pinned: Iterable[tuple[int, int]] = (),
-                 policy: str = "lru", future: list[frozenset[int]] | None = None):
+    def __init__(
+        self,
+        n_expert: int,
+        capacity: int | None,
+        pinned: Iterable[tuple[int, int]] = (),
+        policy: str = "lru",
+        future: list[frozenset[int]] | None = None,
+    ):
         if policy == "opt" and future is None:
             raise ValueError("the opt policy needs the reads to come")
         self.n_expert = n_expert
         self.capacity = capacity
         self.policy = policy
-        self.pinned = {int(l) * n_expert + int(e) for l, e in pinned}
+        self.pinned = {int(layer) * n_expert + int(e) for layer, e in pinned}
         self.held: OrderedDict[int, int] = OrderedDict()  # expert -> its next read (opt) or 0
-        self.seen: list[frozenset[int]] = []                   # every layer's group of non-pinned reads, in order
+        self.seen: list[frozenset[int]] = []  # every layer's group of non-pinned reads, in order
         self._reads_at: dict[int, list[int]] = {}
         for i, group in enumerate(future or ()):
             for key in group:
@@ -88,16 +94,18 @@ class ExpertCache:
                 self.held[key] = self._next_read(key, now) if self.policy == "opt" else 0
         while len(self.held) > self.capacity:
             others = (k for k in self.held if k not in group)
-            victim = (max(others, key=self.held.__getitem__, default=None) if self.policy == "opt"
-                      else next(others, None))
+            victim = (
+                max(others, key=self.held.__getitem__, default=None) if self.policy == "opt" else next(others, None)
+            )
             if victim is None:
                 break
             del self.held[victim]
         return misses
 
 
-def with_cache(run: Callable[[ExpertCache], _Result], plan: CachePlan, n_expert: int, policy: str,
-               rounds: int = 4) -> _Result:
+def with_cache(
+    run: Callable[[ExpertCache], _Result], plan: CachePlan, n_expert: int, policy: str, rounds: int = 4
+) -> _Result:
     """run(cache) under the plan's cache. For opt, `run` goes once under LRU to learn its reads and again under
     Belady's rule over them; where the reads follow the fetches (cascade's trials follow its timings) it goes on
     until a pass reads what the one before it did, or `rounds` passes, the last standing."""
@@ -116,8 +124,8 @@ def with_cache(run: Callable[[ExpertCache], _Result], plan: CachePlan, n_expert:
 
 @dataclass(frozen=True)
 class CachePlan:
-    capacity: int | None          # LRU experts (None: no budget, all resident)
-    pinned: Pinned                # (layer, expert) pinned hot experts
+    capacity: int | None  # LRU experts (None: no budget, all resident)
+    pinned: Pinned  # (layer, expert) pinned hot experts
     label: str
 
     def cache(self, n_expert: int, policy: str = "lru", future: list[frozenset[int]] | None = None) -> ExpertCache:
@@ -140,10 +148,13 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict[str, Any],
     if recorded is not None and (recorded.get("auto") if b.auto else recorded["budget_bytes"] == b.size):
         # the budget the trace ran under: the plan that run made (for the process it measured, not a model of it)
         cap = int(recorded["cache_bytes"] // header.expert_bytes)
-        return CachePlan(cap, tuple(tuple(p) for p in recorded["pinned"]),
-                         f"{'auto' if b.size is None else fmt_bytes(b.size)} as recorded "
-                         f"({fmt_bytes(recorded['budget_bytes'])}: "
-                         f"{len(recorded['pinned'])} hot experts pinned, cache of {cap} experts)")
+        return CachePlan(
+            cap,
+            tuple(tuple(p) for p in recorded["pinned"]),
+            f"{'auto' if b.size is None else fmt_bytes(b.size)} as recorded "
+            f"({fmt_bytes(recorded['budget_bytes'])}: "
+            f"{len(recorded['pinned'])} hot experts pinned, cache of {cap} experts)",
+        )
     block = model_block(profile, header.fingerprint) or {}
     hot_ranked = list(block.get("hot_experts") or [])
     # all plan_budget reads of a map
@@ -157,14 +168,16 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict[str, Any],
             size = held + room + plan_slack(held + room)
         else:  # plan_budget's room: what held and slack leave
             room, size = None, b.size
-        plan = plan_budget(size, anon_bytes=held, base_bytes=0, emap=sizes, k=header.k, pin_hot=bool(hot_ranked),
-                           expert_room=room)
+        plan = plan_budget(
+            size, anon_bytes=held, base_bytes=0, emap=sizes, k=header.k, pin_hot=bool(hot_ranked), expert_room=room
+        )
         plan.check_room(int(header.k * expert_bytes))  # a budget the process would not run in, as decoding says
         besides = f", the process holding {fmt_bytes(held)} beside its experts as {whose} did"
     else:
         size = int(header.non_expert_bytes + AUTO_EXPERT_SHARE * total) if b.size is None else b.size
-        plan = plan_budget(size, anon_bytes=0, base_bytes=header.non_expert_bytes, emap=sizes, k=header.k,
-                           pin_hot=bool(hot_ranked))
+        plan = plan_budget(
+            size, anon_bytes=0, base_bytes=header.non_expert_bytes, emap=sizes, k=header.k, pin_hot=bool(hot_ranked)
+        )
         besides = ", the process's own memory not counted (no run under a budget measured it)"
     pinned: Pinned = ()
     if hot_ranked:
@@ -173,13 +186,17 @@ def cache_plan(budget: str | None, header: TraceHeader, profile: dict[str, Any],
         pinned = tuple(select_hot_experts(counts, expert_bytes, plan.hot_bytes))
     plan = plan.with_pinned(int(len(pinned) * expert_bytes))
     cap = int(plan.cache_bytes // expert_bytes)
-    label = (f"{'auto' if b.auto else fmt_bytes(size)}: {len(pinned)} hot experts pinned, cache of {cap} experts"
-             f" ({fmt_bytes(cap * expert_bytes)}){besides}")
+    label = (
+        f"{'auto' if b.auto else fmt_bytes(size)}: {len(pinned)} hot experts pinned, cache of {cap} experts"
+        f" ({fmt_bytes(cap * expert_bytes)}){besides}"
+    )
     priced_staged = (block.get("cache_fit") or {}).get("planned_experts", header.k) < header.k
     if cap < header.k and not priced_staged:
         # the fetches are still counted right; their price, measured where a layer fit, is not (docs/calibration.md)
-        label += (f"; a layer's {header.k} experts do not fit the cache, so decoding reads every layer in stages,"
-                  f" each fetch dearer than where a layer fits (calibrate under this budget to price it)")
+        label += (
+            f"; a layer's {header.k} experts do not fit the cache, so decoding reads every layer in stages,"
+            f" each fetch dearer than where a layer fits (calibrate under this budget to price it)"
+        )
     return CachePlan(cap, pinned, label)
 
 
@@ -246,13 +263,19 @@ def _smallest_capacity(fetched: Callable[[int], int], target: int, most: int) ->
     return lo
 
 
-def capacity_fetching(ids: list[ExpertIds], counted: int, plan: CachePlan, n_expert: int, warm: int = 0,
-                      policy: str = "lru") -> int:
+def capacity_fetching(
+    ids: list[ExpertIds], counted: int, plan: CachePlan, n_expert: int, warm: int = 0, policy: str = "lru"
+) -> int:
     """The cache size (beside the plan's pinned experts) at which the steps `ids` (each [n_layer, k]) fetch
     `counted` experts after the first `warm`."""
+
     def fetched(capacity: int) -> int:
-        return with_cache(lambda cache: sum(cache.access(x) * (i >= warm) for i, x in enumerate(ids)),
-                          CachePlan(capacity, plan.pinned, plan.label), n_expert, policy)
+        return with_cache(
+            lambda cache: sum(cache.access(x) * (i >= warm) for i, x in enumerate(ids)),
+            CachePlan(capacity, plan.pinned, plan.label),
+            n_expert,
+            policy,
+        )
 
     return _smallest_capacity(fetched, counted, ids[0].shape[0] * n_expert if ids else 0)
 

@@ -41,9 +41,24 @@ from ..offload import Budget, expert_map
 from ..profile_schema import SCHEMA_VERSION
 from ..profiles import check_name, check_writable, find_profile, load_profile, save_profile
 from .calibration_measures import read_prompts
-from .calibration_steps import (STEPS, Calibration, CalibrationDone, CalibrationEvent, StepProgress, StepResult,
-                                StepStarted, ceiling_field, fit_dict, gb, step_bandwidth, step_cost_model, step_gpu,
-                                step_hot_experts, step_plain_and_draft, step_under_budget)
+from .calibration_steps import (
+    STEPS,
+    Calibration,
+    CalibrationDone,
+    CalibrationEvent,
+    StepProgress,
+    StepResult,
+    StepStarted,
+    ceiling_field,
+    fit_dict,
+    gb,
+    step_bandwidth,
+    step_cost_model,
+    step_gpu,
+    step_hot_experts,
+    step_plain_and_draft,
+    step_under_budget,
+)
 from .costmodel import Stopped
 from .device import cpu_name, default_threads, memory_bytes
 
@@ -72,7 +87,7 @@ def _model_block(cal: Calibration) -> dict[str, Any]:
         "n_expert": info.n_expert,
         "n_expert_used": info.n_expert_used,
         "expert_bytes": int(round(mean_eb)),
-        "storage_bandwidth_gb_s": gb(cal.sto_bw, 3),          # reads of this model's experts: its own rates
+        "storage_bandwidth_gb_s": gb(cal.sto_bw, 3),  # reads of this model's experts: its own rates
         "storage_bandwidth_qd8_gb_s": gb(cal.sto_bw_deep, 3),
         "draft_topk": cal.draft_topk,
         "t_ar_ms": round(cal.t_ar * 1e3, 6),
@@ -86,14 +101,18 @@ def _model_block(cal: Calibration) -> dict[str, Any]:
     if cold is not None:
         block["fit_cold"] = fit_dict(cold["fit"])  # per distinct expert, at this budget's hit rate
         m = cold["miss_fit"]
-        block["fit_cold_misses"] = {"intercept_ms": round(m.intercept * 1e3, 6),
-                                    "t_exp_warm_ms": round(m.t_hit * 1e3, 6),
-                                    "t_exp_cold_ms": round(m.t_miss * 1e3, 6),
-                                    "t_tok_ms": round(m.t_tok * 1e3, 6), "r2": round(m.r2, 6),
-                                    "mape": round(m.mape, 6), "n": m.n,
-                                    # what the same batches fit given the storage faults they actually
-                                    # took (known only afterwards): the ceiling a residency snapshot faces
-                                    "r2_given_faults": round(cold["given_faults"]["r2"], 6)} | ceiling_field(m)
+        block["fit_cold_misses"] = {
+            "intercept_ms": round(m.intercept * 1e3, 6),
+            "t_exp_warm_ms": round(m.t_hit * 1e3, 6),
+            "t_exp_cold_ms": round(m.t_miss * 1e3, 6),
+            "t_tok_ms": round(m.t_tok * 1e3, 6),
+            "r2": round(m.r2, 6),
+            "mape": round(m.mape, 6),
+            "n": m.n,
+            # what the same batches fit given the storage faults they actually
+            # took (known only afterwards): the ceiling a residency snapshot faces
+            "r2_given_faults": round(cold["given_faults"]["r2"], 6),
+        } | ceiling_field(m)
         if cal.cache_fit:
             block["cache_fit"] = cal.cache_fit
         block["t_ar_cold_ms"] = round(cold["t_ar"] * 1e3, 6)
@@ -129,38 +148,51 @@ def _model_block(cal: Calibration) -> dict[str, Any]:
 
 
 def _step_profile(cal: Calibration, index: int, name: str, save: bool) -> Iterator[StepResult | CalibrationDone]:
-    profile = _merge_into_existing(name, {
-        "schema": SCHEMA_VERSION,
-        "name": name,
-        "kind": "measured",
-        "description": f"measured by s2moe calibrate on {platform.node() or 'this machine'}",
-        "device": {
-            "name": device_name(cal.threads),
-            "kind": "cpu" if cal.gpu is None else "gpu",
-            "host_to_device_gb_s": None if cal.gpu is None else gb(cal.gpu["h2d"], 3),
-            "memory_bytes": memory_bytes(),
-            "budget_bytes": cal.budget_bytes,
-            "memory_bandwidth_gb_s": round(cal.mem_bw / 1e9, 3),
-            "storage_bandwidth_gb_s": gb(cal.sto_bw, 3),          # queue depth 1
-            "storage_bandwidth_qd8_gb_s": gb(cal.sto_bw_deep, 3),  # queue depth 8
+    profile = _merge_into_existing(
+        name,
+        {
+            "schema": SCHEMA_VERSION,
+            "name": name,
+            "kind": "measured",
+            "description": f"measured by s2moe calibrate on {platform.node() or 'this machine'}",
+            "device": {
+                "name": device_name(cal.threads),
+                "kind": "cpu" if cal.gpu is None else "gpu",
+                "host_to_device_gb_s": None if cal.gpu is None else gb(cal.gpu["h2d"], 3),
+                "memory_bytes": memory_bytes(),
+                "budget_bytes": cal.budget_bytes,
+                "memory_bandwidth_gb_s": round(cal.mem_bw / 1e9, 3),
+                "storage_bandwidth_gb_s": gb(cal.sto_bw, 3),  # queue depth 1
+                "storage_bandwidth_qd8_gb_s": gb(cal.sto_bw_deep, 3),  # queue depth 8
+            },
         },
-    }, cal.info.fingerprint, _model_block(cal))
+        cal.info.fingerprint,
+        _model_block(cal),
+    )
     path = save_profile(profile, name) if save else None
     where = f"wrote {path}" if path else "not written to a file yet"
-    yield StepResult(index, STEPS[index - 1][0], f"{where} · model {cal.info.fingerprint}",
-                     {"path": str(path) if path else None})
+    yield StepResult(
+        index, STEPS[index - 1][0], f"{where} · model {cal.info.fingerprint}", {"path": str(path) if path else None}
+    )
     yield CalibrationDone(profile, path)
 
 
 # -- the generator ---------------------------------------------------------------------------------------------
-def run_calibration(model_path: str | os.PathLike[str], *, budget: Budget | None = None,
-                    prompts: list[str] | tuple[str, ...] | str | os.PathLike[str] | None = None,
-                    name: str | None = None,
-                    save: bool = True, n_threads: int | None = None,
-                    should_stop: Callable[[], bool] | None = None, repeats: int = 3,
-                    draft_topk: int | None = None, draft_cap: int = DRAFT_CAP,
-                    placement: Placement = Placement(),
-                    n_batch: int | None = None) -> Iterator[CalibrationEvent]:
+def run_calibration(
+    model_path: str | os.PathLike[str],
+    *,
+    budget: Budget | None = None,
+    prompts: list[str] | tuple[str, ...] | str | os.PathLike[str] | None = None,
+    name: str | None = None,
+    save: bool = True,
+    n_threads: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    repeats: int = 3,
+    draft_topk: int | None = None,
+    draft_cap: int = DRAFT_CAP,
+    placement: Placement = Placement(),
+    n_batch: int | None = None,
+) -> Iterator[CalibrationEvent]:
     """Calibrate model_path on this device; yield StepStarted/StepProgress/StepResult…, CalibrationDone.
 
     budget: where to measure the cost of fetching experts (None: skip that step).
@@ -181,14 +213,29 @@ def run_calibration(model_path: str | os.PathLike[str], *, budget: Budget | None
         check_writable(name)  # before minutes of measurements, not after them
     _check_loads(info, n_threads, draft_cap, placement)
     cpu = choose_cpu_buffers(info, budget is None)
-    cal = Calibration(info, expert_map(info.path), budget=budget,
-                      prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
-                      threads=n_threads or default_threads(), repeats=repeats, draft_topk=draft_topk,
-                      draft_cap=draft_cap, stop=should_stop or (lambda: False), placement=placement,
-                      n_batch=n_batch, cpu=cpu)
+    cal = Calibration(
+        info,
+        expert_map(info.path),
+        budget=budget,
+        prompts=list(prompts) if isinstance(prompts, (list, tuple)) else read_prompts(prompts),
+        threads=n_threads or default_threads(),
+        repeats=repeats,
+        draft_topk=draft_topk,
+        draft_cap=draft_cap,
+        stop=should_stop or (lambda: False),
+        placement=placement,
+        n_batch=n_batch,
+        cpu=cpu,
+    )
     steps: tuple[Callable[[Calibration, int], Iterator[StepProgress | StepResult | CalibrationDone]], ...] = (
-        step_bandwidth, step_plain_and_draft, step_cost_model, step_hot_experts, step_under_budget, step_gpu,
-        lambda cal, index: _step_profile(cal, index, name, save))
+        step_bandwidth,
+        step_plain_and_draft,
+        step_cost_model,
+        step_hot_experts,
+        step_under_budget,
+        step_gpu,
+        lambda cal, index: _step_profile(cal, index, name, save),
+    )
     try:
         for index, step in enumerate(steps, 1):
             yield StepStarted(index, len(STEPS), *STEPS[index - 1])
@@ -207,8 +254,15 @@ def _check_loads(info: ModelInfo, n_threads: int | None, draft_cap: int, placeme
     which the bandwidth step drops again before it measures storage; it is not kept open for that reason."""
     from ..decoding.runtime import LlamaRuntime
 
-    LlamaRuntime(info, n_ctx=512, n_threads=n_threads, max_verify_rows=max(16, draft_cap + 1), use_extra_bufts=False,
-                 placement=placement, install_hook=False).close()
+    LlamaRuntime(
+        info,
+        n_ctx=512,
+        n_threads=n_threads,
+        max_verify_rows=max(16, draft_cap + 1),
+        use_extra_bufts=False,
+        placement=placement,
+        install_hook=False,
+    ).close()
 
 
 def _merge_into_existing(name: str, fresh: dict[str, Any], fingerprint: str, block: dict[str, Any]) -> dict[str, Any]:
@@ -227,4 +281,3 @@ def _merge_into_existing(name: str, fresh: dict[str, Any], fingerprint: str, blo
     models[fingerprint] = block
     fresh["models"] = models
     return fresh
-

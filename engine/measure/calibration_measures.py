@@ -31,7 +31,7 @@ Measurement = Generator[tuple[int, int], None, T]
 
 DEFAULT_PROMPTS = (
     "The history of the printing press begins in the fifteenth century, when",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Question: Why is the sky blue during the day and red at sunset?\nAnswer:",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "The mitochondria is an organelle found in most eukaryotic cells. Its main function is",
@@ -86,8 +86,9 @@ def memory_bandwidth(size: int = 64 << 20, repeats: int = 5) -> Measurement[floa
 STORAGE_DEPTHS = (1, 8)  # plain decoding reads about one expert at a time; a verification batch can ask for all
 
 
-def storage_bandwidth(emap: ExpertMap, *, max_bytes: int = 256 << 20, seed: int = 0,
-                      depths: tuple[int, ...] = STORAGE_DEPTHS) -> Measurement[tuple[dict[int, float], int, str]]:
+def storage_bandwidth(
+    emap: ExpertMap, *, max_bytes: int = 256 << 20, seed: int = 0, depths: tuple[int, ...] = STORAGE_DEPTHS
+) -> Measurement[tuple[dict[int, float], int, str]]:
     """Generator (yields (done, total)); returns ({queue depth: bytes per second}, bytes read, note) of cold
     reads of whole experts at random, the file dropped from the page cache first. Each depth reads its own
     experts (none is read twice); at depth d, d threads each read one expert at a time, so that d reads
@@ -101,10 +102,16 @@ def storage_bandwidth(emap: ExpertMap, *, max_bytes: int = 256 << 20, seed: int 
     finally:
         mapping.close()
     rng = np.random.default_rng(seed)
-    pairs = [(l, e) for l in emap.moe_layers for e in range(emap.n_expert) if resident[l, e] < 0.01]
+    pairs = [(layer, e) for layer in emap.moe_layers for e in range(emap.n_expert) if resident[layer, e] < 0.01]
     if len(pairs) < len(depths):
-        return {}, 0, ("the model file could not be dropped from memory (another program may hold it open), "
-                       "so its reads would not reach storage")
+        return (
+            {},
+            0,
+            (
+                "the model file could not be dropped from memory (another program may hold it open), "
+                "so its reads would not reach storage"
+            ),
+        )
     rng.shuffle(pairs)
     per_expert = int(emap.expert_bytes.max())
     n_each = max(1, min(len(pairs) // len(depths), max_bytes // len(depths) // max(per_expert, 1)))
@@ -118,7 +125,7 @@ def storage_bandwidth(emap: ExpertMap, *, max_bytes: int = 256 << 20, seed: int 
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: count what we ask for
         for d, depth in enumerate(depths):
-            batch = pairs[d * n_each:(d + 1) * n_each]
+            batch = pairs[d * n_each : (d + 1) * n_each]
             got = 0
             with ThreadPoolExecutor(max_workers=depth) as pool:
                 t0 = time.perf_counter()
@@ -138,8 +145,9 @@ def storage_bandwidth(emap: ExpertMap, *, max_bytes: int = 256 << 20, seed: int 
     return rates, total, f"{n_each} experts at each depth"
 
 
-def routing_counts(rt: LlamaRuntime, prompts: list[str], *,
-                   gen_tokens: int = 16) -> Measurement[tuple[npt.NDArray[np.int64], int]]:
+def routing_counts(
+    rt: LlamaRuntime, prompts: list[str], *, gen_tokens: int = 16
+) -> Measurement[tuple[npt.NDArray[np.int64], int]]:
     """Generator (yields (done, total)); returns ([n_layer, n_expert] how often each expert was routed to
     over the prompts and a short greedy continuation of each, tokens seen)."""
     info, hook = rt.info, rt.hook
@@ -192,8 +200,10 @@ def storage_drift_note(before: float | None, after: float | None) -> str:
         return ""
     note = f" · the disk read {before / 1e9:.2f} GB/s at depth 8 before these batches and {after / 1e9:.2f} after"
     if max(before, after) / min(before, after) > STORAGE_DRIFT:
-        note += (": its rate moved while they ran, so the fit is noisier than this disk's usual (calibrate again "
-                 "when it is quiet)")
+        note += (
+            ": its rate moved while they ran, so the fit is noisier than this disk's usual (calibrate again "
+            "when it is quiet)"
+        )
     return note
 
 

@@ -19,11 +19,30 @@ from ..decoding.cpu_buffers import CpuBuffers
 from ..decoding.gpu import Placement
 from ..model_info import ModelInfo
 from ..offload import Budget, BudgetUnavailable, ExpertMap, MemoryCgroup, fmt_bytes, select_hot_experts
-from .calibration_measures import (STORAGE_DEPTHS, Measurement, memory_bandwidth, routing_counts, storage_bandwidth,
-                                   storage_drift_note, verify_sizes)
+from .calibration_measures import (
+    STORAGE_DEPTHS,
+    Measurement,
+    memory_bandwidth,
+    routing_counts,
+    storage_bandwidth,
+    storage_drift_note,
+    verify_sizes,
+)
 from .calibration_worker import PLAIN_FETCH_CHARS, PLAIN_FETCH_WARM, run_cold
-from .costmodel import (Fit, MissFit, Stopped, context_line, fault_explained_fit, fit_context, fit_miss_cost,
-                        fit_verify_cost, iter_context_steps, iter_time_steps, iter_verify_samples, r2_text)
+from .costmodel import (
+    Fit,
+    MissFit,
+    Stopped,
+    context_line,
+    fault_explained_fit,
+    fit_context,
+    fit_miss_cost,
+    fit_verify_cost,
+    iter_context_steps,
+    iter_time_steps,
+    iter_verify_samples,
+    r2_text,
+)
 
 if TYPE_CHECKING:  # loading llama.cpp is for the steps to do as they run, not for this module's import
     from ..decoding.decoder import Decoder
@@ -69,21 +88,32 @@ CalibrationEvent = StepStarted | StepProgress | StepResult | CalibrationDone
 
 STEPS = (
     ("bandwidth", "memory bandwidth and storage bandwidth (cold reads of whole experts at queue depth 1 and 8)"),
-    ("steps", "T_AR (median plain decoding step) and draft step cost; how steps grow with the context, and the "
-              "engine's own host time per draft pass and verified row"),
+    (
+        "steps",
+        "T_AR (median plain decoding step) and draft step cost; how steps grow with the context, and the "
+        "engine's own host time per draft pass and verified row",
+    ),
     ("cost model", "T_exp and T_tok: regression of verification latency on distinct experts and tokens"),
     ("hot experts", "routing frequencies over calibration prompts; the most routed experts that fit the budget"),
     ("budget", "verification cost under the memory budget (experts paged from storage), in a memory cgroup"),
-    ("gpu", "host→device bandwidth, and the batch size from which copying the experts a verification uses to the "
-            "GPU beats running them on the CPU (experts in host memory)"),
+    (
+        "gpu",
+        "host→device bandwidth, and the batch size from which copying the experts a verification uses to the "
+        "GPU beats running them on the CPU (experts in host memory)",
+    ),
     ("profile", "write the profile atomically"),
 )
 
 
 def fit_dict(fit: Fit) -> dict[str, Any]:
-    return {"intercept_ms": round(fit.intercept * 1e3, 6), "t_exp_ms": round(fit.t_exp * 1e3, 6),
-            "t_tok_ms": round(fit.t_tok * 1e3, 6), "r2": round(float(fit.r2), 6), "mape": round(float(fit.mape), 6),
-            "n": int(fit.n)} | ceiling_field(fit)
+    return {
+        "intercept_ms": round(fit.intercept * 1e3, 6),
+        "t_exp_ms": round(fit.t_exp * 1e3, 6),
+        "t_tok_ms": round(fit.t_tok * 1e3, 6),
+        "r2": round(float(fit.r2), 6),
+        "mape": round(float(fit.mape), 6),
+        "n": int(fit.n),
+    } | ceiling_field(fit)
 
 
 def ceiling_field(fit: Fit | MissFit) -> dict[str, float]:
@@ -93,9 +123,18 @@ def ceiling_field(fit: Fit | MissFit) -> dict[str, float]:
 def _fit_data(samples: Sequence[Sequence[float]], fit: Fit) -> dict[str, Any]:
     measured = [s[2] * 1e3 for s in samples]
     predicted = [float(fit.predict(s[0], s[1])) * 1e3 for s in samples]
-    return {"measured": measured, "predicted": predicted, "experts": [s[0] for s in samples],
-            "tokens": [s[1] for s in samples], "r2": fit.r2, "r2_ceiling": fit.r2_ceiling, "mape": fit.mape,
-            "intercept_ms": fit.intercept * 1e3, "t_exp_ms": fit.t_exp * 1e3, "t_tok_ms": fit.t_tok * 1e3}
+    return {
+        "measured": measured,
+        "predicted": predicted,
+        "experts": [s[0] for s in samples],
+        "tokens": [s[1] for s in samples],
+        "r2": fit.r2,
+        "r2_ceiling": fit.r2_ceiling,
+        "mape": fit.mape,
+        "intercept_ms": fit.intercept * 1e3,
+        "t_exp_ms": fit.t_exp * 1e3,
+        "t_tok_ms": fit.t_tok * 1e3,
+    }
 
 
 # -- the steps -------------------------------------------------------------------------------------------------
@@ -114,9 +153,22 @@ class Calibration:
     cold: dict[str, Any] | None
     cache_fit: dict[str, Any] | None
 
-    def __init__(self, info: ModelInfo, emap: ExpertMap, *, budget: Budget | None, prompts: list[str], threads: int,
-                 repeats: int, draft_topk: int, draft_cap: int, stop: Callable[[], bool],
-                 placement: Placement = Placement(), n_batch: int | None = None, cpu: CpuBuffers):
+    def __init__(
+        self,
+        info: ModelInfo,
+        emap: ExpertMap,
+        *,
+        budget: Budget | None,
+        prompts: list[str],
+        threads: int,
+        repeats: int,
+        draft_topk: int,
+        draft_cap: int,
+        stop: Callable[[], bool],
+        placement: Placement = Placement(),
+        n_batch: int | None = None,
+        cpu: CpuBuffers,
+    ):
         self.info, self.emap, self.budget, self.prompts = info, emap, budget, prompts
         self.cpu = cpu  # the path the CPU weights take in every timing of this model
         self.placement = placement
@@ -152,14 +204,23 @@ def step_bandwidth(cal: Calibration, index: int) -> StepEvents:
     rates, sto_bytes, note = yield from cal.live(storage_bandwidth(cal.emap), index)
     cal.sto_bw, cal.sto_bw_deep = rates.get(1), rates.get(STORAGE_DEPTHS[-1])
     if rates:
-        sto_text = (" · ".join(f"{bw / 1e9:.2f} GB/s at queue depth {d}" for d, bw in sorted(rates.items()))
-                    + f" over {fmt_bytes(sto_bytes)} ({note})")
+        sto_text = (
+            " · ".join(f"{bw / 1e9:.2f} GB/s at queue depth {d}" for d, bw in sorted(rates.items()))
+            + f" over {fmt_bytes(sto_bytes)} ({note})"
+        )
     else:
         sto_text = f"not measured: {note}"
-    yield StepResult(index, STEPS[index - 1][0], f"memory {cal.mem_bw / 1e9:.1f} GB/s · storage {sto_text}",
-                     {"memory_bandwidth_gb_s": cal.mem_bw / 1e9,
-                      "storage_bandwidth_gb_s": gb(cal.sto_bw), "storage_bandwidth_qd8_gb_s": gb(cal.sto_bw_deep),
-                      "storage_bytes_read": sto_bytes})
+    yield StepResult(
+        index,
+        STEPS[index - 1][0],
+        f"memory {cal.mem_bw / 1e9:.1f} GB/s · storage {sto_text}",
+        {
+            "memory_bandwidth_gb_s": cal.mem_bw / 1e9,
+            "storage_bandwidth_gb_s": gb(cal.sto_bw),
+            "storage_bandwidth_qd8_gb_s": gb(cal.sto_bw_deep),
+            "storage_bytes_read": sto_bytes,
+        },
+    )
 
 
 def gb(bytes_per_s: float | None, digits: int | None = None) -> float | None:
@@ -171,21 +232,36 @@ def gb(bytes_per_s: float | None, digits: int | None = None) -> float | None:
 def step_plain_and_draft(cal: Calibration, index: int) -> StepEvents:
     from ..decoding.runtime import LlamaRuntime
 
-    cal.rt = LlamaRuntime(cal.info, n_ctx=512, n_threads=cal.threads, max_verify_rows=max(16, cal.draft_cap + 1),
-                          use_extra_bufts=cal.cpu.extra, placement=cal.placement)
+    cal.rt = LlamaRuntime(
+        cal.info,
+        n_ctx=512,
+        n_threads=cal.threads,
+        max_verify_rows=max(16, cal.draft_cap + 1),
+        use_extra_bufts=cal.cpu.extra,
+        placement=cal.placement,
+    )
     ar, draft = yield from cal.live(iter_time_steps(cal.rt, cal.draft_topk, 8 * cal.repeats), index)
     cal.t_ar, cal.c_draft = t_ar, c_draft = float(np.median(ar)), float(np.median(draft))
     cal.workload = w = yield from _workload_terms(cal, index)
-    yield StepResult(index, STEPS[index - 1][0],
-                     f"T_AR {t_ar * 1e3:.2f} ms · draft step (k_d={cal.draft_topk}) {c_draft * 1e3:.2f} ms "
-                     f"({c_draft / t_ar:.2f}× T_AR) · in the engine: plain step {w['t_plain_ms']:.2f} ms + "
-                     f"{w['ctx_plain_us']:.2f} µs per token of context beyond {w['context_tokens']}, draft pass "
-                     f"+{w['ctx_draft_us']:.2f} µs, verification {w['ctx_step_us']:.2f} µs + "
-                     f"{w['ctx_row_us']:.2f} µs "
-                     f"a further row · host {w['host_draft_ms']:.3f} ms a draft pass, {w['host_row_ms']:.3f} ms a "
-                     f"verified row",
-                     {"t_ar_ms": t_ar * 1e3, "c_draft_ms": c_draft * 1e3, "draft_topk": cal.draft_topk,
-                      "plain_ms": [x * 1e3 for x in ar], "draft_ms": [x * 1e3 for x in draft], "workload": w})
+    yield StepResult(
+        index,
+        STEPS[index - 1][0],
+        f"T_AR {t_ar * 1e3:.2f} ms · draft step (k_d={cal.draft_topk}) {c_draft * 1e3:.2f} ms "
+        f"({c_draft / t_ar:.2f}× T_AR) · in the engine: plain step {w['t_plain_ms']:.2f} ms + "
+        f"{w['ctx_plain_us']:.2f} µs per token of context beyond {w['context_tokens']}, draft pass "
+        f"+{w['ctx_draft_us']:.2f} µs, verification {w['ctx_step_us']:.2f} µs + "
+        f"{w['ctx_row_us']:.2f} µs "
+        f"a further row · host {w['host_draft_ms']:.3f} ms a draft pass, {w['host_row_ms']:.3f} ms a "
+        f"verified row",
+        {
+            "t_ar_ms": t_ar * 1e3,
+            "c_draft_ms": c_draft * 1e3,
+            "draft_topk": cal.draft_topk,
+            "plain_ms": [x * 1e3 for x in ar],
+            "draft_ms": [x * 1e3 for x in draft],
+            "workload": w,
+        },
+    )
 
 
 WORKLOAD_PROMPTS, WORKLOAD_TOKENS = 3, 32  # engine generations the host times are taken from
@@ -203,16 +279,28 @@ def _workload_terms(cal: Calibration, index: int) -> Generator[StepProgress, Non
     from .replay_costs import engine_host_times
     from .trace import TraceRecorder
 
-    decoder = Decoder(str(cal.info.path), n_ctx=512, n_threads=cal.threads, max_draft=cal.draft_cap,
-                      use_extra_bufts=cal.cpu.extra, placement=cal.placement)
+    decoder = Decoder(
+        str(cal.info.path),
+        n_ctx=512,
+        n_threads=cal.threads,
+        max_draft=cal.draft_cap,
+        use_extra_bufts=cal.cpu.extra,
+        placement=cal.placement,
+    )
     traces: list[Trace] = []
     n = 2 * cal.repeats
     try:
         timings = yield from cal.live(iter_context_steps(decoder.rt, cal.draft_topk, cal.draft_cap, n, seed=2), index)
         # the rule's constants do not matter: a trace drafts to the cap whatever it says
         cost = CostConstants(cal.t_ar, cal.c_draft, 0.0, 0.0, 0.0, "calibrating")
-        cfg = GenerationConfig(mode="s2moe", n_predict=WORKLOAD_TOKENS, draft_topk=cal.draft_topk,
-                               draft_max=cal.draft_cap, cost=cost, trace=True)
+        cfg = GenerationConfig(
+            mode="s2moe",
+            n_predict=WORKLOAD_TOKENS,
+            draft_topk=cal.draft_topk,
+            draft_max=cal.draft_cap,
+            cost=cost,
+            trace=True,
+        )
         prompts = cal.prompts[:WORKLOAD_PROMPTS]
         for i, prompt in enumerate(prompts):
             tokens = decoder.tokenize(prompt)[: 512 - WORKLOAD_TOKENS - cal.draft_cap - 2] or [0]
@@ -237,8 +325,9 @@ def _workload_terms(cal: Calibration, index: int) -> Generator[StepProgress, Non
     bins: dict[int, list[float]] = {}
     for c, seconds in plain:
         bins.setdefault(c // PLAIN_BIN, []).append(seconds)
-    t_plain, ctx_plain = context_line([(b + 0.5) * PLAIN_BIN for b in bins], [np.median(v) for v in bins.values()],
-                                      ctx.base)
+    t_plain, ctx_plain = context_line(
+        [(b + 0.5) * PLAIN_BIN for b in bins], [np.median(v) for v in bins.values()], ctx.base
+    )
 
     def ms(x: float) -> float:
         return round(x * 1e3, 6)
@@ -246,20 +335,30 @@ def _workload_terms(cal: Calibration, index: int) -> Generator[StepProgress, Non
     def us(x: float) -> float:
         return round(x * 1e6, 6)
 
-    return {"context_tokens": ctx.base,
-            "t_plain_ms": ms(t_plain), "ctx_plain_us": us(ctx_plain),
-            "t_draft_ms": ms(ctx.level["draft"]), "ctx_draft_us": us(ctx.slope["draft"]),
-            "ctx_step_us": us(ctx.slope["observed"]), "ctx_row_us": us(ctx.row),
-            "host_draft_ms": ms(host_draft), "host_row_ms": ms(host_row),
-            "contexts": list(ctx.contexts), **{f"{k}_ms": [ms(x) for x in v] for k, v in ctx.medians.items()},
-            "verify_rows": ctx.rows, "iterations": iterations, "plain_iterations": len(plain)}
+    return {
+        "context_tokens": ctx.base,
+        "t_plain_ms": ms(t_plain),
+        "ctx_plain_us": us(ctx_plain),
+        "t_draft_ms": ms(ctx.level["draft"]),
+        "ctx_draft_us": us(ctx.slope["draft"]),
+        "ctx_step_us": us(ctx.slope["observed"]),
+        "ctx_row_us": us(ctx.row),
+        "host_draft_ms": ms(host_draft),
+        "host_row_ms": ms(host_row),
+        "contexts": list(ctx.contexts),
+        **{f"{k}_ms": [ms(x) for x in v] for k, v in ctx.medians.items()},
+        "verify_rows": ctx.rows,
+        "iterations": iterations,
+        "plain_iterations": len(plain),
+    }
 
 
 PLAIN_BIN, PLAIN_TOKENS = 32, 360
 
 
-def _plain_iterations(decoder: Decoder, prompt: str,
-                      index: int) -> Generator[StepProgress, None, list[tuple[int, float]]]:
+def _plain_iterations(
+    decoder: Decoder, prompt: str, index: int
+) -> Generator[StepProgress, None, list[tuple[int, float]]]:
     """Generator (yields StepProgress): [(tokens of context, seconds)] of each iteration of plain decoding (mode
     ar) through the engine, from one event to the next: the step and the loop's own work, as decoding runs them,
     over a long generation so that the context grows past what workloads run at."""
@@ -284,18 +383,23 @@ def _plain_iterations(decoder: Decoder, prompt: str,
 
 def step_cost_model(cal: Calibration, index: int) -> StepEvents:
     assert cal.rt is not None  # step 2 loaded it, and the steps after it run only where it did
-    samples = yield from cal.live(iter_verify_samples(cal.rt, cal.draft_cap, seed=1, repeats=cal.repeats,
-                                                      sizes=verify_sizes(cal.draft_cap)), index)
+    samples = yield from cal.live(
+        iter_verify_samples(cal.rt, cal.draft_cap, seed=1, repeats=cal.repeats, sizes=verify_sizes(cal.draft_cap)),
+        index,
+    )
     cal.fit = fit = fit_verify_cost([s[0] for s in samples], [s[1] for s in samples], [s[2] for s in samples])
-    yield StepResult(index, STEPS[index - 1][0],
-                     f"T_exp {fit.t_exp * 1e3:.4f} ms · T_tok {fit.t_tok * 1e3:.3f} ms · intercept "
-                     f"{fit.intercept * 1e3:.2f} ms · {r2_text(fit.r2, fit.r2_ceiling)} · MAPE {fit.mape:.1%} "
-                     f"({fit.n} batches)",
-                     _fit_data(samples, fit))
+    yield StepResult(
+        index,
+        STEPS[index - 1][0],
+        f"T_exp {fit.t_exp * 1e3:.4f} ms · T_tok {fit.t_tok * 1e3:.3f} ms · intercept "
+        f"{fit.intercept * 1e3:.2f} ms · {r2_text(fit.r2, fit.r2_ceiling)} · MAPE {fit.mape:.1%} "
+        f"({fit.n} batches)",
+        _fit_data(samples, fit),
+    )
 
 
 def step_hot_experts(cal: Calibration, index: int) -> StepEvents:
-    emap, info = cal.emap, cal.info
+    emap = cal.emap
     assert cal.rt is not None  # step 2 made it
     counts, n_tok = yield from cal.live(routing_counts(cal.rt, cal.prompts), index)
     eb = emap.expert_bytes
@@ -306,12 +410,14 @@ def step_hot_experts(cal: Calibration, index: int) -> StepEvents:
     # process's, decide the room its plan leaves the hot experts.
     fit_text = " · how many fit is decided under the budget, in the next step" if cal.budget is not None else ""
     routed = counts.sum()
-    share = float(sum(counts[l, e] for l, e in hot) / routed) if routed else 0.0
-    yield StepResult(index, STEPS[index - 1][0],
-                     f"{len(hot)} most routed experts ({fmt_bytes(sum(int(eb[l]) for l, _ in hot))}, half of the "
-                     f"expert bytes) take {share:.0%} of {int(routed)} routings over {n_tok} tokens{fit_text}",
-                     {"hot_experts": [list(p) for p in hot], "counts": counts.tolist(), "routed_share": share,
-                      "tokens": n_tok})
+    share = float(sum(counts[layer, e] for layer, e in hot) / routed) if routed else 0.0
+    yield StepResult(
+        index,
+        STEPS[index - 1][0],
+        f"{len(hot)} most routed experts ({fmt_bytes(sum(int(eb[layer]) for layer, _ in hot))}, half of the "
+        f"expert bytes) take {share:.0%} of {int(routed)} routings over {n_tok} tokens{fit_text}",
+        {"hot_experts": [list(p) for p in hot], "counts": counts.tolist(), "routed_share": share, "tokens": n_tok},
+    )
 
 
 def step_under_budget(cal: Calibration, index: int) -> StepEvents:
@@ -325,12 +431,20 @@ def step_under_budget(cal: Calibration, index: int) -> StepEvents:
         assert cal.budget is not None  # a step with no budget is skipped (above)
         cal.close()  # the cold worker needs the memory
         n_steps = 4 * cal.repeats
-        cfg = {"model": str(cal.info.path), "text": "\n\n".join(cal.prompts)[:PLAIN_FETCH_CHARS],
-               "threads": cal.threads, "k_draft": cal.draft_topk, "cap": cal.draft_cap,
-               "repeats": cal.repeats, "n_steps": n_steps,
-               "n_samples": len(verify_sizes(cal.draft_cap)) * 3 * cal.repeats,
-               "hot": [list(p) for p in cal.hot], "budget": str(cal.budget), "n_batch": cal.n_batch,
-               "placement": cal.placement.as_dict()}  # the cold timings place the weights as the others do
+        cfg = {
+            "model": str(cal.info.path),
+            "text": "\n\n".join(cal.prompts)[:PLAIN_FETCH_CHARS],
+            "threads": cal.threads,
+            "k_draft": cal.draft_topk,
+            "cap": cal.draft_cap,
+            "repeats": cal.repeats,
+            "n_steps": n_steps,
+            "n_samples": len(verify_sizes(cal.draft_cap)) * 3 * cal.repeats,
+            "hot": [list(p) for p in cal.hot],
+            "budget": str(cal.budget),
+            "n_batch": cal.n_batch,
+            "placement": cal.placement.as_dict(),
+        }  # the cold timings place the weights as the others do
         try:
             res = yield from cal.live(run_cold(cal.info.path, cal.budget, cfg), index)
         except (BudgetUnavailable, RuntimeError) as e:
@@ -365,9 +479,17 @@ def step_gpu(cal: Calibration, index: int) -> StepEvents:
         rate = transfer_rate(kind)
         cal.close()  # the timing processes load the model onto the GPU themselves
         layers = cal.placement.n_gpu_layers or -1
-        mode = yield from cal.live(measure_copy_mode(str(cal.info.path), sizes=verify_sizes(cal.draft_cap),
-                                                     n_gpu_layers=layers, threads=cal.threads, repeats=cal.repeats,
-                                                     use_extra_bufts=cal.cpu.extra), index)
+        mode = yield from cal.live(
+            measure_copy_mode(
+                str(cal.info.path),
+                sizes=verify_sizes(cal.draft_cap),
+                n_gpu_layers=layers,
+                threads=cal.threads,
+                repeats=cal.repeats,
+                use_extra_bufts=cal.cpu.extra,
+            ),
+            index,
+        )
     except RuntimeError as e:
         why = f"failed: {e}"
         yield StepResult(index, name, why, {"skipped": why})
@@ -375,13 +497,22 @@ def step_gpu(cal: Calibration, index: int) -> StepEvents:
     samples = mode.copy_samples
     fit = fit_verify_cost([x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
     cal.gpu = {"h2d": rate, "mode": mode, "fit": fit, "n_gpu_layers": layers}
-    where = (f"copying wins from {mode.crossover} tokens" if mode.crossover is not None else
-             f"copying never won up to {max(mode.sizes)} tokens")
-    yield StepResult(index, name,
-                     f"host→device {rate / 1e9:.1f} GB/s · {where} · T_exp copied {fit.t_exp * 1e3:.4f} ms "
-                     f"(R² {fit.r2:.3f})",
-                     {"host_to_device_gb_s": rate / 1e9, "copy_min_batch": mode.crossover, **mode.as_dict(),
-                      "fit_copy": fit_dict(fit)})
+    where = (
+        f"copying wins from {mode.crossover} tokens"
+        if mode.crossover is not None
+        else f"copying never won up to {max(mode.sizes)} tokens"
+    )
+    yield StepResult(
+        index,
+        name,
+        f"host→device {rate / 1e9:.1f} GB/s · {where} · T_exp copied {fit.t_exp * 1e3:.4f} ms (R² {fit.r2:.3f})",
+        {
+            "host_to_device_gb_s": rate / 1e9,
+            "copy_min_batch": mode.crossover,
+            **mode.as_dict(),
+            "fit_copy": fit_dict(fit),
+        },
+    )
 
 
 def _cold_result(cal: Calibration, index: int, res: dict[str, Any], after: dict[int, float]) -> StepResult:
@@ -396,22 +527,45 @@ def _cold_result(cal: Calibration, index: int, res: dict[str, Any], after: dict[
     cfit = fit_verify_cost(experts, tokens, seconds)
     mfit = fit_miss_cost(experts, misses, tokens, seconds)
     given = fault_explained_fit(experts, faults, tokens, seconds)
-    cal.cache_fit = _cache_fit(res["plain"], res["record"], cal.info.n_expert,
-                               float(cal.emap.expert_bytes[list(cal.emap.moe_layers)].mean()))
+    cal.cache_fit = _cache_fit(
+        res["plain"], res["record"], cal.info.n_expert, float(cal.emap.expert_bytes[list(cal.emap.moe_layers)].mean())
+    )
     cal.n_batch = res.get("n_batch", cal.n_batch)
-    cal.cold = {"fit": cfit, "miss_fit": mfit, "given_faults": given, "t_ar": res["t_ar"],
-                "c_draft": res["c_draft"], "split": res["split"], "peak": res["peak"], "pinned": res["pinned"],
-                "samples": cs}
+    cal.cold = {
+        "fit": cfit,
+        "miss_fit": mfit,
+        "given_faults": given,
+        "t_ar": res["t_ar"],
+        "c_draft": res["c_draft"],
+        "split": res["split"],
+        "peak": res["peak"],
+        "pinned": res["pinned"],
+        "samples": cs,
+    }
     # the plot and headline use the miss-aware model: under a budget what costs is a fetch
-    data = {"measured": [x * 1e3 for x in seconds],
-            "predicted": [float(mfit.predict(e, m, t)) * 1e3 for e, m, t in zip(experts, misses, tokens)],
-            "experts": experts, "misses": misses, "tokens": tokens,
-            "r2": mfit.r2, "r2_ceiling": mfit.r2_ceiling, "mape": mfit.mape, "t_exp_warm_ms": mfit.t_hit * 1e3,
-            "t_exp_cold_ms": mfit.t_miss * 1e3, "t_tok_ms": mfit.t_tok * 1e3,
-            "intercept_ms": mfit.intercept * 1e3, "paper_form": _fit_data(cs, cfit),
-            "t_ar_ms": res["t_ar"] * 1e3, "c_draft_ms": res["c_draft"] * 1e3,
-            "split": res["split"], "peak": res["peak"], "n_batch": res.get("n_batch"),
-            "pinned": res["pinned"], "r2_given_faults": given["r2"], "faults": faults}
+    data = {
+        "measured": [x * 1e3 for x in seconds],
+        "predicted": [float(mfit.predict(e, m, t)) * 1e3 for e, m, t in zip(experts, misses, tokens)],
+        "experts": experts,
+        "misses": misses,
+        "tokens": tokens,
+        "r2": mfit.r2,
+        "r2_ceiling": mfit.r2_ceiling,
+        "mape": mfit.mape,
+        "t_exp_warm_ms": mfit.t_hit * 1e3,
+        "t_exp_cold_ms": mfit.t_miss * 1e3,
+        "t_tok_ms": mfit.t_tok * 1e3,
+        "intercept_ms": mfit.intercept * 1e3,
+        "paper_form": _fit_data(cs, cfit),
+        "t_ar_ms": res["t_ar"] * 1e3,
+        "c_draft_ms": res["c_draft"] * 1e3,
+        "split": res["split"],
+        "peak": res["peak"],
+        "n_batch": res.get("n_batch"),
+        "pinned": res["pinned"],
+        "r2_given_faults": given["r2"],
+        "faults": faults,
+    }
     miss_rate = sum(misses) / max(1.0, sum(experts))
     deep = STORAGE_DEPTHS[-1]
     drift = storage_drift_note(cal.sto_bw_deep, after.get(deep))
@@ -430,19 +584,24 @@ def _cold_result(cal: Calibration, index: int, res: dict[str, Any], after: dict[
         if paid is not None:
             plain += f" ({paid * 1e3:.2f} ms a fetch beyond the resident step)"
         data["plain_step_ms"] = held["step_ms"]
-    return StepResult(index, STEPS[index - 1][0],
-                      f"under {cal.budget.describe(cal.budget_bytes)}: T_AR {res['t_ar'] * 1e3:.1f} ms · draft step "
-                      f"{res['c_draft'] * 1e3:.1f} ms · T_exp cold "
-                      f"{mfit.t_miss * 1e3:.3f} ms, warm {mfit.t_hit * 1e3:.3f} ms · T_tok "
-                      f"{mfit.t_tok * 1e3:.2f} ms · {r2_text(mfit.r2, mfit.r2_ceiling)} · MAPE {mfit.mape:.1%} · "
-                      f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
-                      f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
-                      f"peak {fmt_bytes(res['peak'] or 0)} · {len(pinned)} of the {len(cal.hot)} hot experts pinned "
-                      f"({fmt_bytes(res['pinned']['hot_experts'])}){plain}{drift}", data)
+    return StepResult(
+        index,
+        STEPS[index - 1][0],
+        f"under {cal.budget.describe(cal.budget_bytes)}: T_AR {res['t_ar'] * 1e3:.1f} ms · draft step "
+        f"{res['c_draft'] * 1e3:.1f} ms · T_exp cold "
+        f"{mfit.t_miss * 1e3:.3f} ms, warm {mfit.t_hit * 1e3:.3f} ms · T_tok "
+        f"{mfit.t_tok * 1e3:.2f} ms · {r2_text(mfit.r2, mfit.r2_ceiling)} · MAPE {mfit.mape:.1%} · "
+        f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
+        f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
+        f"peak {fmt_bytes(res['peak'] or 0)} · {len(pinned)} of the {len(cal.hot)} hot experts pinned "
+        f"({fmt_bytes(res['pinned']['hot_experts'])}){plain}{drift}",
+        data,
+    )
 
 
-def _cache_fit(plain: dict[str, Any], record: dict[str, Any] | None, n_expert: int,
-               expert_bytes: float) -> dict[str, Any] | None:
+def _cache_fit(
+    plain: dict[str, Any], record: dict[str, Any] | None, n_expert: int, expert_bytes: float
+) -> dict[str, Any] | None:
     """How many experts the engine's offloading held in effect when plain decoding ran under the budget: the
     size of an LRU cache (beside the pinned hot experts) that fetches what decoding counted over the same tokens,
     the first PLAIN_FETCH_WARM tokens warming both up. None without a plan."""
@@ -456,8 +615,13 @@ def _cache_fit(plain: dict[str, Any], record: dict[str, Any] | None, n_expert: i
     pinned = tuple(tuple(p) for p in record["pinned"])
     effective = capacity_fetching(ids, counted, CachePlan(planned, pinned, ""), n_expert, PLAIN_FETCH_WARM)
     n = len(ids) - PLAIN_FETCH_WARM
-    fit = {"planned_experts": planned, "effective_experts": effective, "tokens": n,
-           "fetched_per_token": round(counted / max(1, n), 6), "pinned": len(pinned)}
+    fit = {
+        "planned_experts": planned,
+        "effective_experts": effective,
+        "tokens": n,
+        "fetched_per_token": round(counted / max(1, n), 6),
+        "pinned": len(pinned),
+    }
     if plain.get("seconds"):
         fit["step_ms"] = round(float(np.mean(plain["seconds"][PLAIN_FETCH_WARM:])) * 1e3, 6)
     return fit

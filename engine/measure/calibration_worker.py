@@ -43,33 +43,57 @@ def _cold_worker(cfg: dict[str, Any]) -> int:
 
     # a context of at least one batch, so that llama.cpp does not cap the batch a budget is sized with
     n_batch = cfg.get("n_batch")  # None: llama.cpp's, or what fits the budget's prefill share
-    decoder = Decoder(cfg["model"], n_ctx=max(256, n_batch or DEFAULT_BATCH), n_threads=cfg.get("threads"),
-                      max_draft=cfg["cap"], use_extra_bufts=False, placement=Placement(**cfg.get("placement", {})),
-                      n_batch=n_batch)
+    decoder = Decoder(
+        cfg["model"],
+        n_ctx=max(256, n_batch or DEFAULT_BATCH),
+        n_threads=cfg.get("threads"),
+        max_draft=cfg["cap"],
+        use_extra_bufts=False,
+        placement=Placement(**cfg.get("placement", {})),
+        n_batch=n_batch,
+    )
     rt = decoder.rt
 
     def warm_up() -> None:  # every graph shape this worker times, so that an auto budget counts them
         time_steps(rt, cfg["k_draft"], 1, seed=4)
         verify_samples(rt, cfg["cap"], seed=4, repeats=1, sizes=[cfg["cap"] + 1])
 
-    off = offload_decoder(decoder, Budget.parse(cfg["budget"]), [tuple(p) for p in cfg.get("hot", [])],
-                          warm_up=warm_up)
+    off = offload_decoder(decoder, Budget.parse(cfg["budget"]), [tuple(p) for p in cfg.get("hot", [])], warm_up=warm_up)
     emit({"budget": off.budget_bytes})
     pinned = dict(off.pinned_split)
     emit({"pinned": pinned})
-    ar, draft = time_steps(rt, cfg["k_draft"], cfg["n_steps"], seed=5,
-                           progress=lambda d, t: emit({"progress": [d, t + cfg["n_samples"]]}))
-    samples = verify_samples(rt, cfg["cap"], seed=6, repeats=cfg["repeats"], sizes=verify_sizes(cfg["cap"]),
-                             counter=off.native,
-                             progress=lambda d, t: emit({"progress": [cfg["n_steps"] + d, cfg["n_steps"] + t]}))
+    ar, draft = time_steps(
+        rt, cfg["k_draft"], cfg["n_steps"], seed=5, progress=lambda d, t: emit({"progress": [d, t + cfg["n_samples"]]})
+    )
+    samples = verify_samples(
+        rt,
+        cfg["cap"],
+        seed=6,
+        repeats=cfg["repeats"],
+        sizes=verify_sizes(cfg["cap"]),
+        counter=off.native,
+        progress=lambda d, t: emit({"progress": [cfg["n_steps"] + d, cfg["n_steps"] + t]}),
+    )
     plain = _plain_fetches(rt, off.native, rt.tokenize(cfg["text"]) or [0], PLAIN_FETCH_TOKENS)
     cg = current_budget_cgroup()
     assert cg is not None  # run_cold starts this worker in the budget's cgroup
-    emit({"result": {"samples": samples, "t_ar": float(np.median(ar)), "c_draft": float(np.median(draft)),
-                     "plain": plain, "record": budget_record(off, [tuple(p) for p in cfg.get("hot", [])],
-                                                             Budget.parse(cfg["budget"]).auto),
-                     "pinned": pinned, "plan": off.plan.__dict__ if off.plan else None,
-                     "split": cg.split(), "peak": cg.peak(), "anon": process_anon_bytes(), "n_batch": rt.n_batch}})
+    emit(
+        {
+            "result": {
+                "samples": samples,
+                "t_ar": float(np.median(ar)),
+                "c_draft": float(np.median(draft)),
+                "plain": plain,
+                "record": budget_record(off, [tuple(p) for p in cfg.get("hot", [])], Budget.parse(cfg["budget"]).auto),
+                "pinned": pinned,
+                "plan": off.plan.__dict__ if off.plan else None,
+                "split": cg.split(),
+                "peak": cg.peak(),
+                "anon": process_anon_bytes(),
+                "n_batch": rt.n_batch,
+            }
+        }
+    )
     off.close()
     decoder.close()
     return 0
@@ -119,8 +143,9 @@ def run_cold(model_path: str | os.PathLike[str], budget: Budget, cfg: dict[str, 
     """Generator (yields (done, total)): the cold worker in a fresh memory cgroup; returns its result,
     with the budget it ran under (for auto, as the worker sized it)."""
     argv = [sys.executable, "-m", "s2moe.engine.measure.calibration_worker", "--cold-worker", json.dumps(cfg)]
-    with run_in_budget(argv, budget, model_path, tag="calibrate", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True) as run:
+    with run_in_budget(
+        argv, budget, model_path, tag="calibrate", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as run:
         result: dict[str, Any] | None = None
         pinned: dict[str, int] | None = None
         failure: dict[str, str] | None = None
@@ -146,8 +171,10 @@ def run_cold(model_path: str | os.PathLike[str], budget: Budget, cfg: dict[str, 
             err = (run.proc.stderr.read() or "").strip().splitlines()
             why = failure["message"] if failure else err[-1] if err else f"exit status {rc}"
             if run.out_of_memory() or rc in (-9, 137):
-                why = (f"out of memory at the budget of {budget.describe(sized)} (pinned "
-                       f"{fmt_bytes(sum((pinned or {}).values()))}); raise the budget")
+                why = (
+                    f"out of memory at the budget of {budget.describe(sized)} (pinned "
+                    f"{fmt_bytes(sum((pinned or {}).values()))}); raise the budget"
+                )
             raise RuntimeError(why)
     result["budget"] = sized
     return result

@@ -147,8 +147,9 @@ def _quality(y: Floats, pred: Floats) -> tuple[float, float]:
     return r2, mape
 
 
-def fit_miss_cost(experts: npt.ArrayLike, misses: npt.ArrayLike, tokens: npt.ArrayLike,
-                  seconds: npt.ArrayLike) -> MissFit:
+def fit_miss_cost(
+    experts: npt.ArrayLike, misses: npt.ArrayLike, tokens: npt.ArrayLike, seconds: npt.ArrayLike
+) -> MissFit:
     """Least squares of seconds on (1, resident experts, missed experts, tokens), slopes ≥ 0."""
     e, m, s, y = (np.asarray(v, float) for v in (experts, misses, tokens, seconds))
     if len(y) < 4:
@@ -159,8 +160,15 @@ def fit_miss_cost(experts: npt.ArrayLike, misses: npt.ArrayLike, tokens: npt.Arr
     return MissFit(fit.intercept, fit.t_hit, fit.t_miss, fit.t_tok, r2, mape, len(y), r2_ceiling(zip(e, m, s), y))
 
 
-def drift_tracked_fit(fit: MissFit, experts: npt.ArrayLike, misses: npt.ArrayLike, tokens: npt.ArrayLike,
-                      seconds: npt.ArrayLike, half_life: float = 100.0, prior: float = 20.0) -> dict[str, Any]:
+def drift_tracked_fit(
+    fit: MissFit,
+    experts: npt.ArrayLike,
+    misses: npt.ArrayLike,
+    tokens: npt.ArrayLike,
+    seconds: npt.ArrayLike,
+    half_life: float = 100.0,
+    prior: float = 20.0,
+) -> dict[str, Any]:
     """The miss-aware fit with T_exp cold followed through the run: each verification priced at the rate per
     fetch that the fetches before it took, its other constants the fit's. That rate is the time the earlier
     verifications took beyond the fit's other terms over the fetches they made, each fetch's weight halving
@@ -182,12 +190,17 @@ def drift_tracked_fit(fit: MissFit, experts: npt.ArrayLike, misses: npt.ArrayLik
             fade = keep ** m[i]
             time_s, fetches = fade * time_s + (y[i] - rest[i]), fade * fetches + m[i]
     r2, mape = _quality(y, rest + rates * m)
-    return {"r2": r2, "mape": mape, "half_life_fetches": half_life,
-            "t_exp_cold_range_s": [float(min(rates)), float(max(rates))]}
+    return {
+        "r2": r2,
+        "mape": mape,
+        "half_life_fetches": half_life,
+        "t_exp_cold_range_s": [float(min(rates)), float(max(rates))],
+    }
 
 
-def fault_explained_fit(experts: npt.ArrayLike, faults: npt.ArrayLike, tokens: npt.ArrayLike,
-                        seconds: npt.ArrayLike) -> dict[str, float]:
+def fault_explained_fit(
+    experts: npt.ArrayLike, faults: npt.ArrayLike, tokens: npt.ArrayLike, seconds: npt.ArrayLike
+) -> dict[str, float]:
     """Diagnostic, not a predictor: seconds on (1, experts, storage page faults actually taken, tokens).
     The faults are known only after a verification ran; how far this fit's R² rises above the miss-aware
     one shows how much of the latency depends on which pages the kernel let go and had to read again,
@@ -197,8 +210,15 @@ def fault_explained_fit(experts: npt.ArrayLike, faults: npt.ArrayLike, tokens: n
         raise ValueError("need at least four measurements")
     a, t_exp, t_fault, t_tok = _nonneg_lstsq([e, f, s], y)
     r2, mape = _quality(y, a + t_exp * e + t_fault * f + t_tok * s)
-    return {"intercept_s": float(a), "t_exp_s": float(t_exp), "t_fault_s": float(t_fault), "t_tok_s": float(t_tok),
-            "r2": r2, "mape": mape, "faults_per_verification": float(f.mean())}
+    return {
+        "intercept_s": float(a),
+        "t_exp_s": float(t_exp),
+        "t_fault_s": float(t_fault),
+        "t_tok_s": float(t_tok),
+        "r2": r2,
+        "mape": mape,
+        "faults_per_verification": float(f.mean()),
+    }
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -222,8 +242,15 @@ def _prepare(rt: LlamaRuntime, seed: int, context: int, cap: int) -> tuple[np.ra
     return rng, context
 
 
-def _step(rt: LlamaRuntime, base: int, tokens: Sequence[int], mode: str, k_draft: int,
-          counter: NativePrefetch | None = None, allowed: npt.NDArray[np.bool_] | None = None) -> Sample:
+def _step(
+    rt: LlamaRuntime,
+    base: int,
+    tokens: Sequence[int],
+    mode: str,
+    k_draft: int,
+    counter: NativePrefetch | None = None,
+    allowed: npt.NDArray[np.bool_] | None = None,
+) -> Sample:
     """Decode `tokens` after `base` positions as a plain/draft/verify step; time it; roll it back.
     allowed: a draft step reads only these experts ([n_layer, n_expert] bool, see RoutingHook.draft).
 
@@ -269,8 +296,9 @@ def batch_sizes(cap: int) -> list[int]:
     return sorted(set([1, 2, 3] + list(range(2, cap + 2, max(1, cap // 4))) + [cap + 1]))
 
 
-def iter_time_steps(rt: LlamaRuntime, k_draft: int, n: int, *, seed: int = 0,
-                    context: int = 32) -> Measurement[tuple[list[float], list[float]]]:
+def iter_time_steps(
+    rt: LlamaRuntime, k_draft: int, n: int, *, seed: int = 0, context: int = 32
+) -> Measurement[tuple[list[float], list[float]]]:
     """Generator: yields (done, n) after each pair of steps; returns (plain seconds, draft seconds) of n
     plain steps and n draft steps (k_draft experts), after warm-up. Leaves the KV cache empty."""
     rng, base = _prepare(rt, seed, context, 2)
@@ -289,8 +317,15 @@ def iter_time_steps(rt: LlamaRuntime, k_draft: int, n: int, *, seed: int = 0,
         rt.kv_clear()
 
 
-def iter_resident_draft_steps(rt: LlamaRuntime, k_draft: int, n: int, allowed: Callable[[], npt.NDArray[np.bool_]],
-                              *, seed: int = 0, context: int = 32) -> Measurement[list[float]]:
+def iter_resident_draft_steps(
+    rt: LlamaRuntime,
+    k_draft: int,
+    n: int,
+    allowed: Callable[[], npt.NDArray[np.bool_]],
+    *,
+    seed: int = 0,
+    context: int = 32,
+) -> Measurement[list[float]]:
     """Generator like iter_time_steps: returns the seconds of n draft steps (k_draft experts) that read only
     the experts allowed() returns, asked before each step (under a budget: those in memory, so that no step
     fetches). Leaves the KV cache empty."""
@@ -307,9 +342,17 @@ def iter_resident_draft_steps(rt: LlamaRuntime, k_draft: int, n: int, allowed: C
         rt.kv_clear()
 
 
-def iter_verify_samples(rt: LlamaRuntime, cap: int, *, seed: int = 0, repeats: int = 3, context: int = 32,
-                        sizes: Iterable[int] | None = None, variants: Sequence[str] = VARIANTS,
-                        counter: NativePrefetch | None = None) -> Measurement[list[Sample]]:
+def iter_verify_samples(
+    rt: LlamaRuntime,
+    cap: int,
+    *,
+    seed: int = 0,
+    repeats: int = 3,
+    context: int = 32,
+    sizes: Iterable[int] | None = None,
+    variants: Sequence[str] = VARIANTS,
+    counter: NativePrefetch | None = None,
+) -> Measurement[list[Sample]]:
     """Generator: yields (done, total) per batch configuration; returns [(distinct experts over layers,
     tokens, median seconds)] of verification batches of varied size and reuse. Leaves the KV cache empty.
 
@@ -331,7 +374,7 @@ def iter_verify_samples(rt: LlamaRuntime, cap: int, *, seed: int = 0, repeats: i
         # Round-robin over the configurations, so that a burst of load from other processes on a busy
         # machine spreads over all of them instead of skewing one configuration's median.
         for _ in range(repeats):
-            for i, (s, toks) in enumerate(configs):
+            for i, (_size, toks) in enumerate(configs):
                 dt, experts[i], *miss = _step(rt, base, toks, "verify", 1, counter)
                 times[i].append(dt)
                 if miss:
@@ -346,8 +389,11 @@ def iter_verify_samples(rt: LlamaRuntime, cap: int, *, seed: int = 0, repeats: i
         rt.kv_clear()
 
 
-def drive(gen: Measurement[T], progress: Callable[[int, int], object] | None = None,
-          should_stop: Callable[[], bool] | None = None) -> T:
+def drive(
+    gen: Measurement[T],
+    progress: Callable[[int, int], object] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> T:
     """Run a measurement generator to its end; report progress; raise Stopped when asked to stop."""
     while True:
         try:
@@ -362,18 +408,30 @@ def drive(gen: Measurement[T], progress: Callable[[int, int], object] | None = N
             raise Stopped()
 
 
-def time_steps(rt: LlamaRuntime, k_draft: int, n: int, *, progress: Callable[[int, int], object] | None = None,
-               should_stop: Callable[[], bool] | None = None, **kw: Any) -> tuple[list[float], list[float]]:
+def time_steps(
+    rt: LlamaRuntime,
+    k_draft: int,
+    n: int,
+    *,
+    progress: Callable[[int, int], object] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    **kw: Any,
+) -> tuple[list[float], list[float]]:
     return drive(iter_time_steps(rt, k_draft, n, **kw), progress, should_stop)
 
 
-def verify_samples(rt: LlamaRuntime, cap: int, *, progress: Callable[[int, int], object] | None = None,
-                   should_stop: Callable[[], bool] | None = None, **kw: Any) -> list[Sample]:
+def verify_samples(
+    rt: LlamaRuntime,
+    cap: int,
+    *,
+    progress: Callable[[int, int], object] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    **kw: Any,
+) -> list[Sample]:
     return drive(iter_verify_samples(rt, cap, **kw), progress, should_stop)
 
 
-def measure_cost_constants(rt: LlamaRuntime, k_draft: int, cap: int,
-                           **kw: Any) -> tuple[CostConstants, list[Sample]]:
+def measure_cost_constants(rt: LlamaRuntime, k_draft: int, cap: int, **kw: Any) -> tuple[CostConstants, list[Sample]]:
     """iter_cost_constants run to its end: (CostConstants, samples)."""
     gen = iter_cost_constants(rt, k_draft, cap, **kw)
     while True:
@@ -395,9 +453,17 @@ def _share(gen: Measurement[T], start: float, share: float) -> Generator[float, 
         yield start + share * done / of
 
 
-def iter_cost_constants(rt: LlamaRuntime, k_draft: int, cap: int, *, seed: int = 0, repeats: int = 3,
-                        context: int = 32, draft_allowed: Callable[[], npt.NDArray[np.bool_]] | None = None,
-                        seconds: float | None = None) -> Generator[float, None, tuple[CostConstants, list[Sample]]]:
+def iter_cost_constants(
+    rt: LlamaRuntime,
+    k_draft: int,
+    cap: int,
+    *,
+    seed: int = 0,
+    repeats: int = 3,
+    context: int = 32,
+    draft_allowed: Callable[[], npt.NDArray[np.bool_]] | None = None,
+    seconds: float | None = None,
+) -> Generator[float, None, tuple[CostConstants, list[Sample]]]:
     """Generator: yields the fraction done; returns (CostConstants, samples) where samples are (experts,
     tokens, s). Times plain steps, draft steps and verification batches of varied size and reuse on `rt`.
     draft_allowed: under a memory budget, a function returning the experts in memory; draft steps that read
@@ -414,13 +480,24 @@ def iter_cost_constants(rt: LlamaRuntime, k_draft: int, cap: int, *, seed: int =
     verify_share = 0.6 if draft_allowed is None else 0.4
     ar, draft = yield from _share(iter_time_steps(rt, k_draft, 4 * repeats, seed=seed, context=context), 0.0, 0.4)
     if draft_allowed is not None:
-        resident = float(np.median((yield from _share(
-            iter_resident_draft_steps(rt, k_draft, 4 * repeats, draft_allowed, seed=seed, context=context),
-            0.4, 0.2))))
+        resident = float(
+            np.median(
+                (
+                    yield from _share(
+                        iter_resident_draft_steps(rt, k_draft, 4 * repeats, draft_allowed, seed=seed, context=context),
+                        0.4,
+                        0.2,
+                    )
+                )
+            )
+        )
     else:
         resident = float(np.median(draft))
-    samples = yield from _share(iter_verify_samples(rt, cap, seed=seed + 1, repeats=repeats, context=context,
-                                                    sizes=sizes, variants=variants), 1.0 - verify_share, verify_share)
+    samples = yield from _share(
+        iter_verify_samples(rt, cap, seed=seed + 1, repeats=repeats, context=context, sizes=sizes, variants=variants),
+        1.0 - verify_share,
+        verify_share,
+    )
     fit = fit_verify_cost([x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
     cost = CostConstants(
         t_ar=float(np.median(ar)),
@@ -442,8 +519,7 @@ def iter_cost_constants(rt: LlamaRuntime, k_draft: int, cap: int, *, seed: int =
 SHORT_VARIANTS = ("random", "repeat")
 
 
-def sample_plan(step_s: float, cap: int, seconds: float,
-                repeats: int = 3) -> tuple[int, list[int], tuple[str, ...]]:
+def sample_plan(step_s: float, cap: int, seconds: float, repeats: int = 3) -> tuple[int, list[int], tuple[str, ...]]:
     """(repeats, batch sizes, variants) of a cost measurement that takes about `seconds` where a plain step
     takes `step_s`: a repeat costs about 12 steps and each batch shape about two, all three repeats where
     they fit, else one repeat of the fewest shapes that still separate experts from tokens."""
@@ -480,8 +556,8 @@ class ContextFit:
     base: int
     contexts: tuple[int, ...]
     medians: dict[str, tuple[float, ...]]  # kind → (seconds per context)
-    level: dict[str, float]                # kind → seconds at base
-    slope: dict[str, float]                # kind → seconds per token of context
+    level: dict[str, float]  # kind → seconds at base
+    slope: dict[str, float]  # kind → seconds per token of context
     rows: int
 
     @property
@@ -490,9 +566,9 @@ class ContextFit:
         return max(0.0, (self.slope["verify"] - self.slope["observed"]) / max(1, self.rows - 1))
 
 
-def iter_context_steps(rt: LlamaRuntime, k_draft: int, cap: int, n: int, *,
-                       contexts: Iterable[int] = WORKLOAD_CONTEXTS,
-                       seed: int = 0) -> Measurement[dict[int, dict[str, list[float]]]]:
+def iter_context_steps(
+    rt: LlamaRuntime, k_draft: int, cap: int, n: int, *, contexts: Iterable[int] = WORKLOAD_CONTEXTS, seed: int = 0
+) -> Measurement[dict[int, dict[str, list[float]]]]:
     """Generator: yields (done, total); returns {context: {kind: [seconds]}} of n steps of each kind
     (CONTEXT_KINDS) after each context length, longer contexts made by extending the shorter one's prefix.
     Leaves the KV cache empty."""
@@ -516,8 +592,10 @@ def iter_context_steps(rt: LlamaRuntime, k_draft: int, cap: int, n: int, *,
                 # after a verification of many rows), the first one untimed
                 size = cap + 1 if kind == "verify" else 1
                 mode = "draft" if kind == "draft" else "verify"
-                times[kind] = [_step(rt, c, rng.integers(0, rt.n_vocab, size=size).tolist(), mode, k_draft)[0]
-                               for _ in range(n + 1)][1:]
+                times[kind] = [
+                    _step(rt, c, rng.integers(0, rt.n_vocab, size=size).tolist(), mode, k_draft)[0]
+                    for _ in range(n + 1)
+                ][1:]
             done += n
             yield done, total
             out[c] = times

@@ -57,14 +57,14 @@ class DeviceSample:
     Rates and CPU shares are since the previous reading (None / empty on the first)."""
 
     t: float
-    memory: dict[str, int]                 # /proc/meminfo in bytes
-    cpu: list[float]                       # busy share of each core
-    read_bytes_per_s: float | None         # this process's reads from storage
-    disk: str | None                       # the block device holding the model
-    disk_read_bytes_per_s: float | None    # everything read from that device
-    model_cached: tuple[int, int] | None   # (bytes of the model file in the page cache, its size)
-    cgroup: dict[str, int] | None          # the budget cgroup: total, anon, file, locked, limit
-    jetson: dict[str, Any] | None          # jtop or tegrastats: gpu_load (%), temps (°C), power (mW), source
+    memory: dict[str, int]  # /proc/meminfo in bytes
+    cpu: list[float]  # busy share of each core
+    read_bytes_per_s: float | None  # this process's reads from storage
+    disk: str | None  # the block device holding the model
+    disk_read_bytes_per_s: float | None  # everything read from that device
+    model_cached: tuple[int, int] | None  # (bytes of the model file in the page cache, its size)
+    cgroup: dict[str, int] | None  # the budget cgroup: total, anon, file, locked, limit
+    jetson: dict[str, Any] | None  # jtop or tegrastats: gpu_load (%), temps (°C), power (mW), source
     process: dict[str, int] | None = None  # this process's memory (/proc/self/status: VmRSS, RssAnon, RssFile, …)
     temps: dict[str, float] | None = None  # °C by thermal zone, where no Jetson source gives temperatures
 
@@ -88,8 +88,14 @@ class DeviceMonitor:
 
         from ..errors import ConfigError
         from ..offload.cgroup import current_budget_cgroup
-        from ..offload.procfs import (cpu_times, disk_read_bytes, file_cached_bytes, meminfo, process_memory,
-                                     process_read_bytes)
+        from ..offload.procfs import (
+            cpu_times,
+            disk_read_bytes,
+            file_cached_bytes,
+            meminfo,
+            process_memory,
+            process_read_bytes,
+        )
 
         t = time.monotonic()
         cpu = cpu_times()
@@ -118,8 +124,19 @@ class DeviceMonitor:
         if cg is not None:
             group = dict(cg.split(), limit=cg.limit())
         jetson = self.jetson.latest() if self.jetson is not None else None
-        return DeviceSample(t, meminfo(), shares, rate, self.disk, disk_rate, cached, group, jetson,
-                            process_memory() or None, None if jetson is not None else thermal_zones() or None)
+        return DeviceSample(
+            t,
+            meminfo(),
+            shares,
+            rate,
+            self.disk,
+            disk_rate,
+            cached,
+            group,
+            jetson,
+            process_memory() or None,
+            None if jetson is not None else thermal_zones() or None,
+        )
 
     def close(self) -> None:
         if self.jetson is not None:
@@ -170,7 +187,7 @@ class JtopStats:
         self.client = client
 
     @classmethod
-    def start(cls) -> "JtopStats | None":
+    def start(cls) -> JtopStats | None:
         """A client of the running service; None where jetson-stats is not installed or its service does not
         answer (not running, or this user not in its group)."""
         try:
@@ -234,12 +251,13 @@ class TegraStats:
         return shutil.which("tegrastats") is not None
 
     @classmethod
-    def start(cls) -> "TegraStats | None":
+    def start(cls) -> TegraStats | None:
         import subprocess
 
         try:
-            proc = subprocess.Popen(["tegrastats", "--interval", "1000"], stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True)
+            proc = subprocess.Popen(
+                ["tegrastats", "--interval", "1000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
         except OSError:
             return None
         return cls(proc)

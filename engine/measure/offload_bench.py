@@ -59,8 +59,7 @@ ARMS = {
     "spec/hot+jit+fetch": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True, fetch=8),
     # ... a layer's experts asked for whole, one after another, not part by part in the matmuls' order
     "ar/hot+jit-by-expert": dict(mode="ar", pin_base=True, pin_hot=True, prefetch=False, jit=True, in_order=False),
-    "spec/hot+jit-by-expert": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True,
-                                   in_order=False),
+    "spec/hot+jit-by-expert": dict(mode="s2moe", pin_base=True, pin_hot=True, prefetch=False, jit=True, in_order=False),
 }
 
 
@@ -70,25 +69,44 @@ def _worker(cfg: dict[str, Any]) -> int:
     from ..decoding.decoder import Decoder
     from ..decoding.generation_config import GenerationConfig
     from ..events import Summary
-    from ..offload import (Budget, Pinning, auto_budget_bytes, current_budget_cgroup, expert_map, offload_decoder,
-                          process_anon_bytes)
+    from ..offload import (
+        Budget,
+        Pinning,
+        auto_budget_bytes,
+        current_budget_cgroup,
+        expert_map,
+        offload_decoder,
+        process_anon_bytes,
+    )
 
     t0 = time.perf_counter()
     # a token takes at least a byte of the prompt: room for the longest and what is generated after it
     n_ctx = max(256, max(len(p.encode()) for p in cfg["prompts"]) + cfg["tokens"] + 8)
     dec = Decoder(cfg["model"], n_ctx=n_ctx, n_threads=cfg["threads"], max_draft=8, use_extra_bufts=False)
-    pinning = Pinning(base=cfg["pin_base"], code=cfg.get("pin_code", True), hot=cfg["pin_hot"],
-                      jit_prefetch=cfg.get("jit", False), predicted_prefetch=cfg["prefetch"],
-                      lookahead=cfg.get("ahead", False), fetch_workers=cfg.get("fetch", 0),
-                      parts_in_order=cfg.get("in_order", True),
-                      fetch_room_share=cfg.get("fetch_room", 0.5))
+    pinning = Pinning(
+        base=cfg["pin_base"],
+        code=cfg.get("pin_code", True),
+        hot=cfg["pin_hot"],
+        jit_prefetch=cfg.get("jit", False),
+        predicted_prefetch=cfg["prefetch"],
+        lookahead=cfg.get("ahead", False),
+        fetch_workers=cfg.get("fetch", 0),
+        parts_in_order=cfg.get("in_order", True),
+        fetch_room_share=cfg.get("fetch_room", 0.5),
+    )
     budget = None if cfg.get("budget") is None else Budget(cfg["budget"])
     if budget is None:  # the probe: what it holds must include what a budget's plan counts (offload_decoder)
         dec.rt.touch_largest_batch()
     off = offload_decoder(dec, budget, [tuple(p) for p in cfg.get("hot", [])], pinning=pinning)
     load_s = time.perf_counter() - t0
-    gc = GenerationConfig(mode=cfg["mode"], n_predict=cfg["tokens"], utility=False, draft_max=cfg["draft_max"],
-                          reuse_strength=0.0, stop_at_eos=False)
+    gc = GenerationConfig(
+        mode=cfg["mode"],
+        n_predict=cfg["tokens"],
+        utility=False,
+        draft_max=cfg["draft_max"],
+        reuse_strength=0.0,
+        stop_at_eos=False,
+    )
     runs = []
     for prompt in cfg["prompts"]:
         s = Summary()
@@ -99,15 +117,24 @@ def _worker(cfg: dict[str, Any]) -> int:
     n_tokens, seconds = sum(s.n_tokens for s in runs), sum(s.decode_seconds for s in runs)
     cg = current_budget_cgroup()
     hr = off.stats.hit_rate()
-    out = {"tok_s": n_tokens / seconds if seconds > 0 else 0.0, "seconds": seconds, "n_tokens": n_tokens,
-           "load_s": load_s, "accept_len": sum(s.accept_len * s.n_tokens for s in runs) / max(1, n_tokens),
-           "pinned": off.pinned_split, "anon": process_anon_bytes(),
-           "hit_rate": None if not np.isfinite(hr).any() else float(np.nanmean(hr)),
-           "fault_readahead": off.fault_readahead,
-           "prefetched_bytes": off.stats.prefetched_bytes, "fetched": off.fetch_stats(),
-           "peak": cg.peak() if cg else None, "split": cg.split() if cg else None,
-           "plan": off.plan.__dict__ if off.plan else None, "tokens": [list(s.tokens) for s in runs],
-           "auto_budget": auto_budget_bytes(cg, expert_map(cfg["model"])) if cg else None}
+    out = {
+        "tok_s": n_tokens / seconds if seconds > 0 else 0.0,
+        "seconds": seconds,
+        "n_tokens": n_tokens,
+        "load_s": load_s,
+        "accept_len": sum(s.accept_len * s.n_tokens for s in runs) / max(1, n_tokens),
+        "pinned": off.pinned_split,
+        "anon": process_anon_bytes(),
+        "hit_rate": None if not np.isfinite(hr).any() else float(np.nanmean(hr)),
+        "fault_readahead": off.fault_readahead,
+        "prefetched_bytes": off.stats.prefetched_bytes,
+        "fetched": off.fetch_stats(),
+        "peak": cg.peak() if cg else None,
+        "split": cg.split() if cg else None,
+        "plan": off.plan.__dict__ if off.plan else None,
+        "tokens": [list(s.tokens) for s in runs],
+        "auto_budget": auto_budget_bytes(cg, expert_map(cfg["model"])) if cg else None,
+    }
     print(json.dumps(out))
     off.close()
     dec.close()
@@ -123,12 +150,15 @@ def _run_arm(model: str | os.PathLike[str], budget: int, cfg: dict[str, Any]) ->
     from ..offload import Budget, run_in_budget
 
     argv = [sys.executable, "-m", "s2moe.engine.measure.offload_bench", "--worker", json.dumps(cfg)]
-    with run_in_budget(argv, Budget(budget), model, tag="bench", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True) as run:
+    with run_in_budget(
+        argv, Budget(budget), model, tag="bench", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as run:
         out, err = run.proc.communicate()
         if run.proc.returncode != 0:
-            return {"error": (err.strip().splitlines() or [f"exit {run.proc.returncode}"])[-1],
-                    "oom": run.cgroup.oom_kills()}
+            return {
+                "error": (err.strip().splitlines() or [f"exit {run.proc.returncode}"])[-1],
+                "oom": run.cgroup.oom_kills(),
+            }
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
@@ -150,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile")
     ap.add_argument("--budget", help="a size, or auto (the default)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompts", default="humaneval", help="humaneval | natural | a JSONL file with a \"prompt\" field")
+    ap.add_argument("--prompts", default="humaneval", help='humaneval | natural | a JSONL file with a "prompt" field')
     ap.add_argument("--n-prompts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt")
     ap.add_argument("--threads", type=int, default=1)
@@ -168,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare(a: argparse.Namespace) -> int:
-    from .prompts import load_prompts
     from ..model_info import read_model_info
     from ..offload import expert_map, fmt_bytes, parse_size
     from ..profiles import hot_experts_for_model, load_profile
+    from .prompts import load_prompts
 
     unknown = [arm for arm in a.arms.split(",") if arm not in ARMS]
     if unknown:
@@ -182,8 +212,14 @@ def _compare(a: argparse.Namespace) -> int:
     if a.n_prompts < 1 or a.tokens < 1:
         raise ConfigError("--n-prompts and --tokens take a positive number")
     _, prompts = load_prompts(a.prompts, a.n_prompts)
-    base = dict(model=a.model, threads=a.threads, tokens=a.tokens, draft_max=a.draft_max, hot=[list(p) for p in hot],
-                prompts=prompts)
+    base = dict(
+        model=a.model,
+        threads=a.threads,
+        tokens=a.tokens,
+        draft_max=a.draft_max,
+        hot=[list(p) for p in hot],
+        prompts=prompts,
+    )
     if a.budget and a.budget.strip().lower() != "auto":
         budget = parse_size(a.budget)
     else:
@@ -192,13 +228,15 @@ def _compare(a: argparse.Namespace) -> int:
         except RuntimeError as e:
             print(str(e), file=sys.stderr)
             return 1
-    print(f"model {info.path.name}: experts {fmt_bytes(emap.total_expert_bytes)}, other weights "
-          f"{fmt_bytes(emap.non_expert_bytes)}; budget {fmt_bytes(budget)}; hot experts in profile {len(hot)}",
-          file=sys.stderr)
+    print(
+        f"model {info.path.name}: experts {fmt_bytes(emap.total_expert_bytes)}, other weights "
+        f"{fmt_bytes(emap.non_expert_bytes)}; budget {fmt_bytes(budget)}; hot experts in profile {len(hot)}",
+        file=sys.stderr,
+    )
     arms = a.arms.split(",")
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in arms}
     for r in range(a.rounds):
-        order = arms[r % len(arms):] + arms[: r % len(arms)]
+        order = arms[r % len(arms) :] + arms[: r % len(arms)]
         for arm in order:
             cfg = dict(base, **ARMS[arm], budget=budget)
             res = _run_arm(a.model, budget, cfg)
@@ -207,9 +245,12 @@ def _compare(a: argparse.Namespace) -> int:
                 print(f"round {r + 1} {arm:12s} failed: {res['error']} (oom kills {res.get('oom')})", file=sys.stderr)
             else:
                 hr = f"{res['hit_rate']:.0%}" if res["hit_rate"] is not None else "-"
-                print(f"round {r + 1} {arm:12s} {res['tok_s']:7.2f} tok/s  accept {res['accept_len']:.2f}  hit {hr}  "
-                      f"peak {fmt_bytes(res['peak'] or 0)}  load {res['load_s']:.1f}s"
-                      + (f"  fetched {res['fetched']}" if res.get("fetched") else ""), file=sys.stderr)
+                print(
+                    f"round {r + 1} {arm:12s} {res['tok_s']:7.2f} tok/s  accept {res['accept_len']:.2f}  hit {hr}  "
+                    f"peak {fmt_bytes(res['peak'] or 0)}  load {res['load_s']:.1f}s"
+                    + (f"  fetched {res['fetched']}" if res.get("fetched") else ""),
+                    file=sys.stderr,
+                )
     summary = {}
     for arm, runs in results.items():
         ok = [x["tok_s"] for x in runs if "error" not in x]
@@ -217,17 +258,33 @@ def _compare(a: argparse.Namespace) -> int:
 
     def ratio(x: str, y: str) -> tuple[float | None, list[float]]:
         """Median over rounds of per-round ratios (each pair ran back to back)."""
-        rs = [p["tok_s"] / q["tok_s"] for p, q in zip(results.get(x, []), results.get(y, []))
-              if "error" not in p and "error" not in q and q["tok_s"] > 0]
+        rs = [
+            p["tok_s"] / q["tok_s"]
+            for p, q in zip(results.get(x, []), results.get(y, []))
+            if "error" not in p and "error" not in q and q["tok_s"] > 0
+        ]
         return (statistics.median(rs), rs) if rs else (None, [])
 
-    ratios = {f"{x} vs {y}": ratio(x, y) for x, y in
-              (("ar/hot", "ar/base"), ("ar/base", "ar/none"), ("ar/hot", "ar/none"),
-               ("spec/hot+pf", "spec/hot"), ("spec/hot", "ar/hot"), ("spec/hot+pf", "ar/hot"),
-               ("ar/hot+jit", "ar/hot"), ("spec/hot+jit", "spec/hot+pf"), ("spec/hot+jit", "ar/hot+jit"),
-               ("spec/hot+jit+pf", "spec/hot+jit"), ("spec/hot+jit+pf", "ar/hot+jit"),
-               ("spec/hot+jit+ahead", "spec/hot+jit"), ("spec/hot+jit+ahead", "ar/hot+jit"),
-               ("spec/hot+jit+fetch", "spec/hot+jit"), ("spec/hot+jit+fetch", "ar/hot+jit"))}
+    ratios = {
+        f"{x} vs {y}": ratio(x, y)
+        for x, y in (
+            ("ar/hot", "ar/base"),
+            ("ar/base", "ar/none"),
+            ("ar/hot", "ar/none"),
+            ("spec/hot+pf", "spec/hot"),
+            ("spec/hot", "ar/hot"),
+            ("spec/hot+pf", "ar/hot"),
+            ("ar/hot+jit", "ar/hot"),
+            ("spec/hot+jit", "spec/hot+pf"),
+            ("spec/hot+jit", "ar/hot+jit"),
+            ("spec/hot+jit+pf", "spec/hot+jit"),
+            ("spec/hot+jit+pf", "ar/hot+jit"),
+            ("spec/hot+jit+ahead", "spec/hot+jit"),
+            ("spec/hot+jit+ahead", "ar/hot+jit"),
+            ("spec/hot+jit+fetch", "spec/hot+jit"),
+            ("spec/hot+jit+fetch", "ar/hot+jit"),
+        )
+    }
     for k, (m, rs) in ratios.items():
         if m is not None:
             print(f"{k:28s} {m:.2f}×  (rounds: {', '.join(f'{x:.2f}' for x in rs)})")
@@ -235,8 +292,18 @@ def _compare(a: argparse.Namespace) -> int:
         if s["median_tok_s"] is not None:
             print(f"{arm:12s} median {s['median_tok_s']:.2f} tok/s")
     if a.out:
-        write_atomic(a.out, json.dumps({"budget": budget, "results": results, "summary": summary,
-                                        "ratios": {k: v[0] for k, v in ratios.items()}}, indent=1))
+        write_atomic(
+            a.out,
+            json.dumps(
+                {
+                    "budget": budget,
+                    "results": results,
+                    "summary": summary,
+                    "ratios": {k: v[0] for k, v in ratios.items()},
+                },
+                indent=1,
+            ),
+        )
     return 0
 
 

@@ -71,17 +71,23 @@ class Projection:
     budget: str
     basis: str
     traces: int
-    terms: str = "none"   # where the terms beyond the constants came from (WorkloadTerms.how)
-    repeats: int = 1      # times the traces were replayed over
+    terms: str = "none"  # where the terms beyond the constants came from (WorkloadTerms.how)
+    repeats: int = 1  # times the traces were replayed over
     modes: dict[str, ModeProjection] = field(default_factory=dict)
     # under a budget, traces recorded under one: {policy: (fetched as the recording counted, as simulated)}
     cache_fit: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"profile": self.profile, "budget": self.budget, "basis": self.basis, "traces": self.traces,
-                "repeats": self.repeats, "terms": self.terms,
-                "modes": {m: r.as_dict() for m, r in self.modes.items()},
-                "cache_fit": {k: {"recorded": r, "simulated": s} for k, (r, s) in self.cache_fit.items()}}
+        return {
+            "profile": self.profile,
+            "budget": self.budget,
+            "basis": self.basis,
+            "traces": self.traces,
+            "repeats": self.repeats,
+            "terms": self.terms,
+            "modes": {m: r.as_dict() for m, r in self.modes.items()},
+            "cache_fit": {k: {"recorded": r, "simulated": s} for k, (r, s) in self.cache_fit.items()},
+        }
 
 
 def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[WorkloadTerms, str]:
@@ -90,24 +96,39 @@ def _terms(traces: list[Trace], costs: DeviceCosts, source: str) -> tuple[Worklo
         return NO_TERMS, "the profile's constants only (--terms none: context growth and host work left out)"
     if source == "trace":
         if not costs.calibrated:
-            raise ConfigError(f"fitting terms from the traces needs a profile calibrated for their model on the "
-                              f"machine that recorded them; {costs.profile} is not")
+            raise ConfigError(
+                f"fitting terms from the traces needs a profile calibrated for their model on the "
+                f"machine that recorded them; {costs.profile} is not"
+            )
         t = recording_terms(traces, costs)
         return t, t.describe()
     if costs.terms is not None:
         return costs.terms, costs.terms.describe()
     if costs.calibrated:
         t = recording_terms(traces, costs)
-        return t, (f"this profile has no workload terms (calibrated before calibrate measured them; calibrate again "
-                   f"to project from the profile alone): {t.describe()}")
+        return t, (
+            f"this profile has no workload terms (calibrated before calibrate measured them; calibrate again "
+            f"to project from the profile alone): {t.describe()}"
+        )
     return NO_TERMS, "the profile's constants only (it has no workload terms: context growth and host work left out)"
 
 
-def project(traces: list[Trace], profile: dict[str, Any], *, budget: str | None = None,
-            modes: Sequence[str] = RUNNABLE_MODES, threshold: float | None = None, policy: str = "lru",
-            fit_cache: bool = False,
-            terms: str = "profile", cache_size: str = "plan", disk: str = "profile",
-            lookup: bool = True, session: bool = True, repeats: int = 1) -> Projection:
+def project(
+    traces: list[Trace],
+    profile: dict[str, Any],
+    *,
+    budget: str | None = None,
+    modes: Sequence[str] = RUNNABLE_MODES,
+    threshold: float | None = None,
+    policy: str = "lru",
+    fit_cache: bool = False,
+    terms: str = "profile",
+    cache_size: str = "plan",
+    disk: str = "profile",
+    lookup: bool = True,
+    session: bool = True,
+    repeats: int = 1,
+) -> Projection:
     """Every mode's projected speed on `profile` under `budget` (None: all resident), the expert cache
     evicting by `policy`. fit_cache: size the cache so that it fetches what the recording counted for its own
     reads (traces recorded under this same budget), instead of the budget plan's size. terms: what is charged
@@ -139,26 +160,36 @@ def project(traces: list[Trace], profile: dict[str, Any], *, budget: str | None 
         h = tr.header
         shape = (h.fingerprint, h.n_layer, h.n_expert, h.k, h.k_d)
         if shape != (h0.fingerprint, h0.n_layer, h0.n_expert, h0.k, h0.k_d):
-            raise ConfigError(f"trace {tr.name} was recorded on another model or k_d than {traces[0].name}: "
-                              "project one model's traces at a time")
+            raise ConfigError(
+                f"trace {tr.name} was recorded on another model or k_d than {traces[0].name}: "
+                "project one model's traces at a time"
+            )
         if h.draft_experts != h0.draft_experts:
-            raise ConfigError(f"trace {tr.name} drafted from {h.draft_experts} experts and {traces[0].name} from "
-                              f"{h0.draft_experts} ones: project one kind of draft at a time")
+            raise ConfigError(
+                f"trace {tr.name} drafted from {h.draft_experts} experts and {traces[0].name} from "
+                f"{h0.draft_experts} ones: project one kind of draft at a time"
+            )
     offloaded = budget not in (None, "none")
     costs = device_costs(profile, h0, offloaded=offloaded, disk_gb_s=traces_disk(traces) if disk == "trace" else None)
     plan = cache_plan(budget, h0, profile, costs.expert_bytes)
     charged, why = _terms(traces, costs, terms)
     copies = lookup and replays_copies(traces)
     if lookup and not copies and "s2moe" in modes:
-        why += ("; s2moe without copies from the context: the traces do not hold their prompts' token ids "
-                "(recorded before traces did)")
+        why += (
+            "; s2moe without copies from the context: the traces do not hold their prompts' token ids "
+            "(recorded before traces did)"
+        )
     out = Projection(costs.profile, plan.label, f"{costs.basis}; {why}", len(traces), charged.how, repeats)
     held = (model_block(profile, h0.fingerprint) or {}).get("cache_fit")
     if cache_size == "calibrated" and plan.capacity is not None and held and held["planned_experts"] > 0:
         cap = round(plan.capacity * held["effective_experts"] / held["planned_experts"])
-        plan = CachePlan(cap, plan.pinned, f"{plan.label}; in effect {cap} (calibrate: plain decoding under its "
-                                           f"budget fetched as a cache of {held['effective_experts']} of its plan's "
-                                           f"{held['planned_experts']})")
+        plan = CachePlan(
+            cap,
+            plan.pinned,
+            f"{plan.label}; in effect {cap} (calibrate: plain decoding under its "
+            f"budget fetched as a cache of {held['effective_experts']} of its plan's "
+            f"{held['planned_experts']})",
+        )
         out.budget = plan.label
     elif cache_size not in ("calibrated", "plan"):
         raise ConfigError(f"unknown cache size {cache_size!r} (choose from calibrated, plan)")
@@ -171,12 +202,20 @@ def project(traces: list[Trace], profile: dict[str, Any], *, budget: str | None 
             size = fitted_capacity(traces, plan, policy)
             if size is None:
                 raise ConfigError("fitting the cache needs traces recorded under a budget (they count their fetches)")
-            plan = CachePlan(size, plan.pinned, f"{plan.label}; fitted to the recording's own fetches: "
-                                                f"{size} experts")
+            plan = CachePlan(size, plan.pinned, f"{plan.label}; fitted to the recording's own fetches: {size} experts")
             out.budget = plan.label
-    for mode in (["ar"] + [m for m in modes if m != "ar"]):
-        out.modes[mode] = replay(traces * repeats, mode, costs, plan, threshold, policy, charged,
-                                 copies and mode in ("s2moe", "oracle"), session)
+    for mode in ["ar"] + [m for m in modes if m != "ar"]:
+        out.modes[mode] = replay(
+            traces * repeats,
+            mode,
+            costs,
+            plan,
+            threshold,
+            policy,
+            charged,
+            copies and mode in ("s2moe", "oracle"),
+            session,
+        )
     ar = out.modes["ar"].tok_per_s
     for r in out.modes.values():
         r.speedup = r.tok_per_s / ar if ar > 0 else None

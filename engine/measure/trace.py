@@ -63,15 +63,15 @@ class TraceHeader:
     fingerprint: str
     n_layer: int
     n_expert: int
-    k: int                    # experts per token
-    k_d: int                  # experts per token in a draft pass
-    expert_bytes: float       # one expert of one MoE layer (mean over layers)
-    non_expert_bytes: int     # every other tensor
-    draft_max: int            # the cap the drafts ran to
+    k: int  # experts per token
+    k_d: int  # experts per token in a draft pass
+    expert_bytes: float  # one expert of one MoE layer (mean over layers)
+    non_expert_bytes: int  # every other tensor
+    draft_max: int  # the cap the drafts ran to
     n_predict: int
-    mode: str                 # the mode whose rule `would` records
+    mode: str  # the mode whose rule `would` records
     threshold: float
-    reuse_strength: float     # > 0: the verification rows were gated
+    reuse_strength: float  # > 0: the verification rows were gated
     conf_p_min: float
     temperature: float
     prompt_tokens: int
@@ -91,25 +91,25 @@ class TraceHeader:
 @dataclass(frozen=True)
 class Drafted:
     token: int
-    prob: float               # draft probability of the token
-    chain: float              # product of draft probabilities up to it
-    predicted: Ids            # [n_layer, k] the target experts its draft pass routed it to
+    prob: float  # draft probability of the token
+    chain: float  # product of draft probabilities up to it
+    predicted: Ids  # [n_layer, k] the target experts its draft pass routed it to
 
 
 @dataclass(frozen=True)
 class TraceStep:
     committed: tuple[int, ...]
-    accepted: int                    # drafted tokens the target accepted
-    drafted: tuple[Drafted, ...]     # the whole chain, to the cap
-    pending: Ids | None              # [n_layer, k] the pending token's predicted experts (None: no draft)
-    rows: Ids                        # [rows, n_layer, k] the verification's router's choice per row
-    gated: Ids                       # [rows, n_layer, k] what the verification read (== rows without gating)
+    accepted: int  # drafted tokens the target accepted
+    drafted: tuple[Drafted, ...]  # the whole chain, to the cap
+    pending: Ids | None  # [n_layer, k] the pending token's predicted experts (None: no draft)
+    rows: Ids  # [rows, n_layer, k] the verification's router's choice per row
+    gated: Ids  # [rows, n_layer, k] what the verification read (== rows without gating)
     t_draft: float
     t_verify: float
-    would: ForcedDraft | None = None     # what the mode's own rule would have done
-    verify_misses: int | None = None     # experts the verification found not in memory (under a budget)
+    would: ForcedDraft | None = None  # what the mode's own rule would have done
+    verify_misses: int | None = None  # experts the verification found not in memory (under a budget)
     draft_misses: int | None = None
-    t_host: float = 0.0                  # the decoding loop's own time in the iteration, outside both
+    t_host: float = 0.0  # the decoding loop's own time in the iteration, outside both
 
 
 @dataclass
@@ -117,11 +117,10 @@ class Trace:
     header: TraceHeader
     steps: list[TraceStep] = field(default_factory=list)
     n_tokens: int = 0
-    seconds: float = 0.0      # the whole generation, prefill included
+    seconds: float = 0.0  # the whole generation, prefill included
     stop: str = "length"
-    name: str = ""            # the file read, as given (a folder's file with the folder): what errors call it
-    prefill: float = 0.0      # seconds of the prompt's prefill
-
+    name: str = ""  # the file read, as given (a folder's file with the folder): what errors call it
+    prefill: float = 0.0  # seconds of the prompt's prefill
 
     def with_budget(self, budget: dict[str, Any] | None) -> Trace:
         return replace(self, header=replace(self.header, budget=budget))
@@ -149,16 +148,29 @@ class TraceRecorder:
             c = event.config
             if not c.get("trace"):
                 raise ValueError("a trace records a generation run with GenerationConfig.trace")
-            self.trace = Trace(TraceHeader(
-                model=event.model, fingerprint=self.fingerprint, n_layer=event.n_layer,
-                n_expert=event.n_expert, k=event.k, k_d=int(c["draft_topk"]), expert_bytes=self.expert_bytes,
-                non_expert_bytes=self.non_expert_bytes, draft_max=int(c["draft_max"]), n_predict=int(c["n_predict"]),
-                mode=c["mode"], threshold=float(c["threshold"]),
-                reuse_strength=float(c["reuse_strength"]) if c["mode"] == "s2moe" else 0.0,
-                conf_p_min=float(c["conf_p_min"]), temperature=float(c["temperature"]),
-                prompt_tokens=len(event.prompt_tokens),
-                cost=None if event.cost is None else {k: v for k, v in asdict(event.cost).items()},
-                draft_experts=c.get("draft_experts") or "router", prompt=tuple(event.prompt_tokens)))
+            self.trace = Trace(
+                TraceHeader(
+                    model=event.model,
+                    fingerprint=self.fingerprint,
+                    n_layer=event.n_layer,
+                    n_expert=event.n_expert,
+                    k=event.k,
+                    k_d=int(c["draft_topk"]),
+                    expert_bytes=self.expert_bytes,
+                    non_expert_bytes=self.non_expert_bytes,
+                    draft_max=int(c["draft_max"]),
+                    n_predict=int(c["n_predict"]),
+                    mode=c["mode"],
+                    threshold=float(c["threshold"]),
+                    reuse_strength=float(c["reuse_strength"]) if c["mode"] == "s2moe" else 0.0,
+                    conf_p_min=float(c["conf_p_min"]),
+                    temperature=float(c["temperature"]),
+                    prompt_tokens=len(event.prompt_tokens),
+                    cost=None if event.cost is None else {k: v for k, v in asdict(event.cost).items()},
+                    draft_experts=c.get("draft_experts") or "router",
+                    prompt=tuple(event.prompt_tokens),
+                )
+            )
             return
         if not isinstance(event, (Prefilled, Iteration, Finished)):
             return
@@ -176,8 +188,7 @@ class TraceRecorder:
 
 def _step(ev: Iteration, h: TraceHeader) -> TraceStep:
     shape = (h.n_layer, h.k)
-    drafted = tuple(Drafted(c.token, c.prob, c.chain_prob, _ids(c.predicted, shape))
-                    for c in ev.candidates if c.kept)
+    drafted = tuple(Drafted(c.token, c.prob, c.chain_prob, _ids(c.predicted, shape)) for c in ev.candidates if c.kept)
     r = ev.verify_routing
     n_rows = ev.verify_tokens
     if r is None:  # only a model without the routing hook: nothing to replay but the tokens
@@ -185,14 +196,25 @@ def _step(ev: Iteration, h: TraceHeader) -> TraceStep:
         gated = rows
     else:
         assert isinstance(r, Routing)  # what the decoder records there
-        seen = np.arange(n_rows)[None, :] < r.rows[:, None]            # [n_layer, rows]
+        seen = np.arange(n_rows)[None, :] < r.rows[:, None]  # [n_layer, rows]
         rows = np.where(seen[:, :, None], r.orig[:, :n_rows], -1).transpose(1, 0, 2)
         gated = np.where(seen[:, :, None], r.used[:, :n_rows], -1).transpose(1, 0, 2)
-    misses = (None if ev.verify_misses is None else int(np.sum(ev.verify_misses)),
-              None if ev.draft_misses is None else int(np.sum(ev.draft_misses)))
-    return TraceStep(tuple(ev.committed), len(ev.accepted), drafted,
-                     None if ev.pending_predicted is None else _ids(ev.pending_predicted, shape),
-                     rows.astype(np.int64), gated.astype(np.int64), ev.t_draft, ev.t_verify, ev.forced, *misses)
+    misses = (
+        None if ev.verify_misses is None else int(np.sum(ev.verify_misses)),
+        None if ev.draft_misses is None else int(np.sum(ev.draft_misses)),
+    )
+    return TraceStep(
+        tuple(ev.committed),
+        len(ev.accepted),
+        drafted,
+        None if ev.pending_predicted is None else _ids(ev.pending_predicted, shape),
+        rows.astype(np.int64),
+        gated.astype(np.int64),
+        ev.t_draft,
+        ev.t_verify,
+        ev.forced,
+        *misses,
+    )
 
 
 def _ids(a: npt.ArrayLike | None, shape: tuple[int, int]) -> Ids:
@@ -226,20 +248,40 @@ def dumps(trace: Trace) -> str:
     h = trace.header
     lines = [json.dumps({"s2moe_trace": TRACE_VERSION, **asdict(h)})]
     for s in trace.steps:
+
         def enc(a: Ids) -> str:
             return _encode(a, h.n_expert)
 
         gated = [None if np.array_equal(g, r) else enc(g) for r, g in zip(s.rows, s.gated)]
-        lines.append(json.dumps({
-            "committed": list(s.committed), "accepted": s.accepted,
-            "drafted": [[d.token, d.prob, d.chain, enc(d.predicted)] for d in s.drafted],
-            "pending": None if s.pending is None else enc(s.pending),
-            "rows": [enc(r) for r in s.rows], "gated": gated, "t_draft": s.t_draft, "t_verify": s.t_verify,
-            "t_host": s.t_host,
-            "would": None if s.would is None else [s.would.would_draft, s.would.would_keep],
-            "misses": None if s.verify_misses is None else [s.verify_misses, s.draft_misses]}))
-    lines.append(json.dumps({"end": {"n_tokens": trace.n_tokens, "seconds": trace.seconds, "prefill": trace.prefill,
-                                     "stop": trace.stop}}))
+        lines.append(
+            json.dumps(
+                {
+                    "committed": list(s.committed),
+                    "accepted": s.accepted,
+                    "drafted": [[d.token, d.prob, d.chain, enc(d.predicted)] for d in s.drafted],
+                    "pending": None if s.pending is None else enc(s.pending),
+                    "rows": [enc(r) for r in s.rows],
+                    "gated": gated,
+                    "t_draft": s.t_draft,
+                    "t_verify": s.t_verify,
+                    "t_host": s.t_host,
+                    "would": None if s.would is None else [s.would.would_draft, s.would.would_keep],
+                    "misses": None if s.verify_misses is None else [s.verify_misses, s.draft_misses],
+                }
+            )
+        )
+    lines.append(
+        json.dumps(
+            {
+                "end": {
+                    "n_tokens": trace.n_tokens,
+                    "seconds": trace.seconds,
+                    "prefill": trace.prefill,
+                    "stop": trace.stop,
+                }
+            }
+        )
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -273,7 +315,7 @@ def _num(v: object, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
 
 def _shown(v: object) -> str:
     """A value in an error's one line: a list or a number of thousands of characters, cut."""
-    text = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"a number of {len(str(abs(v)))} digits"
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10**30 else f"a number of {len(str(abs(v)))} digits"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -296,7 +338,7 @@ def _decode(text: object, h: TraceHeader, what: str) -> Ids:
 
 def _header(obj: object) -> TraceHeader:
     if not isinstance(obj, dict) or obj.get("s2moe_trace") != TRACE_VERSION:
-        raise _Bad(f"not an s2moe trace (version {TRACE_VERSION}): the first line must carry \"s2moe_trace\"")
+        raise _Bad(f'not an s2moe trace (version {TRACE_VERSION}): the first line must carry "s2moe_trace"')
     names = [f for f in TraceHeader.__dataclass_fields__]
     missing = [n for n in names if n not in obj and n not in OPTIONAL_HEADER_FIELDS]
     if missing:
@@ -328,8 +370,12 @@ def _header(obj: object) -> TraceHeader:
             raise _Bad("header budget field auto must be true or false")
         pinned = budget.get("pinned")
         if not isinstance(pinned, list) or not all(
-                isinstance(p, list) and len(p) == 2 and 0 <= _int(p[0], "pinned layer") < obj["n_layer"]
-                and 0 <= _int(p[1], "pinned expert") < obj["n_expert"] for p in pinned):
+            isinstance(p, list)
+            and len(p) == 2
+            and 0 <= _int(p[0], "pinned layer") < obj["n_layer"]
+            and 0 <= _int(p[1], "pinned expert") < obj["n_expert"]
+            for p in pinned
+        ):
             raise _Bad("header budget field pinned must be a list of [layer, expert] pairs inside the model")
         storage = budget.get("storage")
         if storage is not None:
@@ -359,8 +405,9 @@ def _iteration(obj: object, h: TraceHeader) -> TraceStep:
         if key not in obj:
             raise _Bad(f"missing field {key}")
     committed = obj["committed"]
-    if not isinstance(committed, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                  for t in committed):
+    if not isinstance(committed, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in committed
+    ):
         raise _Bad("field committed must be a list of token ids")
     drafted_raw = obj["drafted"]
     if not isinstance(drafted_raw, list) or len(drafted_raw) > h.draft_max:
@@ -369,8 +416,14 @@ def _iteration(obj: object, h: TraceHeader) -> TraceStep:
     for i, d in enumerate(drafted_raw):
         if not isinstance(d, list) or len(d) != 4:
             raise _Bad(f"drafted[{i}] must be [token, prob, chain, ids]")
-        drafted.append(Drafted(_int(d[0], f"drafted[{i}] token"), _num(d[1], f"drafted[{i}] prob", 0, 1),
-                               _num(d[2], f"drafted[{i}] chain", 0, 1), _decode(d[3], h, f"drafted[{i}] ids")))
+        drafted.append(
+            Drafted(
+                _int(d[0], f"drafted[{i}] token"),
+                _num(d[1], f"drafted[{i}] prob", 0, 1),
+                _num(d[2], f"drafted[{i}] chain", 0, 1),
+                _decode(d[3], h, f"drafted[{i}] ids"),
+            )
+        )
     accepted = _int(obj["accepted"], "field accepted")
     if accepted > len(drafted):
         raise _Bad(f"field accepted ({accepted}) exceeds the {len(drafted)} drafted tokens")
@@ -398,9 +451,20 @@ def _iteration(obj: object, h: TraceHeader) -> TraceStep:
             raise _Bad("field misses must be [verification, draft] or null")
         vm = _int(misses[0], "misses of the verification")
         dm = None if misses[1] is None else _int(misses[1], "misses of the draft")
-    return TraceStep(tuple(committed), accepted, tuple(drafted), pending, rows, gated,
-                     _num(obj["t_draft"], "field t_draft"), _num(obj["t_verify"], "field t_verify"), would, vm, dm,
-                     _num(obj.get("t_host", 0.0), "field t_host"))
+    return TraceStep(
+        tuple(committed),
+        accepted,
+        tuple(drafted),
+        pending,
+        rows,
+        gated,
+        _num(obj["t_draft"], "field t_draft"),
+        _num(obj["t_verify"], "field t_verify"),
+        would,
+        vm,
+        dm,
+        _num(obj.get("t_host", 0.0), "field t_host"),
+    )
 
 
 def read_trace(path: str | os.PathLike[str]) -> Trace:
@@ -442,8 +506,10 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     if not ended:
         raise ConfigError(f"trace {path}: no end record (cut short?)")
     if sum(len(s.committed) for s in trace.steps) != trace.n_tokens:
-        raise ConfigError(f"trace {path}: its iterations commit {sum(len(s.committed) for s in trace.steps)} "
-                          f"tokens, its end record says {trace.n_tokens}")
+        raise ConfigError(
+            f"trace {path}: its iterations commit {sum(len(s.committed) for s in trace.steps)} "
+            f"tokens, its end record says {trace.n_tokens}"
+        )
     return trace
 
 
@@ -494,5 +560,10 @@ def budget_record(offloader: Offloader, hot_ranked: Sequence[Sequence[int]], aut
     if hot_ranked and plan.hot_bytes > 0:
         emap = offloader.emap
         pinned = [list(p) for p in select_hot_experts(rank_counts(hot_ranked, emap), emap.expert_bytes, plan.hot_bytes)]
-    return {"auto": auto, "budget_bytes": int(offloader.budget_bytes or plan.budget_bytes),
-            "hot_bytes": int(plan.hot_bytes), "cache_bytes": int(plan.cache_bytes), "pinned": pinned}
+    return {
+        "auto": auto,
+        "budget_bytes": int(offloader.budget_bytes or plan.budget_bytes),
+        "hot_bytes": int(plan.hot_bytes),
+        "cache_bytes": int(plan.cache_bytes),
+        "pinned": pinned,
+    }

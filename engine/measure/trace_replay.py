@@ -44,9 +44,9 @@ class ModeProjection:
     t_host: float = 0.0
     fetched: int = 0
     speedup: float | None = None
-    copied: int = 0            # tokens verified as copies (from the context or earlier generations)
-    copies_accepted: int = 0   # ... and accepted
-    copied_session: int = 0    # of those, copies from the session's earlier generations
+    copied: int = 0  # tokens verified as copies (from the context or earlier generations)
+    copies_accepted: int = 0  # ... and accepted
+    copied_session: int = 0  # of those, copies from the session's earlier generations
     session_accepted: int = 0  # ... and accepted
 
     @property
@@ -66,14 +66,28 @@ class ModeProjection:
         return self.fetched / self.tokens if self.tokens else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "tokens": self.tokens, "iterations": self.iterations, "drafted": self.drafted,
-                "accepted": self.accepted, "draft_passes": self.draft_passes, "seconds": self.seconds,
-                "tok_per_s": self.tok_per_s, "speedup_vs_ar": self.speedup, "accept_len": self.accept_len,
-                "t_draft_s": self.t_draft, "t_verify_s": self.t_verify, "t_fetch_s": self.t_fetch,
-                "t_host_s": self.t_host, "fetched": self.fetched, "fetched_per_token": self.fetched_per_token,
-                "copied": self.copied,
-                "copies_accepted": self.copies_accepted, "copied_session": self.copied_session,
-                "session_accepted": self.session_accepted}
+        return {
+            "mode": self.mode,
+            "tokens": self.tokens,
+            "iterations": self.iterations,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "draft_passes": self.draft_passes,
+            "seconds": self.seconds,
+            "tok_per_s": self.tok_per_s,
+            "speedup_vs_ar": self.speedup,
+            "accept_len": self.accept_len,
+            "t_draft_s": self.t_draft,
+            "t_verify_s": self.t_verify,
+            "t_fetch_s": self.t_fetch,
+            "t_host_s": self.t_host,
+            "fetched": self.fetched,
+            "fetched_per_token": self.fetched_per_token,
+            "copied": self.copied,
+            "copies_accepted": self.copies_accepted,
+            "copied_session": self.copied_session,
+            "session_accepted": self.session_accepted,
+        }
 
 
 class _Source:
@@ -159,9 +173,17 @@ class _ChainFromTrace(SelfDrafter):
         return propose(self.rule, self.source, max_len, self.k_d, self.n_expert)
 
 
-def replay(traces: list[Trace], mode: str, costs: DeviceCosts, plan: CachePlan,
-           threshold: float | None = None, policy: str = "lru", terms: WorkloadTerms = NO_TERMS,
-           lookup: bool = False, session: bool = False) -> ModeProjection:
+def replay(
+    traces: list[Trace],
+    mode: str,
+    costs: DeviceCosts,
+    plan: CachePlan,
+    threshold: float | None = None,
+    policy: str = "lru",
+    terms: WorkloadTerms = NO_TERMS,
+    lookup: bool = False,
+    session: bool = False,
+) -> ModeProjection:
     """Replay `mode` over the traces in order (one process: the rule's learning and the cache carry over).
     lookup: s2moe copies from the context where its rule says they pay, as decoding does (the traces must hold
     their prompts' ids: replays_copies); session: and from the traces of other prompts replayed before, where they
@@ -186,9 +208,9 @@ def _perfect(traces: list[Trace], costs: DeviceCosts, cache: ExpertCache, terms:
     for tr in traces:
         h = tr.header
         # the experts each committed token was computed with: a step's pending token and its accepted drafts
-        rows = [s.rows[i] for s in tr.steps for i in range(min(s.accepted + 1, len(s.rows)))][:tr.n_tokens]
+        rows = [s.rows[i] for s in tr.steps for i in range(min(s.accepted + 1, len(s.rows)))][: tr.n_tokens]
         for start in range(0, len(rows), h.draft_max + 1):
-            batch = np.stack(rows[start: start + h.draft_max + 1])
+            batch = np.stack(rows[start : start + h.draft_max + 1])
             n = len(batch) - 1
             misses = cache.access(batch)
             beyond = terms.beyond(h.prompt_tokens - 1 + start)
@@ -208,8 +230,16 @@ def replays_copies(traces: list[Trace]) -> bool:
     return all(tr.header.prompt is not None for tr in traces)
 
 
-def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCache, threshold: float | None,
-            terms: WorkloadTerms, lookup: bool = False, session: bool = False) -> ModeProjection:
+def _replay(
+    traces: list[Trace],
+    mode: str,
+    costs: DeviceCosts,
+    cache: ExpertCache,
+    threshold: float | None,
+    terms: WorkloadTerms,
+    lookup: bool = False,
+    session: bool = False,
+) -> ModeProjection:
     h0 = traces[0].header
     res = ModeProjection(mode)
     rule: StopRule | None = None
@@ -258,8 +288,14 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             max_len = min(h.draft_max, h.n_predict - generated - 1)
             plan = planner.plan(context, max_len) if planner is not None else None
             if plan is not None and mode == "oracle":
-                right = next((i for i, t in enumerate(plan.tokens)
-                              if generated + i >= tr.n_tokens or t != tokens[generated + i]), len(plan.tokens))
+                right = next(
+                    (
+                        i
+                        for i, t in enumerate(plan.tokens)
+                        if generated + i >= tr.n_tokens or t != tokens[generated + i]
+                    ),
+                    len(plan.tokens),
+                )
                 del plan.tokens[right:], plan.kinds[right:]
                 if not right:
                     plan = None
@@ -282,10 +318,17 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             if plan is not None:
                 # a copied token is accepted while it is the token the target went on to commit; a row past the
                 # first rejected one read what the target's own row at that position read (the best record of it)
-                accepted = next((i for i, t in enumerate(draft.tokens)
-                                 if generated + i >= tr.n_tokens or t != tokens[generated + i]), n)
-                rows = np.stack([_row(tr, where, min(generated + i, tr.n_tokens - 1), gated_rows)
-                                 for i in range(n + 1)])
+                accepted = next(
+                    (
+                        i
+                        for i, t in enumerate(draft.tokens)
+                        if generated + i >= tr.n_tokens or t != tokens[generated + i]
+                    ),
+                    n,
+                )
+                rows = np.stack(
+                    [_row(tr, where, min(generated + i, tr.n_tokens - 1), gated_rows) for i in range(n + 1)]
+                )
                 committed = min(accepted + 1, tr.n_tokens - generated)
             else:
                 accepted = min(n, step.accepted - j)
@@ -293,7 +336,7 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                     rule.observe_outcome([src[i].prob for i in range(n)], accepted)
                 committed = min(accepted + 1, len(step.committed) - j)
                 # reuse gating acts on a verification of drafted tokens only (a plain step reads the router's choice)
-                rows = (step.gated if gated_rows and n else step.rows)[j: j + n + 1]
+                rows = (step.gated if gated_rows and n else step.rows)[j : j + n + 1]
             beyond = terms.beyond(h.prompt_tokens - 1 + generated)  # context past the one the constants were timed at
             t_draft = len(passes) * terms.draft_pass(costs.c_draft, beyond)
             draft_misses = draft_pass_misses(cache, passes, h)
@@ -318,9 +361,13 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
             res.fetched += draft_misses + verify_misses
             if cascade is not None:
                 # what CascadeDrafter.feedback reads of an Iteration event: its tokens and its seconds
-                cascade.feedback(SimpleNamespace(committed=(0,) * committed,  # type: ignore[arg-type]
-                                                 t_draft=t_draft + costs.t_fetch * draft_misses,
-                                                 t_verify=t_verify + costs.t_fetch * verify_misses))
+                cascade.feedback(
+                    SimpleNamespace(
+                        committed=(0,) * committed,  # type: ignore[arg-type]
+                        t_draft=t_draft + costs.t_fetch * draft_misses,
+                        t_verify=t_verify + costs.t_fetch * verify_misses,
+                    )
+                )
             generated += committed
             if planner is not None:
                 if plan is not None:
@@ -338,9 +385,10 @@ def _replay(traces: list[Trace], mode: str, costs: DeviceCosts, cache: ExpertCac
                 # decoding times an iteration when the next one begins: a plain step, a copy, or a self-draft that
                 # prices nothing (the last iteration of a generation is never timed)
                 if generated < tr.n_tokens:
-                    planner.learned.timed(t_draft + t_verify + t_fetch + t_host,
-                                          n if plan is not None or n == 0 else None, accepted)
-                context.extend(tokens[generated - committed: generated])
+                    planner.learned.timed(
+                        t_draft + t_verify + t_fetch + t_host, n if plan is not None or n == 0 else None, accepted
+                    )
+                context.extend(tokens[generated - committed : generated])
         if earlier is not None:
             earlier.add(prompt, context)
     return res

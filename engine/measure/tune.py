@@ -95,9 +95,9 @@ from .tune_timing import Clock, MonotonicClock, Runner, Score, judged, log_ratio
 DEFAULT_TIME_BUDGET_S = 600.0
 MAX_CANDIDATES = 32
 QUALITY_TEXTS = 4
-MAX_EXTRA_ROUNDS = 64                   # further prompts for the final comparison while within noise
-SH_SHARE = 0.75                         # of the time left after the quality checks, for the halving
-QUALITY_SHARE = 0.5                     # of the time left before the quality checks, the most they may take
+MAX_EXTRA_ROUNDS = 64  # further prompts for the final comparison while within noise
+SH_SHARE = 0.75  # of the time left after the quality checks, for the halving
+QUALITY_SHARE = 0.5  # of the time left before the quality checks, the most they may take
 
 
 # -- events ---------------------------------------------------------------------------------------------
@@ -143,10 +143,10 @@ class TuneProgress:
 
 @dataclass(frozen=True)
 class TuneMeasured:
-    index: int            # the candidate's place in the pool (0: the defaults)
+    index: int  # the candidate's place in the pool (0: the defaults)
     settings: Settings
-    rung: int             # -1: the final comparison
-    tok_per_s: float      # its score so far: tokens over decoding seconds, all its prompts
+    rung: int  # -1: the final comparison
+    tok_per_s: float  # its score so far: tokens over decoding seconds, all its prompts
     n_prompts: int
 
 
@@ -160,12 +160,22 @@ class TuneDone:
 TuneEvent = TuneStarted | TuneQuality | TuneMemoryQuality | TuneJointQuality | TuneProgress | TuneMeasured | TuneDone
 
 
-def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None = None, n_tokens: int = 48,
-             time_budget_s: float = DEFAULT_TIME_BUDGET_S, clock: Clock | None = None,
-             should_stop: Callable[[], bool] | None = None, seed: int = 0, max_candidates: int = MAX_CANDIDATES,
-             quality_texts: list[str] | None = None, context: dict[str, Any] | None = None,
-             known_quality: list[dict[str, Any]] | None = None,
-             checks: QualityChecks | None = None) -> Iterator[TuneEvent]:
+def run_tune(
+    decoder: Decoder,
+    prompts: list[str],
+    *,
+    cost: CostConstants | None = None,
+    n_tokens: int = 48,
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+    clock: Clock | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    seed: int = 0,
+    max_candidates: int = MAX_CANDIDATES,
+    quality_texts: list[str] | None = None,
+    context: dict[str, Any] | None = None,
+    known_quality: list[dict[str, Any]] | None = None,
+    checks: QualityChecks | None = None,
+) -> Iterator[TuneEvent]:
     """Search the decoding settings of `decoder` (already set up for its budget by the caller) on `prompts`.
 
     cost: the cost constants generations will use with these settings (the profile's), None: measured at
@@ -201,15 +211,19 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     t_run = max(s_probe, 1e-9) * 1.2
     check_time(sh_cost(2, t_run), deadline - clock.now(), time_budget_s, t_run)
     # twice what the time affords before the quality checks, as some will fail them
-    pool_all = candidate_pool(space, defaults, min(max_candidates, 2 * affordable(
-        max_candidates, t_run, (deadline - clock.now()) * SH_SHARE)), seed)
+    pool_all = candidate_pool(
+        space,
+        defaults,
+        min(max_candidates, 2 * affordable(max_candidates, t_run, (deadline - clock.now()) * SH_SHARE)),
+        seed,
+    )
 
     # the quality constraint: each check once, the defaults' first and always, then those of the candidates in
     # the pool's order while the checks' share of the time lasts (the halving needs the rest)
     t_checks = clock.now()
     checks_deadline = t_checks + QUALITY_SHARE * (deadline - t_checks)
     texts = (quality_texts or prompts)[:QUALITY_TEXTS]
-    more_texts = (quality_texts or prompts)[:2 * QUALITY_TEXTS]
+    more_texts = (quality_texts or prompts)[: 2 * QUALITY_TEXTS]
     window = defaults.draft_max + 1
     quality: dict[tuple[float, int], dict[str, Any]] = {}
     memory_quality: dict[float, dict[str, Any]] = {}
@@ -224,9 +238,11 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     def checks_of(s: Settings) -> list[tuple[str, Any]]:
         """What s must pass, in the order the checks are made: each bias alone, then both together. Each as
         (kind, key): ("reuse", (α, |E*|)), ("memory", α_m), ("both", (α, |E*|, α_m))."""
-        return ([("reuse", s.gating)] if s.reuse_strength > 0 else []) \
-            + ([("memory", s.memory)] if knows_memory and s.memory > 0 else []) \
+        return (
+            ([("reuse", s.gating)] if s.reuse_strength > 0 else [])
+            + ([("memory", s.memory)] if knows_memory and s.memory > 0 else [])
             + ([("both", (*s.gating, s.memory))] if both_biases(s) else [])
+        )
 
     def verdict(s: Settings) -> bool | None:
         """True: s passes every check it needs; False: it fails one; None: one it needs was not made."""
@@ -239,12 +255,16 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         return True
 
     # an earlier run's verdicts on reuse gating alone depend on neither device nor budget: taken as they stand
-    earlier = {(float(e["reuse_strength"]), int(e["reuse_cap"])): e for e in known_quality or ()
-               if e.get("window") == window and e.get("tokens") and e.get("ppl_ratio") is not None}
+    earlier = {
+        (float(e["reuse_strength"]), int(e["reuse_cap"])): e
+        for e in known_quality or ()
+        if e.get("window") == window and e.get("tokens") and e.get("ppl_ratio") is not None
+    }
     for gating in sorted({s.gating for s in pool_all if s.reuse_strength > 0}):
         record = earlier.get(gating)
-        if record is not None and (record.get("extended") or not too_close_to_call(record)
-                                   or len(more_texts) <= len(texts)):
+        if record is not None and (
+            record.get("extended") or not too_close_to_call(record) or len(more_texts) <= len(texts)
+        ):
             q = figures_record(record) | {"reused": True, "extended": bool(record.get("extended"))}
             quality[gating] = {**q, "ok": within_bounds(q)}
             yield TuneQuality(*gating, CheckFigures.of(q), quality[gating]["ok"], True)
@@ -271,7 +291,8 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     stopped_checking = None  # "time": the checks' share was spent; "enough": the halving could run no more
     for i, s in enumerate(pool_all):  # the defaults first
         if s != defaults and sum(verdict(c) is True for c in pool_all[:i]) >= affordable(
-                len(pool_all), t_run, (deadline - clock.now() - max(took.values(), default=0.0)) * SH_SHARE):
+            len(pool_all), t_run, (deadline - clock.now() - max(took.values(), default=0.0)) * SH_SHARE
+        ):
             stopped_checking = "enough"  # those before it fill the halving: it would not run if it passed
             break
         for kind, key in checks_of(s):
@@ -295,8 +316,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                 break
             if s == defaults:  # a check is timed now: say at once if the defaults' own cannot fit
                 left = [expected_check_s(took, c) for c, k in checks_of(defaults) if k not in made[c]]
-                ensure_defaults_fit(left, took[kind], t_run, deadline - clock.now(), time_budget_s,
-                                    clock.now() - t0)
+                ensure_defaults_fit(left, took[kind], t_run, deadline - clock.now(), time_budget_s, clock.now() - t0)
         if stopped_checking:
             break
     checks_s = clock.now() - t_checks
@@ -312,7 +332,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
 
     # how many candidates the time left affords: each rung costs about n0 runs (half the candidates on
     # twice the prompts), plus ar and the defaults on each of its prompts
-    pool = feasible[:affordable(len(feasible), t_run, (deadline - clock.now()) * SH_SHARE)]  # the defaults first
+    pool = feasible[: affordable(len(feasible), t_run, (deadline - clock.now()) * SH_SHARE)]  # the defaults first
 
     runs: dict[Settings | str, dict[int, tuple[int, float]]] = {"ar": {}}
     scores: dict[Settings | str, Score] = {"ar": Score()}
@@ -347,7 +367,7 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         if not room(n_prompts * len(order_base)) or (rung > 0 and len(survivors) == 1):
             stopped_for_time = not (rung > 0 and len(survivors) == 1)
             break
-        for j in range(n_prompts):
+        for _ in range(n_prompts):
             p = prompt_cursor
             prompt_cursor += 1
             for who in (order_base[i] for i in balanced_order(len(order_base), p)):
@@ -357,10 +377,17 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
                 yield TuneProgress(done_runs, max(planned, done_runs), f"rung {rung + 1}")
         rungs_run = rung + 1
         ranked = sorted(survivors, key=lambda s: scores[s].tok_per_s, reverse=True)
-        keep = ranked[:max(1, (len(ranked) + 1) // 2)]
+        keep = ranked[: max(1, (len(ranked) + 1) // 2)]
         for s in [defaults] + ranked:
-            log.append({"rung": rung + 1, **s.as_dict(), "tok_s": round(scores[s].tok_per_s, 3),
-                        "prompts": len(runs[s]), "kept": s in keep or s == defaults})
+            log.append(
+                {
+                    "rung": rung + 1,
+                    **s.as_dict(),
+                    "tok_s": round(scores[s].tok_per_s, 3),
+                    "prompts": len(runs[s]),
+                    "kept": s in keep or s == defaults,
+                }
+            )
             yield TuneMeasured(index_of.get(s, -1), s, rung, scores[s].tok_per_s, len(runs[s]))
         if len(survivors) == 1:
             break
@@ -368,25 +395,34 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         rung += 1
 
     if not rungs_run:
-        raise too_short(time_budget_s, f"the quality checks took {clock.now() - t0:.0f} s and left no room for a "
-                                        f"rung of runs of about {t_run:.1f} s")
+        raise too_short(
+            time_budget_s,
+            f"the quality checks took {clock.now() - t0:.0f} s and left no room for a "
+            f"rung of runs of about {t_run:.1f} s",
+        )
     # the final comparison: the best survivor against the defaults, repeated while within noise
     best = max(survivors, key=lambda s: scores[s].tok_per_s) if survivors and scores[survivors[0]].runs else defaults
     extra = 0
     if best != defaults:
-        while (not separated(log_ratios(runs[best], runs[defaults])) and extra < MAX_EXTRA_ROUNDS
-               and room(2)):
+        while not separated(log_ratios(runs[best], runs[defaults])) and extra < MAX_EXTRA_ROUNDS and room(2):
             p = prompt_cursor
             prompt_cursor += 1
-            for who in ((best, defaults) if p % 2 else (defaults, best)):
+            for who in (best, defaults) if p % 2 else (defaults, best):
                 if stop():
                     return
                 measure(who, who.config(base), p)
             extra += 1
             yield TuneProgress(done_runs, done_runs, "final comparison")
         for s in (defaults, best):
-            log.append({"rung": "final", **s.as_dict(), "tok_s": round(scores[s].tok_per_s, 3),
-                        "prompts": len(runs[s]), "kept": True})
+            log.append(
+                {
+                    "rung": "final",
+                    **s.as_dict(),
+                    "tok_s": round(scores[s].tok_per_s, 3),
+                    "prompts": len(runs[s]),
+                    "kept": True,
+                }
+            )
             yield TuneMeasured(index_of.get(s, -1), s, -1, scores[s].tok_per_s, len(runs[s]))
     ratios = log_ratios(runs[best], runs[defaults]) if best != defaults else []
     shared = sorted(set(runs[best]) & set(runs[defaults]))
@@ -402,8 +438,11 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
     else:
         best_tps = def_tps = scores[defaults].tok_per_s
     # a lead within the noise is no reason to leave the defaults
-    tuned = best if (best != defaults and ((best_tps > def_tps and separated(ratios)) or not defaults_feasible)) \
+    tuned = (
+        best
+        if (best != defaults and ((best_tps > def_tps and separated(ratios)) or not defaults_feasible))
         else defaults
+    )
     tuned_tps = best_tps if tuned == best else def_tps
     rq = quality.get(tuned.gating) if tuned.reuse_strength > 0 else None
     mq = memory_quality.get(tuned.memory) if knows_memory and tuned.memory > 0 else None
@@ -433,23 +472,40 @@ def run_tune(decoder: Decoder, prompts: list[str], *, cost: CostConstants | None
         "quality": (figures_record(rq) if rq else {"lossless": True})
         | ({"memory": {"memory_strength": tuned.memory, **figures_record(mq)}} if mq else {})
         | ({"both": {"memory_strength": tuned.memory, **figures_record(jq)}} if jq and jq.get("tokens") else {}),
-        "memory_quality_checked": [{"memory_strength": a, **check_record(v)}
-                                   for a, v in sorted(memory_quality.items())],
-        "joint_quality_checked": [{"reuse_strength": a, "reuse_cap": c, "memory_strength": m, **check_record(v)}
-                                  for (a, c, m), v in sorted(joint_quality.items())],
-        "quality_checked": [{"reuse_strength": a, "reuse_cap": c, "window": window, **check_record(v),
-                             "reused": bool(v.get("reused"))}
-                            for (a, c), v in sorted(quality.items())],
+        "memory_quality_checked": [
+            {"memory_strength": a, **check_record(v)} for a, v in sorted(memory_quality.items())
+        ],
+        "joint_quality_checked": [
+            {"reuse_strength": a, "reuse_cap": c, "memory_strength": m, **check_record(v)}
+            for (a, c, m), v in sorted(joint_quality.items())
+        ],
+        "quality_checked": [
+            {"reuse_strength": a, "reuse_cap": c, "window": window, **check_record(v), "reused": bool(v.get("reused"))}
+            for (a, c), v in sorted(quality.items())
+        ],
         "constraint": {"ppl_ratio_max": PPL_RATIO_MAX, "top1_min": TOP1_MIN, "defaults_meet_it": defaults_feasible},
-        "search": {"method": "successive halving", "candidates": len(pool), "pool": len(pool_all),
-                   "feasible": len(feasible), "rungs": rungs_run, "final_rounds": extra,
-                   "stopped_for_time": stopped_for_time, "n_tokens": n_tokens, "runs": done_runs,
-                   "seconds": round(elapsed, 3), "time_budget_s": float(time_budget_s),
-                   "quality_checks_s": round(checks_s, 3), "unchecked": unchecked,
-                   "stopped_checking": stopped_checking},
+        "search": {
+            "method": "successive halving",
+            "candidates": len(pool),
+            "pool": len(pool_all),
+            "feasible": len(feasible),
+            "rungs": rungs_run,
+            "final_rounds": extra,
+            "stopped_for_time": stopped_for_time,
+            "n_tokens": n_tokens,
+            "runs": done_runs,
+            "seconds": round(elapsed, 3),
+            "time_budget_s": float(time_budget_s),
+            "quality_checks_s": round(checks_s, 3),
+            "unchecked": unchecked,
+            "stopped_checking": stopped_checking,
+        },
         "log": log,
-        "measured": {"at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-                     "by": "s2moe tune", **(context or {})},
+        "measured": {
+            "at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+            "by": "s2moe tune",
+            **(context or {}),
+        },
     }
     yield TuneDone(section, tuned, defaults)
 

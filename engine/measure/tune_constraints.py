@@ -38,6 +38,7 @@ class QualityChecks(Protocol):
 @dataclass(frozen=True)
 class BenchChecks:
     """bench's checks, on QUALITY_TOKENS tokens of each text, in the decoder's process (under its budget)."""
+
     decoder: Decoder
 
     def reuse(self, texts: list[str], alpha: float, cap: int, window: int) -> dict[str, Any]:
@@ -47,8 +48,9 @@ class BenchChecks:
         return memory_gating_quality(self.decoder, texts, alpha=alpha, max_tokens=QUALITY_TOKENS)
 
     def both(self, texts: list[str], alpha: float, cap: int, window: int, memory: float) -> dict[str, Any]:
-        return gating_quality(self.decoder, texts, alpha=alpha, cap=cap, window=window, max_tokens=QUALITY_TOKENS,
-                              memory=memory)
+        return gating_quality(
+            self.decoder, texts, alpha=alpha, cap=cap, window=window, max_tokens=QUALITY_TOKENS, memory=memory
+        )
 
 
 def figures_record(v: dict[str, Any]) -> dict[str, Any]:
@@ -61,8 +63,13 @@ def figures_record(v: dict[str, Any]) -> dict[str, Any]:
 def check_record(v: dict[str, Any]) -> dict[str, Any]:
     """A quality check in the profile's list of those made: its figures (None where it measured nothing), its
     verdict, and whether it was settled on twice the text."""
-    return {"ppl_ratio": None, "top1_agreement": None, **figures_record(v), "ok": bool(v["ok"]),
-            "extended": bool(v.get("extended"))}
+    return {
+        "ppl_ratio": None,
+        "top1_agreement": None,
+        **figures_record(v),
+        "ok": bool(v["ok"]),
+        "extended": bool(v.get("extended")),
+    }
 
 
 def too_close_to_call(q: dict[str, Any]) -> bool:
@@ -100,8 +107,11 @@ def too_short(time_budget_s: float, why: str) -> ConfigError:
 
 def check_time(needed: float, left: float, time_budget_s: float, t_run: float) -> None:
     if needed > left:
-        raise too_short(time_budget_s, f"one generation takes about {t_run:.1f} s here and comparing two "
-                                        f"candidates with the defaults needs about {needed:.0f} s more")
+        raise too_short(
+            time_budget_s,
+            f"one generation takes about {t_run:.1f} s here and comparing two "
+            f"candidates with the defaults needs about {needed:.0f} s more",
+        )
 
 
 # A check of a kind not timed yet is expected to take what the kind it runs like took: both biases together are
@@ -118,8 +128,9 @@ def expected_check_s(took: dict[str, float], kind: str) -> float:
     return took[like] if like in took else max(took.values(), default=0.0)
 
 
-def ensure_defaults_fit(checks_left_s: list[float], check_s: float, t_run: float, left: float,
-                        time_budget_s: float, elapsed: float) -> None:
+def ensure_defaults_fit(
+    checks_left_s: list[float], check_s: float, t_run: float, left: float, time_budget_s: float, elapsed: float
+) -> None:
     """Raise where the defaults' remaining quality checks (the seconds each is expected to take) and one comparison
     of two candidates cannot fit in the time left: said as soon as a check has been timed (check_s), rather than
     once the whole budget is gone."""
@@ -127,11 +138,17 @@ def ensure_defaults_fit(checks_left_s: list[float], check_s: float, t_run: float
     needed = sum(checks_left_s) + compare
     if needed > left:
         n_left = len(checks_left_s)
-        more = (f" and the defaults need {n_left} more (about {sum(checks_left_s):.0f} s) before any speed is timed"
-                if n_left else "")
-        raise too_short(time_budget_s, f"a quality check takes about {check_s:.0f} s here{more}; comparing two "
-                                        f"candidates then takes about {compare:.0f} s: that alone needs "
-                                        f"{math.ceil((elapsed + needed) / 60)} min, a search more")
+        more = (
+            f" and the defaults need {n_left} more (about {sum(checks_left_s):.0f} s) before any speed is timed"
+            if n_left
+            else ""
+        )
+        raise too_short(
+            time_budget_s,
+            f"a quality check takes about {check_s:.0f} s here{more}; comparing two "
+            f"candidates then takes about {compare:.0f} s: that alone needs "
+            f"{math.ceil((elapsed + needed) / 60)} min, a search more",
+        )
 
 
 def rungs(n: int) -> int:

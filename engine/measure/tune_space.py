@@ -15,7 +15,7 @@ from ..decoding.decoder import Decoder
 from ..decoding.generation_config import GenerationConfig
 
 SETTING_KEYS = ("draft_topk", "draft_max", "threshold", "reuse_strength", "reuse_cap", "lookup", "memory_strength")
-DRAFT_CAPS = (4, 8, 12)                 # below a decoder's usual verification limit of 16
+DRAFT_CAPS = (4, 8, 12)  # below a decoder's usual verification limit of 16
 THRESHOLDS = (0.5, 0.75, 1.0, 1.5)
 STRENGTHS = (0.0, 0.25, 0.5, 1.0)
 MEMORY_STRENGTHS = (0.0, 0.15, 0.3, 0.5)  # searched only under a memory budget
@@ -36,16 +36,17 @@ class Settings:
         return replace(base, mode="s2moe", utility=True, **asdict(self))
 
     def as_dict(self) -> dict[str, bool | int | float]:
-        return {k: (v if isinstance(v, bool) else float(v) if isinstance(v, float) else int(v))
-                for k, v in asdict(self).items()}
+        return {
+            k: (v if isinstance(v, bool) else float(v) if isinstance(v, float) else int(v))
+            for k, v in asdict(self).items()
+        }
 
     def label(self, memory_shown: bool = False) -> str:
         """In words; memory_shown: with the memory strength (where it acts: under a budget)."""
         gating = f"α {self.reuse_strength:g} |E*| {self.reuse_cap}" if self.reuse_strength > 0 else "gating off"
         memory = f" · memory α {self.memory_strength:g}" if memory_shown and self.reuse_strength > 0 else ""
         copies = "" if self.lookup else " · copies off"
-        return (f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · "
-                f"{gating}{memory}{copies}")
+        return f"k_d {self.draft_topk} · cap {self.draft_max} · threshold {self.threshold:g} · {gating}{memory}{copies}"
 
     @property
     def gating(self) -> tuple[float, int]:
@@ -63,8 +64,15 @@ def default_settings(decoder: Decoder, base: GenerationConfig | None = None) -> 
     cfg = (base or GenerationConfig()).resolved(decoder.info)
     # resolved() fills these from the model's routing defaults
     assert cfg.draft_topk is not None and cfg.draft_max is not None and cfg.reuse_cap is not None
-    return Settings(cfg.draft_topk, cfg.draft_max, float(cfg.threshold), float(cfg.reuse_strength), cfg.reuse_cap,
-                    cfg.lookup, float(cfg.memory_strength))
+    return Settings(
+        cfg.draft_topk,
+        cfg.draft_max,
+        float(cfg.threshold),
+        float(cfg.reuse_strength),
+        cfg.reuse_cap,
+        cfg.lookup,
+        float(cfg.memory_strength),
+    )
 
 
 def search_space(n_expert: int, k: int, defaults: Settings, knows_memory: bool = False) -> dict[str, tuple[Any, ...]]:
@@ -72,12 +80,19 @@ def search_space(n_expert: int, k: int, defaults: Settings, knows_memory: bool =
     strength only where the decoder knows what is in memory (under a budget): elsewhere it changes nothing."""
     topk = sorted({max(1, k // 8), max(1, k // 4), max(1, k // 2), defaults.draft_topk} & set(range(1, k)))
     caps = sorted({c for c in {max(k, 3 * k // 2), 2 * k, 3 * k, defaults.reuse_cap} if k <= c < n_expert})
-    return {"draft_topk": tuple(topk), "draft_max": tuple(sorted(set(DRAFT_CAPS) | {defaults.draft_max})),
-            "threshold": tuple(sorted(set(THRESHOLDS) | {defaults.threshold})),
-            "reuse_strength": tuple(sorted(set(STRENGTHS) | {defaults.reuse_strength})),
-            "reuse_cap": tuple(caps) or (defaults.reuse_cap,), "lookup": (True, False),
-            "memory_strength": (tuple(sorted(set(MEMORY_STRENGTHS) | {defaults.memory_strength})) if knows_memory
-                                else (defaults.memory_strength,))}
+    return {
+        "draft_topk": tuple(topk),
+        "draft_max": tuple(sorted(set(DRAFT_CAPS) | {defaults.draft_max})),
+        "threshold": tuple(sorted(set(THRESHOLDS) | {defaults.threshold})),
+        "reuse_strength": tuple(sorted(set(STRENGTHS) | {defaults.reuse_strength})),
+        "reuse_cap": tuple(caps) or (defaults.reuse_cap,),
+        "lookup": (True, False),
+        "memory_strength": (
+            tuple(sorted(set(MEMORY_STRENGTHS) | {defaults.memory_strength}))
+            if knows_memory
+            else (defaults.memory_strength,)
+        ),
+    }
 
 
 def _canonical(s: Settings, defaults: Settings) -> Settings:

@@ -75,9 +75,11 @@ def log_ratios(a: dict[int, tuple[int, float]], b: dict[int, tuple[int, float]])
     return out
 
 
-def judged(runs: dict[Settings | str, dict[int, tuple[int, float]]], tuned: Settings, defaults: Settings,
-           watch: LoadWatch) -> Judgement:
+def judged(
+    runs: dict[Settings | str, dict[int, tuple[int, float]]], tuned: Settings, defaults: Settings, watch: LoadWatch
+) -> Judgement:
     """The defaults' and the tuned settings' speeds against plain decoding's, prompt by prompt (speed.judge)."""
+
     def speeds(who: Settings | str) -> list[float | None]:
         out: list[float | None] = []
         for p in shown:

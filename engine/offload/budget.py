@@ -34,7 +34,7 @@ class Budget:
     size: int | None = None
 
     @classmethod
-    def parse(cls, text: str | int) -> "Budget":
+    def parse(cls, text: str | int) -> Budget:
         if isinstance(text, str) and text.strip().lower() == "auto":
             return cls(None)
         return cls(parse_size(text))
@@ -56,8 +56,9 @@ class Budget:
         """ConfigError where the size is more than this machine's memory (check_within_memory). Auto is sized
         in its process, and checked there."""
         if self.size is not None:
-            check_within_memory(self.size, f"the memory budget {fmt_bytes(self.size)}",
-                                "give a smaller one, or run without a budget")
+            check_within_memory(
+                self.size, f"the memory budget {fmt_bytes(self.size)}", "give a smaller one, or run without a budget"
+            )
 
     def describe(self, sized: int | None = None) -> str:
         """'auto (83.3 MiB)' once an auto budget is sized, else the size."""
@@ -90,11 +91,11 @@ class BudgetPlan:
     """How a memory budget splits: what the process holds anyway, what is pinned, what caches experts."""
 
     budget_bytes: int
-    anon_bytes: int          # the process's own memory (interpreter, llama.cpp buffers, KV cache)
-    base_bytes: int          # pinned non-expert weights + library code
-    hot_bytes: int           # room for pinned hot experts
-    cache_bytes: int         # left for cold experts in the page cache
-    slack_bytes: int = 0     # kept free for the process's memory to grow (buffers, Python objects)
+    anon_bytes: int  # the process's own memory (interpreter, llama.cpp buffers, KV cache)
+    base_bytes: int  # pinned non-expert weights + library code
+    hot_bytes: int  # room for pinned hot experts
+    cache_bytes: int  # left for cold experts in the page cache
+    slack_bytes: int = 0  # kept free for the process's memory to grow (buffers, Python objects)
 
     def check_room(self, one_layer_bytes: int) -> None:
         """ConfigError unless the budget holds the process, the pinned weights and one layer's k experts:
@@ -104,23 +105,27 @@ class BudgetPlan:
         if self.budget_bytes >= held:
             return
         roomy = budget_holding(held)
-        raise ConfigError(f"the memory budget {fmt_bytes(self.budget_bytes)} leaves "
-                          f"{fmt_bytes(self.hot_bytes + self.cache_bytes)} for experts (the process holds "
-                          f"{fmt_bytes(self.anon_bytes)} with its largest batches, pinned weights "
-                          f"{fmt_bytes(self.base_bytes)}, slack {fmt_bytes(self.slack_bytes)}): give at least "
-                          f"{fmt_bytes(held, round_up=True)} ({fmt_bytes(roomy, round_up=True)} keeps "
-                          f"{fmt_bytes(roomy - held)} free for the process to grow)")
+        raise ConfigError(
+            f"the memory budget {fmt_bytes(self.budget_bytes)} leaves "
+            f"{fmt_bytes(self.hot_bytes + self.cache_bytes)} for experts (the process holds "
+            f"{fmt_bytes(self.anon_bytes)} with its largest batches, pinned weights "
+            f"{fmt_bytes(self.base_bytes)}, slack {fmt_bytes(self.slack_bytes)}): give at least "
+            f"{fmt_bytes(held, round_up=True)} ({fmt_bytes(roomy, round_up=True)} keeps "
+            f"{fmt_bytes(roomy - held)} free for the process to grow)"
+        )
 
-    def with_pinned(self, pinned_bytes: int) -> "BudgetPlan":
+    def with_pinned(self, pinned_bytes: int) -> BudgetPlan:
         """The plan once `pinned_bytes` of hot experts are chosen: what they leave of their room (fewer ranked
         than fit, or sizes that do not add up to it) goes to the cache."""
         pinned_bytes = min(pinned_bytes, self.hot_bytes)
         return replace(self, hot_bytes=pinned_bytes, cache_bytes=self.cache_bytes + self.hot_bytes - pinned_bytes)
 
     def describe(self) -> str:
-        return (f"budget {fmt_bytes(self.budget_bytes)} = process {fmt_bytes(self.anon_bytes)} + slack "
-                f"{fmt_bytes(self.slack_bytes)} + pinned weights {fmt_bytes(self.base_bytes)} + hot experts "
-                f"{fmt_bytes(self.hot_bytes)} + expert cache {fmt_bytes(self.cache_bytes)}")
+        return (
+            f"budget {fmt_bytes(self.budget_bytes)} = process {fmt_bytes(self.anon_bytes)} + slack "
+            f"{fmt_bytes(self.slack_bytes)} + pinned weights {fmt_bytes(self.base_bytes)} + hot experts "
+            f"{fmt_bytes(self.hot_bytes)} + expert cache {fmt_bytes(self.cache_bytes)}"
+        )
 
 
 def plan_slack(budget_bytes: int) -> int:
@@ -178,12 +183,22 @@ def check_within_memory(size: int, what: str, instead: str) -> None:
     `what` says what the budget is, `instead` what to do."""
     total = meminfo().get("MemTotal", 0)
     if total and size > total:
-        raise ConfigError(f"{what} is more than this machine's memory ({fmt_bytes(total)}): a budget that large "
-                          f"limits nothing; {instead}")
+        raise ConfigError(
+            f"{what} is more than this machine's memory ({fmt_bytes(total)}): a budget that large "
+            f"limits nothing; {instead}"
+        )
 
 
-def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: ExpertMap, k: int,
-                pin_hot: bool = True, expert_room: int | None = None) -> BudgetPlan:
+def plan_budget(
+    budget_bytes: int,
+    *,
+    anon_bytes: int,
+    base_bytes: int,
+    emap: ExpertMap,
+    k: int,
+    pin_hot: bool = True,
+    expert_room: int | None = None,
+) -> BudgetPlan:
     """Split a budget's room for experts between pinned hot experts and the cache for the rest.
 
     Decoding reads its layers in turn, token after token, so the cache sees one cycle of reads a token: a
@@ -210,8 +225,14 @@ def plan_budget(budget_bytes: int, *, anon_bytes: int, base_bytes: int, emap: Ex
     return BudgetPlan(budget_bytes, anon_bytes, base_bytes, room - cache, cache, slack)
 
 
-def auto_budget_bytes(cg: MemoryCgroup, emap: ExpertMap, share: float = AUTO_EXPERT_SHARE, *,
-                      experts_stay: bool = False, reserved: int = 0) -> int:
+def auto_budget_bytes(
+    cg: MemoryCgroup,
+    emap: ExpertMap,
+    share: float = AUTO_EXPERT_SHARE,
+    *,
+    experts_stay: bool = False,
+    reserved: int = 0,
+) -> int:
     """`--budget auto` for a process already running inside `cg`, loaded and warmed up: everything the
     cgroup holds now except the model's expert pages (anonymous memory, pinned weights, library and
     Python file pages), plus `share` of the expert bytes as the expert cache, plus a little slack.

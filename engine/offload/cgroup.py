@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from .libc import dies_with_parent
 
 ENV_CGROUP = "S2MOE_BUDGET_CGROUP"  # set in a process started inside a budget cgroup
-ENV_BUDGET = "S2MOE_BUDGET"         # the budget it was started with: "auto" or bytes
+ENV_BUDGET = "S2MOE_BUDGET"  # the budget it was started with: "auto" or bytes
 
 
 class BudgetUnavailable(ConfigError):
@@ -21,8 +21,10 @@ class BudgetUnavailable(ConfigError):
 
 
 def _how(limit_hint: str = "SIZE") -> str:
-    return (f"run as root, or under a delegated cgroup, e.g. `systemd-run --user --scope -p MemoryMax={limit_hint} "
-            f"-p MemorySwapMax=0 s2moe ...` (then run without a budget)")
+    return (
+        f"run as root, or under a delegated cgroup, e.g. `systemd-run --user --scope -p MemoryMax={limit_hint} "
+        f"-p MemorySwapMax=0 s2moe ...` (then run without a budget)"
+    )
 
 
 def _mounts() -> list[tuple[str, str, str]]:
@@ -69,7 +71,7 @@ class MemoryCgroup:
             return (2 if (p / "cgroup.controllers").exists() else 1), p
         mounts, own = _mounts(), _own_cgroups()
         reasons = []
-        for mnt, fs, opts in mounts:
+        for mnt, fs, _opts in mounts:
             if fs == "cgroup2":
                 base = Path(mnt) / own.get("", "/").lstrip("/")
                 try:
@@ -109,7 +111,7 @@ class MemoryCgroup:
         return None
 
     @classmethod
-    def create(cls, limit_bytes: int, tag: str = "run") -> "MemoryCgroup":
+    def create(cls, limit_bytes: int, tag: str = "run") -> MemoryCgroup:
         version, parent = cls.locate()
         _remove_stale(parent)
         path = parent / f"s2moe-{tag}-{os.getpid()}-{int(time.time() * 1000) % 100000}"
@@ -194,10 +196,18 @@ class MemoryCgroup:
         """What the cgroup holds now: anonymous, file pages (page cache), locked (unevictable)."""
         s = self.stat()
         if self.version == 2:
-            return {"anon": s.get("anon", 0), "file": s.get("file", 0), "locked": s.get("unevictable", 0),
-                    "total": self.usage()}
-        return {"anon": s.get("rss", 0), "file": s.get("cache", 0), "locked": s.get("unevictable", 0),
-                "total": self.usage()}
+            return {
+                "anon": s.get("anon", 0),
+                "file": s.get("file", 0),
+                "locked": s.get("unevictable", 0),
+                "total": self.usage(),
+            }
+        return {
+            "anon": s.get("rss", 0),
+            "file": s.get("cache", 0),
+            "locked": s.get("unevictable", 0),
+            "total": self.usage(),
+        }
 
     def oom_kills(self) -> int:
         if self.version == 2:
@@ -219,8 +229,12 @@ class MemoryCgroup:
         env[ENV_CGROUP] = str(self.path)
         env[ENV_BUDGET] = budget
         script = 'echo $$ > "$0" && exec "$@"'
-        return subprocess.Popen(["/bin/sh", "-c", script, str(self.procs_file), *argv], env=env,
-                                preexec_fn=dies_with_parent(os.getpid()), **kw)
+        return subprocess.Popen(
+            ["/bin/sh", "-c", script, str(self.procs_file), *argv],
+            env=env,
+            preexec_fn=dies_with_parent(os.getpid()),
+            **kw,
+        )
 
     def remove(self) -> None:
         for _ in range(50):

@@ -28,8 +28,8 @@ class ExpertMap:
     file_bytes: int
     n_layer: int
     n_expert: int
-    ranges: npt.NDArray[np.int64]          # [n_layer, n_expert, n_parts, 2] int64
-    parts: tuple[tuple[str, ...], ...]     # per layer: names of its expert tensors
+    ranges: npt.NDArray[np.int64]  # [n_layer, n_expert, n_parts, 2] int64
+    parts: tuple[tuple[str, ...], ...]  # per layer: names of its expert tensors
     non_expert: tuple[tuple[int, int], ...]  # (offset, length) of every other tensor
     moe_layers: tuple[int, ...]
     non_expert_names: tuple[str, ...] = ()
@@ -94,21 +94,37 @@ def expert_map(path: str | os.PathLike[str]) -> ExpertMap:
             slab = int(t.n_bytes) // ne
             ranges[layer, :ne, p, 0] = int(t.data_offset) + np.arange(ne, dtype=np.int64) * slab
             ranges[layer, :ne, p, 1] = slab
-    return ExpertMap(path, path.stat().st_size, n_layer, n_expert, ranges, tuple(parts), tuple(non_expert),
-                     tuple(sorted(by_layer)), tuple(names))
+    return ExpertMap(
+        path,
+        path.stat().st_size,
+        n_layer,
+        n_expert,
+        ranges,
+        tuple(parts),
+        tuple(non_expert),
+        tuple(sorted(by_layer)),
+        tuple(names),
+    )
 
 
 # -- hot experts -----------------------------------------------------------------------------------------
-def select_hot_experts(counts: npt.ArrayLike, expert_bytes: float | npt.NDArray[np.integer[Any]],
-                       budget_bytes: int) -> list[tuple[int, int]]:
+def select_hot_experts(
+    counts: npt.ArrayLike, expert_bytes: float | npt.NDArray[np.integer[Any]], budget_bytes: int
+) -> list[tuple[int, int]]:
     """Most-routed experts first, as many as fit in budget_bytes. counts: [n_layer, n_expert] routing
     frequencies; expert_bytes: bytes of one expert (scalar or per layer). Experts never routed are skipped."""
     frequencies = np.asarray(counts, dtype=np.float64)
     n_layer, n_expert = frequencies.shape
-    size = np.broadcast_to(np.asarray(expert_bytes, dtype=np.int64).reshape(-1, 1) if np.ndim(expert_bytes)
-                           else np.int64(expert_bytes), (n_layer, n_expert))
-    order = sorted(((-frequencies[l, e], l, e) for l in range(n_layer) for e in range(n_expert)
-                    if frequencies[l, e] > 0))
+    size = np.broadcast_to(
+        np.asarray(expert_bytes, dtype=np.int64).reshape(-1, 1) if np.ndim(expert_bytes) else np.int64(expert_bytes),
+        (n_layer, n_expert),
+    )
+    order = sorted(
+        (-frequencies[layer, e], layer, e)
+        for layer in range(n_layer)
+        for e in range(n_expert)
+        if frequencies[layer, e] > 0
+    )
     out: list[tuple[int, int]] = []
     used = 0
     for _, layer, expert in order:
@@ -128,4 +144,3 @@ def rank_counts(ranked: Sequence[Sequence[int]], emap: ExpertMap) -> npt.NDArray
         if 0 <= layer < emap.n_layer and 0 <= expert < emap.n_expert:
             counts[layer, expert] = n - i
     return counts
-

@@ -7,7 +7,7 @@ import ctypes
 import ctypes.util
 import os
 import signal
-from typing import Callable
+from collections.abc import Callable
 
 PROT_READ, MAP_SHARED = 0x1, 0x01
 MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 3, 4
@@ -79,7 +79,6 @@ def drop_file_cache(path: str | os.PathLike[str]) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
 
 
 def raise_memlock_limit() -> None:

@@ -219,7 +219,8 @@ def _mlock_hint(e: int, n: int) -> str:
             limit = "unlimited" if soft == resource.RLIM_INFINITY else fmt_bytes(soft)
         except Exception:
             limit = "?"
-        return (f"cannot pin {fmt_bytes(n)} with mlock ({os.strerror(e)}; locked-memory limit {limit}): run as root, "
-                f"or raise it (`ulimit -l unlimited`, or LimitMEMLOCK=infinity under systemd)")
+        return (
+            f"cannot pin {fmt_bytes(n)} with mlock ({os.strerror(e)}; locked-memory limit {limit}): run as root, "
+            f"or raise it (`ulimit -l unlimited`, or LimitMEMLOCK=infinity under systemd)"
+        )
     return f"mlock failed: {os.strerror(e)}"
-

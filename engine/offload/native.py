@@ -51,8 +51,10 @@ class NativePrefetch:
             "s2_fetch_verify": (None, [vp]),
             "s2_fetch_stats": (None, [vp, i64p, ctypes.POINTER(ctypes.c_double)]),
             "s2_fetch_taken_at": (None, [vp, ctypes.POINTER(ctypes.c_int32)]),
-            "s2_cache_keep": (ctypes.c_int, [vp, ctypes.c_char_p, vp, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64,
-                                             u8p]),
+            "s2_cache_keep": (
+                ctypes.c_int,
+                [vp, ctypes.c_char_p, vp, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64, u8p],
+            ),
             "s2_cache_stats": (None, [vp, i64p]),
             "s2_cache_resize": (None, [vp, ctypes.c_int64, ctypes.c_int64]),
             "s2_cache_pin": (None, [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]),
@@ -70,8 +72,14 @@ class NativePrefetch:
         self.lib, self.mapping = lib, mapping
         em = mapping.emap
         self._ranges = np.ascontiguousarray(em.ranges, dtype=np.int64)
-        self.handle = lib.s2_prefetch_new(mapping.addr, mapping.size, em.n_layer, em.n_expert,
-                                          self._ranges.shape[2], self._ranges.ctypes.data_as(i64p))
+        self.handle = lib.s2_prefetch_new(
+            mapping.addr,
+            mapping.size,
+            em.n_layer,
+            em.n_expert,
+            self._ranges.shape[2],
+            self._ranges.ctypes.data_as(i64p),
+        )
         if not self.handle:
             raise MemoryError("native prefetcher: allocation failed")
         self.misses = np.zeros(em.n_layer, np.int32)
@@ -136,8 +144,9 @@ class NativePrefetch:
         matmul has gone past (native/s2moe_offload.c)."""
         i32p = ctypes.POINTER(ctypes.c_int32)
         kp = np.ascontiguousarray(kind_part if kind_part is not None else (-1, -1, -1), np.int32)
-        self.lib.s2_prefetch_set_stages(self.handle, kp.ctypes.data_as(i32p), -1 if room is None else int(room),
-                                        int(stream))
+        self.lib.s2_prefetch_set_stages(
+            self.handle, kp.ctypes.data_as(i32p), -1 if room is None else int(room), int(stream)
+        )
         self.staging = kind_part is not None
         self.stage_room = room if kind_part is not None else None
 
@@ -167,16 +176,25 @@ class NativePrefetch:
         """As the routing hook's pre-gating calls it: ask for the experts among ids predicted for layer that
         are not in memory. Returns how many were asked for."""
         asked = np.ascontiguousarray(ids, dtype=np.int32)
-        return int(self.lib.s2_prefetch_predicted(self.handle, int(layer),
-                                                  asked.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(asked)))
+        return int(
+            self.lib.s2_prefetch_predicted(
+                self.handle, int(layer), asked.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(asked)
+            )
+        )
 
     def pregate_stats(self) -> dict[str, int]:
         """Experts pre-gating read (and bytes), of them those their layer then used and those it did not
         (read for nothing: a wrong guess, which enters the kept cache at its least recent end)."""
         out = (ctypes.c_int64 * 6)()
         self.lib.s2_prefetch_pregate_stats(self.handle, out)
-        return {"read": int(out[0]), "read_bytes": int(out[1]), "used": int(out[2]), "used_bytes": int(out[3]),
-                "wasted": int(out[4]), "wasted_bytes": int(out[5])}
+        return {
+            "read": int(out[0]),
+            "read_bytes": int(out[1]),
+            "used": int(out[2]),
+            "used_bytes": int(out[3]),
+            "wasted": int(out[4]),
+            "wasted_bytes": int(out[5]),
+        }
 
     @property
     def resident_fn_address(self) -> int:
@@ -185,8 +203,11 @@ class NativePrefetch:
 
     def layer(self, layer: int, ids: npt.ArrayLike) -> int:
         routed = np.ascontiguousarray(ids, dtype=np.int32)
-        return int(self.lib.s2_prefetch_layer(self.handle, int(layer),
-                                              routed.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(routed)))
+        return int(
+            self.lib.s2_prefetch_layer(
+                self.handle, int(layer), routed.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(routed)
+            )
+        )
 
     def mask(self, mask: npt.ArrayLike) -> int:
         m = np.ascontiguousarray(mask, dtype=np.uint8)
@@ -216,8 +237,13 @@ class NativePrefetch:
         out = (ctypes.c_int64 * 4)()
         seconds = ctypes.c_double(0.0)
         self.lib.s2_fetch_stats(self.handle, out, ctypes.byref(seconds))
-        return {"read": int(out[0]), "resident": int(out[1]), "late": int(out[2]), "bytes": int(out[3]),
-                "seconds": float(seconds.value)}
+        return {
+            "read": int(out[0]),
+            "resident": int(out[1]),
+            "late": int(out[2]),
+            "bytes": int(out[3]),
+            "seconds": float(seconds.value),
+        }
 
     def fetch_taken_at(self) -> npt.NDArray[np.int32]:
         """[n_layer, n_expert]: how many layers the verification had routed when a reader thread took each
@@ -226,16 +252,25 @@ class NativePrefetch:
         self.lib.s2_fetch_taken_at(self.handle, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
         return out
 
-    def keep_cache(self, llama_addr: int, file_lo: int, file_hi: int, capacity: int,
-                   pinned: npt.ArrayLike) -> None:
+    def keep_cache(self, llama_addr: int, file_lo: int, file_hi: int, capacity: int, pinned: npt.ArrayLike) -> None:
         """Keep the expert cache here instead of leaving it to the kernel: the routed experts in a
         least-recently-used list of `capacity` bytes, what falls off it unmapped from llama.cpp's mapping
         (at llama_addr, covering file offsets file_lo..file_hi) and dropped from the page cache.
         pinned [n_layer, n_expert]: never counted or dropped (the C side keeps a copy)."""
         mask = np.ascontiguousarray(pinned, dtype=np.uint8)
         path = str(self.mapping.emap.path).encode()
-        if self.lib.s2_cache_keep(self.handle, path, llama_addr, file_lo, file_hi, int(capacity),
-                                  mask.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))) != 0:
+        if (
+            self.lib.s2_cache_keep(
+                self.handle,
+                path,
+                llama_addr,
+                file_lo,
+                file_hi,
+                int(capacity),
+                mask.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+            )
+            != 0
+        ):
             raise OSError(f"cannot keep an expert cache over {self.mapping.emap.path}")
         self.cache_capacity = int(capacity)
 
@@ -269,9 +304,16 @@ class NativePrefetch:
         parts dropped once the matmul had gone past them."""
         out = (ctypes.c_int64 * 8)()
         self.lib.s2_cache_stats(self.handle, out)
-        return {"held": int(out[0]), "evicted": int(out[1]), "refused": int(out[2]), "lost": int(out[3]),
-                "staged": int(out[4]), "streamed": int(out[5]), "behind": int(out[6]),
-                "dropped_behind": int(out[7])}
+        return {
+            "held": int(out[0]),
+            "evicted": int(out[1]),
+            "refused": int(out[2]),
+            "lost": int(out[3]),
+            "staged": int(out[4]),
+            "streamed": int(out[5]),
+            "behind": int(out[6]),
+            "dropped_behind": int(out[7]),
+        }
 
     def lead(self, ids: int) -> None:
         """The first `ids` of each routed layer's ids from now on are a verification's first row, whose output

@@ -33,7 +33,7 @@ class Residency:
     """A residency snapshot, e.g. for the app's heatmap."""
 
     resident: npt.NDArray[np.float64]  # [n_layer, n_expert] fraction of each expert's pages in memory
-    pinned: npt.NDArray[np.bool_]      # [n_layer, n_expert]
+    pinned: npt.NDArray[np.bool_]  # [n_layer, n_expert]
     # [n_layer] predicted experts already resident when a verification started (nan: none)
     hit_rate: npt.NDArray[np.float64]
     lookups: int
@@ -55,14 +55,19 @@ class OffloadStats:
         return rate
 
 
-
 class Offloader:
     """Pinning, routing-driven prefetch and residency metrics for one decoder. Made by offload_decoder,
     which pins, plans the budget and attaches it to the decoder (it implements the decoder's
     VerifyObserver: predicted, verifying, start_counting, misses, residency)."""
 
-    def __init__(self, model_path: str | os.PathLike[str], *, prefetch: bool = True, emap: ExpertMap | None = None,
-                 prefetch_bytes: int | None = None):
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        prefetch: bool = True,
+        emap: ExpertMap | None = None,
+        prefetch_bytes: int | None = None,
+    ):
         self.emap = emap or expert_map(model_path)
         self.map = ModelMapping(self.emap)
         self.prefetch = prefetch
@@ -79,7 +84,7 @@ class Offloader:
         self.lookahead = False  # as each layer of a verification routes, ask for the next layer's predicted experts
         self.budget_bytes: int | None = None  # the budget it was planned for (auto: as sized)
         self.budget_note: str | None = None  # how an auto budget was sized where it is not the usual way
-        self.plan: BudgetPlan | None = None   # when a budget was given
+        self.plan: BudgetPlan | None = None  # when a budget was given
         self._decoder: Decoder | None = None  # the decoder it is attached to
         self._cache_mapping: tuple[int, int] | None = None  # (address, length): the mapping the kept cache manages
         self._every: npt.NDArray[np.bool_] | None = None  # every expert: what a draft may read if in memory
@@ -115,8 +120,7 @@ class Offloader:
     def fetch_stats(self) -> dict[str, float] | None:
         return self.native.fetch_stats() if self.native.fetching else None
 
-    def pin(self, *, non_expert: bool = True, code: bool = True,
-            hot: Sequence[tuple[int, int]] = ()) -> dict[str, int]:
+    def pin(self, *, non_expert: bool = True, code: bool = True, hot: Sequence[tuple[int, int]] = ()) -> dict[str, int]:
         raise_memlock_limit()
         if non_expert:
             self.pinned_split["non_expert"] += self.map.pin_non_expert()
@@ -152,14 +156,18 @@ class Offloader:
                 # whole pages only, and only inside the span: a page shared with a pinned tensor is resident
                 start_al = (addr + (a - foff) + PAGE - 1) // PAGE * PAGE
                 end_al = (addr + (b - foff)) // PAGE * PAGE
-                if end_al > start_al and self.map.c.lib.madvise(start_al, end_al - start_al, advice) == 0 \
-                        and advice == MADV_RANDOM:
+                if (
+                    end_al > start_al
+                    and self.map.c.lib.madvise(start_al, end_al - start_al, advice) == 0
+                    and advice == MADV_RANDOM
+                ):
                     total += end_al - start_al
         self.fault_readahead = "off" if random else ("embeddings-off" if total else "default")
         return total
 
-    def keep_expert_cache(self, capacity: int, pinned: Iterable[tuple[int, int]] = (),
-                          llama_mappings: Iterable[tuple[int, int, int]] = ()) -> bool:
+    def keep_expert_cache(
+        self, capacity: int, pinned: Iterable[tuple[int, int]] = (), llama_mappings: Iterable[tuple[int, int, int]] = ()
+    ) -> bool:
         """Keep a least-recently-used cache of `capacity` bytes of routed experts (the `pinned` (layer,
         expert) pairs aside), dropping from memory what falls off it (native/s2moe_offload.c says why the
         kernel's choice is worse). llama_mappings: (address, length, file offset) of the mappings the
@@ -188,8 +196,12 @@ class Offloader:
         where the experts are not separate up, gate and down tensors alike in every layer."""
         kinds: set[tuple[int | None, ...]] = set()
         for names in self.emap.parts:
-            kinds.add(tuple(next((j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n), None)
-                            for kind in ("up", "gate", "down")))
+            kinds.add(
+                tuple(
+                    next((j for j, n in enumerate(names) if f"ffn_{kind}_exps" in n), None)
+                    for kind in ("up", "gate", "down")
+                )
+            )
         if len(kinds) != 1:
             return False
         up, gate, down = next(iter(kinds))
@@ -222,6 +234,7 @@ class Offloader:
 
     def _give_hot(self, beyond: int) -> None:
         """As many of the last pinned hot experts give way as free `beyond` bytes (none where it is not positive)."""
+
         def last_freeing(n_bytes: int) -> int:
             n = freed = 0
             while freed < n_bytes and n < len(self.hot):
@@ -252,9 +265,11 @@ class Offloader:
         recall = ", ".join(f"{d} ahead {stats.recall(d):.0%}" for d in range(1, depth + 1))
         tokens = max(stats.decodes, 1)
         width = f", the best {hook.pregate_width} of {hook.k} read" if hook.pregate_width < hook.k else ""
-        return (f"pre-gating {depth} layer{'s' if depth > 1 else ''} ahead{width}: recall {recall}; read ahead "
-                f"{fmt_bytes(read['read_bytes'] / tokens)} a token, {fmt_bytes(read['wasted_bytes'] / tokens)} of it "
-                f"for nothing ({stats.decodes} one-row decodes)")
+        return (
+            f"pre-gating {depth} layer{'s' if depth > 1 else ''} ahead{width}: recall {recall}; read ahead "
+            f"{fmt_bytes(read['read_bytes'] / tokens)} a token, {fmt_bytes(read['wasted_bytes'] / tokens)} of it "
+            f"for nothing ({stats.decodes} one-row decodes)"
+        )
 
     @property
     def keeps_expert_cache(self) -> bool:
@@ -271,9 +286,13 @@ class Offloader:
     def _drop_other_mappings(self, start: int, size: int) -> None:
         """Every mapping of the file but llama.cpp's the cache manages (at start, size bytes) and ours (mlock
         and madvise split a mapping into several areas: those inside it are its own)."""
-        self.drafted_elsewhere([(addr, length, foff) for addr, length, foff
-                                in model_mappings(self.emap.path, exclude=(self.map.addr, self.map.size))
-                                if not start <= addr < start + size])
+        self.drafted_elsewhere(
+            [
+                (addr, length, foff)
+                for addr, length, foff in model_mappings(self.emap.path, exclude=(self.map.addr, self.map.size))
+                if not start <= addr < start + size
+            ]
+        )
 
     def predicted(self, predicted: npt.ArrayLike) -> None:
         """Experts the next verification will read, as the draft predicts them: count those already
@@ -332,8 +351,14 @@ class Offloader:
         return self._every
 
     def residency(self) -> Residency:
-        return Residency(self.map.expert_residency(), self.map.pinned, self.stats.hit_rate(),
-                         int(self.stats.lookups.sum()), self.stats.prefetched_bytes, self.map.locked_bytes)
+        return Residency(
+            self.map.expert_residency(),
+            self.map.pinned,
+            self.stats.hit_rate(),
+            int(self.stats.lookups.sum()),
+            self.stats.prefetched_bytes,
+            self.map.locked_bytes,
+        )
 
     def close(self) -> None:
         """Release the mapping and pins, and detach from the decoder: the C hook must not call into a

@@ -71,7 +71,6 @@ def model_mappings(path: str | os.PathLike[str], exclude: tuple[int, int] = (0, 
     return out
 
 
-
 def file_cached_bytes(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(bytes of the file in the page cache, file size): mincore over a fresh read-only mapping of it,
     which reads nothing and leaves the cache as it was."""

@@ -11,8 +11,22 @@ from ..errors import ConfigError
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MAX_SIZE = float(1 << 62)  # far beyond any memory, and still an int64 for cgroup files
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -42,4 +56,3 @@ def fmt_bytes(n: float, *, round_up: bool = False) -> str:
             return f"{math.ceil(n * 10) / 10 if round_up else n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-

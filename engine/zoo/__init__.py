@@ -8,6 +8,7 @@ Runtime API (numpy/gguf only, no torch):
 The training recipe (data.py, tokenizer.py, model.py, train.py, export.py, evaluate.py) needs the `train`
 extra (torch, tokenizers); it is imported only on demand.
 """
+
 from __future__ import annotations
 
 import json

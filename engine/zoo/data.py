@@ -8,13 +8,14 @@ POSIX relative path, read as an integer, fall in the held-out bucket. Held-out f
 A small natural-language text written for this project (``data/natural.txt``) is used for quality checks
 only (held-out perplexity on prose, a generation sample); it is never trained on.
 """
+
 from __future__ import annotations
 
 import hashlib
 import sysconfig
 from pathlib import Path
 
-HELDOUT_PERCENT = 5          # share of files held out (by hash bucket)
+HELDOUT_PERCENT = 5  # share of files held out (by hash bucket)
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
@@ -45,7 +46,7 @@ def read_text(path: Path) -> str | None:
     try:
         return path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
-        return None   # a few test files are deliberately not valid UTF-8
+        return None  # a few test files are deliberately not valid UTF-8
 
 
 def documents(split: str, root: Path | None = None) -> list[tuple[str, str]]:

@@ -8,6 +8,7 @@ with the synthetic writer; `export_checkpoint` additionally needs torch (trainin
 Shapes below are numpy order (= reversed ggml `ne`), e.g. ffn_gate_exps is ggml {n_embd, n_ff, n_expert},
 numpy [n_expert, n_ff, n_embd] = the stacked torch [out, in] weights of each expert.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,11 @@ from .tokenizer import GGUF_PRE, GGUFVocab, gguf_vocab
 
 ARCHS = ("olmoe", "qwen3moe")
 DTYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0}
-FILE_TYPE = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+FILE_TYPE = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
 # A model's hyper-parameters by name (PRESETS, a checkpoint's model_cfg): sizes, floats and the architecture
 HParams = dict[str, Any]
 Shape = tuple[int, ...]  # numpy order
@@ -42,7 +46,7 @@ def tensor_layout(hp: HParams) -> list[tuple[str, Shape, str]]:
     M = gguf.MODEL_TENSOR
     d, V, E, f = hp["n_embd"], hp["vocab_size"], hp["n_expert"], hp["expert_ff"]
     H, Hkv, D = hp["n_head"], hp["n_head_kv"], hp["head_dim"]
-    qk_norm = d if hp["arch"] == "olmoe" else D       # olmoe: norm over the whole projection
+    qk_norm = d if hp["arch"] == "olmoe" else D  # olmoe: norm over the whole projection
     out: list[tuple[str, Shape, str]] = [(_tn(M.TOKEN_EMBD), (V, d), "embed")]
     for i in range(hp["n_layer"]):
         out += [
@@ -92,13 +96,15 @@ def encoded_nbytes(shape: Shape, qt: QT) -> int:
     return n // block * size
 
 
-def write_metadata(w: gguf.GGUFWriter, hp: HParams, vocab: GGUFVocab, name: str, dtype: str,
-                   description: str = "") -> None:
+def write_metadata(
+    w: gguf.GGUFWriter, hp: HParams, vocab: GGUFVocab, name: str, dtype: str, description: str = ""
+) -> None:
     """All hyper-parameters llama.cpp reads for olmoe/qwen3moe, plus the gpt2-style BPE tokenizer."""
     assert hp["arch"] in ARCHS
     if hp["arch"] == "olmoe":
-        assert hp["n_head"] * hp["head_dim"] == hp["n_embd"] and hp["n_head_kv"] == hp["n_head"], \
+        assert hp["n_head"] * hp["head_dim"] == hp["n_embd"] and hp["n_head_kv"] == hp["n_head"], (
             "olmoe: q/k norms are sized n_embd, so n_head*head_dim == n_embd and no GQA"
+        )
     w.add_name(name)
     if description:
         w.add_description(description)
@@ -123,7 +129,7 @@ def write_metadata(w: gguf.GGUFWriter, hp: HParams, vocab: GGUFVocab, name: str,
     w.add_vocab_size(hp["vocab_size"])
 
     tokens, types = list(vocab["tokens"]), list(vocab["types"])
-    for i in range(len(tokens), hp["vocab_size"]):      # pad to the model's vocab with unused tokens
+    for i in range(len(tokens), hp["vocab_size"]):  # pad to the model's vocab with unused tokens
         tokens.append(f"<|unused_{i}|>")
         types.append(gguf.TokenType.UNUSED)
     w.add_tokenizer_model("gpt2")
@@ -134,7 +140,7 @@ def write_metadata(w: gguf.GGUFWriter, hp: HParams, vocab: GGUFVocab, name: str,
     w.add_bos_token_id(vocab["bos"])
     w.add_eos_token_id(vocab["eos"])
     w.add_pad_token_id(vocab["pad"])
-    w.add_add_bos_token(True)     # training documents start right after <|endoftext|>
+    w.add_add_bos_token(True)  # training documents start right after <|endoftext|>
     w.add_add_eos_token(False)
 
 
@@ -155,25 +161,34 @@ def state_to_arrays(state: Mapping[str, Any], hp: HParams) -> dict[str, npt.NDAr
     arrays = {_tn(M.TOKEN_EMBD): emb, _tn(M.OUTPUT): emb, _tn(M.OUTPUT_NORM): g("out_norm.weight")}
     for i in range(hp["n_layer"]):
         p = f"blocks.{i}."
-        arrays.update({
-            _tn(M.ATTN_NORM, i): g(p + "attn_norm.weight"),
-            _tn(M.ATTN_Q, i): g(p + "attn.wq.weight"),
-            _tn(M.ATTN_K, i): g(p + "attn.wk.weight"),
-            _tn(M.ATTN_V, i): g(p + "attn.wv.weight"),
-            _tn(M.ATTN_OUT, i): g(p + "attn.wo.weight"),
-            _tn(M.ATTN_Q_NORM, i): g(p + "attn.q_norm.weight"),
-            _tn(M.ATTN_K_NORM, i): g(p + "attn.k_norm.weight"),
-            _tn(M.FFN_NORM, i): g(p + "ffn_norm.weight"),
-            _tn(M.FFN_GATE_INP, i): g(p + "moe.router.weight"),
-            _tn(M.FFN_GATE_EXP, i): g(p + "moe.w_gate"),
-            _tn(M.FFN_UP_EXP, i): g(p + "moe.w_up"),
-            _tn(M.FFN_DOWN_EXP, i): g(p + "moe.w_down"),
-        })
+        arrays.update(
+            {
+                _tn(M.ATTN_NORM, i): g(p + "attn_norm.weight"),
+                _tn(M.ATTN_Q, i): g(p + "attn.wq.weight"),
+                _tn(M.ATTN_K, i): g(p + "attn.wk.weight"),
+                _tn(M.ATTN_V, i): g(p + "attn.wv.weight"),
+                _tn(M.ATTN_OUT, i): g(p + "attn.wo.weight"),
+                _tn(M.ATTN_Q_NORM, i): g(p + "attn.q_norm.weight"),
+                _tn(M.ATTN_K_NORM, i): g(p + "attn.k_norm.weight"),
+                _tn(M.FFN_NORM, i): g(p + "ffn_norm.weight"),
+                _tn(M.FFN_GATE_INP, i): g(p + "moe.router.weight"),
+                _tn(M.FFN_GATE_EXP, i): g(p + "moe.w_gate"),
+                _tn(M.FFN_UP_EXP, i): g(p + "moe.w_up"),
+                _tn(M.FFN_DOWN_EXP, i): g(p + "moe.w_down"),
+            }
+        )
     return arrays
 
 
-def write_gguf(out_path: Path, hp: HParams, vocab: GGUFVocab, arrays: Mapping[str, npt.NDArray[np.float32]], name: str,
-               dtype: str = "q8_0", description: str = "") -> Path:
+def write_gguf(
+    out_path: Path,
+    hp: HParams,
+    vocab: GGUFVocab,
+    arrays: Mapping[str, npt.NDArray[np.float32]],
+    name: str,
+    dtype: str = "q8_0",
+    description: str = "",
+) -> Path:
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
@@ -183,7 +198,7 @@ def write_gguf(out_path: Path, hp: HParams, vocab: GGUFVocab, arrays: Mapping[st
         a = arrays[tname]
         assert tuple(a.shape) == tuple(shape), (tname, a.shape, shape)
         qt = storage_type(kind, shape, dtype)
-        w.add_tensor(tname, encode(a, qt), raw_dtype=qt)   # Q8_0 bytes: gguf-py derives the shape
+        w.add_tensor(tname, encode(a, qt), raw_dtype=qt)  # Q8_0 bytes: gguf-py derives the shape
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -198,13 +213,16 @@ def export_state(st: Mapping[str, Any], out_path: Path, dtype: str = "q8_0", nam
     vocab = gguf_vocab(Path(st["tokenizer"]))
     vocab["pre"] = GGUF_PRE
     arrays = state_to_arrays(st["model"], hp)
-    desc = (f"s2moe zoo model trained from scratch on the Python standard library's source "
-            f"({st['step']} steps, {st['tokens']} tokens, seed {st['cfg']['seed']})")
+    desc = (
+        f"s2moe zoo model trained from scratch on the Python standard library's source "
+        f"({st['step']} steps, {st['tokens']} tokens, seed {st['cfg']['seed']})"
+    )
     return write_gguf(out_path, hp, vocab, arrays, name or Path(out_path).stem, dtype, desc)
 
 
 def export_checkpoint(ckpt_path: Path, out_path: Path, dtype: str = "q8_0", name: str | None = None) -> Path:
     import torch
+
     return export_state(torch.load(ckpt_path, map_location="cpu", weights_only=False), out_path, dtype, name)
 
 

@@ -11,6 +11,7 @@ Per layer (pre-norm, RMSNorm everywhere, no biases):
 Logits = output · RMSNorm(x_L); the output matrix is tied to the token embedding in training and written
 twice in GGUF (olmoe requires an `output` tensor).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,14 +29,14 @@ LayerStats = dict[str, torch.Tensor]
 
 @dataclass
 class MoEConfig:
-    arch: str = "olmoe"          # "olmoe" | "qwen3moe"
+    arch: str = "olmoe"  # "olmoe" | "qwen3moe"
     vocab_size: int = 4096
     n_layer: int = 6
     n_embd: int = 128
     n_head: int = 4
     head_dim: int = 32
     n_expert: int = 64
-    k: int = 8                   # experts used per token
+    k: int = 8  # experts used per token
     expert_ff: int = 128
     ctx: int = 512
     rope_base: float = 10000.0
@@ -62,7 +63,7 @@ class RMSNorm(nn.Module):
 def rope_tables(cfg: MoEConfig, T: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     half = cfg.head_dim // 2
     inv = cfg.rope_base ** (-torch.arange(half, dtype=torch.float32, device=device) * 2.0 / cfg.head_dim)
-    ang = torch.arange(T, dtype=torch.float32, device=device)[:, None] * inv[None, :]     # [T, half]
+    ang = torch.arange(T, dtype=torch.float32, device=device)[:, None] * inv[None, :]  # [T, half]
     return ang.cos(), ang.sin()
 
 
@@ -90,10 +91,10 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, D = self.cfg.n_head, self.cfg.head_dim
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        if self.cfg.arch == "olmoe":            # norm over the full projection, then split heads
+        if self.cfg.arch == "olmoe":  # norm over the full projection, then split heads
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
-        if self.cfg.arch != "olmoe":            # per-head norm
+        if self.cfg.arch != "olmoe":  # per-head norm
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_neox(q, cos, sin), apply_rope_neox(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -110,45 +111,46 @@ class MoE(nn.Module):
         self.cfg = cfg
         E, d, f = cfg.n_expert, cfg.n_embd, cfg.expert_ff
         self.router = nn.Linear(d, E, bias=False)
-        self.w_gate = nn.Parameter(torch.randn(E, f, d) * 0.02)   # [E, out, in] = GGUF ffn_gate_exps
+        self.w_gate = nn.Parameter(torch.randn(E, f, d) * 0.02)  # [E, out, in] = GGUF ffn_gate_exps
         self.w_up = nn.Parameter(torch.randn(E, f, d) * 0.02)
         self.w_down = nn.Parameter(torch.randn(E, d, f) * 0.02)
 
-    def forward(self, x: torch.Tensor, k: int | None = None,
-                force_topi: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerStats]:
+    def forward(
+        self, x: torch.Tensor, k: int | None = None, force_topi: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, LayerStats]:
         """x: [N, d]. Returns (y, stats) with stats = dict(logits, topi, aux, z)."""
         cfg = self.cfg
         k = k or cfg.k
         N, d = x.shape
         E = cfg.n_expert
-        logits = self.router(x)                                 # [N, E]
+        logits = self.router(x)  # [N, E]
         probs = logits.float().softmax(-1)
         if force_topi is None:
-            topw, topi = probs.topk(k, dim=-1)                  # [N, k]
+            topw, topi = probs.topk(k, dim=-1)  # [N, k]
         else:
             topi = force_topi
             topw = probs.gather(-1, topi)
         if cfg.norm_topk:
             topw = topw / topw.sum(-1, keepdim=True).clamp_min(6.103515625e-5)
 
-        flat_e = topi.reshape(-1)                               # [N*k] slot -> expert
-        order = flat_e.argsort(stable=True)                     # slots grouped by expert
+        flat_e = topi.reshape(-1)  # [N*k] slot -> expert
+        order = flat_e.argsort(stable=True)  # slots grouped by expert
         counts = torch.bincount(flat_e, minlength=E)
-        tok = order // k                                        # token of each grouped slot
+        tok = order // k  # token of each grouped slot
         xs = x[tok]
         outs = []
         for e, seg in enumerate(torch.split(xs, counts.tolist())):
             if seg.shape[0]:
                 h = F.silu(seg @ self.w_gate[e].t()) * (seg @ self.w_up[e].t())
                 outs.append(h @ self.w_down[e].t())
-        out = torch.cat(outs)                                   # [N*k, d], grouped order
+        out = torch.cat(outs)  # [N*k, d], grouped order
         contrib = out * topw.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         y = torch.zeros_like(x).index_add_(0, tok, contrib)
 
         # Switch/OLMoE load-balancing loss: E * Σ_e (share of routed slots to e) * (mean router prob of e)
         frac = counts.float() / (N * k)
         aux = E * (frac * probs.mean(0)).sum()
-        z = torch.logsumexp(logits.float(), -1).pow(2).mean()   # router z-loss (keeps logits small)
+        z = torch.logsumexp(logits.float(), -1).pow(2).mean()  # router z-loss (keeps logits small)
         return y, {"logits": logits, "topi": topi, "aux": aux, "z": z, "counts": counts}
 
 
@@ -160,8 +162,14 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.moe = MoE(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: int | None = None,
-                force_topi: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerStats]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k: int | None = None,
+        force_topi: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LayerStats]:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         B, T, d = x.shape
         y, st = self.moe(self.ffn_norm(x).reshape(B * T, d), k=k, force_topi=force_topi)
@@ -177,7 +185,7 @@ class MoELM(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.out_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.apply(self._init)
-        for b in blocks:   # scale residual-branch outputs down with depth (GPT-2 style)
+        for b in blocks:  # scale residual-branch outputs down with depth (GPT-2 style)
             nn.init.normal_(b.attn.wo.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
             nn.init.normal_(b.moe.w_down, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
@@ -186,8 +194,9 @@ class MoELM(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx: torch.Tensor, k: int | None = None,
-                force_topi: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[LayerStats]]:
+    def forward(
+        self, idx: torch.Tensor, k: int | None = None, force_topi: Sequence[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, list[LayerStats]]:
         """idx: [B, T] -> logits [B, T, V], per-layer stats. force_topi: per-layer list of [B*T, k] ids."""
         T = idx.shape[1]
         cos, sin = rope_tables(self.cfg, T, idx.device)

@@ -11,6 +11,7 @@ reproducible from `seed`. The file appears atomically (written as <out>.tmp, the
 The vocabulary is the zoo's BPE tokenizer padded with unused tokens to the preset's vocab size, so
 prompts tokenise normally.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,17 +29,53 @@ from .tokenizer import GGUF_PRE, gguf_vocab
 
 PRESETS: dict[str, HParams] = {
     # OLMoE-1B-7B: 16 layers, d 2048, 16 heads x 128, 64 experts top-8, expert FFN 1024, vocab 50304
-    "olmoe-1b-7b": dict(arch="olmoe", n_layer=16, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128,
-                        n_expert=64, k=8, expert_ff=1024, vocab_size=50304, ctx=4096,
-                        rope_base=10000.0, norm_eps=1e-5),
+    "olmoe-1b-7b": dict(
+        arch="olmoe",
+        n_layer=16,
+        n_embd=2048,
+        n_head=16,
+        n_head_kv=16,
+        head_dim=128,
+        n_expert=64,
+        k=8,
+        expert_ff=1024,
+        vocab_size=50304,
+        ctx=4096,
+        rope_base=10000.0,
+        norm_eps=1e-5,
+    ),
     # Qwen3-30B-A3B: 48 layers, d 2048, 32 q heads / 4 kv heads x 128, 128 experts top-8, expert FFN 768
-    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
-                          n_expert=128, k=8, expert_ff=768, vocab_size=151936, ctx=40960,
-                          rope_base=1000000.0, norm_eps=1e-6),
+    "qwen3-30b-a3b": dict(
+        arch="qwen3moe",
+        n_layer=48,
+        n_embd=2048,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        n_expert=128,
+        k=8,
+        expert_ff=768,
+        vocab_size=151936,
+        ctx=40960,
+        rope_base=1000000.0,
+        norm_eps=1e-6,
+    ),
     # seconds to write, for tests
-    "tiny": dict(arch="olmoe", n_layer=2, n_embd=64, n_head=2, n_head_kv=2, head_dim=32,
-                 n_expert=8, k=2, expert_ff=64, vocab_size=4096, ctx=256,
-                 rope_base=10000.0, norm_eps=1e-5),
+    "tiny": dict(
+        arch="olmoe",
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        n_head_kv=2,
+        head_dim=32,
+        n_expert=8,
+        k=2,
+        expert_ff=64,
+        vocab_size=4096,
+        ctx=256,
+        rope_base=10000.0,
+        norm_eps=1e-5,
+    ),
 }
 TOKENIZER_JSON = Path(__file__).resolve().parent / "data" / "tokenizer.json"
 ROWS_PER_CHUNK = 2048
@@ -48,8 +85,15 @@ class _ChunkedTensor:
     """Looks enough like an ndarray for GGUFWriter.write_tensor_data (nbytes, tofile), but generates and
     writes its data chunk by chunk."""
 
-    def __init__(self, shape: Shape, kind: str, qt: QT, rng: np.random.Generator, advance: Callable[[int], None],
-                 std: float = 0.02):
+    def __init__(
+        self,
+        shape: Shape,
+        kind: str,
+        qt: QT,
+        rng: np.random.Generator,
+        advance: Callable[[int], None],
+        std: float = 0.02,
+    ):
         self.shape, self.kind, self.qt, self.rng, self.std = tuple(shape), kind, qt, rng, std
         self.advance = advance  # called with each chunk's bytes as it is written
         self.nbytes = encoded_nbytes(self.shape, qt)
@@ -58,7 +102,7 @@ class _ChunkedTensor:
         if self.kind == "norm":
             yield np.ones(self.shape, np.float32)
             return
-        if len(self.shape) == 3:                       # one expert at a time
+        if len(self.shape) == 3:  # one expert at a time
             for _ in range(self.shape[0]):
                 yield self.rng.standard_normal(self.shape[1:], dtype=np.float32) * self.std
             return
@@ -91,9 +135,19 @@ def estimate_bytes(hp: HParams, dtype: str = "f16") -> int:
     return sum(encoded_nbytes(s, storage_type(k, s, dtype)) for _, s, k in tensor_layout(hp))
 
 
-def write_synthetic(arch: str | None, preset: str, out_path: str | os.PathLike[str], *, dtype: str = "f16",
-                    seed: int = 0, n_layer: int | None = None, n_expert: int | None = None, k: int | None = None,
-                    ctx: int | None = None, progress: Callable[[int, int], None] | None = None) -> Path:
+def write_synthetic(
+    arch: str | None,
+    preset: str,
+    out_path: str | os.PathLike[str],
+    *,
+    dtype: str = "f16",
+    seed: int = 0,
+    n_layer: int | None = None,
+    n_expert: int | None = None,
+    k: int | None = None,
+    ctx: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Write a random-weight GGUF; returns the path. `progress(done_bytes, total_bytes)` is optional: called
     with 0 once the file is planned, then as each chunk of tensor data is written (an expert, 2048 rows)."""
     if dtype not in DTYPES:
@@ -145,6 +199,7 @@ def write_synthetic(arch: str | None, preset: str, out_path: str | os.PathLike[s
 
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
+
     ap = argparse.ArgumentParser(description="write a random-weight MoE GGUF with real dimensions")
     ap.add_argument("preset", choices=sorted(PRESETS))
     ap.add_argument("out")
@@ -154,8 +209,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--n-expert", type=int)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    p = write_synthetic(a.arch, a.preset, a.out, dtype=a.dtype, seed=a.seed, n_layer=a.n_layer,
-                        n_expert=a.n_expert)
+    p = write_synthetic(a.arch, a.preset, a.out, dtype=a.dtype, seed=a.seed, n_layer=a.n_layer, n_expert=a.n_expert)
     print(p, p.stat().st_size)
 
 

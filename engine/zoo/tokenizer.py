@@ -7,6 +7,7 @@ round-trips byte for byte (with "gpt-2" llama_detokenize would drop the space in
 
 Special tokens: id 0 = <|endoftext|> (BOS = EOS = document separator), id 1 = <|pad|>.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: Path) -> To
         min_frequency=2,
         max_token_length=MAX_TOKEN_CHARS,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),   # all 256 bytes: nothing is ever unknown
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is ever unknown
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
@@ -64,6 +65,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: Path) -> To
 
 def load_tokenizer(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer
+
     return Tokenizer.from_file(str(path))
 
 
@@ -95,7 +97,7 @@ def gguf_vocab(tokenizer_json: Path) -> GGUFVocab:
 
 
 FIXTURE_TEXTS = [
-    "def moving_average(values, width=3):\n    \"\"\"Mean of each run of `width` items.\"\"\"\n"
+    'def moving_average(values, width=3):\n    """Mean of each run of `width` items."""\n'
     "    out = []\n    for i in range(len(values) - width + 1):\n"
     "        out.append(sum(values[i:i + width]) / width)\n    return out\n",
     "class Stack:\n    def __init__(self):\n        self._items = []\n\n    def push(self, item):\n"
@@ -103,7 +105,7 @@ FIXTURE_TEXTS = [
     "            raise IndexError('pop from empty stack')\n        return self._items.pop()\n",
     "from . import util\nx = {'a': 1, \"b\": [2, 3.5e-7, 0x1F]}  # it's a dict ,  isn't it ?\n\n\n\t\ttabs\n",
     "The library opens at nine o'clock; we'll meet there, won't we? Prices rose 12% in 2023.",
-    "Unicode: caf\u00e9, na\u00efve, \u00fcber, \u65e5\u672c\u8a9e, emoji \U0001F600 and \u00a9 2024 \u2014 done.",
+    "Unicode: caf\u00e9, na\u00efve, \u00fcber, \u65e5\u672c\u8a9e, emoji \U0001f600 and \u00a9 2024 \u2014 done.",
     "    " * 6 + "deeply_indented = True\n" + "#" * 70 + "\n",
 ]
 
@@ -112,5 +114,7 @@ def write_fixture(tokenizer_json: Path, out_path: Path, extra_texts: Iterable[st
     """Reference token ids from HF `tokenizers` (tests compare llama.cpp's tokenisation against them)."""
     tok = load_tokenizer(tokenizer_json)
     items = [{"text": t, "ids": tok.encode(t).ids} for t in list(FIXTURE_TEXTS) + list(extra_texts)]
-    Path(out_path).write_text(json.dumps({"tokenizer": "tokenizer.json", "items": items}, ensure_ascii=False,
-                                         indent=0) + "\n", encoding="utf-8")
+    Path(out_path).write_text(
+        json.dumps({"tokenizer": "tokenizer.json", "items": items}, ensure_ascii=False, indent=0) + "\n",
+        encoding="utf-8",
+    )

@@ -16,6 +16,7 @@ glibc, MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 in the 
 allocator from mapping and zeroing fresh pages for every large activation (without it we measured two thirds
 of the CPU time in the kernel).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,20 +47,47 @@ TrainConfig = dict[str, Any]
 
 CONFIGS: dict[str, TrainConfig] = {
     # default: OLMoE-style (64 experts, top-8, softmax gates not renormalised, q/k norm over n_embd)
-    "olmoe-64x8": dict(model=dict(arch="olmoe", n_layer=6, n_embd=128, n_head=4, head_dim=32,
-                                  n_expert=64, k=8, expert_ff=128, ctx=512),
-                       batch=4, lr=2e-3, max_steps=3800, warmup=100),
+    "olmoe-64x8": dict(
+        model=dict(
+            arch="olmoe", n_layer=6, n_embd=128, n_head=4, head_dim=32, n_expert=64, k=8, expert_ff=128, ctx=512
+        ),
+        batch=4,
+        lr=2e-3,
+        max_steps=3800,
+        warmup=100,
+    ),
     # Qwen3-MoE-style (32 wider experts, top-4, renormalised gates, per-head q/k norm)
-    "qwen3moe-32x4": dict(model=dict(arch="qwen3moe", n_layer=6, n_embd=128, n_head=4, head_dim=32,
-                                     n_expert=32, k=4, expert_ff=256, ctx=512),
-                          batch=4, lr=2e-3, max_steps=3000, warmup=100),
+    "qwen3moe-32x4": dict(
+        model=dict(
+            arch="qwen3moe", n_layer=6, n_embd=128, n_head=4, head_dim=32, n_expert=32, k=4, expert_ff=256, ctx=512
+        ),
+        batch=4,
+        lr=2e-3,
+        max_steps=3000,
+        warmup=100,
+    ),
     # seconds-long smoke test
-    "smoke": dict(model=dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=2, head_dim=32,
-                             n_expert=8, k=2, expert_ff=64, ctx=128),
-                  batch=4, lr=3e-3, max_steps=20, warmup=5),
+    "smoke": dict(
+        model=dict(
+            arch="qwen3moe", n_layer=2, n_embd=64, n_head=2, head_dim=32, n_expert=8, k=2, expert_ff=64, ctx=128
+        ),
+        batch=4,
+        lr=3e-3,
+        max_steps=20,
+        warmup=5,
+    ),
 }
-COMMON: TrainConfig = dict(seed=1234, weight_decay=0.1, aux_coef=0.01, z_coef=0.001, grad_clip=1.0,
-              eval_every=200, eval_batches=8, ckpt_minutes=4.0, log_every=10)
+COMMON: TrainConfig = dict(
+    seed=1234,
+    weight_decay=0.1,
+    aux_coef=0.01,
+    z_coef=0.001,
+    grad_clip=1.0,
+    eval_every=200,
+    eval_batches=8,
+    ckpt_minutes=4.0,
+    log_every=10,
+)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -80,20 +108,26 @@ def prepare_data(root: Path = RUN_ROOT, vocab: int = VOCAB) -> Path:
             ids.extend(enc.ids)
         np.save(d / f"{name}.npy", np.asarray(ids, dtype=np.uint16))
         (d / f"{name}.files.txt").write_text("\n".join(r for r, _ in docs) + "\n")
-    meta = {"vocab": vocab, "train_files": len(train_docs), "heldout_files": len(held_docs),
-            "train_tokens": int(np.load(d / "train.npy").size),
-            "heldout_tokens": int(np.load(d / "heldout.npy").size),
-            "train_bytes": sum(len(t.encode()) for _, t in train_docs),
-            "heldout_bytes": sum(len(t.encode()) for _, t in held_docs)}
+    meta = {
+        "vocab": vocab,
+        "train_files": len(train_docs),
+        "heldout_files": len(held_docs),
+        "train_tokens": int(np.load(d / "train.npy").size),
+        "heldout_tokens": int(np.load(d / "heldout.npy").size),
+        "train_bytes": sum(len(t.encode()) for _, t in train_docs),
+        "heldout_bytes": sum(len(t.encode()) for _, t in held_docs),
+    }
     (d / "meta.json").write_text(json.dumps(meta, indent=1))
     return d
 
 
-def get_batch(stream: npt.NDArray[np.uint16], batch: int, ctx: int,
-              rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    stream: npt.NDArray[np.uint16], batch: int, ctx: int, rng: np.random.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
+
     starts = rng.integers(0, stream.size - ctx - 1, size=batch)
-    windows = np.stack([stream[s:s + ctx + 1] for s in starts]).astype(np.int64)
+    windows = np.stack([stream[s : s + ctx + 1] for s in starts]).astype(np.int64)
     x = torch.from_numpy(windows)
     return x[:, :-1], x[:, 1:]
 
@@ -110,6 +144,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def save_atomic(obj: dict[str, Any], path: Path) -> None:
     import torch
+
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
@@ -117,6 +152,7 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
 
 def evaluate_loss(model: MoELM, stream: npt.NDArray[np.uint16], cfg: TrainConfig, n_batches: int) -> float:
     import torch
+
     rng = np.random.default_rng([cfg["seed"], 999_999])
     model.eval()
     tot = 0.0
@@ -129,8 +165,7 @@ def evaluate_loss(model: MoELM, stream: npt.NDArray[np.uint16], cfg: TrainConfig
     return tot / n_batches
 
 
-def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 1,
-          stop_at: int | None = None) -> None:
+def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 1, stop_at: int | None = None) -> None:
     """Train (or resume) run `name`. stop_at: checkpoint and return at that step without touching the
     schedule (the learning rate follows max_steps), so a run can be done in time-boxed pieces and still
     end bit-identical to an uninterrupted one."""
@@ -153,9 +188,12 @@ def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 
     model = MoELM(mcfg)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg["lr"],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     step, tokens = 0, 0
     history: list[dict[str, float]] = []
     ckpt = run / "ckpt.pt"
@@ -166,12 +204,22 @@ def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 
         step, tokens, history = st["step"], st["tokens"], st["history"]
         print(f"resumed {name} at step {step} ({tokens} tokens)", flush=True)
     total, active = model.n_params()
-    print(f"{name}: {total/1e6:.2f}M params, {active/1e6:.2f}M active; cfg={json.dumps(cfg)}", flush=True)
+    print(f"{name}: {total / 1e6:.2f}M params, {active / 1e6:.2f}M active; cfg={json.dumps(cfg)}", flush=True)
 
     def checkpoint() -> None:
-        save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "tokens": tokens,
-                     "history": history, "cfg": cfg, "model_cfg": mcfg.to_dict(),
-                     "tokenizer": str(data_dir / "tokenizer.json")}, ckpt)
+        save_atomic(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "tokens": tokens,
+                "history": history,
+                "cfg": cfg,
+                "model_cfg": mcfg.to_dict(),
+                "tokenizer": str(data_dir / "tokenizer.json"),
+            },
+            ckpt,
+        )
 
     t_ckpt = t_log = time.time()
     tok_since = 0
@@ -195,8 +243,11 @@ def train(name: str, resume: bool, max_steps: int | None = None, threads: int = 
         tok_since += x.numel()
         if step % cfg["log_every"] == 0:
             now = time.time()
-            print(f"step {step} ce {ce.item():.4f} aux {aux.item():.4f} z {z.item():.2f} "
-                  f"lr {lr_at(step, cfg):.2e} tok/s {tok_since / (now - t_log):.0f} tokens {tokens}", flush=True)
+            print(
+                f"step {step} ce {ce.item():.4f} aux {aux.item():.4f} z {z.item():.2f} "
+                f"lr {lr_at(step, cfg):.2e} tok/s {tok_since / (now - t_log):.0f} tokens {tokens}",
+                flush=True,
+            )
             t_log, tok_since = now, 0
         if step % cfg["eval_every"] == 0 or step == cfg["max_steps"]:
             vl = evaluate_loss(model, held_stream, cfg, cfg["eval_batches"])
@@ -215,8 +266,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--resume", action="store_true", help="continue from the run's checkpoint if present")
     ap.add_argument("--max-steps", type=int, default=None, help="override the config's step count")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--stop-at", type=int, default=None,
-                    help="checkpoint and stop at this step, schedule unchanged (resume later with --resume)")
+    ap.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="checkpoint and stop at this step, schedule unchanged (resume later with --resume)",
+    )
     ap.add_argument("--prepare-only", action="store_true", help="only build tokenizer + token cache")
     a = ap.parse_args(argv)
     if a.prepare_only:

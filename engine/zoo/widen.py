@@ -98,11 +98,12 @@ class _Stream:
 def _copy_chunks(raw: Bytes) -> Iterator[Bytes]:
     flat = raw.reshape(-1)
     for i in range(0, flat.size, CHUNK_BYTES):
-        yield flat[i:i + CHUNK_BYTES]
+        yield flat[i : i + CHUNK_BYTES]
 
 
-def _widen_rows_chunks(raw: Bytes, qt: QT, n_in: int, extra: int, rng: np.random.Generator,
-                       encodable: bool) -> Iterator[Bytes]:
+def _widen_rows_chunks(
+    raw: Bytes, qt: QT, n_in: int, extra: int, rng: np.random.Generator, encodable: bool
+) -> Iterator[Bytes]:
     """gate/up, (experts, n_ff, row bytes): each expert's rows, then `extra` new rows at its scale."""
     for e in range(raw.shape[0]):
         src = raw[e]
@@ -127,7 +128,7 @@ def _widen_cols_chunks(raw: Bytes, factor: int) -> Iterator[Bytes]:
     per = max(1, CHUNK_BYTES // (factor * width))
     for e in range(n_exp):
         for start in range(0, n_rows, per):
-            src = raw[e, start:start + per]
+            src = raw[e, start : start + per]
             out = np.zeros((src.shape[0], factor * width), np.uint8)
             out[:, :width] = src
             yield out
@@ -210,8 +211,14 @@ def _plan(reader: gguf.GGUFReader, arch: str) -> tuple[dict[str, str], int, list
     return how, n_ff, keys
 
 
-def widen(source: str | os.PathLike[str], out: str | os.PathLike[str], factor: int, *, seed: int = 0,
-          progress: Progress | None = None) -> Path:
+def widen(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    factor: int,
+    *,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> Path:
     """Write `source` with every expert FFN `factor` times as wide (inert neurons) to `out`; returns out.
     `progress(done_bytes, total_bytes)` is called with 0 once the source is checked and the file planned, then
     as tensor data is written."""
@@ -246,8 +253,11 @@ def widen(source: str | os.PathLike[str], out: str | os.PathLike[str], factor: i
         elif name == "general.name" and vtype == VT.STRING:
             value = value + f"-w{factor}".encode()
         w.add_key_value(name, value, vtype, sub_type=sub)
-    w.add_string("s2moe.widened", f"expert FFN widened x{factor} ({n_ff} -> {factor * n_ff}) with inert neurons "
-                                  f"(random gate/up rows, zero down columns) from {source.name}")
+    w.add_string(
+        "s2moe.widened",
+        f"expert FFN widened x{factor} ({n_ff} -> {factor * n_ff}) with inert neurons "
+        f"(random gate/up rows, zero down columns) from {source.name}",
+    )
     w.add_uint32("s2moe.widened.factor", factor)
 
     streams = []
@@ -261,7 +271,7 @@ def widen(source: str | os.PathLike[str], out: str | os.PathLike[str], factor: i
 
     for i, t in enumerate(reader.tensors):
         qt, raw = t.tensor_type, _raw(t)
-        shape = [int(x) for x in reversed(t.shape.tolist())]   # numpy order: outermost first
+        shape = [int(x) for x in reversed(t.shape.tolist())]  # numpy order: outermost first
         mode = how.get(t.name)
         if mode is None:
             nbytes = raw.nbytes
@@ -272,16 +282,17 @@ def widen(source: str | os.PathLike[str], out: str | os.PathLike[str], factor: i
             rng = np.random.default_rng([seed, i])
             encodable = _can_encode(qt, shape[-1])
             raw3 = raw.reshape((-1,) + raw.shape[-2:])
-            chunks = functools.partial(_widen_rows_chunks, raw3, qt, shape[-1], (factor - 1) * raw3.shape[1], rng,
-                                       encodable)
+            chunks = functools.partial(
+                _widen_rows_chunks, raw3, qt, shape[-1], (factor - 1) * raw3.shape[1], rng, encodable
+            )
         else:
             block = gguf.GGML_QUANT_SIZES[qt][0]
             if shape[-1] % block:
-                raise ModelError(f"{t.name}: FFN size {shape[-1]} is not a whole number of {qt.name} blocks "
-                                 f"of {block}")
+                raise ModelError(f"{t.name}: FFN size {shape[-1]} is not a whole number of {qt.name} blocks of {block}")
             if not _zero_block_decodes_to_zero(qt):
-                raise ModelError(f"{t.name}: cannot write zero columns in {qt.name} (no all-zero block decodes "
-                                 f"to zero)")
+                raise ModelError(
+                    f"{t.name}: cannot write zero columns in {qt.name} (no all-zero block decodes to zero)"
+                )
             shape[-1] *= factor
             nbytes = raw.nbytes * factor
             raw3 = raw.reshape((-1,) + raw.shape[-2:])
