@@ -2010,7 +2010,7 @@ def test_under_a_budget_memory_gating_moves_plain_steps_onto_experts_in_memory(t
 AUTO_TUNE = """
 import json, sys
 from s2moe.engine import offload
-from s2moe.engine.measure.bench import load_prompts
+from s2moe.engine.measure.prompts import load_prompts
 from s2moe.engine.decoding.decoder import Decoder
 from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.events import CostConstants
