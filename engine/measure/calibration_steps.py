@@ -29,19 +29,14 @@ from .calibration_measures import (
     verify_sizes,
 )
 from .calibration_worker import PLAIN_FETCH_CHARS, PLAIN_FETCH_WARM, run_cold
+from .cost_fits import Fit, MissFit, fault_explained_fit, fit_miss_cost, fit_verify_cost, r2_text
 from .costmodel import (
-    Fit,
-    MissFit,
     Stopped,
     context_line,
-    fault_explained_fit,
     fit_context,
-    fit_miss_cost,
-    fit_verify_cost,
     iter_context_steps,
     iter_time_steps,
     iter_verify_samples,
-    r2_text,
 )
 
 if TYPE_CHECKING:  # loading llama.cpp is for the steps to do as they run, not for this module's import
