@@ -186,7 +186,7 @@ KIND_WORDS = {"plain": "plain steps", "copy": "copied drafts", "draft": "self-dr
 
 def offloaded_fit_clauses(c: dict) -> list[str]:
     """What a budgeted run's fit adds: the miss-aware form and the storage-fault diagnostic, if present."""
-    from ..engine.measure.costmodel import r2_text
+    from ..engine.measure.cost_fits import r2_text
 
     m = c.get("miss_aware")
     if not m:
@@ -230,7 +230,7 @@ def offloaded_fit_clauses(c: dict) -> list[str]:
 def markdown(done) -> str:
     import plotext as plt
 
-    from ..engine.measure.costmodel import r2_text
+    from ..engine.measure.cost_fits import r2_text
 
     lines = [
         f"# s2moe bench — {done.config.get('prompt_set')}",

@@ -75,7 +75,7 @@ def resident_verify_cost(resident_fit: dict, profile: dict | None, info):
     """What a verification of (experts, rows) costs with the model in memory: this run's resident fit, else
     the profile's constants for the model, else None."""
     if resident_fit:
-        from ..engine.measure.costmodel import Fit
+        from ..engine.measure.cost_fits import Fit
 
         c = resident_fit
         return Fit(c["intercept_s"], c["t_exp_s"], c["t_tok_s"], c["r2"], c["mape"], c["n"]).predict

@@ -612,7 +612,7 @@ def run(args) -> int:
         say("gating quality: " + gating_quality_text(done.quality))
     for label, mq in done.memory_quality_by_budget.items():
         say(memory_quality_text(label, mq))
-    from ..engine.measure.costmodel import r2_text
+    from ..engine.measure.cost_fits import r2_text
 
     if done.cost_model:
         c = done.cost_model

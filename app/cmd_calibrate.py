@@ -60,7 +60,7 @@ def run(args) -> int:
 
     from ..engine.decoding.runtime import check_threads
     from ..engine.measure.calibrate import run_calibration
-    from ..engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
+    from ..engine.measure.calibration_events import CalibrationDone, StepProgress, StepResult, StepStarted
     from ..engine.offload import Budget
     from .model_runs import default_model
     from .options import placement_from_args

@@ -291,7 +291,7 @@ def test_the_settings_line_says_gating_one_way_and_whether_it_is_lossy():
 
 
 def test_the_calibration_says_where_the_profile_went_once_saved(monkeypatch):
-    from s2moe.engine.measure.calibration_steps import CalibrationDone, StepResult, StepStarted
+    from s2moe.engine.measure.calibration_events import CalibrationDone, StepResult, StepStarted
 
     base = fake_run_calibration()
 

@@ -23,7 +23,7 @@ from s2moe.engine.events import (
 from s2moe.engine.measure.bench import run_bench as REAL_RUN_BENCH
 from s2moe.engine.measure.bench_results import BenchDone, BenchProgress, BenchRow
 from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
-from s2moe.engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
+from s2moe.engine.measure.calibration_events import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.measure.speed import MIN_PAIRS, Load, compare
 
 VOCAB = {

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from s2moe.engine.errors import ConfigError, ModelError
 from s2moe.engine.measure.calibrate import run_calibration
+from s2moe.engine.measure.calibration_events import CalibrationDone, StepProgress, StepResult, StepStarted
 from s2moe.engine.measure.calibration_measures import read_prompts
-from s2moe.engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
-from s2moe.engine.measure.costmodel import r2_ceiling
+from s2moe.engine.measure.cost_fits import r2_ceiling
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.offload import Budget
 from s2moe.engine.profiles import cost_for_model, load_profile, save_profile

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from s2moe.engine.errors import ConfigError
-from s2moe.engine.measure.costmodel import fit_verify_cost, measure_cost_constants
+from s2moe.engine.measure.cost_fits import fit_verify_cost
+from s2moe.engine.measure.costmodel import measure_cost_constants
 from s2moe.engine.profiles import cost_for_model, load_profile
 
 
@@ -68,7 +69,7 @@ def test_bad_profiles_name_the_failing_field(tmp_path, body, needle):
 
 
 def test_the_r2_ceiling_is_what_the_same_counts_timed_again_leave_unexplained():
-    from s2moe.engine.measure.costmodel import r2_ceiling, r2_text
+    from s2moe.engine.measure.cost_fits import r2_ceiling, r2_text
 
     rng = np.random.default_rng(1)
     experts = np.repeat(rng.integers(8, 200, size=20), 3)  # 20 batches, each timed three times
@@ -87,7 +88,7 @@ def test_the_r2_ceiling_is_what_the_same_counts_timed_again_leave_unexplained():
     assert r2_ceiling(zip(range(60), tokens), seconds) is None
     assert r2_text(0.5, None) == "R² 0.500"
     # under a budget the fetched experts are part of the counts
-    from s2moe.engine.measure.costmodel import fit_miss_cost
+    from s2moe.engine.measure.cost_fits import fit_miss_cost
 
     misses = experts // 2
     assert fit_miss_cost(experts, misses, tokens, seconds).r2_ceiling == pytest.approx(ceiling)

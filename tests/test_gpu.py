@@ -536,7 +536,8 @@ def test_host_to_device_rate_and_copy_mode_on_the_gpu(tiny_models):
 
 def test_a_calibration_without_a_gpu_counts_the_gpu_step_as_skipped_not_failed():
     from s2moe.app.tui.calibrate_steps import step_outcome
-    from s2moe.engine.measure.calibration_steps import NO_GPU, NO_GPU_DEVICE, StepResult
+    from s2moe.engine.measure.calibration_events import StepResult
+    from s2moe.engine.measure.calibration_steps import NO_GPU, NO_GPU_DEVICE
 
     for why in (NO_GPU, NO_GPU_DEVICE):
         outcome = step_outcome(StepResult(6, "gpu", why, {"skipped": why}))

@@ -434,7 +434,7 @@ def test_generate_under_a_real_budget(tiny_models, capfd):
 
 
 def test_miss_aware_fit_recovers_known_costs():
-    from s2moe.engine.measure.costmodel import fit_miss_cost
+    from s2moe.engine.measure.cost_fits import fit_miss_cost
 
     rng = np.random.default_rng(1)
     experts = rng.integers(16, 64, size=80)
@@ -448,7 +448,7 @@ def test_miss_aware_fit_recovers_known_costs():
 
 
 def test_fault_explained_fit_recovers_what_a_fault_costs():
-    from s2moe.engine.measure.costmodel import fault_explained_fit
+    from s2moe.engine.measure.cost_fits import fault_explained_fit
 
     rng = np.random.default_rng(2)
     experts = rng.integers(16, 64, size=80)
@@ -461,7 +461,7 @@ def test_fault_explained_fit_recovers_what_a_fault_costs():
 
 
 def test_a_drifting_disk_is_followed_by_the_tracked_rate_and_a_steady_one_costs_little():
-    from s2moe.engine.measure.costmodel import drift_tracked_fit, fit_miss_cost
+    from s2moe.engine.measure.cost_fits import drift_tracked_fit, fit_miss_cost
 
     rng = np.random.default_rng(3)
     n = 400
@@ -484,7 +484,7 @@ def test_the_tracked_rate_is_not_swung_by_verifications_that_fetched_little():
     """Under a roomier budget most verifications fetch a handful of experts, and their time beyond the fit's
     other terms is mostly noise: divided by one or two fetches it says nothing of the rate, and must not move
     it more than those fetches' share of the run."""
-    from s2moe.engine.measure.costmodel import drift_tracked_fit, fit_miss_cost
+    from s2moe.engine.measure.cost_fits import drift_tracked_fit, fit_miss_cost
 
     rng = np.random.default_rng(4)
     n = 600

@@ -604,7 +604,7 @@ def test_calibrate_measures_the_workload_terms_in_the_engine(tiny_models, tmp_pa
     from s2moe.engine.decoding.decoder import Decoder
     from s2moe.engine.decoding.generation_config import GenerationConfig
     from s2moe.engine.measure.calibrate import run_calibration
-    from s2moe.engine.measure.calibration_steps import CalibrationDone
+    from s2moe.engine.measure.calibration_events import CalibrationDone
     from s2moe.engine.measure.trace import TraceRecorder
     from s2moe.engine.profile_schema import validate_profile
 

@@ -12,7 +12,7 @@ from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.calibrate_steps import FIELDS, Outcome, plain_words, step_outcome, tune_minutes
 from s2moe.app.tui.calibrate_widgets import ConfirmSave
 from s2moe.engine.measure.calibrate import run_calibration as REAL_RUN_CALIBRATION
-from s2moe.engine.measure.calibration_steps import CalibrationDone, StepResult, StepStarted
+from s2moe.engine.measure.calibration_events import CalibrationDone, StepResult, StepStarted
 from s2moe.engine.measure.quality_checks import CheckFigures
 from s2moe.engine.measure.tune import TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality, TuneStarted
 from s2moe.engine.measure.tune import run_tune as REAL_RUN_TUNE

@@ -19,7 +19,7 @@ from ...engine.decoding.gpu import Placement
 from ...engine.errors import S2MoEError
 from ...engine.measure import calibrate as engine_calibrate
 from ...engine.measure import tune as engine_tune
-from ...engine.measure.calibration_steps import CalibrationDone, StepProgress, StepResult, StepStarted
+from ...engine.measure.calibration_events import CalibrationDone, StepProgress, StepResult, StepStarted
 from ...engine.measure.tune import (
     TuneDone,
     TuneJointQuality,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ...engine.measure.calibration_steps import NO_GPU, NO_GPU_DEVICE, StepResult
+from ...engine.measure.calibration_events import StepResult
+from ...engine.measure.calibration_steps import NO_GPU, NO_GPU_DEVICE
 
 TUNE_PROMPTS = "humaneval"  # the workload `s2moe tune` tunes for by default
 TUNE_MINUTES = 3.0  # the wizard's default: a first tuning, shorter than the command's 10 minutes …

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..events import Iteration, Summary, Totals
 from ..modes import CHAIN_DRAFT_MODES, DRAFT_EXPERTS, LOSSLESS_MODES, MODES, TREE_MODES
 from .bench_results import BenchDone, BenchProgress, BenchRow, BenchTrace, verification_kind
-from .costmodel import drift_tracked_fit, fault_explained_fit, fit_miss_cost, fit_verify_cost
+from .cost_fits import drift_tracked_fit, fault_explained_fit, fit_miss_cost, fit_verify_cost
 from .quality_checks import MEMORY_CHECK_TOKENS, gating_quality, memory_gating_quality, near_tie
 from .speed import MIN_PAIRS, LoadWatch, compare
 

@@ -19,9 +19,9 @@ Stopping: when should_stop() returns True the generator stops between two measur
 returns: it yields nothing more (no CalibrationDone) and writes nothing. Ctrl-C (KeyboardInterrupt)
 propagates after the same clean-up. In both cases no profile file is created or changed.
 
-This module runs the steps in order and builds the profile (step 7); the events and steps 1 to 6 are in
-calibration_steps, the measurements they take in calibration_measures, and the timings under a budget in
-calibration_worker (a process of their own).
+This module runs the steps in order and builds the profile (step 7); the events are in calibration_events,
+steps 1 to 4 and 6 in calibration_steps, step 5 in calibration_budget, the measurements they take in
+calibration_measures, and the timings under a budget in calibration_worker (a process of their own).
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ from ..model_info import ModelInfo, read_model_info
 from ..offload import Budget, expert_map
 from ..profile_schema import SCHEMA_VERSION
 from ..profiles import check_name, check_writable, find_profile, load_profile, save_profile
-from .calibration_measures import read_prompts
-from .calibration_steps import (
+from .calibration_budget import step_under_budget
+from .calibration_events import (
     STEPS,
-    Calibration,
     CalibrationDone,
     CalibrationEvent,
     StepProgress,
@@ -51,13 +50,16 @@ from .calibration_steps import (
     StepStarted,
     ceiling_field,
     fit_dict,
+)
+from .calibration_measures import read_prompts
+from .calibration_steps import (
+    Calibration,
     gb,
     step_bandwidth,
     step_cost_model,
     step_gpu,
     step_hot_experts,
     step_plain_and_draft,
-    step_under_budget,
 )
 from .costmodel import Stopped
 from .device import cpu_name, default_threads, memory_bytes

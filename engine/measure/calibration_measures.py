@@ -2,8 +2,8 @@
 and storage bandwidth, how often each expert is routed to, and the verification batch sizes timed.
 
 Each measurement is a generator that yields (done, total) as it goes and returns its result, so that the
-calibration steps (calibration_steps) can pass its progress on as events and stop between two readings;
-`s2moe bench` reads storage with the same function.
+calibration steps (calibration_steps, calibration_budget) can pass its progress on as events and stop between
+two readings; `s2moe bench` reads storage with the same function.
 """
 
 from __future__ import annotations

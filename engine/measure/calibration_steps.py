@@ -1,16 +1,15 @@
-"""Calibration's steps 1 to 6 and the events they yield: what each step measures, how it sums that up in one
-line and the data a plot or the profile takes from it, on the state the steps share (Calibration).
+"""Calibration's steps 1 to 4 and 6: what each step measures, how it sums that up in one line and the data a
+plot or the profile takes from it, on the state the steps share (Calibration).
 
-run_calibration (calibrate) runs them in order and adds the last step, the profile; the measurements
-themselves are in calibration_measures and, under a budget, calibration_worker.
+run_calibration (calibrate) runs them in order with step 5, the cost under a budget (calibration_budget), and
+adds the last step, the profile; the events they yield are in calibration_events, the measurements themselves
+in calibration_measures.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -18,30 +17,24 @@ import numpy as np
 from ..decoding.cpu_buffers import CpuBuffers
 from ..decoding.gpu import Placement
 from ..model_info import ModelInfo
-from ..offload import Budget, BudgetUnavailable, ExpertMap, MemoryCgroup, fmt_bytes, select_hot_experts
+from ..offload import Budget, ExpertMap, fmt_bytes, select_hot_experts
+from .calibration_events import STEPS, StepEvents, StepProgress, StepResult, fit_data, fit_dict
 from .calibration_measures import (
     STORAGE_DEPTHS,
     Measurement,
     memory_bandwidth,
     routing_counts,
     storage_bandwidth,
-    storage_drift_note,
     verify_sizes,
 )
-from .calibration_worker import PLAIN_FETCH_CHARS, PLAIN_FETCH_WARM, run_cold
+from .cost_fits import Fit, fit_verify_cost, r2_text
 from .costmodel import (
-    Fit,
-    MissFit,
     Stopped,
     context_line,
-    fault_explained_fit,
     fit_context,
-    fit_miss_cost,
-    fit_verify_cost,
     iter_context_steps,
     iter_time_steps,
     iter_verify_samples,
-    r2_text,
 )
 
 if TYPE_CHECKING:  # loading llama.cpp is for the steps to do as they run, not for this module's import
@@ -50,91 +43,6 @@ if TYPE_CHECKING:  # loading llama.cpp is for the steps to do as they run, not f
     from .trace import Trace
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class StepStarted:
-    index: int
-    total: int
-    name: str
-    description: str
-
-
-@dataclass(frozen=True)
-class StepProgress:
-    index: int
-    done: int
-    total: int
-
-
-@dataclass(frozen=True)
-class StepResult:
-    index: int
-    name: str
-    summary: str
-    data: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class CalibrationDone:
-    profile: dict[str, Any]
-    path: Path | None
-
-
-# What a step yields as it runs (run_calibration adds StepStarted before each step), and all a calibration yields.
-StepEvents = Iterator[StepProgress | StepResult]
-CalibrationEvent = StepStarted | StepProgress | StepResult | CalibrationDone
-
-
-STEPS = (
-    ("bandwidth", "memory bandwidth and storage bandwidth (cold reads of whole experts at queue depth 1 and 8)"),
-    (
-        "steps",
-        "T_AR (median plain decoding step) and draft step cost; how steps grow with the context, and the "
-        "engine's own host time per draft pass and verified row",
-    ),
-    ("cost model", "T_exp and T_tok: regression of verification latency on distinct experts and tokens"),
-    ("hot experts", "routing frequencies over calibration prompts; the most routed experts that fit the budget"),
-    ("budget", "verification cost under the memory budget (experts paged from storage), in a memory cgroup"),
-    (
-        "gpu",
-        "host→device bandwidth, and the batch size from which copying the experts a verification uses to the "
-        "GPU beats running them on the CPU (experts in host memory)",
-    ),
-    ("profile", "write the profile atomically"),
-)
-
-
-def fit_dict(fit: Fit) -> dict[str, Any]:
-    return {
-        "intercept_ms": round(fit.intercept * 1e3, 6),
-        "t_exp_ms": round(fit.t_exp * 1e3, 6),
-        "t_tok_ms": round(fit.t_tok * 1e3, 6),
-        "r2": round(float(fit.r2), 6),
-        "mape": round(float(fit.mape), 6),
-        "n": int(fit.n),
-    } | ceiling_field(fit)
-
-
-def ceiling_field(fit: Fit | MissFit) -> dict[str, float]:
-    return {} if fit.r2_ceiling is None else {"r2_ceiling": round(fit.r2_ceiling, 6)}
-
-
-def _fit_data(samples: Sequence[Sequence[float]], fit: Fit) -> dict[str, Any]:
-    measured = [s[2] * 1e3 for s in samples]
-    predicted = [float(fit.predict(s[0], s[1])) * 1e3 for s in samples]
-    return {
-        "measured": measured,
-        "predicted": predicted,
-        "experts": [s[0] for s in samples],
-        "tokens": [s[1] for s in samples],
-        "r2": fit.r2,
-        "r2_ceiling": fit.r2_ceiling,
-        "mape": fit.mape,
-        "intercept_ms": fit.intercept * 1e3,
-        "t_exp_ms": fit.t_exp * 1e3,
-        "t_tok_ms": fit.t_tok * 1e3,
-    }
 
 
 # -- the steps -------------------------------------------------------------------------------------------------
@@ -394,7 +302,7 @@ def step_cost_model(cal: Calibration, index: int) -> StepEvents:
         f"T_exp {fit.t_exp * 1e3:.4f} ms · T_tok {fit.t_tok * 1e3:.3f} ms · intercept "
         f"{fit.intercept * 1e3:.2f} ms · {r2_text(fit.r2, fit.r2_ceiling)} · MAPE {fit.mape:.1%} "
         f"({fit.n} batches)",
-        _fit_data(samples, fit),
+        fit_data(samples, fit),
     )
 
 
@@ -418,46 +326,6 @@ def step_hot_experts(cal: Calibration, index: int) -> StepEvents:
         f"expert bytes) take {share:.0%} of {int(routed)} routings over {n_tok} tokens{fit_text}",
         {"hot_experts": [list(p) for p in hot], "counts": counts.tolist(), "routed_share": share, "tokens": n_tok},
     )
-
-
-def step_under_budget(cal: Calibration, index: int) -> StepEvents:
-    cal.cold = cal.cache_fit = None
-    skip: str | None
-    if cal.budget is None:
-        skip = "skipped: no memory budget given"
-    else:
-        skip = MemoryCgroup.unavailable_reason()
-    if skip is None:
-        assert cal.budget is not None  # a step with no budget is skipped (above)
-        cal.close()  # the cold worker needs the memory
-        n_steps = 4 * cal.repeats
-        cfg = {
-            "model": str(cal.info.path),
-            "text": "\n\n".join(cal.prompts)[:PLAIN_FETCH_CHARS],
-            "threads": cal.threads,
-            "k_draft": cal.draft_topk,
-            "cap": cal.draft_cap,
-            "repeats": cal.repeats,
-            "n_steps": n_steps,
-            "n_samples": len(verify_sizes(cal.draft_cap)) * 3 * cal.repeats,
-            "hot": [list(p) for p in cal.hot],
-            "budget": str(cal.budget),
-            "n_batch": cal.n_batch,
-            "placement": cal.placement.as_dict(),
-        }  # the cold timings place the weights as the others do
-        try:
-            res = yield from cal.live(run_cold(cal.info.path, cal.budget, cfg), index)
-        except (BudgetUnavailable, RuntimeError) as e:
-            skip = f"failed: {e}"
-            res = None
-        if res is not None:
-            # The disk again, now that the batches have run: its rate moving under them shows as a poorer
-            # fit that their storage faults do not explain, and the profile keeps the mean of both readings.
-            after, _, _ = yield from cal.live(storage_bandwidth(cal.emap, seed=1), index)
-            yield _cold_result(cal, index, res, after)
-    if cal.cold is None:
-        derived = "; cold T_exp derived from storage bandwidth" if cal.sto_bw else ""
-        yield StepResult(index, STEPS[index - 1][0], f"{skip}{derived}", {"skipped": skip})
 
 
 NO_GPU = "skipped: no GPU backend in this llama.cpp build"
@@ -513,115 +381,3 @@ def step_gpu(cal: Calibration, index: int) -> StepEvents:
             "fit_copy": fit_dict(fit),
         },
     )
-
-
-def _cold_result(cal: Calibration, index: int, res: dict[str, Any], after: dict[int, float]) -> StepResult:
-    """Fit what the cold worker measured; keep it on cal.cold. after: the storage rates read once it was done
-    ({queue depth: bytes/s}); the profile keeps the mean of those and the first step's."""
-    from .replay_costs import decoding_fetch_price
-
-    assert cal.budget is not None  # the cold worker ran under it
-    cal.budget_bytes = res["budget"]
-    cs = [tuple(s) for s in res["samples"]]
-    experts, tokens, seconds, misses, faults = ([s[i] for s in cs] for i in range(5))
-    cfit = fit_verify_cost(experts, tokens, seconds)
-    mfit = fit_miss_cost(experts, misses, tokens, seconds)
-    given = fault_explained_fit(experts, faults, tokens, seconds)
-    cal.cache_fit = _cache_fit(
-        res["plain"], res["record"], cal.info.n_expert, float(cal.emap.expert_bytes[list(cal.emap.moe_layers)].mean())
-    )
-    cal.n_batch = res.get("n_batch", cal.n_batch)
-    cal.cold = {
-        "fit": cfit,
-        "miss_fit": mfit,
-        "given_faults": given,
-        "t_ar": res["t_ar"],
-        "c_draft": res["c_draft"],
-        "split": res["split"],
-        "peak": res["peak"],
-        "pinned": res["pinned"],
-        "samples": cs,
-    }
-    # the plot and headline use the miss-aware model: under a budget what costs is a fetch
-    data = {
-        "measured": [x * 1e3 for x in seconds],
-        "predicted": [float(mfit.predict(e, m, t)) * 1e3 for e, m, t in zip(experts, misses, tokens)],
-        "experts": experts,
-        "misses": misses,
-        "tokens": tokens,
-        "r2": mfit.r2,
-        "r2_ceiling": mfit.r2_ceiling,
-        "mape": mfit.mape,
-        "t_exp_warm_ms": mfit.t_hit * 1e3,
-        "t_exp_cold_ms": mfit.t_miss * 1e3,
-        "t_tok_ms": mfit.t_tok * 1e3,
-        "intercept_ms": mfit.intercept * 1e3,
-        "paper_form": _fit_data(cs, cfit),
-        "t_ar_ms": res["t_ar"] * 1e3,
-        "c_draft_ms": res["c_draft"] * 1e3,
-        "split": res["split"],
-        "peak": res["peak"],
-        "n_batch": res.get("n_batch"),
-        "pinned": res["pinned"],
-        "r2_given_faults": given["r2"],
-        "faults": faults,
-    }
-    miss_rate = sum(misses) / max(1.0, sum(experts))
-    deep = STORAGE_DEPTHS[-1]
-    drift = storage_drift_note(cal.sto_bw_deep, after.get(deep))
-    if after:
-        data["storage_after_gb_s"] = {str(d): bw / 1e9 for d, bw in after.items()}
-        if cal.sto_bw and after.get(1):
-            cal.sto_bw = (cal.sto_bw + after[1]) / 2
-        if cal.sto_bw_deep and after.get(deep):
-            cal.sto_bw_deep = (cal.sto_bw_deep + after[deep]) / 2
-    pinned = (res.get("record") or {}).get("pinned") or []
-    plain = ""
-    if cal.cache_fit and cal.cache_fit.get("step_ms"):
-        held = cal.cache_fit
-        plain = f" · plain decoding {held['step_ms']:.1f} ms a token at {held['fetched_per_token']:.1f} fetched"
-        paid = decoding_fetch_price(held["step_ms"], held["fetched_per_token"], cal.t_ar * 1e3)
-        if paid is not None:
-            plain += f" ({paid * 1e3:.2f} ms a fetch beyond the resident step)"
-        data["plain_step_ms"] = held["step_ms"]
-    return StepResult(
-        index,
-        STEPS[index - 1][0],
-        f"under {cal.budget.describe(cal.budget_bytes)}: T_AR {res['t_ar'] * 1e3:.1f} ms · draft step "
-        f"{res['c_draft'] * 1e3:.1f} ms · T_exp cold "
-        f"{mfit.t_miss * 1e3:.3f} ms, warm {mfit.t_hit * 1e3:.3f} ms · T_tok "
-        f"{mfit.t_tok * 1e3:.2f} ms · {r2_text(mfit.r2, mfit.r2_ceiling)} · MAPE {mfit.mape:.1%} · "
-        f"{miss_rate:.0%} of experts missed · per distinct expert {cfit.t_exp * 1e3:.3f} ms "
-        f"(R² {cfit.r2:.3f}) · given the storage faults taken, R² {given['r2']:.3f} · "
-        f"peak {fmt_bytes(res['peak'] or 0)} · {len(pinned)} of the {len(cal.hot)} hot experts pinned "
-        f"({fmt_bytes(res['pinned']['hot_experts'])}){plain}{drift}",
-        data,
-    )
-
-
-def _cache_fit(
-    plain: dict[str, Any], record: dict[str, Any] | None, n_expert: int, expert_bytes: float
-) -> dict[str, Any] | None:
-    """How many experts the engine's offloading held in effect when plain decoding ran under the budget: the
-    size of an LRU cache (beside the pinned hot experts) that fetches what decoding counted over the same tokens,
-    the first PLAIN_FETCH_WARM tokens warming both up. None without a plan."""
-    from .cache_model import CachePlan, capacity_fetching
-
-    if record is None or not plain["ids"]:
-        return None
-    planned = int(record["cache_bytes"] // expert_bytes)
-    ids = [np.asarray(x) for x in plain["ids"]]
-    counted = sum(plain["misses"][PLAIN_FETCH_WARM:])
-    pinned = tuple(tuple(p) for p in record["pinned"])
-    effective = capacity_fetching(ids, counted, CachePlan(planned, pinned, ""), n_expert, PLAIN_FETCH_WARM)
-    n = len(ids) - PLAIN_FETCH_WARM
-    fit = {
-        "planned_experts": planned,
-        "effective_experts": effective,
-        "tokens": n,
-        "fetched_per_token": round(counted / max(1, n), 6),
-        "pinned": len(pinned),
-    }
-    if plain.get("seconds"):
-        fit["step_ms"] = round(float(np.mean(plain["seconds"][PLAIN_FETCH_WARM:])) * 1e3, 6)
-    return fit
