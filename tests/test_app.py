@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.chat import ChatScreen
+from s2moe.app.tui.chat_settings import ChatSettings
 from s2moe.app.tui.dialogs import HelpScreen, ModelPathDialog
-from s2moe.app.tui.session import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, ChatSettings, segments_of
+from s2moe.app.tui.segments import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, segments_of
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.offload import MemoryCgroup
 from test_app_support import (
@@ -260,7 +261,8 @@ def test_a_session_outside_its_cgroup_refuses_to_offload(tiny_models):
 
 SESSION_UNDER_BUDGET = """
 import sys
-from s2moe.app.tui.session import ChatSettings, EngineSession
+from s2moe.app.tui.chat_settings import ChatSettings
+from s2moe.app.tui.session import EngineSession
 from s2moe.engine.events import ResidencySnapshot
 session = EngineSession(sys.argv[1], n_threads=1, n_ctx=128, budget=sys.argv[2])
 steps = []
@@ -1024,7 +1026,7 @@ def test_activating_another_devices_reference_profile_warns(tmp_path, monkeypatc
 # -- live panel tiles --------------------------------------------------------------------------------------
 def _state_after(mode="s2moe"):
     from s2moe.app.tui.live import LiveState
-    from s2moe.app.tui.session import view_of
+    from s2moe.app.tui.segments import view_of
 
     events = list(scripted_events(mode))
     state = LiveState()
