@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.chat import ChatScreen
+from s2moe.app.tui.chat_settings import ChatSettings
 from s2moe.app.tui.dialogs import HelpScreen, ModelPathDialog
-from s2moe.app.tui.session import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, ChatSettings, segments_of
+from s2moe.app.tui.segments import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, segments_of
 from s2moe.engine.errors import ConfigError
 from s2moe.engine.offload import MemoryCgroup
 from test_app_support import (
@@ -105,7 +106,7 @@ def test_segments_mark_how_each_token_was_produced():
 def test_live_stats_say_how_many_experts_offloaded_steps_fetched():
     from dataclasses import replace
 
-    from s2moe.app.tui.live import LiveState
+    from s2moe.app.tui.live_state import LiveState
 
     events = list(scripted_events())
     state = LiveState()
@@ -143,7 +144,8 @@ def test_the_tree_view_draws_an_iterations_draft_tree_with_the_accepted_path_mar
     from dataclasses import replace
 
     from rich.console import Console
-    from s2moe.app.tui.live import LiveState, TreeView
+    from s2moe.app.tui.live_state import LiveState
+    from s2moe.app.tui.live_tiles import TreeView
 
     events = list(scripted_events("tree"))
     # " The" → " cat" accepted; " dog" a sibling of " The", " sat" and " ran" children of " cat",
@@ -260,7 +262,8 @@ def test_a_session_outside_its_cgroup_refuses_to_offload(tiny_models):
 
 SESSION_UNDER_BUDGET = """
 import sys
-from s2moe.app.tui.session import ChatSettings, EngineSession
+from s2moe.app.tui.chat_settings import ChatSettings
+from s2moe.app.tui.session import EngineSession
 from s2moe.engine.events import ResidencySnapshot
 session = EngineSession(sys.argv[1], n_threads=1, n_ctx=128, budget=sys.argv[2])
 steps = []
@@ -517,7 +520,7 @@ def test_tiny_model_generation_end_to_end(tiny_models):
 def test_tree_mode_on_a_tiny_model_draws_the_last_iterations_tree(tiny_models):
     """The real engine drafting trees: the live panel draws the last iteration's tree, its accepted path on
     the first line marked ✓ and every other drafted token ✗."""
-    from s2moe.app.tui.live import token_label
+    from s2moe.app.tui.live_tiles import token_label
     from s2moe.engine.events import Iteration
 
     async def go():
@@ -1023,8 +1026,8 @@ def test_activating_another_devices_reference_profile_warns(tmp_path, monkeypatc
 
 # -- live panel tiles --------------------------------------------------------------------------------------
 def _state_after(mode="s2moe"):
-    from s2moe.app.tui.live import LiveState
-    from s2moe.app.tui.session import view_of
+    from s2moe.app.tui.live_state import LiveState
+    from s2moe.app.tui.segments import view_of
 
     events = list(scripted_events(mode))
     state = LiveState()
@@ -1037,7 +1040,7 @@ def _state_after(mode="s2moe"):
 
 
 def test_tiles_draw_one_bar_per_layer_and_wrap_rather_than_merge_layers():
-    from s2moe.app.tui.live import SPARKS, Tiles, spark
+    from s2moe.app.tui.live_tiles import SPARKS, Tiles, spark
 
     assert spark([0.0, 0.5, 1.0], 1.0) == SPARKS[0] + SPARKS[4] + SPARKS[-1]
     state = _state_after()
@@ -1055,7 +1058,7 @@ def test_tiles_draw_one_bar_per_layer_and_wrap_rather_than_merge_layers():
 
 
 def test_the_utility_tile_marks_where_the_rule_cut_the_chain():
-    from s2moe.app.tui.live import SPARKS, Tiles
+    from s2moe.app.tui.live_tiles import SPARKS, Tiles
 
     state = _state_after()
     state.utilities = [(3.0, True, 0.9), (2.0, True, 0.8), (0.5, False, 0.5), (0.2, False, 0.4)]

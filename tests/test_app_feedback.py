@@ -10,7 +10,7 @@ import time
 
 import pytest
 from s2moe.app.tui.calibrate_widgets import ConfirmSave
-from s2moe.app.tui.session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, ChatSettings
+from s2moe.app.tui.chat_settings import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, ChatSettings
 from s2moe.app.tui.state import remember_settings
 from s2moe.engine.measure.tune import TuneMeasured, TuneProgress, TuneStarted
 from s2moe.engine.measure.tune_space import Settings

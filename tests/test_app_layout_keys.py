@@ -11,9 +11,9 @@ from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.bench import BenchScreen
 from s2moe.app.tui.calibrate import CalibrateScreen
 from s2moe.app.tui.chat import ChatScreen
+from s2moe.app.tui.chat_settings import ChatSettings
 from s2moe.app.tui.device import DeviceScreen, DeviceView, graph
 from s2moe.app.tui.profiles_screen import ProfilesScreen
-from s2moe.app.tui.session import ChatSettings
 from s2moe.app.tui.widgets import SHORT_LABELS
 from test_app_support import FakeDecoder, fake_run_calibration, only_test_profiles
 

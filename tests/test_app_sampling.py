@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 from s2moe.app.parser import build_parser
+from s2moe.app.tui.chat_settings import ChatSettings
 from s2moe.app.tui.dialogs import SettingsDialog
-from s2moe.app.tui.session import ChatSettings
 from s2moe.app.tui.state import settings_from_state
 from s2moe.engine.errors import ConfigError
 from test_app import answered, fake_app, open_bench, open_settings, run, run_bench_screen, type_prompt, wait_for

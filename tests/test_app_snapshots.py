@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from s2moe.app.tui.app import S2MoEApp
 from s2moe.app.tui.messages import EngineEvent, JobEnded
-from s2moe.app.tui.session import view_of
+from s2moe.app.tui.segments import view_of
 from test_app_support import FakeDecoder, fake_run_bench, fake_run_calibration, only_test_profiles, scripted_events
 
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((120, 40), id="120x40")]

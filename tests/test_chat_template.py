@@ -11,8 +11,9 @@ from dataclasses import replace
 
 import pytest
 from s2moe.app.tui.app import S2MoEApp
+from s2moe.app.tui.chat_settings import ChatSettings
 from s2moe.app.tui.messages import EngineEvent, JobEnded
-from s2moe.app.tui.session import ChatSettings, view_of
+from s2moe.app.tui.segments import view_of
 from s2moe.engine.decoding.chat import Conversation, Message, Template, chat_tokens
 from s2moe.engine.decoding.decoder import Decoder
 from s2moe.engine.decoding.generation_config import GenerationConfig

@@ -166,7 +166,8 @@ def test_cli_bench_runs_on_a_top2_model_with_default_flags(routed_models, tmp_pa
 
 
 def test_app_settings_follow_the_model(routed_models):
-    from s2moe.app.tui.session import ChatSettings, EngineSession
+    from s2moe.app.tui.chat_settings import ChatSettings
+    from s2moe.app.tui.session import EngineSession
 
     session = EngineSession(str(routed_models[(8, 2)]), n_threads=1, n_ctx=256)
     try:

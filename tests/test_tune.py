@@ -638,7 +638,8 @@ def test_generate_takes_the_app_s_active_profile_unless_told_otherwise(tiny_mode
 
 
 def test_the_app_session_takes_tuned_settings(tiny_models, xdg):
-    from s2moe.app.tui.session import DEFAULTS, ChatSettings, EngineSession
+    from s2moe.app.tui.chat_settings import DEFAULTS, ChatSettings
+    from s2moe.app.tui.session import EngineSession
     from s2moe.engine.decoding.generation_config import GenerationConfig
 
     assert all(getattr(GenerationConfig(), k) == v for k, v in DEFAULTS.items())

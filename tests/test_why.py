@@ -201,7 +201,7 @@ def test_event_line_of_a_rule_that_waits_for_a_probe():
 def test_the_live_panel_states_the_decision_in_one_line(size, wording):
     from s2moe.app.tui.app import S2MoEApp
     from s2moe.app.tui.messages import EngineEvent, JobEnded
-    from s2moe.app.tui.session import view_of
+    from s2moe.app.tui.segments import view_of
 
     rule = UtilityStop(CANNOT_PAY, 1.0)
     rule.worth_drafting()

@@ -16,9 +16,9 @@ from ...engine.measure import bench as engine_bench
 from ...engine.measure.bench_results import BenchDone, BenchProgress, BenchRow, BenchTrace, judgements
 from ...engine.measure.prompts import load_prompts
 from ..options import SAMPLING_VALUES, sampling_value
+from .chat_settings import engine_modes
 from .dialogs import SAMPLING_LABELS
 from .messages import EngineFailed, JobEnded, JobEvent, engine_ready, run_engine_job
-from .session import engine_modes
 from .widgets import CheckList, Column, FittedTable, NavBar
 
 DEFAULT_PROMPTS = "Once upon a time\nThe capital of France is\ndef fibonacci(n):"

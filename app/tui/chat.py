@@ -15,9 +15,18 @@ from textual.widgets import Static
 from ...engine.errors import S2MoEError
 from ..model_runs import speed_text
 from . import messages
+from .chat_settings import (
+    MODE_HELP,
+    OPEN_KEYS,
+    SHORT_NAMES,
+    ChatSettings,
+    engine_modes,
+    mode_help,
+    moe_modes,
+    value_text,
+)
 from .live import LivePanel
 from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
-from .session import MODE_HELP, OPEN_KEYS, SHORT_NAMES, ChatSettings, engine_modes, mode_help, moe_modes, value_text
 from .state import remember_settings, remembered_settings, settings_from_state
 from .widgets import ChatTurn, FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend, progress_bar
 

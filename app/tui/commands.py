@@ -6,7 +6,7 @@ from functools import partial
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from .session import engine_modes, mode_help
+from .chat_settings import engine_modes, mode_help
 
 # other words a command is looked for by, where its name does not hold them
 SYNONYMS = {

@@ -17,7 +17,7 @@ from textual.widgets import Footer, Static
 
 from ...engine.measure.device import DeviceMonitor, DeviceSample
 from ...engine.offload.sizes import fmt_bytes
-from .live import spark
+from .live_tiles import spark
 from .widgets import NavBar
 
 HISTORY = 120  # readings kept for the history graphs (one a second)

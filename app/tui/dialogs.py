@@ -16,7 +16,7 @@ from textual.widgets.option_list import Option
 
 from ...engine.errors import ConfigError
 from ..options import SAMPLING_VALUES, sampling_value
-from .session import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, OPEN_KEYS, ChatSettings
+from .chat_settings import FROM_DEFAULT, FROM_FLAG, FROM_PROFILE, FROM_USER, OPEN_KEYS, ChatSettings
 from .widgets import TickBox
 
 # The sampler settings the form offers, in the order of llama.cpp's chain after the temperature and seed.

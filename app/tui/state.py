@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ...engine.errors import ConfigError, S2MoEError
 from ...engine.files import read_bounded, read_json, state_dir, write_atomic
-from .session import ChatSettings, engine_modes
+from .chat_settings import ChatSettings, engine_modes
 
 # What the app keeps here is a few hundred bytes; the bound keeps a wrong file from being read whole.
 MAX_STATE_BYTES = 1 << 20

@@ -15,7 +15,7 @@ from textual.widgets._footer import FooterKey
 from textual.widgets._toggle_button import ToggleButton
 
 from ..columns import Column, columns_that_fit
-from .session import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, Segment
+from .segments import BONUS, CORRECTION, DRAFT, REJECTED, TARGET, Segment
 
 SCREENS = (
     ("chat", "Chat", "f2"),
