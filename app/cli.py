@@ -69,7 +69,7 @@ def main(argv=None, *, watch: bool = False) -> int:
                 if args.command in LLAMA_COMMANDS:
                     from ..engine.crashes import earlier_crashes
                     from ..engine.decoding.cpu_buffers import AMX_ENV
-                    from ..engine.decoding.runtime import on_llama_abort
+                    from ..engine.decoding.llama_process import on_llama_abort
 
                     on_llama_abort(_abort_line)
                     if args.amx:

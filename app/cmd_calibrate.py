@@ -58,7 +58,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    from ..engine.decoding.runtime import check_threads
+    from ..engine.decoding.runtime_settings import check_threads
     from ..engine.measure.calibrate import run_calibration
     from ..engine.measure.calibration_events import CalibrationDone, StepProgress, StepResult, StepStarted
     from ..engine.offload import Budget

@@ -175,7 +175,7 @@ def run(args) -> int:
     from ..engine import offload
     from ..engine.decoding.decoder import Decoder
     from ..engine.decoding.generation_config import GenerationConfig
-    from ..engine.decoding.runtime import check_threads
+    from ..engine.decoding.runtime_settings import check_threads
     from ..engine.errors import ConfigError, held_signals
     from ..engine.measure.calibrate import DEFAULT_NAME
     from ..engine.measure.device import default_threads

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from s2moe.app.cli import main
 from s2moe.app.parser import build_parser
-from s2moe.engine.decoding import gpu, runtime
+from s2moe.engine.decoding import gpu, llama_process
 from s2moe.engine.decoding.decoder import Decoder
 from s2moe.engine.decoding.generation_config import GenerationConfig
 from s2moe.engine.decoding.gpu import EXPERT_TENSORS, NEVER, BuftOverrides, Placement
@@ -263,8 +263,8 @@ def test_the_app_loads_with_the_placement_flags(tiny_models):
 
 # -- the offload threshold ---------------------------------------------------------------------------------
 def test_a_threshold_asked_for_after_the_backend_started_is_one_line(tiny_models, capsys):
-    runtime._init_backend()
-    started = runtime._backend_min_batch
+    llama_process.init_backend()
+    started = llama_process.backend_min_batch
     other = "12345" if started != "12345" else "54321"
     rc, _, err = run_cli(
         capsys,

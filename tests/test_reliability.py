@@ -201,7 +201,7 @@ LLAMA_ABORT = """
 import sys
 import llama_cpp
 from s2moe.app.cli import _abort_line
-from s2moe.engine.decoding.runtime import on_llama_abort
+from s2moe.engine.decoding.llama_process import on_llama_abort
 on_llama_abort(_abort_line)
 llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), llama_cpp.llama_model_default_params())
 print("not reached")
@@ -225,7 +225,8 @@ import sys
 import llama_cpp
 from s2moe.app.cli import _abort_line
 from s2moe.engine.model_info import read_model_info
-from s2moe.engine.decoding.runtime import LlamaRuntime, on_llama_abort
+from s2moe.engine.decoding.llama_process import on_llama_abort
+from s2moe.engine.decoding.runtime import LlamaRuntime
 on_llama_abort(_abort_line)
 rt = LlamaRuntime(read_model_info(sys.argv[1]), n_ctx=64, n_threads=1)
 llama_cpp.llama_vocab_get_text(rt.vocab, 1000000)  # id_to_token.at(): std::out_of_range through the C API
@@ -249,9 +250,9 @@ def test_a_cpp_exception_through_llama_cpps_c_api_is_one_line(tiny_models):
 
 # -- threads and context ----------------------------------------------------------------------------------
 def test_threads_are_capped_with_one_line(tiny_models, capsys, monkeypatch):
-    from s2moe.engine.decoding import runtime
+    from s2moe.engine.decoding import runtime_settings
 
-    monkeypatch.setattr(runtime, "default_threads", lambda: 2)
+    monkeypatch.setattr(runtime_settings, "default_threads", lambda: 2)
     for threads in ("999", "99999999999999999999"):
         rc, _, err = run_cli(capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--threads", threads)
         assert_one_line(rc, err, f"--threads {threads} is more than 8 (4 × the 2 CPUs")
@@ -282,11 +283,11 @@ def test_a_context_whose_cache_would_not_fit_in_memory_says_so(tiny_models, caps
     """llama.cpp allocates the whole KV cache up front: a context whose cache would take more than half the
     memory available is refused in one line that names the model's training context (a 16 Mi context held
     8.6 GB on a tiny model)."""
-    from s2moe.engine.decoding import runtime
+    from s2moe.engine.decoding import runtime_settings
     from s2moe.engine.model_info import read_model_info
 
-    monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 30)
-    per_token = read_model_info(tiny_models["olmoe"]).kv_rows * runtime.KV_VALUE_BYTES
+    monkeypatch.setattr(runtime_settings, "available_memory", lambda: 1 << 30)
+    per_token = read_model_info(tiny_models["olmoe"]).kv_rows * runtime_settings.KV_VALUE_BYTES
     too_many = (1 << 29) // per_token + 1
     rc, _, err = run_cli(
         capsys, "generate", "-m", tiny_models["olmoe"], "-p", "hi", "--ctx", too_many, "--threads", "1"
@@ -356,25 +357,25 @@ class _InterruptOnFirstLine:
 
 
 def test_ctrl_c_inside_llama_cpp_log_callback_interrupts_the_load(tiny_models, monkeypatch, capfd):
-    from s2moe.engine.decoding import runtime
+    from s2moe.engine.decoding import llama_process, runtime
     from s2moe.engine.model_info import read_model_info
 
     info = read_model_info(tiny_models["olmoe"])
-    monkeypatch.setattr(runtime, "_log", _InterruptOnFirstLine())
+    monkeypatch.setattr(llama_process, "_log", _InterruptOnFirstLine())
     with pytest.raises(KeyboardInterrupt):
         runtime.LlamaRuntime(info, n_ctx=64, n_threads=1)
-    assert runtime._log.sent
+    assert llama_process._log.sent
     assert "Exception ignored" not in capfd.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     runtime.LlamaRuntime(info, n_ctx=64, n_threads=1).close()  # the handler is back: a load without Ctrl-C works
 
 
 def test_ctrl_c_during_calibrate_model_load_writes_no_profile(tiny_models, monkeypatch, tmp_path):
-    from s2moe.engine.decoding import runtime
+    from s2moe.engine.decoding import llama_process
     from s2moe.engine.measure.calibrate import run_calibration
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
-    monkeypatch.setattr(runtime, "_log", _InterruptOnFirstLine())
+    monkeypatch.setattr(llama_process, "_log", _InterruptOnFirstLine())
     with pytest.raises(KeyboardInterrupt):
         for _ in run_calibration(str(tiny_models["olmoe"]), prompts=["hello"], n_threads=1, repeats=1):
             pass

@@ -60,7 +60,7 @@ class CostConstantsMixin:
 
     def _measure_costs(self, cfg: GenerationConfig) -> Generator[MeasuringCosts, None, CostConstants]:
         from ..measure import remembered_costs
-        from .runtime import llama_build_id
+        from .llama_process import llama_build_id
 
         assert cfg.draft_topk is not None and cfg.draft_max is not None  # a generation's config comes resolved
         self._context = None

@@ -178,7 +178,7 @@ def choose(
     key = (info.fingerprint, opted)
     if key in _chosen:
         return _chosen[key]
-    from .runtime import llama_build_id
+    from .llama_process import llama_build_id
 
     record_key = f"{info.fingerprint}|{llama_build_id()}"
     record = _load_records().get(record_key)

@@ -32,7 +32,8 @@ from .generation_config import GenerationConfig, config_dict
 from .gpu import Placement
 from .hook import Routing, distinct_per_layer
 from .observer import ResidencySampler, VerifyObserver
-from .runtime import DEFAULT_BATCH, LlamaRuntime
+from .runtime import LlamaRuntime
+from .runtime_settings import DEFAULT_BATCH
 from .sampling import PositionNoise, SeededSampler
 from .tree import TreeDrafter, verify_tree
 

@@ -172,9 +172,9 @@ def gpu_backend() -> bool:
     machine that has one)."""
     import llama_cpp
 
-    from .runtime import _init_backend
+    from .llama_process import init_backend
 
-    _init_backend()
+    init_backend()
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 

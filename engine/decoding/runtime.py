@@ -6,15 +6,9 @@ The routing hook is installed as the context's cb_eval, so every decode passes t
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import platform
-import re
-from _ctypes import CFuncPtr
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from functools import lru_cache
 from typing import Literal, overload
 
 import llama_cpp
@@ -26,270 +20,18 @@ import numpy as np
 import numpy.random  # noqa: F401
 import numpy.typing as npt
 
-from ..errors import OPTION, ConfigError, ContextError, ModelError, held_signals
-from ..measure.device import default_threads, memory_bytes
+from ..errors import ConfigError, ContextError, ModelError, held_signals
+from ..measure.device import default_threads
 from ..model_info import ModelInfo
 from ..offload.procfs import model_mappings
-from ..offload.sizes import fmt_bytes
-from .gpu import MIN_BATCH_DEFAULT, MIN_BATCH_ENV, BuftOverrides, Placement, cpu_buffer_type, gpu_backend
+from . import llama_process
+from .gpu import MIN_BATCH_DEFAULT, BuftOverrides, Placement, cpu_buffer_type, gpu_backend
 from .hook import RoutingHook
+from .llama_process import compute_buffers, first_llama_error, init_backend, last_llama_error
+from .runtime_settings import DEFAULT_BATCH, MIN_CTX, check_ctx, check_ctx_memory, check_threads
 
 # Rows of next-token logits (n_vocab wide), as llama.cpp computes them
 Logits = npt.NDArray[np.float32]
-
-_log_tail: deque[str] = deque(maxlen=20)
-_log_count = 0  # lines logged so far: which of the tail a call wrote
-# llama.cpp says how large a context's compute buffers are only in its log, one line a backend buffer
-_COMPUTE_BUFFER = re.compile(r"(\S+) compute buffer size = +([0-9.]+) MiB")
-_compute_buffers: list[tuple[str, int]] = []  # (buffer type, bytes) logged since the list was last cleared
-_log = logging.getLogger("s2moe.llama")
-
-# llama.cpp keeps n_ctx in 32 bits and rounds it up; far below that, a context this large is a typo.
-MAX_CTX = 1 << 24
-# The start-up cost measurement decodes a 32-token prefix in one batch, and llama.cpp caps a batch at
-# the context size asked for.
-MIN_CTX = 32
-# Tokens per llama.cpp batch (n_batch = n_ubatch): a prompt is prefilled in chunks of this many, and the
-# compute buffers are sized for one (llama.cpp's default).
-DEFAULT_BATCH = 512
-# More threads than this many per CPU only wait for each other (999 threads on two cores did not finish
-# four tokens in two minutes); ggml allows at most 512.
-THREADS_PER_CPU = 4
-GGML_MAX_THREADS = 512
-
-
-def _log_line(level: int, text: bytes | None, user_data: int | None) -> None:
-    # llama.cpp talks a lot on load: its lines go to the debug log, and the tail is kept so that a
-    # failure can say why.
-    global _log_count
-    if text:
-        msg = text.decode("utf-8", "replace").rstrip()
-        if msg:
-            _log_tail.append(msg)
-            _log_count += 1
-            sized = _COMPUTE_BUFFER.search(msg)
-            if sized:
-                _compute_buffers.append((sized[1], int(float(sized[2]) * (1 << 20))))
-            _log.debug(msg)
-
-
-_log_sink = llama_cpp.llama_log_callback(_log_line)
-
-
-_backend_ready = False
-_backend_min_batch: str | None = None  # GGML_OP_OFFLOAD_MIN_BATCH as the backend started with
-
-
-def _init_backend(op_offload_min_batch: int | None = None) -> None:
-    """Start llama.cpp's backend once per process. A GPU backend reads GGML_OP_OFFLOAD_MIN_BATCH when its
-    devices are registered, once: a value asked for must be in the environment before that, and a later
-    request for another value cannot be honoured (ConfigError)."""
-    global _backend_ready, _backend_min_batch
-    if _backend_ready:
-        if op_offload_min_batch is not None and str(op_offload_min_batch) != _backend_min_batch:
-            started = _backend_min_batch if _backend_min_batch is not None else f"unset ({MIN_BATCH_DEFAULT})"
-            raise ConfigError(
-                f"{OPTION} {op_offload_min_batch} comes too late: llama.cpp's backend in this process "
-                f"started with {MIN_BATCH_ENV}={started} and reads it only then (start a new "
-                "process)",
-                option="op_offload_min_batch",
-            )
-        return
-    if op_offload_min_batch is not None:
-        os.environ[MIN_BATCH_ENV] = str(op_offload_min_batch)
-    _backend_min_batch = os.environ.get(MIN_BATCH_ENV)
-    with held_signals():  # the backend and its devices log as they start
-        llama_cpp.llama_log_set(_log_sink, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        # Register the devices now (the variable is read there), not at whichever call happens to come first.
-        llama_cpp.llama_supports_gpu_offload()
-    _backend_ready = True
-
-
-_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
-_TERMINATE_HANDLER = ctypes.CFUNCTYPE(None)
-_abort_hooks: tuple[CFuncPtr, ...] = ()  # the installed callbacks, kept alive
-# Standard exceptions (mangled type names) whose message what() may be called for: std::exception's vtable
-# holds two destructors, then what() (the Itanium C++ ABI).
-_STD_EXCEPTIONS = {
-    b"St9exception",
-    b"St13runtime_error",
-    b"St11logic_error",
-    b"St12out_of_range",
-    b"St16invalid_argument",
-    b"St12length_error",
-    b"St12domain_error",
-    b"St11range_error",
-    b"St14overflow_error",
-    b"St15underflow_error",
-    b"St9bad_alloc",
-    b"St20bad_array_new_length",
-    b"St12system_error",
-}
-
-
-def on_llama_abort(handler: Callable[[str], None]) -> None:
-    """Call handler(message) when llama.cpp cannot go on: ggml stops the process on a failed internal check
-    (GGML_ASSERT), or a C++ exception leaves its C API (a throw that nothing in llama.cpp catches ends in
-    std::terminate) — instead of ggml's debugger backtrace on stdout or the C++ runtime's lines. The process
-    still ends when handler returns: neither can be returned from. The message names the check, its file and
-    line (without the build's path), or the exception's type and message."""
-    global _abort_hooks
-    from llama_cpp import _ggml
-
-    def call(message: bytes | None) -> None:
-        text = (message or b"").decode("utf-8", "replace").strip()
-        handler(re.sub(r"^\S*/(?=\S+:\d+: )", "", text))
-
-    abort_hook = _ABORT_CALLBACK(call)
-    _ggml.libggml.ggml_set_abort_callback.argtypes = [_ABORT_CALLBACK]
-    _ggml.libggml.ggml_set_abort_callback.restype = _ABORT_CALLBACK
-    _ggml.libggml.ggml_set_abort_callback(abort_hook)
-    try:
-        cxx = ctypes.CDLL("libstdc++.so.6")  # llama.cpp's C++ runtime where it is GNU's (Linux)
-    except OSError:
-        _abort_hooks = (abort_hook,)
-        return
-
-    def terminate() -> None:
-        handler(f"an uncaught C++ exception, {_cxx_exception_text(cxx)}")
-
-    terminate_hook = _TERMINATE_HANDLER(terminate)
-    cxx._ZSt13set_terminatePFvvE.argtypes = [ctypes.c_void_p]
-    cxx._ZSt13set_terminatePFvvE.restype = ctypes.c_void_p
-    cxx._ZSt13set_terminatePFvvE(ctypes.cast(terminate_hook, ctypes.c_void_p))
-    _abort_hooks = (abort_hook, terminate_hook)
-
-
-def _cxx_exception_text(cxx: ctypes.CDLL) -> str:
-    """'type: message' of the C++ exception std::terminate is handling. The message is read for standard
-    exceptions on x86-64 only: std::current_exception returns its pointer through a hidden first argument
-    there, where AArch64 passes that address in x8, out of reach of a ctypes call."""
-    cxx.__cxa_current_exception_type.restype = ctypes.c_void_p
-    info = cxx.__cxa_current_exception_type()
-    if not info:
-        return "of no known type"
-    word = ctypes.sizeof(ctypes.c_void_p)
-    mangled = ctypes.c_char_p.from_address(info + word).value or b"?"  # std::type_info: vtable, then name
-    cxx.__cxa_demangle.restype = ctypes.c_char_p
-    cxx.__cxa_demangle.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-    name = (cxx.__cxa_demangle(mangled, None, None, ctypes.byref(ctypes.c_int())) or mangled).decode("utf-8", "replace")
-    if mangled not in _STD_EXCEPTIONS or platform.machine() not in ("x86_64", "AMD64"):
-        return name
-    slot = (ctypes.c_void_p * 1)()
-    current_exception = ctypes.cast(cxx._ZSt17current_exceptionv, ctypes.c_void_p).value
-    if not current_exception:
-        return name
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(current_exception)(ctypes.addressof(slot))
-    if not slot[0]:
-        return name
-    vtable = ctypes.c_void_p.from_address(slot[0]).value
-    what_address = ctypes.c_void_p.from_address(vtable + 2 * word).value if vtable else None
-    if not what_address:
-        return name
-    what = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(what_address)
-    return f"{name}: {(what(slot[0]) or b'').decode('utf-8', 'replace')}"
-
-
-@lru_cache(maxsize=1)
-def llama_build_id() -> str:
-    """llama-cpp-python's version and llama.cpp's system line: what a measurement made with this llama.cpp
-    is only valid for."""
-    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
-    return f"{getattr(llama_cpp, '__version__', '?')}|{' '.join(info.split())}"
-
-
-def last_llama_error() -> str:
-    """llama.cpp's own reason for the last failure, from its log: the line it reports the error on
-    (without its function-name prefix), else the last line that sounds like one."""
-    for line in reversed(_log_tail):
-        marker = line.find("error loading model: ")
-        if marker >= 0:
-            return " ".join(line[marker + len("error loading model: ") :].split())
-    for line in reversed(_log_tail):
-        low = line.lower()
-        if "error" in low or "failed" in low or "invalid" in low or "insufficient" in low:
-            return " ".join(re.sub(r"^[A-Za-z_][\w:]*: ", "", line).split())
-    return _log_tail[-1] if _log_tail else "no details"
-
-
-def first_llama_error(recent: int) -> str:
-    """The first line of the `recent` last ones llama.cpp logged that reports a problem: where a failure
-    started, before the lines that only pass it on."""
-    lines = list(_log_tail)[-recent:] if recent > 0 else []
-    for line in lines:
-        low = line.lower()
-        if "error" in low or "fail" in low or "invalid" in low or "must" in low:
-            return " ".join(re.sub(r"^[A-Za-z_][\w:]*: ", "", line).split())
-    return last_llama_error()
-
-
-def max_threads() -> int:
-    return min(GGML_MAX_THREADS, THREADS_PER_CPU * default_threads())
-
-
-def check_threads(n_threads: int | None) -> None:
-    """ConfigError for a thread count that cannot help (None: the default)."""
-    if n_threads is None:
-        return
-    if n_threads < 1:
-        raise ConfigError(f"{OPTION} must be at least 1", option="n_threads")
-    if n_threads > max_threads():
-        cpus = default_threads()
-        raise ConfigError(
-            f"{OPTION} {n_threads} is more than {max_threads()} ({THREADS_PER_CPU} × the {cpus} "
-            f"CPU{'s' if cpus != 1 else ''} this process may run on): extra threads only wait for "
-            "each other",
-            option="n_threads",
-        )
-
-
-def check_ctx(n_ctx: int, min_ctx: int = MIN_CTX) -> None:
-    if n_ctx < min_ctx:
-        raise ConfigError(
-            f"{OPTION} {n_ctx} is too small: the context must hold at least {min_ctx} tokens "
-            "(a verification batch and the start-up cost measurement)",
-            option="n_ctx",
-        )
-    if n_ctx > MAX_CTX:
-        raise ConfigError(
-            f"{OPTION} {n_ctx} is above the largest context s2moe accepts ({MAX_CTX} tokens)", option="n_ctx"
-        )
-
-
-# llama.cpp's default cache type (f16): bytes per K or V value
-KV_VALUE_BYTES = 2
-
-
-def available_memory() -> int | None:
-    """Memory the kernel could give this process now (MemAvailable: free plus reclaimable page cache),
-    else the physical memory; None where neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return memory_bytes()
-
-
-def check_ctx_memory(info: ModelInfo, n_ctx: int, on_gpu: bool = False) -> None:
-    """ConfigError for a context whose KV cache would take more than half the memory available: the rest
-    is for the model's pages, the compute buffers and everything else running. llama.cpp allocates the
-    whole cache up front, so a typo in --ctx would otherwise hold gigabytes for nothing. A cache on the
-    GPU (-ngl) is llama.cpp's to refuse."""
-    available = available_memory()
-    need = n_ctx * info.kv_rows * KV_VALUE_BYTES
-    if on_gpu or not need or available is None or need <= available // 2:
-        return
-    trained = info.n_ctx_train * info.kv_rows * KV_VALUE_BYTES
-    raise ConfigError(
-        f"{OPTION} {n_ctx} needs {fmt_bytes(need)} of KV cache, more than half the "
-        f"{fmt_bytes(available)} of memory available; {info.path.name} was trained on a context of "
-        f"{info.n_ctx_train} tokens ({fmt_bytes(trained)})",
-        option="n_ctx",
-    )
 
 
 class LlamaRuntime:
@@ -313,7 +55,7 @@ class LlamaRuntime:
         check_ctx(n_ctx, max(MIN_CTX, max_verify_rows))
         placement.validate(info)
         check_ctx_memory(info, n_ctx, on_gpu=placement.n_gpu_layers != 0)
-        _init_backend(placement.op_offload_min_batch)
+        init_backend(placement.op_offload_min_batch)
         self.info = info
         self.placement = placement
         self.use_extra_bufts = use_extra_bufts  # a second load of the same weights takes the same path
@@ -357,7 +99,9 @@ class LlamaRuntime:
         )
         if self.hook is not None and gpu_backend():
             # op_offload is on (below): from this batch size MUL_MAT_ID may run on the GPU
-            self.hook.distinct_from(int(_backend_min_batch) if _backend_min_batch else MIN_BATCH_DEFAULT)
+            self.hook.distinct_from(
+                int(llama_process.backend_min_batch) if llama_process.backend_min_batch else MIN_BATCH_DEFAULT
+            )
         n_threads = n_threads or default_threads()
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -383,7 +127,7 @@ class LlamaRuntime:
             cparams.n_batch = cparams.n_ubatch = n_batch
             # llama.cpp reserves one output per sequence in a batch: no more sequences than a batch holds
             cparams.n_seq_max = max(1, min(n_seq_max, n_ctx, n_batch))
-            _compute_buffers.clear()
+            compute_buffers.clear()
             with held_signals():
                 self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
             if not self.ctx:
@@ -392,7 +136,7 @@ class LlamaRuntime:
                 raise ModelError(f"llama.cpp could not create a context for {info.path.name}: {last_llama_error()}")
             # host memory only: a GPU's own buffers are not the process's
             self.compute_buffer_bytes = sum(
-                size for kind, size in _compute_buffers if kind == "CPU" or kind.endswith("_Host")
+                size for kind, size in compute_buffers if kind == "CPU" or kind.endswith("_Host")
             )
             if batch_room is None or self.compute_buffer_bytes <= batch_room or n_batch <= floor:
                 break
@@ -539,7 +283,7 @@ class LlamaRuntime:
     def _run(self, n: int) -> None:
         if self.hook is not None:
             self.hook.begin()
-        logged = _log_count
+        logged = llama_process.log_count
         try:
             with held_signals():  # a decode logs too (a graph reserved anew, a warning)
                 rc = llama_cpp.llama_decode(self.ctx, self._batch)
@@ -549,7 +293,7 @@ class LlamaRuntime:
         if rc != 0:
             raise ModelError(
                 f"llama.cpp could not decode a batch of {n} tokens (code {rc}): "
-                f"{first_llama_error(_log_count - logged)}"
+                f"{first_llama_error(llama_process.log_count - logged)}"
             )
 
     def _logits(self, rows: int) -> Logits:

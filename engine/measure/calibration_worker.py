@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..decoding.gpu import Placement
-from ..decoding.runtime import DEFAULT_BATCH
+from ..decoding.runtime_settings import DEFAULT_BATCH
 from ..errors import S2MoEError
 from ..offload import Budget, fmt_bytes, process_anon_bytes, run_in_budget
 from .calibration_measures import Measurement, verify_sizes

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..decoding.gpu import Placement
-from ..decoding.runtime import DEFAULT_BATCH, LlamaRuntime
+from ..decoding.runtime import LlamaRuntime
+from ..decoding.runtime_settings import DEFAULT_BATCH
 from ..model_info import read_model_info
 
 
