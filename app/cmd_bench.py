@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..engine.errors import ConfigError
+from .bench_budgets import budget_rows, record_storage_in_traces, run_reference_row, write_prompt_trace
 from .bench_report import (
     batch_line,
     footnotes,
@@ -18,7 +19,7 @@ from .bench_report import (
     storage_line,
     tables,
 )
-from .bench_storage import read_storage, resident_verify_cost, storage_reading, storage_record
+from .bench_storage import read_storage, resident_verify_cost, storage_record
 
 DEFAULT_MODES = "ar,naive,conf,cascade,lookup,s2moe"
 
@@ -140,94 +141,6 @@ def _modes(args) -> list[str]:
     return modes
 
 
-def _budget_rows(args, model: str, budget_text: str) -> tuple[list, str, dict, int, dict, int, dict | None]:
-    """Run this benchmark for one budget in a child process inside a memory cgroup; return its rows,
-    the budget's label, its verification cost-model fit, the budget in bytes (auto: as sized), what gating
-    toward the experts in memory cost there (quality_checks.memory_gating_quality; {} with --no-quality) and the prefill
-    batch its process ran (-b, else chosen there), and what else used the CPUs while it measured (speed.Load)."""
-    import tempfile
-    from pathlib import Path
-
-    from ..engine import offload
-    from ..engine.crashes import exit_text
-    from ..engine.measure.bench_results import BenchRow
-    from .model_runs import say_child_death
-    from .options import SAMPLING_VALUES, placement_flags, placement_from_args, sampling_settings
-
-    with tempfile.TemporaryDirectory(prefix="s2moe-bench-") as tmp:
-        out = Path(tmp) / "rows.json"
-        argv = [
-            sys.executable,
-            "-m",
-            "s2moe.app.cli",
-            "bench",
-            "--model",
-            model,
-            "--prompts",
-            args.prompts,
-            "--n-prompts",
-            str(args.n_prompts),
-            "-n",
-            str(args.n_tokens),
-            "--budget",
-            budget_text,
-            "--repeats",
-            str(args.repeats),
-            "--json",
-            str(out),
-        ]
-        if args.no_quality:
-            argv.append("--no-quality")
-        if args.pregate[0]:
-            argv += ["--pregate", "{}:{}".format(*args.pregate)]
-        # settings not given are resolved there: the profile's tuning under a budget, not the resident one
-        for flag, value in (
-            ("--draft-topk", args.draft_topk),
-            ("--draft-max", args.draft_max),
-            ("--reuse-strength", args.reuse_strength),
-            ("--threshold", args.threshold),
-            ("--memory-strength", args.memory_strength),
-            ("--tree-width", args.tree_width),
-            ("--draft-experts", args.draft_experts),
-            ("--tree-max-nodes", args.tree_max_nodes),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
-        # one word: a list that starts with `-gating` or its kin would read as an option
-        argv.append("--modes=" + ",".join(_modes(args)) if not args.ablation else "--ablation")
-        if args.no_utility:
-            argv.append("--no-utility")
-        for key, value in sampling_settings(args).items():  # the seed drawn already where it was -1
-            argv += [SAMPLING_VALUES[key][0], str(value)]
-        if args.threads:
-            argv += ["--threads", str(args.threads)]
-        if args.batch_size is not None:  # else the budget's process chooses its own (engine.decoder.Decoder)
-            argv += ["--batch-size", str(args.batch_size)]
-        argv += placement_flags(placement_from_args(args))
-        if not args.warmup:
-            argv.append("--no-warmup")
-        if args.profile:
-            argv += ["--profile", args.profile]
-        if args.trace:
-            argv += ["--trace", args.trace]
-        with offload.run_in_budget(argv, offload.Budget.parse(budget_text), model, tag="bench") as run:
-            rc = run.wait()
-        if rc != 0 or not out.exists():
-            say_child_death(rc)
-            raise ConfigError(f"the benchmark under budget {budget_text} failed ({exit_text(rc)})")
-        data = json.loads(out.read_text())
-    rows = [BenchRow(**r) for r in data["results"]]
-    return (
-        rows,
-        (rows[0].budget if rows else budget_text),
-        data.get("cost_model") or {},
-        data["config"]["budget_bytes"],
-        data.get("quality") or {},
-        data["config"]["batch_size"],
-        data["config"].get("load"),
-    )
-
-
 class _ChangedLine:
     """A progress line on stderr, said when its key changes (a prompt, a repeat, a budget)."""
 
@@ -238,91 +151,6 @@ class _ChangedLine:
         if key != self.last:
             print(line, file=sys.stderr, flush=True)
             self.last = key
-
-
-def _reference_row(args, model: str, set_name: str, label: str, budget_bytes: int | None, rows):
-    """llama.cpp's own plain decoding of the same prompts (s2moe.engine.measure.reference) in a process of its own:
-    under the same budget in bytes, in a fresh cgroup with nothing pinned or prefetched; resident
-    otherwise."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from ..engine import offload
-    from ..engine.crashes import exit_text
-    from ..engine.measure.bench_results import reference_row
-    from .model_runs import cpu_buffers_for, say_child_death
-    from .options import placement_from_args
-
-    with tempfile.TemporaryDirectory(prefix="s2moe-ref-") as tmp:
-        out = Path(tmp) / "ref.json"
-        argv = [
-            sys.executable,
-            "-m",
-            "s2moe.engine.measure.reference",
-            "--model",
-            model,
-            "--prompts",
-            args.prompts,
-            "--n-prompts",
-            str(args.n_prompts),
-            "-n",
-            str(args.n_tokens),
-            "--json",
-            str(out),
-            "--placement",
-            json.dumps(placement_from_args(args).as_dict()),
-        ]
-        if args.batch_size is not None:  # else llama.cpp's default, as its users get it
-            argv += ["--batch-size", str(args.batch_size)]
-        if args.threads:
-            argv += ["--threads", str(args.threads)]
-        if budget_bytes is None:
-            # llama.cpp as its users get it, but not into a crash that stock llama.cpp has (AMX, say)
-            rc = subprocess.run(argv + ([] if cpu_buffers_for(model, True).extra else ["--no-repack"])).returncode
-        else:
-            with offload.run_in_budget(argv + ["--no-repack"], offload.Budget(budget_bytes), model, tag="ref") as run:
-                rc = run.wait()
-        if rc != 0 or not out.exists():
-            say_child_death(rc)
-            raise ConfigError(f"llama.cpp's plain decoding under budget {label} failed ({exit_text(rc)})")
-        result = json.loads(out.read_text())
-    ar = next((r for r in rows if r.mode == "ar" and r.budget == label), None)
-    return reference_row(result, label, ar, set_name, args.n_prompts)
-
-
-def _trace_tag(budget_text: str) -> str:
-    """The name a budget's trace files start with: resident-000.jsonl, budget-auto-000.jsonl, …"""
-    import re
-
-    return "resident" if budget_text == "none" else "budget-" + re.sub(r"[^A-Za-z0-9.]+", "_", budget_text)
-
-
-def _write_trace(folder: str, budget_text: str, ev, off, hot) -> None:
-    """DIR/resident-000.jsonl, DIR/budget-auto-000.jsonl, …: one file per prompt and budget."""
-    from pathlib import Path
-
-    from ..engine.measure.trace import budget_record, write_trace
-    from ..engine.offload import Budget
-
-    trace = ev.trace
-    if off is not None:
-        trace = trace.with_budget(budget_record(off, hot, Budget.parse(budget_text).auto))
-    write_trace(Path(folder) / f"{_trace_tag(budget_text)}-{ev.prompt_index:03d}.jsonl", trace)
-
-
-def _record_storage_in_traces(folder: str, budget_text: str, passes: list[tuple[float, float]]) -> None:
-    """Give the budget's traces the disk as read around their run (the median pass), for `project --disk trace`."""
-    from pathlib import Path
-
-    from ..engine.measure.trace import record_storage
-
-    if passes:
-        reading = storage_reading(passes)
-        record_storage(
-            sorted(Path(folder).glob(f"{_trace_tag(budget_text)}-*.jsonl")),
-            {key: reading[key] for key in ("qd1_gb_s", "qd8_gb_s", "readings")},
-        )
 
 
 def run(args) -> int:
@@ -446,17 +274,17 @@ def run(args) -> int:
         for b in budgets:
             if b != "none":
                 before = read_storage(emap)
-                rows, label, fit, size, memory_quality, batch, load = _budget_rows(args, model, b)
+                rows, label, fit, size, memory_quality, batch, load = budget_rows(args, model, b, modes)
                 batches[label] = batch
                 loads[label] = load
                 if memory_quality.get("tokens"):
                     budget_quality[label] = memory_quality
                 around[label] = before + read_storage(emap)
                 if args.trace is not None:
-                    _record_storage_in_traces(args.trace, b, around[label])
+                    record_storage_in_traces(args.trace, b, around[label])
                 extra_rows += rows
                 if args.reference:
-                    extra_rows.append(_reference_row(args, model, set_name, label, size, rows))
+                    extra_rows.append(run_reference_row(args, model, set_name, label, size, rows))
                 if fit:
                     budget_fits[label] = fit
         here = "none" if "none" in budgets else None
@@ -516,7 +344,7 @@ def run(args) -> int:
                 trace=args.trace is not None,
             ):
                 if isinstance(ev, BenchTrace):
-                    _write_trace(args.trace, budgets[0] if inside is not None else "none", ev, off, hot)
+                    write_prompt_trace(args.trace, budgets[0] if inside is not None else "none", ev, off, hot)
                 elif isinstance(ev, BenchProgress):
                     where = "warm-up" if ev.warmup else f"prompt {ev.prompt_index + 1}"
                     if args.repeats > 1 and not ev.warmup:
@@ -556,7 +384,7 @@ def run(args) -> int:
         if loads:
             done.config["load_by_budget"] = loads
         if here == "none" and args.reference:
-            done.rows.append(_reference_row(args, model, set_name, "none", None, done.rows))
+            done.rows.append(run_reference_row(args, model, set_name, "none", None, done.rows))
         done.rows.extend(extra_rows)
         if around:
             storage = storage_record(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -13,25 +13,16 @@ from textual.screen import Screen
 from textual.widgets import Static
 
 from ...engine.errors import S2MoEError
-from ..model_runs import speed_text
-from . import messages
-from .chat_settings import (
-    MODE_HELP,
-    OPEN_KEYS,
-    SHORT_NAMES,
-    ChatSettings,
-    engine_modes,
-    mode_help,
-    moe_modes,
-    value_text,
-)
+from .chat_controls import ChatSettingsControls
+from .chat_events import ChatEventHandlers
+from .chat_settings import MODE_HELP, ChatSettings, engine_modes, moe_modes
 from .live import LivePanel
-from .messages import EngineEvent, EngineFailed, EngineNotice, EngineStatus, JobEnded, failure_text, post
-from .state import remember_settings, remembered_settings, settings_from_state
-from .widgets import ChatTurn, FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend, progress_bar
+from .messages import EngineEvent, EngineFailed, EngineNotice, JobEnded, failure_text, post
+from .state import remembered_settings, settings_from_state
+from .widgets import ChatTurn, FittedFooter, NavBar, PromptInput, Transcript, TurnView, legend
 
 
-class ChatScreen(Screen):
+class ChatScreen(ChatSettingsControls, ChatEventHandlers, Screen):
     """Chat with the model; the live panel beside it shows what each iteration did."""
 
     AUTO_FOCUS = "#prompt"
@@ -227,175 +218,6 @@ class ChatScreen(Screen):
             modes = tuple(m for m in modes if m not in moe) or ("ar",)
         return modes
 
-    def adapt_to_model(self) -> None:
-        """Keep the settings valid for the loaded model (dense or top-1 → no self-drafting modes; a k_d
-        chosen for another model and not below this one's k → this model's default)."""
-        model = self.app.session.model
-        s = self.settings
-        modes = self.available_modes()
-        if s.mode not in modes:
-            s = replace(s, mode=modes[0] if "s2moe" not in modes else "s2moe")
-        if model is not None and model.is_moe and s.draft_topk is not None and s.draft_topk >= model.k:
-            s = replace(s, draft_topk=None)
-        self.settings = s
-        if self._profile_pending and model is not None:
-            self.profile_activated()
-        self.update_settings_bar()
-        template = self.app.session.template
-        if model is not None and template is not None and template.text is not None and self._told_template != model:
-            self._told_template = model
-            self.notify(template.status, timeout=6)
-
-    def update_settings_bar(self) -> None:
-        session = self.app.session
-        tuned = session.tuned()
-        # the user's own values where the profile tuned others are marked, so that a mix is never silent
-        text = self.settings.describe(session.model, tuned, session.budget is not None, self.settings.overrides(tuned))
-        if session.profile_name:
-            text += f" · profile {session.profile_name}"
-            if session.profile_problem():
-                text += " (not for this model: F3)"
-        if self.app.model_loading:
-            text = f"{self.loading_text()}\n{text}"  # first: until it ends, nothing else can happen
-        elif self._status:
-            text += f"   {self._status}"
-        self.query_one("#settings-bar", Static).update(text)
-
-    def loading_text(self) -> str:
-        """What the model's load is doing, with its step and how long it has taken (a budgeted load warms up
-        and sizes the budget for a minute or more), and whether a prompt waits for it."""
-        app = self.app
-        p = app.load_progress
-        waited = f" · {messages.clock() - app.load_started:.0f} s" if app.load_started is not None else ""
-        if p is None:
-            text = f"loading the model…{waited}"
-        else:
-            text = f"loading {progress_bar(p.step, p.steps)} {p.step}/{p.steps}: {p.what}{waited}"
-        return text + (" · your prompt is queued" if self._queued is not None else "")
-
-    def tick(self) -> None:
-        """Once a second: a load's seconds count up."""
-        if self.app.model_loading:
-            self.update_settings_bar()
-
-    def set_status(self, text: str) -> None:
-        self._status = text
-        self.update_settings_bar()
-
-    def apply_settings(self, settings: ChatSettings) -> None:
-        self.settings = settings
-        self.adapt_to_model()
-        remember_settings(asdict(self.settings))
-
-    def shown_settings(self) -> ChatSettings:
-        """The settings with what they leave open filled in: the active profile's tuned values, else the
-        model's defaults (with no model loaded, k_d of the top-8 model the k_d choices assume then)."""
-        s = self.settings.resolved(self.app.session.model, self.app.session.tuned())
-        if s.draft_topk is None:
-            from ...engine.decoding.generation_config import routing_defaults
-
-            s = replace(s, draft_topk=routing_defaults(64, 8).draft_topk)
-        return s
-
-    def action_cycle_mode(self, step: int = 1) -> None:
-        modes = self.available_modes()
-        i = modes.index(self.settings.mode) if self.settings.mode in modes else -step
-        self.apply_settings(replace(self.settings, mode=modes[(i + step) % len(modes)]))
-        self.notify(f"{self.settings.mode}: {mode_help(self.settings.mode)}".rstrip(": "), timeout=3)
-
-    def action_set_mode(self, mode: str) -> None:
-        if mode not in self.available_modes():
-            self.notify(f"mode {mode} does not apply to this model", severity="warning")
-            return
-        self.apply_settings(replace(self.settings, mode=mode))
-
-    def action_toggle_utility(self) -> None:
-        self.apply_settings(replace(self.settings, utility=not self.settings.utility))
-        self.notify("utility expansion " + ("on" if self.settings.utility else "off (fixed draft length)"), timeout=2)
-
-    def action_toggle_lookup(self) -> None:
-        self.apply_settings(replace(self.settings, lookup=not self.shown_settings().lookup))
-        self.notify(
-            "copies from the context "
-            + ("on (s2moe, where the utility rule says they pay)" if self.settings.lookup else "off"),
-            timeout=2,
-        )
-
-    def action_toggle_gating(self) -> None:
-        self.apply_settings(replace(self.settings, gating=not self.settings.gating))
-        self.notify(
-            "reuse-aware gating "
-            + ("on (lossy: answers can differ from plain decoding's)" if self.settings.gating else "off (lossless)"),
-            timeout=3,
-        )
-
-    def action_cycle_topk(self, step: int = 1) -> None:
-        model = self.app.session.model
-        k = model.k if model is not None and model.is_moe else 8
-        choices = list(range(1, max(2, k)))
-        current = self.shown_settings().draft_topk
-        i = choices.index(current) if current in choices else -step
-        self.apply_settings(replace(self.settings, draft_topk=choices[(i + step) % len(choices)]))
-        self.notify(f"draft experts per token k_d = {self.settings.draft_topk}", timeout=2)
-
-    def action_settings(self) -> None:
-        from .dialogs import SettingsDialog
-
-        session = self.app.session
-        shown = self.shown_settings()
-        reset = self.settings.left_to_profile()
-
-        def done(result):
-            if result is None:
-                return
-            if result is not reset:
-                # a value the form showed unchanged stays open: the profile's (or the default) still decides
-                # it, for another profile or model too
-                result = result.left_to_profile(
-                    [
-                        key
-                        for key in OPEN_KEYS
-                        if getattr(self.settings, key) is None and getattr(result, key) == getattr(shown, key)
-                    ]
-                )
-            self.apply_settings(result)
-
-        sources = self.settings.sources(session.tuned(), self.app.sampling_flags)
-        self.app.push_screen(
-            SettingsDialog(
-                shown, self.available_modes(), session.model, sources=sources, profile=session.profile_name, reset=reset
-            ),
-            done,
-        )
-
-    def action_reset_to_profile(self) -> None:
-        """Leave every value a profile can tune to the active profile again (else to the defaults)."""
-        self.apply_settings(self.settings.left_to_profile())
-        self.notify(
-            "the profile's values apply" if self.app.session.profile_name else "the default values apply", timeout=3
-        )
-
-    def profile_activated(self) -> None:
-        """A profile was made active: its tuned values win over the user's remembered ones (the user changed
-        them before this tuning existed), and the user is told which of theirs gave way."""
-        session = self.app.session
-        if session.model is None:
-            self._profile_pending = True
-            return
-        self._profile_pending = False
-        tuned = session.tuned()
-        replaced = self.settings.overrides(tuned)
-        self.apply_settings(self.settings.left_to_profile([key for key in OPEN_KEYS if key in tuned]))
-        if replaced:
-            self.notify(
-                "the profile's tuned values replace yours: "
-                + ", ".join(
-                    f"{SHORT_NAMES[key]} {value_text(theirs)} (was {value_text(mine)})"
-                    for key, (mine, theirs) in replaced.items()
-                ),
-                timeout=8,
-            )
-
     # -- view actions ----------------------------------------------------------------------------------
     def action_toggle_rejected(self) -> None:
         self.show_rejected = not self.show_rejected
@@ -582,103 +404,3 @@ class ChatScreen(Screen):
             post(self, EngineFailed(failure_text(e)))
         finally:
             post(self, JobEnded("generate"))
-
-    def on_engine_event(self, message: EngineEvent) -> None:
-        from ...engine.events import Finished, Iteration, MeasuringCosts, Prefilled, ResidencySnapshot, Started
-
-        event = message.event
-        turn = self._turn
-        live = self.live.state
-        session = self.app.session
-        if isinstance(event, MeasuringCosts):
-            # without a profile's constants the first generation measures them, under a budget for many seconds
-            status = (
-                f"measuring cost constants {progress_bar(round(event.fraction * 10), 10)} "
-                f"{event.fraction:.0%} · {event.seconds:.0f} s (once for this model and k_d; a profile "
-                "calibrated on F3 skips it)"
-            )
-            self.set_status(status)
-            if turn is not None:
-                turn.status = status
-                turn.dirty = True
-        elif isinstance(event, Started):
-            live.start(event, message.t, session.stats)
-            live.budget = session.budget_label()
-            if turn is not None and "seed random" in turn.settings_text:
-                # -1 draws a seed per answer: name the one drawn, which repeats this answer in a lossless mode
-                # (the export keeps it)
-                turn.settings_text = turn.settings_text.replace("seed random", f"seed {event.config['seed']}")
-            self.app.model_changed()
-            self.adapt_to_model()
-            self.set_status("prefilling…")
-        elif isinstance(event, Prefilled):
-            self._prefilled = event
-            live.prefilled(message.t)
-            self.set_status("generating… (Esc stops)")
-        elif isinstance(event, Iteration):
-            # token texts for the draft tree: reading the vocabulary is safe beside the worker's decoding
-            decoder = session.decoder
-            live.add(event, message.view, message.t, decoder.piece_text if decoder is not None else None)
-            if turn is not None and message.view is not None:
-                turn.add(message.view.segments)
-                turn.status = f"{live.summary.committed} tokens…"
-        elif isinstance(event, ResidencySnapshot):
-            live.residency(event)
-        elif isinstance(event, Finished):
-            live.finish(event)
-            summary = live.summary
-            if turn is not None:
-                turn.summary = (
-                    f"{summary.n_tokens} tokens · {speed_text(summary)} · "
-                    f"accept len {summary.accept_len:.2f} · rollbacks {summary.rollbacks} · "
-                    f"stop: {summary.stop_reason}"
-                )
-                prefilled = self._prefilled
-                if prefilled is not None and prefilled.reused:
-                    turn.summary += f" · {prefilled.reused} of {prefilled.n_tokens} prompt tokens kept in KV"
-                turn.dirty = True
-            if summary.mode == "ar" and summary.n_tokens >= 4 and summary.stop_reason != "interrupted":
-                session.stats.ar_tok_per_s = summary.decode_tok_per_s  # as the live panel's figure
-            mean = summary.reuse_per_layer
-            if mean is not None and summary.mode == "s2moe":
-                session.stats.reuse_by_gating[live.gating] = [float(x) for x in mean]
-
-    def on_engine_status(self, message: EngineStatus) -> None:
-        self.set_status(message.text)
-
-    def on_engine_notice(self, message: EngineNotice) -> None:
-        self.notify(message.text, severity=message.severity, timeout=8)
-
-    def on_engine_failed(self, message: EngineFailed) -> None:
-        self.notify(message.text, title="Generation failed", severity="error", timeout=10)
-        if self._turn is not None and not self._turn.summary:
-            self._turn.summary = f"failed: {message.text}"
-            self._turn.dirty = True
-
-    def on_job_ended(self, message: JobEnded) -> None:
-        self.generating = False
-        self.refresh_bindings()
-        self.set_status("")
-        if self._turn is not None and not self._turn.summary:
-            self._turn.summary = "stopped"
-            self._turn.dirty = True
-        self.flush()
-        self.app.model_changed()
-
-    def flush(self) -> None:
-        """Redraw what changed since the last redraw (a few times a second, whatever the token rate)."""
-        self.flush_text()
-        self.flush_live()
-
-    def flush_live(self) -> None:
-        if self.live.display:
-            self.live.flush()
-
-    def flush_text(self) -> None:
-        scrolled = False
-        for turn in self.query(TurnView):
-            if turn.dirty:
-                turn.redraw()
-                scrolled = True
-        if scrolled:
-            self.transcript.scroll_end(animate=False)
