@@ -8,8 +8,7 @@ from ..engine.errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    from ..engine.measure.cache_model import CACHE_POLICIES
-    from ..engine.measure.trace_replay import RUNNABLE_MODES
+    from ..engine.measure.projection import CACHE_POLICIES, RUNNABLE_MODES
     from .options import nonempty, positive_int
 
     modes = ",".join(RUNNABLE_MODES)
@@ -109,7 +108,7 @@ def _budget(text: str) -> str | None:
 
 
 def _modes(text: str) -> list[str]:
-    from ..engine.measure.trace_replay import PROJECT_MODES
+    from ..engine.measure.projection import PROJECT_MODES
 
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in PROJECT_MODES]

@@ -150,7 +150,7 @@ def offload_under_budget(args, decoder, budget, warm_up, *, quiet: bool = False)
         decoder, budget, hot, warm_up=warm_up, pinning=pregate_pinning(args), say=None if quiet else say
     )
     if not quiet:
-        from ..engine.offload.sizes import fmt_bytes
+        from ..engine.offload import fmt_bytes
 
         plan = offloader.plan
         rt = decoder.rt

@@ -16,7 +16,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from ...engine.measure.device import DeviceMonitor, DeviceSample
-from ...engine.offload.sizes import fmt_bytes
+from ...engine.offload import fmt_bytes
 from .live_tiles import spark
 from .widgets import NavBar
 

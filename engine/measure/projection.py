@@ -59,7 +59,10 @@ from ..profiles import model_block
 from .cache_model import CACHE_POLICIES, CachePlan, cache_check, cache_plan, fitted_capacity
 from .replay_costs import NO_TERMS, DeviceCosts, WorkloadTerms, device_costs, recording_terms, traces_disk
 from .trace import Trace
-from .trace_replay import RUNNABLE_MODES, ModeProjection, replay, replays_copies
+from .trace_replay import PROJECT_MODES, RUNNABLE_MODES, ModeProjection, replay, replays_copies
+
+# what a front end asks of a projection: the call, its result and the choices its flags take
+__all__ = ["CACHE_POLICIES", "PROJECT_MODES", "RUNNABLE_MODES", "ModeProjection", "Projection", "project"]
 
 DISK_SOURCES = ("profile", "trace")
 TERM_SOURCES = ("profile", "trace", "none")
