@@ -1806,10 +1806,11 @@ from s2moe.engine import offload
 from s2moe.engine.decoding.decoder import Decoder
 from s2moe.engine.decoding.generation_config import GenerationConfig
 dec = Decoder(sys.argv[1], n_threads=1, n_ctx=1024, max_draft=8, use_extra_bufts=False)
-warm = lambda: list(dec.generate("hello", GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
+tokens = [int(t) for t in (list(range(3, 200)) * 4)[:700]]
+warm_prompt = tokens if LONG_WARM_UP else "hello"
+warm = lambda: list(dec.generate(warm_prompt, GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
 off = offload.offload_decoder(dec, offload.Budget(None), [], warm_up=warm)
 before = offload.process_anon_bytes()
-tokens = [int(t) for t in (list(range(3, 200)) * 4)[:700]]
 list(dec.generate(tokens, GenerationConfig(mode="ar", n_predict=4, stop_at_eos=False)))
 print(json.dumps({"grew": offload.process_anon_bytes() - before, "held": offload.process_anon_bytes(),
                   "counted": off.plan.anon_bytes, "compute": dec.rt.compute_buffer_bytes, "n_batch": dec.rt.n_batch}))
@@ -1826,9 +1827,13 @@ def test_an_auto_budget_is_sized_with_the_largest_batch_a_prompt_will_run(tmp_pa
         tmp_path / "wide.gguf", TinySpec(arch="qwen3moe", n_layer=2, n_expert=8, k=2, n_embd=256, n_ff=512, seed=3)
     )
     drop_file_cache(model)
-    r = _run_under_budget(AUTO_LONG_PROMPT, model, tmp_path)
+    r = _run_under_budget(AUTO_LONG_PROMPT.replace("LONG_WARM_UP", "False"), model, tmp_path)
     assert r["n_batch"] >= 512 and r["grew"] > r["compute"] // 2  # the buffers were not touched before
     assert r["held"] <= r["counted"]
+    # a warm-up that ran a full batch touched them: they are measured as held, not counted a second time
+    (tmp_path / "long").mkdir()
+    r = _run_under_budget(AUTO_LONG_PROMPT.replace("LONG_WARM_UP", "True"), model, tmp_path / "long")
+    assert r["grew"] < 1 << 20 and r["counted"] < r["held"] + r["compute"] // 2
 
 
 def test_a_budget_without_room_for_one_layers_experts_is_refused_with_the_least_size_that_has_it(tiny_models):

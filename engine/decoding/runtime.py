@@ -147,6 +147,9 @@ class LlamaRuntime:
         n_seq_max = cparams.n_seq_max
         self.n_ctx: int = llama_cpp.llama_n_ctx(self.ctx)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)  # llama.cpp caps n_batch at n_ctx
+        # the most rows one decode has run: llama.cpp's compute buffers are touched in full only once a batch
+        # of n_batch rows ran (a memory budget counts what is not touched yet)
+        self.largest_batch = 0
         if self.n_batch < max_verify_rows:
             raise ModelError(
                 f"llama.cpp gave batches of {self.n_batch} tokens, fewer than verification batches of {max_verify_rows}"
@@ -281,6 +284,7 @@ class LlamaRuntime:
         return self._logits(n)
 
     def _run(self, n: int) -> None:
+        self.largest_batch = max(self.largest_batch, n)
         if self.hook is not None:
             self.hook.begin()
         logged = llama_process.log_count

@@ -178,10 +178,11 @@ def offload_decoder(
             warm_up()
     # What any prompt will need (its prefill chunks) is counted before what the process holds is planned:
     # llama.cpp sizes its compute buffers for the largest batch, but their pages come in only as a batch that
-    # large runs, and the warm-up's batches are short. Counted, not touched: touching them decodes a whole
-    # batch (11 s on two cores for a 7B model), and the size llama.cpp reports is what touching them adds
-    # (194 of 195 MiB on the widened model, measured); the little the warm-up touched is counted twice.
-    reserved = decoder.rt.compute_buffer_bytes if budget is not None else 0
+    # large runs. Counted, not touched: touching them decodes a whole batch (11 s on two cores for a 7B model),
+    # and the size llama.cpp reports is what touching them adds (194 of 195 MiB on the widened model, measured).
+    # Where the warm-up already ran a full batch (a tight budget's small one) they are held and measured.
+    untouched = budget is not None and decoder.rt.largest_batch < decoder.rt.n_batch
+    reserved = decoder.rt.compute_buffer_bytes if untouched else 0
     room: int | None = None
     share, fitted = AUTO_EXPERT_SHARE, None
     if cg is not None and auto:
