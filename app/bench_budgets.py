@@ -75,7 +75,7 @@ def budget_rows(
             argv += [SAMPLING_VALUES[key][0], str(value)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
-        if args.batch_size is not None:  # else the budget's process chooses its own (engine.decoder.Decoder)
+        if args.batch_size is not None:  # else the budget's process chooses its own (engine.decoding.decoder.Decoder)
             argv += ["--batch-size", str(args.batch_size)]
         argv += placement_flags(placement_from_args(args))
         if not args.warmup:

@@ -113,7 +113,7 @@ def tables(done, width: int) -> list:
 
 
 def footnotes(done) -> list[str]:
-    """What the table's marks mean, the fastest mode and each mode's verdict against ar (engine.speed), and a
+    """What the table's marks mean, the fastest mode and each mode's verdict against ar (engine.measure.speed), and a
     warning where the machine was busy or the runs unsteady."""
     from ..engine.measure.bench_results import judgements
 
@@ -180,7 +180,7 @@ def storage_line(storage: dict) -> str:
     )
 
 
-# what each kind of verification batch (engine.bench.VERIFY_KINDS) is called in the report
+# what each kind of verification batch (engine.measure.bench.VERIFY_KINDS) is called in the report
 KIND_WORDS = {"plain": "plain steps", "copy": "copied drafts", "draft": "self-drafted (experts predicted)"}
 
 

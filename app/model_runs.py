@@ -40,7 +40,7 @@ def default_model() -> str:
 
 
 def cpu_buffers_for(model: str, wanted: bool, *, quiet: bool = False):
-    """The path `model`'s CPU weights take (engine.cpu_buffers.choose; `wanted`: not under a memory budget),
+    """The path `model`'s CPU weights take (engine.decoding.cpu_buffers.choose; `wanted`: not under a memory budget),
     said on stderr in one line where it is not the usual one, and before a first decode checked in a child."""
     from ..engine.decoding.cpu_buffers import choose
     from ..engine.model_info import read_model_info

@@ -135,7 +135,7 @@ def _non_negative_float(text: str) -> float:
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     """llama.cpp's sampler options, its defaults. Applied as llama.cpp applies them, in every mode: the
-    draft and the verification sample from the same processed distributions (engine.sampling)."""
+    draft and the verification sample from the same processed distributions (engine.decoding.sampling)."""
     from ..engine.decoding import sampling as s
 
     p.add_argument("--temp", type=_non_negative_float, default=0.0, help="sampling temperature (0 = greedy)")
@@ -302,7 +302,7 @@ def check_pregate(args) -> None:
 
 
 def add_placement_options(p: argparse.ArgumentParser) -> None:
-    """Where llama.cpp keeps the weights (engine.gpu.Placement): every command that loads a model."""
+    """Where llama.cpp keeps the weights (engine.decoding.gpu.Placement): every command that loads a model."""
     p.add_argument(
         "-ngl",
         "--n-gpu-layers",

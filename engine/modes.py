@@ -10,7 +10,7 @@ MOE_MODES = ("s2moe", "naive", "conf", "cascade", "tree", "tree-prob", "ls")
 CHAIN_DRAFT_MODES = ("s2moe", "conf", "cascade")
 # What self-drafting passes (a chain's or a tree's) can read under a memory budget (GenerationConfig.draft_experts).
 DRAFT_EXPERTS = ("resident", "router")
-# Modes that draft trees (engine.tree).
+# Modes that draft trees (engine.decoding.tree).
 TREE_MODES = ("tree", "tree-prob")
 # Modes whose greedy output must equal plain decoding token for token (no approximation anywhere).
 LOSSLESS_MODES = ("ar", "naive", "conf", "cascade", "lookup", "tree-prob", "ls")

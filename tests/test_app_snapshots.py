@@ -295,7 +295,7 @@ def test_no_model_dialog(snap_compare, size):
 
 
 def device_samples():
-    """Readings of a Jetson Orin under a 1.5 GiB budget, as engine.device would take them."""
+    """Readings of a Jetson Orin under a 1.5 GiB budget, as engine.measure.device would take them."""
     from s2moe.engine.measure.device import DeviceSample, parse_tegrastats
 
     gib = 1 << 30

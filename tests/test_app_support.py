@@ -134,7 +134,7 @@ def scripted_events(mode: str = "s2moe", repeat: int = 1, utility: bool = True, 
 
 
 class FakeDecoder:
-    """Stands in for engine.decoder.Decoder: the scripted iterations, forever if `endless`."""
+    """Stands in for engine.decoding.decoder.Decoder: the scripted iterations, forever if `endless`."""
 
     def __init__(
         self, path: str = "fake-moe.gguf", *, delay: float = 0.0, endless: bool = False, residency: bool = False
@@ -210,7 +210,7 @@ class FakeDecoder:
 
 
 def fake_run_calibration(calls: list | None = None):
-    """Stands in for engine.calibrate.run_calibration (called as the real one would be): its events with fixed
+    """Stands in for engine.measure.calibrate.run_calibration (called as the real one would be): its events with fixed
     numbers. `calls` collects the arguments of each call."""
     calls = [] if calls is None else calls
     steps = [
@@ -254,7 +254,7 @@ def fake_run_calibration(calls: list | None = None):
 
 
 def fake_run_bench(model, **kw):
-    """Stands in for engine.bench.run_bench (called as the real one would be): its events with fixed numbers."""
+    """Stands in for engine.measure.bench.run_bench (called as the real one would be): its events with fixed numbers."""
     call = signature(REAL_RUN_BENCH).bind(model, **kw)
     call.apply_defaults()
     args = call.arguments

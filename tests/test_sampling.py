@@ -1,4 +1,4 @@
-"""llama.cpp's sampler chain (engine.sampling): the same as llama.cpp's own samplers, and lossless in
+"""llama.cpp's sampler chain (engine.decoding.sampling): the same as llama.cpp's own samplers, and lossless in
 speculative decoding — sampled verification reproduces the processed target distribution, greedy modes
 stay token-identical to ar with the options on."""
 

@@ -1,4 +1,4 @@
-"""engine.speed: when a difference in speed is noise, and when the machine was too busy to tell."""
+"""engine.measure.speed: when a difference in speed is noise, and when the machine was too busy to tell."""
 
 from __future__ import annotations
 

@@ -231,7 +231,7 @@ def tune_section() -> dict:
 
 
 def scripted_tune(calls: list, *, fail: bool = False, until_stopped: bool = False):
-    """Stands in for engine.tune.run_tune (called as the real one would be): fixed candidates and speeds."""
+    """Stands in for engine.measure.tune.run_tune (called as the real one would be): fixed candidates and speeds."""
 
     def run_tune(decoder, prompts, **kw):
         call = signature(REAL_RUN_TUNE).bind(decoder, prompts, **kw)

@@ -126,7 +126,7 @@ class BenchScreen(Screen):
         self.running = False
         self.rows: list[BenchRow] = []
         self.done: BenchDone | None = None
-        self.traces: list = []  # the last bench's decoding traces (engine.trace), for the projection
+        self.traces: list = []  # the last bench's decoding traces (engine.measure.trace), for the projection
 
     def mode_choices(self) -> list[str]:
         modes = list(engine_modes())
@@ -385,7 +385,7 @@ class BenchScreen(Screen):
             self.query_one("#bench-status", Static).update(status)
 
     def show_verdict(self, done: BenchDone) -> None:
-        """The fastest mode, each mode against ar, and a warning where the machine was busy (engine.speed)."""
+        """The fastest mode, each mode against ar, and a warning where the machine was busy (engine.measure.speed)."""
         lines = [
             line for budget, judgement in judgements(done.rows, done.config.get("load")) for line in judgement.lines()
         ]

@@ -1,6 +1,6 @@
 """The device screen, in the manner of jtop: memory and swap, the model file in the page cache, storage
 reads, CPU per core, the memory cgroup against its budget and, on a Jetson, the GPU. What it shows comes
-from engine.device's readings once a second; this module only draws them."""
+from engine.measure.device's readings once a second; this module only draws them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The last bench's traces projected onto a device profile (engine.projection): speed-ups by mode."""
+"""The last bench's traces projected onto a device profile (engine.measure.projection): speed-ups by mode."""
 
 from __future__ import annotations
 

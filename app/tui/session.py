@@ -92,11 +92,11 @@ class EngineSession:
         copy_cache: str | None = None,
     ):
         self.model_path = str(model_path) if model_path else None
-        # s2moe's copies from earlier generations, kept across app runs (engine.copycache): a file, or a
+        # s2moe's copies from earlier generations, kept across app runs (engine.drafting.copycache): a file, or a
         # directory with a file per model
         self.copy_cache = copy_cache
         self._copies_loaded = False  # the decoder holds the file's generations: written back when it closes
-        self.placement = placement  # engine.gpu.Placement; None: everything in host memory
+        self.placement = placement  # engine.decoding.gpu.Placement; None: everything in host memory
         # "auto" or a size: the app runs inside a memory cgroup (s2moe app --budget) and offloads experts
         self.budget = budget
         self.budget_bytes: int | None = None
@@ -106,7 +106,7 @@ class EngineSession:
         self.n_batch = n_batch  # llama.cpp's batch size (None: the engine's default)
         self.profile_name = profile
         self.decoder = None
-        self.cpu_buffers = None  # engine.cpu_buffers.CpuBuffers: the path the loaded model's CPU weights took
+        self.cpu_buffers = None  # engine.decoding.cpu_buffers.CpuBuffers: the path the loaded model's CPU weights took
         self.model: ModelSummary | None = None
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -114,7 +114,7 @@ class EngineSession:
         self._factory = decoder_factory
         # a model with a chat template llama.cpp applies: the turns so far (None: each prompt a completion)
         self.conversation = None
-        self.template = None  # engine.chat.Template of the loaded model
+        self.template = None  # engine.decoding.chat.Template of the loaded model
 
     # -- model -------------------------------------------------------------------------------------
     @property

@@ -1,7 +1,7 @@
 """The verification rule: which drafted tokens the target accepts, and the token it adds after them.
 
 One rule for greedy and sampled decoding: at each row the target's own token — the argmax of the penalised
-logits, or the Gumbel-max draw with the seed's noise at that position (engine.sampling) — is what plain
+logits, or the Gumbel-max draw with the seed's noise at that position (engine.decoding.sampling) — is what plain
 decoding would commit there; a drafted token is accepted while it equals that token, and the first row
 where it does not (or the row after the last drafted token) adds the target's token. The committed tokens
 are then exactly plain decoding's with the same seed, whatever the draft was. Each row's distribution is the

@@ -127,6 +127,6 @@ class CostConstantsMixin:
     def forget_cost_constants(self, remember_as: str | None = None) -> None:
         """Measure again at the next generation (e.g. once the memory budget changed what a step costs).
         remember_as: the setting (a memory budget's) under which a measurement is remembered between runs
-        (engine.remembered_costs), and measured in about BUDGET_MEASURE_S."""
+        (engine.measure.remembered_costs), and measured in about BUDGET_MEASURE_S."""
         self._measured.clear()
         self._remember_as = remember_as

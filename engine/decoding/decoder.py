@@ -126,7 +126,7 @@ class Decoder(CostConstantsMixin):
 
     @property
     def chat_template(self) -> Template:
-        """The model's chat template as llama.cpp applies it (engine.chat.Template)."""
+        """The model's chat template as llama.cpp applies it (engine.decoding.chat.Template)."""
         if self._template is None:
             from .chat import model_template
 
@@ -259,7 +259,7 @@ class Decoder(CostConstantsMixin):
         accepted less often at a higher temperature) share it and a prompt does not pay to learn it again.
         Generations that gate or copy differently (bench's ablation rows beside s2moe in one process, tune's
         trials) see other steps, timings and acceptance, so each keeps a rule of its own.
-        What a rule drafts never changes which tokens a seed commits (engine.acceptance)."""
+        What a rule drafts never changes which tokens a seed commits (engine.decoding.acceptance)."""
         key = key + (
             cfg.sampling(),
             cfg.reuse_strength,
@@ -488,7 +488,7 @@ class Decoder(CostConstantsMixin):
         layout: tuple[list[int], list[list[int]]] | None = None,
     ) -> _Verified:
         """One target pass over the pending token and the drafted ones, with what its routing read.
-        layout: the rows' positions and sequence ids where they form a tree (engine.tree), not a chain."""
+        layout: the rows' positions and sequence ids where they form a tree (engine.decoding.tree), not a chain."""
         rt, hook, observer = self.rt, self.rt.hook, self._observer
         k = max(self.info.n_expert_used, 1)
         # A plain step needs no routing record: one token reads k experts in every MoE layer. Skipping

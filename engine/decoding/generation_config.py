@@ -48,7 +48,7 @@ class GenerationConfig:
     n_predict: int = 128
     temperature: float = 0.0  # 0: greedy
     seed: int = 0  # RANDOM_SEED (-1): drawn at random when resolved, as llama.cpp's -s -1
-    # llama.cpp's sampler chain (engine.sampling), its defaults; repeat_last_n -1: the whole context
+    # llama.cpp's sampler chain (engine.decoding.sampling), its defaults; repeat_last_n -1: the whole context
     top_k: int = TOP_K
     top_p: float = TOP_P
     min_p: float = MIN_P
@@ -86,7 +86,7 @@ class GenerationConfig:
     draft_experts: str | None = None
     stop_at_eos: bool = True
     cost: CostConstants | None = None  # from a device profile; measured at start-up when None
-    # record a trace (engine.trace): draft to the cap whatever the mode's rule says, noting what it would have
+    # record a trace (engine.measure.trace): draft to the cap whatever the mode's rule says, noting what it would have
     # kept, and keep every verification's routing in its Iteration event
     trace: bool = False
 

@@ -16,7 +16,7 @@ Verification. One target pass over the pending token and every node taken. Each 
 first receives the committed prefix; a row belongs to the sequences of every leaf below it and attends
 through the first of them, which holds exactly its ancestors. Greedy: the longest path the target agrees
 with, plus its next token; sampled, the same with the target's draw at each node (the seed's noise at its
-position, engine.sampling): a child is accepted when it is the token plain sampling would commit there, so
+position, engine.decoding.sampling): a child is accepted when it is the token plain sampling would commit there, so
 the tree commits plain sampling's tokens, and a node's children together are accepted with the target's
 probability of their tokens. The accepted branch's cells then move to sequence 0 and every
 other cell is freed: the cache holds exactly the committed path.
@@ -292,7 +292,7 @@ def accept_tree(
     history: Sequence[int],
 ) -> tuple[list[int], int]:
     """(indices of the accepted nodes from the pending token down, the target's token after them): at each
-    node the target's own token (engine.acceptance) moves to the child that drafted it, if one did.
+    node the target's own token (engine.decoding.acceptance) moves to the child that drafted it, if one did.
 
     logits: [1 + len(tokens), n_vocab], row 0 the pending token's, row i + 1 node i's."""
     children: dict[int, list[int]] = {-1: []}

@@ -92,7 +92,7 @@ class CopyPlan:
 class CopyPlanner:
     """What s2moe decides about drafts copied from the context, apart from any model: decoding asks it before
     each step (LookupOrSelfDrafter), and a projection replays it on a recorded generation's tokens with projected
-    times (engine.projection). The prices it decides with come from its rule's CopyLearner, whose clock is the
+    times (engine.measure.projection). The prices it decides with come from its rule's CopyLearner, whose clock is the
     caller's: wall time in decoding, projected seconds in a replay."""
 
     # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's

@@ -50,7 +50,7 @@ class Drafter:
     drafts_in_context = False  # its draft passes run in the decoder's own context, through the routing hook
 
     def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
-        """sample(logits, history) -> (token, distribution): the generation's sampler (engine.sampling),
+        """sample(logits, history) -> (token, distribution): the generation's sampler (engine.decoding.sampling),
         given the tokens before the one it draws; sampled, it draws with the noise the target verifies with."""
         return Proposal()
 

@@ -31,10 +31,10 @@ class BenchProgress:
 
 @dataclass(frozen=True)
 class BenchTrace:
-    """A prompt's decoding trace (engine.trace), recorded after the prompt's timed generations."""
+    """A prompt's decoding trace (engine.measure.trace), recorded after the prompt's timed generations."""
 
     prompt_index: int
-    trace: object  # engine.trace.Trace
+    trace: object  # engine.measure.trace.Trace
 
 
 @dataclass

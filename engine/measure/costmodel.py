@@ -353,7 +353,7 @@ def _first_plain_step(rt: LlamaRuntime, k_draft: int, seed: int, context: int) -
 # -- context: how a step's cost grows with the tokens it attends to --------------------------------------
 WORKLOAD_CONTEXTS = (32, 128, 256, 384)  # calibration's steps run at the first; prompts of a workload run longer
 # what a step is timed as: one that records routing (a verification's single row), a draft pass, a verification
-# of cap + 1 rows (a plain step as decoding runs it is timed in decoding itself: engine.calibrate)
+# of cap + 1 rows (a plain step as decoding runs it is timed in decoding itself: engine.measure.calibrate)
 CONTEXT_KINDS = ("observed", "draft", "verify")
 
 

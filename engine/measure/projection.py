@@ -1,6 +1,6 @@
 """Projection: what a recorded decoding trace would run at on another device, budget and stopping rule.
 
-A trace (engine.trace) holds, per iteration, the whole draft chain to the cap with each token's draft
+A trace (engine.measure.trace) holds, per iteration, the whole draft chain to the cap with each token's draft
 probability and predicted target experts, how much of it the target accepted, and the experts every verified
 row read. Replaying a mode walks the same token sequence: at each pending token the mode's own rule (the
 utility rule under the target device's constants, a confidence threshold, cascade's trials) decides how many

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-repack", action="store_true")
     ap.add_argument("-b", "--batch-size", type=int, default=DEFAULT_BATCH)
-    ap.add_argument("--placement", type=json.loads, default={}, help="engine.gpu.Placement's fields as JSON")
+    ap.add_argument("--placement", type=json.loads, default={}, help="engine.decoding.gpu.Placement's fields as JSON")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     _, prompts = load_prompts(a.prompts, a.n_prompts)

@@ -160,7 +160,7 @@ def decoding_fetch_price(step_ms: float | None, fetched_per_token: float | None,
     return max(0.0, step_ms - t_ar_ms) / 1e3 / fetched_per_token
 
 
-# engine.costmodel times its steps and batches after this many tokens of context (its `context` default)
+# engine.measure.costmodel times its steps and batches after this many tokens of context (its `context` default)
 CALIBRATION_CONTEXT = 32
 
 

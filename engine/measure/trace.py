@@ -2,7 +2,7 @@
 
 A trace is recorded with drafting forced to the cap (GenerationConfig.trace): every iteration holds the whole
 draft chain the model's own experts proposed, so that any stopping rule (the utility rule under other
-constants, a confidence threshold, a fixed length) can be replayed on it (engine.projection). It is JSONL:
+constants, a confidence threshold, a fixed length) can be replayed on it (engine.measure.projection). It is JSONL:
 
     {"s2moe_trace": 1, "model": ..., "n_layer": 6, "n_expert": 64, "k": 8, "k_d": 2, "expert_bytes": ...,
      "prompt": [token, ...], ...}
