@@ -180,7 +180,7 @@ def storage_line(storage: dict) -> str:
     )
 
 
-# what each kind of verification batch (engine.measure.bench.VERIFY_KINDS) is called in the report
+# what each kind of verification batch (engine.measure.bench_results.VERIFY_KINDS) is called in the report
 KIND_WORDS = {"plain": "plain steps", "copy": "copied drafts", "draft": "self-drafted (experts predicted)"}
 
 

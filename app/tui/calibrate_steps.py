@@ -116,7 +116,7 @@ class TuneState:
     total: int = 0
     phase: str = ""
     points: dict = field(default_factory=dict)  # candidate index → (rung, tok/s)
-    settings: dict = field(default_factory=dict)  # candidate index → engine.measure.tune.Settings
+    settings: dict = field(default_factory=dict)  # candidate index → engine.measure.tune_space.Settings
     defaults_tok_s: float | None = None
     section: dict | None = None  # TuneDone's, recorded in the saved profile
 
