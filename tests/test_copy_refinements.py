@@ -171,19 +171,6 @@ def test_without_session_copies_only_the_context_is_copied():
     assert plan(cheap_rows(), [5, 7, 8, 9], 2, earlier=session(), without={"session"}) is None
 
 
-def test_without_voting_a_session_copy_takes_the_latest_generations_tokens():
-    voted = plan(cheap_rows(), [5, 7, 8, 9], 2, earlier=session())
-    assert voted.tokens == [20, 21]
-    latest = plan(cheap_rows(), [5, 7, 8, 9], 2, earlier=session(), without={"voting"})
-    assert latest.source == "session" and latest.tokens == [30, 31] and latest.kinds == ["session"] * 2
-    # two voters that agree: the copy stands as agreed with voting, not without
-    earlier = EarlierText()
-    earlier.add((1,), [1, 7, 8, 9, 20])
-    earlier.add((2,), [2, 7, 8, 9, 20])
-    assert plan(cheap_rows(), [5, 7, 8, 9], 1, earlier=earlier).kinds == ["session, agreed"]
-    assert plan(cheap_rows(), [5, 7, 8, 9], 1, earlier=earlier, without={"voting"}).kinds == ["session"]
-
-
 def test_an_unknown_refinement_is_a_one_line_error():
     with pytest.raises(ConfigError, match="unknown copy refinement 'vote'"):
         GenerationConfig(copy_without=frozenset({"vote"})).validate()
@@ -198,9 +185,9 @@ def test_the_decoder_hands_the_switches_to_its_copies_and_each_set_learns_apart(
     d = decoders[arch]
     c = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.2, intercept=0.0, source="test-refinements")
     cfg = GenerationConfig(mode="s2moe", n_predict=32, cost=c, reuse_strength=0.0, stop_at_eos=False).resolved(d.info)
-    voting_off = replace(cfg, copy_without=frozenset({"voting"}))
-    drafter = d._drafter(voting_off, c, [1, 2, 3])
-    assert isinstance(drafter, LookupOrSelfDrafter) and drafter.copies.without == {"voting"}
+    session_off = replace(cfg, copy_without=frozenset({"session"}))
+    drafter = d._drafter(session_off, c, [1, 2, 3])
+    assert isinstance(drafter, LookupOrSelfDrafter) and drafter.copies.without == {"session"}
     assert d._drafter(cfg, c, [1, 2, 3]).copies.rule is not drafter.copies.rule
     ar = summarize(run(d, REPEATING, GenerationConfig(mode="ar", n_predict=32, stop_at_eos=False)))
     all_off = run(d, REPEATING, replace(cfg, copy_without=frozenset(COPY_REFINEMENTS)))

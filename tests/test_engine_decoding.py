@@ -498,13 +498,13 @@ def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
     e = EarlierText(max_ngram=3, min_ngram=2, keep=3)
     e.add((1,), [1, 5, 6, 7, 8])
     e.add((2,), [2, 6, 7, 9, 5, 6, 10])
-    assert e.lookup((9,), [4, 5, 6], 3)[:2] == (2, [10])  # the latest entry holding the bigram
-    assert e.lookup((9,), [5, 6, 7], 3)[:2] == (3, [8])  # a trigram beats the latest entry's bigram "6 7"
-    assert e.lookup((2,), [4, 5, 6], 3) == (2, [7, 8], [False, False])  # never the entry of its own prompt
-    assert e.lookup((9,), [8, 3], 3) == (0, [], [])
-    assert e.lookup((9,), [3, 7, 8], 3) == (0, [], [])  # a last token nothing followed
+    assert e.lookup((9,), [4, 5, 6], 3) == (2, [10])  # the latest entry holding the bigram
+    assert e.lookup((9,), [5, 6, 7], 3) == (3, [8])  # a trigram beats the latest entry's bigram "6 7"
+    assert e.lookup((2,), [4, 5, 6], 3) == (2, [7, 8])  # never the entry of its own prompt
+    assert e.lookup((9,), [8, 3], 3) == (0, [])
+    assert e.lookup((9,), [3, 7, 8], 3) == (0, [])  # a last token nothing followed
     e.add((1,), [1, 5, 6, 11])  # a prompt run again replaces its entry
-    assert e.lookup((9,), [5, 6, 7], 3)[:2] == (2, [9, 5, 6])  # its trigram "5 6 7" gone with it
+    assert e.lookup((9,), [5, 6, 7], 3) == (2, [9, 5, 6])  # its trigram "5 6 7" gone with it
     e.add((3,), [3])
     e.add((4,), [4])
     assert list(e.entries) == [(1,), (3,), (4,)]  # the oldest dropped past `keep`
@@ -514,31 +514,6 @@ def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
     assert list(e.entries) == [(2,), (3,)] and e.tokens == 7  # ... and past `max_tokens`
     e.add((4,), list(range(20)))
     assert list(e.entries) == [(4,)]  # the latest entry stays, however long
-
-
-def test_earlier_text_votes_among_the_entries_holding_the_ngram():
-    """Where several other prompts' entries hold the longest n-gram, what followed it votes token by token: the
-    commonest next token among the continuations that agree so far, ties to the latest entry; at most `vote` of
-    the latest entries take part. Each token says whether two or more voters were left and all agreed on it."""
-    from s2moe.engine.drafting.ngrams import EarlierText
-
-    e = EarlierText(max_ngram=3, min_ngram=2)
-    e.add((1,), [1, 5, 6, 7, 8, 9])
-    e.add((2,), [2, 5, 6, 7, 8, 4])
-    e.add((3,), [3, 5, 6, 10, 11])  # the latest entry, outvoted at the first token
-    # 7 by two to one, 8 by both left, then a tie: the later entry's 4
-    assert e.lookup((9,), [0, 5, 6], 4) == (2, [7, 8, 4], [False, True, False])
-    # its own entry does not vote: a tie, the latest wins, and one voter is left
-    assert e.lookup((1,), [0, 5, 6], 4) == (2, [10, 11], [False, False])
-    e.add((4,), [4, 5, 6, 10, 12, 13])
-    assert e.lookup((9,), [0, 5, 6], 4)[:2] == (2, [10, 12, 13])  # two to two, then one to one: the latest's
-    e.add((5,), [5, 5, 6, 10, 12, 13])
-    # 10 by three of five, 12 by two of three, 13 by both left
-    assert e.lookup((9,), [0, 5, 6], 4) == (2, [10, 12, 13], [False, False, True])
-    few = EarlierText(max_ngram=3, min_ngram=2, vote=2)
-    for prompt, text in (((1,), [1, 5, 6, 7]), ((2,), [2, 5, 6, 7]), ((3,), [3, 5, 6, 10]), ((4,), [4, 5, 6, 11])):
-        few.add(prompt, text)
-    assert few.lookup((9,), [0, 5, 6], 4)[:2] == (2, [11])  # only the two latest vote
 
 
 def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
@@ -558,34 +533,6 @@ def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
     plan = CopyPlanner(rule, earlier, prompt=(5,)).plan([5, 1, 2, 3, 4, 1, 2, 3], 2)
     assert (plan.source, plan.n, plan.tokens) == ("context", 3, [4, 1])
     assert CopyPlanner(rule, None, prompt=(5,)).plan([5, 2, 3, 4, 1, 2, 3], 2).source == "context"
-
-
-def test_copied_tokens_the_session_agreed_on_are_learned_and_weighed_apart():
-    """A session copy's tokens that every voter agreed on are priced at what such tokens were accepted at, the
-    others at the session's other tokens' rate, each token of the chain at its own kind's; verifying a copy
-    teaches each kind by its own tokens."""
-    from s2moe.engine.drafting.copies import CopyPlanner
-    from s2moe.engine.drafting.ngrams import EarlierText
-    from s2moe.engine.drafting.stoprules import UtilityStop
-
-    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.5, intercept=0.0, source="test"))
-    learned = rule.copies(3)
-    for _ in range(4):
-        learned.learn(3, ["session, agreed"] * 2, accepted=2)
-        learned.learn(3, ["session"], accepted=0)
-    agreed, other = learned.estimate(3, "session, agreed"), learned.estimate(3, "session")
-    assert agreed > 0.8 > 0.3 > other
-    earlier = EarlierText()
-    earlier.add((1,), [1, 7, 8, 9, 20, 21])
-    earlier.add((2,), [2, 7, 8, 9, 20, 22])
-    planner = CopyPlanner(rule, earlier, prompt=(5,))
-    plan = planner.plan([5, 7, 8, 9], 2)
-    assert plan.source == "session" and plan.p == pytest.approx(agreed)
-    assert [w[0] for w in plan.weighed] == [20, 22]  # both agree on 20; 22, the latest's, where they part
-    assert [w[1] for w in plan.weighed] == pytest.approx([agreed, agreed * other])
-    assert plan.tokens == [20] and plan.kinds == ["session, agreed"]  # 22 does not pay at its kind's rate
-    planner.learn(plan, 0, 0.0, 0)
-    assert learned.estimate(3, "session, agreed") < agreed and learned.estimate(3, "session") == other
 
 
 def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and_probes_one_token():

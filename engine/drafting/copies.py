@@ -63,10 +63,8 @@ class LookupDrafter(Drafter):
 #   serves little;
 # - hope: an acceptance estimate is its share as seen, never raised by its standard error;
 # - probes: a copy the rule declines is never verified, nor a copy made where none could pay;
-# - session: copies come from the generation's own context only;
-# - voting: a session copy takes the latest entry's text that holds the n-gram, no vote (so no token stands as
-#   agreed).
-COPY_REFINEMENTS = ("loop", "whole", "overlap", "timed-scaling", "timed-plain", "hope", "probes", "session", "voting")
+# - session: copies come from the generation's own context only.
+COPY_REFINEMENTS = ("loop", "whole", "overlap", "timed-scaling", "timed-plain", "hope", "probes", "session")
 
 
 @dataclass
@@ -164,12 +162,10 @@ class CopyPlanner:
         n, found, period = self.index.lookup(context, max_len)
         kinds = ["context, looped" if i >= period else "context" for i in range(len(found))]
         if self.earlier is not None and n < self.index.max_ngram:  # else the earlier text cannot match longer
-            n2, found2, agreed2 = self.earlier.lookup(
-                self.prompt, context, max_len, voters=1 if "voting" in self.without else None
-            )
+            n2, found2 = self.earlier.lookup(self.prompt, context, max_len)
             if found2 and n2 > n:
                 source, n, found = "session", n2, found2
-                kinds = ["session, agreed" if a else "session" for a in agreed2]
+                kinds = ["session"] * len(found2)
         if not found:
             return None
         rates = {kind: learned.estimate(n, kind, self.hope) for kind in set(kinds)}

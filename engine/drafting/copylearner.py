@@ -14,18 +14,17 @@ import numpy.typing as npt
 # context, or the session's earlier generations, EarlierText); for the context's, whether it was taken round the
 # loop the context is in, past the context's end (once the target has accepted a whole period it nearly always
 # goes on: on the shipped model's greedy HumanEval completions 96-99.6% of such tokens against 77-88% of the
-# other copied tokens after the first); and for the session's whether two or more of its entries voted and all
-# agreed on it
-COPY_KINDS = ("context", "context, looped", "session", "session, agreed")
+# other copied tokens after the first)
+COPY_KINDS = ("context", "context, looped", "session")
 
 
 class CopyLearner:
     """What s2moe learns of copied drafts.
 
     How often the target accepts a copied token after an n-gram match, per n and per kind (COPY_KINDS: from the
-    generation's own context, those taken round its loop apart, or from the session's earlier generations, those all
-    voters agreed on apart): the accepted share of the copied tokens of that kind verified there (each judged only
-    if those before it were accepted) plus `prior` pseudo-tokens at `rate`. A copy's tokens are priced by the chain
+    generation's own context, those taken round its loop apart, or from the session's earlier generations): the
+    accepted share of the copied tokens of that kind verified there (each judged only if those before it were
+    accepted) plus `prior` pseudo-tokens at `rate`. A copy's tokens are priced by the chain
     of their estimates, and the prior's rate chained over a long copy expects little of it: a rule that had seen few
     copies made short ones only, and so never learned that the long ones were accepted. So where plain steps fetch
     most of the experts they read (`cache_serves_little`), an estimate is raised by its share's standard error: seen
