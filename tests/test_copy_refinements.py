@@ -102,22 +102,6 @@ def test_without_timed_scaling_copies_are_priced_at_the_constants():
     assert constants.cost == pytest.approx(plain_rule.copy_cost(constants.rows, 0.0))
 
 
-def test_without_the_timed_plain_step_a_copied_token_saves_the_constants_t_ar():
-    def slow_plain_steps_fetching_most():
-        rule = UtilityStop(
-            CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.002, intercept=0.0, source="test")
-        )
-        learned = rule.copies(3)
-        learned.began()
-        for _ in range(3):
-            learned.timed(0.030, 0)
-            learned.fetched(33, 48)
-        return rule
-
-    assert plan(slow_plain_steps_fetching_most(), max_len=4).saved == pytest.approx(0.030)
-    assert plan(slow_plain_steps_fetching_most(), max_len=4, without={"timed-plain"}).saved == pytest.approx(0.010)
-
-
 def test_without_hope_an_estimate_is_its_share_where_plain_steps_fetch():
     def fetching():
         rule = cheap_rows()

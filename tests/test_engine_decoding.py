@@ -617,38 +617,6 @@ def routed_experts(routed, shape) -> np.ndarray:
     return out
 
 
-def test_until_copies_are_timed_a_copied_token_saves_the_plain_step_as_timed_where_the_cache_serves_little():
-    """What a copied token saves is a plain step. Where plain steps fetch at least half the experts they read
-    (the cache serves them little, so copies have little to disturb), the plain step timed in this run replaces
-    the constants' T_AR before any copy was timed (a profile's T_AR was read on another day of the disk, or at
-    another split of the budget); a row keeps the constants' price until copies were rejected whole and timed.
-    Where the cache serves most, or nothing was counted (no budget), the constants price it."""
-    from s2moe.engine.drafting.copies import CopyPlanner
-    from s2moe.engine.drafting.stoprules import UtilityStop
-
-    context = [5, 1, 2, 3, 4, 1, 2, 3]
-
-    def planned(plain_s, fetched=None):
-        rule = UtilityStop(
-            CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.002, intercept=0.0, source="test")
-        )
-        learned = rule.copies(3)
-        learned.began()
-        for _ in range(3 if plain_s else 0):
-            learned.timed(plain_s, 0)
-            if fetched is not None:
-                learned.fetched(fetched, 48)
-        return CopyPlanner(rule, None, prompt=(5,)).plan(context, 4)
-
-    untimed, slow = planned(None), planned(0.030, fetched=33)
-    assert (untimed.saved, untimed.cost / untimed.rows) == pytest.approx((0.010, 0.002))
-    assert (slow.saved, slow.cost / slow.rows) == pytest.approx((0.030, 0.002))
-    assert len(slow.tokens) >= len(untimed.tokens) > 0
-    assert planned(0.001, fetched=33) is None  # plain steps cheaper than a row: not even a certain copy pays
-    for served in (planned(0.030, fetched=23), planned(0.030)):  # 23 of 48 fetched; nothing counted
-        assert (served.saved, served.cost / served.rows) == pytest.approx((0.010, 0.002))
-
-
 def test_s2moe_counts_what_its_plain_steps_read_and_fetched_where_an_observer_counts_misses(decoders, arch):
     """The experts each plain step read and fetched reach the copies' learner (copies and drafts of the model's
     own are not plain steps); without an observer nothing is counted."""

@@ -58,13 +58,11 @@ class LookupDrafter(Drafter):
 # - overlap: every row adds what a first draft token is expected to add (rows × that), and a verified copy
 #   teaches that estimate its rows' mean;
 # - timed-scaling: copies are priced at the constants whatever was timed (no scale, no floor on a row), and a
-#   copied token saves T_AR, or the timed plain step under timed-plain;
-# - timed-plain: before copies were timed, a copied token saves the constants' T_AR even where the cache
-#   serves little;
+#   copied token saves T_AR;
 # - hope: an acceptance estimate is its share as seen, never raised by its standard error;
 # - probes: a copy the rule declines is never verified, nor a copy made where none could pay;
 # - session: copies come from the generation's own context only.
-COPY_REFINEMENTS = ("loop", "whole", "overlap", "timed-scaling", "timed-plain", "hope", "probes", "session")
+COPY_REFINEMENTS = ("loop", "whole", "overlap", "timed-scaling", "hope", "probes", "session")
 
 
 @dataclass
@@ -133,17 +131,6 @@ class CopyPlanner:
             return None
         timed = None if "timed-scaling" in self.without else learned.price()
         saved, scale = timed or (rule.cost.t_ar, 1.0)
-        if (
-            timed is None
-            and "timed-plain" not in self.without
-            and learned.plain_s is not None
-            and learned.cache_serves_little()
-        ):
-            # what a copied token saves is a plain step, timed here on every one of them, where the constants
-            # were measured on another day of the disk or at another split of the budget; only a copy's cost
-            # waits for copies to be timed. Not where the cache serves plain steps most of their experts: copies
-            # would disturb it, and the steps timed around them would show it disturbed (CopyLearner)
-            saved = learned.plain_s
         # timing noise must not make copies look free: a row is never priced under a twentieth of a plain step
         least_row = timed[0] / 20 if timed else 0.0
         costs = self._costs(scale, max_len)
@@ -247,8 +234,7 @@ class LookupOrSelfDrafter(Drafter):
     E(r) the experts r rows add to the verification, by the pool the verified copies share (before any, r times
     the rule's running estimate of what a first draft token adds). Once copies were rejected whole and timed
     here, the cost is scaled by what they took over their constants' price, and T_AR is the plain step as timed
-    here; before that, so is T_AR where plain steps under a memory budget fetch most of the experts they read
-    (CopyLearner)."""
+    here (CopyLearner)."""
 
     name = "s2moe"
     drafts_in_context = True

@@ -51,17 +51,16 @@ class CopyLearner:
     price a copy by T_tok per row and T_exp per expert it adds, which leaves out what makes a verification with
     drafts dearer than a plain step (the routing hook's stops, the acceptance of each row): a timed copy's cost
     over the constants' price of the same copy (its own rows and experts) is a factor, and once `min_copies`
-    rejected copies were timed its running mean scales the constants' prices. Before that the constants price a
-    copy, but what a copied token saves is already the plain step as timed here (CopyPlanner).
+    rejected copies were timed its running mean scales the constants' prices, and a copied token saves the plain
+    step as timed here; before that the constants price both (CopyPlanner).
 
     Under a memory budget copies also change which experts stay in memory, and the steps timed around them
     show the cache as copies leave it, not as plain decoding would keep it: where the kept cache serves plain
     steps most of their experts, copies leave the plain steps between them fetching more, and both the copies
     and their neighbours then look as if they paid while the session runs slower than without copies. What
     copies can disturb is what plain steps find in memory, so the experts a plain step reads and fetches are
-    counted too (`fetched`), and the plain step as timed prices a copied token before copies were timed only
-    where plain steps fetch most of what they read (`cache_serves_little`; docs/results.md, "Copies priced where
-    the cache serves little", has the measurements at three budgets).
+    counted too (`fetched`), and estimates are hoped above their shares only where plain steps fetch most of
+    what they read (`cache_serves_little`).
 
     llama.cpp reuses its last compute graph only for a batch of the same shape, so the step after a batch of
     another shape (a prefill, a copy's verification, a draft) builds its graph anew; on a small model in memory
