@@ -48,7 +48,7 @@ def test_without_pricing_whole_a_copy_is_kept_token_by_token():
         for _ in range(8):
             learned.learn(3, ["context"] * 3 + ["context, looped"] * 5, accepted=8)
         for _ in range(10):
-            learned.verified(1, copy_added(0.45, 1, 48), 48, 0.0)
+            learned.verified(1, copy_added(0.45, 1, 48), 48)
         return rule
 
     whole = plan(learned_rule(), max_len=8)
@@ -63,7 +63,7 @@ def test_without_the_overlap_share_every_row_adds_what_a_first_draft_token_does(
         rule = cheap_rows(t_exp=0.0001)
         rule.expected_first_experts = 20.0
         for _ in range(10):
-            rule.copies(3).verified(1, copy_added(0.45, 1, 48), 48, 0.0)
+            rule.copies(3).verified(1, copy_added(0.45, 1, 48), 48)
         return rule
 
     pooled, plain = plan(learned_rule()), plan(learned_rule(), without={"overlap"})
@@ -77,29 +77,6 @@ def test_without_the_overlap_share_every_row_adds_what_a_first_draft_token_does(
         planner.learn(planner.plan(LOOPING, 6), 6, 48 + 60.0, 48)
         firsts.append(rule.expected_first_experts)
     assert firsts[1] == pytest.approx(20.0 + rule.smoothing * (10.0 - 20.0)) and firsts[0] > firsts[1]
-
-
-def timed_dear(rule: UtilityStop) -> None:
-    """Copies timed at three times their constants' price, rows dearer than the plain step timed."""
-    learned = rule.copies(3)
-    learned.began()
-    for _ in range(2):
-        learned.timed(0.001, 0)
-    for _ in range(learned.min_copies):
-        learned.verified(1, 0.0, 0, rule.copy_cost(1, 0.0))
-        learned.timed(0.003, 1)
-        learned.timed(0.001, 0)
-
-
-def test_without_timed_scaling_copies_are_priced_at_the_constants():
-    rule, plain_rule = cheap_rows(), cheap_rows()
-    timed_dear(rule)
-    timed_dear(plain_rule)
-    assert rule.copies(3).price() is not None
-    assert plan(rule) is None  # not even a certain copy pays at the prices timed
-    constants = plan(plain_rule, without={"timed-scaling"})
-    assert constants is not None and not constants.probe and constants.saved == 1.0
-    assert constants.cost == pytest.approx(plain_rule.copy_cost(constants.rows, 0.0))
 
 
 def test_without_hope_an_estimate_is_its_share_where_plain_steps_fetch():
@@ -126,18 +103,6 @@ def test_without_probes_a_declined_copy_is_never_verified():
     probe = plan(declining())
     assert probe.probe and probe.tokens == [1]
     assert plan(declining(), without={"probes"}) is None
-
-
-def test_without_probes_no_copy_is_made_where_none_could_pay():
-    """The rare probe, at prices where not even a certain copy pays, after the longest wait, is not made."""
-    for without, due in (((), True), (("probes",), False)):
-        rule = cheap_rows()
-        timed_dear(rule)
-        learned = rule.copies(3)
-        planner = CopyPlanner(rule, None, prompt=(5,), without=frozenset(without))
-        plans = [planner.plan(LOOPING, 4) for _ in range(16 * learned.probe_every)]
-        assert plans[:-1] == [None] * (len(plans) - 1)
-        assert (plans[-1] is not None and plans[-1].probe) == due
 
 
 def session() -> EarlierText:

@@ -535,36 +535,6 @@ def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
     assert CopyPlanner(rule, None, prompt=(5,)).plan([5, 2, 3, 4, 1, 2, 3], 2).source == "context"
 
 
-def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and_probes_one_token():
-    """Timed rows dearer than a plain step: not even a certain copy pays. The planner then plans nothing for the
-    longest wait (no lookup), counting steps, and then probes one token where the context repeats."""
-    from s2moe.engine.drafting.copies import CopyPlanner
-    from s2moe.engine.drafting.stoprules import UtilityStop
-
-    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source="test"))
-    learned = rule.copies(3)
-    learned.probe_every = 2
-    learned.began()
-    for _ in range(2):
-        learned.timed(0.001, 0)
-    for _ in range(learned.min_copies):
-        learned.verified(1, 0.0, 0, rule.copy_cost(1, 0.0))
-        learned.timed(0.003, 1)
-        learned.timed(0.001, 0)
-    saved, scale = learned.price()
-    assert saved * 4 < scale * rule.copy_cost(4, 0.0)  # a row dearer than a plain step
-    wait = 16 * learned.probe_every
-    planner = CopyPlanner(rule, None, prompt=(5,))
-    context = [5, 1, 2, 3, 4, 1, 2, 3]
-    assert [planner.plan(context, 4) for _ in range(wait - 1)] == [None] * (wait - 1)
-    # the wait is over on a step whose context repeats nothing: the probe waits for a copy to make
-    assert CopyPlanner(rule, None, prompt=(6,)).plan([6, 1, 2, 3], 4) is None
-    plan = planner.plan(context, 4)
-    assert plan is not None and plan.probe and plan.tokens == [4]
-    assert [planner.plan(context, 4) for _ in range(wait - 1)] == [None] * (wait - 1)
-    assert planner.plan(context, 4).probe
-
-
 class QuietObserver(VerifyObserver):
     """An observer of a decoder's verifications that counts nothing and sees nothing in memory: tests override
     what they watch."""
@@ -769,60 +739,6 @@ def test_a_copy_seen_little_is_hoped_above_its_share_where_plain_steps_fetch_mos
     assert m.estimate(1) == pytest.approx((1.2 + 3) / 6) and m.estimate(3) == pytest.approx(0.6)
 
 
-def test_copies_are_priced_as_timed_once_enough_were():
-    """A plain step's wall time, and a copy's over the constants' price of it, as running means: plain steps
-    timed only after plain steps, copies on those rejected whole, each charged what the plain step after it paid
-    beyond one (llama.cpp builds its graph anew after a batch of another shape); the constants' price until three
-    were timed, and never a row priced as nearly free."""
-    from s2moe.engine.drafting.copies import CopyPlanner
-    from s2moe.engine.drafting.stoprules import UtilityStop
-
-    rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.001, intercept=0.0, source="test"))
-    m = rule.copies(3)
-    m.smoothing = 0.5
-    m.began()
-
-    def copy(rows, seconds, accepted=0):
-        m.verified(rows, 4.0 * rows, 48, rule.copy_cost(rows, 4.0 * rows))  # priced at 1 ms a row
-        m.timed(seconds, rows, accepted)
-
-    m.timed(0.010, 0)  # the step after the prefill rebuilds the graph: not a plain step's time
-    copy(2, 0.010)  # a copy before any plain step was timed says nothing of a copy's price
-    m.timed(0.004, 0)  # nor the step after it
-    assert m.plain_s is None
-    for _ in range(3):
-        m.timed(0.002, 0)
-    assert m.plain_s == pytest.approx(0.002)
-    copy(1, 0.0021, accepted=1)  # an accepted copy's rows read what the next step needed: not their cost
-    m.timed(0.009, 0)  # ... and the step after it is not a plain step's time either
-    copy(2, 0.0030, accepted=1)
-    copy(2, 0.006)
-    m.timed(0.003, 0)  # 5 ms over two plain steps, for a copy priced at 2 ms: 2.5 times its price
-    copy(1, 0.004)
-    copy(2, 0.008)  # a copy after a copy: the first is not timed without its following step
-    m.timed(0.002, 0)  # 6 ms over 2 ms: 3
-    assert m.price() is None
-    m.timed(0.002, 0)
-    copy(1, 0.004)
-    m.timed(0.002, 0)  # 2 ms over 1 ms: 2
-    plain, scale = m.price()
-    assert plain == pytest.approx(0.002) and scale == pytest.approx(2.375)  # 2.5, 3, 2: half-way means
-    m.began()
-    copy(1, 0.004)
-    m.began()  # a copy whose next step is another generation's first is not timed
-    m.timed(0.002, 0)
-    m.timed(0.004, 1)  # nor one the learner was not told of: it has no price to compare with
-    m.timed(0.002, 0)
-    assert m.price() == (pytest.approx(0.002), pytest.approx(2.375))
-    m.timed(0.001, 0)  # plain steps slower than the copies: a copy would cost nothing
-    for _ in range(3):
-        copy(1, 0.0011)
-        m.timed(0.001, 0)
-    assert m.price()[1] < 0.1
-    plan = CopyPlanner(rule, None, prompt=(5,)).plan([5, 1, 2, 3, 4, 1, 2, 3], 4)
-    assert plan.cost == pytest.approx(plan.rows * m.plain_s / 20)
-
-
 def test_a_copys_experts_grow_ever_more_slowly_with_its_rows_and_any_length_teaches_every_length():
     """Rows drawn from a pool, each repeating a share q of the one before's experts: what r rows add is
     concave in r, and copy_overlap inverts it. A learner that verified only one-row copies (probes) prices every
@@ -840,8 +756,8 @@ def test_a_copys_experts_grow_ever_more_slowly_with_its_rows_and_any_length_teac
     assert CopyLearner(3).added(5, 7.0) == 35.0  # before any copy was verified: the per-row estimate, each row
     short, long = CopyLearner(3), CopyLearner(3)
     for _ in range(20):
-        short.verified(1, copy_added(0.45, 1, k), k, 0.0)
-        long.verified(8, copy_added(0.45, 8, k), k, 0.0)
+        short.verified(1, copy_added(0.45, 1, k), k)
+        long.verified(8, copy_added(0.45, 8, k), k)
     for rows in range(1, 9):
         assert short.added(rows, 0.0) == pytest.approx(long.added(rows, 0.0), rel=1e-6)
     assert long.added(8, 0.0) < 3 * long.added(1, 0.0)
@@ -861,7 +777,7 @@ def test_a_copy_that_pays_whole_is_made_where_its_first_token_alone_would_not_pa
     for _ in range(8):  # copies round a loop, accepted whole
         learned.learn(3, ["context"] * 3 + ["context, looped"] * 5, accepted=8)
     for _ in range(10):
-        learned.verified(1, copy_added(0.45, 1, 48), 48, 0.0)
+        learned.verified(1, copy_added(0.45, 1, 48), 48)
     plan = CopyPlanner(rule, None, prompt=(5,)).plan([5, 1, 2, 3, 1, 2, 3], 8)
     assert plan.weighed[0][2] < 1.0 < plan.weighed[-1][2]
     assert plan.tokens == [1, 2, 3, 1, 2, 3, 1, 2] and plan.rows == 8 and not plan.probe

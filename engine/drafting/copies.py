@@ -57,12 +57,10 @@ class LookupDrafter(Drafter):
 #   acceptance times what it saves pays for what it adds to the verification's cost, up to the first that does not;
 # - overlap: every row adds what a first draft token is expected to add (rows × that), and a verified copy
 #   teaches that estimate its rows' mean;
-# - timed-scaling: copies are priced at the constants whatever was timed (no scale, no floor on a row), and a
-#   copied token saves T_AR;
 # - hope: an acceptance estimate is its share as seen, never raised by its standard error;
 # - probes: a copy the rule declines is never verified, nor a copy made where none could pay;
 # - session: copies come from the generation's own context only.
-COPY_REFINEMENTS = ("loop", "whole", "overlap", "timed-scaling", "hope", "probes", "session")
+COPY_REFINEMENTS = ("loop", "whole", "overlap", "hope", "probes", "session")
 
 
 @dataclass
@@ -88,8 +86,8 @@ class CopyPlan:
 class CopyPlanner:
     """What s2moe decides about drafts copied from the context, apart from any model: decoding asks it before
     each step (LookupOrSelfDrafter), and a projection replays it on a recorded generation's tokens with projected
-    times (engine.measure.projection). The prices it decides with come from its rule's CopyLearner, whose clock is the
-    caller's: wall time in decoding, projected seconds in a replay."""
+    times (engine.measure.projection). It prices copies by its rule's constants and what the rule's CopyLearner
+    learned of copies verified and plain steps' fetches."""
 
     # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's
     # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
@@ -113,8 +111,7 @@ class CopyPlanner:
         self.earlier = None if "session" in without else earlier
         self.prompt = tuple(prompt)
         self.learned = rule.copies(max_ngram)
-        self.learned.began()
-        self._costs_key: tuple[float, int, float, float | None, float] | None = None
+        self._costs_key: tuple[int, float, float | None, float] | None = None
         self._cost_table: list[tuple[float, float]] = []
 
     def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
@@ -129,18 +126,14 @@ class CopyPlanner:
         # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
         if max_len <= 0 or rule.cost.t_ar < rule.threshold * rule.copy_cost(1, 0.0):
             return None
-        timed = None if "timed-scaling" in self.without else learned.price()
-        saved, scale = timed or (rule.cost.t_ar, 1.0)
-        # timing noise must not make copies look free: a row is never priced under a twentieth of a plain step
-        least_row = timed[0] / 20 if timed else 0.0
-        costs = self._costs(scale, max_len)
-        # where not even a copy of the likeliest kind pays at the prices timed, whatever its length, a probe could
-        # only re-time them, and rarely
+        saved = rule.cost.t_ar
+        costs = self._costs(max_len)
+        # where not even a copy of the likeliest kind pays, whatever its length, only a rare probe looks for a copy
         chain, expected, hopeless, likeliest = 1.0, 0.0, True, learned.likeliest(self.hope)
         for rows, (_, cost) in enumerate(costs, 1):
             chain *= likeliest
             expected += chain
-            if expected * saved >= rule.threshold * max(cost, rows * least_row):
+            if expected * saved >= rule.threshold * cost:
                 hopeless = False
                 break
         if hopeless and ("probes" in self.without or not learned.rare_probe_due()):
@@ -162,7 +155,6 @@ class CopyPlanner:
             survival *= rates[kind]
             expected += survival
             added, cost = costs[rows - 1]
-            cost = max(cost, rows * least_row)
             weighed.append((survival, expected, added, cost))
             gain = expected * saved - rule.threshold * cost
             if gain > best_gain:
@@ -197,19 +189,19 @@ class CopyPlanner:
             kept, before = kept + 1, cost
         return kept
 
-    def _costs(self, scale: float, max_len: int) -> list[tuple[float, float]]:
-        """(experts added, cost before the least row's floor) of copies of 1..max_len rows at these prices. Kept
-        while the prices stay: every step asks, and they change only as copies and drafts are verified or timed."""
+    def _costs(self, max_len: int) -> list[tuple[float, float]]:
+        """(experts added, cost) of copies of 1..max_len rows at these prices. Kept while the prices stay: every
+        step asks, and they change only as copies and drafts are verified."""
         rule, learned = self.rule, self.learned
         per_row = rule.expected_first_experts
-        key = (scale, max_len, per_row, learned.overlap, learned.pending_experts)
+        key = (max_len, per_row, learned.overlap, learned.pending_experts)
         if key != self._costs_key:
             added = [
                 learned.added(rows, per_row) if "overlap" not in self.without else rows * per_row
                 for rows in range(1, max_len + 1)
             ]
             self._costs_key = key
-            self._cost_table = [(a, scale * rule.copy_cost(rows, a)) for rows, a in enumerate(added, 1)]
+            self._cost_table = [(a, rule.copy_cost(rows, a)) for rows, a in enumerate(added, 1)]
         return self._cost_table
 
     def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
@@ -221,7 +213,7 @@ class CopyPlanner:
             return
         added = max(verify_experts - pending_experts, 0.0)
         # what the rule expects a self-draft's first token to add: a copy's first row
-        first = self.learned.verified(rows, added, pending_experts, self.rule.copy_cost(rows, added))
+        first = self.learned.verified(rows, added, pending_experts)
         self.rule.observe_first_experts(added / rows if "overlap" in self.without else first)
 
 
@@ -232,9 +224,7 @@ class LookupOrSelfDrafter(Drafter):
     A copied token needs no draft pass. A copy of r rows pays when (Σ p_i)·T_AR ≥ threshold·(T_tok·r +
     T_exp·E(r)), p_i the learned acceptance of copies after an n-gram of its length, chained over the copy, and
     E(r) the experts r rows add to the verification, by the pool the verified copies share (before any, r times
-    the rule's running estimate of what a first draft token adds). Once copies were rejected whole and timed
-    here, the cost is scaled by what they took over their constants' price, and T_AR is the plain step as timed
-    here (CopyLearner)."""
+    the rule's running estimate of what a first draft token adds; CopyLearner)."""
 
     name = "s2moe"
     drafts_in_context = True
@@ -252,22 +242,13 @@ class LookupOrSelfDrafter(Drafter):
         self.copies = CopyPlanner(rule, earlier, prompt, periodic=periodic, without=without)
         # the last proposal's copy, and the experts of its pending token's row
         self._copied: tuple[CopyPlan, int] | None = None
-        # when the last proposal began, its rows when it was plain (0) or copied, and how many of those the
-        # target accepted: what its iteration's time says
-        self._started: float | None = None
-        self._rows: int | None = None
-        self._accepted = 0
 
     def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         now = time.perf_counter()
-        if self._started is not None:
-            self.copies.learned.timed(now - self._started, self._rows, self._accepted)
-        self._started, self._copied, self._accepted = now, None, 0
+        self._copied = None
         plan = self.copies.plan(committed, max_len)
         if plan is None:
-            out = self.self_drafter.propose(dec, committed, max_len, sample)
-            self._rows = None if out.tokens else 0
-            return out
+            return self.self_drafter.propose(dec, committed, max_len, sample)
         head = "lookup" if plan.source == "context" else "lookup: session"
         out = Proposal(stop=f"{head}: probe" if plan.probe else f"{head}: utility" if not plan.weighed[-1][3] else head)
         n_layer = dec.info.n_layer
@@ -282,7 +263,6 @@ class LookupOrSelfDrafter(Drafter):
         )
         out.seconds = time.perf_counter() - now
         self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
-        self._rows = len(plan.tokens)
         return out
 
     def feedback(self, it: Iteration) -> None:
@@ -292,5 +272,4 @@ class LookupOrSelfDrafter(Drafter):
             self.self_drafter.feedback(it)
             return
         plan, pending_experts = self._copied
-        self._accepted = len(it.accepted)
         self.copies.learn(plan, len(it.accepted), float(it.verify_experts.sum()), pending_experts)

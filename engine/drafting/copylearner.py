@@ -1,6 +1,6 @@
 """What s2moe learns of drafts copied from the context: how often the target accepts a copied token, by n-gram
-length and kind; what a copy's rows add to a verification's experts; and what copies and plain steps cost as
-timed. The utility rule keeps one across generations (UtilityStop.copies); CopyPlanner decides with it.
+length and kind; what a copy's rows add to a verification's experts; and how much of what plain steps read they
+fetch. The utility rule keeps one across generations (UtilityStop.copies); CopyPlanner decides with it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class CopyLearner:
     most of the experts they read (`cache_serves_little`), an estimate is raised by its share's standard error: seen
     little, it hopes for more, and it comes down to the share as copies are verified. Not where the cache serves
     plain steps most of theirs: there the copies that hope buys evict what the plain steps between them would have
-    found, a cost no timing of the copies shows (below). A copy the rule declines is verified anyway now and then
+    found (below). A copy the rule declines is verified anyway now and then
     (its first token only), so that an n the estimate has written off is seen again when the text starts repeating
     itself; a rejected probe doubles the wait before the next (up to 16×), an accepted one resets it. Probes are
     counted by the kind of a copy's first token.
@@ -43,30 +43,11 @@ class CopyLearner:
     running mean prices copies of every length. Priced by a mean row instead, what a copy teaches would depend
     on its length: long copies would make rows look cheap, short ones (a probe is one row) dear.
 
-    And what copies cost, timed from one proposal to the next (drafting, verification, acceptance, the event's
-    consumer): a plain step, and what a copy costs beyond it, timed on copies the target rejected whole. An
-    accepted copy's row reads what the next step would have read anyway, so it looks nearly free; a rejected
-    one shows what its rows cost on their own (and they evict experts plain steps would have kept: under `auto`,
-    pricing rows by every copy's timing left s2moe 3-4% behind plain decoding on HumanEval). The constants
-    price a copy by T_tok per row and T_exp per expert it adds, which leaves out what makes a verification with
-    drafts dearer than a plain step (the routing hook's stops, the acceptance of each row): a timed copy's cost
-    over the constants' price of the same copy (its own rows and experts) is a factor, and once `min_copies`
-    rejected copies were timed its running mean scales the constants' prices, and a copied token saves the plain
-    step as timed here; before that the constants price both (CopyPlanner).
-
-    Under a memory budget copies also change which experts stay in memory, and the steps timed around them
-    show the cache as copies leave it, not as plain decoding would keep it: where the kept cache serves plain
-    steps most of their experts, copies leave the plain steps between them fetching more, and both the copies
-    and their neighbours then look as if they paid while the session runs slower than without copies. What
-    copies can disturb is what plain steps find in memory, so the experts a plain step reads and fetches are
-    counted too (`fetched`), and estimates are hoped above their shares only where plain steps fetch most of
-    what they read (`cache_serves_little`).
-
-    llama.cpp reuses its last compute graph only for a batch of the same shape, so the step after a batch of
-    another shape (a prefill, a copy's verification, a draft) builds its graph anew; on a small model in memory
-    that rebuild is a sizeable part of a step, and it belongs to what came before. So a plain step is timed as
-    such only after a plain step, and a copy rejected whole is charged, beyond its own time, what the plain step
-    after it paid over a plain step's."""
+    Under a memory budget copies also change which experts stay in memory: where the kept cache serves plain
+    steps most of their experts, copies leave the plain steps between them fetching more, and the session runs
+    slower than without copies though each copy looks as if it paid. What copies can disturb is what plain steps
+    find in memory, so the experts a plain step reads and fetches are counted (`fetched`), and estimates are
+    hoped above their shares only where plain steps fetch most of what they read (`cache_serves_little`)."""
 
     def __init__(
         self,
@@ -75,7 +56,6 @@ class CopyLearner:
         prior: float = 2.0,
         probe_every: int = 32,
         smoothing: float = 0.1,
-        min_copies: int = 3,
     ):
         self.rate, self.prior = rate, prior
         shape = (len(COPY_KINDS), max_ngram + 1)
@@ -87,16 +67,9 @@ class CopyLearner:
         # the highest estimate of any n and kind: as seen, and raised
         self._likeliest = (rate, float(self._raised(np.array(rate), np.array(0.0))))
         self._hopeless_steps = 0
-        self.smoothing, self.min_copies = smoothing, min_copies
-        self.plain_s: float | None = None  # running means: a plain step's wall time
-        self.scale: float | None = None  # … and a copy's timed cost over the constants' price of it
-        self.copies_timed = 0
+        self.smoothing = smoothing
         self.overlap: float | None = None  # running mean of q, the share of a row's experts the next repeats
         self.pending_experts = 0.0  # K: the experts a verification's pending row reads, over layers
-        self._priced: float | None = None  # the constants' price of the copy verified last, until it is timed
-        self._after_plain = False  # the iteration timed last was a plain step
-        self._rejected: tuple[float, float] | None = None  # a copy rejected whole (seconds, price), until the step
-        # after it is timed
         self._plain_fetched = np.zeros(2)  # decayed sums over plain steps: experts fetched, experts read
 
     def estimate(self, n: int, kind: str = "context", hope: bool = True) -> float:
@@ -148,15 +121,10 @@ class CopyLearner:
                 self.probe_every if accepted else min(2 * self.probe_interval[at], 16 * self.probe_every)
             )
 
-    def began(self) -> None:
-        """A generation begins: its first step follows the prefill, a batch of another shape."""
-        self._after_plain, self._rejected, self._priced = False, None, None
-
-    def verified(self, rows: int, added: float, pending: float, priced: float) -> float:
+    def verified(self, rows: int, added: float, pending: float) -> float:
         """A copy of `rows` rows was verified: they added `added` experts (over layers) to the `pending` ones of
-        its pending row, and the constants price such a copy at `priced` seconds. Returns what its first row
-        added, as the pool it teaches has it (without a pending row's count, the rows' mean)."""
-        self._priced = priced
+        its pending row. Returns what its first row added, as the pool it teaches has it (without a pending row's
+        count, the rows' mean)."""
         if pending <= 0:
             return added / rows
         q = copy_overlap(rows, added, pending)
@@ -171,27 +139,6 @@ class CopyLearner:
             return rows * per_row
         return copy_added(self.overlap, rows, self.pending_experts)
 
-    def timed(self, seconds: float, rows: int | None, accepted: int = 0) -> None:
-        """An iteration's wall time: a plain step (rows 0), a verification of `rows` copied tokens of which the
-        target accepted `accepted`, or (rows None) a step of another kind, whose time says nothing of copies."""
-        rejected, self._rejected = self._rejected, None
-        priced, self._priced = self._priced, None
-        if rows == 0:
-            if rejected is not None and self.plain_s is not None:
-                copy_s, copy_priced = rejected
-                self._time_copy((copy_s + seconds - 2 * self.plain_s) / copy_priced)
-            elif self._after_plain:
-                self.plain_s = (
-                    seconds if self.plain_s is None else self.plain_s + self.smoothing * (seconds - self.plain_s)
-                )
-        elif rows is not None and accepted == 0 and priced:
-            self._rejected = (seconds, priced)
-        self._after_plain = rows == 0
-
-    def _time_copy(self, factor: float) -> None:
-        self.scale = factor if self.scale is None else self.scale + self.smoothing * (factor - self.scale)
-        self.copies_timed += 1
-
     def fetched(self, fetched: int, read: int) -> None:
         """A plain step under a memory budget fetched `fetched` of the `read` experts it read."""
         self._plain_fetched *= 1.0 - self.smoothing
@@ -202,13 +149,6 @@ class CopyLearner:
         without a memory budget, or before a plain step)."""
         fetched, read = self._plain_fetched
         return bool(read > 0 and fetched >= read / 2)
-
-    def price(self) -> tuple[float, float] | None:
-        """(a plain step, the factor on the constants' price of a copy) as measured; None until enough copies
-        were timed."""
-        if self.copies_timed < self.min_copies or self.plain_s is None or self.scale is None:
-            return None
-        return self.plain_s, self.scale
 
 
 def copy_added(overlap: float, rows: int, pending: float) -> float:
