@@ -98,8 +98,8 @@ class DraftDecision:
     # where the draft was copied from, no draft pass to pay: what followed the context's last n-gram earlier in
     # the context ("context") or in the session's earlier generations ("session"); None: not a copy
     copied: str | None = None
-    # a copy is weighed whole: p_first is then the tokens the target is expected to accept of its `rows`,
-    # new_experts and cost are the whole copy's
+    # for a copy, p_first is the tokens the target is expected to accept of its `rows`, new_experts and cost are
+    # the whole copy's
     rows: int = 1
 
     @property

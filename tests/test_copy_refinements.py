@@ -36,28 +36,6 @@ def test_without_the_loop_a_copy_stops_at_the_contexts_end():
     assert stopped.tokens == [1, 2, 3] and stopped.kinds == ["context"] * 3
 
 
-def test_without_pricing_whole_a_copy_is_kept_token_by_token():
-    """The copy of the pricing-whole test: eight rows pay together where the first alone costs more than it saves;
-    weighed token by token the first row is declined, and with it the copy (a probe is not due yet)."""
-
-    def learned_rule():
-        rule = UtilityStop(
-            CostConstants(t_ar=0.060, c_draft=0.02, t_exp=0.00233, t_tok=0.005, intercept=0.0, source="test")
-        )
-        learned = rule.copies(3)
-        for _ in range(8):
-            learned.learn(3, ["context"] * 3 + ["context, looped"] * 5, accepted=8)
-        for _ in range(10):
-            learned.verified(1, copy_added(0.45, 1, 48), 48)
-        return rule
-
-    whole = plan(learned_rule(), max_len=8)
-    assert whole.rows == 8 and not whole.probe and whole.weighed[0][2] < 1.0
-    assert plan(learned_rule(), max_len=8, without={"whole"}) is None
-    # where every row pays on its own, token by token keeps them all, as whole does
-    assert plan(cheap_rows(), without={"whole"}).tokens == plan(cheap_rows()).tokens
-
-
 def test_without_the_overlap_share_every_row_adds_what_a_first_draft_token_does():
     def learned_rule():
         rule = cheap_rows(t_exp=0.0001)

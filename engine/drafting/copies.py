@@ -53,21 +53,19 @@ class LookupDrafter(Drafter):
 # one off (GenerationConfig.copy_without), so that an ablation can tell which of them pay. Off, each falls back
 # to the plain rule:
 # - loop: a copy stops at the context's end (prompt lookup's continuation), never goes round its loop;
-# - whole: a copy is kept token by token, as the self-drafter's rule keeps a chain: a row while its own chained
-#   acceptance times what it saves pays for what it adds to the verification's cost, up to the first that does not;
 # - overlap: every row adds what a first draft token is expected to add (rows × that), and a verified copy
 #   teaches that estimate its rows' mean;
 # - hope: an acceptance estimate is its share as seen, never raised by its standard error;
 # - probes: a copy the rule declines is never verified, nor a copy made where none could pay;
 # - session: copies come from the generation's own context only.
-COPY_REFINEMENTS = ("loop", "whole", "overlap", "hope", "probes", "session")
+COPY_REFINEMENTS = ("loop", "overlap", "hope", "probes", "session")
 
 
 @dataclass
 class CopyPlan:
     """A copy from the context as the utility rule weighed it: the tokens to verify, each token weighed (kept or
-    the first declined) with its chained acceptance and the utility of the copy through it, and the numbers the
-    rule decided with (for a probe, those of the best copy it declined)."""
+    the first declined) with its chained acceptance and its own utility (what it saves over what it adds to the
+    copy's cost), and the numbers of the copy verified (for a probe, its first token)."""
 
     n: int  # the length of the n-gram that matched
     source: str  # where it matched: "context" or "session"
@@ -118,24 +116,17 @@ class CopyPlanner:
         """The copy to verify after `context` (prompt and generated tokens, the last one pending), or None: no
         n-gram found, or a copy the rule declines and does not probe.
 
-        A copy is weighed whole: of the lengths its match allows, the one that saves most, its expected accepted
-        tokens times what each saves less the threshold times its cost; declined where none saves anything.
-        Its first row adds the most experts and each further one fewer (CopyLearner), so a copy can pay
-        where its first token alone would not."""
+        A copy is weighed token by token, as the self-drafter's rule weighs a chain: a row is kept while its
+        chained acceptance times what it saves pays for what it adds to the copy's cost, up to the first that does
+        not; declined where its first row does not pay."""
         rule, learned = self.rule, self.learned
         # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
         if max_len <= 0 or rule.cost.t_ar < rule.threshold * rule.copy_cost(1, 0.0):
             return None
         saved = rule.cost.t_ar
         costs = self._costs(max_len)
-        # where not even a copy of the likeliest kind pays, whatever its length, only a rare probe looks for a copy
-        chain, expected, hopeless, likeliest = 1.0, 0.0, True, learned.likeliest(self.hope)
-        for rows, (_, cost) in enumerate(costs, 1):
-            chain *= likeliest
-            expected += chain
-            if expected * saved >= rule.threshold * cost:
-                hopeless = False
-                break
+        # where not even the first row of a copy of the likeliest kind pays, only a rare probe looks for a copy
+        hopeless = learned.likeliest(self.hope) * saved < rule.threshold * costs[0][1]
         if hopeless and ("probes" in self.without or not learned.rare_probe_due()):
             return None
         source = "context"
@@ -149,45 +140,35 @@ class CopyPlanner:
         if not found:
             return None
         rates = {kind: learned.estimate(n, kind, self.hope) for kind in set(kinds)}
-        weighed, survival, expected = [], 1.0, 0.0
-        best, best_gain = 0, -np.inf
-        for rows, kind in enumerate(kinds, 1):
+        # each row weighed, up to the first declined: (survival, expected accepted through it, experts added, cost,
+        # its own utility)
+        weighed: list[tuple[float, float, float, float, float]] = []
+        survival, expected, before, declined = 1.0, 0.0, 0.0, False
+        for (added, cost), kind in zip(costs, kinds):
             survival *= rates[kind]
             expected += survival
-            added, cost = costs[rows - 1]
-            weighed.append((survival, expected, added, cost))
-            gain = expected * saved - rule.threshold * cost
-            if gain > best_gain:
-                best, best_gain = rows, gain
-        probe = best_gain < 0
-        if "whole" in self.without:
-            best = self._token_by_token(weighed, saved)
-            probe, best = best == 0, max(best, 1)
+            weighed.append((survival, expected, added, cost, rule.copy_utility(survival, saved, cost - before)))
+            declined = survival * saved < rule.threshold * (cost - before)
+            if declined:
+                break
+            before = cost
+        keep = len(weighed) - declined
+        probe = keep == 0
         if hopeless:
             learned.rare_probe_made()
         elif probe and ("probes" in self.without or not learned.probe(n, kinds[0])):
             return None
-        _, expected, added, cost = weighed[best - 1]
-        out = CopyPlan(n, source, probe, rates[kinds[0]], best, expected, added, saved, cost)
-        keep = 1 if probe else best
-        shown = keep if probe else keep + 1  # a copy's tokens, and the first one declined after them
-        for i, (survival, expected, _added, cost) in enumerate(weighed[:shown]):
+        keep = max(keep, 1)
+        _, expected, added, cost, _ = weighed[keep - 1]
+        out = CopyPlan(n, source, probe, rates[kinds[0]], keep, expected, added, saved, cost)
+        shown = keep if probe else len(weighed)  # a copy's tokens, and the first one declined after them
+        for i, (survival, _, _, _, utility) in enumerate(weighed[:shown]):
             kept = i < keep
-            out.weighed.append((found[i], survival, rule.copy_utility(expected, saved, cost), kept))
+            out.weighed.append((found[i], survival, utility, kept))
             if kept:
                 out.tokens.append(found[i])
                 out.kinds.append(kinds[i])
         return out
-
-    def _token_by_token(self, weighed: list[tuple[float, float, float, float]], saved: float) -> int:
-        """How many rows a copy keeps weighed token by token (the rule without `whole`): each while its chained
-        acceptance times what it saves pays for what it adds to the copy's cost."""
-        kept, before = 0, 0.0
-        for survival, _, _, cost in weighed:
-            if survival * saved < self.rule.threshold * (cost - before):
-                break
-            kept, before = kept + 1, cost
-        return kept
 
     def _costs(self, max_len: int) -> list[tuple[float, float]]:
         """(experts added, cost) of copies of 1..max_len rows at these prices. Kept while the prices stay: every
@@ -221,8 +202,8 @@ class LookupOrSelfDrafter(Drafter):
     """s2moe's drafts: where the context repeats itself, the tokens that followed the repeated n-gram, kept while
     the utility rule says they pay (CopyPlanner); otherwise the self-drafter's chain.
 
-    A copied token needs no draft pass. A copy of r rows pays when (Σ p_i)·T_AR ≥ threshold·(T_tok·r +
-    T_exp·E(r)), p_i the learned acceptance of copies after an n-gram of its length, chained over the copy, and
+    A copied token needs no draft pass. Its row i is kept while p_i·T_AR ≥ threshold·(T_tok + T_exp·(E(i) −
+    E(i − 1))), p_i the learned acceptance of copies after an n-gram of its length, chained over the copy, and
     E(r) the experts r rows add to the verification, by the pool the verified copies share (before any, r times
     the rule's running estimate of what a first draft token adds; CopyLearner)."""
 
