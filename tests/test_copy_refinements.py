@@ -69,20 +69,6 @@ def test_without_hope_an_estimate_is_its_share_where_plain_steps_fetch():
     assert fetching().copies(3).likeliest(hope=False) == pytest.approx(0.6)
 
 
-def test_without_probes_a_declined_copy_is_never_verified():
-    def declining():  # rows at a third of a plain step, an n whose copies were rejected: it declines them
-        rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.34, intercept=0.0, source="test"))
-        learned = rule.copies(3)
-        for _ in range(4):
-            learned.learn(3, ["context"], accepted=0)
-        learned.probe_interval[:] = 1  # a probe on every decline
-        return rule
-
-    probe = plan(declining())
-    assert probe.probe and probe.tokens == [1]
-    assert plan(declining(), without={"probes"}) is None
-
-
 def session() -> EarlierText:
     """Three earlier generations holding the trigram 7 8 9: the two older go on with 20, the latest with 30."""
     earlier = EarlierText()

@@ -204,7 +204,7 @@ def test_kv_entries_are_target_computed(decoders, arch):
 
 def test_utility_rule_stops_drafting_when_it_cannot_pay(decoders, arch):
     """Neither a draft pass nor a copy from the context can pay when a verified row costs more than the plain
-    step a token saves: nothing is drafted, copies not even probed."""
+    step a token saves: nothing is drafted, no copy even looked up."""
     d = decoders[arch]
     expensive = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=1.2, intercept=0.0, source="test")
     events = run(d, PROMPTS[0], GenerationConfig(mode="s2moe", n_predict=16, cost=expensive, stop_at_eos=False))
@@ -678,36 +678,15 @@ def test_copies_from_the_context_pay_where_a_draft_pass_cannot(decoders, arch):
     assert summarize(sampled).tokens == plain.tokens
 
 
-def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
+def test_copies_are_learned_per_ngram_length():
     from s2moe.engine.drafting.copylearner import CopyLearner
 
-    m = CopyLearner(3, rate=0.6, prior=2.0, probe_every=4)
+    m = CopyLearner(3, rate=0.6, prior=2.0)
     assert m.estimate(1) == m.estimate(3) == pytest.approx(0.6)
     m.learn(3, ["context"] * 4, accepted=4)  # all four accepted
     m.learn(1, ["context"] * 4, accepted=1)  # the second rejected: two judged, the rest never were
     assert m.estimate(3) == pytest.approx((1.2 + 4) / 6) and m.estimate(1) == pytest.approx((1.2 + 1) / 4)
     assert m.estimate(2) == pytest.approx(0.6)
-
-    def declines_until_probe(n):
-        k = 1
-        while not m.probe(n):
-            k += 1
-        return k
-
-    assert declines_until_probe(1) == 4
-    m.learn(1, ["context"], accepted=0, probe=True)  # rejected: the wait doubles
-    assert declines_until_probe(1) == 8
-    m.learn(1, ["context"], accepted=0, probe=True)
-    assert declines_until_probe(1) == 16 and declines_until_probe(2) == 4  # each n waits on its own
-    m.learn(1, ["context"], accepted=1, probe=True)  # accepted: back to the first wait
-    assert declines_until_probe(1) == 4
-    steps = 1
-    while not m.rare_probe_due():  # prices at which not even a certain copy pays: the longest wait, in steps
-        steps += 1
-    assert steps == 64
-    assert m.rare_probe_due()  # due until a probe is made (a step without an n-gram to copy makes none)
-    m.rare_probe_made()
-    assert not m.rare_probe_due()
 
 
 def test_a_copy_seen_little_is_hoped_above_its_share_where_plain_steps_fetch_most_of_their_experts():

@@ -56,20 +56,18 @@ class LookupDrafter(Drafter):
 # - overlap: every row adds what a first draft token is expected to add (rows × that), and a verified copy
 #   teaches that estimate its rows' mean;
 # - hope: an acceptance estimate is its share as seen, never raised by its standard error;
-# - probes: a copy the rule declines is never verified, nor a copy made where none could pay;
 # - session: copies come from the generation's own context only.
-COPY_REFINEMENTS = ("loop", "overlap", "hope", "probes", "session")
+COPY_REFINEMENTS = ("loop", "overlap", "hope", "session")
 
 
 @dataclass
 class CopyPlan:
     """A copy from the context as the utility rule weighed it: the tokens to verify, each token weighed (kept or
     the first declined) with its chained acceptance and its own utility (what it saves over what it adds to the
-    copy's cost), and the numbers of the copy verified (for a probe, its first token)."""
+    copy's cost), and the numbers of the copy verified."""
 
     n: int  # the length of the n-gram that matched
     source: str  # where it matched: "context" or "session"
-    probe: bool  # declined, verified anyway (its first token only)
     p: float  # the learned acceptance of its first token (its kind, after an n-gram of that length)
     rows: int  # the copy's length as the rule priced it
     expected: float  # the tokens the target is expected to accept of those rows
@@ -88,7 +86,7 @@ class CopyPlanner:
     learned of copies verified and plain steps' fetches."""
 
     # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's
-    # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
+    # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth copying.
     def __init__(
         self,
         rule: UtilityStop,
@@ -114,20 +112,19 @@ class CopyPlanner:
 
     def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
         """The copy to verify after `context` (prompt and generated tokens, the last one pending), or None: no
-        n-gram found, or a copy the rule declines and does not probe.
+        n-gram found, or a copy whose first row does not pay.
 
         A copy is weighed token by token, as the self-drafter's rule weighs a chain: a row is kept while its
         chained acceptance times what it saves pays for what it adds to the copy's cost, up to the first that does
         not; declined where its first row does not pay."""
         rule, learned = self.rule, self.learned
-        # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
-        if max_len <= 0 or rule.cost.t_ar < rule.threshold * rule.copy_cost(1, 0.0):
+        if max_len <= 0:
             return None
         saved = rule.cost.t_ar
         costs = self._costs(max_len)
-        # where not even the first row of a copy of the likeliest kind pays, only a rare probe looks for a copy
-        hopeless = learned.likeliest(self.hope) * saved < rule.threshold * costs[0][1]
-        if hopeless and ("probes" in self.without or not learned.rare_probe_due()):
+        # where not even the first row of a copy of the likeliest kind pays, no n-gram is looked up (on a small
+        # model in memory a lookup is a noticeable part of a step)
+        if learned.likeliest(self.hope) * saved < rule.threshold * costs[0][1]:
             return None
         source = "context"
         n, found, period = self.index.lookup(context, max_len)
@@ -153,16 +150,11 @@ class CopyPlanner:
                 break
             before = cost
         keep = len(weighed) - declined
-        probe = keep == 0
-        if hopeless:
-            learned.rare_probe_made()
-        elif probe and ("probes" in self.without or not learned.probe(n, kinds[0])):
+        if keep == 0:
             return None
-        keep = max(keep, 1)
         _, expected, added, cost, _ = weighed[keep - 1]
-        out = CopyPlan(n, source, probe, rates[kinds[0]], keep, expected, added, saved, cost)
-        shown = keep if probe else len(weighed)  # a copy's tokens, and the first one declined after them
-        for i, (survival, _, _, _, utility) in enumerate(weighed[:shown]):
+        out = CopyPlan(n, source, rates[kinds[0]], keep, expected, added, saved, cost)
+        for i, (survival, _, _, _, utility) in enumerate(weighed):  # a copy's tokens, and the first declined after
             kept = i < keep
             out.weighed.append((found[i], survival, utility, kept))
             if kept:
@@ -188,7 +180,7 @@ class CopyPlanner:
     def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
         """The verification of `plan`: the target accepted `accepted` of its tokens, and the verification read
         `verify_experts` distinct experts summed over layers, `pending_experts` of them one row's."""
-        self.learned.learn(plan.n, plan.kinds, accepted, plan.probe)
+        self.learned.learn(plan.n, plan.kinds, accepted)
         rows = len(plan.tokens)
         if rows == 0:
             return
@@ -231,7 +223,7 @@ class LookupOrSelfDrafter(Drafter):
         if plan is None:
             return self.self_drafter.propose(dec, committed, max_len, sample)
         head = "lookup" if plan.source == "context" else "lookup: session"
-        out = Proposal(stop=f"{head}: probe" if plan.probe else f"{head}: utility" if not plan.weighed[-1][3] else head)
+        out = Proposal(stop=f"{head}: utility" if not plan.weighed[-1][3] else head)
         n_layer = dec.info.n_layer
         for token, survival, u, keep in plan.weighed:
             out.candidates.append(
@@ -240,7 +232,7 @@ class LookupOrSelfDrafter(Drafter):
         out.tokens = list(plan.tokens)
         out.chain = [1.0] * len(plan.tokens)
         out.decision = self.copies.rule.copy_decision(
-            plan.expected, plan.experts, plan.saved, plan.cost, plan.rows, probing=plan.probe, source=plan.source
+            plan.expected, plan.experts, plan.saved, plan.cost, plan.rows, source=plan.source
         )
         out.seconds = time.perf_counter() - now
         self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))

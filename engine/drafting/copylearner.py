@@ -30,10 +30,7 @@ class CopyLearner:
     most of the experts they read (`cache_serves_little`), an estimate is raised by its share's standard error: seen
     little, it hopes for more, and it comes down to the share as copies are verified. Not where the cache serves
     plain steps most of theirs: there the copies that hope buys evict what the plain steps between them would have
-    found (below). A copy the rule declines is verified anyway now and then
-    (its first token only), so that an n the estimate has written off is seen again when the text starts repeating
-    itself; a rejected probe doubles the wait before the next (up to 16×), an accepted one resets it. Probes are
-    counted by the kind of a copy's first token.
+    found (below).
 
     What a copy's rows add to the verification's experts, by their number (`added`): consecutive tokens share
     experts, so a verification's distinct experts grow ever more slowly with its rows, and a copy of eight rows
@@ -41,7 +38,7 @@ class CopyLearner:
     pool, each repeating a share q of the one before's (over layers, the pending row's K experts): r rows add
     (K/q)(1 − (1 − q)^(r+1)) − K. Every verified copy, whatever its length, gives an estimate of q, and the
     running mean prices copies of every length. Priced by a mean row instead, what a copy teaches would depend
-    on its length: long copies would make rows look cheap, short ones (a probe is one row) dear.
+    on its length: long copies would make rows look cheap, short ones dear.
 
     Under a memory budget copies also change which experts stay in memory: where the kept cache serves plain
     steps most of their experts, copies leave the plain steps between them fetching more, and the session runs
@@ -54,19 +51,14 @@ class CopyLearner:
         max_ngram: int,
         rate: float = 0.6,
         prior: float = 2.0,
-        probe_every: int = 32,
         smoothing: float = 0.1,
     ):
         self.rate, self.prior = rate, prior
         shape = (len(COPY_KINDS), max_ngram + 1)
         self.seen = np.zeros(shape)
         self.accepted = np.zeros(shape)
-        self.probe_every = probe_every
-        self.probe_interval = np.full(shape, probe_every)
-        self._declined = np.zeros(shape, int)
         # the highest estimate of any n and kind: as seen, and raised
         self._likeliest = (rate, float(self._raised(np.array(rate), np.array(0.0))))
-        self._hopeless_steps = 0
         self.smoothing = smoothing
         self.overlap: float | None = None  # running mean of q, the share of a row's experts the next repeats
         self.pending_experts = 0.0  # K: the experts a verification's pending row reads, over layers
@@ -88,26 +80,7 @@ class CopyLearner:
     def _raised(self, share: npt.NDArray[np.float64], seen: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         return np.minimum(1.0, share + np.sqrt(share * (1 - share) / (self.prior + seen)))
 
-    def probe(self, n: int, kind: str = "context") -> bool:
-        """A copy after an n-gram, its first token of this kind, was declined: whether to verify that token anyway."""
-        at = COPY_KINDS.index(kind), n
-        self._declined[at] += 1
-        if self._declined[at] < self.probe_interval[at]:
-            return False
-        self._declined[at] = 0
-        return True
-
-    def rare_probe_due(self) -> bool:
-        """A step at prices where not even a certain copy pays: whether the longest wait is over, so that a copy
-        is verified to find out whether the prices changed. Counted in steps, not declined copies: no n-gram
-        is looked up while it lasts (on a small model in memory a lookup is a noticeable part of a step)."""
-        self._hopeless_steps += 1
-        return self._hopeless_steps >= 16 * self.probe_every
-
-    def rare_probe_made(self) -> None:
-        self._hopeless_steps = 0
-
-    def learn(self, n: int, kinds: Sequence[str], accepted: int, probe: bool = False) -> None:
+    def learn(self, n: int, kinds: Sequence[str], accepted: int) -> None:
         """A copy after an n-gram, its tokens of `kinds`, verified: the target accepted `accepted` of them."""
         for k, kind in enumerate(kinds[: accepted + 1]):
             at = COPY_KINDS.index(kind), n
@@ -115,11 +88,6 @@ class CopyLearner:
             self.accepted[at] += k < accepted
         share = self._share(self.accepted, self.seen)
         self._likeliest = (float(share.max()), float(self._raised(share, self.seen).max()))
-        if probe and kinds:
-            at = COPY_KINDS.index(kinds[0]), n
-            self.probe_interval[at] = (
-                self.probe_every if accepted else min(2 * self.probe_interval[at], 16 * self.probe_every)
-            )
 
     def verified(self, rows: int, added: float, pending: float) -> float:
         """A copy of `rows` rows was verified: they added `added` experts (over layers) to the `pending` ones of
