@@ -717,30 +717,6 @@ def test_a_copy_seen_little_is_hoped_above_its_share_where_plain_steps_fetch_mos
     assert m.estimate(1) == pytest.approx((1.2 + 3) / 6) and m.estimate(3) == pytest.approx(0.6)
 
 
-def test_a_copys_experts_grow_ever_more_slowly_with_its_rows_and_any_length_teaches_every_length():
-    """Rows drawn from a pool, each repeating a share q of the one before's experts: what r rows add is
-    concave in r, and copy_overlap inverts it. A learner that verified only one-row copies (probes) prices every
-    length as one that verified only eight-row copies does: the length of the copies made does not teach the
-    rule to keep making copies of that length."""
-    from s2moe.engine.drafting.copylearner import CopyLearner, copy_added, copy_overlap
-
-    k = 48.0
-    for q in (0.0, 0.2, 0.45, 0.9):
-        for rows in (1, 3, 8):
-            assert copy_overlap(rows, copy_added(q, rows, k), k) == pytest.approx(q, abs=1e-6)
-    added = np.array([copy_added(0.45, rows, k) for rows in range(9)])
-    assert added[0] == pytest.approx(0.0) and added[1] == pytest.approx(k * 0.55)
-    assert (np.diff(added) > 0).all() and (np.diff(added, 2) < 0).all()
-    assert CopyLearner(3).added(5, 7.0) == 35.0  # before any copy was verified: the per-row estimate, each row
-    short, long = CopyLearner(3), CopyLearner(3)
-    for _ in range(20):
-        short.verified(1, copy_added(0.45, 1, k), k)
-        long.verified(8, copy_added(0.45, 8, k), k)
-    for rows in range(1, 9):
-        assert short.added(rows, 0.0) == pytest.approx(long.added(rows, 0.0), rel=1e-6)
-    assert long.added(8, 0.0) < 3 * long.added(1, 0.0)
-
-
 def test_cascade_tests_every_draft_length_then_settles(decoders):
     d = decoders["olmoe"]
     events = run(d, PROMPTS[0], GenerationConfig(mode="cascade", n_predict=60, stop_at_eos=False))

@@ -53,11 +53,9 @@ class LookupDrafter(Drafter):
 # one off (GenerationConfig.copy_without), so that an ablation can tell which of them pay. Off, each falls back
 # to the plain rule:
 # - loop: a copy stops at the context's end (prompt lookup's continuation), never goes round its loop;
-# - overlap: every row adds what a first draft token is expected to add (rows × that), and a verified copy
-#   teaches that estimate its rows' mean;
 # - hope: an acceptance estimate is its share as seen, never raised by its standard error;
 # - session: copies come from the generation's own context only.
-COPY_REFINEMENTS = ("loop", "overlap", "hope", "session")
+COPY_REFINEMENTS = ("loop", "hope", "session")
 
 
 @dataclass
@@ -107,8 +105,6 @@ class CopyPlanner:
         self.earlier = None if "session" in without else earlier
         self.prompt = tuple(prompt)
         self.learned = rule.copies(max_ngram)
-        self._costs_key: tuple[int, float, float | None, float] | None = None
-        self._cost_table: list[tuple[float, float]] = []
 
     def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
         """The copy to verify after `context` (prompt and generated tokens, the last one pending), or None: no
@@ -121,10 +117,12 @@ class CopyPlanner:
         if max_len <= 0:
             return None
         saved = rule.cost.t_ar
-        costs = self._costs(max_len)
+        # each row adds what a first draft token is expected to add (UtilityStop.expected_first_experts)
+        per_row = rule.expected_first_experts
+        row_cost = rule.copy_cost(1, per_row)
         # where not even the first row of a copy of the likeliest kind pays, no n-gram is looked up (on a small
         # model in memory a lookup is a noticeable part of a step)
-        if learned.likeliest(self.hope) * saved < rule.threshold * costs[0][1]:
+        if learned.likeliest(self.hope) * saved < rule.threshold * row_cost:
             return None
         source = "context"
         n, found, period = self.index.lookup(context, max_len)
@@ -137,45 +135,28 @@ class CopyPlanner:
         if not found:
             return None
         rates = {kind: learned.estimate(n, kind, self.hope) for kind in set(kinds)}
-        # each row weighed, up to the first declined: (survival, expected accepted through it, experts added, cost,
-        # its own utility)
-        weighed: list[tuple[float, float, float, float, float]] = []
-        survival, expected, before, declined = 1.0, 0.0, 0.0, False
-        for (added, cost), kind in zip(costs, kinds):
+        # each row weighed, up to the first declined: (survival, expected accepted through it)
+        weighed: list[tuple[float, float]] = []
+        survival, expected, declined = 1.0, 0.0, False
+        for kind in kinds:
             survival *= rates[kind]
             expected += survival
-            weighed.append((survival, expected, added, cost, rule.copy_utility(survival, saved, cost - before)))
-            declined = survival * saved < rule.threshold * (cost - before)
+            weighed.append((survival, expected))
+            declined = survival * saved < rule.threshold * row_cost
             if declined:
                 break
-            before = cost
         keep = len(weighed) - declined
         if keep == 0:
             return None
-        _, expected, added, cost, _ = weighed[keep - 1]
-        out = CopyPlan(n, source, rates[kinds[0]], keep, expected, added, saved, cost)
-        for i, (survival, _, _, _, utility) in enumerate(weighed):  # a copy's tokens, and the first declined after
+        expected = weighed[keep - 1][1]
+        out = CopyPlan(n, source, rates[kinds[0]], keep, expected, keep * per_row, saved, keep * row_cost)
+        for i, (survival, _) in enumerate(weighed):  # a copy's tokens, and the first one declined after them
             kept = i < keep
-            out.weighed.append((found[i], survival, utility, kept))
+            out.weighed.append((found[i], survival, rule.copy_utility(survival, saved, row_cost), kept))
             if kept:
                 out.tokens.append(found[i])
                 out.kinds.append(kinds[i])
         return out
-
-    def _costs(self, max_len: int) -> list[tuple[float, float]]:
-        """(experts added, cost) of copies of 1..max_len rows at these prices. Kept while the prices stay: every
-        step asks, and they change only as copies and drafts are verified."""
-        rule, learned = self.rule, self.learned
-        per_row = rule.expected_first_experts
-        key = (max_len, per_row, learned.overlap, learned.pending_experts)
-        if key != self._costs_key:
-            added = [
-                learned.added(rows, per_row) if "overlap" not in self.without else rows * per_row
-                for rows in range(1, max_len + 1)
-            ]
-            self._costs_key = key
-            self._cost_table = [(a, rule.copy_cost(rows, a)) for rows, a in enumerate(added, 1)]
-        return self._cost_table
 
     def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
         """The verification of `plan`: the target accepted `accepted` of its tokens, and the verification read
@@ -184,20 +165,18 @@ class CopyPlanner:
         rows = len(plan.tokens)
         if rows == 0:
             return
-        added = max(verify_experts - pending_experts, 0.0)
-        # what the rule expects a self-draft's first token to add: a copy's first row
-        first = self.learned.verified(rows, added, pending_experts)
-        self.rule.observe_first_experts(added / rows if "overlap" in self.without else first)
+        # what the rule expects a self-draft's first token to add, and a copy's every row: its rows' mean
+        self.rule.observe_first_experts(max(verify_experts - pending_experts, 0.0) / rows)
 
 
 class LookupOrSelfDrafter(Drafter):
     """s2moe's drafts: where the context repeats itself, the tokens that followed the repeated n-gram, kept while
     the utility rule says they pay (CopyPlanner); otherwise the self-drafter's chain.
 
-    A copied token needs no draft pass. Its row i is kept while p_i·T_AR ≥ threshold·(T_tok + T_exp·(E(i) −
-    E(i − 1))), p_i the learned acceptance of copies after an n-gram of its length, chained over the copy, and
-    E(r) the experts r rows add to the verification, by the pool the verified copies share (before any, r times
-    the rule's running estimate of what a first draft token adds; CopyLearner)."""
+    A copied token needs no draft pass. Its row i is kept while p_i·T_AR ≥ threshold·(T_tok + T_exp·E), p_i the
+    learned acceptance of copies after an n-gram of its length, chained over the copy (CopyLearner), and E the
+    rule's running estimate of the experts a first draft token adds to the verification, which each verified
+    copy teaches its rows' mean."""
 
     name = "s2moe"
     drafts_in_context = True

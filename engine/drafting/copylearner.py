@@ -1,6 +1,6 @@
 """What s2moe learns of drafts copied from the context: how often the target accepts a copied token, by n-gram
-length and kind; what a copy's rows add to a verification's experts; and how much of what plain steps read they
-fetch. The utility rule keeps one across generations (UtilityStop.copies); CopyPlanner decides with it.
+length and kind, and how much of what plain steps read they fetch. The utility rule keeps one across generations
+(UtilityStop.copies); CopyPlanner decides with it.
 """
 
 from __future__ import annotations
@@ -24,27 +24,16 @@ class CopyLearner:
     How often the target accepts a copied token after an n-gram match, per n and per kind (COPY_KINDS: from the
     generation's own context, those taken round its loop apart, or from the session's earlier generations): the
     accepted share of the copied tokens of that kind verified there (each judged only if those before it were
-    accepted) plus `prior` pseudo-tokens at `rate`. A copy's tokens are priced by the chain
-    of their estimates, and the prior's rate chained over a long copy expects little of it: a rule that had seen few
-    copies made short ones only, and so never learned that the long ones were accepted. So where plain steps fetch
-    most of the experts they read (`cache_serves_little`), an estimate is raised by its share's standard error: seen
-    little, it hopes for more, and it comes down to the share as copies are verified. Not where the cache serves
-    plain steps most of theirs: there the copies that hope buys evict what the plain steps between them would have
-    found (below).
+    accepted) plus `prior` pseudo-tokens at `rate`. A copy's tokens are priced by the chain of their estimates, and
+    the prior's rate chained over a long copy expects little of it: a rule that had seen few copies made short ones
+    only, and so never learned that the long ones were accepted. So where plain steps fetch most of the experts
+    they read (`cache_serves_little`), an estimate is raised by its share's standard error: seen little, it hopes
+    for more, and it comes down to the share as copies are verified.
 
-    What a copy's rows add to the verification's experts, by their number (`added`): consecutive tokens share
-    experts, so a verification's distinct experts grow ever more slowly with its rows, and a copy of eight rows
-    adds far less than eight times what a copy of one adds. The rows are modelled as drawing their experts from a
-    pool, each repeating a share q of the one before's (over layers, the pending row's K experts): r rows add
-    (K/q)(1 − (1 − q)^(r+1)) − K. Every verified copy, whatever its length, gives an estimate of q, and the
-    running mean prices copies of every length. Priced by a mean row instead, what a copy teaches would depend
-    on its length: long copies would make rows look cheap, short ones dear.
-
-    Under a memory budget copies also change which experts stay in memory: where the kept cache serves plain
-    steps most of their experts, copies leave the plain steps between them fetching more, and the session runs
-    slower than without copies though each copy looks as if it paid. What copies can disturb is what plain steps
-    find in memory, so the experts a plain step reads and fetches are counted (`fetched`), and estimates are
-    hoped above their shares only where plain steps fetch most of what they read (`cache_serves_little`)."""
+    Not where the cache serves plain steps most of theirs: under a memory budget copies also change which experts
+    stay in memory, and there the copies that hope buys leave the plain steps between them fetching more, so that
+    the session runs slower than without copies though each copy looks as if it paid. So the experts a plain step
+    reads and fetches are counted (`fetched`)."""
 
     def __init__(
         self,
@@ -60,8 +49,6 @@ class CopyLearner:
         # the highest estimate of any n and kind: as seen, and raised
         self._likeliest = (rate, float(self._raised(np.array(rate), np.array(0.0))))
         self.smoothing = smoothing
-        self.overlap: float | None = None  # running mean of q, the share of a row's experts the next repeats
-        self.pending_experts = 0.0  # K: the experts a verification's pending row reads, over layers
         self._plain_fetched = np.zeros(2)  # decayed sums over plain steps: experts fetched, experts read
 
     def estimate(self, n: int, kind: str = "context", hope: bool = True) -> float:
@@ -89,24 +76,6 @@ class CopyLearner:
         share = self._share(self.accepted, self.seen)
         self._likeliest = (float(share.max()), float(self._raised(share, self.seen).max()))
 
-    def verified(self, rows: int, added: float, pending: float) -> float:
-        """A copy of `rows` rows was verified: they added `added` experts (over layers) to the `pending` ones of
-        its pending row. Returns what its first row added, as the pool it teaches has it (without a pending row's
-        count, the rows' mean)."""
-        if pending <= 0:
-            return added / rows
-        q = copy_overlap(rows, added, pending)
-        self.overlap = q if self.overlap is None else self.overlap + self.smoothing * (q - self.overlap)
-        self.pending_experts = float(pending)
-        return copy_added(q, 1, pending)
-
-    def added(self, rows: int, per_row: float) -> float:
-        """The experts a copy of `rows` rows is expected to add to its pending row's, over layers: by the pool
-        of experts the verified copies share; before any was verified, `per_row` each."""
-        if self.overlap is None:
-            return rows * per_row
-        return copy_added(self.overlap, rows, self.pending_experts)
-
     def fetched(self, fetched: int, read: int) -> None:
         """A plain step under a memory budget fetched `fetched` of the `read` experts it read."""
         self._plain_fetched *= 1.0 - self.smoothing
@@ -117,28 +86,3 @@ class CopyLearner:
         without a memory budget, or before a plain step)."""
         fetched, read = self._plain_fetched
         return bool(read > 0 and fetched >= read / 2)
-
-
-def copy_added(overlap: float, rows: int, pending: float) -> float:
-    """The experts `rows` rows add to a pending row's `pending` ones, each row repeating a share `overlap` of
-    the one before's experts from a pool they share (CopyLearner)."""
-    if overlap < 1e-9:
-        return rows * pending
-    return pending / overlap * (1.0 - (1.0 - overlap) ** (rows + 1)) - pending
-
-
-def copy_overlap(rows: int, added: float, pending: float) -> float:
-    """The share q for which `rows` rows add `added` experts to the pending row's (copy_added's inverse: it
-    falls from rows·pending at q = 0 to 0 at q = 1)."""
-    if added >= rows * pending:
-        return 0.0
-    if added <= 0:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if copy_added(mid, rows, pending) > added:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
