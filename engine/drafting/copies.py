@@ -1,5 +1,5 @@
 """Drafts copied from text rather than drafted by a model pass: prompt lookup (LookupDrafter) and s2moe's copies,
-weighed whole by the utility rule (CopyPlanner) and otherwise the self-drafter's chain (LookupOrSelfDrafter).
+weighed token by token by the utility rule (CopyPlanner) and otherwise the self-drafter's chain (LookupOrSelfDrafter).
 """
 
 from __future__ import annotations
