@@ -802,9 +802,10 @@ def test_copies_are_priced_by_the_projected_clock_once_three_were_rejected_whole
 def test_copies_are_hoped_for_where_the_replayed_plain_steps_fetch_what_they_read():
     """Decoding tells its copy planner what each plain step fetched of the experts it read
     (LookupOrSelfDrafter.feedback): where plain steps fetch most of them, it raises its estimates of a copy's
-    acceptance by their uncertainty (CopyLearner). The replay tells it the same. The generation repeats its prompt after "1 2"; with a copied row at 8 ms against a 10 ms
-    plain step a copy pays only on those hopes: it is made where the recorded run's cache held nothing, and not
-    where it held every expert (plain steps then fetch nothing)."""
+    acceptance by their uncertainty (CopyLearner). The replay tells it the same. The generation repeats its prompt
+    after "1 2"; with a copied row at 8 ms against a 10 ms plain step a copy pays only on those hopes: it is made
+    where the recorded run's cache held nothing, and not where it held every expert (plain steps then fetch
+    nothing)."""
     prompt = (1, 2, 3, 4, 5, 6)
     generated = [9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12]
     steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
