@@ -98,8 +98,8 @@ class DraftDecision:
     # where the draft was copied from, no draft pass to pay: what followed the context's last n-gram earlier in
     # the context ("context") or in the session's earlier generations ("session"); None: not a copy
     copied: str | None = None
-    # for a copy, p_first is the tokens the target is expected to accept of its `rows`, new_experts and cost are
-    # the whole copy's
+    # a copy is weighed whole: p_first is then the tokens the target is expected to accept of its `rows`,
+    # new_experts and cost are the whole copy's
     rows: int = 1
 
     @property
@@ -117,6 +117,11 @@ class DraftDecision:
                 f"({self.p_first:.2f} expected accepted × T_AR {self.t_ar * 1e3:.2f} ms / cost "
                 f"{self.cost * 1e3:.2f} ms for {self.rows} rows with {self.new_experts:.1f} new experts)"
             )
+            if self.probing:
+                return (
+                    f"probing: the best copy's expected utility {self.utility:.2f} < {thr} {numbers}; verifying "
+                    "one copied token to see whether copies after this n-gram pay again"
+                )
             where = "the context" if self.copied == "context" else "an earlier generation"
             return (
                 f"copying {self.rows} tokens from {where}: the copy's expected utility {self.utility:.2f} "

@@ -204,7 +204,7 @@ def test_kv_entries_are_target_computed(decoders, arch):
 
 def test_utility_rule_stops_drafting_when_it_cannot_pay(decoders, arch):
     """Neither a draft pass nor a copy from the context can pay when a verified row costs more than the plain
-    step a token saves: nothing is drafted, no copy even looked up."""
+    step a token saves: nothing is drafted, copies not even probed."""
     d = decoders[arch]
     expensive = CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=1.2, intercept=0.0, source="test")
     events = run(d, PROMPTS[0], GenerationConfig(mode="s2moe", n_predict=16, cost=expensive, stop_at_eos=False))
@@ -322,11 +322,12 @@ def test_utility_uses_each_candidates_own_predicted_experts(decoders, arch):
         kept = [cand for cand in e.candidates if cand.kept]
         assert [cand.token for cand in kept] == list(e.drafted)
         if copied:
-            # weighed token by token (CopyPlanner): a token is kept while its own utility reaches the threshold,
-            # and the decision is the kept copy's, its expected accepted tokens their survivals summed
-            assert len(kept) == decision.rows and decision.utility >= 1.0
-            assert all(cand.kept == (cand.utility >= 1.0) for cand in e.candidates)
-            assert decision.p_first == pytest.approx(sum(cand.accept_chance for cand in kept), rel=1e-9)
+            # weighed whole (CopyPlanner): each token's utility is the copy's through it, and the one verified is
+            # the decision's, its expected accepted tokens the survivals summed
+            assert len(kept) == decision.rows or decision.probing
+            if not decision.probing:
+                assert kept[-1].utility == pytest.approx(decision.utility, rel=1e-9) and decision.utility >= 1.0
+                assert decision.p_first == pytest.approx(sum(cand.accept_chance for cand in kept), rel=1e-9)
             seen[True] += 1
             continue
         for cand in e.candidates:
@@ -497,13 +498,13 @@ def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
     e = EarlierText(max_ngram=3, min_ngram=2, keep=3)
     e.add((1,), [1, 5, 6, 7, 8])
     e.add((2,), [2, 6, 7, 9, 5, 6, 10])
-    assert e.lookup((9,), [4, 5, 6], 3) == (2, [10])  # the latest entry holding the bigram
-    assert e.lookup((9,), [5, 6, 7], 3) == (3, [8])  # a trigram beats the latest entry's bigram "6 7"
-    assert e.lookup((2,), [4, 5, 6], 3) == (2, [7, 8])  # never the entry of its own prompt
-    assert e.lookup((9,), [8, 3], 3) == (0, [])
-    assert e.lookup((9,), [3, 7, 8], 3) == (0, [])  # a last token nothing followed
+    assert e.lookup((9,), [4, 5, 6], 3)[:2] == (2, [10])  # the latest entry holding the bigram
+    assert e.lookup((9,), [5, 6, 7], 3)[:2] == (3, [8])  # a trigram beats the latest entry's bigram "6 7"
+    assert e.lookup((2,), [4, 5, 6], 3) == (2, [7, 8], [False, False])  # never the entry of its own prompt
+    assert e.lookup((9,), [8, 3], 3) == (0, [], [])
+    assert e.lookup((9,), [3, 7, 8], 3) == (0, [], [])  # a last token nothing followed
     e.add((1,), [1, 5, 6, 11])  # a prompt run again replaces its entry
-    assert e.lookup((9,), [5, 6, 7], 3) == (2, [9, 5, 6])  # its trigram "5 6 7" gone with it
+    assert e.lookup((9,), [5, 6, 7], 3)[:2] == (2, [9, 5, 6])  # its trigram "5 6 7" gone with it
     e.add((3,), [3])
     e.add((4,), [4])
     assert list(e.entries) == [(1,), (3,), (4,)]  # the oldest dropped past `keep`
@@ -513,6 +514,31 @@ def test_earlier_text_finds_the_longest_ngram_in_other_prompts_generations():
     assert list(e.entries) == [(2,), (3,)] and e.tokens == 7  # ... and past `max_tokens`
     e.add((4,), list(range(20)))
     assert list(e.entries) == [(4,)]  # the latest entry stays, however long
+
+
+def test_earlier_text_votes_among_the_entries_holding_the_ngram():
+    """Where several other prompts' entries hold the longest n-gram, what followed it votes token by token: the
+    commonest next token among the continuations that agree so far, ties to the latest entry; at most `vote` of
+    the latest entries take part. Each token says whether two or more voters were left and all agreed on it."""
+    from s2moe.engine.drafting.ngrams import EarlierText
+
+    e = EarlierText(max_ngram=3, min_ngram=2)
+    e.add((1,), [1, 5, 6, 7, 8, 9])
+    e.add((2,), [2, 5, 6, 7, 8, 4])
+    e.add((3,), [3, 5, 6, 10, 11])  # the latest entry, outvoted at the first token
+    # 7 by two to one, 8 by both left, then a tie: the later entry's 4
+    assert e.lookup((9,), [0, 5, 6], 4) == (2, [7, 8, 4], [False, True, False])
+    # its own entry does not vote: a tie, the latest wins, and one voter is left
+    assert e.lookup((1,), [0, 5, 6], 4) == (2, [10, 11], [False, False])
+    e.add((4,), [4, 5, 6, 10, 12, 13])
+    assert e.lookup((9,), [0, 5, 6], 4)[:2] == (2, [10, 12, 13])  # two to two, then one to one: the latest's
+    e.add((5,), [5, 5, 6, 10, 12, 13])
+    # 10 by three of five, 12 by two of three, 13 by both left
+    assert e.lookup((9,), [0, 5, 6], 4) == (2, [10, 12, 13], [False, False, True])
+    few = EarlierText(max_ngram=3, min_ngram=2, vote=2)
+    for prompt, text in (((1,), [1, 5, 6, 7]), ((2,), [2, 5, 6, 7]), ((3,), [3, 5, 6, 10]), ((4,), [4, 5, 6, 11])):
+        few.add(prompt, text)
+    assert few.lookup((9,), [0, 5, 6], 4)[:2] == (2, [11])  # only the two latest vote
 
 
 def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
@@ -532,6 +558,64 @@ def test_copies_come_from_the_longer_match_the_context_first_on_a_tie():
     plan = CopyPlanner(rule, earlier, prompt=(5,)).plan([5, 1, 2, 3, 4, 1, 2, 3], 2)
     assert (plan.source, plan.n, plan.tokens) == ("context", 3, [4, 1])
     assert CopyPlanner(rule, None, prompt=(5,)).plan([5, 2, 3, 4, 1, 2, 3], 2).source == "context"
+
+
+def test_copied_tokens_the_session_agreed_on_are_learned_and_weighed_apart():
+    """A session copy's tokens that every voter agreed on are priced at what such tokens were accepted at, the
+    others at the session's other tokens' rate, each token of the chain at its own kind's; verifying a copy
+    teaches each kind by its own tokens."""
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.ngrams import EarlierText
+    from s2moe.engine.drafting.stoprules import UtilityStop
+
+    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.5, intercept=0.0, source="test"))
+    learned = rule.copies(3)
+    for _ in range(4):
+        learned.learn(3, ["session, agreed"] * 2, accepted=2)
+        learned.learn(3, ["session"], accepted=0)
+    agreed, other = learned.estimate(3, "session, agreed"), learned.estimate(3, "session")
+    assert agreed > 0.8 > 0.3 > other
+    earlier = EarlierText()
+    earlier.add((1,), [1, 7, 8, 9, 20, 21])
+    earlier.add((2,), [2, 7, 8, 9, 20, 22])
+    planner = CopyPlanner(rule, earlier, prompt=(5,))
+    plan = planner.plan([5, 7, 8, 9], 2)
+    assert plan.source == "session" and plan.p == pytest.approx(agreed)
+    assert [w[0] for w in plan.weighed] == [20, 22]  # both agree on 20; 22, the latest's, where they part
+    assert [w[1] for w in plan.weighed] == pytest.approx([agreed, agreed * other])
+    assert plan.tokens == [20] and plan.kinds == ["session, agreed"]  # 22 does not pay at its kind's rate
+    planner.learn(plan, 0, 0.0, 0)
+    assert learned.estimate(3, "session, agreed") < agreed and learned.estimate(3, "session") == other
+
+
+def test_where_copies_cannot_pay_at_the_timed_prices_the_planner_waits_steps_and_probes_one_token():
+    """Timed rows dearer than a plain step: not even a certain copy pays. The planner then plans nothing for the
+    longest wait (no lookup), counting steps, and then probes one token where the context repeats."""
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.stoprules import UtilityStop
+
+    rule = UtilityStop(CostConstants(t_ar=1.0, c_draft=0.9, t_exp=0.0, t_tok=0.01, intercept=0.0, source="test"))
+    learned = rule.copies(3)
+    learned.probe_every = 2
+    learned.began()
+    for _ in range(2):
+        learned.timed(0.001, 0)
+    for _ in range(learned.min_copies):
+        learned.verified(1, 0.0, 0, rule.copy_cost(1, 0.0))
+        learned.timed(0.003, 1)
+        learned.timed(0.001, 0)
+    saved, scale = learned.price()
+    assert saved * 4 < scale * rule.copy_cost(4, 0.0)  # a row dearer than a plain step
+    wait = 16 * learned.probe_every
+    planner = CopyPlanner(rule, None, prompt=(5,))
+    context = [5, 1, 2, 3, 4, 1, 2, 3]
+    assert [planner.plan(context, 4) for _ in range(wait - 1)] == [None] * (wait - 1)
+    # the wait is over on a step whose context repeats nothing: the probe waits for a copy to make
+    assert CopyPlanner(rule, None, prompt=(6,)).plan([6, 1, 2, 3], 4) is None
+    plan = planner.plan(context, 4)
+    assert plan is not None and plan.probe and plan.tokens == [4]
+    assert [planner.plan(context, 4) for _ in range(wait - 1)] == [None] * (wait - 1)
+    assert planner.plan(context, 4).probe
 
 
 class QuietObserver(VerifyObserver):
@@ -584,6 +668,38 @@ def routed_experts(routed, shape) -> np.ndarray:
         for layer, row in enumerate(routed):
             out[layer, row[row >= 0]] = True
     return out
+
+
+def test_until_copies_are_timed_a_copied_token_saves_the_plain_step_as_timed_where_the_cache_serves_little():
+    """What a copied token saves is a plain step. Where plain steps fetch at least half the experts they read
+    (the cache serves them little, so copies have little to disturb), the plain step timed in this run replaces
+    the constants' T_AR before any copy was timed (a profile's T_AR was read on another day of the disk, or at
+    another split of the budget); a row keeps the constants' price until copies were rejected whole and timed.
+    Where the cache serves most, or nothing was counted (no budget), the constants price it."""
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.stoprules import UtilityStop
+
+    context = [5, 1, 2, 3, 4, 1, 2, 3]
+
+    def planned(plain_s, fetched=None):
+        rule = UtilityStop(
+            CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.002, intercept=0.0, source="test")
+        )
+        learned = rule.copies(3)
+        learned.began()
+        for _ in range(3 if plain_s else 0):
+            learned.timed(plain_s, 0)
+            if fetched is not None:
+                learned.fetched(fetched, 48)
+        return CopyPlanner(rule, None, prompt=(5,)).plan(context, 4)
+
+    untimed, slow = planned(None), planned(0.030, fetched=33)
+    assert (untimed.saved, untimed.cost / untimed.rows) == pytest.approx((0.010, 0.002))
+    assert (slow.saved, slow.cost / slow.rows) == pytest.approx((0.030, 0.002))
+    assert len(slow.tokens) >= len(untimed.tokens) > 0
+    assert planned(0.001, fetched=33) is None  # plain steps cheaper than a row: not even a certain copy pays
+    for served in (planned(0.030, fetched=23), planned(0.030)):  # 23 of 48 fetched; nothing counted
+        assert (served.saved, served.cost / served.rows) == pytest.approx((0.010, 0.002))
 
 
 def test_s2moe_counts_what_its_plain_steps_read_and_fetched_where_an_observer_counts_misses(decoders, arch):
@@ -678,15 +794,36 @@ def test_copies_from_the_context_pay_where_a_draft_pass_cannot(decoders, arch):
     assert summarize(sampled).tokens == plain.tokens
 
 
-def test_copies_are_learned_per_ngram_length():
+def test_copies_are_learned_per_ngram_length_and_probed_again_after_declines():
     from s2moe.engine.drafting.copylearner import CopyLearner
 
-    m = CopyLearner(3, rate=0.6, prior=2.0)
+    m = CopyLearner(3, rate=0.6, prior=2.0, probe_every=4)
     assert m.estimate(1) == m.estimate(3) == pytest.approx(0.6)
     m.learn(3, ["context"] * 4, accepted=4)  # all four accepted
     m.learn(1, ["context"] * 4, accepted=1)  # the second rejected: two judged, the rest never were
     assert m.estimate(3) == pytest.approx((1.2 + 4) / 6) and m.estimate(1) == pytest.approx((1.2 + 1) / 4)
     assert m.estimate(2) == pytest.approx(0.6)
+
+    def declines_until_probe(n):
+        k = 1
+        while not m.probe(n):
+            k += 1
+        return k
+
+    assert declines_until_probe(1) == 4
+    m.learn(1, ["context"], accepted=0, probe=True)  # rejected: the wait doubles
+    assert declines_until_probe(1) == 8
+    m.learn(1, ["context"], accepted=0, probe=True)
+    assert declines_until_probe(1) == 16 and declines_until_probe(2) == 4  # each n waits on its own
+    m.learn(1, ["context"], accepted=1, probe=True)  # accepted: back to the first wait
+    assert declines_until_probe(1) == 4
+    steps = 1
+    while not m.rare_probe_due():  # prices at which not even a certain copy pays: the longest wait, in steps
+        steps += 1
+    assert steps == 64
+    assert m.rare_probe_due()  # due until a probe is made (a step without an n-gram to copy makes none)
+    m.rare_probe_made()
+    assert not m.rare_probe_due()
 
 
 def test_a_copy_seen_little_is_hoped_above_its_share_where_plain_steps_fetch_most_of_their_experts():
@@ -715,6 +852,104 @@ def test_a_copy_seen_little_is_hoped_above_its_share_where_plain_steps_fetch_mos
     for _ in range(40):
         m.fetched(4, 48)  # the cache now serves plain steps
     assert m.estimate(1) == pytest.approx((1.2 + 3) / 6) and m.estimate(3) == pytest.approx(0.6)
+
+
+def test_copies_are_priced_as_timed_once_enough_were():
+    """A plain step's wall time, and a copy's over the constants' price of it, as running means: plain steps
+    timed only after plain steps, copies on those rejected whole, each charged what the plain step after it paid
+    beyond one (llama.cpp builds its graph anew after a batch of another shape); the constants' price until three
+    were timed, and never a row priced as nearly free."""
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.stoprules import UtilityStop
+
+    rule = UtilityStop(CostConstants(t_ar=0.010, c_draft=0.009, t_exp=0.0, t_tok=0.001, intercept=0.0, source="test"))
+    m = rule.copies(3)
+    m.smoothing = 0.5
+    m.began()
+
+    def copy(rows, seconds, accepted=0):
+        m.verified(rows, 4.0 * rows, 48, rule.copy_cost(rows, 4.0 * rows))  # priced at 1 ms a row
+        m.timed(seconds, rows, accepted)
+
+    m.timed(0.010, 0)  # the step after the prefill rebuilds the graph: not a plain step's time
+    copy(2, 0.010)  # a copy before any plain step was timed says nothing of a copy's price
+    m.timed(0.004, 0)  # nor the step after it
+    assert m.plain_s is None
+    for _ in range(3):
+        m.timed(0.002, 0)
+    assert m.plain_s == pytest.approx(0.002)
+    copy(1, 0.0021, accepted=1)  # an accepted copy's rows read what the next step needed: not their cost
+    m.timed(0.009, 0)  # ... and the step after it is not a plain step's time either
+    copy(2, 0.0030, accepted=1)
+    copy(2, 0.006)
+    m.timed(0.003, 0)  # 5 ms over two plain steps, for a copy priced at 2 ms: 2.5 times its price
+    copy(1, 0.004)
+    copy(2, 0.008)  # a copy after a copy: the first is not timed without its following step
+    m.timed(0.002, 0)  # 6 ms over 2 ms: 3
+    assert m.price() is None
+    m.timed(0.002, 0)
+    copy(1, 0.004)
+    m.timed(0.002, 0)  # 2 ms over 1 ms: 2
+    plain, scale = m.price()
+    assert plain == pytest.approx(0.002) and scale == pytest.approx(2.375)  # 2.5, 3, 2: half-way means
+    m.began()
+    copy(1, 0.004)
+    m.began()  # a copy whose next step is another generation's first is not timed
+    m.timed(0.002, 0)
+    m.timed(0.004, 1)  # nor one the learner was not told of: it has no price to compare with
+    m.timed(0.002, 0)
+    assert m.price() == (pytest.approx(0.002), pytest.approx(2.375))
+    m.timed(0.001, 0)  # plain steps slower than the copies: a copy would cost nothing
+    for _ in range(3):
+        copy(1, 0.0011)
+        m.timed(0.001, 0)
+    assert m.price()[1] < 0.1
+    plan = CopyPlanner(rule, None, prompt=(5,)).plan([5, 1, 2, 3, 4, 1, 2, 3], 4)
+    assert plan.cost == pytest.approx(plan.rows * m.plain_s / 20)
+
+
+def test_a_copys_experts_grow_ever_more_slowly_with_its_rows_and_any_length_teaches_every_length():
+    """Rows drawn from a pool, each repeating a share q of the one before's experts: what r rows add is
+    concave in r, and copy_overlap inverts it. A learner that verified only one-row copies (probes) prices every
+    length as one that verified only eight-row copies does: the length of the copies made does not teach the
+    rule to keep making copies of that length."""
+    from s2moe.engine.drafting.copylearner import CopyLearner, copy_added, copy_overlap
+
+    k = 48.0
+    for q in (0.0, 0.2, 0.45, 0.9):
+        for rows in (1, 3, 8):
+            assert copy_overlap(rows, copy_added(q, rows, k), k) == pytest.approx(q, abs=1e-6)
+    added = np.array([copy_added(0.45, rows, k) for rows in range(9)])
+    assert added[0] == pytest.approx(0.0) and added[1] == pytest.approx(k * 0.55)
+    assert (np.diff(added) > 0).all() and (np.diff(added, 2) < 0).all()
+    assert CopyLearner(3).added(5, 7.0) == 35.0  # before any copy was verified: the per-row estimate, each row
+    short, long = CopyLearner(3), CopyLearner(3)
+    for _ in range(20):
+        short.verified(1, copy_added(0.45, 1, k), k, 0.0)
+        long.verified(8, copy_added(0.45, 8, k), k, 0.0)
+    for rows in range(1, 9):
+        assert short.added(rows, 0.0) == pytest.approx(long.added(rows, 0.0), rel=1e-6)
+    assert long.added(8, 0.0) < 3 * long.added(1, 0.0)
+
+
+def test_a_copy_that_pays_whole_is_made_where_its_first_token_alone_would_not_pay():
+    """A first row adds the most experts; priced whole, a copy of eight rows pays where its first token alone
+    costs more than it saves, even after the rule saw only one-row copies."""
+    from s2moe.engine.drafting.copies import CopyPlanner
+    from s2moe.engine.drafting.copylearner import copy_added
+    from s2moe.engine.drafting.stoprules import UtilityStop
+
+    rule = UtilityStop(
+        CostConstants(t_ar=0.060, c_draft=0.02, t_exp=0.00233, t_tok=0.005, intercept=0.0, source="test")
+    )
+    learned = rule.copies(3)
+    for _ in range(8):  # copies round a loop, accepted whole
+        learned.learn(3, ["context"] * 3 + ["context, looped"] * 5, accepted=8)
+    for _ in range(10):
+        learned.verified(1, copy_added(0.45, 1, 48), 48, 0.0)
+    plan = CopyPlanner(rule, None, prompt=(5,)).plan([5, 1, 2, 3, 1, 2, 3], 8)
+    assert plan.weighed[0][2] < 1.0 < plan.weighed[-1][2]
+    assert plan.tokens == [1, 2, 3, 1, 2, 3, 1, 2] and plan.rows == 8 and not plan.probe
 
 
 def test_cascade_tests_every_draft_length_then_settles(decoders):

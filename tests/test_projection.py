@@ -761,11 +761,13 @@ def test_projected_copies_are_the_copies_decoding_makes(decoders, arch):
     assert not any(e.drafted for e in iterations(replace(cfg, lookup=False)))
 
 
-def test_the_replay_copies_as_decoding_does_and_a_repeat_starts_from_what_the_first_taught():
-    """The prompt and the generation repeat "1 2", never with the same token after it: each copy after that
-    bigram is rejected whole and teaches the bigrams' acceptance, so the copies shorten (2 rows, then 1 and 1:
-    T_AR 10 ms saved against a row's 2.5 ms) and a fourth is declined. Then a trigram repeats, whose copy of two
-    rows is taken, its first token accepted."""
+def test_copies_are_priced_by_the_projected_clock_once_three_were_rejected_whole():
+    """The prompt and the generation repeat "1 2", never with the same token after it: three copies after that
+    bigram are rejected whole (the acceptance learned for bigrams falls, so a fourth is declined). Then a trigram
+    repeats, whose copy the constants would take (T_AR 10 ms saved, a row 2.5 ms). On a device whose plain
+    step the profile measured at 2 ms, the three rejected copies timed on the replay's clock price a row at
+    about 7 ms and a token saved at 2: no copy can pay, and the trigram is not copied. Where a plain step costs
+    the constants' 10 ms, the timed prices agree with the constants and it is."""
     prompt = (1, 2, 9, 5)
     generated = [20, 1, 2, 21, 22, 1, 2, 23, 24, 1, 2, 25, 26, 24, 1, 2, 25, 27, 28, 29]
     steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]
@@ -776,30 +778,34 @@ def test_the_replay_copies_as_decoding_does_and_a_repeat_starts_from_what_the_fi
         seconds=1.0,
         name="copies",
     )
-    constants = profile(c_draft_ms=50.0, t_tok_ms=2.5)
-    s = project([tr], constants, modes=["s2moe"], terms="none").modes["s2moe"]
-    assert (s.copied, s.copies_accepted, s.iterations, s.draft_passes) == (2 + 1 + 1 + 2, 1, len(generated) - 1, 0)
+    quiet = dict(
+        ctx_plain_us=0.0, ctx_step_us=0.0, ctx_row_us=0.0, ctx_draft_us=0.0, host_draft_ms=0.0, host_row_ms=0.0
+    )
+    cheap_plain = with_workload(profile(c_draft_ms=50.0, t_tok_ms=2.5), t_plain_ms=2.0, **quiet)
+    s = project([tr], cheap_plain, modes=["s2moe"]).modes["s2moe"]
+    assert (s.copied, s.copies_accepted, s.iterations, s.draft_passes) == (2 + 1 + 1, 0, len(generated), 0)
+    s = project([tr], profile(c_draft_ms=50.0, t_tok_ms=2.5), modes=["s2moe"], terms="none").modes["s2moe"]
+    assert (s.copied, s.copies_accepted, s.iterations) == (2 + 1 + 1 + 2, 1, len(generated) - 1)
     # replayed twice over (bench --repeats): the second pass starts from what the first taught the rule, which
-    # by then declines copies after the bigram and takes the trigram's again; ar's tokens and time simply double
-    twice = project([tr], constants, modes=["ar", "s2moe"], terms="none", repeats=2)
-    once = project([tr], constants, modes=["ar", "s2moe"], terms="none")
-    assert (twice.repeats, twice.modes["s2moe"].copied, twice.modes["s2moe"].copies_accepted) == (2, 6 + 2, 1 + 1)
-    assert twice.modes["s2moe"].tokens == 2 * len(generated)
+    # by then prices copies as not paying, so it copies nothing; ar's tokens and time simply double
+    twice = project([tr], cheap_plain, modes=["ar", "s2moe"], repeats=2)
+    once = project([tr], cheap_plain, modes=["ar", "s2moe"])
+    assert (twice.repeats, twice.modes["s2moe"].copied, twice.modes["s2moe"].tokens) == (2, 4, 2 * len(generated))
     assert twice.modes["ar"].seconds == pytest.approx(2 * once.modes["ar"].seconds)
     with pytest.raises(ConfigError, match="repeats"):
-        project([tr], constants, repeats=0)
+        project([tr], cheap_plain, repeats=0)
     # traces from before they held their prompts: s2moe without copies, and said so
-    old = project([replace(tr, header=replace(tr.header, prompt=None))], constants, modes=["s2moe"])
+    old = project([replace(tr, header=replace(tr.header, prompt=None))], cheap_plain, modes=["s2moe"])
     assert old.modes["s2moe"].copied == 0 and "without copies" in old.basis
 
 
 def test_copies_are_hoped_for_where_the_replayed_plain_steps_fetch_what_they_read():
     """Decoding tells its copy planner what each plain step fetched of the experts it read
     (LookupOrSelfDrafter.feedback): where plain steps fetch most of them, it raises its estimates of a copy's
-    acceptance by their uncertainty (CopyLearner). The replay tells it the same. The generation repeats its prompt
-    after "1 2"; with a copied row at 8 ms against a 10 ms plain step a copy pays only on those hopes: it is made
-    where the recorded run's cache held nothing, and not where it held every expert (plain steps then fetch
-    nothing)."""
+    acceptance by their uncertainty and prices a copied token at the plain step as timed (CopyLearner). The replay
+    tells it the same. The generation repeats its prompt after "1 2"; with a copied row at 8 ms against a 10 ms
+    plain step a copy pays only on those hopes: it is made where the recorded run's cache held nothing, and not
+    where it held every expert (plain steps then fetch nothing)."""
     prompt = (1, 2, 3, 4, 5, 6)
     generated = [9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12]
     steps = [TraceStep((t,), 0, (), None, R0[None], R0[None], 0.0, 0.0) for t in generated]

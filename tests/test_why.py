@@ -58,7 +58,7 @@ def test_drafting_states_the_expected_utility():
     )
 
 
-def test_a_copy_from_the_context_is_priced_without_a_draft_pass():
+def test_a_copy_from_the_context_is_priced_whole_without_a_draft_pass():
     rule = UtilityStop(CAN_PAY, 1.0)
     cost = rule.copy_cost(3, 6.0)
     assert cost == pytest.approx(3 * CAN_PAY.t_tok + CAN_PAY.t_exp * 6.0)
@@ -73,6 +73,8 @@ def test_a_copy_from_the_context_is_priced_without_a_draft_pass():
         "copying: utility 4.00 ≥ 1 (2.40 of 3 accepted, cost 0.60 ms)",
         "copying: utility 4.00 ≥ 1",
     )
+    probe = rule.copy_decision(0.2, 4.0, CAN_PAY.t_ar, rule.copy_cost(1, 4.0), 1, probing=True)
+    assert probe.text.startswith("probing: the best copy's expected utility 0.67 < threshold 1")
 
 
 def test_not_drafting_while_the_first_token_is_unlikely_then_probing():

@@ -1,5 +1,5 @@
 """Drafts copied from text rather than drafted by a model pass: prompt lookup (LookupDrafter) and s2moe's copies,
-weighed token by token by the utility rule (CopyPlanner) and otherwise the self-drafter's chain (LookupOrSelfDrafter).
+weighed whole by the utility rule (CopyPlanner) and otherwise the self-drafter's chain (LookupOrSelfDrafter).
 """
 
 from __future__ import annotations
@@ -53,19 +53,31 @@ class LookupDrafter(Drafter):
 # one off (GenerationConfig.copy_without), so that an ablation can tell which of them pay. Off, each falls back
 # to the plain rule:
 # - loop: a copy stops at the context's end (prompt lookup's continuation), never goes round its loop;
+# - whole: a copy is kept token by token, as the self-drafter's rule keeps a chain: a row while its own chained
+#   acceptance times what it saves pays for what it adds to the verification's cost, up to the first that does not;
+# - overlap: every row adds what a first draft token is expected to add (rows × that), and a verified copy
+#   teaches that estimate its rows' mean;
+# - timed-scaling: copies are priced at the constants whatever was timed (no scale, no floor on a row), and a
+#   copied token saves T_AR, or the timed plain step under timed-plain;
+# - timed-plain: before copies were timed, a copied token saves the constants' T_AR even where the cache
+#   serves little;
 # - hope: an acceptance estimate is its share as seen, never raised by its standard error;
-# - session: copies come from the generation's own context only.
-COPY_REFINEMENTS = ("loop", "hope", "session")
+# - probes: a copy the rule declines is never verified, nor a copy made where none could pay;
+# - session: copies come from the generation's own context only;
+# - voting: a session copy takes the latest entry's text that holds the n-gram, no vote (so no token stands as
+#   agreed).
+COPY_REFINEMENTS = ("loop", "whole", "overlap", "timed-scaling", "timed-plain", "hope", "probes", "session", "voting")
 
 
 @dataclass
 class CopyPlan:
     """A copy from the context as the utility rule weighed it: the tokens to verify, each token weighed (kept or
-    the first declined) with its chained acceptance and its own utility (what it saves over what it adds to the
-    copy's cost), and the numbers of the copy verified."""
+    the first declined) with its chained acceptance and the utility of the copy through it, and the numbers the
+    rule decided with (for a probe, those of the best copy it declined)."""
 
     n: int  # the length of the n-gram that matched
     source: str  # where it matched: "context" or "session"
+    probe: bool  # declined, verified anyway (its first token only)
     p: float  # the learned acceptance of its first token (its kind, after an n-gram of that length)
     rows: int  # the copy's length as the rule priced it
     expected: float  # the tokens the target is expected to accept of those rows
@@ -80,11 +92,11 @@ class CopyPlan:
 class CopyPlanner:
     """What s2moe decides about drafts copied from the context, apart from any model: decoding asks it before
     each step (LookupOrSelfDrafter), and a projection replays it on a recorded generation's tokens with projected
-    times (engine.measure.projection). It prices copies by its rule's constants and what the rule's CopyLearner
-    learned of copies verified and plain steps' fetches."""
+    times (engine.measure.projection). The prices it decides with come from its rule's CopyLearner, whose clock is the
+    caller's: wall time in decoding, projected seconds in a replay."""
 
     # A single repeated token predicts the next one poorly (31-48% of first copies accepted on the shipped model's
-    # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth copying.
+    # greedy HumanEval and natural-text completions, against 73-96% after a repeated trigram): not worth probing.
     def __init__(
         self,
         rule: UtilityStop,
@@ -105,78 +117,142 @@ class CopyPlanner:
         self.earlier = None if "session" in without else earlier
         self.prompt = tuple(prompt)
         self.learned = rule.copies(max_ngram)
+        self.learned.began()
+        self._costs_key: tuple[float, int, float, float | None, float] | None = None
+        self._cost_table: list[tuple[float, float]] = []
 
     def plan(self, context: list[int], max_len: int) -> CopyPlan | None:
         """The copy to verify after `context` (prompt and generated tokens, the last one pending), or None: no
-        n-gram found, or a copy whose first row does not pay.
+        n-gram found, or a copy the rule declines and does not probe.
 
-        A copy is weighed token by token, as the self-drafter's rule weighs a chain: a row is kept while its
-        chained acceptance times what it saves pays for what it adds to the copy's cost, up to the first that does
-        not; declined where its first row does not pay."""
+        A copy is weighed whole: of the lengths its match allows, the one that saves most, its expected accepted
+        tokens times what each saves less the threshold times its cost; declined where none saves anything.
+        Its first row adds the most experts and each further one fewer (CopyLearner), so a copy can pay
+        where its first token alone would not."""
         rule, learned = self.rule, self.learned
-        if max_len <= 0:
+        # where even a certain copy that adds no expert cannot pay for its row, copies are not even probed
+        if max_len <= 0 or rule.cost.t_ar < rule.threshold * rule.copy_cost(1, 0.0):
             return None
-        saved = rule.cost.t_ar
-        # each row adds what a first draft token is expected to add (UtilityStop.expected_first_experts)
-        per_row = rule.expected_first_experts
-        row_cost = rule.copy_cost(1, per_row)
-        # where not even the first row of a copy of the likeliest kind pays, no n-gram is looked up (on a small
-        # model in memory a lookup is a noticeable part of a step)
-        if learned.likeliest(self.hope) * saved < rule.threshold * row_cost:
+        timed = None if "timed-scaling" in self.without else learned.price()
+        saved, scale = timed or (rule.cost.t_ar, 1.0)
+        if (
+            timed is None
+            and "timed-plain" not in self.without
+            and learned.plain_s is not None
+            and learned.cache_serves_little()
+        ):
+            # what a copied token saves is a plain step, timed here on every one of them, where the constants
+            # were measured on another day of the disk or at another split of the budget; only a copy's cost
+            # waits for copies to be timed. Not where the cache serves plain steps most of their experts: copies
+            # would disturb it, and the steps timed around them would show it disturbed (CopyLearner)
+            saved = learned.plain_s
+        # timing noise must not make copies look free: a row is never priced under a twentieth of a plain step
+        least_row = timed[0] / 20 if timed else 0.0
+        costs = self._costs(scale, max_len)
+        # where not even a copy of the likeliest kind pays at the prices timed, whatever its length, a probe could
+        # only re-time them, and rarely
+        chain, expected, hopeless, likeliest = 1.0, 0.0, True, learned.likeliest(self.hope)
+        for rows, (_, cost) in enumerate(costs, 1):
+            chain *= likeliest
+            expected += chain
+            if expected * saved >= rule.threshold * max(cost, rows * least_row):
+                hopeless = False
+                break
+        if hopeless and ("probes" in self.without or not learned.rare_probe_due()):
             return None
         source = "context"
         n, found, period = self.index.lookup(context, max_len)
         kinds = ["context, looped" if i >= period else "context" for i in range(len(found))]
         if self.earlier is not None and n < self.index.max_ngram:  # else the earlier text cannot match longer
-            n2, found2 = self.earlier.lookup(self.prompt, context, max_len)
+            n2, found2, agreed2 = self.earlier.lookup(
+                self.prompt, context, max_len, voters=1 if "voting" in self.without else None
+            )
             if found2 and n2 > n:
                 source, n, found = "session", n2, found2
-                kinds = ["session"] * len(found2)
+                kinds = ["session, agreed" if a else "session" for a in agreed2]
         if not found:
             return None
         rates = {kind: learned.estimate(n, kind, self.hope) for kind in set(kinds)}
-        # each row weighed, up to the first declined: (survival, expected accepted through it)
-        weighed: list[tuple[float, float]] = []
-        survival, expected, declined = 1.0, 0.0, False
-        for kind in kinds:
+        weighed, survival, expected = [], 1.0, 0.0
+        best, best_gain = 0, -np.inf
+        for rows, kind in enumerate(kinds, 1):
             survival *= rates[kind]
             expected += survival
-            weighed.append((survival, expected))
-            declined = survival * saved < rule.threshold * row_cost
-            if declined:
-                break
-        keep = len(weighed) - declined
-        if keep == 0:
+            added, cost = costs[rows - 1]
+            cost = max(cost, rows * least_row)
+            weighed.append((survival, expected, added, cost))
+            gain = expected * saved - rule.threshold * cost
+            if gain > best_gain:
+                best, best_gain = rows, gain
+        probe = best_gain < 0
+        if "whole" in self.without:
+            best = self._token_by_token(weighed, saved)
+            probe, best = best == 0, max(best, 1)
+        if hopeless:
+            learned.rare_probe_made()
+        elif probe and ("probes" in self.without or not learned.probe(n, kinds[0])):
             return None
-        expected = weighed[keep - 1][1]
-        out = CopyPlan(n, source, rates[kinds[0]], keep, expected, keep * per_row, saved, keep * row_cost)
-        for i, (survival, _) in enumerate(weighed):  # a copy's tokens, and the first one declined after them
+        _, expected, added, cost = weighed[best - 1]
+        out = CopyPlan(n, source, probe, rates[kinds[0]], best, expected, added, saved, cost)
+        keep = 1 if probe else best
+        shown = keep if probe else keep + 1  # a copy's tokens, and the first one declined after them
+        for i, (survival, expected, _added, cost) in enumerate(weighed[:shown]):
             kept = i < keep
-            out.weighed.append((found[i], survival, rule.copy_utility(survival, saved, row_cost), kept))
+            out.weighed.append((found[i], survival, rule.copy_utility(expected, saved, cost), kept))
             if kept:
                 out.tokens.append(found[i])
                 out.kinds.append(kinds[i])
         return out
 
+    def _token_by_token(self, weighed: list[tuple[float, float, float, float]], saved: float) -> int:
+        """How many rows a copy keeps weighed token by token (the rule without `whole`): each while its chained
+        acceptance times what it saves pays for what it adds to the copy's cost."""
+        kept, before = 0, 0.0
+        for survival, _, _, cost in weighed:
+            if survival * saved < self.rule.threshold * (cost - before):
+                break
+            kept, before = kept + 1, cost
+        return kept
+
+    def _costs(self, scale: float, max_len: int) -> list[tuple[float, float]]:
+        """(experts added, cost before the least row's floor) of copies of 1..max_len rows at these prices. Kept
+        while the prices stay: every step asks, and they change only as copies and drafts are verified or timed."""
+        rule, learned = self.rule, self.learned
+        per_row = rule.expected_first_experts
+        key = (scale, max_len, per_row, learned.overlap, learned.pending_experts)
+        if key != self._costs_key:
+            added = [
+                learned.added(rows, per_row) if "overlap" not in self.without else rows * per_row
+                for rows in range(1, max_len + 1)
+            ]
+            self._costs_key = key
+            self._cost_table = [(a, scale * rule.copy_cost(rows, a)) for rows, a in enumerate(added, 1)]
+        return self._cost_table
+
     def learn(self, plan: CopyPlan, accepted: int, verify_experts: float, pending_experts: int) -> None:
         """The verification of `plan`: the target accepted `accepted` of its tokens, and the verification read
         `verify_experts` distinct experts summed over layers, `pending_experts` of them one row's."""
-        self.learned.learn(plan.n, plan.kinds, accepted)
+        self.learned.learn(plan.n, plan.kinds, accepted, plan.probe)
         rows = len(plan.tokens)
         if rows == 0:
             return
-        # what the rule expects a self-draft's first token to add, and a copy's every row: its rows' mean
-        self.rule.observe_first_experts(max(verify_experts - pending_experts, 0.0) / rows)
+        added = max(verify_experts - pending_experts, 0.0)
+        # what the rule expects a self-draft's first token to add: a copy's first row
+        first = self.learned.verified(rows, added, pending_experts, self.rule.copy_cost(rows, added))
+        self.rule.observe_first_experts(added / rows if "overlap" in self.without else first)
 
 
 class LookupOrSelfDrafter(Drafter):
     """s2moe's drafts: where the context repeats itself, the tokens that followed the repeated n-gram, kept while
     the utility rule says they pay (CopyPlanner); otherwise the self-drafter's chain.
 
-    A copied token needs no draft pass. Its row i is kept while p_i·T_AR ≥ threshold·(T_tok + T_exp·E), p_i the
-    learned acceptance of copies after an n-gram of its length, chained over the copy (CopyLearner), and E the
-    rule's running estimate of the experts a first draft token adds to the verification, which each verified
-    copy teaches its rows' mean."""
+    A copied token needs no draft pass. A copy of r rows pays when (Σ p_i)·T_AR ≥ threshold·(T_tok·r +
+    T_exp·E(r)), p_i the learned acceptance of copies after an n-gram of its length, chained over the copy, and
+    E(r) the experts r rows add to the verification, by the pool the verified copies share (before any, r times
+    the rule's running estimate of what a first draft token adds). Once copies were rejected whole and timed
+    here, the cost is scaled by what they took over their constants' price, and T_AR is the plain step as timed
+    here; before that, so is T_AR where plain steps under a memory budget fetch most of the experts they read
+    (CopyLearner)."""
 
     name = "s2moe"
     drafts_in_context = True
@@ -194,15 +270,24 @@ class LookupOrSelfDrafter(Drafter):
         self.copies = CopyPlanner(rule, earlier, prompt, periodic=periodic, without=without)
         # the last proposal's copy, and the experts of its pending token's row
         self._copied: tuple[CopyPlan, int] | None = None
+        # when the last proposal began, its rows when it was plain (0) or copied, and how many of those the
+        # target accepted: what its iteration's time says
+        self._started: float | None = None
+        self._rows: int | None = None
+        self._accepted = 0
 
     def propose(self, dec: Decoder, committed: list[int], max_len: int, sample: SeededSampler) -> Proposal:
         now = time.perf_counter()
-        self._copied = None
+        if self._started is not None:
+            self.copies.learned.timed(now - self._started, self._rows, self._accepted)
+        self._started, self._copied, self._accepted = now, None, 0
         plan = self.copies.plan(committed, max_len)
         if plan is None:
-            return self.self_drafter.propose(dec, committed, max_len, sample)
+            out = self.self_drafter.propose(dec, committed, max_len, sample)
+            self._rows = None if out.tokens else 0
+            return out
         head = "lookup" if plan.source == "context" else "lookup: session"
-        out = Proposal(stop=f"{head}: utility" if not plan.weighed[-1][3] else head)
+        out = Proposal(stop=f"{head}: probe" if plan.probe else f"{head}: utility" if not plan.weighed[-1][3] else head)
         n_layer = dec.info.n_layer
         for token, survival, u, keep in plan.weighed:
             out.candidates.append(
@@ -211,10 +296,11 @@ class LookupOrSelfDrafter(Drafter):
         out.tokens = list(plan.tokens)
         out.chain = [1.0] * len(plan.tokens)
         out.decision = self.copies.rule.copy_decision(
-            plan.expected, plan.experts, plan.saved, plan.cost, plan.rows, source=plan.source
+            plan.expected, plan.experts, plan.saved, plan.cost, plan.rows, probing=plan.probe, source=plan.source
         )
         out.seconds = time.perf_counter() - now
         self._copied = (plan, len(dec.moe_layers()) * max(dec.info.n_expert_used, 1))
+        self._rows = len(plan.tokens)
         return out
 
     def feedback(self, it: Iteration) -> None:
@@ -224,4 +310,5 @@ class LookupOrSelfDrafter(Drafter):
             self.self_drafter.feedback(it)
             return
         plan, pending_experts = self._copied
+        self._accepted = len(it.accepted)
         self.copies.learn(plan, len(it.accepted), float(it.verify_experts.sum()), pending_experts)

@@ -262,12 +262,13 @@ class UtilityStop(StopRule):
         saved: float,
         cost: float,
         rows: int,
+        probing: bool = False,
         source: str = "context",
     ) -> DraftDecision:
         return DraftDecision(
             drafting=True,
             can_pay=True,
-            probing=False,
+            probing=probing,
             threshold=self.threshold,
             utility=self.copy_utility(expected, saved, cost),
             p_first=expected,

@@ -14,7 +14,8 @@ looks up the prompt and the tokens committed so far, and the traces of other pro
 accepted while it is the token the recording went on to commit (greedy, and sampled too: a seed commits the same
 tokens whatever was drafted). Its rows read what the recording's target read for those tokens; a row past the
 first rejected token (whose input the recording never saw) is charged the target's row at that position. The
-rule learns what plain steps fetch of what they read, as decoding does. Traces recorded before they held their prompts'
+rule prices copies by the replay's own clock once it timed some, as decoding does by the wall clock, and learns
+what plain steps fetch of what they read, as decoding does. Traces recorded before they held their prompts'
 token ids replay s2moe without copies.
 
 Time per iteration, from the device profile:

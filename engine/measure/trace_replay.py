@@ -379,8 +379,15 @@ def _replay(
                     planner.learn(plan, accepted, distinct(rows), int((rows[0] >= 0).sum()))
                 elif n == 0 and cache.capacity is not None:
                     # what LookupOrSelfDrafter.feedback tells the planner of a plain step under a budget: where
-                    # such steps fetch most of what they read, copies are hoped for
+                    # such steps fetch most of what they read, copies are hoped for and a copied token saves
+                    # the plain step as timed
                     planner.learned.fetched(verify_misses, distinct(rows))
+                # decoding times an iteration when the next one begins: a plain step, a copy, or a self-draft that
+                # prices nothing (the last iteration of a generation is never timed)
+                if generated < tr.n_tokens:
+                    planner.learned.timed(
+                        t_draft + t_verify + t_fetch + t_host, n if plan is not None or n == 0 else None, accepted
+                    )
                 context.extend(tokens[generated - committed : generated])
         if earlier is not None:
             earlier.add(prompt, context)

@@ -13,7 +13,7 @@ run_tune() is a generator of typed events; `s2moe tune` and the app's calibratio
     TuneDone(section)                                                                # the profile's tuned section
 
 What it searches: k_d (experts per draft step), the draft cap, the utility threshold, the reuse strength α,
-the preferred-expert cap |E*|, whether s2moe copies from the context (where they rarely pay, their lookups
+the preferred-expert cap |E*|, whether s2moe copies from the context (where they rarely pay, their probes
 cost a little; on text that repeats itself they are most of the gain), and under a memory budget the strength
 of gating toward the experts in memory α_m. The objective is decoding tokens/s; the constraint is the quality
 of reuse gating measured teacher-forced as `s2moe bench` measures it (quality_checks.gating_quality): perplexity
