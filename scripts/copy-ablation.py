@@ -3,9 +3,11 @@ beside the whole rule and plain decoding, on one model, interleaved prompt by pr
 
     .venv/bin/python scripts/copy-ablation.py [-m MODEL.gguf] [--budget SIZE] [--temp T --top-p P --seed S]
         [--prompts humaneval|natural|FILE.jsonl] [--n-prompts N] [-n TOKENS] [--rounds R] [--json OUT.json]
+        [--without NAME+NAME ...]
 
 The model is loaded once (under --budget, in a memory cgroup of that size, offloaded as bench offloads it) and
-every prompt runs ar, s2moe and s2moe without each refinement, in an order that changes from prompt to prompt
+every prompt runs ar, s2moe and s2moe without each refinement (or, with --without, without each named group of
+refinements: parts that each pay nothing alone may still pay together), in an order that changes from prompt to prompt
 (bench's balanced order), so that drift on the machine reaches every row alike; --rounds repeats the whole set.
 One row per variant: decoding tok/s over every run, its ratio to the whole rule and to ar paired round by round
 (geometric mean, ± two standard errors over the rounds: engine.measure.speed), and the mean accepted length.
@@ -35,7 +37,23 @@ from s2moe.engine.measure.speed import compare
 from s2moe.engine.model_info import read_model_info
 from s2moe.engine.zoo import default_model_path
 
-VARIANTS = ("ar", "s2moe") + tuple(f"s2moe -{name}" for name in COPY_REFINEMENTS)
+
+def variants(groups: list[frozenset[str]]) -> dict[str, frozenset[str] | None]:
+    """Row name → the refinements it switches off (None: plain decoding)."""
+    out: dict[str, frozenset[str] | None] = {"ar": None, "s2moe": frozenset()}
+    for group in groups:
+        out["s2moe -" + "-".join(name for name in COPY_REFINEMENTS if name in group)] = group
+    return out
+
+
+def parse_group(text: str) -> frozenset[str]:
+    names = frozenset(part.strip() for part in text.split("+") if part.strip())
+    unknown = sorted(names - set(COPY_REFINEMENTS))
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a group is refinement names joined by '+' ({', '.join(COPY_REFINEMENTS)})"
+        )
+    return names
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -58,6 +76,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument(
+        "--without",
+        action="append",
+        type=parse_group,
+        default=None,
+        metavar="NAME+NAME",
+        help="a row without this group of refinements (repeatable; default: a row per refinement)",
+    )
     return p.parse_args(argv)
 
 
@@ -77,9 +103,10 @@ def configs(args: argparse.Namespace, dec: Decoder) -> dict[str, GenerationConfi
             load_profile(args.profile), dec.info.fingerprint, dec.info.path.name, offloaded=args.budget is not None
         )
     base = base.resolved(dec.info)
-    out = {"ar": replace(base, mode="ar"), "s2moe": replace(base, mode="s2moe")}
-    for name in COPY_REFINEMENTS:
-        out[f"s2moe -{name}"] = replace(base, mode="s2moe", copy_without=frozenset({name}))
+    out = {
+        name: replace(base, mode="ar") if off is None else replace(base, mode="s2moe", copy_without=off)
+        for name, off in args.variants.items()
+    }
     for cfg in out.values():
         cfg.validate(dec.info)
     return out
@@ -104,11 +131,12 @@ def measure(args: argparse.Namespace, model: str) -> dict:
             )
         else:
             list(warm_up(dec, cfgs["s2moe"], prompts[0], ["ar", "s2moe"]))
-        runs: dict[str, list[Summary]] = {name: [] for name in VARIANTS}
+        names = list(cfgs)
+        runs: dict[str, list[Summary]] = {name: [] for name in names}
         with dec.apart_from_session():
             for r in range(args.rounds):
                 for pi, prompt in enumerate(prompts):
-                    for name in (VARIANTS[i] for i in balanced_order(len(VARIANTS), r * len(prompts) + pi)):
+                    for name in (names[i] for i in balanced_order(len(names), r * len(prompts) + pi)):
                         summary = Summary()
                         for ev in dec.generate(prompt, replace(cfgs[name], seed=prompt_seed(args.seed, pi))):
                             summary.add(ev)
@@ -173,7 +201,8 @@ def report(data: dict) -> None:
         f"{data['model']} · budget {data['budget']} · temp {data['temp']} · {data['n_prompts']} prompts × "
         f"{data['rounds']} rounds · {data['n_tokens']} tokens"
     )
-    print(f"{'variant':<22}{'tok/s':>8}  {'vs s2moe':>14}  {'vs ar':>14}  {'accept':>6}  tokens vs ar")
+    width = max(len(row["variant"]) for row in data["rows"]) + 2
+    print(f"{'variant':<{width}}{'tok/s':>8}  {'vs s2moe':>14}  {'vs ar':>14}  {'accept':>6}  tokens vs ar")
     for row in data["rows"]:
         differ, n = row["runs_differing_from_ar"], row["runs"]
         check = (
@@ -184,13 +213,14 @@ def report(data: dict) -> None:
             else f"{differ}/{n} DIFFER (copies must be lossless)"
         )
         print(
-            f"{row['variant']:<22}{row['tok_per_s']:>8.2f}  {row['vs_s2moe_text']:>14}  {row['vs_ar_text']:>14}  "
+            f"{row['variant']:<{width}}{row['tok_per_s']:>8.2f}  {row['vs_s2moe_text']:>14}  {row['vs_ar_text']:>14}  "
             f"{row['accept_len']:>6.2f}  {check}"
         )
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    args.variants = variants(args.without or [frozenset({name}) for name in COPY_REFINEMENTS])
     args.model = str(args.model or default_model_path())
     try:
         if args.rounds < 1 or args.n_prompts < 1 or args.n_tokens < 1:
