@@ -106,13 +106,14 @@ def batch_sizes(cap: int) -> list[int]:
 
 
 def iter_time_steps(
-    rt: LlamaRuntime, k_draft: int, n: int, *, seed: int = 0, context: int = 32
+    rt: LlamaRuntime, k_draft: int, n: int, *, seed: int = 0, context: int = 32, warm: int = 2
 ) -> Measurement[tuple[list[float], list[float]]]:
     """Generator: yields (done, n) after each pair of steps; returns (plain seconds, draft seconds) of n
-    plain steps and n draft steps (k_draft experts), after warm-up. Leaves the KV cache empty."""
+    plain steps and n draft steps (k_draft experts), after `warm` untimed pairs (the first builds the graphs).
+    Leaves the KV cache empty."""
     rng, base = _prepare(rt, seed, context, 2)
     try:
-        for _ in range(2):
+        for _ in range(warm):
             _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)
             _step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft)
         ar: list[float] = []
@@ -134,13 +135,14 @@ def iter_resident_draft_steps(
     *,
     seed: int = 0,
     context: int = 32,
+    warm: int = 2,
 ) -> Measurement[list[float]]:
     """Generator like iter_time_steps: returns the seconds of n draft steps (k_draft experts) that read only
     the experts allowed() returns, asked before each step (under a budget: those in memory, so that no step
     fetches). Leaves the KV cache empty."""
     rng, base = _prepare(rt, seed, context, 2)
     try:
-        for _ in range(2):
+        for _ in range(warm):
             _step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft, allowed=allowed())
         seconds: list[float] = []
         for i in range(n):
@@ -160,22 +162,30 @@ def iter_verify_samples(
     context: int = 32,
     sizes: Iterable[int] | None = None,
     variants: Sequence[str] = VARIANTS,
+    shapes: Sequence[tuple[int, str]] | None = None,
+    warm: int = 2,
     counter: NativePrefetch | None = None,
 ) -> Measurement[list[Sample]]:
     """Generator: yields (done, total) per batch configuration; returns [(distinct experts over layers,
-    tokens, median seconds)] of verification batches of varied size and reuse. Leaves the KV cache empty.
+    tokens, median seconds)] of verification batches of varied size and reuse: every size with every variant,
+    or the (size, variant) `shapes` given. The `warm` untimed rounds first build the graphs of the largest
+    batch (with random tokens where a random batch of that size is timed: a resident model's pages fault in).
+    Leaves the KV cache empty.
 
     With a miss `counter` (offloading's native prefetcher, see _step) each sample also carries the number
     of its distinct experts that were not in memory (misses) and the storage page faults the batch took
     (a diagnostic known only afterwards), and every run is returned on its own (the misses of repeats
     differ) instead of the median per configuration."""
     rng, base = _prepare(rt, seed, context, cap)
-    sizes = list(sizes or batch_sizes(cap))
+    if shapes is None:
+        shapes = [(s, v) for s in (sizes or batch_sizes(cap)) for v in variants]
+    largest = max(s for s, _ in shapes)
+    warm_variant = "random" if (largest, "random") in shapes else "repeat"
     try:
-        for _ in range(2):  # first decodes of a shape allocate graphs and fault pages in
+        for _ in range(warm):  # first decodes of a shape allocate graphs and fault pages in
             _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", 1)
-            _step(rt, base, rng.integers(0, rt.n_vocab, size=max(sizes)).tolist(), "verify", 1)
-        configs = [(s, _batch(rng, rt.n_vocab, s, v)) for s in sizes for v in variants]
+            _step(rt, base, _batch(rng, rt.n_vocab, largest, warm_variant), "verify", 1)
+        configs = [(s, _batch(rng, rt.n_vocab, s, v)) for s, v in shapes]
         times: list[list[float]] = [[] for _ in configs]
         misses: list[list[Sample]] = [[] for _ in configs]
         experts = [0.0] * len(configs)
@@ -282,18 +292,21 @@ def iter_cost_constants(
     the budget reads its experts from storage (seconds a step for gigabytes of experts): the measurement
     then takes fewer repeats and fewer batch shapes (sample_plan), priced from a first plain step.
     Leaves the KV cache empty."""
-    sizes = batch_sizes(cap)
-    variants: tuple[str, ...] = VARIANTS
+    plan = SamplePlan.full(cap, repeats)
     if seconds is not None:
-        repeats, sizes, variants = sample_plan(_first_plain_step(rt, k_draft, seed, context), cap, seconds, repeats)
+        plan = sample_plan(_first_plain_step(rt, k_draft, seed, context), cap, seconds, repeats)
     verify_share = 0.6 if draft_allowed is None else 0.4
-    ar, draft = yield from _share(iter_time_steps(rt, k_draft, 4 * repeats, seed=seed, context=context), 0.0, 0.4)
+    ar, draft = yield from _share(
+        iter_time_steps(rt, k_draft, plan.steps, seed=seed, context=context, warm=plan.warm), 0.0, 0.4
+    )
     if draft_allowed is not None:
         resident = float(
             np.median(
                 (
                     yield from _share(
-                        iter_resident_draft_steps(rt, k_draft, 4 * repeats, draft_allowed, seed=seed, context=context),
+                        iter_resident_draft_steps(
+                            rt, k_draft, plan.steps, draft_allowed, seed=seed, context=context, warm=plan.warm
+                        ),
                         0.4,
                         0.2,
                     )
@@ -303,7 +316,9 @@ def iter_cost_constants(
     else:
         resident = float(np.median(draft))
     samples = yield from _share(
-        iter_verify_samples(rt, cap, seed=seed + 1, repeats=repeats, context=context, sizes=sizes, variants=variants),
+        iter_verify_samples(
+            rt, cap, seed=seed + 1, repeats=plan.repeats, context=context, shapes=plan.shapes, warm=plan.warm
+        ),
         1.0 - verify_share,
         verify_share,
     )
@@ -323,20 +338,37 @@ def iter_cost_constants(
     return cost, samples
 
 
-# A short measurement's batches: little and full reuse (mixed lies between them), at one token, two, and the
-# most a verification runs (sample_plan).
-SHORT_VARIANTS = ("random", "repeat")
+@dataclass(frozen=True)
+class SamplePlan:
+    """What a start-up measurement times: `steps` plain, draft and resident draft steps each, `repeats`
+    rounds of the verification batches `shapes` ((tokens, variant)), after `warm` untimed rounds of each."""
+
+    repeats: int
+    steps: int
+    warm: int
+    shapes: tuple[tuple[int, str], ...]
+
+    @classmethod
+    def full(cls, cap: int, repeats: int = 3) -> SamplePlan:
+        return cls(repeats, 4 * repeats, 2, tuple((s, v) for s in batch_sizes(cap) for v in VARIANTS))
+
+    @classmethod
+    def shortest(cls, cap: int) -> SamplePlan:
+        """For a step that reads gigabytes from storage: no random batch of many tokens (its union is most of
+        the model's experts, read from storage), yet the counts still vary apart — experts with the tokens
+        fixed (one random token against two), tokens with the experts fixed (one token repeated twice and
+        cap + 1 times)."""
+        return cls(1, 2, 1, ((1, "random"), (2, "random"), (2, "repeat"), (cap + 1, "repeat")))
 
 
-def sample_plan(step_s: float, cap: int, seconds: float, repeats: int = 3) -> tuple[int, list[int], tuple[str, ...]]:
-    """(repeats, batch sizes, variants) of a cost measurement that takes about `seconds` where a plain step
-    takes `step_s`: a repeat costs about 12 steps and each batch shape about two, all three repeats where
-    they fit, else one repeat of the fewest shapes that still separate experts from tokens."""
-    sizes, variants = batch_sizes(cap), VARIANTS
+def sample_plan(step_s: float, cap: int, seconds: float, repeats: int = 3) -> SamplePlan:
+    """The measurement that takes about `seconds` where a plain step takes `step_s`: all `repeats` where they
+    fit (a repeat costs about 12 steps and each batch shape about two), else fewer, else the shortest plan."""
     for n in range(repeats, 0, -1):
-        if n * (12 + 2 * len(sizes) * len(variants)) * step_s <= seconds:
-            return n, sizes, variants
-    return 1, sorted({1, 2, cap + 1}), SHORT_VARIANTS
+        plan = SamplePlan.full(cap, n)
+        if n * (12 + 2 * len(plan.shapes)) * step_s <= seconds:
+            return plan
+    return SamplePlan.shortest(cap)
 
 
 def _first_plain_step(rt: LlamaRuntime, k_draft: int, seed: int, context: int) -> float:
