@@ -7,13 +7,19 @@ beside the whole rule and plain decoding, on one model, interleaved prompt by pr
 
 The model is loaded once (under --budget, in a memory cgroup of that size, offloaded as bench offloads it) and
 every prompt runs ar, s2moe and s2moe without each refinement (or, with --without, without each named group of
-refinements: parts that each pay nothing alone may still pay together), in an order that changes from prompt to prompt
-(bench's balanced order), so that drift on the machine reaches every row alike; --rounds repeats the whole set.
-One row per variant: decoding tok/s over every run, its ratio to the whole rule and to ar paired round by round
-(geometric mean, ± two standard errors over the rounds: engine.measure.speed), and the mean accepted length.
+refinements: parts that each pay nothing alone may still pay together), in an order that changes from prompt
+to prompt (bench's balanced order), so that drift on the machine reaches every row alike; --rounds repeats the
+whole set. One row per variant: decoding tok/s over every run, its ratio to the whole rule and to ar paired
+round by round (geometric mean, ± two standard errors over the rounds: engine.measure.speed), and the mean
+accepted length.
 Each run's tokens are compared with ar's: copies are lossless, so without gating (--reuse-strength 0) every
 variant must commit ar's tokens (else the exit status is 1); with gating on, a verification's batch moves
 borderline choices, and how many runs differ is only reported.
+
+Under a budget the variants share one expert cache: a prompt's copies find experts that the variant before
+them on the same prompt fetched, so a refinement switched off costs less here than in a process of its own
+(docs/results.md, "The copy rule, part by part"). Resident, or to find which rows to measure, one process is
+enough; a decision to remove a part under a budget is measured with bench, one process per variant.
 """
 
 from __future__ import annotations

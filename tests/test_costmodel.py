@@ -94,6 +94,20 @@ def test_the_r2_ceiling_is_what_the_same_counts_timed_again_leave_unexplained():
     assert fit_miss_cost(experts, misses, tokens, seconds).r2_ceiling == pytest.approx(ceiling)
 
 
+def test_a_fit_of_counts_bunched_far_from_zero_has_no_negative_fixed_cost():
+    # the shortest start-up plan's samples on the 8.2 GB preset: one token's experts to a few more
+    experts, tokens = [128, 139, 133, 145], [1, 2, 2, 9]
+    seconds = [0.7606, 0.8585, 0.7877, 0.9653]
+    unconstrained = np.linalg.lstsq(np.column_stack([np.ones(4), experts, tokens]), seconds, rcond=None)[0]
+    assert unconstrained[0] < 0  # what an ordinary fit makes of them
+    fit = fit_verify_cost(experts, tokens, seconds)
+    assert fit.intercept == 0.0 and fit.t_exp > 0 and fit.t_tok > 0
+    # through the origin: a plain step's 128 experts and one token make up its time
+    assert fit.predict(128, 1) == pytest.approx(0.76, rel=0.05)
+    # a fit that has a fixed cost keeps it
+    assert fit_verify_cost([10, 20, 30, 40], [1, 2, 1, 2], [1.0 + 0.1 * x for x in (10, 20, 30, 40)]).intercept > 0
+
+
 def test_a_slow_step_shortens_the_measurement_to_fit_its_time():
     from s2moe.engine.measure.costmodel import VARIANTS, SamplePlan, batch_sizes, sample_plan
 
@@ -106,6 +120,7 @@ def test_a_slow_step_shortens_the_measurement_to_fit_its_time():
     short = sample_plan(2.0, 8, 20.0)
     assert short == SamplePlan.shortest(8) and (short.repeats, short.steps, short.warm) == (1, 2, 1)
     assert max(n for n, v in short.shapes if v == "random") == 2 and (9, "repeat") in short.shapes
+    assert short.repeated_context and not SamplePlan.full(8).repeated_context
 
 
 def test_a_short_measurement_still_fits_experts_apart_from_tokens(decoders):
@@ -125,6 +140,10 @@ def test_a_short_measurement_still_fits_experts_apart_from_tokens(decoders):
     # experts vary with the tokens fixed (one random token against two) and tokens with the experts fixed
     one, two_random, two_same, five_same = sorted(samples, key=lambda s: (s[1], -s[0]))
     assert two_random[0] > one[0] and five_same[1] > two_same[1]
+    # a token repeated routes alike at every position (its context is one token repeated too): one token's
+    # experts, whatever the batch's length — what keeps the shortest plan's reads to a few tokens' experts
+    one_token = rt.info.n_expert_used * rt.info.n_layer
+    assert one[0] == two_same[0] == five_same[0] == one_token
     assert cost.t_exp > 0 and cost.t_ar > 0 and rt.kv_end() == 0
 
 

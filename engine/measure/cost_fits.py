@@ -60,8 +60,24 @@ def fit_verify_cost(experts: npt.ArrayLike, tokens: npt.ArrayLike, seconds: npt.
             tt = 0.0
         if te < 0 or tt < 0:
             a, te, tt = float(np.mean(y)), 0.0, 0.0
+    if a < 0:
+        # No step takes less than nothing: counts bunched far from zero (a short start-up measurement's: one
+        # token's experts to a few more) extrapolate to a negative fixed cost and steepen the slopes to make up
+        # for it. Fitted through the origin instead.
+        a = 0.0
+        te, tt = _through_origin(e, s, y)
     r2, mape = _quality(y, a + te * e + tt * s)
     return Fit(float(a), float(te), float(tt), r2, mape, len(y), r2_ceiling(zip(e, s), y))
+
+
+def _through_origin(e: Floats, s: Floats, y: Floats) -> tuple[float, float]:
+    """Least squares of y on (experts, tokens) without a constant, slopes non-negative (a negative one dropped)."""
+    te, tt = np.linalg.lstsq(np.column_stack([e, s]), y, rcond=None)[0]
+    if te < 0 or tt < 0:
+        alone = e if te >= tt else s  # the slope that stood
+        slope = float(alone @ y / (alone @ alone)) if alone @ alone > 0 else 0.0
+        te, tt = (max(slope, 0.0), 0.0) if alone is e else (0.0, max(slope, 0.0))
+    return float(te), float(tt)
 
 
 def r2_ceiling(counts: Iterable[Iterable[float]], seconds: npt.ArrayLike) -> float | None:

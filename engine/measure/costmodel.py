@@ -40,11 +40,18 @@ class Stopped(Exception):
     """should_stop() asked a measurement to stop; the runtime's KV cache is left empty."""
 
 
-def _prepare(rt: LlamaRuntime, seed: int, context: int, cap: int) -> tuple[np.random.Generator, int]:
+def _prepare(
+    rt: LlamaRuntime, seed: int, context: int, cap: int, repeated: bool = False
+) -> tuple[np.random.Generator, int]:
+    """A context of `context` random tokens prefilled; repeated: one random token repeated, whose positions all
+    route alike (identical tokens attend to identical values), so that its prefill reads one token's experts
+    rather than, under a budget, most of the model's from storage."""
     rng = np.random.default_rng(seed)
     rt.kv_clear()
     context = max(1, min(context, rt.n_ctx - cap - 4))
-    prefix = rng.integers(0, rt.n_vocab, size=context).tolist()
+    prefix = (
+        [int(rng.integers(rt.n_vocab))] * context if repeated else rng.integers(0, rt.n_vocab, size=context).tolist()
+    )
     if rt.hook is not None:
         rt.hook.off()
     rt.prefill(prefix)
@@ -106,12 +113,19 @@ def batch_sizes(cap: int) -> list[int]:
 
 
 def iter_time_steps(
-    rt: LlamaRuntime, k_draft: int, n: int, *, seed: int = 0, context: int = 32, warm: int = 2
+    rt: LlamaRuntime,
+    k_draft: int,
+    n: int,
+    *,
+    seed: int = 0,
+    context: int = 32,
+    warm: int = 2,
+    repeated_context: bool = False,
 ) -> Measurement[tuple[list[float], list[float]]]:
     """Generator: yields (done, n) after each pair of steps; returns (plain seconds, draft seconds) of n
     plain steps and n draft steps (k_draft experts), after `warm` untimed pairs (the first builds the graphs).
     Leaves the KV cache empty."""
-    rng, base = _prepare(rt, seed, context, 2)
+    rng, base = _prepare(rt, seed, context, 2, repeated_context)
     try:
         for _ in range(warm):
             _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)
@@ -136,11 +150,12 @@ def iter_resident_draft_steps(
     seed: int = 0,
     context: int = 32,
     warm: int = 2,
+    repeated_context: bool = False,
 ) -> Measurement[list[float]]:
     """Generator like iter_time_steps: returns the seconds of n draft steps (k_draft experts) that read only
     the experts allowed() returns, asked before each step (under a budget: those in memory, so that no step
     fetches). Leaves the KV cache empty."""
-    rng, base = _prepare(rt, seed, context, 2)
+    rng, base = _prepare(rt, seed, context, 2, repeated_context)
     try:
         for _ in range(warm):
             _step(rt, base, [int(rng.integers(rt.n_vocab))], "draft", k_draft, allowed=allowed())
@@ -164,6 +179,7 @@ def iter_verify_samples(
     variants: Sequence[str] = VARIANTS,
     shapes: Sequence[tuple[int, str]] | None = None,
     warm: int = 2,
+    repeated_context: bool = False,
     counter: NativePrefetch | None = None,
 ) -> Measurement[list[Sample]]:
     """Generator: yields (done, total) per batch configuration; returns [(distinct experts over layers,
@@ -176,7 +192,7 @@ def iter_verify_samples(
     of its distinct experts that were not in memory (misses) and the storage page faults the batch took
     (a diagnostic known only afterwards), and every run is returned on its own (the misses of repeats
     differ) instead of the median per configuration."""
-    rng, base = _prepare(rt, seed, context, cap)
+    rng, base = _prepare(rt, seed, context, cap, repeated_context)
     if shapes is None:
         shapes = [(s, v) for s in (sizes or batch_sizes(cap)) for v in variants]
     largest = max(s for s, _ in shapes)
@@ -297,7 +313,11 @@ def iter_cost_constants(
         plan = sample_plan(_first_plain_step(rt, k_draft, seed, context), cap, seconds, repeats)
     verify_share = 0.6 if draft_allowed is None else 0.4
     ar, draft = yield from _share(
-        iter_time_steps(rt, k_draft, plan.steps, seed=seed, context=context, warm=plan.warm), 0.0, 0.4
+        iter_time_steps(
+            rt, k_draft, plan.steps, seed=seed, context=context, warm=plan.warm, repeated_context=plan.repeated_context
+        ),
+        0.0,
+        0.4,
     )
     if draft_allowed is not None:
         resident = float(
@@ -305,7 +325,14 @@ def iter_cost_constants(
                 (
                     yield from _share(
                         iter_resident_draft_steps(
-                            rt, k_draft, plan.steps, draft_allowed, seed=seed, context=context, warm=plan.warm
+                            rt,
+                            k_draft,
+                            plan.steps,
+                            draft_allowed,
+                            seed=seed,
+                            context=context,
+                            warm=plan.warm,
+                            repeated_context=plan.repeated_context,
                         ),
                         0.4,
                         0.2,
@@ -317,7 +344,14 @@ def iter_cost_constants(
         resident = float(np.median(draft))
     samples = yield from _share(
         iter_verify_samples(
-            rt, cap, seed=seed + 1, repeats=plan.repeats, context=context, shapes=plan.shapes, warm=plan.warm
+            rt,
+            cap,
+            seed=seed + 1,
+            repeats=plan.repeats,
+            context=context,
+            shapes=plan.shapes,
+            warm=plan.warm,
+            repeated_context=plan.repeated_context,
         ),
         1.0 - verify_share,
         verify_share,
@@ -341,12 +375,14 @@ def iter_cost_constants(
 @dataclass(frozen=True)
 class SamplePlan:
     """What a start-up measurement times: `steps` plain, draft and resident draft steps each, `repeats`
-    rounds of the verification batches `shapes` ((tokens, variant)), after `warm` untimed rounds of each."""
+    rounds of the verification batches `shapes` ((tokens, variant)), after `warm` untimed rounds of each, each
+    part after a context of random tokens or of one token repeated (_prepare)."""
 
     repeats: int
     steps: int
     warm: int
     shapes: tuple[tuple[int, str], ...]
+    repeated_context: bool = False
 
     @classmethod
     def full(cls, cap: int, repeats: int = 3) -> SamplePlan:
@@ -357,8 +393,8 @@ class SamplePlan:
         """For a step that reads gigabytes from storage: no random batch of many tokens (its union is most of
         the model's experts, read from storage), yet the counts still vary apart — experts with the tokens
         fixed (one random token against two), tokens with the experts fixed (one token repeated twice and
-        cap + 1 times)."""
-        return cls(1, 2, 1, ((1, "random"), (2, "random"), (2, "repeat"), (cap + 1, "repeat")))
+        cap + 1 times); and each part's context one token repeated (a random one would read most of them too)."""
+        return cls(1, 2, 1, ((1, "random"), (2, "random"), (2, "repeat"), (cap + 1, "repeat")), True)
 
 
 def sample_plan(step_s: float, cap: int, seconds: float, repeats: int = 3) -> SamplePlan:
@@ -373,8 +409,8 @@ def sample_plan(step_s: float, cap: int, seconds: float, repeats: int = 3) -> Sa
 
 def _first_plain_step(rt: LlamaRuntime, k_draft: int, seed: int, context: int) -> float:
     """The seconds of one plain step after the measurement's context (the second of two: the first builds
-    the graph)."""
-    rng, base = _prepare(rt, seed + 7, context, 2)
+    the graph); the context one token repeated, as the step may be one that reads gigabytes."""
+    rng, base = _prepare(rt, seed + 7, context, 2, repeated=True)
     try:
         _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)
         return _step(rt, base, [int(rng.integers(rt.n_vocab))], "verify", k_draft)[0]
