@@ -64,20 +64,9 @@ def fit_verify_cost(experts: npt.ArrayLike, tokens: npt.ArrayLike, seconds: npt.
         # No step takes less than nothing: counts bunched far from zero (a short start-up measurement's: one
         # token's experts to a few more) extrapolate to a negative fixed cost and steepen the slopes to make up
         # for it. Fitted through the origin instead.
-        a = 0.0
-        te, tt = _through_origin(e, s, y)
+        a, te, tt = (float(c) for c in _nonneg_lstsq([e, s], y, intercept=False))
     r2, mape = _quality(y, a + te * e + tt * s)
     return Fit(float(a), float(te), float(tt), r2, mape, len(y), r2_ceiling(zip(e, s), y))
-
-
-def _through_origin(e: Floats, s: Floats, y: Floats) -> tuple[float, float]:
-    """Least squares of y on (experts, tokens) without a constant, slopes non-negative (a negative one dropped)."""
-    te, tt = np.linalg.lstsq(np.column_stack([e, s]), y, rcond=None)[0]
-    if te < 0 or tt < 0:
-        alone = e if te >= tt else s  # the slope that stood
-        slope = float(alone @ y / (alone @ alone)) if alone @ alone > 0 else 0.0
-        te, tt = (max(slope, 0.0), 0.0) if alone is e else (0.0, max(slope, 0.0))
-    return float(te), float(tt)
 
 
 def r2_ceiling(counts: Iterable[Iterable[float]], seconds: npt.ArrayLike) -> float | None:
@@ -126,21 +115,25 @@ class MissFit:
         return seconds
 
 
-def _nonneg_lstsq(cols: list[Floats], y: Floats) -> Floats:
+def _nonneg_lstsq(cols: list[Floats], y: Floats, intercept: bool = True) -> Floats:
     """Least squares of y on (1, cols...) with non-negative slopes: a column whose slope comes out negative
-    (noise or collinearity) is dropped and the rest refitted. Returns [intercept, slopes...]."""
+    (noise or collinearity) is dropped and the rest refitted. Returns [intercept, slopes...]; without
+    `intercept`, fitted through the origin and the intercept returned as 0."""
     active = list(range(len(cols)))
+    first = 1 if intercept else 0  # where the slopes start among the coefficients
     while True:
-        X = np.column_stack([np.ones_like(y)] + [cols[i] for i in active])
-        coef = np.linalg.lstsq(X, y, rcond=None)[0]
-        neg = [active[j] for j, c in enumerate(coef[1:]) if c < 0]
-        if not neg:
-            out = np.zeros(len(cols) + 1)
-            out[0] = coef[0]
-            for j, i in enumerate(active):
-                out[i + 1] = coef[j + 1]
+        out = np.zeros(len(cols) + 1)
+        if not active and not intercept:
             return out
-        worst = min(neg, key=lambda i: coef[1 + active.index(i)])
+        X = np.column_stack(([np.ones_like(y)] if intercept else []) + [cols[i] for i in active])
+        coef = np.linalg.lstsq(X, y, rcond=None)[0]
+        neg = [active[j] for j, c in enumerate(coef[first:]) if c < 0]
+        if not neg:
+            out[0] = coef[0] if intercept else 0.0
+            for j, i in enumerate(active):
+                out[i + 1] = coef[j + first]
+            return out
+        worst = min(neg, key=lambda i: coef[first + active.index(i)])
         active.remove(worst)
 
 

@@ -312,30 +312,14 @@ def iter_cost_constants(
     if seconds is not None:
         plan = sample_plan(_first_plain_step(rt, k_draft, seed, context), cap, seconds, repeats)
     verify_share = 0.6 if draft_allowed is None else 0.4
-    ar, draft = yield from _share(
-        iter_time_steps(
-            rt, k_draft, plan.steps, seed=seed, context=context, warm=plan.warm, repeated_context=plan.repeated_context
-        ),
-        0.0,
-        0.4,
-    )
+    each: dict[str, Any] = {"context": context, "warm": plan.warm, "repeated_context": plan.repeated_context}
+    ar, draft = yield from _share(iter_time_steps(rt, k_draft, plan.steps, seed=seed, **each), 0.0, 0.4)
     if draft_allowed is not None:
         resident = float(
             np.median(
                 (
                     yield from _share(
-                        iter_resident_draft_steps(
-                            rt,
-                            k_draft,
-                            plan.steps,
-                            draft_allowed,
-                            seed=seed,
-                            context=context,
-                            warm=plan.warm,
-                            repeated_context=plan.repeated_context,
-                        ),
-                        0.4,
-                        0.2,
+                        iter_resident_draft_steps(rt, k_draft, plan.steps, draft_allowed, seed=seed, **each), 0.4, 0.2
                     )
                 )
             )
@@ -343,16 +327,7 @@ def iter_cost_constants(
     else:
         resident = float(np.median(draft))
     samples = yield from _share(
-        iter_verify_samples(
-            rt,
-            cap,
-            seed=seed + 1,
-            repeats=plan.repeats,
-            context=context,
-            shapes=plan.shapes,
-            warm=plan.warm,
-            repeated_context=plan.repeated_context,
-        ),
+        iter_verify_samples(rt, cap, seed=seed + 1, repeats=plan.repeats, shapes=plan.shapes, **each),
         1.0 - verify_share,
         verify_share,
     )
