@@ -17,6 +17,7 @@ from s2moe.engine.measure.quality_checks import CheckFigures
 from s2moe.engine.measure.tune import TuneDone, TuneJointQuality, TuneMeasured, TuneProgress, TuneQuality, TuneStarted
 from s2moe.engine.measure.tune import run_tune as REAL_RUN_TUNE
 from s2moe.engine.measure.tune_space import Settings
+from s2moe.engine.offload import Budget
 from test_app_support import FakeDecoder
 
 FP = "0123456789abcdef"  # the fake model's fingerprint
@@ -183,6 +184,29 @@ def test_an_error_mid_step_marks_that_step_failed(monkeypatch, tmp_path):
             assert "RuntimeError" not in text and screen.result is None
 
     asyncio.run(go())
+
+
+def test_an_app_under_a_budget_calibrates_for_that_budget(monkeypatch, tmp_path):
+    calls = []
+
+    def recording(model_path, **kw):
+        calls.append(kw)
+        yield from scripted_calibration()(model_path, **kw)
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setattr("s2moe.engine.measure.calibrate.run_calibration", recording)
+    app = S2MoEApp("fake-moe.gguf", budget="768M", load_on_start=False, decoder_factory=FakeDecoder)
+
+    async def go():
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("f3")
+            screen = app.screen
+            assert screen.query_one("#cal-budget").value == "768M"
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: screen.result is not None and not screen.running, "calibration")
+
+    asyncio.run(go())
+    assert [kw["budget"] for kw in calls] == [Budget(768 << 20)]
 
 
 def test_cli_calibrate_marks_failed_steps_and_doubtful_fits(monkeypatch, tmp_path, capsys):

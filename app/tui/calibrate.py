@@ -17,9 +17,9 @@ from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static
 
 from ...engine.decoding.gpu import Placement
 from ...engine.errors import S2MoEError
-from ...engine.measure import calibrate as engine_calibrate
 from ...engine.measure import tune as engine_tune
 from ...engine.measure.calibration_events import CalibrationDone, StepProgress, StepResult, StepStarted
+from ...engine.measure.calibration_process import run_calibration_beside_budget
 from ...engine.measure.tune import (
     TuneDone,
     TuneJointQuality,
@@ -118,6 +118,9 @@ class CalibrateScreen(Screen):
 
     def on_mount(self) -> None:
         self.app.register_view(self)
+        if self.app.session.budget is not None:
+            # an app run under a budget is calibrated for that budget unless the user says otherwise
+            self.query_one("#cal-budget", Input).value = self.app.session.budget
         self.update_state()
 
     def adapt_to_model(self) -> None:
@@ -267,12 +270,13 @@ class CalibrateScreen(Screen):
     @work(thread=True, group="engine", exit_on_error=False)
     def calibrate(self, model_path: str, budget, name) -> None:
         session = self.app.session
-        run_calibration = engine_calibrate.run_calibration
         run_engine_job(
             self,
             session,
             "calibrate",
-            lambda: run_calibration(
+            # an app started under a budget runs inside its cgroup: the calibration runs beside it, as
+            # `s2moe calibrate` would, its resident steps without the budget
+            lambda: run_calibration_beside_budget(
                 model_path,
                 budget=budget,
                 name=name,

@@ -22,6 +22,7 @@ propagates after the same clean-up. In both cases no profile file is created or 
 This module runs the steps in order and builds the profile (step 7); the events are in calibration_events,
 steps 1 to 4 and 6 in calibration_steps, step 5 in calibration_budget, the measurements they take in
 calibration_measures, and the timings under a budget in calibration_worker (a process of their own).
+calibration_process runs the whole generator in a process of its own, for a caller inside a budget's cgroup.
 """
 
 from __future__ import annotations

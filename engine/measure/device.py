@@ -271,8 +271,6 @@ class TegraStats:
         return self._latest
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=2)
-        except Exception:  # noqa: BLE001 - it is ours to end: kill what does not stop
-            self.proc.kill()
+        from ..offload.libc import end_process
+
+        end_process(self.proc, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -221,20 +222,18 @@ class MemoryCgroup:
         return 0
 
     def popen(self, argv: Sequence[str], budget: str, **kw: Any) -> subprocess.Popen[Any]:  # text or bytes: kw
-        """Start argv inside this cgroup (the shell joins it, then execs argv: all its memory counts).
-        `budget` ("auto" or bytes) tells the process what it was started with (current_budget).
-        The process dies with the thread that calls this (libc.dies_with_parent), which must therefore wait
-        for it, as run_in_budget does."""
+        """Start argv inside this cgroup (all its memory counts there). `budget` ("auto" or bytes) tells the
+        process what it was started with (current_budget). The process dies with the thread that calls this
+        (libc.dies_with_parent), which must therefore wait for it, as run_in_budget does."""
         env = dict(kw.pop("env", None) or os.environ)
         env[ENV_CGROUP] = str(self.path)
         env[ENV_BUDGET] = budget
-        script = 'echo $$ > "$0" && exec "$@"'
-        return subprocess.Popen(
-            ["/bin/sh", "-c", script, str(self.procs_file), *argv],
-            env=env,
-            preexec_fn=dies_with_parent(os.getpid()),
-            **kw,
-        )
+        return popen_in_cgroup(self.procs_file, argv, env=env, **kw)
+
+    @property
+    def made_in(self) -> MemoryCgroup:
+        """The cgroup this one was made in: the creating process's own (create makes a child of it)."""
+        return MemoryCgroup(self.version, self.path.parent)
 
     def remove(self) -> None:
         for _ in range(50):
@@ -245,6 +244,20 @@ class MemoryCgroup:
                 return
             except OSError:
                 time.sleep(0.02)  # the last process may still be exiting
+
+
+def popen_in_cgroup(
+    procs_file: Path, argv: Sequence[str], *, death_signal: int = signal.SIGKILL, **kw: Any
+) -> subprocess.Popen[Any]:
+    """Start argv in the cgroup of `procs_file`: a shell joins it, then execs argv, so that all of argv's
+    memory counts there. The process gets `death_signal` when the thread that calls this dies
+    (libc.dies_with_parent)."""
+    script = 'echo $$ > "$0" && exec "$@"'
+    return subprocess.Popen(
+        ["/bin/sh", "-c", script, str(procs_file), *argv],
+        preexec_fn=dies_with_parent(os.getpid(), death_signal),
+        **kw,
+    )
 
 
 def _remove_stale(parent: Path) -> None:

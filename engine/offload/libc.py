@@ -1,5 +1,5 @@
 """ctypes bindings to the libc calls offloading steers the page cache with (mmap, mlock, madvise, mincore), and
-to prctl, with which a budget's worker dies with the process that started it."""
+to prctl, with which a budget's worker dies with the process that started it; and ending a child that runs on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import subprocess
 from collections.abc import Callable
+from typing import Any
 
 PROT_READ, MAP_SHARED = 0x1, 0x01
 MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 3, 4
@@ -51,21 +53,35 @@ def libc() -> _Libc:
     return _libc
 
 
-def dies_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A preexec_fn for a child of `parent_pid` (this process, recorded before the fork): the kernel kills the
-    child when the thread that started it dies, however it dies (a SIGKILL leaves the parent no clean-up of
-    its own), and a child whose parent died before it could ask that kills itself at once. SIGKILL, not a
-    signal the child could catch: a worker busy in llama.cpp would not see another for as long as a prefill
-    runs, and a worker that outlives its parent decodes on for no one, holding its budget's cgroup.
+def dies_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> Callable[[], None]:
+    """A preexec_fn for a child of `parent_pid` (this process, recorded before the fork): the kernel sends the
+    child `signum` when the thread that started it dies, however it dies (a SIGKILL leaves the parent no
+    clean-up of its own), and a child whose parent died before it could ask that gets it at once. SIGKILL by
+    default, not a signal the child could catch: a worker busy in llama.cpp would not see another for as long
+    as a prefill runs, and a worker that outlives its parent decodes on for no one, holding its budget's
+    cgroup. SIGTERM for a child with clean-up of its own to do (a budget cgroup of its own to remove).
     libc is loaded here, before the fork: the child must not dlopen between fork and exec."""
     prctl = libc().lib.prctl
 
     def in_child() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
         if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signum)
 
     return in_child
+
+
+def end_process(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """End a child still running: SIGTERM, so that it can clean up after itself, then SIGKILL where it has
+    not ended within grace_s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def drop_file_cache(path: str | os.PathLike[str]) -> None:

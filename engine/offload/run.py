@@ -33,7 +33,7 @@ from .budget import (
 )
 from .cgroup import MemoryCgroup
 from .experts import expert_map, rank_counts, select_hot_experts
-from .libc import drop_file_cache
+from .libc import drop_file_cache, end_process
 from .mapping import ModelMapping
 from .offloader import Offloader
 from .procfs import process_anon_bytes, read_ahead_bytes
@@ -88,13 +88,8 @@ def run_in_budget(
             proc = cg.popen(argv, str(budget), **popen_kw)
             yield BudgetRun(proc, cg, budget)
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            end_process(proc, 5)
         cg.remove()
 
 
