@@ -136,12 +136,20 @@ static int part_pages(const s2_prefetch *p, int layer, int e, int j, size_t *sta
 // ranges only: the cost follows the experts asked about, not the size of the model file.
 // A part's first page is asked about first: under a budget most experts are out of memory, and the kernel's
 // cost follows the pages asked about (a whole 1.7 MB expert took ~10 µs, its first page alone ~1 µs).
+// Asked through llama.cpp's mapping where the expert cache knows it: a page its matmuls read stays mapped there,
+// and mincore answers from the page table. Through ours, which reads nothing, the kernel looks each page up in
+// the page cache: for a step whose experts are mostly in memory, a large share of the step (docs/offloading.md).
+static uint8_t *cache_address(const s2_cache *c, size_t a, size_t n);
+
 static int expert_resident(s2_prefetch *p, int layer, int e) {
+    const s2_cache *c = p->cache;
     for (int j = 0; j < p->n_parts; ++j) {
         size_t a, n;
         if (!part_pages(p, layer, e, j, &a, &n)) continue;
-        if (mincore(p->base + a, p->page, p->vec) != 0 || !(p->vec[0] & 1)) return 0;
-        if (mincore(p->base + a, n, p->vec) != 0) return 0;
+        uint8_t *at = cache_address(c, a, n);
+        if (!at) at = p->base + a;
+        if (mincore(at, p->page, p->vec) != 0 || !(p->vec[0] & 1)) return 0;
+        if (mincore(at, n, p->vec) != 0) return 0;
         for (size_t i = 0; i < (n + p->page - 1) / p->page; ++i)
             if (!(p->vec[i] & 1)) return 0;
     }
@@ -239,12 +247,15 @@ static int advise_layer(s2_prefetch *p, int layer, const int32_t *ids, int n, in
     // expert's part for the second: a matmul runs its experts in id order, so it starts on the first while
     // the reads of the rest are still in flight (else, expert by expert). Parts of no matmul come first; a
     // staged layer's experts get their first matmul's part from ask_part, the others' once it ran.
+    // An expert found wholly in memory (mark 1 where residency was looked at) is not asked for: WILLNEED would
+    // look every page of its range up in the page cache all the same, for nothing.
+    const int looked = count || cached;
     int stage_of[p->n_parts];
     for (int j = 0; j < p->n_parts; ++j) stage_of[j] = part_stage(p, j);
     if (staged != READ_WHOLE) ask_part(p, layer, staged == READ_BY_PART ? p->stage_part[0] : -1);
     for (int s = -1; advise && s < 3; ++s) {
         for (int e = 0; e < p->n_expert; ++e) {
-            if (!p->mark[e]) continue;
+            if (!p->mark[e] || (looked && p->mark[e] == 1)) continue;
             for (int j = 0; j < p->n_parts; ++j) {
                 if (stage_of[j] != s || (staged != READ_WHOLE && p->staged[e] && (s >= 0 || staged == READ_STREAMED)))
                     continue;
@@ -300,6 +311,11 @@ struct s2_cache {
                                            // that were not in memory when routed
     int64_t n_behind;       // experts entered at the least recent end (read by a verification's drafts only)
 };
+
+// Where llama.cpp's mapping has file range a..a+n; NULL without a cache, or where it does not cover the range.
+static uint8_t *cache_address(const s2_cache *c, size_t a, size_t n) {
+    return c && c->base && a >= c->lo && a + n <= c->hi ? c->base + a : NULL;
+}
 
 static void cache_unlink(s2_cache *c, int32_t i) {
     if (c->prev[i] >= 0) c->next[c->prev[i]] = c->next[i]; else c->head = c->next[i];
