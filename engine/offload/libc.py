@@ -56,7 +56,7 @@ def libc() -> _Libc:
 def dies_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> Callable[[], None]:
     """A preexec_fn for a child of `parent_pid` (this process, recorded before the fork): the kernel sends the
     child `signum` when the thread that started it dies, however it dies (a SIGKILL leaves the parent no
-    clean-up of its own), and a child whose parent died before it could ask that ends at once. SIGKILL by
+    clean-up of its own), and a child whose parent died before it could ask that is killed at once. SIGKILL by
     default, not a signal the child could catch: a worker busy in llama.cpp would not see another for as long
     as a prefill runs, and a worker that outlives its parent decodes on for no one, holding its budget's
     cgroup. SIGTERM for a child with clean-up of its own to do (a budget cgroup of its own to remove).
@@ -66,9 +66,9 @@ def dies_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> Callable[
     def in_child() -> None:
         prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
         if os.getppid() != parent_pid:
-            # not a signal to itself: a forked child keeps the parent's Python handlers until it execs, and
-            # one of SIGTERM's would only note it
-            os._exit(128 + signum)
+            # SIGKILL whatever signum is: a forked child keeps the parent's Python handlers until it execs, and
+            # one of SIGTERM's would only note it; before its exec it has nothing of its own to clean up
+            os.kill(os.getpid(), signal.SIGKILL)
 
     return in_child
 
